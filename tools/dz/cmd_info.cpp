@@ -1,0 +1,115 @@
+// dz info: what a model directory holds and whether it is valid. Works for
+// any architecture (it does not need the family to be served).
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+
+#include "commands.h"
+#include "common/error.h"
+#include "loader/config.h"
+#include "loader/safetensors.h"
+#include "model/family.h"
+#include "runtime/device.h"
+
+namespace dz::cli {
+
+namespace {
+std::string human_bytes(double b) {
+  const char* u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int i = 0;
+  while (b >= 1024 && i < 4) b /= 1024, ++i;
+  char s[32];
+  std::snprintf(s, sizeof s, i ? "%.2f %s" : "%.0f %s", b, u[i]);
+  return s;
+}
+std::string human_count(double n) {
+  char s[32];
+  if (n >= 1e9) std::snprintf(s, sizeof s, "%.2fB", n / 1e9);
+  else if (n >= 1e6) std::snprintf(s, sizeof s, "%.2fM", n / 1e6);
+  else if (n >= 1e3) std::snprintf(s, sizeof s, "%.1fK", n / 1e3);
+  else std::snprintf(s, sizeof s, "%.0f", n);
+  return s;
+}
+// MXFP4 blocks pack two elements per byte.
+bool is_fp4_blocks(const std::string& name) { return name.size() > 7 && name.rfind("_blocks") == name.size() - 7; }
+}  // namespace
+
+int cmd_info(const Args& a) {
+  if (has_flag(a, "--help") || has_flag(a, "-h")) {
+    std::printf(
+        "usage: dz info --model DIR [--tensors]\n\n"
+        "Validates every shard of a Hugging Face model directory (header, dtypes,\n"
+        "shapes, offsets, index) and prints its architecture, layer types,\n"
+        "parameter count, bytes by dtype and shard count.\n\n"
+        "  --model DIR   model directory (config.json + *.safetensors)\n"
+        "  --tensors     also list every tensor\n");
+    return 0;
+  }
+  reject_unknown(a, {"--model", "--tensors", "--help"}, "info");
+  const std::string dir = flag_value(a, "--model");
+  if (dir.empty()) {
+    std::fprintf(stderr, "dz info: --model DIR is required (see dz info --help)\n");
+    return 2;
+  }
+  try {
+    const auto t0 = std::chrono::steady_clock::now();
+    Config cfg = Config::load(dir);
+    WeightStore ws(dir, [](size_t done, size_t total) {
+      std::fprintf(stderr, "\rvalidating shards %zu/%zu", done, total);
+      if (done == total) std::fprintf(stderr, "\n");
+    });
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const std::string arch = cfg.get_or<std::string>("model_type", "?");
+    std::printf("model:        %s\n", dir.c_str());
+    std::printf("architecture: %s (%s by this build)\n", arch.c_str(),
+                find_family(arch) ? "served" : "not served");
+    const auto& j = cfg.json();
+    auto show = [&](const char* label, const char* key) {
+      if (j.contains(key) && !j[key].is_null()) std::printf("%-14s%s\n", label, j[key].dump().c_str());
+    };
+    show("layers:", "num_hidden_layers");
+    show("hidden:", "hidden_size");
+    show("heads:", "num_attention_heads");
+    show("kv heads:", "num_key_value_heads");
+    show("vocab:", "vocab_size");
+    show("experts:", j.contains("num_local_experts") ? "num_local_experts" : "n_routed_experts");
+    show("active:", j.contains("num_experts_per_tok") ? "num_experts_per_tok" : "experts_per_token");
+    show("context:", "max_position_embeddings");
+    if (j.contains("layer_types") && j["layer_types"].is_array()) {
+      std::map<std::string, int> counts;
+      for (const auto& t : j["layer_types"]) counts[t.is_string() ? t.get<std::string>() : t.dump()]++;
+      std::printf("layer types: ");
+      for (const auto& [t, n] : counts) std::printf(" %s x%d", t.c_str(), n);
+      std::printf("\n");
+    }
+    if (j.contains("quantization_config") && j["quantization_config"].is_object())
+      std::printf("quantization: %s\n", j["quantization_config"].value("quant_method", std::string("?")).c_str());
+    std::map<std::string, std::pair<uint64_t, uint64_t>> by_dtype;  // bytes, params
+    uint64_t params = 0;
+    for (const auto& [name, t] : ws.all()) {
+      const uint64_t n = uint64_t(t->numel()) * (is_fp4_blocks(name) ? 2 : 1);
+      params += n;
+      const std::string key = is_fp4_blocks(name) ? "MXFP4 (U8 blocks)" : dtype_name(t->dtype);
+      by_dtype[key].first += t->nbytes;
+      by_dtype[key].second += n;
+    }
+    std::printf("parameters:   %s (%llu)\n", human_count(double(params)).c_str(), (unsigned long long)params);
+    std::printf("tensors:      %zu in %zu shard%s, %s\n", ws.all().size(), ws.n_shards(), ws.n_shards() == 1 ? "" : "s",
+                human_bytes(double(ws.total_bytes())).c_str());
+    for (const auto& [dt, v] : by_dtype)
+      std::printf("  %-20s %12s  %s params\n", dt.c_str(), human_bytes(double(v.first)).c_str(),
+                  human_count(double(v.second)).c_str());
+    if (has_flag(a, "--tensors"))
+      for (const auto& [name, t] : ws.all()) std::printf("  %s\n", t->describe().c_str());
+    std::printf("devices:      %s\n", runtime_devices_summary().c_str());
+    std::printf("validation:   OK (%.3f s)\n", secs);
+    return 0;
+  } catch (const Error& e) {
+    std::printf("validation:   FAILED\n");
+    std::fprintf(stderr, "dz info: %s: %s\n", dz_status_name(e.status()), e.what());
+    return 1;
+  }
+}
+
+}  // namespace dz::cli

@@ -1,0 +1,21 @@
+// Subcommands of the `dz` tool. Each lives in its own file and returns the
+// process exit code.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace dz::cli {
+
+using Args = std::vector<std::string>;
+
+int cmd_info(const Args& args);
+
+// Small argument helpers shared by the subcommands.
+bool has_flag(const Args& a, const std::string& flag);
+// Value after `flag` (or `flag=value`); fallback when absent.
+std::string flag_value(const Args& a, const std::string& flag, const std::string& fallback = "");
+// Exits with a message when a flag is not in `known` (typos fail loudly).
+void reject_unknown(const Args& a, const std::vector<std::string>& known, const char* cmd);
+
+}  // namespace dz::cli
