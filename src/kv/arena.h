@@ -1,0 +1,146 @@
+// The paged KV arena: fixed-size pages holding, per layer, whatever a model
+// caches per token; per-sequence page tables; prefix sharing by hash chain;
+// copy-on-write forks; LRU eviction of unreferenced cached pages; fixed-size
+// recurrent-state slots for linear-attention layers. No fragmentation by
+// construction: every allocation is one page.
+//
+// Page layout: [layer][slot in page][layer_token_bytes[layer]] so one layer's
+// tokens of a page are contiguous.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <vector>
+
+#include "dayzero.h"
+
+namespace dz::kv {
+
+using PageId = uint32_t;
+constexpr PageId kNoPage = UINT32_MAX;
+
+// What a model caches, chosen by its family.
+struct Layout {
+  uint32_t page_tokens = 64;
+  std::vector<size_t> layer_token_bytes;  // per layer; 0 for layers caching nothing per token (KDA)
+  size_t state_slot_bytes = 0;            // recurrent state per sequence (all linear layers), 0 = none
+  uint64_t model_key = 0;                 // salts prefix hashes (model identity + cache format)
+};
+
+// Backing memory of the pages and state slots: host memory for the CPU
+// backend, device memory for CUDA.
+class Storage {
+ public:
+  virtual ~Storage() = default;
+  virtual uint8_t* data() = 0;  // host or device address of byte 0
+  virtual size_t size() const = 0;
+  virtual void copy(size_t dst_off, size_t src_off, size_t bytes) = 0;  // within this storage
+  virtual bool on_device() const = 0;
+};
+std::unique_ptr<Storage> make_host_storage(size_t bytes);  // zero-filled, mimalloc
+
+struct ArenaConfig {
+  uint64_t capacity_pages = 0;  // > 0
+  uint32_t max_state_slots = 64;
+  bool prefix_cache = true;
+};
+
+class Sequence;
+
+class Arena {
+ public:
+  // Storage is created by make_storage(total bytes) once, at construction.
+  Arena(Layout layout, ArenaConfig cfg, std::unique_ptr<Storage> (*make_storage)(size_t) = make_host_storage);
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  const Layout& layout() const { return layout_; }
+  uint32_t page_tokens() const { return layout_.page_tokens; }
+  size_t page_bytes() const { return page_bytes_; }
+  size_t layer_offset(uint32_t layer) const { return layer_offsets_[layer]; }  // within a page
+  // Address of token `slot` (0..page_tokens-1) of `layer` in page p.
+  uint8_t* token_ptr(PageId p, uint32_t layer, uint32_t slot) {
+    return storage_->data() + size_t(p) * page_bytes_ + layer_offsets_[layer] +
+           size_t(slot) * layout_.layer_token_bytes[layer];
+  }
+  uint8_t* page_ptr(PageId p) { return storage_->data() + size_t(p) * page_bytes_; }
+  Storage& storage() { return *storage_; }
+
+  dz_kv_stats stats() const;  // struct_size set
+  // Host bytes of bookkeeping (page metadata, hash index, page tables).
+  uint64_t metadata_bytes() const;
+
+  // Invariant check for tests: throws dz::Error describing the first violation.
+  void check_invariants() const;
+
+ private:
+  friend class Sequence;
+  struct Impl;
+  Layout layout_;
+  size_t page_bytes_ = 0;
+  std::vector<size_t> layer_offsets_;
+  std::unique_ptr<Storage> storage_;
+  std::unique_ptr<Impl> impl_;
+  mutable std::mutex mu_;  // guards impl_ (sequences on different threads share the arena)
+};
+
+// One sequence: its page table, the token ids it holds (for prefix hashing),
+// and its recurrent-state slot. Not thread-safe itself; different Sequences
+// may be used on different threads.
+class Sequence {
+ public:
+  explicit Sequence(Arena& arena);
+  ~Sequence();  // releases its pages and state slot
+  Sequence(const Sequence&) = delete;
+  Sequence& operator=(const Sequence&) = delete;
+
+  Arena& arena() const { return *arena_; }
+  size_t length() const { return tokens_.size(); }  // tokens whose KV is written
+  const std::vector<int32_t>& tokens() const { return tokens_; }
+  const std::vector<PageId>& pages() const { return pages_; }
+  // Page and slot holding position pos (< length() + reserved).
+  PageId page_of(size_t pos) const { return pages_[pos / arena_->page_tokens()]; }
+  uint32_t slot_of(size_t pos) const { return uint32_t(pos % arena_->page_tokens()); }
+
+  // Prefix cache: when length() is page-aligned, adopt cached full pages that
+  // continue this sequence with tokens[0..]. Reuses at most tokens.size()-1
+  // tokens (the last token is always computed, so logits exist). Returns the
+  // number of tokens adopted (a multiple of page_tokens); length() grows by it.
+  size_t adopt_prefix(std::span<const int32_t> tokens);
+  // Make room to write n more tokens: allocate pages (evicting LRU cached
+  // pages if needed) and copy a shared partially-filled last page (copy on
+  // write). All or nothing: on DZ_ERR_KV_FULL the sequence is unchanged.
+  void reserve(size_t n);
+  // The model has written KV for positions [length(), length()+ids.size()):
+  // record them; newly filled pages enter the prefix cache.
+  void commit(std::span<const int32_t> ids);
+  // Drop reserved-but-uncommitted room (after a failed forward).
+  void rollback();
+  // Keep the first n tokens (n <= length()).
+  void truncate(size_t n);
+  // A new sequence sharing this one's pages (copy on write).
+  std::unique_ptr<Sequence> fork() const;
+
+  // Recurrent state (layout.state_slot_bytes > 0): a slot owned by this
+  // sequence, acquired at construction (DZ_ERR_KV_FULL if none free).
+  uint8_t* state_ptr();
+  // Hybrid prefix caching: snapshot the state as of position pos (a page
+  // boundary) so a later adopt_prefix can restore it.
+  void snapshot_state(size_t pos);
+
+  uint64_t tokens_reused() const { return tokens_reused_; }
+
+ private:
+  Arena* arena_;
+  std::vector<PageId> pages_;
+  std::vector<int32_t> tokens_;
+  size_t reserved_ = 0;  // tokens of room beyond length()
+  int32_t state_slot_ = -1;
+  uint64_t tokens_reused_ = 0;
+};
+
+}  // namespace dz::kv
