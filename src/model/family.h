@@ -3,21 +3,48 @@
 // config.json's model_type to its factory.
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "dayzero.h"
 #include "loader/config.h"
+#include "kv/arena.h"
 #include "loader/safetensors.h"
 
 namespace dz {
+
+// One sequence's share of a forward pass (batches are ragged: sequences of
+// different lengths and different numbers of new tokens run together).
+struct ForwardItem {
+  kv::Sequence* seq = nullptr;     // room for tokens.size() more tokens already reserved
+  std::span<const int32_t> tokens; // new tokens, at positions seq->length() ...
+  bool all_logits = false;         // logits for every new token, else the last only
+  float* logits = nullptr;         // [rows x n_vocab], rows = all_logits ? tokens.size() : 1
+};
+
+struct ForwardOptions {
+  dz_abort_fn abort = nullptr;  // polled between layers; throw DZ_ERR_CANCELLED when it says stop
+  void* abort_user = nullptr;
+  uint64_t* attention_tokens_read = nullptr;  // optional counter: KV tokens read by attention ops
+};
 
 class Family {
  public:
   virtual ~Family() = default;
   // Architecture facts for dz_model_get_info (struct_size already checked).
   virtual void fill_info(dz_model_info& info) const = 0;
+  virtual int32_t n_vocab() const = 0;
+  // What the family caches per token per layer, for pages of page_tokens.
+  virtual kv::Layout kv_layout(uint32_t page_tokens) const = 0;
+  // Backing memory for an arena of `bytes` (host for CPU, device for CUDA).
+  virtual std::unique_ptr<kv::Storage> (*kv_storage() const)(size_t) { return kv::make_host_storage; }
+  // Run the model over the batch: write each item's KV into its reserved
+  // page slots and its logits. The caller commits (or rolls back) the
+  // sequences afterwards. Throws dz::Error.
+  virtual void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) = 0;
 };
 
 using FamilyFactory = std::unique_ptr<Family> (*)(const Config& config, const WeightStore& weights,
