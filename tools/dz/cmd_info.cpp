@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <unistd.h>
 
 #include "commands.h"
 #include "common/error.h"
@@ -32,7 +33,12 @@ std::string human_count(double n) {
   return s;
 }
 // MXFP4 blocks pack two elements per byte.
-bool is_fp4_blocks(const std::string& name) { return name.size() > 7 && name.rfind("_blocks") == name.size() - 7; }
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+bool is_fp4_blocks(const std::string& name) { return ends_with(name, "_blocks"); }
+// MXFP4 scales and FP8 block scales are metadata of other tensors, not parameters.
+bool is_scale(const std::string& name) { return ends_with(name, "_scales") || ends_with(name, "weight_scale_inv"); }
 }  // namespace
 
 int cmd_info(const Args& a) {
@@ -55,9 +61,9 @@ int cmd_info(const Args& a) {
   try {
     const auto t0 = std::chrono::steady_clock::now();
     Config cfg = Config::load(dir);
-    WeightStore ws(dir, [](size_t done, size_t total) {
-      std::fprintf(stderr, "\rvalidating shards %zu/%zu", done, total);
-      if (done == total) std::fprintf(stderr, "\n");
+    const bool tty = isatty(fileno(stderr));
+    WeightStore ws(dir, [tty](size_t done, size_t total) {
+      if (tty) std::fprintf(stderr, "\rvalidating shards %zu/%zu%s", done, total, done == total ? "\n" : "");
     });
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const std::string arch = cfg.get_or<std::string>("model_type", "?");
@@ -88,9 +94,11 @@ int cmd_info(const Args& a) {
     std::map<std::string, std::pair<uint64_t, uint64_t>> by_dtype;  // bytes, params
     uint64_t params = 0;
     for (const auto& [name, t] : ws.all()) {
-      const uint64_t n = uint64_t(t->numel()) * (is_fp4_blocks(name) ? 2 : 1);
+      const uint64_t n = is_scale(name) ? 0 : uint64_t(t->numel()) * (is_fp4_blocks(name) ? 2 : 1);
       params += n;
-      const std::string key = is_fp4_blocks(name) ? "MXFP4 (U8 blocks)" : dtype_name(t->dtype);
+      const std::string key = is_fp4_blocks(name) ? "MXFP4 (U8 blocks)"
+                              : is_scale(name)    ? std::string("scales (") + dtype_name(t->dtype) + ")"
+                                                  : std::string(dtype_name(t->dtype));
       by_dtype[key].first += t->nbytes;
       by_dtype[key].second += n;
     }
