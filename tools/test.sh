@@ -5,6 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/bootstrap.sh default
-ctest --preset default -j"$(nproc)"
+ctest --preset default -j"$(nproc)" -LE asan
 bash tools/bootstrap.sh asan
 ctest --preset asan -j"$(nproc)" -L asan
