@@ -10,6 +10,9 @@ namespace dz::cli {
 using Args = std::vector<std::string>;
 
 int cmd_info(const Args& args);
+int cmd_bench(const Args& args);  // dispatches to the bench_* functions below
+
+// Benchmarks (dz bench <name>), one per cmd_bench_<name>.cpp; add a row to kBenches in cmd_bench.cpp.
 
 // Small argument helpers shared by the subcommands.
 bool has_flag(const Args& a, const std::string& flag);

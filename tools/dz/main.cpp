@@ -45,6 +45,7 @@ struct Command {
 };
 const Command kCommands[] = {
     {"info", dz::cli::cmd_info, "describe and validate a model directory"},
+    {"bench", dz::cli::cmd_bench, "benchmarks with JSON results (dz bench --help)"},
 };
 
 void usage(FILE* f) {

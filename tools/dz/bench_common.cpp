@@ -1,0 +1,49 @@
+#include "bench_common.h"
+
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <thread>
+
+#include "dayzero.h"
+#include "runtime/device.h"
+
+#ifndef DZ_GIT_COMMIT
+#define DZ_GIT_COMMIT "unknown"
+#endif
+
+namespace dz::cli {
+
+namespace {
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  return "unknown";
+}
+}  // namespace
+
+nlohmann::json bench_meta() {
+  char date[32];
+  std::time_t t = std::time(nullptr);
+  std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return {{"date", date},
+          {"commit", DZ_GIT_COMMIT},
+          {"dayzero", dz_version()},
+          {"cpu", cpu_model()},
+          {"threads", std::thread::hardware_concurrency()},
+          {"devices", runtime_devices_summary()}};
+}
+
+void bench_emit(const nlohmann::json& j, const std::string& path) {
+  const std::string s = j.dump(2);
+  std::printf("%s\n", s.c_str());
+  if (!path.empty()) {
+    std::ofstream f(path);
+    f << s << "\n";
+    if (!f) std::fprintf(stderr, "dz bench: cannot write %s\n", path.c_str());
+  }
+}
+
+}  // namespace dz::cli

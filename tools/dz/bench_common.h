@@ -1,0 +1,16 @@
+// Shared parts of the `dz bench ...` commands: every result JSON carries when,
+// what (commit) and where (device, CPU) it was measured.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace dz::cli {
+
+// {"date": "YYYY-MM-DDTHH:MM:SSZ", "commit": "...", "dayzero": "0.1.0", "cpu": "...", "threads": N,
+//  "gpu": "... or none"}
+nlohmann::json bench_meta();
+// Write j to path (pretty) when path is non-empty, and always print it to stdout.
+void bench_emit(const nlohmann::json& j, const std::string& path);
+
+}  // namespace dz::cli

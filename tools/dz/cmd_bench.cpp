@@ -1,0 +1,40 @@
+// dz bench <what>: benchmarks with JSON output. Each benchmark family lives in
+// its own cmd_bench_<what>.cpp and adds one row here.
+#include <cstdio>
+#include <cstring>
+
+#include "commands.h"
+
+namespace dz::cli {
+
+namespace {
+struct Bench {
+  const char* name;
+  int (*run)(const Args&);
+  const char* summary;
+};
+const Bench kBenches[] = {
+    {"", nullptr, ""},  // rows: {"kv", bench_kv, "..."},
+};
+void usage(FILE* f) {
+  std::fprintf(f, "usage: dz bench <benchmark> [options] [--out FILE.json]\n\nbenchmarks:\n");
+  for (const auto& b : kBenches)
+    if (b.run) std::fprintf(f, "  %-12s %s\n", b.name, b.summary);
+  std::fprintf(f, "\n'dz bench <benchmark> --help' describes its options. Results are JSON on stdout\n"
+                  "(and in --out) with date, commit and device.\n");
+}
+}  // namespace
+
+int cmd_bench(const Args& a) {
+  if (a.empty() || a[0] == "--help" || a[0] == "-h") {
+    usage(a.empty() ? stderr : stdout);
+    return a.empty() ? 2 : 0;
+  }
+  for (const auto& b : kBenches)
+    if (b.run && a[0] == b.name) return b.run(Args(a.begin() + 1, a.end()));
+  std::fprintf(stderr, "dz bench: unknown benchmark '%s'\n", a[0].c_str());
+  usage(stderr);
+  return 2;
+}
+
+}  // namespace dz::cli
