@@ -45,7 +45,7 @@ TEST_CASE("loader reads a valid file through mmap without copying", "[loader]") 
     const TensorView& v = f.tensors().at(t.name);
     CHECK(v.shape == t.shape);
     CHECK(v.nbytes == t.bytes.size());
-    CHECK(std::memcmp(v.data, t.bytes.data(), t.bytes.size()) == 0);
+    if (!t.bytes.empty()) CHECK(std::memcmp(v.data, t.bytes.data(), t.bytes.size()) == 0);
   }
   CHECK(f.metadata().at("format") == "pt");
   CHECK(f.tensors().at("b.weight").dtype == DType::BF16);
