@@ -15,6 +15,7 @@ struct Bench {
 };
 const Bench kBenches[] = {
     {"", nullptr, ""},  // rows: {"kv", bench_kv, "..."},
+    {"moe", bench_moe, "MXFP4 MoE layer on the GPU (fused W4A16 vs FP8 paths)"},
 };
 void usage(FILE* f) {
   std::fprintf(f, "usage: dz bench <benchmark> [options] [--out FILE.json]\n\nbenchmarks:\n");

@@ -13,6 +13,7 @@ int cmd_info(const Args& args);
 int cmd_bench(const Args& args);  // dispatches to the bench_* functions below
 
 // Benchmarks (dz bench <name>), one per cmd_bench_<name>.cpp; add a row to kBenches in cmd_bench.cpp.
+int bench_moe(const Args& args);
 
 // Small argument helpers shared by the subcommands.
 bool has_flag(const Args& a, const std::string& flag);

@@ -1,0 +1,15 @@
+// Deterministic pseudo-random device fills (counter-based hash of seed and
+// index) for benchmarks and tests: the same seed gives the same bytes anywhere.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace dz::cuda {
+
+void fill_random_u8(uint8_t* p, size_t n, uint64_t seed, int lo, int hi, cudaStream_t s);  // uniform in [lo, hi]
+void fill_random_bf16(uint16_t* p, size_t n, uint64_t seed, float scale, cudaStream_t s);  // ~ N(0, scale^2)
+void fill_random_f32(float* p, size_t n, uint64_t seed, float scale, cudaStream_t s);      // ~ N(0, scale^2)
+
+}  // namespace dz::cuda

@@ -1,0 +1,75 @@
+// The MXFP4 mixture-of-experts layer on the device (gpt-oss experts):
+//   route -> sort token slots by expert -> either
+//   fused path (few tokens per expert): W4A16 tensor-core kernels that read
+//     MXFP4 straight from HBM and decode in registers (no FP8 copy),
+//   FP8 path (many tokens per expert): fold the routed experts into one FP8
+//     workspace (tiles, double-buffered on a second stream) -> per-expert
+//     cuBLASLt FP8 GEMMs with 1x128 scales -> SwiGLU -> down GEMMs,
+//   -> weighted combine.
+// gpt-oss semantics: gate/up rows interleaved (gate = row 2j, up = row 2j+1),
+// gate = min(gate, 7), up = clamp(up, -7, 7), a = (up + 1) * gate * sigmoid(1.702 gate).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "cuda/fp8_gemm.h"
+#include "runtime/cuda/context.h"
+
+namespace dz::cuda {
+
+struct MoeShape {
+  int n_experts = 0, topk = 0;
+  int hidden = 0;        // H: input/output features (multiple of 32 and 16)
+  int intermediate = 0;  // I: SwiGLU width (gate_up has 2I rows)
+};
+
+// One layer's experts on the device, checkpoint layout (MXFP4 blocks/scales,
+// BF16 biases): w1 = gate_up [E][2I][H/32][16], w2 = down [E][H][I/32][16].
+struct MoeWeights {
+  const uint8_t *w1_blocks = nullptr, *w1_scales = nullptr;
+  const uint16_t* b1 = nullptr;  // bf16 [E][2I]
+  const uint8_t *w2_blocks = nullptr, *w2_scales = nullptr;
+  const uint16_t* b2 = nullptr;  // bf16 [E][H]
+};
+
+enum class MoePath { kAuto = 0, kFused = 1, kFp8 = 2 };
+
+struct MoeOptions {
+  // Fused path while tokens * topk / n_experts <= this (measured: dz bench moe).
+  double fused_max_tokens_per_expert = 8.0;
+  int tile_experts = 16;  // experts per FP8 workspace tile (two tiles in flight)
+};
+
+class MoeLayer {
+ public:
+  // Scratch for up to max_tokens tokens per call; one instance serves every
+  // layer of a model (the FP8 workspace is shared).
+  MoeLayer(Context& ctx, const MoeShape& shape, int max_tokens, const MoeOptions& opt = {});
+  ~MoeLayer();
+  MoeLayer(const MoeLayer&) = delete;
+  MoeLayer& operator=(const MoeLayer&) = delete;
+
+  // out[T][H] = sum_k gate_w[t][k] * expert_{ids[t][k]}(x[t]) on ctx.stream().
+  // x [T][H] fp32, ids [T][topk] int32 (each in [0, E)), gate_w [T][topk]
+  // fp32, all on the device. The fused path runs entirely on the device
+  // (capturable in a CUDA graph); the FP8 path reads the per-expert counts
+  // back to the host once.
+  void forward(const MoeWeights& w, const float* x, const int* ids, const float* gate_w, int T, float* out,
+               MoePath path = MoePath::kAuto);
+
+  MoePath choose(int T) const;
+  const MoeShape& shape() const { return shape_; }
+  size_t fp8_workspace_bytes() const;  // the shared FP8 expert workspace (both tiles)
+  size_t scratch_bytes() const;        // everything else this layer reserved
+  // Nonzero when an expert id was out of range in a call since the last check (syncs).
+  int take_error();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> p_;
+  MoeShape shape_;
+};
+
+}  // namespace dz::cuda

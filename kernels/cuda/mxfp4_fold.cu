@@ -1,0 +1,181 @@
+#include <cuda_fp8.h>
+
+#include <algorithm>
+
+#include "cuda/mxfp4_fold.h"
+#include "cuda/ptx.cuh"
+#include "runtime/cuda/cuda_check.h"
+
+namespace dz::cuda {
+
+namespace {
+
+constexpr int kMaxIds = 32;
+
+struct FoldArgs {
+  const uint8_t* blocks;
+  const uint8_t* scales;
+  uint8_t* out;
+  float* out_scales;
+  int rows, nsub, ngroups;
+  int ids[kMaxIds];
+};
+
+// Magnitude bytes of E2M1 codes 0..7 times 2^(6-d) as E4M3 (hardware RNE
+// conversion; the CPU reference builds its table in double precision).
+__device__ __forceinline__ void fold_lut(int d, uint32_t& lo, uint32_t& hi) {
+  const float f = ldexpf(1.f, 6 - d);
+  auto cv = [](float a, float b) -> uint32_t {
+    return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  };
+  lo = cv(0.f, 0.5f * f) | (cv(1.f * f, 1.5f * f) << 16);
+  hi = cv(2.f * f, 3.f * f) | (cv(4.f * f, 6.f * f) << 16);
+}
+
+// 8 nibbles (elements in order) -> 8 E4M3 bytes, sign kept.
+__device__ __forceinline__ uint2 fold_word(uint32_t w, uint32_t lo, uint32_t hi) {
+  const uint32_t m = w & 0x77777777u;
+  const uint32_t sl = ptx::prmt(0x80808080u, 0x80808080u, w);  // 0xFF where the nibble is negative
+  const uint32_t sh = ptx::prmt(0x80808080u, 0x80808080u, w >> 16);
+  uint2 r;
+  r.x = ptx::prmt(lo, hi, m) | ((sl & 0x40404040u) << 1);
+  r.y = ptx::prmt(lo, hi, m >> 16) | ((sh & 0x40404040u) << 1);
+  return r;
+}
+
+struct GroupIn {
+  uint4 w[4];
+  int s[4];
+  bool nz[4];
+  int smax;
+  bool nan;
+};
+
+__device__ __forceinline__ GroupIn load_group(const uint8_t* bl, const uint8_t* sc, int g, int nsub) {
+  GroupIn G;
+  G.smax = -1;
+  G.nan = false;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int sb = g * 4 + j;
+    if (sb < nsub) {
+      G.w[j] = ptx::ldg_nc_v4(bl + sb * 16);
+      G.s[j] = sc[sb];
+      G.nz[j] = ((G.w[j].x | G.w[j].y | G.w[j].z | G.w[j].w) & 0x77777777u) != 0;
+      G.nan |= G.s[j] == 255;
+      if (G.nz[j] && G.s[j] > G.smax) G.smax = G.s[j];
+    } else {
+      G.w[j] = make_uint4(0, 0, 0, 0);
+      G.s[j] = 0;
+      G.nz[j] = false;
+    }
+  }
+  return G;
+}
+
+// One thread per (row, fold group), row fastest: 64 B in, 128 B + 4 B out.
+__global__ void __launch_bounds__(256) fold_kernel(FoldArgs a) {
+  const int slot = blockIdx.y;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= int64_t(a.rows) * a.ngroups) return;
+  const int r = int(idx % a.rows), g = int(idx / a.rows);
+  const int64_t e = a.ids[slot];
+  const int64_t kpad = int64_t(a.ngroups) * 128;
+  const uint8_t* bl = a.blocks + (e * a.rows + r) * int64_t(a.nsub) * 16;
+  const uint8_t* sc = a.scales + (e * a.rows + r) * int64_t(a.nsub);
+  const GroupIn G = load_group(bl, sc, g, a.nsub);
+  const int smax = G.smax < 0 ? 133 : G.smax;
+  a.out_scales[int64_t(slot) * a.rows * a.ngroups + int64_t(g) * a.rows + r] =
+      G.nan ? __int_as_float(0x7fc00000) : ldexpf(1.f, smax - 133);
+  uint4* o = reinterpret_cast<uint4*>(a.out + (int64_t(slot) * a.rows + r) * kpad + int64_t(g) * 128);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int d = min(max(smax - G.s[j], 0), 31);
+    uint32_t lo, hi;
+    fold_lut(d, lo, hi);
+    const uint2 p0 = fold_word(G.w[j].x, lo, hi), p1 = fold_word(G.w[j].y, lo, hi);
+    const uint2 p2 = fold_word(G.w[j].z, lo, hi), p3 = fold_word(G.w[j].w, lo, hi);
+    o[j * 2] = make_uint4(p0.x, p0.y, p1.x, p1.y);
+    o[j * 2 + 1] = make_uint4(p2.x, p2.y, p3.x, p3.y);
+  }
+}
+
+// stats: [groups, lossy, zero, max_spread, nan_scales]
+__global__ void __launch_bounds__(256) fold_check_kernel(const uint8_t* blocks, const uint8_t* scales, int64_t rows,
+                                                         int nsub, int ngroups, unsigned long long* stats) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  unsigned long long lossy = 0, zero = 0, nan = 0, groups = 0;
+  int spread = 0;
+  if (idx < rows * ngroups) {
+    const int64_t r = idx % rows;
+    const int g = int(idx / rows);
+    const GroupIn G = load_group(blocks + r * nsub * 16, scales + r * nsub, g, nsub);
+    groups = 1;
+    if (G.smax < 0) zero = 1;
+    for (int j = 0; j < 4; ++j)
+      if (G.nz[j]) spread = max(spread, G.smax - G.s[j]);
+    lossy = spread > 14;
+    for (int j = 0; j < 4; ++j) nan += (g * 4 + j < nsub) && G.s[j] == 255;
+  }
+  for (int o = 16; o; o >>= 1) {
+    groups += __shfl_xor_sync(~0u, groups, o);
+    lossy += __shfl_xor_sync(~0u, lossy, o);
+    zero += __shfl_xor_sync(~0u, zero, o);
+    nan += __shfl_xor_sync(~0u, nan, o);
+    spread = max(spread, __shfl_xor_sync(~0u, spread, o));
+  }
+  if ((threadIdx.x & 31) == 0 && groups) {
+    atomicAdd(&stats[0], groups);
+    if (lossy) atomicAdd(&stats[1], lossy);
+    if (zero) atomicAdd(&stats[2], zero);
+    atomicMax(&stats[3], (unsigned long long)spread);
+    if (nan) atomicAdd(&stats[4], nan);
+  }
+}
+
+}  // namespace
+
+void mxfp4_fold_experts(const Mxfp4Stack& w, const int* ids, int n, const Fp8Slots& out, cudaStream_t s) {
+  check(w.k % 32 == 0 && w.rows > 0, DZ_ERR_INVALID_ARGUMENT, "mxfp4_fold_experts: bad shape");
+  const int nsub = int(w.k / 32), ngroups = int(cpu::fold_kpad(w.k) / 128);
+  for (int base = 0; base < n; base += kMaxIds) {
+    FoldArgs a{};
+    const int cnt = std::min(kMaxIds, n - base);
+    a.blocks = w.blocks;
+    a.scales = w.scales;
+    a.out = out.fp8 + int64_t(base) * w.rows * ngroups * 128;
+    a.out_scales = out.scales + int64_t(base) * w.rows * ngroups;
+    a.rows = int(w.rows);
+    a.nsub = nsub;
+    a.ngroups = ngroups;
+    for (int i = 0; i < cnt; ++i) a.ids[i] = ids[base + i];
+    const int64_t work = w.rows * ngroups;
+    dim3 grid(unsigned((work + 255) / 256), unsigned(cnt));
+    fold_kernel<<<grid, 256, 0, s>>>(a);
+    DZ_CUDA_LAUNCH_CHECK();
+  }
+}
+
+cpu::FoldStats mxfp4_fold_check_device(const Mxfp4Stack& w, int n_experts, uint64_t* nan_scales, cudaStream_t s) {
+  unsigned long long* d = nullptr;
+  DZ_CUDA_CHECK(cudaMallocAsync(&d, 5 * sizeof(unsigned long long), s));  // load time only
+  DZ_CUDA_CHECK(cudaMemsetAsync(d, 0, 5 * sizeof(unsigned long long), s));
+  const int nsub = int(w.k / 32), ngroups = int(cpu::fold_kpad(w.k) / 128);
+  const int64_t rows = w.rows * n_experts;  // experts are consecutive rows
+  const int64_t work = rows * ngroups;
+  fold_check_kernel<<<unsigned((work + 255) / 256), 256, 0, s>>>(w.blocks, w.scales, rows, nsub, ngroups, d);
+  DZ_CUDA_LAUNCH_CHECK();
+  unsigned long long h[5];
+  DZ_CUDA_CHECK(cudaMemcpyAsync(h, d, sizeof h, cudaMemcpyDeviceToHost, s));
+  DZ_CUDA_CHECK(cudaFreeAsync(d, s));
+  DZ_CUDA_CHECK(cudaStreamSynchronize(s));
+  cpu::FoldStats st;
+  st.groups = h[0];
+  st.lossy_groups = h[1];
+  st.zero_groups = h[2];
+  st.max_spread = int(h[3]);
+  if (nan_scales) *nan_scales = h[4];
+  return st;
+}
+
+}  // namespace dz::cuda

@@ -1,0 +1,370 @@
+// GPU tests of the MXFP4 expert pipeline ([cuda]; they skip with a message
+// where no CUDA device is present, e.g. CI, but always compile there):
+// folding bit-exact against the CPU reference, the FP8 1x128 GEMM and both MoE
+// paths against float64 references, runtime error mapping and the pool.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "common/error.h"
+#include "cpu/mxfp4_fold.h"
+#include "runtime/device.h"
+
+#ifdef DZ_WITH_CUDA
+#include "cuda/fp8_gemm.h"
+#include "cuda/moe.h"
+#include "cuda/mxfp4_fold.h"
+#include "runtime/cuda/context.h"
+#include "runtime/cuda/cuda_check.h"
+#endif
+
+using namespace dz;
+
+namespace {
+bool have_gpu() {
+  if (!cuda_compiled()) {
+    WARN("CUDA backend not compiled in: skipped");
+    return false;
+  }
+  if (cuda_device_count() == 0) {
+    WARN("no CUDA device present: skipped");
+    return false;
+  }
+  return true;
+}
+
+// 1 - 2 sum(xy) / sum(x^2 + y^2): 0 for equal vectors.
+double diff_metric(const std::vector<double>& x, const std::vector<double>& y) {
+  double xy = 0, xx = 0;
+  for (size_t i = 0; i < x.size(); ++i) xy += x[i] * y[i], xx += x[i] * x[i] + y[i] * y[i];
+  return 1.0 - 2.0 * xy / xx;
+}
+
+struct Mx {
+  std::vector<uint8_t> blocks, scales;
+  int64_t rows, k;
+  cpu::Mxfp4View view(int64_t expert = 0) const {
+    return {blocks.data() + expert * rows * k / 2, scales.data() + expert * rows * k / 32, rows, k, "test"};
+  }
+};
+Mx random_mx(int64_t n_mats, int64_t rows, int64_t k, std::mt19937& rng, int s_lo, int s_hi) {
+  Mx m{std::vector<uint8_t>(size_t(n_mats * rows * k / 2)), std::vector<uint8_t>(size_t(n_mats * rows * k / 32)),
+       rows, k};
+  std::uniform_int_distribution<int> byte(0, 255), sc(s_lo, s_hi);
+  for (auto& b : m.blocks) b = uint8_t(byte(rng));
+  for (auto& s : m.scales) s = uint8_t(sc(rng));
+  return m;
+}
+}  // namespace
+
+#ifdef DZ_WITH_CUDA
+namespace {
+using namespace dz::cuda;
+
+template <typename T>
+struct Dev {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit Dev(size_t n_) : n(n_) { DZ_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T) + 16)); }
+  explicit Dev(const std::vector<T>& v) : Dev(v.size()) {
+    DZ_CUDA_CHECK(cudaMemcpy(p, v.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  ~Dev() { cudaFree(p); }
+  std::vector<T> get() const {
+    std::vector<T> v(n);
+    DZ_CUDA_CHECK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return v;
+  }
+};
+
+ContextOptions small_ctx() {
+  ContextOptions o;
+  o.pool_bytes = size_t(2) << 30;
+  return o;
+}
+
+uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+double bf16_val(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+double bf16_bits_to_double(uint16_t b) { return bf16_val(b); }
+}  // namespace
+#endif
+
+TEST_CASE("CUDA MXFP4 -> FP8 folding is bit-exact with the CPU reference", "[cuda]") {
+  if (!have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  std::mt19937 rng(2024);
+  // (rows, k, scale range): realistic, extreme spreads over the whole byte range
+  // (0-scale bytes included), and gpt-oss-120b's K = 2880 (pads to 2944).
+  struct Case {
+    int64_t rows, k;
+    int lo, hi;
+  } cases[] = {{64, 320, 110, 125}, {48, 256, 0, 254}, {32, 2880, 0, 20}, {40, 96, 100, 140}};
+  for (const auto& c : cases) {
+    INFO("rows " << c.rows << " k " << c.k << " scales " << c.lo << ".." << c.hi);
+    const int E = 3;
+    Mx m = random_mx(E, c.rows, c.k, rng, c.lo, c.hi);
+    // Zero sub-blocks (some with large scales, some of -0 nibbles), and 0-scale bytes.
+    std::uniform_int_distribution<int64_t> pick(0, int64_t(m.scales.size()) - 1);
+    for (int i = 0; i < int(m.scales.size() / 8); ++i) {
+      const int64_t sb = pick(rng);
+      for (int j = 0; j < 16; ++j) m.blocks[size_t(sb * 16 + j)] = (i & 1) ? 0x88 : 0x00;
+      m.scales[size_t(sb)] = uint8_t(i % 3 == 0 ? 254 : 0);
+    }
+    for (int i = 0; i < int(m.scales.size() / 16); ++i) m.scales[size_t(pick(rng))] = 0;
+    const int64_t kpad = cpu::fold_kpad(c.k), per = c.rows * kpad, per_s = c.rows * kpad / 128;
+    Dev<uint8_t> db(m.blocks), ds(m.scales);
+    Dev<uint8_t> q(size_t(2 * per));
+    Dev<float> qs(size_t(2 * per_s));
+    cudaStream_t st = nullptr;
+    const int ids[2] = {2, 0};  // slot 0 <- expert 2, slot 1 <- expert 0
+    mxfp4_fold_experts(Mxfp4Stack{db.p, ds.p, c.rows, c.k}, ids, 2, Fp8Slots{q.p, qs.p}, st);
+    DZ_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto gq = q.get();
+    const auto gs = qs.get();
+    cpu::FoldStats total;
+    for (int slot = 0; slot < 2; ++slot) {
+      std::vector<uint8_t> rq{};
+      rq.resize(size_t(per));
+      std::vector<float> rs{};
+      rs.resize(size_t(per_s));
+      cpu::FoldStats st1;
+      cpu::mxfp4_fold_1x128(m.view(ids[slot]), rq.data(), rs.data(), &st1);
+      size_t bad_q = 0, bad_s = 0;
+      for (int64_t i = 0; i < per; ++i) bad_q += gq[size_t(slot * per + i)] != rq[size_t(i)];
+      for (int64_t i = 0; i < per_s; ++i)
+        bad_s += std::memcmp(&gs[size_t(slot * per_s + i)], &rs[size_t(i)], 4) != 0;
+      CHECK(bad_q == 0);
+      CHECK(bad_s == 0);
+    }
+    for (int e = 0; e < E; ++e) total.merge(cpu::mxfp4_fold_check(m.view(e)));
+    uint64_t nan = 0;
+    const cpu::FoldStats dev = mxfp4_fold_check_device(Mxfp4Stack{db.p, ds.p, c.rows, c.k}, E, &nan, st);
+    CHECK(nan == 0);
+    CHECK(dev.groups == total.groups);
+    CHECK(dev.lossy_groups == total.lossy_groups);
+    CHECK(dev.zero_groups == total.zero_groups);
+    CHECK(dev.max_spread == total.max_spread);
+    if (c.hi - c.lo > 14) CHECK(total.lossy_groups > 0);
+    if (c.hi - c.lo <= 14) CHECK(total.lossy_groups == 0);
+  }
+#endif
+}
+
+TEST_CASE("CUDA FP8 1x128 GEMM through cuBLASLt matches float64", "[cuda]") {
+  if (!have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  Context ctx(small_ctx());
+  Fp8Gemm gemm(ctx);
+  std::mt19937 rng(99);
+  const int M = 52, N = 96, K = 320;  // K pads to 384: 3 scale blocks
+  const int64_t kpad = cpu::fold_kpad(K);
+  Mx w = random_mx(1, N, K, rng, 115, 125);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> x(size_t(M) * K);
+  for (int r = 0; r < M; ++r)  // rows of very different magnitudes: per-row scales matter
+    for (int c = 0; c < K; ++c) x[size_t(r * K + c)] = nd(rng) * std::ldexp(1.f, (r % 7) - 3) * (c < 128 ? 4.f : 1.f);
+  Dev<float> dx(x);
+  Dev<uint8_t> db(w.blocks), ds(w.scales), wq(size_t(N * kpad)), xq(size_t(M * kpad));
+  Dev<float> wqs(size_t(N * kpad / 128)), xqs(size_t(M * kpad / 128));
+  Dev<uint16_t> d(size_t(M * N));
+  const int id0 = 0;
+  mxfp4_fold_experts(Mxfp4Stack{db.p, ds.p, N, K}, &id0, 1, Fp8Slots{wq.p, wqs.p}, ctx.stream());
+  quantize_1x128(dx.p, K, M, K, int(kpad), xq.p, xqs.p, ctx.stream());
+  gemm.run(xq.p, xqs.p, wq.p, wqs.p, d.p, M, N, int(kpad), ctx.stream());
+  ctx.sync();
+  const auto got = d.get();
+  const auto hxq = xq.get();
+  const auto hxs = xqs.get();
+  const auto hwq = wq.get();
+  const auto hws = wqs.get();
+  std::vector<double> out(size_t(M * N)), ref(size_t(M * N)), refq(size_t(M * N));
+  for (int r = 0; r < M; ++r)
+    for (int n = 0; n < N; ++n) {
+      double s = 0, sq = 0;
+      for (int c = 0; c < K; ++c) s += double(x[size_t(r * K + c)]) * cpu::mxfp4_value(w.view(), n, c);
+      for (int c = 0; c < kpad; ++c)
+        sq += cpu::e4m3_to_double(hxq[size_t(r * kpad + c)]) * hxs[size_t((c / 128) * M + r)] *
+              cpu::e4m3_to_double(hwq[size_t(n * kpad + c)]) * hws[size_t((c / 128) * N + n)];
+      ref[size_t(r * N + n)] = s;
+      refq[size_t(r * N + n)] = sq;
+      out[size_t(r * N + n)] = bf16_bits_to_double(got[size_t(r * N + n)]);
+    }
+  const double d_exact = diff_metric(out, refq), d_ref = diff_metric(out, ref);
+  INFO("diff vs product of the quantized operands " << d_exact << ", vs float64 of the originals " << d_ref);
+  CHECK(d_exact < 1e-4);  // only bf16 output rounding: checks the scale layouts
+  CHECK(d_ref < 1e-2);    // one FP4 operand
+  // Relative error per row: catches a row scaled by the wrong block scale.
+  for (int r = 0; r < M; ++r) {
+    double e2 = 0, n2 = 0;
+    for (int n = 0; n < N; ++n) {
+      const double dd = out[size_t(r * N + n)] - refq[size_t(r * N + n)];
+      e2 += dd * dd, n2 += refq[size_t(r * N + n)] * refq[size_t(r * N + n)];
+    }
+    CHECK(std::sqrt(e2 / n2) < 1e-2);
+  }
+  CHECK_THROWS_AS(gemm.run(xq.p, xqs.p, wq.p, wqs.p, d.p, M, N, 100, ctx.stream()), Error);
+#endif
+}
+
+#ifdef DZ_WITH_CUDA
+namespace {
+// Random gpt-oss-style MoE layer and a float64 reference of it.
+struct MoeCase {
+  int E, topk, H, I, T;
+  Mx w1, w2;
+  std::vector<uint16_t> b1, b2;
+  std::vector<float> x, gw;
+  std::vector<int> ids;
+};
+MoeCase make_moe(int E, int topk, int H, int I, int T, std::mt19937& rng) {
+  MoeCase c{E, topk, H, I, T, random_mx(E, 2 * I, H, rng, 118, 124), random_mx(E, H, I, rng, 118, 124), {}, {}, {}, {},
+            {}};
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (int i = 0; i < E * 2 * I; ++i) c.b1.push_back(to_bf16(0.5f * nd(rng)));
+  for (int i = 0; i < E * H; ++i) c.b2.push_back(to_bf16(0.5f * nd(rng)));
+  for (int i = 0; i < T * H; ++i) c.x.push_back(nd(rng) * 3.f);
+  std::uniform_int_distribution<int> pe(0, E - 1);
+  for (int t = 0; t < T; ++t) {
+    // Distinct experts; every 5th token starts with expert t % 3 so a few
+    // experts get more than 8 tokens (the fused kernel's token chunks).
+    std::vector<int> chosen;
+    if (t % 5 == 0) chosen.push_back(t % 3);
+    while (int(chosen.size()) < topk) {
+      const int e = pe(rng);
+      bool dup = false;
+      for (int q : chosen) dup |= q == e;
+      if (!dup) chosen.push_back(e);
+    }
+    float sum = 0;
+    std::vector<float> wv;
+    for (int k = 0; k < topk; ++k) wv.push_back(std::exp(nd(rng))), sum += wv.back();
+    for (int k = 0; k < topk; ++k) c.ids.push_back(chosen[size_t(k)]), c.gw.push_back(wv[size_t(k)] / sum);
+  }
+  return c;
+}
+std::vector<double> moe_ref(const MoeCase& c) {
+  std::vector<double> out(size_t(c.T * c.H), 0.0);
+  std::vector<double> act(size_t(c.I));
+  for (int t = 0; t < c.T; ++t)
+    for (int k = 0; k < c.topk; ++k) {
+      const int e = c.ids[size_t(t * c.topk + k)];
+      const auto v1 = c.w1.view(e), v2 = c.w2.view(e);
+      for (int j = 0; j < c.I; ++j) {
+        double g = bf16_val(c.b1[size_t(e * 2 * c.I + 2 * j)]), u = bf16_val(c.b1[size_t(e * 2 * c.I + 2 * j + 1)]);
+        for (int h = 0; h < c.H; ++h) {
+          g += cpu::mxfp4_value(v1, 2 * j, h) * c.x[size_t(t * c.H + h)];
+          u += cpu::mxfp4_value(v1, 2 * j + 1, h) * c.x[size_t(t * c.H + h)];
+        }
+        g = std::min(g, 7.0);
+        u = std::max(-7.0, std::min(u, 7.0));
+        act[size_t(j)] = (u + 1.0) * g / (1.0 + std::exp(-1.702 * g));
+      }
+      for (int n = 0; n < c.H; ++n) {
+        double y = bf16_val(c.b2[size_t(e * c.H + n)]);
+        for (int j = 0; j < c.I; ++j) y += cpu::mxfp4_value(v2, n, j) * act[size_t(j)];
+        out[size_t(t * c.H + n)] += double(c.gw[size_t(t * c.topk + k)]) * y;
+      }
+    }
+  return out;
+}
+}  // namespace
+#endif
+
+TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deterministic", "[cuda]") {
+  if (!have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  Context ctx(small_ctx());
+  std::mt19937 rng(5);
+  // H = 320 and I = 192 are not multiples of 128 (padding); 2I = 384 rows.
+  for (int T : {1, 5, 40}) {
+    MoeCase c = make_moe(8, 4, 320, 192, T, rng);
+    INFO("T = " << T);
+    MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, 64, MoeOptions{8.0, 3});
+    Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
+    Dev<uint16_t> b1(c.b1), b2(c.b2);
+    Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
+    Dev<int> ids(c.ids);
+    MoeWeights w{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p};
+    const auto ref = moe_ref(c);
+    for (MoePath path : {MoePath::kFused, MoePath::kFp8}) {
+      INFO((path == MoePath::kFused ? "fused W4A16 path" : "FP8 path"));
+      DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));  // poison: every element must be written
+      layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, path);
+      ctx.sync();
+      const auto got = out.get();
+      std::vector<double> g(got.begin(), got.end());
+      bool finite = true;
+      for (double v : g) finite &= std::isfinite(v);
+      CHECK(finite);
+      const double d = diff_metric(g, ref);
+      INFO("diff " << d);
+      CHECK(d < 1e-2);
+      if (path == MoePath::kFused) CHECK(d < 2e-4);  // fp16 activations, exact weights
+      layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, path);
+      ctx.sync();
+      CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
+    }
+    CHECK(layer.take_error() == 0);
+  }
+  // An out-of-range expert id is flagged, not a crash.
+  {
+    MoeCase c = make_moe(8, 2, 64, 32, 3, rng);
+    c.ids[1] = 99;
+    MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, 4);
+    Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
+    Dev<uint16_t> b1(c.b1), b2(c.b2);
+    Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
+    Dev<int> ids(c.ids);
+    layer.forward(MoeWeights{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p}, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFused);
+    CHECK(layer.take_error() == 1);
+    CHECK_THROWS_AS(layer.forward(MoeWeights{}, x.p, ids.p, gw.p, c.T, out.p), Error);
+    CHECK_THROWS_AS(layer.forward(MoeWeights{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p}, x.p, ids.p, gw.p, 5, out.p),
+                    Error);
+  }
+#endif
+}
+
+TEST_CASE("CUDA runtime: errors carry the CUDA message; the pool sub-allocates one reservation", "[cuda]") {
+  if (!have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  try {
+    DZ_CUDA_CHECK(cudaMemcpy(reinterpret_cast<void*>(16), reinterpret_cast<void*>(32), 64, cudaMemcpyDeviceToDevice));
+    FAIL("bad copy succeeded");
+  } catch (const Error& e) {
+    CHECK(e.status() == DZ_ERR_DEVICE);
+    CHECK_THAT(e.what(), Catch::Contains("CUDA error") && Catch::Contains("cudaMemcpy"));
+  }
+  DevicePool pool(1 << 20);
+  void* a = pool.alloc(1000, "a");
+  void* b = pool.alloc(300000, "b");
+  CHECK(reinterpret_cast<uintptr_t>(a) % 256 == 0);
+  CHECK(pool.used() == 1024 + 300032);
+  pool.free(a);
+  void* c = pool.alloc(512, "c");  // first fit reuses the hole
+  CHECK(c == a);
+  try {
+    pool.alloc(900000, "too big");
+    FAIL("over-allocation succeeded");
+  } catch (const Error& e) {
+    CHECK(e.status() == DZ_ERR_OUT_OF_MEMORY);
+    CHECK_THAT(e.what(), Catch::Contains("too big"));
+  }
+  pool.free(b);
+  pool.free(c);
+  CHECK(pool.used() == 0);
+  void* all = pool.alloc(1 << 20, "all");  // freed ranges coalesced back into one
+  CHECK(all != nullptr);
+  pool.free(all);
+#endif
+}

@@ -1,0 +1,315 @@
+// dz bench moe: the MXFP4 MoE layer on the GPU at gpt-oss-120b shapes (E=128,
+// top-4, H=I=2880; random MXFP4 weights and routing) for several token counts.
+// Both device paths are timed at every size (fused W4A16 and FP8 workspace +
+// cuBLASLt), giving the measured tokens-per-expert threshold between them.
+// Median of CUDA-event timings; L2 flushed before every timed call and the
+// routing rotated among several sets; the fused path replays CUDA graphs.
+// --dump DIR writes the weights, inputs, routing and outputs for the PyTorch
+// peers (tools/bench/moe_peers.py).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <vector>
+
+#include "bench_common.h"
+#include "commands.h"
+#include "common/error.h"
+
+#ifdef DZ_WITH_CUDA
+#include "cuda/fill.h"
+#include "cuda/moe.h"
+#include "cuda/mxfp4_fold.h"
+#include "runtime/cuda/context.h"
+#include "runtime/cuda/cuda_check.h"
+#endif
+
+namespace dz::cli {
+
+namespace {
+const char* kUsage =
+    "usage: dz bench moe [--tokens 1,8,64,512,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
+    "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N]\n"
+    "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
+    "MXFP4 MoE layer on the GPU: fused W4A16 vs FP8 (fold + cuBLASLt) paths, JSON results.\n";
+
+std::vector<int> parse_list(const std::string& s) {
+  std::vector<int> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) v.push_back(std::stoi(item));
+  return v;
+}
+}  // namespace
+
+#ifndef DZ_WITH_CUDA
+int bench_moe(const Args& a) {
+  if (has_flag(a, "--help")) {
+    std::printf("%s", kUsage);
+    return 0;
+  }
+  std::fprintf(stderr, "dz bench moe: this build has no CUDA backend\n");
+  return 1;
+}
+#else
+
+namespace {
+using namespace dz::cuda;
+
+template <typename T>
+void write_bin(const std::string& path, const T* dev, size_t n) {
+  std::vector<T> h(n);
+  DZ_CUDA_CHECK(cudaMemcpy(h.data(), dev, n * sizeof(T), cudaMemcpyDeviceToHost));
+  std::ofstream f(path, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(h.data()), std::streamsize(n * sizeof(T)));
+  check(bool(f), DZ_ERR_IO, "cannot write ", path);
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : (v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]));
+}
+
+double diff_metric(const std::vector<float>& x, const std::vector<float>& y) {
+  double xy = 0, xx = 0;
+  for (size_t i = 0; i < x.size(); ++i) xy += double(x[i]) * y[i], xx += double(x[i]) * x[i] + double(y[i]) * y[i];
+  return xx > 0 ? 1.0 - 2.0 * xy / xx : 0.0;
+}
+
+struct Timer {
+  Context& ctx;
+  void* flush;
+  size_t flush_bytes;
+  cudaEvent_t a{}, b{};
+  Timer(Context& c, void* f, size_t fb) : ctx(c), flush(f), flush_bytes(fb) {
+    DZ_CUDA_CHECK(cudaEventCreate(&a));
+    DZ_CUDA_CHECK(cudaEventCreate(&b));
+  }
+  ~Timer() {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+  }
+  template <typename F>
+  double median_ms(int reps, F run) {
+    std::vector<double> v;
+    for (int i = -2; i < reps; ++i) {  // two warm-up calls
+      DZ_CUDA_CHECK(cudaMemsetAsync(flush, i & 0xFF, flush_bytes, ctx.stream()));
+      DZ_CUDA_CHECK(cudaEventRecord(a, ctx.stream()));
+      run(i < 0 ? 0 : i);
+      DZ_CUDA_CHECK(cudaEventRecord(b, ctx.stream()));
+      DZ_CUDA_CHECK(cudaEventSynchronize(b));
+      float ms = 0;
+      DZ_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+      if (i >= 0) v.push_back(ms);
+    }
+    return median(v);
+  }
+};
+}  // namespace
+
+int bench_moe(const Args& a) {
+  if (has_flag(a, "--help")) {
+    std::printf("%s", kUsage);
+    return 0;
+  }
+  reject_unknown(a, {"--tokens", "--reps", "--experts", "--topk", "--hidden", "--intermediate", "--threshold",
+                     "--tile", "--bw-ceiling", "--fp8-ceiling", "--dump", "--out", "--help"},
+                 "bench moe");
+  const std::vector<int> tokens = parse_list(flag_value(a, "--tokens", "1,8,64,512,4096,16384"));
+  const int reps = std::stoi(flag_value(a, "--reps", "20"));
+  MoeShape sh;
+  sh.n_experts = std::stoi(flag_value(a, "--experts", "128"));
+  sh.topk = std::stoi(flag_value(a, "--topk", "4"));
+  sh.hidden = std::stoi(flag_value(a, "--hidden", "2880"));
+  sh.intermediate = std::stoi(flag_value(a, "--intermediate", "2880"));
+  MoeOptions opt;
+  opt.fused_max_tokens_per_expert = std::stod(flag_value(a, "--threshold", "8"));
+  opt.tile_experts = std::stoi(flag_value(a, "--tile", "16"));
+  const double bw_ceiling = std::stod(flag_value(a, "--bw-ceiling", "4.27e12"));
+  const double fp8_ceiling = std::stod(flag_value(a, "--fp8-ceiling", "1490e12"));
+  const std::string dump = flag_value(a, "--dump", "");
+  const std::string out_path = flag_value(a, "--out", "");
+  const int E = sh.n_experts, K = sh.topk, H = sh.hidden, I = sh.intermediate;
+  const int max_T = *std::max_element(tokens.begin(), tokens.end());
+
+  try {
+    ContextOptions co;
+    co.pool_bytes = size_t(24) << 30;
+    Context ctx(co);
+    cudaStream_t st = ctx.stream();
+    DevicePool& P = ctx.pool();
+    // Weights: random MXFP4 codes, scale bytes 118..122 (|w| ~ 2^-9 .. 2^-5 * 6, like trained experts).
+    const size_t w1n = size_t(E) * 2 * I * H, w2n = size_t(E) * H * I;
+    DeviceArray<uint8_t> w1b(P, w1n / 2, "w1 blocks"), w1s(P, w1n / 32, "w1 scales");
+    DeviceArray<uint8_t> w2b(P, w2n / 2, "w2 blocks"), w2s(P, w2n / 32, "w2 scales");
+    DeviceArray<uint16_t> b1(P, size_t(E) * 2 * I, "b1"), b2(P, size_t(E) * H, "b2");
+    fill_random_u8(w1b.get(), w1b.size(), 11, 0, 255, st);
+    fill_random_u8(w2b.get(), w2b.size(), 12, 0, 255, st);
+    fill_random_u8(w1s.get(), w1s.size(), 13, 118, 122, st);
+    fill_random_u8(w2s.get(), w2s.size(), 14, 118, 122, st);
+    fill_random_bf16(b1.get(), b1.size(), 15, 0.05f, st);
+    fill_random_bf16(b2.get(), b2.size(), 16, 0.05f, st);
+    const MoeWeights W{w1b.get(), w1s.get(), b1.get(), w2b.get(), w2s.get(), b2.get()};
+    const size_t expert_fp4_bytes = (size_t(2) * I * H + size_t(H) * I) / 2 + (size_t(2) * I * H + size_t(H) * I) / 32;
+
+    // Load-time spread check (what a model load reports).
+    uint64_t nan1 = 0, nan2 = 0;
+    cpu::FoldStats fs = mxfp4_fold_check_device(Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, E, &nan1, st);
+    fs.merge(mxfp4_fold_check_device(Mxfp4Stack{w2b.get(), w2s.get(), H, I}, E, &nan2, st));
+
+    MoeLayer layer(ctx, sh, max_T, opt);
+    const size_t flush_bytes = size_t(256) << 20;
+    DeviceArray<uint8_t> flush(P, flush_bytes, "L2 flush");
+    Timer timer(ctx, flush.get(), flush_bytes);
+    constexpr int kSets = 4;  // routing sets rotated between calls
+
+    nlohmann::json meta = bench_meta();
+    meta["gpu"] = ctx.describe();
+    nlohmann::json j = {{"bench", "moe"},
+                        {"meta", meta},
+                        {"shape", {{"experts", E}, {"topk", K}, {"hidden", H}, {"intermediate", I}}},
+                        {"ceilings", {{"hbm_bytes_per_s", bw_ceiling}, {"fp8_flops", fp8_ceiling}}},
+                        {"fp8_workspace_bytes", layer.fp8_workspace_bytes()},
+                        {"scratch_bytes", layer.scratch_bytes()},
+                        {"tile_experts", opt.tile_experts},
+                        {"fold_check",
+                         {{"groups", fs.groups},
+                          {"lossy_groups", fs.lossy_groups},
+                          {"zero_groups", fs.zero_groups},
+                          {"max_spread", fs.max_spread},
+                          {"nan_scales", nan1 + nan2}}},
+                        {"timing", "median of CUDA-event times, L2 flushed (256 MiB memset) before each call, " +
+                                       std::to_string(kSets) + " routing sets rotated; fused path as CUDA graphs"},
+                        {"results", nlohmann::json::array()}};
+    if (!dump.empty()) {
+      write_bin(dump + "/w1_blocks.bin", w1b.get(), w1b.size());
+      write_bin(dump + "/w1_scales.bin", w1s.get(), w1s.size());
+      write_bin(dump + "/w2_blocks.bin", w2b.get(), w2b.size());
+      write_bin(dump + "/w2_scales.bin", w2s.get(), w2s.size());
+      write_bin(dump + "/b1.bin", b1.get(), b1.size());
+      write_bin(dump + "/b2.bin", b2.get(), b2.size());
+    }
+
+    std::mt19937 rng(1234);
+    std::uniform_int_distribution<int> pick(0, E - 1);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    double threshold_tpe = 0;  // largest tokens-per-expert where the fused path won
+    for (int T : tokens) {
+      DeviceArray<float> x(P, size_t(T) * H, "x"), out_f(P, size_t(T) * H, "out fused"),
+          out_8(P, size_t(T) * H, "out fp8");
+      fill_random_f32(x.get(), x.size(), 100 + T, 1.f, st);
+      std::vector<DeviceArray<int>> ids;
+      std::vector<DeviceArray<float>> gws;
+      double distinct = 0;
+      for (int s = 0; s < kSets; ++s) {
+        std::vector<int> hid(size_t(T) * K);
+        std::vector<float> hgw(size_t(T) * K);
+        std::vector<char> seen(size_t(E), 0);
+        for (int t = 0; t < T; ++t) {
+          float sum = 0;
+          for (int k = 0; k < K; ++k) {
+            int e;
+            bool dup;
+            do {
+              e = pick(rng);
+              dup = false;
+              for (int q = 0; q < k; ++q) dup |= hid[size_t(t * K + q)] == e;
+            } while (dup);
+            hid[size_t(t * K + k)] = e;
+            seen[size_t(e)] = 1;
+            hgw[size_t(t * K + k)] = std::exp(nd(rng));
+            sum += hgw[size_t(t * K + k)];
+          }
+          for (int k = 0; k < K; ++k) hgw[size_t(t * K + k)] /= sum;
+        }
+        for (char c : seen) distinct += c;
+        ids.emplace_back(P, hid.size(), "ids");
+        gws.emplace_back(P, hgw.size(), "gate weights");
+        DZ_CUDA_CHECK(cudaMemcpy(ids.back().get(), hid.data(), hid.size() * 4, cudaMemcpyHostToDevice));
+        DZ_CUDA_CHECK(cudaMemcpy(gws.back().get(), hgw.data(), hgw.size() * 4, cudaMemcpyHostToDevice));
+      }
+      distinct /= kSets;
+      const int r = std::max(3, T >= 4096 ? reps / 4 : reps);
+      // Fused path: one CUDA graph per routing set (thread-local capture).
+      std::vector<cudaGraphExec_t> graphs(kSets);
+      for (int s = 0; s < kSets; ++s) {
+        layer.forward(W, x.get(), ids[s].get(), gws[s].get(), T, out_f.get(), MoePath::kFused);  // warm
+        cudaGraph_t g;
+        DZ_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        layer.forward(W, x.get(), ids[s].get(), gws[s].get(), T, out_f.get(), MoePath::kFused);
+        DZ_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+        DZ_CUDA_CHECK(cudaGraphInstantiate(&graphs[s], g, 0));
+        DZ_CUDA_CHECK(cudaGraphDestroy(g));
+      }
+      const double ms_fused = timer.median_ms(r, [&](int i) {
+        DZ_CUDA_CHECK(cudaGraphLaunch(graphs[size_t(i % kSets)], st));
+      });
+      const double ms_fp8 = timer.median_ms(r, [&](int i) {
+        layer.forward(W, x.get(), ids[size_t(i % kSets)].get(), gws[size_t(i % kSets)].get(), T, out_8.get(),
+                      MoePath::kFp8);
+      });
+      for (auto ge : graphs) cudaGraphExecDestroy(ge);
+      // Outputs of both paths on routing set 0, and their agreement.
+      layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
+      layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_8.get(), MoePath::kFp8);
+      ctx.sync();
+      check(layer.take_error() == 0, DZ_ERR_INTERNAL, "expert id out of range in the benchmark");
+      std::vector<float> hf(x.size()), h8(x.size());
+      DZ_CUDA_CHECK(cudaMemcpy(hf.data(), out_f.get(), hf.size() * 4, cudaMemcpyDeviceToHost));
+      DZ_CUDA_CHECK(cudaMemcpy(h8.data(), out_8.get(), h8.size() * 4, cudaMemcpyDeviceToHost));
+      const double agree = diff_metric(hf, h8);
+      const double tpe = double(T) * K / E;
+      if (ms_fused < ms_fp8) threshold_tpe = std::max(threshold_tpe, tpe);
+      const MoePath chosen = layer.choose(T);
+      const double ms_best = std::min(ms_fused, ms_fp8);
+      const double bytes = distinct * double(expert_fp4_bytes);
+      const double flops = 2.0 * T * K * (2.0 * I * H + double(H) * I);
+      nlohmann::json row = {
+          {"tokens", T},
+          {"tokens_per_expert", tpe},
+          {"distinct_experts", distinct},
+          {"fp4_bytes", bytes},
+          {"flops", flops},
+          {"fused_ms", ms_fused},
+          {"fp8_ms", ms_fp8},
+          {"auto_path", chosen == MoePath::kFused ? "fused" : "fp8"},
+          {"auto_ms", chosen == MoePath::kFused ? ms_fused : ms_fp8},
+          {"fused_hbm_fraction", bytes / (ms_fused * 1e-3) / bw_ceiling},
+          {"best_hbm_fraction", bytes / (ms_best * 1e-3) / bw_ceiling},
+          {"fp8_tflops", flops / (ms_fp8 * 1e-3) / 1e12},
+          {"best_tflops", flops / (ms_best * 1e-3) / 1e12},
+          {"fp8_peak_fraction", flops / (ms_fp8 * 1e-3) / fp8_ceiling},
+          {"best_peak_fraction", flops / (ms_best * 1e-3) / fp8_ceiling},
+          {"fused_vs_fp8_diff", agree},
+      };
+      j["results"].push_back(row);
+      std::fprintf(stderr, "moe T=%6d  fused %9.3f ms  fp8 %9.3f ms  (hbm %.0f%%, fp8 %.0f TFLOP/s)  diff %.2e\n", T,
+                   ms_fused, ms_fp8, 100 * bytes / (ms_best * 1e-3) / bw_ceiling, flops / (ms_fp8 * 1e-3) / 1e12,
+                   agree);
+      if (!dump.empty()) {
+        const std::string p = dump + "/T" + std::to_string(T) + "_";
+        write_bin(p + "x.bin", x.get(), x.size());
+        write_bin(p + "ids.bin", ids[0].get(), ids[0].size());
+        write_bin(p + "gw.bin", gws[0].get(), gws[0].size());
+        float* best = ms_fused < ms_fp8 ? out_f.get() : out_8.get();
+        write_bin(p + "out.bin", best, x.size());
+      }
+    }
+    j["measured_fused_max_tokens_per_expert"] = threshold_tpe;
+    if (!dump.empty()) {
+      std::ofstream f(dump + "/meta.json");
+      f << j.dump(2) << "\n";
+    }
+    bench_emit(j, out_path);
+    return 0;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "dz bench moe: %s\n", e.what());
+    return 1;
+  }
+}
+#endif
+
+}  // namespace dz::cli

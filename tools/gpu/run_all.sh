@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU script: on a machine with an sm_90 GPU (H100/H200), build dayzero for
+# sm_90a, run every GPU test and every GPU benchmark, and write JSON results and
+# logs into one folder.
+#
+#   tools/gpu/run_all.sh [OUTDIR]      (default: $OUT, else bench/results/<date>)
+#
+# Environment:
+#   DZ_PREBUILT=DIR   skip the build and use DIR/{dz,dz_tests} (+ any .so beside them),
+#                     for machines without the build dependencies
+#   DZ_DEPS=DIR       extra prefix (include/, lib/, lib/pkgconfig) with the build dependencies
+#   DZ_BENCH_TOKENS   token counts for dz bench moe (default 1,8,64,512,4096,16384)
+# NCCL, where a benchmark needs it, comes from PyTorch's nvidia Python packages.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUTDIR=${1:-${OUT:-bench/results/$(date -u +%Y-%m-%d)}}
+mkdir -p "$OUTDIR"
+OUTDIR=$(cd "$OUTDIR" && pwd)
+LOG="$OUTDIR/run_all.log"
+exec > >(tee -a "$LOG") 2>&1
+export PATH=/usr/local/cuda/bin:$PATH
+export PYTHONUNBUFFERED=1
+status=0
+step() { echo "== $(date -u +%H:%M:%S) $*"; }
+
+step "device"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
+NCCL_LIB=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
+CUBLAS_LIB=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null)
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${NCCL_LIB:-}:${CUBLAS_LIB:-}:${LD_LIBRARY_PATH:-}
+
+if [ -n "${DZ_PREBUILT:-}" ]; then
+  step "using prebuilt binaries from $DZ_PREBUILT"
+  BIN=$(cd "$DZ_PREBUILT" && pwd)
+  export LD_LIBRARY_PATH=$BIN:$LD_LIBRARY_PATH
+  DZ=$BIN/dz
+  TESTS=$BIN/dz_tests
+else
+  step "build (cmake --preset gpu, sm_90a)"
+  extra=()
+  if [ -n "${DZ_DEPS:-}" ]; then
+    D=$(cd "$DZ_DEPS" && pwd)
+    export PKG_CONFIG_PATH=$D/lib/pkgconfig:$D/lib/x86_64-linux-gnu/pkgconfig:$D/share/pkgconfig:${PKG_CONFIG_PATH:-}
+    export LD_LIBRARY_PATH=$D/lib:$D/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH
+    extra+=("-DCMAKE_PREFIX_PATH=$D")
+  fi
+  cmake --preset gpu -DCMAKE_CUDA_ARCHITECTURES=90a "${extra[@]}" >"$OUTDIR/cmake.log" 2>&1 &&
+    cmake --build build-gpu -j"$(nproc)" >"$OUTDIR/build.log" 2>&1
+  if [ $? -ne 0 ]; then
+    echo "build failed: see $OUTDIR/cmake.log and build.log"; tail -20 "$OUTDIR/build.log" "$OUTDIR/cmake.log"
+    exit 1
+  fi
+  DZ=build-gpu/dz
+  TESTS=build-gpu/tests/dz_tests
+fi
+
+step "GPU tests ([cuda], [mxfp4])"
+"$TESTS" "[cuda],[mxfp4]" -s -r compact >"$OUTDIR/tests_cuda.log" 2>&1
+rc=$?
+grep -E "^(Passed|Failed)|tests? passed|failed|FAILED" "$OUTDIR/tests_cuda.log" | tail -15
+[ $rc -ne 0 ] && { echo "GPU tests FAILED (rc $rc)"; grep -B2 -A12 "FAILED" "$OUTDIR/tests_cuda.log" | head -80; status=1; }
+
+step "dz bench moe"
+DUMP=$(mktemp -d /tmp/dz_moe_dump.XXXX)
+"$DZ" bench moe --tokens "${DZ_BENCH_TOKENS:-1,8,64,512,4096,16384}" --dump "$DUMP" --out "$OUTDIR/bench_moe.json" >/dev/null
+[ $? -ne 0 ] && { echo "dz bench moe FAILED"; status=1; }
+
+step "PyTorch peers (tools/bench/moe_peers.py)"
+if [ -f "$DUMP/meta.json" ]; then
+  python3 tools/bench/moe_peers.py "$DUMP" --dz-json "$OUTDIR/bench_moe.json" --out "$OUTDIR/moe_peers.json" ||
+    { echo "peers FAILED"; status=1; }
+fi
+rm -rf "$DUMP"
+step "done (status $status); results in $OUTDIR"
+ls -la "$OUTDIR"
+exit $status
