@@ -6,7 +6,10 @@
 
 namespace dz::cuda {
 
-Fp8Gemm::Fp8Gemm(Context& ctx) : ctx_(ctx) {
+Fp8Gemm::Fp8Gemm(Context& ctx, void* workspace, size_t workspace_bytes)
+    : ctx_(ctx),
+      ws_(workspace ? workspace : ctx.lt_workspace()),
+      ws_bytes_(workspace ? workspace_bytes : ctx.lt_workspace_bytes()) {
   check(cublasLtGetVersion() >= 120900, DZ_ERR_UNSUPPORTED, "FP8 1x128 block scaling needs cuBLASLt >= 12.9, found ",
         cublasLtGetVersion());
 }
@@ -22,7 +25,8 @@ Fp8Gemm::~Fp8Gemm() {
 
 // cuBLASLt is column-major: D^T [n x m] = op(A) * B with A = W stored k x n
 // (op T), B = X stored k x m (op N): the TN form FP8 requires on Hopper.
-Fp8Gemm::Plan& Fp8Gemm::plan(int m, int n, int k) {
+Fp8Gemm::Plan& Fp8Gemm::plan(int m, int n, int k, const uint8_t* x, const float* xs, const uint8_t* w,
+                             const float* wsc, void* d, cudaStream_t s, void* work, size_t work_bytes) {
   auto key = std::make_tuple(m, n, k);
   auto it = plans_.find(key);
   if (it != plans_.end()) return it->second;
@@ -37,18 +41,18 @@ Fp8Gemm::Plan& Fp8Gemm::plan(int m, int n, int k) {
   DZ_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_8F_E4M3, k, n, k));
   DZ_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_8F_E4M3, k, m, k));
   DZ_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.d, CUDA_R_16BF, n, m, n));
-  // Heuristics need scale pointers set to judge support: any aligned device address will do.
-  const void* dummy = ctx_.lt_workspace();
-  DZ_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &dummy, sizeof dummy));
-  DZ_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &dummy, sizeof dummy));
+  DZ_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &wsc, sizeof wsc));
+  DZ_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs, sizeof xs));
   cublasLtMatmulPreference_t pref = nullptr;
   DZ_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const size_t ws = ctx_.lt_workspace_bytes();
+  const size_t ws = work_bytes;
   DZ_CUBLAS_CHECK(
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-  cublasLtMatmulHeuristicResult_t res{};
+  constexpr int kCand = 8;
+  cublasLtMatmulHeuristicResult_t cand[kCand]{};
   int found = 0;
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ctx_.lt(), p.op, p.a, p.b, p.d, p.d, pref, 1, &res, &found);
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(ctx_.lt(), p.op, p.a, p.b, p.d, p.d, pref, kCand, cand, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
     cublasLtMatmulDescDestroy(p.op);
@@ -58,20 +62,47 @@ Fp8Gemm::Plan& Fp8Gemm::plan(int m, int n, int k) {
     fail(DZ_ERR_UNSUPPORTED, "cuBLASLt has no FP8 VEC128-scaled algorithm for m=", m, " n=", n, " k=", k, " (",
          st == CUBLAS_STATUS_SUCCESS ? "none found" : cublasLtGetStatusString(st), ")");
   }
-  p.algo = res.algo;
+  p.algo = cand[0].algo;
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  DZ_CUDA_CHECK(cudaStreamIsCapturing(s, &cap));
+  if (found > 1 && cap == cudaStreamCaptureStatusNone) {
+    cudaEvent_t e0, e1;
+    DZ_CUDA_CHECK(cudaEventCreate(&e0));
+    DZ_CUDA_CHECK(cudaEventCreate(&e1));
+    const float alpha = 1.f, beta = 0.f;
+    float best = 1e30f;
+    for (int i = 0; i < found; ++i) {
+      auto go = [&] {
+        return cublasLtMatmul(ctx_.lt(), p.op, &alpha, w, p.a, x, p.b, &beta, d, p.d, d, p.d, &cand[i].algo,
+                              work, work_bytes, s);
+      };
+      if (go() != CUBLAS_STATUS_SUCCESS) continue;
+      DZ_CUDA_CHECK(cudaEventRecord(e0, s));
+      bool ok = true;
+      for (int r = 0; r < 3; ++r) ok &= go() == CUBLAS_STATUS_SUCCESS;
+      DZ_CUDA_CHECK(cudaEventRecord(e1, s));
+      DZ_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      DZ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (ok && ms < best) best = ms, p.algo = cand[i].algo;
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+  }
   return plans_.emplace(key, p).first->second;
 }
 
 void Fp8Gemm::run(const uint8_t* x, const float* xs, const uint8_t* w, const float* wsc, void* d, int m, int n,
-                  int k, cudaStream_t s) {
+                  int k, cudaStream_t s, void* work, size_t work_bytes) {
+  if (!work) work = ws_, work_bytes = ws_bytes_;
   check(k % 128 == 0 && m > 0 && n > 0, DZ_ERR_INVALID_ARGUMENT, "Fp8Gemm: m=", m, " n=", n, " k=", k,
         " (k must be a multiple of 128)");
-  Plan& p = plan(m, n, k);
+  Plan& p = plan(m, n, k, x, xs, w, wsc, d, s, work, work_bytes);
   DZ_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &wsc, sizeof wsc));
   DZ_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs, sizeof xs));
   const float alpha = 1.f, beta = 0.f;
-  DZ_CUBLAS_CHECK(cublasLtMatmul(ctx_.lt(), p.op, &alpha, w, p.a, x, p.b, &beta, d, p.d, d, p.d, &p.algo,
-                                 ctx_.lt_workspace(), ctx_.lt_workspace_bytes(), s));
+  DZ_CUBLAS_CHECK(cublasLtMatmul(ctx_.lt(), p.op, &alpha, w, p.a, x, p.b, &beta, d, p.d, d, p.d, &p.algo, work,
+                                 work_bytes, s));
 }
 
 namespace {

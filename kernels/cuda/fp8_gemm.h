@@ -20,14 +20,18 @@ class Context;
 
 class Fp8Gemm {
  public:
-  explicit Fp8Gemm(Context& ctx);
+  // workspace: cuBLASLt scratch for this instance (null: the context's); one
+  // instance per stream when GEMMs run concurrently.
+  explicit Fp8Gemm(Context& ctx, void* workspace = nullptr, size_t workspace_bytes = 0);
   ~Fp8Gemm();
   Fp8Gemm(const Fp8Gemm&) = delete;
   Fp8Gemm& operator=(const Fp8Gemm&) = delete;
 
-  // Pointers 16-byte aligned; m >= 1. Plans (layouts + heuristic algo) are cached per shape.
+  // Pointers 16-byte aligned; m >= 1. Plans (layouts + autotuned algo) are cached per shape.
+  // workspace: cuBLASLt scratch for this call (null: the instance's); calls on
+  // concurrent streams need distinct workspaces.
   void run(const uint8_t* x, const float* x_scales, const uint8_t* w, const float* w_scales, void* d_bf16, int m,
-           int n, int k, cudaStream_t s);
+           int n, int k, cudaStream_t s, void* workspace = nullptr, size_t workspace_bytes = 0);
 
  private:
   struct Plan {
@@ -35,8 +39,13 @@ class Fp8Gemm {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
     cublasLtMatmulAlgo_t algo{};
   };
-  Plan& plan(int m, int n, int k);
+  // Layouts and the fastest of cuBLASLt's heuristic candidates, timed once on
+  // the first call's operands (not while the stream is being captured).
+  Plan& plan(int m, int n, int k, const uint8_t* x, const float* xs, const uint8_t* w, const float* ws, void* d,
+             cudaStream_t s, void* work, size_t work_bytes);
   Context& ctx_;
+  void* ws_;
+  size_t ws_bytes_;
   std::map<std::tuple<int, int, int>, Plan> plans_;
 };
 

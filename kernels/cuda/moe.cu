@@ -15,13 +15,23 @@ namespace dz::cuda {
 
 namespace {
 
-constexpr int kPadRows = 4;       // expert segments padded to 4 rows (16-byte aligned scale vectors)
+constexpr int kPadRows = 16;      // expert segments padded to 16 rows (aligned scale vectors, few GEMM shapes)
 constexpr int kRouteThreads = 1024;
-constexpr int kW4Threads = 256;   // 8 warps x 16 rows
-constexpr int kW4Rows = 128;
-constexpr int kW4Tokens = 8;      // tokens per MMA pass (n = 8)
+// Fused kernel block: 8 warps = kRT row tiles (16 rows each) x kKS slices of K
+// (split K keeps each warp's dependent chain short; partial sums meet in smem).
+constexpr int kKS = 4, kRT = 2;
+constexpr int kW4Threads = 32 * kKS * kRT;
+constexpr int kW4Rows = 16 * kRT;
+constexpr int kW4Tokens = 8;  // tokens per MMA pass (n = 8)
+constexpr int kRing = 3;      // K chunks in flight per warp
+constexpr int kRouteConvertsX = 16;  // the routing block converts the input up to this many tokens
 
 __device__ __forceinline__ float bf16_to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
+
+// 2^(s-127) for an E8M0 byte s in 0..254 (s = 0 is the fp32 subnormal 2^-127).
+__device__ __forceinline__ float e8m0_to_float(int s) {
+  return s == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(uint32_t(s) << 23);
+}
 
 __device__ __forceinline__ float swiglu(float gate, float up) {
   gate = fminf(gate, 7.f);
@@ -33,9 +43,12 @@ __device__ __forceinline__ float swiglu(float gate, float up) {
 // One block: counting sort of the T*topk slots by expert. Segment e spans rows
 // [offsets[e], offsets[e+1]) (count rounded up to kPadRows; pad rows hold -1).
 // Order inside a segment is arbitrary; every row is computed independently.
+__device__ void x_to_half_row(const float* row, int H, int kpad, __half* out, float* scale_out, float* red);
+
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(const int* ids, int n_slots, int E, int* counts,
                                                                int* offsets, int* sorted, int* row_expert, int* inv,
-                                                               int* active, int* n_active, int* err) {
+                                                               int* active, int* n_active, int* err, const float* x,
+                                                               int T, int H, int kpad, __half* xh, float* xs) {
   extern __shared__ int sm[];
   int* cnt = sm;
   int* cur = sm + E;
@@ -50,26 +63,38 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(const int* ids, in
       atomicAdd(&cnt[e], 1);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int run = 0, na = 0;
-    for (int e = 0; e < E; ++e) {
-      off[e] = run;
-      if (cnt[e]) active[na++] = e;
-      run += (cnt[e] + kPadRows - 1) / kPadRows * kPadRows;
+  if (threadIdx.x < 32) {  // warp 0: exclusive scans of padded counts and of active flags
+    const int lane = threadIdx.x, per = (E + 31) / 32, e0 = min(E, lane * per), e1 = min(E, e0 + per);
+    int rows = 0, act = 0;
+    for (int e = e0; e < e1; ++e) rows += (cnt[e] + kPadRows - 1) / kPadRows * kPadRows, act += cnt[e] > 0;
+    int rs = rows, as = act;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int r2 = __shfl_up_sync(~0u, rs, o), a2 = __shfl_up_sync(~0u, as, o);
+      if (lane >= o) rs += r2, as += a2;
     }
-    off[E] = run;
-    *n_active = na;
+    rs -= rows, as -= act;
+    for (int e = e0; e < e1; ++e) {
+      off[e] = rs;
+      rs += (cnt[e] + kPadRows - 1) / kPadRows * kPadRows;
+      if (cnt[e]) active[as++] = e;
+    }
+    if (lane == 31) off[E] = rs, *n_active = as;
   }
   __syncthreads();
   for (int e = threadIdx.x; e <= E; e += blockDim.x) {
     offsets[e] = off[e];
-    if (e < E) {
-      counts[e] = cnt[e];
-      for (int r = off[e] + cnt[e]; r < off[e + 1]; ++r) sorted[r] = -1;
-    }
+    if (e < E) counts[e] = cnt[e];
   }
-  for (int e = 0; e < E; ++e)
-    for (int r = off[e] + threadIdx.x; r < off[e + 1]; r += blockDim.x) row_expert[r] = e;
+  for (int r = threadIdx.x; r < off[E]; r += blockDim.x) {  // expert of each row (binary search); pad rows -> -1
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (off[mid] <= r) lo = mid;
+      else hi = mid - 1;
+    }
+    row_expert[r] = lo;
+    if (r - off[lo] >= cnt[lo]) sorted[r] = -1;
+  }
   for (int s = threadIdx.x; s < n_slots; s += blockDim.x) {
     const int e = ids[s];
     if (e < 0 || e >= E) {
@@ -80,17 +105,20 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(const int* ids, in
     sorted[pos] = s;
     inv[s] = pos;
   }
+  // Small batches: the fused path's fp16 input conversion rides along (one launch less).
+  if (x) {
+    __shared__ float red[32];
+    for (int t = 0; t < T; ++t) x_to_half_row(x + int64_t(t) * H, H, kpad, xh + int64_t(t) * kpad, xs + t, red);
+  }
 }
 
-// x [T][H] fp32 -> fp16 [T][kpad] scaled by a per-token power of two
-// (x / scale in [-1, 1]), zero padded; scale in xs[t].
-__global__ void __launch_bounds__(256) x_to_half_kernel(const float* x, int H, int kpad, __half* xh, float* xs) {
-  const int t = blockIdx.x;
-  const float* row = x + int64_t(t) * H;
+// One token row (whole block): fp32 -> fp16 [kpad] scaled by a power of two
+// (x / scale in [-1, 1]), zero padded; the scale goes to *scale_out.
+__device__ void x_to_half_row(const float* row, int H, int kpad, __half* out, float* scale_out, float* red) {
   float amax = 0.f;
   for (int k = threadIdx.x; k < H; k += blockDim.x) amax = fmaxf(amax, fabsf(row[k]));
-  __shared__ float red[8];
   for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
+  __syncthreads();  // red reused across rows
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
   __syncthreads();
   amax = 0.f;
@@ -99,9 +127,14 @@ __global__ void __launch_bounds__(256) x_to_half_kernel(const float* x, int H, i
   frexpf(amax, &ex);  // amax = m * 2^ex, m in [0.5, 1)
   const float scale = amax > 0.f ? ldexpf(1.f, ex) : 1.f;
   const float inv = 1.f / scale;
-  for (int k = threadIdx.x; k < kpad; k += blockDim.x)
-    xh[int64_t(t) * kpad + k] = __float2half_rn(k < H ? row[k] * inv : 0.f);
-  if (threadIdx.x == 0) xs[t] = scale;
+  for (int k = threadIdx.x; k < kpad; k += blockDim.x) out[k] = __float2half_rn(k < H ? row[k] * inv : 0.f);
+  if (threadIdx.x == 0) *scale_out = scale;
+}
+
+__global__ void __launch_bounds__(256) x_to_half_kernel(const float* x, int H, int kpad, __half* xh, float* xs) {
+  __shared__ float red[32];
+  const int t = blockIdx.x;
+  x_to_half_row(x + int64_t(t) * H, H, kpad, xh + int64_t(t) * kpad, xs + t, red);
 }
 
 // ------------------------------------------------------- fused W4A16 path
@@ -143,13 +176,15 @@ __device__ __forceinline__ uint32_t w4_decode(uint32_t w, uint32_t l0, uint32_t 
 // the fp16 weights relative to the chunk's largest one; that one multiplies the
 // fp32 partial sums.
 template <bool kGateUp>
-__global__ void __launch_bounds__(kW4Threads) w4_kernel(W4Args a) {
+__global__ void __launch_bounds__(kW4Threads, 2) w4_kernel(W4Args a) {
   extern __shared__ uint4 xs4[];  // [chunk][i][token][t] 16-byte pieces
+  __shared__ float4 red[kKS - 1][kRT][32];
   if (blockIdx.y >= unsigned(*a.n_active)) return;
   const int e = a.active[blockIdx.y];
   const int seg = a.offsets[e], cnt = a.counts[e];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int R0 = blockIdx.x * kW4Rows + warp * 16;
+  const int rt = warp % kRT, ks = warp / kRT;
+  const int R0 = blockIdx.x * kW4Rows + rt * 16;
   const bool wactive = R0 < a.rows;
   const int rA = kGateUp ? R0 + 2 * g : R0 + g;
   const int rB = kGateUp ? R0 + 2 * g + 1 : R0 + g + 8;
@@ -159,6 +194,21 @@ __global__ void __launch_bounds__(kW4Threads) w4_kernel(W4Args a) {
   const uint8_t* sA = a.scales + rowA * a.nsub;
   const uint8_t* sB = a.scales + rowB * a.nsub;
   const int nchunk = a.kpad / 128, k8 = a.kpad / 8;
+  const int per = (nchunk + kKS - 1) / kKS;
+  const int c_begin = min(nchunk, ks * per), c_end = min(nchunk, c_begin + per);
+
+  auto load = [&](int c, uint4& wa, uint4& wb, int& sa, int& sb) {
+    const int sub = c * 4 + t;
+    if (sub < a.nsub) {
+      wa = ptx::ldg_nc_v4(bA + sub * 16);
+      wb = ptx::ldg_nc_v4(bB + sub * 16);
+      sa = sA[sub];
+      sb = sB[sub];
+    } else {
+      wa = wb = make_uint4(0, 0, 0, 0);
+      sa = sb = 0;
+    }
+  };
 
   for (int base = 0; base < cnt; base += kW4Tokens) {
     const int m = min(kW4Tokens, cnt - base);
@@ -176,56 +226,61 @@ __global__ void __launch_bounds__(kW4Threads) w4_kernel(W4Args a) {
       xs4[((c * 4 + ii) * 8 + gi) * 4 + tt] = *reinterpret_cast<const uint4*>(src + q8 * 8);
     }
     __syncthreads();
-    if (!wactive) continue;
 
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    auto load = [&](int c, uint4& wa, uint4& wb, int& sa, int& sb) {
-      const int sub = c * 4 + t;
-      if (sub < a.nsub) {
-        wa = ptx::ldg_nc_v4(bA + sub * 16);
-        wb = ptx::ldg_nc_v4(bB + sub * 16);
-        sa = sA[sub];
-        sb = sB[sub];
-      } else {
-        wa = wb = make_uint4(0, 0, 0, 0);
-        sa = sb = 0;
-      }
-    };
-    uint4 wa, wb, na, nb;
-    int sa, sb, nsa, nsb;
-    load(0, wa, wb, sa, sb);
-    for (int c = 0; c < nchunk; ++c) {
-      if (c + 1 < nchunk) load(c + 1, na, nb, nsa, nsb);
-      // Largest scale among the row's nonzero sub-blocks of this chunk (4 lanes t).
-      int mA = ((wa.x | wa.y | wa.z | wa.w) & 0x77777777u) ? sa : -1;
-      int mB = ((wb.x | wb.y | wb.z | wb.w) & 0x77777777u) ? sb : -1;
-      mA = max(mA, __shfl_xor_sync(~0u, mA, 1));
-      mB = max(mB, __shfl_xor_sync(~0u, mB, 1));
-      mA = max(mA, __shfl_xor_sync(~0u, mA, 2));
-      mB = max(mB, __shfl_xor_sync(~0u, mB, 2));
-      uint32_t la0, la1, lb0, lb1;
-      w4_lut(max(mA - sa, 0), la0, la1);
-      w4_lut(max(mB - sb, 0), lb0, lb1);
-      const float fA = mA < 0 ? 0.f : ldexpf(1.f, mA - 127);
-      const float fB = mB < 0 ? 0.f : ldexpf(1.f, mB - 127);
-      float p[4] = {0.f, 0.f, 0.f, 0.f};
-      const uint32_t wA[4] = {wa.x, wa.y, wa.z, wa.w}, wB[4] = {wb.x, wb.y, wb.z, wb.w};
+    if (wactive && c_begin < c_end) {
+      uint4 ra[kRing], rb[kRing];
+      int sa[kRing], sb[kRing];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint4 bv = xs4[((c * 4 + i) * 8 + g) * 4 + t];
+      for (int p = 0; p < kRing; ++p)
+        if (c_begin + p < c_end) load(c_begin + p, ra[p], rb[p], sa[p], sb[p]);
+      for (int c0 = c_begin; c0 < c_end; c0 += kRing) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t HA = w4_decode(wA[i] >> (16 * h), la0, la1);
-          const uint32_t HB = w4_decode(wB[i] >> (16 * h), lb0, lb1);
-          ptx::mma_16816(p, ptx::prmt(HA, 0, 0x1404), ptx::prmt(HB, 0, 0x1404), ptx::prmt(HA, 0, 0x3424),
-                         ptx::prmt(HB, 0, 0x3424), h ? bv.z : bv.x, h ? bv.w : bv.y);
+        for (int p = 0; p < kRing; ++p) {
+          const int c = c0 + p;
+          if (c >= c_end) break;
+          const uint4 wa = ra[p], wb = rb[p];
+          const int s_a = sa[p], s_b = sb[p];
+          if (c + kRing < c_end) load(c + kRing, ra[p], rb[p], sa[p], sb[p]);
+          // Largest scale among the row's nonzero sub-blocks of this chunk (4 lanes t).
+          int mA = ((wa.x | wa.y | wa.z | wa.w) & 0x77777777u) ? s_a : -1;
+          int mB = ((wb.x | wb.y | wb.z | wb.w) & 0x77777777u) ? s_b : -1;
+          mA = max(mA, __shfl_xor_sync(~0u, mA, 1));
+          mB = max(mB, __shfl_xor_sync(~0u, mB, 1));
+          mA = max(mA, __shfl_xor_sync(~0u, mA, 2));
+          mB = max(mB, __shfl_xor_sync(~0u, mB, 2));
+          uint32_t la0, la1, lb0, lb1;
+          w4_lut(max(mA - s_a, 0), la0, la1);
+          w4_lut(max(mB - s_b, 0), lb0, lb1);
+          const float fA = mA < 0 ? 0.f : e8m0_to_float(mA);
+          const float fB = mB < 0 ? 0.f : e8m0_to_float(mB);
+          float q[4] = {0.f, 0.f, 0.f, 0.f};
+          const uint32_t wA[4] = {wa.x, wa.y, wa.z, wa.w}, wB[4] = {wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const uint4 bv = xs4[((c * 4 + i) * 8 + g) * 4 + t];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const uint32_t HA = w4_decode(wA[i] >> (16 * h), la0, la1);
+              const uint32_t HB = w4_decode(wB[i] >> (16 * h), lb0, lb1);
+              ptx::mma_16816(q, ptx::prmt(HA, 0, 0x1404), ptx::prmt(HB, 0, 0x1404), ptx::prmt(HA, 0, 0x3424),
+                             ptx::prmt(HB, 0, 0x3424), h ? bv.z : bv.x, h ? bv.w : bv.y);
+            }
+          }
+          acc[0] += q[0] * fA;
+          acc[1] += q[1] * fA;
+          acc[2] += q[2] * fB;
+          acc[3] += q[3] * fB;
         }
       }
-      acc[0] += p[0] * fA;
-      acc[1] += p[1] * fA;
-      acc[2] += p[2] * fB;
-      acc[3] += p[3] * fB;
-      wa = na, wb = nb, sa = nsa, sb = nsb;
+    }
+    if (ks > 0) red[ks - 1][rt][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    __syncthreads();
+    if (ks != 0 || !wactive) continue;
+#pragma unroll
+    for (int j = 0; j < kKS - 1; ++j) {  // fixed order: deterministic
+      const float4 v = red[j][rt][lane];
+      acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
     }
     const float biasA = bf16_to_float(a.bias[rowA]), biasB = bf16_to_float(a.bias[rowB]);
 #pragma unroll
@@ -334,7 +389,14 @@ struct MoeLayer::Impl {
   MoeOptions opt;
   int max_tokens;
   int64_t kph, kpi, rows_cap;
-  Fp8Gemm gemm;
+  // FP8 path: experts of a tile spread over gemm_streams streams, each with
+  // its own cuBLASLt workspace and plans.
+  std::vector<cudaStream_t> gs;
+  Fp8Gemm gemm;  // one plan cache; a workspace slice per stream
+  DeviceArray<uint8_t> gemm_ws;
+  static constexpr size_t kGemmWs = size_t(32) << 20;
+  cudaEvent_t ev_fork{};
+  std::vector<cudaEvent_t> ev_join;
   // routing
   DeviceArray<int> counts, offsets, sorted, row_expert, inv, active, n_active, err;
   // fused path
@@ -357,6 +419,7 @@ struct MoeLayer::Impl {
           DZ_ERR_INVALID_ARGUMENT, "MoeLayer: unsupported shape E=", s.n_experts, " topk=", s.topk, " H=", s.hidden,
           " I=", s.intermediate);
     check(opt.tile_experts >= 1 && opt.tile_experts <= 32, DZ_ERR_INVALID_ARGUMENT, "tile_experts must be 1..32");
+    check(opt.gemm_streams >= 1 && opt.gemm_streams <= 16, DZ_ERR_INVALID_ARGUMENT, "gemm_streams must be 1..16");
     kph = kpad_of(s.hidden);
     kpi = kpad_of(s.intermediate);
     const int64_t slots = int64_t(maxT) * s.topk;
@@ -389,6 +452,16 @@ struct MoeLayer::Impl {
     // Padding columns of the fp16 activations are never written by the kernels.
     DZ_CUDA_CHECK(cudaMemsetAsync(act16.get(), 0, act16.bytes(), ctx.stream()));
     DZ_CUDA_CHECK(cudaMallocHost(&h_counts, sizeof(int) * (2 * E + 1)));
+    gemm_ws = DeviceArray<uint8_t>(P, kGemmWs * opt.gemm_streams, "cuBLASLt workspaces");
+    DZ_CUDA_CHECK(cudaEventCreateWithFlags(&ev_fork, cudaEventDisableTiming));
+    for (int i = 0; i < opt.gemm_streams; ++i) {
+      cudaStream_t q;
+      DZ_CUDA_CHECK(cudaStreamCreateWithFlags(&q, cudaStreamNonBlocking));
+      gs.push_back(q);
+      cudaEvent_t ev;
+      DZ_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+      ev_join.push_back(ev);
+    }
     for (int i = 0; i < 2; ++i) {
       DZ_CUDA_CHECK(cudaEventCreateWithFlags(&ev_ready[i], cudaEventDisableTiming));
       DZ_CUDA_CHECK(cudaEventCreateWithFlags(&ev_free[i], cudaEventDisableTiming));
@@ -400,6 +473,9 @@ struct MoeLayer::Impl {
   }
 
   ~Impl() {
+    for (auto q : gs) cudaStreamSynchronize(q), cudaStreamDestroy(q);
+    for (auto ev : ev_join) cudaEventDestroy(ev);
+    if (ev_fork) cudaEventDestroy(ev_fork);
     for (int i = 0; i < 2; ++i) {
       if (ev_ready[i]) cudaEventDestroy(ev_ready[i]);
       if (ev_free[i]) cudaEventDestroy(ev_free[i]);
@@ -407,19 +483,22 @@ struct MoeLayer::Impl {
     if (h_counts) cudaFreeHost(h_counts);
   }
 
-  void route(const int* ids, int T) {
+  // with_x: also convert x to the fused path's fp16 input (small T only).
+  void route(const int* ids, int T, const float* x_small) {
     const int E = s.n_experts;
     route_kernel<<<1, kRouteThreads, sizeof(int) * (3 * E + 1), ctx.stream()>>>(
         ids, T * s.topk, E, counts.get(), offsets.get(), sorted.get(), row_expert.get(), inv.get(), active.get(),
-        n_active.get(), err.get());
+        n_active.get(), err.get(), x_small, T, s.hidden, int(kph), xh.get(), xs.get());
     DZ_CUDA_LAUNCH_CHECK();
   }
 
   void fused(const MoeWeights& w, const float* x, const int* ids, const float* gw, int T, float* out) {
     cudaStream_t st = ctx.stream();
     const int E = s.n_experts, H = s.hidden, I = s.intermediate;
-    x_to_half_kernel<<<T, 256, 0, st>>>(x, H, int(kph), xh.get(), xs.get());
-    DZ_CUDA_LAUNCH_CHECK();
+    if (T > kRouteConvertsX) {
+      x_to_half_kernel<<<T, 256, 0, st>>>(x, H, int(kph), xh.get(), xs.get());
+      DZ_CUDA_LAUNCH_CHECK();
+    }
     const unsigned max_active = unsigned(std::min<int64_t>(E, int64_t(T) * s.topk));
     W4Args a{};
     a.sorted = sorted.get(), a.offsets = offsets.get(), a.counts = counts.get(), a.active = active.get();
@@ -479,25 +558,27 @@ struct MoeLayer::Impl {
       mxfp4_fold_experts(W2, act_e.data() + t0, n, Fp8Slots{f2, s2}, aux);
       DZ_CUDA_CHECK(cudaEventRecord(ev_ready[buf], aux));
       DZ_CUDA_CHECK(cudaStreamWaitEvent(st, ev_ready[buf], 0));
+      // Each expert: GEMM1 -> SwiGLU + 1x128 quantization -> GEMM2, on one of gs.
+      const int S = int(gs.size());
+      DZ_CUDA_CHECK(cudaEventRecord(ev_fork, st));
+      for (int q = 0; q < std::min(S, n); ++q) DZ_CUDA_CHECK(cudaStreamWaitEvent(gs[size_t(q)], ev_fork, 0));
       for (int i = 0; i < n; ++i) {
         const int e = act_e[t0 + i];
         const int off = ho[e], mp = ho[e + 1] - ho[e];
+        cudaStream_t q = gs[size_t(i % S)];
+        uint8_t* wsp = gemm_ws.get() + size_t(i % S) * kGemmWs;
         gemm.run(a1.get() + size_t(off) * kph, a1s.get() + size_t(nkb_h) * off, f1 + i * w1_fp8, s1 + i * w1_sc,
-                 d1.get() + size_t(off) * 2 * I, mp, 2 * I, int(kph), st);
-      }
-      const int r0 = ho[act_e[t0]], r1 = ho[act_e[t0 + n - 1] + 1];
-      {
-        const int64_t threads = int64_t(r1 - r0) * nkb_i * 32;
-        swiglu_quant_kernel<<<unsigned((threads + 255) / 256), 256, 0, st>>>(
-            d1.get(), I, nkb_i, w.b1, sorted.get(), row_expert.get(), offsets.get(), r0, r1 - r0, a2.get(),
-            a2s.get());
+                 d1.get() + size_t(off) * 2 * I, mp, 2 * I, int(kph), q, wsp, kGemmWs);
+        const int64_t threads = int64_t(mp) * nkb_i * 32;
+        swiglu_quant_kernel<<<unsigned((threads + 255) / 256), 256, 0, q>>>(
+            d1.get(), I, nkb_i, w.b1, sorted.get(), row_expert.get(), offsets.get(), off, mp, a2.get(), a2s.get());
         DZ_CUDA_LAUNCH_CHECK();
-      }
-      for (int i = 0; i < n; ++i) {
-        const int e = act_e[t0 + i];
-        const int off = ho[e], mp = ho[e + 1] - ho[e];
         gemm.run(a2.get() + size_t(off) * kpi, a2s.get() + size_t(nkb_i) * off, f2 + i * w2_fp8, s2 + i * w2_sc,
-                 d2.get() + size_t(off) * H, mp, H, int(kpi), st);
+                 d2.get() + size_t(off) * H, mp, H, int(kpi), q, wsp, kGemmWs);
+      }
+      for (int q = 0; q < std::min(S, n); ++q) {
+        DZ_CUDA_CHECK(cudaEventRecord(ev_join[size_t(q)], gs[size_t(q)]));
+        DZ_CUDA_CHECK(cudaStreamWaitEvent(st, ev_join[size_t(q)], 0));
       }
       DZ_CUDA_CHECK(cudaEventRecord(ev_free[buf], st));
     }
@@ -526,7 +607,7 @@ void MoeLayer::forward(const MoeWeights& w, const float* x, const int* ids, cons
   check(x && ids && gw && out && w.w1_blocks && w.w1_scales && w.b1 && w.w2_blocks && w.w2_scales && w.b2,
         DZ_ERR_INVALID_ARGUMENT, "MoeLayer::forward: null pointer");
   if (path == MoePath::kAuto) path = choose(T);
-  p_->route(ids, T);
+  p_->route(ids, T, path == MoePath::kFused && T <= kRouteConvertsX ? x : nullptr);
   if (path == MoePath::kFused)
     p_->fused(w, x, ids, gw, T, out);
   else

@@ -40,6 +40,7 @@ struct MoeOptions {
   // Fused path while tokens * topk / n_experts <= this (measured: dz bench moe).
   double fused_max_tokens_per_expert = 8.0;
   int tile_experts = 16;  // experts per FP8 workspace tile (two tiles in flight)
+  int gemm_streams = 4;   // experts of a tile run concurrently on this many streams
 };
 
 class MoeLayer {

@@ -106,9 +106,15 @@ def main():
     b2 = load(f"{d}/b2.bin", np.int16, (E, H)).view(torch.bfloat16).to(dev).float()
     w1t, w2t = w1.transpose(1, 2), w2.transpose(1, 2)  # [E, K, N] column-major, as _grouped_mm wants
 
+    # cuBLAS row-wise FP8 wants K a multiple of 128 here: pad with zeros (2880 -> 2944).
+    def padk(v):
+        k = v.shape[-1]
+        return torch.nn.functional.pad(v, (0, (k + 127) // 128 * 128 - k))
+
     def rowwise_fp8(w):
-        s = w.float().abs().amax(-1, keepdim=True).clamp(min=1e-30) / 448.0
-        return (w.float() / s).to(torch.float8_e4m3fn), s.squeeze(-1)
+        w = padk(w.float())
+        s = w.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 448.0
+        return (w / s).to(torch.float8_e4m3fn), s.squeeze(-1)
 
     w1q, w1s = zip(*[rowwise_fp8(w1[e]) for e in range(E)])
     w2q, w2s = zip(*[rowwise_fp8(w2[e]) for e in range(E)])
@@ -133,6 +139,7 @@ def main():
         return out
 
     def quant_rows(v):
+        v = padk(v)
         s = v.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 448.0
         return (v / s).to(torch.float8_e4m3fn), s
 

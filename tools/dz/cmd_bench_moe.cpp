@@ -7,6 +7,7 @@
 // --dump DIR writes the weights, inputs, routing and outputs for the PyTorch
 // peers (tools/bench/moe_peers.py).
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -31,7 +32,8 @@ namespace dz::cli {
 namespace {
 const char* kUsage =
     "usage: dz bench moe [--tokens 1,8,64,512,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
-    "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N]\n"
+    "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
+    "                    [--no-components]\n"
     "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
     "MXFP4 MoE layer on the GPU: fused W4A16 vs FP8 (fold + cuBLASLt) paths, JSON results.\n";
 
@@ -93,12 +95,12 @@ struct Timer {
     cudaEventDestroy(b);
   }
   template <typename F>
-  double median_ms(int reps, F run) {
+  double median_ms(int reps, int warm, F run) {
     std::vector<double> v;
-    for (int i = -2; i < reps; ++i) {  // two warm-up calls
+    for (int i = -warm; i < reps; ++i) {  // warm-up calls first (each routing set once)
       DZ_CUDA_CHECK(cudaMemsetAsync(flush, i & 0xFF, flush_bytes, ctx.stream()));
       DZ_CUDA_CHECK(cudaEventRecord(a, ctx.stream()));
-      run(i < 0 ? 0 : i);
+      run(i < 0 ? i + warm : i);
       DZ_CUDA_CHECK(cudaEventRecord(b, ctx.stream()));
       DZ_CUDA_CHECK(cudaEventSynchronize(b));
       float ms = 0;
@@ -116,7 +118,7 @@ int bench_moe(const Args& a) {
     return 0;
   }
   reject_unknown(a, {"--tokens", "--reps", "--experts", "--topk", "--hidden", "--intermediate", "--threshold",
-                     "--tile", "--bw-ceiling", "--fp8-ceiling", "--dump", "--out", "--help"},
+                     "--tile", "--gemm-streams", "--no-components", "--bw-ceiling", "--fp8-ceiling", "--dump", "--out", "--help"},
                  "bench moe");
   const std::vector<int> tokens = parse_list(flag_value(a, "--tokens", "1,8,64,512,4096,16384"));
   const int reps = std::stoi(flag_value(a, "--reps", "20"));
@@ -128,6 +130,7 @@ int bench_moe(const Args& a) {
   MoeOptions opt;
   opt.fused_max_tokens_per_expert = std::stod(flag_value(a, "--threshold", "8"));
   opt.tile_experts = std::stoi(flag_value(a, "--tile", "16"));
+  opt.gemm_streams = std::stoi(flag_value(a, "--gemm-streams", "4"));
   const double bw_ceiling = std::stod(flag_value(a, "--bw-ceiling", "4.27e12"));
   const double fp8_ceiling = std::stod(flag_value(a, "--fp8-ceiling", "1490e12"));
   const std::string dump = flag_value(a, "--dump", "");
@@ -160,6 +163,70 @@ int bench_moe(const Args& a) {
     cpu::FoldStats fs = mxfp4_fold_check_device(Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, E, &nan1, st);
     fs.merge(mxfp4_fold_check_device(Mxfp4Stack{w2b.get(), w2s.get(), H, I}, E, &nan2, st));
 
+    // Components: folding throughput, and one FP8 GEMM (N = 2I, K = H padded) per M.
+    nlohmann::json comp;
+    if (!has_flag(a, "--no-components")) {
+      const int n_ex = std::min(E, 16);
+      const int64_t kph = cpu::fold_kpad(H), kpi = cpu::fold_kpad(I);
+      DeviceArray<uint8_t> f1(P, size_t(n_ex) * 2 * I * kph, "fold1"), f2(P, size_t(n_ex) * H * kpi, "fold2");
+      DeviceArray<float> s1(P, size_t(n_ex) * 2 * I * (kph / 128), "fold1 s"), s2(P, size_t(n_ex) * H * (kpi / 128), "s2");
+      std::vector<int> idl(static_cast<size_t>(n_ex), 0);
+      for (int i = 0; i < n_ex; ++i) idl[size_t(i)] = i * (E / n_ex);
+      cudaEvent_t e0, e1;
+      DZ_CUDA_CHECK(cudaEventCreate(&e0));
+      DZ_CUDA_CHECK(cudaEventCreate(&e1));
+      auto fold = [&] {
+        mxfp4_fold_experts(Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, idl.data(), n_ex, Fp8Slots{f1.get(), s1.get()}, st);
+        mxfp4_fold_experts(Mxfp4Stack{w2b.get(), w2s.get(), H, I}, idl.data(), n_ex, Fp8Slots{f2.get(), s2.get()}, st);
+      };
+      fold();
+      DZ_CUDA_CHECK(cudaEventRecord(e0, st));
+      for (int r = 0; r < 5; ++r) fold();
+      DZ_CUDA_CHECK(cudaEventRecord(e1, st));
+      DZ_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      DZ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      const double fold_bytes = double(n_ex) * expert_fp4_bytes + double(f1.bytes() + f2.bytes() + s1.bytes() + s2.bytes());
+      comp["fold_experts"] = n_ex;
+      comp["fold_ms"] = ms / 5;
+      comp["fold_bytes_per_s"] = fold_bytes / (ms / 5 * 1e-3);
+      Fp8Gemm gemm(ctx);
+      const int max_m = 2048;
+      DeviceArray<uint8_t> xq(P, size_t(max_m) * kph, "gemm x");
+      DeviceArray<float> xqs(P, size_t(max_m) * (kph / 128), "gemm xs");
+      DeviceArray<uint16_t> dd(P, size_t(max_m) * 2 * I, "gemm d");
+      fill_random_u8(xq.get(), xq.size(), 77, 0, 0x7E, st);
+      fill_random_f32(xqs.get(), xqs.size(), 78, 1.f, st);
+      nlohmann::json gl = nlohmann::json::array();
+      for (int m : {16, 64, 128, 512, 2048}) {
+        auto one = [&](int i) {
+          const int sl = i % n_ex;
+          gemm.run(xq.get(), xqs.get(), f1.get() + size_t(sl) * 2 * I * kph, s1.get() + size_t(sl) * 2 * I * (kph / 128),
+                   dd.get(), m, 2 * I, int(kph), st);
+        };
+        one(0);
+        ctx.sync();
+        const int calls = 32;
+        DZ_CUDA_CHECK(cudaEventRecord(e0, st));
+        const auto h0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < calls; ++i) one(i);
+        const double host = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
+        DZ_CUDA_CHECK(cudaEventRecord(e1, st));
+        DZ_CUDA_CHECK(cudaEventSynchronize(e1));
+        DZ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        const double per = ms / calls;
+        gl.push_back({{"m", m}, {"n", 2 * I}, {"k", kph}, {"gpu_ms_per_call", per}, {"host_ms_per_call", host / calls},
+                      {"tflops", 2.0 * m * 2 * I * kph / (per * 1e-3) / 1e12}});
+        std::fprintf(stderr, "gemm m=%5d n=%d k=%ld: %.4f ms/call (host %.4f) %.0f TFLOP/s\n", m, 2 * I, long(kph), per,
+                     host / calls, 2.0 * m * 2 * I * kph / (per * 1e-3) / 1e12);
+      }
+      comp["gemm"] = gl;
+      std::fprintf(stderr, "fold %d experts: %.3f ms, %.2f TB/s (read+write)\n", n_ex, comp["fold_ms"].get<double>(),
+                   comp["fold_bytes_per_s"].get<double>() / 1e12);
+      cudaEventDestroy(e0);
+      cudaEventDestroy(e1);
+    }
+
     MoeLayer layer(ctx, sh, max_T, opt);
     const size_t flush_bytes = size_t(256) << 20;
     DeviceArray<uint8_t> flush(P, flush_bytes, "L2 flush");
@@ -175,6 +242,7 @@ int bench_moe(const Args& a) {
                         {"fp8_workspace_bytes", layer.fp8_workspace_bytes()},
                         {"scratch_bytes", layer.scratch_bytes()},
                         {"tile_experts", opt.tile_experts},
+                        {"gemm_streams", opt.gemm_streams},
                         {"fold_check",
                          {{"groups", fs.groups},
                           {"lossy_groups", fs.lossy_groups},
@@ -183,6 +251,7 @@ int bench_moe(const Args& a) {
                           {"nan_scales", nan1 + nan2}}},
                         {"timing", "median of CUDA-event times, L2 flushed (256 MiB memset) before each call, " +
                                        std::to_string(kSets) + " routing sets rotated; fused path as CUDA graphs"},
+                        {"components", comp},
                         {"results", nlohmann::json::array()}};
     if (!dump.empty()) {
       write_bin(dump + "/w1_blocks.bin", w1b.get(), w1b.size());
@@ -244,12 +313,15 @@ int bench_moe(const Args& a) {
         DZ_CUDA_CHECK(cudaGraphInstantiate(&graphs[s], g, 0));
         DZ_CUDA_CHECK(cudaGraphDestroy(g));
       }
-      const double ms_fused = timer.median_ms(r, [&](int i) {
+      const double ms_fused = timer.median_ms(r, kSets, [&](int i) {
         DZ_CUDA_CHECK(cudaGraphLaunch(graphs[size_t(i % kSets)], st));
       });
-      const double ms_fp8 = timer.median_ms(r, [&](int i) {
+      std::vector<double> host;
+      const double ms_fp8 = timer.median_ms(r, kSets, [&](int i) {
+        const auto h0 = std::chrono::steady_clock::now();
         layer.forward(W, x.get(), ids[size_t(i % kSets)].get(), gws[size_t(i % kSets)].get(), T, out_8.get(),
                       MoePath::kFp8);
+        host.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count());
       });
       for (auto ge : graphs) cudaGraphExecDestroy(ge);
       // Outputs of both paths on routing set 0, and their agreement.
@@ -284,6 +356,7 @@ int bench_moe(const Args& a) {
           {"fp8_peak_fraction", flops / (ms_fp8 * 1e-3) / fp8_ceiling},
           {"best_peak_fraction", flops / (ms_best * 1e-3) / fp8_ceiling},
           {"fused_vs_fp8_diff", agree},
+          {"fp8_host_ms", median(host)},
       };
       j["results"].push_back(row);
       std::fprintf(stderr, "moe T=%6d  fused %9.3f ms  fp8 %9.3f ms  (hbm %.0f%%, fp8 %.0f TFLOP/s)  diff %.2e\n", T,

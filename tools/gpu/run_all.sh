@@ -65,6 +65,10 @@ DUMP=$(mktemp -d /tmp/dz_moe_dump.XXXX)
 "$DZ" bench moe --tokens "${DZ_BENCH_TOKENS:-1,8,64,512,4096,16384}" --dump "$DUMP" --out "$OUTDIR/bench_moe.json" >/dev/null
 [ $? -ne 0 ] && { echo "dz bench moe FAILED"; status=1; }
 
+step "dz bench moe, FP8 path with one GEMM stream (for comparison)"
+"$DZ" bench moe --tokens 4096,16384 --gemm-streams 1 --no-components --reps 8 --out "$OUTDIR/bench_moe_1stream.json" \
+  >/dev/null || status=1
+
 step "PyTorch peers (tools/bench/moe_peers.py)"
 if [ -f "$DUMP/meta.json" ]; then
   python3 tools/bench/moe_peers.py "$DUMP" --dz-json "$OUTDIR/bench_moe.json" --out "$OUTDIR/moe_peers.json" ||
