@@ -315,6 +315,29 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
       ctx.sync();
       CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
     }
+    // Every fused-kernel variant (K split over 1 or 4 warps, PDL on/off), also inside a CUDA graph.
+    for (int ks : {1, 4})
+      for (bool pdl : {false, true}) {
+        INFO("fused variant ks " << ks << " pdl " << pdl);
+        layer.options().fused_k_split = ks;
+        layer.options().pdl = pdl;
+        DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        DZ_CUDA_CHECK(cudaStreamBeginCapture(ctx.stream(), cudaStreamCaptureModeThreadLocal));
+        layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFused);
+        DZ_CUDA_CHECK(cudaStreamEndCapture(ctx.stream(), &g));
+        DZ_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+        DZ_CUDA_CHECK(cudaGraphLaunch(ge, ctx.stream()));
+        ctx.sync();
+        cudaGraphExecDestroy(ge);
+        cudaGraphDestroy(g);
+        const auto got = out.get();
+        const double d = diff_metric(std::vector<double>(got.begin(), got.end()), ref);
+        INFO("diff " << d);
+        CHECK(d < 2e-4);
+      }
+    layer.options() = MoeOptions{8.0, 3};
     CHECK(layer.take_error() == 0);
   }
   // An out-of-range expert id is flagged, not a crash.

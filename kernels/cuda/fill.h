@@ -12,4 +12,8 @@ void fill_random_u8(uint8_t* p, size_t n, uint64_t seed, int lo, int hi, cudaStr
 void fill_random_bf16(uint16_t* p, size_t n, uint64_t seed, float scale, cudaStream_t s);  // ~ N(0, scale^2)
 void fill_random_f32(float* p, size_t n, uint64_t seed, float scale, cudaStream_t s);      // ~ N(0, scale^2)
 
+// Evict the L2 by reading bytes (clean lines: no write-back charged to the next
+// kernel, unlike a memset flush); sink receives a value so the reads stay.
+void l2_flush_read(const void* buf, size_t bytes, float* sink, cudaStream_t s);
+
 }  // namespace dz::cuda

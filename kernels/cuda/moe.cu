@@ -17,13 +17,11 @@ namespace {
 
 constexpr int kPadRows = 16;      // expert segments padded to 16 rows (aligned scale vectors, few GEMM shapes)
 constexpr int kRouteThreads = 1024;
-// Fused kernel block: 8 warps = kRT row tiles (16 rows each) x kKS slices of K
-// (split K keeps each warp's dependent chain short; partial sums meet in smem).
-constexpr int kKS = 4, kRT = 2;
-constexpr int kW4Threads = 32 * kKS * kRT;
-constexpr int kW4Rows = 16 * kRT;
+// Fused kernel block: 8 warps = (8 / KS) row tiles of 16 rows x KS slices of K
+// (split K keeps each warp's dependent chain short when few experts are
+// active; partial sums meet in shared memory in a fixed order).
+constexpr int kW4Threads = 256;
 constexpr int kW4Tokens = 8;  // tokens per MMA pass (n = 8)
-constexpr int kRing = 3;      // K chunks in flight per warp
 constexpr int kRouteConvertsX = 16;  // the routing block converts the input up to this many tokens
 
 __device__ __forceinline__ float bf16_to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
@@ -175,16 +173,28 @@ __device__ __forceinline__ uint32_t w4_decode(uint32_t w, uint32_t l0, uint32_t 
 // takes elements 4s..4s+3 of it. Each row's 4 sub-block scales are folded into
 // the fp16 weights relative to the chunk's largest one; that one multiplies the
 // fp32 partial sums.
-template <bool kGateUp>
-__global__ void __launch_bounds__(kW4Threads, 2) w4_kernel(W4Args a) {
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+// kKS: K split over warps (more warps per row for small batches, where few
+// experts leave the grid short); kRing: K chunks in flight per warp. kPdl: the
+// kernel was launched as a programmatic dependent of the previous one; down
+// projections issue their first weight loads before waiting for it.
+template <bool kGateUp, int kKS, bool kPdl>
+__global__ void __launch_bounds__(kW4Threads, kKS == 1 ? 3 : 2) w4_kernel(W4Args a) {
+  constexpr int kRT = 8 / kKS, kRows = 16 * kRT, kRing = kKS == 1 ? 2 : 3;
   extern __shared__ uint4 xs4[];  // [chunk][i][token][t] 16-byte pieces
-  __shared__ float4 red[kKS - 1][kRT][32];
-  if (blockIdx.y >= unsigned(*a.n_active)) return;
+  __shared__ float4 red[kKS > 1 ? kKS - 1 : 1][kRT][32];
+  if (kPdl && kGateUp) griddep_wait();  // routing outputs
+  if (blockIdx.y >= unsigned(*a.n_active)) {
+    if (kPdl) griddep_launch();
+    return;
+  }
   const int e = a.active[blockIdx.y];
   const int seg = a.offsets[e], cnt = a.counts[e];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int rt = warp % kRT, ks = warp / kRT;
-  const int R0 = blockIdx.x * kW4Rows + rt * 16;
+  const int R0 = blockIdx.x * kRows + rt * 16;
   const bool wactive = R0 < a.rows;
   const int rA = kGateUp ? R0 + 2 * g : R0 + g;
   const int rB = kGateUp ? R0 + 2 * g + 1 : R0 + g + 8;
@@ -196,6 +206,7 @@ __global__ void __launch_bounds__(kW4Threads, 2) w4_kernel(W4Args a) {
   const int nchunk = a.kpad / 128, k8 = a.kpad / 8;
   const int per = (nchunk + kKS - 1) / kKS;
   const int c_begin = min(nchunk, ks * per), c_end = min(nchunk, c_begin + per);
+  const bool has_work = wactive && c_begin < c_end;
 
   auto load = [&](int c, uint4& wa, uint4& wb, int& sa, int& sb) {
     const int sub = c * 4 + t;
@@ -209,6 +220,18 @@ __global__ void __launch_bounds__(kW4Threads, 2) w4_kernel(W4Args a) {
       sa = sb = 0;
     }
   };
+  uint4 ra[kRing], rb[kRing];
+  int sa[kRing], sb[kRing];
+  auto prefetch = [&] {
+#pragma unroll
+    for (int p = 0; p < kRing; ++p)
+      if (c_begin + p < c_end) load(c_begin + p, ra[p], rb[p], sa[p], sb[p]);
+  };
+  // The first weight loads go out before the activations are staged (and, for
+  // a dependent down projection, before waiting for the gate_up kernel).
+  if (has_work) prefetch();
+  bool ready = true;
+  if (kPdl && !kGateUp) griddep_wait();
 
   for (int base = 0; base < cnt; base += kW4Tokens) {
     const int m = min(kW4Tokens, cnt - base);
@@ -228,12 +251,9 @@ __global__ void __launch_bounds__(kW4Threads, 2) w4_kernel(W4Args a) {
     __syncthreads();
 
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    if (wactive && c_begin < c_end) {
-      uint4 ra[kRing], rb[kRing];
-      int sa[kRing], sb[kRing];
-#pragma unroll
-      for (int p = 0; p < kRing; ++p)
-        if (c_begin + p < c_end) load(c_begin + p, ra[p], rb[p], sa[p], sb[p]);
+    if (has_work) {
+      if (!ready) prefetch();
+      ready = false;
       for (int c0 = c_begin; c0 < c_end; c0 += kRing) {
 #pragma unroll
         for (int p = 0; p < kRing; ++p) {
@@ -274,14 +294,17 @@ __global__ void __launch_bounds__(kW4Threads, 2) w4_kernel(W4Args a) {
         }
       }
     }
-    if (ks > 0) red[ks - 1][rt][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-    __syncthreads();
-    if (ks != 0 || !wactive) continue;
+    if (kKS > 1) {
+      if (ks > 0) red[ks - 1][rt][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      __syncthreads();
+      if (ks != 0) continue;
 #pragma unroll
-    for (int j = 0; j < kKS - 1; ++j) {  // fixed order: deterministic
-      const float4 v = red[j][rt][lane];
-      acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
+      for (int j = 0; j < kKS - 1; ++j) {  // fixed order: deterministic
+        const float4 v = red[j][rt][lane];
+        acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
+      }
     }
+    if (!wactive) continue;
     const float biasA = bf16_to_float(a.bias[rowA]), biasB = bf16_to_float(a.bias[rowB]);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -298,6 +321,7 @@ __global__ void __launch_bounds__(kW4Threads, 2) w4_kernel(W4Args a) {
       }
     }
   }
+  if (kPdl) griddep_launch();  // after this block's results are written
 }
 
 // ---------------------------------------------------------------- FP8 path
@@ -362,9 +386,10 @@ __global__ void swiglu_quant_kernel(const __nv_bfloat16* d1, int I, int nkb, con
 }
 
 // out[t] = sum_k w[t][k] * (y[inv[t,k]] (+ bias[e_k])), fixed order: deterministic.
-template <typename T, bool kBias>
+template <typename T, bool kBias, bool kPdl = false>
 __global__ void combine_kernel(const T* y, const int* inv, const int* ids, const float* gw, int topk,
                                const uint16_t* bias, int H, float* out) {
+  if (kPdl) asm volatile("griddepcontrol.wait;" ::: "memory");
   const int t = blockIdx.x;
   for (int n = threadIdx.x; n < H; n += blockDim.x) {
     float acc = 0.f;
@@ -467,8 +492,10 @@ struct MoeLayer::Impl {
       DZ_CUDA_CHECK(cudaEventCreateWithFlags(&ev_free[i], cudaEventDisableTiming));
     }
     const int smem = int(kW4Tokens * std::max(kph, kpi) * 2);
-    DZ_CUDA_CHECK(cudaFuncSetAttribute(w4_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    DZ_CUDA_CHECK(cudaFuncSetAttribute(w4_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    for (auto k : {w4_kernel<true, 1, false>, w4_kernel<true, 1, true>, w4_kernel<true, 4, false>,
+                   w4_kernel<true, 4, true>, w4_kernel<false, 1, false>, w4_kernel<false, 1, true>,
+                   w4_kernel<false, 4, false>, w4_kernel<false, 4, true>})
+      DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     DZ_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
   }
 
@@ -509,17 +536,48 @@ struct MoeLayer::Impl {
     a.act = xh.get(), a.act_scale = xs.get();
     a.rows = 2 * I, a.nsub = H / 32, a.kpad = int(kph);
     a.out_act = act16.get(), a.out_ld = int(kpi);
-    w4_kernel<true><<<dim3((2 * I + kW4Rows - 1) / kW4Rows, max_active), kW4Threads, kW4Tokens * kph * 2, st>>>(a);
-    DZ_CUDA_LAUNCH_CHECK();
+    const int ks = opt.fused_k_split ? opt.fused_k_split : (int64_t(T) * s.topk <= 8 ? 4 : 1);
+    const bool pdl = opt.pdl;
+    launch_w4<true>(ks, pdl, 2 * I, max_active, kW4Tokens * kph * 2, st, a);
     // down
     a.blocks = w.w2_blocks, a.scales = w.w2_scales, a.bias = w.b2;
     a.act = act16.get(), a.act_scale = nullptr;
     a.rows = H, a.nsub = I / 32, a.kpad = int(kpi);
     a.out_y = y32.get();
-    w4_kernel<false><<<dim3((H + kW4Rows - 1) / kW4Rows, max_active), kW4Threads, kW4Tokens * kpi * 2, st>>>(a);
-    DZ_CUDA_LAUNCH_CHECK();
-    combine_kernel<float, false><<<T, 256, 0, st>>>(y32.get(), inv.get(), ids, gw, s.topk, nullptr, H, out);
-    DZ_CUDA_LAUNCH_CHECK();
+    launch_w4<false>(ks, pdl, H, max_active, kW4Tokens * kpi * 2, st, a);
+    if (pdl)
+      launch(combine_kernel<float, false, true>, dim3(T), dim3(256), 0, st, true, (const float*)y32.get(),
+             (const int*)inv.get(), ids, gw, s.topk, (const uint16_t*)nullptr, H, out);
+    else
+      launch(combine_kernel<float, false, false>, dim3(T), dim3(256), 0, st, false, (const float*)y32.get(),
+             (const int*)inv.get(), ids, gw, s.topk, (const uint16_t*)nullptr, H, out);
+  }
+
+  template <bool G>
+  void launch_w4(int ks, bool pdl, int rows, unsigned max_active, size_t smem, cudaStream_t st, const W4Args& a) {
+    check(ks == 1 || ks == 4, DZ_ERR_INVALID_ARGUMENT, "fused_k_split must be 0 (auto), 1 or 4");
+    const int per_block = 16 * (8 / ks);
+    const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
+    if (ks == 1)
+      launch(pdl ? w4_kernel<G, 1, true> : w4_kernel<G, 1, false>, grid, dim3(kW4Threads), smem, st, pdl, a);
+    else
+      launch(pdl ? w4_kernel<G, 4, true> : w4_kernel<G, 4, false>, grid, dim3(kW4Threads), smem, st, pdl, a);
+  }
+
+  // Launch, optionally as a programmatic dependent of the previous kernel in the stream.
+  template <typename... P, typename... A>
+  static void launch(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, bool pdl, A... args) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    DZ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, k, args...));
   }
 
   void fp8(const MoeWeights& w, const float* x, const int* ids, const float* gw, int T, float* out) {
@@ -594,6 +652,8 @@ MoeLayer::MoeLayer(Context& ctx, const MoeShape& shape, int max_tokens, const Mo
     : p_(std::make_unique<Impl>(ctx, shape, max_tokens, opt)), shape_(shape) {}
 
 MoeLayer::~MoeLayer() = default;
+
+MoeOptions& MoeLayer::options() { return p_->opt; }
 
 MoePath MoeLayer::choose(int T) const {
   const double per_expert = double(T) * shape_.topk / shape_.n_experts;

@@ -41,6 +41,8 @@ struct MoeOptions {
   double fused_max_tokens_per_expert = 8.0;
   int tile_experts = 16;  // experts per FP8 workspace tile (two tiles in flight)
   int gemm_streams = 4;   // experts of a tile run concurrently on this many streams
+  int fused_k_split = 0;  // fused kernels: K split over 1 or 4 warps (0: by batch size)
+  bool pdl = true;        // fused kernels as programmatic dependent launches
 };
 
 class MoeLayer {
@@ -61,6 +63,7 @@ class MoeLayer {
                MoePath path = MoePath::kAuto);
 
   MoePath choose(int T) const;
+  MoeOptions& options();  // tunables read at each forward (the bench varies them)
   const MoeShape& shape() const { return shape_; }
   size_t fp8_workspace_bytes() const;  // the shared FP8 expert workspace (both tiles)
   size_t scratch_bytes() const;        // everything else this layer reserved

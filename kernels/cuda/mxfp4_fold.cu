@@ -59,7 +59,7 @@ __device__ __forceinline__ GroupIn load_group(const uint8_t* bl, const uint8_t* 
   for (int j = 0; j < 4; ++j) {
     const int sb = g * 4 + j;
     if (sb < nsub) {
-      G.w[j] = ptx::ldg_nc_v4(bl + sb * 16);
+      G.w[j] = __ldg(reinterpret_cast<const uint4*>(bl + sb * 16));  // L1 keeps the sector's other half
       G.s[j] = sc[sb];
       G.nz[j] = ((G.w[j].x | G.w[j].y | G.w[j].z | G.w[j].w) & 0x77777777u) != 0;
       G.nan |= G.s[j] == 255;
@@ -73,30 +73,46 @@ __device__ __forceinline__ GroupIn load_group(const uint8_t* bl, const uint8_t* 
   return G;
 }
 
-// One thread per (row, fold group), row fastest: 64 B in, 128 B + 4 B out.
-__global__ void __launch_bounds__(256) fold_kernel(FoldArgs a) {
+// One thread per (row, fold group), group fastest: 64 B in, 128 B + 4 B out.
+// A block's 256 outputs are one contiguous 32 KiB range of the slot: they go
+// through shared memory (XOR-swizzled 16-byte pieces) and leave coalesced.
+constexpr int kFoldThreads = 256;
+
+__global__ void __launch_bounds__(kFoldThreads) fold_kernel(FoldArgs a) {
+  __shared__ uint4 stage[kFoldThreads * 8];
   const int slot = blockIdx.y;
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= int64_t(a.rows) * a.ngroups) return;
-  const int r = int(idx % a.rows), g = int(idx / a.rows);
-  const int64_t e = a.ids[slot];
+  const int64_t total = int64_t(a.rows) * a.ngroups;
+  const int64_t idx0 = int64_t(blockIdx.x) * kFoldThreads, idx = idx0 + threadIdx.x;
   const int64_t kpad = int64_t(a.ngroups) * 128;
-  const uint8_t* bl = a.blocks + (e * a.rows + r) * int64_t(a.nsub) * 16;
-  const uint8_t* sc = a.scales + (e * a.rows + r) * int64_t(a.nsub);
-  const GroupIn G = load_group(bl, sc, g, a.nsub);
-  const int smax = G.smax < 0 ? 133 : G.smax;
-  a.out_scales[int64_t(slot) * a.rows * a.ngroups + int64_t(g) * a.rows + r] =
-      G.nan ? __int_as_float(0x7fc00000) : ldexpf(1.f, smax - 133);
-  uint4* o = reinterpret_cast<uint4*>(a.out + (int64_t(slot) * a.rows + r) * kpad + int64_t(g) * 128);
+  uint8_t* out = a.out + int64_t(slot) * a.rows * kpad;
+  if (idx < total) {
+    const int r = int(idx / a.ngroups), g = int(idx % a.ngroups);
+    const int64_t e = a.ids[slot];
+    const uint8_t* bl = a.blocks + (e * a.rows + r) * int64_t(a.nsub) * 16;
+    const uint8_t* sc = a.scales + (e * a.rows + r) * int64_t(a.nsub);
+    const GroupIn G = load_group(bl, sc, g, a.nsub);
+    const int smax = G.smax < 0 ? 133 : G.smax;
+    a.out_scales[int64_t(slot) * total + int64_t(g) * a.rows + r] =
+        G.nan ? __int_as_float(0x7fc00000) : ldexpf(1.f, smax - 133);
+    uint4* o = stage + threadIdx.x * 8;
+    const int sw = threadIdx.x & 7;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int d = min(max(smax - G.s[j], 0), 31);
-    uint32_t lo, hi;
-    fold_lut(d, lo, hi);
-    const uint2 p0 = fold_word(G.w[j].x, lo, hi), p1 = fold_word(G.w[j].y, lo, hi);
-    const uint2 p2 = fold_word(G.w[j].z, lo, hi), p3 = fold_word(G.w[j].w, lo, hi);
-    o[j * 2] = make_uint4(p0.x, p0.y, p1.x, p1.y);
-    o[j * 2 + 1] = make_uint4(p2.x, p2.y, p3.x, p3.y);
+    for (int j = 0; j < 4; ++j) {
+      const int d = min(max(smax - G.s[j], 0), 31);
+      uint32_t lo, hi;
+      fold_lut(d, lo, hi);
+      const uint2 p0 = fold_word(G.w[j].x, lo, hi), p1 = fold_word(G.w[j].y, lo, hi);
+      const uint2 p2 = fold_word(G.w[j].z, lo, hi), p3 = fold_word(G.w[j].w, lo, hi);
+      o[(j * 2) ^ sw] = make_uint4(p0.x, p0.y, p1.x, p1.y);
+      o[(j * 2 + 1) ^ sw] = make_uint4(p2.x, p2.y, p3.x, p3.y);
+    }
+  }
+  __syncthreads();
+  const int64_t n16 = (total - idx0 < kFoldThreads ? total - idx0 : int64_t(kFoldThreads)) * 8;
+  uint4* dst = reinterpret_cast<uint4*>(out + idx0 * 128);
+  for (int q = threadIdx.x; q < n16; q += kFoldThreads) {
+    const int th = q >> 3, j = q & 7;
+    dst[q] = stage[th * 8 + (j ^ (th & 7))];
   }
 }
 
@@ -150,8 +166,8 @@ void mxfp4_fold_experts(const Mxfp4Stack& w, const int* ids, int n, const Fp8Slo
     a.ngroups = ngroups;
     for (int i = 0; i < cnt; ++i) a.ids[i] = ids[base + i];
     const int64_t work = w.rows * ngroups;
-    dim3 grid(unsigned((work + 255) / 256), unsigned(cnt));
-    fold_kernel<<<grid, 256, 0, s>>>(a);
+    dim3 grid(unsigned((work + kFoldThreads - 1) / kFoldThreads), unsigned(cnt));
+    fold_kernel<<<grid, kFoldThreads, 0, s>>>(a);
     DZ_CUDA_LAUNCH_CHECK();
   }
 }

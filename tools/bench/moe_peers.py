@@ -7,7 +7,8 @@ DUMP_DIR is what `dz bench moe --dump DUMP_DIR` wrote: the MXFP4 expert weights 
 layout), and per token count the input, routing (set 0) and dayzero's output. Peers:
   (a) grouped_bf16:  experts dequantised to BF16 once (not timed), torch._grouped_mm per call;
   (b) scaled_mm_fp8: experts as FP8 E4M3 with per-row scales (converted once, not timed),
-      activations quantised per row each call, one torch._scaled_mm per routed expert.
+      activations quantised per row each call, one torch._scaled_mm per routed expert (K padded
+      to 128; where cuBLAS refuses row-wise scales, one scale per expert and per activation segment).
 Both sort tokens by expert, apply gpt-oss SwiGLU (clamp 7, alpha 1.702, interleaved gate/up,
 biases) and the weighted combine. Timing: CUDA events, L2 flushed (256 MiB) before each call,
 median. Each peer's output is compared with dayzero's (diff = 1 - 2 sum(xy) / sum(x^2 + y^2)).
@@ -118,6 +119,15 @@ def main():
 
     w1q, w1s = zip(*[rowwise_fp8(w1[e]) for e in range(E)])
     w2q, w2s = zip(*[rowwise_fp8(w2[e]) for e in range(E)])
+    # Tensor-wise fallback (one scale per expert) where cuBLAS refuses row-wise scales.
+    def tensorwise_fp8(w):
+        w = padk(w.float())
+        s = w.abs().amax().clamp(min=1e-30) / 448.0
+        return (w / s).to(torch.float8_e4m3fn), s
+
+    w1t8, w1ts = zip(*[tensorwise_fp8(w1[e]) for e in range(E)])
+    w2t8, w2ts = zip(*[tensorwise_fp8(w2[e]) for e in range(E)])
+    fp8_mode = {"mode": "rowwise"}
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
 
     def route(ids):
@@ -143,27 +153,39 @@ def main():
         s = v.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 448.0
         return (v / s).to(torch.float8_e4m3fn), s
 
+    def expert_mm(v, e, first):
+        """One expert's FP8 GEMM of bf16/fp32 rows v: row-wise scales, else tensor-wise."""
+        wq, ws, wt, wts = (w1q, w1s, w1t8, w1ts) if first else (w2q, w2s, w2t8, w2ts)
+        if fp8_mode["mode"] == "rowwise":
+            vq, vs = quant_rows(v)
+            try:
+                return torch._scaled_mm(vq, wq[e].t(), scale_a=vs, scale_b=ws[e].unsqueeze(0), out_dtype=torch.bfloat16)
+            except RuntimeError as ex:
+                fp8_mode["mode"] = "tensorwise"
+                fp8_mode["rowwise_error"] = str(ex)[:200]
+        v = padk(v)
+        s = v.abs().amax().clamp(min=1e-30) / 448.0
+        return torch._scaled_mm((v / s).to(torch.float8_e4m3fn), wt[e].t(), scale_a=s, scale_b=wts[e],
+                                out_dtype=torch.bfloat16)
+
     def scaled(x, ids, gw):
         flat, order, counts = route(ids)
         tok = order // K
         ex = flat[order]
-        xq, xs = quant_rows(x[tok])
+        xs_ = x[tok]
         cnt = counts.tolist()
         h = torch.empty(len(tok), 2 * I, device=dev, dtype=torch.bfloat16)
         start = 0
         for e, c in enumerate(cnt):
             if c:
-                h[start:start + c] = torch._scaled_mm(xq[start:start + c], w1q[e].t(), scale_a=xs[start:start + c],
-                                                      scale_b=w1s[e].unsqueeze(0), out_dtype=torch.bfloat16)
+                h[start:start + c] = expert_mm(xs_[start:start + c], e, True)
             start += c
         a = swiglu(h.float() + b1[ex])
-        aq, as_ = quant_rows(a)
         y = torch.empty(len(tok), H, device=dev, dtype=torch.bfloat16)
         start = 0
         for e, c in enumerate(cnt):
             if c:
-                y[start:start + c] = torch._scaled_mm(aq[start:start + c], w2q[e].t(), scale_a=as_[start:start + c],
-                                                      scale_b=w2s[e].unsqueeze(0), out_dtype=torch.bfloat16)
+                y[start:start + c] = expert_mm(a[start:start + c], e, False)
             start += c
         out = torch.zeros_like(x)
         out.index_add_(0, tok, (y.float() + b2[ex]) * gw.flatten()[order].unsqueeze(1))
@@ -188,9 +210,9 @@ def main():
                 row[name + "_error"] = f"{type(ex).__name__}: {ex}"[:300]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    del w1q, w2q
+    del w1q, w2q, w1t8, w2t8
     res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "ceilings": ceilings(dev),
-           "results": rows}
+           "scaled_mm_fp8_scaling": fp8_mode, "results": rows}
     if args.dz_json:
         dz = json.load(open(args.dz_json))
         by_t = {r["tokens"]: r for r in rows}

@@ -86,7 +86,8 @@ struct Timer {
   void* flush;
   size_t flush_bytes;
   cudaEvent_t a{}, b{};
-  Timer(Context& c, void* f, size_t fb) : ctx(c), flush(f), flush_bytes(fb) {
+  float* sink;
+  Timer(Context& c, void* f, size_t fb, float* sk) : ctx(c), flush(f), flush_bytes(fb), sink(sk) {
     DZ_CUDA_CHECK(cudaEventCreate(&a));
     DZ_CUDA_CHECK(cudaEventCreate(&b));
   }
@@ -98,7 +99,7 @@ struct Timer {
   double median_ms(int reps, int warm, F run) {
     std::vector<double> v;
     for (int i = -warm; i < reps; ++i) {  // warm-up calls first (each routing set once)
-      DZ_CUDA_CHECK(cudaMemsetAsync(flush, i & 0xFF, flush_bytes, ctx.stream()));
+      l2_flush_read(flush, flush_bytes, sink, ctx.stream());
       DZ_CUDA_CHECK(cudaEventRecord(a, ctx.stream()));
       run(i < 0 ? i + warm : i);
       DZ_CUDA_CHECK(cudaEventRecord(b, ctx.stream()));
@@ -230,7 +231,9 @@ int bench_moe(const Args& a) {
     MoeLayer layer(ctx, sh, max_T, opt);
     const size_t flush_bytes = size_t(256) << 20;
     DeviceArray<uint8_t> flush(P, flush_bytes, "L2 flush");
-    Timer timer(ctx, flush.get(), flush_bytes);
+    DeviceArray<float> sink(P, 1, "flush sink");
+    fill_random_u8(flush.get(), flush_bytes, 5, 0, 255, st);
+    Timer timer(ctx, flush.get(), flush_bytes, sink.get());
     constexpr int kSets = 4;  // routing sets rotated between calls
 
     nlohmann::json meta = bench_meta();
@@ -249,7 +252,7 @@ int bench_moe(const Args& a) {
                           {"zero_groups", fs.zero_groups},
                           {"max_spread", fs.max_spread},
                           {"nan_scales", nan1 + nan2}}},
-                        {"timing", "median of CUDA-event times, L2 flushed (256 MiB memset) before each call, " +
+                        {"timing", "median of CUDA-event times, L2 flushed (256 MiB read) before each call, " +
                                        std::to_string(kSets) + " routing sets rotated; fused path as CUDA graphs"},
                         {"components", comp},
                         {"results", nlohmann::json::array()}};
@@ -302,20 +305,37 @@ int bench_moe(const Args& a) {
       }
       distinct /= kSets;
       const int r = std::max(3, T >= 4096 ? reps / 4 : reps);
-      // Fused path: one CUDA graph per routing set (thread-local capture).
-      std::vector<cudaGraphExec_t> graphs(kSets);
-      for (int s = 0; s < kSets; ++s) {
-        layer.forward(W, x.get(), ids[s].get(), gws[s].get(), T, out_f.get(), MoePath::kFused);  // warm
-        cudaGraph_t g;
-        DZ_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        layer.forward(W, x.get(), ids[s].get(), gws[s].get(), T, out_f.get(), MoePath::kFused);
-        DZ_CUDA_CHECK(cudaStreamEndCapture(st, &g));
-        DZ_CUDA_CHECK(cudaGraphInstantiate(&graphs[s], g, 0));
-        DZ_CUDA_CHECK(cudaGraphDestroy(g));
+      // Fused path: one CUDA graph per routing set (thread-local capture), for
+      // each variant (K split over 1 or 4 warps; programmatic dependent launch
+      // on/off); the default (auto split, PDL on) is what "fused_ms" reports.
+      auto time_fused = [&](int ks, bool pdl) {
+        layer.options().fused_k_split = ks;
+        layer.options().pdl = pdl;
+        std::vector<cudaGraphExec_t> graphs(kSets);
+        for (int s = 0; s < kSets; ++s) {
+          layer.forward(W, x.get(), ids[s].get(), gws[s].get(), T, out_f.get(), MoePath::kFused);  // warm
+          cudaGraph_t g;
+          DZ_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+          layer.forward(W, x.get(), ids[s].get(), gws[s].get(), T, out_f.get(), MoePath::kFused);
+          DZ_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+          DZ_CUDA_CHECK(cudaGraphInstantiate(&graphs[s], g, 0));
+          DZ_CUDA_CHECK(cudaGraphDestroy(g));
+        }
+        const double ms = timer.median_ms(r, kSets, [&](int i) {
+          DZ_CUDA_CHECK(cudaGraphLaunch(graphs[size_t(i % kSets)], st));
+        });
+        for (auto ge : graphs) cudaGraphExecDestroy(ge);
+        layer.options().fused_k_split = 0;
+        layer.options().pdl = true;
+        return ms;
+      };
+      nlohmann::json variants = nlohmann::json::object();
+      if (T <= 4096) {
+        for (int ks : {1, 4})
+          for (bool pdl : {false, true})
+            variants["ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] = time_fused(ks, pdl);
       }
-      const double ms_fused = timer.median_ms(r, kSets, [&](int i) {
-        DZ_CUDA_CHECK(cudaGraphLaunch(graphs[size_t(i % kSets)], st));
-      });
+      const double ms_fused = time_fused(0, true);
       std::vector<double> host;
       const double ms_fp8 = timer.median_ms(r, kSets, [&](int i) {
         const auto h0 = std::chrono::steady_clock::now();
@@ -323,7 +343,6 @@ int bench_moe(const Args& a) {
                       MoePath::kFp8);
         host.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count());
       });
-      for (auto ge : graphs) cudaGraphExecDestroy(ge);
       // Outputs of both paths on routing set 0, and their agreement.
       layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
       layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_8.get(), MoePath::kFp8);
@@ -357,6 +376,7 @@ int bench_moe(const Args& a) {
           {"best_peak_fraction", flops / (ms_best * 1e-3) / fp8_ceiling},
           {"fused_vs_fp8_diff", agree},
           {"fp8_host_ms", median(host)},
+          {"fused_variants_ms", variants},
       };
       j["results"].push_back(row);
       std::fprintf(stderr, "moe T=%6d  fused %9.3f ms  fp8 %9.3f ms  (hbm %.0f%%, fp8 %.0f TFLOP/s)  diff %.2e\n", T,
