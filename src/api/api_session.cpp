@@ -1,63 +1,415 @@
-// KV arena and session entry points. Placeholder until a model family can
-// run: every call reports DZ_ERR_UNSUPPORTED with a message.
+// KV arenas, sessions, sampling and the batched decode step.
+//
+// A session is one kv::Sequence plus its sampler and last logits. Every
+// mutating call is all or nothing: the forward pass writes KV into reserved
+// room and the sequence commits only when the whole call succeeded; on any
+// error the room is dropped and the session keeps its previous state.
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <unordered_set>
+
 #include "api/api_util.h"
 #include "api/handles.h"
+#include "common/log.h"
+#include "cpu/sampling.h"
 
-#define DZ_NO_RUNTIME \
-  DZ_GUARD({ dz::fail(DZ_ERR_UNSUPPORTED, "sessions and KV arenas are not implemented in this build yet"); })
+namespace {
+
+constexpr uint32_t kDefaultPageTokens = 64;
+constexpr uint64_t kDefaultArenaBytes = uint64_t(256) << 20;
+constexpr uint32_t kDefaultPrefillChunk = 512;
+
+dz::cpu::SamplerConfig sampler_config(const dz_sampler_params& p) { return {p.temperature, p.top_k, p.top_p}; }
+
+void validate_sampler(const dz_sampler_params& p, const char* what) {
+  dz::check(std::isfinite(p.temperature), DZ_ERR_INVALID_ARGUMENT, what, ".temperature is not a finite number");
+  dz::check(p.top_k >= 0, DZ_ERR_INVALID_ARGUMENT, what, ".top_k is ", p.top_k, " (0 = off, else positive)");
+  dz::check(p.top_p > 0 && p.top_p <= 1, DZ_ERR_INVALID_ARGUMENT, what, ".top_p is ", p.top_p,
+            " (must be in (0, 1]; 1 = off)");
+}
+
+int32_t n_vocab(const dz_session* s) { return s->arena->model->family->n_vocab(); }
+
+void check_tokens(const dz_session* s, const int32_t* tokens, size_t n) {
+  const int32_t v = n_vocab(s);
+  for (size_t i = 0; i < n; ++i)
+    dz::check(tokens[i] >= 0 && tokens[i] < v, DZ_ERR_INVALID_ARGUMENT, "tokens[", i, "] = ", tokens[i],
+              " is outside the vocabulary [0, ", v, ")");
+}
+
+// Put a sequence back to length n after a failed call, keeping the original error.
+void restore(dz::kv::Sequence& seq, size_t n) noexcept {
+  try {
+    seq.rollback();
+    if (seq.length() != n) seq.truncate(n);
+  } catch (const std::exception& e) {
+    dz::log_warn("could not restore a session after a failed call: ", e.what());
+  }
+}
+
+// The sessions of one batched step: non-null, distinct, one arena.
+void check_batch(dz_session* const* sessions, size_t n) {
+  dz::need(sessions, "sessions");
+  dz::check(n > 0, DZ_ERR_INVALID_ARGUMENT, "n is 0");
+  std::unordered_set<const dz_session*> seen;
+  for (size_t i = 0; i < n; ++i) {
+    dz::check(sessions[i] != nullptr, DZ_ERR_INVALID_ARGUMENT, "sessions[", i, "] is NULL");
+    dz::check(seen.insert(sessions[i]).second, DZ_ERR_INVALID_ARGUMENT, "sessions[", i,
+              "] appears more than once in the batch");
+    dz::check(sessions[i]->arena == sessions[0]->arena, DZ_ERR_INVALID_ARGUMENT, "sessions[", i,
+              "] uses a different KV arena than sessions[0]");
+  }
+}
+
+// Abort polling for a batch: stop when any session's callback says so.
+struct BatchAbort {
+  dz_session* const* sessions;
+  size_t n;
+  static int poll(void* user) {
+    const auto* b = static_cast<const BatchAbort*>(user);
+    for (size_t i = 0; i < b->n; ++i) {
+      const dz_session_params& p = b->sessions[i]->params;
+      if (p.abort && p.abort(p.abort_user)) return 1;
+    }
+    return 0;
+  }
+};
+
+// Append tokens[i] to sessions[i], one batched forward; all or nothing.
+void decode_batch(dz_session* const* sessions, const int32_t* tokens, size_t n) {
+  dz::Family& family = *sessions[0]->arena->model->family;
+  const size_t v = size_t(family.n_vocab());
+  std::vector<std::vector<float>> logits(n, std::vector<float>(v));
+  std::vector<uint64_t> read(n, 0);
+  std::vector<dz::ForwardItem> items(n);
+  size_t reserved = 0;
+  try {
+    for (; reserved < n; ++reserved) sessions[reserved]->seq->reserve(1);
+    for (size_t i = 0; i < n; ++i) {
+      items[i].seq = sessions[i]->seq.get();
+      items[i].tokens = std::span<const int32_t>(tokens + i, 1);
+      items[i].logits = logits[i].data();
+      items[i].attention_tokens_read = &read[i];
+    }
+    BatchAbort abort{sessions, n};
+    dz::ForwardOptions opt;
+    opt.abort = &BatchAbort::poll;
+    opt.abort_user = &abort;
+    family.forward(items, opt);
+    for (size_t i = 0; i < n; ++i) sessions[i]->seq->commit(std::span<const int32_t>(tokens + i, 1));
+  } catch (...) {
+    for (size_t i = 0; i < reserved; ++i) restore(*sessions[i]->seq, sessions[i]->seq->length());
+    throw;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    dz_session* s = sessions[i];
+    s->logits.swap(logits[i]);
+    s->rows = 1;
+    s->tokens_computed += 1;
+    s->attention_tokens_read += read[i];
+  }
+}
+
+void check_has_logits(const dz_session* s, const char* what) {
+  dz::check(s->rows > 0, DZ_ERR_INVALID_ARGUMENT, what,
+            " has no logits: append tokens first (truncate and reset discard them)");
+}
+
+int32_t sample_last(dz_session* s) {
+  const size_t v = size_t(n_vocab(s));
+  const float* row = s->logits.data() + (s->rows - 1) * v;
+  const int32_t t = dz::cpu::sample_token(row, int64_t(v), sampler_config(s->params.sampler), s->rng);
+  dz::check(t >= 0, DZ_ERR_INTERNAL, "the logits row holds no number (NaN everywhere)");
+  return t;
+}
+
+}  // namespace
 
 extern "C" {
+
 DZ_API void dz_kv_arena_params_init(dz_kv_arena_params* p) {
   if (!p) return;
   *p = dz_kv_arena_params{};
   p->struct_size = sizeof(*p);
   p->prefix_cache = 1;
 }
-DZ_API dz_status dz_kv_arena_create(dz_model*, const dz_kv_arena_params*, dz_kv_arena** out) {
-  if (out) *out = nullptr;
-  return DZ_NO_RUNTIME;
+
+DZ_API dz_status dz_kv_arena_create(dz_model* model, const dz_kv_arena_params* params, dz_kv_arena** out) {
+  return DZ_GUARD({
+    dz::need(out, "out");
+    *out = nullptr;
+    dz::need(model, "model");
+    const dz_kv_arena_params p = dz::read_params(params, dz_kv_arena_params_init,
+                                                 offsetof(dz_kv_arena_params, prefix_cache) + sizeof(int), "params");
+    const uint32_t page_tokens = p.page_tokens ? p.page_tokens : kDefaultPageTokens;
+    dz::check(page_tokens <= (1u << 16), DZ_ERR_INVALID_ARGUMENT, "params->page_tokens ", page_tokens,
+              " is too large (at most 65536)");
+    dz::kv::Layout layout = model->family->kv_layout(page_tokens);
+    dz::kv::ArenaConfig cfg;
+    cfg.max_state_slots = p.max_sessions ? p.max_sessions : 64;
+    cfg.prefix_cache = p.prefix_cache != 0;
+    const uint64_t bytes = p.capacity_bytes ? p.capacity_bytes : kDefaultArenaBytes;
+    cfg.capacity_pages = p.capacity_pages ? p.capacity_pages : dz::kv::Arena::pages_for_bytes(layout, cfg, bytes);
+    dz::check(cfg.capacity_pages > 0, DZ_ERR_INVALID_ARGUMENT, "params->capacity_bytes ", bytes,
+              " holds no KV page of ", dz::kv::Arena::page_bytes_for(layout), " bytes (", page_tokens, " tokens)");
+    auto a = std::make_unique<dz_kv_arena>();
+    a->model = model;
+    a->arena = std::make_unique<dz::kv::Arena>(std::move(layout), cfg, model->family->kv_storage());
+    *out = a.release();
+  });
 }
-DZ_API void dz_kv_arena_free(dz_kv_arena*) {}
+
+DZ_API void dz_kv_arena_free(dz_kv_arena* arena) {
+  if (!arena) return;
+  if (arena->sessions.load() != 0) {
+    // Freeing the pages under live sessions would corrupt them: keep the arena.
+    dz::log(DZ_LOG_ERROR, dz::cat("dz_kv_arena_free: ", arena->sessions.load(),
+                                  " session(s) still use this arena; free them first (the arena is leaked)"));
+    return;
+  }
+  delete arena;
+}
+
 DZ_API void dz_kv_stats_init(dz_kv_stats* s) {
   if (!s) return;
   *s = dz_kv_stats{};
   s->struct_size = sizeof(*s);
 }
-DZ_API dz_status dz_kv_arena_get_stats(const dz_kv_arena*, dz_kv_stats*) { return DZ_NO_RUNTIME; }
+
+DZ_API dz_status dz_kv_arena_get_stats(const dz_kv_arena* arena, dz_kv_stats* stats) {
+  return DZ_GUARD({
+    dz::need(arena, "arena");
+    dz::write_out(stats, arena->arena->stats(), "stats");
+  });
+}
+
 DZ_API void dz_sampler_params_init(dz_sampler_params* p) {
   if (!p) return;
   *p = dz_sampler_params{};
   p->struct_size = sizeof(*p);
   p->top_p = 1.0f;
 }
+
 DZ_API void dz_session_params_init(dz_session_params* p) {
   if (!p) return;
   *p = dz_session_params{};
   p->struct_size = sizeof(*p);
   dz_sampler_params_init(&p->sampler);
 }
-DZ_API dz_status dz_session_create(dz_kv_arena*, const dz_session_params*, dz_session** out) {
-  if (out) *out = nullptr;
-  return DZ_NO_RUNTIME;
+
+DZ_API dz_status dz_session_create(dz_kv_arena* arena, const dz_session_params* params, dz_session** out) {
+  return DZ_GUARD({
+    dz::need(out, "out");
+    *out = nullptr;
+    dz::need(arena, "arena");
+    dz_session_params p = dz::read_params(params, dz_session_params_init,
+                                          offsetof(dz_session_params, abort_user) + sizeof(void*), "params");
+    dz::check(p.sampler.struct_size >= sizeof(dz_sampler_params), DZ_ERR_INVALID_ARGUMENT,
+              "params->sampler.struct_size is ", p.sampler.struct_size, "; fill params with dz_session_params_init");
+    validate_sampler(p.sampler, "params->sampler");
+    if (!p.prefill_chunk) p.prefill_chunk = kDefaultPrefillChunk;
+    auto s = std::make_unique<dz_session>();
+    s->arena = arena;
+    s->params = p;
+    s->rng.seed(p.sampler.seed);
+    s->seq = std::make_unique<dz::kv::Sequence>(*arena->arena);
+    ++arena->sessions;
+    *out = s.release();
+  });
 }
-DZ_API void dz_session_free(dz_session*) {}
-DZ_API dz_status dz_session_fork(const dz_session*, dz_session** out) {
-  if (out) *out = nullptr;
-  return DZ_NO_RUNTIME;
+
+DZ_API void dz_session_free(dz_session* session) {
+  if (!session) return;
+  --session->arena->sessions;
+  delete session;
 }
-DZ_API dz_status dz_session_append(dz_session*, const int32_t*, size_t, dz_logits_mode) { return DZ_NO_RUNTIME; }
-DZ_API dz_status dz_session_logits(const dz_session*, const float**, size_t*, size_t*) { return DZ_NO_RUNTIME; }
-DZ_API dz_status dz_session_sample(dz_session*, int32_t*) { return DZ_NO_RUNTIME; }
-DZ_API dz_status dz_session_set_sampler(dz_session*, const dz_sampler_params*) { return DZ_NO_RUNTIME; }
-DZ_API dz_status dz_session_length(const dz_session*, size_t*) { return DZ_NO_RUNTIME; }
-DZ_API dz_status dz_session_truncate(dz_session*, size_t) { return DZ_NO_RUNTIME; }
-DZ_API dz_status dz_session_reset(dz_session*) { return DZ_NO_RUNTIME; }
+
+DZ_API dz_status dz_session_fork(const dz_session* src, dz_session** out) {
+  return DZ_GUARD({
+    dz::need(out, "out");
+    *out = nullptr;
+    dz::need(src, "src");
+    auto s = std::make_unique<dz_session>();
+    s->arena = src->arena;
+    s->params = src->params;
+    s->rng = src->rng;  // the fork samples exactly as the original would
+    s->logits = src->logits;
+    s->rows = src->rows;
+    s->seq = src->seq->fork();
+    ++s->arena->sessions;
+    *out = s.release();
+  });
+}
+
+DZ_API dz_status dz_session_append(dz_session* session, const int32_t* tokens, size_t n, dz_logits_mode mode) {
+  return DZ_GUARD({
+    dz::need(session, "session");
+    dz::need(tokens, "tokens");
+    dz::check(n > 0, DZ_ERR_INVALID_ARGUMENT, "n is 0");
+    dz::check(mode == DZ_LOGITS_LAST || mode == DZ_LOGITS_ALL, DZ_ERR_INVALID_ARGUMENT, "mode ", int(mode),
+              " is not a dz_logits_mode");
+    check_tokens(session, tokens, n);
+    dz::kv::Sequence& seq = *session->seq;
+    dz::Family& family = *session->arena->model->family;
+    const size_t v = size_t(family.n_vocab());
+    const bool all = mode == DZ_LOGITS_ALL;
+    dz::check(!all || n <= SIZE_MAX / sizeof(float) / v, DZ_ERR_OUT_OF_MEMORY, "logits of ", n, " rows overflow");
+    std::vector<float> logits(all ? n * v : v);
+    const size_t start = seq.length();
+    size_t done = 0;
+    size_t reused = 0;
+    uint64_t read = 0;
+    try {
+      // Reused pages have no logits, so DZ_LOGITS_ALL always computes every token.
+      if (!all && seq.arena().config().prefix_cache) {
+        reused = seq.adopt_prefix(std::span<const int32_t>(tokens, n));
+        done = reused;
+      }
+      dz::ForwardOptions opt;
+      opt.abort = session->params.abort;
+      opt.abort_user = session->params.abort_user;
+      opt.attention_tokens_read = &read;
+      while (done < n) {
+        const size_t c = std::min<size_t>(session->params.prefill_chunk, n - done);
+        seq.reserve(c);
+        dz::ForwardItem it;
+        it.seq = &seq;
+        it.tokens = std::span<const int32_t>(tokens + done, c);
+        it.all_logits = all;
+        it.logits = all ? logits.data() + done * v : logits.data();
+        family.forward(std::span<dz::ForwardItem>(&it, 1), opt);
+        seq.commit(it.tokens);
+        done += c;
+      }
+    } catch (...) {
+      restore(seq, start);
+      throw;
+    }
+    session->logits.swap(logits);
+    session->rows = all ? n : 1;
+    session->tokens_computed += n - reused;
+    session->tokens_reused += reused;
+    session->attention_tokens_read += read;
+  });
+}
+
+DZ_API dz_status dz_session_logits(const dz_session* session, const float** logits, size_t* rows, size_t* n_vocab) {
+  return DZ_GUARD({
+    dz::need(session, "session");
+    dz::need(logits, "logits");
+    dz::need(rows, "rows");
+    dz::need(n_vocab, "n_vocab");
+    check_has_logits(session, "the session");
+    *logits = session->logits.data();
+    *rows = session->rows;
+    *n_vocab = size_t(::n_vocab(session));
+  });
+}
+
+DZ_API dz_status dz_session_sample(dz_session* session, int32_t* token) {
+  return DZ_GUARD({
+    dz::need(session, "session");
+    dz::need(token, "token");
+    check_has_logits(session, "the session");
+    *token = sample_last(session);
+  });
+}
+
+DZ_API dz_status dz_session_set_sampler(dz_session* session, const dz_sampler_params* params) {
+  return DZ_GUARD({
+    dz::need(session, "session");
+    dz::need(params, "params");
+    const dz_sampler_params p =
+        dz::read_params(params, dz_sampler_params_init, offsetof(dz_sampler_params, seed) + sizeof(uint64_t), "params");
+    validate_sampler(p, "params");
+    session->params.sampler = p;
+    session->rng.seed(p.seed);
+  });
+}
+
+DZ_API dz_status dz_session_length(const dz_session* session, size_t* n) {
+  return DZ_GUARD({
+    dz::need(session, "session");
+    dz::need(n, "n");
+    *n = session->seq->length();
+  });
+}
+
+DZ_API dz_status dz_session_truncate(dz_session* session, size_t n) {
+  return DZ_GUARD({
+    dz::need(session, "session");
+    const size_t len = session->seq->length();
+    dz::check(n <= len, DZ_ERR_INVALID_ARGUMENT, "n = ", n, " exceeds the session length ", len);
+    if (n == len) return;
+    session->seq->truncate(n);
+    // The last logits belonged to a token that is gone.
+    session->logits.clear();
+    session->rows = 0;
+  });
+}
+
+DZ_API dz_status dz_session_reset(dz_session* session) {
+  return DZ_GUARD({
+    dz::need(session, "session");
+    session->seq->truncate(0);
+    session->logits.clear();
+    session->rows = 0;
+  });
+}
+
 DZ_API void dz_session_stats_init(dz_session_stats* s) {
   if (!s) return;
   *s = dz_session_stats{};
   s->struct_size = sizeof(*s);
 }
-DZ_API dz_status dz_session_get_stats(const dz_session*, dz_session_stats*) { return DZ_NO_RUNTIME; }
-DZ_API dz_status dz_generate_step(dz_session* const*, size_t, int32_t*) { return DZ_NO_RUNTIME; }
-DZ_API dz_status dz_decode_batch(dz_session* const*, const int32_t*, size_t) { return DZ_NO_RUNTIME; }
+
+DZ_API dz_status dz_session_get_stats(const dz_session* session, dz_session_stats* stats) {
+  return DZ_GUARD({
+    dz::need(session, "session");
+    dz_session_stats r;
+    dz_session_stats_init(&r);
+    r.n_tokens = session->seq->length();
+    r.tokens_computed = session->tokens_computed;
+    r.tokens_reused = session->tokens_reused;
+    r.pages = session->seq->pages().size();
+    r.attention_tokens_read = session->attention_tokens_read;
+    dz::write_out(stats, r, "stats");
+  });
 }
+
+DZ_API dz_status dz_generate_step(dz_session* const* sessions, size_t n, int32_t* out_tokens) {
+  return DZ_GUARD({
+    check_batch(sessions, n);
+    dz::need(out_tokens, "out_tokens");
+    for (size_t i = 0; i < n; ++i) check_has_logits(sessions[i], dz::cat("sessions[", i, "]").c_str());
+    // Sampling advances each session's RNG: keep copies so a failed step
+    // leaves every session exactly as it was.
+    std::vector<std::mt19937_64> rngs;
+    rngs.reserve(n);
+    std::vector<int32_t> tokens(n);
+    for (size_t i = 0; i < n; ++i) rngs.push_back(sessions[i]->rng);
+    try {
+      for (size_t i = 0; i < n; ++i) tokens[i] = sample_last(sessions[i]);
+      decode_batch(sessions, tokens.data(), n);
+    } catch (...) {
+      for (size_t i = 0; i < n; ++i) sessions[i]->rng = rngs[i];
+      throw;
+    }
+    std::copy(tokens.begin(), tokens.end(), out_tokens);
+  });
+}
+
+DZ_API dz_status dz_decode_batch(dz_session* const* sessions, const int32_t* tokens, size_t n) {
+  return DZ_GUARD({
+    check_batch(sessions, n);
+    dz::need(tokens, "tokens");
+    const int32_t v = n_vocab(sessions[0]);
+    for (size_t i = 0; i < n; ++i)
+      dz::check(tokens[i] >= 0 && tokens[i] < v, DZ_ERR_INVALID_ARGUMENT, "tokens[", i, "] = ", tokens[i],
+                " is outside the vocabulary [0, ", v, ")");
+    decode_batch(sessions, tokens, n);
+  });
+}
+
+}  // extern "C"

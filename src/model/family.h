@@ -23,6 +23,7 @@ struct ForwardItem {
   std::span<const int32_t> tokens; // new tokens, at positions seq->length() ...
   bool all_logits = false;         // logits for every new token, else the last only
   float* logits = nullptr;         // [rows x n_vocab], rows = all_logits ? tokens.size() : 1
+  uint64_t* attention_tokens_read = nullptr;  // optional: this item's share of ForwardOptions' counter
 };
 
 struct ForwardOptions {

@@ -4,10 +4,12 @@
 
 namespace dz {
 
+std::unique_ptr<Family> make_gpt_oss(const Config&, const WeightStore&, const dz_model_params&);
+
 namespace {
 // One line per family; keep sorted.
 const std::pair<const char*, FamilyFactory> kFamilies[] = {
-    {"", nullptr},
+    {"gpt_oss", make_gpt_oss},
 };
 }  // namespace
 

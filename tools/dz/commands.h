@@ -11,6 +11,8 @@ using Args = std::vector<std::string>;
 
 int cmd_info(const Args& args);
 int cmd_bench(const Args& args);  // dispatches to the bench_* functions below
+int cmd_logits(const Args& args);
+int cmd_generate(const Args& args);
 
 // Benchmarks (dz bench <name>), one per cmd_bench_<name>.cpp; add a row to kBenches in cmd_bench.cpp.
 int bench_moe(const Args& args);

@@ -46,6 +46,8 @@ struct Command {
 const Command kCommands[] = {
     {"info", dz::cli::cmd_info, "describe and validate a model directory"},
     {"bench", dz::cli::cmd_bench, "benchmarks with JSON results (dz bench --help)"},
+    {"logits", dz::cli::cmd_logits, "save a model's logits for token ids as .npy"},
+    {"generate", dz::cli::cmd_generate, "generate token ids from a prompt of ids"},
 };
 
 void usage(FILE* f) {

@@ -1,0 +1,139 @@
+#include "cpu/matmul.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "cpu/mxfp4.h"
+
+namespace dz::cpu {
+
+float bf16_to_f32(uint16_t v) {
+  const uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+float f16_to_f32(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  const uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t u;
+  if (exp == 0x1F) {
+    u = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  } else {
+    // Zero or subnormal: value man * 2^-24, exact in fp32.
+    float f = float(man) * 0x1p-24f;
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+void to_f32(WeightKind kind, const uint8_t* src, int64_t n, float* out) {
+  switch (kind) {
+    case WeightKind::F32:
+      std::memcpy(out, src, size_t(n) * 4);
+      return;
+    case WeightKind::BF16:
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t v;
+        std::memcpy(&v, src + 2 * i, 2);
+        out[i] = bf16_to_f32(v);
+      }
+      return;
+    case WeightKind::F16:
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t v;
+        std::memcpy(&v, src + 2 * i, 2);
+        out[i] = f16_to_f32(v);
+      }
+      return;
+    case WeightKind::MXFP4:
+      break;
+  }
+  std::abort();  // MXFP4 vectors are decoded through WeightRef
+}
+
+void WeightRef::decode_row(int64_t n, float* out) const {
+  switch (kind) {
+    case WeightKind::F32:
+      std::memcpy(out, data + size_t(n) * size_t(cols) * 4, size_t(cols) * 4);
+      return;
+    case WeightKind::BF16:
+      to_f32(kind, data + size_t(n) * size_t(cols) * 2, cols, out);
+      return;
+    case WeightKind::F16:
+      to_f32(kind, data + size_t(n) * size_t(cols) * 2, cols, out);
+      return;
+    case WeightKind::MXFP4:
+      mxfp4_decode_row(data + size_t(n) * size_t(cols / 2), scales + size_t(n) * size_t(cols / kMxfp4Group), cols, out);
+      return;
+  }
+}
+
+WeightRef WeightRef::row_slice(int64_t r0, int64_t n) const {
+  WeightRef r = *this;
+  r.rows = n;
+  switch (kind) {
+    case WeightKind::F32:
+      r.data += size_t(r0) * size_t(cols) * 4;
+      break;
+    case WeightKind::BF16:
+    case WeightKind::F16:
+      r.data += size_t(r0) * size_t(cols) * 2;
+      break;
+    case WeightKind::MXFP4:
+      r.data += size_t(r0) * size_t(cols / 2);
+      r.scales += size_t(r0) * size_t(cols / kMxfp4Group);
+      break;
+  }
+  return r;
+}
+
+double dot_f64(const float* a, const float* b, int64_t n) {
+  // Independent partial sums let the compiler vectorise without reassociating
+  // a single chain (no -ffast-math).
+  double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) s[j] += double(a[i + j]) * double(b[i + j]);
+  for (; i < n; ++i) s[0] += double(a[i]) * double(b[i]);
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+void matmul(const float* x, int64_t n_rows, const WeightRef& w, const float* bias, float* y, ThreadPool* pool) {
+  if (n_rows <= 0 || w.rows <= 0) return;
+  const int64_t K = w.cols, N = w.rows;
+  // Each task decodes a tile of weight rows once and reuses it for every
+  // activation row; activation rows are walked in blocks to stay in cache.
+  constexpr int64_t kTileN = 16, kBlockM = 64;
+  const size_t tiles = size_t((N + kTileN - 1) / kTileN);
+  // At least ~64K multiply-adds per task so scheduling overhead stays small.
+  const size_t grain = size_t(std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, kTileN * K * n_rows)));
+  parallel_for(pool, tiles, grain, [&](size_t t0, size_t t1) {
+    std::vector<float> tile(static_cast<size_t>(kTileN * K));
+    for (size_t t = t0; t < t1; ++t) {
+      const int64_t n0 = int64_t(t) * kTileN, nn = std::min(kTileN, N - n0);
+      for (int64_t i = 0; i < nn; ++i) w.decode_row(n0 + i, tile.data() + i * K);
+      for (int64_t m0 = 0; m0 < n_rows; m0 += kBlockM) {
+        const int64_t m1 = std::min(n_rows, m0 + kBlockM);
+        for (int64_t m = m0; m < m1; ++m) {
+          const float* xr = x + m * K;
+          float* yr = y + m * N + n0;
+          for (int64_t i = 0; i < nn; ++i) {
+            const double b = bias ? double(bias[n0 + i]) : 0.0;
+            yr[i] = float(dot_f64(xr, tile.data() + i * K, K) + b);
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace dz::cpu

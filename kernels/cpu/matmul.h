@@ -1,0 +1,41 @@
+// Y = X W^T (+ b) with weights kept in checkpoint precision (F32, BF16, F16 or
+// MXFP4); each weight row is decoded to fp32 on the fly, products are summed
+// in fp64. Rows of W are output features; K (input) is contiguous.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "runtime/parallel.h"
+
+namespace dz::cpu {
+
+enum class WeightKind : uint8_t { F32, BF16, F16, MXFP4 };
+
+// A [rows x cols] weight matrix in place (usually an mmap'd checkpoint tensor).
+struct WeightRef {
+  WeightKind kind = WeightKind::F32;
+  const uint8_t* data = nullptr;    // MXFP4: blocks, cols/2 bytes per row
+  const uint8_t* scales = nullptr;  // MXFP4 only: cols/32 bytes per row
+  int64_t rows = 0, cols = 0;
+
+  // Decode row n (cols floats) into out.
+  void decode_row(int64_t n, float* out) const;
+  // The sub-matrix of rows [r0, r0 + n).
+  WeightRef row_slice(int64_t r0, int64_t n) const;
+};
+
+float bf16_to_f32(uint16_t v);
+float f16_to_f32(uint16_t v);
+// Decode n elements of a BF16/F16/F32 vector to fp32.
+void to_f32(WeightKind kind, const uint8_t* src, int64_t n, float* out);
+
+// fp64-accumulated dot product of two fp32 vectors.
+double dot_f64(const float* a, const float* b, int64_t n);
+
+// y[m, n] = sum_k x[m, k] w[n, k] + bias[n] for m < n_rows; x has w.cols
+// columns, y has w.rows columns; bias may be null. Work is split over output
+// features on pool (null: the calling thread).
+void matmul(const float* x, int64_t n_rows, const WeightRef& w, const float* bias, float* y, ThreadPool* pool);
+
+}  // namespace dz::cpu

@@ -1,0 +1,73 @@
+#include "cpu/moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+namespace dz::cpu {
+
+void router_topk_softmax(const float* logits, int n_experts, int k, int32_t* idx, float* weights) {
+  std::vector<int32_t> order(static_cast<size_t>(n_experts));
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+  const float mx = logits[order[0]];
+  double sum = 0;
+  for (int j = 0; j < k; ++j) sum += std::exp(double(logits[order[size_t(j)]]) - double(mx));
+  for (int j = 0; j < k; ++j) {
+    idx[j] = order[size_t(j)];
+    weights[j] = float(std::exp(double(logits[idx[j]]) - double(mx)) / sum);
+  }
+}
+
+void glu(const Glu& g, const float* h, int64_t inter, float* out) {
+  switch (g.kind) {
+    case Glu::Kind::SwiGLU:
+      for (int64_t i = 0; i < inter; ++i) {
+        const float a = h[i];
+        out[i] = float(double(a) / (1.0 + std::exp(-double(a)))) * h[inter + i];
+      }
+      return;
+    case Glu::Kind::ClampedOss:
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gate = std::min(h[2 * i], g.limit);
+        const float up = std::clamp(h[2 * i + 1], -g.limit, g.limit);
+        const float sig = float(1.0 / (1.0 + std::exp(-double(gate * g.alpha))));
+        out[i] = (up + 1.0f) * (gate * sig);
+      }
+      return;
+  }
+}
+
+void moe_forward(const float* x, int64_t n_rows, int64_t hidden, int64_t inter, const int32_t* idx,
+                 const float* weights, int k, int n_experts, const std::function<ExpertWeights(int)>& expert,
+                 const Glu& g, float* y, ThreadPool* pool) {
+  std::fill(y, y + n_rows * hidden, 0.0f);
+  // Rows (and their routing weight) per expert, in row order.
+  std::vector<std::vector<std::pair<int64_t, float>>> rows(static_cast<size_t>(n_experts));
+  for (int64_t r = 0; r < n_rows; ++r)
+    for (int j = 0; j < k; ++j) rows[size_t(idx[r * k + j])].push_back({r, weights[r * k + j]});
+  std::vector<float> xs, h, a, o;
+  for (int e = 0; e < n_experts; ++e) {
+    const auto& re = rows[size_t(e)];
+    if (re.empty()) continue;
+    const int64_t m = int64_t(re.size());
+    const ExpertWeights w = expert(e);
+    xs.resize(size_t(m * hidden));
+    for (int64_t i = 0; i < m; ++i) std::copy_n(x + re[size_t(i)].first * hidden, hidden, xs.data() + i * hidden);
+    h.resize(size_t(m * 2 * inter));
+    matmul(xs.data(), m, w.up, w.up_bias, h.data(), pool);
+    a.resize(size_t(m * inter));
+    for (int64_t i = 0; i < m; ++i) glu(g, h.data() + i * 2 * inter, inter, a.data() + i * inter);
+    o.resize(size_t(m * hidden));
+    matmul(a.data(), m, w.down, w.down_bias, o.data(), pool);
+    for (int64_t i = 0; i < m; ++i) {
+      float* yr = y + re[size_t(i)].first * hidden;
+      const float wt = re[size_t(i)].second;
+      for (int64_t d = 0; d < hidden; ++d) yr[d] += o[size_t(i * hidden + d)] * wt;
+    }
+  }
+}
+
+}  // namespace dz::cpu

@@ -1,0 +1,42 @@
+// Mixture of experts: routing and expert evaluation grouped by expert (each
+// expert's weights are decoded once per call, whatever their precision).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+#include "cpu/matmul.h"
+
+namespace dz::cpu {
+
+// Top-k of n_experts router logits (ties: lower index first), then softmax
+// over the k selected logits only (gpt-oss). idx/weights get k entries.
+void router_topk_softmax(const float* logits, int n_experts, int k, int32_t* idx, float* weights);
+
+// Gated activation of one row of the first expert projection h [2 * inter].
+struct Glu {
+  enum class Kind {
+    SwiGLU,      // h = [gate | up]: silu(gate) * up
+    ClampedOss,  // gpt-oss: gate = h[0::2], up = h[1::2]; gate <= limit, |up| <= limit;
+                 // (up + 1) * gate * sigmoid(alpha * gate)
+  };
+  Kind kind = Kind::SwiGLU;
+  float alpha = 1.702f;
+  float limit = 7.0f;
+};
+void glu(const Glu& g, const float* h, int64_t inter, float* out);
+
+struct ExpertWeights {
+  WeightRef up;                      // [2 * inter, hidden] (gate and up rows, layout per Glu)
+  const float* up_bias = nullptr;    // [2 * inter] or null
+  WeightRef down;                    // [hidden, inter]
+  const float* down_bias = nullptr;  // [hidden] or null
+};
+
+// y[r] = sum_j weights[r, j] * down(glu(up(x[r]))) over the experts idx[r, j]
+// (k per row), accumulated in expert order. expert(e) gives expert e's weights.
+void moe_forward(const float* x, int64_t n_rows, int64_t hidden, int64_t inter, const int32_t* idx,
+                 const float* weights, int k, int n_experts, const std::function<ExpertWeights(int)>& expert,
+                 const Glu& g, float* y, ThreadPool* pool);
+
+}  // namespace dz::cpu

@@ -1,0 +1,409 @@
+// gpt-oss on the CPU backend, computed as transformers' GptOssForCausalLM
+// does: RMSNorm, YaRN RoPE (half-split), GQA with attention sinks and a
+// sliding window on alternate layers, top-k router with softmax over the
+// selected logits, MXFP4 experts with clamped SwiGLU over interleaved
+// gate/up rows. Weights stay in checkpoint precision (BF16 via the mmap,
+// experts 4-bit); rows are decoded on the fly.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common/host_alloc.h"
+#include "common/log.h"
+#include "cpu/attention.h"
+#include "cpu/matmul.h"
+#include "cpu/moe.h"
+#include "cpu/mxfp4.h"
+#include "cpu/norm.h"
+#include "cpu/rope.h"
+#include "model/family.h"
+#include "model/rope_config.h"
+#include "runtime/parallel.h"
+
+namespace dz {
+
+namespace {
+
+using cpu::WeightKind;
+using cpu::WeightRef;
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
+}
+
+void check_shape(const TensorView& t, const std::vector<int64_t>& shape) {
+  check(t.shape == shape, DZ_ERR_FORMAT, "tensor ", t.name, ": expected shape ", shape_str(shape), ", found ",
+        shape_str(t.shape), " (in ", t.file ? *t.file : std::string("?"), ")");
+}
+
+bool float_kind(DType d, WeightKind* k) {
+  switch (d) {
+    case DType::F32:
+      *k = WeightKind::F32;
+      return true;
+    case DType::BF16:
+      *k = WeightKind::BF16;
+      return true;
+    case DType::F16:
+      *k = WeightKind::F16;
+      return true;
+    default:
+      return false;
+  }
+}
+
+const TensorView& float_tensor(const WeightStore& ws, const std::string& name, const std::vector<int64_t>& shape,
+                               WeightKind* kind) {
+  const TensorView& t = ws.get(name);
+  check(float_kind(t.dtype, kind), DZ_ERR_FORMAT, "tensor ", name, ": dtype ", dtype_name(t.dtype),
+        " is not supported here (expected BF16, F16 or F32; in ", t.file ? *t.file : std::string("?"), ")");
+  check_shape(t, shape);
+  return t;
+}
+
+// A [rows x cols] matrix used in place.
+WeightRef matrix(const WeightStore& ws, const std::string& name, int64_t rows, int64_t cols) {
+  WeightRef w;
+  const TensorView& t = float_tensor(ws, name, {rows, cols}, &w.kind);
+  w.data = t.data;
+  w.rows = rows;
+  w.cols = cols;
+  return w;
+}
+
+// Small vectors (norm weights, biases, sinks) are decoded to fp32 once (exact).
+std::vector<float> vector_f32(const WeightStore& ws, const std::string& name, const std::vector<int64_t>& shape) {
+  WeightKind k;
+  const TensorView& t = float_tensor(ws, name, shape, &k);
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  cpu::to_f32(k, t.data, t.numel(), v.data());
+  return v;
+}
+
+// MXFP4 expert weights [E, rows, cols]: blocks [E, rows, cols/32, 16] U8 and
+// scales [E, rows, cols/32] U8. A 0xFF scale (NaN) is refused here.
+struct Mxfp4Experts {
+  const uint8_t* blocks = nullptr;
+  const uint8_t* scales = nullptr;
+  int64_t rows = 0, cols = 0;
+  WeightRef expert(int e) const {
+    WeightRef w;
+    w.kind = WeightKind::MXFP4;
+    w.rows = rows;
+    w.cols = cols;
+    w.data = blocks + size_t(e) * size_t(rows) * size_t(cols / 2);
+    w.scales = scales + size_t(e) * size_t(rows) * size_t(cols / cpu::kMxfp4Group);
+    return w;
+  }
+};
+
+Mxfp4Experts mxfp4_experts(const WeightStore& ws, const std::string& prefix, int64_t n_experts, int64_t rows,
+                           int64_t cols) {
+  const std::string bn = prefix + "_blocks", sn = prefix + "_scales";
+  if (!ws.has(bn) && ws.has(prefix))
+    fail(DZ_ERR_UNSUPPORTED, "tensor ", prefix,
+         ": dequantised expert weights are not supported yet; this build loads the published MXFP4 layout (", bn, " + ",
+         sn, ")");
+  const TensorView& b = ws.get(bn);
+  const TensorView& s = ws.get(sn);
+  for (const TensorView* t : {&b, &s})
+    check(t->dtype == DType::U8, DZ_ERR_FORMAT, "tensor ", t->name, ": dtype ", dtype_name(t->dtype),
+          " (expected U8 for MXFP4; in ", t->file ? *t->file : std::string("?"), ")");
+  const int64_t groups = cols / cpu::kMxfp4Group;
+  check_shape(b, {n_experts, rows, groups, cpu::kMxfp4GroupBytes});
+  check_shape(s, {n_experts, rows, groups});
+  const size_t bad = cpu::find_e8m0_nan(s.data, s.nbytes);
+  if (bad != SIZE_MAX) {
+    const int64_t e = int64_t(bad) / (rows * groups), n = int64_t(bad) / groups % rows, g = int64_t(bad) % groups;
+    fail(DZ_ERR_FORMAT, "tensor ", sn, ": scale byte 0xFF (E8M0 NaN) at [", e, ", ", n, ", ", g, "] (byte ", bad,
+         " of the tensor, in ", s.file ? *s.file : std::string("?"), "); the checkpoint is corrupt");
+  }
+  return {b.data, s.data, rows, cols};
+}
+
+struct Layer {
+  bool sliding = false;
+  std::vector<float> in_norm, post_norm;
+  WeightRef q, k, v, o;
+  std::vector<float> bq, bk, bv, bo;  // empty without attention_bias
+  std::vector<float> sinks;
+  WeightRef router;
+  std::vector<float> router_bias;
+  Mxfp4Experts gate_up, down;
+  std::vector<float> gate_up_bias, down_bias;  // [E, 2I], [E, H]
+};
+
+const float* or_null(const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); }
+
+uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ull) {
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+class GptOss final : public Family {
+ public:
+  GptOss(const Config& cfg, const WeightStore& ws, const dz_model_params& params);
+
+  void fill_info(dz_model_info& info) const override {
+    info.device = DZ_DEVICE_CPU;
+    info.n_layers = n_layers_;
+    info.n_vocab = n_vocab_;
+    info.hidden_size = int32_t(hidden_);
+    info.n_heads = n_heads_;
+    info.n_kv_heads = n_kv_heads_;
+    info.n_experts = n_experts_;
+    info.n_experts_active = n_active_;
+    info.max_context = max_context_;
+  }
+  int32_t n_vocab() const override { return n_vocab_; }
+  kv::Layout kv_layout(uint32_t page_tokens) const override {
+    kv::Layout l;
+    l.page_tokens = page_tokens;
+    // Per token per layer: K then V, fp32, n_kv_heads x head_dim each.
+    l.layer_token_bytes.assign(size_t(n_layers_), size_t(2 * kv_dim()) * sizeof(float));
+    l.model_key = model_key_;
+    return l;
+  }
+  void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
+
+ private:
+  int64_t kv_dim() const { return int64_t(n_kv_heads_) * head_dim_; }
+  int64_t q_dim() const { return int64_t(n_heads_) * head_dim_; }
+
+  int32_t n_vocab_ = 0, n_layers_ = 0, n_heads_ = 0, n_kv_heads_ = 0, head_dim_ = 0, n_experts_ = 0, n_active_ = 0;
+  int64_t hidden_ = 0, inter_ = 0, window_ = 0, max_context_ = 0;
+  float eps_ = 1e-5f, scale_ = 1;
+  cpu::RopeFreqs rope_;
+  cpu::Glu glu_;
+  WeightRef embed_, lm_head_;
+  std::vector<float> final_norm_;
+  std::vector<Layer> layers_;
+  uint64_t model_key_ = 0;
+  mutable std::unique_ptr<ThreadPool> pool_;
+};
+
+GptOss::GptOss(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
+  const std::string& src = cfg.source();
+  check(params.device != DZ_DEVICE_CUDA, DZ_ERR_UNSUPPORTED,
+        "gpt_oss: the CUDA backend is not available in this build yet; use DZ_DEVICE_CPU");
+  check(params.experts == DZ_EXPERTS_AUTO || params.experts == DZ_EXPERTS_NATIVE, DZ_ERR_UNSUPPORTED,
+        "gpt_oss: the CPU backend decodes experts in checkpoint precision only (DZ_EXPERTS_AUTO or "
+        "DZ_EXPERTS_NATIVE), not dz_expert_precision ",
+        int(params.experts));
+  auto pos_int = [&](const char* key) {
+    const int64_t v = cfg.get<int64_t>(key);
+    check(v > 0 && v <= (int64_t(1) << 31) - 1, DZ_ERR_FORMAT, src, ": ", key, " = ", v, " must be positive");
+    return v;
+  };
+  n_vocab_ = int32_t(pos_int("vocab_size"));
+  hidden_ = pos_int("hidden_size");
+  inter_ = pos_int("intermediate_size");
+  n_layers_ = int32_t(pos_int("num_hidden_layers"));
+  n_heads_ = int32_t(pos_int("num_attention_heads"));
+  n_kv_heads_ = cfg.has("num_key_value_heads") ? int32_t(pos_int("num_key_value_heads")) : n_heads_;
+  head_dim_ = cfg.has("head_dim") ? int32_t(pos_int("head_dim")) : int32_t(hidden_ / n_heads_);
+  n_experts_ = int32_t(pos_int("num_local_experts"));
+  n_active_ = int32_t(cfg.has("num_experts_per_tok") ? pos_int("num_experts_per_tok") : pos_int("experts_per_token"));
+  max_context_ = cfg.get_or<int64_t>("max_position_embeddings", 131072);
+  eps_ = float(cfg.get_or<double>("rms_norm_eps", 1e-5));
+  check(n_heads_ % n_kv_heads_ == 0, DZ_ERR_FORMAT, src, ": num_attention_heads ", n_heads_,
+        " is not a multiple of num_key_value_heads ", n_kv_heads_);
+  check(n_active_ <= n_experts_, DZ_ERR_FORMAT, src, ": num_experts_per_tok ", n_active_, " exceeds num_local_experts ",
+        n_experts_);
+  check(hidden_ % cpu::kMxfp4Group == 0 && inter_ % cpu::kMxfp4Group == 0, DZ_ERR_FORMAT, src,
+        ": hidden_size and intermediate_size must be multiples of 32 for MXFP4 experts");
+  check(eps_ > 0, DZ_ERR_FORMAT, src, ": rms_norm_eps must be positive");
+  scale_ = float(1.0 / std::sqrt(double(head_dim_)));
+  glu_.kind = cpu::Glu::Kind::ClampedOss;
+  glu_.alpha = 1.702f;
+  glu_.limit = float(cfg.get_or<double>("swiglu_limit", 7.0));
+  rope_ = cpu::rope_freqs(rope_params_from_config(cfg, head_dim_, 150000.0));
+  check(rope_.inv_freq.size() * 2 == size_t(head_dim_), DZ_ERR_UNSUPPORTED, src,
+        ": partial rotary embeddings are not supported for gpt_oss");
+
+  std::vector<std::string> types;
+  if (cfg.has("layer_types")) {
+    types = cfg.get<std::vector<std::string>>("layer_types");
+    check(types.size() == size_t(n_layers_), DZ_ERR_FORMAT, src, ": layer_types has ", types.size(), " entries for ",
+          n_layers_, " layers");
+  } else {
+    for (int i = 0; i < n_layers_; ++i) types.push_back(i % 2 == 0 ? "sliding_attention" : "full_attention");
+  }
+  if (cfg.has("sliding_window")) window_ = cfg.get<int64_t>("sliding_window");
+  const bool bias = cfg.get_or<bool>("attention_bias", true);
+  const bool tied = cfg.get_or<bool>("tie_word_embeddings", false);
+
+  const int64_t H = hidden_, I = inter_, E = n_experts_;
+  embed_ = matrix(ws, "model.embed_tokens.weight", n_vocab_, H);
+  lm_head_ = tied ? embed_ : matrix(ws, "lm_head.weight", n_vocab_, H);
+  final_norm_ = vector_f32(ws, "model.norm.weight", {H});
+  layers_.resize(size_t(n_layers_));
+  for (int i = 0; i < n_layers_; ++i) {
+    Layer& l = layers_[size_t(i)];
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    check(types[size_t(i)] == "sliding_attention" || types[size_t(i)] == "full_attention", DZ_ERR_FORMAT, src,
+          ": layer_types[", i, "] = '", types[size_t(i)], "' (expected sliding_attention or full_attention)");
+    l.sliding = types[size_t(i)] == "sliding_attention";
+    check(!l.sliding || window_ > 0, DZ_ERR_FORMAT, src, ": layer ", i,
+          " is sliding_attention but sliding_window is missing or not positive");
+    l.in_norm = vector_f32(ws, p + "input_layernorm.weight", {H});
+    l.post_norm = vector_f32(ws, p + "post_attention_layernorm.weight", {H});
+    l.q = matrix(ws, p + "self_attn.q_proj.weight", q_dim(), H);
+    l.k = matrix(ws, p + "self_attn.k_proj.weight", kv_dim(), H);
+    l.v = matrix(ws, p + "self_attn.v_proj.weight", kv_dim(), H);
+    l.o = matrix(ws, p + "self_attn.o_proj.weight", H, q_dim());
+    if (bias) {
+      l.bq = vector_f32(ws, p + "self_attn.q_proj.bias", {q_dim()});
+      l.bk = vector_f32(ws, p + "self_attn.k_proj.bias", {kv_dim()});
+      l.bv = vector_f32(ws, p + "self_attn.v_proj.bias", {kv_dim()});
+      l.bo = vector_f32(ws, p + "self_attn.o_proj.bias", {H});
+    }
+    l.sinks = vector_f32(ws, p + "self_attn.sinks", {n_heads_});
+    l.router = matrix(ws, p + "mlp.router.weight", E, H);
+    l.router_bias = vector_f32(ws, p + "mlp.router.bias", {E});
+    l.gate_up = mxfp4_experts(ws, p + "mlp.experts.gate_up_proj", E, 2 * I, H);
+    l.gate_up_bias = vector_f32(ws, p + "mlp.experts.gate_up_proj_bias", {E, 2 * I});
+    l.down = mxfp4_experts(ws, p + "mlp.experts.down_proj", E, H, I);
+    l.down_bias = vector_f32(ws, p + "mlp.experts.down_proj_bias", {E, H});
+  }
+  model_key_ = fnv1a(cfg.json().dump(), fnv1a("gpt_oss kv: f32 K|V per layer v1 " + std::to_string(ws.total_bytes())));
+  pool_ = std::make_unique<ThreadPool>(params.n_threads);
+}
+
+void GptOss::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
+  const int64_t H = hidden_, QD = q_dim(), KVD = kv_dim(), hd = head_dim_, half = hd / 2;
+  // Rows of the flattened batch: item, position, token.
+  struct Row {
+    size_t item;
+    int64_t pos;
+  };
+  std::vector<Row> rows;
+  std::vector<int64_t> first_row(batch.size());
+  for (size_t b = 0; b < batch.size(); ++b) {
+    const ForwardItem& it = batch[b];
+    check(it.seq && !it.tokens.empty() && it.logits, DZ_ERR_INTERNAL, "gpt_oss forward: malformed batch item ", b);
+    first_row[b] = int64_t(rows.size());
+    const int64_t start = int64_t(it.seq->length());
+    for (size_t t = 0; t < it.tokens.size(); ++t) {
+      const int32_t tok = it.tokens[t];
+      check(tok >= 0 && tok < n_vocab_, DZ_ERR_INVALID_ARGUMENT, "token id ", tok, " is outside the vocabulary [0, ",
+            n_vocab_, ")");
+      rows.push_back({b, start + int64_t(t)});
+    }
+  }
+  const int64_t R = int64_t(rows.size());
+  ThreadPool* pool = pool_.get();
+
+  HostBuffer<float> x(size_t(R * H)), xn(size_t(R * H)), q(size_t(R * QD)), k(size_t(R * KVD)), v(size_t(R * KVD)),
+      att(size_t(R * QD)), tmp(size_t(R * H)), cs(size_t(R * half)), sn(size_t(R * half)),
+      router(size_t(R * n_experts_)), route_w(size_t(R * n_active_));
+  HostBuffer<int32_t> route_i(size_t(R * n_active_));
+  for (int64_t r = 0; r < R; ++r) {
+    const ForwardItem& it = batch[rows[size_t(r)].item];
+    embed_.decode_row(it.tokens[size_t(rows[size_t(r)].pos - int64_t(it.seq->length()))], x.data() + r * H);
+    cpu::rope_cos_sin(rope_, rows[size_t(r)].pos, cs.data() + r * half, sn.data() + r * half);
+  }
+
+  // Per item: K/V row pointers for the positions any of its rows reads.
+  std::vector<std::vector<const float*>> kp(batch.size()), vp(batch.size());
+  std::vector<int64_t> kv_lo(batch.size());
+  struct Task {
+    int64_t row;
+    int head;
+  };
+  std::vector<Task> tasks;
+  for (int64_t r = 0; r < R; ++r)
+    for (int h = 0; h < n_heads_; ++h) tasks.push_back({r, h});
+  uint64_t tokens_read = 0;
+
+  for (int li = 0; li < n_layers_; ++li) {
+    if (opt.abort && opt.abort(opt.abort_user)) fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
+    const Layer& L = layers_[size_t(li)];
+    cpu::rms_norm(x.data(), R, H, L.in_norm.data(), eps_, xn.data());
+    cpu::matmul(xn.data(), R, L.q, or_null(L.bq), q.data(), pool);
+    cpu::matmul(xn.data(), R, L.k, or_null(L.bk), k.data(), pool);
+    cpu::matmul(xn.data(), R, L.v, or_null(L.bv), v.data(), pool);
+    for (int64_t r = 0; r < R; ++r) {
+      cpu::rope_half_split(q.data() + r * QD, n_heads_, hd, int(half), cs.data() + r * half, sn.data() + r * half);
+      cpu::rope_half_split(k.data() + r * KVD, n_kv_heads_, hd, int(half), cs.data() + r * half, sn.data() + r * half);
+      // Write this token's K and V into its reserved slot of the page table.
+      kv::Sequence& seq = *batch[rows[size_t(r)].item].seq;
+      const int64_t pos = rows[size_t(r)].pos;
+      float* dst = reinterpret_cast<float*>(
+          seq.arena().token_ptr(seq.page_of(size_t(pos)), uint32_t(li), seq.slot_of(size_t(pos))));
+      std::memcpy(dst, k.data() + r * KVD, size_t(KVD) * sizeof(float));
+      std::memcpy(dst + KVD, v.data() + r * KVD, size_t(KVD) * sizeof(float));
+    }
+    for (size_t b = 0; b < batch.size(); ++b) {
+      kv::Sequence& seq = *batch[b].seq;
+      const int64_t start = int64_t(seq.length()), end = start + int64_t(batch[b].tokens.size());
+      kv_lo[b] = L.sliding ? std::max<int64_t>(0, start - window_ + 1) : 0;
+      kp[b].resize(size_t(end - kv_lo[b]));
+      vp[b].resize(size_t(end - kv_lo[b]));
+      for (int64_t p = kv_lo[b]; p < end; ++p) {
+        const float* row = reinterpret_cast<const float*>(
+            seq.arena().token_ptr(seq.page_of(size_t(p)), uint32_t(li), seq.slot_of(size_t(p))));
+        kp[b][size_t(p - kv_lo[b])] = row;
+        vp[b][size_t(p - kv_lo[b])] = row + KVD;
+      }
+    }
+    const int group = n_heads_ / n_kv_heads_;
+    parallel_for(pool, tasks.size(), 4, [&](size_t t0, size_t t1) {
+      std::vector<double> scratch;
+      for (size_t t = t0; t < t1; ++t) {
+        const Task& tk = tasks[t];
+        const Row& rw = rows[size_t(tk.row)];
+        const int64_t lo = L.sliding ? std::max<int64_t>(0, rw.pos - window_ + 1) : 0;
+        const int64_t off = lo - kv_lo[rw.item];
+        cpu::attend(q.data() + tk.row * QD + int64_t(tk.head) * hd, kp[rw.item].data() + off, vp[rw.item].data() + off,
+                    rw.pos - lo + 1, int64_t(tk.head / group) * hd, int(hd), scale_, &L.sinks[size_t(tk.head)],
+                    att.data() + tk.row * QD + int64_t(tk.head) * hd, scratch);
+      }
+    });
+    for (int64_t r = 0; r < R; ++r) {
+      const Row& rw = rows[size_t(r)];
+      const uint64_t n = uint64_t(rw.pos - (L.sliding ? std::max<int64_t>(0, rw.pos - window_ + 1) : 0) + 1);
+      tokens_read += n;
+      if (batch[rw.item].attention_tokens_read) *batch[rw.item].attention_tokens_read += n;
+    }
+    cpu::matmul(att.data(), R, L.o, or_null(L.bo), tmp.data(), pool);
+    for (int64_t i = 0; i < R * H; ++i) x[size_t(i)] += tmp[size_t(i)];
+
+    cpu::rms_norm(x.data(), R, H, L.post_norm.data(), eps_, xn.data());
+    cpu::matmul(xn.data(), R, L.router, L.router_bias.data(), router.data(), pool);
+    for (int64_t r = 0; r < R; ++r)
+      cpu::router_topk_softmax(router.data() + r * n_experts_, n_experts_, n_active_, route_i.data() + r * n_active_,
+                               route_w.data() + r * n_active_);
+    cpu::moe_forward(
+        xn.data(), R, H, inter_, route_i.data(), route_w.data(), n_active_, n_experts_,
+        [&](int e) {
+          return cpu::ExpertWeights{L.gate_up.expert(e), L.gate_up_bias.data() + size_t(e) * size_t(2 * inter_),
+                                    L.down.expert(e), L.down_bias.data() + size_t(e) * size_t(H)};
+        },
+        glu_, tmp.data(), pool);
+    for (int64_t i = 0; i < R * H; ++i) x[size_t(i)] += tmp[size_t(i)];
+  }
+  if (opt.abort && opt.abort(opt.abort_user)) fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
+
+  // Final norm and lm_head over the rows whose logits are wanted.
+  for (size_t b = 0; b < batch.size(); ++b) {
+    const ForwardItem& it = batch[b];
+    const int64_t n = int64_t(it.tokens.size());
+    const int64_t r0 = it.all_logits ? first_row[b] : first_row[b] + n - 1;
+    const int64_t nr = it.all_logits ? n : 1;
+    cpu::rms_norm(x.data() + r0 * H, nr, H, final_norm_.data(), eps_, xn.data());
+    cpu::matmul(xn.data(), nr, lm_head_, nullptr, it.logits, pool);
+  }
+  if (opt.attention_tokens_read) *opt.attention_tokens_read += tokens_read;
+}
+
+}  // namespace
+
+// The factory row in registry.cpp.
+std::unique_ptr<Family> make_gpt_oss(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
+  return std::make_unique<GptOss>(cfg, ws, params);
+}
+
+}  // namespace dz

@@ -1,0 +1,56 @@
+#include "model_args.h"
+
+#include <cerrno>
+#include <cstdlib>
+
+namespace dz::cli {
+
+const char* const kModelOptionsHelp =
+    "  --device D     cpu (default), cuda or auto\n"
+    "  --threads N    CPU threads (default: all cores)\n";
+
+bool parse_tokens(const std::string& s, std::vector<int32_t>* out, std::string* err) {
+  out->clear();
+  size_t i = 0;
+  while (i <= s.size()) {
+    const size_t j = s.find(',', i);
+    const std::string part = s.substr(i, j == std::string::npos ? std::string::npos : j - i);
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(part.c_str(), &end, 10);
+    if (part.empty() || *end || errno || v < 0 || v > INT32_MAX) {
+      *err = "'" + part + "' in --tokens is not a token id (expected e.g. --tokens 1,2,3)";
+      return false;
+    }
+    out->push_back(int32_t(v));
+    if (j == std::string::npos) break;
+    i = j + 1;
+  }
+  return true;
+}
+
+bool parse_model_options(const Args& a, dz_model_params* p, std::string* err) {
+  dz_model_params_init(p);
+  const std::string dev = flag_value(a, "--device", "cpu");
+  if (dev == "cpu")
+    p->device = DZ_DEVICE_CPU;
+  else if (dev == "cuda")
+    p->device = DZ_DEVICE_CUDA;
+  else if (dev == "auto")
+    p->device = DZ_DEVICE_AUTO;
+  else {
+    *err = "--device '" + dev + "' (expected cpu, cuda or auto)";
+    return false;
+  }
+  const std::string th = flag_value(a, "--threads", "0");
+  char* end = nullptr;
+  const long n = std::strtol(th.c_str(), &end, 10);
+  if (th.empty() || *end || n < 0 || n > 4096) {
+    *err = "--threads '" + th + "' is not a thread count";
+    return false;
+  }
+  p->n_threads = int(n);
+  return true;
+}
+
+}  // namespace dz::cli
