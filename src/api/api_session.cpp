@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstring>
 #include <unordered_set>
 
 #include "api/api_util.h"
@@ -247,13 +248,17 @@ DZ_API dz_status dz_session_append(dz_session* session, const int32_t* tokens, s
     dz::need(session, "session");
     dz::need(tokens, "tokens");
     dz::check(n > 0, DZ_ERR_INVALID_ARGUMENT, "n is 0");
-    dz::check(mode == DZ_LOGITS_LAST || mode == DZ_LOGITS_ALL, DZ_ERR_INVALID_ARGUMENT, "mode ", int(mode),
-              " is not a dz_logits_mode");
+    // Read as an int: a C caller may pass any value, which C++ must not load as the enum.
+    int mode_value;
+    static_assert(sizeof(mode_value) == sizeof(mode));
+    std::memcpy(&mode_value, &mode, sizeof(mode_value));
+    dz::check(mode_value == DZ_LOGITS_LAST || mode_value == DZ_LOGITS_ALL, DZ_ERR_INVALID_ARGUMENT, "mode ",
+              mode_value, " is not a dz_logits_mode");
     check_tokens(session, tokens, n);
     dz::kv::Sequence& seq = *session->seq;
     dz::Family& family = *session->arena->model->family;
     const size_t v = size_t(family.n_vocab());
-    const bool all = mode == DZ_LOGITS_ALL;
+    const bool all = mode_value == DZ_LOGITS_ALL;
     dz::check(!all || n <= SIZE_MAX / sizeof(float) / v, DZ_ERR_OUT_OF_MEMORY, "logits of ", n, " rows overflow");
     std::vector<float> logits(all ? n * v : v);
     const size_t start = seq.length();
