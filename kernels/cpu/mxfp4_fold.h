@@ -16,10 +16,11 @@
 #include <cstdint>
 #include <string>
 
+#include "cpu/mxfp4.h"
+
 namespace dz::cpu {
 
-// E2M1 code (4 bits, bit 3 = sign) -> value.
-extern const float kE2M1[16];
+// kE2M1 (E2M1 code -> value) comes from cpu/mxfp4.h.
 
 // Round-to-nearest-even to E4M3 (finite, saturating at +-448; NaN -> 0x7F).
 uint8_t e4m3_from_double(double x);
