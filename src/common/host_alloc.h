@@ -19,7 +19,7 @@ template <typename T>
 class HostBuffer {
  public:
   HostBuffer() = default;
-  explicit HostBuffer(size_t n) : n_(n), p_(static_cast<T*>(host_alloc(n * sizeof(T) ? n * sizeof(T) : 1))) {}
+  explicit HostBuffer(size_t n) : n_(n), p_(static_cast<T*>(host_alloc(n ? n * sizeof(T) : 1))) {}
   T* data() { return p_.get(); }
   const T* data() const { return p_.get(); }
   size_t size() const { return n_; }
