@@ -453,3 +453,225 @@ TEST_CASE("kv: sequences on different threads share one arena", "[kv]") {
   CHECK(st.pages_free + st.pages_cached == 64);
   CHECK(st.tokens_reused > 0);
 }
+
+namespace {
+
+// Randomized model-based test: random operations against a reference model
+// that tracks each sequence's tokens (and, with recurrent state, the state it
+// must hold); after every operation the arena's invariants are checked and the
+// touched sequences' pages must hold exactly their prefixes' bytes.
+struct RandomRun {
+  uint64_t seed;
+  bool with_state;
+  std::mt19937_64 rng;
+  std::unique_ptr<Arena> arena;
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  std::vector<std::vector<int32_t>> templates;  // shared prompts, for prefix hits
+  uint64_t n_full = 0, n_adopted = 0, n_forks = 0, n_unsupported = 0;
+  static constexpr size_t kStateBytes = 24;
+  static constexpr size_t kMaxLen = 72;
+
+  RandomRun(uint64_t s, bool state) : seed(s), with_state(state), rng(s) {
+    Layout l;
+    l.page_tokens = 4;
+    l.layer_token_bytes = {4, 0, 8};
+    l.state_slot_bytes = state ? kStateBytes : 0;
+    l.model_key = 11;
+    ArenaConfig cfg;
+    cfg.capacity_pages = 40;
+    cfg.max_state_slots = 6;
+    cfg.max_state_snapshots = 5;
+    arena = std::make_unique<Arena>(l, cfg);
+    for (int i = 0; i < 4; ++i) templates.push_back(random_tokens(rng, kMaxLen, 3));
+  }
+
+  size_t pick(size_t n) { return size_t(rng() % n); }
+  bool chance(double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; }
+
+  // The state a sequence must hold after its tokens: a function of the prefix.
+  static void state_for(const std::vector<int32_t>& t, size_t n, uint8_t* out) {
+    const uint64_t k = n ? prefix_key(t, n) : 0;
+    for (size_t i = 0; i < kStateBytes; ++i) out[i] = n ? content_byte(k, 99, i) : 0;
+  }
+  void check_state(Sequence& s) {
+    if (!with_state) return;
+    uint8_t want[kStateBytes];
+    state_for(s.tokens(), s.length(), want);
+    REQUIRE(std::memcmp(s.state_ptr(), want, kStateBytes) == 0);
+  }
+  void check_seq(Sequence& s, const std::vector<int32_t>& expect) {
+    REQUIRE(s.tokens() == expect);
+    REQUIRE(s.pages().size() == (s.length() + s.reserved() + 3) / 4);
+    REQUIRE(contents_ok(s));
+    check_state(s);
+  }
+  // Independent accounting from what the sequences hold.
+  void check_accounting() {
+    const dz_kv_stats st = arena->stats();
+    std::vector<PageId> held;
+    for (auto& s : seqs) held.insert(held.end(), s->pages().begin(), s->pages().end());
+    std::sort(held.begin(), held.end());
+    held.erase(std::unique(held.begin(), held.end()), held.end());
+    REQUIRE(st.pages_used == held.size());
+    REQUIRE(st.pages_used + st.pages_cached + st.pages_free == st.pages_total);
+    if (with_state) REQUIRE(st.state_slots_used == seqs.size());
+  }
+
+  // Append k tokens the way a session does: reserve, write, commit (or, 10%
+  // of the time, a failed forward that rolls back).
+  // False when the arena was full (nothing changed).
+  bool append_op(Sequence& s, std::vector<int32_t> ids) {
+    const auto before_tokens = s.tokens();
+    const auto before_pages = s.pages();
+    const dz_kv_stats st = arena->stats();
+    const uint64_t avail = st.pages_free + st.pages_cached;
+    const uint64_t need = (s.length() + ids.size() + 3) / 4 - (s.length() + 3) / 4;  // + 1 if a copy is due
+    try {
+      s.reserve(ids.size());
+    } catch (const Error& e) {
+      REQUIRE(e.status() == DZ_ERR_KV_FULL);
+      REQUIRE(avail <= need);
+      REQUIRE(s.tokens() == before_tokens);
+      REQUIRE(s.pages() == before_pages);
+      REQUIRE(s.reserved() == 0);
+      ++n_full;
+      return false;
+    }
+    REQUIRE(avail >= need);
+    std::vector<int32_t> all = s.tokens();
+    all.insert(all.end(), ids.begin(), ids.end());
+    write_kv(s, all, s.length());
+    if (chance(0.1)) {
+      s.rollback();
+      REQUIRE(s.tokens() == before_tokens);
+      REQUIRE(s.reserved() == 0);
+      return true;
+    }
+    s.commit(ids);
+    if (with_state) {
+      state_for(all, all.size(), s.state_ptr());
+      if (s.length() % 4 == 0 && chance(0.7)) s.snapshot_state(s.length());
+    }
+    return true;
+  }
+
+  std::vector<int32_t> next_tokens(const Sequence& s, size_t k) {
+    // Follow a template while the sequence is one of its prefixes (prefix
+    // hits and duplicate pages), else random tokens from a tiny vocabulary.
+    for (const auto& t : templates)
+      if (s.length() + k <= t.size() && std::equal(s.tokens().begin(), s.tokens().end(), t.begin()) && chance(0.8))
+        return std::vector<int32_t>(t.begin() + s.length(), t.begin() + s.length() + k);
+    return random_tokens(rng, k, 3);
+  }
+
+  void step() {
+    const size_t op = pick(100);
+    if (seqs.empty() || (op < 12 && seqs.size() < 8)) {  // create, maybe with a prefix hit
+      std::unique_ptr<Sequence> s;
+      const uint64_t used = arena->stats().state_slots_used;
+      try {
+        s = std::make_unique<Sequence>(*arena);
+      } catch (const Error& e) {
+        REQUIRE(e.status() == DZ_ERR_KV_FULL);
+        REQUIRE((with_state && used == 6));
+        return;
+      }
+      REQUIRE(!(with_state && used == 6));
+      check_state(*s);
+      if (chance(0.7)) {
+        const auto& t = templates[pick(templates.size())];
+        const size_t n = 1 + pick(t.size());
+        std::vector<int32_t> prompt(t.begin(), t.begin() + n);
+        const size_t got = s->adopt_prefix(prompt);
+        REQUIRE(got % 4 == 0);
+        REQUIRE(got <= n - 1);
+        n_adopted += got;
+        check_seq(*s, std::vector<int32_t>(prompt.begin(), prompt.begin() + got));
+        append_op(*s, std::vector<int32_t>(prompt.begin() + got, prompt.end()));
+      }
+      seqs.push_back(std::move(s));
+      check_seq(*seqs.back(), seqs.back()->tokens());
+      return;
+    }
+    const size_t i = pick(seqs.size());
+    Sequence& s = *seqs[i];
+    const auto expect = s.tokens();
+    if (op < 60) {  // append
+      if (s.length() >= kMaxLen) return;
+      const size_t k = 1 + pick(std::min<size_t>(10, kMaxLen - s.length()));
+      append_op(s, next_tokens(s, k));
+      check_seq(s, s.tokens());
+      REQUIRE(std::equal(expect.begin(), expect.end(), s.tokens().begin()));
+    } else if (op < 70) {  // fork
+      std::unique_ptr<Sequence> f;
+      try {
+        f = s.fork();
+      } catch (const Error& e) {
+        REQUIRE(e.status() == DZ_ERR_KV_FULL);
+        REQUIRE(with_state);
+        return;
+      }
+      ++n_forks;
+      check_seq(*f, expect);
+      seqs.push_back(std::move(f));
+    } else if (op < 82) {  // truncate
+      const size_t n = pick(s.length() + 1);
+      try {
+        s.truncate(n);
+      } catch (const Error& e) {
+        REQUIRE(e.status() == DZ_ERR_UNSUPPORTED);
+        REQUIRE(with_state);
+        REQUIRE(n != 0);
+        ++n_unsupported;
+        check_seq(s, expect);
+        return;
+      }
+      check_seq(s, std::vector<int32_t>(expect.begin(), expect.begin() + n));
+    } else if (op < 94) {  // release
+      seqs.erase(seqs.begin() + i);
+    } else {  // pressure: one sequence takes every page it can (evicting the cache), then goes
+      if (with_state && arena->stats().state_slots_used == 6) return;
+      Sequence hog(*arena);
+      while (append_op(hog, random_tokens(rng, 1 + pick(8), 1000))) check_seq(hog, hog.tokens());
+      check_seq(hog, hog.tokens());
+    }
+  }
+
+  void run(size_t ops) {
+    for (size_t n = 0; n < ops; ++n) {
+      step();
+      arena->check_invariants(n % 32 == 0);
+      check_accounting();
+      if (n % 64 == 0)
+        for (auto& s : seqs) check_seq(*s, s->tokens());
+    }
+    seqs.clear();
+    arena->check_invariants();
+    const dz_kv_stats st = arena->stats();
+    REQUIRE(st.pages_used == 0);  // no leak
+    REQUIRE(st.pages_free + st.pages_cached == st.pages_total);
+    REQUIRE(st.state_slots_used == 0);
+  }
+};
+
+uint64_t random_seed() {
+  if (const char* s = std::getenv("DZ_KV_SEED")) return std::strtoull(s, nullptr, 0);
+  return std::random_device{}() * 0x100000001ULL ^ std::random_device{}();
+}
+
+}  // namespace
+
+TEST_CASE("kv: randomized operations against a reference model", "[kv]") {
+  for (bool state : {false, true}) {
+    const uint64_t seed = random_seed();
+    INFO("seed " << seed << " (rerun with DZ_KV_SEED=" << seed << "), recurrent state " << state);
+    RandomRun r(seed, state);
+    r.run(100000);
+    // The run exercised what it is for.
+    CHECK(r.n_full > 0);
+    CHECK(r.n_adopted > 0);
+    CHECK(r.n_forks > 0);
+    CHECK(r.arena->stats().evictions > 0);
+    if (state) CHECK(r.n_unsupported > 0);
+  }
+}
