@@ -675,3 +675,43 @@ TEST_CASE("kv: randomized operations against a reference model", "[kv]") {
     if (state) CHECK(r.n_unsupported > 0);
   }
 }
+
+// Host bookkeeping of a 1M-token sequence (64-token pages): page metadata
+// (32 B/page), the hash index (4 B/slot at load <= 1/2) and the page table
+// (4 B/page) stay under 1 byte per token. The token ids the sequence keeps for
+// prefix hashing are 4 B/token on top (its vector's capacity is counted).
+TEST_CASE("kv: bookkeeping of a 1M-token sequence is under 1 byte/token beyond its token ids", "[kv]") {
+  constexpr size_t kTokens = 1 << 20, kPage = 64;
+  Layout l;
+  l.page_tokens = kPage;
+  l.layer_token_bytes = {1};
+  ArenaConfig cfg;
+  cfg.capacity_pages = kTokens / kPage;
+  Arena a(l, cfg);
+  const uint64_t empty = a.metadata_bytes();
+  Sequence s(a);
+  std::vector<int32_t> chunk(4096);
+  // Prefill in chunks, then the last 4096 tokens as single-token decode steps.
+  for (size_t done = 0; done + chunk.size() < kTokens; done += chunk.size()) {
+    for (size_t i = 0; i < chunk.size(); ++i) chunk[i] = int32_t((done + i) * 2654435761u % 200000);
+    s.reserve(chunk.size());
+    s.commit(chunk);
+  }
+  while (s.length() < kTokens) {
+    const int32_t t = int32_t(s.length() % 200000);
+    s.reserve(1);
+    s.commit(std::span(&t, 1));
+  }
+  CHECK(status_of([&] { s.reserve(1); }) == DZ_ERR_KV_FULL);
+  REQUIRE(s.length() == kTokens);
+  const uint64_t total = a.metadata_bytes();
+  const uint64_t token_ids = s.tokens().capacity() * sizeof(int32_t);
+  const double per_token = double(total - token_ids) / kTokens;
+  INFO("bookkeeping " << total << " B (empty arena " << empty << " B), token ids " << token_ids << " B, "
+                      << per_token << " B/token beyond token ids");
+  CHECK(per_token < 1.0);
+  CHECK(token_ids < 4.5 * kTokens);
+  CHECK(a.stats().bytes_metadata == total);
+  CHECK(a.stats().pages_free == 0);
+  a.check_invariants(false);
+}

@@ -249,6 +249,13 @@ struct Arena::Impl {
     }
   }
 
+  // Capacity for n elements, growing geometrically (a decode step must not
+  // reallocate the page table every page).
+  template <typename V>
+  static void grow(V& v, size_t n) {
+    if (n > v.capacity()) v.reserve(std::max(n, 2 * v.capacity()));
+  }
+
   size_t pages_for(size_t tokens) const { return (tokens + P - 1) / P; }
 
   // ---------------------------------------------------------- state
@@ -332,6 +339,7 @@ struct Arena::Impl {
     }
     if (cow == kCopy) ++need;
     if (available() < need) full_error(need, "reserve");
+    grow(s.pages_, want);  // the only step that can throw (host memory) comes before any change
     if (cow == kCopy) {
       const PageId p = alloc_page();
       a.storage_->copy(size_t(p) * a.page_bytes_, size_t(last) * a.page_bytes_, a.page_bytes_);
@@ -342,7 +350,6 @@ struct Arena::Impl {
     } else if (cow == kClearFull) {
       meta[last].full = false;
     }
-    s.pages_.reserve(want);
     while (s.pages_.size() < want) s.pages_.push_back(alloc_page());
     s.reserved_ = target - len;
   }
@@ -357,6 +364,7 @@ struct Arena::Impl {
       fail(DZ_ERR_INVALID_ARGUMENT, "KV sequence: commit of ", ids.size(), " tokens exceeds the ", s.reserved_,
            " reserved");
     const size_t len = s.tokens_.size();
+    grow(s.tokens_, len + ids.size());
     s.tokens_.insert(s.tokens_.end(), ids.begin(), ids.end());
     s.reserved_ -= ids.size();
     const size_t new_len = s.tokens_.size();
@@ -402,7 +410,8 @@ struct Arena::Impl {
       }
     }
     if (!take) return 0;
-    s.pages_.reserve(s.pages_.size() + take);
+    grow(s.pages_, s.pages_.size() + take);
+    grow(s.tokens_, s.tokens_.size() + take * P);
     for (size_t i = 0; i < take; ++i) {
       add_ref(found[i]);
       s.pages_.push_back(found[i]);
