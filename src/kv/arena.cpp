@@ -386,10 +386,10 @@ struct Arena::Impl {
   }
 
   size_t adopt_prefix(Sequence& s, std::span<const int32_t> toks) {
-    tokens_requested += toks.size();
     if (s.reserved_)
       fail(DZ_ERR_INVALID_ARGUMENT, "KV sequence: adopt_prefix with ", s.reserved_,
            " tokens of reserved room; commit or roll back first");
+    tokens_requested += toks.size();
     const size_t len = s.tokens_.size();
     if (!a.cfg_.prefix_cache || toks.size() < 2 || len % P) return 0;
     const size_t max_pages = (toks.size() - 1) / P;

@@ -16,6 +16,7 @@ int cmd_generate(const Args& args);
 
 // Benchmarks (dz bench <name>), one per cmd_bench_<name>.cpp; add a row to kBenches in cmd_bench.cpp.
 int bench_moe(const Args& args);
+int bench_kv(const Args& args);
 
 // Small argument helpers shared by the subcommands.
 bool has_flag(const Args& a, const std::string& flag);
