@@ -129,7 +129,7 @@ int bench_moe(const Args& a) {
   sh.hidden = std::stoi(flag_value(a, "--hidden", "2880"));
   sh.intermediate = std::stoi(flag_value(a, "--intermediate", "2880"));
   MoeOptions opt;
-  opt.fused_max_tokens_per_expert = std::stod(flag_value(a, "--threshold", "8"));
+  opt.fused_max_tokens_per_expert = std::stod(flag_value(a, "--threshold", "16"));
   opt.tile_experts = std::stoi(flag_value(a, "--tile", "16"));
   opt.gemm_streams = std::stoi(flag_value(a, "--gemm-streams", "4"));
   const double bw_ceiling = std::stod(flag_value(a, "--bw-ceiling", "4.27e12"));
