@@ -8,6 +8,7 @@
 
 #include "commands.h"
 #include "common/error.h"
+#include "cpu/mxfp4_fold.h"
 #include "loader/config.h"
 #include "loader/safetensors.h"
 #include "model/family.h"
@@ -44,15 +45,17 @@ bool is_scale(const std::string& name) { return ends_with(name, "_scales") || en
 int cmd_info(const Args& a) {
   if (has_flag(a, "--help") || has_flag(a, "-h")) {
     std::printf(
-        "usage: dz info --model DIR [--tensors]\n\n"
+        "usage: dz info --model DIR [--tensors] [--fold-check]\n\n"
         "Validates every shard of a Hugging Face model directory (header, dtypes,\n"
         "shapes, offsets, index) and prints its architecture, layer types,\n"
         "parameter count, bytes by dtype and shard count.\n\n"
         "  --model DIR   model directory (config.json + *.safetensors)\n"
-        "  --tensors     also list every tensor\n");
+        "  --tensors     also list every tensor\n"
+        "  --fold-check  check every MXFP4 tensor for the lossless FP4 -> FP8 1x128 fold\n"
+        "                (the CUDA expert pipeline's rule): counts lossy groups, refuses NaN scales\n");
     return 0;
   }
-  reject_unknown(a, {"--model", "--tensors", "--help"}, "info");
+  reject_unknown(a, {"--model", "--tensors", "--fold-check", "--help"}, "info");
   const std::string dir = flag_value(a, "--model");
   if (dir.empty()) {
     std::fprintf(stderr, "dz info: --model DIR is required (see dz info --help)\n");
@@ -110,6 +113,31 @@ int cmd_info(const Args& a) {
                   human_count(double(v.second)).c_str());
     if (has_flag(a, "--tensors"))
       for (const auto& [name, t] : ws.all()) std::printf("  %s\n", t->describe().c_str());
+    if (has_flag(a, "--fold-check")) {
+      // Each *_blocks [..., rows, K/32, 16] with its *_scales [..., rows, K/32].
+      cpu::FoldStats all;
+      int n = 0;
+      for (const auto& [name, t] : ws.all()) {
+        if (!is_fp4_blocks(name)) continue;
+        const std::string sname = name.substr(0, name.size() - 7) + "_scales";
+        const TensorView* sc = ws.find(sname);
+        check(sc != nullptr, DZ_ERR_FORMAT, "MXFP4 tensor ", name, " has no ", sname);
+        check(t->shape.size() >= 3 && t->dim(-1) == 16 && t->dtype == DType::U8 && sc->dtype == DType::U8 &&
+                  sc->numel() * 16 == t->numel(),
+              DZ_ERR_FORMAT, "MXFP4 tensor ", name, ": expected U8 [..., rows, K/32, 16] with scales [..., rows, K/32]");
+        const int64_t k = t->dim(-2) * 32;
+        const cpu::FoldStats st = cpu::mxfp4_fold_check({t->data, sc->data, t->numel() / (k / 2), k, name});
+        all.merge(st);
+        ++n;
+        if (st.lossy_groups)
+          std::printf("  fold lossy:  %s: %llu of %llu groups (max spread %d)\n", name.c_str(),
+                      (unsigned long long)st.lossy_groups, (unsigned long long)st.groups, st.max_spread);
+      }
+      std::printf("fold check:   %d MXFP4 tensors, %llu groups of 1x128, %llu lossy, %llu all-zero, max spread %d%s\n", n,
+                  (unsigned long long)all.groups, (unsigned long long)all.lossy_groups,
+                  (unsigned long long)all.zero_groups, all.max_spread,
+                  all.lossy_groups ? " (FP8 folding is not exact for these)" : " (FP8 folding exact)");
+    }
     std::printf("devices:      %s\n", runtime_devices_summary().c_str());
     std::printf("validation:   OK (%.3f s)\n", secs);
     return 0;
