@@ -548,6 +548,19 @@ struct RandomRun {
     std::vector<int32_t> all = s.tokens();
     all.insert(all.end(), ids.begin(), ids.end());
     write_kv(s, all, s.length());
+    if (chance(0.05) && seqs.size() < 10) {  // fork mid-forward: the fork must not see the uncommitted room
+      try {
+        auto f = s.fork();
+        ++n_forks;
+        ENSURE(f->tokens() == before_tokens);
+        ENSURE(f->reserved() == 0);
+        ENSURE(contents_ok(*f));
+        seqs.push_back(std::move(f));
+      } catch (const Error& e) {
+        ENSURE(e.status() == DZ_ERR_KV_FULL);
+        ENSURE(with_state);
+      }
+    }
     if (chance(0.1)) {
       s.rollback();
       ENSURE(s.tokens() == before_tokens);
