@@ -3,8 +3,8 @@
 // and snapshots, thread safety. Page contents are written as a function of the
 // whole token prefix (as real KV is), so a page shared or adopted wrongly
 // shows up as a content mismatch.
-#include <catch2/catch.hpp>
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -727,8 +727,8 @@ TEST_CASE("kv: bookkeeping of a 1M-token sequence is under 1 byte/token beyond i
   const uint64_t total = a.metadata_bytes();
   const uint64_t token_ids = s.tokens().capacity() * sizeof(int32_t);
   const double per_token = double(total - token_ids) / kTokens;
-  INFO("bookkeeping " << total << " B (empty arena " << empty << " B), token ids " << token_ids << " B, "
-                      << per_token << " B/token beyond token ids");
+  INFO("bookkeeping " << total << " B (empty arena " << empty << " B), token ids " << token_ids << " B, " << per_token
+                      << " B/token beyond token ids");
   CHECK(per_token < 1.0);
   CHECK(token_ids < 4.5 * kTokens);
   CHECK(a.stats().bytes_metadata == total);

@@ -3,8 +3,8 @@
 // suffix (its stats and the arena's say so), and its logits equal those of a
 // session computing everything without the cache, also for the decode steps
 // that follow (which attend over the adopted pages).
-#include <catch2/catch.hpp>
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <random>
 #include <string>
@@ -16,11 +16,11 @@ namespace {
 
 const std::string kFixture = std::string(DZ_TEST_DATA) + "/gpt_oss_tiny";
 
-#define DZ_OK_OR_FAIL(call)                   \
-  do {                                        \
-    const dz_status st_ = (call);             \
-    INFO(#call << ": " << dz_last_error());   \
-    REQUIRE(st_ == DZ_OK);                    \
+#define DZ_OK_OR_FAIL(call)                 \
+  do {                                      \
+    const dz_status st_ = (call);           \
+    INFO(#call << ": " << dz_last_error()); \
+    REQUIRE(st_ == DZ_OK);                  \
   } while (0)
 
 struct Handles {

@@ -260,9 +260,7 @@ struct Arena::Impl {
 
   // ---------------------------------------------------------- state
   size_t slot_off(int32_t slot) const { return state_base + (1 + size_t(slot)) * state_stride; }
-  size_t snap_off(uint32_t i) const {
-    return state_base + (1 + size_t(a.cfg_.max_state_slots) + i) * state_stride;
-  }
+  size_t snap_off(uint32_t i) const { return state_base + (1 + size_t(a.cfg_.max_state_slots) + i) * state_stride; }
   bool has_state() const { return a.layout_.state_slot_bytes > 0; }
   int32_t acquire_slot() {
     if (free_slots.empty())
@@ -477,7 +475,8 @@ size_t Arena::page_bytes_for(const Layout& l) {
 size_t Arena::storage_bytes(const Layout& l, const ArenaConfig& cfg) {
   size_t bytes = mul_checked(page_bytes_for(l), size_t(cfg.capacity_pages), "capacity");
   if (l.state_slot_bytes) {
-    const size_t snaps = cfg.prefix_cache ? (cfg.max_state_snapshots ? cfg.max_state_snapshots : cfg.max_state_slots) : 0;
+    const size_t snaps =
+        cfg.prefix_cache ? (cfg.max_state_snapshots ? cfg.max_state_snapshots : cfg.max_state_slots) : 0;
     const size_t slots = 1 + size_t(cfg.max_state_slots) + snaps;
     const size_t state = mul_checked(round_up(l.state_slot_bytes, kStateAlign), slots, "state slots");
     bytes = round_up(bytes, kStateAlign);
@@ -569,9 +568,9 @@ uint64_t Arena::metadata_bytes_locked() const {
     return elems * (payload + 2 * sizeof(void*)) + buckets * sizeof(void*);
   };
   uint64_t b = sizeof(Arena) + sizeof(Impl) + layer_offsets_.capacity() * sizeof(size_t) +
-               layout_.layer_token_bytes.capacity() * sizeof(size_t) +
-               m.meta.capacity() * sizeof(Impl::PageMeta) + m.table.capacity() * sizeof(PageId) +
-               m.free_slots.capacity() * sizeof(uint32_t) + m.snaps.capacity() * sizeof(Impl::Snapshot) +
+               layout_.layer_token_bytes.capacity() * sizeof(size_t) + m.meta.capacity() * sizeof(Impl::PageMeta) +
+               m.table.capacity() * sizeof(PageId) + m.free_slots.capacity() * sizeof(uint32_t) +
+               m.snaps.capacity() * sizeof(Impl::Snapshot) +
                node_bytes(m.snap_index.size(), m.snap_index.bucket_count(), 16) +
                node_bytes(m.seqs.size(), m.seqs.bucket_count(), sizeof(void*));
   for (const Sequence* s : m.seqs)
