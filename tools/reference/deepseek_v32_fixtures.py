@@ -106,7 +106,7 @@ def make_config(V):
         routed_scaling_factor=2.5, kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=16, v_head_dim=32,
         qk_nope_head_dim=32, n_group=4, topk_group=2, num_experts_per_tok=4, norm_topk_prob=True,
         hidden_act="silu", max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
-        pad_token_id=2, tie_word_embeddings=False, index_topk=16, index_head_dim=64, index_n_heads=4,
+        pad_token_id=2, tie_word_embeddings=False, index_topk=16, index_head_dim=64, index_n_heads=16,
         first_k_dense_replace=1, attention_bias=False)
     # YaRN as the real checkpoint uses it, with mscale != mscale_all_dim so both the cos/sin attention factor
     # and the softmax mscale^2 are exercised.
@@ -127,17 +127,45 @@ def main():
     ap.add_argument("--out", required=True, help="where the fixture tarball (and --hf-src sources) go")
     ap.add_argument("--work", default="/tmp/deepseek_v32_fixtures", help="where the fixture folders are built")
     ap.add_argument("--seed", type=int, default=20261203)
+    ap.add_argument("--attempts", type=int, default=6, help="seeds to try for a model free of top-k boundary ties")
     ap.add_argument("--hf-src", action="store_true", help="also save transformers' deepseek_v32 sources for reading")
     args = ap.parse_args()
     import transformers
-    from transformers import AutoModelForCausalLM
-    from safetensors.torch import save_file
 
     if args.hf_src:
         dump_sources(args.out)
-
     print("torch", torch.__version__, "transformers", transformers.__version__, flush=True)
-    torch.manual_seed(args.seed)
+
+    # The indexer's top-k is only well defined when the k-th and (k+1)-th scores differ: torch.topk breaks
+    # exact ties (e.g. several scores that ReLU made exactly 0) in an order that even depends on how many
+    # future (masked) positions share the row. Try seeds until no row of any layer, prompt or greedy step
+    # has its top-k boundary within a relative 1e-6 (so an independent implementation selects the same set).
+    best = None
+    for attempt in range(args.attempts):
+        seed = args.seed + 1000 * attempt
+        work = os.path.join(args.work, f"seed{seed}")
+        ties, summary = build(args, seed, work)
+        print(f"seed {seed}: {ties} near-tied top-k boundaries", flush=True)
+        if best is None or ties < best[0]:
+            best = (ties, seed, work, summary)
+        if ties == 0:
+            break
+    ties, seed, work, summary = best
+    print(f"using seed {seed} ({ties} near ties)", flush=True)
+    with tarfile.open(os.path.join(args.out, "deepseek_v32_fixtures.tar"), "w") as tf:
+        for vname in ("bf16", "fp8", "mxfp4"):
+            d = f"deepseek_v32_{vname}"
+            tf.add(os.path.join(work, d), arcname=d)
+    print("summary:", json.dumps(summary, indent=1), flush=True)
+
+
+def build(args, seed, work):
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from safetensors.torch import save_file
+    import transformers.models.deepseek_v32.modeling_deepseek_v32 as hf_ds
+
+    torch.manual_seed(seed)
     V = 512
     cfg = make_config(V)
     cfg._attn_implementation = "eager"
@@ -172,7 +200,7 @@ def main():
 
     # Random non-trivial values. Linear weights get a power-of-two factor per 128x128 block so the FP8 block
     # scales differ from block to block.
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen)
@@ -308,7 +336,7 @@ def main():
         "model.layers.*.self_attn", "model.layers.*.mlp.gate", "model.layers.*.mlp.shared_experts",
         "model.layers.0.mlp", "model.embed_tokens", "lm_head"]})
 
-    prompt_gen = torch.Generator().manual_seed(args.seed + 1)
+    prompt_gen = torch.Generator().manual_seed(seed + 1)
     prompts = [torch.randint(3, V, (T,), generator=prompt_gen) for T in LENGTHS]
     cdict = json.loads(cfg.to_json_string(use_diff=False))
     for k in ("_attn_implementation", "_name_or_path"):
@@ -318,16 +346,45 @@ def main():
 
     # The indexer's selection, through a forward hook.
     captured = {}
+    gaps = {"on": False, "ties": 0, "rows": 0, "min_rel": float("inf")}
+
+    def boundary_gaps(mod, args_, kwargs):
+        """Recompute the indexer scores (as the module does) and count rows whose k-th and (k+1)-th differ
+        by less than 1e-6 of the row's largest |score|."""
+        hs, q_resid, pe = args_[0], args_[1], args_[2]
+        cos, sin = pe
+        B, S, _ = hs.shape
+        rope = mod.qk_rope_head_dim
+        q = mod.wq_b(q_resid).view(B, S, mod.n_heads, mod.head_dim)
+        q_rot, q_pass = torch.split(q, [rope, mod.head_dim - rope], dim=-1)
+        k = mod.k_norm(mod.wk(hs)).unsqueeze(2)
+        k_rot, k_pass = torch.split(k, [rope, mod.head_dim - rope], dim=-1)
+        q_rot, k_rot = hf_ds.apply_rotary_pos_emb(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q_pass], dim=-1)
+        k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+        sc = torch.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * mod.softmax_scale)
+        w = mod.weights_proj(hs).float() * (mod.n_heads ** -0.5)
+        idx = torch.matmul(w.unsqueeze(-2), sc).squeeze(-2)[0].double()  # [S, S]
+        kk = mod.index_topk
+        for t in range(kk, S):
+            v = torch.sort(idx[t, : t + 1], descending=True).values
+            rel = float(v[kk - 1] - v[kk]) / max(float(v.abs().max()), 1e-30)
+            gaps["rows"] += 1
+            gaps["min_rel"] = min(gaps["min_rel"], rel)
+            if rel < 1e-6:
+                gaps["ties"] += 1
 
     def hook_for(layer):
-        def hook(_mod, _inp, out):
+        def hook(mod, args_, kwargs, out):
             captured[layer] = out[0] if isinstance(out, tuple) else out
+            if gaps["on"]:
+                boundary_gaps(mod, args_, kwargs)
         return hook
 
     handles = []
     try:
         for li, layer in enumerate(model.model.layers):
-            handles.append(layer.self_attn.indexer.register_forward_hook(hook_for(li)))
+            handles.append(layer.self_attn.indexer.register_forward_hook(hook_for(li), with_kwargs=True))
     except AttributeError as e:
         print("no indexer module to hook:", e, flush=True)
 
@@ -350,7 +407,7 @@ def main():
 
     summary = {}
     for vname, (files, values, qcfg) in variants.items():
-        odir = os.path.join(args.work, f"deepseek_v32_{vname}")
+        odir = os.path.join(work, f"deepseek_v32_{vname}")
         os.makedirs(odir, exist_ok=True)
         names = sorted(files)
         n_shards = 3
@@ -374,6 +431,7 @@ def main():
         for n, gate in extra_buffers.items():
             gate.e_score_correction_bias.copy_(state.pop(n))
         model.load_state_dict(state, strict=True)
+        ties_before, rows_before = gaps["ties"], gaps["rows"]
         ref = {}
         with torch.no_grad():
             for i, ids in enumerate(prompts):
@@ -404,6 +462,14 @@ def main():
                     greedy.append(int(top.indices[0]))
                     margins.append(float(top.values[0] - top.values[1]))
                     seq = torch.cat([seq, top.indices[:1]])
+                # Boundary gaps over every row the reference involves: the prompt and its greedy extension.
+                gaps["on"] = True
+                try:
+                    model(torch.cat([ids, torch.tensor(greedy[:-1], dtype=ids.dtype)])[None], use_cache=False)
+                except Exception as e:  # noqa: BLE001 - a failed check counts as untrustworthy
+                    print(f"[{vname}] boundary check failed: {type(e).__name__}: {e}", flush=True)
+                    gaps["ties"] += 1000
+                gaps["on"] = False
                 ref[f"greedy.{i}"] = torch.tensor(greedy, dtype=torch.int64)
                 ref[f"margin.{i}"] = torch.tensor(margins, dtype=torch.float32)
                 print(f"[{vname}] prompt {i}: T={T} logits std={float(logits.std()):.3f} greedy={greedy} "
@@ -430,20 +496,20 @@ def main():
         print(f"[{vname}] {reload}", flush=True)
         summary[vname] = reload
         with open(os.path.join(odir, "reference.json"), "w") as f:
-            json.dump({"generator": "tools/reference/deepseek_v32_fixtures.py", "seed": args.seed,
+            json.dump({"generator": "tools/reference/deepseek_v32_fixtures.py", "seed": seed,
                        "variant": vname, "transformers": transformers.__version__, "torch": torch.__version__,
                        "prompt_lengths": LENGTHS, "greedy_tokens": N_GREEDY,
                        "dtype": "float32, CPU, eager attention, use_cache=False",
                        "reference_weights": "the dequantised values of exactly these files",
-                       "topk_prompt": len(LENGTHS) - 1, "reload_check": reload}, f, indent=2)
+                       "topk_prompt": len(LENGTHS) - 1, "reload_check": reload,
+                       "topk_boundary_check": {"rows": gaps["rows"] - rows_before,
+                                               "near_ties_below_1e-6": gaps["ties"] - ties_before}}, f, indent=2)
     for h in handles:
         h.remove()
-
-    with tarfile.open(os.path.join(args.out, "deepseek_v32_fixtures.tar"), "w") as tf:
-        for vname in variants:
-            d = f"deepseek_v32_{vname}"
-            tf.add(os.path.join(args.work, d), arcname=d)
-    print("summary:", json.dumps(summary, indent=1), flush=True)
+    print(f"seed {seed}: top-k boundary rows checked {gaps['rows']}, near ties {gaps['ties']}, smallest relative "
+          f"gap {gaps['min_rel']:.3g}", flush=True)
+    summary["boundary_check"] = {"rows": gaps["rows"], "near_ties": gaps["ties"], "min_relative_gap": gaps["min_rel"]}
+    return gaps["ties"], summary
 
 
 def dump_sources(out):
