@@ -5,6 +5,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu/fp8.h"
 #include "cpu/mxfp4.h"
 
 namespace dz::cpu {
@@ -55,9 +56,10 @@ void to_f32(WeightKind kind, const uint8_t* src, int64_t n, float* out) {
       }
       return;
     case WeightKind::MXFP4:
+    case WeightKind::FP8_BLOCK:
       break;
   }
-  std::abort();  // MXFP4 vectors are decoded through WeightRef
+  std::abort();  // MXFP4 / FP8 vectors are decoded through WeightRef
 }
 
 void WeightRef::decode_row(int64_t n, float* out) const {
@@ -73,6 +75,9 @@ void WeightRef::decode_row(int64_t n, float* out) const {
       return;
     case WeightKind::MXFP4:
       mxfp4_decode_row(data + size_t(n) * size_t(cols / 2), scales + size_t(n) * size_t(cols / kMxfp4Group), cols, out);
+      return;
+    case WeightKind::FP8_BLOCK:
+      fp8_block_decode_row(data, reinterpret_cast<const float*>(scales), row0 + n, cols, out);
       return;
   }
 }
@@ -91,6 +96,9 @@ WeightRef WeightRef::row_slice(int64_t r0, int64_t n) const {
     case WeightKind::MXFP4:
       r.data += size_t(r0) * size_t(cols / 2);
       r.scales += size_t(r0) * size_t(cols / kMxfp4Group);
+      break;
+    case WeightKind::FP8_BLOCK:
+      r.row0 += r0;
       break;
   }
   return r;

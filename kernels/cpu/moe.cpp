@@ -21,6 +21,51 @@ void router_topk_softmax(const float* logits, int n_experts, int k, int32_t* idx
   }
 }
 
+void router_sigmoid_grouped(const float* logits, const float* bias, int n_experts, int n_group, int topk_group, int k,
+                            bool norm, float scaling, int32_t* idx, float* weights) {
+  const int per = n_experts / n_group;
+  std::vector<float> s(static_cast<size_t>(n_experts)), choice(static_cast<size_t>(n_experts));
+  for (int e = 0; e < n_experts; ++e) {
+    s[size_t(e)] = float(1.0 / (1.0 + std::exp(-double(logits[e]))));
+    choice[size_t(e)] = s[size_t(e)] + (bias ? bias[e] : 0.0f);
+  }
+  auto better = [&](int32_t a, int32_t b) {
+    return choice[size_t(a)] > choice[size_t(b)] || (choice[size_t(a)] == choice[size_t(b)] && a < b);
+  };
+  // Group score: the sum of the group's two best choice values (one when a group has one expert).
+  std::vector<float> gscore(static_cast<size_t>(n_group));
+  for (int g = 0; g < n_group; ++g) {
+    float b1 = -INFINITY, b2 = -INFINITY;
+    for (int e = g * per; e < (g + 1) * per; ++e) {
+      const float c = choice[size_t(e)];
+      if (c > b1)
+        b2 = b1, b1 = c;
+      else if (c > b2)
+        b2 = c;
+    }
+    gscore[size_t(g)] = per > 1 ? b1 + b2 : b1;
+  }
+  std::vector<int32_t> groups(static_cast<size_t>(n_group));
+  std::iota(groups.begin(), groups.end(), 0);
+  std::partial_sort(groups.begin(), groups.begin() + topk_group, groups.end(), [&](int32_t a, int32_t b) {
+    return gscore[size_t(a)] > gscore[size_t(b)] || (gscore[size_t(a)] == gscore[size_t(b)] && a < b);
+  });
+  std::vector<int32_t> cand;
+  for (int j = 0; j < topk_group; ++j)
+    for (int e = groups[size_t(j)] * per; e < (groups[size_t(j)] + 1) * per; ++e) cand.push_back(e);
+  std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), better);
+  float sum = 0;
+  for (int j = 0; j < k; ++j) {
+    idx[j] = cand[size_t(j)];
+    weights[j] = s[size_t(idx[j])];
+    sum += weights[j];
+  }
+  for (int j = 0; j < k; ++j) {
+    if (norm) weights[j] /= sum + 1e-20f;
+    weights[j] *= scaling;
+  }
+}
+
 void glu(const Glu& g, const float* h, int64_t inter, float* out) {
   switch (g.kind) {
     case Glu::Kind::SwiGLU:
@@ -48,7 +93,7 @@ void moe_forward(const float* x, int64_t n_rows, int64_t hidden, int64_t inter, 
   std::vector<std::vector<std::pair<int64_t, float>>> rows(static_cast<size_t>(n_experts));
   for (int64_t r = 0; r < n_rows; ++r)
     for (int j = 0; j < k; ++j) rows[size_t(idx[r * k + j])].push_back({r, weights[r * k + j]});
-  std::vector<float> xs, h, a, o;
+  std::vector<float> xs, h, gu, a, o;
   for (int e = 0; e < n_experts; ++e) {
     const auto& re = rows[size_t(e)];
     if (re.empty()) continue;
@@ -57,7 +102,18 @@ void moe_forward(const float* x, int64_t n_rows, int64_t hidden, int64_t inter, 
     xs.resize(size_t(m * hidden));
     for (int64_t i = 0; i < m; ++i) std::copy_n(x + re[size_t(i)].first * hidden, hidden, xs.data() + i * hidden);
     h.resize(size_t(m * 2 * inter));
-    matmul(xs.data(), m, w.up, w.up_bias, h.data(), pool);
+    if (w.gate.rows) {
+      // Gate and up stored apart: compute both and lay them out as [gate | up].
+      gu.resize(size_t(m * 2 * inter));
+      matmul(xs.data(), m, w.gate, nullptr, gu.data(), pool);
+      matmul(xs.data(), m, w.up, w.up_bias, gu.data() + m * inter, pool);
+      for (int64_t i = 0; i < m; ++i) {
+        std::copy_n(gu.data() + i * inter, inter, h.data() + i * 2 * inter);
+        std::copy_n(gu.data() + (m + i) * inter, inter, h.data() + i * 2 * inter + inter);
+      }
+    } else {
+      matmul(xs.data(), m, w.up, w.up_bias, h.data(), pool);
+    }
     a.resize(size_t(m * inter));
     for (int64_t i = 0; i < m; ++i) glu(g, h.data() + i * 2 * inter, inter, a.data() + i * inter);
     o.resize(size_t(m * hidden));

@@ -14,6 +14,15 @@ namespace dz::cpu {
 void router_topk_softmax(const float* logits, int n_experts, int k, int32_t* idx, float* weights);
 
 // Gated activation of one row of the first expert projection h [2 * inter].
+// DeepSeek-V3 routing ("noaux_tc"): s = sigmoid(logits); choice = s + bias
+// (e_score_correction_bias); experts form n_group equal groups scored by the
+// sum of their two best choice values; the topk_group best groups stay; the k
+// best experts by choice among them are chosen (ties: lower index first).
+// Their weights are s (without the bias), divided by their sum when norm,
+// times scaling. fp32 arithmetic as transformers does it.
+void router_sigmoid_grouped(const float* logits, const float* bias, int n_experts, int n_group, int topk_group, int k,
+                            bool norm, float scaling, int32_t* idx, float* weights);
+
 struct Glu {
   enum class Kind {
     SwiGLU,      // h = [gate | up]: silu(gate) * up
@@ -27,10 +36,12 @@ struct Glu {
 void glu(const Glu& g, const float* h, int64_t inter, float* out);
 
 struct ExpertWeights {
-  WeightRef up;                      // [2 * inter, hidden] (gate and up rows, layout per Glu)
+  WeightRef up;                      // [2 * inter, hidden] (gate and up rows, layout per Glu),
+                                     // or [inter, hidden] up rows alone when `gate` is set
   const float* up_bias = nullptr;    // [2 * inter] or null
   WeightRef down;                    // [hidden, inter]
   const float* down_bias = nullptr;  // [hidden] or null
+  WeightRef gate = {};               // optional [inter, hidden] gate rows stored apart (SwiGLU only)
 };
 
 // y[r] = sum_j weights[r, j] * down(glu(up(x[r]))) over the experts idx[r, j]
