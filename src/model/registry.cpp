@@ -1,5 +1,6 @@
 #include <utility>
 
+#include "model/deepseek_v32.h"
 #include "model/family.h"
 
 namespace dz {
@@ -9,6 +10,7 @@ std::unique_ptr<Family> make_gpt_oss(const Config&, const WeightStore&, const dz
 namespace {
 // One line per family; keep sorted.
 const std::pair<const char*, FamilyFactory> kFamilies[] = {
+    {"deepseek_v32", make_deepseek_v32},
     {"gpt_oss", make_gpt_oss},
 };
 }  // namespace

@@ -1,0 +1,160 @@
+#include "cpu/indexer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "common/error.h"
+#include "common/host_alloc.h"
+#include "cpu/fp8.h"
+#include "cpu/topk.h"
+
+namespace dz::cpu {
+
+namespace {
+bool pow2(int n) { return n > 0 && (n & (n - 1)) == 0; }
+
+double dot(const float* a, const float* b, int n) {
+  double s[4] = {0, 0, 0, 0};
+  int i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (int j = 0; j < 4; ++j) s[j] += double(a[i + j]) * double(b[i + j]);
+  for (; i < n; ++i) s[0] += double(a[i]) * double(b[i]);
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+}  // namespace
+
+int indexer_scale_block(const IndexerConfig& c) { return std::min(c.head_dim, 128); }
+
+size_t indexer_key_bytes(const IndexerConfig& c) {
+  if (c.mode == IndexerMode::Exact) return size_t(c.head_dim) * sizeof(float);
+  return size_t(c.head_dim) + size_t(c.head_dim / indexer_scale_block(c)) * sizeof(float);
+}
+
+void indexer_validate(const IndexerConfig& c) {
+  check(c.n_heads > 0 && c.head_dim > 0 && c.topk > 0, DZ_ERR_FORMAT, "indexer: heads ", c.n_heads, ", head dim ",
+        c.head_dim, " and top-k ", c.topk, " must be positive");
+  if (c.mode == IndexerMode::Fp8)
+    check(pow2(c.head_dim), DZ_ERR_UNSUPPORTED, "indexer FP8 mode needs a power-of-two head dim for the Hadamard ",
+          "rotation (index_head_dim = ", c.head_dim, "); use the exact indexer");
+}
+
+void hadamard(float* x, int n) {
+  for (int h = 1; h < n; h *= 2)
+    for (int i = 0; i < n; i += 2 * h)
+      for (int j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+  const float s = float(1.0 / std::sqrt(double(n)));
+  for (int i = 0; i < n; ++i) x[i] *= s;
+}
+
+void indexer_encode_key(const IndexerConfig& c, const float* k, uint8_t* dst) {
+  const int D = c.head_dim;
+  if (c.mode == IndexerMode::Exact) {
+    std::memcpy(dst, k, size_t(D) * sizeof(float));
+    return;
+  }
+  std::vector<float> r(k, k + D);
+  hadamard(r.data(), D);
+  const int blk = indexer_scale_block(c);
+  float* scales = reinterpret_cast<float*>(dst + D);  // record offsets keep this 4-byte aligned
+  for (int b = 0; b * blk < D; ++b) {
+    const float s = fp8_quantize_block(r.data() + b * blk, blk, c.pow2_scales, dst + b * blk);
+    std::memcpy(scales + b, &s, sizeof(float));
+  }
+}
+
+void indexer_select(const IndexerConfig& c, const float* q, const float* w, int64_t n_q, const int64_t* n_visible,
+                    const PagedRows& keys, const IndexerBudget& budget, int32_t* out, IndexerStats* stats,
+                    ThreadPool* pool) {
+  const int H = c.n_heads, D = c.head_dim, K = c.topk;
+  const bool fp8 = c.mode == IndexerMode::Fp8;
+  const int blk = indexer_scale_block(c), nb = D / blk;
+  const int64_t chunk = std::max<int64_t>(1, budget.chunk_tokens);
+  const int64_t qblock = std::max<int64_t>(1, std::min(budget.query_block, n_q));
+  const float d_scale = float(1.0 / std::sqrt(double(D)));
+  const float h_scale = float(1.0 / std::sqrt(double(H)));
+
+  // Scratch, sized once: one block of prepared queries, one chunk of keys
+  // (Exact: row pointers; Fp8: E4M3 values as floats plus scales) and the
+  // block's running top-k heaps.
+  HostBuffer<float> qb{size_t(qblock * H * D)}, wb{size_t(qblock * H)}, qs{fp8 ? size_t(qblock * H * nb) : 1};
+  HostBuffer<float> kv{fp8 ? size_t(chunk * D) : 1}, ks{fp8 ? size_t(chunk * nb) : 1};
+  HostBuffer<const float*> kp{size_t(chunk)};
+  std::vector<RunningTopK> heaps(size_t(qblock), RunningTopK{K});
+  const size_t scratch = qb.size() * 4 + wb.size() * 4 + qs.size() * 4 + kv.size() * 4 + ks.size() * 4 +
+                         kp.size() * sizeof(void*) + size_t(qblock) * size_t(K) * 8;
+  if (stats) stats->peak_scratch_bytes = std::max(stats->peak_scratch_bytes, scratch);
+  uint64_t scored = 0;
+
+  for (int64_t q0 = 0; q0 < n_q; q0 += qblock) {
+    const int64_t nq = std::min(qblock, n_q - q0);
+    int64_t reach = 0;
+    std::vector<uint8_t> q8(static_cast<size_t>(blk));
+    for (int64_t i = 0; i < nq; ++i) {
+      reach = std::max(reach, n_visible[q0 + i]);
+      heaps[size_t(i)].reset(K);
+      float* qi = qb.data() + i * H * D;
+      std::memcpy(qi, q + (q0 + i) * H * D, size_t(H * D) * sizeof(float));
+      for (int h = 0; h < H; ++h) {
+        // Both scales are positive, so they fold into the head weight outside the ReLU.
+        wb[size_t(i * H + h)] = w[(q0 + i) * H + h] * h_scale;
+        if (!fp8) continue;
+        float* v = qi + h * D;
+        hadamard(v, D);
+        for (int b = 0; b < nb; ++b) {
+          qs[size_t((i * H + h) * nb + b)] = fp8_quantize_block(v + b * blk, blk, c.pow2_scales, q8.data());
+          for (int j = 0; j < blk; ++j) v[b * blk + j] = e4m3_to_f32(q8[size_t(j)]);
+        }
+      }
+    }
+    for (int64_t s0 = 0; s0 < reach; s0 += chunk) {
+      const int64_t ns = std::min(chunk, reach - s0);
+      if (fp8) {
+        for (int64_t j = 0; j < ns; ++j) {
+          const uint8_t* r = keys.row(s0 + j);
+          for (int d = 0; d < D; ++d) kv[size_t(j * D + d)] = e4m3_to_f32(r[d]);
+          std::memcpy(ks.data() + j * nb, r + D, size_t(nb) * sizeof(float));
+          kp[size_t(j)] = kv.data() + j * D;
+        }
+      } else {
+        for (int64_t j = 0; j < ns; ++j) kp[size_t(j)] = keys.row_f32(s0 + j);
+      }
+      parallel_for(pool, size_t(nq), 1, [&](size_t i0, size_t i1) {
+        for (size_t i = i0; i < i1; ++i) {
+          const int64_t vis = std::min(ns, n_visible[q0 + int64_t(i)] - s0);
+          const float* qi = qb.data() + int64_t(i) * H * D;
+          const float* wi = wb.data() + int64_t(i) * H;
+          RunningTopK& heap = heaps[i];
+          for (int64_t j = 0; j < vis; ++j) {
+            const float* k = kp[size_t(j)];
+            double acc = 0;
+            for (int h = 0; h < H; ++h) {
+              float logit;
+              if (fp8) {
+                double d = 0;
+                for (int b = 0; b < nb; ++b)
+                  d += dot(qi + h * D + b * blk, k + b * blk, blk) * double(qs[size_t((int64_t(i) * H + h) * nb + b)]) *
+                       double(ks[size_t(j * nb + b)]);
+                logit = float(d) * d_scale;
+              } else {
+                logit = float(dot(qi + h * D, k, D)) * d_scale;
+              }
+              if (logit > 0) acc += double(wi[h]) * double(logit);
+            }
+            heap.push(float(acc), int32_t(s0 + j));
+          }
+        }
+      });
+      for (int64_t i = 0; i < nq; ++i) scored += uint64_t(std::max<int64_t>(0, std::min(ns, n_visible[q0 + i] - s0)));
+    }
+    for (int64_t i = 0; i < nq; ++i) heaps[size_t(i)].finish(out + (q0 + i) * K);
+  }
+  if (stats) stats->keys_scored += scored;
+}
+
+}  // namespace dz::cpu

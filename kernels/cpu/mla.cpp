@@ -1,0 +1,144 @@
+#include "cpu/mla.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "common/host_alloc.h"
+
+namespace dz::cpu {
+
+namespace {
+double dot(const float* a, const float* b, int n) {
+  double s[4] = {0, 0, 0, 0};
+  int i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (int j = 0; j < 4; ++j) s[j] += double(a[i + j]) * double(b[i + j]);
+  for (; i < n; ++i) s[0] += double(a[i]) * double(b[i]);
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+// p[j] = softmax(s)[j] in place (fp64); n > 0.
+void softmax(double* s, int64_t n) {
+  double mx = -std::numeric_limits<double>::infinity();
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  double sum = 0;
+  for (int64_t j = 0; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
+  for (int64_t j = 0; j < n; ++j) s[j] /= sum;
+}
+}  // namespace
+
+int64_t mla_decode(const MlaDims& d, const float* q, const float* w_kv_b, const PagedRows& latent, const int32_t* sel,
+                   int n_sel, float* out, ThreadPool* pool) {
+  const int H = d.n_heads, qd = d.nope + d.rope, hr = d.nope + d.v, R = d.rank;
+  std::vector<const float*> rows;
+  rows.reserve(size_t(n_sel));
+  for (int j = 0; j < n_sel; ++j)
+    if (sel[j] >= 0) rows.push_back(latent.row_f32(sel[j]));
+  const int64_t n = int64_t(rows.size());
+  parallel_for(pool, size_t(H), 1, [&](size_t h0, size_t h1) {
+    std::vector<double> qt(static_cast<size_t>(R)), acc(static_cast<size_t>(R)), s(static_cast<size_t>(n));
+    std::vector<float> qtf(static_cast<size_t>(R));
+    for (size_t h = h0; h < h1; ++h) {
+      const float* qh = q + h * size_t(qd);
+      const float* w_uk = w_kv_b + h * size_t(hr) * size_t(R);
+      const float* w_uv = w_uk + size_t(d.nope) * size_t(R);
+      // Absorb W_UK into the query: q~ = W_UK^T q_nope (rank values).
+      std::fill(qt.begin(), qt.end(), 0.0);
+      for (int i = 0; i < d.nope; ++i) {
+        const double qi = qh[i];
+        const float* wr = w_uk + size_t(i) * size_t(R);
+        for (int r = 0; r < R; ++r) qt[size_t(r)] += qi * double(wr[r]);
+      }
+      for (int r = 0; r < R; ++r) qtf[size_t(r)] = float(qt[size_t(r)]);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* c = rows[size_t(j)];
+        s[size_t(j)] = double(float(dot(qtf.data(), c, R) + dot(qh + d.nope, c + R, d.rope)) * d.scale);
+      }
+      float* oh = out + h * size_t(d.v);
+      if (n == 0) {
+        std::fill(oh, oh + d.v, 0.0f);
+        continue;
+      }
+      softmax(s.data(), n);
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* c = rows[size_t(j)];
+        const double p = s[size_t(j)];
+        for (int r = 0; r < R; ++r) acc[size_t(r)] += p * double(c[r]);
+      }
+      // Then W_UV maps the attended latent to the head's value space.
+      for (int i = 0; i < d.v; ++i) {
+        const float* wr = w_uv + size_t(i) * size_t(R);
+        double o = 0;
+        for (int r = 0; r < R; ++r) o += double(wr[r]) * acc[size_t(r)];
+        oh[i] = float(o);
+      }
+    }
+  });
+  return n;
+}
+
+int64_t mla_prefill(const MlaDims& d, const float* q, int64_t n_q, const float* w_kv_b, const PagedRows& latent,
+                    const int32_t* sel, int k, float* out, ThreadPool* pool, int64_t query_block) {
+  const int H = d.n_heads, qd = d.nope + d.rope, hr = d.nope + d.v, R = d.rank;
+  const int64_t blockq = std::max<int64_t>(1, query_block);
+  int64_t attended = 0;
+  std::vector<int32_t> uni;
+  HostBuffer<float> expanded;
+  for (int64_t q0 = 0; q0 < n_q; q0 += blockq) {
+    const int64_t nq = std::min(blockq, n_q - q0);
+    // The union of this block's selected positions, expanded once.
+    uni.clear();
+    for (int64_t i = 0; i < nq * k; ++i)
+      if (sel[q0 * k + i] >= 0) uni.push_back(sel[q0 * k + i]);
+    std::sort(uni.begin(), uni.end());
+    uni.erase(std::unique(uni.begin(), uni.end()), uni.end());
+    const int64_t nu = int64_t(uni.size());
+    const size_t row_floats = size_t(H) * size_t(hr);  // per position: per head [k_nope | v]
+    if (expanded.size() < size_t(nu) * row_floats) expanded = HostBuffer<float>(size_t(nu) * row_floats);
+    parallel_for(pool, size_t(nu), 4, [&](size_t u0, size_t u1) {
+      for (size_t u = u0; u < u1; ++u) {
+        const float* c = latent.row_f32(uni[u]);
+        float* e = expanded.data() + u * row_floats;
+        for (size_t o = 0; o < row_floats; ++o) e[o] = float(dot(w_kv_b + o * size_t(R), c, R));
+      }
+    });
+    parallel_for(pool, size_t(nq) * size_t(H), 2, [&](size_t t0, size_t t1) {
+      std::vector<double> s(static_cast<size_t>(k)), acc(static_cast<size_t>(d.v));
+      std::vector<int64_t> at(static_cast<size_t>(k));
+      for (size_t t = t0; t < t1; ++t) {
+        const int64_t i = q0 + int64_t(t / size_t(H));
+        const int h = int(t % size_t(H));
+        const float* qh = q + (i * H + h) * qd;
+        int64_t n = 0;
+        for (int j = 0; j < k; ++j) {
+          const int32_t pos = sel[i * k + j];
+          if (pos < 0) continue;
+          const int64_t u = std::lower_bound(uni.begin(), uni.end(), pos) - uni.begin();
+          const float* kn = expanded.data() + size_t(u) * row_floats + size_t(h) * size_t(hr);
+          const float* kr = latent.row_f32(pos) + R;
+          s[size_t(n)] = double(float(dot(qh, kn, d.nope) + dot(qh + d.nope, kr, d.rope)) * d.scale);
+          at[size_t(n++)] = u;
+        }
+        float* oh = out + (i * H + h) * d.v;
+        if (n == 0) {
+          std::fill(oh, oh + d.v, 0.0f);
+          continue;
+        }
+        softmax(s.data(), n);
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int64_t j = 0; j < n; ++j) {
+          const float* vv = expanded.data() + size_t(at[size_t(j)]) * row_floats + size_t(h) * size_t(hr) + d.nope;
+          for (int x = 0; x < d.v; ++x) acc[size_t(x)] += s[size_t(j)] * double(vv[x]);
+        }
+        for (int x = 0; x < d.v; ++x) oh[x] = float(acc[size_t(x)]);
+      }
+    });
+    for (int64_t i = 0; i < nq * k; ++i) attended += sel[q0 * k + i] >= 0;
+  }
+  return attended;
+}
+
+}  // namespace dz::cpu

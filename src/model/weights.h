@@ -1,0 +1,27 @@
+// Checkpoint tensors as operator inputs, with the checks and messages every
+// family needs: linear weights in any stored precision (F32/BF16/F16 in
+// place, FP8 E4M3 with 128x128 `weight_scale_inv` blocks, MXFP4
+// `weight_blocks` + `weight_scales`), small vectors decoded to fp32.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "cpu/matmul.h"
+#include "loader/safetensors.h"
+
+namespace dz {
+
+std::string shape_str(const std::vector<int64_t>& s);
+void check_shape(const TensorView& t, const std::vector<int64_t>& shape);
+
+// The [rows x cols] linear weight `base` + ".weight" (F32, BF16, F16, or F8_E4M3
+// with base + ".weight_scale_inv"), or MXFP4 base + ".weight_blocks" /
+// ".weight_scales". Scales are validated (finite and positive FP8 scales, no
+// 0xFF MXFP4 scale byte).
+cpu::WeightRef linear_weight(const WeightStore& ws, const std::string& base, int64_t rows, int64_t cols);
+
+// A float vector (F32/BF16/F16) of the given shape, decoded to fp32.
+std::vector<float> vector_f32(const WeightStore& ws, const std::string& name, const std::vector<int64_t>& shape);
+
+}  // namespace dz
