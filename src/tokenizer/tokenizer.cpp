@@ -5,7 +5,6 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <unordered_map>
 
 #include "common/error.h"
@@ -31,12 +30,14 @@ const char* const kStopTokens[] = {"<|return|>", "<|call|>",  "<|endoftext|>", "
                                    "<|eom_id|>", "<|end_of_text|>", "<｜end▁of▁sentence｜>", "[EOS]"};
 
 std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) fail(DZ_ERR_IO, path, ": cannot open");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) fail(DZ_ERR_IO, path, ": read error");
-  return ss.str();
+  const std::streamoff size = f.tellg();
+  if (size < 0) fail(DZ_ERR_IO, path, ": cannot read its size");
+  std::string s(size_t(size), '\0');
+  f.seekg(0);
+  if (!f.read(s.data(), size)) fail(DZ_ERR_IO, path, ": read error");
+  return s;
 }
 
 json parse_json(const std::string& path) {

@@ -17,6 +17,7 @@ const Bench kBenches[] = {
     {"", nullptr, ""},  // rows: {"kv", bench_kv, "..."},
     {"kv", bench_kv, "KV arena bookkeeping: allocate/append/free, fork, prefix lookups, 1M-token memory"},
     {"moe", bench_moe, "MXFP4 MoE layer on the GPU (fused W4A16 vs FP8 paths)"},
+    {"tokenize", bench_tokenize, "tokenizer encode throughput (MB/s) on a corpus"},
 };
 void usage(FILE* f) {
   std::fprintf(f, "usage: dz bench <benchmark> [options] [--out FILE.json]\n\nbenchmarks:\n");

@@ -13,10 +13,14 @@ int cmd_info(const Args& args);
 int cmd_bench(const Args& args);  // dispatches to the bench_* functions below
 int cmd_logits(const Args& args);
 int cmd_generate(const Args& args);
+int cmd_tokenize(const Args& args);
+int cmd_detokenize(const Args& args);
+int cmd_chat(const Args& args);  // examples/chat/chat.cpp
 
 // Benchmarks (dz bench <name>), one per cmd_bench_<name>.cpp; add a row to kBenches in cmd_bench.cpp.
 int bench_moe(const Args& args);
 int bench_kv(const Args& args);
+int bench_tokenize(const Args& args);
 
 // Small argument helpers shared by the subcommands.
 bool has_flag(const Args& a, const std::string& flag);

@@ -48,6 +48,9 @@ const Command kCommands[] = {
     {"bench", dz::cli::cmd_bench, "benchmarks with JSON results (dz bench --help)"},
     {"logits", dz::cli::cmd_logits, "save a model's logits for token ids as .npy"},
     {"generate", dz::cli::cmd_generate, "generate token ids from a prompt of ids"},
+    {"tokenize", dz::cli::cmd_tokenize, "text (or a chat as JSON) on stdin -> token ids"},
+    {"detokenize", dz::cli::cmd_detokenize, "token ids on stdin -> text"},
+    {"chat", dz::cli::cmd_chat, "interactive chat with streamed output (or one-shot --prompt)"},
 };
 
 void usage(FILE* f) {

@@ -1,0 +1,86 @@
+// dz tokenize / detokenize / chat as a user runs them.
+#include <catch2/catch.hpp>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "support/safetensors_writer.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+std::pair<int, std::string> sh(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  REQUIRE(p);
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int rc = pclose(p);
+  return {WEXITSTATUS(rc), out};
+}
+
+// A tiny tiktoken tokenizer written by the test: bytes a..z, space, and a few merges.
+fs::path tiny_tokenizer() {
+  auto d = dz::test::temp_dir("tok-cli");
+  std::ofstream f(d / "tiktoken.model");
+  // base64 of single bytes ' '..'z' (ranks 0..90), then "he"(91) "ll"(92) "hell"(93) "hello"(94)
+  const char* b64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  auto enc = [&](const std::string& s) {
+    std::string o;
+    size_t i = 0;
+    for (; i + 2 < s.size(); i += 3) {
+      const unsigned v = (uint8_t(s[i]) << 16) | (uint8_t(s[i + 1]) << 8) | uint8_t(s[i + 2]);
+      o += {b64[v >> 18], b64[(v >> 12) & 63], b64[(v >> 6) & 63], b64[v & 63]};
+    }
+    if (i + 1 == s.size()) {
+      const unsigned v = uint8_t(s[i]) << 16;
+      o += {b64[v >> 18], b64[(v >> 12) & 63], '=', '='};
+    } else if (i + 2 == s.size()) {
+      const unsigned v = (uint8_t(s[i]) << 16) | (uint8_t(s[i + 1]) << 8);
+      o += {b64[v >> 18], b64[(v >> 12) & 63], b64[(v >> 6) & 63], '='};
+    }
+    return o;
+  };
+  int r = 0;
+  for (int c = ' '; c <= 'z'; ++c) f << enc(std::string(1, char(c))) << ' ' << r++ << '\n';
+  for (const char* t : {"he", "ll", "hell", "hello"}) f << enc(t) << ' ' << r++ << '\n';
+  f.close();
+  std::ofstream(d / "tokenizer_config.json") << R"({"added_tokens_decoder": {"95": {"content": "<|end|>", "special": true}},
+    "eos_token": "<|end|>",
+    "chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}<|end|>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"})";
+  return d;
+}
+}  // namespace
+
+TEST_CASE("dz tokenize and dz detokenize round-trip through stdin/stdout", "[tokenizer][cli]") {
+  const auto d = tiny_tokenizer();
+  const std::string dz = DZ_TOOL;
+  auto [rc, out] = sh("printf 'hello hell<|end|>' | " + dz + " tokenize --model " + d.string());
+  INFO(out);
+  REQUIRE(rc == 0);
+  // "hello" -> 94; " hell" -> ' '(0) + "hell"(93); "<|end|>" -> 95
+  CHECK(out == "94,0,93,95\n");
+  auto [rc2, out2] = sh("printf 'hello hell<|end|>' | " + dz + " tokenize --no-special --tokenizer " +
+                        (d / "tiktoken.model").string());
+  CHECK(rc2 == 0);
+  CHECK(out2.find(",95") == std::string::npos);  // '<|end|>' as plain characters
+  auto [rc3, out3] = sh("echo '94, 0 93,95' | " + dz + " detokenize --model " + d.string());
+  CHECK(rc3 == 0);
+  CHECK(out3 == "hello hell<|end|>");
+  auto [rc4, out4] = sh("echo '[{\"role\":\"user\",\"content\":\"hello\"}]' | " + dz + " tokenize --chat " +
+                        "--add-generation-prompt --print-text --model " + d.string());
+  CHECK(rc4 == 0);
+  CHECK(out4 == "<user>hello<|end|><assistant>");
+  // bad input: clear message, non-zero exit
+  auto [rc5, out5] = sh("echo '1,x' | " + dz + " detokenize --model " + d.string());
+  CHECK(rc5 == 1);
+  CHECK_THAT(out5, Catch::Contains("'x' is not a token id"));
+  auto [rc6, out6] = sh("echo '99999' | " + dz + " detokenize --model " + d.string());
+  CHECK(rc6 == 1);
+  CHECK_THAT(out6, Catch::Contains("outside the vocabulary"));
+  auto [rc7, out7] = sh("echo hi | " + dz + " tokenize --model /nonexistent");
+  CHECK(rc7 == 1);
+  auto [rc8, out8] = sh(dz + " tokenize");
+  CHECK(rc8 == 2);
+}
