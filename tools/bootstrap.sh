@@ -8,6 +8,8 @@ preset=${1:-default}
 
 pkgs=(build-essential cmake pkg-config libmimalloc-dev nlohmann-json3-dev catch2 libpcre2-dev
       python3 python3-numpy nodejs npm golang-go binutils)
+# Rust for the Rust binding's tests: a rustup toolchain when present, else Debian's.
+if ! command -v cargo >/dev/null && [ ! -x "$HOME/.cargo/bin/cargo" ]; then pkgs+=(rustc cargo); fi
 missing=()
 for p in "${pkgs[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

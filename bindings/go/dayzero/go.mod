@@ -1,0 +1,3 @@
+module dayzero
+
+go 1.19

@@ -1,0 +1,214 @@
+"""The Python binding against the tiny fixture model. Greedy generation is compared with the C API's
+tokens: the C example program (examples/simple/simple.c) run on the same prompt in the same test run."""
+
+import ctypes
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PKG_ROOT = os.path.dirname(HERE)
+sys.path.insert(0, PKG_ROOT)
+
+import dayzero  # noqa: E402
+from dayzero import _lib  # noqa: E402
+
+PROMPT = [2, 17, 300, 45, 8, 99]
+N_GEN = 8
+
+
+def env(name):
+    v = os.environ.get(name)
+    if not v:
+        raise AssertionError("%s is not set (ctest sets it; see tests/bindings.cmake)" % name)
+    return v
+
+
+def reference_ids():
+    r = subprocess.run([env("DAYZERO_TEST_REFERENCE"), env("DAYZERO_TEST_MODEL"), str(N_GEN)] + [str(t) for t in PROMPT],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise AssertionError("reference program failed:\n" + r.stdout + r.stderr)
+    for line in r.stdout.splitlines():
+        if line.startswith("generated:"):
+            ids = [int(x) for x in line.split()[1:]]
+            assert len(ids) == N_GEN, r.stdout
+            return ids
+    raise AssertionError("no 'generated:' line in:\n" + r.stdout)
+
+
+def header_text():
+    with open(env("DAYZERO_TEST_HEADER")) as f:
+        return re.sub(r"/\*.*?\*/", "", f.read(), flags=re.S)
+
+
+class TestLibrary(unittest.TestCase):
+    def test_version_matches_header(self):
+        h = header_text()
+        want = ".".join(re.search(r"#define DZ_VERSION_%s (\d+)" % k, h).group(1) for k in ("MAJOR", "MINOR", "PATCH"))
+        self.assertEqual(dayzero.version(), want)
+        self.assertEqual(dayzero.abi_version(), int(re.search(r"#define DZ_ABI_VERSION (\d+)", h).group(1)))
+
+    def test_found_through_pkg_config(self):
+        # ctest points PKG_CONFIG_PATH at the test install and leaves DAYZERO_LIB unset.
+        prefix = os.path.realpath(env("DAYZERO_TEST_PREFIX"))
+        self.assertNotIn("DAYZERO_LIB", os.environ)
+        self.assertTrue(os.path.realpath(dayzero.library_path()).startswith(prefix + os.sep),
+                        "%s is not under %s" % (dayzero.library_path(), prefix))
+
+    def test_dayzero_lib_overrides_and_a_bad_one_fails(self):
+        code = "import dayzero; print(dayzero.library_path())"
+        lib = os.path.realpath(dayzero.library_path())
+        run = lambda value: subprocess.run([sys.executable, "-c", code], cwd=PKG_ROOT, capture_output=True, text=True,
+                                           env=dict(os.environ, DAYZERO_LIB=value))
+        r = run(os.path.dirname(lib))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(os.path.dirname(os.path.realpath(r.stdout.strip())), os.path.dirname(lib))
+        r = run("/nonexistent/libdayzero.so")
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("/nonexistent/libdayzero.so", r.stderr)
+        self.assertIn("DAYZERO_LIB", r.stderr)
+
+    def test_declarations_match_header(self):
+        h = header_text()
+        declared = set(re.findall(r"DZ_API[^;(]*?\b(dz_\w+)\s*\(", h))
+        self.assertEqual(declared, set(_lib.PROTOTYPES), "ctypes prototypes differ from the header's functions")
+        for struct, init in _lib.STRUCT_INITS.items():
+            name = struct.__name__
+            body = re.search(r"typedef struct %s \{(.*?)\} %s;" % (name, name), h, re.S).group(1)
+            fields = [re.search(r"(\w+)\s*$", d.strip()).group(1) for d in body.split(";") if d.strip()]
+            self.assertEqual([f for f, _ in struct._fields_], fields, name)
+            # The library's *_init writes its sizeof into struct_size.
+            buf = ctypes.create_string_buffer(1024)
+            getattr(dayzero._L, init)(ctypes.cast(buf, ctypes.POINTER(struct)))
+            self.assertEqual(ctypes.c_size_t.from_buffer(buf).value, ctypes.sizeof(struct), name)
+        for enum_cls, c_enum in ((dayzero.Status, "dz_status"), (dayzero.Device, "dz_device"),
+                                 (dayzero.LogLevel, "dz_log_level"), (dayzero.Experts, "dz_expert_precision"),
+                                 (dayzero.Indexer, "dz_indexer_mode")):
+            body = re.search(r"typedef enum %s \{(.*?)\}" % c_enum, h, re.S).group(1)
+            values = sorted(int(v) for v in re.findall(r"=\s*(\d+)", body))
+            self.assertEqual(sorted(int(m) for m in enum_cls), values, c_enum)
+
+    def test_bad_path_raises_with_status_and_message(self):
+        bad = os.path.join(tempfile.gettempdir(), "dayzero-no-such-model")
+        with self.assertRaises(dayzero.DayzeroError) as cm:
+            dayzero.Model(bad)
+        e = cm.exception
+        self.assertEqual(e.status, dayzero.Status.IO)
+        self.assertEqual(e.status_name, "DZ_ERR_IO")
+        self.assertIn(bad, e.message)
+        self.assertIn(bad, str(e))
+
+
+class TestModel(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.want = reference_ids()
+
+    def setUp(self):
+        self.model = dayzero.Model(env("DAYZERO_TEST_MODEL"))
+
+    def tearDown(self):
+        self.model.close()
+
+    def test_greedy_generation_matches_c_api(self):
+        with self.model.session() as s:
+            got = list(s.generate_tokens(PROMPT, max_tokens=N_GEN, stop=()))
+            self.assertEqual(got, self.want)
+            self.assertEqual(len(s), len(PROMPT) + N_GEN)
+        # generate(): ids without a tokenizer (this fixture has none), text pieces with one.
+        tok = self.model.tokenizer
+        with self.model.session() as s:
+            pieces = list(s.generate(PROMPT, max_tokens=N_GEN, stop=()))
+        if tok is None:
+            self.assertEqual(pieces, self.want)
+        else:
+            self.assertEqual("".join(pieces), tok.decode(self.want))
+
+    def test_info(self):
+        info = self.model.info
+        self.assertEqual(info.architecture, "gpt_oss")
+        self.assertEqual(info.n_layers, 4)
+        self.assertEqual(info.n_vocab, 512)
+
+    def test_logits_step_fork_and_batch(self):
+        with self.model.arena() as arena:
+            s = arena.session()
+            s.append(PROMPT)
+            logits = s.logits()
+            try:
+                import numpy as np
+            except ImportError:
+                np = None
+                if os.environ.get("DAYZERO_TEST_REQUIRE_NUMPY"):
+                    raise
+            if np is not None:
+                self.assertIsInstance(logits, np.ndarray)
+                self.assertEqual(logits.shape, (1, 512))
+                self.assertEqual(logits.dtype, np.float32)
+                self.assertEqual(int(np.argmax(logits[0])), self.want[0])
+            f = s.fork()
+            self.assertEqual(dayzero.generate_step([s, f]), [self.want[0]] * 2)
+            self.assertEqual(s.step(), self.want[1])
+            self.assertEqual(len(s), len(PROMPT) + 2)
+            s.truncate(len(PROMPT))
+            self.assertEqual(len(s), len(PROMPT))
+            s.append(PROMPT[:2], all_logits=True)
+            self.assertEqual(tuple(s.logits().shape), (2, 512))
+            st = s.stats()
+            self.assertEqual(st["n_tokens"], len(PROMPT) + 2)
+            self.assertGreater(arena.stats()["pages_used"], 0)
+        # Closing the arena closed its sessions.
+        self.assertTrue(s.closed and f.closed)
+        with self.assertRaises(ValueError):
+            s.append(PROMPT)
+
+    def test_logits_without_numpy(self):
+        code = ("import sys; sys.modules['numpy'] = None\n"
+                "import dayzero\n"
+                "with dayzero.Model(%r) as m, m.session() as s:\n"
+                "    s.append(%r)\n"
+                "    l = s.logits()\n"
+                "    row = l.tolist()[0]\n"
+                "    print(type(l).__name__, l.shape, row.index(max(row)))\n") % (env("DAYZERO_TEST_MODEL"), PROMPT)
+        r = subprocess.run([sys.executable, "-c", code], cwd=PKG_ROOT, capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.split(), ["memoryview", "(1,", "512)", str(self.want[0])])
+
+    def test_abort_cancels_and_session_is_unchanged(self):
+        flag = [True]
+        with self.model.session(abort=lambda: flag[0]) as s:
+            with self.assertRaises(dayzero.DayzeroError) as cm:
+                s.append(PROMPT)
+            self.assertEqual(cm.exception.status, dayzero.Status.CANCELLED)
+            self.assertEqual(len(s), 0)
+            flag[0] = False
+            s.append(PROMPT)
+            self.assertEqual(s.sample(), self.want[0])
+
+    def test_closing_the_model_closes_its_children(self):
+        s = self.model.session()
+        self.model.close()
+        self.assertTrue(s.closed)
+        with self.assertRaises(ValueError):
+            self.model.info
+
+
+class TestReadme(unittest.TestCase):
+    def test_readme_example_runs(self):
+        with open(os.path.join(PKG_ROOT, "README.md")) as f:
+            code = re.search(r"```python\n(.*?)```", f.read(), re.S).group(1)
+        self.assertLessEqual(len(code.strip().splitlines()), 12)
+        r = subprocess.run([sys.executable, "-c", code], cwd=PKG_ROOT, capture_output=True, text=True,
+                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        want = reference_ids()[:4]
+        self.assertIn(" ".join(str(t) for t in want), r.stdout)
+        self.assertIn("IO", r.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()
