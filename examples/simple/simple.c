@@ -31,6 +31,7 @@ int main(int argc, char **argv) {
   dz_detokenizer *detok = NULL;
   dz_model_params mp;
   dz_model_info info;
+  dz_kv_arena_params ap;
   int32_t prompt[MAX_PROMPT];
   size_t n_prompt = 0;
   long i, n_tokens = 8;
@@ -62,7 +63,9 @@ int main(int argc, char **argv) {
   printf("dayzero %s: %s, %d layers, vocab %d\n", dz_version(), info.architecture, (int)info.n_layers,
          (int)info.n_vocab);
 
-  st = dz_kv_arena_create(model, NULL, &arena); /* default paged KV pool */
+  dz_kv_arena_params_init(&ap);
+  ap.capacity_bytes = (uint64_t)16 << 20; /* a small paged KV pool: enough for a short run */
+  st = dz_kv_arena_create(model, &ap, &arena);
   if (st != DZ_OK) {
     fail("dz_kv_arena_create", st);
     goto done;

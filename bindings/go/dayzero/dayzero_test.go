@@ -18,6 +18,26 @@ var prompt = []int32{2, 17, 300, 45, 8, 99}
 
 const nGen = 8
 
+// small is a small KV arena: quick to set up.
+var small = &dayzero.ArenaOptions{CapacityBytes: 8 << 20}
+
+func newSession(t *testing.T, m *dayzero.Model) *dayzero.Session {
+	t.Helper()
+	a, err := m.NewArena(small)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := a.NewSession(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		s.Close()
+		a.Close()
+	})
+	return s
+}
+
 func env(t *testing.T, name string) string {
 	t.Helper()
 	v := os.Getenv(name)
@@ -103,16 +123,12 @@ func TestGreedyMatchesCAPI(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer m.Close()
+	t.Cleanup(func() { m.Close() })
 	info, err := m.Info()
 	if err != nil || info.Architecture != "gpt_oss" || info.Vocab <= 0 {
 		t.Fatalf("Info() = %+v, %v", info, err)
 	}
-	s, err := m.NewSession(nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
+	s := newSession(t, m)
 	var got []int32
 	err = s.Generate(context.Background(), prompt, dayzero.GenerateOptions{MaxTokens: nGen, Stop: []int32{}},
 		func(tok dayzero.Token) error { got = append(got, tok.ID); return nil })
@@ -169,7 +185,7 @@ func TestCloseOrderAndClosedHandles(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a, err := m.NewArena(nil)
+	a, err := m.NewArena(small)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -205,12 +221,8 @@ func TestCancelledContext(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer m.Close()
-	s, err := m.NewSession(nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
+	t.Cleanup(func() { m.Close() })
+	s := newSession(t, m)
 	ctx, cancel := context.WithCancel(context.Background())
 	n := 0
 	err = s.Generate(ctx, prompt, dayzero.GenerateOptions{MaxTokens: nGen, Stop: []int32{}},

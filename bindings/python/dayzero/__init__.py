@@ -224,10 +224,11 @@ class Model(_Handle):
         """A new KVArena for this model (see KVArena for the options)."""
         return KVArena(self, **kwargs)
 
-    def session(self, arena=None, **kwargs):
-        """A new Session; without an arena, one with default settings is made for it (and closed with it)."""
+    def session(self, arena=None, arena_options=None, **kwargs):
+        """A new Session (see Session for the options); without an arena, one is made for it with
+        arena_options (a dict of KVArena options) and closed with it."""
         if arena is None:
-            arena = KVArena(self)
+            arena = KVArena(self, **(arena_options or {}))
             s = Session(arena, **kwargs)
             s._own_arena = arena
             return s
@@ -418,9 +419,9 @@ class Session(_Handle):
 
     def close(self):
         super().close()
-        if getattr(self, "_own_arena", None) is not None:
-            self._own_arena.close()
-            self._own_arena = None
+        arena, self._own_arena = getattr(self, "_own_arena", None), None
+        if arena is not None:
+            arena.close()
 
     def fork(self):
         """A copy sharing this session's pages copy-on-write (same arena, same sampler)."""

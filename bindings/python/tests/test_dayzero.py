@@ -18,6 +18,7 @@ from dayzero import _lib  # noqa: E402
 
 PROMPT = [2, 17, 300, 45, 8, 99]
 N_GEN = 8
+SMALL = {"capacity_bytes": 8 << 20}  # a small KV arena: quick to set up
 
 
 def env(name):
@@ -115,13 +116,13 @@ class TestModel(unittest.TestCase):
         self.model.close()
 
     def test_greedy_generation_matches_c_api(self):
-        with self.model.session() as s:
+        with self.model.session(arena_options=SMALL) as s:
             got = list(s.generate_tokens(PROMPT, max_tokens=N_GEN, stop=()))
             self.assertEqual(got, self.want)
             self.assertEqual(len(s), len(PROMPT) + N_GEN)
         # generate(): ids without a tokenizer (this fixture has none), text pieces with one.
         tok = self.model.tokenizer
-        with self.model.session() as s:
+        with self.model.session(arena_options=SMALL) as s:
             pieces = list(s.generate(PROMPT, max_tokens=N_GEN, stop=()))
         if tok is None:
             self.assertEqual(pieces, self.want)
@@ -135,7 +136,7 @@ class TestModel(unittest.TestCase):
         self.assertEqual(info.n_vocab, 512)
 
     def test_logits_step_fork_and_batch(self):
-        with self.model.arena() as arena:
+        with self.model.arena(**SMALL) as arena:
             s = arena.session()
             s.append(PROMPT)
             logits = s.logits()
@@ -169,7 +170,7 @@ class TestModel(unittest.TestCase):
     def test_logits_without_numpy(self):
         code = ("import sys; sys.modules['numpy'] = None\n"
                 "import dayzero\n"
-                "with dayzero.Model(%r) as m, m.session() as s:\n"
+                "with dayzero.Model(%r) as m, m.session(arena_options={'capacity_bytes': 8 << 20}) as s:\n"
                 "    s.append(%r)\n"
                 "    l = s.logits()\n"
                 "    row = l.tolist()[0]\n"
@@ -180,7 +181,7 @@ class TestModel(unittest.TestCase):
 
     def test_abort_cancels_and_session_is_unchanged(self):
         flag = [True]
-        with self.model.session(abort=lambda: flag[0]) as s:
+        with self.model.session(arena_options=SMALL, abort=lambda: flag[0]) as s:
             with self.assertRaises(dayzero.DayzeroError) as cm:
                 s.append(PROMPT)
             self.assertEqual(cm.exception.status, dayzero.Status.CANCELLED)
@@ -190,7 +191,7 @@ class TestModel(unittest.TestCase):
             self.assertEqual(s.sample(), self.want[0])
 
     def test_closing_the_model_closes_its_children(self):
-        s = self.model.session()
+        s = self.model.session(arena_options=SMALL)
         self.model.close()
         self.assertTrue(s.closed)
         with self.assertRaises(ValueError):

@@ -4,7 +4,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use dayzero::{generate_step, KvArena, LogitsMode, Model, ModelParams, Session, SessionParams, Status};
+use dayzero::{generate_step, ArenaParams, KvArena, LogitsMode, Model, ModelParams, Session, SessionParams, Status};
 
 const PROMPT: [i32; 6] = [2, 17, 300, 45, 8, 99];
 const N_GEN: usize = 8;
@@ -26,6 +26,11 @@ fn reference_ids() -> Vec<i32> {
     let ids: Vec<i32> = line["generated:".len()..].split_whitespace().map(|s| s.parse().unwrap()).collect();
     assert_eq!(ids.len(), N_GEN, "{}", text);
     ids
+}
+
+/// A small KV arena: quick to set up.
+fn small() -> ArenaParams {
+    ArenaParams { capacity_bytes: 8 << 20, ..Default::default() }
 }
 
 fn open() -> Model {
@@ -54,7 +59,7 @@ fn greedy_generation_matches_the_c_api() {
     let model = open();
     let info = model.info().unwrap();
     assert_eq!(info.architecture, "gpt_oss");
-    let arena = KvArena::new(&model, &Default::default()).unwrap();
+    let arena = KvArena::new(&model, &small()).unwrap();
     let mut s = Session::new(&arena, &SessionParams::default()).unwrap();
     let got: Vec<i32> = s.generate(&PROMPT, N_GEN, Some(&[])).unwrap().map(|t| t.unwrap().id).collect();
     assert_eq!(got, want, "greedy ids differ from the C API's");
@@ -78,7 +83,7 @@ fn greedy_generation_matches_the_c_api() {
 #[test]
 fn abort_flag_cancels_and_leaves_the_session_unchanged() {
     let model = open();
-    let arena = KvArena::new(&model, &Default::default()).unwrap();
+    let arena = KvArena::new(&model, &small()).unwrap();
     let flag = Arc::new(AtomicBool::new(true));
     let params = SessionParams { abort: Some(flag.clone()), ..Default::default() };
     let mut s = Session::new(&arena, &params).unwrap();
@@ -100,7 +105,7 @@ fn sessions_run_on_other_threads() {
     send::<Session<'static>>();
     let want = reference_ids();
     let model = open();
-    let arena = KvArena::new(&model, &Default::default()).unwrap();
+    let arena = KvArena::new(&model, &small()).unwrap();
     std::thread::scope(|scope| {
         let handles: Vec<_> = (0..2)
             .map(|_| {
