@@ -182,6 +182,7 @@ type ModelInfo struct {
 
 // Info describes the model.
 func (m *Model) Info() (ModelInfo, error) {
+	defer runtime.KeepAlive(m) // the finalizer must not free it during a C call
 	if m.p == nil {
 		return ModelInfo{}, errClosed
 	}
@@ -190,7 +191,6 @@ func (m *Model) Info() (ModelInfo, error) {
 	if err := call(func() C.dz_status { return C.dz_model_get_info(m.p, &i) }); err != nil {
 		return ModelInfo{}, err
 	}
-	runtime.KeepAlive(m)
 	return ModelInfo{
 		Architecture: C.GoString(i.architecture), Device: Device(i.device),
 		Layers: int(i.n_layers), Vocab: int(i.n_vocab), Hidden: int(i.hidden_size), Heads: int(i.n_heads),
@@ -203,6 +203,7 @@ func (m *Model) Info() (ModelInfo, error) {
 // Tokenizer returns the model's tokenizer (owned by the model), or nil and no
 // error when the model directory has none.
 func (m *Model) Tokenizer() (*Tokenizer, error) {
+	defer runtime.KeepAlive(m) // the finalizer must not free it during a C call
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.p == nil {
@@ -242,6 +243,7 @@ type Arena struct {
 
 // NewArena creates a KV arena for the model; opts may be nil.
 func (m *Model) NewArena(opts *ArenaOptions) (*Arena, error) {
+	defer runtime.KeepAlive(m) // the finalizer must not free it during a C call
 	var p C.dz_kv_arena_params
 	C.dz_kv_arena_params_init(&p)
 	if opts != nil {
@@ -295,6 +297,7 @@ type ArenaStats struct {
 
 // Stats reports the arena's pages, bytes and prefix-cache use.
 func (a *Arena) Stats() (ArenaStats, error) {
+	defer runtime.KeepAlive(a) // the finalizer must not free it during a C call
 	if a.p == nil {
 		return ArenaStats{}, errClosed
 	}

@@ -77,6 +77,7 @@ func (f *abortFlag) set(v int32) { atomic.StoreInt32((*int32)(unsafe.Pointer(f.p
 
 // NewSession creates an empty session in the arena; opts may be nil.
 func (a *Arena) NewSession(opts *SessionOptions) (*Session, error) {
+	defer runtime.KeepAlive(a) // the finalizer must not free it during a C call
 	var p C.dz_session_params
 	C.dz_session_params_init(&p)
 	if opts != nil {
@@ -104,6 +105,7 @@ func (s *Session) adopt() {
 
 // NewSession creates a session with its own default arena, closed with it.
 func (m *Model) NewSession(opts *SessionOptions) (*Session, error) {
+	defer runtime.KeepAlive(m) // the finalizer must not free it during a C call
 	a, err := m.NewArena(nil)
 	if err != nil {
 		return nil, err
@@ -143,6 +145,7 @@ func (s *Session) ptr() (*C.dz_session, error) {
 
 // Fork returns a copy sharing this session's pages copy-on-write.
 func (s *Session) Fork() (*Session, error) {
+	defer runtime.KeepAlive(s) // the finalizer must not free it during a C call
 	p, err := s.ptr()
 	if err != nil {
 		return nil, err
@@ -174,6 +177,7 @@ func ids(tokens []int32) *C.int32_t {
 // Append runs the model over tokens (chunked prefill). On failure the
 // session is unchanged.
 func (s *Session) Append(tokens []int32, mode LogitsMode) error {
+	defer runtime.KeepAlive(s) // the finalizer must not free it during a C call
 	p, err := s.ptr()
 	if err != nil {
 		return err
@@ -194,6 +198,7 @@ func (l Logits) Row(i int) []float32 { return l.Data[i*l.Vocab : (i+1)*l.Vocab] 
 
 // Logits copies the last append's logits.
 func (s *Session) Logits() (Logits, error) {
+	defer runtime.KeepAlive(s) // the finalizer must not free it during a C call
 	p, err := s.ptr()
 	if err != nil {
 		return Logits{}, err
@@ -213,6 +218,7 @@ func (s *Session) Logits() (Logits, error) {
 
 // Sample draws the next id from the last logits row without appending it.
 func (s *Session) Sample() (int32, error) {
+	defer runtime.KeepAlive(s) // the finalizer must not free it during a C call
 	p, err := s.ptr()
 	if err != nil {
 		return 0, err
@@ -224,6 +230,7 @@ func (s *Session) Sample() (int32, error) {
 
 // SetSampler replaces the session's sampler settings.
 func (s *Session) SetSampler(sm Sampler) error {
+	defer runtime.KeepAlive(s) // the finalizer must not free it during a C call
 	p, err := s.ptr()
 	if err != nil {
 		return err
@@ -234,6 +241,7 @@ func (s *Session) SetSampler(sm Sampler) error {
 
 // Len is the number of tokens in the sequence.
 func (s *Session) Len() (int, error) {
+	defer runtime.KeepAlive(s) // the finalizer must not free it during a C call
 	p, err := s.ptr()
 	if err != nil {
 		return 0, err
@@ -245,6 +253,7 @@ func (s *Session) Len() (int, error) {
 
 // Truncate keeps the first n tokens.
 func (s *Session) Truncate(n int) error {
+	defer runtime.KeepAlive(s) // the finalizer must not free it during a C call
 	p, err := s.ptr()
 	if err != nil {
 		return err
@@ -257,6 +266,7 @@ func (s *Session) Truncate(n int) error {
 
 // Reset truncates to 0.
 func (s *Session) Reset() error {
+	defer runtime.KeepAlive(s) // the finalizer must not free it during a C call
 	p, err := s.ptr()
 	if err != nil {
 		return err
@@ -271,6 +281,7 @@ type SessionStats struct {
 
 // Stats reports the session's counters.
 func (s *Session) Stats() (SessionStats, error) {
+	defer runtime.KeepAlive(s) // the finalizer must not free it during a C call
 	p, err := s.ptr()
 	if err != nil {
 		return SessionStats{}, err
@@ -303,6 +314,7 @@ func GenerateStep(sessions []*Session) ([]int32, error) {
 	if err != nil || len(ps) == 0 {
 		return nil, err
 	}
+	defer runtime.KeepAlive(sessions)
 	out := make([]int32, len(ps))
 	err = call(func() C.dz_status {
 		return C.dz_generate_step((**C.dz_session)(unsafe.Pointer(&ps[0])), C.size_t(len(ps)), ids(out))
@@ -322,6 +334,7 @@ func DecodeBatch(sessions []*Session, tokens []int32) error {
 	if err != nil || len(ps) == 0 {
 		return err
 	}
+	defer runtime.KeepAlive(sessions)
 	return call(func() C.dz_status {
 		return C.dz_decode_batch((**C.dz_session)(unsafe.Pointer(&ps[0])), ids(tokens), C.size_t(len(ps)))
 	})
@@ -329,6 +342,7 @@ func DecodeBatch(sessions []*Session, tokens []int32) error {
 
 // Step samples the next id, appends it and computes its logits.
 func (s *Session) Step() (int32, error) {
+	defer runtime.KeepAlive(s) // the finalizer must not free it during a C call
 	out, err := GenerateStep([]*Session{s})
 	if err != nil {
 		return 0, err
@@ -355,6 +369,7 @@ type GenerateOptions struct {
 // Cancelling ctx stops a running forward pass between layers (the error is
 // then ErrCancelled, or ctx's error between tokens).
 func (s *Session) Generate(ctx context.Context, prompt []int32, opts GenerateOptions, fn func(Token) error) error {
+	defer runtime.KeepAlive(s) // the finalizer must not free it during a C call
 	if _, err := s.ptr(); err != nil {
 		return err
 	}

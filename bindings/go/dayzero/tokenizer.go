@@ -50,6 +50,7 @@ func (t *Tokenizer) ptr() (*C.dz_tokenizer, error) {
 
 // Encode tokenizes UTF-8 text; parseSpecial turns special-token text into its id.
 func (t *Tokenizer) Encode(text string, parseSpecial bool) ([]int32, error) {
+	defer runtime.KeepAlive(t) // the finalizer must not free it during a C call
 	p, err := t.ptr()
 	if err != nil {
 		return nil, err
@@ -73,7 +74,6 @@ func (t *Tokenizer) Encode(text string, parseSpecial bool) ([]int32, error) {
 		if err != nil {
 			return nil, err
 		}
-		runtime.KeepAlive(t)
 		return out[:n], nil
 	}
 }
@@ -97,6 +97,7 @@ func bytesCall(f func(out *C.char, cap C.size_t, n *C.size_t) C.dz_status) (stri
 
 // Decode turns ids into text.
 func (t *Tokenizer) Decode(tokens []int32) (string, error) {
+	defer runtime.KeepAlive(t) // the finalizer must not free it during a C call
 	p, err := t.ptr()
 	if err != nil {
 		return "", err
@@ -110,6 +111,7 @@ func (t *Tokenizer) Decode(tokens []int32) (string, error) {
 // objects) through the chat template; optionsJSON is "" or a JSON object of
 // extra template variables.
 func (t *Tokenizer) ApplyChatTemplate(messagesJSON, optionsJSON string, addGenerationPrompt bool) (string, error) {
+	defer runtime.KeepAlive(t) // the finalizer must not free it during a C call
 	p, err := t.ptr()
 	if err != nil {
 		return "", err
@@ -132,6 +134,7 @@ func (t *Tokenizer) ApplyChatTemplate(messagesJSON, optionsJSON string, addGener
 
 // VocabSize is the number of token ids.
 func (t *Tokenizer) VocabSize() (int, error) {
+	defer runtime.KeepAlive(t) // the finalizer must not free it during a C call
 	p, err := t.ptr()
 	if err != nil {
 		return 0, err
@@ -143,6 +146,7 @@ func (t *Tokenizer) VocabSize() (int, error) {
 
 // TokenID is the id of a token's exact text (ErrNotFound when there is none).
 func (t *Tokenizer) TokenID(text string) (int32, error) {
+	defer runtime.KeepAlive(t) // the finalizer must not free it during a C call
 	p, err := t.ptr()
 	if err != nil {
 		return 0, err
@@ -156,6 +160,7 @@ func (t *Tokenizer) TokenID(text string) (int32, error) {
 
 // StopIDs are the ids that end generation.
 func (t *Tokenizer) StopIDs() ([]int32, error) {
+	defer runtime.KeepAlive(t) // the finalizer must not free it during a C call
 	p, err := t.ptr()
 	if err != nil {
 		return nil, err
@@ -181,6 +186,7 @@ type Detokenizer struct {
 
 // NewDetokenizer creates a streaming decoder.
 func (t *Tokenizer) NewDetokenizer() (*Detokenizer, error) {
+	defer runtime.KeepAlive(t) // the finalizer must not free it during a C call
 	p, err := t.ptr()
 	if err != nil {
 		return nil, err
@@ -195,6 +201,7 @@ func (t *Tokenizer) NewDetokenizer() (*Detokenizer, error) {
 
 // Push feeds one id and returns the text now complete (possibly "").
 func (d *Detokenizer) Push(id int32) (string, error) {
+	defer runtime.KeepAlive(d) // the finalizer must not free it during a C call
 	if d.p == nil {
 		return "", errClosed
 	}
