@@ -3,12 +3,14 @@ package dayzero_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 
 	"dayzero"
@@ -47,16 +49,35 @@ func env(t *testing.T, name string) string {
 	return v
 }
 
-// referenceIDs runs the C example program (the C API) on the same prompt.
+var (
+	refOnce sync.Once
+	refIDs  []int32
+	refErr  string
+)
+
+// referenceIDs runs the C example program (the C API) on the same prompt,
+// once: every process loading libdayzero costs start-up time.
 func referenceIDs(t *testing.T) []int32 {
 	t.Helper()
-	args := []string{env(t, "DAYZERO_TEST_MODEL"), strconv.Itoa(nGen)}
+	refOnce.Do(func() { refIDs, refErr = runReference() })
+	if refErr != "" {
+		t.Fatal(refErr)
+	}
+	return refIDs
+}
+
+func runReference() ([]int32, string) {
+	model, ref := os.Getenv("DAYZERO_TEST_MODEL"), os.Getenv("DAYZERO_TEST_REFERENCE")
+	if model == "" || ref == "" {
+		return nil, "DAYZERO_TEST_MODEL and DAYZERO_TEST_REFERENCE must be set (ctest sets them; see tests/bindings.cmake)"
+	}
+	args := []string{model, strconv.Itoa(nGen)}
 	for _, id := range prompt {
 		args = append(args, strconv.Itoa(int(id)))
 	}
-	out, err := exec.Command(env(t, "DAYZERO_TEST_REFERENCE"), args...).CombinedOutput()
+	out, err := exec.Command(ref, args...).CombinedOutput()
 	if err != nil {
-		t.Fatalf("reference program failed: %v\n%s", err, out)
+		return nil, fmt.Sprintf("reference program failed: %v\n%s", err, out)
 	}
 	for _, line := range strings.Split(string(out), "\n") {
 		if strings.HasPrefix(line, "generated:") {
@@ -64,18 +85,17 @@ func referenceIDs(t *testing.T) []int32 {
 			for _, f := range strings.Fields(strings.TrimPrefix(line, "generated:")) {
 				v, err := strconv.Atoi(f)
 				if err != nil {
-					t.Fatal(err)
+					return nil, err.Error()
 				}
 				ids = append(ids, int32(v))
 			}
 			if len(ids) != nGen {
-				t.Fatalf("reference gave %d ids: %s", len(ids), out)
+				return nil, fmt.Sprintf("reference gave %d ids: %s", len(ids), out)
 			}
-			return ids
+			return ids, ""
 		}
 	}
-	t.Fatalf("no 'generated:' line in the reference output:\n%s", out)
-	return nil
+	return nil, fmt.Sprintf("no 'generated:' line in the reference output:\n%s", out)
 }
 
 func TestVersionMatchesHeader(t *testing.T) {

@@ -2,7 +2,7 @@
 //! the C API's tokens from the C example program run on the same prompt.
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use dayzero::{generate_step, ArenaParams, KvArena, LogitsMode, Model, ModelParams, Session, SessionParams, Status};
 
@@ -13,7 +13,14 @@ fn env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("{} is not set (ctest sets it; see tests/bindings.cmake)", name))
 }
 
+/// Computed once: every process loading libdayzero costs start-up time.
 fn reference_ids() -> Vec<i32> {
+    static CACHE: Mutex<Option<Vec<i32>>> = Mutex::new(None);
+    let mut c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    c.get_or_insert_with(run_reference).clone()
+}
+
+fn run_reference() -> Vec<i32> {
     let mut cmd = Command::new(env("DAYZERO_TEST_REFERENCE"));
     cmd.arg(env("DAYZERO_TEST_MODEL")).arg(N_GEN.to_string());
     for id in PROMPT {
