@@ -2,7 +2,7 @@
 # Usage: consumer.sh pkgconfig|cmake PREFIX WORKDIR SIMPLE_C MODEL_DIR CC
 # Builds examples/simple/simple.c (C89) against the dayzero installed in
 # PREFIX, the way a downstream project would (pkg-config, or CMake's
-# find_package), then runs it: greedy generation on the tiny model, and a bad
+# find_package; with pkg-config also statically), then runs it: greedy generation on the tiny model, and a bad
 # path that must fail with the library's message.
 set -euo pipefail
 mode=$1 prefix=$2 work=$3 src=$4 model=$5 cc=$6
@@ -18,6 +18,14 @@ case $mode in
     # shellcheck disable=SC2086
     "$cc" -std=c89 -pedantic -Wall -Wextra -Werror "$src" $flags -o "$work/simple"
     export LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    # Static: libdayzero.a with Libs.private (pkg-config --static) must link and run too.
+    static_libs=$(pkg-config --static --libs dayzero | sed 's/-ldayzero\b//')
+    echo "static: $libdir/libdayzero.a $static_libs"
+    # shellcheck disable=SC2086
+    "$cc" -std=c89 -pedantic -Wall -Werror "$src" $(pkg-config --cflags dayzero) "$libdir/libdayzero.a" $static_libs \
+      -o "$work/simple_static"
+    if ldd "$work/simple_static" | grep -q libdayzero; then echo "simple_static loads a shared libdayzero"; exit 1; fi
+    "$work/simple_static" "$model" 8 2 17 300 | grep -q '^generated:' || { echo "simple_static failed"; exit 1; }
     ;;
   cmake)
     cmake -S "$(dirname "$0")/cmake" -B "$work/build" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_C_COMPILER="$cc" \
