@@ -19,12 +19,23 @@ add_test(NAME install_tree
   COMMAND ${CMAKE_COMMAND} -E env bash -c "rm -rf '${DZ_TEST_PREFIX}' && '${CMAKE_COMMAND}' --install '${PROJECT_BINARY_DIR}' --prefix '${DZ_TEST_PREFIX}' >/dev/null && test -f '${DZ_TEST_PREFIX}/${CMAKE_INSTALL_LIBDIR}/pkgconfig/dayzero.pc'")
 set_tests_properties(install_tree PROPERTIES FIXTURES_SETUP dz_install TIMEOUT 120)
 
+# The tiny model with a tokenizer made to fit it, for the bindings' text paths.
+find_program(DZ_PYTHON python3 PATHS /usr/bin NO_DEFAULT_PATH)
+if(NOT DZ_PYTHON)
+  find_program(DZ_PYTHON python3)
+endif()
+set(DZ_TEST_TEXT_MODEL ${DZ_BIND_WORK}/gpt_oss_tiny_tok)
+add_test(NAME bindings_text_model COMMAND ${DZ_PYTHON} ${PROJECT_SOURCE_DIR}/bindings/tiny_model_with_tokenizer.py
+  ${DZ_TEST_MODEL} ${DZ_TEST_TEXT_MODEL})
+set_tests_properties(bindings_text_model PROPERTIES FIXTURES_SETUP dz_text_model TIMEOUT 60)
+
 # Environment shared by the binding tests.
 set(DZ_BIND_ENV
   PKG_CONFIG_PATH=${DZ_TEST_PREFIX}/${CMAKE_INSTALL_LIBDIR}/pkgconfig
   LD_LIBRARY_PATH=${DZ_TEST_PREFIX}/${CMAKE_INSTALL_LIBDIR}
   DAYZERO_TEST_PREFIX=${DZ_TEST_PREFIX}
   DAYZERO_TEST_MODEL=${DZ_TEST_MODEL}
+  DAYZERO_TEST_TEXT_MODEL=${DZ_TEST_TEXT_MODEL}
   DAYZERO_TEST_REFERENCE=$<TARGET_FILE:dz_simple>
   DAYZERO_TEST_HEADER=${PROJECT_SOURCE_DIR}/include/dayzero.h)
 
@@ -45,10 +56,6 @@ endforeach()
 # ---------------------------------------------------------------- Python
 # Debian's python3 has python3-numpy (tools/bootstrap.sh); prefer it so the
 # numpy path is tested.
-find_program(DZ_PYTHON python3 PATHS /usr/bin NO_DEFAULT_PATH)
-if(NOT DZ_PYTHON)
-  find_program(DZ_PYTHON python3)
-endif()
 if(DZ_PYTHON)
   add_test(NAME binding_python
     COMMAND ${CMAKE_COMMAND} -E env --unset=DAYZERO_LIB ${DZ_BIND_ENV} DAYZERO_TEST_REQUIRE_NUMPY=1
@@ -57,7 +64,7 @@ if(DZ_PYTHON)
 else()
   dz_missing_tool_test(binding_python python3)
 endif()
-set_tests_properties(binding_python PROPERTIES FIXTURES_REQUIRED dz_install TIMEOUT 300)
+set_tests_properties(binding_python PROPERTIES FIXTURES_REQUIRED "dz_install;dz_text_model" TIMEOUT 300)
 
 # ---------------------------------------------------------------- Go
 find_program(DZ_GO go)
@@ -70,7 +77,7 @@ if(DZ_GO)
 else()
   dz_missing_tool_test(binding_go "go (Debian package golang-go)")
 endif()
-set_tests_properties(binding_go PROPERTIES FIXTURES_REQUIRED dz_install TIMEOUT 300)
+set_tests_properties(binding_go PROPERTIES FIXTURES_REQUIRED "dz_install;dz_text_model" TIMEOUT 300)
 
 # ---------------------------------------------------------------- Rust
 find_program(DZ_CARGO cargo HINTS $ENV{HOME}/.cargo/bin)
@@ -83,4 +90,4 @@ if(DZ_CARGO)
 else()
   dz_missing_tool_test(binding_rust "cargo (Debian packages rustc, cargo)")
 endif()
-set_tests_properties(binding_rust PROPERTIES FIXTURES_REQUIRED dz_install TIMEOUT 300)
+set_tests_properties(binding_rust PROPERTIES FIXTURES_REQUIRED "dz_install;dz_text_model" TIMEOUT 300)

@@ -1,6 +1,7 @@
 package dayzero_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -49,53 +50,75 @@ func env(t *testing.T, name string) string {
 	return v
 }
 
-var (
-	refOnce sync.Once
-	refIDs  []int32
-	refErr  string
-)
-
-// referenceIDs runs the C example program (the C API) on the same prompt,
-// once: every process loading libdayzero costs start-up time.
-func referenceIDs(t *testing.T) []int32 {
-	t.Helper()
-	refOnce.Do(func() { refIDs, refErr = runReference() })
-	if refErr != "" {
-		t.Fatal(refErr)
-	}
-	return refIDs
+type refKey struct {
+	model, prompt string
+	n             int
 }
 
-func runReference() ([]int32, string) {
-	model, ref := os.Getenv("DAYZERO_TEST_MODEL"), os.Getenv("DAYZERO_TEST_REFERENCE")
-	if model == "" || ref == "" {
-		return nil, "DAYZERO_TEST_MODEL and DAYZERO_TEST_REFERENCE must be set (ctest sets them; see tests/bindings.cmake)"
+type refResult struct {
+	ids  []int32
+	text []byte // nil without a tokenizer
+	err  string
+}
+
+var (
+	refMu    sync.Mutex
+	refCache = map[refKey]refResult{}
+)
+
+// reference runs the C example program (the C API) on prompt, once per
+// input: every process loading libdayzero costs start-up time.
+func reference(t *testing.T, model string, prompt []int32, n int) ([]int32, []byte) {
+	t.Helper()
+	refMu.Lock()
+	defer refMu.Unlock()
+	key := refKey{model, fmt.Sprint(prompt), n}
+	r, ok := refCache[key]
+	if !ok {
+		r = runReference(env(t, "DAYZERO_TEST_REFERENCE"), model, prompt, n)
+		refCache[key] = r
 	}
-	args := []string{model, strconv.Itoa(nGen)}
+	if r.err != "" {
+		t.Fatal(r.err)
+	}
+	return r.ids, r.text
+}
+
+func referenceIDs(t *testing.T) []int32 {
+	ids, _ := reference(t, env(t, "DAYZERO_TEST_MODEL"), prompt, nGen)
+	return ids
+}
+
+func runReference(ref, model string, prompt []int32, n int) refResult {
+	args := []string{model, strconv.Itoa(n)}
 	for _, id := range prompt {
 		args = append(args, strconv.Itoa(int(id)))
 	}
-	out, err := exec.Command(ref, args...).CombinedOutput()
+	out, err := exec.Command(ref, args...).Output()
 	if err != nil {
-		return nil, fmt.Sprintf("reference program failed: %v\n%s", err, out)
+		return refResult{err: fmt.Sprintf("reference program failed: %v\n%s", err, out)}
+	}
+	var r refResult
+	// "text: " is the last line; the text itself may hold newlines.
+	if i := bytes.Index(out, []byte("\ntext: ")); i >= 0 {
+		r.text = out[i+len("\ntext: ") : len(out)-1]
 	}
 	for _, line := range strings.Split(string(out), "\n") {
 		if strings.HasPrefix(line, "generated:") {
-			var ids []int32
 			for _, f := range strings.Fields(strings.TrimPrefix(line, "generated:")) {
 				v, err := strconv.Atoi(f)
 				if err != nil {
-					return nil, err.Error()
+					return refResult{err: err.Error()}
 				}
-				ids = append(ids, int32(v))
+				r.ids = append(r.ids, int32(v))
 			}
-			if len(ids) != nGen {
-				return nil, fmt.Sprintf("reference gave %d ids: %s", len(ids), out)
+			if len(r.ids) != n {
+				return refResult{err: fmt.Sprintf("reference gave %d ids: %s", len(r.ids), out)}
 			}
-			return ids, ""
+			return r
 		}
 	}
-	return nil, fmt.Sprintf("no 'generated:' line in the reference output:\n%s", out)
+	return refResult{err: fmt.Sprintf("no 'generated:' line in the reference output:\n%s", out)}
 }
 
 func TestVersionMatchesHeader(t *testing.T) {
@@ -280,4 +303,49 @@ func TestReadmeExample(t *testing.T) {
 		t.Fatal("README.md's example is not the body of Example() in example_test.go")
 	}
 	Example() // runs it (an Example without an Output comment is only compiled)
+}
+
+func TestTextGeneration(t *testing.T) {
+	dir := env(t, "DAYZERO_TEST_TEXT_MODEL")
+	m, err := dayzero.OpenModel(dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	tok, err := m.Tokenizer()
+	if err != nil || tok == nil {
+		t.Fatalf("Tokenizer() = %v, %v", tok, err)
+	}
+	ids, err := tok.Encode("hello there", false)
+	if err != nil || len(ids) != 4 {
+		t.Fatalf("Encode = %v, %v", ids, err)
+	}
+	if hello, err := tok.TokenID("hello"); err != nil || hello != ids[0] {
+		t.Fatalf("TokenID(hello) = %d, %v; Encode gave %v", hello, err, ids)
+	}
+	if _, err := tok.TokenID("no such token"); !errors.Is(err, dayzero.ErrNotFound) {
+		t.Fatalf("TokenID of a missing token: %v", err)
+	}
+	if text, err := tok.Decode(ids); err != nil || text != "hello there" {
+		t.Fatalf("Decode = %q, %v", text, err)
+	}
+	if chat, err := tok.ApplyChatTemplate(`[{"role":"user","content":"hi"}]`, "", true); err != nil ||
+		chat != "<|start|>user<|message|>hi<|end|><|start|>assistant" {
+		t.Fatalf("ApplyChatTemplate = %q, %v", chat, err)
+	}
+	want, wantText := reference(t, dir, ids, 12)
+	s := newSession(t, m)
+	var got []int32
+	var text strings.Builder
+	err = s.Generate(context.Background(), ids, dayzero.GenerateOptions{MaxTokens: 12, Stop: []int32{}},
+		func(tk dayzero.Token) error { got = append(got, tk.ID); text.WriteString(tk.Text); return nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("ids %v, C API gave %v", got, want)
+	}
+	if text.String() != string(wantText) {
+		t.Fatalf("streamed text %q, C API's detokenizer gave %q", text.String(), wantText)
+	}
 }

@@ -28,27 +28,32 @@ def env(name):
     return v
 
 
-_reference = []
+_reference = {}
+
+
+def reference(model=None, prompt=PROMPT, n=N_GEN):
+    """(ids, text bytes) the C example program prints for prompt on model; computed once per input (every
+    process loading libdayzero costs start-up time)."""
+    key = (model or env("DAYZERO_TEST_MODEL"), tuple(prompt), n)
+    if key not in _reference:
+        r = subprocess.run([env("DAYZERO_TEST_REFERENCE"), key[0], str(n)] + [str(t) for t in prompt],
+                           capture_output=True)
+        out = r.stdout.decode("utf-8", "replace")
+        if r.returncode != 0:
+            raise AssertionError("reference program failed:\n" + out + r.stderr.decode())
+        line = [l for l in out.splitlines() if l.startswith("generated:")]
+        if not line:
+            raise AssertionError("no 'generated:' line in:\n" + out)
+        ids = [int(x) for x in line[0].split()[1:]]
+        assert len(ids) == n, out
+        # "text: " is the last line (when the model has a tokenizer); the text itself may hold newlines.
+        text = r.stdout.split(b"\ntext: ", 1)[1][:-1] if b"\ntext: " in r.stdout else None
+        _reference[key] = (ids, text)
+    return _reference[key]
 
 
 def reference_ids():
-    """Computed once: every process loading libdayzero costs start-up time."""
-    if not _reference:
-        _reference.append(_run_reference())
-    return _reference[0]
-
-
-def _run_reference():
-    r = subprocess.run([env("DAYZERO_TEST_REFERENCE"), env("DAYZERO_TEST_MODEL"), str(N_GEN)] + [str(t) for t in PROMPT],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        raise AssertionError("reference program failed:\n" + r.stdout + r.stderr)
-    for line in r.stdout.splitlines():
-        if line.startswith("generated:"):
-            ids = [int(x) for x in line.split()[1:]]
-            assert len(ids) == N_GEN, r.stdout
-            return ids
-    raise AssertionError("no 'generated:' line in:\n" + r.stdout)
+    return reference()[0]
 
 
 def header_text():
@@ -207,6 +212,49 @@ class TestModel(unittest.TestCase):
         self.assertTrue(s.closed)
         with self.assertRaises(ValueError):
             self.model.info
+
+
+class TestText(unittest.TestCase):
+    """The tiny model with a tokenizer made to fit it: text prompts and streamed text pieces."""
+
+    def setUp(self):
+        self.model = dayzero.Model(env("DAYZERO_TEST_TEXT_MODEL"))
+        self.tok = self.model.tokenizer
+
+    def tearDown(self):
+        self.model.close()
+
+    def test_tokenizer(self):
+        self.assertIsNotNone(self.tok)
+        self.assertEqual(self.tok.vocab_size, 508)
+        ids = self.tok.encode("hello there")
+        self.assertEqual(ids[0], self.tok.token_id("hello"))
+        self.assertEqual(len(ids), 4)  # hello, " t", he, re
+        self.assertEqual(self.tok.decode(ids), "hello there")
+        self.assertEqual(self.tok.encode("<|end|>", parse_special=True), [504])
+        self.assertIsNone(self.tok.token_id("no such token"))
+        self.assertIn(500, self.tok.stop_ids)
+        chat = self.tok.apply_chat_template([{"role": "user", "content": "hi"}])
+        self.assertEqual(chat, "<|start|>user<|message|>hi<|end|><|start|>assistant")
+        with self.assertRaises(dayzero.DayzeroError) as cm:
+            self.tok.decode([99999])
+        self.assertIn("99999", cm.exception.message)
+
+    def test_generate_streams_the_c_api_text(self):
+        prompt = self.tok.encode("hello there")
+        ids, text = reference(env("DAYZERO_TEST_TEXT_MODEL"), prompt, 12)
+        with self.model.session(arena_options=SMALL) as s:
+            self.assertEqual(list(s.generate_tokens("hello there", max_tokens=12, stop=())), ids)
+        with self.model.session(arena_options=SMALL) as s:
+            pieces = list(s.generate("hello there", max_tokens=12, stop=()))
+        self.assertTrue(pieces and all(isinstance(p, str) and p for p in pieces))
+        self.assertEqual("".join(pieces).encode(), text)
+        # With the default stop ids generation ends at the first of them, which is not shown.
+        stop = set(self.tok.stop_ids)
+        with self.model.session(arena_options=SMALL) as s:
+            got = list(s.generate_tokens("hello there", max_tokens=12))
+        first_stop = next((i for i, t in enumerate(ids) if t in stop), None)
+        self.assertEqual(got, ids if first_stop is None else ids[:first_stop + 1])
 
 
 class TestReadme(unittest.TestCase):

@@ -34,9 +34,11 @@ pub const DZ_LOG_WARN: dz_log_level = 2;
 pub const DZ_LOG_ERROR: dz_log_level = 3;
 pub const DZ_LOG_NONE: dz_log_level = 4;
 
-pub type dz_log_fn = Option<unsafe extern "C" fn(level: dz_log_level, message: *const c_char, user: *mut c_void)>;
-pub type dz_progress_fn =
-    Option<unsafe extern "C" fn(stage: *const c_char, done: u64, total: u64, user: *mut c_void) -> c_int>;
+pub type dz_log_fn =
+    Option<unsafe extern "C" fn(level: dz_log_level, message: *const c_char, user: *mut c_void)>;
+pub type dz_progress_fn = Option<
+    unsafe extern "C" fn(stage: *const c_char, done: u64, total: u64, user: *mut c_void) -> c_int,
+>;
 pub type dz_abort_fn = Option<unsafe extern "C" fn(user: *mut c_void) -> c_int>;
 
 #[repr(C)]
@@ -186,7 +188,11 @@ extern "C" {
     pub fn dz_log_set(fn_: dz_log_fn, user: *mut c_void, min_level: dz_log_level) -> dz_status;
 
     pub fn dz_model_params_init(params: *mut dz_model_params);
-    pub fn dz_model_open(dir: *const c_char, params: *const dz_model_params, out: *mut *mut dz_model) -> dz_status;
+    pub fn dz_model_open(
+        dir: *const c_char,
+        params: *const dz_model_params,
+        out: *mut *mut dz_model,
+    ) -> dz_status;
     pub fn dz_model_free(model: *mut dz_model);
     pub fn dz_model_info_init(info: *mut dz_model_info);
     pub fn dz_model_get_info(model: *const dz_model, info: *mut dz_model_info) -> dz_status;
@@ -212,12 +218,27 @@ extern "C" {
         n_out: *mut usize,
     ) -> dz_status;
     pub fn dz_tokenizer_vocab_size(tok: *const dz_tokenizer, n_vocab: *mut i32) -> dz_status;
-    pub fn dz_tokenizer_token_id(tok: *const dz_tokenizer, text: *const c_char, id: *mut i32) -> dz_status;
-    pub fn dz_tokenizer_stop_ids(tok: *const dz_tokenizer, ids: *mut *const i32, n: *mut usize) -> dz_status;
-    pub fn dz_detokenizer_create(tok: *const dz_tokenizer, out: *mut *mut dz_detokenizer) -> dz_status;
+    pub fn dz_tokenizer_token_id(
+        tok: *const dz_tokenizer,
+        text: *const c_char,
+        id: *mut i32,
+    ) -> dz_status;
+    pub fn dz_tokenizer_stop_ids(
+        tok: *const dz_tokenizer,
+        ids: *mut *const i32,
+        n: *mut usize,
+    ) -> dz_status;
+    pub fn dz_detokenizer_create(
+        tok: *const dz_tokenizer,
+        out: *mut *mut dz_detokenizer,
+    ) -> dz_status;
     pub fn dz_detokenizer_free(d: *mut dz_detokenizer);
-    pub fn dz_detokenizer_push(d: *mut dz_detokenizer, id: i32, piece: *mut *const c_char, len: *mut usize)
-        -> dz_status;
+    pub fn dz_detokenizer_push(
+        d: *mut dz_detokenizer,
+        id: i32,
+        piece: *mut *const c_char,
+        len: *mut usize,
+    ) -> dz_status;
     pub fn dz_chat_apply_template(
         tok: *const dz_tokenizer,
         messages_json: *const c_char,
@@ -247,8 +268,12 @@ extern "C" {
     ) -> dz_status;
     pub fn dz_session_free(session: *mut dz_session);
     pub fn dz_session_fork(src: *const dz_session, out: *mut *mut dz_session) -> dz_status;
-    pub fn dz_session_append(session: *mut dz_session, tokens: *const i32, n: usize, mode: dz_logits_mode)
-        -> dz_status;
+    pub fn dz_session_append(
+        session: *mut dz_session,
+        tokens: *const i32,
+        n: usize,
+        mode: dz_logits_mode,
+    ) -> dz_status;
     pub fn dz_session_logits(
         session: *const dz_session,
         logits: *mut *const f32,
@@ -256,13 +281,27 @@ extern "C" {
         n_vocab: *mut usize,
     ) -> dz_status;
     pub fn dz_session_sample(session: *mut dz_session, token: *mut i32) -> dz_status;
-    pub fn dz_session_set_sampler(session: *mut dz_session, params: *const dz_sampler_params) -> dz_status;
+    pub fn dz_session_set_sampler(
+        session: *mut dz_session,
+        params: *const dz_sampler_params,
+    ) -> dz_status;
     pub fn dz_session_length(session: *const dz_session, n: *mut usize) -> dz_status;
     pub fn dz_session_truncate(session: *mut dz_session, n: usize) -> dz_status;
     pub fn dz_session_reset(session: *mut dz_session) -> dz_status;
     pub fn dz_session_stats_init(stats: *mut dz_session_stats);
-    pub fn dz_session_get_stats(session: *const dz_session, stats: *mut dz_session_stats) -> dz_status;
+    pub fn dz_session_get_stats(
+        session: *const dz_session,
+        stats: *mut dz_session_stats,
+    ) -> dz_status;
 
-    pub fn dz_generate_step(sessions: *const *mut dz_session, n: usize, out_tokens: *mut i32) -> dz_status;
-    pub fn dz_decode_batch(sessions: *const *mut dz_session, tokens: *const i32, n: usize) -> dz_status;
+    pub fn dz_generate_step(
+        sessions: *const *mut dz_session,
+        n: usize,
+        out_tokens: *mut i32,
+    ) -> dz_status;
+    pub fn dz_decode_batch(
+        sessions: *const *mut dz_session,
+        tokens: *const i32,
+        n: usize,
+    ) -> dz_status;
 }

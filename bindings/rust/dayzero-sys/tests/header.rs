@@ -34,7 +34,7 @@ fn strip_comments(s: &str) -> String {
 
 fn squash(s: &str) -> String {
     let s: String = s.chars().filter(|c| !c.is_whitespace()).collect();
-    s.replace(",)", ")").replace(",}", "}")
+    s.replace(",)", ")").replace(",}", "}").replace(",>", ">")
 }
 
 /// The Rust type of a C type; `decl` is a declaration like "const char **out".
@@ -42,7 +42,10 @@ fn squash(s: &str) -> String {
 fn c_decl(decl: &str) -> (String, String) {
     let decl = decl.trim();
     // Split off the name: the last identifier.
-    let name_start = decl.rfind(|c: char| !(c.is_alphanumeric() || c == '_')).map(|i| i + 1).unwrap_or(0);
+    let name_start = decl
+        .rfind(|c: char| !(c.is_alphanumeric() || c == '_'))
+        .map(|i| i + 1)
+        .unwrap_or(0);
     let (ty, name) = decl.split_at(name_start);
     (name.to_string(), c_type(ty))
 }
@@ -86,11 +89,12 @@ fn c_type(ty: &str) -> String {
 
 fn rust_param(p: &str) -> String {
     let (name, ty) = c_decl(p);
-    let name = if ["fn", "type", "ref", "mod", "move", "in", "match", "use"].contains(&name.as_str()) {
-        format!("{}_", name)
-    } else {
-        name
-    };
+    let name =
+        if ["fn", "type", "ref", "mod", "move", "in", "match", "use"].contains(&name.as_str()) {
+            format!("{}_", name)
+        } else {
+            name
+        };
     format!("{}: {}", name, ty)
 }
 
@@ -99,7 +103,11 @@ fn rust_params(params: &str) -> String {
     if params == "void" || params.is_empty() {
         return String::new();
     }
-    params.split(',').map(rust_param).collect::<Vec<_>>().join(", ")
+    params
+        .split(',')
+        .map(rust_param)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn ret(ty: &str) -> String {
@@ -116,8 +124,14 @@ fn expected_from_header(h: &str) -> Vec<(String, String)> {
     let mut out = Vec::new();
     for line in h.lines() {
         let w: Vec<&str> = line.split_whitespace().collect();
-        if w.len() == 3 && w[0] == "#define" && (w[1].starts_with("DZ_VERSION_") || w[1] == "DZ_ABI_VERSION") {
-            out.push((w[1].to_string(), format!("pub const {}: c_int = {};", w[1], w[2])));
+        if w.len() == 3
+            && w[0] == "#define"
+            && (w[1].starts_with("DZ_VERSION_") || w[1] == "DZ_ABI_VERSION")
+        {
+            out.push((
+                w[1].to_string(),
+                format!("pub const {}: c_int = {};", w[1], w[2]),
+            ));
         }
     }
     let mut s = strip_comments(h);
@@ -126,9 +140,16 @@ fn expected_from_header(h: &str) -> Vec<(String, String)> {
         let j = s[i..].find("#endif").unwrap() + i + 6;
         s.replace_range(i..j, "");
     }
-    let s: String = s.lines().filter(|l| !l.trim_start().starts_with('#')).collect::<Vec<_>>().join("\n");
+    let s: String = s
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .collect::<Vec<_>>()
+        .join("\n");
     let mut n_decls = 0;
-    for stmt in s.split(';').map(|x| x.split_whitespace().collect::<Vec<_>>().join(" ")) {
+    for stmt in s
+        .split(';')
+        .map(|x| x.split_whitespace().collect::<Vec<_>>().join(" "))
+    {
         if stmt.is_empty() {
             continue;
         }
@@ -138,18 +159,28 @@ fn expected_from_header(h: &str) -> Vec<(String, String)> {
             out.push((name.clone(), format!("pub type {} = c_int;", name)));
             let body = &rest[rest.find('{').unwrap() + 1..rest.find('}').unwrap()];
             for item in body.split(',') {
-                let (k, v) = item.split_once('=').unwrap_or_else(|| panic!("enum value without '=': {}", item));
-                out.push((k.trim().to_string(), format!("pub const {}: {} = {};", k.trim(), name, v.trim())));
+                let (k, v) = item
+                    .split_once('=')
+                    .unwrap_or_else(|| panic!("enum value without '=': {}", item));
+                out.push((
+                    k.trim().to_string(),
+                    format!("pub const {}: {} = {};", k.trim(), name, v.trim()),
+                ));
             }
         } else if let Some(rest) = stmt.strip_prefix("typedef struct ") {
             let name = rest.split_whitespace().next().unwrap().to_string();
             // Structs with bodies were split on their fields' ';': they are parsed below.
             if !rest.contains('{') {
-                out.push((name.clone(), format!("pub struct {} {{ _private: [u8; 0], }}", name)));
+                out.push((
+                    name.clone(),
+                    format!("pub struct {} {{ _private: [u8; 0], }}", name),
+                ));
             }
         } else if let Some(rest) = stmt.strip_prefix("typedef ") {
             // Function pointer: typedef RET (*NAME)(PARAMS)
-            let open = rest.find("(*").unwrap_or_else(|| panic!("unknown typedef: {}", stmt));
+            let open = rest
+                .find("(*")
+                .unwrap_or_else(|| panic!("unknown typedef: {}", stmt));
             let close = rest[open..].find(')').unwrap() + open;
             let name = rest[open + 2..close].trim().to_string();
             let params = &rest[close + 1..];
@@ -169,10 +200,17 @@ fn expected_from_header(h: &str) -> Vec<(String, String)> {
             let (name, _) = c_decl(ret_ty_name);
             let ret_ty = &ret_ty_name[..ret_ty_name.len() - name.len()];
             let params = &params[1..params.rfind(')').unwrap()];
-            out.push((name.clone(), format!("pub fn {}({}){};", name, rust_params(params), ret(ret_ty))));
+            out.push((
+                name.clone(),
+                format!("pub fn {}({}){};", name, rust_params(params), ret(ret_ty)),
+            ));
         }
     }
-    assert!(n_decls > 50, "parsed only {} declarations from the header", n_decls);
+    assert!(
+        n_decls > 50,
+        "parsed only {} declarations from the header",
+        n_decls
+    );
     // Structs with bodies: parse them from the comment-free text, fields split on ';'.
     let mut rest = s.as_str();
     while let Some(i) = rest.find("typedef struct ") {
@@ -191,7 +229,10 @@ fn expected_from_header(h: &str) -> Vec<(String, String)> {
                         format!("pub {}: {},", n, t)
                     })
                     .collect();
-                out.push((name.clone(), format!("pub struct {} {{ {} }}", name, fields.join(" "))));
+                out.push((
+                    name.clone(),
+                    format!("pub struct {} {{ {} }}", name, fields.join(" ")),
+                ));
                 rest = &after[end..];
             }
             _ => rest = &after[next_semi..],
@@ -207,7 +248,9 @@ fn declared_in_rust(src: &str) -> BTreeSet<String> {
         let mut rest = src;
         while let Some(i) = rest.find(kw) {
             rest = &rest[i + kw.len()..];
-            let end = rest.find(|c: char| !(c.is_alphanumeric() || c == '_')).unwrap();
+            let end = rest
+                .find(|c: char| !(c.is_alphanumeric() || c == '_'))
+                .unwrap();
             names.insert(rest[..end].to_string());
         }
     }
@@ -237,7 +280,10 @@ fn declarations_match_the_header() {
     let want: BTreeSet<String> = expected.iter().map(|(n, _)| n.clone()).collect();
     for name in declared_in_rust(&code) {
         if !want.contains(&name) {
-            problems.push(format!("src/lib.rs declares {} which the header does not", name));
+            problems.push(format!(
+                "src/lib.rs declares {} which the header does not",
+                name
+            ));
         }
     }
     // Every struct is #[repr(C)].
@@ -245,15 +291,32 @@ fn declarations_match_the_header() {
         if decl.starts_with("pub struct ") {
             let at = lib.find(&format!("pub struct {} ", name)).unwrap();
             let before = &lib[..at];
-            let attrs: Vec<&str> = before.lines().rev().take_while(|l| l.trim_start().starts_with("#[")).collect();
+            let attrs: Vec<&str> = before
+                .lines()
+                .rev()
+                .take_while(|l| l.trim_start().starts_with("#["))
+                .collect();
             if !attrs.iter().any(|a| a.contains("#[repr(C)]")) {
                 problems.push(format!("{} is not #[repr(C)]", name));
             }
         }
     }
-    assert!(problems.is_empty(), "src/lib.rs has drifted from {}:\n{}", header_path().display(), problems.join("\n"));
-    let n_fns = expected.iter().filter(|(_, d)| d.starts_with("pub fn")).count();
-    println!("{} declarations checked ({} functions) against {}", expected.len(), n_fns, header_path().display());
+    assert!(
+        problems.is_empty(),
+        "src/lib.rs has drifted from {}:\n{}",
+        header_path().display(),
+        problems.join("\n")
+    );
+    let n_fns = expected
+        .iter()
+        .filter(|(_, d)| d.starts_with("pub fn"))
+        .count();
+    println!(
+        "{} declarations checked ({} functions) against {}",
+        expected.len(),
+        n_fns,
+        header_path().display()
+    );
 }
 
 #[test]
@@ -266,7 +329,12 @@ fn struct_sizes_match_the_library() {
             let mut buf = MaybeUninit::<[u8; 1024]>::zeroed();
             unsafe { $init(buf.as_mut_ptr() as *mut $t) };
             let written = unsafe { *(buf.as_ptr() as *const usize) };
-            assert_eq!(written, size_of::<$t>(), "sizeof({}) differs between C and Rust", stringify!($t));
+            assert_eq!(
+                written,
+                size_of::<$t>(),
+                "sizeof({}) differs between C and Rust",
+                stringify!($t)
+            );
         }};
     }
     size_check!(dz_model_params, dz_model_params_init);

@@ -86,7 +86,9 @@ impl Status {
     }
     /// The C name ("DZ_ERR_IO").
     pub fn name(self) -> &'static str {
-        unsafe { CStr::from_ptr(sys::dz_status_name(self.code())) }.to_str().unwrap_or("DZ_ERR_UNKNOWN")
+        unsafe { CStr::from_ptr(sys::dz_status_name(self.code())) }
+            .to_str()
+            .unwrap_or("DZ_ERR_UNKNOWN")
     }
 }
 
@@ -113,12 +115,24 @@ fn check(st: sys::dz_status) -> Result<()> {
     }
     // The message is thread-local; Rust calls stay on the calling thread.
     let msg = unsafe { sys::dz_last_error() };
-    let message = if msg.is_null() { String::new() } else { unsafe { CStr::from_ptr(msg) }.to_string_lossy().into_owned() };
-    Err(Error { status: Status::from_c(st), message })
+    let message = if msg.is_null() {
+        String::new()
+    } else {
+        unsafe { CStr::from_ptr(msg) }
+            .to_string_lossy()
+            .into_owned()
+    };
+    Err(Error {
+        status: Status::from_c(st),
+        message,
+    })
 }
 
 fn invalid(message: String) -> Error {
-    Error { status: Status::InvalidArgument, message }
+    Error {
+        status: Status::InvalidArgument,
+        message,
+    }
 }
 
 fn cstring(s: &str, what: &str) -> Result<CString> {
@@ -127,12 +141,15 @@ fn cstring(s: &str, what: &str) -> Result<CString> {
 
 fn path_cstring(p: &Path) -> Result<CString> {
     use std::os::unix::ffi::OsStrExt;
-    CString::new(p.as_os_str().as_bytes()).map_err(|_| invalid(format!("path {} contains a NUL byte", p.display())))
+    CString::new(p.as_os_str().as_bytes())
+        .map_err(|_| invalid(format!("path {} contains a NUL byte", p.display())))
 }
 
 /// The loaded library's "MAJOR.MINOR.PATCH".
 pub fn version() -> &'static str {
-    unsafe { CStr::from_ptr(sys::dz_version()) }.to_str().unwrap_or("")
+    unsafe { CStr::from_ptr(sys::dz_version()) }
+        .to_str()
+        .unwrap_or("")
 }
 
 /// The loaded library's ABI version; compare with [`sys::DZ_ABI_VERSION`].
@@ -153,7 +170,11 @@ pub enum LogLevel {
 type LogFn = Box<dyn Fn(LogLevel, &str) + Send + Sync>;
 static LOG: Mutex<Option<LogFn>> = Mutex::new(None);
 
-unsafe extern "C" fn log_trampoline(level: sys::dz_log_level, message: *const c_char, _user: *mut c_void) {
+unsafe extern "C" fn log_trampoline(
+    level: sys::dz_log_level,
+    message: *const c_char,
+    _user: *mut c_void,
+) {
     let level = match level {
         0 => LogLevel::Debug,
         1 => LogLevel::Info,
@@ -259,7 +280,12 @@ unsafe impl Sync for Model {}
 
 type ProgressFn<'f> = &'f mut dyn FnMut(&str, u64, u64) -> bool;
 
-unsafe extern "C" fn progress_trampoline(stage: *const c_char, done: u64, total: u64, user: *mut c_void) -> c_int {
+unsafe extern "C" fn progress_trampoline(
+    stage: *const c_char,
+    done: u64,
+    total: u64,
+    user: *mut c_void,
+) -> c_int {
     let f = &mut *(user as *mut ProgressFn<'_>);
     let stage = CStr::from_ptr(stage).to_string_lossy();
     f(&stage, done, total) as c_int
@@ -281,7 +307,11 @@ impl Model {
         Self::open_impl(dir.as_ref(), params, Some(&mut f))
     }
 
-    fn open_impl(dir: &Path, params: &ModelParams, progress: Option<&mut ProgressFn<'_>>) -> Result<Model> {
+    fn open_impl(
+        dir: &Path,
+        params: &ModelParams,
+        progress: Option<&mut ProgressFn<'_>>,
+    ) -> Result<Model> {
         let cdir = path_cstring(dir)?;
         let mut p = unsafe {
             let mut p = std::mem::MaybeUninit::<sys::dz_model_params>::zeroed();
@@ -300,7 +330,10 @@ impl Model {
         }
         let mut out = ptr::null_mut();
         check(unsafe { sys::dz_model_open(cdir.as_ptr(), &p, &mut out) })?;
-        Ok(Model { ptr: NonNull::new(out).expect("dz_model_open returned DZ_OK and NULL"), arena_lock: Mutex::new(()) })
+        Ok(Model {
+            ptr: NonNull::new(out).expect("dz_model_open returned DZ_OK and NULL"),
+            arena_lock: Mutex::new(()),
+        })
     }
 
     /// Describes the model.
@@ -314,7 +347,9 @@ impl Model {
         let arch = if i.architecture.is_null() {
             String::new()
         } else {
-            unsafe { CStr::from_ptr(i.architecture) }.to_string_lossy().into_owned()
+            unsafe { CStr::from_ptr(i.architecture) }
+                .to_string_lossy()
+                .into_owned()
         };
         Ok(ModelInfo {
             architecture: arch,
@@ -337,7 +372,11 @@ impl Model {
     pub fn tokenizer(&self) -> Result<Option<Tokenizer<'_>>> {
         let mut out = ptr::null();
         match check(unsafe { sys::dz_model_tokenizer(self.ptr.as_ptr(), &mut out) }) {
-            Ok(()) => Ok(NonNull::new(out as *mut _).map(|ptr| Tokenizer { ptr, owned: false, _owner: PhantomData })),
+            Ok(()) => Ok(NonNull::new(out as *mut _).map(|ptr| Tokenizer {
+                ptr,
+                owned: false,
+                _owner: PhantomData,
+            })),
             Err(e) if e.status == Status::NotFound || e.status == Status::Unsupported => Ok(None),
             Err(e) => Err(e),
         }
@@ -361,7 +400,9 @@ pub struct Tokenizer<'m> {
 unsafe impl Send for Tokenizer<'_> {}
 unsafe impl Sync for Tokenizer<'_> {}
 
-fn grow_bytes(mut f: impl FnMut(*mut c_char, usize, &mut usize) -> sys::dz_status) -> Result<String> {
+fn grow_bytes(
+    mut f: impl FnMut(*mut c_char, usize, &mut usize) -> sys::dz_status,
+) -> Result<String> {
     let mut buf = vec![0u8; 256];
     loop {
         let mut n = 0usize;
@@ -382,7 +423,11 @@ impl Tokenizer<'static> {
         let c = path_cstring(path.as_ref())?;
         let mut out = ptr::null_mut();
         check(unsafe { sys::dz_tokenizer_open(c.as_ptr(), &mut out) })?;
-        Ok(Tokenizer { ptr: NonNull::new(out).expect("NULL tokenizer"), owned: true, _owner: PhantomData })
+        Ok(Tokenizer {
+            ptr: NonNull::new(out).expect("NULL tokenizer"),
+            owned: true,
+            _owner: PhantomData,
+        })
     }
 }
 
@@ -415,7 +460,9 @@ impl<'m> Tokenizer<'m> {
 
     /// Text of ids.
     pub fn decode(&self, ids: &[i32]) -> Result<String> {
-        grow_bytes(|out, cap, n| unsafe { sys::dz_detokenize(self.ptr.as_ptr(), ids.as_ptr(), ids.len(), out, cap, n) })
+        grow_bytes(|out, cap, n| unsafe {
+            sys::dz_detokenize(self.ptr.as_ptr(), ids.as_ptr(), ids.len(), out, cap, n)
+        })
     }
 
     /// Renders `messages_json` (a JSON array of {"role","content"}) through the chat template;
@@ -427,10 +474,20 @@ impl<'m> Tokenizer<'m> {
         add_generation_prompt: bool,
     ) -> Result<String> {
         let m = cstring(messages_json, "messages_json")?;
-        let o = options_json.map(|o| cstring(o, "options_json")).transpose()?;
+        let o = options_json
+            .map(|o| cstring(o, "options_json"))
+            .transpose()?;
         let optr = o.as_ref().map_or(ptr::null(), |o| o.as_ptr());
         grow_bytes(|out, cap, n| unsafe {
-            sys::dz_chat_apply_template(self.ptr.as_ptr(), m.as_ptr(), optr, add_generation_prompt as c_int, out, cap, n)
+            sys::dz_chat_apply_template(
+                self.ptr.as_ptr(),
+                m.as_ptr(),
+                optr,
+                add_generation_prompt as c_int,
+                out,
+                cap,
+                n,
+            )
         })
     }
 
@@ -456,14 +513,21 @@ impl<'m> Tokenizer<'m> {
         let mut p = ptr::null();
         let mut n = 0usize;
         check(unsafe { sys::dz_tokenizer_stop_ids(self.ptr.as_ptr(), &mut p, &mut n) })?;
-        Ok(if n == 0 { Vec::new() } else { unsafe { std::slice::from_raw_parts(p, n) }.to_vec() })
+        Ok(if n == 0 {
+            Vec::new()
+        } else {
+            unsafe { std::slice::from_raw_parts(p, n) }.to_vec()
+        })
     }
 
     /// A streaming decoder.
     pub fn detokenizer(&self) -> Result<Detokenizer<'_>> {
         let mut out = ptr::null_mut();
         check(unsafe { sys::dz_detokenizer_create(self.ptr.as_ptr(), &mut out) })?;
-        Ok(Detokenizer { ptr: NonNull::new(out).expect("NULL detokenizer"), _tok: PhantomData })
+        Ok(Detokenizer {
+            ptr: NonNull::new(out).expect("NULL detokenizer"),
+            _tok: PhantomData,
+        })
     }
 }
 
@@ -516,7 +580,13 @@ pub struct ArenaParams {
 
 impl Default for ArenaParams {
     fn default() -> Self {
-        ArenaParams { page_tokens: 0, capacity_pages: 0, capacity_bytes: 0, max_sessions: 0, prefix_cache: true }
+        ArenaParams {
+            page_tokens: 0,
+            capacity_pages: 0,
+            capacity_bytes: 0,
+            max_sessions: 0,
+            prefix_cache: true,
+        }
     }
 }
 
@@ -550,7 +620,10 @@ impl<'m> KvArena<'m> {
             let _g = model.arena_lock.lock().unwrap_or_else(|e| e.into_inner());
             check(unsafe { sys::dz_kv_arena_create(model.ptr.as_ptr(), &p, &mut out) })?;
         }
-        Ok(KvArena { ptr: NonNull::new(out).expect("NULL arena"), model })
+        Ok(KvArena {
+            ptr: NonNull::new(out).expect("NULL arena"),
+            model,
+        })
     }
 
     pub fn model(&self) -> &'m Model {
@@ -588,7 +661,12 @@ pub struct Sampler {
 
 impl Default for Sampler {
     fn default() -> Self {
-        Sampler { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 }
+        Sampler {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
     }
 }
 
@@ -669,7 +747,11 @@ impl<'a> Session<'a> {
         }
         let mut out = ptr::null_mut();
         check(unsafe { sys::dz_session_create(arena.ptr.as_ptr(), &p, &mut out) })?;
-        Ok(Session { ptr: NonNull::new(out).expect("NULL session"), arena, abort: params.abort.clone() })
+        Ok(Session {
+            ptr: NonNull::new(out).expect("NULL session"),
+            arena,
+            abort: params.abort.clone(),
+        })
     }
 
     pub fn arena(&self) -> &'a KvArena<'a> {
@@ -680,12 +762,23 @@ impl<'a> Session<'a> {
     pub fn fork(&self) -> Result<Session<'a>> {
         let mut out = ptr::null_mut();
         check(unsafe { sys::dz_session_fork(self.ptr.as_ptr(), &mut out) })?;
-        Ok(Session { ptr: NonNull::new(out).expect("NULL session"), arena: self.arena, abort: self.abort.clone() })
+        Ok(Session {
+            ptr: NonNull::new(out).expect("NULL session"),
+            arena: self.arena,
+            abort: self.abort.clone(),
+        })
     }
 
     /// Appends tokens and runs the model over them. On failure the session is unchanged.
     pub fn append(&mut self, tokens: &[i32], mode: LogitsMode) -> Result<()> {
-        check(unsafe { sys::dz_session_append(self.ptr.as_ptr(), tokens.as_ptr(), tokens.len(), mode as c_int) })
+        check(unsafe {
+            sys::dz_session_append(
+                self.ptr.as_ptr(),
+                tokens.as_ptr(),
+                tokens.len(),
+                mode as c_int,
+            )
+        })
     }
 
     /// The last append's logits, borrowed until the session changes.
@@ -693,8 +786,16 @@ impl<'a> Session<'a> {
         let mut p = ptr::null();
         let (mut rows, mut nv) = (0usize, 0usize);
         check(unsafe { sys::dz_session_logits(self.ptr.as_ptr(), &mut p, &mut rows, &mut nv) })?;
-        let data = if rows * nv == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(p, rows * nv) } };
-        Ok(Logits { rows, n_vocab: nv, data })
+        let data = if rows * nv == 0 {
+            &[][..]
+        } else {
+            unsafe { std::slice::from_raw_parts(p, rows * nv) }
+        };
+        Ok(Logits {
+            rows,
+            n_vocab: nv,
+            data,
+        })
     }
 
     /// Samples the next id from the last logits row without appending it.
@@ -763,14 +864,22 @@ impl<'a> Session<'a> {
             Some(t) => {
                 let mut out = ptr::null_mut();
                 check(unsafe { sys::dz_detokenizer_create(t.ptr.as_ptr(), &mut out) })?;
-                Some(Detokenizer { ptr: NonNull::new(out).expect("NULL detokenizer"), _tok: PhantomData })
+                Some(Detokenizer {
+                    ptr: NonNull::new(out).expect("NULL detokenizer"),
+                    _tok: PhantomData,
+                })
             }
             None => None,
         };
         if !prompt.is_empty() {
             self.append(prompt, LogitsMode::Last)?;
         }
-        Ok(Generate { session: self, left: max_tokens, stop, detok })
+        Ok(Generate {
+            session: self,
+            left: max_tokens,
+            stop,
+            detok,
+        })
     }
 }
 
@@ -833,7 +942,11 @@ pub fn generate_step(sessions: &mut [&mut Session<'_>]) -> Result<Vec<i32>> {
 /// Appends `tokens[i]` to `sessions[i]`, batched (forced decoding).
 pub fn decode_batch(sessions: &mut [&mut Session<'_>], tokens: &[i32]) -> Result<()> {
     if sessions.len() != tokens.len() {
-        return Err(invalid(format!("decode_batch: {} sessions, {} tokens", sessions.len(), tokens.len())));
+        return Err(invalid(format!(
+            "decode_batch: {} sessions, {} tokens",
+            sessions.len(),
+            tokens.len()
+        )));
     }
     let ptrs: Vec<*mut sys::dz_session> = sessions.iter().map(|s| s.ptr.as_ptr()).collect();
     check(unsafe { sys::dz_decode_batch(ptrs.as_ptr(), tokens.as_ptr(), ptrs.len()) })
