@@ -629,8 +629,13 @@ TEST_CASE("gpt_oss open errors: wrong shapes, CUDA request", "[gpt_oss]") {
   dz_model_params p;
   dz_model_params_init(&p);
   p.device = DZ_DEVICE_CUDA;
-  CHECK(dz_model_open(kModelDir.c_str(), &p, &m) == DZ_ERR_UNSUPPORTED);
-  CHECK_THAT(std::string(dz_last_error()), Catch::Contains("CUDA"));
+  const dz_status st = dz_model_open(kModelDir.c_str(), &p, &m);
+  if (st == DZ_OK) {  // a GPU is present: the CUDA tests cover it
+    dz_model_free(m);
+    return;
+  }
+  CHECK((st == DZ_ERR_DEVICE || st == DZ_ERR_UNSUPPORTED));  // no GPU / no CUDA in this build
+  CHECK_THAT(std::string(dz_last_error()), Catch::Contains("no CUDA"));
   CHECK(m == nullptr);
 }
 
@@ -677,8 +682,10 @@ TEST_CASE("dz logits and dz generate on the fixture", "[gpt_oss][cli]") {
   CHECK_THAT(gout, Catch::Contains(want + "\n") && Catch::Contains("tokens/s"));
 
   auto [crc, cout] = run(tool + " logits --model " + kModelDir + " --tokens 1,2 --out " + npy + " --device cuda");
-  CHECK(crc == 1);
-  CHECK_THAT(cout, Catch::Contains("CUDA") && Catch::Contains("not available"));
+  if (crc != 0) {  // without a GPU: a clear message, no crash
+    CHECK(crc == 1);
+    CHECK_THAT(cout, Catch::Contains("no CUDA"));
+  }
   CHECK(run(tool + " generate --model " + kModelDir + " --tokens 1,x --max-new 2").first == 2);
   CHECK(run(tool + " generate --model " + kModelDir + " --tokens 1 --max-new 2 --top-p 3").first == 2);
   CHECK(run(tool + " logits --model " + kModelDir + " --tokens 1,2").first == 2);

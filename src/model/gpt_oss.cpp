@@ -16,8 +16,9 @@
 #include "cpu/mxfp4.h"
 #include "cpu/norm.h"
 #include "cpu/rope.h"
-#include "model/family.h"
+#include "model/gpt_oss.h"
 #include "model/rope_config.h"
+#include "runtime/device.h"
 #include "runtime/parallel.h"
 
 namespace dz {
@@ -82,24 +83,7 @@ std::vector<float> vector_f32(const WeightStore& ws, const std::string& name, co
   return v;
 }
 
-// MXFP4 expert weights [E, rows, cols]: blocks [E, rows, cols/32, 16] U8 and
-// scales [E, rows, cols/32] U8. A 0xFF scale (NaN) is refused here.
-struct Mxfp4Experts {
-  const uint8_t* blocks = nullptr;
-  const uint8_t* scales = nullptr;
-  int64_t rows = 0, cols = 0;
-  WeightRef expert(int e) const {
-    WeightRef w;
-    w.kind = WeightKind::MXFP4;
-    w.rows = rows;
-    w.cols = cols;
-    w.data = blocks + size_t(e) * size_t(rows) * size_t(cols / 2);
-    w.scales = scales + size_t(e) * size_t(rows) * size_t(cols / cpu::kMxfp4Group);
-    return w;
-  }
-};
-
-Mxfp4Experts mxfp4_experts(const WeightStore& ws, const std::string& prefix, int64_t n_experts, int64_t rows,
+GptOssMxfp4 mxfp4_experts(const WeightStore& ws, const std::string& prefix, int64_t n_experts, int64_t rows,
                            int64_t cols) {
   const std::string bn = prefix + "_blocks", sn = prefix + "_scales";
   if (!ws.has(bn) && ws.has(prefix))
@@ -123,18 +107,6 @@ Mxfp4Experts mxfp4_experts(const WeightStore& ws, const std::string& prefix, int
   return {b.data, s.data, rows, cols};
 }
 
-struct Layer {
-  bool sliding = false;
-  std::vector<float> in_norm, post_norm;
-  WeightRef q, k, v, o;
-  std::vector<float> bq, bk, bv, bo;  // empty without attention_bias
-  std::vector<float> sinks;
-  WeightRef router;
-  std::vector<float> router_bias;
-  Mxfp4Experts gate_up, down;
-  std::vector<float> gate_up_bias, down_bias;  // [E, 2I], [E, H]
-};
-
 const float* or_null(const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); }
 
 uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ull) {
@@ -142,20 +114,13 @@ uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ull) {
   return h;
 }
 
-class GptOss final : public Family {
+class GptOss final : public Family, private GptOssDesc {
  public:
   GptOss(const Config& cfg, const WeightStore& ws, const dz_model_params& params);
 
   void fill_info(dz_model_info& info) const override {
+    fill_desc_info(info);
     info.device = DZ_DEVICE_CPU;
-    info.n_layers = n_layers_;
-    info.n_vocab = n_vocab_;
-    info.hidden_size = int32_t(hidden_);
-    info.n_heads = n_heads_;
-    info.n_kv_heads = n_kv_heads_;
-    info.n_experts = n_experts_;
-    info.n_experts_active = n_active_;
-    info.max_context = max_context_;
   }
   int32_t n_vocab() const override { return n_vocab_; }
   kv::Layout kv_layout(uint32_t page_tokens) const override {
@@ -169,106 +134,16 @@ class GptOss final : public Family {
   void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
 
  private:
-  int64_t kv_dim() const { return int64_t(n_kv_heads_) * head_dim_; }
-  int64_t q_dim() const { return int64_t(n_heads_) * head_dim_; }
-
-  int32_t n_vocab_ = 0, n_layers_ = 0, n_heads_ = 0, n_kv_heads_ = 0, head_dim_ = 0, n_experts_ = 0, n_active_ = 0;
-  int64_t hidden_ = 0, inter_ = 0, window_ = 0, max_context_ = 0;
-  float eps_ = 1e-5f, scale_ = 1;
-  cpu::RopeFreqs rope_;
-  cpu::Glu glu_;
-  WeightRef embed_, lm_head_;
-  std::vector<float> final_norm_;
-  std::vector<Layer> layers_;
   uint64_t model_key_ = 0;
   mutable std::unique_ptr<ThreadPool> pool_;
 };
 
-GptOss::GptOss(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
-  const std::string& src = cfg.source();
-  check(params.device != DZ_DEVICE_CUDA, DZ_ERR_UNSUPPORTED,
-        "gpt_oss: the CUDA backend is not available in this build yet; use DZ_DEVICE_CPU");
+GptOss::GptOss(const Config& cfg, const WeightStore& ws, const dz_model_params& params) : GptOssDesc(cfg, ws) {
   check(params.experts == DZ_EXPERTS_AUTO || params.experts == DZ_EXPERTS_NATIVE, DZ_ERR_UNSUPPORTED,
         "gpt_oss: the CPU backend decodes experts in checkpoint precision only (DZ_EXPERTS_AUTO or "
         "DZ_EXPERTS_NATIVE), not dz_expert_precision ",
         int(params.experts));
-  auto pos_int = [&](const char* key) {
-    const int64_t v = cfg.get<int64_t>(key);
-    check(v > 0 && v <= (int64_t(1) << 31) - 1, DZ_ERR_FORMAT, src, ": ", key, " = ", v, " must be positive");
-    return v;
-  };
-  n_vocab_ = int32_t(pos_int("vocab_size"));
-  hidden_ = pos_int("hidden_size");
-  inter_ = pos_int("intermediate_size");
-  n_layers_ = int32_t(pos_int("num_hidden_layers"));
-  n_heads_ = int32_t(pos_int("num_attention_heads"));
-  n_kv_heads_ = cfg.has("num_key_value_heads") ? int32_t(pos_int("num_key_value_heads")) : n_heads_;
-  head_dim_ = cfg.has("head_dim") ? int32_t(pos_int("head_dim")) : int32_t(hidden_ / n_heads_);
-  n_experts_ = int32_t(pos_int("num_local_experts"));
-  n_active_ = int32_t(cfg.has("num_experts_per_tok") ? pos_int("num_experts_per_tok") : pos_int("experts_per_token"));
-  max_context_ = cfg.get_or<int64_t>("max_position_embeddings", 131072);
-  eps_ = float(cfg.get_or<double>("rms_norm_eps", 1e-5));
-  check(n_heads_ % n_kv_heads_ == 0, DZ_ERR_FORMAT, src, ": num_attention_heads ", n_heads_,
-        " is not a multiple of num_key_value_heads ", n_kv_heads_);
-  check(n_active_ <= n_experts_, DZ_ERR_FORMAT, src, ": num_experts_per_tok ", n_active_, " exceeds num_local_experts ",
-        n_experts_);
-  check(hidden_ % cpu::kMxfp4Group == 0 && inter_ % cpu::kMxfp4Group == 0, DZ_ERR_FORMAT, src,
-        ": hidden_size and intermediate_size must be multiples of 32 for MXFP4 experts");
-  check(eps_ > 0, DZ_ERR_FORMAT, src, ": rms_norm_eps must be positive");
-  scale_ = float(1.0 / std::sqrt(double(head_dim_)));
-  glu_.kind = cpu::Glu::Kind::ClampedOss;
-  glu_.alpha = 1.702f;
-  glu_.limit = float(cfg.get_or<double>("swiglu_limit", 7.0));
-  rope_ = cpu::rope_freqs(rope_params_from_config(cfg, head_dim_, 150000.0));
-  check(rope_.inv_freq.size() * 2 == size_t(head_dim_), DZ_ERR_UNSUPPORTED, src,
-        ": partial rotary embeddings are not supported for gpt_oss");
-
-  std::vector<std::string> types;
-  if (cfg.has("layer_types")) {
-    types = cfg.get<std::vector<std::string>>("layer_types");
-    check(types.size() == size_t(n_layers_), DZ_ERR_FORMAT, src, ": layer_types has ", types.size(), " entries for ",
-          n_layers_, " layers");
-  } else {
-    for (int i = 0; i < n_layers_; ++i) types.push_back(i % 2 == 0 ? "sliding_attention" : "full_attention");
-  }
-  if (cfg.has("sliding_window")) window_ = cfg.get<int64_t>("sliding_window");
-  const bool bias = cfg.get_or<bool>("attention_bias", true);
-  const bool tied = cfg.get_or<bool>("tie_word_embeddings", false);
-
-  const int64_t H = hidden_, I = inter_, E = n_experts_;
-  embed_ = matrix(ws, "model.embed_tokens.weight", n_vocab_, H);
-  lm_head_ = tied ? embed_ : matrix(ws, "lm_head.weight", n_vocab_, H);
-  final_norm_ = vector_f32(ws, "model.norm.weight", {H});
-  layers_.resize(size_t(n_layers_));
-  for (int i = 0; i < n_layers_; ++i) {
-    Layer& l = layers_[size_t(i)];
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    check(types[size_t(i)] == "sliding_attention" || types[size_t(i)] == "full_attention", DZ_ERR_FORMAT, src,
-          ": layer_types[", i, "] = '", types[size_t(i)], "' (expected sliding_attention or full_attention)");
-    l.sliding = types[size_t(i)] == "sliding_attention";
-    check(!l.sliding || window_ > 0, DZ_ERR_FORMAT, src, ": layer ", i,
-          " is sliding_attention but sliding_window is missing or not positive");
-    l.in_norm = vector_f32(ws, p + "input_layernorm.weight", {H});
-    l.post_norm = vector_f32(ws, p + "post_attention_layernorm.weight", {H});
-    l.q = matrix(ws, p + "self_attn.q_proj.weight", q_dim(), H);
-    l.k = matrix(ws, p + "self_attn.k_proj.weight", kv_dim(), H);
-    l.v = matrix(ws, p + "self_attn.v_proj.weight", kv_dim(), H);
-    l.o = matrix(ws, p + "self_attn.o_proj.weight", H, q_dim());
-    if (bias) {
-      l.bq = vector_f32(ws, p + "self_attn.q_proj.bias", {q_dim()});
-      l.bk = vector_f32(ws, p + "self_attn.k_proj.bias", {kv_dim()});
-      l.bv = vector_f32(ws, p + "self_attn.v_proj.bias", {kv_dim()});
-      l.bo = vector_f32(ws, p + "self_attn.o_proj.bias", {H});
-    }
-    l.sinks = vector_f32(ws, p + "self_attn.sinks", {n_heads_});
-    l.router = matrix(ws, p + "mlp.router.weight", E, H);
-    l.router_bias = vector_f32(ws, p + "mlp.router.bias", {E});
-    l.gate_up = mxfp4_experts(ws, p + "mlp.experts.gate_up_proj", E, 2 * I, H);
-    l.gate_up_bias = vector_f32(ws, p + "mlp.experts.gate_up_proj_bias", {E, 2 * I});
-    l.down = mxfp4_experts(ws, p + "mlp.experts.down_proj", E, H, I);
-    l.down_bias = vector_f32(ws, p + "mlp.experts.down_proj_bias", {E, H});
-  }
-  model_key_ = fnv1a(cfg.json().dump(), fnv1a("gpt_oss kv: f32 K|V per layer v1 " + std::to_string(ws.total_bytes())));
+  model_key_ = fnv1a("gpt_oss kv: f32 K|V per layer, host v1", config_hash_);
   pool_ = std::make_unique<ThreadPool>(params.n_threads);
 }
 
@@ -320,7 +195,7 @@ void GptOss::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
 
   for (int li = 0; li < n_layers_; ++li) {
     if (opt.abort && opt.abort(opt.abort_user)) fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
-    const Layer& L = layers_[size_t(li)];
+    const GptOssLayer& L = layers_[size_t(li)];
     cpu::rms_norm(x.data(), R, H, L.in_norm.data(), eps_, xn.data());
     cpu::matmul(xn.data(), R, L.q, or_null(L.bq), q.data(), pool);
     cpu::matmul(xn.data(), R, L.k, or_null(L.bk), k.data(), pool);
@@ -401,8 +276,121 @@ void GptOss::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
 
 }  // namespace
 
+cpu::WeightRef GptOssMxfp4::expert(int e) const {
+  cpu::WeightRef w;
+  w.kind = cpu::WeightKind::MXFP4;
+  w.rows = rows;
+  w.cols = cols;
+  w.data = blocks + size_t(e) * size_t(rows) * size_t(cols / 2);
+  w.scales = scales + size_t(e) * size_t(rows) * size_t(cols / cpu::kMxfp4Group);
+  return w;
+}
+
+GptOssDesc::GptOssDesc(const Config& cfg, const WeightStore& ws) {
+  const std::string& src = cfg.source();
+  auto pos_int = [&](const char* key) {
+    const int64_t v = cfg.get<int64_t>(key);
+    check(v > 0 && v <= (int64_t(1) << 31) - 1, DZ_ERR_FORMAT, src, ": ", key, " = ", v, " must be positive");
+    return v;
+  };
+  n_vocab_ = int32_t(pos_int("vocab_size"));
+  hidden_ = pos_int("hidden_size");
+  inter_ = pos_int("intermediate_size");
+  n_layers_ = int32_t(pos_int("num_hidden_layers"));
+  n_heads_ = int32_t(pos_int("num_attention_heads"));
+  n_kv_heads_ = cfg.has("num_key_value_heads") ? int32_t(pos_int("num_key_value_heads")) : n_heads_;
+  head_dim_ = cfg.has("head_dim") ? int32_t(pos_int("head_dim")) : int32_t(hidden_ / n_heads_);
+  n_experts_ = int32_t(pos_int("num_local_experts"));
+  n_active_ = int32_t(cfg.has("num_experts_per_tok") ? pos_int("num_experts_per_tok") : pos_int("experts_per_token"));
+  max_context_ = cfg.get_or<int64_t>("max_position_embeddings", 131072);
+  eps_ = float(cfg.get_or<double>("rms_norm_eps", 1e-5));
+  check(n_heads_ % n_kv_heads_ == 0, DZ_ERR_FORMAT, src, ": num_attention_heads ", n_heads_,
+        " is not a multiple of num_key_value_heads ", n_kv_heads_);
+  check(n_active_ <= n_experts_, DZ_ERR_FORMAT, src, ": num_experts_per_tok ", n_active_, " exceeds num_local_experts ",
+        n_experts_);
+  check(hidden_ % cpu::kMxfp4Group == 0 && inter_ % cpu::kMxfp4Group == 0, DZ_ERR_FORMAT, src,
+        ": hidden_size and intermediate_size must be multiples of 32 for MXFP4 experts");
+  check(eps_ > 0, DZ_ERR_FORMAT, src, ": rms_norm_eps must be positive");
+  scale_ = float(1.0 / std::sqrt(double(head_dim_)));
+  glu_.kind = cpu::Glu::Kind::ClampedOss;
+  glu_.alpha = 1.702f;
+  glu_.limit = float(cfg.get_or<double>("swiglu_limit", 7.0));
+  rope_ = cpu::rope_freqs(rope_params_from_config(cfg, head_dim_, 150000.0));
+  check(rope_.inv_freq.size() * 2 == size_t(head_dim_), DZ_ERR_UNSUPPORTED, src,
+        ": partial rotary embeddings are not supported for gpt_oss");
+
+  std::vector<std::string> types;
+  if (cfg.has("layer_types")) {
+    types = cfg.get<std::vector<std::string>>("layer_types");
+    check(types.size() == size_t(n_layers_), DZ_ERR_FORMAT, src, ": layer_types has ", types.size(), " entries for ",
+          n_layers_, " layers");
+  } else {
+    for (int i = 0; i < n_layers_; ++i) types.push_back(i % 2 == 0 ? "sliding_attention" : "full_attention");
+  }
+  if (cfg.has("sliding_window")) window_ = cfg.get<int64_t>("sliding_window");
+  const bool bias = cfg.get_or<bool>("attention_bias", true);
+  const bool tied = cfg.get_or<bool>("tie_word_embeddings", false);
+
+  const int64_t H = hidden_, I = inter_, E = n_experts_;
+  embed_ = matrix(ws, "model.embed_tokens.weight", n_vocab_, H);
+  lm_head_ = tied ? embed_ : matrix(ws, "lm_head.weight", n_vocab_, H);
+  final_norm_ = vector_f32(ws, "model.norm.weight", {H});
+  layers_.resize(size_t(n_layers_));
+  for (int i = 0; i < n_layers_; ++i) {
+    GptOssLayer& l = layers_[size_t(i)];
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    check(types[size_t(i)] == "sliding_attention" || types[size_t(i)] == "full_attention", DZ_ERR_FORMAT, src,
+          ": layer_types[", i, "] = '", types[size_t(i)], "' (expected sliding_attention or full_attention)");
+    l.sliding = types[size_t(i)] == "sliding_attention";
+    check(!l.sliding || window_ > 0, DZ_ERR_FORMAT, src, ": layer ", i,
+          " is sliding_attention but sliding_window is missing or not positive");
+    l.in_norm = vector_f32(ws, p + "input_layernorm.weight", {H});
+    l.post_norm = vector_f32(ws, p + "post_attention_layernorm.weight", {H});
+    l.q = matrix(ws, p + "self_attn.q_proj.weight", q_dim(), H);
+    l.k = matrix(ws, p + "self_attn.k_proj.weight", kv_dim(), H);
+    l.v = matrix(ws, p + "self_attn.v_proj.weight", kv_dim(), H);
+    l.o = matrix(ws, p + "self_attn.o_proj.weight", H, q_dim());
+    if (bias) {
+      l.bq = vector_f32(ws, p + "self_attn.q_proj.bias", {q_dim()});
+      l.bk = vector_f32(ws, p + "self_attn.k_proj.bias", {kv_dim()});
+      l.bv = vector_f32(ws, p + "self_attn.v_proj.bias", {kv_dim()});
+      l.bo = vector_f32(ws, p + "self_attn.o_proj.bias", {H});
+    }
+    l.sinks = vector_f32(ws, p + "self_attn.sinks", {n_heads_});
+    l.router = matrix(ws, p + "mlp.router.weight", E, H);
+    l.router_bias = vector_f32(ws, p + "mlp.router.bias", {E});
+    l.gate_up = mxfp4_experts(ws, p + "mlp.experts.gate_up_proj", E, 2 * I, H);
+    l.gate_up_bias = vector_f32(ws, p + "mlp.experts.gate_up_proj_bias", {E, 2 * I});
+    l.down = mxfp4_experts(ws, p + "mlp.experts.down_proj", E, H, I);
+    l.down_bias = vector_f32(ws, p + "mlp.experts.down_proj_bias", {E, H});
+  }
+  config_hash_ = fnv1a(cfg.json().dump(), fnv1a(std::to_string(ws.total_bytes())));
+}
+
+
+void GptOssDesc::fill_desc_info(dz_model_info& info) const {
+  info.n_layers = n_layers_;
+  info.n_vocab = n_vocab_;
+  info.hidden_size = int32_t(hidden_);
+  info.n_heads = n_heads_;
+  info.n_kv_heads = n_kv_heads_;
+  info.n_experts = n_experts_;
+  info.n_experts_active = n_active_;
+  info.max_context = max_context_;
+}
+
 // The factory row in registry.cpp.
+// DZ_DEVICE_AUTO takes the GPU when one is present and usable, else the CPU.
 std::unique_ptr<Family> make_gpt_oss(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
+  if (params.device == DZ_DEVICE_CUDA) return make_gpt_oss_cuda(cfg, ws, params);
+  if (params.device == DZ_DEVICE_AUTO && cuda_compiled() && cuda_device_count() > 0) {
+    try {
+      return make_gpt_oss_cuda(cfg, ws, params);
+    } catch (const Error& e) {
+      if (e.status() == DZ_ERR_FORMAT) throw;
+      log_warn("gpt_oss: CUDA backend unavailable (", e.what(), "); using the CPU");
+    }
+  }
   return std::make_unique<GptOss>(cfg, ws, params);
 }
 

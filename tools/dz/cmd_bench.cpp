@@ -16,6 +16,7 @@ struct Bench {
 const Bench kBenches[] = {
     {"", nullptr, ""},  // rows: {"kv", bench_kv, "..."},
     {"kv", bench_kv, "KV arena bookkeeping: allocate/append/free, fork, prefix lookups, 1M-token memory"},
+    {"model", bench_model, "whole gpt-oss model: load, prefill, decode (random 20b-shaped checkpoint)"},
     {"moe", bench_moe, "MXFP4 MoE layer on the GPU (fused W4A16 vs FP8 paths)"},
     {"tokenize", bench_tokenize, "tokenizer encode throughput (MB/s) on a corpus"},
 };

@@ -21,6 +21,7 @@ int cmd_chat(const Args& args);  // examples/chat/chat.cpp
 int bench_moe(const Args& args);
 int bench_kv(const Args& args);
 int bench_tokenize(const Args& args);
+int bench_model(const Args& args);
 
 // Small argument helpers shared by the subcommands.
 bool has_flag(const Args& a, const std::string& flag);

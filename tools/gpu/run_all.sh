@@ -12,6 +12,8 @@
 #                     Catch2 v3, so the results under bench/results were made this way)
 #   DZ_DEPS=DIR       extra prefix (include/, lib/, lib/pkgconfig) with the build dependencies
 #   DZ_BENCH_TOKENS   token counts for dz bench moe (default 1,8,64,512,4096,16384)
+#   DZ_GPU_STEPS      which steps to run (default "tests moe peers model")
+#   DZ_MODEL_DIR      where dz bench model writes its random gpt-oss-20b checkpoint (default /tmp/dz_gptoss20b_random)
 # NCCL, where a benchmark needs it, comes from PyTorch's nvidia Python packages.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -56,11 +58,19 @@ else
   TESTS=build-gpu/tests/dz_tests
 fi
 
+STEPS=" ${DZ_GPU_STEPS:-tests moe peers model} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
+
+if want tests; then
 step "GPU tests ([cuda], [mxfp4])"
 "$TESTS" "[cuda],[mxfp4]" -s -r compact >"$OUTDIR/tests_cuda.log" 2>&1
 rc=$?
 grep -E "^(Passed|Failed)|tests? passed|failed|FAILED" "$OUTDIR/tests_cuda.log" | tail -15
 [ $rc -ne 0 ] && { echo "GPU tests FAILED (rc $rc)"; grep -B2 -A12 "FAILED" "$OUTDIR/tests_cuda.log" | head -80; status=1; }
+grep -E "^gpt_oss_tiny|greedy diverges" "$OUTDIR/tests_cuda.log" | head -20
+fi
+
+if want moe; then
 
 step "dz bench moe"
 DUMP=$(mktemp -d /tmp/dz_moe_dump.XXXX)
@@ -71,12 +81,24 @@ step "dz bench moe, FP8 path with one GEMM stream (for comparison)"
 "$DZ" bench moe --tokens 4096,16384 --gemm-streams 1 --no-components --reps 8 --out "$OUTDIR/bench_moe_1stream.json" \
   >/dev/null || status=1
 
+fi
+
+if want peers && want moe; then
 step "PyTorch peers (tools/bench/moe_peers.py)"
 if [ -f "$DUMP/meta.json" ]; then
   python3 tools/bench/moe_peers.py "$DUMP" --dz-json "$OUTDIR/bench_moe.json" --out "$OUTDIR/moe_peers.json" ||
     { echo "peers FAILED"; status=1; }
 fi
 rm -rf "$DUMP"
+fi
+
+if want model; then
+step "dz bench model (random gpt-oss-20b-shaped checkpoint, written to ${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random})"
+"$DZ" bench model --make-random "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}" --out "$OUTDIR/bench_model.json" \
+  >"$OUTDIR/bench_model.log" 2>&1 || { echo "dz bench model FAILED"; status=1; }
+tail -25 "$OUTDIR/bench_model.log"
+rm -rf "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}"
+fi
 step "done (status $status); results in $OUTDIR"
 ls -la "$OUTDIR"
 exit $status

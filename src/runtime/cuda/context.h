@@ -42,7 +42,7 @@ class DeviceArray {
  public:
   DeviceArray() = default;
   DeviceArray(DevicePool& pool, size_t n, const char* what)
-      : pool_(&pool), n_(n), p_(static_cast<T*>(pool.alloc(n * sizeof(T) ? n * sizeof(T) : 1, what))) {}
+      : pool_(&pool), n_(n), p_(static_cast<T*>(pool.alloc(n * sizeof(T) != 0 ? n * sizeof(T) : 1, what))) {}
   ~DeviceArray() { reset(); }
   DeviceArray(DeviceArray&& o) noexcept : pool_(o.pool_), n_(o.n_), p_(o.p_) { o.p_ = nullptr; }
   DeviceArray& operator=(DeviceArray&& o) noexcept {

@@ -1,0 +1,378 @@
+// dz bench model: the whole gpt-oss model through the normal loader and the
+// session API. --make-random DIR writes a gpt-oss-20b-shaped checkpoint in the
+// published layout (sharded safetensors, MXFP4 experts with a realistic scale
+// spread, BF16 elsewhere; multithreaded generation) and benchmarks it; --model
+// DIR benchmarks an existing one. Reports load time, device bytes, prefill
+// tokens/s, decode ms/token at batch 1 and tokens/s at batch 64, each next to
+// the HBM floor (bytes the step must read / 4.27e12 B/s).
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench_common.h"
+#include "commands.h"
+#include "common/error.h"
+#include "dayzero.h"
+
+namespace dz::cli {
+
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+const char* kUsage =
+    "usage: dz bench model (--make-random DIR | --model DIR) [--device cuda|cpu|auto] [--prefill N]\n"
+    "                      [--ctx N] [--steps N] [--batch N] [--out FILE.json]\n"
+    "  --make-random DIR  write a gpt-oss-20b-shaped random checkpoint (~13 GB) into DIR first\n"
+    "  --layers N         layers of the random checkpoint (default 24)\n"
+    "  --prefill N        prefill tokens (default 4096)\n"
+    "  --ctx N            context before the decode steps (default 128)\n"
+    "  --steps N          decode steps timed (default 32)\n"
+    "  --batch N          sessions of the batched decode (default 64)\n";
+
+uint64_t mix(uint64_t x) {  // splitmix64
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+uint16_t bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// How a tensor's bytes are generated (deterministic in its seed and byte index).
+struct Gen {
+  enum Kind { Normal, Const, Bytes, Scales } kind = Normal;
+  float scale = 0.02f, mean = 0;
+};
+
+struct TensorSpec {
+  std::string name, dtype;
+  std::vector<int64_t> shape;
+  Gen gen;
+  uint64_t seed = 0;
+  size_t bytes() const {
+    size_t n = 1;
+    for (auto d : shape) n *= size_t(d);
+    return n * (dtype == "BF16" ? 2 : 1);
+  }
+};
+
+void fill(const TensorSpec& t, size_t off, size_t n, uint8_t* out) {
+  switch (t.gen.kind) {
+    case Gen::Bytes:
+      for (size_t i = 0; i < n; ++i) out[i] = uint8_t(mix(t.seed ^ ((off + i) >> 3)) >> (8 * ((off + i) & 7)));
+      return;
+    case Gen::Scales:  // E8M0 118..122: weights up to 6 * 2^-5, spread 4 (folds losslessly)
+      for (size_t i = 0; i < n; ++i) out[i] = uint8_t(118 + mix(t.seed ^ (off + i)) % 5);
+      return;
+    case Gen::Const:
+    case Gen::Normal:
+      for (size_t i = 0; i < n; i += 2) {
+        const size_t e = (off + i) / 2;
+        float v = t.gen.mean;
+        if (t.gen.kind == Gen::Normal) {  // sum of 4 uniforms: ~N(0, 1)
+          const uint64_t h = mix(t.seed ^ e);
+          float s = 0;
+          for (int k = 0; k < 4; ++k) s += float((h >> (16 * k)) & 0xffff) / 65535.f;
+          v += t.gen.scale * (s - 2.f) * 1.7320508f;
+        }
+        const uint16_t b = bf16(v);
+        std::memcpy(out + i, &b, std::min<size_t>(2, n - i));
+      }
+      return;
+  }
+}
+
+void write_checkpoint(const std::string& dir, int layers) {
+  const int64_t H = 2880, I = 2880, E = 32, NH = 64, NKV = 8, D = 64, V = 201088, G = H / 32;
+  fs::create_directories(dir);
+  json cfg = {{"architectures", {"GptOssForCausalLM"}},
+              {"model_type", "gpt_oss"},
+              {"attention_bias", true},
+              {"experts_per_token", 4},
+              {"num_experts_per_tok", 4},
+              {"head_dim", D},
+              {"hidden_size", H},
+              {"intermediate_size", I},
+              {"max_position_embeddings", 131072},
+              {"num_attention_heads", NH},
+              {"num_key_value_heads", NKV},
+              {"num_hidden_layers", layers},
+              {"num_local_experts", E},
+              {"rms_norm_eps", 1e-5},
+              {"sliding_window", 128},
+              {"swiglu_limit", 7.0},
+              {"tie_word_embeddings", false},
+              {"vocab_size", V},
+              {"rope_parameters",
+               {{"rope_type", "yarn"},
+                {"factor", 32.0},
+                {"beta_fast", 32.0},
+                {"beta_slow", 1.0},
+                {"original_max_position_embeddings", 4096},
+                {"rope_theta", 150000.0},
+                {"truncate", false}}},
+              {"quantization_config",
+               {{"quant_method", "mxfp4"},
+                {"modules_to_not_convert",
+                 {"model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"}}}}};
+  json types = json::array();
+  for (int i = 0; i < layers; ++i) types.push_back(i % 2 ? "full_attention" : "sliding_attention");
+  cfg["layer_types"] = types;
+  std::ofstream(dir + "/config.json") << cfg.dump(2);
+
+  // Shards: embeddings, then groups of layers, then norm + lm_head.
+  std::vector<std::vector<TensorSpec>> shards(1);
+  uint64_t seed = 1;
+  auto add = [&](std::vector<TensorSpec>& s, std::string name, std::string dt, std::vector<int64_t> shape, Gen g) {
+    s.push_back({std::move(name), std::move(dt), std::move(shape), g, mix(seed++)});
+  };
+  const Gen w{Gen::Normal, 0.02f, 0}, bias{Gen::Normal, 0.01f, 0}, one{Gen::Const, 0, 1}, blocks{Gen::Bytes},
+      scales{Gen::Scales}, sink{Gen::Normal, 1.0f, 0};
+  add(shards[0], "model.embed_tokens.weight", "BF16", {V, H}, Gen{Gen::Normal, 1.0f, 0});
+  const int per_shard = 4;
+  for (int i = 0; i < layers; ++i) {
+    if (i % per_shard == 0) shards.emplace_back();
+    auto& s = shards.back();
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    add(s, p + "input_layernorm.weight", "BF16", {H}, one);
+    add(s, p + "post_attention_layernorm.weight", "BF16", {H}, one);
+    add(s, p + "self_attn.q_proj.weight", "BF16", {NH * D, H}, w);
+    add(s, p + "self_attn.q_proj.bias", "BF16", {NH * D}, bias);
+    add(s, p + "self_attn.k_proj.weight", "BF16", {NKV * D, H}, w);
+    add(s, p + "self_attn.k_proj.bias", "BF16", {NKV * D}, bias);
+    add(s, p + "self_attn.v_proj.weight", "BF16", {NKV * D, H}, w);
+    add(s, p + "self_attn.v_proj.bias", "BF16", {NKV * D}, bias);
+    add(s, p + "self_attn.o_proj.weight", "BF16", {H, NH * D}, w);
+    add(s, p + "self_attn.o_proj.bias", "BF16", {H}, bias);
+    add(s, p + "self_attn.sinks", "BF16", {NH}, sink);
+    add(s, p + "mlp.router.weight", "BF16", {E, H}, w);
+    add(s, p + "mlp.router.bias", "BF16", {E}, bias);
+    add(s, p + "mlp.experts.gate_up_proj_blocks", "U8", {E, 2 * I, G, 16}, blocks);
+    add(s, p + "mlp.experts.gate_up_proj_scales", "U8", {E, 2 * I, G}, scales);
+    add(s, p + "mlp.experts.gate_up_proj_bias", "BF16", {E, 2 * I}, bias);
+    add(s, p + "mlp.experts.down_proj_blocks", "U8", {E, H, I / 32, 16}, blocks);
+    add(s, p + "mlp.experts.down_proj_scales", "U8", {E, H, I / 32}, scales);
+    add(s, p + "mlp.experts.down_proj_bias", "BF16", {E, H}, bias);
+  }
+  shards.emplace_back();
+  add(shards.back(), "model.norm.weight", "BF16", {H}, one);
+  add(shards.back(), "lm_head.weight", "BF16", {V, H}, w);
+
+  const size_t n = shards.size();
+  json weight_map = json::object();
+  uint64_t total = 0;
+  struct Piece {
+    int fd;
+    const TensorSpec* t;
+    size_t file_off, off, len;
+  };
+  std::vector<Piece> pieces;
+  std::vector<int> fds;
+  for (size_t si = 0; si < n; ++si) {
+    char fname[64];
+    std::snprintf(fname, sizeof fname, "model-%05zu-of-%05zu.safetensors", si + 1, n);
+    json hdr = json::object();
+    size_t off = 0;
+    for (const TensorSpec& t : shards[si]) {
+      hdr[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {off, off + t.bytes()}}};
+      off += t.bytes();
+      weight_map[t.name] = fname;
+    }
+    std::string h = hdr.dump();
+    h.append((8 - h.size() % 8) % 8, ' ');
+    const std::string path = dir + "/" + fname;
+    const int fd = ::open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY, 0644);
+    check(fd >= 0, DZ_ERR_IO, "cannot create ", path);
+    fds.push_back(fd);
+    const uint64_t hl = h.size();
+    check(::pwrite(fd, &hl, 8, 0) == 8 && ::pwrite(fd, h.data(), h.size(), 8) == ssize_t(h.size()), DZ_ERR_IO,
+          "write ", path);
+    size_t base = 8 + h.size(), to = 0;
+    for (const TensorSpec& t : shards[si]) {
+      for (size_t o = 0; o < t.bytes(); o += size_t(32) << 20)
+        pieces.push_back({fd, &t, base + to + o, o, std::min(size_t(32) << 20, t.bytes() - o)});
+      to += t.bytes();
+    }
+    total += base + off;
+  }
+  std::atomic<size_t> next{0};
+  std::atomic<bool> bad{false};
+  std::vector<std::thread> th;
+  const unsigned nt = std::max(1u, std::thread::hardware_concurrency());
+  for (unsigned k = 0; k < nt; ++k)
+    th.emplace_back([&] {
+      std::vector<uint8_t> buf(size_t(32) << 20);
+      for (size_t i; (i = next++) < pieces.size();) {
+        const Piece& p = pieces[i];
+        fill(*p.t, p.off, p.len, buf.data());
+        if (::pwrite(p.fd, buf.data(), p.len, off_t(p.file_off)) != ssize_t(p.len)) bad = true;
+      }
+    });
+  for (auto& t : th) t.join();
+  for (int fd : fds) ::close(fd);
+  check(!bad, DZ_ERR_IO, "writing the random checkpoint into ", dir, " failed (disk full?)");
+  json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+  std::ofstream(dir + "/model.safetensors.index.json") << index.dump(1);
+}
+
+double secs(Clock::time_point a) { return std::chrono::duration<double>(Clock::now() - a).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+void ok(dz_status s, const char* what) {
+  if (s != DZ_OK) fail(s, what, ": ", dz_last_error());
+}
+
+}  // namespace
+
+int bench_model(const Args& a) {
+  if (has_flag(a, "--help")) {
+    std::printf("%s", kUsage);
+    return 0;
+  }
+  reject_unknown(a, {"--make-random", "--model", "--device", "--prefill", "--ctx", "--steps", "--batch", "--out",
+                     "--layers"},
+                 "bench model");
+  try {
+    const std::string mk = flag_value(a, "--make-random"), dir = mk.empty() ? flag_value(a, "--model") : mk;
+    if (dir.empty()) {
+      std::fprintf(stderr, "%s", kUsage);
+      return 2;
+    }
+    const int prefill = std::stoi(flag_value(a, "--prefill", "4096")), ctx = std::stoi(flag_value(a, "--ctx", "128")),
+              steps = std::stoi(flag_value(a, "--steps", "32")), batch = std::stoi(flag_value(a, "--batch", "64"));
+    json r = bench_meta();
+    r["bench"] = "model";
+    if (!mk.empty()) {
+      const auto t0 = Clock::now();
+      write_checkpoint(mk, std::stoi(flag_value(a, "--layers", "24")));
+      r["write_random_s"] = secs(t0);
+      std::fprintf(stderr, "wrote %s in %.1f s\n", mk.c_str(), secs(t0));
+    }
+    dz_model_params mp;
+    dz_model_params_init(&mp);
+    const std::string dev = flag_value(a, "--device", "cuda");
+    mp.device = dev == "cpu" ? DZ_DEVICE_CPU : dev == "auto" ? DZ_DEVICE_AUTO : DZ_DEVICE_CUDA;
+    dz_model* m = nullptr;
+    auto t0 = Clock::now();
+    ok(dz_model_open(dir.c_str(), &mp, &m), "dz_model_open");
+    r["load_s"] = secs(t0);
+    dz_model_info info;
+    dz_model_info_init(&info);
+    ok(dz_model_get_info(m, &info), "dz_model_get_info");
+    r["device"] = info.device == DZ_DEVICE_CUDA ? "cuda" : "cpu";
+    r["checkpoint_bytes"] = info.weight_bytes;
+    r["device_weight_bytes"] = info.device_bytes;
+    r["shape"] = {{"layers", info.n_layers}, {"hidden", info.hidden_size}, {"heads", info.n_heads},
+                  {"kv_heads", info.n_kv_heads}, {"experts", info.n_experts}, {"top_k", info.n_experts_active},
+                  {"vocab", info.n_vocab}};
+    std::fprintf(stderr, "loaded in %.2f s: %.2f GB on the device (checkpoint %.2f GB)\n", secs(t0),
+                 info.device_bytes / 1e9, info.weight_bytes / 1e9);
+
+    // Bytes one decode step must read: per layer the dense weights plus the
+    // experts in use (batch 1: top-k; batch B: E (1 - (1 - k/E)^B) expected),
+    // plus lm_head; KV reads added per context.
+    const double Hd = info.hidden_size, E = info.n_experts, K = info.n_experts_active, L = info.n_layers;
+    const double QD = 64.0 * info.n_heads, KVD = 64.0 * info.n_kv_heads;
+    const double dense = 2 * (Hd * (QD + 2 * KVD) + QD * Hd + E * Hd);
+    const double expert = (2 * Hd * Hd) * (0.5 + 1.0 / 32) + (Hd * Hd) * (0.5 + 1.0 / 32) + 2 * 3 * Hd;
+    const double lm = 2.0 * info.n_vocab * Hd, kv_tok = L * 2 * KVD * 4;
+    auto floor_ms = [&](double b, double ctx_tokens) {
+      const double used = E * (1 - std::pow(1 - K / E, b));
+      return (L * (dense + used * expert) + lm + b * kv_tok * ctx_tokens) / 4.27e12 * 1e3;
+    };
+
+    dz_kv_arena_params ap;
+    dz_kv_arena_params_init(&ap);
+    ap.page_tokens = 64;
+    ap.prefix_cache = 0;
+    const uint64_t kv_tokens = uint64_t(prefill) * 2 + uint64_t(batch + 1) * uint64_t(ctx + steps + 8) + 1024;
+    ap.capacity_bytes = uint64_t(kv_tokens * kv_tok * 1.1);
+    dz_kv_arena* arena = nullptr;
+    ok(dz_kv_arena_create(m, &ap, &arena), "dz_kv_arena_create");
+    dz_session_params sp;
+    dz_session_params_init(&sp);
+    sp.prefill_chunk = uint32_t(prefill);
+    std::vector<int32_t> prompt(size_t(std::max(prefill, ctx)));
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t(mix(i) % uint64_t(info.n_vocab));
+
+    // Prefill (one pass of `prefill` tokens): first call warms up, median of 3.
+    std::vector<double> pt;
+    for (int rep = 0; rep < 4; ++rep) {
+      dz_session* s = nullptr;
+      ok(dz_session_create(arena, &sp, &s), "dz_session_create");
+      t0 = Clock::now();
+      ok(dz_session_append(s, prompt.data(), size_t(prefill), DZ_LOGITS_LAST), "prefill");
+      if (rep) pt.push_back(secs(t0));
+      dz_session_free(s);
+    }
+    const double pre_s = median(pt);
+    r["prefill"] = {{"tokens", prefill}, {"s", pre_s}, {"tokens_per_s", prefill / pre_s}, {"runs_s", pt}};
+    std::fprintf(stderr, "prefill %d tokens: %.1f ms (%.0f tokens/s)\n", prefill, pre_s * 1e3, prefill / pre_s);
+
+    // Decode: `batch` sessions (and one) at context `ctx`, `steps` steps each.
+    auto decode = [&](int b, int context) {
+      std::vector<dz_session*> ss(static_cast<size_t>(b));
+      for (auto& s : ss) {
+        ok(dz_session_create(arena, &sp, &s), "dz_session_create");
+        ok(dz_session_append(s, prompt.data(), size_t(context), DZ_LOGITS_LAST), "prefill");
+      }
+      std::vector<int32_t> tok(static_cast<size_t>(b));
+      std::vector<double> t;
+      for (int k = 0; k < steps + 2; ++k) {
+        for (int i = 0; i < b; ++i) tok[size_t(i)] = int32_t(mix(uint64_t(k * 1000 + i)) % uint64_t(info.n_vocab));
+        const auto c0 = Clock::now();
+        ok(dz_decode_batch(ss.data(), tok.data(), size_t(b)), "dz_decode_batch");
+        if (k >= 2) t.push_back(secs(c0));
+      }
+      for (auto s : ss) dz_session_free(s);
+      return median(t) * 1e3;
+    };
+    const double d1 = decode(1, ctx), d1_long = decode(1, prefill), db = decode(batch, ctx);
+    r["decode_batch1"] = {{"ctx", ctx}, {"ms_per_token", d1}, {"floor_ms", floor_ms(1, ctx)}};
+    r["decode_batch1_long"] = {{"ctx", prefill}, {"ms_per_token", d1_long}, {"floor_ms", floor_ms(1, prefill)}};
+    r["decode_batched"] = {{"batch", batch},
+                           {"ctx", ctx},
+                           {"ms_per_step", db},
+                           {"tokens_per_s", batch / db * 1e3},
+                           {"floor_ms", floor_ms(batch, ctx)},
+                           {"floor_tokens_per_s", batch / floor_ms(batch, ctx) * 1e3}};
+    r["note"] =
+        "decode steps via dz_decode_batch include copying every session's logits row to the host; floors count "
+        "weights (MXFP4 experts in use, BF16 dense, lm_head) and fp32 KV read once at 4.27e12 B/s";
+    std::fprintf(stderr, "decode b1 ctx %d: %.3f ms/token (floor %.3f); b1 ctx %d: %.3f ms (floor %.3f); b%d: %.3f ms/step, %.0f tokens/s (floor %.0f)\n",
+                 ctx, d1, floor_ms(1, ctx), prefill, d1_long, floor_ms(1, prefill), batch, db, batch / db * 1e3,
+                 batch / floor_ms(batch, ctx) * 1e3);
+    dz_kv_arena_free(arena);
+    dz_model_free(m);
+    bench_emit(r, flag_value(a, "--out"));
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dz bench model: %s\n", e.what());
+    return 1;
+  }
+}
+
+}  // namespace dz::cli
