@@ -5,6 +5,8 @@
 // page table.
 #include "kv/arena.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cstring>
 #include <unordered_map>
@@ -29,19 +31,28 @@ size_t mul_checked(size_t a, size_t b, const char* what) {
   return a * b;
 }
 
+// Pages come straight from the OS as anonymous zero pages: they are committed
+// on first touch, so creating a large arena costs no time and no memory for
+// pages never used (zero-filling 256 MiB up front took seconds).
 class HostStorage final : public Storage {
  public:
-  explicit HostStorage(size_t bytes) : buf_(bytes) { std::memset(buf_.data(), 0, bytes); }
-  uint8_t* data() override { return buf_.data(); }
-  size_t size() const override { return buf_.size(); }
+  explicit HostStorage(size_t bytes) : size_(bytes) {
+    void* p = ::mmap(nullptr, bytes ? bytes : 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) fail(DZ_ERR_OUT_OF_MEMORY, "KV arena: cannot reserve ", bytes, " bytes of host memory");
+    data_ = static_cast<uint8_t*>(p);
+  }
+  ~HostStorage() override { ::munmap(data_, size_ ? size_ : 1); }
+  uint8_t* data() override { return data_; }
+  size_t size() const override { return size_; }
   void copy(size_t dst, size_t src, size_t bytes) override {
-    check(dst + bytes <= buf_.size() && src + bytes <= buf_.size(), DZ_ERR_INTERNAL, "KV storage copy out of range");
-    std::memcpy(buf_.data() + dst, buf_.data() + src, bytes);
+    check(dst + bytes <= size_ && src + bytes <= size_, DZ_ERR_INTERNAL, "KV storage copy out of range");
+    std::memcpy(data_ + dst, data_ + src, bytes);
   }
   bool on_device() const override { return false; }
 
  private:
-  HostBuffer<uint8_t> buf_;
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
 };
 
 // 64-bit finaliser (splitmix64): every input bit affects every output bit.

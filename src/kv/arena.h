@@ -57,7 +57,7 @@ class Storage {
   virtual void copy(size_t dst_off, size_t src_off, size_t bytes) = 0;  // within this storage, no overlap
   virtual bool on_device() const = 0;
 };
-std::unique_ptr<Storage> make_host_storage(size_t bytes);  // zero-filled, mimalloc
+std::unique_ptr<Storage> make_host_storage(size_t bytes);  // zero-filled OS pages, committed on first touch
 
 struct ArenaConfig {
   uint64_t capacity_pages = 0;  // > 0
