@@ -21,9 +21,11 @@
 #include "dayzero.h"
 
 // The model `dz chat` opens without --model: DZ_MODEL in the environment, else
-// this path relative to the dz executable's folder, else to the working folder.
+// this path relative to the dz executable's folder or its parent (build/dz in a
+// source tree), else to the working folder. The repository ships it: a tiny
+// DeepSeek-V3.2 (MLA + DSA + MXFP4 MoE) trained by tools/train/train_dsv32.py.
 #ifndef DZ_DEFAULT_MODEL
-#define DZ_DEFAULT_MODEL "models/default"
+#define DZ_DEFAULT_MODEL "models/dayzero-tiny"
 #endif
 
 namespace dz::cli {
@@ -46,8 +48,10 @@ std::string default_model() {
   std::error_code ec;
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
   if (!ec) {
-    const fs::path p = exe.parent_path() / DZ_DEFAULT_MODEL;
-    if (fs::exists(p, ec)) return p.string();
+    for (const fs::path& dir : {exe.parent_path(), exe.parent_path().parent_path()}) {
+      const fs::path p = dir / DZ_DEFAULT_MODEL;
+      if (fs::exists(p, ec)) return p.string();
+    }
   }
   return DZ_DEFAULT_MODEL;
 }

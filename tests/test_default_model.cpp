@@ -1,0 +1,133 @@
+// The default model of `dz chat` (models/dayzero-tiny, trained by tools/train/train_dsv32.py: MLA, DSA
+// indexer with index_topk 64, MoE with MXFP4 routed experts) against transformers
+// (tests/data/dayzero_tiny/reference.safetensors: float32 CPU, eager attention, the dequantised weights of
+// the committed files), through the public C API; and `dz chat --prompt` answering with it by default.
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "dayzero.h"
+#include "loader/safetensors.h"
+
+namespace {
+
+const std::string kModel = std::string(DZ_SOURCE_DIR) + "/models/dayzero-tiny";
+const std::string kRef = std::string(DZ_TEST_DATA) + "/dayzero_tiny/reference.safetensors";
+
+std::vector<int32_t> ints(const dz::TensorView& t) {
+  REQUIRE(t.dtype == dz::DType::I64);
+  std::vector<int32_t> v(static_cast<size_t>(t.numel()));
+  for (size_t k = 0; k < v.size(); ++k) {
+    int64_t x;
+    std::memcpy(&x, t.data + 8 * k, 8);
+    v[k] = int32_t(x);
+  }
+  return v;
+}
+
+std::vector<float> floats(const dz::TensorView& t) {
+  REQUIRE(t.dtype == dz::DType::F32);
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  std::memcpy(v.data(), t.data, t.nbytes);
+  return v;
+}
+
+double cosine(const float* a, const float* b, size_t n) {
+  double ab = 0, aa = 0, bb = 0;
+  for (size_t i = 0; i < n; ++i) ab += double(a[i]) * b[i], aa += double(a[i]) * a[i], bb += double(b[i]) * b[i];
+  return ab / std::sqrt(aa * bb);
+}
+
+struct Open {
+  dz_model* m = nullptr;
+  dz_kv_arena* arena = nullptr;
+  Open() {
+    dz_model_params p;
+    dz_model_params_init(&p);
+    p.n_threads = 2;
+    p.indexer = DZ_INDEXER_EXACT;
+    INFO(dz_last_error());
+    REQUIRE(dz_model_open(kModel.c_str(), &p, &m) == DZ_OK);
+    INFO(dz_last_error());
+    REQUIRE(dz_kv_arena_create(m, nullptr, &arena) == DZ_OK);
+  }
+  ~Open() {
+    dz_kv_arena_free(arena);
+    dz_model_free(m);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("default model (dayzero-tiny) matches transformers: logits and greedy continuation", "[deepseek]") {
+  dz::SafetensorsFile f(kRef);
+  const auto& ts = f.tensors();
+  Open o;
+  int n_prompts = 0;
+  for (int i = 0; ts.count("prompt." + std::to_string(i)); ++i, ++n_prompts) {
+    const std::string s = std::to_string(i);
+    const std::vector<int32_t> prompt = ints(ts.at("prompt." + s)), greedy = ints(ts.at("greedy." + s));
+    const std::vector<float> ref = floats(ts.at("logits." + s));
+    const size_t T = prompt.size(), V = ref.size() / T;
+    dz_session* sess = nullptr;
+    REQUIRE(dz_session_create(o.arena, nullptr, &sess) == DZ_OK);
+    INFO(dz_last_error());
+    REQUIRE(dz_session_append(sess, prompt.data(), T, DZ_LOGITS_ALL) == DZ_OK);
+    const float* lg = nullptr;
+    size_t rows = 0, nv = 0;
+    REQUIRE(dz_session_logits(sess, &lg, &rows, &nv) == DZ_OK);
+    REQUIRE(rows == T);
+    REQUIRE(nv == V);
+    double worst = 1;
+    for (size_t t = 0; t < T; ++t) worst = std::min(worst, cosine(lg + t * V, ref.data() + t * V, V));
+    INFO("prompt " << i << " (T=" << T << "): worst per-position logits cosine " << worst);
+    CHECK(worst >= 0.99999);
+    // Greedy continuation through the session's cache, one token at a time.
+    std::vector<int32_t> got;
+    for (size_t step = 0; step < greedy.size(); ++step) {
+      REQUIRE(dz_session_logits(sess, &lg, &rows, &nv) == DZ_OK);
+      const float* last = lg + (rows - 1) * nv;
+      const int32_t t = int32_t(std::max_element(last, last + nv) - last);
+      got.push_back(t);
+      REQUIRE(dz_session_append(sess, &t, 1, DZ_LOGITS_LAST) == DZ_OK);
+    }
+    CHECK(got == greedy);
+    dz_session_free(sess);
+  }
+  CHECK(n_prompts == 2);
+}
+
+TEST_CASE("dz chat --prompt answers with the default model", "[deepseek]") {
+  // Reference prompt 0 is the chat template rendered for this user message; its greedy continuation,
+  // detokenized, is the start of the reply `dz chat` must print (greedy is its default).
+  dz::SafetensorsFile f(kRef);
+  const std::vector<int32_t> greedy = ints(f.tensors().at("greedy.0"));
+  Open o;
+  const dz_tokenizer* tok = nullptr;
+  REQUIRE(dz_model_tokenizer(o.m, &tok) == DZ_OK);
+  std::vector<char> buf(4096);
+  size_t n = 0;
+  REQUIRE(dz_detokenize(tok, greedy.data(), greedy.size(), buf.data(), buf.size(), &n) == DZ_OK);
+  const std::string expected(buf.data(), n);
+  REQUIRE(!expected.empty());
+
+  // From the source folder, without DZ_MODEL: the default model path must resolve on its own.
+  const std::string cmd = "cd '" + std::string(DZ_SOURCE_DIR) + "' && env -u DZ_MODEL '" + DZ_TOOL +
+                          "' chat --prompt 'Tell me a fortune.' --max-new " + std::to_string(greedy.size()) +
+                          " --no-color 2>/dev/null";
+  FILE* p = popen(cmd.c_str(), "r");
+  REQUIRE(p);
+  std::string out;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  const int rc = pclose(p);
+  INFO("output: " << out);
+  REQUIRE(WIFEXITED(rc));
+  CHECK(WEXITSTATUS(rc) == 0);
+  CHECK(out.rfind(expected, 0) == 0);
+}
