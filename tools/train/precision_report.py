@@ -7,7 +7,9 @@ import argparse
 import json
 import math
 
-# Acceptable bounds for the default model (fixed in this script, not fitted to a run).
+# Acceptable bounds for the default model. The perplexity and recall bounds were fixed before the
+# first training run; the agreement bound was chosen after seeing that run (0.8835), so it is a loose
+# regression check, not an independent target (the report says so).
 PPL_RATIO_MAX = 1.05        # held-out perplexity, MXFP4 experts / BF16 experts
 AGREEMENT_MIN = 0.85        # next-token argmax agreement, MXFP4 vs BF16 experts
 RECALL_MIN = 0.80           # indexer top-k recall against the dense attention's top-k
@@ -40,6 +42,9 @@ def main():
         f"| held-out perplexity | {pb:.3f} | {pm:.3f} | MXFP4/BF16 <= {PPL_RATIO_MAX} (is {pm / pb:.3f}) | "
         f"{ok(pm / pb <= PPL_RATIO_MAX)} |",
         f"| next-token agreement (argmax) | - | {agr:.4f} | >= {AGREEMENT_MIN} | {ok(agr >= AGREEMENT_MIN)} |",
+        "",
+        "The perplexity and recall bounds were set before training; the agreement bound was set after the first",
+        "run, so it only guards against regressions.",
         "",
         "| indexer | value | bound | status |",
         "|---|---|---|---|",
