@@ -13,10 +13,12 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include "common/error.h"
 #include "dayzero.h"
 #include "support/safetensors_writer.h"
+#include "tokenizer/jinja.h"
 #include "tokenizer/regex.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/utf8.h"
@@ -477,4 +479,51 @@ TEST_CASE("regex translation: \\s is Unicode White_Space, class intersection wor
   m.clear();
   inter.find_all("x\xffy", m);  // invalid UTF-8 never matches and never crashes
   CHECK(m.size() == 2);
+}
+
+TEST_CASE("encoding from several threads at once gives the same ids", "[tokenizer]") {
+  NEED_CACHE();
+  const auto& tok = real("deepseek_v3");
+  const auto texts = corpus();
+  std::vector<std::vector<int32_t>> want;
+  for (const auto& t : texts) want.push_back(tok.encode(t));
+  std::vector<int> bad(4, 0);
+  std::vector<std::thread> th;
+  for (int k = 0; k < 4; ++k)
+    th.emplace_back([&, k] {
+      for (int rep = 0; rep < 3; ++rep)
+        for (size_t i = 0; i < texts.size(); ++i) bad[size_t(k)] += tok.encode(texts[(i + size_t(k) * 7) % texts.size()]) != want[(i + size_t(k) * 7) % texts.size()];
+    });
+  for (auto& t : th) t.join();
+  for (int b : bad) CHECK(b == 0);
+}
+
+TEST_CASE("broken chat templates fail at render time with the line, tokenizing still works", "[tokenizer]") {
+  const char* broken[] = {"{% if %}x{% endif %}", "{{ 'abc }}", "{% for x in %}{% endfor %}", "{% endfor %}",
+                          "{{ x | }}", "{% macro m( %}{% endmacro %}", "{% if x %}never closed", "{{ 1 +* 2 }}",
+                          "{% include 'other.jinja' %}", "{{ {'a': 1 }}"};
+  for (const char* t : broken) {
+    INFO(t);
+    CHECK_THROWS_AS(dz::jinja::Template(t), dz::Error);
+  }
+  std::string deep(5000, '(');
+  CHECK_THROWS_WITH(dz::jinja::Template("{{ " + deep + "1" + std::string(5000, ')') + " }}"),
+                    Catch::Contains("nested too deeply"));
+  std::string blocks;
+  for (int i = 0; i < 1000; ++i) blocks += "{% if x %}";
+  CHECK_THROWS_WITH(dz::jinja::Template(blocks), Catch::Contains("nested too deeply"));
+  // runtime errors are dz::Error too
+  nlohmann::ordered_json vars = {{"messages", nlohmann::ordered_json::array()}, {"n", 3}};
+  for (const char* t : {"{{ undefined_thing.attr }}", "{{ n + 'a' }}", "{{ n // 0 }}", "{{ raise_exception('boom') }}",
+                        "{% macro f(x) %}{{ f(x) }}{% endmacro %}{{ f(1) }}", "{{ n | nosuchfilter }}"}) {
+    INFO(t);
+    CHECK_THROWS_AS(dz::jinja::Template(t).render(vars), dz::Error);
+  }
+  // a model whose template is broken still opens and tokenizes; apply reports the template's problem
+  auto d = dz::test::temp_dir("badtpl");
+  std::ofstream(d / "tiktoken.model") << "YQ== 0\nYg== 1\nYWI= 2\n";
+  std::ofstream(d / "tokenizer_config.json") << R"({"chat_template": "{% for m in messages %}{{ m.content }"})";
+  auto tok = dz::Tokenizer::open((d / "tiktoken.model").string());
+  CHECK(tok->encode("ab") == std::vector<int32_t>{2});
+  CHECK_THROWS_WITH(tok->apply_chat_template("[]", "", true), Catch::Contains("chat template"));
 }

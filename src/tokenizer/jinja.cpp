@@ -809,6 +809,7 @@ class Parser {
   const std::vector<Tok>* toks_ = nullptr;
   size_t tp_ = 0;
   int line_ = 0;
+  int depth_ = 0, block_depth_ = 0;
 
   const Tok& peek(size_t ahead = 0) const {
     static const Tok end;
@@ -874,6 +875,11 @@ class Parser {
   }
 
   StmtP parse_statement(const std::string& kw) {
+    if (++block_depth_ > 200) syntax(line_, "statements nested too deeply");
+    struct Leave {
+      int& d;
+      ~Leave() { --d; }
+    } leave{block_depth_};
     auto s = std::make_unique<Stmt>();
     s->line = line_;
     const int start_line = line_;
@@ -1136,6 +1142,14 @@ class Parser {
   }
 
   ExprP parse_unary(bool with_filter) {
+    // Bounded nesting: a hostile template cannot overflow the stack.
+    struct Depth {
+      int& d;
+      Depth(int& x, int line) : d(x) {
+        if (++d > 200) syntax(line, "expression nested too deeply");
+      }
+      ~Depth() { --d; }
+    } guard(depth_, line_);
     ExprP e;
     if (is_op("-") || is_op("+")) {
       const bool neg = next().text == "-";
@@ -2132,12 +2146,15 @@ Flow Interp::exec1(const Stmt& s, std::string& out) {
       return Flow::kNormal;
     }
     case Stmt::kMacro: {
-      FrameP def = frame;
+      // Weak: the macro lives in the frame it closes over (a strong pointer
+      // would be a cycle). Frames outlive their macros' calls during a render.
+      std::weak_ptr<Frame> def = frame;
       const Stmt* m = &s;
       frame->set(s.text, Value::func([def, m](Interp& in, Args& a) {
         if (++in.depth > 200) error("macro recursion too deep");
         auto f = std::make_shared<Frame>();
-        f->parent = def;
+        f->parent = def.lock();
+        if (!f->parent) f->parent = in.frame;
         if (a.pos.size() > m->params.size())
           error("macro '" + m->text + "' takes " + std::to_string(m->params.size()) + " arguments");
         for (size_t i = 0; i < m->params.size(); ++i) {
