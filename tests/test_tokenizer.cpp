@@ -527,3 +527,12 @@ TEST_CASE("broken chat templates fail at render time with the line, tokenizing s
   CHECK(tok->encode("ab") == std::vector<int32_t>{2});
   CHECK_THROWS_WITH(tok->apply_chat_template("[]", "", true), Catch::Contains("chat template"));
 }
+
+TEST_CASE("regex translation: \\p{Han} is the Han script, not its extensions", "[tokenizer]") {
+  dz::Regex han(R"([\p{Han}]+)", "test");
+  std::vector<dz::Regex::Match> m;
+  han.find_all("\xe4\xba\xba\xe3\x80\x82\xe5\xb7\xa5", m);  // 人。工: U+3002 is Common (Han only by extension)
+  REQUIRE(m.size() == 2);
+  CHECK(m[0].end == 3);
+  CHECK(m[1].begin == 6);
+}

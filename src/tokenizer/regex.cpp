@@ -40,6 +40,18 @@ Scratch& scratch() {
   return s;
 }
 
+// Whether a \\p{name} names a script (not a general category or binary property).
+bool is_script(std::string_view name) {
+  if (name.empty() || name.find_first_of(":=^ ") != std::string_view::npos) return false;
+  const std::string pat = "\\p{sc:" + std::string(name) + "}";
+  int err = 0;
+  PCRE2_SIZE off = 0;
+  pcre2_code* c = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pat.data()), pat.size(), PCRE2_UTF | PCRE2_UCP, &err,
+                                &off, nullptr);
+  pcre2_code_free(c);
+  return c != nullptr;
+}
+
 // Copy one escape sequence starting at p[i] ('\\') into out; returns the index
 // after it. \p{..}, \P{..}, \x{..} are copied whole.
 size_t copy_escape(std::string_view p, size_t i, std::string& out) {
@@ -51,6 +63,12 @@ size_t copy_escape(std::string_view p, size_t i, std::string& out) {
   if ((c == 'p' || c == 'P' || c == 'x') && i + 2 < p.size() && p[i + 2] == '{') {
     const size_t close = p.find('}', i + 2);
     const size_t end = close == std::string_view::npos ? p.size() : close + 1;
+    if (c != 'x' && close != std::string_view::npos && is_script(p.substr(i + 3, close - i - 3))) {
+      // \p{Han}: PCRE2 matches a script by Script_Extensions (U+3002 "。" is
+      // then Han); Oniguruma and Rust regex use the Script property.
+      out += cat("\\", c, "{sc:", std::string(p.substr(i + 3, close - i - 3)), "}");
+      return end;
+    }
     out += p.substr(i, end - i);
     return end;
   }
