@@ -135,6 +135,18 @@ typedef enum dz_indexer_mode {
   DZ_INDEXER_FP8 = 1    /* Hadamard + E4M3 keys, one scale per 128 */
 } dz_indexer_mode;
 
+/* Precision of the activations entering the matrix products. The CUDA
+ * backend feeds BF16 (attention projections, router, lm_head) and FP16/FP8
+ * (experts); the CPU backend computes in fp32 unless asked to round as the
+ * CUDA backend does, which makes the two comparable position by position
+ * (a tiny router margin can flip under either rounding). */
+typedef enum dz_activation_precision {
+  DZ_ACTIVATIONS_AUTO = 0, /* the backend's own (CPU fp32, CUDA BF16) */
+  DZ_ACTIVATIONS_F32 = 1,  /* fp32 (CPU) */
+  DZ_ACTIVATIONS_BF16 = 2  /* rounded to BF16 before each product, experts'
+                              inputs to FP16 (CPU gpt_oss; CUDA) */
+} dz_activation_precision;
+
 typedef struct dz_model_params {
   size_t struct_size;
   dz_device device;        /* default DZ_DEVICE_CPU */
@@ -146,6 +158,7 @@ typedef struct dz_model_params {
                               CUDA (default 1) */
   dz_progress_fn progress; /* optional; called from the opening thread */
   void *progress_user;
+  dz_activation_precision activations; /* default DZ_ACTIVATIONS_AUTO */
 } dz_model_params;
 
 DZ_API void dz_model_params_init(dz_model_params *params);

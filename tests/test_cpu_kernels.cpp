@@ -244,3 +244,58 @@ TEST_CASE("attention with a sink over row pointers matches float64", "[kernels]"
     }
   }
 }
+
+// Nearest representable value by search over the format's grid (float64), ties to even mantissa.
+namespace {
+double nearest_on_grid(double x, int mant_bits, int min_exp) {
+  if (x == 0) return 0;
+  const double a = std::fabs(x);
+  int e = std::ilogb(a);
+  if (e < min_exp) e = min_exp;  // subnormal spacing below the smallest normal
+  const double ulp = std::ldexp(1.0, e - mant_bits);
+  const double lo = std::floor(a / ulp) * ulp, hi = lo + ulp;
+  double r;
+  if (a - lo < hi - a)
+    r = lo;
+  else if (hi - a < a - lo)
+    r = hi;
+  else
+    r = std::fmod(lo / ulp, 2.0) == 0 ? lo : hi;
+  return std::copysign(r, x);
+}
+}  // namespace
+
+TEST_CASE("activation rounding as the CUDA backend stages it: BF16, and FP16 scaled per row", "[kernels]") {
+  std::mt19937 rng(7);
+  std::vector<float> v = randn(4096, rng, 3.f);
+  for (size_t i = 0; i < 64; ++i) v[i] = std::ldexp(v[i], int(i) - 40);  // wide exponent range
+  // Exact ties: mantissa ...1 1000 0000 0000 0000 and ...0 1000 ...
+  uint32_t t1 = 0x3f818000u, t2 = 0x3f808000u;
+  std::memcpy(&v[100], &t1, 4);
+  std::memcpy(&v[101], &t2, 4);
+  std::vector<float> b = v;
+  round_to_bf16(b.data(), b.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    INFO("bf16 index " << i << " x " << v[i]);
+    REQUIRE(double(b[i]) == nearest_on_grid(v[i], 7, -126));
+  }
+  CHECK(b[100] == 1.015625f);  // tie rounds to the even mantissa (up)
+  CHECK(b[101] == 1.0f);       // tie rounds to the even mantissa (down)
+
+  const size_t row = 256;
+  std::vector<float> h(v.begin() + 1024, v.begin() + 1024 + 4 * row);
+  h[5] = 1e-7f;  // far below the row's largest value: FP16 subnormal after scaling
+  std::vector<float> hr = h;
+  round_to_f16_scaled(hr.data(), 4, row);
+  for (size_t r = 0; r < 4; ++r) {
+    double amax = 0;
+    for (size_t i = 0; i < row; ++i) amax = std::max(amax, std::fabs(double(h[r * row + i])));
+    const int ex = std::ilogb(amax) + 1;  // amax / 2^ex in [0.5, 1)
+    for (size_t i = 0; i < row; ++i) {
+      const double x = std::ldexp(double(h[r * row + i]), -ex);
+      INFO("f16 row " << r << " col " << i);
+      REQUIRE(double(hr[r * row + i]) == std::ldexp(nearest_on_grid(x, 10, -14), ex));
+    }
+  }
+  CHECK(hr[5] != h[5]);  // the subnormal lost precision
+}

@@ -235,6 +235,52 @@ TEST_CASE("gpt-oss logits match transformers at every position", "[gpt_oss]") {
   }
 }
 
+// DZ_ACTIVATIONS_BF16 rounds what the CPU feeds each product as the CUDA
+// backend does; the GPU test compares the two position by position. Here: the
+// mode changes the numbers by BF16-sized amounts only (T=7: no route flips).
+TEST_CASE("DZ_ACTIVATIONS_BF16 on the CPU: BF16-sized changes; bad values refused", "[gpt_oss]") {
+  dz_model_params p;
+  dz_model_params_init(&p);
+  p.n_threads = 2;
+  p.activations = DZ_ACTIVATIONS_BF16;
+  dz_model* m = nullptr;
+  REQUIRE(dz_model_open(kModelDir.c_str(), &p, &m) == DZ_OK);
+  dz_kv_arena_params ap;
+  dz_kv_arena_params_init(&ap);
+  ap.capacity_bytes = uint64_t(4) << 20;
+  dz_kv_arena* arena = nullptr;
+  REQUIRE(dz_kv_arena_create(m, &ap, &arena) == DZ_OK);
+  dz_session* s = nullptr;
+  REQUIRE(dz_session_create(arena, nullptr, &s) == DZ_OK);
+  const Reference& ref = references()[0];
+  REQUIRE(dz_session_append(s, ref.prompt.data(), ref.prompt.size(), DZ_LOGITS_ALL) == DZ_OK);
+  const float* lp = nullptr;
+  size_t rows = 0, V = 0;
+  REQUIRE(dz_session_logits(s, &lp, &rows, &V) == DZ_OK);
+  double worst = 1, moved = 0;
+  for (size_t t = 0; t < rows; ++t) {
+    double ab = 0, aa = 0, bb = 0;
+    for (size_t v = 0; v < V; ++v) {
+      const double a = lp[t * V + v], b = ref.logits[t * V + v];
+      ab += a * b, aa += a * a, bb += b * b;
+      moved = std::max(moved, std::fabs(a - b));
+    }
+    worst = std::min(worst, ab / std::sqrt(aa * bb));
+  }
+  std::printf("gpt_oss_tiny T=%zu with BF16 activations on the CPU: min cosine vs transformers %.6f, max |diff| %.4f\n",
+              rows, worst, moved);
+  CHECK(worst >= 0.9999);
+  CHECK(moved > 1e-3);  // the rounding is really applied (fp32 mode: 3e-6)
+  CHECK(moved < 0.1);
+  dz_session_free(s);
+  dz_kv_arena_free(arena);
+  dz_model_free(m);
+
+  p.activations = dz_activation_precision(7);
+  CHECK(dz_model_open(kModelDir.c_str(), &p, &m) == DZ_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(dz_last_error()).find("activations") != std::string::npos);
+}
+
 TEST_CASE("gpt-oss greedy continuations match transformers through dz_generate_step", "[gpt_oss]") {
   Arena arena;
   for (const Reference& ref : references()) {

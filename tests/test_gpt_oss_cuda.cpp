@@ -62,11 +62,13 @@ std::vector<Ref> refs() {
 
 struct Model {
   dz_model* m = nullptr;
-  explicit Model(dz_device dev, dz_expert_precision experts = DZ_EXPERTS_AUTO) {
+  explicit Model(dz_device dev, dz_expert_precision experts = DZ_EXPERTS_AUTO,
+                 dz_activation_precision act = DZ_ACTIVATIONS_AUTO) {
     dz_model_params p;
     dz_model_params_init(&p);
     p.device = dev;
     p.experts = experts;
+    p.activations = act;
     p.n_threads = 2;
     const dz_status st = dz_model_open(kDir.c_str(), &p, &m);
     INFO(dz_last_error());
@@ -140,14 +142,24 @@ TEST_CASE("DZ_DEVICE_CUDA without a GPU fails cleanly; AUTO falls back to the CP
   CHECK(info.device == DZ_DEVICE_CPU);
 }
 
-// Experts: NATIVE keeps the fused MXFP4 path (BF16 activations) at every
+// Experts: NATIVE keeps the fused MXFP4 path (FP16 activations) at every
 // batch size; AUTO switches to the FP8 (E4M3 activations) path above 16 tokens
 // per expert, i.e. for the T=33 and T=80 prompts here: reported, and only
-// guarded against garbage, since this tiny random model amplifies rounding
-// (transformers' own MXFP4 dequantise round trip moves its T=80 logits by 0.5).
+// guarded against garbage, since this tiny random model amplifies rounding.
+//
+// The GPU feeds BF16 activations to its GEMMs. This random model has router
+// top-4 margins as small as 0.001 (layer 1, T=80 prompt, fp32), so BF16
+// rounding alone flips some routes at T=80: the CPU backend with the same
+// rounding (DZ_ACTIVATIONS_BF16) reproduces the GPU's deviation from the fp32
+// reference (min cosine 0.9483 on the CPU, 0.9482 on the GPU). So: the GPU must
+// match the CPU with the same rounding at every position (the kernels are
+// right), and match transformers / the fp32 CPU at every position where that
+// rounding alone does not move the CPU's logits (positions before and away
+// from a flipped route).
 TEST_CASE("gpt-oss on the GPU: logits match transformers and the CPU backend; device bytes ~ checkpoint", "[cuda]") {
   if (!have_gpu()) return;
   Model gpu(DZ_DEVICE_CUDA, DZ_EXPERTS_NATIVE), cpu(DZ_DEVICE_CPU), autom(DZ_DEVICE_CUDA, DZ_EXPERTS_AUTO);
+  Model cpub(DZ_DEVICE_CPU, DZ_EXPERTS_AUTO, DZ_ACTIVATIONS_BF16);
   dz_model_info info;
   dz_model_info_init(&info);
   REQUIRE(dz_model_get_info(gpu.m, &info) == DZ_OK);
@@ -158,10 +170,11 @@ TEST_CASE("gpt-oss on the GPU: logits match transformers and the CPU backend; de
   // Only fp32 copies of the small vectors (norms, biases, sinks) exceed the checkpoint's BF16.
   CHECK(ratio > 0.95);
   CHECK(ratio < 1.10);
-  Arena ga(gpu, 16), ca(cpu, 16), aa(autom, 16);
+  Arena ga(gpu, 16), ca(cpu, 16), aa(autom, 16), ba(cpub, 16);
   const size_t V = size_t(info.n_vocab);
+  size_t excused_total = 0, positions = 0;
   for (const Ref& r : refs()) {
-    Session gs(ga), cs(ca), as(aa);
+    Session gs(ga), cs(ca), as(aa), bs(ba);
     const std::vector<float> al = as.append(r.prompt, DZ_LOGITS_ALL);
     double worst_auto = 1;
     for (size_t t = 0; t < r.prompt.size(); ++t)
@@ -169,18 +182,40 @@ TEST_CASE("gpt-oss on the GPU: logits match transformers and the CPU backend; de
     std::printf("gpt_oss_tiny CUDA experts AUTO T=%zu (%s path): min cosine vs transformers %.6f\n", r.prompt.size(),
                 r.prompt.size() * 4 > 16 * 8 ? "FP8" : "fused", worst_auto);
     CHECK(worst_auto >= (r.prompt.size() * 4 > 16 * 8 ? 0.9 : 0.999));
-    const std::vector<float> g = gs.append(r.prompt, DZ_LOGITS_ALL), c = cs.append(r.prompt, DZ_LOGITS_ALL);
+    const std::vector<float> g = gs.append(r.prompt, DZ_LOGITS_ALL), c = cs.append(r.prompt, DZ_LOGITS_ALL),
+                             b = bs.append(r.prompt, DZ_LOGITS_ALL);
     REQUIRE(g.size() == r.logits.size());
-    double worst_ref = 1, worst_cpu = 1;
+    double worst_ref = 1, worst_cpu = 1, worst_same = 1, worst_ref_kept = 1;
+    size_t excused = 0;
     for (size_t t = 0; t < r.prompt.size(); ++t) {
-      worst_ref = std::min(worst_ref, cosine(g.data() + t * V, r.logits.data() + t * V, V));
-      worst_cpu = std::min(worst_cpu, cosine(g.data() + t * V, c.data() + t * V, V));
+      const double vs_ref = cosine(g.data() + t * V, r.logits.data() + t * V, V);
+      const double vs_cpu = cosine(g.data() + t * V, c.data() + t * V, V);
+      const double vs_same = cosine(g.data() + t * V, b.data() + t * V, V);
+      const double rounding_alone = cosine(b.data() + t * V, r.logits.data() + t * V, V);
+      worst_ref = std::min(worst_ref, vs_ref);
+      worst_cpu = std::min(worst_cpu, vs_cpu);
+      worst_same = std::min(worst_same, vs_same);
+      INFO("T=" << r.prompt.size() << " position " << t << ": GPU vs transformers " << vs_ref << ", vs CPU " << vs_cpu
+                << ", vs CPU with BF16 activations " << vs_same << "; CPU with BF16 activations vs transformers "
+                << rounding_alone);
+      CHECK(vs_same >= 0.999);
+      if (rounding_alone < 0.999) {
+        ++excused;  // a route flipped by BF16 rounding: the same on the CPU
+        continue;
+      }
+      worst_ref_kept = std::min(worst_ref_kept, std::min(vs_ref, vs_cpu));
+      CHECK(vs_ref >= 0.999);
+      CHECK(vs_cpu >= 0.999);
     }
-    std::printf("gpt_oss_tiny CUDA experts NATIVE T=%zu: min cosine vs transformers %.6f, vs CPU %.6f\n", r.prompt.size(), worst_ref,
-                worst_cpu);
-    CHECK(worst_ref >= 0.999);
-    CHECK(worst_cpu >= 0.999);
+    excused_total += excused;
+    positions += r.prompt.size();
+    std::printf(
+        "gpt_oss_tiny CUDA experts NATIVE T=%zu: min cosine vs CPU with BF16 activations %.6f; vs "
+        "transformers %.6f, vs CPU %.6f (%zu positions where BF16 rounding alone flips a route on the CPU "
+        "too; elsewhere min %.6f)\n",
+        r.prompt.size(), worst_same, worst_ref, worst_cpu, excused, worst_ref_kept);
   }
+  CHECK(excused_total * 10 <= positions);  // rounding flips stay rare: not a blanket excuse
 }
 
 TEST_CASE("gpt-oss on the GPU: greedy continuations match transformers (or diverge at a near-tie)", "[cuda]") {
@@ -199,8 +234,8 @@ TEST_CASE("gpt-oss on the GPU: greedy continuations match transformers (or diver
     }
     if (got == r.greedy) continue;
     const size_t k = got.size() - 1;
-    std::printf("greedy diverges at step %zu (got %d, transformers %d), transformers' top-2 margin %.5f\n", k,
-                got[k], r.greedy[k], r.margin[k]);
+    std::printf("greedy diverges at step %zu (got %d, transformers %d), transformers' top-2 margin %.5f\n", k, got[k],
+                r.greedy[k], r.margin[k]);
     CHECK(r.margin[k] < 0.05f);  // a near-tie in the reference, not a wrong model
   }
 }

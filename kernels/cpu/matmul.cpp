@@ -1,6 +1,7 @@
 #include "cpu/matmul.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -9,6 +10,28 @@
 #include "cpu/mxfp4.h"
 
 namespace dz::cpu {
+
+void round_to_bf16(float* x, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) continue;  // NaN stays NaN
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    std::memcpy(x + i, &u, 4);
+  }
+}
+
+void round_to_f16_scaled(float* x, size_t n_rows, size_t row) {
+  for (size_t r = 0; r < n_rows; ++r) {
+    float* v = x + r * row;
+    float amax = 0;
+    for (size_t i = 0; i < row; ++i) amax = std::max(amax, std::fabs(v[i]));
+    if (!(amax > 0) || !std::isfinite(amax)) continue;
+    int ex = 0;
+    std::frexp(amax, &ex);
+    for (size_t i = 0; i < row; ++i) v[i] = std::ldexp(float(static_cast<_Float16>(std::ldexp(v[i], -ex))), ex);
+  }
+}
 
 float bf16_to_f32(uint16_t v) {
   const uint32_t u = uint32_t(v) << 16;

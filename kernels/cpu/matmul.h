@@ -29,6 +29,11 @@ struct WeightRef {
 
 float bf16_to_f32(uint16_t v);
 float f16_to_f32(uint16_t v);
+// Round n fp32 values in place to the nearest BF16 (ties to even) / to FP16
+// after scaling each run of `row` values by the power of two that brings its
+// largest magnitude into [0.5, 1] (as the CUDA experts stage their inputs).
+void round_to_bf16(float* x, size_t n);
+void round_to_f16_scaled(float* x, size_t n_rows, size_t row);
 // Decode n elements of a BF16/F16/F32 vector to fp32.
 void to_f32(WeightKind kind, const uint8_t* src, int64_t n, float* out);
 

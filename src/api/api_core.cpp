@@ -28,18 +28,30 @@ DZ_API const char* dz_last_error(void) { return dz::last_error(); }
 
 DZ_API const char* dz_status_name(dz_status s) {
   switch (s) {
-    case DZ_OK: return "DZ_OK";
-    case DZ_ERR_INVALID_ARGUMENT: return "DZ_ERR_INVALID_ARGUMENT";
-    case DZ_ERR_IO: return "DZ_ERR_IO";
-    case DZ_ERR_FORMAT: return "DZ_ERR_FORMAT";
-    case DZ_ERR_UNSUPPORTED: return "DZ_ERR_UNSUPPORTED";
-    case DZ_ERR_OUT_OF_MEMORY: return "DZ_ERR_OUT_OF_MEMORY";
-    case DZ_ERR_KV_FULL: return "DZ_ERR_KV_FULL";
-    case DZ_ERR_CANCELLED: return "DZ_ERR_CANCELLED";
-    case DZ_ERR_DEVICE: return "DZ_ERR_DEVICE";
-    case DZ_ERR_NOT_FOUND: return "DZ_ERR_NOT_FOUND";
-    case DZ_ERR_BUFFER_TOO_SMALL: return "DZ_ERR_BUFFER_TOO_SMALL";
-    case DZ_ERR_INTERNAL: return "DZ_ERR_INTERNAL";
+    case DZ_OK:
+      return "DZ_OK";
+    case DZ_ERR_INVALID_ARGUMENT:
+      return "DZ_ERR_INVALID_ARGUMENT";
+    case DZ_ERR_IO:
+      return "DZ_ERR_IO";
+    case DZ_ERR_FORMAT:
+      return "DZ_ERR_FORMAT";
+    case DZ_ERR_UNSUPPORTED:
+      return "DZ_ERR_UNSUPPORTED";
+    case DZ_ERR_OUT_OF_MEMORY:
+      return "DZ_ERR_OUT_OF_MEMORY";
+    case DZ_ERR_KV_FULL:
+      return "DZ_ERR_KV_FULL";
+    case DZ_ERR_CANCELLED:
+      return "DZ_ERR_CANCELLED";
+    case DZ_ERR_DEVICE:
+      return "DZ_ERR_DEVICE";
+    case DZ_ERR_NOT_FOUND:
+      return "DZ_ERR_NOT_FOUND";
+    case DZ_ERR_BUFFER_TOO_SMALL:
+      return "DZ_ERR_BUFFER_TOO_SMALL";
+    case DZ_ERR_INTERNAL:
+      return "DZ_ERR_INTERNAL";
   }
   return "DZ_ERR_UNKNOWN";
 }
@@ -60,6 +72,7 @@ DZ_API void dz_model_params_init(dz_model_params* p) {
   p->experts = DZ_EXPERTS_AUTO;
   p->indexer = DZ_INDEXER_EXACT;
   p->bf16_sensitive = 1;
+  p->activations = DZ_ACTIVATIONS_AUTO;
 }
 
 DZ_API void dz_model_info_init(dz_model_info* info) {
@@ -77,6 +90,9 @@ DZ_API dz_status dz_model_open(const char* dir, const dz_model_params* params, d
     m->params = dz::read_params(params, dz_model_params_init, offsetof(dz_model_params, progress), "params");
     dz::check(m->params.device >= DZ_DEVICE_CPU && m->params.device <= DZ_DEVICE_AUTO, DZ_ERR_INVALID_ARGUMENT,
               "params->device ", int(m->params.device), " is not a dz_device");
+    dz::check(m->params.activations >= DZ_ACTIVATIONS_AUTO && m->params.activations <= DZ_ACTIVATIONS_BF16,
+              DZ_ERR_INVALID_ARGUMENT, "params->activations ", int(m->params.activations),
+              " is not a dz_activation_precision");
     m->config = dz::Config::load(dir);
     m->architecture = m->config.model_type();
     const dz_model_params& p = m->params;
@@ -110,8 +126,7 @@ DZ_API dz_status dz_model_get_info(const dz_model* model, dz_model_info* info) {
     r.device = model->params.device;
     r.weight_bytes = model->weights->total_bytes();
     r.n_shards = static_cast<int32_t>(model->weights->n_shards());
-    for (const auto& [_, t] : model->weights->all())
-      r.n_params += static_cast<uint64_t>(t->numel());
+    for (const auto& [_, t] : model->weights->all()) r.n_params += static_cast<uint64_t>(t->numel());
     r.device_bytes = r.weight_bytes;
     model->family->fill_info(r);
     dz::write_out(info, r, "info");

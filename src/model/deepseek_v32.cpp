@@ -118,6 +118,8 @@ DeepseekV32::DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_mode
   const std::string& src = cfg.source();
   check(params.device != DZ_DEVICE_CUDA, DZ_ERR_UNSUPPORTED,
         "deepseek_v32: the CUDA backend is not available in this build yet; use DZ_DEVICE_CPU");
+  check(params.activations != DZ_ACTIVATIONS_BF16, DZ_ERR_UNSUPPORTED,
+        "deepseek_v32: DZ_ACTIVATIONS_BF16 (CPU rounding as a GPU backend) is not implemented for this family");
   check(params.experts == DZ_EXPERTS_AUTO || params.experts == DZ_EXPERTS_NATIVE, DZ_ERR_UNSUPPORTED,
         "deepseek_v32: the CPU backend decodes weights in checkpoint precision only (DZ_EXPERTS_AUTO or "
         "DZ_EXPERTS_NATIVE), not dz_expert_precision ",

@@ -4,6 +4,8 @@
 // selected logits, MXFP4 experts with clamped SwiGLU over interleaved
 // gate/up rows. Weights stay in checkpoint precision (BF16 via the mmap,
 // experts 4-bit); rows are decoded on the fly.
+#include "model/gpt_oss.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -16,7 +18,6 @@
 #include "cpu/mxfp4.h"
 #include "cpu/norm.h"
 #include "cpu/rope.h"
-#include "model/gpt_oss.h"
 #include "model/rope_config.h"
 #include "runtime/device.h"
 #include "runtime/parallel.h"
@@ -84,7 +85,7 @@ std::vector<float> vector_f32(const WeightStore& ws, const std::string& name, co
 }
 
 GptOssMxfp4 mxfp4_experts(const WeightStore& ws, const std::string& prefix, int64_t n_experts, int64_t rows,
-                           int64_t cols) {
+                          int64_t cols) {
   const std::string bn = prefix + "_blocks", sn = prefix + "_scales";
   if (!ws.has(bn) && ws.has(prefix))
     fail(DZ_ERR_UNSUPPORTED, "tensor ", prefix,
@@ -134,6 +135,11 @@ class GptOss final : public Family, private GptOssDesc {
   void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
 
  private:
+  // Round GEMM inputs as the CUDA backend does (DZ_ACTIVATIONS_BF16).
+  void round_bf16(float* x, int64_t n) const {
+    if (bf16_act_) cpu::round_to_bf16(x, size_t(n));
+  }
+  bool bf16_act_ = false;
   uint64_t model_key_ = 0;
   mutable std::unique_ptr<ThreadPool> pool_;
 };
@@ -143,7 +149,11 @@ GptOss::GptOss(const Config& cfg, const WeightStore& ws, const dz_model_params& 
         "gpt_oss: the CPU backend decodes experts in checkpoint precision only (DZ_EXPERTS_AUTO or "
         "DZ_EXPERTS_NATIVE), not dz_expert_precision ",
         int(params.experts));
-  model_key_ = fnv1a("gpt_oss kv: f32 K|V per layer, host v1", config_hash_);
+  bf16_act_ = params.activations == DZ_ACTIVATIONS_BF16;
+  // Rounded activations give different K/V: the prefix cache must not mix the two.
+  model_key_ = fnv1a(
+      bf16_act_ ? "gpt_oss kv: f32 K|V per layer, host, bf16 activations v1" : "gpt_oss kv: f32 K|V per layer, host v1",
+      config_hash_);
   pool_ = std::make_unique<ThreadPool>(params.n_threads);
 }
 
@@ -175,6 +185,7 @@ void GptOss::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
       att(size_t(R * QD)), tmp(size_t(R * H)), cs(size_t(R * half)), sn(size_t(R * half)),
       router(size_t(R * n_experts_)), route_w(size_t(R * n_active_));
   HostBuffer<int32_t> route_i(size_t(R * n_active_));
+  std::vector<float> xr;  // BF16-rounded router input (DZ_ACTIVATIONS_BF16)
   for (int64_t r = 0; r < R; ++r) {
     const ForwardItem& it = batch[rows[size_t(r)].item];
     embed_.decode_row(it.tokens[size_t(rows[size_t(r)].pos - int64_t(it.seq->length()))], x.data() + r * H);
@@ -197,6 +208,7 @@ void GptOss::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
     if (opt.abort && opt.abort(opt.abort_user)) fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
     const GptOssLayer& L = layers_[size_t(li)];
     cpu::rms_norm(x.data(), R, H, L.in_norm.data(), eps_, xn.data());
+    round_bf16(xn.data(), R * H);
     cpu::matmul(xn.data(), R, L.q, or_null(L.bq), q.data(), pool);
     cpu::matmul(xn.data(), R, L.k, or_null(L.bk), k.data(), pool);
     cpu::matmul(xn.data(), R, L.v, or_null(L.bv), v.data(), pool);
@@ -243,11 +255,17 @@ void GptOss::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
       tokens_read += n;
       if (batch[rw.item].attention_tokens_read) *batch[rw.item].attention_tokens_read += n;
     }
+    round_bf16(att.data(), R * QD);
     cpu::matmul(att.data(), R, L.o, or_null(L.bo), tmp.data(), pool);
     for (int64_t i = 0; i < R * H; ++i) x[size_t(i)] += tmp[size_t(i)];
 
     cpu::rms_norm(x.data(), R, H, L.post_norm.data(), eps_, xn.data());
-    cpu::matmul(xn.data(), R, L.router, L.router_bias.data(), router.data(), pool);
+    if (bf16_act_) {  // the router reads BF16, the experts FP16 scaled per token (fused path)
+      xr.assign(xn.data(), xn.data() + R * H);
+      cpu::round_to_bf16(xr.data(), xr.size());
+      cpu::round_to_f16_scaled(xn.data(), size_t(R), size_t(H));
+    }
+    cpu::matmul(bf16_act_ ? xr.data() : xn.data(), R, L.router, L.router_bias.data(), router.data(), pool);
     for (int64_t r = 0; r < R; ++r)
       cpu::router_topk_softmax(router.data() + r * n_experts_, n_experts_, n_active_, route_i.data() + r * n_active_,
                                route_w.data() + r * n_active_);
@@ -269,6 +287,7 @@ void GptOss::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
     const int64_t r0 = it.all_logits ? first_row[b] : first_row[b] + n - 1;
     const int64_t nr = it.all_logits ? n : 1;
     cpu::rms_norm(x.data() + r0 * H, nr, H, final_norm_.data(), eps_, xn.data());
+    round_bf16(xn.data(), nr * H);
     cpu::matmul(xn.data(), nr, lm_head_, nullptr, it.logits, pool);
   }
   if (opt.attention_tokens_read) *opt.attention_tokens_read += tokens_read;
@@ -366,7 +385,6 @@ GptOssDesc::GptOssDesc(const Config& cfg, const WeightStore& ws) {
   }
   config_hash_ = fnv1a(cfg.json().dump(), fnv1a(std::to_string(ws.total_bytes())));
 }
-
 
 void GptOssDesc::fill_desc_info(dz_model_info& info) const {
   info.n_layers = n_layers_;

@@ -220,6 +220,9 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
         "device_index ", params.device_index, " (0..", std::size(kStorageFns) - 1, ")");
   check(params.bf16_sensitive != 0, DZ_ERR_UNSUPPORTED,
         "gpt_oss CUDA: bf16_sensitive = 0 (lower-precision attention/router/lm_head) is not implemented");
+  check(params.activations != DZ_ACTIVATIONS_F32, DZ_ERR_UNSUPPORTED,
+        "gpt_oss CUDA: DZ_ACTIVATIONS_F32 is not implemented (the GEMMs take BF16 activations; the CPU backend "
+        "computes in fp32)");
   switch (params.experts) {
     case DZ_EXPERTS_AUTO: path_ = cuda::MoePath::kAuto; break;
     case DZ_EXPERTS_NATIVE: path_ = cuda::MoePath::kFused; break;  // MXFP4 decoded in registers

@@ -61,6 +61,11 @@ pub type dz_indexer_mode = c_int;
 pub const DZ_INDEXER_EXACT: dz_indexer_mode = 0;
 pub const DZ_INDEXER_FP8: dz_indexer_mode = 1;
 
+pub type dz_activation_precision = c_int;
+pub const DZ_ACTIVATIONS_AUTO: dz_activation_precision = 0;
+pub const DZ_ACTIVATIONS_F32: dz_activation_precision = 1;
+pub const DZ_ACTIVATIONS_BF16: dz_activation_precision = 2;
+
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct dz_model_params {
@@ -73,6 +78,7 @@ pub struct dz_model_params {
     pub bf16_sensitive: c_int,
     pub progress: dz_progress_fn,
     pub progress_user: *mut c_void,
+    pub activations: dz_activation_precision,
 }
 
 #[repr(C)]
