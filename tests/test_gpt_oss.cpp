@@ -1,6 +1,7 @@
 // gpt-oss on the CPU backend against transformers' float32 outputs for the
 // tiny fixture (tests/data/gpt_oss_tiny, made by
 // tools/reference/gpt_oss_fixtures.py), and the session API around it.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdio>
@@ -13,10 +14,12 @@
 #include <string>
 #include <vector>
 
+#include "api/handles.h"
 #include "cpu/mxfp4.h"
 #include "cpu/sampling.h"
 #include "dayzero.h"
 #include "loader/safetensors.h"
+#include "model/gpt_oss.h"
 #include "support/safetensors_writer.h"
 
 namespace fs = std::filesystem;
@@ -253,7 +256,16 @@ TEST_CASE("DZ_ACTIVATIONS_BF16 on the CPU: BF16-sized changes; bad values refuse
   dz_session* s = nullptr;
   REQUIRE(dz_session_create(arena, nullptr, &s) == DZ_OK);
   const Reference& ref = references()[0];
+  std::vector<float> margins;  // the router trace the GPU test reads
+  dz::gpt_oss_set_router_trace(*m->family, &margins);
   REQUIRE(dz_session_append(s, ref.prompt.data(), ref.prompt.size(), DZ_LOGITS_ALL) == DZ_OK);
+  dz::gpt_oss_set_router_trace(*m->family, nullptr);
+  dz_model_info info;
+  dz_model_info_init(&info);
+  REQUIRE(dz_model_get_info(m, &info) == DZ_OK);
+  REQUIRE(margins.size() == size_t(info.n_layers) * ref.prompt.size());
+  for (float g : margins) CHECK(g >= 0.f);
+  CHECK(*std::max_element(margins.begin(), margins.end()) > 0.f);
   const float* lp = nullptr;
   size_t rows = 0, V = 0;
   REQUIRE(dz_session_logits(s, &lp, &rows, &V) == DZ_OK);

@@ -73,7 +73,7 @@ void glu(const Glu& g, const float* h, int64_t inter, float* out) {
         const float a = h[i];
         out[i] = float(double(a) / (1.0 + std::exp(-double(a)))) * h[inter + i];
       }
-      return;
+      break;
     case Glu::Kind::ClampedOss:
       for (int64_t i = 0; i < inter; ++i) {
         const float gate = std::min(h[2 * i], g.limit);
@@ -81,8 +81,10 @@ void glu(const Glu& g, const float* h, int64_t inter, float* out) {
         const float sig = float(1.0 / (1.0 + std::exp(-double(gate * g.alpha))));
         out[i] = (up + 1.0f) * (gate * sig);
       }
-      return;
+      break;
   }
+  if (g.round_f16)
+    for (int64_t i = 0; i < inter; ++i) out[i] = float(static_cast<_Float16>(out[i]));
 }
 
 void moe_forward(const float* x, int64_t n_rows, int64_t hidden, int64_t inter, const int32_t* idx,

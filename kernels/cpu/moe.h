@@ -32,6 +32,7 @@ struct Glu {
   Kind kind = Kind::SwiGLU;
   float alpha = 1.702f;
   float limit = 7.0f;
+  bool round_f16 = false;  // outputs rounded to FP16, as the CUDA fused experts stage them
 };
 void glu(const Glu& g, const float* h, int64_t inter, float* out);
 

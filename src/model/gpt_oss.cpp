@@ -133,6 +133,7 @@ class GptOss final : public Family, private GptOssDesc {
     return l;
   }
   void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
+  void set_router_trace(std::vector<float>* m) { router_trace_ = m; }
 
  private:
   // Round GEMM inputs as the CUDA backend does (DZ_ACTIVATIONS_BF16).
@@ -140,6 +141,7 @@ class GptOss final : public Family, private GptOssDesc {
     if (bf16_act_) cpu::round_to_bf16(x, size_t(n));
   }
   bool bf16_act_ = false;
+  std::vector<float>* router_trace_ = nullptr;
   uint64_t model_key_ = 0;
   mutable std::unique_ptr<ThreadPool> pool_;
 };
@@ -186,6 +188,8 @@ void GptOss::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
       router(size_t(R * n_experts_)), route_w(size_t(R * n_active_));
   HostBuffer<int32_t> route_i(size_t(R * n_active_));
   std::vector<float> xr;  // BF16-rounded router input (DZ_ACTIVATIONS_BF16)
+  cpu::Glu glu = glu_;
+  glu.round_f16 = bf16_act_;
   for (int64_t r = 0; r < R; ++r) {
     const ForwardItem& it = batch[rows[size_t(r)].item];
     embed_.decode_row(it.tokens[size_t(rows[size_t(r)].pos - int64_t(it.seq->length()))], x.data() + r * H);
@@ -266,6 +270,13 @@ void GptOss::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
       cpu::round_to_f16_scaled(xn.data(), size_t(R), size_t(H));
     }
     cpu::matmul(bf16_act_ ? xr.data() : xn.data(), R, L.router, L.router_bias.data(), router.data(), pool);
+    if (router_trace_ && n_active_ < n_experts_)
+      for (int64_t r = 0; r < R; ++r) {
+        std::vector<float> l(router.data() + r * n_experts_, router.data() + (r + 1) * n_experts_);
+        std::nth_element(l.begin(), l.begin() + n_active_, l.end(), std::greater<float>());
+        const float next = l[size_t(n_active_)];
+        router_trace_->push_back(*std::min_element(l.begin(), l.begin() + n_active_) - next);
+      }
     for (int64_t r = 0; r < R; ++r)
       cpu::router_topk_softmax(router.data() + r * n_experts_, n_experts_, n_active_, route_i.data() + r * n_active_,
                                route_w.data() + r * n_active_);
@@ -275,7 +286,7 @@ void GptOss::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
           return cpu::ExpertWeights{L.gate_up.expert(e), L.gate_up_bias.data() + size_t(e) * size_t(2 * inter_),
                                     L.down.expert(e), L.down_bias.data() + size_t(e) * size_t(H)};
         },
-        glu_, tmp.data(), pool);
+        glu, tmp.data(), pool);
     for (int64_t i = 0; i < R * H; ++i) x[size_t(i)] += tmp[size_t(i)];
   }
   if (opt.abort && opt.abort(opt.abort_user)) fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
@@ -395,6 +406,12 @@ void GptOssDesc::fill_desc_info(dz_model_info& info) const {
   info.n_experts = n_experts_;
   info.n_experts_active = n_active_;
   info.max_context = max_context_;
+}
+
+void gpt_oss_set_router_trace(Family& family, std::vector<float>* margins) {
+  auto* f = dynamic_cast<GptOss*>(&family);
+  check(f != nullptr, DZ_ERR_INVALID_ARGUMENT, "gpt_oss_set_router_trace: not the CPU gpt_oss family");
+  f->set_router_trace(margins);
 }
 
 // The factory row in registry.cpp.

@@ -55,6 +55,11 @@ struct GptOssDesc {
   uint64_t config_hash_ = 0;  // config.json + checkpoint size, for KV prefix keys
 };
 
+// Test hook (CPU family): each forward appends, per layer and row, the
+// router's top-k margin (k-th largest minus (k+1)-th largest logit) to
+// *margins, layer-major; nullptr stops. Not thread-safe.
+void gpt_oss_set_router_trace(Family& family, std::vector<float>* margins);
+
 // The CUDA family (gpt_oss_cuda.cpp); throws DZ_ERR_UNSUPPORTED in builds
 // without CUDA and DZ_ERR_DEVICE when no usable GPU is present.
 std::unique_ptr<Family> make_gpt_oss_cuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params);

@@ -39,6 +39,8 @@ if [ -n "${DZ_PREBUILT:-}" ]; then
   export LD_LIBRARY_PATH=$BIN:$LD_LIBRARY_PATH
   DZ=$BIN/dz
   TESTS=$BIN/dz_tests
+  # CLI tests call dz at the path they were built with (build/dz of the source tree).
+  [ -e build/dz ] || { mkdir -p build && ln -s "$BIN/dz" build/dz; }
 else
   step "build (cmake --preset gpu, sm_90a)"
   extra=()
