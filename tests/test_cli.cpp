@@ -4,26 +4,13 @@
 #include <fstream>
 #include <sstream>
 
+#include "support/run_cmd.h"
 #include "support/safetensors_writer.h"
 
 using namespace dz::test;
 
-namespace {
-// Run a shell command, return {exit code, stdout+stderr}.
-std::pair<int, std::string> run(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  REQUIRE(p);
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  int rc = pclose(p);
-  return {WEXITSTATUS(rc), out};
-}
-}  // namespace
-
 TEST_CASE("dz --help lists commands and every command has --help", "[cli]") {
-  auto [rc, out] = run(std::string(DZ_TOOL) + " --help");
+  auto [rc, out] = run_cmd(std::string(DZ_TOOL) + " --help");
   REQUIRE(rc == 0);
   CHECK_THAT(out, Catch::Contains("info"));
   std::istringstream lines(out.substr(out.find("commands:")));
@@ -32,27 +19,26 @@ TEST_CASE("dz --help lists commands and every command has --help", "[cli]") {
   int n = 0;
   while (std::getline(lines, line) && line.rfind("  ", 0) == 0) {
     std::string cmd = line.substr(2, line.find(' ', 2) - 2);
-    auto [crc, cout] = run(std::string(DZ_TOOL) + " " + cmd + " --help");
+    auto [crc, cout] = run_cmd(std::string(DZ_TOOL) + " " + cmd + " --help");
     INFO(cmd << ": " << cout);
     CHECK(crc == 0);
     CHECK_THAT(cout, Catch::Contains("usage: dz " + cmd));
     ++n;
   }
   CHECK(n >= 1);
-  CHECK(run(std::string(DZ_TOOL) + " frobnicate").first == 2);
+  CHECK(run_cmd(std::string(DZ_TOOL) + " frobnicate").first == 2);
 }
 
 TEST_CASE("dz info describes a sharded checkpoint and flags corruption", "[cli]") {
   std::mt19937 rng(11);
   auto dir = temp_dir("cli");
-  std::vector<RawTensor> ts = {random_bf16("model.embed_tokens.weight", {32, 8}, rng),
-                               random_f32("model.norm.weight", {8}, rng),
-                               RawTensor{"model.layers.0.mlp.experts.down_proj_blocks", "U8", {2, 8, 1, 16},
-                                         std::vector<uint8_t>(256, 0x21)}};
+  std::vector<RawTensor> ts = {
+      random_bf16("model.embed_tokens.weight", {32, 8}, rng), random_f32("model.norm.weight", {8}, rng),
+      RawTensor{"model.layers.0.mlp.experts.down_proj_blocks", "U8", {2, 8, 1, 16}, std::vector<uint8_t>(256, 0x21)}};
   write_sharded(dir, ts, 2);
   std::ofstream(dir / "config.json") << R"({"model_type": "gpt_oss", "num_hidden_layers": 1, "hidden_size": 8,
     "layer_types": ["sliding_attention"], "quantization_config": {"quant_method": "mxfp4"}})";
-  auto [rc, out] = run(std::string(DZ_TOOL) + " info --model " + dir.string());
+  auto [rc, out] = run_cmd(std::string(DZ_TOOL) + " info --model " + dir.string());
   INFO(out);
   CHECK(rc == 0);
   CHECK_THAT(out, Catch::Contains("architecture: gpt_oss"));
@@ -64,11 +50,11 @@ TEST_CASE("dz info describes a sharded checkpoint and flags corruption", "[cli]"
   CHECK_THAT(out, Catch::Contains("validation:   OK"));
 
   std::filesystem::resize_file(dir / "model-00002-of-00002.safetensors", 40);
-  auto [rc2, out2] = run(std::string(DZ_TOOL) + " info --model " + dir.string());
+  auto [rc2, out2] = run_cmd(std::string(DZ_TOOL) + " info --model " + dir.string());
   INFO(out2);
   CHECK(rc2 == 1);
   CHECK_THAT(out2, Catch::Contains("FAILED"));
   CHECK_THAT(out2, Catch::Contains("model-00002-of-00002.safetensors"));
-  CHECK(run(std::string(DZ_TOOL) + " info --model " + dir.string() + " --bogus").first == 2);
+  CHECK(run_cmd(std::string(DZ_TOOL) + " info --model " + dir.string() + " --bogus").first == 2);
   std::filesystem::remove_all(dir);
 }

@@ -14,6 +14,7 @@
 
 #include "dayzero.h"
 #include "loader/safetensors.h"
+#include "support/run_cmd.h"
 
 namespace {
 
@@ -121,13 +122,8 @@ TEST_CASE("dz chat --prompt answers with the default model", "[deepseek]") {
   const std::string cmd = "cd '" + std::string(DZ_SOURCE_DIR) + "' && env -u DZ_MODEL '" + DZ_TOOL +
                           "' chat --prompt 'Tell me a fortune.' --max-new " + std::to_string(greedy.size()) +
                           " --no-color 2>/dev/null";
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p);
-  std::string out;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  const int rc = pclose(p);
+  const auto [rc, out] = dz::test::run_cmd(cmd, false);
   INFO("output: " << out);
-  REQUIRE(WIFEXITED(rc));
-  CHECK(WEXITSTATUS(rc) == 0);
+  CHECK(rc == 0);
   CHECK(out.rfind(expected, 0) == 0);
 }

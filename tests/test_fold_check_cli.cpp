@@ -4,22 +4,10 @@
 #include <cstdio>
 #include <fstream>
 
+#include "support/run_cmd.h"
 #include "support/safetensors_writer.h"
 
 using namespace dz::test;
-
-namespace {
-std::pair<int, std::string> run_cmd(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  REQUIRE(p);
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int rc = pclose(p);
-  return {WEXITSTATUS(rc), out};
-}
-}  // namespace
 
 TEST_CASE("dz info --fold-check reports lossy 1x128 groups and refuses NaN scales", "[cli][mxfp4]") {
   {

