@@ -45,6 +45,20 @@ double cosine(const float* a, const float* b, size_t n) {
   return ab / std::sqrt(aa * bb);
 }
 
+// "1,2,3\n" -> ids.
+bool parse_ids(const std::string& line, std::vector<int32_t>* out) {
+  out->clear();
+  size_t i = 0;
+  while (i < line.size() && line[i] != '\n') {
+    size_t j = i;
+    while (j < line.size() && line[j] >= '0' && line[j] <= '9') ++j;
+    if (j == i) return false;
+    out->push_back(int32_t(std::stol(line.substr(i, j - i))));
+    i = j < line.size() && line[j] == ',' ? j + 1 : j;
+  }
+  return !out->empty();
+}
+
 struct Open {
   dz_model* m = nullptr;
   dz_kv_arena* arena = nullptr;
@@ -126,4 +140,38 @@ TEST_CASE("dz chat --prompt answers with the default model", "[deepseek]") {
   INFO("output: " << out);
   CHECK(rc == 0);
   CHECK(out.rfind(expected, 0) == 0);
+}
+
+TEST_CASE("dz generate opens the default model and stops after a stop token", "[deepseek][cli]") {
+  dz::SafetensorsFile f(kRef);
+  const std::vector<int32_t> prompt = ints(f.tensors().at("prompt.0"));
+  std::string ids;
+  for (size_t i = 0; i < prompt.size(); ++i) ids += (i ? "," : "") + std::to_string(prompt[i]);
+  const std::string base = "cd '" + std::string(DZ_SOURCE_DIR) + "' && env -u DZ_MODEL '" + DZ_TOOL +
+                           "' generate --threads 2 --tokens " + ids + " --max-new 96";
+  const auto [rc_all, all] = dz::test::run_cmd(base + " --ignore-stop 2>/dev/null", false);
+  const auto [rc, stopped] = dz::test::run_cmd(base + " 2>/dev/null", false);
+  REQUIRE(rc_all == 0);
+  REQUIRE(rc == 0);
+  std::vector<int32_t> a, s;
+  REQUIRE(parse_ids(all, &a));
+  REQUIRE(parse_ids(stopped, &s));
+  REQUIRE(a.size() == 96);
+  Open o;
+  const dz_tokenizer* tok = nullptr;
+  REQUIRE(dz_model_tokenizer(o.m, &tok) == DZ_OK);
+  const int32_t* stop = nullptr;
+  size_t n_stop = 0;
+  REQUIRE(dz_tokenizer_stop_ids(tok, &stop, &n_stop) == DZ_OK);
+  REQUIRE(n_stop > 0);
+  // The stopped run is the full run cut right after its first stop token.
+  size_t cut = a.size();
+  for (size_t i = 0; i < a.size(); ++i)
+    if (std::find(stop, stop + n_stop, a[i]) != stop + n_stop) {
+      cut = i + 1;
+      break;
+    }
+  INFO("full: " << all << "stopped: " << stopped);
+  CHECK(cut < a.size());  // this prompt's greedy reply ends within 96 tokens
+  CHECK(s == std::vector<int32_t>(a.begin(), a.begin() + std::ptrdiff_t(cut)));
 }

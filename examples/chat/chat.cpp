@@ -19,14 +19,7 @@
 
 #include "commands.h"
 #include "dayzero.h"
-
-// The model `dz chat` opens without --model: DZ_MODEL in the environment, else
-// this path relative to the dz executable's folder or its parent (build/dz in a
-// source tree), else to the working folder. The repository ships it: a tiny
-// DeepSeek-V3.2 (MLA + DSA + MXFP4 MoE) trained by tools/train/train_dsv32.py.
-#ifndef DZ_DEFAULT_MODEL
-#define DZ_DEFAULT_MODEL "models/dayzero-tiny"
-#endif
+#include "model_args.h"
 
 namespace dz::cli {
 
@@ -41,19 +34,6 @@ struct ChatError {
 
 void ok(dz_status s, const char* what) {
   if (s != DZ_OK) throw ChatError{std::string(what) + ": " + dz_status_name(s) + ": " + dz_last_error()};
-}
-
-std::string default_model() {
-  if (const char* env = std::getenv("DZ_MODEL"); env && *env) return env;
-  std::error_code ec;
-  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (!ec) {
-    for (const fs::path& dir : {exe.parent_path(), exe.parent_path().parent_path()}) {
-      const fs::path p = dir / DZ_DEFAULT_MODEL;
-      if (fs::exists(p, ec)) return p.string();
-    }
-  }
-  return DZ_DEFAULT_MODEL;
 }
 
 std::string render(const dz_tokenizer* tok, const ojson& messages, const std::string& options) {
@@ -87,8 +67,8 @@ ojson assistant_message(const std::string& text) {
     if (at == std::string::npos) return {false, ""};
     size_t end = text.size();
     for (const char* stop : {"<|end|>", "<|return|>", "<|call|>", "<|start|>"})
-      end = std::min(end, text.find(stop, at + open.size()) == std::string::npos ? end
-                                                                                : text.find(stop, at + open.size()));
+      end = std::min(end,
+                     text.find(stop, at + open.size()) == std::string::npos ? end : text.find(stop, at + open.size()));
     return {true, text.substr(at + open.size(), end - at - open.size())};
   };
   auto [has_final, final_text] = channel("final");
@@ -124,7 +104,7 @@ void usage() {
       "  --options JSON     extra chat-template variables, e.g. '{\"reasoning_effort\": \"low\"}'\n"
       "  --device D         cpu (default), cuda or auto\n"
       "  --verbose          report how many tokens each turn reused from the session\n",
-      DZ_DEFAULT_MODEL);
+      kDefaultModel);
 }
 
 class Chat {
@@ -204,7 +184,8 @@ class Chat {
     auto t2 = std::chrono::steady_clock::now();
     std::printf("\n");
     std::fflush(stdout);
-    const double pf = std::chrono::duration<double>(t1 - t0).count(), dc = std::chrono::duration<double>(t2 - t1).count();
+    const double pf = std::chrono::duration<double>(t1 - t0).count(),
+                 dc = std::chrono::duration<double>(t2 - t1).count();
     std::fprintf(stderr, "[prefill %zu tok in %.2f s (%.1f tok/s) | %d tok in %.2f s (%.1f tok/s)%s]\n", n_new, pf,
                  pf > 0 ? double(n_new) / pf : 0.0, n_gen, dc, dc > 0 ? double(n_gen) / dc : 0.0,
                  n_gen >= o_.max_new ? ", hit --max-new" : "");

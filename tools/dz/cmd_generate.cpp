@@ -1,5 +1,6 @@
 // dz generate: prefill token ids, then decode with dz_generate_step and print
 // the generated ids.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -24,12 +25,14 @@ bool parse_num(const std::string& s, double lo, double hi, double* out) {
 int cmd_generate(const Args& a) {
   if (has_flag(a, "--help") || has_flag(a, "-h")) {
     std::printf(
-        "usage: dz generate --model DIR --tokens 1,2,3 --max-new N [sampling] [options]\n\n"
-        "Prefills the token ids, generates N tokens one step at a time and prints\n"
-        "the generated ids comma-separated (speed goes to stderr).\n\n"
-        "  --model DIR       model directory (config.json + *.safetensors)\n"
+        "usage: dz generate [--model DIR] --tokens 1,2,3 --max-new N [sampling] [options]\n\n"
+        "Prefills the token ids, generates up to N tokens one step at a time (stopping\n"
+        "after a stop token of the model's tokenizer: eos, end of turn) and prints the\n"
+        "generated ids comma-separated (speed goes to stderr).\n\n"
+        "  --model DIR       model directory (default: $DZ_MODEL, else %s beside the dz executable)\n"
         "  --tokens IDS      comma-separated prompt token ids\n"
-        "  --max-new N       tokens to generate\n"
+        "  --max-new N       tokens to generate at most\n"
+        "  --ignore-stop     generate all N tokens, also past stop tokens\n"
         "sampling (default greedy):\n"
         "  --greedy          always the most likely token\n"
         "  --temperature T   sample at temperature T > 0\n"
@@ -37,16 +40,16 @@ int cmd_generate(const Args& a) {
         "  --top-p P         smallest set with probability mass >= P (1 = off)\n"
         "  --seed S          random seed (default 0)\n"
         "options:\n%s",
-        kModelOptionsHelp);
+        kDefaultModel, kModelOptionsHelp);
     return 0;
   }
   reject_unknown(a,
-                 {"--model", "--tokens", "--max-new", "--greedy", "--temperature", "--top-k", "--top-p", "--seed",
-                  "--device", "--threads", "--help"},
+                 {"--model", "--tokens", "--max-new", "--ignore-stop", "--greedy", "--temperature", "--top-k",
+                  "--top-p", "--seed", "--device", "--threads", "--help"},
                  "generate");
-  const std::string dir = flag_value(a, "--model"), toks = flag_value(a, "--tokens");
-  if (dir.empty() || toks.empty() || flag_value(a, "--max-new").empty()) {
-    std::fprintf(stderr, "dz generate: --model, --tokens and --max-new are required (see dz generate --help)\n");
+  const std::string dir = flag_value(a, "--model", default_model()), toks = flag_value(a, "--tokens");
+  if (toks.empty() || flag_value(a, "--max-new").empty()) {
+    std::fprintf(stderr, "dz generate: --tokens and --max-new are required (see dz generate --help)\n");
     return 2;
   }
   std::vector<int32_t> ids;
@@ -91,6 +94,12 @@ int cmd_generate(const Args& a) {
   using clock = std::chrono::steady_clock;
   if (dz_model_open(dir.c_str(), &mp, &model) == DZ_OK && dz_kv_arena_create(model, &ap, &arena) == DZ_OK &&
       dz_session_create(arena, &sp, &session) == DZ_OK) {
+    // Stop ids of the model's tokenizer (none without one, or with --ignore-stop).
+    const int32_t* stop = nullptr;
+    size_t n_stop = 0;
+    const dz_tokenizer* tk = nullptr;
+    if (!has_flag(a, "--ignore-stop") && dz_model_tokenizer(model, &tk) == DZ_OK && tk)
+      dz_tokenizer_stop_ids(tk, &stop, &n_stop);
     const auto t0 = clock::now();
     dz_status st = dz_session_append(session, ids.data(), ids.size(), DZ_LOGITS_LAST);
     const auto t1 = clock::now();
@@ -99,7 +108,12 @@ int cmd_generate(const Args& a) {
     for (; st == DZ_OK && n < int64_t(max_new); ++n) {
       int32_t tok = 0;
       st = dz_generate_step(&session, 1, &tok);
-      if (st == DZ_OK) out += (n ? "," : "") + std::to_string(tok);
+      if (st != DZ_OK) break;
+      out += (n ? "," : "") + std::to_string(tok);
+      if (std::find(stop, stop + n_stop, tok) != stop + n_stop) {
+        ++n;
+        break;
+      }
     }
     const auto t2 = clock::now();
     if (st == DZ_OK) {

@@ -2,12 +2,29 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <filesystem>
 
 namespace dz::cli {
 
 const char* const kModelOptionsHelp =
     "  --device D     cpu (default), cuda or auto\n"
     "  --threads N    CPU threads (default: all cores)\n";
+
+const char* const kDefaultModel = "models/dayzero-tiny";
+
+std::string default_model() {
+  namespace fs = std::filesystem;
+  if (const char* env = std::getenv("DZ_MODEL"); env && *env) return env;
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    for (const fs::path& dir : {exe.parent_path(), exe.parent_path().parent_path()}) {
+      const fs::path p = dir / kDefaultModel;
+      if (fs::exists(p, ec)) return p.string();
+    }
+  }
+  return kDefaultModel;
+}
 
 bool parse_tokens(const std::string& s, std::vector<int32_t>* out, std::string* err) {
   out->clear();

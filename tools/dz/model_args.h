@@ -14,6 +14,12 @@ namespace dz::cli {
 bool parse_tokens(const std::string& s, std::vector<int32_t>* out, std::string* err);
 // --device cpu|cuda|auto and --threads N into params; false with *err.
 bool parse_model_options(const Args& a, dz_model_params* params, std::string* err);
+// The model opened without --model: DZ_MODEL in the environment, else
+// kDefaultModel relative to the dz executable's folder or its parent (build/dz
+// in a source tree), else to the working folder. The repository ships it: a
+// tiny DeepSeek-V3.2 (MLA + DSA + MXFP4 MoE) trained by tools/train/train_dsv32.py.
+extern const char* const kDefaultModel;
+std::string default_model();
 // "  --device D    ..." lines for --help texts.
 extern const char* const kModelOptionsHelp;
 
