@@ -2,6 +2,8 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
+
 #include "common/error.h"
 #include "runtime/cuda/cuda_check.h"
 
@@ -85,13 +87,168 @@ __global__ void __launch_bounds__(128) decode_kernel(AttnBatch a, const int32_t*
     float L = 0, w[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) w[k] = sm[k] == -INFINITY ? 0.f : exp2f(sm[k] - M), L += sl[k] * w[k];
-    __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(a.out) + size_t(r) * a.n_heads * D + h * D;
+    const size_t ob = size_t(r) * a.n_heads * D + h * D;
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
       const int d = lane * PER + i;
       const float x = (sacc[0][d] * w[0] + sacc[1][d] * w[1] + sacc[2][d] * w[2] + sacc[3][d] * w[3]) / L;
-      o[d] = __float2bfloat16_rn(x);
+      if (a.out_f32)
+        a.out_f32[ob + d] = x;
+      else
+        reinterpret_cast<__nv_bfloat16*>(a.out)[ob + d] = __float2bfloat16_rn(x);
     }
+  }
+}
+
+// ----------------------------------------------------------- split-K decode
+
+constexpr int kSplitKeys = 32;   // keys per shared-memory tile (one per lane when scoring)
+constexpr int kSplitHeads = 8;   // query heads per block (one warp each)
+
+__host__ __device__ inline int chunk_keys(int len, int min_chunk, int max_splits, int splits) {
+  int64_t c = min_chunk;
+  while ((int64_t(len) + c - 1) / c > max_splits) c *= 2;
+  const int64_t need = (int64_t(len) + splits - 1) / splits;  // a grid too small for the policy: larger chunks
+  if (need > c) c = (need + kSplitKeys - 1) / kSplitKeys * kSplitKeys;
+  return int(c);
+}
+
+__device__ __forceinline__ int row_lo(const AttnBatch& a, int pos) { return a.window > 0 ? max(0, pos - a.window + 1) : 0; }
+
+// Partial state of (row i, head h, chunk c): acc[D] | m | l (m in log2 units).
+__device__ __forceinline__ size_t partial_off(int i, int h, int c, int n_heads, int splits, int D) {
+  return ((size_t(i) * n_heads + h) * splits + c) * size_t(D + 2);
+}
+
+// Block = (row, KV head x head group, chunk); warp w = query head group*8 + w.
+// Keys of the chunk are staged 32 at a time (K and V, rows padded to D + 4
+// floats so lane-per-key float4 reads are conflict-free); each lane scores one
+// key against its warp's head, then the warp accumulates P V with lane = D/32 dims.
+template <int D>
+__global__ void __launch_bounds__(256) split_kernel(AttnBatch a, const int32_t* __restrict__ rows, int splits,
+                                                    int min_chunk, int max_splits, float* __restrict__ part) {
+  constexpr int PER = D / 32, KP = D + 4;
+  const int i = blockIdx.x, r = rows[i];
+  const int item = a.row_item[r], pos = a.row_pos[r], lo = row_lo(a, pos), len = pos - lo + 1;
+  const int chunk = chunk_keys(len, min_chunk, max_splits, splits);
+  const int c = blockIdx.z;
+  if (int64_t(c) * chunk >= len) return;  // whole block: past this row's chunks
+  const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
+  const int kvh = blockIdx.y / ngrp, gi = (blockIdx.y % ngrp) * kSplitHeads + int(threadIdx.x >> 5);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool head_ok = warp < kSplitHeads && gi < G;
+  const int h = kvh * G + gi;
+  const int KVD = a.n_kv_heads * D;
+  const int j_begin = lo + c * chunk, j_end = min(pos, j_begin + chunk - 1);
+  const int32_t* pt = a.page_table + a.item_pt[item];
+  __shared__ __align__(16) float ks[kSplitKeys * KP], vs[kSplitKeys * KP];
+  __shared__ __align__(16) float qs[kSplitHeads][D];
+  const float sl2 = a.scale * kLog2e;
+  if (head_ok)
+    for (int d = lane; d < D; d += 32) qs[warp][d] = a.q[size_t(r) * a.q_stride + h * D + d] * sl2;
+  float m = -INFINITY, l = 0, acc[PER];
+#pragma unroll
+  for (int k = 0; k < PER; ++k) acc[k] = 0;
+  for (int j0 = j_begin; j0 <= j_end; j0 += kSplitKeys) {
+    const int nv = min(kSplitKeys, j_end - j0 + 1);
+    __syncthreads();  // previous tile consumed (and qs written, first time)
+    for (int e = threadIdx.x; e < kSplitKeys * (D / 4); e += blockDim.x) {
+      const int key = e / (D / 4), d4 = e % (D / 4);
+      float4 kx = make_float4(0, 0, 0, 0), vx = kx;
+      if (key < nv) {
+        const float* kr = key_row(a, pt, j0 + key) + kvh * D;
+        kx = reinterpret_cast<const float4*>(kr)[d4];
+        vx = reinterpret_cast<const float4*>(kr + KVD)[d4];
+      }
+      reinterpret_cast<float4*>(ks + key * KP)[d4] = kx;
+      reinterpret_cast<float4*>(vs + key * KP)[d4] = vx;
+    }
+    __syncthreads();
+    if (!head_ok) continue;
+    float sc = -INFINITY;
+    if (lane < nv) {
+      const float4* kr = reinterpret_cast<const float4*>(ks + lane * KP);
+      const float4* qr = reinterpret_cast<const float4*>(qs[warp]);
+      float dot = 0;
+#pragma unroll
+      for (int d4 = 0; d4 < D / 4; ++d4) {
+        const float4 kx = kr[d4], qx = qr[d4];
+        dot += qx.x * kx.x + qx.y * kx.y + qx.z * kx.z + qx.w * kx.w;
+      }
+      sc = dot;
+    }
+    float mc = sc;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) mc = fmaxf(mc, __shfl_xor_sync(0xffffffffu, mc, o));
+    const float nm = fmaxf(m, mc);  // finite: lane 0 always holds a key
+    const float f = exp2f(m - nm), p = exp2f(sc - nm);
+    float ps = p;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+    l = l * f + ps;
+#pragma unroll
+    for (int k = 0; k < PER; ++k) acc[k] *= f;
+    for (int u = 0; u < nv; ++u) {
+      const float pu = __shfl_sync(0xffffffffu, p, u);
+      const float* vr = vs + u * KP + lane * PER;
+#pragma unroll
+      for (int k = 0; k < PER; ++k) acc[k] += pu * vr[k];
+    }
+    m = nm;
+  }
+  if (!head_ok) return;
+  float* o = part + partial_off(i, h, c, a.n_heads, splits, D);
+#pragma unroll
+  for (int k = 0; k < PER; ++k) o[lane * PER + k] = acc[k];
+  if (lane == 0) o[D] = m, o[D + 1] = l;
+}
+
+// One warp per (row, head): merge the row's chunks and the sink, normalise.
+template <int D>
+__global__ void __launch_bounds__(128) merge_kernel(AttnBatch a, const int32_t* __restrict__ rows, int splits,
+                                                    int min_chunk, int max_splits, const float* __restrict__ part) {
+  constexpr int PER = D / 32;
+  extern __shared__ float wsm[];  // [4][splits] chunk weights
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int i = blockIdx.x, h = blockIdx.y * 4 + warp;
+  if (h >= a.n_heads) return;  // no block-wide barrier below
+  const int r = rows[i], pos = a.row_pos[r], lo = row_lo(a, pos), len = pos - lo + 1;
+  const int chunk = chunk_keys(len, min_chunk, max_splits, splits);
+  const int n = int((int64_t(len) + chunk - 1) / chunk);
+  float* w = wsm + warp * splits;
+  const float sink = a.sinks[h] * kLog2e;
+  float M = sink;
+  for (int c = lane; c < n; c += 32) M = fmaxf(M, (part + partial_off(i, h, c, a.n_heads, splits, D))[D]);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  float L = 0;
+  for (int c = lane; c < n; c += 32) {
+    const float* pc = (part + partial_off(i, h, c, a.n_heads, splits, D));
+    const float wc = exp2f(pc[D] - M);
+    w[c] = wc;
+    L += pc[D + 1] * wc;
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+  L += exp2f(sink - M);
+  __syncwarp();
+  float acc[PER];
+#pragma unroll
+  for (int k = 0; k < PER; ++k) acc[k] = 0;
+  for (int c = 0; c < n; ++c) {
+    const float* pc = (part + partial_off(i, h, c, a.n_heads, splits, D)) + lane * PER;
+    const float wc = w[c];
+#pragma unroll
+    for (int k = 0; k < PER; ++k) acc[k] += wc * pc[k];
+  }
+  const float inv = 1.f / L;
+  const size_t ob = size_t(r) * a.n_heads * D + h * D + lane * PER;
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    if (a.out_f32)
+      a.out_f32[ob + k] = acc[k] * inv;
+    else
+      reinterpret_cast<__nv_bfloat16*>(a.out)[ob + k] = __float2bfloat16_rn(acc[k] * inv);
   }
 }
 
@@ -194,6 +351,60 @@ void attention_decode(const AttnBatch& a, const int32_t* rows, int n_rows, cudaS
     default: fail(DZ_ERR_UNSUPPORTED, "CUDA attention: head_dim ", a.head_dim, " (built for 32, 64, 128)");
   }
   DZ_CUDA_LAUNCH_CHECK();
+}
+
+int decode_chunk_keys(int len, const DecodeSplitPolicy& p, int splits) {
+  return chunk_keys(len, p.min_chunk, p.max_splits, splits);
+}
+
+int decode_chunks(int len, const DecodeSplitPolicy& p, int splits) {
+  const int64_t c = chunk_keys(len, p.min_chunk, p.max_splits, splits);
+  return int((int64_t(len) + c - 1) / c);
+}
+
+size_t decode_partial_floats(int n_rows, int n_heads, int head_dim, int splits) {
+  return size_t(n_rows) * size_t(n_heads) * size_t(splits) * size_t(head_dim + 2);
+}
+
+void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows, int splits,
+                            const DecodeSplitPolicy& p, float* partials, size_t partial_floats, cudaStream_t s) {
+  if (n_rows <= 0) return;
+  check(p.min_chunk >= kSplitKeys && p.min_chunk % kSplitKeys == 0 && p.max_splits >= 1 && splits >= 1 &&
+            splits <= 2048,
+        DZ_ERR_INVALID_ARGUMENT, "split decode attention: min_chunk ", p.min_chunk, " (multiple of ", kSplitKeys,
+        "), max_splits ", p.max_splits, ", splits ", splits, " (1..2048)");
+  check(a.n_kv_heads > 0 && a.n_heads % a.n_kv_heads == 0, DZ_ERR_INVALID_ARGUMENT, "split decode attention: ",
+        a.n_heads, " heads over ", a.n_kv_heads, " KV heads");
+  const size_t per_row = decode_partial_floats(1, a.n_heads, a.head_dim, splits);
+  check(partials && partial_floats >= per_row, DZ_ERR_INTERNAL, "split decode attention: scratch of ",
+        partial_floats, " floats, one row needs ", per_row);
+  const int group = int(std::min<size_t>(size_t(n_rows), partial_floats / per_row));
+  const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
+  const unsigned threads = unsigned(32 * std::max(4, std::min(G, kSplitHeads)));
+  const size_t merge_smem = size_t(4) * size_t(splits) * sizeof(float);
+  for (int r0 = 0; r0 < n_rows; r0 += group) {
+    const int n = std::min(group, n_rows - r0);
+    const dim3 g1(unsigned(n), unsigned(a.n_kv_heads * ngrp), unsigned(splits)), g2(unsigned(n), unsigned((a.n_heads + 3) / 4));
+    switch (a.head_dim) {
+      case 32:
+        split_kernel<32><<<g1, threads, 0, s>>>(a, rows + r0, splits, p.min_chunk, p.max_splits, partials);
+        DZ_CUDA_LAUNCH_CHECK();
+        merge_kernel<32><<<g2, 128, merge_smem, s>>>(a, rows + r0, splits, p.min_chunk, p.max_splits, partials);
+        break;
+      case 64:
+        split_kernel<64><<<g1, threads, 0, s>>>(a, rows + r0, splits, p.min_chunk, p.max_splits, partials);
+        DZ_CUDA_LAUNCH_CHECK();
+        merge_kernel<64><<<g2, 128, merge_smem, s>>>(a, rows + r0, splits, p.min_chunk, p.max_splits, partials);
+        break;
+      case 128:
+        split_kernel<128><<<g1, threads, 0, s>>>(a, rows + r0, splits, p.min_chunk, p.max_splits, partials);
+        DZ_CUDA_LAUNCH_CHECK();
+        merge_kernel<128><<<g2, 128, merge_smem, s>>>(a, rows + r0, splits, p.min_chunk, p.max_splits, partials);
+        break;
+      default: fail(DZ_ERR_UNSUPPORTED, "CUDA attention: head_dim ", a.head_dim, " (built for 32, 64, 128)");
+    }
+    DZ_CUDA_LAUNCH_CHECK();
+  }
 }
 
 void attention_prefill(const AttnBatch& a, const AttnTile* tiles, int n_tiles, int rows_per_tile, cudaStream_t s) {

@@ -25,11 +25,39 @@ struct AttnBatch {
   const float* q = nullptr;      // row r, head h at q + r * q_stride + h * head_dim
   int q_stride = 0;
   uint16_t* out = nullptr;  // bf16 [R][n_heads * head_dim]
+  float* out_f32 = nullptr;  // decode kernels only: when set, fp32 output here instead of out (tests)
 };
 
-// Rows with a single new token (decode): one block per (row, head), the keys
-// split over 4 warps. rows: [n_rows] row indices.
+// Rows with a single new token (decode), unsplit: one block per (row, head),
+// the keys split over 4 warps. rows: [n_rows] row indices. (Reference for the
+// split kernel; the model uses attention_decode_split.)
 void attention_decode(const AttnBatch& a, const int32_t* rows, int n_rows, cudaStream_t s);
+
+// Split-K decode ("flash decoding"). A row attending to len = pos - lo + 1
+// keys cuts them into chunks of decode_chunk_keys(len) keys starting at lo;
+// one block per (row, KV head, group of up to 8 query heads, chunk) reads each
+// key of its chunk once for all those heads and writes a partial softmax state
+// (max, sum, acc); a second kernel merges the chunks with the sink. The chunk
+// size depends on the row's own length only, so a row's output does not depend
+// on the batch or on the grid (`splits` blocks per row; those past the row's
+// chunk count exit), which is what lets a CUDA graph captured for `splits`
+// serve every row that needs at most that many chunks.
+struct DecodeSplitPolicy {
+  int min_chunk = 64;   // keys per chunk at least (multiple of 32)
+  int max_splits = 64;  // chunks per row at most: longer rows get chunks of min_chunk * 2^k
+};
+// Keys per chunk and chunks for a row attending to len keys (len >= 1) when
+// `splits` blocks per row are launched: decode_chunk_keys(len) as long as
+// that needs at most `splits` chunks, else larger chunks (still correct, but
+// then the row's rounding depends on `splits`): callers launch
+// splits >= max over rows of decode_chunks(len, p, p.max_splits).
+int decode_chunk_keys(int len, const DecodeSplitPolicy& p, int splits);
+int decode_chunks(int len, const DecodeSplitPolicy& p, int splits);
+// fp32 scratch for n_rows rows at `splits` blocks per row.
+size_t decode_partial_floats(int n_rows, int n_heads, int head_dim, int splits);
+// Rows are processed in groups that fit partial_floats (one row at least).
+void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows, int splits,
+                            const DecodeSplitPolicy& p, float* partials, size_t partial_floats, cudaStream_t s);
 
 // Tiles of consecutive rows of one sequence (prefill): one block per (tile,
 // KV head), one thread per (row, head of the group), keys staged in shared

@@ -683,6 +683,8 @@ size_t MoeLayer::scratch_bytes() const {
          q.a1s.bytes() + q.a2.bytes() + q.a2s.bytes() + q.d1.bytes() + q.d2.bytes();
 }
 
+int* MoeLayer::error_flag() { return p_->err.get(); }
+
 int MoeLayer::take_error() {
   int h = 0;
   DZ_CUDA_CHECK(cudaMemcpyAsync(&h, p_->err.get(), sizeof h, cudaMemcpyDeviceToHost, p_->ctx.stream()));

@@ -71,6 +71,9 @@ class MoeLayer {
   size_t scratch_bytes() const;        // everything else this layer reserved
   // Nonzero when an expert id was out of range in a call since the last check (syncs).
   int take_error();
+  // The device flag take_error() reads, for callers that read and reset it on
+  // their stream themselves (inside a CUDA graph: no sync).
+  int* error_flag();
 
  private:
   struct Impl;

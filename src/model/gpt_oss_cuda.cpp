@@ -13,6 +13,7 @@ namespace dz {
 std::unique_ptr<Family> make_gpt_oss_cuda(const Config&, const WeightStore&, const dz_model_params&) {
   fail(DZ_ERR_UNSUPPORTED, "gpt_oss: this build has no CUDA backend (configure with DZ_CUDA=ON); use DZ_DEVICE_CPU");
 }
+uint64_t gpt_oss_cuda_graph_replays() { return 0; }
 }  // namespace dz
 
 #else
@@ -20,7 +21,9 @@ std::unique_ptr<Family> make_gpt_oss_cuda(const Config&, const WeightStore&, con
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 
@@ -43,6 +46,20 @@ namespace dz {
 namespace {
 
 using cuda::DeviceArray;
+
+std::atomic<uint64_t> g_graph_replays{0};
+
+bool graphs_enabled() {
+  const char* e = std::getenv("DZ_CUDA_GRAPHS");
+  return !(e && e[0] == '0' && e[1] == 0);
+}
+
+// Smallest power of two >= n (n >= 1).
+int pow2_at_least(int n) {
+  int p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
 
 uint16_t f32_to_bf16(float f) {
   uint32_t u;
@@ -99,7 +116,9 @@ constexpr StorageFn kStorageFns[] = {make_device_storage<0>, make_device_storage
 // Rows per device pass: activations and the MoE scratch are sized for this;
 // longer batches run as consecutive passes (KV of earlier passes is in place).
 constexpr int kMaxRows = 4096;
-constexpr int kLogitRows = 256;  // lm_head rows per GEMM / host copy
+constexpr int kLogitRows = 256;     // lm_head rows per GEMM / host copy; also the largest graphed decode batch
+constexpr int kAttnGroupRows = 64;  // split decode attention: partials sized for this many rows at max_splits
+constexpr size_t kMaxGraphs = 32;   // captured decode graphs kept per model (least recently used dropped)
 
 struct DevLayer {
   bool sliding = false;
@@ -109,7 +128,9 @@ struct DevLayer {
   DeviceArray<uint16_t> b1, b2;
 };
 
-// Bytes packed into one host->device copy per pass (256-byte aligned parts).
+// Bytes packed into one host->device copy per pass (256-byte aligned parts,
+// in a fixed order, so that a decode batch of B rows has the same offsets
+// every step: only the page table, packed last, varies in length).
 class Packer {
  public:
   template <typename T>
@@ -154,9 +175,43 @@ class GptOssCuda final : public Family, private GptOssDesc {
   struct Row {
     int32_t item, pos, token;
   };
+  // Everything a pass's device work depends on besides the metadata bytes:
+  // a captured decode graph is replayed only for an equal key.
+  struct GraphKey {
+    int rows = 0, splits_full = 0, splits_sliding = 0, page_tokens = 0;
+    int64_t page_bytes = 0;
+    const uint8_t* kv = nullptr;
+    const uint8_t* meta = nullptr;
+    bool operator==(const GraphKey&) const = default;
+  };
+  struct Graph {
+    GraphKey key;
+    cudaGraphExec_t exec = nullptr;  // null: seen once (ran eagerly, warming cuBLASLt plans); captured next time
+    uint64_t used = 0;
+  };
+  // Device pointers and sizes of one pass's work (see enqueue).
+  struct PassArgs {
+    int T = 0, n_dec = 0, n_tiles = 0, n_logit = 0;
+    int splits_full = 1, splits_sliding = 1;
+    const int32_t *tok = nullptr, *dec = nullptr, *lr = nullptr;
+    const int64_t* off = nullptr;
+    const float *cs = nullptr, *sn = nullptr;
+    const cuda::AttnTile* tiles = nullptr;
+    cuda::AttnBatch ab;
+    kv::Arena* arena = nullptr;
+  };
   void pass(std::span<ForwardItem> batch, const std::vector<Row>& rows, int64_t r0, int64_t r1,
             const std::vector<int64_t>& first_row, kv::Arena& arena, const std::vector<int32_t>& pt,
             const ForwardOptions& opt);
+  // Layers, then (n_logit <= kLogitRows) the final norm, lm_head and the
+  // logits' copy into logits_host_, then the MoE error flag's copy into
+  // err_host_ (and its reset). No host synchronisation unless `abort_between`
+  // (polls the abort callback between layers; off while capturing).
+  void enqueue(const PassArgs& p, const ForwardOptions* abort_between);
+  void clear_graphs();
+  bool moe_fused_for(int T) const {
+    return path_ == cuda::MoePath::kFused || (path_ == cuda::MoePath::kAuto && moe_->choose(T) == cuda::MoePath::kFused);
+  }
   template <typename T>
   DeviceArray<T> upload(const T* p, size_t n, const char* what) {
     DeviceArray<T> d(ctx_->pool(), n, what);
@@ -182,8 +237,17 @@ class GptOssCuda final : public Family, private GptOssDesc {
   DeviceArray<uint16_t> xb_, att_;
   DeviceArray<int32_t> ids_;
   DeviceArray<uint8_t> meta_;
+  DeviceArray<float> att_part_;  // split decode attention partials
+  cuda::DecodeSplitPolicy split_;
   float* logits_host_ = nullptr;  // pinned [kLogitRows][V]
-  std::mutex mu_;                 // one forward at a time (shared scratch)
+  uint8_t* stage_ = nullptr;      // pinned staging of the metadata (uploaded with one copy)
+  size_t stage_cap_ = 0;
+  cudaEvent_t stage_ev_ = nullptr;  // after the last upload from stage_: rewrite only once it completed
+  int* err_host_ = nullptr;         // pinned copy of the MoE error flag
+  std::vector<Graph> graphs_;
+  uint64_t graph_tick_ = 0;
+  bool graphs_broken_ = false;  // a capture failed: eager from then on (logged)
+  std::mutex mu_;               // one forward at a time (shared scratch)
 };
 
 DeviceArray<uint16_t> GptOssCuda::upload_bf16(std::initializer_list<const cpu::WeightRef*> ws, const char* what) {
@@ -242,7 +306,9 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   const int64_t H = hidden_, I = inter_, E = n_experts_, QD = q_dim(), KVD = kv_dim(), V = n_vocab_;
   const size_t weights = size_t(ws.total_bytes());
   const size_t scratch = size_t(kMaxRows) * size_t(4 * 4 * H + 4 * (QD + 2 * KVD) + 2 * H + 2 * QD + 8 * E + 256) +
-                         size_t(kLogitRows) * size_t(V) * 4 + (size_t(3) << 30);
+                         size_t(kLogitRows) * size_t(V) * 4 +
+                         4 * cuda::decode_partial_floats(kAttnGroupRows, n_heads_, int(head_dim_), split_.max_splits) +
+                         (size_t(3) << 30);
   int n = 0;
   DZ_CUDA_CHECK(cudaGetDeviceCount(&n));
   check(dev_ < n, DZ_ERR_INVALID_ARGUMENT, "device_index ", dev_, " but ", n, " CUDA devices are present");
@@ -305,7 +371,16 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   xb_ = DeviceArray<uint16_t>(pool, MR * H, "x bf16");
   att_ = DeviceArray<uint16_t>(pool, MR * QD, "attention out");
   logits_ = DeviceArray<float>(pool, size_t(kLogitRows) * V, "logits");
+  att_part_ = DeviceArray<float>(
+      pool, cuda::decode_partial_floats(kAttnGroupRows, n_heads_, int(head_dim_), split_.max_splits),
+      "decode attention partials");
+  meta_ = DeviceArray<uint8_t>(pool, size_t(1) << 20, "batch metadata");
   DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&logits_host_), size_t(kLogitRows) * V * 4));
+  DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&err_host_), sizeof(int)));
+  *err_host_ = 0;
+  stage_cap_ = size_t(1) << 20;
+  DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&stage_), stage_cap_));
+  DZ_CUDA_CHECK(cudaEventCreateWithFlags(&stage_ev_, cudaEventDisableTiming));
   DZ_CUDA_CHECK(cudaDeviceSynchronize());
   log_info("gpt_oss on ", ctx_->describe(), ": ", device_bytes_ >> 20, " MiB of weights on the device (checkpoint ",
            weights >> 20, " MiB)");
@@ -313,7 +388,17 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
 
 GptOssCuda::~GptOssCuda() {
   if (ctx_) cudaStreamSynchronize(ctx_->stream());
+  clear_graphs();
+  if (stage_ev_) cudaEventDestroy(stage_ev_);
+  if (stage_) cudaFreeHost(stage_);
+  if (err_host_) cudaFreeHost(err_host_);
   if (logits_host_) cudaFreeHost(logits_host_);
+}
+
+void GptOssCuda::clear_graphs() {
+  for (Graph& g : graphs_)
+    if (g.exec) cudaGraphExecDestroy(g.exec);
+  graphs_.clear();
 }
 
 void GptOssCuda::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
@@ -363,8 +448,7 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
                       const std::vector<int64_t>& first_row, kv::Arena& arena, const std::vector<int32_t>& pt,
                       const ForwardOptions& opt) {
   const int T = int(r1 - r0);
-  const int64_t H = hidden_, QD = q_dim(), KVD = kv_dim(), D = head_dim_, half = D / 2, V = n_vocab_;
-  const int qkv_n = int(QD + 2 * KVD);
+  const int64_t KVD = kv_dim(), D = head_dim_, half = D / 2, V = n_vocab_;
   cudaStream_t s = ctx_->stream();
 
   // Row metadata for this pass (row indices local to the pass).
@@ -379,10 +463,8 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
   std::vector<cuda::AttnTile> tiles;
   const int tile_rows = cuda::attention_tile_rows(n_heads_, n_kv_heads_);
   const size_t ltb = size_t(2 * KVD) * 4;
-  struct LogitDst {
-    float* dst;
-  };
-  std::vector<LogitDst> logit_dst;
+  std::vector<float*> logit_dst;
+  int chunks_full = 1, chunks_sliding = 1;  // most chunks a decode row needs (split attention grid)
   for (int i = 0; i < T; ++i) {
     const Row& rw = rows[size_t(r0 + i)];
     const kv::Sequence& seq = *batch[size_t(rw.item)].seq;
@@ -397,6 +479,10 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
     const int64_t n = int64_t(it.tokens.size());
     if (n == 1) {
       dec_rows.push_back(i);
+      const int len = rw.pos + 1;
+      chunks_full = std::max(chunks_full, cuda::decode_chunks(len, split_, split_.max_splits));
+      chunks_sliding = std::max(chunks_sliding,
+                                cuda::decode_chunks(std::min<int>(len, int(window_)), split_, split_.max_splits));
     } else if (i == 0 || row_item[size_t(i - 1)] != rw.item || tiles.back().n == tile_rows) {
       tiles.push_back({i, 1});
     } else {
@@ -404,65 +490,185 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
     }
     if (it.all_logits || k == n - 1) {
       logit_rows.push_back(i);
-      logit_dst.push_back({it.logits + (it.all_logits ? k : 0) * V});
+      logit_dst.push_back(it.logits + (it.all_logits ? k : 0) * V);
     }
   }
+  // Fixed order (see Packer): the page table last.
   Packer pk;
-  const size_t o_pt = pk.add(pt), o_ipt = pk.add(item_pt), o_tok = pk.add(tokens), o_item = pk.add(row_item),
-               o_pos = pk.add(row_pos), o_off = pk.add(row_off), o_cs = pk.add(cs), o_sn = pk.add(sn),
-               o_dec = pk.add(dec_rows), o_lr = pk.add(logit_rows), o_tiles = pk.add(tiles);
+  const size_t o_tok = pk.add(tokens), o_item = pk.add(row_item), o_pos = pk.add(row_pos), o_off = pk.add(row_off),
+               o_cs = pk.add(cs), o_sn = pk.add(sn), o_dec = pk.add(dec_rows), o_lr = pk.add(logit_rows),
+               o_tiles = pk.add(tiles), o_ipt = pk.add(item_pt), o_pt = pk.add(pt);
   const size_t need = pk.bytes().size();
+  // The previous upload from the staging buffer must have completed before it is rewritten.
+  DZ_CUDA_CHECK(cudaEventSynchronize(stage_ev_));
   if (meta_.bytes() < need) {
+    DZ_CUDA_CHECK(cudaStreamSynchronize(s));  // no queued work may still read the old metadata
+    clear_graphs();                           // they point into it
     meta_.reset();
-    meta_ = DeviceArray<uint8_t>(ctx_->pool(), std::max(need * 2, size_t(1) << 20), "batch metadata");
+    meta_ = DeviceArray<uint8_t>(ctx_->pool(), need * 2, "batch metadata");
   }
+  if (stage_cap_ < need) {
+    DZ_CUDA_CHECK(cudaFreeHost(stage_));
+    stage_ = nullptr;
+    stage_cap_ = 0;
+    DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&stage_), need * 2));
+    stage_cap_ = need * 2;
+  }
+  std::memcpy(stage_, pk.bytes().data(), need);
   uint8_t* m = meta_.get();
-  DZ_CUDA_CHECK(cudaMemcpyAsync(m, pk.bytes().data(), need, cudaMemcpyHostToDevice, s));
-  auto at = [&](size_t off) { return m + off; };
-  const int32_t* d_tok = reinterpret_cast<const int32_t*>(at(o_tok));
-  const int64_t* d_off = reinterpret_cast<const int64_t*>(at(o_off));
-  const float* d_cs = reinterpret_cast<const float*>(at(o_cs));
-  const float* d_sn = reinterpret_cast<const float*>(at(o_sn));
-  const int32_t* d_dec = reinterpret_cast<const int32_t*>(at(o_dec));
-  const int32_t* d_lr = reinterpret_cast<const int32_t*>(at(o_lr));
-  const cuda::AttnTile* d_tiles = reinterpret_cast<const cuda::AttnTile*>(at(o_tiles));
+  DZ_CUDA_CHECK(cudaMemcpyAsync(m, stage_, need, cudaMemcpyHostToDevice, s));
+  DZ_CUDA_CHECK(cudaEventRecord(stage_ev_, s));
 
-  cuda::AttnBatch ab;
+  PassArgs p;
+  p.T = T;
+  p.n_dec = int(dec_rows.size());
+  p.n_tiles = int(tiles.size());
+  p.n_logit = int(logit_rows.size());
+  // Grids as powers of two: a graph serves a range of contexts (a row's
+  // chunking does not depend on the grid as long as it fits).
+  p.splits_full = pow2_at_least(chunks_full);
+  p.splits_sliding = pow2_at_least(chunks_sliding);
+  p.tok = reinterpret_cast<const int32_t*>(m + o_tok);
+  p.off = reinterpret_cast<const int64_t*>(m + o_off);
+  p.cs = reinterpret_cast<const float*>(m + o_cs);
+  p.sn = reinterpret_cast<const float*>(m + o_sn);
+  p.dec = reinterpret_cast<const int32_t*>(m + o_dec);
+  p.lr = reinterpret_cast<const int32_t*>(m + o_lr);
+  p.tiles = reinterpret_cast<const cuda::AttnTile*>(m + o_tiles);
+  p.arena = &arena;
+  cuda::AttnBatch& ab = p.ab;
   ab.page_bytes = int64_t(arena.page_bytes());
   ab.page_tokens = int(arena.page_tokens());
-  ab.page_table = reinterpret_cast<const int32_t*>(at(o_pt));
-  ab.item_pt = reinterpret_cast<const int32_t*>(at(o_ipt));
-  ab.row_item = reinterpret_cast<const int32_t*>(at(o_item));
-  ab.row_pos = reinterpret_cast<const int32_t*>(at(o_pos));
+  ab.page_table = reinterpret_cast<const int32_t*>(m + o_pt);
+  ab.item_pt = reinterpret_cast<const int32_t*>(m + o_ipt);
+  ab.row_item = reinterpret_cast<const int32_t*>(m + o_item);
+  ab.row_pos = reinterpret_cast<const int32_t*>(m + o_pos);
   ab.n_heads = n_heads_;
   ab.n_kv_heads = n_kv_heads_;
   ab.head_dim = int(D);
   ab.scale = scale_;
   ab.q = qkv_.get();
-  ab.q_stride = qkv_n;
+  ab.q_stride = int(q_dim() + 2 * KVD);
   ab.out = att_.get();
 
+  // Decode batches (every row a single token of its own item, logits of each)
+  // run as a CUDA graph captured per GraphKey; the first pass of a key runs
+  // eagerly (cuBLASLt plans and kernel attributes set up outside any capture).
+  const bool decode = p.n_dec == T && p.n_logit == T && T <= kLogitRows && int(batch.size()) == T;
+  cudaGraphExec_t exec = nullptr;
+  bool capture = false;
+  if (decode && !graphs_broken_ && moe_fused_for(T) && graphs_enabled()) {
+    GraphKey key;
+    key.rows = T;
+    key.splits_full = p.splits_full;
+    key.splits_sliding = p.splits_sliding;
+    key.page_tokens = ab.page_tokens;
+    key.page_bytes = ab.page_bytes;
+    key.kv = arena.storage().data();
+    key.meta = m;
+    auto it = std::find_if(graphs_.begin(), graphs_.end(), [&](const Graph& g) { return g.key == key; });
+    if (it == graphs_.end()) {
+      if (graphs_.size() >= kMaxGraphs) {
+        auto lru = std::min_element(graphs_.begin(), graphs_.end(),
+                                    [](const Graph& a, const Graph& b) { return a.used < b.used; });
+        if (lru->exec) DZ_CUDA_CHECK(cudaGraphExecDestroy(lru->exec));
+        graphs_.erase(lru);
+      }
+      graphs_.push_back({key, nullptr, ++graph_tick_});
+    } else {
+      it->used = ++graph_tick_;
+      if (!it->exec) capture = true;
+      exec = it->exec;
+    }
+    if (capture) {
+      // Thread-local mode: other threads' CUDA calls are not affected.
+      DZ_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+      cudaGraph_t g = nullptr;
+      std::string err;
+      try {
+        enqueue(p, nullptr);
+      } catch (const std::exception& e) {
+        err = e.what();
+      }
+      const cudaError_t ec = cudaStreamEndCapture(s, &g);
+      if (err.empty() && ec != cudaSuccess) err = cat("cudaStreamEndCapture: ", cudaGetErrorString(ec));
+      if (err.empty()) {
+        const cudaError_t ei = cudaGraphInstantiate(&exec, g, 0);
+        if (ei != cudaSuccess) err = cat("cudaGraphInstantiate: ", cudaGetErrorString(ei)), exec = nullptr;
+      }
+      if (g) cudaGraphDestroy(g);
+      if (!err.empty()) {
+        cudaGetLastError();
+        graphs_broken_ = true;
+        clear_graphs();
+        exec = nullptr;
+        log_warn("gpt_oss CUDA: capturing a decode step as a CUDA graph failed (", err,
+                 "); decoding without graphs from now on");
+      } else {
+        auto jt = std::find_if(graphs_.begin(), graphs_.end(), [&](const Graph& g2) { return g2.key == key; });
+        jt->exec = exec;
+      }
+    }
+  }
+  if (exec) {
+    if (opt.abort && opt.abort(opt.abort_user)) fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
+    DZ_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    g_graph_replays.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    enqueue(p, &opt);
+  }
+  DZ_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (p.n_logit <= kLogitRows)
+    for (int i = 0; i < p.n_logit; ++i)
+      std::memcpy(logit_dst[size_t(i)], logits_host_ + size_t(i) * size_t(V), size_t(V) * 4);
+
+  // More logit rows than one lm_head chunk (long prefills with all logits).
+  const uint16_t* lm = lm_head_d_.get() ? lm_head_d_.get() : embed_d_.get();
+  const int H = int(hidden_);
+  for (int c0 = 0; p.n_logit > kLogitRows && c0 < p.n_logit; c0 += kLogitRows) {
+    const int nc = std::min(kLogitRows, p.n_logit - c0);
+    cuda::rms_norm(x_.get(), p.lr + c0, nc, H, final_norm_d_.get(), eps_, nullptr, xb_.get(), s);
+    gemm_->run(xb_.get(), lm, nullptr, logits_.get(), nc, int(V), H, 0.f, s);
+    DZ_CUDA_CHECK(
+        cudaMemcpyAsync(logits_host_, logits_.get(), size_t(nc) * size_t(V) * 4, cudaMemcpyDeviceToHost, s));
+    DZ_CUDA_CHECK(cudaStreamSynchronize(s));
+    for (int i = 0; i < nc; ++i)
+      std::memcpy(logit_dst[size_t(c0 + i)], logits_host_ + size_t(i) * size_t(V), size_t(V) * 4);
+  }
+  const int moe_err = *err_host_;
+  *err_host_ = 0;
+  check(moe_err == 0, DZ_ERR_INTERNAL, "gpt_oss CUDA: an expert id was out of range");
+}
+
+void GptOssCuda::enqueue(const PassArgs& p, const ForwardOptions* abort_between) {
+  const int T = p.T;
+  const int64_t H = hidden_, QD = q_dim(), KVD = kv_dim(), D = head_dim_, V = n_vocab_;
+  const int qkv_n = int(QD + 2 * KVD);
+  cudaStream_t s = ctx_->stream();
+  cuda::AttnBatch ab = p.ab;
+  kv::Arena& arena = *p.arena;
   auto abort_check = [&] {
-    if (opt.abort && opt.abort(opt.abort_user)) {
+    if (abort_between && abort_between->abort && abort_between->abort(abort_between->abort_user)) {
       cudaStreamSynchronize(s);
       fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
     }
   };
 
   float* x = x_.get();
-  cuda::embed_gather(embed_d_.get(), d_tok, T, int(H), x, s);
+  cuda::embed_gather(embed_d_.get(), p.tok, T, int(H), x, s);
   for (int li = 0; li < n_layers_; ++li) {
     abort_check();
     const DevLayer& L = dl_[size_t(li)];
     uint8_t* kv_layer = arena.storage().data() + arena.layer_offset(uint32_t(li));
     cuda::rms_norm(x, nullptr, T, int(H), L.in_norm.get(), eps_, nullptr, xb_.get(), s);
     gemm_->run(xb_.get(), L.qkv_w.get(), L.qkv_b.get(), qkv_.get(), T, qkv_n, int(H), 0.f, s);
-    cuda::rope_qk_store_kv(qkv_.get(), T, qkv_n, d_cs, d_sn, n_heads_, n_kv_heads_, int(D), kv_layer, d_off, s);
+    cuda::rope_qk_store_kv(qkv_.get(), T, qkv_n, p.cs, p.sn, n_heads_, n_kv_heads_, int(D), kv_layer, p.off, s);
     ab.kv = kv_layer;
     ab.window = L.sliding ? int(window_) : 0;
     ab.sinks = L.sinks.get();
-    cuda::attention_decode(ab, d_dec, int(dec_rows.size()), s);
-    cuda::attention_prefill(ab, d_tiles, int(tiles.size()), tile_rows, s);
+    cuda::attention_decode_split(ab, p.dec, p.n_dec, L.sliding ? p.splits_sliding : p.splits_full, split_,
+                                 att_part_.get(), att_part_.size(), s);
+    cuda::attention_prefill(ab, p.tiles, p.n_tiles, cuda::attention_tile_rows(n_heads_, n_kv_heads_), s);
     gemm_->run(att_.get(), L.o_w.get(), L.o_b.get(), x, T, int(H), int(QD), 1.f, s);  // x += o_proj(att)
     cuda::rms_norm(x, nullptr, T, int(H), L.post_norm.get(), eps_, xn_.get(), xb_.get(), s);
     gemm_->run(xb_.get(), L.router_w.get(), L.router_b.get(), rlog_.get(), T, n_experts_, int(H), 0.f, s);
@@ -478,21 +684,17 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
     cuda::add_inplace(x, tmp_.get(), size_t(T) * size_t(H), s);
   }
   abort_check();
-
-  const uint16_t* lm = lm_head_d_.get() ? lm_head_d_.get() : embed_d_.get();
-  const int NL = int(logit_rows.size());
-  for (int c0 = 0; c0 < NL; c0 += kLogitRows) {
-    const int nc = std::min(kLogitRows, NL - c0);
-    cuda::rms_norm(x, d_lr + c0, nc, int(H), final_norm_d_.get(), eps_, nullptr, xb_.get(), s);
-    gemm_->run(xb_.get(), lm, nullptr, logits_.get(), nc, int(V), int(H), 0.f, s);
-    DZ_CUDA_CHECK(
-        cudaMemcpyAsync(logits_host_, logits_.get(), size_t(nc) * size_t(V) * 4, cudaMemcpyDeviceToHost, s));
-    DZ_CUDA_CHECK(cudaStreamSynchronize(s));
-    for (int i = 0; i < nc; ++i)
-      std::memcpy(logit_dst[size_t(c0 + i)].dst, logits_host_ + size_t(i) * size_t(V), size_t(V) * 4);
+  if (p.n_logit <= kLogitRows) {
+    const uint16_t* lm = lm_head_d_.get() ? lm_head_d_.get() : embed_d_.get();
+    cuda::rms_norm(x, p.lr, p.n_logit, int(H), final_norm_d_.get(), eps_, nullptr, xb_.get(), s);
+    gemm_->run(xb_.get(), lm, nullptr, logits_.get(), p.n_logit, int(V), int(H), 0.f, s);
+    if (p.n_logit > 0)
+      DZ_CUDA_CHECK(cudaMemcpyAsync(logits_host_, logits_.get(), size_t(p.n_logit) * size_t(V) * 4,
+                                    cudaMemcpyDeviceToHost, s));
   }
-  DZ_CUDA_CHECK(cudaStreamSynchronize(s));
-  check(moe_->take_error() == 0, DZ_ERR_INTERNAL, "gpt_oss CUDA: an expert id was out of range");
+  int* err = moe_->error_flag();
+  DZ_CUDA_CHECK(cudaMemcpyAsync(err_host_, err, sizeof(int), cudaMemcpyDeviceToHost, s));
+  DZ_CUDA_CHECK(cudaMemsetAsync(err, 0, sizeof(int), s));
 }
 
 }  // namespace
@@ -503,6 +705,8 @@ std::unique_ptr<Family> make_gpt_oss_cuda(const Config& cfg, const WeightStore& 
         "DZ_DEVICE_CPU or DZ_DEVICE_AUTO");
   return std::make_unique<GptOssCuda>(cfg, ws, params);
 }
+
+uint64_t gpt_oss_cuda_graph_replays() { return g_graph_replays.load(std::memory_order_relaxed); }
 
 }  // namespace dz
 

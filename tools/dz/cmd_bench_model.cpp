@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -40,9 +41,11 @@ const char* kUsage =
     "  --make-random DIR  write a gpt-oss-20b-shaped random checkpoint (~13 GB) into DIR first\n"
     "  --layers N         layers of the random checkpoint (default 24)\n"
     "  --prefill N        prefill tokens (default 4096)\n"
-    "  --ctx N            context before the decode steps (default 128)\n"
+    "  --ctx N            short context before the decode steps (default 128)\n"
+    "  --long-ctx N       long context before the decode steps (default 4096; 0: skip)\n"
     "  --steps N          decode steps timed (default 32)\n"
-    "  --batch N          sessions of the batched decode (default 64)\n";
+    "  --batch N          sessions of the batched decode (default 64)\n"
+    "  --no-eager         skip the decode runs without CUDA graphs (DZ_CUDA_GRAPHS=0)\n";
 
 uint64_t mix(uint64_t x) {  // splitmix64
   x += 0x9e3779b97f4a7c15ull;
@@ -252,8 +255,8 @@ int bench_model(const Args& a) {
     std::printf("%s", kUsage);
     return 0;
   }
-  reject_unknown(a, {"--make-random", "--model", "--device", "--prefill", "--ctx", "--steps", "--batch", "--out",
-                     "--layers"},
+  reject_unknown(a, {"--make-random", "--model", "--device", "--prefill", "--ctx", "--long-ctx", "--steps", "--batch",
+                     "--out", "--layers", "--no-eager"},
                  "bench model");
   try {
     const std::string mk = flag_value(a, "--make-random"), dir = mk.empty() ? flag_value(a, "--model") : mk;
@@ -262,7 +265,9 @@ int bench_model(const Args& a) {
       return 2;
     }
     const int prefill = std::stoi(flag_value(a, "--prefill", "4096")), ctx = std::stoi(flag_value(a, "--ctx", "128")),
-              steps = std::stoi(flag_value(a, "--steps", "32")), batch = std::stoi(flag_value(a, "--batch", "64"));
+              steps = std::stoi(flag_value(a, "--steps", "32")), batch = std::stoi(flag_value(a, "--batch", "64")),
+              long_ctx = std::stoi(flag_value(a, "--long-ctx", "4096"));
+    const bool eager = !has_flag(a, "--no-eager");
     json r = bench_meta();
     r["bench"] = "model";
     if (!mk.empty()) {
@@ -291,31 +296,49 @@ int bench_model(const Args& a) {
     std::fprintf(stderr, "loaded in %.2f s: %.2f GB on the device (checkpoint %.2f GB)\n", secs(t0),
                  info.device_bytes / 1e9, info.weight_bytes / 1e9);
 
+    // Attention shape from config.json (not in dz_model_info): head_dim, and
+    // which layers slide over how many keys (they read at most `window` keys).
+    double head_dim = 64, window = 0, n_sliding = 0;
+    try {
+      std::ifstream cf(dir + "/config.json");
+      const json cj = json::parse(cf);
+      head_dim = cj.value("head_dim", 64.0);
+      window = cj.value("sliding_window", 0.0);
+      if (cj.contains("layer_types"))
+        for (const auto& t : cj["layer_types"]) n_sliding += t == "sliding_attention" ? 1 : 0;
+    } catch (const std::exception&) {
+      window = 0, n_sliding = 0;  // unknown: every layer counted at full context
+    }
+
     // Bytes one decode step must read: per layer the dense weights plus the
     // experts in use (batch 1: top-k; batch B: E (1 - (1 - k/E)^B) expected),
-    // plus lm_head; KV reads added per context.
+    // plus lm_head; fp32 K and V per layer per token, sliding layers at most
+    // `window` tokens.
     const double Hd = info.hidden_size, E = info.n_experts, K = info.n_experts_active, L = info.n_layers;
-    const double QD = 64.0 * info.n_heads, KVD = 64.0 * info.n_kv_heads;
+    const double QD = head_dim * info.n_heads, KVD = head_dim * info.n_kv_heads;
     const double dense = 2 * (Hd * (QD + 2 * KVD) + QD * Hd + E * Hd);
     const double expert = (2 * Hd * Hd) * (0.5 + 1.0 / 32) + (Hd * Hd) * (0.5 + 1.0 / 32) + 2 * 3 * Hd;
-    const double lm = 2.0 * info.n_vocab * Hd, kv_tok = L * 2 * KVD * 4;
+    const double lm = 2.0 * info.n_vocab * Hd, kv_layer_tok = 2 * KVD * 4, kv_tok = L * kv_layer_tok;
     auto floor_ms = [&](double b, double ctx_tokens) {
       const double used = E * (1 - std::pow(1 - K / E, b));
-      return (L * (dense + used * expert) + lm + b * kv_tok * ctx_tokens) / 4.27e12 * 1e3;
+      const double slide = window > 0 ? std::min(ctx_tokens, window) : ctx_tokens;
+      const double kv = b * kv_layer_tok * ((L - n_sliding) * ctx_tokens + n_sliding * slide);
+      return (L * (dense + used * expert) + lm + kv) / 4.27e12 * 1e3;
     };
 
     dz_kv_arena_params ap;
     dz_kv_arena_params_init(&ap);
     ap.page_tokens = 64;
     ap.prefix_cache = 0;
-    const uint64_t kv_tokens = uint64_t(prefill) * 2 + uint64_t(batch + 1) * uint64_t(ctx + steps + 8) + 1024;
-    ap.capacity_bytes = uint64_t(kv_tokens * kv_tok * 1.1);
+    const int ctx_max = std::max(ctx, long_ctx);
+    const uint64_t kv_tokens = uint64_t(prefill) * 2 + uint64_t(batch + 1) * uint64_t(ctx_max + 2 * steps + 16) + 1024;
+    ap.capacity_bytes = uint64_t(double(kv_tokens) * kv_tok * 1.1);
     dz_kv_arena* arena = nullptr;
     ok(dz_kv_arena_create(m, &ap, &arena), "dz_kv_arena_create");
     dz_session_params sp;
     dz_session_params_init(&sp);
-    sp.prefill_chunk = uint32_t(prefill);
-    std::vector<int32_t> prompt(size_t(std::max(prefill, ctx)));
+    sp.prefill_chunk = uint32_t(std::max(prefill, ctx_max));
+    std::vector<int32_t> prompt(size_t(std::max(prefill, ctx_max)) + size_t(batch));
     for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t(mix(i) % uint64_t(info.n_vocab));
 
     // Prefill (one pass of `prefill` tokens): first call warms up, median of 3.
@@ -332,39 +355,78 @@ int bench_model(const Args& a) {
     r["prefill"] = {{"tokens", prefill}, {"s", pre_s}, {"tokens_per_s", prefill / pre_s}, {"runs_s", pt}};
     std::fprintf(stderr, "prefill %d tokens: %.1f ms (%.0f tokens/s)\n", prefill, pre_s * 1e3, prefill / pre_s);
 
-    // Decode: `batch` sessions (and one) at context `ctx`, `steps` steps each.
+    // Decode: b sessions (distinct prompts) prefilled to `context`, then
+    // `steps` timed steps (after 2 untimed: the first step of a new shape runs
+    // eagerly and the second captures its graph) with CUDA graphs, then as
+    // many without (DZ_CUDA_GRAPHS=0) on the same sessions (context + steps + 2).
+    struct Timing {
+      double graphs_ms = 0, eager_ms = 0;
+    };
     auto decode = [&](int b, int context) {
       std::vector<dz_session*> ss(static_cast<size_t>(b));
-      for (auto& s : ss) {
-        ok(dz_session_create(arena, &sp, &s), "dz_session_create");
-        ok(dz_session_append(s, prompt.data(), size_t(context), DZ_LOGITS_LAST), "prefill");
+      for (size_t i = 0; i < ss.size(); ++i) {
+        ok(dz_session_create(arena, &sp, &ss[i]), "dz_session_create");
+        ok(dz_session_append(ss[i], prompt.data() + i, size_t(context), DZ_LOGITS_LAST), "prefill");
       }
       std::vector<int32_t> tok(static_cast<size_t>(b));
-      std::vector<double> t;
-      for (int k = 0; k < steps + 2; ++k) {
-        for (int i = 0; i < b; ++i) tok[size_t(i)] = int32_t(mix(uint64_t(k * 1000 + i)) % uint64_t(info.n_vocab));
-        const auto c0 = Clock::now();
-        ok(dz_decode_batch(ss.data(), tok.data(), size_t(b)), "dz_decode_batch");
-        if (k >= 2) t.push_back(secs(c0));
-      }
+      auto run = [&](bool graphs) {
+        if (graphs)
+          unsetenv("DZ_CUDA_GRAPHS");
+        else
+          setenv("DZ_CUDA_GRAPHS", "0", 1);
+        std::vector<double> t;
+        for (int k = 0; k < steps + 2; ++k) {
+          for (int i = 0; i < b; ++i) tok[size_t(i)] = int32_t(mix(uint64_t(k * 1000 + i)) % uint64_t(info.n_vocab));
+          const auto c0 = Clock::now();
+          ok(dz_decode_batch(ss.data(), tok.data(), size_t(b)), "dz_decode_batch");
+          if (k >= 2) t.push_back(secs(c0));
+        }
+        unsetenv("DZ_CUDA_GRAPHS");
+        return median(t) * 1e3;
+      };
+      Timing tm;
+      tm.graphs_ms = run(true);
+      if (eager) tm.eager_ms = run(false);
       for (auto s : ss) dz_session_free(s);
-      return median(t) * 1e3;
+      return tm;
     };
-    const double d1 = decode(1, ctx), d1_long = decode(1, prefill), db = decode(batch, ctx);
-    r["decode_batch1"] = {{"ctx", ctx}, {"ms_per_token", d1}, {"floor_ms", floor_ms(1, ctx)}};
-    r["decode_batch1_long"] = {{"ctx", prefill}, {"ms_per_token", d1_long}, {"floor_ms", floor_ms(1, prefill)}};
-    r["decode_batched"] = {{"batch", batch},
-                           {"ctx", ctx},
-                           {"ms_per_step", db},
-                           {"tokens_per_s", batch / db * 1e3},
-                           {"floor_ms", floor_ms(batch, ctx)},
-                           {"floor_tokens_per_s", batch / floor_ms(batch, ctx) * 1e3}};
+    json runs = json::array();
+    std::vector<int> contexts = {ctx};
+    if (long_ctx > 0 && long_ctx != ctx) contexts.push_back(long_ctx);
+    std::vector<int> batches = {1};
+    if (batch != 1) batches.push_back(batch);
+    for (const int b : batches)
+      for (const int c : contexts) {
+        const Timing tm = decode(b, c);
+        const double fl = floor_ms(b, c);
+        json e = {{"batch", b},
+                  {"ctx", c},
+                  {"graphs_ms_per_step", tm.graphs_ms},
+                  {"graphs_tokens_per_s", b / tm.graphs_ms * 1e3},
+                  {"floor_ms", fl},
+                  {"floor_tokens_per_s", b / fl * 1e3},
+                  {"graphs_over_floor", tm.graphs_ms / fl}};
+        if (eager) e["eager_ms_per_step"] = tm.eager_ms, e["eager_tokens_per_s"] = b / tm.eager_ms * 1e3;
+        std::fprintf(stderr, "decode batch %d ctx %d: %.3f ms/step with CUDA graphs (%.0f tokens/s), %s%.3f eager; floor %.3f ms\n",
+                     b, c, tm.graphs_ms, b / tm.graphs_ms * 1e3, eager ? "" : "(skipped) ", tm.eager_ms, fl);
+        runs.push_back(e);
+        if (b == 1 && c == ctx)
+          r["decode_batch1"] = {{"ctx", c}, {"ms_per_token", tm.graphs_ms}, {"floor_ms", fl}};
+        if (b == 1 && c == long_ctx)
+          r["decode_batch1_long"] = {{"ctx", c}, {"ms_per_token", tm.graphs_ms}, {"floor_ms", fl}};
+        if (b == batch && b != 1 && c == ctx)
+          r["decode_batched"] = {{"batch", b},
+                                 {"ctx", c},
+                                 {"ms_per_step", tm.graphs_ms},
+                                 {"tokens_per_s", b / tm.graphs_ms * 1e3},
+                                 {"floor_ms", fl},
+                                 {"floor_tokens_per_s", b / fl * 1e3}};
+      }
+    r["decode"] = runs;
     r["note"] =
-        "decode steps via dz_decode_batch include copying every session's logits row to the host; floors count "
-        "weights (MXFP4 experts in use, BF16 dense, lm_head) and fp32 KV read once at 4.27e12 B/s";
-    std::fprintf(stderr, "decode b1 ctx %d: %.3f ms/token (floor %.3f); b1 ctx %d: %.3f ms (floor %.3f); b%d: %.3f ms/step, %.0f tokens/s (floor %.0f)\n",
-                 ctx, d1, floor_ms(1, ctx), prefill, d1_long, floor_ms(1, prefill), batch, db, batch / db * 1e3,
-                 batch / floor_ms(batch, ctx) * 1e3);
+        "decode steps via dz_decode_batch (CUDA graphs unless DZ_CUDA_GRAPHS=0; 'eager' = without) include copying "
+        "every session's logits row to the host; floors count weights (MXFP4 experts in use, BF16 dense, lm_head) "
+        "and fp32 KV read once (sliding layers: at most the window) at 4.27e12 B/s";
     dz_kv_arena_free(arena);
     dz_model_free(m);
     bench_emit(r, flag_value(a, "--out"));
