@@ -123,16 +123,21 @@ __device__ __forceinline__ size_t partial_off(int i, int h, int c, int n_heads, 
 // Block = (row, KV head x head group, chunk); warp w = query head group*8 + w.
 // Keys of the chunk are staged 32 at a time (K and V, rows padded to D + 4
 // floats so lane-per-key float4 reads are conflict-free); each lane scores one
-// key against its warp's head, then the warp accumulates P V with lane = D/32 dims.
+// key against its warp's head, then the warp accumulates P V with lane = D/32
+// dims. A row of one chunk normalises at once; otherwise each block writes
+// its partial state and the last block of the (row, KV head, group) to finish
+// (a ticket counter, reset by that block for the next launch) merges them.
 template <int D>
 __global__ void __launch_bounds__(256) split_kernel(AttnBatch a, const int32_t* __restrict__ rows, int splits,
-                                                    int min_chunk, int max_splits, float* __restrict__ part) {
+                                                    int min_chunk, int max_splits, float* __restrict__ part,
+                                                    int* __restrict__ tickets) {
   constexpr int PER = D / 32, KP = D + 4;
   const int i = blockIdx.x, r = rows[i];
   const int item = a.row_item[r], pos = a.row_pos[r], lo = row_lo(a, pos), len = pos - lo + 1;
   const int chunk = chunk_keys(len, min_chunk, max_splits, splits);
+  const int n = int((int64_t(len) + chunk - 1) / chunk);
   const int c = blockIdx.z;
-  if (int64_t(c) * chunk >= len) return;  // whole block: past this row's chunks
+  if (c >= n) return;  // whole block: past this row's chunks
   const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
   const int kvh = blockIdx.y / ngrp, gi = (blockIdx.y % ngrp) * kSplitHeads + int(threadIdx.x >> 5);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -143,6 +148,7 @@ __global__ void __launch_bounds__(256) split_kernel(AttnBatch a, const int32_t* 
   const int32_t* pt = a.page_table + a.item_pt[item];
   __shared__ __align__(16) float ks[kSplitKeys * KP], vs[kSplitKeys * KP];
   __shared__ __align__(16) float qs[kSplitHeads][D];
+  __shared__ int ticket;
   const float sl2 = a.scale * kLog2e;
   if (head_ok)
     for (int d = lane; d < D; d += 32) qs[warp][d] = a.q[size_t(r) * a.q_stride + h * D + d] * sl2;
@@ -196,60 +202,63 @@ __global__ void __launch_bounds__(256) split_kernel(AttnBatch a, const int32_t* 
     }
     m = nm;
   }
-  if (!head_ok) return;
-  float* o = part + partial_off(i, h, c, a.n_heads, splits, D);
+  const size_t ob = size_t(r) * a.n_heads * D + h * D + lane * PER;
+  auto store = [&](int k, float v) {
+    if (a.out_f32)
+      a.out_f32[ob + k] = v;
+    else
+      reinterpret_cast<__nv_bfloat16*>(a.out)[ob + k] = __float2bfloat16_rn(v);
+  };
+  if (n == 1) {  // the whole row in this block: merge with the sink here
+    if (!head_ok) return;
+    const float sink = a.sinks[h] * kLog2e, M = fmaxf(m, sink), w = exp2f(m - M);
+    const float inv = 1.f / (l * w + exp2f(sink - M));
 #pragma unroll
-  for (int k = 0; k < PER; ++k) o[lane * PER + k] = acc[k];
-  if (lane == 0) o[D] = m, o[D + 1] = l;
-}
-
-// One warp per (row, head): merge the row's chunks and the sink, normalise.
-template <int D>
-__global__ void __launch_bounds__(128) merge_kernel(AttnBatch a, const int32_t* __restrict__ rows, int splits,
-                                                    int min_chunk, int max_splits, const float* __restrict__ part) {
-  constexpr int PER = D / 32;
-  extern __shared__ float wsm[];  // [4][splits] chunk weights
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int i = blockIdx.x, h = blockIdx.y * 4 + warp;
-  if (h >= a.n_heads) return;  // no block-wide barrier below
-  const int r = rows[i], pos = a.row_pos[r], lo = row_lo(a, pos), len = pos - lo + 1;
-  const int chunk = chunk_keys(len, min_chunk, max_splits, splits);
-  const int n = int((int64_t(len) + chunk - 1) / chunk);
-  float* w = wsm + warp * splits;
+    for (int k = 0; k < PER; ++k) store(k, acc[k] * w * inv);
+    return;
+  }
+  if (head_ok) {
+    float* o = part + partial_off(i, h, c, a.n_heads, splits, D);
+#pragma unroll
+    for (int k = 0; k < PER; ++k) o[lane * PER + k] = acc[k];
+    if (lane == 0) o[D] = m, o[D + 1] = l;
+  }
+  __threadfence();  // this block's partials visible device-wide before its ticket
+  __syncthreads();
+  int* tk = tickets + size_t(i) * gridDim.y + blockIdx.y;
+  if (threadIdx.x == 0) ticket = atomicAdd(tk, 1);
+  __syncthreads();
+  if (ticket != n - 1) return;
+  // The last block: every other block of this (row, KV head, group) has
+  // published its partial state.
+  __threadfence();
+  if (threadIdx.x == 0) *tk = 0;  // ready for the next launch
+  if (!head_ok) return;
   const float sink = a.sinks[h] * kLog2e;
   float M = sink;
-  for (int c = lane; c < n; c += 32) M = fmaxf(M, (part + partial_off(i, h, c, a.n_heads, splits, D))[D]);
+  for (int cc = lane; cc < n; cc += 32) M = fmaxf(M, __ldcg(part + partial_off(i, h, cc, a.n_heads, splits, D) + D));
 #pragma unroll
   for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
   float L = 0;
-  for (int c = lane; c < n; c += 32) {
-    const float* pc = (part + partial_off(i, h, c, a.n_heads, splits, D));
-    const float wc = exp2f(pc[D] - M);
-    w[c] = wc;
-    L += pc[D + 1] * wc;
+  for (int cc = lane; cc < n; cc += 32) {
+    const float* pc = part + partial_off(i, h, cc, a.n_heads, splits, D);
+    L += __ldcg(pc + D + 1) * exp2f(__ldcg(pc + D) - M);
   }
 #pragma unroll
   for (int o = 16; o; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
   L += exp2f(sink - M);
-  __syncwarp();
-  float acc[PER];
+  float out[PER];
 #pragma unroll
-  for (int k = 0; k < PER; ++k) acc[k] = 0;
-  for (int c = 0; c < n; ++c) {
-    const float* pc = (part + partial_off(i, h, c, a.n_heads, splits, D)) + lane * PER;
-    const float wc = w[c];
+  for (int k = 0; k < PER; ++k) out[k] = 0;
+  for (int cc = 0; cc < n; ++cc) {
+    const float* pc = part + partial_off(i, h, cc, a.n_heads, splits, D);
+    const float w = exp2f(__ldcg(pc + D) - M);
 #pragma unroll
-    for (int k = 0; k < PER; ++k) acc[k] += wc * pc[k];
+    for (int k = 0; k < PER; ++k) out[k] += w * __ldcg(pc + lane * PER + k);
   }
   const float inv = 1.f / L;
-  const size_t ob = size_t(r) * a.n_heads * D + h * D + lane * PER;
 #pragma unroll
-  for (int k = 0; k < PER; ++k) {
-    if (a.out_f32)
-      a.out_f32[ob + k] = acc[k] * inv;
-    else
-      reinterpret_cast<__nv_bfloat16*>(a.out)[ob + k] = __float2bfloat16_rn(acc[k] * inv);
-  }
+  for (int k = 0; k < PER; ++k) store(k, out[k] * inv);
 }
 
 // One block per (tile of rows of one sequence, KV head); thread = (row, head
@@ -366,40 +375,44 @@ size_t decode_partial_floats(int n_rows, int n_heads, int head_dim, int splits) 
   return size_t(n_rows) * size_t(n_heads) * size_t(splits) * size_t(head_dim + 2);
 }
 
+size_t decode_ticket_ints(int n_rows, int n_heads, int n_kv_heads) {
+  const int G = n_heads / std::max(1, n_kv_heads);
+  return size_t(n_rows) * size_t(n_kv_heads) * size_t((G + kSplitHeads - 1) / kSplitHeads);
+}
+
 void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows, int splits,
-                            const DecodeSplitPolicy& p, float* partials, size_t partial_floats, cudaStream_t s) {
+                            const DecodeSplitPolicy& p, const DecodeScratch& scratch, cudaStream_t s) {
   if (n_rows <= 0) return;
   check(p.min_chunk >= kSplitKeys && p.min_chunk % kSplitKeys == 0 && p.max_splits >= 1 && splits >= 1 &&
-            splits <= 2048,
+            splits <= 4096,
         DZ_ERR_INVALID_ARGUMENT, "split decode attention: min_chunk ", p.min_chunk, " (multiple of ", kSplitKeys,
-        "), max_splits ", p.max_splits, ", splits ", splits, " (1..2048)");
+        "), max_splits ", p.max_splits, ", splits ", splits, " (1..4096)");
   check(a.n_kv_heads > 0 && a.n_heads % a.n_kv_heads == 0, DZ_ERR_INVALID_ARGUMENT, "split decode attention: ",
         a.n_heads, " heads over ", a.n_kv_heads, " KV heads");
   const size_t per_row = decode_partial_floats(1, a.n_heads, a.head_dim, splits);
-  check(partials && partial_floats >= per_row, DZ_ERR_INTERNAL, "split decode attention: scratch of ",
-        partial_floats, " floats, one row needs ", per_row);
-  const int group = int(std::min<size_t>(size_t(n_rows), partial_floats / per_row));
+  const size_t tickets_per_row = decode_ticket_ints(1, a.n_heads, a.n_kv_heads);
+  check(scratch.partials && scratch.tickets && scratch.partial_floats >= per_row &&
+            scratch.ticket_ints >= tickets_per_row,
+        DZ_ERR_INTERNAL, "split decode attention: scratch of ", scratch.partial_floats, " floats and ",
+        scratch.ticket_ints, " tickets, one row needs ", per_row, " and ", tickets_per_row);
+  const int group = int(std::min({size_t(n_rows), scratch.partial_floats / per_row, scratch.ticket_ints / tickets_per_row}));
   const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
   const unsigned threads = unsigned(32 * std::max(4, std::min(G, kSplitHeads)));
-  const size_t merge_smem = size_t(4) * size_t(splits) * sizeof(float);
   for (int r0 = 0; r0 < n_rows; r0 += group) {
     const int n = std::min(group, n_rows - r0);
-    const dim3 g1(unsigned(n), unsigned(a.n_kv_heads * ngrp), unsigned(splits)), g2(unsigned(n), unsigned((a.n_heads + 3) / 4));
+    const dim3 grid(unsigned(n), unsigned(a.n_kv_heads * ngrp), unsigned(splits));
     switch (a.head_dim) {
       case 32:
-        split_kernel<32><<<g1, threads, 0, s>>>(a, rows + r0, splits, p.min_chunk, p.max_splits, partials);
-        DZ_CUDA_LAUNCH_CHECK();
-        merge_kernel<32><<<g2, 128, merge_smem, s>>>(a, rows + r0, splits, p.min_chunk, p.max_splits, partials);
+        split_kernel<32><<<grid, threads, 0, s>>>(a, rows + r0, splits, p.min_chunk, p.max_splits, scratch.partials,
+                                                  scratch.tickets);
         break;
       case 64:
-        split_kernel<64><<<g1, threads, 0, s>>>(a, rows + r0, splits, p.min_chunk, p.max_splits, partials);
-        DZ_CUDA_LAUNCH_CHECK();
-        merge_kernel<64><<<g2, 128, merge_smem, s>>>(a, rows + r0, splits, p.min_chunk, p.max_splits, partials);
+        split_kernel<64><<<grid, threads, 0, s>>>(a, rows + r0, splits, p.min_chunk, p.max_splits, scratch.partials,
+                                                  scratch.tickets);
         break;
       case 128:
-        split_kernel<128><<<g1, threads, 0, s>>>(a, rows + r0, splits, p.min_chunk, p.max_splits, partials);
-        DZ_CUDA_LAUNCH_CHECK();
-        merge_kernel<128><<<g2, 128, merge_smem, s>>>(a, rows + r0, splits, p.min_chunk, p.max_splits, partials);
+        split_kernel<128><<<grid, threads, 0, s>>>(a, rows + r0, splits, p.min_chunk, p.max_splits,
+                                                   scratch.partials, scratch.tickets);
         break;
       default: fail(DZ_ERR_UNSUPPORTED, "CUDA attention: head_dim ", a.head_dim, " (built for 32, 64, 128)");
     }

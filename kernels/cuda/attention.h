@@ -36,12 +36,13 @@ void attention_decode(const AttnBatch& a, const int32_t* rows, int n_rows, cudaS
 // Split-K decode ("flash decoding"). A row attending to len = pos - lo + 1
 // keys cuts them into chunks of decode_chunk_keys(len) keys starting at lo;
 // one block per (row, KV head, group of up to 8 query heads, chunk) reads each
-// key of its chunk once for all those heads and writes a partial softmax state
-// (max, sum, acc); a second kernel merges the chunks with the sink. The chunk
-// size depends on the row's own length only, so a row's output does not depend
-// on the batch or on the grid (`splits` blocks per row; those past the row's
-// chunk count exit), which is what lets a CUDA graph captured for `splits`
-// serve every row that needs at most that many chunks.
+// key of its chunk once for all those heads. A row of one chunk is finished
+// by its block; otherwise blocks write partial softmax states (max, sum, acc)
+// and the last block of the row to finish merges them with the sink. The
+// chunk size depends on the row's own length only, so a row's output does
+// not depend on the batch or on the grid (`splits` blocks per row; those past
+// the row's chunk count exit), which is what lets a CUDA graph captured for
+// `splits` serve every row that needs at most that many chunks.
 struct DecodeSplitPolicy {
   int min_chunk = 64;   // keys per chunk at least (multiple of 32)
   int max_splits = 64;  // chunks per row at most: longer rows get chunks of min_chunk * 2^k
@@ -53,11 +54,19 @@ struct DecodeSplitPolicy {
 // splits >= max over rows of decode_chunks(len, p, p.max_splits).
 int decode_chunk_keys(int len, const DecodeSplitPolicy& p, int splits);
 int decode_chunks(int len, const DecodeSplitPolicy& p, int splits);
-// fp32 scratch for n_rows rows at `splits` blocks per row.
+// Device scratch: partial states (fp32) and ticket counters (int32, zeroed
+// once by the owner: every launch leaves them zero again). Rows are processed
+// in groups that fit both (one row at least).
+struct DecodeScratch {
+  float* partials = nullptr;
+  size_t partial_floats = 0;
+  int* tickets = nullptr;
+  size_t ticket_ints = 0;
+};
 size_t decode_partial_floats(int n_rows, int n_heads, int head_dim, int splits);
-// Rows are processed in groups that fit partial_floats (one row at least).
+size_t decode_ticket_ints(int n_rows, int n_heads, int n_kv_heads);
 void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows, int splits,
-                            const DecodeSplitPolicy& p, float* partials, size_t partial_floats, cudaStream_t s);
+                            const DecodeSplitPolicy& p, const DecodeScratch& scratch, cudaStream_t s);
 
 // Tiles of consecutive rows of one sequence (prefill): one block per (tile,
 // KV head), one thread per (row, head of the group), keys staged in shared

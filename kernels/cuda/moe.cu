@@ -385,10 +385,10 @@ __global__ void swiglu_quant_kernel(const __nv_bfloat16* d1, int I, int nkb, con
   if (lane == 0) qs[int64_t(nkb) * off + int64_t(kb) * mp + (r - off)] = sc;
 }
 
-// out[t] = sum_k w[t][k] * (y[inv[t,k]] (+ bias[e_k])), fixed order: deterministic.
+// out[t] (+)= sum_k w[t][k] * (y[inv[t,k]] (+ bias[e_k])), fixed order: deterministic.
 template <typename T, bool kBias, bool kPdl = false>
 __global__ void combine_kernel(const T* y, const int* inv, const int* ids, const float* gw, int topk,
-                               const uint16_t* bias, int H, float* out) {
+                               const uint16_t* bias, int H, float* out, int accumulate) {
   if (kPdl) asm volatile("griddepcontrol.wait;" ::: "memory");
   const int t = blockIdx.x;
   for (int n = threadIdx.x; n < H; n += blockDim.x) {
@@ -400,7 +400,7 @@ __global__ void combine_kernel(const T* y, const int* inv, const int* ids, const
       if (kBias) v += bf16_to_float(bias[int64_t(ids[t * topk + k]) * H + n]);
       acc += gw[t * topk + k] * v;
     }
-    out[int64_t(t) * H + n] = acc;
+    out[int64_t(t) * H + n] = accumulate ? out[int64_t(t) * H + n] + acc : acc;
   }
 }
 
@@ -519,7 +519,7 @@ struct MoeLayer::Impl {
     DZ_CUDA_LAUNCH_CHECK();
   }
 
-  void fused(const MoeWeights& w, const float* x, const int* ids, const float* gw, int T, float* out) {
+  void fused(const MoeWeights& w, const float* x, const int* ids, const float* gw, int T, float* out, int accumulate) {
     cudaStream_t st = ctx.stream();
     const int E = s.n_experts, H = s.hidden, I = s.intermediate;
     if (T > kRouteConvertsX) {
@@ -547,10 +547,10 @@ struct MoeLayer::Impl {
     launch_w4<false>(ks, pdl, H, max_active, kW4Tokens * kpi * 2, st, a);
     if (pdl)
       launch(combine_kernel<float, false, true>, dim3(T), dim3(256), 0, st, true, (const float*)y32.get(),
-             (const int*)inv.get(), ids, gw, s.topk, (const uint16_t*)nullptr, H, out);
+             (const int*)inv.get(), ids, gw, s.topk, (const uint16_t*)nullptr, H, out, accumulate);
     else
       launch(combine_kernel<float, false, false>, dim3(T), dim3(256), 0, st, false, (const float*)y32.get(),
-             (const int*)inv.get(), ids, gw, s.topk, (const uint16_t*)nullptr, H, out);
+             (const int*)inv.get(), ids, gw, s.topk, (const uint16_t*)nullptr, H, out, accumulate);
   }
 
   template <bool G>
@@ -580,7 +580,7 @@ struct MoeLayer::Impl {
     DZ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, k, args...));
   }
 
-  void fp8(const MoeWeights& w, const float* x, const int* ids, const float* gw, int T, float* out) {
+  void fp8(const MoeWeights& w, const float* x, const int* ids, const float* gw, int T, float* out, int accumulate) {
     cudaStream_t st = ctx.stream(), aux = ctx.aux_stream();
     const int E = s.n_experts, H = s.hidden, I = s.intermediate;
     DZ_CUDA_CHECK(cudaMemcpyAsync(h_counts, counts.get(), sizeof(int) * E, cudaMemcpyDeviceToHost, st));
@@ -640,7 +640,8 @@ struct MoeLayer::Impl {
       }
       DZ_CUDA_CHECK(cudaEventRecord(ev_free[buf], st));
     }
-    combine_kernel<__nv_bfloat16, true><<<T, 256, 0, st>>>(d2.get(), inv.get(), ids, gw, s.topk, w.b2, H, out);
+    combine_kernel<__nv_bfloat16, true><<<T, 256, 0, st>>>(d2.get(), inv.get(), ids, gw, s.topk, w.b2, H, out,
+                                                           accumulate);
     DZ_CUDA_LAUNCH_CHECK();
     // Later calls must not refold into a buffer the aux stream may still be writing.
     DZ_CUDA_CHECK(cudaStreamWaitEvent(aux, ev_free[0], 0));
@@ -661,7 +662,7 @@ MoePath MoeLayer::choose(int T) const {
 }
 
 void MoeLayer::forward(const MoeWeights& w, const float* x, const int* ids, const float* gw, int T, float* out,
-                       MoePath path) {
+                       MoePath path, bool accumulate) {
   check(T >= 1 && T <= p_->max_tokens, DZ_ERR_INVALID_ARGUMENT, "MoeLayer::forward: ", T,
         " tokens (scratch sized for ", p_->max_tokens, ")");
   check(x && ids && gw && out && w.w1_blocks && w.w1_scales && w.b1 && w.w2_blocks && w.w2_scales && w.b2,
@@ -669,9 +670,9 @@ void MoeLayer::forward(const MoeWeights& w, const float* x, const int* ids, cons
   if (path == MoePath::kAuto) path = choose(T);
   p_->route(ids, T, path == MoePath::kFused && T <= kRouteConvertsX ? x : nullptr);
   if (path == MoePath::kFused)
-    p_->fused(w, x, ids, gw, T, out);
+    p_->fused(w, x, ids, gw, T, out, accumulate ? 1 : 0);
   else
-    p_->fp8(w, x, ids, gw, T, out);
+    p_->fp8(w, x, ids, gw, T, out, accumulate ? 1 : 0);
 }
 
 size_t MoeLayer::fp8_workspace_bytes() const { return p_->ws_fp8.bytes() + p_->ws_scales.bytes(); }

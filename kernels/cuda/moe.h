@@ -56,13 +56,15 @@ class MoeLayer {
   MoeLayer(const MoeLayer&) = delete;
   MoeLayer& operator=(const MoeLayer&) = delete;
 
-  // out[T][H] = sum_k gate_w[t][k] * expert_{ids[t][k]}(x[t]) on ctx.stream().
+  // out[T][H] = sum_k gate_w[t][k] * expert_{ids[t][k]}(x[t]) on ctx.stream()
+  // (accumulate: out += that, e.g. straight into the residual stream; out
+  // must not alias x then).
   // x [T][H] fp32, ids [T][topk] int32 (each in [0, E)), gate_w [T][topk]
   // fp32, all on the device. The fused path runs entirely on the device
   // (capturable in a CUDA graph); the FP8 path reads the per-expert counts
   // back to the host once.
   void forward(const MoeWeights& w, const float* x, const int* ids, const float* gate_w, int T, float* out,
-               MoePath path = MoePath::kAuto);
+               MoePath path = MoePath::kAuto, bool accumulate = false);
 
   MoePath choose(int T) const;
   MoeOptions& options();  // tunables read at each forward (the bench varies them)

@@ -26,6 +26,7 @@ uint64_t gpt_oss_cuda_graph_replays() { return 0; }
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 #include "common/host_alloc.h"
 #include "common/log.h"
@@ -40,6 +41,7 @@ uint64_t gpt_oss_cuda_graph_replays() { return 0; }
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/device.h"
+#include "runtime/parallel.h"
 
 namespace dz {
 
@@ -233,17 +235,19 @@ class GptOssCuda final : public Family, private GptOssDesc {
   DeviceArray<float> final_norm_d_;
   std::vector<DevLayer> dl_;
   // Scratch for kMaxRows rows.
-  DeviceArray<float> x_, xn_, qkv_, tmp_, rlog_, gw_, logits_;
+  DeviceArray<float> x_, xn_, qkv_, rlog_, gw_, logits_;
   DeviceArray<uint16_t> xb_, att_;
   DeviceArray<int32_t> ids_;
   DeviceArray<uint8_t> meta_;
-  DeviceArray<float> att_part_;  // split decode attention partials
+  DeviceArray<float> att_part_;     // split decode attention partials
+  DeviceArray<int32_t> att_ticket_;  // and its ticket counters (zero between launches)
   cuda::DecodeSplitPolicy split_;
   float* logits_host_ = nullptr;  // pinned [kLogitRows][V]
   uint8_t* stage_ = nullptr;      // pinned staging of the metadata (uploaded with one copy)
   size_t stage_cap_ = 0;
   cudaEvent_t stage_ev_ = nullptr;  // after the last upload from stage_: rewrite only once it completed
   int* err_host_ = nullptr;         // pinned copy of the MoE error flag
+  std::unique_ptr<ThreadPool> copy_pool_;  // host copies of many logits rows (batched decode: 51 MB at B = 64)
   std::vector<Graph> graphs_;
   uint64_t graph_tick_ = 0;
   bool graphs_broken_ = false;  // a capture failed: eager from then on (logged)
@@ -363,7 +367,6 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   const size_t MR = kMaxRows;
   x_ = DeviceArray<float>(pool, MR * H, "x");
   xn_ = DeviceArray<float>(pool, MR * H, "xn");
-  tmp_ = DeviceArray<float>(pool, MR * H, "tmp");
   qkv_ = DeviceArray<float>(pool, MR * size_t(QD + 2 * KVD), "qkv");
   rlog_ = DeviceArray<float>(pool, MR * E, "router logits");
   gw_ = DeviceArray<float>(pool, MR * n_active_, "gate weights");
@@ -374,6 +377,9 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   att_part_ = DeviceArray<float>(
       pool, cuda::decode_partial_floats(kAttnGroupRows, n_heads_, int(head_dim_), split_.max_splits),
       "decode attention partials");
+  att_ticket_ = DeviceArray<int32_t>(pool, cuda::decode_ticket_ints(kAttnGroupRows, n_heads_, n_kv_heads_),
+                                     "decode attention tickets");
+  DZ_CUDA_CHECK(cudaMemset(att_ticket_.get(), 0, att_ticket_.bytes()));
   meta_ = DeviceArray<uint8_t>(pool, size_t(1) << 20, "batch metadata");
   DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&logits_host_), size_t(kLogitRows) * V * 4));
   DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&err_host_), sizeof(int)));
@@ -381,6 +387,7 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   stage_cap_ = size_t(1) << 20;
   DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&stage_), stage_cap_));
   DZ_CUDA_CHECK(cudaEventCreateWithFlags(&stage_ev_, cudaEventDisableTiming));
+  copy_pool_ = std::make_unique<ThreadPool>(int(std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u)));
   DZ_CUDA_CHECK(cudaDeviceSynchronize());
   log_info("gpt_oss on ", ctx_->describe(), ": ", device_bytes_ >> 20, " MiB of weights on the device (checkpoint ",
            weights >> 20, " MiB)");
@@ -618,9 +625,15 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
     enqueue(p, &opt);
   }
   DZ_CUDA_CHECK(cudaStreamSynchronize(s));
-  if (p.n_logit <= kLogitRows)
-    for (int i = 0; i < p.n_logit; ++i)
-      std::memcpy(logit_dst[size_t(i)], logits_host_ + size_t(i) * size_t(V), size_t(V) * 4);
+  auto copy_rows = [&](int c0, int nc) {
+    const size_t grain = std::max<size_t>(1, (size_t(4) << 20) / (size_t(V) * 4));  // ~4 MB per task
+    parallel_for(nc * V * 4 > (int64_t(8) << 20) ? copy_pool_.get() : nullptr, size_t(nc), grain,
+                 [&](size_t i0, size_t i1) {
+                   for (size_t i = i0; i < i1; ++i)
+                     std::memcpy(logit_dst[size_t(c0) + i], logits_host_ + i * size_t(V), size_t(V) * 4);
+                 });
+  };
+  if (p.n_logit <= kLogitRows) copy_rows(0, p.n_logit);
 
   // More logit rows than one lm_head chunk (long prefills with all logits).
   const uint16_t* lm = lm_head_d_.get() ? lm_head_d_.get() : embed_d_.get();
@@ -632,8 +645,7 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
     DZ_CUDA_CHECK(
         cudaMemcpyAsync(logits_host_, logits_.get(), size_t(nc) * size_t(V) * 4, cudaMemcpyDeviceToHost, s));
     DZ_CUDA_CHECK(cudaStreamSynchronize(s));
-    for (int i = 0; i < nc; ++i)
-      std::memcpy(logit_dst[size_t(c0 + i)], logits_host_ + size_t(i) * size_t(V), size_t(V) * 4);
+    copy_rows(c0, nc);
   }
   const int moe_err = *err_host_;
   *err_host_ = 0;
@@ -667,7 +679,7 @@ void GptOssCuda::enqueue(const PassArgs& p, const ForwardOptions* abort_between)
     ab.window = L.sliding ? int(window_) : 0;
     ab.sinks = L.sinks.get();
     cuda::attention_decode_split(ab, p.dec, p.n_dec, L.sliding ? p.splits_sliding : p.splits_full, split_,
-                                 att_part_.get(), att_part_.size(), s);
+                                 {att_part_.get(), att_part_.size(), att_ticket_.get(), att_ticket_.size()}, s);
     cuda::attention_prefill(ab, p.tiles, p.n_tiles, cuda::attention_tile_rows(n_heads_, n_kv_heads_), s);
     gemm_->run(att_.get(), L.o_w.get(), L.o_b.get(), x, T, int(H), int(QD), 1.f, s);  // x += o_proj(att)
     cuda::rms_norm(x, nullptr, T, int(H), L.post_norm.get(), eps_, xn_.get(), xb_.get(), s);
@@ -680,8 +692,7 @@ void GptOssCuda::enqueue(const PassArgs& p, const ForwardOptions* abort_between)
     mw.w2_blocks = L.w2b.get();
     mw.w2_scales = L.w2s.get();
     mw.b2 = L.b2.get();
-    moe_->forward(mw, xn_.get(), ids_.get(), gw_.get(), T, tmp_.get(), path_);
-    cuda::add_inplace(x, tmp_.get(), size_t(T) * size_t(H), s);
+    moe_->forward(mw, xn_.get(), ids_.get(), gw_.get(), T, x, path_, true);  // x += experts(xn)
   }
   abort_check();
   if (p.n_logit <= kLogitRows) {
