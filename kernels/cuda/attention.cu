@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "common/error.h"
+#include "cuda/pdl.cuh"
 #include "runtime/cuda/cuda_check.h"
 
 namespace dz::cuda {
@@ -132,6 +133,7 @@ __global__ void __launch_bounds__(256) split_kernel(AttnBatch a, const int32_t* 
                                                     int min_chunk, int max_splits, float* __restrict__ part,
                                                     int* __restrict__ tickets) {
   constexpr int PER = D / 32, KP = D + 4;
+  pdl_wait();
   const int i = blockIdx.x, r = rows[i];
   const int item = a.row_item[r], pos = a.row_pos[r], lo = row_lo(a, pos), len = pos - lo + 1;
   const int chunk = chunk_keys(len, min_chunk, max_splits, splits);
@@ -403,16 +405,16 @@ void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows,
     const dim3 grid(unsigned(n), unsigned(a.n_kv_heads * ngrp), unsigned(splits));
     switch (a.head_dim) {
       case 32:
-        split_kernel<32><<<grid, threads, 0, s>>>(a, rows + r0, splits, p.min_chunk, p.max_splits, scratch.partials,
-                                                  scratch.tickets);
+        launch_pdl(split_kernel<32>, grid, dim3(threads), 0, s, a, rows + r0, splits, p.min_chunk, p.max_splits,
+                   scratch.partials, scratch.tickets);
         break;
       case 64:
-        split_kernel<64><<<grid, threads, 0, s>>>(a, rows + r0, splits, p.min_chunk, p.max_splits, scratch.partials,
-                                                  scratch.tickets);
+        launch_pdl(split_kernel<64>, grid, dim3(threads), 0, s, a, rows + r0, splits, p.min_chunk, p.max_splits,
+                   scratch.partials, scratch.tickets);
         break;
       case 128:
-        split_kernel<128><<<grid, threads, 0, s>>>(a, rows + r0, splits, p.min_chunk, p.max_splits,
-                                                   scratch.partials, scratch.tickets);
+        launch_pdl(split_kernel<128>, grid, dim3(threads), 0, s, a, rows + r0, splits, p.min_chunk, p.max_splits,
+                   scratch.partials, scratch.tickets);
         break;
       default: fail(DZ_ERR_UNSUPPORTED, "CUDA attention: head_dim ", a.head_dim, " (built for 32, 64, 128)");
     }

@@ -2,6 +2,7 @@
 
 #include <cuda_bf16.h>
 
+#include "cuda/pdl.cuh"
 #include "runtime/cuda/cuda_check.h"
 
 namespace dz::cuda {
@@ -11,6 +12,7 @@ namespace {
 __global__ void rms_norm_kernel(const float* __restrict__ x, const int32_t* __restrict__ rows, int H,
                                 const float* __restrict__ w, float eps, float* __restrict__ of,
                                 __nv_bfloat16* __restrict__ ob) {
+  pdl_wait();
   const int i = blockIdx.x;
   const int r = rows ? rows[i] : i;
   const float* xr = x + size_t(r) * H;
@@ -51,8 +53,8 @@ unsigned grid_for(size_t n) { return unsigned(n / 256 + 1 < 4096 ? n / 256 + 1 :
 void rms_norm(const float* x, const int32_t* rows, int n_rows, int H, const float* w, float eps, float* out_f32,
               uint16_t* out_bf16, cudaStream_t s) {
   if (n_rows <= 0) return;
-  rms_norm_kernel<<<n_rows, 256, 0, s>>>(x, rows, H, w, eps, out_f32, reinterpret_cast<__nv_bfloat16*>(out_bf16));
-  DZ_CUDA_LAUNCH_CHECK();
+  launch_pdl(rms_norm_kernel, dim3(unsigned(n_rows)), dim3(256), 0, s, x, rows, H, w, eps, out_f32,
+             reinterpret_cast<__nv_bfloat16*>(out_bf16));
 }
 
 void add_inplace(float* y, const float* x, size_t n, cudaStream_t s) {

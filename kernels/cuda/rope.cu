@@ -1,5 +1,6 @@
 #include "cuda/rope.h"
 
+#include "cuda/pdl.cuh"
 #include "runtime/cuda/cuda_check.h"
 
 namespace dz::cuda {
@@ -8,6 +9,7 @@ namespace {
 __global__ void rope_store_kernel(float* __restrict__ qkv, int stride, const float* __restrict__ cosv,
                                   const float* __restrict__ sinv, int n_heads, int n_kv, int D,
                                   uint8_t* __restrict__ kv_layer, const int64_t* __restrict__ row_off) {
+  pdl_wait();
   const int r = blockIdx.x, half = D / 2;
   float* q = qkv + size_t(r) * stride;
   const float* k = q + n_heads * D;
@@ -35,8 +37,8 @@ __global__ void rope_store_kernel(float* __restrict__ qkv, int stride, const flo
 void rope_qk_store_kv(float* qkv, int R, int stride, const float* cos, const float* sin, int n_heads, int n_kv,
                       int D, uint8_t* kv_layer, const int64_t* row_off, cudaStream_t s) {
   if (R <= 0) return;
-  rope_store_kernel<<<R, 128, 0, s>>>(qkv, stride, cos, sin, n_heads, n_kv, D, kv_layer, row_off);
-  DZ_CUDA_LAUNCH_CHECK();
+  launch_pdl(rope_store_kernel, dim3(unsigned(R)), dim3(128), 0, s, qkv, stride, cos, sin, n_heads, n_kv, D, kv_layer,
+             row_off);
 }
 
 }  // namespace dz::cuda

@@ -1,6 +1,7 @@
 #include "cuda/router.h"
 
 #include "common/error.h"
+#include "cuda/pdl.cuh"
 #include "runtime/cuda/cuda_check.h"
 
 namespace dz::cuda {
@@ -9,6 +10,7 @@ namespace {
 // One thread per row: E and k are small (gpt-oss: 32 or 128 experts, top-4).
 __global__ void topk_kernel(const float* __restrict__ logits, int T, int E, int k, int32_t* __restrict__ ids,
                             float* __restrict__ w) {
+  pdl_wait();
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= T) return;
   const float* l = logits + size_t(t) * E;
@@ -40,8 +42,7 @@ void router_topk_softmax(const float* logits, int T, int E, int k, int32_t* ids,
   check(E > 0 && E <= 256 && k > 0 && k <= 16 && k <= E, DZ_ERR_INVALID_ARGUMENT, "router_topk_softmax: E=", E,
         " k=", k, " (E <= 256, k <= 16)");
   if (T <= 0) return;
-  topk_kernel<<<(T + 127) / 128, 128, 0, s>>>(logits, T, E, k, ids, weights);
-  DZ_CUDA_LAUNCH_CHECK();
+  launch_pdl(topk_kernel, dim3(unsigned((T + 127) / 128)), dim3(128), 0, s, logits, T, E, k, ids, weights);
 }
 
 }  // namespace dz::cuda

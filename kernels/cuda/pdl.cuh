@@ -1,0 +1,41 @@
+// Programmatic dependent launch (sm_90) for the small per-layer kernels of the
+// decode path: the next kernel's launch overlaps the tail of the previous one
+// (in streams and in CUDA graphs). A kernel launched this way must call
+// pdl_wait() before it touches global memory: it returns once the previous
+// kernel in the stream has completed and its writes are visible.
+// DZ_CUDA_PDL=0 in the environment launches them plainly (debugging).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+
+#include "runtime/cuda/cuda_check.h"
+
+namespace dz::cuda {
+
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("DZ_CUDA_PDL");
+    return !(e && e[0] == '0' && e[1] == 0);
+  }();
+  return on;
+}
+
+template <typename... P, typename... A>
+void launch_pdl(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  DZ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, k, P(args)...));
+}
+
+}  // namespace dz::cuda
