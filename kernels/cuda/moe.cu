@@ -15,14 +15,18 @@ namespace dz::cuda {
 
 namespace {
 
-constexpr int kPadRows = 16;      // expert segments padded to 16 rows (aligned scale vectors, few GEMM shapes)
+constexpr int kPadRows = 16;  // expert segments padded to 16 rows (aligned scale vectors, few GEMM shapes)
 constexpr int kRouteThreads = 1024;
 // Fused kernel block: 8 warps = (8 / KS) row tiles of 16 rows x KS slices of K
 // (split K keeps each warp's dependent chain short when few experts are
 // active; partial sums meet in shared memory in a fixed order).
 constexpr int kW4Threads = 256;
-constexpr int kW4Tokens = 8;  // tokens per MMA pass (n = 8)
+constexpr int kW4Tokens = 8;         // tokens per MMA pass (n = 8)
 constexpr int kRouteConvertsX = 16;  // the routing block converts the input up to this many tokens
+
+// Programmatic dependent launch: wait for the previous kernel's results / let the next kernel start.
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 __device__ __forceinline__ float bf16_to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
 
@@ -43,10 +47,9 @@ __device__ __forceinline__ float swiglu(float gate, float up) {
 // Order inside a segment is arbitrary; every row is computed independently.
 __device__ void x_to_half_row(const float* row, int H, int kpad, __half* out, float* scale_out, float* red);
 
-__global__ void __launch_bounds__(kRouteThreads) route_kernel(const int* ids, int n_slots, int E, int* counts,
-                                                               int* offsets, int* sorted, int* row_expert, int* inv,
-                                                               int* active, int* n_active, int* err, const float* x,
-                                                               int T, int H, int kpad, __half* xh, float* xs) {
+__global__ void __launch_bounds__(kRouteThreads)
+    route_kernel(const int* ids, int n_slots, int E, int* counts, int* offsets, int* sorted, int* row_expert, int* inv,
+                 int* active, int* n_active, int* err, const float* x, int T, int H, int kpad, __half* xh, float* xs) {
   extern __shared__ int sm[];
   int* cnt = sm;
   int* cur = sm + E;
@@ -87,8 +90,10 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(const int* ids, in
     int lo = 0, hi = E - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
-      if (off[mid] <= r) lo = mid;
-      else hi = mid - 1;
+      if (off[mid] <= r)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
     row_expert[r] = lo;
     if (r - off[lo] >= cnt[lo]) sorted[r] = -1;
@@ -130,6 +135,7 @@ __device__ void x_to_half_row(const float* row, int H, int kpad, __half* out, fl
 }
 
 __global__ void __launch_bounds__(256) x_to_half_kernel(const float* x, int H, int kpad, __half* xh, float* xs) {
+  griddep_launch();  // dependents only read xh/xs after their griddepcontrol.wait
   __shared__ float red[32];
   const int t = blockIdx.x;
   x_to_half_row(x + int64_t(t) * H, H, kpad, xh + int64_t(t) * kpad, xs + t, red);
@@ -137,11 +143,11 @@ __global__ void __launch_bounds__(256) x_to_half_kernel(const float* x, int H, i
 
 // ------------------------------------------------------- fused W4A16 path
 struct W4Args {
-  const uint8_t* blocks;  // expert 0, [E][rows][nsub][16]
-  const uint8_t* scales;  // [E][rows][nsub]
-  const uint16_t* bias;   // bf16 [E][rows]
-  const __half* act;      // gate_up: xh [T][kpad] (by token); down: act [rows_cap][kpad] (by sorted row)
-  const float* act_scale; // gate_up: per-token scale; down: unused
+  const uint8_t* blocks;   // expert 0, [E][rows][nsub][16]
+  const uint8_t* scales;   // [E][rows][nsub]
+  const uint16_t* bias;    // bf16 [E][rows]
+  const __half* act;       // gate_up: xh [T][kpad] (by token); down: act [rows_cap][kpad] (by sorted row)
+  const float* act_scale;  // gate_up: per-token scale; down: unused
   const int *sorted, *offsets, *counts, *active, *n_active;
   int topk, rows, nsub, kpad;
   __half* out_act;  // gate_up: SwiGLU output [rows_cap][out_ld]
@@ -173,8 +179,44 @@ __device__ __forceinline__ uint32_t w4_decode(uint32_t w, uint32_t l0, uint32_t 
 // takes elements 4s..4s+3 of it. Each row's 4 sub-block scales are folded into
 // the fp16 weights relative to the chunk's largest one; that one multiplies the
 // fp32 partial sums.
-__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+// One 128-wide K chunk of a 16-row MMA tile (rows A = MMA rows 0..7, rows B =
+// 8..15): wa/wb are this lane's 16-byte sub-block (t) of rows A/B, s_a/s_b its
+// E8M0 scales, b(i) the 16-byte activation piece for MMA steps 2i and 2i+1.
+// acc[0..1] (row A) and acc[2..3] (row B) accumulate tokens 2t and 2t+1.
+template <typename B>
+__device__ __forceinline__ void w4_chunk(const uint4 wa, const uint4 wb, const int s_a, const int s_b, B b,
+                                         float (&acc)[4]) {
+  // Largest scale among the row's nonzero sub-blocks of this chunk (4 lanes t).
+  int mA = ((wa.x | wa.y | wa.z | wa.w) & 0x77777777u) ? s_a : -1;
+  int mB = ((wb.x | wb.y | wb.z | wb.w) & 0x77777777u) ? s_b : -1;
+  mA = max(mA, __shfl_xor_sync(~0u, mA, 1));
+  mB = max(mB, __shfl_xor_sync(~0u, mB, 1));
+  mA = max(mA, __shfl_xor_sync(~0u, mA, 2));
+  mB = max(mB, __shfl_xor_sync(~0u, mB, 2));
+  uint32_t la0, la1, lb0, lb1;
+  w4_lut(max(mA - s_a, 0), la0, la1);
+  w4_lut(max(mB - s_b, 0), lb0, lb1);
+  const float fA = mA < 0 ? 0.f : e8m0_to_float(mA);
+  const float fB = mB < 0 ? 0.f : e8m0_to_float(mB);
+  float q[4] = {0.f, 0.f, 0.f, 0.f};
+  const uint32_t wA[4] = {wa.x, wa.y, wa.z, wa.w}, wB[4] = {wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint4 bv = b(i);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t HA = w4_decode(wA[i] >> (16 * h), la0, la1);
+      const uint32_t HB = w4_decode(wB[i] >> (16 * h), lb0, lb1);
+      ptx::mma_16816(q, ptx::prmt(HA, 0, 0x1404), ptx::prmt(HB, 0, 0x1404), ptx::prmt(HA, 0, 0x3424),
+                     ptx::prmt(HB, 0, 0x3424), h ? bv.z : bv.x, h ? bv.w : bv.y);
+    }
+  }
+  acc[0] += q[0] * fA;
+  acc[1] += q[1] * fA;
+  acc[2] += q[2] * fB;
+  acc[3] += q[3] * fB;
+}
 
 // kKS: K split over warps (more warps per row for small batches, where few
 // experts leave the grid short); kRing: K chunks in flight per warp. kPdl: the
@@ -262,35 +304,8 @@ __global__ void __launch_bounds__(kW4Threads, kKS == 1 ? 3 : 2) w4_kernel(W4Args
           const uint4 wa = ra[p], wb = rb[p];
           const int s_a = sa[p], s_b = sb[p];
           if (c + kRing < c_end) load(c + kRing, ra[p], rb[p], sa[p], sb[p]);
-          // Largest scale among the row's nonzero sub-blocks of this chunk (4 lanes t).
-          int mA = ((wa.x | wa.y | wa.z | wa.w) & 0x77777777u) ? s_a : -1;
-          int mB = ((wb.x | wb.y | wb.z | wb.w) & 0x77777777u) ? s_b : -1;
-          mA = max(mA, __shfl_xor_sync(~0u, mA, 1));
-          mB = max(mB, __shfl_xor_sync(~0u, mB, 1));
-          mA = max(mA, __shfl_xor_sync(~0u, mA, 2));
-          mB = max(mB, __shfl_xor_sync(~0u, mB, 2));
-          uint32_t la0, la1, lb0, lb1;
-          w4_lut(max(mA - s_a, 0), la0, la1);
-          w4_lut(max(mB - s_b, 0), lb0, lb1);
-          const float fA = mA < 0 ? 0.f : e8m0_to_float(mA);
-          const float fB = mB < 0 ? 0.f : e8m0_to_float(mB);
-          float q[4] = {0.f, 0.f, 0.f, 0.f};
-          const uint32_t wA[4] = {wa.x, wa.y, wa.z, wa.w}, wB[4] = {wb.x, wb.y, wb.z, wb.w};
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const uint4 bv = xs4[((c * 4 + i) * 8 + g) * 4 + t];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const uint32_t HA = w4_decode(wA[i] >> (16 * h), la0, la1);
-              const uint32_t HB = w4_decode(wB[i] >> (16 * h), lb0, lb1);
-              ptx::mma_16816(q, ptx::prmt(HA, 0, 0x1404), ptx::prmt(HB, 0, 0x1404), ptx::prmt(HA, 0, 0x3424),
-                             ptx::prmt(HB, 0, 0x3424), h ? bv.z : bv.x, h ? bv.w : bv.y);
-            }
-          }
-          acc[0] += q[0] * fA;
-          acc[1] += q[1] * fA;
-          acc[2] += q[2] * fB;
-          acc[3] += q[3] * fB;
+          w4_chunk(
+              wa, wb, s_a, s_b, [&](int i) { return xs4[((c * 4 + i) * 8 + g) * 4 + t]; }, acc);
         }
       }
     }
@@ -324,12 +339,454 @@ __global__ void __launch_bounds__(kW4Threads, kKS == 1 ? 3 : 2) w4_kernel(W4Args
   if (kPdl) griddep_launch();  // after this block's results are written
 }
 
+// ------------------------------------------ fused path, persistent kernel
+// The whole layer in one launch for small batches (after the fp16 input
+// conversion). A persistent grid (one block per SM) walks a list of work
+// items: 16 weight rows x all of K of one expert for one "pass" of up to nb of
+// its tokens; every gate_up item (+ SwiGLU) first, then every down item.
+//  - Routing: every block derives the same item list from ids (a stable
+//    counting sort in shared memory), so weights stream without a routing
+//    kernel and before the input conversion has finished (PDL).
+//  - Producer warp: claims items (an atomic ticket), streams each item's MXFP4 rows, scales and bias (contiguous in
+//    the checkpoint layout) into a ring of shared-memory stages with bulk
+//    copies, and the item's activation rows with 16-byte cp.async, permuted
+//    into MMA fragment order; each stage completes on an mbarrier. A down
+//    item's weights are requested before waiting for the SwiGLU rows it needs.
+//  - Two consumer groups of 8 warps take alternate stages (an even number of
+//    stages: each stage always serves the same group, so a group waits on a
+//    stage's mbarrier phases strictly in order) and split K (the
+//    decode and MMA of w4_chunk); partial sums go through shared memory to the
+//    group's epilogue warp, which adds them in a fixed order, applies bias and
+//    SwiGLU (gate_up) or writes the expert output (down), and publishes
+//    completion with release/acquire counters.
+//  - Each down item counts its 16-row output tile as done; the last one
+//    combines every token's top-k outputs of that tile in k order (no
+//    combine kernel; deterministic, whichever block finishes last).
+// The last block to exit resets the counters for the next launch.
+constexpr int kPGroups = 2;                                     // consumer groups
+constexpr int kPWarps = 8;                                      // MMA warps per group (K split)
+constexpr int kPBar = 32 * (kPWarps + 1);                       // a group + its epilogue warp
+constexpr int kPThreads = 32 * (kPGroups * (kPWarps + 1) + 1);  // + the producer warp
+constexpr int kPRows = 16;                                      // weight rows per item
+constexpr int kPMaxStages = 8;
+static_assert(kPMaxStages % kPGroups == 0, "stages are dealt to the consumer groups in turn");
+
+struct PArgs {
+  const uint8_t *w1b, *w1s, *w2b, *w2s;
+  const uint16_t *b1, *b2;
+  const int* ids;
+  const float* gw;
+  const __half* xh;  // [T][kph] fp16 input (scaled per token)
+  const float* xs;   // [T] input scales
+  __half* act;       // [slots][kpi] SwiGLU outputs, row = routed slot order
+  float* y;          // [slots][H] expert outputs + bias
+  float* out;        // [T][H] (+)= the layer's output
+  int* ctr;          // [2]: ticket, exited blocks
+  int* tile_done;    // [H/16] down items finished per output tile
+  int* pass_done;    // [slots] gate_up items finished per pass
+  int* err;
+  int T, topk, E, H, I, kph, kpi, nb, S;
+  int accumulate;                                          // out += the layer's output
+  int stage_bytes, off_sc, off_bias, off_act, act_stride;  // one ring stage
+  int off_bars, off_meta, off_red, off_route;              // shared memory
+};
+struct PMeta {  // one stage's item; kind -1: no more work
+  int kind, m, ord0, gp, tile, e, pad0, pad1;
+};
+struct PHdr {  // an item handed to the epilogue warp
+  int kind, m, ord0, gp, tile, e, pad0, pad1;
+  uint32_t bias[8];  // 16 bf16
+};
+constexpr int kRedBytes = int(sizeof(PHdr)) + kPWarps * 32 * 16;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+               : "=r"(ok)
+               : "r"(bar), "r"(parity)
+               : "memory");
+  return ok != 0;
+}
+// A wait of seconds is a logic error (lost arrival, counter not reset): fail the launch loudly.
+struct Patience {
+  uint64_t t0 = 0;
+  int n = 0;
+  __device__ void tick(int* err) {
+    if ((++n & 255) != 0) return;
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t0 == 0) {
+      t0 = t;
+    } else if (t - t0 > 4000000000ull) {
+      atomicOr(err, 2);
+      __trap();
+    }
+  }
+};
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, int* err) {
+  Patience w;
+  while (!mbar_try_wait(bar, parity)) w.tick(err);
+}
+// Bulk copy global -> this block's shared memory (16-byte aligned, size a multiple of 16).
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar, uint64_t pol) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::
+          "r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "l"(pol)
+      : "memory");
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+// Arrives on the mbarrier once this thread's earlier cp.async copies have landed.
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void named_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+// Named barriers of consumer group grp: "buffer buf full" (consumers arrive, epilogue waits) and
+// "buffer buf read" (epilogue arrives, consumers wait before refilling it). 0 is __syncthreads.
+__device__ __forceinline__ int bar_full(int grp, int buf) { return 1 + 4 * grp + buf; }
+__device__ __forceinline__ int bar_read(int grp, int buf) { return 3 + 4 * grp + buf; }
+
+__global__ void __launch_bounds__(kPThreads, 1) moe_persistent_kernel(const PArgs a) {
+  extern __shared__ __align__(128) unsigned char psm[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int NS = a.T * a.topk, E = a.E;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(psm + a.off_bars);  // full[S], empty[S]
+  PMeta* meta = reinterpret_cast<PMeta*>(psm + a.off_meta);
+  int* cnt = reinterpret_cast<int*>(psm + a.off_route);  // [E] slots routed to each expert
+  int* off = cnt + E;                                    // [E] first routed row of each expert
+  int* act_e = off + E;                                  // [E] active experts, ascending
+  int* pass_base = act_e + E;                            // [E + 1] first pass of each active expert
+  int* ord_of_slot = pass_base + E + 1;                  // [NS] routed row of each slot (-1: bad id)
+  int* slot_of_ord = ord_of_slot + NS;                   // [NS]
+  int* scal = slot_of_ord + NS;                          // [2] active experts, passes
+  float* xs_sm = reinterpret_cast<float*>(scal + 2);     // [T] input scales
+  const uint32_t full0 = smem_addr(bars), empty0 = smem_addr(bars + a.S);
+  const bool producer = warp == kPGroups * (kPWarps + 1);
+  // Items are only ever claimed by running blocks (no static assignment), so a
+  // down item never waits for work held by a block that is not resident. The
+  // first claim (one ticket per ring stage) overlaps the routing below.
+  int ticket = 0;
+  if (producer && lane == 0) ticket = atomicAdd(a.ctr, a.S);
+
+  // Routing. ids were written before the previous kernel (the input
+  // conversion, a plain launch) started, so they are read before griddepcontrol.wait.
+  for (int e = tid; e < E; e += blockDim.x) cnt[e] = 0;
+  for (int s = tid; s < NS; s += blockDim.x) slot_of_ord[s] = a.ids[s];  // staged ids
+  if (tid == 0) {
+    for (int s = 0; s < a.S; ++s) {
+      mbar_init(full0 + 8 * s, 1 + 32);  // producer lane 0 + one cp.async arrival per producer lane
+      mbar_init(empty0 + 8 * s, kPWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  for (int s = tid; s < NS; s += blockDim.x) {  // rank among the earlier slots of the same expert
+    const int e = slot_of_ord[s];
+    if (e < 0 || e >= E) {
+      ord_of_slot[s] = -1;
+      if (blockIdx.x == 0) atomicOr(a.err, 1);
+      continue;
+    }
+    int r = 0;
+    for (int q = 0; q < s; ++q) r += slot_of_ord[q] == e;
+    ord_of_slot[s] = r;
+    atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  if (warp == 0) {  // exclusive scans of rows, active experts and passes, in expert order
+    const int per = (E + 31) / 32, e0 = min(E, lane * per), e1 = min(E, e0 + per);
+    int rows = 0, act = 0, pas = 0;
+    for (int e = e0; e < e1; ++e) rows += cnt[e], act += cnt[e] > 0, pas += (cnt[e] + a.nb - 1) / a.nb;
+    int rs = rows, as = act, ps = pas;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int r2 = __shfl_up_sync(~0u, rs, o), a2 = __shfl_up_sync(~0u, as, o), p2 = __shfl_up_sync(~0u, ps, o);
+      if (lane >= o) rs += r2, as += a2, ps += p2;
+    }
+    rs -= rows, as -= act, ps -= pas;
+    for (int e = e0; e < e1; ++e) {
+      off[e] = rs;
+      rs += cnt[e];
+      if (cnt[e]) act_e[as] = e, pass_base[as] = ps, ++as, ps += (cnt[e] + a.nb - 1) / a.nb;
+    }
+    if (lane == 31) scal[0] = as, scal[1] = ps, pass_base[as] = ps;
+  }
+  __syncthreads();
+  for (int s = tid; s < NS; s += blockDim.x)
+    if (ord_of_slot[s] >= 0) ord_of_slot[s] += off[slot_of_ord[s]];
+  __syncthreads();
+  for (int s = tid; s < NS; s += blockDim.x)
+    if (ord_of_slot[s] >= 0) slot_of_ord[ord_of_slot[s]] = s;
+  __syncthreads();
+
+  const int n_act = scal[0], P = scal[1];
+  const int TG = 2 * a.I / kPRows, TD = a.H / kPRows;  // items per pass
+  const int n_items = P * (TG + TD);
+  if (P == 0 && !a.accumulate) {  // no valid expert id at all (flagged): the output is zero
+    griddep_wait();
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + tid; i < int64_t(a.T) * a.H;
+         i += int64_t(gridDim.x) * blockDim.x)
+      a.out[i] = 0.f;
+  }
+
+  if (producer) {
+    // ------------------------------------------------------------ producer
+    uint64_t pol;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));  // weights: read once
+    // Weights of ticket tk into stage `it`, and the item's description.
+    auto issue = [&](int it, int tk) {
+      const int s = it % a.S;
+      mbar_wait(empty0 + 8 * s, ((it / a.S) & 1) ^ 1, a.err);
+      int kind, gp, tile;
+      if (tk < P * TG) {
+        kind = 0, gp = tk / TG, tile = tk - gp * TG;
+      } else {
+        const int u = tk - P * TG;
+        kind = 1, gp = u / TD, tile = u - gp * TD;
+      }
+      int lo = 0, hi = n_act - 1;  // the active expert owning pass gp
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (pass_base[mid] <= gp)
+          lo = mid;
+        else
+          hi = mid - 1;
+      }
+      const int e = act_e[lo], p = gp - pass_base[lo];
+      const int rows = kind ? a.H : 2 * a.I, nsub = (kind ? a.I : a.H) / 32;
+      const int64_t r0 = int64_t(e) * rows + int64_t(tile) * kPRows;
+      unsigned char* st = psm + size_t(s) * a.stage_bytes;
+      const uint32_t fb = full0 + 8 * s;
+      if (lane == 0) {
+        meta[s] = PMeta{kind, min(a.nb, cnt[e] - p * a.nb), off[e] + p * a.nb, gp, tile, e, 0, 0};
+        const uint32_t wbytes = uint32_t(kPRows * nsub * 16), sbytes = uint32_t(kPRows * nsub);
+        mbar_expect_tx(fb, wbytes + sbytes + kPRows * 2);
+        bulk_g2s(smem_addr(st), (kind ? a.w2b : a.w1b) + r0 * nsub * 16, wbytes, fb, pol);
+        bulk_g2s(smem_addr(st + a.off_sc), (kind ? a.w2s : a.w1s) + r0 * nsub, sbytes, fb, pol);
+        bulk_g2s(smem_addr(st + a.off_bias), (kind ? a.b2 : a.b1) + r0, kPRows * 2, fb, pol);
+      }
+      __syncwarp();
+    };
+    // The activation rows of stage `it` (after the weights), then its arrivals.
+    auto finish = [&](int it) {
+      const int s = it % a.S;
+      const PMeta md = meta[s];
+      if (md.kind == 1) {  // this pass's SwiGLU rows: every gate_up item of the pass has published them
+        Patience w;
+        while (ld_acquire(a.pass_done + md.gp) < TG) {
+          __nanosleep(100);
+          w.tick(a.err);
+        }
+      }
+      unsigned char* st = psm + size_t(s) * a.stage_bytes;
+      const int npc = (md.kind ? a.kpi : a.kph) / 8;  // 16-byte pieces per row
+      for (int j = 0; j < md.m; ++j) {
+        const __half* src =
+            md.kind ? a.act + int64_t(md.ord0 + j) * a.kpi : a.xh + int64_t(slot_of_ord[md.ord0 + j] / a.topk) * a.kph;
+        const uint32_t dst = smem_addr(st + a.off_act + j * a.act_stride);
+        for (int q = lane; q < npc; q += 32) {
+          // natural piece q = (chunk c, sub-block t, step pair i) -> fragment order (c, i, t)
+          const int pos = (q & ~15) | ((q & 3) << 2) | ((q >> 2) & 3);
+          cp_async16(dst + pos * 16, src + q * 8);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(full0 + 8 * s);  // after the meta and input-scale writes
+      cp_async_arrive_noinc(full0 + 8 * s);
+    };
+    // Start: a batch of S tickets (claimed at kernel start); their weights are
+    // requested before waiting for the previous kernel (the fp16 input).
+    const int first = __shfl_sync(~0u, ticket, 0);
+    int it = 0;
+    while (it < a.S && first + it < n_items) issue(it, first + it), ++it;
+    int next = 0;
+    if (lane == 0 && it == a.S) next = atomicAdd(a.ctr, 1);
+    griddep_wait();
+    for (int t = lane; t < a.T; t += 32) xs_sm[t] = a.xs[t];
+    __syncwarp();
+    for (int i = 0; i < it; ++i) finish(i);
+    if (it == a.S) {
+      // Steady state: one ticket at a time, the next one claimed a stage ahead.
+      ticket = __shfl_sync(~0u, next, 0);
+      for (; ticket < n_items; ++it) {
+        if (lane == 0) next = atomicAdd(a.ctr, 1);
+        issue(it, ticket);
+        finish(it);
+        ticket = __shfl_sync(~0u, next, 0);
+      }
+    }
+    // One "no more work" stage per consumer group.
+    for (int k = 0; k < kPGroups; ++k, ++it) {
+      const int s = it % a.S;
+      mbar_wait(empty0 + 8 * s, ((it / a.S) & 1) ^ 1, a.err);
+      if (lane == 0) meta[s].kind = -1;
+      __syncwarp();
+      if (lane == 0) mbar_arrive(full0 + 8 * s);
+      cp_async_arrive_noinc(full0 + 8 * s);
+    }
+  } else if (warp % (kPWarps + 1) < kPWarps) {
+    // ----------------------------------------------------- consumer warps
+    const int grp = warp / (kPWarps + 1), wg = warp % (kPWarps + 1);
+    const int g = lane >> 2, t = lane & 3;
+    for (int j = 0;; ++j) {
+      const int it = kPGroups * j + grp, s = it % a.S, buf = j & 1;
+      mbar_wait(full0 + 8 * s, (it / a.S) & 1, a.err);
+      const PMeta md = meta[s];
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      uint32_t bias2 = 0;
+      if (md.kind >= 0) {
+        const unsigned char* st = psm + size_t(s) * a.stage_bytes;
+        const int nsub = (md.kind ? a.I : a.H) / 32, nchunk = (md.kind ? a.kpi : a.kph) / 128;
+        const int per = (nchunk + kPWarps - 1) / kPWarps, c0 = min(nchunk, wg * per), c1 = min(nchunk, c0 + per);
+        // MMA rows g / g + 8 are weight rows 2g / 2g + 1 of the item (gate_up: a gate/up pair)
+        const unsigned char* wr = st + size_t(2 * g) * nsub * 16;
+        const unsigned char* sr = st + a.off_sc + 2 * g * nsub;
+        const uint4* xr = reinterpret_cast<const uint4*>(st + a.off_act + g * a.act_stride);
+        const bool tok = g < md.m;  // MMA column g = token g of the pass
+        for (int c = c0; c < c1; ++c) {
+          const int sub = c * 4 + t;
+          uint4 wa = make_uint4(0, 0, 0, 0), wb = wa;
+          int sa = 0, sb = 0;
+          if (sub < nsub) {
+            wa = *reinterpret_cast<const uint4*>(wr + sub * 16);
+            wb = *reinterpret_cast<const uint4*>(wr + (nsub + sub) * 16);
+            sa = sr[sub];
+            sb = sr[nsub + sub];
+          }
+          w4_chunk(
+              wa, wb, sa, sb, [&](int i) { return tok ? xr[(c * 4 + i) * 4 + t] : make_uint4(0, 0, 0, 0); }, acc);
+        }
+        if (wg == 0 && lane < 8) bias2 = reinterpret_cast<const uint32_t*>(st + a.off_bias)[lane];
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * s);  // this warp is done with the stage
+      }
+      unsigned char* rb = psm + a.off_red + size_t(grp * 2 + buf) * kRedBytes;
+      if (j >= 2) named_sync(bar_read(grp, buf), kPBar);
+      reinterpret_cast<float4*>(rb + sizeof(PHdr))[wg * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      if (wg == 0) {
+        PHdr* h = reinterpret_cast<PHdr*>(rb);
+        if (lane == 0) h->kind = md.kind, h->m = md.m, h->ord0 = md.ord0, h->gp = md.gp, h->tile = md.tile, h->e = md.e;
+        if (lane < 8) h->bias[lane] = bias2;
+      }
+      named_arrive(bar_full(grp, buf), kPBar);
+      if (md.kind < 0) {
+        // Balance the epilogue's last "read" arrival on the other buffer.
+        if (j >= 1) named_sync(bar_read(grp, buf ^ 1), kPBar);
+        break;
+      }
+    }
+  } else {
+    // ------------------------------------------------------ epilogue warp
+    const int grp = warp / (kPWarps + 1);
+    const int g = lane >> 2, t = lane & 3;
+    for (int j = 0;; ++j) {
+      const int buf = j & 1;
+      const unsigned char* rb = psm + a.off_red + size_t(grp * 2 + buf) * kRedBytes;
+      named_sync(bar_full(grp, buf), kPBar);
+      const PHdr* hp = reinterpret_cast<const PHdr*>(rb);
+      const int kind = hp->kind, m = hp->m, ord0 = hp->ord0, gp = hp->gp, tile = hp->tile;
+      if (kind < 0) break;
+      const uint32_t bias2 = hp->bias[g];
+      const float4* part = reinterpret_cast<const float4*>(rb + sizeof(PHdr));
+      float4 v = part[lane];
+      for (int w = 1; w < kPWarps; ++w) {  // fixed order: deterministic
+        const float4 u = part[w * 32 + lane];
+        v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
+      }
+      const float biasA = bf16_to_float(uint16_t(bias2 & 0xFFFFu)), biasB = bf16_to_float(uint16_t(bias2 >> 16));
+      named_arrive(bar_read(grp, buf), kPBar);
+      const float acc[4] = {v.x, v.y, v.z, v.w};
+      if (kind == 0) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int tk = 2 * t + q;
+          if (tk >= m) continue;
+          const int ord = ord0 + tk;
+          const float xsc = xs_sm[slot_of_ord[ord] / a.topk];
+          a.act[int64_t(ord) * a.kpi + tile * (kPRows / 2) + g] =
+              __float2half_rn(swiglu(acc[q] * xsc + biasA, acc[2 + q] * xsc + biasB));
+        }
+        __threadfence();
+        __syncwarp();
+        if (lane == 0) {
+          __threadfence();
+          atomicAdd(a.pass_done + gp, 1);
+        }
+      } else {
+        const int n0 = tile * kPRows;
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int tk = 2 * t + q;
+          if (tk >= m) continue;
+          float* yr = a.y + int64_t(ord0 + tk) * a.H + n0 + 2 * g;
+          yr[0] = acc[q] + biasA;
+          yr[1] = acc[2 + q] + biasB;
+        }
+        __threadfence();
+        __syncwarp();
+        int last = 0;
+        if (lane == 0) {
+          __threadfence();
+          last = atomicAdd(a.tile_done + tile, 1) == P - 1;
+        }
+        if (__shfl_sync(~0u, last, 0)) {
+          // Every pass has written this tile: out = sum_k gate_w * y in k order.
+          __threadfence();
+          for (int idx = lane; idx < a.T * kPRows; idx += 32) {
+            const int tk = idx / kPRows, n = n0 + idx % kPRows;
+            float o = 0.f;
+            for (int k = 0; k < a.topk; ++k) {
+              const int sl = tk * a.topk + k, ord = ord_of_slot[sl];
+              if (ord >= 0) o += a.gw[sl] * __ldcg(a.y + int64_t(ord) * a.H + n);
+            }
+            float* op = a.out + int64_t(tk) * a.H + n;
+            *op = a.accumulate ? *op + o : o;
+          }
+          if (lane == 0) a.tile_done[tile] = 0;  // no other item touches it in this launch
+        }
+      }
+    }
+  }
+
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    if (atomicAdd(a.ctr + 1, 1) == int(gridDim.x) - 1) {  // every other block is done with the counters
+      for (int i = 0; i < P; ++i) a.pass_done[i] = 0;
+      a.ctr[0] = 0;
+      a.ctr[1] = 0;
+      __threadfence();
+    }
+  }
+  griddep_launch();
+}
+
 // ---------------------------------------------------------------- FP8 path
 // One warp per (sorted row, 128-column block): gather the token's input row,
 // quantize 1x128; scales of expert e's segment packed as [kb][rows of e].
-__global__ void gather_quant_kernel(const float* x, int H, int nkb, int topk, const int* sorted,
-                                    const int* row_expert, const int* offsets, int rows_total, uint8_t* q,
-                                    float* qs) {
+__global__ void gather_quant_kernel(const float* x, int H, int nkb, int topk, const int* sorted, const int* row_expert,
+                                    const int* offsets, int rows_total, uint8_t* q, float* qs) {
   const int warp = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
   if (warp >= rows_total * nkb) return;
   const int r = warp % rows_total, kb = warp / rows_total;
@@ -427,6 +884,9 @@ struct MoeLayer::Impl {
   // fused path
   DeviceArray<__half> xh, act16;
   DeviceArray<float> xs, y32;
+  // persistent fused kernel: [2] ticket + exited blocks, [H/16] output tiles, [slots] passes
+  DeviceArray<int> pctr;
+  int n_sm = 0, max_smem = 0;
   // FP8 path
   DeviceArray<uint8_t> a1, a2;
   DeviceArray<float> a1s, a2s;
@@ -491,10 +951,17 @@ struct MoeLayer::Impl {
       DZ_CUDA_CHECK(cudaEventCreateWithFlags(&ev_ready[i], cudaEventDisableTiming));
       DZ_CUDA_CHECK(cudaEventCreateWithFlags(&ev_free[i], cudaEventDisableTiming));
     }
+    pctr = DeviceArray<int>(P, 2 + H / kPRows + slots, "moe persistent counters");
+    DZ_CUDA_CHECK(cudaMemsetAsync(pctr.get(), 0, pctr.bytes(), ctx.stream()));  // the kernel resets them after use
+    int dev = 0;
+    DZ_CUDA_CHECK(cudaGetDevice(&dev));
+    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
+    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    DZ_CUDA_CHECK(cudaFuncSetAttribute(moe_persistent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem));
     const int smem = int(kW4Tokens * std::max(kph, kpi) * 2);
-    for (auto k : {w4_kernel<true, 1, false>, w4_kernel<true, 1, true>, w4_kernel<true, 4, false>,
-                   w4_kernel<true, 4, true>, w4_kernel<false, 1, false>, w4_kernel<false, 1, true>,
-                   w4_kernel<false, 4, false>, w4_kernel<false, 4, true>})
+    for (auto k :
+         {w4_kernel<true, 1, false>, w4_kernel<true, 1, true>, w4_kernel<true, 4, false>, w4_kernel<true, 4, true>,
+          w4_kernel<false, 1, false>, w4_kernel<false, 1, true>, w4_kernel<false, 4, false>, w4_kernel<false, 4, true>})
       DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     DZ_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
   }
@@ -551,6 +1018,80 @@ struct MoeLayer::Impl {
     else
       launch(combine_kernel<float, false, false>, dim3(T), dim3(256), 0, st, false, (const float*)y32.get(),
              (const int*)inv.get(), ids, gw, s.topk, (const uint16_t*)nullptr, H, out, accumulate);
+  }
+
+  // Tokens per weight pass of the persistent kernel.
+  int tokens_per_pass(int T) const {
+    const int nb = opt.fused_tokens_per_pass ? opt.fused_tokens_per_pass : std::min(T, 4);
+    check(nb >= 1 && nb <= kW4Tokens, DZ_ERR_INVALID_ARGUMENT, "fused_tokens_per_pass must be 0 (auto) or 1..",
+          kW4Tokens);
+    return nb;
+  }
+
+  // Shared-memory layout of the persistent kernel (ring stages first, as many
+  // as fit, even, at most kPMaxStages); false when fewer than two fit.
+  bool persistent_layout(int T, int nb, PArgs& a, size_t& smem) const {
+    const int64_t NS = int64_t(T) * s.topk, nsub = std::max(s.hidden, s.intermediate) / 32;
+    auto al = [](int64_t v) { return (v + 127) / 128 * 128; };
+    const int64_t off_sc = al(kPRows * nsub * 16), off_bias = off_sc + al(kPRows * nsub), off_act = off_bias + 128;
+    const int64_t act_stride = std::max(kph, kpi) * 2 + 64;  // +64: the next token's pieces sit in other banks
+    const int64_t stage = al(off_act + nb * act_stride);
+    const int64_t route = 4 * (4 * int64_t(s.n_experts) + 1 + 2 * NS + 2 + T);
+    for (int S = kPMaxStages; S >= kPGroups; S -= kPGroups) {  // see the kernel's comment
+      const int64_t bars = S * stage, meta = bars + 16 * S, red = al(meta + int64_t(sizeof(PMeta)) * S);
+      const int64_t total = red + 2 * kPGroups * kRedBytes + route;
+      if (total > max_smem) continue;
+      a.S = S;
+      a.stage_bytes = int(stage), a.off_sc = int(off_sc), a.off_bias = int(off_bias), a.off_act = int(off_act);
+      a.act_stride = int(act_stride);
+      a.off_bars = int(bars), a.off_meta = int(meta), a.off_red = int(red);
+      a.off_route = int(red + 2 * kPGroups * kRedBytes);
+      smem = size_t(total);
+      return true;
+    }
+    return false;
+  }
+
+  static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+  // Which fused implementation runs T tokens: 1 per-projection kernels, 2 persistent.
+  int fused_kernel(int T, const MoeWeights& w) const {
+    check(opt.fused_kernel >= 0 && opt.fused_kernel <= 2, DZ_ERR_INVALID_ARGUMENT,
+          "fused_kernel must be 0 (auto), 1 or 2");
+    if (opt.fused_kernel == 1) return 1;
+    PArgs a{};
+    size_t smem = 0;
+    const bool ok = persistent_layout(T, tokens_per_pass(T), a, smem) && aligned16(w.w1_blocks) &&
+                    aligned16(w.w1_scales) && aligned16(w.b1) && aligned16(w.w2_blocks) && aligned16(w.w2_scales) &&
+                    aligned16(w.b2);
+    if (opt.fused_kernel == 2) {
+      check(ok, DZ_ERR_INVALID_ARGUMENT, "MoE persistent kernel: ", T,
+            " tokens do not fit in shared memory, or the expert tensors are not 16-byte aligned");
+      return 2;
+    }
+    return 1;  // auto: the per-projection kernels until the persistent one is measured
+  }
+
+  void fused_persistent(const MoeWeights& w, const float* x, const int* ids, const float* gw, int T, float* out,
+                        int accumulate) {
+    cudaStream_t st = ctx.stream();
+    // A plain launch: the persistent kernel reads ids before its griddepcontrol.wait,
+    // which is safe only because this kernel started after the ids were written.
+    x_to_half_kernel<<<T, 256, 0, st>>>(x, s.hidden, int(kph), xh.get(), xs.get());
+    DZ_CUDA_LAUNCH_CHECK();
+    PArgs a{};
+    size_t smem = 0;
+    const int nb = tokens_per_pass(T);
+    check(persistent_layout(T, nb, a, smem), DZ_ERR_INVALID_ARGUMENT, "MoE persistent kernel: ", T,
+          " tokens do not fit in shared memory");
+    a.w1b = w.w1_blocks, a.w1s = w.w1_scales, a.w2b = w.w2_blocks, a.w2s = w.w2_scales, a.b1 = w.b1, a.b2 = w.b2;
+    a.ids = ids, a.gw = gw, a.xh = xh.get(), a.xs = xs.get();
+    a.act = act16.get(), a.y = y32.get(), a.out = out;
+    a.ctr = pctr.get(), a.tile_done = pctr.get() + 2, a.pass_done = pctr.get() + 2 + s.hidden / kPRows;
+    a.err = err.get();
+    a.T = T, a.topk = s.topk, a.E = s.n_experts, a.H = s.hidden, a.I = s.intermediate;
+    a.kph = int(kph), a.kpi = int(kpi), a.nb = nb, a.accumulate = accumulate;
+    launch(moe_persistent_kernel, dim3(unsigned(n_sm)), dim3(kPThreads), smem, st, opt.pdl, a);
   }
 
   template <bool G>
@@ -640,8 +1181,8 @@ struct MoeLayer::Impl {
       }
       DZ_CUDA_CHECK(cudaEventRecord(ev_free[buf], st));
     }
-    combine_kernel<__nv_bfloat16, true><<<T, 256, 0, st>>>(d2.get(), inv.get(), ids, gw, s.topk, w.b2, H, out,
-                                                           accumulate);
+    combine_kernel<__nv_bfloat16, true>
+        <<<T, 256, 0, st>>>(d2.get(), inv.get(), ids, gw, s.topk, w.b2, H, out, accumulate);
     DZ_CUDA_LAUNCH_CHECK();
     // Later calls must not refold into a buffer the aux stream may still be writing.
     DZ_CUDA_CHECK(cudaStreamWaitEvent(aux, ev_free[0], 0));
@@ -663,11 +1204,15 @@ MoePath MoeLayer::choose(int T) const {
 
 void MoeLayer::forward(const MoeWeights& w, const float* x, const int* ids, const float* gw, int T, float* out,
                        MoePath path, bool accumulate) {
-  check(T >= 1 && T <= p_->max_tokens, DZ_ERR_INVALID_ARGUMENT, "MoeLayer::forward: ", T,
-        " tokens (scratch sized for ", p_->max_tokens, ")");
+  check(T >= 1 && T <= p_->max_tokens, DZ_ERR_INVALID_ARGUMENT, "MoeLayer::forward: ", T, " tokens (scratch sized for ",
+        p_->max_tokens, ")");
   check(x && ids && gw && out && w.w1_blocks && w.w1_scales && w.b1 && w.w2_blocks && w.w2_scales && w.b2,
         DZ_ERR_INVALID_ARGUMENT, "MoeLayer::forward: null pointer");
   if (path == MoePath::kAuto) path = choose(T);
+  if (path == MoePath::kFused && p_->fused_kernel(T, w) == 2) {
+    p_->fused_persistent(w, x, ids, gw, T, out, accumulate ? 1 : 0);
+    return;
+  }
   p_->route(ids, T, path == MoePath::kFused && T <= kRouteConvertsX ? x : nullptr);
   if (path == MoePath::kFused)
     p_->fused(w, x, ids, gw, T, out, accumulate ? 1 : 0);
@@ -681,7 +1226,14 @@ size_t MoeLayer::scratch_bytes() const {
   const Impl& q = *p_;
   return q.counts.bytes() + q.offsets.bytes() + q.sorted.bytes() + q.row_expert.bytes() + q.inv.bytes() +
          q.active.bytes() + q.xh.bytes() + q.xs.bytes() + q.act16.bytes() + q.y32.bytes() + q.a1.bytes() +
-         q.a1s.bytes() + q.a2.bytes() + q.a2s.bytes() + q.d1.bytes() + q.d2.bytes();
+         q.a1s.bytes() + q.a2.bytes() + q.a2s.bytes() + q.d1.bytes() + q.d2.bytes() + q.pctr.bytes();
+}
+
+int MoeLayer::persistent_stages(int T) const {
+  PArgs a{};
+  size_t smem = 0;
+  if (T < 1 || T > p_->max_tokens || !p_->persistent_layout(T, p_->tokens_per_pass(T), a, smem)) return 0;
+  return a.S;
 }
 
 int* MoeLayer::error_flag() { return p_->err.get(); }

@@ -45,6 +45,11 @@ struct MoeOptions {
   int gemm_streams = 4;   // experts of a tile run concurrently on this many streams
   int fused_k_split = 0;  // fused kernels: K split over 1 or 4 warps (0: 4 up to 8 token slots, else 1)
   bool pdl = true;        // fused kernels as programmatic dependent launches
+  // Fused path implementation: 0 auto, 1 per-projection kernels (routing,
+  // gate_up, down, combine), 2 one persistent kernel (bulk-copy ring, both
+  // projections and the combine; needs 16-byte aligned expert tensors).
+  int fused_kernel = 0;
+  int fused_tokens_per_pass = 0;  // persistent kernel: tokens per weight pass, 1..8 (0: min(T, 4))
 };
 
 class MoeLayer {
@@ -76,6 +81,8 @@ class MoeLayer {
   // The device flag take_error() reads, for callers that read and reset it on
   // their stream themselves (inside a CUDA graph: no sync).
   int* error_flag();
+  // Ring stages of the persistent fused kernel for T tokens (0: it does not fit).
+  int persistent_stages(int T) const;
 
  private:
   struct Impl;

@@ -1,7 +1,10 @@
 // dz bench moe: the MXFP4 MoE layer on the GPU at gpt-oss-120b shapes (E=128,
 // top-4, H=I=2880; random MXFP4 weights and routing) for several token counts.
 // Both device paths are timed at every size (fused W4A16 and FP8 workspace +
-// cuBLASLt), giving the measured tokens-per-expert threshold between them.
+// cuBLASLt), giving the measured tokens-per-expert threshold between them;
+// the fused path's implementations are compared too (per-projection kernels
+// vs the persistent kernel, fused_v1/v2_*, with the achieved fraction of HBM
+// bandwidth on the FP4 expert bytes).
 // Median of CUDA-event timings; L2 flushed before every timed call and the
 // routing rotated among several sets; the fused path replays CUDA graphs.
 // --dump DIR writes the weights, inputs, routing and outputs for the PyTorch
@@ -33,7 +36,7 @@ namespace {
 const char* kUsage =
     "usage: dz bench moe [--tokens 1,8,64,512,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
     "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
-    "                    [--no-components]\n"
+    "                    [--fused-kernel 0|1|2] [--tokens-per-pass NB] [--no-components]\n"
     "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
     "MXFP4 MoE layer on the GPU: fused W4A16 vs FP8 (fold + cuBLASLt) paths, JSON results.\n";
 
@@ -118,8 +121,10 @@ int bench_moe(const Args& a) {
     std::printf("%s", kUsage);
     return 0;
   }
-  reject_unknown(a, {"--tokens", "--reps", "--experts", "--topk", "--hidden", "--intermediate", "--threshold",
-                     "--tile", "--gemm-streams", "--no-components", "--bw-ceiling", "--fp8-ceiling", "--dump", "--out", "--help"},
+  reject_unknown(a,
+                 {"--tokens", "--reps", "--experts", "--topk", "--hidden", "--intermediate", "--threshold", "--tile",
+                  "--gemm-streams", "--fused-kernel", "--tokens-per-pass", "--no-components", "--bw-ceiling",
+                  "--fp8-ceiling", "--dump", "--out", "--help"},
                  "bench moe");
   const std::vector<int> tokens = parse_list(flag_value(a, "--tokens", "1,8,64,512,4096,16384"));
   const int reps = std::stoi(flag_value(a, "--reps", "20"));
@@ -132,6 +137,8 @@ int bench_moe(const Args& a) {
   opt.fused_max_tokens_per_expert = std::stod(flag_value(a, "--threshold", "16"));
   opt.tile_experts = std::stoi(flag_value(a, "--tile", "16"));
   opt.gemm_streams = std::stoi(flag_value(a, "--gemm-streams", "4"));
+  opt.fused_kernel = std::stoi(flag_value(a, "--fused-kernel", "0"));
+  opt.fused_tokens_per_pass = std::stoi(flag_value(a, "--tokens-per-pass", "0"));
   const double bw_ceiling = std::stod(flag_value(a, "--bw-ceiling", "4.27e12"));
   const double fp8_ceiling = std::stod(flag_value(a, "--fp8-ceiling", "1490e12"));
   const std::string dump = flag_value(a, "--dump", "");
@@ -170,14 +177,16 @@ int bench_moe(const Args& a) {
       const int n_ex = std::min(E, 16);
       const int64_t kph = cpu::fold_kpad(H), kpi = cpu::fold_kpad(I);
       DeviceArray<uint8_t> f1(P, size_t(n_ex) * 2 * I * kph, "fold1"), f2(P, size_t(n_ex) * H * kpi, "fold2");
-      DeviceArray<float> s1(P, size_t(n_ex) * 2 * I * (kph / 128), "fold1 s"), s2(P, size_t(n_ex) * H * (kpi / 128), "s2");
+      DeviceArray<float> s1(P, size_t(n_ex) * 2 * I * (kph / 128), "fold1 s"),
+          s2(P, size_t(n_ex) * H * (kpi / 128), "s2");
       std::vector<int> idl(static_cast<size_t>(n_ex), 0);
       for (int i = 0; i < n_ex; ++i) idl[size_t(i)] = i * (E / n_ex);
       cudaEvent_t e0, e1;
       DZ_CUDA_CHECK(cudaEventCreate(&e0));
       DZ_CUDA_CHECK(cudaEventCreate(&e1));
       auto fold = [&] {
-        mxfp4_fold_experts(Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, idl.data(), n_ex, Fp8Slots{f1.get(), s1.get()}, st);
+        mxfp4_fold_experts(Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, idl.data(), n_ex, Fp8Slots{f1.get(), s1.get()},
+                           st);
         mxfp4_fold_experts(Mxfp4Stack{w2b.get(), w2s.get(), H, I}, idl.data(), n_ex, Fp8Slots{f2.get(), s2.get()}, st);
       };
       fold();
@@ -187,7 +196,8 @@ int bench_moe(const Args& a) {
       DZ_CUDA_CHECK(cudaEventSynchronize(e1));
       float ms = 0;
       DZ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-      const double fold_bytes = double(n_ex) * expert_fp4_bytes + double(f1.bytes() + f2.bytes() + s1.bytes() + s2.bytes());
+      const double fold_bytes =
+          double(n_ex) * expert_fp4_bytes + double(f1.bytes() + f2.bytes() + s1.bytes() + s2.bytes());
       comp["fold_experts"] = n_ex;
       comp["fold_ms"] = ms / 5;
       comp["fold_bytes_per_s"] = fold_bytes / (ms / 5 * 1e-3);
@@ -202,8 +212,8 @@ int bench_moe(const Args& a) {
       for (int m : {16, 64, 128, 512, 2048}) {
         auto one = [&](int i) {
           const int sl = i % n_ex;
-          gemm.run(xq.get(), xqs.get(), f1.get() + size_t(sl) * 2 * I * kph, s1.get() + size_t(sl) * 2 * I * (kph / 128),
-                   dd.get(), m, 2 * I, int(kph), st);
+          gemm.run(xq.get(), xqs.get(), f1.get() + size_t(sl) * 2 * I * kph,
+                   s1.get() + size_t(sl) * 2 * I * (kph / 128), dd.get(), m, 2 * I, int(kph), st);
         };
         one(0);
         ctx.sync();
@@ -216,7 +226,11 @@ int bench_moe(const Args& a) {
         DZ_CUDA_CHECK(cudaEventSynchronize(e1));
         DZ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
         const double per = ms / calls;
-        gl.push_back({{"m", m}, {"n", 2 * I}, {"k", kph}, {"gpu_ms_per_call", per}, {"host_ms_per_call", host / calls},
+        gl.push_back({{"m", m},
+                      {"n", 2 * I},
+                      {"k", kph},
+                      {"gpu_ms_per_call", per},
+                      {"host_ms_per_call", host / calls},
                       {"tflops", 2.0 * m * 2 * I * kph / (per * 1e-3) / 1e12}});
         std::fprintf(stderr, "gemm m=%5d n=%d k=%ld: %.4f ms/call (host %.4f) %.0f TFLOP/s\n", m, 2 * I, long(kph), per,
                      host / calls, 2.0 * m * 2 * I * kph / (per * 1e-3) / 1e12);
@@ -246,6 +260,8 @@ int bench_moe(const Args& a) {
                         {"scratch_bytes", layer.scratch_bytes()},
                         {"tile_experts", opt.tile_experts},
                         {"gemm_streams", opt.gemm_streams},
+                        {"fused_kernel", opt.fused_kernel},
+                        {"fused_tokens_per_pass", opt.fused_tokens_per_pass},
                         {"fold_check",
                          {{"groups", fs.groups},
                           {"lossy_groups", fs.lossy_groups},
@@ -273,8 +289,8 @@ int bench_moe(const Args& a) {
       DeviceArray<float> x(P, size_t(T) * H, "x"), out_f(P, size_t(T) * H, "out fused"),
           out_8(P, size_t(T) * H, "out fp8");
       fill_random_f32(x.get(), x.size(), 100 + T, 1.f, st);
-      std::vector<DeviceArray<int>> ids;
-      std::vector<DeviceArray<float>> gws;
+      std::vector<DeviceArray<int> > ids;
+      std::vector<DeviceArray<float> > gws;
       double distinct = 0;
       for (int s = 0; s < kSets; ++s) {
         std::vector<int> hid(size_t(T) * K);
@@ -306,9 +322,13 @@ int bench_moe(const Args& a) {
       distinct /= kSets;
       const int r = std::max(3, T >= 4096 ? reps / 4 : reps);
       // Fused path: one CUDA graph per routing set (thread-local capture), for
-      // each variant (K split over 1 or 4 warps; programmatic dependent launch
-      // on/off); the default (auto split, PDL on) is what "fused_ms" reports.
-      auto time_fused = [&](int ks, bool pdl) {
+      // each variant (kernel 1: per-projection kernels with K split over 1 or 4
+      // warps; kernel 2: the persistent kernel with nb tokens per weight pass;
+      // programmatic dependent launch on/off); the default options are what
+      // "fused_ms" reports.
+      auto time_fused = [&](int kernel, int ks, bool pdl, int nb = 0) {
+        layer.options().fused_kernel = kernel;
+        layer.options().fused_tokens_per_pass = nb;
         layer.options().fused_k_split = ks;
         layer.options().pdl = pdl;
         std::vector<cudaGraphExec_t> graphs(kSets);
@@ -321,21 +341,36 @@ int bench_moe(const Args& a) {
           DZ_CUDA_CHECK(cudaGraphInstantiate(&graphs[s], g, 0));
           DZ_CUDA_CHECK(cudaGraphDestroy(g));
         }
-        const double ms = timer.median_ms(r, kSets, [&](int i) {
-          DZ_CUDA_CHECK(cudaGraphLaunch(graphs[size_t(i % kSets)], st));
-        });
+        const double ms =
+            timer.median_ms(r, kSets, [&](int i) { DZ_CUDA_CHECK(cudaGraphLaunch(graphs[size_t(i % kSets)], st)); });
         for (auto ge : graphs) cudaGraphExecDestroy(ge);
-        layer.options().fused_k_split = 0;
-        layer.options().pdl = true;
+        layer.options() = opt;
         return ms;
+      };
+      // Persistent kernel with nb tokens per pass, where it fits (else -1).
+      auto persistent_ok = [&](int nb) {
+        layer.options().fused_tokens_per_pass = nb;
+        const bool ok = T <= 512 && layer.persistent_stages(T) >= 2;
+        layer.options() = opt;
+        return ok;
       };
       nlohmann::json variants = nlohmann::json::object();
       if (T <= 4096) {
         for (int ks : {1, 4})
           for (bool pdl : {false, true})
-            variants["ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] = time_fused(ks, pdl);
+            variants["ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] = time_fused(1, ks, pdl);
       }
-      const double ms_fused = time_fused(0, true);
+      double ms_v2 = -1;
+      if (persistent_ok(0)) {
+        ms_v2 = time_fused(2, 0, true);
+        variants["persistent_pdl"] = ms_v2;
+        variants["persistent"] = time_fused(2, 0, false);
+        for (int nb : {1, 2, 4, 8})
+          if (nb <= T && persistent_ok(nb))
+            variants["persistent_pdl_tok" + std::to_string(nb)] = time_fused(2, 0, true, nb);
+      }
+      const double ms_v1 = time_fused(1, 0, true);
+      const double ms_fused = time_fused(opt.fused_kernel, opt.fused_k_split, opt.pdl, opt.fused_tokens_per_pass);
       std::vector<double> host;
       const double ms_fp8 = timer.median_ms(r, kSets, [&](int i) {
         const auto h0 = std::chrono::steady_clock::now();
@@ -352,6 +387,18 @@ int bench_moe(const Args& a) {
       DZ_CUDA_CHECK(cudaMemcpy(hf.data(), out_f.get(), hf.size() * 4, cudaMemcpyDeviceToHost));
       DZ_CUDA_CHECK(cudaMemcpy(h8.data(), out_8.get(), h8.size() * 4, cudaMemcpyDeviceToHost));
       const double agree = diff_metric(hf, h8);
+      double agree_v2 = -1;  // persistent vs per-projection fused kernels
+      if (ms_v2 >= 0) {
+        std::vector<float> h1(x.size()), h2(x.size());
+        for (int kernel : {1, 2}) {
+          layer.options().fused_kernel = kernel;
+          layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
+          DZ_CUDA_CHECK(cudaMemcpy((kernel == 1 ? h1 : h2).data(), out_f.get(), h1.size() * 4, cudaMemcpyDeviceToHost));
+        }
+        layer.options() = opt;
+        check(layer.take_error() == 0, DZ_ERR_INTERNAL, "persistent MoE kernel reported an error");
+        agree_v2 = diff_metric(h1, h2);
+      }
       const double tpe = double(T) * K / E;
       if (ms_fused < ms_fp8) threshold_tpe = std::max(threshold_tpe, tpe);
       const MoePath chosen = layer.choose(T);
@@ -375,6 +422,13 @@ int bench_moe(const Args& a) {
           {"fp8_peak_fraction", flops / (ms_fp8 * 1e-3) / fp8_ceiling},
           {"best_peak_fraction", flops / (ms_best * 1e-3) / fp8_ceiling},
           {"fused_vs_fp8_diff", agree},
+          {"fused_v1_ms", ms_v1},
+          {"fused_v1_hbm_fraction", bytes / (ms_v1 * 1e-3) / bw_ceiling},
+          {"fused_v2_ms", ms_v2 >= 0 ? nlohmann::json(ms_v2) : nlohmann::json()},
+          {"fused_v2_hbm_fraction",
+           ms_v2 >= 0 ? nlohmann::json(bytes / (ms_v2 * 1e-3) / bw_ceiling) : nlohmann::json()},
+          {"fused_v2_vs_v1_diff", ms_v2 >= 0 ? nlohmann::json(agree_v2) : nlohmann::json()},
+          {"persistent_stages", layer.persistent_stages(T)},
           {"fp8_host_ms", median(host)},
           {"fused_variants_ms", variants},
       };
@@ -382,6 +436,12 @@ int bench_moe(const Args& a) {
       std::fprintf(stderr, "moe T=%6d  fused %9.3f ms  fp8 %9.3f ms  (hbm %.0f%%, fp8 %.0f TFLOP/s)  diff %.2e\n", T,
                    ms_fused, ms_fp8, 100 * bytes / (ms_best * 1e-3) / bw_ceiling, flops / (ms_fp8 * 1e-3) / 1e12,
                    agree);
+      if (ms_v2 >= 0)
+        std::fprintf(stderr,
+                     "moe T=%6d  fused kernels: per-projection %9.4f ms (hbm %.1f%%), persistent %9.4f ms (hbm %.1f%%) "
+                     " diff %.2e\n",
+                     T, ms_v1, 100 * bytes / (ms_v1 * 1e-3) / bw_ceiling, ms_v2,
+                     100 * bytes / (ms_v2 * 1e-3) / bw_ceiling, agree_v2);
       if (!dump.empty()) {
         const std::string p = dump + "/T" + std::to_string(T) + "_";
         write_bin(p + "x.bin", x.get(), x.size());
