@@ -35,6 +35,7 @@ struct dz_session {
   dz_session_params params{};
   std::mt19937_64 rng;
   std::vector<float> logits;  // rows x n_vocab of the last append / step
+  std::vector<float> spare;   // a decode step's logits land here, then swap with `logits` (no allocation per step)
   size_t rows = 0;
   uint64_t tokens_computed = 0, tokens_reused = 0, attention_tokens_read = 0;
 };
