@@ -351,7 +351,8 @@ __global__ void __launch_bounds__(kW4Threads, kKS == 1 ? 3 : 2) w4_kernel(W4Args
 //    the checkpoint layout) into a ring of shared-memory stages with bulk
 //    copies, and the item's activation rows with 16-byte cp.async, permuted
 //    into MMA fragment order; each stage completes on an mbarrier. A down
-//    item's weights are requested before waiting for the SwiGLU rows it needs.
+//    item's weights are requested before waiting for the SwiGLU rows it needs,
+//    and the next claimed item's weights are prefetched into L2.
 //  - Two consumer groups of 8 warps take alternate stages (an even number of
 //    stages: each stage always serves the same group, so a group waits on a
 //    stage's mbarrier phases strictly in order) and split K (the
@@ -554,39 +555,60 @@ __global__ void __launch_bounds__(kPThreads, 1) moe_persistent_kernel(const PArg
     // ------------------------------------------------------------ producer
     uint64_t pol;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));  // weights: read once
-    // Weights of ticket tk into stage `it`, and the item's description.
-    auto issue = [&](int it, int tk) {
-      const int s = it % a.S;
-      mbar_wait(empty0 + 8 * s, ((it / a.S) & 1) ^ 1, a.err);
-      int kind, gp, tile;
+    struct Item {
+      int kind, gp, tile, e, p, nsub;
+      const uint8_t *w, *sc;  // the item's MXFP4 rows and scales
+      const uint16_t* bias;
+    };
+    auto decode = [&](int tk) {
+      Item d;
       if (tk < P * TG) {
-        kind = 0, gp = tk / TG, tile = tk - gp * TG;
+        d.kind = 0, d.gp = tk / TG, d.tile = tk - d.gp * TG;
       } else {
         const int u = tk - P * TG;
-        kind = 1, gp = u / TD, tile = u - gp * TD;
+        d.kind = 1, d.gp = u / TD, d.tile = u - d.gp * TD;
       }
       int lo = 0, hi = n_act - 1;  // the active expert owning pass gp
       while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (pass_base[mid] <= gp)
+        if (pass_base[mid] <= d.gp)
           lo = mid;
         else
           hi = mid - 1;
       }
-      const int e = act_e[lo], p = gp - pass_base[lo];
-      const int rows = kind ? a.H : 2 * a.I, nsub = (kind ? a.I : a.H) / 32;
-      const int64_t r0 = int64_t(e) * rows + int64_t(tile) * kPRows;
+      d.e = act_e[lo], d.p = d.gp - pass_base[lo];
+      const int rows = d.kind ? a.H : 2 * a.I;
+      d.nsub = (d.kind ? a.I : a.H) / 32;
+      const int64_t r0 = int64_t(d.e) * rows + int64_t(d.tile) * kPRows;
+      d.w = (d.kind ? a.w2b : a.w1b) + r0 * d.nsub * 16;
+      d.sc = (d.kind ? a.w2s : a.w1s) + r0 * d.nsub;
+      d.bias = (d.kind ? a.b2 : a.b1) + r0;
+      return d;
+    };
+    // Weights of ticket tk into stage `it`, and the item's description.
+    auto issue = [&](int it, int tk) {
+      const int s = it % a.S;
+      mbar_wait(empty0 + 8 * s, ((it / a.S) & 1) ^ 1, a.err);
+      const Item d = decode(tk);
       unsigned char* st = psm + size_t(s) * a.stage_bytes;
       const uint32_t fb = full0 + 8 * s;
       if (lane == 0) {
-        meta[s] = PMeta{kind, min(a.nb, cnt[e] - p * a.nb), off[e] + p * a.nb, gp, tile, e, 0, 0};
-        const uint32_t wbytes = uint32_t(kPRows * nsub * 16), sbytes = uint32_t(kPRows * nsub);
+        meta[s] = PMeta{d.kind, min(a.nb, cnt[d.e] - d.p * a.nb), off[d.e] + d.p * a.nb, d.gp, d.tile, d.e, 0, 0};
+        const uint32_t wbytes = uint32_t(kPRows * d.nsub * 16), sbytes = uint32_t(kPRows * d.nsub);
         mbar_expect_tx(fb, wbytes + sbytes + kPRows * 2);
-        bulk_g2s(smem_addr(st), (kind ? a.w2b : a.w1b) + r0 * nsub * 16, wbytes, fb, pol);
-        bulk_g2s(smem_addr(st + a.off_sc), (kind ? a.w2s : a.w1s) + r0 * nsub, sbytes, fb, pol);
-        bulk_g2s(smem_addr(st + a.off_bias), (kind ? a.b2 : a.b1) + r0, kPRows * 2, fb, pol);
+        bulk_g2s(smem_addr(st), d.w, wbytes, fb, pol);
+        bulk_g2s(smem_addr(st + a.off_sc), d.sc, sbytes, fb, pol);
+        bulk_g2s(smem_addr(st + a.off_bias), d.bias, kPRows * 2, fb, pol);
       }
       __syncwarp();
+    };
+    // The weights of a claimed ticket into L2, one item ahead of its bulk copy
+    // (more bytes in flight than the shared-memory ring holds).
+    auto prefetch_l2 = [&](int tk) {
+      if (lane != 0 || tk >= n_items) return;
+      const Item d = decode(tk);
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(d.w), "r"(kPRows * d.nsub * 16) : "memory");
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(d.sc), "r"(kPRows * d.nsub) : "memory");
     };
     // The activation rows of stage `it` (after the weights), then its arrivals.
     auto finish = [&](int it) {
@@ -620,20 +642,24 @@ __global__ void __launch_bounds__(kPThreads, 1) moe_persistent_kernel(const PArg
     const int first = __shfl_sync(~0u, ticket, 0);
     int it = 0;
     while (it < a.S && first + it < n_items) issue(it, first + it), ++it;
-    int next = 0;
-    if (lane == 0 && it == a.S) next = atomicAdd(a.ctr, 1);
+    int claimed = 0;
+    if (lane == 0 && it == a.S) claimed = atomicAdd(a.ctr, 2);
     griddep_wait();
     for (int t = lane; t < a.T; t += 32) xs_sm[t] = a.xs[t];
     __syncwarp();
     for (int i = 0; i < it; ++i) finish(i);
     if (it == a.S) {
-      // Steady state: one ticket at a time, the next one claimed a stage ahead.
-      ticket = __shfl_sync(~0u, next, 0);
+      // Steady state: one ticket at a time, two claimed ahead (tickets only
+      // grow, so a held gate_up ticket never waits behind a down item).
+      ticket = __shfl_sync(~0u, claimed, 0);
+      int ahead = ticket + 1;
       for (; ticket < n_items; ++it) {
-        if (lane == 0) next = atomicAdd(a.ctr, 1);
+        if (lane == 0 && ahead < n_items) claimed = atomicAdd(a.ctr, 1);
         issue(it, ticket);
+        prefetch_l2(ahead);
         finish(it);
-        ticket = __shfl_sync(~0u, next, 0);
+        ticket = ahead;
+        ahead = ahead < n_items ? __shfl_sync(~0u, claimed, 0) : n_items;
       }
     }
     // One "no more work" stage per consumer group.
