@@ -38,8 +38,8 @@ float fp8_quantize_block(const float* v, int64_t n, bool pow2, uint8_t* out) {
   for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(v[i]));
   float scale = amax > 0 ? amax / kE4M3Max : 1.0f;
   if (pow2 && amax > 0) scale = std::exp2(std::ceil(std::log2(scale)));
-  const float inv = 1.0f / scale;
-  for (int64_t i = 0; i < n; ++i) out[i] = f32_to_e4m3(v[i] * inv);
+  // Divide (as DeepSeek's act_quant does) rather than multiply by a rounded reciprocal.
+  for (int64_t i = 0; i < n; ++i) out[i] = f32_to_e4m3(v[i] / scale);
   return scale;
 }
 
