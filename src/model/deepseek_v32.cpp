@@ -359,6 +359,8 @@ void DeepseekV32::forward(std::span<ForwardItem> batch, const ForwardOptions& op
       const int64_t r0 = first_row[b], nq = int64_t(batch[b].tokens.size()), pos0 = rows[size_t(r0)].pos;
       std::vector<int64_t> visible(static_cast<size_t>(nq));
       for (int64_t i = 0; i < nq; ++i) visible[size_t(i)] = pos0 + i + 1;  // causal: positions <= own
+      if (trace_ && trace_->on_indexer)
+        trace_->on_indexer(li, b, pos0, iq.data() + r0 * IH * ID, iw.data() + r0 * IH, ik.data() + r0 * ID, nq);
       cpu::indexer_select(idx_, iq.data() + r0 * IH * ID, iw.data() + r0 * IH, nq, visible.data(), keys, idx_budget_,
                           sel.data() + r0 * K, nullptr, pool);
       if (trace_ && trace_->on_select) trace_->on_select(li, b, pos0, sel.data() + r0 * K, nq, int(K));

@@ -15,7 +15,8 @@ int cmd_logits(const Args& args);
 int cmd_generate(const Args& args);
 int cmd_tokenize(const Args& args);
 int cmd_detokenize(const Args& args);
-int cmd_chat(const Args& args);  // examples/chat/chat.cpp
+int cmd_chat(const Args& args);         // examples/chat/chat.cpp
+int cmd_indexer_fp8(const Args& args);  // FP8 vs exact DSA indexer on real text
 
 // Benchmarks (dz bench <name>), one per cmd_bench_<name>.cpp; add a row to kBenches in cmd_bench.cpp.
 int bench_moe(const Args& args);

@@ -51,6 +51,7 @@ const Command kCommands[] = {
     {"tokenize", dz::cli::cmd_tokenize, "text (or a chat as JSON) on stdin -> token ids"},
     {"detokenize", dz::cli::cmd_detokenize, "token ids on stdin -> text"},
     {"chat", dz::cli::cmd_chat, "interactive chat with streamed output (or one-shot --prompt)"},
+    {"indexer-fp8", dz::cli::cmd_indexer_fp8, "FP8 vs exact DSA indexer of a DeepSeek-V3.2 model on a text"},
 };
 
 void usage(FILE* f) {
