@@ -271,7 +271,9 @@ int cmd_indexer_fp8(const Args& a) {
   int K = 0, n_layers = 0;
   std::vector<double> e2e_recall, kernel_recall, kernel_pow2_recall, exact_check;  // per layer sums
   std::vector<std::vector<double>> var_recall;                                     // [layer][variant]
-  std::vector<double> gaps, perturb;  // per row: cutoff gap and largest FP8 score change, both / top score
+  // Per row, over the row's top score: the gap between the k-th and (k+1)-th exact score, the largest and the
+  // RMS change of a score by FP8.
+  std::vector<double> gaps, perturb, perturb_rms;
   size_t rows_counted = 0, swap_possible = 0, n_pos = 0, n_pos_k = 0, agree = 0, agree_k = 0;
   double cos_min = 1, cos_sum = 0, cos_min_k = 1, cos_sum_k = 0;
   int worst_rank = 0;  // largest exact rank (1-based) of a token the FP8 mode keeps that exact drops
@@ -354,15 +356,17 @@ int cmd_indexer_fp8(const Args& a) {
               qv.insert(qv.end(), r.begin(), r.end());
             }
             std::vector<double> sv(t + 1);
-            double dmax = 0;
+            double dmax = 0, d2 = 0;
             for (size_t s = 0; s <= t; ++s) {
               sv[s] = score(qv, wt, keys[v][s], H, D);
               dmax = std::max(dmax, std::fabs(sv[s] - sx[s]));
+              d2 += (sv[s] - sx[s]) * (sv[s] - sx[s]);
             }
             const std::vector<int32_t> tv = topk(sv, K);
             var_recall[size_t(l)][v] += overlap(tx.data(), tv.data(), K);
             if (v == 3) {  // the FP8 mode's own arithmetic
-              gaps.push_back(gap), perturb.push_back(dmax / top);
+              gaps.push_back(gap), perturb.push_back(dmax / top),
+                  perturb_rms.push_back(std::sqrt(d2 / double(t + 1)) / top);
               swap_possible += 2 * dmax / top > gap;
               std::vector<int32_t> rank(t + 1);
               const std::vector<int32_t> order = topk(sx, int(t + 1));
@@ -415,6 +419,7 @@ int cmd_indexer_fp8(const Args& a) {
   j["recall_same_inputs_float64_variants"] = vars;
   j["cutoff"] = {{"median_gap_over_top_score", median(gaps)},
                  {"median_max_fp8_score_change_over_top_score", median(perturb)},
+                 {"median_rms_fp8_score_change_over_top_score", median(perturb_rms)},
                  {"rows_where_2x_change_exceeds_gap", double(swap_possible) / double(std::max<size_t>(1, gaps.size()))},
                  {"worst_exact_rank_kept_by_fp8", worst_rank}};
   j["logits_cosine"] = {
