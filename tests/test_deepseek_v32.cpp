@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <memory>
@@ -219,11 +220,53 @@ void check_topk(const int32_t* sel, int k, const std::vector<double>& s, double 
     if (!kept.count(int32_t(p))) REQUIRE(s[size_t(p)] <= lowest + tol);
 }
 
+// One vector as the FP8 mode holds it, in fp64: rotated (Hadamard), quantised
+// to E4M3 with one scale per min(D, 128) dims, dequantised exactly.
+std::vector<double> fp8_dequantised(const float* v, int D, bool pow2) {
+  using namespace dz::cpu;
+  const int blk = std::min(D, 128);
+  std::vector<float> r(v, v + D);
+  hadamard(r.data(), D);
+  std::vector<uint8_t> b(static_cast<size_t>(blk));
+  std::vector<double> out(static_cast<size_t>(D));
+  for (int o = 0; o < D; o += blk) {
+    const double sc = fp8_quantize_block(r.data() + o, blk, pow2, b.data());
+    for (int j = 0; j < blk; ++j) out[size_t(o + j)] = double(e4m3_to_f32(b[size_t(j)])) * sc;
+  }
+  return out;
+}
+
+// The defining sum over given representations of q (per head) and the keys.
+std::vector<double> scores_of(const std::vector<std::vector<double>>& qh, const float* w,
+                              const std::vector<std::vector<double>>& keys, int64_t n) {
+  const int H = int(qh.size()), D = int(qh[0].size());
+  std::vector<double> s(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) {
+    double acc = 0;
+    for (int h = 0; h < H; ++h) {
+      double d = 0;
+      for (int i = 0; i < D; ++i) d += qh[size_t(h)][size_t(i)] * keys[size_t(j)][size_t(i)];
+      acc += double(w[h]) / std::sqrt(double(H)) * std::max(0.0, d / std::sqrt(double(D)));
+    }
+    s[size_t(j)] = acc;
+  }
+  return s;
+}
+
+// The FP8 mode's scores evaluated in fp64: only the number format differs from reference_scores.
+std::vector<double> fp8_reference_scores(const float* q, const float* w, int H, int D, bool pow2,
+                                         const std::vector<float>& keys, int64_t n) {
+  std::vector<std::vector<double>> qh, kd;
+  for (int h = 0; h < H; ++h) qh.push_back(fp8_dequantised(q + h * D, D, pow2));
+  for (int64_t j = 0; j < n; ++j) kd.push_back(fp8_dequantised(keys.data() + j * D, D, pow2));
+  return scores_of(qh, w, kd, n);
+}
+
 struct IndexerCase {
   int H = 4, D = 64, K = 16;
   int64_t n_ctx;
   std::vector<float> keys, q, w;
-  explicit IndexerCase(int64_t n, int64_t n_q, std::mt19937& rng) : n_ctx(n) {
+  explicit IndexerCase(int64_t n, int64_t n_q, std::mt19937& rng, int d = 64) : D(d), n_ctx(n) {
     keys = randn(size_t(n * D), rng);
     q = randn(size_t(n_q * H * D), rng);
     w = randn(size_t(n_q * H), rng);
@@ -261,48 +304,58 @@ TEST_CASE("Indexer exact mode selects the top-k of the defining scores, streamin
   }
 }
 
-TEST_CASE("Indexer FP8 mode: Hadamard + E4M3 keys keep the top-k (recall against exact)", "[deepseek]") {
+TEST_CASE("Indexer FP8 mode: top-k of the E4M3 scores (fp64 reference), recall against exact", "[deepseek]") {
   using namespace dz::cpu;
   std::mt19937 rng(33);
   const int64_t n = 400, n_q = 64;
-  IndexerCase c(n, n_q, rng);
-  IndexerConfig ex{c.H, c.D, c.K, IndexerMode::Exact, false};
-  std::vector<int64_t> vis(static_cast<size_t>(n_q));
-  for (int64_t i = 0; i < n_q; ++i) vis[size_t(i)] = n - n_q + i + 1;
-  ToyPages pe(n, 64, indexer_key_bytes(ex), rng);
-  for (int64_t p = 0; p < n; ++p) indexer_encode_key(ex, c.keys.data() + p * c.D, pe.at(p));
-  std::vector<int32_t> exact(static_cast<size_t>(n_q * c.K));
-  indexer_select(ex, c.q.data(), c.w.data(), n_q, vis.data(), pe.rows(), {}, exact.data(), nullptr, nullptr);
-  for (bool p2 : {false, true}) {
-    IndexerConfig f8{c.H, c.D, c.K, IndexerMode::Fp8, p2};
-    REQUIRE(indexer_key_bytes(f8) == size_t(c.D) + 4);  // D = 64: one scale per vector
-    ToyPages pf(n, 64, indexer_key_bytes(f8), rng);
-    for (int64_t p = 0; p < n; ++p) indexer_encode_key(f8, c.keys.data() + p * c.D, pf.at(p));
-    std::vector<int32_t> sel(static_cast<size_t>(n_q * c.K));
-    indexer_select(f8, c.q.data(), c.w.data(), n_q, vis.data(), pf.rows(), {}, sel.data(), nullptr, nullptr);
-    double recall = 0, band_misses = 0;
-    for (int64_t i = 0; i < n_q; ++i) {
-      std::set<int32_t> a(exact.begin() + i * c.K, exact.begin() + (i + 1) * c.K),
-          b(sel.begin() + i * c.K, sel.begin() + (i + 1) * c.K);
-      int hit = 0;
-      for (int32_t x : a) hit += b.count(x);
-      recall += double(hit) / c.K;
-      // A miss is only acceptable near the k-th score: FP8 perturbs a score by
-      // a few percent of its scale, never more than that.
-      const auto s =
-          reference_scores(c.q.data() + i * c.H * c.D, c.w.data() + i * c.H, c.H, c.D, c.keys, vis[size_t(i)]);
-      double kth = 1e300, spread = 0;
-      for (int32_t x : a) kth = std::min(kth, s[size_t(x)]);
-      for (double v : s) spread = std::max(spread, std::fabs(v));
-      for (int32_t x : b)
-        if (!a.count(x) && s[size_t(x)] < kth - 0.05 * spread) band_misses += 1;
+  // D = 64: one scale per vector; D = 256: two scales of 128 dims each.
+  for (int D : {64, 256}) {
+    IndexerCase c(n, n_q, rng, D);
+    IndexerConfig ex{c.H, c.D, c.K, IndexerMode::Exact, false};
+    std::vector<int64_t> vis(static_cast<size_t>(n_q));
+    for (int64_t i = 0; i < n_q; ++i) vis[size_t(i)] = n - n_q + i + 1;
+    ToyPages pe(n, 64, indexer_key_bytes(ex), rng);
+    for (int64_t p = 0; p < n; ++p) indexer_encode_key(ex, c.keys.data() + p * c.D, pe.at(p));
+    std::vector<int32_t> exact(static_cast<size_t>(n_q * c.K));
+    indexer_select(ex, c.q.data(), c.w.data(), n_q, vis.data(), pe.rows(), {}, exact.data(), nullptr, nullptr);
+    for (bool p2 : {false, true}) {
+      IndexerConfig f8{c.H, c.D, c.K, IndexerMode::Fp8, p2};
+      REQUIRE(indexer_key_bytes(f8) == size_t(c.D) + 4 * size_t(std::max(1, c.D / 128)));
+      ToyPages pf(n, 64, indexer_key_bytes(f8), rng);
+      for (int64_t p = 0; p < n; ++p) indexer_encode_key(f8, c.keys.data() + p * c.D, pf.at(p));
+      std::vector<int32_t> sel(static_cast<size_t>(n_q * c.K));
+      indexer_select(f8, c.q.data(), c.w.data(), n_q, vis.data(), pf.rows(), {}, sel.data(), nullptr, nullptr);
+      double recall = 0, band_misses = 0;
+      for (int64_t i = 0; i < n_q; ++i) {
+        // The kernel's selection is the exact top-k of the FP8 scores (fp64): its only error is the format.
+        const auto s8 = fp8_reference_scores(c.q.data() + i * c.H * c.D, c.w.data() + i * c.H, c.H, c.D, p2, c.keys,
+                                             vis[size_t(i)]);
+        double top = 0;
+        for (double v : s8) top = std::max(top, std::fabs(v));
+        check_topk(sel.data() + i * c.K, c.K, s8, 1e-5 * top);
+        std::set<int32_t> a(exact.begin() + i * c.K, exact.begin() + (i + 1) * c.K),
+            b(sel.begin() + i * c.K, sel.begin() + (i + 1) * c.K);
+        int hit = 0;
+        for (int32_t x : a) hit += b.count(x);
+        recall += double(hit) / c.K;
+        // A miss is only acceptable near the k-th score: FP8 perturbs a score by
+        // a few percent of its scale, never more than that.
+        const auto s =
+            reference_scores(c.q.data() + i * c.H * c.D, c.w.data() + i * c.H, c.H, c.D, c.keys, vis[size_t(i)]);
+        double kth = 1e300, spread = 0;
+        for (int32_t x : a) kth = std::min(kth, s[size_t(x)]);
+        for (double v : s) spread = std::max(spread, std::fabs(v));
+        for (int32_t x : b)
+          if (!a.count(x) && s[size_t(x)] < kth - 0.05 * spread) band_misses += 1;
+      }
+      recall /= double(n_q);
+      WARN("FP8 recall against exact, Gaussian data, D " << D << ": " << recall << " (pow2 scales " << p2 << ")");
+      // Gaussian random keys and queries put many scores close to the k-th one;
+      // E4M3 keeps 4 significant bits, so a few boundary swaps are expected
+      // (measured 0.945 - 0.958).
+      CHECK(recall >= 0.94);
+      CHECK(band_misses == 0);
     }
-    recall /= double(n_q);
-    WARN("FP8 recall " << recall << " (pow2 scales " << p2 << ")");
-    // Gaussian random keys and queries put many scores close to the k-th one;
-    // E4M3 keeps ~3-4 significant bits, so a few boundary swaps are expected.
-    CHECK(recall >= 0.95);
-    CHECK(band_misses == 0);
   }
 }
 
@@ -690,16 +743,18 @@ TEST_CASE("deepseek_v32: a ragged batch computes what each sequence computes alo
   }
 }
 
-// FP8 indexer mode on the random fixtures. E4M3 keeps ~4 significant bits, so
+// FP8 indexer mode on the random fixtures. E4M3 keeps 4 significant bits, so
 // scores within a few percent of the k-th one can swap places; on untrained
-// random weights (Gaussian-like score rows, 16 of 60..150 kept) that costs a
-// few percent of recall per layer, and since a random model's attention is
-// unrelated to its indexer, one swapped token moves the logits far. A trained
-// indexer's score rows are peaked and its boundary tokens carry little
-// attention, which is where production runs FP8; here the test pins what an
-// implementation controls: identical results whenever the selection cannot
-// differ (positions < k), layer-0 recall on identical inputs, and no FP8
-// selection outside the FP8 error band (kernel test above).
+// random weights (Gaussian-like score rows, 16 of 60..150 kept) that costs
+// 2-3% of recall on identical inputs (layer 0) and more in later layers, whose
+// inputs differ once an earlier layer's selection did; since a random model's
+// attention is unrelated to its indexer, one swapped token moves the logits
+// far. Measured (rows t >= k): layer 0 0.975-0.978, layer 1 0.89-0.90, layer 2
+// 0.76-0.78. The floors below pin what an implementation controls: identical
+// results whenever the selection cannot differ (positions < k) and layer-0
+// recall on identical inputs; the kernel tests above check that the FP8
+// selection is the top-k of the FP8 scores, and the trained model's test below
+// measures the mode where its score rows are meaningful.
 TEST_CASE("deepseek_v32: FP8 indexer mode (Hadamard + E4M3 key cache) against exact mode", "[deepseek]") {
   for (const char* name : {"deepseek_v32_bf16", "deepseek_v32_fp8"}) {
     const Fixture& fx = fixture(name);
@@ -737,8 +792,9 @@ TEST_CASE("deepseek_v32: FP8 indexer mode (Hadamard + E4M3 key cache) against ex
         const double c = cosine(lf8.data() + t * V, ref.logits.data() + t * V, V);
         cos_sum += c, cos_min = std::min(cos_min, c), ++n_cos;
       }
+      // Recall over the rows with more visible tokens than k (below that both modes keep everything).
       for (int l = 0; l < 3; ++l)
-        for (size_t t = 0; t < T; ++t) {
+        for (size_t t = size_t(K); t < T; ++t) {
           const auto& a = sel[{0, l}];
           const auto& b = sel[{1, l}];
           std::set<int32_t> sa(a.begin() + ptrdiff_t(t * K), a.begin() + ptrdiff_t((t + 1) * K)),
@@ -751,14 +807,145 @@ TEST_CASE("deepseek_v32: FP8 indexer mode (Hadamard + E4M3 key cache) against ex
         }
     }
     for (int l = 0; l < 3; ++l) recall[size_t(l)] /= double(rows[size_t(l)]);
-    WARN(name << " FP8 indexer: top-k recall against exact, averaged over positions: layer 0 " << recall[0]
+    WARN(name << " FP8 indexer: top-k recall against exact, averaged over positions t >= k: layer 0 " << recall[0]
               << " (identical inputs), layer 1 " << recall[1] << ", layer 2 " << recall[2]
               << "; logits cosine against transformers: mean " << cos_sum / double(n_cos) << ", worst " << cos_min
               << "; positions < k: max |diff| to exact mode " << early_diff);
     CHECK(early_diff < 1e-5);  // every position selected in both modes: the FP8 cache changes nothing else
-    CHECK(recall[0] >= 0.95);
-    CHECK(recall[1] >= 0.85);
+    CHECK(recall[0] >= 0.96);
+    CHECK(recall[1] >= 0.87);
+    CHECK(recall[2] >= 0.72);
   }
+}
+
+// The FP8 indexer mode on the trained default model (models/dayzero-tiny:
+// index_topk 64, 4 indexer heads of 32 dims, context 256) against its exact
+// mode, on held-out text: the Devil's Dictionary entries of the held-out split
+// of its training data (tests/data/dayzero_tiny/heldout_devil.txt), tokenized
+// with the model's tokenizer through the C API, in windows of 256 tokens.
+// `dz indexer-fp8` measures the same on the whole held-out text (docs/precision.md).
+// What must hold exactly: every layer's FP8 selection is the top-k of the FP8
+// scores of its own inputs evaluated in fp64. What is measured: recall against
+// the exact mode and the logits; the floors below sit under the measured values
+// (recall 0.975 / 0.984 / 0.989 / 0.989 per layer, mean 0.984; logits cosine mean
+// 0.9996, worst 0.90; argmax agreement 0.988). E4M3's 4 significant bits move a
+// score by ~6% of the row's top score (median of the largest change) while the
+// k-th and (k+1)-th scores are ~0.6% apart, so about one of 64 cutoff tokens
+// swaps per row: the issue's recall target of 0.99 is not reached on this model.
+TEST_CASE("default model: FP8 indexer mode against exact mode on held-out text", "[deepseek]") {
+  const std::string dir = std::string(DZ_SOURCE_DIR) + "/models/dayzero-tiny";
+  std::ifstream in(kData + "/dayzero_tiny/heldout_devil.txt", std::ios::binary);
+  REQUIRE(in);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  struct Opened {
+    dz_model* m = nullptr;
+    dz_kv_arena* arena = nullptr;
+    ~Opened() {
+      dz_kv_arena_free(arena);
+      dz_model_free(m);
+    }
+  } ex, f8;
+  for (Opened* o : {&ex, &f8}) {
+    dz_model_params p;
+    dz_model_params_init(&p);
+    p.n_threads = 2;
+    p.indexer = o == &f8 ? DZ_INDEXER_FP8 : DZ_INDEXER_EXACT;
+    INFO(dz_last_error());
+    REQUIRE(dz_model_open(dir.c_str(), &p, &o->m) == DZ_OK);
+    dz_kv_arena_params ap;
+    dz_kv_arena_params_init(&ap);
+    ap.prefix_cache = 0;  // every window computes (and traces) every position
+    REQUIRE(dz_kv_arena_create(o->m, &ap, &o->arena) == DZ_OK);
+  }
+  const dz_tokenizer* tok = nullptr;
+  REQUIRE(dz_model_tokenizer(ex.m, &tok) == DZ_OK);
+  std::vector<int32_t> ids(text.size());
+  size_t n_ids = 0;
+  REQUIRE(dz_tokenize(tok, text.data(), text.size(), 0, ids.data(), ids.size(), &n_ids) == DZ_OK);
+  const size_t T = 256, n_win = n_ids / T;
+  REQUIRE(n_win >= 8);
+  const int H = 4, D = 32, K = 64, L = 4;
+
+  std::vector<double> recall(L, 0.0);
+  size_t rows = 0, n_pos = 0, agree = 0;
+  double cos_sum = 0, cos_min = 1;
+  for (size_t wi = 0; wi < n_win; ++wi) {
+    const std::vector<int32_t> win(ids.begin() + ptrdiff_t(wi * T), ids.begin() + ptrdiff_t((wi + 1) * T));
+    std::map<std::pair<int, int>, std::vector<int32_t>> sel;  // (mode, layer) -> [T, K]
+    std::map<int, std::vector<float>> iq, iw, ik;             // FP8 run's indexer inputs per layer
+    std::vector<std::vector<float>> logits;
+    for (int mode = 0; mode < 2; ++mode) {
+      dz::DsaTrace tr;
+      tr.on_select = [&](int l, size_t, int64_t pos0, const int32_t* s, int64_t n, int k) {
+        REQUIRE(k == K);
+        auto& v = sel[{mode, l}];
+        v.resize(T * size_t(K));
+        std::copy(s, s + n * k, v.begin() + pos0 * k);
+      };
+      if (mode == 1)
+        tr.on_indexer = [&](int l, size_t, int64_t pos0, const float* q, const float* w, const float* k, int64_t n) {
+          iq[l].resize(T * H * D), iw[l].resize(T * H), ik[l].resize(T * D);
+          std::copy(q, q + n * H * D, iq[l].begin() + pos0 * H * D);
+          std::copy(w, w + n * H, iw[l].begin() + pos0 * H);
+          std::copy(k, k + n * D, ik[l].begin() + pos0 * D);
+        };
+      Opened& o = mode ? f8 : ex;
+      dz::deepseek_v32_set_trace(*o.m->family, &tr);
+      dz_session* s = nullptr;
+      REQUIRE(dz_session_create(o.arena, nullptr, &s) == DZ_OK);
+      const dz_status st = dz_session_append(s, win.data(), T, DZ_LOGITS_ALL);
+      dz::deepseek_v32_set_trace(*o.m->family, nullptr);
+      INFO(dz_last_error());
+      REQUIRE(st == DZ_OK);
+      const float* lg = nullptr;
+      size_t r = 0, nv = 0;
+      REQUIRE(dz_session_logits(s, &lg, &r, &nv) == DZ_OK);
+      REQUIRE(r == T);
+      logits.emplace_back(lg, lg + T * nv);
+      dz_session_free(s);
+    }
+    const size_t V = logits[0].size() / T;
+    for (size_t t = 0; t < T; ++t) {
+      const float *a = logits[0].data() + t * V, *b = logits[1].data() + t * V;
+      const double c = cosine(b, a, V);
+      cos_sum += c, cos_min = std::min(cos_min, c), ++n_pos;
+      agree += argmax(a, V) == argmax(b, V);
+    }
+    for (int l = 0; l < L; ++l) {
+      std::vector<std::vector<double>> kd;
+      for (size_t j = 0; j < T; ++j) kd.push_back(fp8_dequantised(ik[l].data() + j * D, D, false));
+      const auto &se = sel[{0, l}], &sf = sel[{1, l}];
+      for (size_t t = size_t(K); t < T; ++t) {  // rows with more visible tokens than k
+        std::vector<std::vector<double>> qh;
+        for (int h = 0; h < H; ++h) qh.push_back(fp8_dequantised(iq[l].data() + (t * H + size_t(h)) * D, D, false));
+        const std::vector<double> s8 = scores_of(qh, iw[l].data() + t * H, kd, int64_t(t + 1));
+        // The FP8 selection is the top-k of s8: nothing left out scores above anything kept (up to rounding).
+        const std::set<int32_t> kept(sf.begin() + ptrdiff_t(t * K), sf.begin() + ptrdiff_t((t + 1) * K));
+        double lowest = 1e300;
+        for (int32_t x : kept) lowest = std::min(lowest, x >= 0 && size_t(x) <= t ? s8[size_t(x)] : -1e300);
+        const double tol = 1e-5 * *std::max_element(s8.begin(), s8.end());
+        size_t above = 0;
+        for (size_t j = 0; j <= t; ++j) above += !kept.count(int32_t(j)) && s8[j] > lowest + tol;
+        if (kept.size() != size_t(K) || above) REQUIRE(!"FP8 selection is not the top-k of its fp64 FP8 scores");
+        const std::set<int32_t> a(se.begin() + ptrdiff_t(t * K), se.begin() + ptrdiff_t((t + 1) * K));
+        int hit = 0;
+        for (size_t j = 0; j < size_t(K); ++j) hit += int(a.count(sf[t * K + j]));
+        recall[size_t(l)] += double(hit) / K;
+        rows += l == 0;
+      }
+    }
+  }
+  double mean = 0;
+  for (double& r : recall) r /= double(rows), mean += r / L;
+  WARN("dayzero-tiny FP8 indexer vs exact over "
+       << n_win << " windows of " << T << " held-out tokens: recall (rows t >= " << K << ") per layer " << recall[0]
+       << ", " << recall[1] << ", " << recall[2] << ", " << recall[3] << ", mean " << mean << "; logits cosine mean "
+       << cos_sum / double(n_pos) << ", worst " << cos_min << "; argmax agreement " << double(agree) / double(n_pos));
+  CHECK(mean >= 0.98);
+  for (double r : recall) CHECK(r >= 0.97);
+  CHECK(cos_sum / double(n_pos) >= 0.999);  // the issue's logits target holds on the mean ...
+  CHECK(cos_min >= 0.8);                    // ... not at every position
+  CHECK(double(agree) / double(n_pos) >= 0.97);
 }
 
 TEST_CASE("deepseek_v32: bad checkpoints fail with clear errors", "[deepseek]") {
