@@ -827,11 +827,11 @@ TEST_CASE("deepseek_v32: FP8 indexer mode (Hadamard + E4M3 key cache) against ex
 // What must hold exactly: every layer's FP8 selection is the top-k of the FP8
 // scores of its own inputs evaluated in fp64. What is measured: recall against
 // the exact mode and the logits; the floors below sit under the measured values
-// (recall 0.975 / 0.984 / 0.989 / 0.989 per layer, mean 0.984; logits cosine mean
-// 0.9996, worst 0.90; argmax agreement 0.988). E4M3's 4 significant bits move a
-// score by ~6% of the row's top score (median of the largest change) while the
-// k-th and (k+1)-th scores are ~0.6% apart, so about one of 64 cutoff tokens
-// swaps per row: the issue's recall target of 0.99 is not reached on this model.
+// (recall 0.975 / 0.983 / 0.989 / 0.988 per layer, mean 0.984; logits cosine mean
+// 0.9997, worst 0.91; argmax agreement 0.987). E4M3's 4 significant bits move
+// scores by more than the gap between the k-th and (k+1)-th score (a median
+// 0.6% of the row's top score), so about one of 64 cutoff tokens swaps per row:
+// the issue's recall target of 0.99 is not reached on this model.
 TEST_CASE("default model: FP8 indexer mode against exact mode on held-out text", "[deepseek]") {
   const std::string dir = std::string(DZ_SOURCE_DIR) + "/models/dayzero-tiny";
   std::ifstream in(kData + "/dayzero_tiny/heldout_devil.txt", std::ios::binary);
@@ -862,8 +862,8 @@ TEST_CASE("default model: FP8 indexer mode against exact mode on held-out text",
   std::vector<int32_t> ids(text.size());
   size_t n_ids = 0;
   REQUIRE(dz_tokenize(tok, text.data(), text.size(), 0, ids.data(), ids.size(), &n_ids) == DZ_OK);
-  const size_t T = 256, n_win = n_ids / T;
-  REQUIRE(n_win >= 8);
+  const size_t T = 256, n_win = 4;  // the first 4 windows: a few seconds
+  REQUIRE(n_ids >= n_win * T);
   const int H = 4, D = 32, K = 64, L = 4;
 
   std::vector<double> recall(L, 0.0);
