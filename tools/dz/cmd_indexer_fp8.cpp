@@ -47,11 +47,14 @@ struct Variant {
 const Variant kVariants[] = {
     {"bf16 q,k", false, Fmt::BF16, Fmt::BF16},
     {"e4m3 k only, rotated", true, Fmt::F32, Fmt::E4M3},
+    {"e4m3 k, bf16 q, rotated", true, Fmt::BF16, Fmt::E4M3},
     {"e4m3 q only, rotated", true, Fmt::E4M3, Fmt::F32},
     {"e4m3 q,k rotated", true, Fmt::E4M3, Fmt::E4M3},
     {"e4m3 q,k rotated, pow2 scales", true, Fmt::E4M3_POW2, Fmt::E4M3_POW2},
     {"e4m3 q,k not rotated", false, Fmt::E4M3, Fmt::E4M3},
 };
+
+constexpr size_t kFp8Mode = 4;  // kVariants[kFp8Mode] is what DZ_INDEXER_FP8 computes
 
 float round_bf16(float x) {
   uint32_t u;
@@ -364,7 +367,7 @@ int cmd_indexer_fp8(const Args& a) {
             }
             const std::vector<int32_t> tv = topk(sv, K);
             var_recall[size_t(l)][v] += overlap(tx.data(), tv.data(), K);
-            if (v == 3) {  // the FP8 mode's own arithmetic
+            if (v == kFp8Mode) {  // the FP8 mode's own arithmetic
               gaps.push_back(gap), perturb.push_back(dmax / top),
                   perturb_rms.push_back(std::sqrt(d2 / double(t + 1)) / top);
               swap_possible += 2 * dmax / top > gap;
