@@ -236,6 +236,10 @@ DZ_API void dz_detokenizer_free(dz_detokenizer *d);
  * text now complete, possibly "". */
 DZ_API dz_status dz_detokenizer_push(dz_detokenizer *d, int32_t id,
                                      const char **piece, size_t *len);
+/* End of stream: *piece is whatever push held back (an incomplete UTF-8
+ * sequence comes out as U+FFFD); d starts afresh. Same ownership as push. */
+DZ_API dz_status dz_detokenizer_flush(dz_detokenizer *d, const char **piece,
+                                      size_t *len);
 
 /* Render a conversation through the tokenizer's chat template (the Jinja
  * `chat_template` of tokenizer_config.json). messages_json is a JSON array of

@@ -374,6 +374,27 @@ TEST_CASE("C API: tokenizer open, encode, decode, buffers, stop ids, chat", "[to
     streamed.append(piece, len);
   }
   CHECK(streamed == text);
+  {
+    const char* piece = nullptr;
+    size_t len = 9;
+    REQUIRE(dz_detokenizer_flush(d, &piece, &len) == DZ_OK);
+    CHECK(len == 0);  // the text ended on a whole character
+    // The byte-level token for 0xF0 (the lead byte of a 4-byte character): held back, then U+FFFD at flush.
+    int32_t lead = -1;
+    REQUIRE(dz_tokenizer_token_id(tok, "\xF0", &lead) == DZ_OK);
+    REQUIRE(dz_detokenizer_push(d, lead, &piece, &len) == DZ_OK);
+    CHECK(len == 0);
+    REQUIRE(dz_detokenizer_flush(d, &piece, &len) == DZ_OK);
+    CHECK(std::string(piece, len) == "\xEF\xBF\xBD");
+    REQUIRE(dz_detokenizer_push(d, ids[0], &piece, &len) == DZ_OK);  // afresh after flush
+    std::string again(piece, len);
+    for (size_t i = 1; i < ids.size(); ++i) {
+      REQUIRE(dz_detokenizer_push(d, ids[i], &piece, &len) == DZ_OK);
+      again.append(piece, len);
+    }
+    CHECK(again == text);
+    CHECK(dz_detokenizer_flush(nullptr, &piece, &len) == DZ_ERR_INVALID_ARGUMENT);
+  }
   dz_detokenizer_free(d);
   const char* msgs = R"([{"role":"user","content":"Hi"}])";
   size_t need = 0;

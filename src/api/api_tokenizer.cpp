@@ -58,8 +58,7 @@ DZ_API dz_status dz_model_tokenizer(const dz_model* model, const dz_tokenizer** 
   return DZ_GUARD({
     dz::need(model, "model");
     dz::need(out, "out");
-    if (!model->tokenizer)
-      dz::fail(DZ_ERR_NOT_FOUND, "the model directory has no tokenizer.json or tiktoken.model");
+    if (!model->tokenizer) dz::fail(DZ_ERR_NOT_FOUND, "the model directory has no tokenizer.json or tiktoken.model");
     *out = model->tokenizer;
   });
 }
@@ -133,6 +132,17 @@ DZ_API dz_status dz_detokenizer_push(dz_detokenizer* d, int32_t id, const char**
     dz::need(piece, "piece");
     dz::need(len, "len");
     const std::string_view s = d->dec.push(id);
+    *piece = s.data();
+    *len = s.size();
+  });
+}
+
+DZ_API dz_status dz_detokenizer_flush(dz_detokenizer* d, const char** piece, size_t* len) {
+  return DZ_GUARD({
+    dz::need(d, "d");
+    dz::need(piece, "piece");
+    dz::need(len, "len");
+    const std::string_view s = d->dec.flush();
     *piece = s.data();
     *len = s.size();
   });

@@ -213,6 +213,21 @@ func (d *Detokenizer) Push(id int32) (string, error) {
 	return C.GoStringN(piece, C.int(n)), nil
 }
 
+// Flush ends the stream: it returns what Push held back (an incomplete UTF-8
+// sequence as U+FFFD).
+func (d *Detokenizer) Flush() (string, error) {
+	defer runtime.KeepAlive(d)
+	if d.p == nil {
+		return "", errClosed
+	}
+	var piece *C.char
+	var n C.size_t
+	if err := call(func() C.dz_status { return C.dz_detokenizer_flush(d.p, &piece, &n) }); err != nil {
+		return "", err
+	}
+	return C.GoStringN(piece, C.int(n)), nil
+}
+
 // Close frees the detokenizer.
 func (d *Detokenizer) Close() error {
 	if d.p != nil {

@@ -351,6 +351,13 @@ class Detokenizer(_Handle):
         _check(_L.dz_detokenizer_push(self._get(), int(token), ctypes.byref(piece), ctypes.byref(n)))
         return ctypes.string_at(piece, n.value).decode("utf-8", "replace") if n.value else ""
 
+    def flush(self):
+        """End of stream: what push held back (an incomplete UTF-8 sequence as U+FFFD)."""
+        piece = ctypes.c_void_p()
+        n = ctypes.c_size_t()
+        _check(_L.dz_detokenizer_flush(self._get(), ctypes.byref(piece), ctypes.byref(n)))
+        return ctypes.string_at(piece, n.value).decode("utf-8", "replace") if n.value else ""
+
 
 class KVArena(_Handle):
     """The paged KV pool sessions draw from. Internally synchronised: sessions on several threads may share it."""

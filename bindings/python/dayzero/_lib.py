@@ -100,6 +100,7 @@ PROTOTYPES = {
     "dz_detokenizer_create": (dz_status, [P(dz_tokenizer), P(P(dz_detokenizer))]),
     "dz_detokenizer_free": (None, [P(dz_detokenizer)]),
     "dz_detokenizer_push": (dz_status, [P(dz_detokenizer), c_int32, P(c_void_p), P(c_size_t)]),
+    "dz_detokenizer_flush": (dz_status, [P(dz_detokenizer), P(c_void_p), P(c_size_t)]),
     "dz_chat_apply_template": (dz_status, [P(dz_tokenizer), c_char_p, c_char_p, c_int, c_void_p, c_size_t,
                                            P(c_size_t)]),
     "dz_kv_arena_params_init": (None, [P(dz_kv_arena_params)]),

@@ -245,6 +245,11 @@ extern "C" {
         piece: *mut *const c_char,
         len: *mut usize,
     ) -> dz_status;
+    pub fn dz_detokenizer_flush(
+        d: *mut dz_detokenizer,
+        piece: *mut *const c_char,
+        len: *mut usize,
+    ) -> dz_status;
     pub fn dz_chat_apply_template(
         tok: *const dz_tokenizer,
         messages_json: *const c_char,

@@ -560,6 +560,18 @@ impl Detokenizer<'_> {
         let bytes = unsafe { std::slice::from_raw_parts(piece as *const u8, len) };
         Ok(String::from_utf8_lossy(bytes).into_owned())
     }
+
+    /// End of stream: what `push` held back (an incomplete UTF-8 sequence as U+FFFD).
+    pub fn flush(&mut self) -> Result<String> {
+        let mut piece = ptr::null();
+        let mut len = 0usize;
+        check(unsafe { sys::dz_detokenizer_flush(self.ptr.as_ptr(), &mut piece, &mut len) })?;
+        if len == 0 {
+            return Ok(String::new());
+        }
+        let bytes = unsafe { std::slice::from_raw_parts(piece as *const u8, len) };
+        Ok(String::from_utf8_lossy(bytes).into_owned())
+    }
 }
 
 impl Drop for Detokenizer<'_> {
