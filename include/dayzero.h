@@ -159,6 +159,10 @@ typedef struct dz_model_params {
   dz_progress_fn progress; /* optional; called from the opening thread */
   void *progress_user;
   dz_activation_precision activations; /* default DZ_ACTIVATIONS_AUTO */
+  int exact_moe_layers; /* DZ_EXPERTS_AUTO on CUDA: the first and last N MoE
+                           layers keep the exact MXFP4 path (BF16/FP16
+                           activations) at every batch size, the others
+                           switch to FP8 for large batches (default 0) */
 } dz_model_params;
 
 DZ_API void dz_model_params_init(dz_model_params *params);

@@ -65,12 +65,13 @@ std::vector<Ref> refs() {
 struct Model {
   dz_model* m = nullptr;
   explicit Model(dz_device dev, dz_expert_precision experts = DZ_EXPERTS_AUTO,
-                 dz_activation_precision act = DZ_ACTIVATIONS_AUTO) {
+                 dz_activation_precision act = DZ_ACTIVATIONS_AUTO, int exact_moe_layers = 0) {
     dz_model_params p;
     dz_model_params_init(&p);
     p.device = dev;
     p.experts = experts;
     p.activations = act;
+    p.exact_moe_layers = exact_moe_layers;
     p.n_threads = 2;
     const dz_status st = dz_model_open(kDir.c_str(), &p, &m);
     INFO(dz_last_error());
@@ -305,4 +306,30 @@ TEST_CASE("gpt-oss on the GPU: batched sessions of different lengths equal each 
     INFO("session " << i << " cosine batched vs alone " << c);
     CHECK(c > 0.99999);
   }
+}
+
+// exact_moe_layers: with AUTO, the first and last N MoE layers stay on the
+// exact (fused MXFP4) path while the others take FP8 for large batches. The
+// T=80 prompt has 40 tokens per expert (FP8 under plain AUTO).
+TEST_CASE("gpt-oss on the GPU: exact_moe_layers keeps the first and last MoE layers on the exact path", "[cuda]") {
+  if (!have_gpu()) return;
+  Model native(DZ_DEVICE_CUDA, DZ_EXPERTS_NATIVE), all(DZ_DEVICE_CUDA, DZ_EXPERTS_AUTO, DZ_ACTIVATIONS_AUTO, 2),
+      ends(DZ_DEVICE_CUDA, DZ_EXPERTS_AUTO, DZ_ACTIVATIONS_AUTO, 1), autom(DZ_DEVICE_CUDA, DZ_EXPERTS_AUTO);
+  Arena an(native, 16), aa(all, 16), ae(ends, 16), au(autom, 16);
+  const Ref r = refs().back();
+  REQUIRE(r.prompt.size() * 4 > 16 * 8);  // AUTO takes FP8 here
+  Session sn(an), sa(aa), se(ae), su(au);
+  const std::vector<float> n = sn.append(r.prompt, DZ_LOGITS_ALL), a = sa.append(r.prompt, DZ_LOGITS_ALL),
+                           e = se.append(r.prompt, DZ_LOGITS_ALL), u = su.append(r.prompt, DZ_LOGITS_ALL);
+  CHECK(a == n);  // every layer of this 4-layer model exact: the NATIVE result, bit for bit
+  CHECK(e != n);  // the middle layers took FP8
+  CHECK(e != u);  // the end layers did not
+  const size_t V = n.size() / r.prompt.size();
+  double ce = 1, cu = 1;
+  for (size_t t = 0; t < r.prompt.size(); ++t) {
+    ce = std::min(ce, cosine(e.data() + t * V, n.data() + t * V, V));
+    cu = std::min(cu, cosine(u.data() + t * V, n.data() + t * V, V));
+  }
+  std::printf("gpt_oss_tiny T=%zu min cosine vs the exact path: exact_moe_layers=1 %.6f, plain AUTO %.6f\n",
+              r.prompt.size(), ce, cu);
 }

@@ -93,6 +93,8 @@ DZ_API dz_status dz_model_open(const char* dir, const dz_model_params* params, d
     dz::check(m->params.activations >= DZ_ACTIVATIONS_AUTO && m->params.activations <= DZ_ACTIVATIONS_BF16,
               DZ_ERR_INVALID_ARGUMENT, "params->activations ", int(m->params.activations),
               " is not a dz_activation_precision");
+    dz::check(m->params.exact_moe_layers >= 0, DZ_ERR_INVALID_ARGUMENT, "params->exact_moe_layers ",
+              m->params.exact_moe_layers, " is negative");
     m->config = dz::Config::load(dir);
     m->architecture = m->config.model_type();
     const dz_model_params& p = m->params;

@@ -212,7 +212,8 @@ class GptOssCuda final : public Family, private GptOssDesc {
   void enqueue(const PassArgs& p, const ForwardOptions* abort_between);
   void clear_graphs();
   bool moe_fused_for(int T) const {
-    return path_ == cuda::MoePath::kFused || (path_ == cuda::MoePath::kAuto && moe_->choose(T) == cuda::MoePath::kFused);
+    return path_ == cuda::MoePath::kFused ||
+           (path_ == cuda::MoePath::kAuto && moe_->choose(T) == cuda::MoePath::kFused);
   }
   template <typename T>
   DeviceArray<T> upload(const T* p, size_t n, const char* what) {
@@ -221,12 +222,15 @@ class GptOssCuda final : public Family, private GptOssDesc {
     device_bytes_ += n * sizeof(T);
     return d;
   }
-  DeviceArray<float> upload_f32(const std::vector<float>& v, const char* what) { return upload(v.data(), v.size(), what); }
+  DeviceArray<float> upload_f32(const std::vector<float>& v, const char* what) {
+    return upload(v.data(), v.size(), what);
+  }
   // BF16 rows of the given matrices stacked (checkpoint BF16 copied as is).
   DeviceArray<uint16_t> upload_bf16(std::initializer_list<const cpu::WeightRef*> ws, const char* what);
 
   int dev_ = 0;
   cuda::MoePath path_ = cuda::MoePath::kAuto;
+  int exact_moe_layers_ = 0;  // AUTO: first and last layers kept on the exact (fused MXFP4) path
   uint64_t device_bytes_ = 0;
   std::unique_ptr<cuda::Context> ctx_;
   std::unique_ptr<cuda::Bf16Gemm> gemm_;
@@ -239,14 +243,14 @@ class GptOssCuda final : public Family, private GptOssDesc {
   DeviceArray<uint16_t> xb_, att_;
   DeviceArray<int32_t> ids_;
   DeviceArray<uint8_t> meta_;
-  DeviceArray<float> att_part_;     // split decode attention partials
+  DeviceArray<float> att_part_;      // split decode attention partials
   DeviceArray<int32_t> att_ticket_;  // and its ticket counters (zero between launches)
   cuda::DecodeSplitPolicy split_;
   float* logits_host_ = nullptr;  // pinned [kLogitRows][V]
   uint8_t* stage_ = nullptr;      // pinned staging of the metadata (uploaded with one copy)
   size_t stage_cap_ = 0;
-  cudaEvent_t stage_ev_ = nullptr;  // after the last upload from stage_: rewrite only once it completed
-  int* err_host_ = nullptr;         // pinned copy of the MoE error flag
+  cudaEvent_t stage_ev_ = nullptr;         // after the last upload from stage_: rewrite only once it completed
+  int* err_host_ = nullptr;                // pinned copy of the MoE error flag
   std::unique_ptr<ThreadPool> copy_pool_;  // host copies of many logits rows (batched decode: 51 MB at B = 64)
   std::vector<Graph> graphs_;
   uint64_t graph_tick_ = 0;
@@ -291,10 +295,17 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   check(params.activations != DZ_ACTIVATIONS_F32, DZ_ERR_UNSUPPORTED,
         "gpt_oss CUDA: DZ_ACTIVATIONS_F32 is not implemented (the GEMMs take BF16 activations; the CPU backend "
         "computes in fp32)");
+  exact_moe_layers_ = params.exact_moe_layers;
   switch (params.experts) {
-    case DZ_EXPERTS_AUTO: path_ = cuda::MoePath::kAuto; break;
-    case DZ_EXPERTS_NATIVE: path_ = cuda::MoePath::kFused; break;  // MXFP4 decoded in registers
-    case DZ_EXPERTS_FP8: path_ = cuda::MoePath::kFp8; break;
+    case DZ_EXPERTS_AUTO:
+      path_ = cuda::MoePath::kAuto;
+      break;
+    case DZ_EXPERTS_NATIVE:
+      path_ = cuda::MoePath::kFused;
+      break;  // MXFP4 decoded in registers
+    case DZ_EXPERTS_FP8:
+      path_ = cuda::MoePath::kFp8;
+      break;
     default:
       fail(DZ_ERR_UNSUPPORTED, "gpt_oss CUDA: dz_expert_precision ", int(params.experts),
            " is not supported (AUTO, NATIVE or FP8)");
@@ -374,9 +385,9 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   xb_ = DeviceArray<uint16_t>(pool, MR * H, "x bf16");
   att_ = DeviceArray<uint16_t>(pool, MR * QD, "attention out");
   logits_ = DeviceArray<float>(pool, size_t(kLogitRows) * V, "logits");
-  att_part_ = DeviceArray<float>(
-      pool, cuda::decode_partial_floats(kAttnGroupRows, n_heads_, int(head_dim_), split_.max_splits),
-      "decode attention partials");
+  att_part_ =
+      DeviceArray<float>(pool, cuda::decode_partial_floats(kAttnGroupRows, n_heads_, int(head_dim_), split_.max_splits),
+                         "decode attention partials");
   att_ticket_ = DeviceArray<int32_t>(pool, cuda::decode_ticket_ints(kAttnGroupRows, n_heads_, n_kv_heads_),
                                      "decode attention tickets");
   DZ_CUDA_CHECK(cudaMemset(att_ticket_.get(), 0, att_ticket_.bytes()));
@@ -459,7 +470,8 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
   cudaStream_t s = ctx_->stream();
 
   // Row metadata for this pass (row indices local to the pass).
-  std::vector<int32_t> tokens(static_cast<size_t>(T)), row_item(static_cast<size_t>(T)), row_pos(static_cast<size_t>(T)), dec_rows, logit_rows;
+  std::vector<int32_t> tokens(static_cast<size_t>(T)), row_item(static_cast<size_t>(T)),
+      row_pos(static_cast<size_t>(T)), dec_rows, logit_rows;
   std::vector<int64_t> row_off(static_cast<size_t>(T));
   std::vector<float> cs(size_t(T * half)), sn(size_t(T * half));
   std::vector<int32_t> item_pt(batch.size());
@@ -488,8 +500,8 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
       dec_rows.push_back(i);
       const int len = rw.pos + 1;
       chunks_full = std::max(chunks_full, cuda::decode_chunks(len, split_, split_.max_splits));
-      chunks_sliding = std::max(chunks_sliding,
-                                cuda::decode_chunks(std::min<int>(len, int(window_)), split_, split_.max_splits));
+      chunks_sliding =
+          std::max(chunks_sliding, cuda::decode_chunks(std::min<int>(len, int(window_)), split_, split_.max_splits));
     } else if (i == 0 || row_item[size_t(i - 1)] != rw.item || tiles.back().n == tile_rows) {
       tiles.push_back({i, 1});
     } else {
@@ -642,8 +654,7 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
     const int nc = std::min(kLogitRows, p.n_logit - c0);
     cuda::rms_norm(x_.get(), p.lr + c0, nc, H, final_norm_d_.get(), eps_, nullptr, xb_.get(), s);
     gemm_->run(xb_.get(), lm, nullptr, logits_.get(), nc, int(V), H, 0.f, s);
-    DZ_CUDA_CHECK(
-        cudaMemcpyAsync(logits_host_, logits_.get(), size_t(nc) * size_t(V) * 4, cudaMemcpyDeviceToHost, s));
+    DZ_CUDA_CHECK(cudaMemcpyAsync(logits_host_, logits_.get(), size_t(nc) * size_t(V) * 4, cudaMemcpyDeviceToHost, s));
     DZ_CUDA_CHECK(cudaStreamSynchronize(s));
     copy_rows(c0, nc);
   }
@@ -692,7 +703,9 @@ void GptOssCuda::enqueue(const PassArgs& p, const ForwardOptions* abort_between)
     mw.w2_blocks = L.w2b.get();
     mw.w2_scales = L.w2s.get();
     mw.b2 = L.b2.get();
-    moe_->forward(mw, xn_.get(), ids_.get(), gw_.get(), T, x, path_, true);  // x += experts(xn)
+    const bool exact = li < exact_moe_layers_ || li >= n_layers_ - exact_moe_layers_;
+    const cuda::MoePath lp = path_ == cuda::MoePath::kAuto && exact ? cuda::MoePath::kFused : path_;
+    moe_->forward(mw, xn_.get(), ids_.get(), gw_.get(), T, x, lp, true);  // x += experts(xn)
   }
   abort_check();
   if (p.n_logit <= kLogitRows) {
@@ -700,8 +713,8 @@ void GptOssCuda::enqueue(const PassArgs& p, const ForwardOptions* abort_between)
     cuda::rms_norm(x, p.lr, p.n_logit, int(H), final_norm_d_.get(), eps_, nullptr, xb_.get(), s);
     gemm_->run(xb_.get(), lm, nullptr, logits_.get(), p.n_logit, int(V), int(H), 0.f, s);
     if (p.n_logit > 0)
-      DZ_CUDA_CHECK(cudaMemcpyAsync(logits_host_, logits_.get(), size_t(p.n_logit) * size_t(V) * 4,
-                                    cudaMemcpyDeviceToHost, s));
+      DZ_CUDA_CHECK(
+          cudaMemcpyAsync(logits_host_, logits_.get(), size_t(p.n_logit) * size_t(V) * 4, cudaMemcpyDeviceToHost, s));
   }
   int* err = moe_->error_flag();
   DZ_CUDA_CHECK(cudaMemcpyAsync(err_host_, err, sizeof(int), cudaMemcpyDeviceToHost, s));

@@ -79,6 +79,7 @@ pub struct dz_model_params {
     pub progress: dz_progress_fn,
     pub progress_user: *mut c_void,
     pub activations: dz_activation_precision,
+    pub exact_moe_layers: c_int,
 }
 
 #[repr(C)]
