@@ -176,6 +176,13 @@ class Chat {
         ok(dz_session_append(session_, &t, 1, DZ_LOGITS_LAST), "decode");
         in_kv_.push_back(t);
       }
+      const char* rest = nullptr;
+      size_t len = 0;
+      ok(dz_detokenizer_flush(det, &rest, &len), "detokenize");  // bytes held back at the end
+      if (len) {
+        std::fwrite(rest, 1, len, stdout);
+        reply.append(rest, len);
+      }
     } catch (...) {
       dz_detokenizer_free(det);
       throw;
@@ -186,9 +193,16 @@ class Chat {
     std::fflush(stdout);
     const double pf = std::chrono::duration<double>(t1 - t0).count(),
                  dc = std::chrono::duration<double>(t2 - t1).count();
-    std::fprintf(stderr, "[prefill %zu tok in %.2f s (%.1f tok/s) | %d tok in %.2f s (%.1f tok/s)%s]\n", n_new, pf,
-                 pf > 0 ? double(n_new) / pf : 0.0, n_gen, dc, dc > 0 ? double(n_gen) / dc : 0.0,
-                 n_gen >= o_.max_new ? ", hit --max-new" : "");
+    dz_kv_stats kv;
+    dz_kv_stats_init(&kv);
+    ok(dz_kv_arena_get_stats(arena_, &kv), "KV stats");
+    std::fprintf(stderr,
+                 "[prefill %zu tok in %.2f s (%.1f tok/s) | %d tok in %.2f s (%.1f tok/s)%s | context %zu tok, KV %llu "
+                 "of %llu pages (%.1f of %.0f MiB)]\n",
+                 n_new, pf, pf > 0 ? double(n_new) / pf : 0.0, n_gen, dc, dc > 0 ? double(n_gen) / dc : 0.0,
+                 n_gen >= o_.max_new ? ", hit --max-new" : "", in_kv_.size(), (unsigned long long)kv.pages_used,
+                 (unsigned long long)kv.pages_total, double(kv.pages_used * kv.page_bytes) / 1048576.0,
+                 double(kv.bytes_total) / 1048576.0);
     messages_.push_back(assistant_message(reply));
   }
 
