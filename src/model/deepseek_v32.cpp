@@ -279,24 +279,9 @@ void DeepseekV32::forward(std::span<ForwardItem> batch, const ForwardOptions& op
   const int64_t H = hidden_, NH = mla_.n_heads, QD = mla_.nope + mla_.rope, KVA = mla_.rank + mla_.rope;
   const int64_t IH = idx_.n_heads, ID = idx_.head_dim, half = mla_.rope / 2, K = idx_.topk;
   const int64_t OD = NH * mla_.v;
-  struct Row {
-    size_t item;
-    int64_t pos;
-  };
-  std::vector<Row> rows;
-  std::vector<int64_t> first_row(batch.size());
-  for (size_t b = 0; b < batch.size(); ++b) {
-    const ForwardItem& it = batch[b];
-    check(it.seq && !it.tokens.empty() && it.logits, DZ_ERR_INTERNAL, "deepseek_v32 forward: malformed batch item ", b);
-    first_row[b] = int64_t(rows.size());
-    const int64_t start = int64_t(it.seq->length());
-    for (size_t t = 0; t < it.tokens.size(); ++t) {
-      const int32_t tok = it.tokens[t];
-      check(tok >= 0 && tok < n_vocab_, DZ_ERR_INVALID_ARGUMENT, "token id ", tok, " is outside the vocabulary [0, ",
-            n_vocab_, ")");
-      rows.push_back({b, start + int64_t(t)});
-    }
-  }
+  const BatchRows flat = flatten_batch(batch, n_vocab_, "deepseek_v32");
+  const std::vector<BatchRow>& rows = flat.rows;
+  const std::vector<int64_t>& first_row = flat.first_row;
   const int64_t R = int64_t(rows.size());
   ThreadPool* pool = pool_.get();
 

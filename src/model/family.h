@@ -9,9 +9,10 @@
 #include <string>
 #include <vector>
 
+#include "common/error.h"
 #include "dayzero.h"
-#include "loader/config.h"
 #include "kv/arena.h"
+#include "loader/config.h"
 #include "loader/safetensors.h"
 
 namespace dz {
@@ -19,12 +20,41 @@ namespace dz {
 // One sequence's share of a forward pass (batches are ragged: sequences of
 // different lengths and different numbers of new tokens run together).
 struct ForwardItem {
-  kv::Sequence* seq = nullptr;     // room for tokens.size() more tokens already reserved
-  std::span<const int32_t> tokens; // new tokens, at positions seq->length() ...
-  bool all_logits = false;         // logits for every new token, else the last only
-  float* logits = nullptr;         // [rows x n_vocab], rows = all_logits ? tokens.size() : 1
+  kv::Sequence* seq = nullptr;                // room for tokens.size() more tokens already reserved
+  std::span<const int32_t> tokens;            // new tokens, at positions seq->length() ...
+  bool all_logits = false;                    // logits for every new token, else the last only
+  float* logits = nullptr;                    // [rows x n_vocab], rows = all_logits ? tokens.size() : 1
   uint64_t* attention_tokens_read = nullptr;  // optional: this item's share of ForwardOptions' counter
 };
+
+// A batch flattened into one row per new token (items in order).
+struct BatchRow {
+  size_t item;
+  int64_t pos;  // position in the item's sequence
+};
+struct BatchRows {
+  std::vector<BatchRow> rows;
+  std::vector<int64_t> first_row;  // per item: index of its first row
+};
+// Checks every item (sequence, tokens, logits) and token id (< n_vocab);
+// `family` names the model in messages.
+inline BatchRows flatten_batch(std::span<const ForwardItem> batch, int32_t n_vocab, const char* family) {
+  BatchRows b;
+  b.first_row.resize(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const ForwardItem& it = batch[i];
+    check(it.seq && !it.tokens.empty() && it.logits, DZ_ERR_INTERNAL, family, " forward: malformed batch item ", i);
+    b.first_row[i] = int64_t(b.rows.size());
+    const int64_t start = int64_t(it.seq->length());
+    for (size_t t = 0; t < it.tokens.size(); ++t) {
+      const int32_t tok = it.tokens[t];
+      check(tok >= 0 && tok < n_vocab, DZ_ERR_INVALID_ARGUMENT, "token id ", tok, " is outside the vocabulary [0, ",
+            n_vocab, ")");
+      b.rows.push_back({i, start + int64_t(t)});
+    }
+  }
+  return b;
+}
 
 struct ForwardOptions {
   dz_abort_fn abort = nullptr;  // polled between layers; throw DZ_ERR_CANCELLED when it says stop
@@ -49,7 +79,7 @@ class Family {
 };
 
 using FamilyFactory = std::unique_ptr<Family> (*)(const Config& config, const WeightStore& weights,
-                                                   const dz_model_params& params);
+                                                  const dz_model_params& params);
 
 // nullptr when the model_type is not served by this build.
 FamilyFactory find_family(const std::string& model_type);

@@ -106,25 +106,9 @@ GptOss::GptOss(const Config& cfg, const WeightStore& ws, const dz_model_params& 
 
 void GptOss::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
   const int64_t H = hidden_, QD = q_dim(), KVD = kv_dim(), hd = head_dim_, half = hd / 2;
-  // Rows of the flattened batch: item, position, token.
-  struct Row {
-    size_t item;
-    int64_t pos;
-  };
-  std::vector<Row> rows;
-  std::vector<int64_t> first_row(batch.size());
-  for (size_t b = 0; b < batch.size(); ++b) {
-    const ForwardItem& it = batch[b];
-    check(it.seq && !it.tokens.empty() && it.logits, DZ_ERR_INTERNAL, "gpt_oss forward: malformed batch item ", b);
-    first_row[b] = int64_t(rows.size());
-    const int64_t start = int64_t(it.seq->length());
-    for (size_t t = 0; t < it.tokens.size(); ++t) {
-      const int32_t tok = it.tokens[t];
-      check(tok >= 0 && tok < n_vocab_, DZ_ERR_INVALID_ARGUMENT, "token id ", tok, " is outside the vocabulary [0, ",
-            n_vocab_, ")");
-      rows.push_back({b, start + int64_t(t)});
-    }
-  }
+  const BatchRows flat = flatten_batch(batch, n_vocab_, "gpt_oss");
+  const std::vector<BatchRow>& rows = flat.rows;
+  const std::vector<int64_t>& first_row = flat.first_row;
   const int64_t R = int64_t(rows.size());
   ThreadPool* pool = pool_.get();
 
@@ -190,7 +174,7 @@ void GptOss::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
       std::vector<double> scratch;
       for (size_t t = t0; t < t1; ++t) {
         const Task& tk = tasks[t];
-        const Row& rw = rows[size_t(tk.row)];
+        const BatchRow& rw = rows[size_t(tk.row)];
         const int64_t lo = L.sliding ? std::max<int64_t>(0, rw.pos - window_ + 1) : 0;
         const int64_t off = lo - kv_lo[rw.item];
         cpu::attend(q.data() + tk.row * QD + int64_t(tk.head) * hd, kp[rw.item].data() + off, vp[rw.item].data() + off,
@@ -199,7 +183,7 @@ void GptOss::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
       }
     });
     for (int64_t r = 0; r < R; ++r) {
-      const Row& rw = rows[size_t(r)];
+      const BatchRow& rw = rows[size_t(r)];
       const uint64_t n = uint64_t(rw.pos - (L.sliding ? std::max<int64_t>(0, rw.pos - window_ + 1) : 0) + 1);
       tokens_read += n;
       if (batch[rw.item].attention_tokens_read) *batch[rw.item].attention_tokens_read += n;
