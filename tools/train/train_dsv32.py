@@ -6,9 +6,12 @@ tools/train/prepare_data.sh, and write it in the published layout with MXFP4 rou
     PYTHONUNBUFFERED=1 python3 tools/train/train_dsv32.py --data DATADIR --out OUTDIR --minutes 4
 
 (models/dayzero-tiny and tests/data/dayzero_tiny came from exactly this on one H200: 1803 steps in 4 minutes.)
+--index-heads / --index-dim change only the lightning indexer (default 4 x 32; DeepSeek-V3.2 has 64 x 128, the
+first qk_rope_head_dim dims of each indexer head rotary) and --name the model folder, for measuring the indexer
+at other sizes; the defaults reproduce the shipped model.
 
 Needs PyTorch, transformers (deepseek_v32), tokenizers and safetensors; one GPU. Writes:
-  OUTDIR/dayzero-tiny/   config.json, model.safetensors, tokenizer.json, tokenizer_config.json
+  OUTDIR/NAME/           (--name, default dayzero-tiny) config.json, model.safetensors, tokenizer.json, tokenizer_config.json
   OUTDIR/reference.safetensors  prompt.i I64 [T], logits.i F32 [T, vocab], greedy.i I64 [12], margin.i F32 [12]
                                 (transformers, float32 CPU, eager, the dequantised weights of the files)
   OUTDIR/metrics.json           held-out perplexity BF16 vs MXFP4 experts, next-token agreement, indexer recall
@@ -68,13 +71,13 @@ def train_tokenizer(docs, vocab):
     return tok
 
 
-def make_config(V, ids, ctx):
+def make_config(V, ids, ctx, index_heads=4, index_dim=32):
     from transformers import AutoConfig
     c = dict(vocab_size=V, hidden_size=256, intermediate_size=768, moe_intermediate_size=256,
              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
              n_routed_experts=16, num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=1.0,
              norm_topk_prob=True, kv_lora_rank=64, q_lora_rank=128, qk_rope_head_dim=16, qk_nope_head_dim=32,
-             v_head_dim=32, index_n_heads=4, index_head_dim=32, index_topk=ctx, first_k_dense_replace=1,
+             v_head_dim=32, index_n_heads=index_heads, index_head_dim=index_dim, index_topk=ctx, first_k_dense_replace=1,
              hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
              attention_bias=False, bos_token_id=ids["<|bos|>"], eos_token_id=ids["<|eos|>"],
              pad_token_id=ids["<|pad|>"], initializer_range=0.02)
@@ -232,7 +235,13 @@ def main():
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=20261201)
+    ap.add_argument("--index-heads", type=int, default=4, help="indexer heads (index_n_heads)")
+    ap.add_argument("--index-dim", type=int, default=32,
+                    help="indexer head dim (index_head_dim; >= qk_rope_head_dim 16; a power of two for the FP8 mode)")
+    ap.add_argument("--name", default="dayzero-tiny", help="model folder under --out")
     args = ap.parse_args()
+    if args.index_heads < 1 or args.index_dim < 16:
+        sys.exit("error: --index-heads must be >= 1 and --index-dim >= qk_rope_head_dim (16)")
     import transformers
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -255,7 +264,7 @@ def main():
     V = tok.get_vocab_size()
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
     assert all(v is not None for v in ids.values()), ids
-    mdir = os.path.join(args.out, "dayzero-tiny")
+    mdir = os.path.join(args.out, args.name)
     os.makedirs(mdir, exist_ok=True)
     tok.save(os.path.join(mdir, "tokenizer.json"))
     with open(os.path.join(mdir, "tokenizer_config.json"), "w") as f:
@@ -281,7 +290,7 @@ def main():
     log(f"tokens: train {stream.numel()}, held-out {held.numel()} ({held.numel() / sum(map(len, held_docs)):.3f}/char)")
 
     # --- model
-    cfg = make_config(V, ids, args.ctx)
+    cfg = make_config(V, ids, args.ctx, args.index_heads, args.index_dim)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).to(dev)
     n_par = sum(p.numel() for p in model.parameters())
     n_exp = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
@@ -379,6 +388,7 @@ def main():
                "heldout_tokens": held.numel(), "params": n_par, "routed_expert_params": n_exp,
                "context": args.ctx, "index_topk": args.topk, "dense_fraction": args.dense_frac,
                "minutes": args.minutes, "indexer_kl_trained": kl_ok, "vocab": V,
+               "index_n_heads": args.index_heads, "index_head_dim": args.index_dim,
                "final_train_lm_loss": sum(h[1] for h in hist[-50:]) / max(1, len(hist[-50:])),
                "final_indexer_kl": sum(h[2] for h in hist[-50:]) / max(1, len(hist[-50:]))}
 
