@@ -611,15 +611,17 @@ __global__ void __launch_bounds__(kPThreads, 1) moe_persistent_kernel(const PArg
       asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(d.sc), "r"(kPRows * d.nsub) : "memory");
     };
     // The activation rows of stage `it` (after the weights), then its arrivals.
+    int ready_gp = -1;  // a pass whose SwiGLU rows were seen complete (down tickets come in pass order)
     auto finish = [&](int it) {
       const int s = it % a.S;
       const PMeta md = meta[s];
-      if (md.kind == 1) {  // this pass's SwiGLU rows: every gate_up item of the pass has published them
+      if (md.kind == 1 && md.gp != ready_gp) {  // every gate_up item of the pass has published its rows
         Patience w;
         while (ld_acquire(a.pass_done + md.gp) < TG) {
           __nanosleep(100);
           w.tick(a.err);
         }
+        ready_gp = md.gp;
       }
       unsigned char* st = psm + size_t(s) * a.stage_bytes;
       const int npc = (md.kind ? a.kpi : a.kph) / 8;  // 16-byte pieces per row
@@ -642,25 +644,40 @@ __global__ void __launch_bounds__(kPThreads, 1) moe_persistent_kernel(const PArg
     const int first = __shfl_sync(~0u, ticket, 0);
     int it = 0;
     while (it < a.S && first + it < n_items) issue(it, first + it), ++it;
-    int claimed = 0;
-    if (lane == 0 && it == a.S) claimed = atomicAdd(a.ctr, 2);
+    // Steady state: one ticket per item, claimed four items before it is used
+    // (an atomic's round trip under full memory load takes microseconds; the
+    // producer must not wait for it per item). Tickets only grow, so a held
+    // gate_up ticket never waits behind a down item.
+    int q0 = 0, q1 = 0, q2 = 0, q3 = 0;
+    if (lane == 0 && it == a.S) {
+      q0 = atomicAdd(a.ctr, 1);
+      q1 = atomicAdd(a.ctr, 1);
+      q2 = atomicAdd(a.ctr, 1);
+      q3 = atomicAdd(a.ctr, 1);
+    }
     griddep_wait();
     for (int t = lane; t < a.T; t += 32) xs_sm[t] = a.xs[t];
     __syncwarp();
     for (int i = 0; i < it; ++i) finish(i);
-    if (it == a.S) {
-      // Steady state: one ticket at a time, two claimed ahead (tickets only
-      // grow, so a held gate_up ticket never waits behind a down item).
-      ticket = __shfl_sync(~0u, claimed, 0);
-      int ahead = ticket + 1;
-      for (; ticket < n_items; ++it) {
-        if (lane == 0 && ahead < n_items) claimed = atomicAdd(a.ctr, 1);
-        issue(it, ticket);
-        prefetch_l2(ahead);
-        finish(it);
-        ticket = ahead;
-        ahead = ahead < n_items ? __shfl_sync(~0u, claimed, 0) : n_items;
+    bool more = it == a.S;
+    auto step = [&](int& q, const int& q_next) {
+      if (!more) return;
+      const int tk = __shfl_sync(~0u, q, 0);
+      if (tk >= n_items) {
+        more = false;
+        return;
       }
+      if (lane == 0) q = atomicAdd(a.ctr, 1);
+      issue(it, tk);
+      prefetch_l2(__shfl_sync(~0u, q_next, 0));
+      finish(it);
+      ++it;
+    };
+    while (more) {
+      step(q0, q1);
+      step(q1, q2);
+      step(q2, q3);
+      step(q3, q0);
     }
     // One "no more work" stage per consumer group.
     for (int k = 0; k < kPGroups; ++k, ++it) {
@@ -755,10 +772,7 @@ __global__ void __launch_bounds__(kPThreads, 1) moe_persistent_kernel(const PArg
         }
         __threadfence();
         __syncwarp();
-        if (lane == 0) {
-          __threadfence();
-          atomicAdd(a.pass_done + gp, 1);
-        }
+        if (lane == 0) atomicAdd(a.pass_done + gp, 1);
       } else {
         const int n0 = tile * kPRows;
 #pragma unroll
@@ -772,16 +786,14 @@ __global__ void __launch_bounds__(kPThreads, 1) moe_persistent_kernel(const PArg
         __threadfence();
         __syncwarp();
         int last = 0;
-        if (lane == 0) {
-          __threadfence();
-          last = atomicAdd(a.tile_done + tile, 1) == P - 1;
-        }
+        if (lane == 0) last = atomicAdd(a.tile_done + tile, 1) == P - 1;
         if (__shfl_sync(~0u, last, 0)) {
           // Every pass has written this tile: out = sum_k gate_w * y in k order.
           __threadfence();
           for (int idx = lane; idx < a.T * kPRows; idx += 32) {
             const int tk = idx / kPRows, n = n0 + idx % kPRows;
             float o = 0.f;
+#pragma unroll 4
             for (int k = 0; k < a.topk; ++k) {
               const int sl = tk * a.topk + k, ord = ord_of_slot[sl];
               if (ord >= 0) o += a.gw[sl] * __ldcg(a.y + int64_t(ord) * a.H + n);
