@@ -356,19 +356,21 @@ __global__ void __launch_bounds__(kW4Threads, kKS == 1 ? 3 : 2) w4_kernel(W4Args
 //  - Two consumer groups of 8 warps take alternate stages (an even number of
 //    stages: each stage always serves the same group, so a group waits on a
 //    stage's mbarrier phases strictly in order) and split K (the
-//    decode and MMA of w4_chunk); partial sums go through shared memory to the
-//    group's epilogue warp, which adds them in a fixed order, applies bias and
+//    decode and MMA of w4_chunk); partial sums go through shared memory
+//    (double-buffered) to the group's epilogue warp of that buffer (two per
+//    group, alternate items), which adds them in a fixed order, applies bias and
 //    SwiGLU (gate_up) or writes the expert output (down), and publishes
 //    completion with release/acquire counters.
 //  - Each down item counts its 16-row output tile as done; the last one
 //    combines every token's top-k outputs of that tile in k order (no
 //    combine kernel; deterministic, whichever block finishes last).
 // The last block to exit resets the counters for the next launch.
-constexpr int kPGroups = 2;                                     // consumer groups
-constexpr int kPWarps = 8;                                      // MMA warps per group (K split)
-constexpr int kPBar = 32 * (kPWarps + 1);                       // a group + its epilogue warp
-constexpr int kPThreads = 32 * (kPGroups * (kPWarps + 1) + 1);  // + the producer warp
-constexpr int kPRows = 16;                                      // weight rows per item
+constexpr int kPGroups = 2;                                    // consumer groups
+constexpr int kPWarps = 8;                                     // MMA warps per group (K split)
+constexpr int kPGroupWarps = kPWarps + 2;                      // + two epilogue warps (alternate items)
+constexpr int kPBar = 32 * (kPWarps + 1);                      // a group + one of its epilogue warps
+constexpr int kPThreads = 32 * (kPGroups * kPGroupWarps + 1);  // + the producer warp
+constexpr int kPRows = 16;                                     // weight rows per item
 constexpr int kPMaxStages = 8;
 static_assert(kPMaxStages % kPGroups == 0, "stages are dealt to the consumer groups in turn");
 
@@ -484,7 +486,7 @@ __global__ void __launch_bounds__(kPThreads, 1) moe_persistent_kernel(const PArg
   int* scal = slot_of_ord + NS;                          // [2] active experts, passes
   float* xs_sm = reinterpret_cast<float*>(scal + 2);     // [T] input scales
   const uint32_t full0 = smem_addr(bars), empty0 = smem_addr(bars + a.S);
-  const bool producer = warp == kPGroups * (kPWarps + 1);
+  const bool producer = warp == kPGroups * kPGroupWarps;
   // Items are only ever claimed by running blocks (no static assignment), so a
   // down item never waits for work held by a block that is not resident. The
   // first claim (one ticket per ring stage) overlaps the routing below.
@@ -688,9 +690,9 @@ __global__ void __launch_bounds__(kPThreads, 1) moe_persistent_kernel(const PArg
       if (lane == 0) mbar_arrive(full0 + 8 * s);
       cp_async_arrive_noinc(full0 + 8 * s);
     }
-  } else if (warp % (kPWarps + 1) < kPWarps) {
+  } else if (warp % kPGroupWarps < kPWarps) {
     // ----------------------------------------------------- consumer warps
-    const int grp = warp / (kPWarps + 1), wg = warp % (kPWarps + 1);
+    const int grp = warp / kPGroupWarps, wg = warp % kPGroupWarps;
     const int g = lane >> 2, t = lane & 3;
     for (int j = 0;; ++j) {
       const int it = kPGroups * j + grp, s = it % a.S, buf = j & 1;
@@ -734,17 +736,21 @@ __global__ void __launch_bounds__(kPThreads, 1) moe_persistent_kernel(const PArg
       }
       named_arrive(bar_full(grp, buf), kPBar);
       if (md.kind < 0) {
-        // Balance the epilogue's last "read" arrival on the other buffer.
+        // The other buffer's epilogue warp stops too (once it has read its last item).
+        unsigned char* ro = psm + a.off_red + size_t(grp * 2 + (buf ^ 1)) * kRedBytes;
         if (j >= 1) named_sync(bar_read(grp, buf ^ 1), kPBar);
+        if (wg == 0 && lane == 0) reinterpret_cast<PHdr*>(ro)->kind = -1;
+        named_arrive(bar_full(grp, buf ^ 1), kPBar);
         break;
       }
     }
   } else {
-    // ------------------------------------------------------ epilogue warp
-    const int grp = warp / (kPWarps + 1);
+    // ----------------------------------------------------- epilogue warps
+    // Warp `buf` of the group takes the items of red buffer buf (every other
+    // item), so its fences and counters overlap the other warp's item.
+    const int grp = warp / kPGroupWarps, buf = warp % kPGroupWarps - kPWarps;
     const int g = lane >> 2, t = lane & 3;
-    for (int j = 0;; ++j) {
-      const int buf = j & 1;
+    for (;;) {
       const unsigned char* rb = psm + a.off_red + size_t(grp * 2 + buf) * kRedBytes;
       named_sync(bar_full(grp, buf), kPBar);
       const PHdr* hp = reinterpret_cast<const PHdr*>(rb);
