@@ -4,8 +4,8 @@
 // steps replayed from CUDA graphs against the same steps run eagerly
 // (bitwise), and against the CPU backend, over contexts that cross pages and
 // split-grid buckets, at batch 1 and 3.
-#include <catch2/catch.hpp>
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +18,7 @@
 #include "dayzero.h"
 #include "model/gpt_oss.h"
 #include "runtime/device.h"
+#include "support/gpu.h"
 
 #ifdef DZ_WITH_CUDA
 #include "cuda/attention.h"
@@ -27,17 +28,7 @@
 
 namespace {
 
-bool have_gpu() {
-  if (!dz::cuda_compiled()) {
-    WARN("CUDA backend not compiled in: skipped");
-    return false;
-  }
-  if (dz::cuda_device_count() == 0) {
-    WARN("no CUDA device present: skipped");
-    return false;
-  }
-  return true;
-}
+using dz::test::have_gpu;
 
 }  // namespace
 
@@ -70,7 +61,8 @@ struct AttnCase {
     std::shuffle(perm.begin(), perm.end(), rng);  // pages scattered over the storage
     tables.resize(size_t(n_items));
     for (int it = 0, k = 0; it < n_items; ++it)
-      for (int p = 0; p < (need[size_t(it)] + page_tokens - 1) / page_tokens; ++p) tables[size_t(it)].push_back(perm[size_t(k++)]);
+      for (int p = 0; p < (need[size_t(it)] + page_tokens - 1) / page_tokens; ++p)
+        tables[size_t(it)].push_back(perm[size_t(k++)]);
     page_bytes = int64_t(page_tokens) * 2 * n_kv * D * 4;
     kv.resize(size_t(pages) * size_t(page_bytes) / 4);
     for (auto& x : kv) x = nd(rng) * 1.5f;  // scores spread enough that the softmax is not flat
@@ -245,8 +237,8 @@ TEST_CASE("split-K decode attention: float64 reference, unsplit kernel, grid ind
       };
       const std::vector<float> un = dc.unsplit(window);
       const double e_un = max_err(un);
-      INFO("heads " << sh.nh << "/" << sh.nkv << " D " << sh.D << " window " << window << ": unsplit max error "
-                    << e_un << " (max |out| " << amax << ")");
+      INFO("heads " << sh.nh << "/" << sh.nkv << " D " << sh.D << " window " << window << ": unsplit max error " << e_un
+                    << " (max |out| " << amax << ")");
       CHECK(e_un < 2e-5 * std::max(1.0, amax));
       struct Pol {
         int min_chunk, max_splits;
@@ -415,10 +407,11 @@ TEST_CASE("gpt-oss decode: CUDA graph replays equal eager steps bitwise and matc
     const uint64_t replays = dz::gpt_oss_cuda_graph_replays() - replays0;
     std::sort(vs_cpu.begin(), vs_cpu.end());
     const size_t below = size_t(std::count_if(vs_cpu.begin(), vs_cpu.end(), [](double x) { return x < 0.999; }));
-    std::printf("CUDA decode batch %d: %d steps, %llu graph replays, %d of %d logits rows differ from eager; cosine "
-                "vs CPU (BF16 activations) min %.7f median %.7f, %zu rows below 0.999\n",
-                batch, steps, (unsigned long long)replays, mismatched, steps * batch, vs_cpu.front(),
-                vs_cpu[vs_cpu.size() / 2], below);
+    std::printf(
+        "CUDA decode batch %d: %d steps, %llu graph replays, %d of %d logits rows differ from eager; cosine "
+        "vs CPU (BF16 activations) min %.7f median %.7f, %zu rows below 0.999\n",
+        batch, steps, (unsigned long long)replays, mismatched, steps * batch, vs_cpu.front(), vs_cpu[vs_cpu.size() / 2],
+        below);
     CHECK(mismatched == 0);
     // Every step replays a graph except the first of each key (eager) and its capture step (replayed too).
     CHECK(replays >= uint64_t(steps - 8));

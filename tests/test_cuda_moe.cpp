@@ -20,20 +20,12 @@
 #include "runtime/cuda/cuda_check.h"
 #endif
 
+#include "support/gpu.h"
+
 using namespace dz;
 
 namespace {
-bool have_gpu() {
-  if (!cuda_compiled()) {
-    WARN("CUDA backend not compiled in: skipped");
-    return false;
-  }
-  if (cuda_device_count() == 0) {
-    WARN("no CUDA device present: skipped");
-    return false;
-  }
-  return true;
-}
+using dz::test::have_gpu;
 
 // 1 - 2 sum(xy) / sum(x^2 + y^2): 0 for equal vectors.
 double diff_metric(const std::vector<double>& x, const std::vector<double>& y) {

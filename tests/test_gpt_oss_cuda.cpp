@@ -14,22 +14,13 @@
 #include "loader/safetensors.h"
 #include "model/gpt_oss.h"
 #include "runtime/device.h"
+#include "support/gpu.h"
 
 namespace {
 
 const std::string kDir = std::string(DZ_TEST_DATA) + "/gpt_oss_tiny";
 
-bool have_gpu() {
-  if (!dz::cuda_compiled()) {
-    WARN("CUDA backend not compiled in: skipped");
-    return false;
-  }
-  if (dz::cuda_device_count() == 0) {
-    WARN("no CUDA device present: skipped");
-    return false;
-  }
-  return true;
-}
+using dz::test::have_gpu;
 
 struct Ref {
   std::vector<int32_t> prompt, greedy;

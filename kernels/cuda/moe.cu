@@ -8,6 +8,7 @@
 #include "cpu/mxfp4_fold.h"
 #include "cuda/moe.h"
 #include "cuda/mxfp4_fold.h"
+#include "cuda/pdl.cuh"
 #include "cuda/ptx.cuh"
 #include "runtime/cuda/cuda_check.h"
 
@@ -1152,17 +1153,7 @@ struct MoeLayer::Impl {
   // Launch, optionally as a programmatic dependent of the previous kernel in the stream.
   template <typename... P, typename... A>
   static void launch(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, bool pdl, A... args) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = st;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 1 : 0;
-    DZ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, k, args...));
+    launch_maybe_pdl(pdl, k, grid, block, smem, st, args...);
   }
 
   void fp8(const MoeWeights& w, const float* x, const int* ids, const float* gw, int T, float* out, int accumulate) {

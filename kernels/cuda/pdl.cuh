@@ -23,8 +23,9 @@ inline bool pdl_enabled() {
   return on;
 }
 
+// Launch k, as a programmatic dependent of the previous kernel in s when pdl.
 template <typename... P, typename... A>
-void launch_pdl(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A... args) {
+void launch_maybe_pdl(bool pdl, void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -34,8 +35,13 @@ void launch_pdl(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  cfg.numAttrs = pdl ? 1 : 0;
   DZ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, k, P(args)...));
+}
+
+template <typename... P, typename... A>
+void launch_pdl(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A... args) {
+  launch_maybe_pdl(pdl_enabled(), k, grid, block, smem, s, args...);
 }
 
 }  // namespace dz::cuda
