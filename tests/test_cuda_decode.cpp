@@ -161,9 +161,10 @@ struct DeviceCase {
     const size_t ti = dz::cuda::decode_ticket_ints(int(partial_rows), c.n_heads, c.n_kv);
     DeviceArray<float> part(ctx.pool(), pf, "partials");
     DeviceArray<int32_t> tickets(ctx.pool(), ti, "tickets");
-    DZ_CUDA_CHECK(cudaMemset(part.get(), 0xff, pf * 4));  // NaN: a partial read before written shows
-    DZ_CUDA_CHECK(cudaMemset(tickets.get(), 0, ti * 4));
-    DZ_CUDA_CHECK(cudaMemset(out.get(), 0xff, out.bytes()));
+    // On the kernels' stream (non-blocking: a plain cudaMemset is not ordered before them).
+    DZ_CUDA_CHECK(cudaMemsetAsync(part.get(), 0xff, pf * 4, ctx.stream()));  // NaN: a partial read before written shows
+    DZ_CUDA_CHECK(cudaMemsetAsync(tickets.get(), 0, ti * 4, ctx.stream()));
+    DZ_CUDA_CHECK(cudaMemsetAsync(out.get(), 0xff, out.bytes(), ctx.stream()));
     // Twice: the tickets must be back to zero after a launch for the next one to be right.
     std::vector<float> first;
     for (int rep = 0; rep < 2; ++rep) {
@@ -180,7 +181,7 @@ struct DeviceCase {
     return second;
   }
   std::vector<float> unsplit(int window) {
-    DZ_CUDA_CHECK(cudaMemset(out.get(), 0xff, out.bytes()));
+    DZ_CUDA_CHECK(cudaMemsetAsync(out.get(), 0xff, out.bytes(), ctx.stream()));
     dz::cuda::attention_decode(batch(window), rows.get(), int(c.pos.size()), ctx.stream());
     DZ_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
     return fetch();
