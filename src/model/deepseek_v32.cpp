@@ -385,12 +385,9 @@ void DeepseekV32::forward(std::span<ForwardItem> batch, const ForwardOptions& op
   if (opt.abort && opt.abort(opt.abort_user)) fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
 
   for (size_t b = 0; b < batch.size(); ++b) {
-    const ForwardItem& it = batch[b];
-    const int64_t n = int64_t(it.tokens.size());
-    const int64_t r0 = it.all_logits ? first_row[b] : first_row[b] + n - 1;
-    const int64_t nr = it.all_logits ? n : 1;
+    const auto [r0, nr] = flat.logit_rows(batch, b);
     cpu::rms_norm(x.data() + r0 * H, nr, H, final_norm_.data(), eps_, xn.data());
-    cpu::matmul(xn.data(), nr, lm_head_, nullptr, it.logits, pool);
+    cpu::matmul(xn.data(), nr, lm_head_, nullptr, batch[b].logits, pool);
   }
   if (opt.attention_tokens_read) *opt.attention_tokens_read += tokens_read;
 }

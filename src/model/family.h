@@ -7,6 +7,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/error.h"
@@ -35,6 +36,11 @@ struct BatchRow {
 struct BatchRows {
   std::vector<BatchRow> rows;
   std::vector<int64_t> first_row;  // per item: index of its first row
+  // The rows whose logits item b wants: [first, first + count).
+  std::pair<int64_t, int64_t> logit_rows(std::span<const ForwardItem> batch, size_t b) const {
+    const int64_t n = int64_t(batch[b].tokens.size());
+    return batch[b].all_logits ? std::pair{first_row[b], n} : std::pair{first_row[b] + n - 1, int64_t(1)};
+  }
 };
 // Checks every item (sequence, tokens, logits) and token id (< n_vocab);
 // `family` names the model in messages.

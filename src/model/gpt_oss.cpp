@@ -108,7 +108,6 @@ void GptOss::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
   const int64_t H = hidden_, QD = q_dim(), KVD = kv_dim(), hd = head_dim_, half = hd / 2;
   const BatchRows flat = flatten_batch(batch, n_vocab_, "gpt_oss");
   const std::vector<BatchRow>& rows = flat.rows;
-  const std::vector<int64_t>& first_row = flat.first_row;
   const int64_t R = int64_t(rows.size());
   ThreadPool* pool = pool_.get();
 
@@ -222,13 +221,10 @@ void GptOss::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
 
   // Final norm and lm_head over the rows whose logits are wanted.
   for (size_t b = 0; b < batch.size(); ++b) {
-    const ForwardItem& it = batch[b];
-    const int64_t n = int64_t(it.tokens.size());
-    const int64_t r0 = it.all_logits ? first_row[b] : first_row[b] + n - 1;
-    const int64_t nr = it.all_logits ? n : 1;
+    const auto [r0, nr] = flat.logit_rows(batch, b);
     cpu::rms_norm(x.data() + r0 * H, nr, H, final_norm_.data(), eps_, xn.data());
     round_bf16(xn.data(), nr * H);
-    cpu::matmul(xn.data(), nr, lm_head_, nullptr, it.logits, pool);
+    cpu::matmul(xn.data(), nr, lm_head_, nullptr, batch[b].logits, pool);
   }
   if (opt.attention_tokens_read) *opt.attention_tokens_read += tokens_read;
 }
