@@ -819,19 +819,19 @@ TEST_CASE("deepseek_v32: FP8 indexer mode (Hadamard + E4M3 key cache) against ex
 }
 
 // The FP8 indexer mode on the trained default model (models/dayzero-tiny:
-// index_topk 64, 4 indexer heads of 32 dims, context 256) against its exact
-// mode, on held-out text: the Devil's Dictionary entries of the held-out split
-// of its training data (tests/data/dayzero_tiny/heldout_devil.txt), tokenized
-// with the model's tokenizer through the C API, in windows of 256 tokens.
+// index_topk 64, DeepSeek-V3.2's indexer size of 64 heads x 128 dims, context
+// 256) against its exact mode, on held-out text: the Devil's Dictionary entries
+// of the held-out split of its training data (tests/data/dayzero_tiny/heldout_devil.txt),
+// tokenized with the model's tokenizer through the C API, in windows of 256 tokens.
 // `dz indexer-fp8` measures the same on the whole held-out text (docs/precision.md).
 // What must hold exactly: every layer's FP8 selection is the top-k of the FP8
-// scores of its own inputs evaluated in fp64. What is measured: recall against
-// the exact mode and the logits; the floors below sit under the measured values
-// (recall 0.975 / 0.983 / 0.989 / 0.988 per layer, mean 0.984; logits cosine mean
-// 0.9997, worst 0.91; argmax agreement 0.987). E4M3's 4 significant bits move
-// scores by more than the gap between the k-th and (k+1)-th score (a median
-// 0.6% of the row's top score), so about one of 64 cutoff tokens swaps per row:
-// the issue's recall target of 0.99 is not reached on this model.
+// scores of its own inputs evaluated in fp64. What must hold as the issue
+// states it: top-k recall against the exact mode >= 0.99 averaged over
+// positions (rows with more than k visible tokens) and logits cosine >= 0.999
+// (on the mean: E4M3 moves a few cutoff tokens per row, and where those carry
+// attention a position's logits move more). Measured on these 4 windows:
+// recall 0.9920 (per layer 0.9896 / 0.9926 / 0.9934 / 0.9922), cosine mean
+// 0.99957, worst 0.868, argmax agreement 0.986.
 TEST_CASE("default model: FP8 indexer mode against exact mode on held-out text", "[deepseek]") {
   const std::string dir = std::string(DZ_SOURCE_DIR) + "/models/dayzero-tiny";
   std::ifstream in(kData + "/dayzero_tiny/heldout_devil.txt", std::ios::binary);
@@ -862,9 +862,13 @@ TEST_CASE("default model: FP8 indexer mode against exact mode on held-out text",
   std::vector<int32_t> ids(text.size());
   size_t n_ids = 0;
   REQUIRE(dz_tokenize(tok, text.data(), text.size(), 0, ids.data(), ids.size(), &n_ids) == DZ_OK);
-  const size_t T = 256, n_win = 4;  // the first 4 windows: a few seconds
+  const size_t T = 256, n_win = 4;  // the first 4 windows: seconds
   REQUIRE(n_ids >= n_win * T);
-  const int H = 4, D = 32, K = 64, L = 4;
+  std::ifstream cfg_in(dir + "/config.json");
+  const nlohmann::json cfg = nlohmann::json::parse(cfg_in);
+  const int H = cfg.at("index_n_heads").get<int>(), D = cfg.at("index_head_dim").get<int>(),
+            K = cfg.at("index_topk").get<int>(), L = cfg.at("num_hidden_layers").get<int>();
+  REQUIRE((H == 64 && D == 128));  // DeepSeek-V3.2's indexer
 
   std::vector<double> recall(L, 0.0);
   size_t rows = 0, n_pos = 0, agree = 0;
@@ -941,8 +945,8 @@ TEST_CASE("default model: FP8 indexer mode against exact mode on held-out text",
        << n_win << " windows of " << T << " held-out tokens: recall (rows t >= " << K << ") per layer " << recall[0]
        << ", " << recall[1] << ", " << recall[2] << ", " << recall[3] << ", mean " << mean << "; logits cosine mean "
        << cos_sum / double(n_pos) << ", worst " << cos_min << "; argmax agreement " << double(agree) / double(n_pos));
-  CHECK(mean >= 0.98);
-  for (double r : recall) CHECK(r >= 0.97);
+  CHECK(mean >= 0.99);  // the issue's recall target
+  for (double r : recall) CHECK(r >= 0.985);
   CHECK(cos_sum / double(n_pos) >= 0.999);  // the issue's logits target holds on the mean ...
   CHECK(cos_min >= 0.8);                    // ... not at every position
   CHECK(double(agree) / double(n_pos) >= 0.97);
