@@ -11,9 +11,10 @@ cd "$(dirname "$0")/../.."
 DIR=${1:-.gpubin}
 export PATH=/usr/local/cuda/bin:$PATH
 cmake --preset default -DDZ_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a >/dev/null
-cmake --build build -j"$(nproc)" --target dz dz_tests
+cmake --build build -j"$(nproc)" --target dz dz_tests dayzero
 mkdir -p "$DIR"
 cp build/dz build/tests/dz_tests "$DIR"/
+cp -P build/libdayzero.so* "$DIR"/  # the Python binding (tools/gpu/profile_decode.py)
 # Shared libraries that a CUDA image may not have (everything else is static or system).
 for lib in $(ldd build/dz build/tests/dz_tests | awk '/mimalloc|pcre2/ {print $3}' | sort -u); do cp -L "$lib" "$DIR"/; done
 ls -la "$DIR"

@@ -12,7 +12,7 @@
 #                     Catch2 v3, so the results under bench/results were made this way)
 #   DZ_DEPS=DIR       extra prefix (include/, lib/, lib/pkgconfig) with the build dependencies
 #   DZ_BENCH_TOKENS   token counts for dz bench moe (default 1,8,64,512,4096,16384)
-#   DZ_GPU_STEPS      which steps to run (default "tests moe peers model")
+#   DZ_GPU_STEPS      which steps to run (default "tests moe peers model profile"; profile needs model)
 #   DZ_MODEL_DIR      where dz bench model writes its random gpt-oss-20b checkpoint (default /tmp/dz_gptoss20b_random)
 # NCCL, where a benchmark needs it, comes from PyTorch's nvidia Python packages.
 set -uo pipefail
@@ -39,6 +39,7 @@ if [ -n "${DZ_PREBUILT:-}" ]; then
   export LD_LIBRARY_PATH=$BIN:$LD_LIBRARY_PATH
   DZ=$BIN/dz
   TESTS=$BIN/dz_tests
+  LIBDZ=$BIN/libdayzero.so
   # CLI tests call dz at the path they were built with (build/dz of the source tree).
   [ -e build/dz ] || { mkdir -p build && ln -s "$BIN/dz" build/dz; }
 else
@@ -58,9 +59,10 @@ else
   fi
   DZ=build-gpu/dz
   TESTS=build-gpu/tests/dz_tests
+  LIBDZ=build-gpu/libdayzero.so
 fi
 
-STEPS=" ${DZ_GPU_STEPS:-tests moe peers model} "
+STEPS=" ${DZ_GPU_STEPS:-tests moe peers model profile} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 if want tests; then
@@ -99,6 +101,15 @@ step "dz bench model (random gpt-oss-20b-shaped checkpoint, written to ${DZ_MODE
 "$DZ" bench model --make-random "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}" --out "$OUTDIR/bench_model.json" \
   >"$OUTDIR/bench_model.log" 2>&1 || { echo "dz bench model FAILED"; status=1; }
 tail -25 "$OUTDIR/bench_model.log"
+if want profile; then
+  step "per-kernel GPU time of eager decode steps (tools/gpu/profile_decode.py)"
+  for b in 1 64; do
+    DAYZERO_LIB=$LIBDZ python3 tools/gpu/profile_decode.py "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}" --batch $b \
+      --json "$OUTDIR/profile_decode_b$b.json" >"$OUTDIR/profile_decode_b$b.log" 2>&1 ||
+      { echo "profile (batch $b) FAILED"; status=1; }
+    head -24 "$OUTDIR/profile_decode_b$b.log"
+  done
+fi
 rm -rf "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}"
 fi
 step "done (status $status); results in $OUTDIR"
