@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 preset=${1:-default}
 
-pkgs=(build-essential cmake pkg-config libmimalloc-dev nlohmann-json3-dev catch2 libpcre2-dev
+pkgs=(build-essential cmake pkg-config nlohmann-json3-dev catch2 libpcre2-dev
       python3 python3-numpy nodejs npm golang-go binutils)
 # Rust for the Rust binding's tests: a rustup toolchain when present, else Debian's.
 if ! command -v cargo >/dev/null && [ ! -x "$HOME/.cargo/bin/cargo" ]; then pkgs+=(rustc cargo); fi

@@ -1,6 +1,5 @@
-#include <mimalloc.h>
-
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
 
 #include "common/host_alloc.h"
@@ -34,12 +33,16 @@ void log(dz_log_level level, const std::string& msg) {
   std::fprintf(stderr, "dayzero %s: %s\n", names[level], msg.c_str());
 }
 
+// The process's own allocator: an embedded library must not replace malloc for its host
+// program (a shared mimalloc did, and crashed Python processes that had loaded PyTorch).
 void* host_alloc(size_t bytes, size_t align) {
-  void* p = mi_malloc_aligned(bytes ? bytes : 1, align);
-  if (!p) fail(DZ_ERR_OUT_OF_MEMORY, "host allocation of ", bytes, " bytes failed");
+  void* p = nullptr;
+  if (align < sizeof(void*)) align = sizeof(void*);
+  if (posix_memalign(&p, align, bytes ? bytes : 1) != 0 || !p)
+    fail(DZ_ERR_OUT_OF_MEMORY, "host allocation of ", bytes, " bytes failed");
   return p;
 }
 
-void host_free(void* p) noexcept { mi_free(p); }
+void host_free(void* p) noexcept { std::free(p); }
 
 }  // namespace dz

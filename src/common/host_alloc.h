@@ -1,5 +1,5 @@
-// Host allocations of the core go through mimalloc (large aligned buffers for
-// weights decoded on the CPU, activations, KV pages on the CPU backend).
+// Aligned host allocations of the core (large buffers for weights decoded on
+// the CPU, activations, KV pages on the CPU backend).
 #pragma once
 #include <cstddef>
 #include <memory>
@@ -31,20 +31,20 @@ class HostBuffer {
   std::unique_ptr<T, HostFree> p_;
 };
 
-// std-compatible allocator over mimalloc, for hot containers.
+// std-compatible allocator over host_alloc: 16-byte aligned containers.
 template <typename T>
-struct MiAllocator {
+struct HostAllocator {
   using value_type = T;
-  MiAllocator() = default;
+  HostAllocator() = default;
   template <typename U>
-  MiAllocator(const MiAllocator<U>&) noexcept {}
+  HostAllocator(const HostAllocator<U>&) noexcept {}
   T* allocate(size_t n) { return static_cast<T*>(host_alloc(n * sizeof(T), alignof(T) < 16 ? 16 : alignof(T))); }
   void deallocate(T* p, size_t) noexcept { host_free(p); }
   template <typename U>
-  bool operator==(const MiAllocator<U>&) const noexcept { return true; }
+  bool operator==(const HostAllocator<U>&) const noexcept { return true; }
 };
 
 template <typename T>
-using vec = std::vector<T, MiAllocator<T>>;
+using vec = std::vector<T, HostAllocator<T>>;
 
 }  // namespace dz

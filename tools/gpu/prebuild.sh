@@ -16,5 +16,5 @@ mkdir -p "$DIR"
 cp build/dz build/tests/dz_tests "$DIR"/
 cp -P build/libdayzero.so* "$DIR"/  # the Python binding (tools/gpu/profile_decode.py)
 # Shared libraries that a CUDA image may not have (everything else is static or system).
-for lib in $(ldd build/dz build/tests/dz_tests | awk '/mimalloc|pcre2/ {print $3}' | sort -u); do cp -L "$lib" "$DIR"/; done
+for lib in $(ldd build/dz build/tests/dz_tests | awk '/pcre2/ {print $3}' | sort -u); do cp -L "$lib" "$DIR"/; done
 ls -la "$DIR"

@@ -39,7 +39,8 @@ def main():
     print(f"opened {a.model} in {time.time() - t0:.1f} s", flush=True)
     rng = random.Random(1)
     nv = model.tokenizer.vocab_size if model.tokenizer else 1000
-    arena = model.arena()
+    per_session = -(-(a.ctx + a.steps + 8) // 64)  # pages of 64 tokens, every layer
+    arena = model.arena(page_tokens=64, capacity_pages=a.batch * per_session + 4)
     sessions = [arena.session() for _ in range(a.batch)]
     for s in sessions:
         s.append([rng.randrange(nv) for _ in range(a.ctx)])

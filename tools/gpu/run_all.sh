@@ -8,7 +8,7 @@
 # Environment:
 #   DZ_PREBUILT=DIR   skip the build and use DIR/{dz,dz_tests} (+ any .so beside them),
 #                     for machines without the build dependencies (tools/gpu/prebuild.sh
-#                     makes DIR; our H200 image lacks mimalloc and libpcre2-dev and has
+#                     makes DIR; our H200 image lacks libpcre2-dev and has
 #                     Catch2 v3, so the results under bench/results were made this way)
 #   DZ_DEPS=DIR       extra prefix (include/, lib/, lib/pkgconfig) with the build dependencies
 #   DZ_BENCH_TOKENS   token counts for dz bench moe (default 1,8,64,512,4096,16384)

@@ -540,4 +540,4 @@ def decode_batch(sessions, tokens):
     ids, n = _ids(tokens)
     if n != len(sessions):
         raise ValueError("decode_batch: %d sessions but %d tokens" % (len(sessions), n))
-    _check(_L.dz_decode_batch(arr, n, ids))
+    _check(_L.dz_decode_batch(arr, ids, n))

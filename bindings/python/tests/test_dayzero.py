@@ -176,6 +176,21 @@ class TestModel(unittest.TestCase):
         with self.assertRaises(ValueError):
             s.append(PROMPT)
 
+    def test_decode_batch_equals_one_append_each(self):
+        # Forced decoding of two sessions in one batched step = each appending its token alone.
+        with self.model.arena(**SMALL) as arena:
+            a, b, c = arena.session(), arena.session(), arena.session()
+            a.append(PROMPT)
+            b.append(PROMPT[:3])
+            c.append(PROMPT)
+            dayzero.decode_batch([a, b], [self.want[0], 7])
+            c.append([self.want[0]])
+            self.assertEqual((len(a), len(b)), (len(PROMPT) + 1, 4))
+            la, lc = a.logits(), c.logits()
+            self.assertEqual([list(r) for r in la], [list(r) for r in lc])
+            with self.assertRaises(ValueError):
+                dayzero.decode_batch([a, b], [1])
+
     def test_dayzero_lib_and_logits_without_numpy(self):
         # One subprocess (each process pays the library's load time): DAYZERO_LIB naming the library's
         # folder wins over pkg-config, and without numpy logits are a 2-D memoryview.
