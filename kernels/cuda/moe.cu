@@ -919,7 +919,8 @@ struct MoeLayer::Impl {
   // FP8 path: experts of a tile spread over gemm_streams streams, each with
   // its own cuBLASLt workspace and plans.
   std::vector<cudaStream_t> gs;
-  Fp8Gemm gemm;  // one plan cache; a workspace slice per stream
+  Fp8Gemm gemm;          // one plan cache; a workspace slice per stream
+  Fp8GroupedGemm ggemm;  // MoeOptions::fp8_grouped
   DeviceArray<uint8_t> gemm_ws;
   static constexpr size_t kGemmWs = size_t(32) << 20;
   cudaEvent_t ev_fork{};
@@ -1192,6 +1193,30 @@ struct MoeLayer::Impl {
       mxfp4_fold_experts(W2, act_e.data() + t0, n, Fp8Slots{f2, s2}, aux);
       DZ_CUDA_CHECK(cudaEventRecord(ev_ready[buf], aux));
       DZ_CUDA_CHECK(cudaStreamWaitEvent(st, ev_ready[buf], 0));
+      if (opt.fp8_grouped) {
+        // The tile's experts hold consecutive sorted rows: GEMM1 over all of
+        // them, SwiGLU + 1x128 quantization of those rows, GEMM2, all on st.
+        std::vector<int> goff(static_cast<size_t>(n)), gcnt(static_cast<size_t>(n));
+        for (int i = 0; i < n; ++i) {
+          const int e = act_e[t0 + size_t(i)];
+          goff[size_t(i)] = ho[e], gcnt[size_t(i)] = ho[e + 1] - ho[e];
+        }
+        const int r0 = goff[0], nrows = goff[size_t(n - 1)] + gcnt[size_t(n - 1)] - r0;
+        Fp8GroupedArgs g;
+        g.rows_total = rows_total, g.offsets = goff.data(), g.counts = gcnt.data(), g.groups = n;
+        g.x = a1.get(), g.xs = a1s.get(), g.w = f1, g.w_stride = int64_t(w1_fp8), g.ws = s1;
+        g.ws_stride = int64_t(w1_sc), g.d = d1.get(), g.n = 2 * I, g.k = int(kph);
+        ggemm.run(g, st);
+        const int64_t threads = int64_t(nrows) * nkb_i * 32;
+        swiglu_quant_kernel<<<unsigned((threads + 255) / 256), 256, 0, st>>>(
+            d1.get(), I, nkb_i, w.b1, sorted.get(), row_expert.get(), offsets.get(), r0, nrows, a2.get(), a2s.get());
+        DZ_CUDA_LAUNCH_CHECK();
+        g.x = a2.get(), g.xs = a2s.get(), g.w = f2, g.w_stride = int64_t(w2_fp8), g.ws = s2;
+        g.ws_stride = int64_t(w2_sc), g.d = d2.get(), g.n = H, g.k = int(kpi);
+        ggemm.run(g, st);
+        DZ_CUDA_CHECK(cudaEventRecord(ev_free[buf], st));
+        continue;
+      }
       // Each expert: GEMM1 -> SwiGLU + 1x128 quantization -> GEMM2, on one of gs.
       const int S = int(gs.size());
       DZ_CUDA_CHECK(cudaEventRecord(ev_fork, st));

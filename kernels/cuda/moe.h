@@ -4,7 +4,8 @@
 //     MXFP4 straight from HBM and decode in registers (no FP8 copy),
 //   FP8 path (many tokens per expert): fold the routed experts into one FP8
 //     workspace (tiles, double-buffered on a second stream) -> per-expert
-//     cuBLASLt FP8 GEMMs with 1x128 scales -> SwiGLU -> down GEMMs,
+//     cuBLASLt FP8 GEMMs with 1x128 scales (or one grouped GEMM launch per
+//     projection and tile: MoeOptions::fp8_grouped) -> SwiGLU -> down GEMMs,
 //   -> weighted combine.
 // gpt-oss semantics: gate/up rows interleaved (gate = row 2j, up = row 2j+1),
 // gate = min(gate, 7), up = clamp(up, -7, 7), a = (up + 1) * gate * sigmoid(1.702 gate).
@@ -15,6 +16,7 @@
 #include <memory>
 
 #include "cuda/fp8_gemm.h"
+#include "cuda/fp8_grouped_gemm.h"
 #include "runtime/cuda/context.h"
 
 namespace dz::cuda {
@@ -50,6 +52,10 @@ struct MoeOptions {
   // projections and the combine; needs 16-byte aligned expert tensors).
   int fused_kernel = 0;
   int fused_tokens_per_pass = 0;  // persistent kernel: tokens per weight pass, 1..8 (0: min(T, 4))
+  // FP8 path GEMMs: false, per-expert cuBLASLt calls on gemm_streams streams;
+  // true, one grouped launch per projection for all experts of a workspace
+  // tile (fp8_grouped_gemm.h; sm_90a only, DZ_ERR_UNSUPPORTED elsewhere).
+  bool fp8_grouped = false;
 };
 
 class MoeLayer {

@@ -24,6 +24,7 @@
 
 #ifdef DZ_WITH_CUDA
 #include "cuda/fill.h"
+#include "cuda/fp8_grouped_gemm.h"
 #include "cuda/moe.h"
 #include "cuda/mxfp4_fold.h"
 #include "runtime/cuda/context.h"
@@ -37,8 +38,11 @@ const char* kUsage =
     "usage: dz bench moe [--tokens 1,8,64,512,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
     "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
     "                    [--fused-kernel 0|1|2] [--tokens-per-pass NB] [--no-components]\n"
+    "                    [--fp8-gemm cublaslt|grouped|cublaslt,grouped]\n"
     "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
-    "MXFP4 MoE layer on the GPU: fused W4A16 vs FP8 (fold + cuBLASLt) paths, JSON results.\n";
+    "MXFP4 MoE layer on the GPU: fused W4A16 vs FP8 (fold + cuBLASLt) paths, JSON results.\n"
+    "--fp8-gemm: the FP8 path's GEMMs, per-expert cuBLASLt or our grouped kernel; the first\n"
+    "is fp8_ms, every one listed is timed (fp8_gemm_ms) and compared with the first.\n";
 
 std::vector<int> parse_list(const std::string& s) {
   std::vector<int> v;
@@ -124,7 +128,7 @@ int bench_moe(const Args& a) {
   reject_unknown(a,
                  {"--tokens", "--reps", "--experts", "--topk", "--hidden", "--intermediate", "--threshold", "--tile",
                   "--gemm-streams", "--fused-kernel", "--tokens-per-pass", "--no-components", "--bw-ceiling",
-                  "--fp8-ceiling", "--dump", "--out", "--help"},
+                  "--fp8-ceiling", "--fp8-gemm", "--dump", "--out", "--help"},
                  "bench moe");
   const std::vector<int> tokens = parse_list(flag_value(a, "--tokens", "1,8,64,512,4096,16384"));
   const int reps = std::stoi(flag_value(a, "--reps", "20"));
@@ -139,6 +143,21 @@ int bench_moe(const Args& a) {
   opt.gemm_streams = std::stoi(flag_value(a, "--gemm-streams", "4"));
   opt.fused_kernel = std::stoi(flag_value(a, "--fused-kernel", "0"));
   opt.fused_tokens_per_pass = std::stoi(flag_value(a, "--tokens-per-pass", "0"));
+  std::vector<std::string> fp8_gemms;
+  {
+    std::stringstream ss(flag_value(a, "--fp8-gemm", "cublaslt"));
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      if (item.empty()) continue;
+      if (item != "cublaslt" && item != "grouped") {
+        std::fprintf(stderr, "dz bench moe: --fp8-gemm takes cublaslt and/or grouped, not '%s'\n", item.c_str());
+        return 2;
+      }
+      fp8_gemms.push_back(item);
+    }
+    if (fp8_gemms.empty()) fp8_gemms.push_back("cublaslt");
+  }
+  opt.fp8_grouped = fp8_gemms[0] == "grouped";
   const double bw_ceiling = std::stod(flag_value(a, "--bw-ceiling", "4.27e12"));
   const double fp8_ceiling = std::stod(flag_value(a, "--fp8-ceiling", "1490e12"));
   const std::string dump = flag_value(a, "--dump", "");
@@ -236,6 +255,39 @@ int bench_moe(const Args& a) {
                      host / calls, 2.0 * m * 2 * I * kph / (per * 1e-3) / 1e12);
       }
       comp["gemm"] = gl;
+      // The grouped kernel over the n_ex folded experts, m rows each.
+      if (Fp8GroupedGemm::supported()) {
+        Fp8GroupedGemm gg;
+        DeviceArray<uint8_t> xg(P, size_t(n_ex) * max_m * kph, "grouped x");
+        DeviceArray<float> xgs(P, size_t(n_ex) * max_m * (kph / 128), "grouped xs");
+        DeviceArray<uint16_t> dg(P, size_t(n_ex) * max_m * 2 * I, "grouped d");
+        fill_random_u8(xg.get(), xg.size(), 79, 0, 0x7E, st);
+        fill_random_f32(xgs.get(), xgs.size(), 80, 1.f, st);
+        nlohmann::json gj = nlohmann::json::array();
+        for (int m : {64, 128, 512, 2048}) {
+          std::vector<int> off(static_cast<size_t>(n_ex)), cnt(static_cast<size_t>(n_ex), m);
+          for (int i = 0; i < n_ex; ++i) off[size_t(i)] = i * m;
+          Fp8GroupedArgs ga;
+          ga.x = xg.get(), ga.xs = xgs.get(), ga.rows_total = int64_t(n_ex) * m, ga.w = f1.get();
+          ga.w_stride = int64_t(2 * I) * kph, ga.ws = s1.get(), ga.ws_stride = int64_t(2 * I) * (kph / 128);
+          ga.d = dg.get(), ga.n = 2 * I, ga.k = int(kph), ga.offsets = off.data(), ga.counts = cnt.data();
+          ga.groups = n_ex;
+          gg.run(ga, st);
+          ctx.sync();
+          const int calls = 10;
+          DZ_CUDA_CHECK(cudaEventRecord(e0, st));
+          for (int i = 0; i < calls; ++i) gg.run(ga, st);
+          DZ_CUDA_CHECK(cudaEventRecord(e1, st));
+          DZ_CUDA_CHECK(cudaEventSynchronize(e1));
+          DZ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+          const double per = ms / calls, tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
+          gj.push_back(
+              {{"groups", n_ex}, {"m", m}, {"n", 2 * I}, {"k", kph}, {"gpu_ms_per_call", per}, {"tflops", tf}});
+          std::fprintf(stderr, "grouped gemm %d x m=%5d n=%d k=%ld: %.4f ms/call %.0f TFLOP/s\n", n_ex, m, 2 * I,
+                       long(kph), per, tf);
+        }
+        comp["grouped_gemm"] = gj;
+      }
       std::fprintf(stderr, "fold %d experts: %.3f ms, %.2f TB/s (read+write)\n", n_ex, comp["fold_ms"].get<double>(),
                    comp["fold_bytes_per_s"].get<double>() / 1e12);
       cudaEventDestroy(e0);
@@ -262,6 +314,7 @@ int bench_moe(const Args& a) {
                         {"gemm_streams", opt.gemm_streams},
                         {"fused_kernel", opt.fused_kernel},
                         {"fused_tokens_per_pass", opt.fused_tokens_per_pass},
+                        {"fp8_gemm", fp8_gemms},
                         {"fold_check",
                          {{"groups", fs.groups},
                           {"lossy_groups", fs.lossy_groups},
@@ -378,6 +431,27 @@ int bench_moe(const Args& a) {
                       MoePath::kFp8);
         host.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count());
       });
+      // The FP8 path with each GEMM implementation listed (the first is ms_fp8),
+      // and each one's output against the first's on routing set 0.
+      nlohmann::json gemm_ms = nlohmann::json::object(), gemm_diff = nlohmann::json::object();
+      gemm_ms[fp8_gemms[0]] = ms_fp8;
+      if (fp8_gemms.size() > 1) {
+        DeviceArray<float> out_v(P, size_t(T) * H, "out fp8 variant");
+        std::vector<float> h0(x.size()), hv(x.size());
+        layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_8.get(), MoePath::kFp8);
+        DZ_CUDA_CHECK(cudaMemcpy(h0.data(), out_8.get(), h0.size() * 4, cudaMemcpyDeviceToHost));
+        for (size_t v = 1; v < fp8_gemms.size(); ++v) {
+          layer.options().fp8_grouped = fp8_gemms[v] == "grouped";
+          gemm_ms[fp8_gemms[v]] = timer.median_ms(r, kSets, [&](int i) {
+            layer.forward(W, x.get(), ids[size_t(i % kSets)].get(), gws[size_t(i % kSets)].get(), T, out_v.get(),
+                          MoePath::kFp8);
+          });
+          layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_v.get(), MoePath::kFp8);
+          DZ_CUDA_CHECK(cudaMemcpy(hv.data(), out_v.get(), hv.size() * 4, cudaMemcpyDeviceToHost));
+          gemm_diff[fp8_gemms[v]] = diff_metric(h0, hv);
+          layer.options() = opt;
+        }
+      }
       // Outputs of both paths on routing set 0, and their agreement.
       layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
       layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_8.get(), MoePath::kFp8);
@@ -431,11 +505,19 @@ int bench_moe(const Args& a) {
           {"persistent_stages", layer.persistent_stages(T)},
           {"fp8_host_ms", median(host)},
           {"fused_variants_ms", variants},
+          {"fp8_gemm_ms", gemm_ms},
+          {"fp8_gemm_diff_vs_first", gemm_diff},
       };
       j["results"].push_back(row);
       std::fprintf(stderr, "moe T=%6d  fused %9.3f ms  fp8 %9.3f ms  (hbm %.0f%%, fp8 %.0f TFLOP/s)  diff %.2e\n", T,
                    ms_fused, ms_fp8, 100 * bytes / (ms_best * 1e-3) / bw_ceiling, flops / (ms_fp8 * 1e-3) / 1e12,
                    agree);
+      for (size_t v = 1; v < fp8_gemms.size(); ++v) {
+        const double ms_v = gemm_ms[fp8_gemms[v]].get<double>();
+        std::fprintf(stderr, "moe T=%6d  fp8 with %s GEMMs %9.3f ms (%.0f TFLOP/s), with %s %9.3f ms; diff %.2e\n", T,
+                     fp8_gemms[v].c_str(), ms_v, flops / (ms_v * 1e-3) / 1e12, fp8_gemms[0].c_str(), ms_fp8,
+                     gemm_diff[fp8_gemms[v]].get<double>());
+      }
       if (ms_v2 >= 0)
         std::fprintf(stderr,
                      "moe T=%6d  fused kernels: per-projection %9.4f ms (hbm %.1f%%), persistent %9.4f ms (hbm %.1f%%) "

@@ -1,0 +1,451 @@
+#include <cuda.h>  // CUtensorMap and its enums only: the encoder comes through the runtime's entry-point query
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+
+#include "cuda/fp8_grouped_gemm.h"
+#include "runtime/cuda/cuda_check.h"
+
+// wgmma and setmaxnreg exist only in the sm_90a target; elsewhere the kernel
+// body is empty and the host refuses to launch it (Fp8GroupedGemm::supported).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DZ_GG_SM90A 1
+#endif
+
+namespace dz::cuda {
+namespace {
+
+constexpr int kBM = 128;  // rows of a block tile: two consumer warpgroups of 64
+constexpr int kBN = 128;  // columns of a block tile (wgmma n128)
+constexpr int kBK = 128;  // K per stage: one scale block, one 128-byte swizzle row per tile row
+constexpr int kStages = 6;
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kABytes = kBM * kBK, kBBytes = kBN * kBK, kSBytes = kBN * 4;
+[[maybe_unused]] constexpr int kTxBytes =
+    kABytes + kBBytes + kSBytes;  // full boxes: the copy engine counts zero-filled bytes too
+constexpr int kOffB = kStages * kABytes, kOffS = kOffB + kStages * kBBytes, kOffBar = kOffS + kStages * kSBytes;
+constexpr int kSmemBytes = kOffBar + 2 * kStages * 8 + 1024;     // +1024: the base is aligned up at run time
+constexpr int kMaxGroups = 128;                                  // per launch; more groups are split over launches
+[[maybe_unused]] constexpr int kEmptyArrivals = kConsumers * 4;  // one per consumer warp
+
+static_assert(kBK == 128, "one 1x128 scale block per stage, one 128-byte swizzle row per tile row");
+static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "stages keep the 1024-byte period of the 128B swizzle");
+static_assert(kOffS % 128 == 0 && kSBytes % 16 == 0, "bulk copy destinations");
+static_assert(kSmemBytes <= 227 * 1024, "shared memory of one sm_90 block");
+static_assert(kBM == 64 * kConsumers, "each consumer warpgroup owns 64 rows (wgmma m64)");
+static_assert(128 * 40 + 128 * kConsumers * 232 <= kThreads * 168, "setmaxnreg budget (see the kernel)");
+
+struct Params {
+  CUtensorMap xmap;  // X  [rows_total][k] u8, box 128 x 128, 128B swizzle
+  CUtensorMap wmap;  // W  [G][n][k] u8, box 1 x 128 x 128, 128B swizzle
+  CUtensorMap smap;  // ws [G][k/128][n] f32, box 1 x 1 x 128
+  const float* xs;
+  __nv_bfloat16* d;
+  int n, nkb, groups, tiles_total;
+  int off[kMaxGroups];
+  int m[kMaxGroups];
+  int tile_start[kMaxGroups + 1];  // prefix sums of ceil(m/kBM) * ceil(n/kBN)
+};
+static_assert(sizeof(Params) <= 4096, "kernel parameters");
+
+#ifdef DZ_GG_SM90A
+// Tile t -> group, m tile, n tile. Within a group the m tiles of one n tile are
+// consecutive, so blocks running side by side share W tiles through L2.
+__device__ __forceinline__ void find_tile(const Params& p, int t, int& g, int& mt, int& nt) {
+  int lo = 0, hi = p.groups - 1;  // the last group whose first tile is <= t (empty groups are skipped)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (p.tile_start[mid] <= t)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  g = lo;
+  const int local = t - p.tile_start[g], mtiles = (p.m[g] + kBM - 1) / kBM;
+  nt = local / mtiles;
+  mt = local - nt * mtiles;
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(ok)
+               : "r"(bar), "r"(parity)
+               : "memory");
+  return ok != 0;
+}
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Wait for the phase of the given parity to complete. The checking kernel
+// gives up after 10 s (a wrong transaction count or a lost arrival would hang).
+template <bool kDebug>
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, const char* what, int stage) {
+  if constexpr (!kDebug) {
+    while (!mbar_try_wait(bar, parity)) {
+    }
+  } else {
+    const uint64_t t0 = global_ns();
+    while (!mbar_try_wait(bar, parity)) {
+      if (global_ns() - t0 > 10000000000ull) {
+        printf("fp8_grouped_gemm: block %d thread %d timed out on the %s barrier of stage %d (parity %u)\n",
+               int(blockIdx.x), int(threadIdx.x), what, stage, parity);
+        __trap();
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+__device__ __forceinline__ void tma_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+      "[%2];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void prefetch_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// Shared-memory matrix descriptor of a K-major operand tile written by the
+// copy engine with the 128-byte swizzle: rows of 128 bytes, 8-row groups 1024
+// bytes apart (stride byte offset), leading byte offset unused for this
+// layout (1 by convention), swizzle mode 1 = 128B in bits 62-63. The tile base
+// is 1024-aligned so the base-offset field stays 0; a K step of 32 bytes
+// inside the swizzle row adds 2 to the start address (16-byte units).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+// Keeps the compiler from moving accesses of d across the asynchronous MMA.
+__device__ __forceinline__ void fence_regs(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (64 x 128 fp32, wgmma register layout) = [d +] A(64 x 32) B(128 x 32)^T, both e4m3 from shared memory.
+__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
+      "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+#endif  // DZ_GG_SM90A
+
+// Persistent: block b takes tiles b, b + grid, ... Warpgroup 0 is the
+// producer (one thread issues the bulk tensor copies of each stage: X tile,
+// W tile, W scales); warpgroups 1 and 2 each multiply 64 rows of the tile.
+template <bool kDebug>
+__global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_constant__ Params p) {
+#ifdef DZ_GG_SM90A
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  const float* s_scales = reinterpret_cast<const float*>(smem_raw + (base - raw) + kOffS);
+  const uint32_t sA = base, sB = base + kOffB, sS = base + kOffS, bars = base + kOffBar;
+  auto full = [&](int s) { return bars + 8u * uint32_t(s); };
+  auto empty = [&](int s) { return bars + 8u * uint32_t(kStages + s); };
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full(s), 1);  // the producer's arrive.expect_tx; the copies complete the bytes
+      mbar_init(empty(s), kEmptyArrivals);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  // Registers: 384 threads enter with the launch-bounds cap of 168; the
+  // producer gives back down to 40 and the consumers take up to 232, which
+  // is the same total (128 x 40 + 256 x 232 = 384 x 168), so the increase
+  // never waits on registers that are not there.
+  const int wg = int(threadIdx.x) / 128;
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (threadIdx.x == 0) {
+      prefetch_map(&p.xmap);
+      prefetch_map(&p.wmap);
+      prefetch_map(&p.smap);
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
+        int g, mt, nt;
+        find_tile(p, t, g, mt, nt);
+        const int row = p.off[g] + mt * kBM, n0 = nt * kBN;
+        for (int kb = 0; kb < p.nkb; ++kb) {
+          mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);  // a fresh barrier passes parity 1
+          mbar_expect_tx(full(stage), kTxBytes);
+          tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), kb * kBK, row);
+          tma_3d(sB + uint32_t(stage * kBBytes), &p.wmap, full(stage), kb * kBK, n0, g);
+          tma_3d(sS + uint32_t(stage * kSBytes), &p.smap, full(stage), n0, kb, g);
+          if (++stage == kStages) stage = 0, phase ^= 1u;
+        }
+      }
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int ct = int(threadIdx.x) - 128;
+    const int cw = ct >> 7, warp = (ct >> 5) & 3, lane = ct & 31;
+    float acc[64], part[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) part[i] = 0.f;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
+      int g, mt, nt;
+      find_tile(p, t, g, mt, nt);
+      const int m = p.m[g], off = p.off[g], n0 = nt * kBN;
+      // This thread's rows in the group (wgmma layout: warp w of the
+      // warpgroup holds rows 16w..16w+15, lane/4 and lane/4 + 8).
+      const int r0 = mt * kBM + cw * 64 + warp * 16 + (lane >> 2), r1 = r0 + 8;
+      const float* xsg = p.xs + int64_t(p.nkb) * off;
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+      for (int kb = 0; kb < p.nkb; ++kb) {
+        // Row scales straight from global memory, issued before the wait so
+        // the MMA hides their latency; rows past the group read nothing.
+        const float x0 = r0 < m ? __ldg(xsg + int64_t(kb) * m + r0) : 0.f;
+        const float x1 = r1 < m ? __ldg(xsg + int64_t(kb) * m + r1) : 0.f;
+        mbar_wait<kDebug>(full(stage), phase, "full", stage);
+        __syncwarp();  // the warp leaves the spin together: wgmma is .aligned
+        const uint64_t da = smem_desc(sA + uint32_t(stage * kABytes + cw * 64 * kBK));
+        const uint64_t db = smem_desc(sB + uint32_t(stage * kBBytes));
+        wgmma_fence();
+        fence_regs(part);
+#pragma unroll
+        for (int kk = 0; kk < kBK / 32; ++kk) wgmma_m64n128k32(part, da + 2 * kk, db + 2 * kk, kk);
+        wgmma_commit();
+        fence_regs(part);
+        wgmma_wait0();
+        fence_regs(part);
+        // Promotion: acc += part * xs[row] * ws[col]. Columns of register
+        // quad j: 8j + 2 (lane % 4) + {0, 1}; registers 4j+2, 4j+3 are row + 8.
+        const float2* sc = reinterpret_cast<const float2*>(s_scales + stage * kBN);
+#pragma unroll
+        for (int j = 0; j < kBN / 8; ++j) {
+          const float2 w = sc[j * 4 + (lane & 3)];
+          acc[4 * j + 0] = fmaf(part[4 * j + 0], x0 * w.x, acc[4 * j + 0]);
+          acc[4 * j + 1] = fmaf(part[4 * j + 1], x0 * w.y, acc[4 * j + 1]);
+          acc[4 * j + 2] = fmaf(part[4 * j + 2], x1 * w.x, acc[4 * j + 2]);
+          acc[4 * j + 3] = fmaf(part[4 * j + 3], x1 * w.y, acc[4 * j + 3]);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(stage));
+        if (++stage == kStages) stage = 0, phase ^= 1u;
+      }
+      // Epilogue: rows of this group only; columns < n (n % 16 == 0, so a pair is all in or all out).
+      const int cbase = n0 + 2 * (lane & 3);
+      if (r0 < m) {
+        __nv_bfloat16* row = p.d + (int64_t(off) + r0) * p.n;
+#pragma unroll
+        for (int j = 0; j < kBN / 8; ++j)
+          if (cbase + 8 * j < p.n)
+            *reinterpret_cast<__nv_bfloat162*>(row + cbase + 8 * j) =
+                __floats2bfloat162_rn(acc[4 * j + 0], acc[4 * j + 1]);
+      }
+      if (r1 < m) {
+        __nv_bfloat16* row = p.d + (int64_t(off) + r1) * p.n;
+#pragma unroll
+        for (int j = 0; j < kBN / 8; ++j)
+          if (cbase + 8 * j < p.n)
+            *reinterpret_cast<__nv_bfloat162*>(row + cbase + 8 * j) =
+                __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+      }
+    }
+  }
+#else
+  if (threadIdx.x == 0 && blockIdx.x == 0) printf("fp8_grouped_gemm: kernel built without sm_90a\n");
+  __trap();
+#endif
+}
+
+// Whether the kernels of this build carry the sm_90a body (read on the device:
+// a build for another target runs there through its PTX without it).
+__global__ void probe_kernel(int* out) {
+#ifdef DZ_GG_SM90A
+  *out = 1;
+#else
+  *out = 0;
+#endif
+}
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's tensor-map encoder through the runtime (no link against libcuda).
+EncodeTiled encoder() {
+  static const EncodeTiled fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
+    return e == cudaSuccess && q == cudaDriverEntryPointSuccess ? reinterpret_cast<EncodeTiled>(f) : nullptr;
+  }();
+  check(fn != nullptr, DZ_ERR_UNSUPPORTED, "fp8_grouped_gemm: the driver has no cuTensorMapEncodeTiled");
+  return fn;
+}
+
+void encode(CUtensorMap* map, CUtensorMapDataType type, int rank, const void* base, const cuuint64_t* dims,
+            const cuuint64_t* strides, const cuuint32_t* box, CUtensorMapSwizzle swz, const char* what) {
+  const cuuint32_t one[3] = {1, 1, 1};
+  const CUresult r = encoder()(map, type, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, one,
+                               CU_TENSOR_MAP_INTERLEAVE_NONE, swz, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);  // out-of-bounds elements read as zero
+  check(r == CUDA_SUCCESS, DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: cuTensorMapEncodeTiled failed for ", what,
+        " (CUresult ", int(r), ")");
+}
+
+bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
+
+int device_sm90a() {
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major != 9) return 0;
+  int* d = nullptr;
+  int h = 0;
+  if (cudaMalloc(&d, sizeof(int)) != cudaSuccess) return 0;
+  probe_kernel<<<1, 1>>>(d);
+  const bool ok =
+      cudaGetLastError() == cudaSuccess && cudaMemcpy(&h, d, sizeof h, cudaMemcpyDeviceToHost) == cudaSuccess;
+  cudaFree(d);
+  return ok ? h : 0;
+}
+
+}  // namespace
+
+bool Fp8GroupedGemm::supported() {
+  static const bool ok = device_sm90a() == 1;  // the first device asked about (one GPU per process here)
+  return ok;
+}
+
+Fp8GroupedGemm::Fp8GroupedGemm() {
+  const char* e = std::getenv("DZ_FP8_GROUPED_DEBUG");
+  debug_ = e && e[0] == '1';
+  if (!supported()) return;  // run() says why
+  int dev = 0;
+  DZ_CUDA_CHECK(cudaGetDevice(&dev));
+  DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm_, cudaDevAttrMultiProcessorCount, dev));
+  DZ_CUDA_CHECK(
+      cudaFuncSetAttribute(fp8_grouped_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  DZ_CUDA_CHECK(
+      cudaFuncSetAttribute(fp8_grouped_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+}
+
+void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
+  check(supported(), DZ_ERR_UNSUPPORTED, "fp8_grouped_gemm needs an sm_90 device and a build with sm_90a");
+  check(a.n > 0 && a.n % 16 == 0 && a.k > 0 && a.k % kBK == 0, DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: n=", a.n,
+        " k=", a.k, " (n must be a multiple of 16, k of 128)");
+  check(a.groups >= 0 && (a.groups == 0 || (a.offsets && a.counts)) && a.rows_total >= 0 &&
+            a.rows_total < (int64_t(1) << 31),
+        DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: groups=", a.groups, " rows_total=", a.rows_total);
+  const int nkb = a.k / kBK, ntiles = (a.n + kBN - 1) / kBN;
+  for (int g = 0; g < a.groups; ++g)
+    check(a.counts[g] >= 0 && a.offsets[g] >= 0 && int64_t(a.offsets[g]) + a.counts[g] <= a.rows_total,
+          DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: group ", g, " rows [", a.offsets[g], ", ",
+          int64_t(a.offsets[g]) + a.counts[g], ") outside the ", a.rows_total, " rows of X and D");
+  int64_t rows_used = 0;
+  for (int g = 0; g < a.groups; ++g) rows_used += a.counts[g];
+  if (rows_used == 0) return;
+  check(a.x && a.xs && a.w && a.ws && a.d, DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: null pointer");
+  check(aligned(a.x, 16) && aligned(a.w, 16) && aligned(a.ws, 16) && aligned(a.d, 16) && aligned(a.xs, 4),
+        DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: X, W, W scales and D must be 16-byte aligned, X scales 4-byte");
+  const int64_t w_bytes = int64_t(a.n) * a.k, ws_floats = int64_t(nkb) * a.n;
+  const int64_t w_stride = a.groups > 1 ? a.w_stride : w_bytes, ws_stride = a.groups > 1 ? a.ws_stride : ws_floats;
+  check(w_stride >= w_bytes && w_stride % 16 == 0 && ws_stride >= ws_floats && ws_stride % 4 == 0,
+        DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: group strides w=", a.w_stride,
+        " bytes (>= n*k, multiple of 16), ws=", a.ws_stride, " floats (>= k/128*n, multiple of 4)");
+
+  Params p{};
+  {
+    const cuuint64_t dims[2] = {cuuint64_t(a.k), cuuint64_t(a.rows_total)}, strides[1] = {cuuint64_t(a.k)};
+    const cuuint32_t box[2] = {kBK, kBM};
+    encode(&p.xmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.x, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B, "X");
+  }
+  p.xs = a.xs;
+  p.d = static_cast<__nv_bfloat16*>(a.d);
+  p.n = a.n;
+  p.nkb = nkb;
+  for (int g0 = 0; g0 < a.groups; g0 += kMaxGroups) {
+    const int G = std::min(kMaxGroups, a.groups - g0);
+    {
+      const cuuint64_t dims[3] = {cuuint64_t(a.k), cuuint64_t(a.n), cuuint64_t(G)};
+      const cuuint64_t strides[2] = {cuuint64_t(a.k), cuuint64_t(w_stride)};
+      const cuuint32_t box[3] = {kBK, kBN, 1};
+      encode(&p.wmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w + w_stride * g0, dims, strides, box,
+             CU_TENSOR_MAP_SWIZZLE_128B, "W");
+    }
+    {
+      const cuuint64_t dims[3] = {cuuint64_t(a.n), cuuint64_t(nkb), cuuint64_t(G)};
+      const cuuint64_t strides[2] = {cuuint64_t(a.n) * 4, cuuint64_t(ws_stride) * 4};
+      const cuuint32_t box[3] = {kBN, 1, 1};
+      encode(&p.smap, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, a.ws + ws_stride * g0, dims, strides, box,
+             CU_TENSOR_MAP_SWIZZLE_NONE, "W scales");
+    }
+    p.groups = G;
+    int tiles = 0;
+    for (int g = 0; g < G; ++g) {
+      p.off[g] = a.offsets[g0 + g];
+      p.m[g] = a.counts[g0 + g];
+      p.tile_start[g] = tiles;
+      tiles += (p.m[g] + kBM - 1) / kBM * ntiles;
+    }
+    p.tile_start[G] = tiles;
+    p.tiles_total = tiles;
+    if (tiles == 0) continue;
+    const dim3 grid(unsigned(std::min(tiles, n_sm_))), block(kThreads);
+    if (debug_)
+      fp8_grouped_kernel<true><<<grid, block, kSmemBytes, s>>>(p);
+    else
+      fp8_grouped_kernel<false><<<grid, block, kSmemBytes, s>>>(p);
+    DZ_CUDA_LAUNCH_CHECK();
+    if (debug_) {
+      cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+      DZ_CUDA_CHECK(cudaStreamIsCapturing(s, &cap));
+      if (cap == cudaStreamCaptureStatusNone) DZ_CUDA_CHECK(cudaStreamSynchronize(s));
+    }
+  }
+}
+
+}  // namespace dz::cuda

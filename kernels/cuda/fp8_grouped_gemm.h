@@ -1,0 +1,54 @@
+// Grouped FP8 E4M3 GEMM with 1x128 block scales on both operands, our own
+// Hopper kernel (sm_90a: wgmma fed by bulk tensor copies through an mbarrier
+// ring; one producer warpgroup, two consumer warpgroups of 64 rows each, tile
+// 128 x 128, one 128-wide K block per stage). One launch covers every group.
+//
+// For each group g (rows [off_g, off_g + m_g) of X and D, m_g >= 0):
+//   D[off_g + r][c] (bf16) = sum_kb  xs_g[kb][r] * ws_g[kb][c] * sum_{k in kb} X[off_g + r][k] * W_g[c][k]
+// with, as Fp8Gemm (fp8_gemm.h) takes them per group:
+//   X   fp8 [rows_total][k] (row-major, K contiguous),
+//   xs  float: group g's block of nkb * m_g floats at xs + nkb * off_g, laid out [kb][m_g],
+//   W_g fp8 [n][k] at w + g * w_stride (bytes), ws_g float [k/128][n] at ws + g * ws_stride (floats),
+//   D   bf16 [rows_total][n].
+// Each 128-wide K block is accumulated by the tensor cores in fp32 on its own
+// and then added, scaled, into the fp32 result (so the block scales never meet
+// a tensor-core accumulation). Rows of D outside the groups are not written.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dz::cuda {
+
+struct Fp8GroupedArgs {
+  const uint8_t* x = nullptr;    // [rows_total][k]
+  const float* xs = nullptr;     // group blocks as above
+  int64_t rows_total = 0;        // rows of X and D (no group reaches past it)
+  const uint8_t* w = nullptr;    // group 0's [n][k]
+  int64_t w_stride = 0;          // bytes between groups' W (multiple of 16)
+  const float* ws = nullptr;     // group 0's [k/128][n]
+  int64_t ws_stride = 0;         // floats between groups' W scales (multiple of 4)
+  void* d = nullptr;             // bf16 [rows_total][n]
+  int n = 0, k = 0;              // n % 16 == 0, k % 128 == 0
+  const int* offsets = nullptr;  // host: offsets[g], first row of group g
+  const int* counts = nullptr;   // host: counts[g] = m_g
+  int groups = 0;
+};
+
+class Fp8GroupedGemm {
+ public:
+  Fp8GroupedGemm();
+  // Enqueue on s. Arguments are validated on the host (DZ_ERR_INVALID_ARGUMENT);
+  // DZ_ERR_UNSUPPORTED where the device is not sm_90 or the build lacks sm_90a.
+  // DZ_FP8_GROUPED_DEBUG=1 in the environment: a checking kernel (bounded
+  // barrier waits that report and trap instead of hanging) and a sync after
+  // each launch so faults surface at the call.
+  void run(const Fp8GroupedArgs& a, cudaStream_t s);
+  static bool supported();  // this build and device can run the kernel
+
+ private:
+  int n_sm_ = 0;
+  bool debug_ = false;
+};
+
+}  // namespace dz::cuda
