@@ -434,7 +434,8 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     p.tile_start[G] = tiles;
     p.tiles_total = tiles;
     if (tiles == 0) continue;
-    const dim3 grid(unsigned(std::min(tiles, n_sm_))), block(kThreads);
+    const int blocks = a.max_blocks > 0 ? std::min(a.max_blocks, n_sm_) : n_sm_;
+    const dim3 grid(unsigned(std::min(tiles, blocks))), block(kThreads);
     if (debug_)
       fp8_grouped_kernel<true><<<grid, block, kSmemBytes, s>>>(p);
     else

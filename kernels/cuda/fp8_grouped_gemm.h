@@ -33,6 +33,7 @@ struct Fp8GroupedArgs {
   const int* offsets = nullptr;  // host: offsets[g], first row of group g
   const int* counts = nullptr;   // host: counts[g] = m_g
   int groups = 0;
+  int max_blocks = 0;  // persistent blocks (0: one per SM); fewer leave SMs to concurrent kernels
 };
 
 class Fp8GroupedGemm {

@@ -920,7 +920,7 @@ struct MoeLayer::Impl {
   // its own cuBLASLt workspace and plans.
   std::vector<cudaStream_t> gs;
   Fp8Gemm gemm;          // one plan cache; a workspace slice per stream
-  Fp8GroupedGemm ggemm;  // MoeOptions::fp8_grouped
+  Fp8GroupedGemm ggemm;  // MoeOptions::fp8_gemm
   DeviceArray<uint8_t> gemm_ws;
   static constexpr size_t kGemmWs = size_t(32) << 20;
   cudaEvent_t ev_fork{};
@@ -949,7 +949,8 @@ struct MoeLayer::Impl {
               s.intermediate % 32 == 0 && s.intermediate > 0 && s.hidden > 0 && maxT > 0,
           DZ_ERR_INVALID_ARGUMENT, "MoeLayer: unsupported shape E=", s.n_experts, " topk=", s.topk, " H=", s.hidden,
           " I=", s.intermediate);
-    check(opt.tile_experts >= 1 && opt.tile_experts <= 32, DZ_ERR_INVALID_ARGUMENT, "tile_experts must be 1..32");
+    check(opt.tile_experts >= 1 && opt.tile_experts <= s.n_experts, DZ_ERR_INVALID_ARGUMENT,
+          "tile_experts must be 1..", s.n_experts, " (the layer's experts)");
     check(opt.gemm_streams >= 1 && opt.gemm_streams <= 16, DZ_ERR_INVALID_ARGUMENT, "gemm_streams must be 1..16");
     kph = kpad_of(s.hidden);
     kpi = kpad_of(s.intermediate);
@@ -977,8 +978,10 @@ struct MoeLayer::Impl {
     d2 = DeviceArray<__nv_bfloat16>(P, size_t(rows_cap) * H, "moe down output");
     const size_t per_expert_fp8 = size_t(2 * I) * kph + size_t(H) * kpi;
     const size_t per_expert_sc = size_t(2 * I) * (kph / 128) + size_t(H) * (kpi / 128);
-    ws_fp8 = DeviceArray<uint8_t>(P, 2 * opt.tile_experts * per_expert_fp8, "FP8 expert workspace");
-    ws_scales = DeviceArray<float>(P, 2 * opt.tile_experts * per_expert_sc, "FP8 expert workspace scales");
+    // Two tiles in flight (fold the next while the GEMMs use this one), one when a tile holds every expert.
+    const int n_buf = opt.tile_experts >= s.n_experts ? 1 : 2;
+    ws_fp8 = DeviceArray<uint8_t>(P, n_buf * opt.tile_experts * per_expert_fp8, "FP8 expert workspace");
+    ws_scales = DeviceArray<float>(P, n_buf * opt.tile_experts * per_expert_sc, "FP8 expert workspace scales");
     DZ_CUDA_CHECK(cudaMemsetAsync(err.get(), 0, sizeof(int), ctx.stream()));
     // Padding columns of the fp16 activations are never written by the kernels.
     DZ_CUDA_CHECK(cudaMemsetAsync(act16.get(), 0, act16.bytes(), ctx.stream()));
@@ -1181,6 +1184,9 @@ struct MoeLayer::Impl {
     const size_t w1_sc = size_t(2 * I) * (kph / 128), w2_sc = size_t(H) * (kpi / 128);
     const int tile = opt.tile_experts;
     const Mxfp4Stack W1{w.w1_blocks, w.w1_scales, 2 * I, H}, W2{w.w2_blocks, w.w2_scales, H, I};
+    check(opt.fp8_gemm >= 0 && opt.fp8_gemm <= 2, DZ_ERR_INVALID_ARGUMENT, "fp8_gemm must be 0 (auto), 1 or 2");
+    const bool grouped = opt.fp8_gemm == 2 || (opt.fp8_gemm == 0 && Fp8GroupedGemm::supported() &&
+                                               double(T) * s.topk / E <= opt.fp8_grouped_max_tokens_per_expert);
     for (size_t t0 = 0, ti = 0; t0 < act_e.size(); t0 += tile, ++ti) {
       const int n = int(std::min<size_t>(tile, act_e.size() - t0));
       const int buf = int(ti % 2);
@@ -1193,7 +1199,7 @@ struct MoeLayer::Impl {
       mxfp4_fold_experts(W2, act_e.data() + t0, n, Fp8Slots{f2, s2}, aux);
       DZ_CUDA_CHECK(cudaEventRecord(ev_ready[buf], aux));
       DZ_CUDA_CHECK(cudaStreamWaitEvent(st, ev_ready[buf], 0));
-      if (opt.fp8_grouped) {
+      if (grouped) {
         // The tile's experts hold consecutive sorted rows: GEMM1 over all of
         // them, SwiGLU + 1x128 quantization of those rows, GEMM2, all on st.
         std::vector<int> goff(static_cast<size_t>(n)), gcnt(static_cast<size_t>(n));
@@ -1206,6 +1212,7 @@ struct MoeLayer::Impl {
         g.rows_total = rows_total, g.offsets = goff.data(), g.counts = gcnt.data(), g.groups = n;
         g.x = a1.get(), g.xs = a1s.get(), g.w = f1, g.w_stride = int64_t(w1_fp8), g.ws = s1;
         g.ws_stride = int64_t(w1_sc), g.d = d1.get(), g.n = 2 * I, g.k = int(kph);
+        g.max_blocks = opt.fp8_grouped_blocks;
         ggemm.run(g, st);
         const int64_t threads = int64_t(nrows) * nkb_i * 32;
         swiglu_quant_kernel<<<unsigned((threads + 255) / 256), 256, 0, st>>>(

@@ -38,11 +38,13 @@ const char* kUsage =
     "usage: dz bench moe [--tokens 1,8,64,512,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
     "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
     "                    [--fused-kernel 0|1|2] [--tokens-per-pass NB] [--no-components]\n"
-    "                    [--fp8-gemm cublaslt|grouped|cublaslt,grouped]\n"
+    "                    [--fp8-gemm auto|cublaslt|grouped|LIST] [--grouped-blocks N]\n"
     "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
     "MXFP4 MoE layer on the GPU: fused W4A16 vs FP8 (fold + cuBLASLt) paths, JSON results.\n"
-    "--fp8-gemm: the FP8 path's GEMMs, per-expert cuBLASLt or our grouped kernel; the first\n"
-    "is fp8_ms, every one listed is timed (fp8_gemm_ms) and compared with the first.\n";
+    "--fp8-gemm: the FP8 path's GEMMs, per-expert cuBLASLt, our grouped kernel or auto (the\n"
+    "library's choice, the default); of a comma list the first\n"
+    "is fp8_ms, every one listed is timed (fp8_gemm_ms) and compared with the first.\n"
+    "--grouped-blocks: persistent blocks of the grouped GEMM (default 0: one per SM).\n";
 
 std::vector<int> parse_list(const std::string& s) {
   std::vector<int> v;
@@ -128,7 +130,7 @@ int bench_moe(const Args& a) {
   reject_unknown(a,
                  {"--tokens", "--reps", "--experts", "--topk", "--hidden", "--intermediate", "--threshold", "--tile",
                   "--gemm-streams", "--fused-kernel", "--tokens-per-pass", "--no-components", "--bw-ceiling",
-                  "--fp8-ceiling", "--fp8-gemm", "--dump", "--out", "--help"},
+                  "--fp8-ceiling", "--fp8-gemm", "--grouped-blocks", "--dump", "--out", "--help"},
                  "bench moe");
   const std::vector<int> tokens = parse_list(flag_value(a, "--tokens", "1,8,64,512,4096,16384"));
   const int reps = std::stoi(flag_value(a, "--reps", "20"));
@@ -145,19 +147,22 @@ int bench_moe(const Args& a) {
   opt.fused_tokens_per_pass = std::stoi(flag_value(a, "--tokens-per-pass", "0"));
   std::vector<std::string> fp8_gemms;
   {
-    std::stringstream ss(flag_value(a, "--fp8-gemm", "cublaslt"));
+    std::stringstream ss(flag_value(a, "--fp8-gemm", "auto"));
     std::string item;
     while (std::getline(ss, item, ',')) {
       if (item.empty()) continue;
-      if (item != "cublaslt" && item != "grouped") {
-        std::fprintf(stderr, "dz bench moe: --fp8-gemm takes cublaslt and/or grouped, not '%s'\n", item.c_str());
+      if (item != "auto" && item != "cublaslt" && item != "grouped") {
+        std::fprintf(stderr, "dz bench moe: --fp8-gemm takes auto, cublaslt and/or grouped, not '%s'\n",
+                     item.c_str());
         return 2;
       }
       fp8_gemms.push_back(item);
     }
-    if (fp8_gemms.empty()) fp8_gemms.push_back("cublaslt");
+    if (fp8_gemms.empty()) fp8_gemms.push_back("auto");
   }
-  opt.fp8_grouped = fp8_gemms[0] == "grouped";
+  auto gemm_mode = [](const std::string& g) { return g == "grouped" ? 2 : g == "cublaslt" ? 1 : 0; };
+  opt.fp8_gemm = gemm_mode(fp8_gemms[0]);
+  opt.fp8_grouped_blocks = std::stoi(flag_value(a, "--grouped-blocks", "0"));
   const double bw_ceiling = std::stod(flag_value(a, "--bw-ceiling", "4.27e12"));
   const double fp8_ceiling = std::stod(flag_value(a, "--fp8-ceiling", "1490e12"));
   const std::string dump = flag_value(a, "--dump", "");
@@ -315,6 +320,7 @@ int bench_moe(const Args& a) {
                         {"fused_kernel", opt.fused_kernel},
                         {"fused_tokens_per_pass", opt.fused_tokens_per_pass},
                         {"fp8_gemm", fp8_gemms},
+                        {"fp8_grouped_blocks", opt.fp8_grouped_blocks},
                         {"fold_check",
                          {{"groups", fs.groups},
                           {"lossy_groups", fs.lossy_groups},
@@ -439,14 +445,16 @@ int bench_moe(const Args& a) {
         DeviceArray<float> out_v(P, size_t(T) * H, "out fp8 variant");
         std::vector<float> h0(x.size()), hv(x.size());
         layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_8.get(), MoePath::kFp8);
+        ctx.sync();  // the layer runs on a non-blocking stream: cudaMemcpy alone would not wait for it
         DZ_CUDA_CHECK(cudaMemcpy(h0.data(), out_8.get(), h0.size() * 4, cudaMemcpyDeviceToHost));
         for (size_t v = 1; v < fp8_gemms.size(); ++v) {
-          layer.options().fp8_grouped = fp8_gemms[v] == "grouped";
+          layer.options().fp8_gemm = gemm_mode(fp8_gemms[v]);
           gemm_ms[fp8_gemms[v]] = timer.median_ms(r, kSets, [&](int i) {
             layer.forward(W, x.get(), ids[size_t(i % kSets)].get(), gws[size_t(i % kSets)].get(), T, out_v.get(),
                           MoePath::kFp8);
           });
           layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_v.get(), MoePath::kFp8);
+          ctx.sync();
           DZ_CUDA_CHECK(cudaMemcpy(hv.data(), out_v.get(), hv.size() * 4, cudaMemcpyDeviceToHost));
           gemm_diff[fp8_gemms[v]] = diff_metric(h0, hv);
           layer.options() = opt;
