@@ -940,6 +940,7 @@ struct MoeLayer::Impl {
   // the FP8 expert workspace: 2 tiles x tile_experts x (w1 + w2)
   DeviceArray<uint8_t> ws_fp8;
   DeviceArray<float> ws_scales;
+  int tile_cap = 0, n_buf = 2;  // experts per workspace tile it was sized for, tiles in flight
   int* h_counts = nullptr;  // pinned: counts[E], offsets[E+1]
   cudaEvent_t ev_ready[2]{}, ev_free[2]{};
 
@@ -949,8 +950,8 @@ struct MoeLayer::Impl {
               s.intermediate % 32 == 0 && s.intermediate > 0 && s.hidden > 0 && maxT > 0,
           DZ_ERR_INVALID_ARGUMENT, "MoeLayer: unsupported shape E=", s.n_experts, " topk=", s.topk, " H=", s.hidden,
           " I=", s.intermediate);
-    check(opt.tile_experts >= 1 && opt.tile_experts <= s.n_experts, DZ_ERR_INVALID_ARGUMENT,
-          "tile_experts must be 1..", s.n_experts, " (the layer's experts)");
+    check(opt.tile_experts >= 1, DZ_ERR_INVALID_ARGUMENT, "tile_experts must be >= 1");
+    tile_cap = std::min(opt.tile_experts, s.n_experts);
     check(opt.gemm_streams >= 1 && opt.gemm_streams <= 16, DZ_ERR_INVALID_ARGUMENT, "gemm_streams must be 1..16");
     kph = kpad_of(s.hidden);
     kpi = kpad_of(s.intermediate);
@@ -979,9 +980,9 @@ struct MoeLayer::Impl {
     const size_t per_expert_fp8 = size_t(2 * I) * kph + size_t(H) * kpi;
     const size_t per_expert_sc = size_t(2 * I) * (kph / 128) + size_t(H) * (kpi / 128);
     // Two tiles in flight (fold the next while the GEMMs use this one), one when a tile holds every expert.
-    const int n_buf = opt.tile_experts >= s.n_experts ? 1 : 2;
-    ws_fp8 = DeviceArray<uint8_t>(P, n_buf * opt.tile_experts * per_expert_fp8, "FP8 expert workspace");
-    ws_scales = DeviceArray<float>(P, n_buf * opt.tile_experts * per_expert_sc, "FP8 expert workspace scales");
+    n_buf = tile_cap == s.n_experts ? 1 : 2;
+    ws_fp8 = DeviceArray<uint8_t>(P, n_buf * tile_cap * per_expert_fp8, "FP8 expert workspace");
+    ws_scales = DeviceArray<float>(P, n_buf * tile_cap * per_expert_sc, "FP8 expert workspace scales");
     DZ_CUDA_CHECK(cudaMemsetAsync(err.get(), 0, sizeof(int), ctx.stream()));
     // Padding columns of the fp16 activations are never written by the kernels.
     DZ_CUDA_CHECK(cudaMemsetAsync(act16.get(), 0, act16.bytes(), ctx.stream()));
@@ -1182,14 +1183,15 @@ struct MoeLayer::Impl {
       if (hc[e]) act_e.push_back(e);
     const size_t w1_fp8 = size_t(2 * I) * kph, w2_fp8 = size_t(H) * kpi;
     const size_t w1_sc = size_t(2 * I) * (kph / 128), w2_sc = size_t(H) * (kpi / 128);
-    const int tile = opt.tile_experts;
+    // The workspace holds tiles of tile_cap experts (options changed later cannot grow it).
+    const int tile = std::max(1, std::min(opt.tile_experts, tile_cap));
     const Mxfp4Stack W1{w.w1_blocks, w.w1_scales, 2 * I, H}, W2{w.w2_blocks, w.w2_scales, H, I};
     check(opt.fp8_gemm >= 0 && opt.fp8_gemm <= 2, DZ_ERR_INVALID_ARGUMENT, "fp8_gemm must be 0 (auto), 1 or 2");
     const bool grouped = opt.fp8_gemm == 2 || (opt.fp8_gemm == 0 && Fp8GroupedGemm::supported() &&
                                                double(T) * s.topk / E <= opt.fp8_grouped_max_tokens_per_expert);
     for (size_t t0 = 0, ti = 0; t0 < act_e.size(); t0 += tile, ++ti) {
       const int n = int(std::min<size_t>(tile, act_e.size() - t0));
-      const int buf = int(ti % 2);
+      const int buf = int(ti % size_t(n_buf));
       uint8_t* f1 = ws_fp8.get() + size_t(buf) * tile * (w1_fp8 + w2_fp8);
       uint8_t* f2 = f1 + size_t(tile) * w1_fp8;
       float* s1 = ws_scales.get() + size_t(buf) * tile * (w1_sc + w2_sc);
