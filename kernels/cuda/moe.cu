@@ -940,7 +940,7 @@ struct MoeLayer::Impl {
   // the FP8 expert workspace: 2 tiles x tile_experts x (w1 + w2)
   DeviceArray<uint8_t> ws_fp8;
   DeviceArray<float> ws_scales;
-  int tile_cap = 0, n_buf = 2;  // experts per workspace tile it was sized for, tiles in flight
+  int tile_cap = 0;  // experts per workspace tile it was sized for
   int* h_counts = nullptr;  // pinned: counts[E], offsets[E+1]
   cudaEvent_t ev_ready[2]{}, ev_free[2]{};
 
@@ -979,10 +979,9 @@ struct MoeLayer::Impl {
     d2 = DeviceArray<__nv_bfloat16>(P, size_t(rows_cap) * H, "moe down output");
     const size_t per_expert_fp8 = size_t(2 * I) * kph + size_t(H) * kpi;
     const size_t per_expert_sc = size_t(2 * I) * (kph / 128) + size_t(H) * (kpi / 128);
-    // Two tiles in flight (fold the next while the GEMMs use this one), one when a tile holds every expert.
-    n_buf = tile_cap == s.n_experts ? 1 : 2;
-    ws_fp8 = DeviceArray<uint8_t>(P, n_buf * tile_cap * per_expert_fp8, "FP8 expert workspace");
-    ws_scales = DeviceArray<float>(P, n_buf * tile_cap * per_expert_sc, "FP8 expert workspace scales");
+    // Two tiles in flight: fold the next while the GEMMs use this one.
+    ws_fp8 = DeviceArray<uint8_t>(P, 2 * tile_cap * per_expert_fp8, "FP8 expert workspace");
+    ws_scales = DeviceArray<float>(P, 2 * tile_cap * per_expert_sc, "FP8 expert workspace scales");
     DZ_CUDA_CHECK(cudaMemsetAsync(err.get(), 0, sizeof(int), ctx.stream()));
     // Padding columns of the fp16 activations are never written by the kernels.
     DZ_CUDA_CHECK(cudaMemsetAsync(act16.get(), 0, act16.bytes(), ctx.stream()));
@@ -1191,7 +1190,7 @@ struct MoeLayer::Impl {
                                                double(T) * s.topk / E <= opt.fp8_grouped_max_tokens_per_expert);
     for (size_t t0 = 0, ti = 0; t0 < act_e.size(); t0 += tile, ++ti) {
       const int n = int(std::min<size_t>(tile, act_e.size() - t0));
-      const int buf = int(ti % size_t(n_buf));
+      const int buf = int(ti % 2);
       uint8_t* f1 = ws_fp8.get() + size_t(buf) * tile * (w1_fp8 + w2_fp8);
       uint8_t* f2 = f1 + size_t(tile) * w1_fp8;
       float* s1 = ws_scales.get() + size_t(buf) * tile * (w1_sc + w2_sc);

@@ -43,7 +43,7 @@ struct MoeOptions {
   // at gpt-oss-120b shapes (bench/results/2026-12-01-h200-run3): the fused
   // path wins at 16 tokens per expert (1.97 vs 3.16 ms), FP8 at 128 (3.78 vs 13.6 ms).
   double fused_max_tokens_per_expert = 16.0;
-  int tile_experts = 16;  // experts per FP8 workspace tile (two tiles in flight; at most the layer's experts)
+  int tile_experts = 16;  // experts per FP8 workspace tile (two tiles in flight; more than the layer has: all)
   int gemm_streams = 4;   // experts of a tile run concurrently on this many streams
   int fused_k_split = 0;  // fused kernels: K split over 1 or 4 warps (0: 4 up to 8 token slots, else 1)
   bool pdl = true;        // fused kernels as programmatic dependent launches
@@ -61,7 +61,8 @@ struct MoeOptions {
   // grouped up to fp8_grouped_max_tokens_per_expert where supported, else 1.
   // Measured at gpt-oss-120b shapes on an H200 (bench/results/2026-12-01-h200-run6.md):
   // grouped 9-11% faster at 128 tokens per expert, cuBLASLt 8% faster at 512.
-  int fp8_gemm = 0;
+  // Default 1 until auto has run the whole GPU test suite (the grouped path alone has).
+  int fp8_gemm = 1;
   double fp8_grouped_max_tokens_per_expert = 256.0;
 };
 
