@@ -58,17 +58,17 @@ def main():
         r = rows.setdefault(e.name, [0, 0.0])
         r[0] += 1
         r[1] += e.device_time if hasattr(e, "device_time") else e.cuda_time
-    total = sum(v[1] for v in rows.values())
+    per_step = sum(v[1] for v in rows.values()) / a.steps
     table = sorted(((k, v[0] / a.steps, v[1] / a.steps) for k, v in rows.items()), key=lambda x: -x[2])
-    print(f"batch {a.batch}, context {a.ctx}: GPU busy {total / a.steps:.1f} us per step "
+    print(f"batch {a.batch}, context {a.ctx}: GPU busy {per_step:.1f} us per step "
           f"({sum(v[0] for v in rows.values()) / a.steps:.0f} kernels/copies per step)")
     print(f"{'us/step':>9} {'share':>6} {'calls':>6}  kernel")
     for name, calls, us in table[:40]:
-        print(f"{us:9.1f} {100 * us / total:5.1f}% {calls:6.1f}  {name[:110]}")
+        print(f"{us:9.1f} {100 * us / per_step:5.1f}% {calls:6.1f}  {name[:110]}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"model": a.model, "batch": a.batch, "ctx": a.ctx, "steps": a.steps,
-                       "gpu_us_per_step": total / a.steps,
+                       "gpu_us_per_step": per_step,
                        "kernels": [{"name": n, "calls_per_step": c, "us_per_step": u} for n, c, u in table]}, f, indent=1)
 
 
