@@ -42,7 +42,7 @@ def fp8_indexer_section(j, heads, dim):
         "amax/448 (DeepSeek-V3.2's `ue8m0` power-of-two scales are measured as a variant).",
         "",
         f"Measured on the held-out text (`tools/train/prepare_data.sh`; {j['tokens']} tokens, {j['windows']} windows "
-        f"of {j['window']}) at commit {j['commit']}:",
+        f"of {j['window']}; dz built at commit {j['commit']}, this model):",
         "",
         "    tools/train/prepare_data.sh data && dz indexer-fp8 --text data/heldout.txt --json out.json",
         "",
