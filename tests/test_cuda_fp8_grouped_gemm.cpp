@@ -20,6 +20,7 @@
 #include "cuda/fp8_grouped_gemm.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
+#include "support/device_buffer.h"
 #endif
 
 #include "support/gpu.h"
@@ -30,22 +31,7 @@ using namespace dz;
 using namespace dz::cuda;
 
 template <typename T>
-struct Buf {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit Buf(size_t n_) : n(n_) { DZ_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T) + 16)); }
-  explicit Buf(const std::vector<T>& v) : Buf(v.size()) {
-    DZ_CUDA_CHECK(cudaMemcpy(p, v.data(), n * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  ~Buf() { cudaFree(p); }
-  Buf(const Buf&) = delete;
-  Buf& operator=(const Buf&) = delete;
-  std::vector<T> get() const {
-    std::vector<T> v(n);
-    DZ_CUDA_CHECK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return v;
-  }
-};
+using Buf = dz::test::DeviceBuffer<T>;
 
 double bf16_to_double(uint16_t b) {
   const uint32_t u = uint32_t(b) << 16;

@@ -19,6 +19,7 @@
 #include "cuda/mxfp4_fold.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
+#include "support/device_buffer.h"
 #endif
 
 #include "support/gpu.h"
@@ -57,20 +58,7 @@ namespace {
 using namespace dz::cuda;
 
 template <typename T>
-struct Dev {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit Dev(size_t n_) : n(n_) { DZ_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T) + 16)); }
-  explicit Dev(const std::vector<T>& v) : Dev(v.size()) {
-    DZ_CUDA_CHECK(cudaMemcpy(p, v.data(), n * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  ~Dev() { cudaFree(p); }
-  std::vector<T> get() const {
-    std::vector<T> v(n);
-    DZ_CUDA_CHECK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return v;
-  }
-};
+using Dev = dz::test::DeviceBuffer<T>;
 
 ContextOptions small_ctx() {
   ContextOptions o;

@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include "cuda/fp8_grouped_gemm.h"
+#include "cuda/ptx.cuh"
 #include "runtime/cuda/cuda_check.h"
 
 // wgmma and setmaxnreg exist only in the sm_90a target; elsewhere the kernel
@@ -69,27 +70,12 @@ __device__ __forceinline__ void find_tile(const Params& p, int t, int& g, int& m
   mt = local - nt * mtiles;
 }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using ptx::mbar_arrive;
+using ptx::mbar_arrive_expect_tx;
+using ptx::mbar_init;
+using ptx::mbar_try_wait;
+using ptx::smem_u32;
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-               : "=r"(ok)
-               : "r"(bar), "r"(parity)
-               : "memory");
-  return ok != 0;
-}
 __device__ __forceinline__ uint64_t global_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -216,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_c
         const int row = p.off[g] + mt * kBM, n0 = nt * kBN;
         for (int kb = 0; kb < p.nkb; ++kb) {
           mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);  // a fresh barrier passes parity 1
-          mbar_expect_tx(full(stage), kTxBytes);
+          mbar_arrive_expect_tx(full(stage), kTxBytes);
           tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), kb * kBK, row);
           tma_3d(sB + uint32_t(stage * kBBytes), &p.wmap, full(stage), kb * kBK, n0, g);
           tma_3d(sS + uint32_t(stage * kSBytes), &p.smap, full(stage), n0, kb, g);

@@ -403,24 +403,11 @@ struct PHdr {  // an item handed to the epilogue warp
 };
 constexpr int kRedBytes = int(sizeof(PHdr)) + kPWarps * 32 * 16;
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-               : "=r"(ok)
-               : "r"(bar), "r"(parity)
-               : "memory");
-  return ok != 0;
-}
+using ptx::mbar_arrive;
+using ptx::mbar_expect_tx;
+using ptx::mbar_init;
+using ptx::mbar_try_wait;
+using ptx::smem_u32;
 // A wait of seconds is a logic error (lost arrival, counter not reset): fail the launch loudly.
 struct Patience {
   uint64_t t0 = 0;
@@ -486,7 +473,7 @@ __global__ void __launch_bounds__(kPThreads, 1) moe_persistent_kernel(const PArg
   int* slot_of_ord = ord_of_slot + NS;                   // [NS]
   int* scal = slot_of_ord + NS;                          // [2] active experts, passes
   float* xs_sm = reinterpret_cast<float*>(scal + 2);     // [T] input scales
-  const uint32_t full0 = smem_addr(bars), empty0 = smem_addr(bars + a.S);
+  const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + a.S);
   const bool producer = warp == kPGroups * kPGroupWarps;
   // Items are only ever claimed by running blocks (no static assignment), so a
   // down item never waits for work held by a block that is not resident. The
@@ -599,9 +586,9 @@ __global__ void __launch_bounds__(kPThreads, 1) moe_persistent_kernel(const PArg
         meta[s] = PMeta{d.kind, min(a.nb, cnt[d.e] - d.p * a.nb), off[d.e] + d.p * a.nb, d.gp, d.tile, d.e, 0, 0};
         const uint32_t wbytes = uint32_t(kPRows * d.nsub * 16), sbytes = uint32_t(kPRows * d.nsub);
         mbar_expect_tx(fb, wbytes + sbytes + kPRows * 2);
-        bulk_g2s(smem_addr(st), d.w, wbytes, fb, pol);
-        bulk_g2s(smem_addr(st + a.off_sc), d.sc, sbytes, fb, pol);
-        bulk_g2s(smem_addr(st + a.off_bias), d.bias, kPRows * 2, fb, pol);
+        bulk_g2s(smem_u32(st), d.w, wbytes, fb, pol);
+        bulk_g2s(smem_u32(st + a.off_sc), d.sc, sbytes, fb, pol);
+        bulk_g2s(smem_u32(st + a.off_bias), d.bias, kPRows * 2, fb, pol);
       }
       __syncwarp();
     };
@@ -631,7 +618,7 @@ __global__ void __launch_bounds__(kPThreads, 1) moe_persistent_kernel(const PArg
       for (int j = 0; j < md.m; ++j) {
         const __half* src =
             md.kind ? a.act + int64_t(md.ord0 + j) * a.kpi : a.xh + int64_t(slot_of_ord[md.ord0 + j] / a.topk) * a.kph;
-        const uint32_t dst = smem_addr(st + a.off_act + j * a.act_stride);
+        const uint32_t dst = smem_u32(st + a.off_act + j * a.act_stride);
         for (int q = lane; q < npc; q += 32) {
           // natural piece q = (chunk c, sub-block t, step pair i) -> fragment order (c, i, t)
           const int pos = (q & ~15) | ((q & 3) << 2) | ((q >> 2) & 3);
