@@ -40,6 +40,12 @@ double bf16_to_double(uint16_t b) {
   return f;
 }
 
+ContextOptions pool_1gib() {
+  ContextOptions o;
+  o.pool_bytes = size_t(1) << 30;
+  return o;
+}
+
 constexpr uint16_t kSentinel = 0x7FC1;  // a bf16 NaN the kernel never produces
 
 // A random problem: G groups of the given sizes, `gap` untouched rows before
@@ -255,11 +261,7 @@ TEST_CASE("CUDA grouped FP8 GEMM matches float64 and cuBLASLt per group", "[cuda
     WARN("grouped FP8 GEMM needs an sm_90 device and an sm_90a build: skipped");
     return;
   }
-  Context ctx([] {
-    ContextOptions o;
-    o.pool_bytes = size_t(1) << 30;
-    return o;
-  }());
+  Context ctx(pool_1gib());
   Fp8GroupedGemm gg;
   std::mt19937 rng(7);
   SECTION("small groups, ragged sizes") {
@@ -345,11 +347,7 @@ TEST_CASE("CUDA grouped FP8 GEMM throughput at gpt-oss-120b MoE sizes (printed)"
     WARN("grouped FP8 GEMM needs an sm_90 device and an sm_90a build: skipped");
     return;
   }
-  Context ctx([] {
-    ContextOptions o;
-    o.pool_bytes = size_t(1) << 30;
-    return o;
-  }());
+  Context ctx(pool_1gib());
   Fp8GroupedGemm gg;
   Fp8Gemm lt(ctx);
   // 128 experts x 512 rows (16K tokens, top-4): gate_up (n = 5760) and down (n = 2880), k = 2944.
