@@ -106,7 +106,9 @@ step "dz bench model (random gpt-oss-20b-shaped checkpoint, written to ${DZ_MODE
 "$DZ" bench model --make-random "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}" --out "$OUTDIR/bench_model.json" \
   >"$OUTDIR/bench_model.log" 2>&1 || { echo "dz bench model FAILED"; status=1; }
 tail -25 "$OUTDIR/bench_model.log"
-if want profile; then
+if want profile && ! python3 -c "import torch" 2>/dev/null; then
+  step "per-kernel profile skipped: no PyTorch (tools/gpu/profile_decode.py traces through torch.profiler)"
+elif want profile; then
   step "per-kernel GPU time of eager decode steps (tools/gpu/profile_decode.py)"
   for b in 1 64; do
     DAYZERO_LIB=$LIBDZ python3 tools/gpu/profile_decode.py "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}" --batch $b \
