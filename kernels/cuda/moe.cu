@@ -927,7 +927,7 @@ struct MoeLayer::Impl {
   // the FP8 expert workspace: 2 tiles x tile_experts x (w1 + w2)
   DeviceArray<uint8_t> ws_fp8;
   DeviceArray<float> ws_scales;
-  int tile_cap = 0;  // experts per workspace tile it was sized for
+  int tile_cap = 0;         // experts per workspace tile it was sized for
   int* h_counts = nullptr;  // pinned: counts[E], offsets[E+1]
   cudaEvent_t ev_ready[2]{}, ev_free[2]{};
 

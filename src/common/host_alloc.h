@@ -41,7 +41,9 @@ struct HostAllocator {
   T* allocate(size_t n) { return static_cast<T*>(host_alloc(n * sizeof(T), alignof(T) < 16 ? 16 : alignof(T))); }
   void deallocate(T* p, size_t) noexcept { host_free(p); }
   template <typename U>
-  bool operator==(const HostAllocator<U>&) const noexcept { return true; }
+  bool operator==(const HostAllocator<U>&) const noexcept {
+    return true;
+  }
 };
 
 template <typename T>

@@ -152,8 +152,7 @@ int bench_moe(const Args& a) {
     while (std::getline(ss, item, ',')) {
       if (item.empty()) continue;
       if (item != "auto" && item != "cublaslt" && item != "grouped") {
-        std::fprintf(stderr, "dz bench moe: --fp8-gemm takes auto, cublaslt and/or grouped, not '%s'\n",
-                     item.c_str());
+        std::fprintf(stderr, "dz bench moe: --fp8-gemm takes auto, cublaslt and/or grouped, not '%s'\n", item.c_str());
         return 2;
       }
       fp8_gemms.push_back(item);
