@@ -170,6 +170,12 @@ def kl_indexer_loss(model, taps, sparse):
     return total, n
 
 
+def random_windows(stream, batch, ctx):
+    """batch windows of ctx + 1 consecutive tokens (inputs and next-token targets) at random starts."""
+    starts = torch.randint(0, stream.numel() - ctx - 1, (batch,), device=stream.device)
+    return stream[starts[:, None] + torch.arange(ctx + 1, device=stream.device)]
+
+
 def train_indexer_only(model, taps, stream_d, args):
     """More indexer training on a frozen language model: the KL loss of the sparse phase, nothing else.
     The indexer's loss never reaches the main model anyway, so this sharpens only the selection."""
@@ -179,13 +185,12 @@ def train_indexer_only(model, taps, stream_d, args):
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
-    dev, budget, t0, step = stream_d.device, args.indexer_minutes * 60, time.time(), 0
+    budget, t0, step = args.indexer_minutes * 60, time.time(), 0
     log(f"indexer-only phase: {sum(p.numel() for p in params) / 1e6:.2f}M parameters, {args.indexer_minutes} min")
     while (frac := (time.time() - t0) / budget) < 1:
         for g in opt.param_groups:
             g["lr"] = args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        starts = torch.randint(0, stream_d.numel() - args.ctx - 1, (args.batch,), device=dev)
-        x = stream_d[starts[:, None] + torch.arange(args.ctx, device=dev)]
+        x = random_windows(stream_d, args.batch, args.ctx)[:, :-1]
         taps.on = True
         taps.idx.clear(), taps.attn.clear(), taps.loads.clear()
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -361,8 +366,7 @@ def main():
         lr = args.lr * min(1.0, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
         for g in opt.param_groups:
             g["lr"] = lr
-        starts = torch.randint(0, stream_d.numel() - args.ctx - 1, (args.batch,), device=dev)
-        win = stream_d[starts[:, None] + torch.arange(args.ctx + 1, device=dev)]
+        win = random_windows(stream_d, args.batch, args.ctx)
         x, y = win[:, :-1], win[:, 1:]
         taps.on = True
         taps.idx.clear(), taps.attn.clear(), taps.loads.clear()
