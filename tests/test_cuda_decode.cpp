@@ -126,6 +126,9 @@ struct DeviceCase {
     DZ_CUDA_CHECK(cudaMemcpy(kv.get(), c.kv.data(), c.kv.size() * 4, cudaMemcpyHostToDevice));
     DZ_CUDA_CHECK(cudaMemcpy(q.get(), c.q.data(), c.q.size() * 4, cudaMemcpyHostToDevice));
     DZ_CUDA_CHECK(cudaMemcpy(sinks.get(), c.sinks.data(), c.sinks.size() * 4, cudaMemcpyHostToDevice));
+    // Copies from pageable memory may return before their DMA lands, and the
+    // kernels run on a non-blocking stream.
+    DZ_CUDA_CHECK(cudaDeviceSynchronize());
   }
   DeviceArray<int32_t> up(const std::vector<int32_t>& v) {
     DeviceArray<int32_t> d(ctx.pool(), std::max<size_t>(v.size(), 1), "ints");

@@ -133,6 +133,7 @@ struct Device {
   explicit Device(const Problem& p) : x(p.x), w(p.w), xs(p.xs), ws(p.ws), d(size_t(p.rows_total * p.n)) {
     std::vector<uint16_t> fill(d.n, kSentinel);
     DZ_CUDA_CHECK(cudaMemcpy(d.p, fill.data(), d.n * 2, cudaMemcpyHostToDevice));
+    Buf<uint16_t>::settle();
   }
   Fp8GroupedArgs args(const Problem& p) const {
     Fp8GroupedArgs a;

@@ -323,8 +323,8 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
     } else {
       WARN("grouped FP8 GEMM not supported here (needs sm_90 and an sm_90a build): FP8 grouped path not tested");
     }
-    // Every fused-kernel variant (K split over 1 or 4 warps, PDL on/off), also inside a CUDA graph.
-    for (int ks : {1, 4})
+    // Every fused-kernel variant (K split over 1, 4 or 8 warps, PDL on/off), also inside a CUDA graph.
+    for (int ks : {1, 4, 8})
       for (bool pdl : {false, true}) {
         INFO("fused variant ks " << ks << " pdl " << pdl);
         layer.options().fused_k_split = ks;
@@ -495,6 +495,7 @@ TEST_CASE("CUDA MoE layer: persistent fused kernel matches float64, is determini
       std::normal_distribution<float> nd(0.f, 1.f);
       for (auto& v : base) v = nd(rng);
       DZ_CUDA_CHECK(cudaMemcpy(out.p, base.data(), base.size() * sizeof(float), cudaMemcpyHostToDevice));
+      DZ_CUDA_CHECK(cudaDeviceSynchronize());  // the DMA from pageable memory may still be in flight
       layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFused, true);
       ctx.sync();
       const auto got = out.get();

@@ -43,7 +43,7 @@ __device__ __forceinline__ float swiglu(float gate, float up) {
 }
 
 // ------------------------------------------------------------------ routing
-// One block: counting sort of the T*topk slots by expert. Segment e spans rows
+// Block 0: counting sort of the T*topk slots by expert. Segment e spans rows
 // [offsets[e], offsets[e+1]) (count rounded up to kPadRows; pad rows hold -1).
 // Order inside a segment is arbitrary; every row is computed independently.
 __device__ void x_to_half_row(const float* row, int H, int kpad, __half* out, float* scale_out, float* red);
@@ -51,6 +51,12 @@ __device__ void x_to_half_row(const float* row, int H, int kpad, __half* out, fl
 __global__ void __launch_bounds__(kRouteThreads)
     route_kernel(const int* ids, int n_slots, int E, int* counts, int* offsets, int* sorted, int* row_expert, int* inv,
                  int* active, int* n_active, int* err, const float* x, int T, int H, int kpad, __half* xh, float* xs) {
+  if (blockIdx.x > 0) {  // blocks 1..T: the fused path's fp16 input, one token each
+    __shared__ float red[32];
+    const int t = blockIdx.x - 1;
+    x_to_half_row(x + int64_t(t) * H, H, kpad, xh + int64_t(t) * kpad, xs + t, red);
+    return;
+  }
   extern __shared__ int sm[];
   int* cnt = sm;
   int* cur = sm + E;
@@ -109,11 +115,6 @@ __global__ void __launch_bounds__(kRouteThreads)
     sorted[pos] = s;
     inv[s] = pos;
   }
-  // Small batches: the fused path's fp16 input conversion rides along (one launch less).
-  if (x) {
-    __shared__ float red[32];
-    for (int t = 0; t < T; ++t) x_to_half_row(x + int64_t(t) * H, H, kpad, xh + int64_t(t) * kpad, xs + t, red);
-  }
 }
 
 // One token row (whole block): fp32 -> fp16 [kpad] scaled by a power of two
@@ -151,6 +152,7 @@ struct W4Args {
   const float* act_scale;  // gate_up: per-token scale; down: unused
   const int *sorted, *offsets, *counts, *active, *n_active;
   int topk, rows, nsub, kpad;
+  int ntok;         // token slots staged per pass (1..kW4Tokens)
   __half* out_act;  // gate_up: SwiGLU output [rows_cap][out_ld]
   int out_ld;
   float* out_y;  // down: [rows_cap][rows], bias added
@@ -220,13 +222,19 @@ __device__ __forceinline__ void w4_chunk(const uint4 wa, const uint4 wb, const i
 }
 
 // kKS: K split over warps (more warps per row for small batches, where few
-// experts leave the grid short); kRing: K chunks in flight per warp. kPdl: the
-// kernel was launched as a programmatic dependent of the previous one; down
-// projections issue their first weight loads before waiting for it.
+// experts leave the grid short); each warp keeps kRing K chunks of weights in
+// flight in registers. kPdl: the kernel was launched as a programmatic
+// dependent of the previous one; down projections issue their first weight
+// loads before waiting for it.
+// Shared memory: activations [chunk][i][token][t] 16-byte pieces for a.ntok
+// token slots (min(T, 8): the smem a launch needs; MMA columns past them read
+// the last slot, unused).
+// (Measured on an H200 and dropped: cp.async rings in shared memory for more
+// bytes in flight, and blocks streaming several row tiles; both slower.)
 template <bool kGateUp, int kKS, bool kPdl>
 __global__ void __launch_bounds__(kW4Threads, kKS == 1 ? 3 : 2) w4_kernel(W4Args a) {
-  constexpr int kRT = 8 / kKS, kRows = 16 * kRT, kRing = kKS == 1 ? 2 : 3;
-  extern __shared__ uint4 xs4[];  // [chunk][i][token][t] 16-byte pieces
+  constexpr int kRT = 8 / kKS, kRows = 16 * kRT, kRing = 3;
+  extern __shared__ uint4 xs4[];
   __shared__ float4 red[kKS > 1 ? kKS - 1 : 1][kRT][32];
   if (kPdl && kGateUp) griddep_wait();  // routing outputs
   if (blockIdx.y >= unsigned(*a.n_active)) {
@@ -246,10 +254,11 @@ __global__ void __launch_bounds__(kW4Threads, kKS == 1 ? 3 : 2) w4_kernel(W4Args
   const uint8_t* bB = a.blocks + rowB * a.nsub * 16;
   const uint8_t* sA = a.scales + rowA * a.nsub;
   const uint8_t* sB = a.scales + rowB * a.nsub;
-  const int nchunk = a.kpad / 128, k8 = a.kpad / 8;
+  const int nchunk = a.kpad / 128, k8 = a.kpad / 8, NT = a.ntok;
   const int per = (nchunk + kKS - 1) / kKS;
   const int c_begin = min(nchunk, ks * per), c_end = min(nchunk, c_begin + per);
   const bool has_work = wactive && c_begin < c_end;
+  const uint4* xb = xs4 + min(g, NT - 1) * 4 + t;  // this lane's activation pieces: xb[(c * 4 + i) * 4 * NT]
 
   auto load = [&](int c, uint4& wa, uint4& wb, int& sa, int& sb) {
     const int sub = c * 4 + t;
@@ -276,20 +285,15 @@ __global__ void __launch_bounds__(kW4Threads, kKS == 1 ? 3 : 2) w4_kernel(W4Args
   bool ready = true;
   if (kPdl && !kGateUp) griddep_wait();
 
-  for (int base = 0; base < cnt; base += kW4Tokens) {
-    const int m = min(kW4Tokens, cnt - base);
+  for (int base = 0; base < cnt; base += NT) {
+    const int m = min(NT, cnt - base);
     __syncthreads();
-    for (int idx = threadIdx.x; idx < m * k8; idx += blockDim.x) {
-      const int gi = idx / k8, q8 = idx % k8;
-      const __half* src;
-      if (kGateUp) {
-        const int token = a.sorted[seg + base + gi] / a.topk;
-        src = a.act + int64_t(token) * a.kpad;
-      } else {
-        src = a.act + int64_t(seg + base + gi) * a.kpad;
+    for (int gi = 0; gi < m; ++gi) {
+      const __half* src = a.act + int64_t(kGateUp ? a.sorted[seg + base + gi] / a.topk : seg + base + gi) * a.kpad;
+      for (int q8 = threadIdx.x; q8 < k8; q8 += blockDim.x) {
+        const int c = q8 >> 4, tt = (q8 >> 2) & 3, ii = q8 & 3;
+        xs4[((c * 4 + ii) * NT + gi) * 4 + tt] = *reinterpret_cast<const uint4*>(src + q8 * 8);
       }
-      const int c = q8 >> 4, tt = (q8 >> 2) & 3, ii = q8 & 3;
-      xs4[((c * 4 + ii) * 8 + gi) * 4 + tt] = *reinterpret_cast<const uint4*>(src + q8 * 8);
     }
     __syncthreads();
 
@@ -302,11 +306,11 @@ __global__ void __launch_bounds__(kW4Threads, kKS == 1 ? 3 : 2) w4_kernel(W4Args
         for (int p = 0; p < kRing; ++p) {
           const int c = c0 + p;
           if (c >= c_end) break;
-          const uint4 wa = ra[p], wb = rb[p];
-          const int s_a = sa[p], s_b = sb[p];
-          if (c + kRing < c_end) load(c + kRing, ra[p], rb[p], sa[p], sb[p]);
+          const uint4* xc = xb + c * 16 * NT;
+          // Consumed in place, then refilled: no register copies of the slot.
           w4_chunk(
-              wa, wb, s_a, s_b, [&](int i) { return xs4[((c * 4 + i) * 8 + g) * 4 + t]; }, acc);
+              ra[p], rb[p], sa[p], sb[p], [&](int i) { return xc[i * 4 * NT]; }, acc);
+          if (c + kRing < c_end) load(c + kRing, ra[p], rb[p], sa[p], sb[p]);
         }
       }
     }
@@ -338,6 +342,21 @@ __global__ void __launch_bounds__(kW4Threads, kKS == 1 ? 3 : 2) w4_kernel(W4Args
     }
   }
   if (kPdl) griddep_launch();  // after this block's results are written
+}
+
+// The instantiated K splits of the fused kernels.
+constexpr int kW4Splits[] = {1, 4, 8};
+using W4Fn = void (*)(W4Args);
+template <bool kGateUp, bool kPdl>
+W4Fn w4_fn(int ks) {
+  switch (ks) {
+    case 1:
+      return w4_kernel<kGateUp, 1, kPdl>;
+    case 4:
+      return w4_kernel<kGateUp, 4, kPdl>;
+    default:
+      return w4_kernel<kGateUp, 8, kPdl>;
+  }
 }
 
 // ------------------------------------------ fused path, persistent kernel
@@ -436,9 +455,7 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
       "l"(src), "r"(bytes), "r"(bar), "l"(pol)
       : "memory");
 }
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
+using ptx::cp_async16;
 // Arrives on the mbarrier once this thread's earlier cp.async copies have landed.
 __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
@@ -880,7 +897,7 @@ __global__ void combine_kernel(const T* y, const int* inv, const int* ids, const
                                const uint16_t* bias, int H, float* out, int accumulate) {
   if (kPdl) asm volatile("griddepcontrol.wait;" ::: "memory");
   const int t = blockIdx.x;
-  for (int n = threadIdx.x; n < H; n += blockDim.x) {
+  for (int n = blockIdx.y * blockDim.x + threadIdx.x; n < H; n += gridDim.y * blockDim.x) {
     float acc = 0.f;
     for (int k = 0; k < topk; ++k) {
       const int pos = inv[t * topk + k];
@@ -894,6 +911,13 @@ __global__ void combine_kernel(const T* y, const int* inv, const int* ids, const
 }
 
 int64_t kpad_of(int k) { return cpu::fold_kpad(k); }
+
+// combine_kernel: a block per token and slice of H, about 1024 blocks when T is small
+// (one block per token left a decode step's combine at ~9 us).
+dim3 combine_grid(int T, int H) {
+  const int slices = std::max(1, std::min((H + 255) / 256, 1024 / std::max(T, 1)));
+  return dim3(unsigned(T), unsigned(slices));
+}
 
 }  // namespace
 
@@ -995,10 +1019,9 @@ struct MoeLayer::Impl {
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     DZ_CUDA_CHECK(cudaFuncSetAttribute(moe_persistent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem));
     const int smem = int(kW4Tokens * std::max(kph, kpi) * 2);
-    for (auto k :
-         {w4_kernel<true, 1, false>, w4_kernel<true, 1, true>, w4_kernel<true, 4, false>, w4_kernel<true, 4, true>,
-          w4_kernel<false, 1, false>, w4_kernel<false, 1, true>, w4_kernel<false, 4, false>, w4_kernel<false, 4, true>})
-      DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    for (int ks : kW4Splits)
+      for (auto k : {w4_fn<true, false>(ks), w4_fn<true, true>(ks), w4_fn<false, false>(ks), w4_fn<false, true>(ks)})
+        DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     DZ_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
   }
 
@@ -1016,7 +1039,9 @@ struct MoeLayer::Impl {
   // with_x: also convert x to the fused path's fp16 input (small T only).
   void route(const int* ids, int T, const float* x_small) {
     const int E = s.n_experts;
-    route_kernel<<<1, kRouteThreads, sizeof(int) * (3 * E + 1), ctx.stream()>>>(
+    // Small batches: the fused path's fp16 input conversion rides along (one launch less).
+    const unsigned blocks = 1 + (x_small ? unsigned(T) : 0u);
+    route_kernel<<<blocks, kRouteThreads, sizeof(int) * (3 * E + 1), ctx.stream()>>>(
         ids, T * s.topk, E, counts.get(), offsets.get(), sorted.get(), row_expert.get(), inv.get(), active.get(),
         n_active.get(), err.get(), x_small, T, s.hidden, int(kph), xh.get(), xs.get());
     DZ_CUDA_LAUNCH_CHECK();
@@ -1039,20 +1064,21 @@ struct MoeLayer::Impl {
     a.act = xh.get(), a.act_scale = xs.get();
     a.rows = 2 * I, a.nsub = H / 32, a.kpad = int(kph);
     a.out_act = act16.get(), a.out_ld = int(kpi);
-    const int ks = opt.fused_k_split ? opt.fused_k_split : (int64_t(T) * s.topk <= 8 ? 4 : 1);
+    a.ntok = std::min(T, kW4Tokens);  // an expert gets each token at most once
+    const int ks = w4_split(T);
     const bool pdl = opt.pdl;
-    launch_w4<true>(ks, pdl, 2 * I, max_active, kW4Tokens * kph * 2, st, a);
+    launch_w4<true>(ks, pdl, 2 * I, max_active, st, a);
     // down
     a.blocks = w.w2_blocks, a.scales = w.w2_scales, a.bias = w.b2;
     a.act = act16.get(), a.act_scale = nullptr;
     a.rows = H, a.nsub = I / 32, a.kpad = int(kpi);
     a.out_y = y32.get();
-    launch_w4<false>(ks, pdl, H, max_active, kW4Tokens * kpi * 2, st, a);
+    launch_w4<false>(ks, pdl, H, max_active, st, a);
     if (pdl)
-      launch(combine_kernel<float, false, true>, dim3(T), dim3(256), 0, st, true, (const float*)y32.get(),
+      launch(combine_kernel<float, false, true>, combine_grid(T, H), dim3(256), 0, st, true, (const float*)y32.get(),
              (const int*)inv.get(), ids, gw, s.topk, (const uint16_t*)nullptr, H, out, accumulate);
     else
-      launch(combine_kernel<float, false, false>, dim3(T), dim3(256), 0, st, false, (const float*)y32.get(),
+      launch(combine_kernel<float, false, false>, combine_grid(T, H), dim3(256), 0, st, false, (const float*)y32.get(),
              (const int*)inv.get(), ids, gw, s.topk, (const uint16_t*)nullptr, H, out, accumulate);
   }
 
@@ -1130,15 +1156,20 @@ struct MoeLayer::Impl {
     launch(moe_persistent_kernel, dim3(unsigned(n_sm)), dim3(kPThreads), smem, st, opt.pdl, a);
   }
 
+  // One projection of the fused path, K split ks.
   template <bool G>
-  void launch_w4(int ks, bool pdl, int rows, unsigned max_active, size_t smem, cudaStream_t st, const W4Args& a) {
-    check(ks == 1 || ks == 4, DZ_ERR_INVALID_ARGUMENT, "fused_k_split must be 0 (auto), 1 or 4");
+  void launch_w4(int ks, bool pdl, int rows, unsigned max_active, cudaStream_t st, const W4Args& a) {
     const int per_block = 16 * (8 / ks);
     const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
-    if (ks == 1)
-      launch(pdl ? w4_kernel<G, 1, true> : w4_kernel<G, 1, false>, grid, dim3(kW4Threads), smem, st, pdl, a);
-    else
-      launch(pdl ? w4_kernel<G, 4, true> : w4_kernel<G, 4, false>, grid, dim3(kW4Threads), smem, st, pdl, a);
+    const size_t smem = size_t(a.ntok) * a.kpad * 2;
+    launch(pdl ? w4_fn<G, true>(ks) : w4_fn<G, false>(ks), grid, dim3(kW4Threads), smem, st, pdl, a);
+  }
+
+  // The fused kernels' K split for T tokens.
+  int w4_split(int T) const {
+    const int ks = opt.fused_k_split ? opt.fused_k_split : (int64_t(T) * s.topk <= 8 ? 4 : 1);
+    check(ks == 1 || ks == 4 || ks == 8, DZ_ERR_INVALID_ARGUMENT, "fused_k_split must be 0 (auto), 1, 4 or 8");
+    return ks;
   }
 
   // Launch, optionally as a programmatic dependent of the previous kernel in the stream.
@@ -1237,7 +1268,7 @@ struct MoeLayer::Impl {
       DZ_CUDA_CHECK(cudaEventRecord(ev_free[buf], st));
     }
     combine_kernel<__nv_bfloat16, true>
-        <<<T, 256, 0, st>>>(d2.get(), inv.get(), ids, gw, s.topk, w.b2, H, out, accumulate);
+        <<<combine_grid(T, H), 256, 0, st>>>(d2.get(), inv.get(), ids, gw, s.topk, w.b2, H, out, accumulate);
     DZ_CUDA_LAUNCH_CHECK();
     // Later calls must not refold into a buffer the aux stream may still be writing.
     DZ_CUDA_CHECK(cudaStreamWaitEvent(aux, ev_free[0], 0));

@@ -45,7 +45,7 @@ struct MoeOptions {
   double fused_max_tokens_per_expert = 16.0;
   int tile_experts = 16;  // experts per FP8 workspace tile (two tiles in flight; more than the layer has: all)
   int gemm_streams = 4;   // experts of a tile run concurrently on this many streams
-  int fused_k_split = 0;  // fused kernels: K split over 1 or 4 warps (0: 4 up to 8 token slots, else 1)
+  int fused_k_split = 0;  // fused kernels: K split over 1, 4 or 8 warps (0: 4 up to 8 token slots, else 1)
   bool pdl = true;        // fused kernels as programmatic dependent launches
   // Fused path implementation: 0 auto, 1 per-projection kernels (routing,
   // gate_up, down, combine), 2 one persistent kernel (bulk-copy ring, both

@@ -18,7 +18,11 @@ struct DeviceBuffer {
   explicit DeviceBuffer(size_t n_) : n(n_) { DZ_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T) + 16)); }
   explicit DeviceBuffer(const std::vector<T>& v) : DeviceBuffer(v.size()) {
     DZ_CUDA_CHECK(cudaMemcpy(p, v.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+    settle();
   }
+  // A copy from pageable memory may return before its DMA lands; kernels on a
+  // non-blocking stream do not wait for it. Call after any such copy.
+  static void settle() { DZ_CUDA_CHECK(cudaDeviceSynchronize()); }
   ~DeviceBuffer() { cudaFree(p); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;

@@ -378,6 +378,7 @@ int bench_moe(const Args& a) {
         DZ_CUDA_CHECK(cudaMemcpy(gws.back().get(), hgw.data(), hgw.size() * 4, cudaMemcpyHostToDevice));
       }
       distinct /= kSets;
+      DZ_CUDA_CHECK(cudaDeviceSynchronize());  // pageable copies may land after they return
       const int r = std::max(3, T >= 4096 ? reps / 4 : reps);
       // Fused path: one CUDA graph per routing set (thread-local capture), for
       // each variant (kernel 1: per-projection kernels with K split over 1 or 4
@@ -414,9 +415,11 @@ int bench_moe(const Args& a) {
       };
       nlohmann::json variants = nlohmann::json::object();
       if (T <= 4096) {
-        for (int ks : {1, 4})
+        // K split over 1, 4 or 8 warps (8 only up to 64 tokens, with PDL).
+        for (int ks : {1, 4, 8})
           for (bool pdl : {false, true})
-            variants["ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] = time_fused(1, ks, pdl);
+            if (ks != 8 || (T <= 64 && pdl))
+              variants["ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] = time_fused(1, ks, pdl);
       }
       double ms_v2 = -1;
       if (persistent_ok(0)) {
