@@ -1,5 +1,5 @@
 #include "cuda/bf16_gemm.h"
-
+#include "cuda/bf16_gemv.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 
@@ -26,9 +26,13 @@ Bf16Gemm::~Bf16Gemm() {
   }
 }
 
-void Bf16Gemm::run(const uint16_t* x, const uint16_t* w, const float* bias, float* d, int m, int n, int k,
-                   float beta, cudaStream_t s) {
+void Bf16Gemm::run(const uint16_t* x, const uint16_t* w, const float* bias, float* d, int m, int n, int k, float beta,
+                   cudaStream_t s) {
   if (m <= 0) return;
+  if (small_m_ && n <= kSmallMaxN && bf16_gemv_fits(x, w, m, n, k)) {
+    bf16_gemv(x, w, bias, d, m, n, k, beta, s);
+    return;
+  }
   const int al = std::min(std::min(align_of(x), align_of(w)), align_of(d));
   const auto key = std::make_tuple(m, n, k, bias != nullptr, al);
   auto it = plans_.find(key);
@@ -58,7 +62,8 @@ void Bf16Gemm::run(const uint16_t* x, const uint16_t* w, const float* bias, floa
       cublasLtMatmulPreferenceSetAttribute(pref, attr, &a32, sizeof a32);
     cublasLtMatmulHeuristicResult_t res{};
     int found = 0;
-    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ctx_.lt(), p.op, p.a, p.b, p.d, p.d, pref, 1, &res, &found);
+    const cublasStatus_t st =
+        cublasLtMatmulAlgoGetHeuristic(ctx_.lt(), p.op, p.a, p.b, p.d, p.d, pref, 1, &res, &found);
     cublasLtMatmulPreferenceDestroy(pref);
     if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
       cublasLtMatrixLayoutDestroy(p.a), cublasLtMatrixLayoutDestroy(p.b), cublasLtMatrixLayoutDestroy(p.d);

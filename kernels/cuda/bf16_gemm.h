@@ -2,6 +2,8 @@
 //   D[m][n] (fp32) = X[m][k] (bf16) W[n][k]^T (bf16) + bias[n] (fp32) + beta * D
 // row-major, K contiguous (the checkpoint's [out, in] layout is used as is).
 // The bias rides the BIAS epilogue; beta = 1 fuses a residual add (C = D).
+// Up to 8 rows and N <= kSmallMaxN go to our own kernel (bf16_gemv.h), which
+// streams W near HBM speed where cuBLASLt's kernels for these shapes do not.
 #pragma once
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -25,6 +27,10 @@ class Bf16Gemm {
   // capturable in a CUDA graph once the plan exists.
   void run(const uint16_t* x, const uint16_t* w, const float* bias, float* d, int m, int n, int k, float beta,
            cudaStream_t s);
+  // false: cuBLASLt for every shape (tests and benchmarks compare the two).
+  void set_small_m_kernel(bool on) { small_m_ = on; }
+  // Larger N (the LM head) stays on cuBLASLt, which streams it at HBM speed already.
+  static constexpr int kSmallMaxN = 65536;
 
  private:
   struct Plan {
@@ -33,6 +39,7 @@ class Bf16Gemm {
     cublasLtMatmulAlgo_t algo{};
   };
   Context& ctx_;
+  bool small_m_ = true;
   std::map<std::tuple<int, int, int, bool, int>, Plan> plans_;
 };
 

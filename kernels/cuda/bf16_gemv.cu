@@ -1,0 +1,114 @@
+#include <algorithm>
+
+#include "cuda/bf16_gemv.h"
+#include "cuda/pdl.cuh"
+#include "cuda/ptx.cuh"
+#include "runtime/cuda/cuda_check.h"
+
+// Dense projections of a decode step (1-8 rows of X): the weights are read
+// once at HBM speed and the few X rows ride along as the MMA's n = 8 columns.
+// cuBLASLt's kernels for these shapes reached ~1.8 TB/s on an H200 (split-K
+// plus a reduce kernel, bench/results/2026-12-01-h200-run6.md).
+//
+// A block owns 16 rows of W and splits K over its 8 warps; each lane streams
+// 16 bytes of two rows per 32-wide K chunk, kRing chunks in flight in
+// registers. The K order inside a chunk is permuted identically for W and X
+// (lane t's 8 consecutive elements feed MMA slots 2t, 2t+1, 2t+8, 2t+9 of two
+// m16n8k16 steps), so both operands load as plain 16-byte words. Partial sums
+// meet in shared memory in a fixed order (deterministic).
+
+namespace dz::cuda {
+
+namespace {
+
+constexpr int kThreads = 256, kWarps = 8, kRing = 4;
+
+// X rows live in shared memory with a 16-byte pad per row (rows k * 2 bytes
+// apart would put all 8 tokens of a load on the same banks).
+__host__ __device__ inline int x_stride_u4(int k) { return k / 8 + 1; }
+
+__global__ void __launch_bounds__(kThreads)
+    bf16_gemv_kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w, const float* __restrict__ bias,
+                     float* d, int m, int n, int k, float beta) {
+  extern __shared__ uint4 xs[];
+  __shared__ float4 red[kWarps - 1][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * 16;
+  const int rA = min(n0 + g, n - 1), rB = min(n0 + g + 8, n - 1);  // rows past n load a valid row, unused
+  const int nchunk = k / 32, per = (nchunk + kWarps - 1) / kWarps;
+  const int c_begin = min(nchunk, warp * per), c_end = min(nchunk, c_begin + per);
+  const uint4* wA = reinterpret_cast<const uint4*>(w + int64_t(rA) * k) + t;
+  const uint4* wB = reinterpret_cast<const uint4*>(w + int64_t(rB) * k) + t;
+
+  // The weights do not depend on the previous kernel: their first loads go out before waiting for it.
+  uint4 ra[kRing], rb[kRing];
+#pragma unroll
+  for (int p = 0; p < kRing; ++p)
+    if (c_begin + p < c_end)
+      ra[p] = ptx::ldg_nc_v4(wA + (c_begin + p) * 4), rb[p] = ptx::ldg_nc_v4(wB + (c_begin + p) * 4);
+  pdl_wait();
+  const int xsu = x_stride_u4(k);
+  for (int i = threadIdx.x; i < m * (k / 8); i += kThreads) {
+    const int r = i / (k / 8), q = i - r * (k / 8);
+    xs[r * xsu + q] = reinterpret_cast<const uint4*>(x + int64_t(r) * k)[q];
+  }
+  __syncthreads();
+
+  const uint4* xr = xs + min(g, m - 1) * xsu + t;  // token g's X row (tokens past m read the last row, unused)
+  float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int c0 = c_begin; c0 < c_end; c0 += kRing) {
+#pragma unroll
+    for (int p = 0; p < kRing; ++p) {
+      const int c = c0 + p;
+      if (c >= c_end) break;
+      const uint4 xv = xr[c * 4];
+      ptx::mma_16816_bf16(acc0, ra[p].x, rb[p].x, ra[p].y, rb[p].y, xv.x, xv.y);
+      ptx::mma_16816_bf16(acc1, ra[p].z, rb[p].z, ra[p].w, rb[p].w, xv.z, xv.w);
+      if (c + kRing < c_end) ra[p] = ptx::ldg_nc_v4(wA + (c + kRing) * 4), rb[p] = ptx::ldg_nc_v4(wB + (c + kRing) * 4);
+    }
+  }
+  float acc[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) acc[j] = acc0[j] + acc1[j];
+  if (warp > 0) red[warp - 1][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int j = 0; j < kWarps - 1; ++j) {  // fixed order: deterministic
+    const float4 v = red[j][lane];
+    acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
+  }
+  // c0, c1: row g, tokens 2t, 2t + 1; c2, c3: row g + 8.
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int row = n0 + g + (j >> 1) * 8, tok = 2 * t + (j & 1);
+    if (row >= n || tok >= m) continue;
+    float v = acc[j] + (bias ? bias[row] : 0.f);
+    float* o = d + int64_t(tok) * n + row;
+    if (beta != 0.f) v += beta * *o;
+    *o = v;
+  }
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+}  // namespace
+
+bool bf16_gemv_fits(const uint16_t* x, const uint16_t* w, int m, int n, int k) {
+  return m >= 1 && m <= kBf16GemvMaxRows && n >= 1 && k >= 32 && k % 32 == 0 && aligned16(x) && aligned16(w) &&
+         size_t(m) * x_stride_u4(k) * 16 <= kBf16GemvMaxSmem;
+}
+
+void bf16_gemv(const uint16_t* x, const uint16_t* w, const float* bias, float* d, int m, int n, int k, float beta,
+               cudaStream_t s) {
+  static const bool attr_set = [] {
+    DZ_CUDA_CHECK(
+        cudaFuncSetAttribute(bf16_gemv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBf16GemvMaxSmem)));
+    return true;
+  }();
+  (void)attr_set;
+  const size_t smem = size_t(m) * x_stride_u4(k) * 16;
+  launch_pdl(bf16_gemv_kernel, dim3(unsigned((n + 15) / 16)), dim3(kThreads), smem, s, x, w, bias, d, m, n, k, beta);
+}
+
+}  // namespace dz::cuda
