@@ -43,7 +43,9 @@ __device__ __forceinline__ float swiglu(float gate, float up) {
 }
 
 // ------------------------------------------------------------------ routing
-// Block 0: counting sort of the T*topk slots by expert. Segment e spans rows
+// Block 0: counting sort of the T*topk slots by expert; active[i] = {expert,
+// first row, token count, 0} of the i-th expert with tokens (one 16-byte load
+// for a fused kernel's block). Segment e spans rows
 // [offsets[e], offsets[e+1]) (count rounded up to kPadRows; pad rows hold -1).
 // Order inside a segment is arbitrary; every row is computed independently.
 __device__ void x_to_half_row(const float* row, int H, int kpad, __half* out, float* scale_out, float* red);
@@ -84,7 +86,7 @@ __global__ void __launch_bounds__(kRouteThreads)
     for (int e = e0; e < e1; ++e) {
       off[e] = rs;
       rs += (cnt[e] + kPadRows - 1) / kPadRows * kPadRows;
-      if (cnt[e]) active[as++] = e;
+      if (cnt[e]) reinterpret_cast<int4*>(active)[as++] = make_int4(e, off[e], cnt[e], 0);
     }
     if (lane == 31) off[E] = rs, *n_active = as;
   }
@@ -150,7 +152,8 @@ struct W4Args {
   const uint16_t* bias;    // bf16 [E][rows]
   const __half* act;       // gate_up: xh [T][kpad] (by token); down: act [rows_cap][kpad] (by sorted row)
   const float* act_scale;  // gate_up: per-token scale; down: unused
-  const int *sorted, *offsets, *counts, *active, *n_active;
+  const int *sorted, *offsets, *counts, *n_active;
+  const int4* active;  // {expert, first row, tokens, 0} per active expert
   int topk, rows, nsub, kpad;
   int ntok;         // token slots staged per pass (1..kW4Tokens)
   __half* out_act;  // gate_up: SwiGLU output [rows_cap][out_ld]
@@ -202,7 +205,8 @@ __device__ __forceinline__ void w4_chunk(const uint4 wa, const uint4 wb, const i
   w4_lut(max(mB - s_b, 0), lb0, lb1);
   const float fA = mA < 0 ? 0.f : e8m0_to_float(mA);
   const float fB = mB < 0 ? 0.f : e8m0_to_float(mB);
-  float q[4] = {0.f, 0.f, 0.f, 0.f};
+  // Two independent MMA chains (h): a decode-step warp waits on MMA latency, not on issue.
+  float q[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   const uint32_t wA[4] = {wa.x, wa.y, wa.z, wa.w}, wB[4] = {wb.x, wb.y, wb.z, wb.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -211,14 +215,14 @@ __device__ __forceinline__ void w4_chunk(const uint4 wa, const uint4 wb, const i
     for (int h = 0; h < 2; ++h) {
       const uint32_t HA = w4_decode(wA[i] >> (16 * h), la0, la1);
       const uint32_t HB = w4_decode(wB[i] >> (16 * h), lb0, lb1);
-      ptx::mma_16816(q, ptx::prmt(HA, 0, 0x1404), ptx::prmt(HB, 0, 0x1404), ptx::prmt(HA, 0, 0x3424),
+      ptx::mma_16816(q[h], ptx::prmt(HA, 0, 0x1404), ptx::prmt(HB, 0, 0x1404), ptx::prmt(HA, 0, 0x3424),
                      ptx::prmt(HB, 0, 0x3424), h ? bv.z : bv.x, h ? bv.w : bv.y);
     }
   }
-  acc[0] += q[0] * fA;
-  acc[1] += q[1] * fA;
-  acc[2] += q[2] * fB;
-  acc[3] += q[3] * fB;
+  acc[0] += (q[0][0] + q[1][0]) * fA;
+  acc[1] += (q[0][1] + q[1][1]) * fA;
+  acc[2] += (q[0][2] + q[1][2]) * fB;
+  acc[3] += (q[0][3] + q[1][3]) * fB;
 }
 
 // kKS: K split over warps (more warps per row for small batches, where few
@@ -231,18 +235,20 @@ __device__ __forceinline__ void w4_chunk(const uint4 wa, const uint4 wb, const i
 // the last slot, unused).
 // (Measured on an H200 and dropped: cp.async rings in shared memory for more
 // bytes in flight, and blocks streaming several row tiles; both slower.)
+// Three blocks per SM: a decode step's warps are latency-bound, more of them hide more.
 template <bool kGateUp, int kKS, bool kPdl>
-__global__ void __launch_bounds__(kW4Threads, kKS == 1 ? 3 : 2) w4_kernel(W4Args a) {
+__global__ void __launch_bounds__(kW4Threads, 3) w4_kernel(W4Args a) {
   constexpr int kRT = 8 / kKS, kRows = 16 * kRT, kRing = 3;
   extern __shared__ uint4 xs4[];
   __shared__ float4 red[kKS > 1 ? kKS - 1 : 1][kRT][32];
   if (kPdl && kGateUp) griddep_wait();  // routing outputs
-  if (blockIdx.y >= unsigned(*a.n_active)) {
+  const int n_active = *a.n_active;
+  const int4 info = a.active[min(blockIdx.y, unsigned(gridDim.y) - 1)];  // in parallel with n_active; stale past it
+  if (blockIdx.y >= unsigned(n_active)) {
     if (kPdl) griddep_launch();
     return;
   }
-  const int e = a.active[blockIdx.y];
-  const int seg = a.offsets[e], cnt = a.counts[e];
+  const int e = info.x, seg = info.y, cnt = info.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int rt = warp % kRT, ks = warp / kRT;
   const int R0 = blockIdx.x * kRows + rt * 16;
@@ -295,6 +301,14 @@ __global__ void __launch_bounds__(kW4Threads, kKS == 1 ? 3 : 2) w4_kernel(W4Args
         xs4[((c * 4 + ii) * NT + gi) * 4 + tt] = *reinterpret_cast<const uint4*>(src + q8 * 8);
       }
     }
+    // The epilogue's operands load now, under the weight stream (bias, the tokens' input scales).
+    float biasA = 0.f, biasB = 0.f, xsc[2] = {1.f, 1.f};
+    if (wactive && ks == 0) {
+      biasA = bf16_to_float(a.bias[rowA]), biasB = bf16_to_float(a.bias[rowB]);
+      if (kGateUp)
+        for (int j = 0; j < 2; ++j)
+          if (2 * t + j < m) xsc[j] = a.act_scale[a.sorted[seg + base + 2 * t + j] / a.topk];
+    }
     __syncthreads();
 
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -325,15 +339,13 @@ __global__ void __launch_bounds__(kW4Threads, kKS == 1 ? 3 : 2) w4_kernel(W4Args
       }
     }
     if (!wactive) continue;
-    const float biasA = bf16_to_float(a.bias[rowA]), biasB = bf16_to_float(a.bias[rowB]);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int tok = 2 * t + j;
       if (tok >= m) continue;
       const int row = seg + base + tok;
       if (kGateUp) {
-        const float xsc = a.act_scale[a.sorted[row] / a.topk];
-        const float v = swiglu(acc[j] * xsc + biasA, acc[2 + j] * xsc + biasB);
+        const float v = swiglu(acc[j] * xsc[j] + biasA, acc[2 + j] * xsc[j] + biasB);
         a.out_act[int64_t(row) * a.out_ld + (rA >> 1)] = __float2half_rn(v);
       } else {
         a.out_y[int64_t(row) * a.rows + rA] = acc[j] + biasA;
@@ -975,7 +987,7 @@ struct MoeLayer::Impl {
     sorted = DeviceArray<int>(P, rows_cap, "moe sorted slots");
     row_expert = DeviceArray<int>(P, rows_cap, "moe row experts");
     inv = DeviceArray<int>(P, slots, "moe slot rows");
-    active = DeviceArray<int>(P, E, "moe active experts");
+    active = DeviceArray<int>(P, 4 * size_t(E), "moe active experts");
     n_active = DeviceArray<int>(P, 1, "moe active count");
     err = DeviceArray<int>(P, 1, "moe error flag");
     xh = DeviceArray<__half>(P, size_t(maxT) * kph, "moe fp16 input");
@@ -1056,7 +1068,8 @@ struct MoeLayer::Impl {
     }
     const unsigned max_active = unsigned(std::min<int64_t>(E, int64_t(T) * s.topk));
     W4Args a{};
-    a.sorted = sorted.get(), a.offsets = offsets.get(), a.counts = counts.get(), a.active = active.get();
+    a.sorted = sorted.get(), a.offsets = offsets.get(), a.counts = counts.get();
+    a.active = reinterpret_cast<const int4*>(active.get());
     a.n_active = n_active.get();
     a.topk = s.topk;
     // gate_up + SwiGLU
