@@ -35,7 +35,7 @@ namespace dz::cli {
 
 namespace {
 const char* kUsage =
-    "usage: dz bench moe [--tokens 1,8,64,512,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
+    "usage: dz bench moe [--tokens 1,8,64,512,1024,2048,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
     "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
     "                    [--fused-kernel 0|1|2] [--tokens-per-pass NB] [--no-components]\n"
     "                    [--fp8-gemm auto|cublaslt|grouped|LIST] [--grouped-blocks N]\n"
@@ -132,15 +132,16 @@ int bench_moe(const Args& a) {
                   "--gemm-streams", "--fused-kernel", "--tokens-per-pass", "--no-components", "--bw-ceiling",
                   "--fp8-ceiling", "--fp8-gemm", "--grouped-blocks", "--dump", "--out", "--help"},
                  "bench moe");
-  const std::vector<int> tokens = parse_list(flag_value(a, "--tokens", "1,8,64,512,4096,16384"));
+  const std::vector<int> tokens = parse_list(flag_value(a, "--tokens", "1,8,64,512,1024,2048,4096,16384"));
   const int reps = std::stoi(flag_value(a, "--reps", "20"));
   MoeShape sh;
   sh.n_experts = std::stoi(flag_value(a, "--experts", "128"));
   sh.topk = std::stoi(flag_value(a, "--topk", "4"));
   sh.hidden = std::stoi(flag_value(a, "--hidden", "2880"));
   sh.intermediate = std::stoi(flag_value(a, "--intermediate", "2880"));
-  MoeOptions opt;
-  opt.fused_max_tokens_per_expert = std::stod(flag_value(a, "--threshold", "16"));
+  MoeOptions opt;  // the library's defaults unless a flag says otherwise
+  opt.fused_max_tokens_per_expert =
+      std::stod(flag_value(a, "--threshold", std::to_string(opt.fused_max_tokens_per_expert)));
   opt.tile_experts = std::stoi(flag_value(a, "--tile", "16"));
   opt.gemm_streams = std::stoi(flag_value(a, "--gemm-streams", "4"));
   opt.fused_kernel = std::stoi(flag_value(a, "--fused-kernel", "0"));
