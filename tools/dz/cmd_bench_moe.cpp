@@ -40,9 +40,9 @@ const char* kUsage =
     "                    [--fused-kernel 0|1|2] [--tokens-per-pass NB] [--no-components]\n"
     "                    [--fp8-gemm auto|cublaslt|grouped|LIST] [--grouped-blocks N]\n"
     "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
-    "MXFP4 MoE layer on the GPU: fused W4A16 vs FP8 (fold + cuBLASLt) paths, JSON results.\n"
-    "--fp8-gemm: the FP8 path's GEMMs, per-expert cuBLASLt (the library's default), our grouped\n"
-    "kernel or auto (grouped up to 256 tokens per expert); of a comma list the first\n"
+    "MXFP4 MoE layer on the GPU: fused W4A16 vs FP8 (fold + FP8 GEMMs) paths, JSON results.\n"
+    "--fp8-gemm: the FP8 path's GEMMs, per-expert cuBLASLt, our grouped kernel or auto (the\n"
+    "library's default: grouped up to 256 tokens per expert); of a comma list the first\n"
     "is fp8_ms, every one listed is timed (fp8_gemm_ms) and compared with the first.\n"
     "--grouped-blocks: persistent blocks of the grouped GEMM (default 0: one per SM).\n";
 
@@ -148,7 +148,7 @@ int bench_moe(const Args& a) {
   opt.fused_tokens_per_pass = std::stoi(flag_value(a, "--tokens-per-pass", "0"));
   std::vector<std::string> fp8_gemms;
   {
-    std::stringstream ss(flag_value(a, "--fp8-gemm", "cublaslt"));
+    std::stringstream ss(flag_value(a, "--fp8-gemm", "auto"));
     std::string item;
     while (std::getline(ss, item, ',')) {
       if (item.empty()) continue;

@@ -81,8 +81,8 @@ DUMP=$(mktemp -d /tmp/dz_moe_dump.XXXX)
 "$DZ" bench moe --tokens "${DZ_BENCH_TOKENS:-1,8,64,512,1024,2048,4096,16384}" --dump "$DUMP" --out "$OUTDIR/bench_moe.json" >/dev/null
 [ $? -ne 0 ] && { echo "dz bench moe FAILED"; status=1; }
 
-step "dz bench moe, FP8 path with one GEMM stream (for comparison)"
-"$DZ" bench moe --tokens 4096,16384 --gemm-streams 1 --no-components --reps 8 --out "$OUTDIR/bench_moe_1stream.json" \
+step "dz bench moe, FP8 path with cuBLASLt GEMMs on one stream (for comparison)"
+"$DZ" bench moe --tokens 4096,16384 --fp8-gemm cublaslt --gemm-streams 1 --no-components --reps 8 --out "$OUTDIR/bench_moe_1stream.json" \
   >/dev/null || status=1
 
 step "dz bench moe, FP8 path: grouped GEMM kernel (one launch per projection and tile) vs per-expert cuBLASLt"
