@@ -29,7 +29,7 @@ Bf16Gemm::~Bf16Gemm() {
 void Bf16Gemm::run(const uint16_t* x, const uint16_t* w, const float* bias, float* d, int m, int n, int k, float beta,
                    cudaStream_t s) {
   if (m <= 0) return;
-  if (small_m_ && n <= kSmallMaxN && bf16_gemv_fits(x, w, m, n, k)) {
+  if (small_m_ && m <= kSmallMaxM && n <= kSmallMaxN && bf16_gemv_fits(x, w, m, n, k)) {
     bf16_gemv(x, w, bias, d, m, n, k, beta, s);
     return;
   }
