@@ -29,12 +29,7 @@ using namespace dz::cuda;
 template <typename T>
 using Buf = dz::test::DeviceBuffer<T>;
 
-double bf16_value(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using dz::test::bf16_to_double;
 
 std::vector<uint16_t> random_bf16(size_t n, std::mt19937& rng, float sd) {
   std::normal_distribution<float> nd(0.f, sd);
@@ -83,7 +78,7 @@ TEST_CASE("CUDA few-row BF16 projections match float64 and cuBLASLt", "[cuda]") 
           for (int c = 0; c < n; ++c) {
             double s = 0, a = 0;
             for (int i = 0; i < k; ++i) {
-              const double p = bf16_value(x[size_t(r) * k + i]) * bf16_value(w[size_t(c) * k + i]);
+              const double p = bf16_to_double(x[size_t(r) * k + i]) * bf16_to_double(w[size_t(c) * k + i]);
               s += p, a += std::fabs(p);
             }
             s += with_bias ? bias[size_t(c)] : 0.0;

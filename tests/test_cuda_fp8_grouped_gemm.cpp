@@ -21,6 +21,7 @@
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 #include "support/device_buffer.h"
+#include "support/safetensors_writer.h"
 #endif
 
 #include "support/gpu.h"
@@ -33,12 +34,7 @@ using namespace dz::cuda;
 template <typename T>
 using Buf = dz::test::DeviceBuffer<T>;
 
-double bf16_to_double(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using dz::test::bf16_to_double;
 
 // The kernel needs an sm_90 device and an sm_90a build; elsewhere the test says so and passes.
 bool grouped_runs_here() {

@@ -20,6 +20,7 @@
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 #include "support/device_buffer.h"
+#include "support/safetensors_writer.h"
 #endif
 
 #include "support/gpu.h"
@@ -66,18 +67,8 @@ ContextOptions small_ctx() {
   return o;
 }
 
-uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-double bf16_val(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-double bf16_bits_to_double(uint16_t b) { return bf16_val(b); }
+using dz::test::bf16_to_double;
+using dz::test::f32_to_bf16;
 }  // namespace
 #endif
 
@@ -178,7 +169,7 @@ TEST_CASE("CUDA FP8 1x128 GEMM through cuBLASLt matches float64", "[cuda]") {
               cpu::e4m3_to_double(hwq[size_t(n * kpad + c)]) * hws[size_t((c / 128) * N + n)];
       ref[size_t(r * N + n)] = s;
       refq[size_t(r * N + n)] = sq;
-      out[size_t(r * N + n)] = bf16_bits_to_double(got[size_t(r * N + n)]);
+      out[size_t(r * N + n)] = bf16_to_double(got[size_t(r * N + n)]);
     }
   const double d_exact = diff_metric(out, refq), d_ref = diff_metric(out, ref);
   INFO("diff vs product of the quantized operands " << d_exact << ", vs float64 of the originals " << d_ref);
@@ -211,8 +202,8 @@ MoeCase make_moe(int E, int topk, int H, int I, int T, std::mt19937& rng) {
   MoeCase c{E,  topk, H,  I,  T, random_mx(E, 2 * I, H, rng, 118, 124), random_mx(E, H, I, rng, 118, 124),
             {}, {},   {}, {}, {}};
   std::normal_distribution<float> nd(0.f, 1.f);
-  for (int i = 0; i < E * 2 * I; ++i) c.b1.push_back(to_bf16(0.5f * nd(rng)));
-  for (int i = 0; i < E * H; ++i) c.b2.push_back(to_bf16(0.5f * nd(rng)));
+  for (int i = 0; i < E * 2 * I; ++i) c.b1.push_back(f32_to_bf16(0.5f * nd(rng)));
+  for (int i = 0; i < E * H; ++i) c.b2.push_back(f32_to_bf16(0.5f * nd(rng)));
   for (int i = 0; i < T * H; ++i) c.x.push_back(nd(rng) * 3.f);
   std::uniform_int_distribution<int> pe(0, E - 1);
   for (int t = 0; t < T; ++t) {
@@ -241,7 +232,8 @@ std::vector<double> moe_ref(const MoeCase& c) {
       const int e = c.ids[size_t(t * c.topk + k)];
       const auto v1 = c.w1.view(e), v2 = c.w2.view(e);
       for (int j = 0; j < c.I; ++j) {
-        double g = bf16_val(c.b1[size_t(e * 2 * c.I + 2 * j)]), u = bf16_val(c.b1[size_t(e * 2 * c.I + 2 * j + 1)]);
+        double g = bf16_to_double(c.b1[size_t(e * 2 * c.I + 2 * j)]),
+               u = bf16_to_double(c.b1[size_t(e * 2 * c.I + 2 * j + 1)]);
         for (int h = 0; h < c.H; ++h) {
           g += cpu::mxfp4_value(v1, 2 * j, h) * c.x[size_t(t * c.H + h)];
           u += cpu::mxfp4_value(v1, 2 * j + 1, h) * c.x[size_t(t * c.H + h)];
@@ -251,7 +243,7 @@ std::vector<double> moe_ref(const MoeCase& c) {
         act[size_t(j)] = (u + 1.0) * g / (1.0 + std::exp(-1.702 * g));
       }
       for (int n = 0; n < c.H; ++n) {
-        double y = bf16_val(c.b2[size_t(e * c.H + n)]);
+        double y = bf16_to_double(c.b2[size_t(e * c.H + n)]);
         for (int j = 0; j < c.I; ++j) y += cpu::mxfp4_value(v2, n, j) * act[size_t(j)];
         out[size_t(t * c.H + n)] += double(c.gw[size_t(t * c.topk + k)]) * y;
       }

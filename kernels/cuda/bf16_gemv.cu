@@ -62,8 +62,8 @@ __global__ void __launch_bounds__(kThreads)
       const int c = c0 + p;
       if (c >= c_end) break;
       const uint4 xv = xr[c * 4];
-      ptx::mma_16816_bf16(acc0, ra[p].x, rb[p].x, ra[p].y, rb[p].y, xv.x, xv.y);
-      ptx::mma_16816_bf16(acc1, ra[p].z, rb[p].z, ra[p].w, rb[p].w, xv.z, xv.w);
+      ptx::mma_16816<true>(acc0, ra[p].x, rb[p].x, ra[p].y, rb[p].y, xv.x, xv.y);
+      ptx::mma_16816<true>(acc1, ra[p].z, rb[p].z, ra[p].w, rb[p].w, xv.z, xv.w);
       if (c + kRing < c_end) ra[p] = ptx::ldg_nc_v4(wA + (c + kRing) * 4), rb[p] = ptx::ldg_nc_v4(wB + (c + kRing) * 4);
     }
   }

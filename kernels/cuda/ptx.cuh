@@ -20,24 +20,24 @@ __device__ __forceinline__ uint4 ldg_nc_v4(const void* p) {
   return v;
 }
 
-// D = A(16x16, row) * B(16x8, col) + C, fp16 inputs, fp32 accumulators. Not
-// volatile: pure register arithmetic the compiler may schedule among the loads.
+// D = A(16x16, row) * B(16x8, col) + C, fp32 accumulators; fp16 inputs, or
+// bf16 with kBf16. Not volatile: pure register arithmetic the compiler may
+// schedule among the loads.
+#define DZ_MMA_16816(T)                                \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." T "." T \
+      ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "   \
+      "{%0,%1,%2,%3};"                                 \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
+template <bool kBf16 = false>
 __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                           uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  if constexpr (kBf16)
+    DZ_MMA_16816("bf16");
+  else
+    DZ_MMA_16816("f16");
 }
-
-// The same with bf16 inputs.
-__device__ __forceinline__ void mma_16816_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                               uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+#undef DZ_MMA_16816
 
 // 16-byte asynchronous copy global -> shared (L2 only).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {

@@ -28,6 +28,13 @@ inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+inline double bf16_to_double(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 inline RawTensor random_f32(const std::string& name, std::vector<int64_t> shape, std::mt19937& rng) {
   int64_t n = 1;
   for (auto d : shape) n *= d;
@@ -92,9 +99,8 @@ inline void write_sharded(const std::filesystem::path& dir, const std::vector<Ra
     write_safetensors(dir / name, parts[s]);
     for (const auto& t : parts[s]) wm[t.name] = name;
   }
-  std::ofstream(dir / "model.safetensors.index.json") << nlohmann::json{{"metadata", {{"total_size", 0}}},
-                                                                        {"weight_map", wm}}
-                                                             .dump(2);
+  std::ofstream(dir / "model.safetensors.index.json")
+      << nlohmann::json{{"metadata", {{"total_size", 0}}}, {"weight_map", wm}}.dump(2);
 }
 
 // A fresh empty directory under the system temp dir.
