@@ -41,7 +41,7 @@ enum class MoePath { kAuto = 0, kFused = 1, kFp8 = 2 };
 struct MoeOptions {
   // Fused path while tokens * topk / n_experts <= this. Measured on an H200
   // at gpt-oss-120b shapes (bench/results/2026-12-01-h200-run8.md): the fused
-  // path wins at 32 tokens per expert (2.64 vs 3.40 ms), FP8 at 64 (3.49 vs 4.96 ms).
+  // path wins at 32 tokens per expert (2.65 vs 2.68 ms), FP8 at 64 (2.82 vs 4.93 ms).
   double fused_max_tokens_per_expert = 32.0;
   int tile_experts = 16;  // experts per FP8 workspace tile (two tiles in flight; more than the layer has: all)
   int gemm_streams = 4;   // experts of a tile run concurrently on this many streams
@@ -61,7 +61,7 @@ struct MoeOptions {
   // grouped up to fp8_grouped_max_tokens_per_expert where supported, else 1.
   // Measured at gpt-oss-120b shapes on an H200 (bench/results/2026-12-01-h200-run6.md):
   // grouped 9-11% faster at 128 tokens per expert, cuBLASLt 8% faster at 512.
-  // Auto by default since the whole GPU suite passed with it (run 7): 4096 tokens 3.49 vs 4.20 ms.
+  // Auto by default since the whole GPU suite passed with it (run 8): 4096 tokens 3.45 vs 3.90 ms.
   int fp8_gemm = 0;
   double fp8_grouped_max_tokens_per_expert = 256.0;
 };
