@@ -38,18 +38,13 @@ std::vector<uint16_t> random_bf16(size_t n, std::mt19937& rng, float sd) {
   return v;
 }
 
-ContextOptions pool_256mib() {
-  ContextOptions o;
-  o.pool_bytes = size_t(256) << 20;
-  return o;
-}
 }  // namespace
 #endif
 
 TEST_CASE("CUDA few-row BF16 projections match float64 and cuBLASLt", "[cuda]") {
   if (!dz::test::have_gpu()) return;
 #ifdef DZ_WITH_CUDA
-  Context ctx(pool_256mib());
+  Context ctx(dz::test::pool_options(size_t(256) << 20));
   Bf16Gemm gemm(ctx);
   std::mt19937 rng(11);
   struct Shape {
@@ -127,7 +122,7 @@ TEST_CASE("CUDA few-row BF16 projections match float64 and cuBLASLt", "[cuda]") 
 TEST_CASE("CUDA few-row BF16 projections: throughput at gpt-oss decode shapes (printed)", "[cuda]") {
   if (!dz::test::have_gpu()) return;
 #ifdef DZ_WITH_CUDA
-  Context ctx(pool_256mib());
+  Context ctx(dz::test::pool_options(size_t(256) << 20));
   Bf16Gemm gemm(ctx);
   std::mt19937 rng(3);
   struct Shape {

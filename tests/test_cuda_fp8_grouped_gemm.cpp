@@ -43,12 +43,6 @@ bool grouped_runs_here() {
   return false;
 }
 
-ContextOptions pool_1gib() {
-  ContextOptions o;
-  o.pool_bytes = size_t(1) << 30;
-  return o;
-}
-
 constexpr uint16_t kSentinel = 0x7FC1;  // a bf16 NaN the kernel never produces
 
 // A random problem: G groups of the given sizes, `gap` untouched rows before
@@ -262,7 +256,7 @@ TEST_CASE("CUDA grouped FP8 GEMM matches float64 and cuBLASLt per group", "[cuda
   if (!dz::test::have_gpu()) return;
 #ifdef DZ_WITH_CUDA
   if (!grouped_runs_here()) return;
-  Context ctx(pool_1gib());
+  Context ctx(dz::test::pool_options(size_t(1) << 30));
   Fp8GroupedGemm gg;
   std::mt19937 rng(7);
   SECTION("small groups, ragged sizes") {
@@ -345,7 +339,7 @@ TEST_CASE("CUDA grouped FP8 GEMM throughput at gpt-oss-120b MoE sizes (printed)"
   if (!dz::test::have_gpu()) return;
 #ifdef DZ_WITH_CUDA
   if (!grouped_runs_here()) return;
-  Context ctx(pool_1gib());
+  Context ctx(dz::test::pool_options(size_t(1) << 30));
   Fp8GroupedGemm gg;
   Fp8Gemm lt(ctx);
   // 128 experts x 512 rows (16K tokens, top-4): gate_up (n = 5760) and down (n = 2880), k = 2944.

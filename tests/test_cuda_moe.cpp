@@ -61,11 +61,7 @@ using namespace dz::cuda;
 template <typename T>
 using Dev = dz::test::DeviceBuffer<T>;
 
-ContextOptions small_ctx() {
-  ContextOptions o;
-  o.pool_bytes = size_t(2) << 30;
-  return o;
-}
+ContextOptions small_ctx() { return dz::test::pool_options(size_t(2) << 30); }
 
 using dz::test::bf16_to_double;
 using dz::test::f32_to_bf16;

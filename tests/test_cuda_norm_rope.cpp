@@ -19,20 +19,10 @@
 
 #include "support/gpu.h"
 
-#ifdef DZ_WITH_CUDA
-namespace {
-dz::cuda::ContextOptions pool_64mib() {
-  dz::cuda::ContextOptions o;
-  o.pool_bytes = size_t(64) << 20;
-  return o;
-}
-}  // namespace
-#endif
-
 TEST_CASE("CUDA rms_norm matches float64 (register rows and the strided fallback)", "[cuda]") {
   if (!dz::test::have_gpu()) return;
 #ifdef DZ_WITH_CUDA
-  dz::cuda::Context ctx(pool_64mib());
+  dz::cuda::Context ctx(dz::test::pool_options(size_t(64) << 20));
   std::mt19937 rng(31);
   std::normal_distribution<float> nd(0.f, 1.f);
   // 2880: gpt-oss; 8192: the register path's largest; 8196 and 30: the fallback.
@@ -74,7 +64,7 @@ TEST_CASE("CUDA rms_norm matches float64 (register rows and the strided fallback
 TEST_CASE("CUDA RoPE + KV store matches float64", "[cuda]") {
   if (!dz::test::have_gpu()) return;
 #ifdef DZ_WITH_CUDA
-  dz::cuda::Context ctx(pool_64mib());
+  dz::cuda::Context ctx(dz::test::pool_options(size_t(64) << 20));
   std::mt19937 rng(32);
   std::normal_distribution<float> nd(0.f, 1.f);
   std::uniform_real_distribution<float> ang(-3.14159f, 3.14159f);

@@ -19,9 +19,7 @@
 TEST_CASE("CUDA router top-k softmax matches the CPU backend (ties to the lower index)", "[cuda]") {
   if (!dz::test::have_gpu()) return;
 #ifdef DZ_WITH_CUDA
-  dz::cuda::ContextOptions o;
-  o.pool_bytes = size_t(64) << 20;
-  dz::cuda::Context ctx(o);
+  dz::cuda::Context ctx(dz::test::pool_options(size_t(64) << 20));
   std::mt19937 rng(21);
   for (int E : {8, 32, 128, 256})
     for (int k : {1, 4, 8}) {

@@ -1,15 +1,24 @@
-// A device array for GPU tests: allocated with cudaMalloc (16 spare bytes for
-// kernels that read whole 16-byte words), filled from and copied back to host
-// vectors. Include only where DZ_WITH_CUDA is defined.
+// Helpers of the GPU tests (include only where DZ_WITH_CUDA is defined):
+// context options with a given device pool, and a device array allocated with
+// cudaMalloc (16 spare bytes for kernels that read whole 16-byte words),
+// filled from and copied back to host vectors.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <vector>
 
+#include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 
 namespace dz::test {
+
+// Context options of a GPU test: a device pool of the given size.
+inline dz::cuda::ContextOptions pool_options(size_t pool_bytes) {
+  dz::cuda::ContextOptions o;
+  o.pool_bytes = pool_bytes;
+  return o;
+}
 
 template <typename T>
 struct DeviceBuffer {
