@@ -277,17 +277,16 @@ __device__ __forceinline__ void w4_chunk(const uint4 wa, const uint4 wb, const i
 
 // kKS: K split over warps (more warps per row for small batches, where few
 // experts leave the grid short); each warp keeps kRing K chunks of weights in
-// flight in registers. kPdl: the kernel was launched as a programmatic
-// dependent of the previous one; down projections issue their first weight
-// loads before waiting for it.
+// flight in registers. kN: token tiles of 8 per weight pass (2: up to 16 tokens
+// of an expert share one decode of its weights; K split 1 only). kPdl: the
+// kernel was launched as a programmatic dependent of the previous one; down
+// projections issue their first weight loads before waiting for it.
 // Shared memory: activations [chunk][i][token][t] 16-byte pieces for a.ntok
-// token slots (min(T, 8): the smem a launch needs; MMA columns past them read
-// the last slot, unused).
+// token slots (what a launch needs; MMA columns past them read the last slot,
+// unused). Three blocks per SM with one token tile: a decode step's warps are
+// latency-bound, more of them hide more.
 // (Measured on an H200 and dropped: cp.async rings in shared memory for more
 // bytes in flight, and blocks streaming several row tiles; both slower.)
-// kN: token tiles of 8 per weight pass (2: up to 16 tokens of an expert share
-// one decode of its weights; K split 1 only).
-// Three blocks per SM: a decode step's warps are latency-bound, more of them hide more.
 template <bool kGateUp, int kKS, int kN, bool kPdl>
 __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args a) {
   static_assert(kN == 1 || kKS == 1, "two token tiles only without a K split");
