@@ -6,11 +6,8 @@
 #include <thread>
 
 #include "dayzero.h"
+#include "dz_git_commit.h"  // generated at build time (cmake/git_commit.cmake)
 #include "runtime/device.h"
-
-#ifndef DZ_GIT_COMMIT
-#define DZ_GIT_COMMIT "unknown"
-#endif
 
 namespace dz::cli {
 
