@@ -27,6 +27,13 @@ TEST_CASE("dz --help lists commands and every command has --help", "[cli]") {
   }
   CHECK(n >= 1);
   CHECK(run_cmd(std::string(DZ_TOOL) + " frobnicate").first == 2);
+  // A number option given something else ends with a message and status 2, not an abort.
+  auto [brc, bout] = run_cmd(std::string(DZ_TOOL) + " bench kv --tokens many");
+  CHECK(brc == 2);
+  CHECK_THAT(bout, Catch::Contains("takes a number"));
+  auto [orc, oout] = run_cmd(std::string(DZ_TOOL) + " bench kv --tokens 99999999999999999999999");
+  CHECK(orc == 2);
+  CHECK_THAT(oout, Catch::Contains("out of range"));
 }
 
 TEST_CASE("dz info describes a sharded checkpoint and flags corruption", "[cli]") {

@@ -142,10 +142,11 @@ int bench_moe(const Args& a) {
   MoeOptions opt;  // the library's defaults unless a flag says otherwise
   opt.fused_max_tokens_per_expert =
       std::stod(flag_value(a, "--threshold", std::to_string(opt.fused_max_tokens_per_expert)));
-  opt.tile_experts = std::stoi(flag_value(a, "--tile", "16"));
-  opt.gemm_streams = std::stoi(flag_value(a, "--gemm-streams", "4"));
-  opt.fused_kernel = std::stoi(flag_value(a, "--fused-kernel", "0"));
-  opt.fused_tokens_per_pass = std::stoi(flag_value(a, "--tokens-per-pass", "0"));
+  auto int_flag = [&](const char* flag, int dflt) { return std::stoi(flag_value(a, flag, std::to_string(dflt))); };
+  opt.tile_experts = int_flag("--tile", opt.tile_experts);
+  opt.gemm_streams = int_flag("--gemm-streams", opt.gemm_streams);
+  opt.fused_kernel = int_flag("--fused-kernel", opt.fused_kernel);
+  opt.fused_tokens_per_pass = int_flag("--tokens-per-pass", opt.fused_tokens_per_pass);
   std::vector<std::string> fp8_gemms;
   {
     std::stringstream ss(flag_value(a, "--fp8-gemm", "auto"));
@@ -162,7 +163,7 @@ int bench_moe(const Args& a) {
   }
   auto gemm_mode = [](const std::string& g) { return g == "grouped" ? 2 : g == "cublaslt" ? 1 : 0; };
   opt.fp8_gemm = gemm_mode(fp8_gemms[0]);
-  opt.fp8_grouped_blocks = std::stoi(flag_value(a, "--grouped-blocks", "0"));
+  opt.fp8_grouped_blocks = int_flag("--grouped-blocks", opt.fp8_grouped_blocks);
   const double bw_ceiling = std::stod(flag_value(a, "--bw-ceiling", "4.27e12"));
   const double fp8_ceiling = std::stod(flag_value(a, "--fp8-ceiling", "1490e12"));
   const std::string dump = flag_value(a, "--dump", "");

@@ -1,6 +1,8 @@
 // dz: the dayzero command-line tool.
 #include <cstdio>
 #include <cstring>
+#include <exception>
+#include <stdexcept>
 #include <string>
 
 #include "commands.h"
@@ -72,8 +74,25 @@ int main(int argc, char** argv) {
     return 0;
   }
   dz::cli::Args args(argv + 2, argv + argc);
-  for (const auto& c : kCommands)
-    if (!std::strcmp(argv[1], c.name)) return c.run(args);
+  for (const auto& c : kCommands) {
+    if (std::strcmp(argv[1], c.name)) continue;
+    // Commands report their own errors; what escapes them (a number option
+    // that std::stoi cannot read, an unexpected failure) still ends with a
+    // message and a status, not std::terminate.
+    try {
+      return c.run(args);
+    } catch (const std::invalid_argument&) {
+      std::fprintf(stderr, "dz %s: an option that takes a number got something else (see dz %s --help)\n", c.name,
+                   c.name);
+      return 2;
+    } catch (const std::out_of_range&) {
+      std::fprintf(stderr, "dz %s: a number option is out of range (see dz %s --help)\n", c.name, c.name);
+      return 2;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "dz %s: %s\n", c.name, e.what());
+      return 1;
+    }
+  }
   std::fprintf(stderr, "dz: unknown command '%s'\n\n", argv[1]);
   usage(stderr);
   return 2;
