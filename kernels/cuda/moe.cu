@@ -3,7 +3,6 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
-#include <type_traits>
 #include <vector>
 
 #include "cpu/mxfp4_fold.h"
@@ -202,8 +201,7 @@ __device__ __forceinline__ void w4_lut(int d, uint32_t& l0, uint32_t& l1) {
   }
 }
 
-// 4 nibbles (low 16 bits of w) -> 4 bytes from the LUT (hi bytes of fp16
-// values, or E4M3 codes), sign included.
+// 4 nibbles (low 16 bits of w) -> hi bytes of 4 fp16 values, sign included.
 __device__ __forceinline__ uint32_t w4_decode(uint32_t w, uint32_t l0, uint32_t l1) {
   const uint32_t sg = ptx::prmt(0x80808080u, 0x80808080u, w);
   return ptx::prmt(l0, l1, w & 0x7777u) | ((sg & 0x40404040u) << 1);
@@ -221,17 +219,16 @@ __device__ __forceinline__ uint32_t w4_decode(uint32_t w, uint32_t l0, uint32_t 
 // piece of token tile n for MMA steps 2i and 2i+1. acc[n][0..1] (row A) and
 // acc[n][2..3] (row B) accumulate tokens 8n + 2t and 8n + 2t + 1. The weights
 // are decoded once for all token tiles.
-// Largest scale among a row's nonzero sub-blocks of this chunk (its 4 lanes t); -1: all zero.
-__device__ __forceinline__ int chunk_max_scale(const uint4 w, const int s) {
-  const int m = ((w.x | w.y | w.z | w.w) & 0x77777777u) ? s : -1;
-  const int m2 = max(m, __shfl_xor_sync(~0u, m, 1));
-  return max(m2, __shfl_xor_sync(~0u, m2, 2));
-}
-
 template <int kN, typename B>
 __device__ __forceinline__ void w4_chunk_n(const uint4 wa, const uint4 wb, const int s_a, const int s_b, B b,
                                            float (&acc)[kN][4]) {
-  const int mA = chunk_max_scale(wa, s_a), mB = chunk_max_scale(wb, s_b);
+  // Largest scale among the row's nonzero sub-blocks of this chunk (4 lanes t).
+  int mA = ((wa.x | wa.y | wa.z | wa.w) & 0x77777777u) ? s_a : -1;
+  int mB = ((wb.x | wb.y | wb.z | wb.w) & 0x77777777u) ? s_b : -1;
+  mA = max(mA, __shfl_xor_sync(~0u, mA, 1));
+  mB = max(mB, __shfl_xor_sync(~0u, mB, 1));
+  mA = max(mA, __shfl_xor_sync(~0u, mA, 2));
+  mB = max(mB, __shfl_xor_sync(~0u, mB, 2));
   uint32_t la0, la1, lb0, lb1;
   w4_lut(max(mA - s_a, 0), la0, la1);
   w4_lut(max(mB - s_b, 0), lb0, lb1);
@@ -270,60 +267,6 @@ __device__ __forceinline__ void w4_chunk_n(const uint4 wa, const uint4 wb, const
   }
 }
 
-// W4A8: E4M3 codes of E2M1 magnitude codes 0..7 times 2^(6 - d), for a
-// sub-block d binades below its chunk's largest scale. The 2^6 keeps 0.5 * 2^-d
-// an E4M3 normal up to d = 11 (6 * 2^6 = 384 <= 448); beyond, rounded.
-__device__ __forceinline__ void w4e4_lut(int d, uint32_t& l0, uint32_t& l1) {
-  if (d <= 11) {  // subtract d from each nonzero entry's exponent
-    l0 = 0x6C686000u - uint32_t(d * 8) * 0x01010100u;
-    l1 = 0x7C787470u - uint32_t(d * 8) * 0x01010101u;
-  } else {
-    const float f = ldexpf(1.f, 6 - d);
-    auto cb = [&](float v) { return uint32_t(__nv_cvt_float_to_fp8(v * f, __NV_SATFINITE, __NV_E4M3)); };
-    l0 = (cb(0.5f) << 8) | (cb(1.f) << 16) | (cb(1.5f) << 24);
-    l1 = cb(2.f) | (cb(3.f) << 8) | (cb(4.f) << 16) | (cb(6.f) << 24);
-  }
-}
-
-// The W4A8 form of w4_chunk_n (E4M3 weights and activations, mma m16n8k32,
-// half the MMAs and no fp16 fragment shuffle): MMA step s takes word s of the
-// lane's sub-block (elements 8s..8s+3 -> k 4t.., 8s+4..8s+7 -> k 16+4t..);
-// b(s, n) is the matching 8 activation bytes of token tile n, csc[n][j] the
-// chunk's activation scale of token 8n + 2t + j (1x128 blocks).
-template <int kN, typename B>
-__device__ __forceinline__ void w4a8_chunk_n(const uint4 wa, const uint4 wb, const int s_a, const int s_b, B b,
-                                             const float (&csc)[kN][2], float (&acc)[kN][4]) {
-  const int mA = chunk_max_scale(wa, s_a), mB = chunk_max_scale(wb, s_b);
-  uint32_t la0, la1, lb0, lb1;
-  w4e4_lut(max(mA - s_a, 0), la0, la1);
-  w4e4_lut(max(mB - s_b, 0), lb0, lb1);
-  const float fA = mA < 0 ? 0.f : e8m0_to_float(mA) * 0.015625f;  // 2^-6: the codes' offset
-  const float fB = mB < 0 ? 0.f : e8m0_to_float(mB) * 0.015625f;
-  constexpr int kC = kN == 1 ? 2 : 1;  // independent MMA chains, as w4_chunk_n
-  float q[kN][kC][4] = {};
-  const uint32_t wA[4] = {wa.x, wa.y, wa.z, wa.w}, wB[4] = {wb.x, wb.y, wb.z, wb.w};
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const uint32_t a0 = w4_decode(wA[s], la0, la1), a2 = w4_decode(wA[s] >> 16, la0, la1);
-    const uint32_t a1 = w4_decode(wB[s], lb0, lb1), a3 = w4_decode(wB[s] >> 16, lb0, lb1);
-#pragma unroll
-    for (int n = 0; n < kN; ++n) {
-      const uint2 bv = b(s, n);
-      ptx::mma_16832_e4m3(q[n][s % kC], a0, a1, a2, a3, bv.x, bv.y);
-    }
-  }
-#pragma unroll
-  for (int n = 0; n < kN; ++n) {
-    float v[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = kC == 2 ? q[n][0][j] + q[n][kC - 1][j] : q[n][0][j];
-    acc[n][0] += v[0] * (fA * csc[n][0]);
-    acc[n][1] += v[1] * (fA * csc[n][1]);
-    acc[n][2] += v[2] * (fB * csc[n][0]);
-    acc[n][3] += v[3] * (fB * csc[n][1]);
-  }
-}
-
 // One token tile (the persistent kernel's form).
 template <typename B>
 __device__ __forceinline__ void w4_chunk(const uint4 wa, const uint4 wb, const int s_a, const int s_b, B b,
@@ -338,17 +281,14 @@ __device__ __forceinline__ void w4_chunk(const uint4 wa, const uint4 wb, const i
 // of an expert share one decode of its weights; K split 1 only). kPdl: the
 // kernel was launched as a programmatic dependent of the previous one; down
 // projections issue their first weight loads before waiting for it.
-// kA8: W4A8 (w4a8_chunk_n): each block quantizes its tokens' fp16 activations
-// to E4M3 with 1x128 scales while staging them.
-// Shared memory: activations [chunk][i][token][t] 16-byte pieces (A8: 8-byte
-// pieces [chunk][s][token][t], then the scales [chunk][token]) for a.ntok
+// Shared memory: activations [chunk][i][token][t] 16-byte pieces for a.ntok
 // token slots (what a launch needs; MMA columns past them read the last slot,
 // unused). Three blocks per SM with one token tile: a decode step's warps are
 // latency-bound, more of them hide more.
 // (Measured on an H200 and dropped: cp.async rings in shared memory for more
 // bytes in flight, and blocks streaming several row tiles; both slower.)
-template <bool kGateUp, int kKS, int kN, bool kPdl, bool kA8>
-__global__ void __launch_bounds__(kW4Threads, kN == 1 && !kA8 ? 3 : 2) w4_kernel(W4Args a) {
+template <bool kGateUp, int kKS, int kN, bool kPdl>
+__global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args a) {
   static_assert(kN == 1 || kKS == 1, "two token tiles only without a K split");
   constexpr int kRT = 8 / kKS, kRows = 16 * kRT, kRing = 3;
   extern __shared__ uint4 xs4[];
@@ -377,12 +317,9 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 && !kA8 ? 3 : 2) w4_kernel
   const int c_begin = min(nchunk, ks * per), c_end = min(nchunk, c_begin + per);
   const bool has_work = wactive && c_begin < c_end;
   // This lane's activation pieces of token tile n: xb[n][(c * 4 + i) * 4 * NT].
-  using Piece = std::conditional_t<kA8, uint2, uint4>;
-  Piece* const xp = reinterpret_cast<Piece*>(xs4);
-  float* const xcs = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(xs4) + size_t(NT) * a.kpad);  // A8 scales
-  const Piece* xb[kN];
+  const uint4* xb[kN];
 #pragma unroll
-  for (int n = 0; n < kN; ++n) xb[n] = xp + min(8 * n + g, NT - 1) * 4 + t;
+  for (int n = 0; n < kN; ++n) xb[n] = xs4 + min(8 * n + g, NT - 1) * 4 + t;
 
   auto load = [&](int c, uint4& wa, uint4& wb, int& sa, int& sb) {
     const int sub = c * 4 + t;
@@ -412,43 +349,11 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 && !kA8 ? 3 : 2) w4_kernel
   for (int base = 0; base < cnt; base += NT) {
     const int m = min(NT, cnt - base);
     __syncthreads();
-    auto src_row = [&](int gi) {
-      return a.act + int64_t(kGateUp ? a.sorted[seg + base + gi] / a.topk : seg + base + gi) * a.kpad;
-    };
-    if constexpr (kA8) {
-      // 16 lanes per (token, chunk), 8 values each: amax -> scale -> E4M3.
-      // The loop runs whole warps (the amax shuffles); lanes past the end idle.
-      const int tasks = m * k8, tasks32 = (tasks + 31) & ~31;
-      for (int q8 = threadIdx.x; q8 < tasks32; q8 += blockDim.x) {
-        const bool on = q8 < tasks;
-        const int gi = on ? q8 / k8 : 0, r = q8 - gi * k8, c = r >> 4, p = r & 15;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (on) v = *reinterpret_cast<const uint4*>(src_row(gi) + r * 8);
-        const __half2* h = reinterpret_cast<const __half2*>(&v);
-        // amax in fp16 (exact), then each pair through fp32: few live registers
-        // (the weight ring's first loads are in flight in registers).
-        const __half2 m2 = __hmax2(__hmax2(__habs2(h[0]), __habs2(h[1])), __hmax2(__habs2(h[2]), __habs2(h[3])));
-        float amax = fmaxf(__low2float(m2), __high2float(m2));
-#pragma unroll
-        for (int o = 8; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
-        const float inv = amax > 0.f ? 448.f / amax : 0.f;
-        auto e4 = [&](int j) {
-          const float2 f = __half22float2(h[j]);
-          return uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(f.x * inv, f.y * inv), __NV_SATFINITE, __NV_E4M3));
-        };
-        const uint32_t w[2] = {e4(0) | (e4(1) << 16), e4(2) | (e4(3) << 16)};
-        if (on) {
-          xp[((c * 4 + (p & 3)) * NT + gi) * 4 + (p >> 2)] = Piece{w[0], w[1]};  // elements 32t + 8s..
-          if (p == 0) xcs[c * NT + gi] = amax * (1.f / 448.f);
-        }
-      }
-    } else {
-      for (int gi = 0; gi < m; ++gi) {
-        const __half* src = src_row(gi);
-        for (int q8 = threadIdx.x; q8 < k8; q8 += blockDim.x) {
-          const int c = q8 >> 4, tt = (q8 >> 2) & 3, ii = q8 & 3;
-          xp[((c * 4 + ii) * NT + gi) * 4 + tt] = *reinterpret_cast<const Piece*>(src + q8 * 8);
-        }
+    for (int gi = 0; gi < m; ++gi) {
+      const __half* src = a.act + int64_t(kGateUp ? a.sorted[seg + base + gi] / a.topk : seg + base + gi) * a.kpad;
+      for (int q8 = threadIdx.x; q8 < k8; q8 += blockDim.x) {
+        const int c = q8 >> 4, tt = (q8 >> 2) & 3, ii = q8 & 3;
+        xs4[((c * 4 + ii) * NT + gi) * 4 + tt] = *reinterpret_cast<const uint4*>(src + q8 * 8);
       }
     }
     // The epilogue's operands load now, under the weight stream (bias, the tokens' input scales).
@@ -475,17 +380,8 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 && !kA8 ? 3 : 2) w4_kernel
           const int c = c0 + p;
           if (c >= c_end) break;
           // Consumed in place, then refilled: no register copies of the slot.
-          auto piece = [&](int i, int n) { return xb[n][(c * 4 + i) * 4 * NT]; };
-          if constexpr (kA8) {
-            float csc[kN][2];
-#pragma unroll
-            for (int n = 0; n < kN; ++n)
-#pragma unroll
-              for (int j = 0; j < 2; ++j) csc[n][j] = xcs[c * NT + min(8 * n + 2 * t + j, NT - 1)];
-            w4a8_chunk_n<kN>(ra[p], rb[p], sa[p], sb[p], piece, csc, acc);
-          } else {
-            w4_chunk_n<kN>(ra[p], rb[p], sa[p], sb[p], piece, acc);
-          }
+          w4_chunk_n<kN>(
+              ra[p], rb[p], sa[p], sb[p], [&](int i, int n) { return xb[n][(c * 4 + i) * 4 * NT]; }, acc);
           if (c + kRing < c_end) load(c + kRing, ra[p], rb[p], sa[p], sb[p]);
         }
       }
@@ -523,24 +419,16 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 && !kA8 ? 3 : 2) w4_kernel
 // The instantiated K splits of the fused kernels.
 constexpr int kW4Splits[] = {1, 4, 8};
 using W4Fn = void (*)(W4Args);
-template <bool kGateUp, bool kPdl, bool kA8>
-W4Fn w4_fn_a(int ks, int ntile) {
+template <bool kGateUp, bool kPdl>
+W4Fn w4_fn(int ks, int ntile) {
   switch (ks) {
     case 1:
-      return ntile == 2 ? w4_kernel<kGateUp, 1, 2, kPdl, kA8> : w4_kernel<kGateUp, 1, 1, kPdl, kA8>;
+      return ntile == 2 ? w4_kernel<kGateUp, 1, 2, kPdl> : w4_kernel<kGateUp, 1, 1, kPdl>;
     case 4:
-      return w4_kernel<kGateUp, 4, 1, kPdl, kA8>;
+      return w4_kernel<kGateUp, 4, 1, kPdl>;
     default:
-      return w4_kernel<kGateUp, 8, 1, kPdl, kA8>;
+      return w4_kernel<kGateUp, 8, 1, kPdl>;
   }
-}
-template <bool kGateUp, bool kPdl>
-W4Fn w4_fn(int ks, int ntile, bool a8) {
-  return a8 ? w4_fn_a<kGateUp, kPdl, true>(ks, ntile) : w4_fn_a<kGateUp, kPdl, false>(ks, ntile);
-}
-// Dynamic shared memory of a fused kernel launch (see w4_kernel).
-size_t w4_smem(int ntok, int64_t kpad, bool a8) {
-  return a8 ? size_t(ntok) * size_t(kpad + kpad / 128 * 4) : size_t(ntok) * size_t(kpad) * 2;
 }
 
 // ------------------------------------------ fused path, persistent kernel
@@ -1226,14 +1114,12 @@ struct MoeLayer::Impl {
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     DZ_CUDA_CHECK(cudaFuncSetAttribute(moe_persistent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem));
-    for (bool a8 : {false, true}) {
-      const int smem = int(w4_smem(kW4MaxTokens, std::max(kph, kpi), a8));
-      for (int ks : kW4Splits)
-        for (int nt : {1, 2})
-          for (auto k : {w4_fn<true, false>(ks, nt, a8), w4_fn<true, true>(ks, nt, a8), w4_fn<false, false>(ks, nt, a8),
-                         w4_fn<false, true>(ks, nt, a8)})
-            DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    }
+    const int smem = int(kW4MaxTokens * std::max(kph, kpi) * 2);
+    for (int ks : kW4Splits)
+      for (int nt : {1, 2})
+        for (auto k : {w4_fn<true, false>(ks, nt), w4_fn<true, true>(ks, nt), w4_fn<false, false>(ks, nt),
+                       w4_fn<false, true>(ks, nt)})
+          DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     DZ_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
   }
 
@@ -1379,10 +1265,8 @@ struct MoeLayer::Impl {
   void launch_w4(int ks, bool pdl, int rows, unsigned max_active, cudaStream_t st, const W4Args& a) {
     const int per_block = 16 * (8 / ks), ntile = a.ntok > kW4Tokens ? 2 : 1;
     const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
-    const bool a8 = opt.fused_fp8_act;
-    const size_t smem = w4_smem(a.ntok, a.kpad, a8);
-    launch(pdl ? w4_fn<G, true>(ks, ntile, a8) : w4_fn<G, false>(ks, ntile, a8), grid, dim3(kW4Threads), smem, st, pdl,
-           a);
+    const size_t smem = size_t(a.ntok) * a.kpad * 2;
+    launch(pdl ? w4_fn<G, true>(ks, ntile) : w4_fn<G, false>(ks, ntile), grid, dim3(kW4Threads), smem, st, pdl, a);
   }
 
   // The fused kernels' K split for T tokens.

@@ -1,7 +1,7 @@
 // The MXFP4 mixture-of-experts layer on the device (gpt-oss experts):
 //   route -> sort token slots by expert -> either
-//   fused path (few tokens per expert): W4A8 (or W4A16) tensor-core kernels
-//     that read MXFP4 straight from HBM and decode in registers (no FP8 copy),
+//   fused path (few tokens per expert): W4A16 tensor-core kernels that read
+//     MXFP4 straight from HBM and decode in registers (no FP8 copy),
 //   FP8 path (many tokens per expert): fold the routed experts into one FP8
 //     workspace (tiles, double-buffered on a second stream) -> per-expert
 //     cuBLASLt FP8 GEMMs with 1x128 scales (or one grouped GEMM launch per
@@ -47,11 +47,6 @@ struct MoeOptions {
   int gemm_streams = 4;   // experts of a tile run concurrently on this many streams
   int fused_k_split = 0;  // fused kernels: K split over 1, 4 or 8 warps (0: 4 up to 8 token slots, else 1)
   bool pdl = true;        // fused kernels as programmatic dependent launches
-  // Fused per-projection kernels: W4A8 (each block quantizes its tokens'
-  // activations to E4M3 with 1x128 scales, as the FP8 path, and runs E4M3
-  // MMAs: about half the instructions per weight byte) instead of W4A16 (fp16
-  // activations, closer to BF16).
-  bool fused_fp8_act = true;
   // Fused path implementation: 0 auto, 1 per-projection kernels (routing,
   // gate_up, down, combine), 2 one persistent kernel (bulk-copy ring, both
   // projections and the combine; needs 16-byte aligned expert tensors).

@@ -39,16 +39,6 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
 }
 #undef DZ_MMA_16816
 
-// D = A(16x32, row) * B(32x8, col) + C, fp32 accumulators; E4M3 inputs (sm_89+).
-// A: a0/a2 row g, k 4t..4t+3 / 16+4t..; a1/a3 the same for row g + 8. B: b0/b1
-// k 4t..4t+3 / 16+4t.. of column g (g = lane / 4, t = lane % 4).
-__device__ __forceinline__ void mma_16832_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                               uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // 16-byte asynchronous copy global -> shared (L2 only).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");

@@ -1,6 +1,6 @@
 // dz bench moe: the MXFP4 MoE layer on the GPU at gpt-oss-120b shapes (E=128,
 // top-4, H=I=2880; random MXFP4 weights and routing) for several token counts.
-// Both device paths are timed at every size (fused W4A8/W4A16 and FP8 workspace +
+// Both device paths are timed at every size (fused W4A16 and FP8 workspace +
 // cuBLASLt), giving the measured tokens-per-expert threshold between them;
 // the fused path's implementations are compared too (per-projection kernels
 // vs the persistent kernel, fused_v1/v2_*, with the achieved fraction of HBM
@@ -37,12 +37,10 @@ namespace {
 const char* kUsage =
     "usage: dz bench moe [--tokens 1,8,64,512,1024,2048,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
     "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
-    "                    [--fused-kernel 0|1|2] [--fused-act 8|16] [--tokens-per-pass NB] [--no-components]\n"
+    "                    [--fused-kernel 0|1|2] [--tokens-per-pass NB] [--no-components]\n"
     "                    [--fp8-gemm auto|cublaslt|grouped|LIST] [--grouped-blocks N]\n"
     "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
-    "MXFP4 MoE layer on the GPU: fused (W4A8 or W4A16) vs FP8 (fold + FP8 GEMMs) paths, JSON results.\n"
-    "--fused-act: the fused kernels' activations, E4M3 (8, the default) or fp16 (16); both\n"
-    "are timed at every size (fused_act_ms) and compared (fused_a8_vs_a16_diff).\n"
+    "MXFP4 MoE layer on the GPU: fused W4A16 vs FP8 (fold + FP8 GEMMs) paths, JSON results.\n"
     "--fp8-gemm: the FP8 path's GEMMs, per-expert cuBLASLt, our grouped kernel or auto (the\n"
     "library's default: grouped up to 256 tokens per expert); of a comma list the first\n"
     "is fp8_ms, every one listed is timed (fp8_gemm_ms) and compared with the first.\n"
@@ -129,11 +127,10 @@ int bench_moe(const Args& a) {
     std::printf("%s", kUsage);
     return 0;
   }
-  reject_unknown(a, {"--tokens",         "--reps",         "--experts",     "--topk",
-                     "--hidden",         "--intermediate", "--threshold",   "--tile",
-                     "--gemm-streams",   "--fused-kernel", "--fused-act",   "--tokens-per-pass",
-                     "--no-components",  "--bw-ceiling",   "--fp8-ceiling", "--fp8-gemm",
-                     "--grouped-blocks", "--dump",         "--out",         "--help"},
+  reject_unknown(a,
+                 {"--tokens", "--reps", "--experts", "--topk", "--hidden", "--intermediate", "--threshold", "--tile",
+                  "--gemm-streams", "--fused-kernel", "--tokens-per-pass", "--no-components", "--bw-ceiling",
+                  "--fp8-ceiling", "--fp8-gemm", "--grouped-blocks", "--dump", "--out", "--help"},
                  "bench moe");
   const std::vector<int> tokens = parse_list(flag_value(a, "--tokens", "1,8,64,512,1024,2048,4096,16384"));
   const int reps = std::stoi(flag_value(a, "--reps", "20"));
@@ -149,14 +146,6 @@ int bench_moe(const Args& a) {
   opt.tile_experts = int_flag("--tile", opt.tile_experts);
   opt.gemm_streams = int_flag("--gemm-streams", opt.gemm_streams);
   opt.fused_kernel = int_flag("--fused-kernel", opt.fused_kernel);
-  {
-    const int act = int_flag("--fused-act", opt.fused_fp8_act ? 8 : 16);
-    if (act != 8 && act != 16) {
-      std::fprintf(stderr, "dz bench moe: --fused-act takes 8 (W4A8) or 16 (W4A16), not %d\n", act);
-      return 2;
-    }
-    opt.fused_fp8_act = act == 8;
-  }
   opt.fused_tokens_per_pass = int_flag("--tokens-per-pass", opt.fused_tokens_per_pass);
   std::vector<std::string> fp8_gemms;
   {
@@ -330,7 +319,6 @@ int bench_moe(const Args& a) {
                         {"tile_experts", opt.tile_experts},
                         {"gemm_streams", opt.gemm_streams},
                         {"fused_kernel", opt.fused_kernel},
-                        {"fused_act", opt.fused_fp8_act ? 8 : 16},
                         {"fused_tokens_per_pass", opt.fused_tokens_per_pass},
                         {"fp8_gemm", fp8_gemms},
                         {"fp8_grouped_blocks", opt.fp8_grouped_blocks},
@@ -399,9 +387,8 @@ int bench_moe(const Args& a) {
       // warps; kernel 2: the persistent kernel with nb tokens per weight pass;
       // programmatic dependent launch on/off); the default options are what
       // "fused_ms" reports.
-      auto time_fused = [&](int kernel, int ks, bool pdl, int nb = 0, int act = 0) {
+      auto time_fused = [&](int kernel, int ks, bool pdl, int nb = 0) {
         layer.options().fused_kernel = kernel;
-        if (act) layer.options().fused_fp8_act = act == 8;
         layer.options().fused_tokens_per_pass = nb;
         layer.options().fused_k_split = ks;
         layer.options().pdl = pdl;
@@ -431,12 +418,10 @@ int bench_moe(const Args& a) {
       nlohmann::json variants = nlohmann::json::object();
       if (T <= 4096) {
         // K split over 1, 4 or 8 warps (8 only up to 64 tokens, with PDL).
-        for (int act : {8, 16})
-          for (int ks : {1, 4, 8})
-            for (bool pdl : {false, true})
-              if (ks != 8 || (T <= 64 && pdl))
-                variants["a" + std::to_string(act) + "_ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] =
-                    time_fused(1, ks, pdl, 0, act);
+        for (int ks : {1, 4, 8})
+          for (bool pdl : {false, true})
+            if (ks != 8 || (T <= 64 && pdl))
+              variants["ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] = time_fused(1, ks, pdl);
       }
       double ms_v2 = -1;
       if (persistent_ok(0)) {
@@ -449,22 +434,6 @@ int bench_moe(const Args& a) {
       }
       const double ms_v1 = time_fused(1, 0, true);
       const double ms_fused = time_fused(opt.fused_kernel, opt.fused_k_split, opt.pdl, opt.fused_tokens_per_pass);
-      // Both activation types of the per-projection kernels (other options as given), and their agreement.
-      nlohmann::json act_ms = {{"a8", time_fused(1, opt.fused_k_split, opt.pdl, 0, 8)},
-                               {"a16", time_fused(1, opt.fused_k_split, opt.pdl, 0, 16)}};
-      double agree_act = 0;
-      {
-        std::vector<float> ha(x.size()), hb(x.size());
-        for (int act : {8, 16}) {
-          layer.options().fused_kernel = 1;
-          layer.options().fused_fp8_act = act == 8;
-          layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
-          ctx.sync();
-          DZ_CUDA_CHECK(cudaMemcpy((act == 8 ? ha : hb).data(), out_f.get(), ha.size() * 4, cudaMemcpyDeviceToHost));
-        }
-        layer.options() = opt;
-        agree_act = diff_metric(ha, hb);
-      }
       std::vector<double> host;
       const double ms_fp8 = timer.median_ms(r, kSets, [&](int i) {
         const auto h0 = std::chrono::steady_clock::now();
@@ -548,8 +517,6 @@ int bench_moe(const Args& a) {
           {"persistent_stages", layer.persistent_stages(T)},
           {"fp8_host_ms", median(host)},
           {"fused_variants_ms", variants},
-          {"fused_act_ms", act_ms},
-          {"fused_a8_vs_a16_diff", agree_act},
           {"fp8_gemm_ms", gemm_ms},
           {"fp8_gemm_diff_vs_first", gemm_diff},
       };
