@@ -3,6 +3,7 @@
 // operands and block scales against a float64 reference and against the
 // cuBLASLt Fp8Gemm per group, rows outside the groups untouched, argument
 // errors, and a throughput line at gpt-oss-120b sizes.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cmath>
@@ -18,6 +19,7 @@
 #ifdef DZ_WITH_CUDA
 #include "cuda/fp8_gemm.h"
 #include "cuda/fp8_grouped_gemm.h"
+#include "cuda/mxfp4_fold.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 #include "support/device_buffer.h"
@@ -306,6 +308,54 @@ TEST_CASE("CUDA grouped FP8 GEMM matches float64 and cuBLASLt per group", "[cuda
       for (size_t i = 0; i < r.size(); ++i) r[i] = int(i);
       return r;
     });
+  }
+  SECTION("MXFP4 weights folded inside the kernel: the same bits as folding first") {
+    // K = 2880 (the gpt-oss width: a K block of 64 real elements then padding),
+    // n = 208 (a partial n tile); experts used out of order, one twice, one
+    // group empty; scales spread past the fold's exact range, zero sub-blocks.
+    const int E = 5, n = 208, K = 2880, kpad = int(cpu::fold_kpad(K));
+    const std::vector<int> experts{3, 0, 4, 3, 1}, sizes{70, 1, 0, 130, 9};
+    Problem p = make_problem(sizes, n, kpad, 2, rng);
+    std::vector<uint8_t> blocks(size_t(E) * n * K / 2), scales(size_t(E) * n * K / 32);
+    std::uniform_int_distribution<int> byte(0, 255), sc(100, 140);
+    for (auto& b : blocks) b = uint8_t(byte(rng));
+    for (size_t i = 0; i < scales.size(); ++i) scales[i] = uint8_t(i % 97 == 0 ? 0 : sc(rng));
+    for (size_t i = 0; i < scales.size(); i += 13)
+      for (int j = 0; j < 16; ++j) blocks[i * 16 + size_t(j)] = (i & 1) ? 0x88 : 0x00;  // +-0 sub-blocks
+    Buf<uint8_t> db(blocks), ds(scales);
+    const Mxfp4Stack stack{db.p, ds.p, n, K};
+    // Reference: the folding kernel into FP8 slots (its bits are tested against
+    // the CPU fold elsewhere), then this GEMM with FP8 weights.
+    const int64_t per = int64_t(n) * kpad, per_s = int64_t(n) * (kpad / 128);
+    Buf<uint8_t> q(size_t(per) * experts.size());
+    Buf<float> qs(size_t(per_s) * experts.size());
+    mxfp4_fold_experts(stack, experts.data(), int(experts.size()), Fp8Slots{q.p, qs.p}, ctx.stream());
+    Device dv(p);
+    Fp8GroupedArgs a = dv.args(p);
+    a.w = q.p, a.w_stride = per, a.ws = qs.p, a.ws_stride = per_s;
+    gg.run(a, ctx.stream());
+    ctx.sync();
+    const auto want = dv.d.get();
+    Device dv4(p);
+    Fp8GroupedArgs a4 = dv4.args(p);
+    a4.w = nullptr, a4.ws = nullptr, a4.w4 = stack, a4.experts = experts.data(), a4.w4_experts = E;
+    gg.run(a4, ctx.stream());
+    ctx.sync();
+    const auto got = dv4.d.get();
+    int64_t differ = 0;
+    for (size_t i = 0; i < got.size(); ++i) differ += got[i] != want[i];
+    INFO(differ << " of " << got.size() << " output elements differ from folding first");
+    CHECK(differ == 0);
+    CHECK(int64_t(std::count(want.begin(), want.end(), kSentinel)) < int64_t(want.size()));  // something was written
+    // Bad MXFP4 arguments: rows not n, K not padding to k, an expert out of range.
+    auto b = a4;
+    b.w4.rows = n + 16;
+    CHECK_THROWS_AS(gg.run(b, ctx.stream()), Error);
+    b = a4, b.w4.k = K - 128;
+    CHECK_THROWS_AS(gg.run(b, ctx.stream()), Error);
+    const std::vector<int> bad{3, 0, 5, 3, 1};
+    b = a4, b.experts = bad.data();
+    CHECK_THROWS_AS(gg.run(b, ctx.stream()), Error);
   }
   SECTION("argument errors") {
     const Problem p = make_problem({4, 4}, 64, 256, 0, rng);

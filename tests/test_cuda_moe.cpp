@@ -283,8 +283,8 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
       ctx.sync();
       CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
     }
-    // The FP8 path with grouped GEMMs (one launch per projection and tile of 3
-    // experts): the same reference, and the cuBLASLt path's output to rounding.
+    // The FP8 path with grouped GEMMs (one launch per projection, the experts
+    // folded inside): the same reference, and the cuBLASLt path's output to rounding.
     if (Fp8GroupedGemm::supported()) {
       layer.options().fp8_gemm = 1;
       DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
@@ -307,6 +307,14 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
       layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
       ctx.sync();
       CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
+      // Folding into the FP8 workspace first (tiles of 3 experts) instead of
+      // inside the GEMMs: the same FP8 operands, so the same bits.
+      layer.options().fp8_fold_in_gemm = false;
+      DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
+      layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
+      ctx.sync();
+      CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
+      layer.options().fp8_fold_in_gemm = true;
       layer.options().fp8_gemm = 0;
     } else {
       WARN("grouped FP8 GEMM not supported here (needs sm_90 and an sm_90a build): FP8 grouped path not tested");

@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include "cuda/fp8_grouped_gemm.h"
+#include "cuda/mxfp4_fold.cuh"
 #include "cuda/ptx.cuh"
 #include "runtime/cuda/cuda_check.h"
 
@@ -38,14 +39,22 @@ static_assert(kOffS % 128 == 0 && kSBytes % 16 == 0, "bulk copy destinations");
 static_assert(kSmemBytes <= 227 * 1024, "shared memory of one sm_90 block");
 static_assert(kBM == 64 * kConsumers, "each consumer warpgroup owns 64 rows (wgmma m64)");
 static_assert(128 * 40 + 128 * kConsumers * 232 <= kThreads * 168, "setmaxnreg budget (see the kernel)");
+// MXFP4 weights (kW4): the producer warpgroup folds them itself and needs
+// registers for it; the consumers keep what their accumulators need.
+constexpr int kW4ProducerRegs = 104, kW4ConsumerRegs = 200;
+static_assert(128 * kW4ProducerRegs + 128 * kConsumers * kW4ConsumerRegs <= kThreads * 168, "setmaxnreg budget");
+[[maybe_unused]] constexpr int kW4FullArrivals = 128;  // every producer thread, after its row of the W tile
 
 struct Params {
   CUtensorMap xmap;  // X  [rows_total][k] u8, box 128 x 128, 128B swizzle
-  CUtensorMap wmap;  // W  [G][n][k] u8, box 1 x 128 x 128, 128B swizzle
-  CUtensorMap smap;  // ws [G][k/128][n] f32, box 1 x 1 x 128
+  CUtensorMap wmap;  // W  [G][n][k] u8, box 1 x 128 x 128, 128B swizzle (FP8 weights)
+  CUtensorMap smap;  // ws [G][k/128][n] f32, box 1 x 1 x 128 (FP8 weights)
   const float* xs;
   __nv_bfloat16* d;
   int n, nkb, groups, tiles_total;
+  const uint8_t *w4_blocks, *w4_scales;  // MXFP4 weights: stacks [E][n][nsub][16], [E][n][nsub]
+  int nsub;
+  int expert[kMaxGroups];  // MXFP4 weights: group -> index in the stacks
   int off[kMaxGroups];
   int m[kMaxGroups];
   int tile_start[kMaxGroups + 1];  // prefix sums of ceil(m/kBM) * ceil(n/kBN)
@@ -162,7 +171,11 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, ui
 // Persistent: block b takes tiles b, b + grid, ... Warpgroup 0 is the
 // producer (one thread issues the bulk tensor copies of each stage: X tile,
 // W tile, W scales); warpgroups 1 and 2 each multiply 64 rows of the tile.
-template <bool kDebug>
+// kW4: the weights are MXFP4; the producer's 128 threads fold one W tile row
+// each into the stage (the folding kernel's bytes, written in the copy
+// engine's 128B swizzle) and its block scale, the next group's loads in
+// flight meanwhile; X still comes by bulk tensor copy.
+template <bool kDebug, bool kW4>
 __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_constant__ Params p) {
 #ifdef DZ_GG_SM90A
   extern __shared__ uint8_t smem_raw[];
@@ -175,7 +188,9 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_c
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full(s), 1);  // the producer's arrive.expect_tx; the copies complete the bytes
+      // The producer's arrive.expect_tx (the copies complete the bytes), or with
+      // kW4 the producer threads' arrivals after their rows (plus X's bytes).
+      mbar_init(full(s), kW4 ? kW4FullArrivals : 1);
       mbar_init(empty(s), kEmptyArrivals);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -188,7 +203,39 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_c
   // is the same total (128 x 40 + 256 x 232 = 384 x 168), so the increase
   // never waits on registers that are not there.
   const int wg = int(threadIdx.x) / 128;
-  if (wg == 0) {
+  if (kW4 && wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kW4ProducerRegs) : "memory");
+    const int tid = int(threadIdx.x);  // the W tile row this thread folds
+    if (tid == 0) prefetch_map(&p.xmap);
+    uint8_t* const sBp = smem_raw + (base - raw) + kOffB;
+    float* const sSp = reinterpret_cast<float*>(smem_raw + (base - raw) + kOffS);
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
+      int g, mt, nt;
+      find_tile(p, t, g, mt, nt);
+      const int row = p.off[g] + mt * kBM, wr = nt * kBN + tid;
+      const bool rok = wr < p.n;
+      const int64_t er = int64_t(p.expert[g]) * p.n + (rok ? wr : 0);
+      const uint8_t* bl = p.w4_blocks + er * p.nsub * 16;
+      const uint8_t* sc = p.w4_scales + er * p.nsub;
+      const GroupIn zero{};
+      GroupIn cur = rok ? load_group(bl, sc, 0, p.nsub) : zero;
+      for (int kb = 0; kb < p.nkb; ++kb) {
+        const GroupIn next = rok && kb + 1 < p.nkb ? load_group(bl, sc, kb + 1, p.nsub) : zero;
+        mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);
+        if (tid == 0) {
+          ptx::mbar_expect_tx(full(stage), kABytes);
+          tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), kb * kBK, row);
+        }
+        sSp[stage * kBN + tid] = fold_group(cur, reinterpret_cast<uint4*>(sBp + stage * kBBytes + tid * kBK), tid & 7);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
+        mbar_arrive(full(stage));
+        cur = next;
+        if (++stage == kStages) stage = 0, phase ^= 1u;
+      }
+    }
+  } else if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (threadIdx.x == 0) {
       prefetch_map(&p.xmap);
@@ -211,7 +258,10 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_c
       }
     }
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    if constexpr (kW4)
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kW4ConsumerRegs) : "memory");
+    else
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     const int ct = int(threadIdx.x) - 128;
     const int cw = ct >> 7, warp = (ct >> 5) & 3, lane = ct & 31;
     float acc[64], part[64];
@@ -353,10 +403,9 @@ Fp8GroupedGemm::Fp8GroupedGemm() {
   int dev = 0;
   DZ_CUDA_CHECK(cudaGetDevice(&dev));
   DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm_, cudaDevAttrMultiProcessorCount, dev));
-  DZ_CUDA_CHECK(
-      cudaFuncSetAttribute(fp8_grouped_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  DZ_CUDA_CHECK(
-      cudaFuncSetAttribute(fp8_grouped_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  for (auto k : {fp8_grouped_kernel<false, false>, fp8_grouped_kernel<true, false>, fp8_grouped_kernel<false, true>,
+                 fp8_grouped_kernel<true, true>})
+    DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
 }
 
 void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
@@ -374,14 +423,28 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
   int64_t rows_used = 0;
   for (int g = 0; g < a.groups; ++g) rows_used += a.counts[g];
   if (rows_used == 0) return;
-  check(a.x && a.xs && a.w && a.ws && a.d, DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: null pointer");
-  check(aligned(a.x, 16) && aligned(a.w, 16) && aligned(a.ws, 16) && aligned(a.d, 16) && aligned(a.xs, 4),
+  const bool w4 = a.w4.blocks != nullptr;
+  check(a.x && a.xs && a.d && (w4 ? a.w4.scales != nullptr : a.w && a.ws), DZ_ERR_INVALID_ARGUMENT,
+        "fp8_grouped_gemm: null pointer");
+  check(aligned(a.x, 16) && aligned(a.d, 16) && aligned(a.xs, 4) && (w4 || (aligned(a.w, 16) && aligned(a.ws, 16))),
         DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: X, W, W scales and D must be 16-byte aligned, X scales 4-byte");
   const int64_t w_bytes = int64_t(a.n) * a.k, ws_floats = int64_t(nkb) * a.n;
   const int64_t w_stride = a.groups > 1 ? a.w_stride : w_bytes, ws_stride = a.groups > 1 ? a.ws_stride : ws_floats;
-  check(w_stride >= w_bytes && w_stride % 16 == 0 && ws_stride >= ws_floats && ws_stride % 4 == 0,
-        DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: group strides w=", a.w_stride,
-        " bytes (>= n*k, multiple of 16), ws=", a.ws_stride, " floats (>= k/128*n, multiple of 4)");
+  if (w4) {
+    check(aligned(a.w4.blocks, 16) && a.w4.rows == a.n && a.w4.k % 32 == 0 && a.w4.k > a.k - kBK && a.w4.k <= a.k &&
+              a.experts != nullptr,
+          DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: MXFP4 weights of ", a.w4.rows, " x ", a.w4.k, " for n=", a.n,
+          " k=", a.k,
+          " (rows must equal n, K a multiple of 32 that pads to k; blocks 16-byte "
+          "aligned; experts given)");
+    for (int g = 0; g < a.groups; ++g)
+      check(a.experts[g] >= 0 && a.experts[g] < a.w4_experts, DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: group ", g,
+            " names expert ", a.experts[g], " of ", a.w4_experts);
+  } else {
+    check(w_stride >= w_bytes && w_stride % 16 == 0 && ws_stride >= ws_floats && ws_stride % 4 == 0,
+          DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: group strides w=", a.w_stride,
+          " bytes (>= n*k, multiple of 16), ws=", a.ws_stride, " floats (>= k/128*n, multiple of 4)");
+  }
 
   Params p{};
   {
@@ -393,16 +456,17 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
   p.d = static_cast<__nv_bfloat16*>(a.d);
   p.n = a.n;
   p.nkb = nkb;
+  p.w4_blocks = a.w4.blocks, p.w4_scales = a.w4.scales, p.nsub = int(a.w4.k / 32);
   for (int g0 = 0; g0 < a.groups; g0 += kMaxGroups) {
     const int G = std::min(kMaxGroups, a.groups - g0);
-    {
+    if (!w4) {
       const cuuint64_t dims[3] = {cuuint64_t(a.k), cuuint64_t(a.n), cuuint64_t(G)};
       const cuuint64_t strides[2] = {cuuint64_t(a.k), cuuint64_t(w_stride)};
       const cuuint32_t box[3] = {kBK, kBN, 1};
       encode(&p.wmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w + w_stride * g0, dims, strides, box,
              CU_TENSOR_MAP_SWIZZLE_128B, "W");
     }
-    {
+    if (!w4) {
       const cuuint64_t dims[3] = {cuuint64_t(a.n), cuuint64_t(nkb), cuuint64_t(G)};
       const cuuint64_t strides[2] = {cuuint64_t(a.n) * 4, cuuint64_t(ws_stride) * 4};
       const cuuint32_t box[3] = {kBN, 1, 1};
@@ -413,6 +477,7 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     int tiles = 0;
     for (int g = 0; g < G; ++g) {
       p.off[g] = a.offsets[g0 + g];
+      p.expert[g] = w4 ? a.experts[g0 + g] : 0;
       p.m[g] = a.counts[g0 + g];
       p.tile_start[g] = tiles;
       tiles += (p.m[g] + kBM - 1) / kBM * ntiles;
@@ -422,10 +487,9 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     if (tiles == 0) continue;
     const int blocks = a.max_blocks > 0 ? std::min(a.max_blocks, n_sm_) : n_sm_;
     const dim3 grid(unsigned(std::min(tiles, blocks))), block(kThreads);
-    if (debug_)
-      fp8_grouped_kernel<true><<<grid, block, kSmemBytes, s>>>(p);
-    else
-      fp8_grouped_kernel<false><<<grid, block, kSmemBytes, s>>>(p);
+    const auto kernel = w4 ? (debug_ ? fp8_grouped_kernel<true, true> : fp8_grouped_kernel<false, true>)
+                           : (debug_ ? fp8_grouped_kernel<true, false> : fp8_grouped_kernel<false, false>);
+    kernel<<<grid, block, kSmemBytes, s>>>(p);
     DZ_CUDA_LAUNCH_CHECK();
     if (debug_) {
       cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;

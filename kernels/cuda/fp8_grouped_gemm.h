@@ -10,6 +10,8 @@
 //   xs  float: group g's block of nkb * m_g floats at xs + nkb * off_g, laid out [kb][m_g],
 //   W_g fp8 [n][k] at w + g * w_stride (bytes), ws_g float [k/128][n] at ws + g * ws_stride (floats),
 //   D   bf16 [rows_total][n].
+// With MXFP4 weights (Fp8GroupedArgs::w4) W_g and ws_g are the folded expert,
+// made by the kernel's producer warps on the fly.
 // Each 128-wide K block is accumulated by the tensor cores in fp32 on its own
 // and then added, scaled, into the fp32 result (so the block scales never meet
 // a tensor-core accumulation). Rows of D outside the groups are not written.
@@ -17,6 +19,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "cuda/mxfp4_fold.h"
 
 namespace dz::cuda {
 
@@ -34,6 +38,13 @@ struct Fp8GroupedArgs {
   const int* counts = nullptr;   // host: counts[g] = m_g
   int groups = 0;
   int max_blocks = 0;  // persistent blocks (0: one per SM); fewer leave SMs to concurrent kernels
+  // MXFP4 weights instead of W/ws (sm_90a): group g uses expert experts[g] of
+  // the stack w4 (rows == n, K == w4.k padded to k), folded to E4M3 with 1x128
+  // scales inside the kernel exactly as mxfp4_fold_experts would (the same
+  // bytes reach the tensor cores), without an FP8 copy in memory.
+  Mxfp4Stack w4{};
+  const int* experts = nullptr;  // host: [groups]
+  int w4_experts = 0;            // experts in the stack (bounds check)
 };
 
 class Fp8GroupedGemm {

@@ -1310,6 +1310,27 @@ struct MoeLayer::Impl {
     check(opt.fp8_gemm >= 0 && opt.fp8_gemm <= 2, DZ_ERR_INVALID_ARGUMENT, "fp8_gemm must be 0 (auto), 1 or 2");
     const bool grouped = opt.fp8_gemm == 2 || (opt.fp8_gemm == 0 && Fp8GroupedGemm::supported() &&
                                                double(T) * s.topk / E <= opt.fp8_grouped_max_tokens_per_expert);
+    if (grouped && opt.fp8_fold_in_gemm && !act_e.empty()) {
+      // The grouped GEMMs fold the experts' MXFP4 weights themselves: no FP8
+      // workspace, no folding pass; one launch per projection for every active
+      // expert (their sorted rows are consecutive).
+      std::vector<int> goff, gcnt;
+      for (int e : act_e) goff.push_back(ho[e]), gcnt.push_back(ho[e + 1] - ho[e]);
+      const int n = int(act_e.size()), r0 = goff[0], nrows = goff.back() + gcnt.back() - r0;
+      Fp8GroupedArgs g;
+      g.rows_total = rows_total, g.offsets = goff.data(), g.counts = gcnt.data(), g.groups = n;
+      g.experts = act_e.data(), g.w4_experts = E;
+      g.x = a1.get(), g.xs = a1s.get(), g.w4 = W1, g.d = d1.get(), g.n = 2 * I, g.k = int(kph);
+      g.max_blocks = opt.fp8_grouped_blocks;
+      ggemm.run(g, st);
+      const int64_t threads = int64_t(nrows) * nkb_i * 32;
+      swiglu_quant_kernel<<<unsigned((threads + 255) / 256), 256, 0, st>>>(
+          d1.get(), I, nkb_i, w.b1, sorted.get(), row_expert.get(), offsets.get(), r0, nrows, a2.get(), a2s.get());
+      DZ_CUDA_LAUNCH_CHECK();
+      g.x = a2.get(), g.xs = a2s.get(), g.w4 = W2, g.d = d2.get(), g.n = H, g.k = int(kpi);
+      ggemm.run(g, st);
+      act_e.clear();  // nothing left for the workspace tiles below
+    }
     for (size_t t0 = 0, ti = 0; t0 < act_e.size(); t0 += tile, ++ti) {
       const int n = int(std::min<size_t>(tile, act_e.size() - t0));
       const int buf = int(ti % 2);

@@ -64,6 +64,10 @@ struct MoeOptions {
   // Auto by default since the whole GPU suite passed with it (run 8): 4096 tokens 3.45 vs 3.90 ms.
   int fp8_gemm = 0;
   double fp8_grouped_max_tokens_per_expert = 256.0;
+  // Grouped FP8 GEMMs fold the MXFP4 experts inside the kernel (its producer
+  // warps write the FP8 tiles to shared memory) instead of a folding pass into
+  // the FP8 workspace first; the same FP8 bytes and scales either way.
+  bool fp8_fold_in_gemm = true;
 };
 
 class MoeLayer {

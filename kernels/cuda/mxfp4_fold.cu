@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "cuda/mxfp4_fold.cuh"
 #include "cuda/mxfp4_fold.h"
 #include "cuda/ptx.cuh"
 #include "runtime/cuda/cuda_check.h"
@@ -21,58 +22,6 @@ struct FoldArgs {
   int ids[kMaxIds];
 };
 
-// Magnitude bytes of E2M1 codes 0..7 times 2^(6-d) as E4M3 (hardware RNE
-// conversion; the CPU reference builds its table in double precision).
-__device__ __forceinline__ void fold_lut(int d, uint32_t& lo, uint32_t& hi) {
-  const float f = ldexpf(1.f, 6 - d);
-  auto cv = [](float a, float b) -> uint32_t {
-    return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-  };
-  lo = cv(0.f, 0.5f * f) | (cv(1.f * f, 1.5f * f) << 16);
-  hi = cv(2.f * f, 3.f * f) | (cv(4.f * f, 6.f * f) << 16);
-}
-
-// 8 nibbles (elements in order) -> 8 E4M3 bytes, sign kept.
-__device__ __forceinline__ uint2 fold_word(uint32_t w, uint32_t lo, uint32_t hi) {
-  const uint32_t m = w & 0x77777777u;
-  const uint32_t sl = ptx::prmt(0x80808080u, 0x80808080u, w);  // 0xFF where the nibble is negative
-  const uint32_t sh = ptx::prmt(0x80808080u, 0x80808080u, w >> 16);
-  uint2 r;
-  r.x = ptx::prmt(lo, hi, m) | ((sl & 0x40404040u) << 1);
-  r.y = ptx::prmt(lo, hi, m >> 16) | ((sh & 0x40404040u) << 1);
-  return r;
-}
-
-struct GroupIn {
-  uint4 w[4];
-  int s[4];
-  bool nz[4];
-  int smax;
-  bool nan;
-};
-
-__device__ __forceinline__ GroupIn load_group(const uint8_t* bl, const uint8_t* sc, int g, int nsub) {
-  GroupIn G;
-  G.smax = -1;
-  G.nan = false;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int sb = g * 4 + j;
-    if (sb < nsub) {
-      G.w[j] = __ldg(reinterpret_cast<const uint4*>(bl + sb * 16));  // L1 keeps the sector's other half
-      G.s[j] = sc[sb];
-      G.nz[j] = ((G.w[j].x | G.w[j].y | G.w[j].z | G.w[j].w) & 0x77777777u) != 0;
-      G.nan |= G.s[j] == 255;
-      if (G.nz[j] && G.s[j] > G.smax) G.smax = G.s[j];
-    } else {
-      G.w[j] = make_uint4(0, 0, 0, 0);
-      G.s[j] = 0;
-      G.nz[j] = false;
-    }
-  }
-  return G;
-}
-
 // One thread per (row, fold group), group fastest: 64 B in, 128 B + 4 B out.
 // A block's 256 outputs are one contiguous 32 KiB range of the slot: they go
 // through shared memory (XOR-swizzled 16-byte pieces) and leave coalesced.
@@ -91,21 +40,8 @@ __global__ void __launch_bounds__(kFoldThreads) fold_kernel(FoldArgs a) {
     const uint8_t* bl = a.blocks + (e * a.rows + r) * int64_t(a.nsub) * 16;
     const uint8_t* sc = a.scales + (e * a.rows + r) * int64_t(a.nsub);
     const GroupIn G = load_group(bl, sc, g, a.nsub);
-    const int smax = G.smax < 0 ? 133 : G.smax;
     a.out_scales[int64_t(slot) * total + int64_t(g) * a.rows + r] =
-        G.nan ? __int_as_float(0x7fc00000) : ldexpf(1.f, smax - 133);
-    uint4* o = stage + threadIdx.x * 8;
-    const int sw = threadIdx.x & 7;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int d = min(max(smax - G.s[j], 0), 31);
-      uint32_t lo, hi;
-      fold_lut(d, lo, hi);
-      const uint2 p0 = fold_word(G.w[j].x, lo, hi), p1 = fold_word(G.w[j].y, lo, hi);
-      const uint2 p2 = fold_word(G.w[j].z, lo, hi), p3 = fold_word(G.w[j].w, lo, hi);
-      o[(j * 2) ^ sw] = make_uint4(p0.x, p0.y, p1.x, p1.y);
-      o[(j * 2 + 1) ^ sw] = make_uint4(p2.x, p2.y, p3.x, p3.y);
-    }
+        fold_group(G, stage + threadIdx.x * 8, threadIdx.x & 7);
   }
   __syncthreads();
   const int64_t n16 = (total - idx0 < kFoldThreads ? total - idx0 : int64_t(kFoldThreads)) * 8;
@@ -126,10 +62,11 @@ __global__ void __launch_bounds__(256) fold_check_kernel(const uint8_t* blocks, 
     const int64_t r = idx % rows;
     const int g = int(idx / rows);
     const GroupIn G = load_group(blocks + r * nsub * 16, scales + r * nsub, g, nsub);
+    const int smax = group_smax(G);
     groups = 1;
-    if (G.smax < 0) zero = 1;
+    if (smax < 0) zero = 1;
     for (int j = 0; j < 4; ++j)
-      if (G.nz[j]) spread = max(spread, G.smax - G.s[j]);
+      if (sub_nonzero(G.w[j])) spread = max(spread, smax - G.s[j]);
     lossy = spread > 14;
     for (int j = 0; j < 4; ++j) nan += (g * 4 + j < nsub) && G.s[j] == 255;
   }

@@ -38,11 +38,12 @@ const char* kUsage =
     "usage: dz bench moe [--tokens 1,8,64,512,1024,2048,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
     "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
     "                    [--fused-kernel 0|1|2] [--tokens-per-pass NB] [--no-components]\n"
-    "                    [--fp8-gemm auto|cublaslt|grouped|LIST] [--grouped-blocks N]\n"
+    "                    [--fp8-gemm auto|cublaslt|grouped|grouped_ws|LIST] [--grouped-blocks N]\n"
     "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
     "MXFP4 MoE layer on the GPU: fused W4A16 vs FP8 (fold + FP8 GEMMs) paths, JSON results.\n"
-    "--fp8-gemm: the FP8 path's GEMMs, per-expert cuBLASLt, our grouped kernel or auto (the\n"
-    "library's default: grouped up to 256 tokens per expert); of a comma list the first\n"
+    "--fp8-gemm: the FP8 path's GEMMs, per-expert cuBLASLt, our grouped kernel (folding the\n"
+    "MXFP4 experts itself; grouped_ws: on experts folded into the FP8 workspace first) or auto\n"
+    "(the library's default: grouped up to 256 tokens per expert); of a comma list the first\n"
     "is fp8_ms, every one listed is timed (fp8_gemm_ms) and compared with the first.\n"
     "--grouped-blocks: persistent blocks of the grouped GEMM (default 0: one per SM).\n";
 
@@ -153,16 +154,21 @@ int bench_moe(const Args& a) {
     std::string item;
     while (std::getline(ss, item, ',')) {
       if (item.empty()) continue;
-      if (item != "auto" && item != "cublaslt" && item != "grouped") {
-        std::fprintf(stderr, "dz bench moe: --fp8-gemm takes auto, cublaslt and/or grouped, not '%s'\n", item.c_str());
+      if (item != "auto" && item != "cublaslt" && item != "grouped" && item != "grouped_ws") {
+        std::fprintf(stderr, "dz bench moe: --fp8-gemm takes auto, cublaslt, grouped and/or grouped_ws, not '%s'\n",
+                     item.c_str());
         return 2;
       }
       fp8_gemms.push_back(item);
     }
     if (fp8_gemms.empty()) fp8_gemms.push_back("cublaslt");
   }
-  auto gemm_mode = [](const std::string& g) { return g == "grouped" ? 2 : g == "cublaslt" ? 1 : 0; };
-  opt.fp8_gemm = gemm_mode(fp8_gemms[0]);
+  // grouped_ws: the grouped GEMMs on experts folded into the FP8 workspace first.
+  auto set_gemm = [](MoeOptions& o, const std::string& g) {
+    o.fp8_gemm = g == "grouped" || g == "grouped_ws" ? 2 : g == "cublaslt" ? 1 : 0;
+    o.fp8_fold_in_gemm = g != "grouped_ws";
+  };
+  set_gemm(opt, fp8_gemms[0]);
   opt.fp8_grouped_blocks = int_flag("--grouped-blocks", opt.fp8_grouped_blocks);
   const double bw_ceiling = std::stod(flag_value(a, "--bw-ceiling", "4.27e12"));
   const double fp8_ceiling = std::stod(flag_value(a, "--fp8-ceiling", "1490e12"));
@@ -452,7 +458,7 @@ int bench_moe(const Args& a) {
         ctx.sync();  // the layer runs on a non-blocking stream: cudaMemcpy alone would not wait for it
         DZ_CUDA_CHECK(cudaMemcpy(h0.data(), out_8.get(), h0.size() * 4, cudaMemcpyDeviceToHost));
         for (size_t v = 1; v < fp8_gemms.size(); ++v) {
-          layer.options().fp8_gemm = gemm_mode(fp8_gemms[v]);
+          set_gemm(layer.options(), fp8_gemms[v]);
           gemm_ms[fp8_gemms[v]] = timer.median_ms(r, kSets, [&](int i) {
             layer.forward(W, x.get(), ids[size_t(i % kSets)].get(), gws[size_t(i % kSets)].get(), T, out_v.get(),
                           MoePath::kFp8);
