@@ -41,7 +41,7 @@ static_assert(kBM == 64 * kConsumers, "each consumer warpgroup owns 64 rows (wgm
 static_assert(128 * 40 + 128 * kConsumers * 232 <= kThreads * 168, "setmaxnreg budget (see the kernel)");
 // MXFP4 weights (kW4): the producer warpgroup folds them itself and needs
 // registers for it; the consumers keep what their accumulators need.
-constexpr int kW4ProducerRegs = 104, kW4ConsumerRegs = 200;
+constexpr int kW4ProducerRegs = 120, kW4ConsumerRegs = 192;
 static_assert(128 * kW4ProducerRegs + 128 * kConsumers * kW4ConsumerRegs <= kThreads * 168, "setmaxnreg budget");
 [[maybe_unused]] constexpr int kW4FullArrivals = 128;  // every producer thread, after its row of the W tile
 
@@ -173,7 +173,7 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, ui
 // W tile, W scales); warpgroups 1 and 2 each multiply 64 rows of the tile.
 // kW4: the weights are MXFP4; the producer's 128 threads fold one W tile row
 // each into the stage (the folding kernel's bytes, written in the copy
-// engine's 128B swizzle) and its block scale, the next group's loads in
+// engine's 128B swizzle) and its block scale, the next two groups' loads in
 // flight meanwhile; X still comes by bulk tensor copy.
 template <bool kDebug, bool kW4>
 __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_constant__ Params p) {
@@ -220,9 +220,11 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_c
       const uint8_t* bl = p.w4_blocks + er * p.nsub * 16;
       const uint8_t* sc = p.w4_scales + er * p.nsub;
       const GroupIn zero{};
+      // Two groups ahead in flight: a stage's loads have two stages' time to land.
       GroupIn cur = rok ? load_group(bl, sc, 0, p.nsub) : zero;
+      GroupIn nx1 = rok && p.nkb > 1 ? load_group(bl, sc, 1, p.nsub) : zero;
       for (int kb = 0; kb < p.nkb; ++kb) {
-        const GroupIn next = rok && kb + 1 < p.nkb ? load_group(bl, sc, kb + 1, p.nsub) : zero;
+        const GroupIn nx2 = rok && kb + 2 < p.nkb ? load_group(bl, sc, kb + 2, p.nsub) : zero;
         mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);
         if (tid == 0) {
           ptx::mbar_expect_tx(full(stage), kABytes);
@@ -231,7 +233,8 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_c
         sSp[stage * kBN + tid] = fold_group(cur, reinterpret_cast<uint4*>(sBp + stage * kBBytes + tid * kBK), tid & 7);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
         mbar_arrive(full(stage));
-        cur = next;
+        cur = nx1;
+        nx1 = nx2;
         if (++stage == kStages) stage = 0, phase ^= 1u;
       }
     }

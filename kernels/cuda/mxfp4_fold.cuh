@@ -13,6 +13,11 @@ namespace dz::cuda {
 // Magnitude bytes of E2M1 codes 0..7 times 2^(6-d) as E4M3 (hardware RNE
 // conversion; the CPU reference builds its table in double precision).
 __device__ __forceinline__ void fold_lut(int d, uint32_t& lo, uint32_t& hi) {
+  if (d <= 11) {  // every nonzero entry stays an E4M3 normal: subtract d from its exponent (exact, as the conversion)
+    lo = 0x6C686000u - uint32_t(d * 8) * 0x01010100u;
+    hi = 0x7C787470u - uint32_t(d * 8) * 0x01010101u;
+    return;
+  }
   const float f = ldexpf(1.f, 6 - d);
   auto cv = [](float a, float b) -> uint32_t {
     return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
