@@ -171,10 +171,10 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, ui
 // Persistent: block b takes tiles b, b + grid, ... Warpgroup 0 is the
 // producer (one thread issues the bulk tensor copies of each stage: X tile,
 // W tile, W scales); warpgroups 1 and 2 each multiply 64 rows of the tile.
-// kW4: the weights are MXFP4; the producer's 128 threads fold the W tile into
-// the stage (the folding kernel's bytes, written in the copy engine's 128B
-// swizzle) and its block scales, a quad per row and pass, the next two
-// stages' loads in flight meanwhile; X still comes by bulk tensor copy.
+// kW4: the weights are MXFP4; the producer's 128 threads fold one W tile row
+// each into the stage (the folding kernel's bytes, written in the copy
+// engine's 128B swizzle) and its block scale, the next two groups' loads in
+// flight meanwhile; X still comes by bulk tensor copy.
 template <bool kDebug, bool kW4>
 __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_constant__ Params p) {
 #ifdef DZ_GG_SM90A
@@ -205,61 +205,32 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_c
   const int wg = int(threadIdx.x) / 128;
   if (kW4 && wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kW4ProducerRegs) : "memory");
-    // Lane j of each quad folds sub-block j of one W tile row: a warp reads 8
-    // rows x 64 contiguous bytes per pass (coalesced), 4 passes a stage.
-    const int tid = int(threadIdx.x), j = tid & 3, rw = (tid >> 5) * 8 + ((tid & 31) >> 2);
+    const int tid = int(threadIdx.x);  // the W tile row this thread folds
     if (tid == 0) prefetch_map(&p.xmap);
     uint8_t* const sBp = smem_raw + (base - raw) + kOffB;
     float* const sSp = reinterpret_cast<float*>(smem_raw + (base - raw) + kOffS);
-    constexpr int kPasses = kBN / 32;
-    struct Sub {  // this lane's sub-block of one stage, per pass
-      uint4 w[kPasses];
-      int s[kPasses];
-    };
     int stage = 0;
     uint32_t phase = 0;
     for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
       int g, mt, nt;
       find_tile(p, t, g, mt, nt);
-      const int row = p.off[g] + mt * kBM;
-      const uint8_t* bl[kPasses];
-      const uint8_t* sc[kPasses];
-      bool rok[kPasses];
-#pragma unroll
-      for (int q = 0; q < kPasses; ++q) {
-        const int wr = nt * kBN + q * 32 + rw;
-        rok[q] = wr < p.n;
-        const int64_t er = int64_t(p.expert[g]) * p.n + (rok[q] ? wr : 0);
-        bl[q] = p.w4_blocks + er * p.nsub * 16;
-        sc[q] = p.w4_scales + er * p.nsub;
-      }
-      auto load = [&](int kb) {
-        Sub u;
-        const int sb = kb * 4 + j;
-#pragma unroll
-        for (int q = 0; q < kPasses; ++q) {
-          const bool ok = rok[q] && kb < p.nkb && sb < p.nsub;
-          u.w[q] = ok ? __ldg(reinterpret_cast<const uint4*>(bl[q] + sb * 16)) : make_uint4(0, 0, 0, 0);
-          u.s[q] = ok ? int(sc[q][sb]) : 0;
-        }
-        return u;
-      };
-      // Two stages ahead in flight: a stage's loads have two stages' time to land.
-      Sub cur = load(0), nx1 = load(1);
+      const int row = p.off[g] + mt * kBM, wr = nt * kBN + tid;
+      const bool rok = wr < p.n;
+      const int64_t er = int64_t(p.expert[g]) * p.n + (rok ? wr : 0);
+      const uint8_t* bl = p.w4_blocks + er * p.nsub * 16;
+      const uint8_t* sc = p.w4_scales + er * p.nsub;
+      const GroupIn zero{};
+      // Two groups ahead in flight: a stage's loads have two stages' time to land.
+      GroupIn cur = rok ? load_group(bl, sc, 0, p.nsub) : zero;
+      GroupIn nx1 = rok && p.nkb > 1 ? load_group(bl, sc, 1, p.nsub) : zero;
       for (int kb = 0; kb < p.nkb; ++kb) {
-        const Sub nx2 = load(kb + 2);
+        const GroupIn nx2 = rok && kb + 2 < p.nkb ? load_group(bl, sc, kb + 2, p.nsub) : zero;
         mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);
         if (tid == 0) {
           ptx::mbar_expect_tx(full(stage), kABytes);
           tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), kb * kBK, row);
         }
-#pragma unroll
-        for (int q = 0; q < kPasses; ++q) {
-          const int r = q * 32 + rw;
-          const float scale =
-              fold_sub_quad(cur.w[q], cur.s[q], j, reinterpret_cast<uint4*>(sBp + stage * kBBytes + r * kBK), r & 7);
-          if (j == 0) sSp[stage * kBN + r] = scale;
-        }
+        sSp[stage * kBN + tid] = fold_group(cur, reinterpret_cast<uint4*>(sBp + stage * kBBytes + tid * kBK), tid & 7);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
         mbar_arrive(full(stage));
         cur = nx1;

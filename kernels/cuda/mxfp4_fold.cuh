@@ -92,25 +92,4 @@ __device__ __forceinline__ float fold_group(const GroupIn& G, uint4* dst, int sw
   return nan ? __int_as_float(0x7fc00000) : ldexpf(1.f, smax - 133);
 }
 
-// fold_group spread over the 4 lanes of a quad, lane j holding sub-block j
-// (w, scale s) of the group: writes that sub-block's pieces 2j and 2j + 1 at
-// dst[c ^ sw] and returns the group's block scale (every lane). The same bytes
-// and scale as fold_group.
-__device__ __forceinline__ float fold_sub_quad(const uint4 w, const int s, const int j, uint4* dst, const int sw) {
-  int m = sub_nonzero(w) ? s : -1;
-  m = max(m, __shfl_xor_sync(~0u, m, 1));
-  m = max(m, __shfl_xor_sync(~0u, m, 2));
-  int nan = s == 255;
-  nan |= __shfl_xor_sync(~0u, nan, 1);
-  nan |= __shfl_xor_sync(~0u, nan, 2);
-  const int smax = m < 0 ? 133 : m;
-  uint32_t lo, hi;
-  fold_lut(min(max(smax - s, 0), 31), lo, hi);
-  const uint2 p0 = fold_word(w.x, lo, hi), p1 = fold_word(w.y, lo, hi);
-  const uint2 p2 = fold_word(w.z, lo, hi), p3 = fold_word(w.w, lo, hi);
-  dst[(j * 2) ^ sw] = make_uint4(p0.x, p0.y, p1.x, p1.y);
-  dst[(j * 2 + 1) ^ sw] = make_uint4(p2.x, p2.y, p3.x, p3.y);
-  return nan ? __int_as_float(0x7fc00000) : ldexpf(1.f, smax - 133);
-}
-
 }  // namespace dz::cuda
