@@ -29,14 +29,19 @@ constexpr int kABytes = kBM * kBK, kBBytes = kBN * kBK, kSBytes = kBN * 4;
 [[maybe_unused]] constexpr int kTxBytes =
     kABytes + kBBytes + kSBytes;  // full boxes: the copy engine counts zero-filled bytes too
 constexpr int kOffB = kStages * kABytes, kOffS = kOffB + kStages * kBBytes, kOffBar = kOffS + kStages * kSBytes;
-constexpr int kSmemBytes = kOffBar + 2 * kStages * 8 + 1024;     // +1024: the base is aligned up at run time
+constexpr int kSmemBytes = kOffBar + 2 * kStages * 8 + 1024;  // +1024: the base is aligned up at run time
+// kW4: a ring of kW4Slots MXFP4 W tiles (64 bytes a row) that the producer
+// threads copy asynchronously two stages ahead of folding them.
+constexpr int kW4Slots = 3, kW4SlotBytes = kBN * 64;
+constexpr int kOffW4 = (kOffBar + 2 * kStages * 8 + 127) / 128 * 128;
+constexpr int kSmemBytesW4 = kOffW4 + kW4Slots * kW4SlotBytes + 1024;
 constexpr int kMaxGroups = 128;                                  // per launch; more groups are split over launches
 [[maybe_unused]] constexpr int kEmptyArrivals = kConsumers * 4;  // one per consumer warp
 
 static_assert(kBK == 128, "one 1x128 scale block per stage, one 128-byte swizzle row per tile row");
 static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "stages keep the 1024-byte period of the 128B swizzle");
 static_assert(kOffS % 128 == 0 && kSBytes % 16 == 0, "bulk copy destinations");
-static_assert(kSmemBytes <= 227 * 1024, "shared memory of one sm_90 block");
+static_assert(kSmemBytes <= 227 * 1024 && kSmemBytesW4 <= 227 * 1024, "shared memory of one sm_90 block");
 static_assert(kBM == 64 * kConsumers, "each consumer warpgroup owns 64 rows (wgmma m64)");
 static_assert(128 * 40 + 128 * kConsumers * 232 <= kThreads * 168, "setmaxnreg budget (see the kernel)");
 // MXFP4 weights (kW4): the producer warpgroup folds them itself and needs
@@ -173,8 +178,8 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, ui
 // W tile, W scales); warpgroups 1 and 2 each multiply 64 rows of the tile.
 // kW4: the weights are MXFP4; the producer's 128 threads fold one W tile row
 // each into the stage (the folding kernel's bytes, written in the copy
-// engine's 128B swizzle) and its block scale, the next two groups' loads in
-// flight meanwhile; X still comes by bulk tensor copy.
+// engine's 128B swizzle) and its block scale, the next two stages' rows
+// arriving meanwhile by asynchronous copy; X still comes by bulk tensor copy.
 template <bool kDebug, bool kW4>
 __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_constant__ Params p) {
 #ifdef DZ_GG_SM90A
@@ -209,7 +214,10 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_c
     if (tid == 0) prefetch_map(&p.xmap);
     uint8_t* const sBp = smem_raw + (base - raw) + kOffB;
     float* const sSp = reinterpret_cast<float*>(smem_raw + (base - raw) + kOffS);
-    int stage = 0;
+    const uint8_t* const ring = smem_raw + (base - raw) + kOffW4;
+    // This row's piece j in ring slot q (pieces XOR-swizzled by row pair: conflict-free 16-byte accesses).
+    auto piece = [&](int q, int j) { return q * kW4SlotBytes + tid * 64 + ((j ^ ((tid >> 1) & 3)) << 4); };
+    int stage = 0, issued = 0;  // issued: W tiles copied so far (ring slot = count % kW4Slots)
     uint32_t phase = 0;
     for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
       int g, mt, nt;
@@ -219,22 +227,53 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_c
       const int64_t er = int64_t(p.expert[g]) * p.n + (rok ? wr : 0);
       const uint8_t* bl = p.w4_blocks + er * p.nsub * 16;
       const uint8_t* sc = p.w4_scales + er * p.nsub;
-      const GroupIn zero{};
-      // Two groups ahead in flight: a stage's loads have two stages' time to land.
-      GroupIn cur = rok ? load_group(bl, sc, 0, p.nsub) : zero;
-      GroupIn nx1 = rok && p.nkb > 1 ? load_group(bl, sc, 1, p.nsub) : zero;
+      const int first = issued;
+      // Asynchronous copies (one group per stage, empty past the end): unlike
+      // loads into registers, the release of each stage's arrival below does
+      // not wait for them. Scale bytes are plain loads issued after that
+      // arrival, a stage ahead.
+      auto copy = [&](int kb) {
+        if (kb < p.nkb) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int sb = kb * 4 + j;
+            const bool ok = rok && sb < p.nsub;
+            ptx::cp_async16_zfill(smem_u32(ring + piece(issued % kW4Slots, j)), ok ? bl + sb * 16 : bl, ok ? 16u : 0u);
+          }
+          ++issued;
+        }
+        ptx::cp_async_commit();
+      };
+      auto scales = [&](int kb) {
+        uint32_t v = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (rok && kb < p.nkb && kb * 4 + j < p.nsub) v |= uint32_t(sc[kb * 4 + j]) << (8 * j);
+        return v;
+      };
+      copy(0);
+      copy(1);
+      uint32_t sc_cur = scales(0), sc_next = scales(1);
       for (int kb = 0; kb < p.nkb; ++kb) {
-        const GroupIn nx2 = rok && kb + 2 < p.nkb ? load_group(bl, sc, kb + 2, p.nsub) : zero;
+        copy(kb + 2);
+        ptx::cp_async_wait<2>();  // this thread's copies of stage kb have landed
+        GroupIn G;
+        const int q = (first + kb) % kW4Slots;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          G.w[j] = *reinterpret_cast<const uint4*>(ring + piece(q, j));
+          G.s[j] = int((sc_cur >> (8 * j)) & 0xFFu);
+        }
         mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);
         if (tid == 0) {
           ptx::mbar_expect_tx(full(stage), kABytes);
           tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), kb * kBK, row);
         }
-        sSp[stage * kBN + tid] = fold_group(cur, reinterpret_cast<uint4*>(sBp + stage * kBBytes + tid * kBK), tid & 7);
+        sSp[stage * kBN + tid] = fold_group(G, reinterpret_cast<uint4*>(sBp + stage * kBBytes + tid * kBK), tid & 7);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
         mbar_arrive(full(stage));
-        cur = nx1;
-        nx1 = nx2;
+        sc_cur = sc_next;
+        sc_next = scales(kb + 2);
         if (++stage == kStages) stage = 0, phase ^= 1u;
       }
     }
@@ -406,9 +445,10 @@ Fp8GroupedGemm::Fp8GroupedGemm() {
   int dev = 0;
   DZ_CUDA_CHECK(cudaGetDevice(&dev));
   DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm_, cudaDevAttrMultiProcessorCount, dev));
-  for (auto k : {fp8_grouped_kernel<false, false>, fp8_grouped_kernel<true, false>, fp8_grouped_kernel<false, true>,
-                 fp8_grouped_kernel<true, true>})
+  for (auto k : {fp8_grouped_kernel<false, false>, fp8_grouped_kernel<true, false>})
     DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  for (auto k : {fp8_grouped_kernel<false, true>, fp8_grouped_kernel<true, true>})
+    DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytesW4));
 }
 
 void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
@@ -492,7 +532,7 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     const dim3 grid(unsigned(std::min(tiles, blocks))), block(kThreads);
     const auto kernel = w4 ? (debug_ ? fp8_grouped_kernel<true, true> : fp8_grouped_kernel<false, true>)
                            : (debug_ ? fp8_grouped_kernel<true, false> : fp8_grouped_kernel<false, false>);
-    kernel<<<grid, block, kSmemBytes, s>>>(p);
+    kernel<<<grid, block, w4 ? kSmemBytesW4 : kSmemBytes, s>>>(p);
     DZ_CUDA_LAUNCH_CHECK();
     if (debug_) {
       cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
