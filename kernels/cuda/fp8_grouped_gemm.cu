@@ -30,11 +30,16 @@ constexpr int kABytes = kBM * kBK, kBBytes = kBN * kBK, kSBytes = kBN * 4;
     kABytes + kBBytes + kSBytes;  // full boxes: the copy engine counts zero-filled bytes too
 constexpr int kOffB = kStages * kABytes, kOffS = kOffB + kStages * kBBytes, kOffBar = kOffS + kStages * kSBytes;
 constexpr int kSmemBytes = kOffBar + 2 * kStages * 8 + 1024;  // +1024: the base is aligned up at run time
-// kW4: a ring of kW4Slots MXFP4 W tiles (64 bytes a row) that the producer
-// threads copy asynchronously two stages ahead of folding them.
-constexpr int kW4Slots = 3, kW4SlotBytes = kBN * 64;
+// Two producer warpgroups take turns by stage (one warp per scheduler cannot
+// fold a stage in the time the tensor cores take for it).
+constexpr int kW4Producers = 2, kThreadsW4 = 128 * (kW4Producers + kConsumers);
+constexpr int kW4ProducerRegs = 72, kW4ConsumerRegs = 184;
+static_assert(128 * kW4Producers * kW4ProducerRegs + 128 * kConsumers * kW4ConsumerRegs <= 65536, "setmaxnreg budget");
+// kW4: per producer warpgroup one MXFP4 W tile (64 bytes a row) that its
+// threads copy asynchronously while the other warpgroup folds.
+constexpr int kW4Slots = 1, kW4SlotBytes = kBN * 64;
 constexpr int kOffW4 = (kOffBar + 2 * kStages * 8 + 127) / 128 * 128;
-constexpr int kSmemBytesW4 = kOffW4 + kW4Slots * kW4SlotBytes + 1024;
+constexpr int kSmemBytesW4 = kOffW4 + kW4Producers * kW4Slots * kW4SlotBytes + 1024;
 constexpr int kMaxGroups = 128;                                  // per launch; more groups are split over launches
 [[maybe_unused]] constexpr int kEmptyArrivals = kConsumers * 4;  // one per consumer warp
 
@@ -46,8 +51,7 @@ static_assert(kBM == 64 * kConsumers, "each consumer warpgroup owns 64 rows (wgm
 static_assert(128 * 40 + 128 * kConsumers * 232 <= kThreads * 168, "setmaxnreg budget (see the kernel)");
 // MXFP4 weights (kW4): the producer warpgroup folds them itself and needs
 // registers for it; the consumers keep what their accumulators need.
-constexpr int kW4ProducerRegs = 120, kW4ConsumerRegs = 192;
-static_assert(128 * kW4ProducerRegs + 128 * kConsumers * kW4ConsumerRegs <= kThreads * 168, "setmaxnreg budget");
+
 [[maybe_unused]] constexpr int kW4FullArrivals = 128;  // every producer thread, after its row of the W tile
 
 struct Params {
@@ -176,12 +180,13 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, ui
 // Persistent: block b takes tiles b, b + grid, ... Warpgroup 0 is the
 // producer (one thread issues the bulk tensor copies of each stage: X tile,
 // W tile, W scales); warpgroups 1 and 2 each multiply 64 rows of the tile.
-// kW4: the weights are MXFP4; the producer's 128 threads fold one W tile row
-// each into the stage (the folding kernel's bytes, written in the copy
-// engine's 128B swizzle) and its block scale, the next two stages' rows
-// arriving meanwhile by asynchronous copy; X still comes by bulk tensor copy.
+// kW4: the weights are MXFP4; two producer warpgroups take turns by stage,
+// each thread folding one W tile row into the stage (the folding kernel's
+// bytes, written in the copy engine's 128B swizzle) and its block scale, its
+// next stage's row arriving meanwhile by asynchronous copy; X still comes by
+// bulk tensor copy. Consumers are warpgroups 2 and 3 then.
 template <bool kDebug, bool kW4>
-__global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_kernel(const __grid_constant__ Params p) {
 #ifdef DZ_GG_SM90A
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
@@ -208,18 +213,19 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_c
   // is the same total (128 x 40 + 256 x 232 = 384 x 168), so the increase
   // never waits on registers that are not there.
   const int wg = int(threadIdx.x) / 128;
-  if (kW4 && wg == 0) {
+  constexpr int kProducerWgs = kW4 ? kW4Producers : 1;
+  if (kW4 && wg < kProducerWgs) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kW4ProducerRegs) : "memory");
-    const int tid = int(threadIdx.x);  // the W tile row this thread folds
-    if (tid == 0) prefetch_map(&p.xmap);
+    const int tid = int(threadIdx.x) & 127, pw = wg;  // the W tile row this thread folds; its warpgroup
+    if (tid == 0 && pw == 0) prefetch_map(&p.xmap);
     uint8_t* const sBp = smem_raw + (base - raw) + kOffB;
     float* const sSp = reinterpret_cast<float*>(smem_raw + (base - raw) + kOffS);
-    const uint8_t* const ring = smem_raw + (base - raw) + kOffW4;
+    const uint8_t* const ring = smem_raw + (base - raw) + kOffW4 + pw * kW4Slots * kW4SlotBytes;
     // This row's piece j in ring slot q (pieces XOR-swizzled by row pair: conflict-free 16-byte accesses).
     auto piece = [&](int q, int j) { return q * kW4SlotBytes + tid * 64 + ((j ^ ((tid >> 1) & 3)) << 4); };
-    int stage = 0, issued = 0;  // issued: W tiles copied so far (ring slot = count % kW4Slots)
-    uint32_t phase = 0;
-    for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
+    int issued = 0;    // W tiles this warpgroup copied so far (ring slot = count % kW4Slots)
+    int64_t done = 0;  // stages of all tiles before this one (both warpgroups count all of them)
+    for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x), done += p.nkb) {
       int g, mt, nt;
       find_tile(p, t, g, mt, nt);
       const int row = p.off[g] + mt * kBM, wr = nt * kBN + tid;
@@ -228,17 +234,19 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_c
       const uint8_t* bl = p.w4_blocks + er * p.nsub * 16;
       const uint8_t* sc = p.w4_scales + er * p.nsub;
       const int first = issued;
-      // Asynchronous copies (one group per stage, empty past the end): unlike
-      // loads into registers, the release of each stage's arrival below does
-      // not wait for them. Scale bytes are plain loads issued after that
-      // arrival, a stage ahead.
-      auto copy = [&](int kb) {
+      // Stage s (counted over all tiles) belongs to warpgroup s % 2.
+      const int kb0 = int((pw - done % kW4Producers + kW4Producers) % kW4Producers);
+      // Asynchronous copies (one group per own stage, empty past the end):
+      // unlike loads into registers, the release of each stage's arrival
+      // below does not wait for them. Scale bytes are plain loads issued after
+      // that arrival, an own stage ahead.
+      auto copy = [&](int kb, const uint8_t* rbase) {
         if (kb < p.nkb) {
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             const int sb = kb * 4 + j;
             const bool ok = rok && sb < p.nsub;
-            ptx::cp_async16_zfill(smem_u32(ring + piece(issued % kW4Slots, j)), ok ? bl + sb * 16 : bl, ok ? 16u : 0u);
+            ptx::cp_async16_zfill(smem_u32(rbase + piece(issued % kW4Slots, j)), ok ? bl + sb * 16 : bl, ok ? 16u : 0u);
           }
           ++issued;
         }
@@ -251,19 +259,25 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_c
           if (rok && kb < p.nkb && kb * 4 + j < p.nsub) v |= uint32_t(sc[kb * 4 + j]) << (8 * j);
         return v;
       };
-      copy(0);
-      copy(1);
-      uint32_t sc_cur = scales(0), sc_next = scales(1);
-      for (int kb = 0; kb < p.nkb; ++kb) {
-        copy(kb + 2);
-        ptx::cp_async_wait<2>();  // this thread's copies of stage kb have landed
+      copy(kb0, ring);
+      uint32_t sc_cur = scales(kb0);
+      for (int kb = kb0, own = 0; kb < p.nkb; kb += kW4Producers, ++own) {
+        ptx::cp_async_wait<0>();  // this thread's copies of stage kb have landed
         GroupIn G;
-        const int q = (first + kb) % kW4Slots;
+        const int q = (first + own) % kW4Slots;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           G.w[j] = *reinterpret_cast<const uint4*>(ring + piece(q, j));
           G.s[j] = int((sc_cur >> (8 * j)) & 0xFFu);
         }
+        // The next copies overwrite the slot: their addresses take a data
+        // dependency on what was just read, so they issue after the reads land.
+        const uint8_t* slot_base = ring;
+        asm volatile("" : "+l"(slot_base) : "r"(G.w[0].x ^ G.w[1].y ^ G.w[2].z ^ G.w[3].w));
+        copy(kb + kW4Producers, slot_base);
+        const int64_t gs = done + kb;
+        const int stage = int(gs % kStages);
+        const uint32_t phase = uint32_t(gs / kStages) & 1u;
         mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);
         if (tid == 0) {
           ptx::mbar_expect_tx(full(stage), kABytes);
@@ -272,9 +286,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_c
         sSp[stage * kBN + tid] = fold_group(G, reinterpret_cast<uint4*>(sBp + stage * kBBytes + tid * kBK), tid & 7);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
         mbar_arrive(full(stage));
-        sc_cur = sc_next;
-        sc_next = scales(kb + 2);
-        if (++stage == kStages) stage = 0, phase ^= 1u;
+        sc_cur = scales(kb + kW4Producers);
       }
     }
   } else if (wg == 0) {
@@ -304,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_c
       asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kW4ConsumerRegs) : "memory");
     else
       asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-    const int ct = int(threadIdx.x) - 128;
+    const int ct = int(threadIdx.x) - 128 * kProducerWgs;
     const int cw = ct >> 7, warp = (ct >> 5) & 3, lane = ct & 31;
     float acc[64], part[64];
 #pragma unroll
@@ -529,7 +541,7 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     p.tiles_total = tiles;
     if (tiles == 0) continue;
     const int blocks = a.max_blocks > 0 ? std::min(a.max_blocks, n_sm_) : n_sm_;
-    const dim3 grid(unsigned(std::min(tiles, blocks))), block(kThreads);
+    const dim3 grid(unsigned(std::min(tiles, blocks))), block(w4 ? kThreadsW4 : kThreads);
     const auto kernel = w4 ? (debug_ ? fp8_grouped_kernel<true, true> : fp8_grouped_kernel<false, true>)
                            : (debug_ ? fp8_grouped_kernel<true, false> : fp8_grouped_kernel<false, false>);
     kernel<<<grid, block, w4 ? kSmemBytesW4 : kSmemBytes, s>>>(p);
