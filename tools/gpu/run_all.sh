@@ -86,7 +86,7 @@ step "dz bench moe, FP8 path with cuBLASLt GEMMs on one stream (for comparison)"
   >/dev/null || status=1
 
 step "dz bench moe, FP8 path: grouped GEMM kernel (folding in the kernel, or into the workspace first) vs per-expert cuBLASLt"
-"$DZ" bench moe --tokens 512,1024,2048,4096,16384 --fp8-gemm grouped,grouped_ws,cublaslt --reps 8 --out "$OUTDIR/bench_moe_grouped.json" \
+"$DZ" bench moe --tokens 512,1024,2048,4096,8192,16384 --fp8-gemm grouped,grouped_ws,cublaslt --reps 8 --out "$OUTDIR/bench_moe_grouped.json" \
   2>"$OUTDIR/bench_moe_grouped.log" >/dev/null || { echo "dz bench moe --fp8-gemm grouped FAILED"; status=1; }
 grep -E "^(grouped gemm|moe T=)" "$OUTDIR/bench_moe_grouped.log"
 
