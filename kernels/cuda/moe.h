@@ -40,9 +40,10 @@ enum class MoePath { kAuto = 0, kFused = 1, kFp8 = 2 };
 
 struct MoeOptions {
   // Fused path while tokens * topk / n_experts <= this. Measured on an H200
-  // at gpt-oss-120b shapes (bench/results/2026-12-01-h200-run8.md): the fused
-  // path wins at 32 tokens per expert (2.65 vs 2.68 ms), FP8 at 64 (2.82 vs 4.93 ms).
-  double fused_max_tokens_per_expert = 32.0;
+  // at gpt-oss-120b shapes (bench/results/2026-12-01-h200-run10.md), since the
+  // FP8 path folds inside its GEMMs: fused 1.15 vs 1.47 ms at 12 tokens per
+  // expert, FP8 1.50 vs 1.55 ms at 16 (and 1.56 vs 2.67 ms at 32).
+  double fused_max_tokens_per_expert = 12.0;
   int tile_experts = 16;  // experts per FP8 workspace tile (two tiles in flight; more than the layer has: all)
   int gemm_streams = 4;   // experts of a tile run concurrently on this many streams
   int fused_k_split = 0;  // fused kernels: K split over 1, 4 or 8 warps (0: 4 up to 8 token slots, else 1)
@@ -59,14 +60,16 @@ struct MoeOptions {
   // grouped launch per projection for all experts of a workspace tile
   // (fp8_grouped_gemm.h; sm_90a only, DZ_ERR_UNSUPPORTED elsewhere); 0 auto:
   // grouped up to fp8_grouped_max_tokens_per_expert where supported, else 1.
-  // Measured at gpt-oss-120b shapes on an H200 (bench/results/2026-12-01-h200-run6.md):
-  // grouped 9-11% faster at 128 tokens per expert, cuBLASLt 8% faster at 512.
-  // Auto by default since the whole GPU suite passed with it (run 8): 4096 tokens 3.45 vs 3.90 ms.
+  // Measured at gpt-oss-120b shapes on an H200 (bench/results/2026-12-01-h200-run10.md,
+  // grouped folding inside): grouped faster up to 256 tokens per expert (8192
+  // tokens 4.45 vs 5.13 ms), cuBLASLt at 512 (16384 tokens 7.36 vs 8.06 ms).
   int fp8_gemm = 0;
   double fp8_grouped_max_tokens_per_expert = 256.0;
   // Grouped FP8 GEMMs fold the MXFP4 experts inside the kernel (its producer
   // warps write the FP8 tiles to shared memory) instead of a folding pass into
-  // the FP8 workspace first; the same FP8 bytes and scales either way.
+  // the FP8 workspace first; the same FP8 bytes and scales either way. H200,
+  // gpt-oss-120b shapes (run 10): 1024 / 4096 / 8192 tokens 1.56 / 2.59 /
+  // 4.45 ms vs 2.70 / 3.51 / 4.85 ms folding first (cuBLASLt: 3.34 / 3.82 / 5.13).
   bool fp8_fold_in_gemm = true;
 };
 
