@@ -179,7 +179,7 @@ struct W4Args {
   const uint16_t* bias;    // bf16 [E][rows]
   const __half* act;       // gate_up: xh [T][kpad] (by token); down: act [rows_cap][kpad] (by sorted row)
   const float* act_scale;  // gate_up: per-token scale; down: unused
-  const int *sorted, *offsets, *counts, *n_active;
+  const int *sorted, *n_active;
   const int4* active;  // {expert, first row, tokens, 0} per active expert
   int topk, rows, nsub, kpad;
   int ntok;         // token slots staged per pass (1..kW4MaxTokens; > kW4Tokens: two token tiles)
@@ -904,6 +904,20 @@ __global__ void __launch_bounds__(kPThreads, 1) moe_persistent_kernel(const PArg
 }
 
 // ---------------------------------------------------------------- FP8 path
+// A warp's 128-value block of sorted row r (4 values a lane) -> E4M3 with
+// scale amax / 448: q [rows][nkb * 128], the expert's scales [kb][mp] from
+// qs + nkb * off (the layout the FP8 GEMMs take).
+__device__ __forceinline__ void quant_1x128_store(const float (&v)[4], int lane, int r, int kb, int nkb, int off,
+                                                  int mp, uint8_t* q, float* qs) {
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
+  const float sc = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / sc;
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] * inv, v[1] * inv), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] * inv, v[3] * inv), __NV_SATFINITE, __NV_E4M3);
+  reinterpret_cast<uint32_t*>(q + int64_t(r) * nkb * 128)[kb * 32 + lane] = lo | (hi << 16);
+  if (lane == 0) qs[int64_t(nkb) * off + int64_t(kb) * mp + (r - off)] = sc;
+}
+
 // One warp per (sorted row, 128-column block): gather the token's input row,
 // quantize 1x128; scales of expert e's segment packed as [kb][rows of e].
 __global__ void gather_quant_kernel(const float* x, int H, int nkb, int topk, const int* sorted, const int* row_expert,
@@ -924,13 +938,7 @@ __global__ void gather_quant_kernel(const float* x, int H, int nkb, int topk, co
       for (int i = 0; i < 4; ++i) v[i] = c + i < H ? row[c + i] : 0.f;
     }
   }
-  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
-  const float sc = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / sc;
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] * inv, v[1] * inv), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] * inv, v[3] * inv), __NV_SATFINITE, __NV_E4M3);
-  reinterpret_cast<uint32_t*>(q + int64_t(r) * nkb * 128)[kb * 32 + lane] = lo | (hi << 16);
-  if (lane == 0) qs[int64_t(nkb) * off + int64_t(kb) * mp + (r - off)] = sc;
+  quant_1x128_store(v, lane, r, kb, nkb, off, mp, q, qs);
 }
 
 // D1 [rows][2I] bf16 (interleaved gate/up) + bias -> SwiGLU -> fp8 1x128 [rows][kpad_i].
@@ -954,13 +962,7 @@ __global__ void swiglu_quant_kernel(const __nv_bfloat16* d1, int I, int nkb, con
       v[i] = swiglu(gate, up);
     }
   }
-  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
-  const float sc = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / sc;
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] * inv, v[1] * inv), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] * inv, v[3] * inv), __NV_SATFINITE, __NV_E4M3);
-  reinterpret_cast<uint32_t*>(q + int64_t(r) * nkb * 128)[kb * 32 + lane] = lo | (hi << 16);
-  if (lane == 0) qs[int64_t(nkb) * off + int64_t(kb) * mp + (r - off)] = sc;
+  quant_1x128_store(v, lane, r, kb, nkb, off, mp, q, qs);
 }
 
 // out[t] (+)= sum_k w[t][k] * (y[inv[t,k]] (+ bias[e_k])), fixed order: deterministic.
@@ -1154,7 +1156,7 @@ struct MoeLayer::Impl {
     }
     const unsigned max_active = unsigned(std::min<int64_t>(E, int64_t(T) * s.topk));
     W4Args a{};
-    a.sorted = sorted.get(), a.offsets = offsets.get(), a.counts = counts.get();
+    a.sorted = sorted.get();
     a.active = reinterpret_cast<const int4*>(active.get());
     a.n_active = n_active.get();
     a.topk = s.topk;
@@ -1282,6 +1284,29 @@ struct MoeLayer::Impl {
     launch_maybe_pdl(pdl, k, grid, block, smem, st, args...);
   }
 
+  // Experts e[0..n) (their sorted rows consecutive): GEMM1 over all of them,
+  // SwiGLU + 1x128 quantization of those rows, GEMM2, one grouped launch per
+  // projection on st. g1 / g2 carry only the weights of the two projections.
+  void grouped_gemms(const int* e, int n, const int* ho, int rows_total, Fp8GroupedArgs g1, Fp8GroupedArgs g2,
+                     const uint16_t* b1, cudaStream_t st) {
+    const int H = s.hidden, I = s.intermediate, nkb_i = int(kpi / 128);
+    std::vector<int> goff(static_cast<size_t>(n)), gcnt(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) goff[size_t(i)] = ho[e[i]], gcnt[size_t(i)] = ho[e[i] + 1] - ho[e[i]];
+    const int r0 = goff[0], nrows = goff[size_t(n - 1)] + gcnt[size_t(n - 1)] - r0;
+    for (Fp8GroupedArgs* g : {&g1, &g2}) {
+      g->rows_total = rows_total, g->offsets = goff.data(), g->counts = gcnt.data(), g->groups = n;
+      g->max_blocks = opt.fp8_grouped_blocks;
+    }
+    g1.x = a1.get(), g1.xs = a1s.get(), g1.d = d1.get(), g1.n = 2 * I, g1.k = int(kph);
+    ggemm.run(g1, st);
+    const int64_t threads = int64_t(nrows) * nkb_i * 32;
+    swiglu_quant_kernel<<<unsigned((threads + 255) / 256), 256, 0, st>>>(
+        d1.get(), I, nkb_i, b1, sorted.get(), row_expert.get(), offsets.get(), r0, nrows, a2.get(), a2s.get());
+    DZ_CUDA_LAUNCH_CHECK();
+    g2.x = a2.get(), g2.xs = a2s.get(), g2.d = d2.get(), g2.n = H, g2.k = int(kpi);
+    ggemm.run(g2, st);
+  }
+
   void fp8(const MoeWeights& w, const float* x, const int* ids, const float* gw, int T, float* out, int accumulate) {
     cudaStream_t st = ctx.stream(), aux = ctx.aux_stream();
     const int E = s.n_experts, H = s.hidden, I = s.intermediate;
@@ -1312,23 +1337,12 @@ struct MoeLayer::Impl {
                                                double(T) * s.topk / E <= opt.fp8_grouped_max_tokens_per_expert);
     if (grouped && opt.fp8_fold_in_gemm && !act_e.empty()) {
       // The grouped GEMMs fold the experts' MXFP4 weights themselves: no FP8
-      // workspace, no folding pass; one launch per projection for every active
-      // expert (their sorted rows are consecutive).
-      std::vector<int> goff, gcnt;
-      for (int e : act_e) goff.push_back(ho[e]), gcnt.push_back(ho[e + 1] - ho[e]);
-      const int n = int(act_e.size()), r0 = goff[0], nrows = goff.back() + gcnt.back() - r0;
-      Fp8GroupedArgs g;
-      g.rows_total = rows_total, g.offsets = goff.data(), g.counts = gcnt.data(), g.groups = n;
-      g.experts = act_e.data(), g.w4_experts = E;
-      g.x = a1.get(), g.xs = a1s.get(), g.w4 = W1, g.d = d1.get(), g.n = 2 * I, g.k = int(kph);
-      g.max_blocks = opt.fp8_grouped_blocks;
-      ggemm.run(g, st);
-      const int64_t threads = int64_t(nrows) * nkb_i * 32;
-      swiglu_quant_kernel<<<unsigned((threads + 255) / 256), 256, 0, st>>>(
-          d1.get(), I, nkb_i, w.b1, sorted.get(), row_expert.get(), offsets.get(), r0, nrows, a2.get(), a2s.get());
-      DZ_CUDA_LAUNCH_CHECK();
-      g.x = a2.get(), g.xs = a2s.get(), g.w4 = W2, g.d = d2.get(), g.n = H, g.k = int(kpi);
-      ggemm.run(g, st);
+      // workspace, no folding pass; one launch per projection for every active expert.
+      Fp8GroupedArgs g1, g2;
+      g1.w4 = W1, g2.w4 = W2;
+      g1.experts = g2.experts = act_e.data();
+      g1.w4_experts = g2.w4_experts = E;
+      grouped_gemms(act_e.data(), int(act_e.size()), ho, rows_total, g1, g2, w.b1, st);
       act_e.clear();  // nothing left for the workspace tiles below
     }
     for (size_t t0 = 0, ti = 0; t0 < act_e.size(); t0 += tile, ++ti) {
@@ -1344,27 +1358,10 @@ struct MoeLayer::Impl {
       DZ_CUDA_CHECK(cudaEventRecord(ev_ready[buf], aux));
       DZ_CUDA_CHECK(cudaStreamWaitEvent(st, ev_ready[buf], 0));
       if (grouped) {
-        // The tile's experts hold consecutive sorted rows: GEMM1 over all of
-        // them, SwiGLU + 1x128 quantization of those rows, GEMM2, all on st.
-        std::vector<int> goff(static_cast<size_t>(n)), gcnt(static_cast<size_t>(n));
-        for (int i = 0; i < n; ++i) {
-          const int e = act_e[t0 + size_t(i)];
-          goff[size_t(i)] = ho[e], gcnt[size_t(i)] = ho[e + 1] - ho[e];
-        }
-        const int r0 = goff[0], nrows = goff[size_t(n - 1)] + gcnt[size_t(n - 1)] - r0;
-        Fp8GroupedArgs g;
-        g.rows_total = rows_total, g.offsets = goff.data(), g.counts = gcnt.data(), g.groups = n;
-        g.x = a1.get(), g.xs = a1s.get(), g.w = f1, g.w_stride = int64_t(w1_fp8), g.ws = s1;
-        g.ws_stride = int64_t(w1_sc), g.d = d1.get(), g.n = 2 * I, g.k = int(kph);
-        g.max_blocks = opt.fp8_grouped_blocks;
-        ggemm.run(g, st);
-        const int64_t threads = int64_t(nrows) * nkb_i * 32;
-        swiglu_quant_kernel<<<unsigned((threads + 255) / 256), 256, 0, st>>>(
-            d1.get(), I, nkb_i, w.b1, sorted.get(), row_expert.get(), offsets.get(), r0, nrows, a2.get(), a2s.get());
-        DZ_CUDA_LAUNCH_CHECK();
-        g.x = a2.get(), g.xs = a2s.get(), g.w = f2, g.w_stride = int64_t(w2_fp8), g.ws = s2;
-        g.ws_stride = int64_t(w2_sc), g.d = d2.get(), g.n = H, g.k = int(kpi);
-        ggemm.run(g, st);
+        Fp8GroupedArgs g1, g2;
+        g1.w = f1, g1.w_stride = int64_t(w1_fp8), g1.ws = s1, g1.ws_stride = int64_t(w1_sc);
+        g2.w = f2, g2.w_stride = int64_t(w2_fp8), g2.ws = s2, g2.ws_stride = int64_t(w2_sc);
+        grouped_gemms(act_e.data() + t0, n, ho, rows_total, g1, g2, w.b1, st);
         DZ_CUDA_CHECK(cudaEventRecord(ev_free[buf], st));
         continue;
       }
