@@ -43,9 +43,9 @@ static_assert(128 * kW4Producers * kW4ProducerRegs + 128 * kConsumers * kW4Consu
               "setmaxnreg budget");
 // kW4: per producer warpgroup one MXFP4 W tile (64 bytes a row) that its
 // threads copy asynchronously while the other warpgroup folds.
-constexpr int kW4Slots = 1, kW4SlotBytes = kBN * 64;
+constexpr int kW4TileBytes = kBN * 64;
 constexpr int kOffW4 = (kOffBar + 2 * kStages * 8 + 127) / 128 * 128;
-constexpr int kSmemBytesW4 = kOffW4 + kW4Producers * kW4Slots * kW4SlotBytes + 1024;
+constexpr int kSmemBytesW4 = kOffW4 + kW4Producers * kW4TileBytes + 1024;
 constexpr int kMaxGroups = 128;                                  // per launch; more groups are split over launches
 [[maybe_unused]] constexpr int kEmptyArrivals = kConsumers * 4;  // one per consumer warp
 
@@ -55,9 +55,6 @@ static_assert(kOffS % 128 == 0 && kSBytes % 16 == 0, "bulk copy destinations");
 static_assert(kSmemBytes <= 227 * 1024 && kSmemBytesW4 <= 227 * 1024, "shared memory of one sm_90 block");
 static_assert(kBM == 64 * kConsumers, "each consumer warpgroup owns 64 rows (wgmma m64)");
 static_assert(128 * 40 + 128 * kConsumers * 232 <= kThreads * 168, "setmaxnreg budget (see the kernel)");
-// MXFP4 weights (kW4): the producer warpgroup folds them itself and needs
-// registers for it; the consumers keep what their accumulators need.
-
 [[maybe_unused]] constexpr int kW4FullArrivals = 128;  // every producer thread, after its row of the W tile
 
 struct Params {
@@ -217,7 +214,9 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
   // Registers: 384 threads enter with the launch-bounds cap of 168; the
   // producer gives back down to 40 and the consumers take up to 232, which
   // is the same total (128 x 40 + 256 x 232 = 384 x 168), so the increase
-  // never waits on registers that are not there.
+  // never waits on registers that are not there. kW4: 512 threads enter with
+  // 128; the two producer warpgroups go down to 72 and the consumers up to 184,
+  // the same total again (see kW4LaunchRegs).
   const int wg = int(threadIdx.x) / 128;
   constexpr int kProducerWgs = kW4 ? kW4Producers : 1;
   if (kW4 && wg < kProducerWgs) {
@@ -226,10 +225,9 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     if (tid == 0 && pw == 0) prefetch_map(&p.xmap);
     uint8_t* const sBp = smem_raw + (base - raw) + kOffB;
     float* const sSp = reinterpret_cast<float*>(smem_raw + (base - raw) + kOffS);
-    const uint8_t* const ring = smem_raw + (base - raw) + kOffW4 + pw * kW4Slots * kW4SlotBytes;
-    // This row's piece j in ring slot q (pieces XOR-swizzled by row pair: conflict-free 16-byte accesses).
-    auto piece = [&](int q, int j) { return q * kW4SlotBytes + tid * 64 + ((j ^ ((tid >> 1) & 3)) << 4); };
-    int issued = 0;    // W tiles this warpgroup copied so far (ring slot = count % kW4Slots)
+    const uint8_t* const w4t = smem_raw + (base - raw) + kOffW4 + pw * kW4TileBytes;
+    // This row's piece j of the copied tile (XOR-swizzled by row pair: conflict-free 16-byte accesses).
+    auto piece = [&](int j) { return tid * 64 + ((j ^ ((tid >> 1) & 3)) << 4); };
     int64_t done = 0;  // stages of all tiles before this one (both warpgroups count all of them)
     for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x), done += p.nkb) {
       int g, mt, nt;
@@ -239,23 +237,20 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
       const int64_t er = int64_t(p.expert[g]) * p.n + (rok ? wr : 0);
       const uint8_t* bl = p.w4_blocks + er * p.nsub * 16;
       const uint8_t* sc = p.w4_scales + er * p.nsub;
-      const int first = issued;
       // Stage s (counted over all tiles) belongs to warpgroup s % 2.
       const int kb0 = int((pw - done % kW4Producers + kW4Producers) % kW4Producers);
       // Asynchronous copies (one group per own stage, empty past the end):
       // unlike loads into registers, the release of each stage's arrival
       // below does not wait for them. Scale bytes are plain loads issued after
       // that arrival, an own stage ahead.
-      auto copy = [&](int kb, const uint8_t* rbase) {
-        if (kb < p.nkb) {
+      auto copy = [&](int kb, const uint8_t* dst) {
+        if (kb < p.nkb)
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             const int sb = kb * 4 + j;
             const bool ok = rok && sb < p.nsub;
-            ptx::cp_async16_zfill(smem_u32(rbase + piece(issued % kW4Slots, j)), ok ? bl + sb * 16 : bl, ok ? 16u : 0u);
+            ptx::cp_async16_zfill(smem_u32(dst + piece(j)), ok ? bl + sb * 16 : bl, ok ? 16u : 0u);
           }
-          ++issued;
-        }
         ptx::cp_async_commit();
       };
       auto scales = [&](int kb) {
@@ -265,22 +260,21 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
           if (rok && kb < p.nkb && kb * 4 + j < p.nsub) v |= uint32_t(sc[kb * 4 + j]) << (8 * j);
         return v;
       };
-      copy(kb0, ring);
+      copy(kb0, w4t);
       uint32_t sc_cur = scales(kb0);
-      for (int kb = kb0, own = 0; kb < p.nkb; kb += kW4Producers, ++own) {
+      for (int kb = kb0; kb < p.nkb; kb += kW4Producers) {
         ptx::cp_async_wait<0>();  // this thread's copies of stage kb have landed
         GroupIn G;
-        const int q = (first + own) % kW4Slots;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          G.w[j] = *reinterpret_cast<const uint4*>(ring + piece(q, j));
+          G.w[j] = *reinterpret_cast<const uint4*>(w4t + piece(j));
           G.s[j] = int((sc_cur >> (8 * j)) & 0xFFu);
         }
-        // The next copies overwrite the slot: their addresses take a data
+        // The next copies overwrite the tile: their addresses take a data
         // dependency on what was just read, so they issue after the reads land.
-        const uint8_t* slot_base = ring;
-        asm volatile("" : "+l"(slot_base) : "r"(G.w[0].x ^ G.w[1].y ^ G.w[2].z ^ G.w[3].w));
-        copy(kb + kW4Producers, slot_base);
+        const uint8_t* dst = w4t;
+        asm volatile("" : "+l"(dst) : "r"(G.w[0].x ^ G.w[1].y ^ G.w[2].z ^ G.w[3].w));
+        copy(kb + kW4Producers, dst);
         const int64_t gs = done + kb;
         const int stage = int(gs % kStages);
         const uint32_t phase = uint32_t(gs / kStages) & 1u;
@@ -495,9 +489,7 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     check(aligned(a.w4.blocks, 16) && a.w4.rows == a.n && a.w4.k % 32 == 0 && a.w4.k > a.k - kBK && a.w4.k <= a.k &&
               a.experts != nullptr,
           DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: MXFP4 weights of ", a.w4.rows, " x ", a.w4.k, " for n=", a.n,
-          " k=", a.k,
-          " (rows must equal n, K a multiple of 32 that pads to k; blocks 16-byte "
-          "aligned; experts given)");
+          " k=", a.k, " (rows must equal n, K a multiple of 32 that pads to k; blocks 16-byte aligned; experts given)");
     for (int g = 0; g < a.groups; ++g)
       check(a.experts[g] >= 0 && a.experts[g] < a.w4_experts, DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: group ", g,
             " names expert ", a.experts[g], " of ", a.w4_experts);
