@@ -35,7 +35,7 @@ namespace dz::cli {
 
 namespace {
 const char* kUsage =
-    "usage: dz bench moe [--tokens 1,8,64,512,1024,2048,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
+    "usage: dz bench moe [--tokens 1,8,64,128,256,384,512,1024,2048,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
     "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
     "                    [--fused-kernel 0|1|2] [--tokens-per-pass NB] [--no-components]\n"
     "                    [--fp8-gemm auto|cublaslt|grouped|grouped_ws|LIST] [--grouped-blocks N]\n"
@@ -133,7 +133,7 @@ int bench_moe(const Args& a) {
                   "--gemm-streams", "--fused-kernel", "--tokens-per-pass", "--no-components", "--bw-ceiling",
                   "--fp8-ceiling", "--fp8-gemm", "--grouped-blocks", "--dump", "--out", "--help"},
                  "bench moe");
-  const std::vector<int> tokens = parse_list(flag_value(a, "--tokens", "1,8,64,512,1024,2048,4096,16384"));
+  const std::vector<int> tokens = parse_list(flag_value(a, "--tokens", "1,8,64,128,256,384,512,1024,2048,4096,16384"));
   const int reps = std::stoi(flag_value(a, "--reps", "20"));
   MoeShape sh;
   sh.n_experts = std::stoi(flag_value(a, "--experts", "128"));

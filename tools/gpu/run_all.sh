@@ -11,7 +11,7 @@
 #                     makes DIR; our H200 image lacks libpcre2-dev and has
 #                     Catch2 v3, so the results under bench/results were made this way)
 #   DZ_DEPS=DIR       extra prefix (include/, lib/, lib/pkgconfig) with the build dependencies
-#   DZ_BENCH_TOKENS   token counts for dz bench moe (default 1,8,64,512,1024,2048,4096,16384)
+#   DZ_BENCH_TOKENS   token counts for dz bench moe (default 1,8,64,128,256,384,512,1024,2048,4096,16384)
 #   DZ_GPU_STEPS      which steps to run (default "tests moe peers model profile"; profile needs model)
 #   DZ_MODEL_DIR      where dz bench model writes its random gpt-oss-20b checkpoint (default /tmp/dz_gptoss20b_random)
 # NCCL, where a benchmark needs it, comes from PyTorch's nvidia Python packages.
@@ -78,7 +78,7 @@ if want moe; then
 
 step "dz bench moe"
 DUMP=$(mktemp -d /tmp/dz_moe_dump.XXXX)
-"$DZ" bench moe --tokens "${DZ_BENCH_TOKENS:-1,8,64,512,1024,2048,4096,16384}" --dump "$DUMP" --out "$OUTDIR/bench_moe.json" >/dev/null
+"$DZ" bench moe --tokens "${DZ_BENCH_TOKENS:-1,8,64,128,256,384,512,1024,2048,4096,16384}" --dump "$DUMP" --out "$OUTDIR/bench_moe.json" >/dev/null
 [ $? -ne 0 ] && { echo "dz bench moe FAILED"; status=1; }
 
 step "dz bench moe, FP8 path with cuBLASLt GEMMs on one stream (for comparison)"
