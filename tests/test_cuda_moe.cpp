@@ -255,10 +255,11 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
   Context ctx(small_ctx());
   std::mt19937 rng(5);
   // H = 320 and I = 192 are not multiples of 128 (padding); 2I = 384 rows.
-  for (int T : {1, 5, 40}) {
+  // 1100 tokens: 4400 routed slots, sorted by the multi-block routing.
+  for (int T : {1, 5, 40, 1100}) {
     MoeCase c = make_moe(8, 4, 320, 192, T, rng);
     INFO("T = " << T);
-    MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, 64, MoeOptions{8.0, 3});
+    MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, std::max(64, T), MoeOptions{8.0, 3});
     Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
     Dev<uint16_t> b1(c.b1), b2(c.b2);
     Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
@@ -358,6 +359,23 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
     CHECK_THROWS_AS(layer.forward(MoeWeights{}, x.p, ids.p, gw.p, c.T, out.p), Error);
     CHECK_THROWS_AS(layer.forward(MoeWeights{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p}, x.p, ids.p, gw.p, 5, out.p),
                     Error);
+  }
+  // The same through the multi-block routing (more than 4096 slots), where the other tokens still count.
+  {
+    MoeCase c = make_moe(8, 4, 64, 32, 1100, rng);
+    c.ids[4321] = -3;
+    MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, c.T);
+    Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
+    Dev<uint16_t> b1(c.b1), b2(c.b2);
+    Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
+    Dev<int> ids(c.ids);
+    layer.forward(MoeWeights{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p}, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
+    ctx.sync();
+    CHECK(layer.take_error() == 1);
+    const auto got = out.get();
+    bool finite = true;
+    for (float v : got) finite &= std::isfinite(v);
+    CHECK(finite);
   }
 #endif
 }

@@ -37,44 +37,43 @@ __device__ __forceinline__ float e8m0_to_float(int s) {
   return s == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(uint32_t(s) << 23);
 }
 
+// gpt-oss's clamped SwiGLU. The fast division (~2 ulp; 0 once the
+// denominator passes 2^126, where the quotient underflows anyway) keeps the
+// FP8 path's SwiGLU + quantization pass off the instruction limit.
 __device__ __forceinline__ float swiglu(float gate, float up) {
   gate = fminf(gate, 7.f);
   up = fminf(fmaxf(up, -7.f), 7.f);
-  return (up + 1.f) * (gate / (1.f + __expf(-1.702f * gate)));
+  return (up + 1.f) * __fdividef(gate, 1.f + __expf(-1.702f * gate));
 }
 
 // ------------------------------------------------------------------ routing
-// Block 0: counting sort of the T*topk slots by expert; active[i] = {expert,
-// first row, token count, 0} of the i-th expert with tokens (one 16-byte load
-// for a fused kernel's block). Segment e spans rows
-// [offsets[e], offsets[e+1]) (count rounded up to kPadRows; pad rows hold -1).
-// Order inside a segment is arbitrary; every row is computed independently.
-__device__ void x_to_half_row(const float* row, int H, int kpad, __half* out, float* scale_out, float* red);
+// Counting sort of the T*topk slots by expert; active[i] = {expert, first row,
+// token count, 0} of the i-th expert with tokens (one 16-byte load for a fused
+// kernel's block). Segment e spans rows [offsets[e], offsets[e+1]) (count
+// rounded up to kPadRows; pad rows hold -1). Order inside a segment is
+// arbitrary; every row is computed independently. Up to kRouteOneBlock slots
+// one block sorts (route_kernel); more go through three launches over
+// kRouteChunk-slot chunks (one block's shared-memory atomics took 121 us for
+// 65536 slots on an H200).
+constexpr int kRouteOneBlock = 4096;
+constexpr int kRouteChunk = 2048;
+constexpr int kRouteChunkThreads = 256;
 
-__global__ void __launch_bounds__(kRouteThreads)
-    route_kernel(const int* ids, int n_slots, int E, int* counts, int* offsets, int* sorted, int* row_expert, int* inv,
-                 int* active, int* n_active, int* err, const float* x, int T, int H, int kpad, __half* xh, float* xs) {
-  if (blockIdx.x > 0) {  // blocks 1..T: the fused path's fp16 input, one token each
-    __shared__ float red[32];
-    const int t = blockIdx.x - 1;
-    x_to_half_row(x + int64_t(t) * H, H, kpad, xh + int64_t(t) * kpad, xs + t, red);
-    return;
-  }
-  extern __shared__ int sm[];
-  int* cnt = sm;
-  int* cur = sm + E;
-  int* off = sm + 2 * E;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = cur[e] = 0;
-  __syncthreads();
-  for (int s = threadIdx.x; s < n_slots; s += blockDim.x) {
+// Counts of slots [s0, s1) by expert into cnt (shared, zeroed); invalid ids set err.
+__device__ void route_count(const int* ids, int s0, int s1, int E, int* cnt, int* err) {
+  for (int s = s0 + int(threadIdx.x); s < s1; s += int(blockDim.x)) {
     const int e = ids[s];
     if (e < 0 || e >= E)
       atomicOr(err, 1);
     else
       atomicAdd(&cnt[e], 1);
   }
-  __syncthreads();
-  if (threadIdx.x < 32) {  // warp 0: exclusive scans of padded counts and of active flags
+}
+
+// Warp 0: exclusive scans of padded counts (off[0..E], shared) and of active
+// flags (active, n_active); every thread then writes offsets and counts.
+__device__ void route_offsets(const int* cnt, int E, int* off, int* offsets, int* counts, int* active, int* n_active) {
+  if (threadIdx.x < 32) {
     const int lane = threadIdx.x, per = (E + 31) / 32, e0 = min(E, lane * per), e1 = min(E, e0 + per);
     int rows = 0, act = 0;
     for (int e = e0; e < e1; ++e) rows += (cnt[e] + kPadRows - 1) / kPadRows * kPadRows, act += cnt[e] > 0;
@@ -96,7 +95,11 @@ __global__ void __launch_bounds__(kRouteThreads)
     offsets[e] = off[e];
     if (e < E) counts[e] = cnt[e];
   }
-  for (int r = threadIdx.x; r < off[E]; r += blockDim.x) {  // expert of each row (binary search); pad rows -> -1
+}
+
+// Rows r0, r0 + stride, ... below off[E]: expert of each row (binary search); pad rows -> -1.
+__device__ void route_rows(const int* off, const int* cnt, int E, int r0, int stride, int* row_expert, int* sorted) {
+  for (int r = r0; r < off[E]; r += stride) {
     int lo = 0, hi = E - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
@@ -108,16 +111,100 @@ __global__ void __launch_bounds__(kRouteThreads)
     row_expert[r] = lo;
     if (r - off[lo] >= cnt[lo]) sorted[r] = -1;
   }
-  for (int s = threadIdx.x; s < n_slots; s += blockDim.x) {
+}
+
+// Slots [s0, s1) to their rows: cur[e] (shared) is the next free row of expert e.
+__device__ void route_place(const int* ids, int s0, int s1, int E, int* cur, int* sorted, int* inv) {
+  for (int s = s0 + int(threadIdx.x); s < s1; s += int(blockDim.x)) {
     const int e = ids[s];
     if (e < 0 || e >= E) {
       inv[s] = -1;
       continue;
     }
-    const int pos = off[e] + atomicAdd(&cur[e], 1);
+    const int pos = atomicAdd(&cur[e], 1);
     sorted[pos] = s;
     inv[s] = pos;
   }
+}
+
+__device__ void x_to_half_row(const float* row, int H, int kpad, __half* out, float* scale_out, float* red);
+
+// Block 0 sorts every slot; blocks 1..T convert the fused path's fp16 input, one token each.
+__global__ void __launch_bounds__(kRouteThreads)
+    route_kernel(const int* ids, int n_slots, int E, int* counts, int* offsets, int* sorted, int* row_expert, int* inv,
+                 int* active, int* n_active, int* err, const float* x, int T, int H, int kpad, __half* xh, float* xs) {
+  if (blockIdx.x > 0) {
+    __shared__ float red[32];
+    const int t = blockIdx.x - 1;
+    x_to_half_row(x + int64_t(t) * H, H, kpad, xh + int64_t(t) * kpad, xs + t, red);
+    return;
+  }
+  extern __shared__ int sm[];
+  int* cnt = sm;
+  int* cur = sm + E;
+  int* off = sm + 2 * E;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  route_count(ids, 0, n_slots, E, cnt, err);
+  __syncthreads();
+  route_offsets(cnt, E, off, offsets, counts, active, n_active);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cur[e] = off[e];
+  route_rows(off, cnt, E, int(threadIdx.x), int(blockDim.x), row_expert, sorted);
+  __syncthreads();
+  route_place(ids, 0, n_slots, E, cur, sorted, inv);
+}
+
+// Many slots, 1 of 3: chunk b's counts by expert -> part[b][E].
+__global__ void __launch_bounds__(kRouteChunkThreads)
+    route_chunk_count_kernel(const int* ids, int n_slots, int E, int* part, int* err) {
+  extern __shared__ int cnt[];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  const int s0 = int(blockIdx.x) * kRouteChunk;
+  route_count(ids, s0, min(n_slots, s0 + kRouteChunk), E, cnt, err);
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) part[int64_t(blockIdx.x) * E + e] = cnt[e];
+}
+
+// 2 of 3 (one block): totals, offsets, active list; part[b][e] becomes chunk b's first row of expert e.
+__global__ void __launch_bounds__(kRouteThreads)
+    route_chunk_scan_kernel(int* part, int nb, int E, int* counts, int* offsets, int* active, int* n_active) {
+  extern __shared__ int sm[];
+  int* cnt = sm;
+  int* off = sm + E;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int c = 0;
+    for (int b = 0; b < nb; ++b) c += part[int64_t(b) * E + e];
+    cnt[e] = c;
+  }
+  __syncthreads();
+  route_offsets(cnt, E, off, offsets, counts, active, n_active);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int run = off[e];
+    for (int b = 0; b < nb; ++b) {
+      const int c = part[int64_t(b) * E + e];
+      part[int64_t(b) * E + e] = run;
+      run += c;
+    }
+  }
+}
+
+// 3 of 3: chunk b's slots to their rows; the grid's threads fill the row -> expert map.
+__global__ void __launch_bounds__(kRouteChunkThreads)
+    route_chunk_place_kernel(const int* ids, int n_slots, int E, const int* part, const int* counts, const int* offsets,
+                             int* sorted, int* row_expert, int* inv) {
+  extern __shared__ int sm[];
+  int* cur = sm;
+  int* cnt = sm + E;
+  int* off = sm + 2 * E;
+  for (int e = threadIdx.x; e <= E; e += blockDim.x) {
+    off[e] = offsets[e];
+    if (e < E) cur[e] = part[int64_t(blockIdx.x) * E + e], cnt[e] = counts[e];
+  }
+  __syncthreads();
+  const int s0 = int(blockIdx.x) * kRouteChunk;
+  route_place(ids, s0, min(n_slots, s0 + kRouteChunk), E, cur, sorted, inv);
+  route_rows(off, cnt, E, int(blockIdx.x * blockDim.x + threadIdx.x), int(gridDim.x * blockDim.x), row_expert, sorted);
 }
 
 // One token row (whole block): fp32 -> fp16 [kpad] scaled by a power of two
@@ -904,107 +991,210 @@ __global__ void __launch_bounds__(kPThreads, 1) moe_persistent_kernel(const PArg
 }
 
 // ---------------------------------------------------------------- FP8 path
-// A warp's 128-value block of sorted row r (4 values a lane) -> E4M3 with
-// scale amax / 448: q [rows][nkb * 128], the expert's scales [kb][mp] from
-// qs + nkb * off (the layout the FP8 GEMMs take).
-__device__ __forceinline__ void quant_1x128_store(const float (&v)[4], int lane, int r, int kb, int nkb, int off,
-                                                  int mp, uint8_t* q, float* qs) {
+// A warp's 128-value block (4 values a lane) -> E4M3 with scale amax / 448:
+// this lane's 4 bytes and the block's scale.
+__device__ __forceinline__ uint32_t quant_1x128(const float (&v)[4], float& sc) {
   float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
   for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
-  const float sc = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / sc;
+  sc = amax > 0.f ? amax / 448.f : 1.f;
+  const float inv = 1.f / sc;
   const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] * inv, v[1] * inv), __NV_SATFINITE, __NV_E4M3);
   const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] * inv, v[3] * inv), __NV_SATFINITE, __NV_E4M3);
-  reinterpret_cast<uint32_t*>(q + int64_t(r) * nkb * 128)[kb * 32 + lane] = lo | (hi << 16);
+  return lo | (hi << 16);
+}
+// Block kb of sorted row r of expert segment [off, off + mp): q [rows][nkb * 128],
+// the segment's scales [kb][mp] from qs + nkb * off (the layout the FP8 GEMMs take).
+__device__ __forceinline__ void store_1x128(uint32_t word, float sc, int lane, int r, int kb, int nkb, int off, int mp,
+                                            uint8_t* q, float* qs) {
+  reinterpret_cast<uint32_t*>(q + int64_t(r) * nkb * 128)[kb * 32 + lane] = word;
   if (lane == 0) qs[int64_t(nkb) * off + int64_t(kb) * mp + (r - off)] = sc;
 }
 
-// One warp per (sorted row, 128-column block): gather the token's input row,
-// quantize 1x128; scales of expert e's segment packed as [kb][rows of e].
-__global__ void gather_quant_kernel(const float* x, int H, int nkb, int topk, const int* sorted, const int* row_expert,
-                                    const int* offsets, int rows_total, uint8_t* q, float* qs) {
+constexpr int kMaxTopk = 8;  // routed slots of a token held in registers (combine)
+
+// Warps 0..T*G-1 (G groups of kGatherBlocks 128-column blocks): token t's
+// input blocks, read once, quantized 1x128 and written to each of the token's
+// routed rows (inv); the warp's loads all go out first. Warps T*G..T*G+E-1:
+// expert e's pad rows (zero, scale 1).
+constexpr int kGatherBlocks = 4;
+__global__ void gather_quant_kernel(const float* x, int T, int H, int nkb, int topk, int E, const int* inv,
+                                    const int* ids, const int* counts, const int* offsets, uint8_t* q, float* qs) {
   const int warp = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
-  if (warp >= rows_total * nkb) return;
-  const int r = warp % rows_total, kb = warp / rows_total;
-  const int slot = sorted[r], e = row_expert[r];
-  const int off = offsets[e], mp = offsets[e + 1] - off;
-  float v[4] = {0.f, 0.f, 0.f, 0.f};
-  const int c = kb * 128 + lane * 4;
-  if (slot >= 0) {
-    const float* row = x + int64_t(slot / topk) * H;
+  const int G = (nkb + kGatherBlocks - 1) / kGatherBlocks;
+  if (warp >= T * G + E) return;
+  if (warp >= T * G) {
+    const int e = warp - T * G, off = offsets[e], mp = offsets[e + 1] - off;
+    for (int r = off + counts[e]; r < off + mp; ++r)
+      for (int kb = 0; kb < nkb; ++kb) store_1x128(0u, 1.f, lane, r, kb, nkb, off, mp, q, qs);
+    return;
+  }
+  const int t = warp % T, kb0 = warp / T * kGatherBlocks;
+  const float* row = x + int64_t(t) * H;
+  float v[kGatherBlocks][4];
+#pragma unroll
+  for (int u = 0; u < kGatherBlocks; ++u) {
+    const int c = (kb0 + u) * 128 + lane * 4;
     if (c + 3 < H) {
-      const float4 f = *reinterpret_cast<const float4*>(row + c);
-      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+      const float4 f = __ldg(reinterpret_cast<const float4*>(row + c));
+      v[u][0] = f.x, v[u][1] = f.y, v[u][2] = f.z, v[u][3] = f.w;
     } else {
-      for (int i = 0; i < 4; ++i) v[i] = c + i < H ? row[c + i] : 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[u][i] = c + i < H ? row[c + i] : 0.f;
     }
   }
-  quant_1x128_store(v, lane, r, kb, nkb, off, mp, q, qs);
+  uint32_t word[kGatherBlocks];
+  float sc[kGatherBlocks];
+#pragma unroll
+  for (int u = 0; u < kGatherBlocks; ++u) word[u] = quant_1x128(v[u], sc[u]);
+  for (int k = 0; k < topk; ++k) {
+    const int p = inv[t * topk + k];
+    if (p < 0) continue;
+    const int e = ids[t * topk + k], off = offsets[e], mp = offsets[e + 1] - off;
+#pragma unroll
+    for (int u = 0; u < kGatherBlocks; ++u)
+      if (kb0 + u < nkb) store_1x128(word[u], sc[u], lane, p, kb0 + u, nkb, off, mp, q, qs);
+  }
+}
+// Blocks of 256 threads for T tokens and E experts' pad rows.
+unsigned gather_quant_blocks(int T, int nkb, int E) {
+  return unsigned((int64_t(T) * ((nkb + kGatherBlocks - 1) / kGatherBlocks) + E + 7) / 8);
 }
 
-// D1 [rows][2I] bf16 (interleaved gate/up) + bias -> SwiGLU -> fp8 1x128 [rows][kpad_i].
+// One warp per (sorted row of [r0, r0 + nrows), kSwigluBlocks 128-column
+// blocks): D1 [rows][2I] bf16 (interleaved gate/up) + bias -> SwiGLU -> fp8
+// 1x128 [rows][kpad_i]; pad rows give zeros. A warp's 16-byte loads all go out
+// before its first block is computed (a warp per block and row was
+// latency-bound at ~2 TB/s; a warp per whole row left one expert's launch short of warps).
+constexpr int kSwigluBlocks = 4;
 __global__ void swiglu_quant_kernel(const __nv_bfloat16* d1, int I, int nkb, const uint16_t* b1, const int* sorted,
                                     const int* row_expert, const int* offsets, int r0, int nrows, uint8_t* q,
                                     float* qs) {
   const int warp = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
-  if (warp >= nrows * nkb) return;
-  const int r = r0 + warp % nrows, kb = warp / nrows;
+  const int groups = (nkb + kSwigluBlocks - 1) / kSwigluBlocks;
+  if (warp >= nrows * groups) return;
+  const int r = r0 + warp % nrows, kb0 = warp / nrows * kSwigluBlocks;
   const int e = row_expert[r];
   const int off = offsets[e], mp = offsets[e + 1] - off;
-  const int j0 = kb * 128 + lane * 4;
-  float v[4] = {0.f, 0.f, 0.f, 0.f};
-  if (sorted[r] >= 0 && j0 < I) {  // I % 4 == 0: a lane's 4 columns are all in range or all out
-    const uint4 raw = *reinterpret_cast<const uint4*>(d1 + int64_t(r) * 2 * I + 2 * j0);
-    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-    const uint16_t* bias = b1 + int64_t(e) * 2 * I + 2 * j0;
-    for (int i = 0; i < 4; ++i) {
-      const float gate = bf16_to_float(uint16_t(w[i] & 0xFFFF)) + bf16_to_float(bias[2 * i]);
-      const float up = bf16_to_float(uint16_t(w[i] >> 16)) + bf16_to_float(bias[2 * i + 1]);
-      v[i] = swiglu(gate, up);
-    }
+  const bool real = sorted[r] >= 0;
+  const __nv_bfloat16* drow = d1 + int64_t(r) * 2 * I;
+  const uint16_t* brow = b1 + int64_t(e) * 2 * I;
+  uint4 raw[kSwigluBlocks], bias[kSwigluBlocks];
+#pragma unroll
+  for (int u = 0; u < kSwigluBlocks; ++u) {
+    const int j0 = (kb0 + u) * 128 + lane * 4;
+    // I % 4 == 0: a lane's 4 columns are all in range or all out.
+    const bool in = real && kb0 + u < nkb && j0 < I;
+    raw[u] = in ? *reinterpret_cast<const uint4*>(drow + 2 * j0) : make_uint4(0, 0, 0, 0);
+    bias[u] = in ? __ldg(reinterpret_cast<const uint4*>(brow + 2 * j0)) : make_uint4(0, 0, 0, 0);
   }
-  quant_1x128_store(v, lane, r, kb, nkb, off, mp, q, qs);
+#pragma unroll
+  for (int u = 0; u < kSwigluBlocks; ++u) {
+    const int kb = kb0 + u;
+    if (kb >= nkb) break;
+    const int j0 = kb * 128 + lane * 4;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (real && j0 < I) {
+      const uint32_t w[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+      const uint32_t bw[4] = {bias[u].x, bias[u].y, bias[u].z, bias[u].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float gate = bf16_to_float(uint16_t(w[i] & 0xFFFF)) + bf16_to_float(uint16_t(bw[i] & 0xFFFF));
+        const float up = bf16_to_float(uint16_t(w[i] >> 16)) + bf16_to_float(uint16_t(bw[i] >> 16));
+        v[i] = swiglu(gate, up);
+      }
+    }
+    float sc;
+    const uint32_t word = quant_1x128(v, sc);
+    store_1x128(word, sc, lane, r, kb, nkb, off, mp, q, qs);
+  }
+}
+// Blocks of 256 threads for nrows rows.
+unsigned swiglu_quant_blocks(int nrows, int nkb) {
+  return unsigned((int64_t(nrows) * ((nkb + kSwigluBlocks - 1) / kSwigluBlocks) + 7) / 8);
+}
+
+// 8 consecutive values of a row as float: fp32 (two 16-byte loads) or bf16 (one).
+__device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
+  const uint4 r = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    v[2 * i] = bf16_to_float(uint16_t(w[i] & 0xFFFF)), v[2 * i + 1] = bf16_to_float(uint16_t(w[i] >> 16));
 }
 
 // out[t] (+)= sum_k w[t][k] * (y[inv[t,k]] (+ bias[e_k])), fixed order: deterministic.
-template <typename T, bool kBias, bool kPdl = false>
+// kVec8: each thread takes 8 consecutive values (16-byte loads; H % 8 == 0 and
+// 16-byte aligned rows), otherwise one.
+template <typename T, bool kBias, bool kPdl = false, bool kVec8 = false>
 __global__ void combine_kernel(const T* y, const int* inv, const int* ids, const float* gw, int topk,
                                const uint16_t* bias, int H, float* out, int accumulate) {
   if (kPdl) asm volatile("griddepcontrol.wait;" ::: "memory");
   const int t = blockIdx.x;
-  // The token's slots first (topk <= kMaxK: in registers), so that the expert
+  // The token's slots first (topk <= kMaxTopk: in registers), so that the expert
   // rows load together instead of one dependent pair of loads per slot.
-  constexpr int kMaxK = 8;
-  int pos[kMaxK], ex[kMaxK];
-  float g[kMaxK];
-  const bool regs = topk <= kMaxK;
+  int pos[kMaxTopk], ex[kMaxTopk];
+  float g[kMaxTopk];
+  const bool regs = topk <= kMaxTopk;
   if (regs) {
 #pragma unroll
-    for (int k = 0; k < kMaxK; ++k) {
+    for (int k = 0; k < kMaxTopk; ++k) {
       pos[k] = k < topk ? inv[t * topk + k] : -1;
       g[k] = k < topk ? gw[t * topk + k] : 0.f;
       ex[k] = kBias && k < topk ? ids[t * topk + k] : 0;
     }
   }
-  for (int n = blockIdx.y * blockDim.x + threadIdx.x; n < H; n += gridDim.y * blockDim.x) {
-    float acc = 0.f;
-    if (regs) {
+  if constexpr (kVec8) {  // (topk <= kMaxTopk: the host checks)
+    for (int n = 8 * int(blockIdx.y * blockDim.x + threadIdx.x); n < H; n += 8 * int(gridDim.y * blockDim.x)) {
+      float acc[8] = {};
 #pragma unroll
-      for (int k = 0; k < kMaxK; ++k) {  // fixed order: deterministic
+      for (int k = 0; k < kMaxTopk; ++k) {  // fixed order: deterministic
         if (pos[k] < 0) continue;
-        float v = float(y[int64_t(pos[k]) * H + n]);
-        if (kBias) v += bf16_to_float(bias[int64_t(ex[k]) * H + n]);
-        acc += g[k] * v;
+        float v[8];
+        load8(y + int64_t(pos[k]) * H + n, v);
+        if (kBias) {
+          float b[8];
+          load8(reinterpret_cast<const __nv_bfloat16*>(bias) + int64_t(ex[k]) * H + n, b);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) v[i] += b[i];
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] += g[k] * v[i];
       }
-    } else {
-      for (int k = 0; k < topk; ++k) {
-        const int p = inv[t * topk + k];
-        if (p < 0) continue;
-        float v = float(y[int64_t(p) * H + n]);
-        if (kBias) v += bf16_to_float(bias[int64_t(ids[t * topk + k]) * H + n]);
-        acc += gw[t * topk + k] * v;
+      float4* op = reinterpret_cast<float4*>(out + int64_t(t) * H + n);
+      if (accumulate) {
+        const float4 a = op[0], b = op[1];
+        acc[0] += a.x, acc[1] += a.y, acc[2] += a.z, acc[3] += a.w;
+        acc[4] += b.x, acc[5] += b.y, acc[6] += b.z, acc[7] += b.w;
       }
+      op[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      op[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
     }
-    out[int64_t(t) * H + n] = accumulate ? out[int64_t(t) * H + n] + acc : acc;
+  } else {
+    for (int n = blockIdx.y * blockDim.x + threadIdx.x; n < H; n += gridDim.y * blockDim.x) {
+      float acc = 0.f;
+      if (regs) {
+#pragma unroll
+        for (int k = 0; k < kMaxTopk; ++k) {  // fixed order: deterministic
+          if (pos[k] < 0) continue;
+          float v = float(y[int64_t(pos[k]) * H + n]);
+          if (kBias) v += bf16_to_float(bias[int64_t(ex[k]) * H + n]);
+          acc += g[k] * v;
+        }
+      } else {
+        for (int k = 0; k < topk; ++k) {
+          const int p = inv[t * topk + k];
+          if (p < 0) continue;
+          float v = float(y[int64_t(p) * H + n]);
+          if (kBias) v += bf16_to_float(bias[int64_t(ids[t * topk + k]) * H + n]);
+          acc += gw[t * topk + k] * v;
+        }
+      }
+      out[int64_t(t) * H + n] = accumulate ? out[int64_t(t) * H + n] + acc : acc;
+    }
   }
 }
 
@@ -1012,8 +1202,8 @@ int64_t kpad_of(int k) { return cpu::fold_kpad(k); }
 
 // combine_kernel: a block per token and slice of H, about 1024 blocks when T is small
 // (one block per token left a decode step's combine at ~9 us).
-dim3 combine_grid(int T, int H) {
-  const int slices = std::max(1, std::min((H + 255) / 256, 1024 / std::max(T, 1)));
+dim3 combine_grid(int T, int H, int per_thread = 1, int threads = 256) {
+  const int slices = std::max(1, std::min((H / per_thread + threads - 1) / threads, 1024 / std::max(T, 1)));
   return dim3(unsigned(T), unsigned(slices));
 }
 
@@ -1035,7 +1225,7 @@ struct MoeLayer::Impl {
   cudaEvent_t ev_fork{};
   std::vector<cudaEvent_t> ev_join;
   // routing
-  DeviceArray<int> counts, offsets, sorted, row_expert, inv, active, n_active, err;
+  DeviceArray<int> counts, offsets, sorted, row_expert, inv, active, n_active, err, route_part;
   // fused path
   DeviceArray<__half> xh, act16;
   DeviceArray<float> xs, y32;
@@ -1076,6 +1266,8 @@ struct MoeLayer::Impl {
     active = DeviceArray<int>(P, 4 * size_t(E), "moe active experts");
     n_active = DeviceArray<int>(P, 1, "moe active count");
     err = DeviceArray<int>(P, 1, "moe error flag");
+    route_part = DeviceArray<int>(P, size_t(std::max<int64_t>(1, (slots + kRouteChunk - 1) / kRouteChunk)) * E,
+                                  "moe routing chunk counts");
     xh = DeviceArray<__half>(P, size_t(maxT) * kph, "moe fp16 input");
     xs = DeviceArray<float>(P, maxT, "moe input scales");
     act16 = DeviceArray<__half>(P, size_t(rows_cap) * kpi, "moe fp16 activations");
@@ -1138,7 +1330,21 @@ struct MoeLayer::Impl {
 
   // with_x: also convert x to the fused path's fp16 input (small T only).
   void route(const int* ids, int T, const float* x_small) {
-    const int E = s.n_experts;
+    const int E = s.n_experts, n_slots = T * s.topk;
+    if (n_slots > kRouteOneBlock && !x_small) {
+      const int nb = (n_slots + kRouteChunk - 1) / kRouteChunk;
+      cudaStream_t st = ctx.stream();
+      route_chunk_count_kernel<<<nb, kRouteChunkThreads, sizeof(int) * E, st>>>(ids, n_slots, E, route_part.get(),
+                                                                                err.get());
+      DZ_CUDA_LAUNCH_CHECK();
+      route_chunk_scan_kernel<<<1, kRouteThreads, sizeof(int) * (2 * E + 1), st>>>(
+          route_part.get(), nb, E, counts.get(), offsets.get(), active.get(), n_active.get());
+      DZ_CUDA_LAUNCH_CHECK();
+      route_chunk_place_kernel<<<nb, kRouteChunkThreads, sizeof(int) * (3 * E + 1), st>>>(
+          ids, n_slots, E, route_part.get(), counts.get(), offsets.get(), sorted.get(), row_expert.get(), inv.get());
+      DZ_CUDA_LAUNCH_CHECK();
+      return;
+    }
     // Small batches: the fused path's fp16 input conversion rides along (one launch less).
     const unsigned blocks = 1 + (x_small ? unsigned(T) : 0u);
     route_kernel<<<blocks, kRouteThreads, sizeof(int) * (3 * E + 1), ctx.stream()>>>(
@@ -1180,12 +1386,12 @@ struct MoeLayer::Impl {
     a.rows = H, a.nsub = I / 32, a.kpad = int(kpi);
     a.out_y = y32.get();
     launch_w4<false>(ks, pdl, H, max_active, st, a);
-    if (pdl)
-      launch(combine_kernel<float, false, true>, combine_grid(T, H), dim3(256), 0, st, true, (const float*)y32.get(),
-             (const int*)inv.get(), ids, gw, s.topk, (const uint16_t*)nullptr, H, out, accumulate);
-    else
-      launch(combine_kernel<float, false, false>, combine_grid(T, H), dim3(256), 0, st, false, (const float*)y32.get(),
-             (const int*)inv.get(), ids, gw, s.topk, (const uint16_t*)nullptr, H, out, accumulate);
+    const bool v8 = vec8(y32.get(), nullptr, out);
+    const auto comb = v8 ? (pdl ? combine_kernel<float, false, true, true> : combine_kernel<float, false, false, true>)
+                         : (pdl ? combine_kernel<float, false, true> : combine_kernel<float, false, false>);
+    launch(comb, v8 ? combine_grid(T, H, 8, 128) : combine_grid(T, H), dim3(v8 ? 128 : 256), 0, st, pdl,
+           (const float*)y32.get(), (const int*)inv.get(), ids, gw, s.topk, (const uint16_t*)nullptr, H, out,
+           accumulate);
   }
 
   // Tokens per weight pass of the persistent kernel.
@@ -1221,6 +1427,10 @@ struct MoeLayer::Impl {
   }
 
   static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+  // Whether the combine can take 8 values a thread (16-byte loads and stores).
+  bool vec8(const void* y, const void* bias, const float* out) const {
+    return s.hidden % 8 == 0 && s.topk <= kMaxTopk && aligned16(y) && aligned16(bias) && aligned16(out);
+  }
 
   // Which fused implementation runs T tokens: 1 per-projection kernels, 2 persistent.
   int fused_kernel(int T, const MoeWeights& w) const {
@@ -1299,8 +1509,7 @@ struct MoeLayer::Impl {
     }
     g1.x = a1.get(), g1.xs = a1s.get(), g1.d = d1.get(), g1.n = 2 * I, g1.k = int(kph);
     ggemm.run(g1, st);
-    const int64_t threads = int64_t(nrows) * nkb_i * 32;
-    swiglu_quant_kernel<<<unsigned((threads + 255) / 256), 256, 0, st>>>(
+    swiglu_quant_kernel<<<swiglu_quant_blocks(nrows, nkb_i), 256, 0, st>>>(
         d1.get(), I, nkb_i, b1, sorted.get(), row_expert.get(), offsets.get(), r0, nrows, a2.get(), a2s.get());
     DZ_CUDA_LAUNCH_CHECK();
     g2.x = a2.get(), g2.xs = a2s.get(), g2.d = d2.get(), g2.n = H, g2.k = int(kpi);
@@ -1319,9 +1528,8 @@ struct MoeLayer::Impl {
     const int rows_total = ho[E];
     const int nkb_h = int(kph / 128), nkb_i = int(kpi / 128);
     {
-      const int64_t threads = int64_t(rows_total) * nkb_h * 32;
-      gather_quant_kernel<<<unsigned((threads + 255) / 256), 256, 0, st>>>(
-          x, H, nkb_h, s.topk, sorted.get(), row_expert.get(), offsets.get(), rows_total, a1.get(), a1s.get());
+      gather_quant_kernel<<<gather_quant_blocks(T, nkb_h, E), 256, 0, st>>>(
+          x, T, H, nkb_h, s.topk, E, inv.get(), ids, counts.get(), offsets.get(), a1.get(), a1s.get());
       DZ_CUDA_LAUNCH_CHECK();
     }
     std::vector<int> act_e;
@@ -1376,8 +1584,7 @@ struct MoeLayer::Impl {
         uint8_t* wsp = gemm_ws.get() + size_t(i % S) * kGemmWs;
         gemm.run(a1.get() + size_t(off) * kph, a1s.get() + size_t(nkb_h) * off, f1 + i * w1_fp8, s1 + i * w1_sc,
                  d1.get() + size_t(off) * 2 * I, mp, 2 * I, int(kph), q, wsp, kGemmWs);
-        const int64_t threads = int64_t(mp) * nkb_i * 32;
-        swiglu_quant_kernel<<<unsigned((threads + 255) / 256), 256, 0, q>>>(
+        swiglu_quant_kernel<<<swiglu_quant_blocks(mp, nkb_i), 256, 0, q>>>(
             d1.get(), I, nkb_i, w.b1, sorted.get(), row_expert.get(), offsets.get(), off, mp, a2.get(), a2s.get());
         DZ_CUDA_LAUNCH_CHECK();
         gemm.run(a2.get() + size_t(off) * kpi, a2s.get() + size_t(nkb_i) * off, f2 + i * w2_fp8, s2 + i * w2_sc,
@@ -1389,8 +1596,12 @@ struct MoeLayer::Impl {
       }
       DZ_CUDA_CHECK(cudaEventRecord(ev_free[buf], st));
     }
-    combine_kernel<__nv_bfloat16, true>
-        <<<combine_grid(T, H), 256, 0, st>>>(d2.get(), inv.get(), ids, gw, s.topk, w.b2, H, out, accumulate);
+    if (vec8(d2.get(), w.b2, out))
+      combine_kernel<__nv_bfloat16, true, false, true>
+          <<<combine_grid(T, H, 8, 128), 128, 0, st>>>(d2.get(), inv.get(), ids, gw, s.topk, w.b2, H, out, accumulate);
+    else
+      combine_kernel<__nv_bfloat16, true>
+          <<<combine_grid(T, H), 256, 0, st>>>(d2.get(), inv.get(), ids, gw, s.topk, w.b2, H, out, accumulate);
     DZ_CUDA_LAUNCH_CHECK();
     // Later calls must not refold into a buffer the aux stream may still be writing.
     DZ_CUDA_CHECK(cudaStreamWaitEvent(aux, ev_free[0], 0));
