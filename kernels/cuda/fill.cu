@@ -1,4 +1,5 @@
 #include "cuda/fill.h"
+#include "cuda/ptx.cuh"
 #include "runtime/cuda/cuda_check.h"
 
 namespace dz::cuda {
@@ -44,7 +45,35 @@ __global__ void flush_kernel(const uint4* p, size_t n, float* sink) {
   if (acc == 0x12345678u) *sink = 1.f;  // practically never; keeps the loads
 }
 
+// Two independent 16-byte loads a thread per step (no L1 allocation).
+__global__ void __launch_bounds__(256) stream_read_kernel(const uint4* p, size_t n, float* sink) {
+  uint32_t acc = 0;
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
+  for (; i + stride < n; i += 2 * stride) {
+    const uint4 a = ptx::ldg_nc_v4(p + i), b = ptx::ldg_nc_v4(p + i + stride);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+  }
+  if (i < n) {
+    const uint4 a = ptx::ldg_nc_v4(p + i);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w;
+  }
+  if (acc == 0x12345678u) *sink = 1.f;
+}
+
 }  // namespace
+
+void stream_read(const void* buf, size_t bytes, float* sink, cudaStream_t s) {
+  static const int blocks = [] {  // 16 blocks of 256 a multiprocessor: the fastest setting for 9 .. 53 MB on an H200
+    int dev = 0, sms = 132;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+      sms = 132;
+    return 16 * sms;
+  }();
+  stream_read_kernel<<<blocks, 256, 0, s>>>(static_cast<const uint4*>(buf), bytes / 16, sink);
+  DZ_CUDA_LAUNCH_CHECK();
+}
 
 void l2_flush_read(const void* buf, size_t bytes, float* sink, cudaStream_t s) {
   flush_kernel<<<1056, 512, 0, s>>>(static_cast<const uint4*>(buf), bytes / 16, sink);

@@ -16,4 +16,9 @@ void fill_random_f32(float* p, size_t n, uint64_t seed, float scale, cudaStream_
 // kernel, unlike a memset flush); sink receives a value so the reads stay.
 void l2_flush_read(const void* buf, size_t bytes, float* sink, cudaStream_t s);
 
+// A plain streaming read of bytes (bytes % 16 == 0, 16-byte aligned), tuned for
+// tens of megabytes: what reading a small batch's expert bytes can take at
+// best, ramp-up and tail included (benchmark reference, not a kernel of the model).
+void stream_read(const void* buf, size_t bytes, float* sink, cudaStream_t s);
+
 }  // namespace dz::cuda

@@ -497,6 +497,24 @@ int bench_moe(const Args& a) {
       const double ms_best = std::min(ms_fused, ms_fp8);
       const double bytes = distinct * double(expert_fp4_bytes);
       const double flops = 2.0 * T * K * (2.0 * I * H + double(H) * I);
+      // The same FP4 byte count read plainly in two dependent launches (the
+      // gate_up and down shares): what a small batch's bytes can take at best,
+      // ramp-up and tail included; the fused path's time against it.
+      double ms_read = -1;
+      const size_t gu_bytes = size_t(bytes * 2 / 3) / 16 * 16, dn_bytes = size_t(bytes / 3) / 16 * 16;
+      if (gu_bytes <= w1b.size() && dn_bytes <= w2b.size()) {  // a CUDA graph, as the fused path
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        DZ_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        stream_read(w1b.get(), gu_bytes, sink.get(), st);
+        stream_read(w2b.get(), dn_bytes, sink.get(), st);
+        DZ_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+        DZ_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+        DZ_CUDA_CHECK(cudaGraphDestroy(g));
+        ms_read = timer.median_ms(r, 1, [&](int) { DZ_CUDA_CHECK(cudaGraphLaunch(ge, st)); });
+        cudaGraphExecDestroy(ge);
+      }
+      auto or_null = [](bool ok, double v) { return ok ? nlohmann::json(v) : nlohmann::json(); };
       nlohmann::json row = {
           {"tokens", T},
           {"tokens_per_expert", tpe},
@@ -514,6 +532,9 @@ int bench_moe(const Args& a) {
           {"fp8_peak_fraction", flops / (ms_fp8 * 1e-3) / fp8_ceiling},
           {"best_peak_fraction", flops / (ms_best * 1e-3) / fp8_ceiling},
           {"fused_vs_fp8_diff", agree},
+          {"plain_read_ms", or_null(ms_read > 0, ms_read)},
+          {"plain_read_hbm_fraction", or_null(ms_read > 0, bytes / (ms_read * 1e-3) / bw_ceiling)},
+          {"fused_vs_plain_read", or_null(ms_read > 0, ms_read / ms_fused)},
           {"fused_v1_ms", ms_v1},
           {"fused_v1_hbm_fraction", bytes / (ms_v1 * 1e-3) / bw_ceiling},
           {"fused_v2_ms", ms_v2 >= 0 ? nlohmann::json(ms_v2) : nlohmann::json()},
@@ -530,6 +551,9 @@ int bench_moe(const Args& a) {
       std::fprintf(stderr, "moe T=%6d  fused %9.3f ms  fp8 %9.3f ms  (hbm %.0f%%, fp8 %.0f TFLOP/s)  diff %.2e\n", T,
                    ms_fused, ms_fp8, 100 * bytes / (ms_best * 1e-3) / bw_ceiling, flops / (ms_fp8 * 1e-3) / 1e12,
                    agree);
+      if (ms_read > 0)
+        std::fprintf(stderr, "moe T=%6d  a plain read of the same bytes %9.4f ms (hbm %.0f%%): fused at %.0f%% of it\n",
+                     T, ms_read, 100 * bytes / (ms_read * 1e-3) / bw_ceiling, 100 * ms_read / ms_fused);
       for (size_t v = 1; v < fp8_gemms.size(); ++v) {
         const double ms_v = gemm_ms[fp8_gemms[v]].get<double>();
         std::fprintf(stderr, "moe T=%6d  fp8 with %s GEMMs %9.3f ms (%.0f TFLOP/s), with %s %9.3f ms; diff %.2e\n", T,
