@@ -1,10 +1,9 @@
-#include "cuda/attention.h"
-
 #include <cuda_bf16.h>
 
 #include <algorithm>
 
 #include "common/error.h"
+#include "cuda/attention.h"
 #include "cuda/pdl.cuh"
 #include "runtime/cuda/cuda_check.h"
 
@@ -103,8 +102,10 @@ __global__ void __launch_bounds__(128) decode_kernel(AttnBatch a, const int32_t*
 
 // ----------------------------------------------------------- split-K decode
 
-constexpr int kSplitKeys = 32;   // keys per shared-memory tile (one per lane when scoring)
-constexpr int kSplitHeads = 8;   // query heads per block (one warp each)
+constexpr int kSplitKeys = 32;                   // keys per shared-memory tile (one per lane when scoring)
+constexpr int kSplitHeads = 8;                   // query heads per block (one warp each)
+constexpr int kSplitThreads = 32 * kSplitHeads;  // also with fewer heads per KV head: every warp loads
+static_assert(kSplitKeys * 32 / 4 % kSplitThreads == 0, "a tile's float4s spread evenly over the threads");
 
 __host__ __device__ inline int chunk_keys(int len, int min_chunk, int max_splits, int splits) {
   int64_t c = min_chunk;
@@ -114,7 +115,9 @@ __host__ __device__ inline int chunk_keys(int len, int min_chunk, int max_splits
   return int(c);
 }
 
-__device__ __forceinline__ int row_lo(const AttnBatch& a, int pos) { return a.window > 0 ? max(0, pos - a.window + 1) : 0; }
+__device__ __forceinline__ int row_lo(const AttnBatch& a, int pos) {
+  return a.window > 0 ? max(0, pos - a.window + 1) : 0;
+}
 
 // Partial state of (row i, head h, chunk c): acc[D] | m | l (m in log2 units).
 __device__ __forceinline__ size_t partial_off(int i, int h, int c, int n_heads, int splits, int D) {
@@ -128,10 +131,12 @@ __device__ __forceinline__ size_t partial_off(int i, int h, int c, int n_heads, 
 // dims. A row of one chunk normalises at once; otherwise each block writes
 // its partial state and the last block of the (row, KV head, group) to finish
 // (a ticket counter, reset by that block for the next launch) merges them.
+// Blocks a multiprocessor: head_dim 64 keeps the five it had before the
+// register prefetch (48 registers, no spills).
 template <int D>
-__global__ void __launch_bounds__(256) split_kernel(AttnBatch a, const int32_t* __restrict__ rows, int splits,
-                                                    int min_chunk, int max_splits, float* __restrict__ part,
-                                                    int* __restrict__ tickets) {
+__global__ void __launch_bounds__(kSplitThreads, D == 128 ? 2 : D == 64 ? 5 : 3)
+    split_kernel(AttnBatch a, const int32_t* __restrict__ rows, int splits, int min_chunk, int max_splits,
+                 float* __restrict__ part, int* __restrict__ tickets) {
   constexpr int PER = D / 32, KP = D + 4;
   pdl_wait();
   const int i = blockIdx.x, r = rows[i];
@@ -157,21 +162,35 @@ __global__ void __launch_bounds__(256) split_kernel(AttnBatch a, const int32_t* 
   float m = -INFINITY, l = 0, acc[PER];
 #pragma unroll
   for (int k = 0; k < PER; ++k) acc[k] = 0;
+  // A tile's K and V go through registers (kLd float4 pairs a thread): the
+  // next tile's loads are in flight while this one is scored.
+  constexpr int kLd = kSplitKeys * (D / 4) / kSplitThreads;
+  float4 kreg[kLd], vreg[kLd];
+  auto load_tile = [&](int j0) {
+    const int nv = min(kSplitKeys, j_end - j0 + 1);
+#pragma unroll
+    for (int u = 0; u < kLd; ++u) {
+      const int e = threadIdx.x + u * kSplitThreads, key = e / (D / 4), d4 = e % (D / 4);
+      kreg[u] = vreg[u] = make_float4(0, 0, 0, 0);
+      if (key < nv) {
+        const float* kr = key_row(a, pt, j0 + key) + kvh * D;
+        kreg[u] = reinterpret_cast<const float4*>(kr)[d4];
+        vreg[u] = reinterpret_cast<const float4*>(kr + KVD)[d4];
+      }
+    }
+  };
+  load_tile(j_begin);
   for (int j0 = j_begin; j0 <= j_end; j0 += kSplitKeys) {
     const int nv = min(kSplitKeys, j_end - j0 + 1);
     __syncthreads();  // previous tile consumed (and qs written, first time)
-    for (int e = threadIdx.x; e < kSplitKeys * (D / 4); e += blockDim.x) {
-      const int key = e / (D / 4), d4 = e % (D / 4);
-      float4 kx = make_float4(0, 0, 0, 0), vx = kx;
-      if (key < nv) {
-        const float* kr = key_row(a, pt, j0 + key) + kvh * D;
-        kx = reinterpret_cast<const float4*>(kr)[d4];
-        vx = reinterpret_cast<const float4*>(kr + KVD)[d4];
-      }
-      reinterpret_cast<float4*>(ks + key * KP)[d4] = kx;
-      reinterpret_cast<float4*>(vs + key * KP)[d4] = vx;
+#pragma unroll
+    for (int u = 0; u < kLd; ++u) {
+      const int e = threadIdx.x + u * kSplitThreads, key = e / (D / 4), d4 = e % (D / 4);
+      reinterpret_cast<float4*>(ks + key * KP)[d4] = kreg[u];
+      reinterpret_cast<float4*>(vs + key * KP)[d4] = vreg[u];
     }
     __syncthreads();
+    if (j0 + kSplitKeys <= j_end) load_tile(j0 + kSplitKeys);
     if (!head_ok) continue;
     float sc = -INFINITY;
     if (lane < nv) {
@@ -356,10 +375,17 @@ void attention_decode(const AttnBatch& a, const int32_t* rows, int n_rows, cudaS
   if (n_rows <= 0) return;
   const dim3 grid(unsigned(n_rows), unsigned(a.n_heads));
   switch (a.head_dim) {
-    case 32: decode_kernel<32><<<grid, 128, 0, s>>>(a, rows); break;
-    case 64: decode_kernel<64><<<grid, 128, 0, s>>>(a, rows); break;
-    case 128: decode_kernel<128><<<grid, 128, 0, s>>>(a, rows); break;
-    default: fail(DZ_ERR_UNSUPPORTED, "CUDA attention: head_dim ", a.head_dim, " (built for 32, 64, 128)");
+    case 32:
+      decode_kernel<32><<<grid, 128, 0, s>>>(a, rows);
+      break;
+    case 64:
+      decode_kernel<64><<<grid, 128, 0, s>>>(a, rows);
+      break;
+    case 128:
+      decode_kernel<128><<<grid, 128, 0, s>>>(a, rows);
+      break;
+    default:
+      fail(DZ_ERR_UNSUPPORTED, "CUDA attention: head_dim ", a.head_dim, " (built for 32, 64, 128)");
   }
   DZ_CUDA_LAUNCH_CHECK();
 }
@@ -382,24 +408,25 @@ size_t decode_ticket_ints(int n_rows, int n_heads, int n_kv_heads) {
   return size_t(n_rows) * size_t(n_kv_heads) * size_t((G + kSplitHeads - 1) / kSplitHeads);
 }
 
-void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows, int splits,
-                            const DecodeSplitPolicy& p, const DecodeScratch& scratch, cudaStream_t s) {
+void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows, int splits, const DecodeSplitPolicy& p,
+                            const DecodeScratch& scratch, cudaStream_t s) {
   if (n_rows <= 0) return;
-  check(p.min_chunk >= kSplitKeys && p.min_chunk % kSplitKeys == 0 && p.max_splits >= 1 && splits >= 1 &&
-            splits <= 4096,
-        DZ_ERR_INVALID_ARGUMENT, "split decode attention: min_chunk ", p.min_chunk, " (multiple of ", kSplitKeys,
-        "), max_splits ", p.max_splits, ", splits ", splits, " (1..4096)");
-  check(a.n_kv_heads > 0 && a.n_heads % a.n_kv_heads == 0, DZ_ERR_INVALID_ARGUMENT, "split decode attention: ",
-        a.n_heads, " heads over ", a.n_kv_heads, " KV heads");
+  check(
+      p.min_chunk >= kSplitKeys && p.min_chunk % kSplitKeys == 0 && p.max_splits >= 1 && splits >= 1 && splits <= 4096,
+      DZ_ERR_INVALID_ARGUMENT, "split decode attention: min_chunk ", p.min_chunk, " (multiple of ", kSplitKeys,
+      "), max_splits ", p.max_splits, ", splits ", splits, " (1..4096)");
+  check(a.n_kv_heads > 0 && a.n_heads % a.n_kv_heads == 0, DZ_ERR_INVALID_ARGUMENT,
+        "split decode attention: ", a.n_heads, " heads over ", a.n_kv_heads, " KV heads");
   const size_t per_row = decode_partial_floats(1, a.n_heads, a.head_dim, splits);
   const size_t tickets_per_row = decode_ticket_ints(1, a.n_heads, a.n_kv_heads);
   check(scratch.partials && scratch.tickets && scratch.partial_floats >= per_row &&
             scratch.ticket_ints >= tickets_per_row,
         DZ_ERR_INTERNAL, "split decode attention: scratch of ", scratch.partial_floats, " floats and ",
         scratch.ticket_ints, " tickets, one row needs ", per_row, " and ", tickets_per_row);
-  const int group = int(std::min({size_t(n_rows), scratch.partial_floats / per_row, scratch.ticket_ints / tickets_per_row}));
+  const int group =
+      int(std::min({size_t(n_rows), scratch.partial_floats / per_row, scratch.ticket_ints / tickets_per_row}));
   const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
-  const unsigned threads = unsigned(32 * std::max(4, std::min(G, kSplitHeads)));
+  const unsigned threads = unsigned(kSplitThreads);
   for (int r0 = 0; r0 < n_rows; r0 += group) {
     const int n = std::min(group, n_rows - r0);
     const dim3 grid(unsigned(n), unsigned(a.n_kv_heads * ngrp), unsigned(splits));
@@ -416,7 +443,8 @@ void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows,
         launch_pdl(split_kernel<128>, grid, dim3(threads), 0, s, a, rows + r0, splits, p.min_chunk, p.max_splits,
                    scratch.partials, scratch.tickets);
         break;
-      default: fail(DZ_ERR_UNSUPPORTED, "CUDA attention: head_dim ", a.head_dim, " (built for 32, 64, 128)");
+      default:
+        fail(DZ_ERR_UNSUPPORTED, "CUDA attention: head_dim ", a.head_dim, " (built for 32, 64, 128)");
     }
     DZ_CUDA_LAUNCH_CHECK();
   }
@@ -430,10 +458,17 @@ void attention_prefill(const AttnBatch& a, const AttnTile* tiles, int n_tiles, i
   const dim3 grid(unsigned(n_tiles), unsigned(a.n_kv_heads));
   const unsigned threads = unsigned(rows_per_tile * G);
   switch (a.head_dim) {
-    case 32: prefill_kernel<32, 32><<<grid, threads, 0, s>>>(a, tiles); break;
-    case 64: prefill_kernel<64, 32><<<grid, threads, 0, s>>>(a, tiles); break;
-    case 128: prefill_kernel<128, 8><<<grid, threads, 0, s>>>(a, tiles); break;
-    default: fail(DZ_ERR_UNSUPPORTED, "CUDA attention: head_dim ", a.head_dim, " (built for 32, 64, 128)");
+    case 32:
+      prefill_kernel<32, 32><<<grid, threads, 0, s>>>(a, tiles);
+      break;
+    case 64:
+      prefill_kernel<64, 32><<<grid, threads, 0, s>>>(a, tiles);
+      break;
+    case 128:
+      prefill_kernel<128, 8><<<grid, threads, 0, s>>>(a, tiles);
+      break;
+    default:
+      fail(DZ_ERR_UNSUPPORTED, "CUDA attention: head_dim ", a.head_dim, " (built for 32, 64, 128)");
   }
   DZ_CUDA_LAUNCH_CHECK();
 }
