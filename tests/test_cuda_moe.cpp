@@ -342,10 +342,37 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
         INFO("diff " << d);
         CHECK(d < 2e-4);
       }
+    // One token reads the router's ids directly (no routing launch): the same bits as through the routing kernel.
+    if (T == 1) {
+      layer.options() = MoeOptions{8.0, 3};
+      layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFused);
+      ctx.sync();
+      const auto direct = out.get();
+      layer.options().fused_one_token_direct = false;
+      DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
+      layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFused);
+      ctx.sync();
+      CHECK(std::memcmp(out.get().data(), direct.data(), direct.size() * sizeof(float)) == 0);
+    }
     layer.options() = MoeOptions{8.0, 3};
     CHECK(layer.take_error() == 0);
   }
-  // An out-of-range expert id is flagged, not a crash.
+  // An out-of-range expert id is flagged, not a crash; with one token (no routing launch) too.
+  {
+    MoeCase c = make_moe(8, 2, 64, 32, 1, rng);
+    c.ids[1] = 99;
+    MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, 4);
+    Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
+    Dev<uint16_t> b1(c.b1), b2(c.b2);
+    Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
+    Dev<int> ids(c.ids);
+    layer.forward(MoeWeights{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p}, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFused);
+    ctx.sync();
+    CHECK(layer.take_error() == 1);
+    bool finite = true;
+    for (float v : out.get()) finite &= std::isfinite(v);
+    CHECK(finite);
+  }
   {
     MoeCase c = make_moe(8, 2, 64, 32, 3, rng);
     c.ids[1] = 99;

@@ -259,6 +259,49 @@ __global__ void __launch_bounds__(256) x_to_half_kernel(const float* x, int H, i
   x_to_half_row(x + int64_t(t) * H, H, kpad, xh + int64_t(t) * kpad, xs + t, red);
 }
 
+// One token row (whole block, in registers): fp32 [H] -> fp16 scaled by a
+// power of two as x_to_half_row, handed out as 8-value pieces q8 < k8 (zero
+// past H) to put(q8, piece); returns the scale. For the fused kernels' one-token
+// case (bit-identical to the conversion kernels).
+template <typename Put>
+__device__ __forceinline__ float x_to_half_pieces(const float* x, int H, int k8, Put put) {
+  __shared__ float red[32];
+  constexpr int kPer = 2;  // pieces a thread (k8 <= kPer * blockDim.x: H up to 4096 at 256 threads)
+  float4 v[kPer][2];
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int q8 = threadIdx.x + j * blockDim.x;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = 8 * q8 + 4 * h;
+      v[j][h] = q8 < k8 && c < H ? *reinterpret_cast<const float4*>(x + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+      amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[j][h].x), fabsf(v[j][h].y)), fmaxf(fabsf(v[j][h].z), fabsf(v[j][h].w))));
+    }
+  }
+  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
+  __syncthreads();
+  amax = 0.f;
+  for (int i = 0; i < int(blockDim.x >> 5); ++i) amax = fmaxf(amax, red[i]);
+  int ex = 0;
+  frexpf(amax, &ex);
+  const float scale = amax > 0.f ? ldexpf(1.f, ex) : 1.f, inv = 1.f / scale;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int q8 = threadIdx.x + j * blockDim.x;
+    if (q8 >= k8) continue;
+    uint4 p;
+    __half2* hp = reinterpret_cast<__half2*>(&p);
+    hp[0] = __floats2half2_rn(v[j][0].x * inv, v[j][0].y * inv);
+    hp[1] = __floats2half2_rn(v[j][0].z * inv, v[j][0].w * inv);
+    hp[2] = __floats2half2_rn(v[j][1].x * inv, v[j][1].y * inv);
+    hp[3] = __floats2half2_rn(v[j][1].z * inv, v[j][1].w * inv);
+    put(q8, p);
+  }
+  return scale;
+}
+
 // ------------------------------------------------------- fused W4A16 path
 struct W4Args {
   const uint8_t* blocks;   // expert 0, [E][rows][nsub][16]
@@ -273,6 +316,13 @@ struct W4Args {
   __half* out_act;  // gate_up: SwiGLU output [rows_cap][out_ld]
   int out_ld;
   float* out_y;  // down: [rows_cap][rows], bias added
+  // One token (direct != 0): no routing kernel. Slot y's expert is ids[y] and
+  // its row y * kPadRows; gate_up blocks convert x (fp32 [H]) to fp16
+  // themselves and write inv (invalid ids: -1 and err).
+  int direct, n_experts, H;
+  const int* ids;
+  const float* x;
+  int *inv, *err;
 };
 
 // Hi bytes of fp16(E2M1 code * 2^-d) for codes 0..7 (low bytes are zero).
@@ -381,11 +431,26 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   extern __shared__ uint4 xs4[];
   __shared__ float4 red[kKS > 1 ? kKS - 1 : 1][kRT][32];
   if (kPdl && kGateUp) griddep_wait();  // routing outputs
-  const int n_active = *a.n_active;
-  const int4 info = a.active[min(blockIdx.y, unsigned(gridDim.y) - 1)];  // in parallel with n_active; stale past it
-  if (blockIdx.y >= unsigned(n_active)) {
-    if (kPdl) griddep_launch();
-    return;
+  int4 info;
+  if (a.direct) {
+    const int id = a.ids[blockIdx.y];
+    const bool ok = id >= 0 && id < a.n_experts;
+    if (kGateUp && blockIdx.x == 0 && threadIdx.x == 0) {
+      a.inv[blockIdx.y] = ok ? int(blockIdx.y) * kPadRows : -1;
+      if (!ok) atomicOr(a.err, 1);
+    }
+    if (!ok) {
+      if (kPdl) griddep_launch();
+      return;
+    }
+    info = make_int4(id, int(blockIdx.y) * kPadRows, 1, 0);
+  } else {
+    const int n_active = *a.n_active;
+    info = a.active[min(blockIdx.y, unsigned(gridDim.y) - 1)];  // in parallel with n_active; stale past it
+    if (blockIdx.y >= unsigned(n_active)) {
+      if (kPdl) griddep_launch();
+      return;
+    }
   }
   const int e = info.x, seg = info.y, cnt = info.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -436,11 +501,19 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   for (int base = 0; base < cnt; base += NT) {
     const int m = min(NT, cnt - base);
     __syncthreads();
-    for (int gi = 0; gi < m; ++gi) {
-      const __half* src = a.act + int64_t(kGateUp ? a.sorted[seg + base + gi] / a.topk : seg + base + gi) * a.kpad;
-      for (int q8 = threadIdx.x; q8 < k8; q8 += blockDim.x) {
+    float x_scale = 1.f;  // direct: the token's input scale
+    if (kGateUp && a.direct) {
+      x_scale = x_to_half_pieces(a.x, a.H, k8, [&](int q8, uint4 v) {
         const int c = q8 >> 4, tt = (q8 >> 2) & 3, ii = q8 & 3;
-        xs4[((c * 4 + ii) * NT + gi) * 4 + tt] = *reinterpret_cast<const uint4*>(src + q8 * 8);
+        xs4[(c * 4 + ii) * 4 + tt] = v;
+      });
+    } else {
+      for (int gi = 0; gi < m; ++gi) {
+        const __half* src = a.act + int64_t(kGateUp ? a.sorted[seg + base + gi] / a.topk : seg + base + gi) * a.kpad;
+        for (int q8 = threadIdx.x; q8 < k8; q8 += blockDim.x) {
+          const int c = q8 >> 4, tt = (q8 >> 2) & 3, ii = q8 & 3;
+          xs4[((c * 4 + ii) * NT + gi) * 4 + tt] = *reinterpret_cast<const uint4*>(src + q8 * 8);
+        }
       }
     }
     // The epilogue's operands load now, under the weight stream (bias, the tokens' input scales).
@@ -453,7 +526,8 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
 #pragma unroll
         for (int n = 0; n < kN; ++n)
           for (int j = 0; j < 2; ++j)
-            if (8 * n + 2 * t + j < m) xsc[n][j] = a.act_scale[a.sorted[seg + base + 8 * n + 2 * t + j] / a.topk];
+            if (8 * n + 2 * t + j < m)
+              xsc[n][j] = a.direct ? x_scale : a.act_scale[a.sorted[seg + base + 8 * n + 2 * t + j] / a.topk];
     }
     __syncthreads();
 
@@ -1362,6 +1436,9 @@ struct MoeLayer::Impl {
     }
     const unsigned max_active = unsigned(std::min<int64_t>(E, int64_t(T) * s.topk));
     W4Args a{};
+    if (direct(T)) {  // grid y = topk: one block row per routed slot
+      a.direct = 1, a.n_experts = E, a.H = H, a.ids = ids, a.x = x, a.inv = inv.get(), a.err = err.get();
+    }
     a.sorted = sorted.get();
     a.active = reinterpret_cast<const int4*>(active.get());
     a.n_active = n_active.get();
@@ -1393,6 +1470,10 @@ struct MoeLayer::Impl {
            (const float*)y32.get(), (const int*)inv.get(), ids, gw, s.topk, (const uint16_t*)nullptr, H, out,
            accumulate);
   }
+
+  // One token, per-projection kernels: no routing launch (see MoeOptions).
+  // x_to_half_pieces holds up to 512 pieces of 8 values a block.
+  bool direct(int T) const { return T == 1 && opt.fused_one_token_direct && kph <= 4096 && s.topk <= s.n_experts; }
 
   // Tokens per weight pass of the persistent kernel.
   int tokens_per_pass(int T) const {
@@ -1632,7 +1713,8 @@ void MoeLayer::forward(const MoeWeights& w, const float* x, const int* ids, cons
     p_->fused_persistent(w, x, ids, gw, T, out, accumulate ? 1 : 0);
     return;
   }
-  p_->route(ids, T, path == MoePath::kFused && T <= kRouteConvertsX ? x : nullptr);
+  if (!(path == MoePath::kFused && p_->direct(T)))
+    p_->route(ids, T, path == MoePath::kFused && T <= kRouteConvertsX ? x : nullptr);
   if (path == MoePath::kFused)
     p_->fused(w, x, ids, gw, T, out, accumulate ? 1 : 0);
   else

@@ -48,6 +48,9 @@ struct MoeOptions {
   int gemm_streams = 4;   // experts of a tile run concurrently on this many streams
   int fused_k_split = 0;  // fused kernels: K split over 1, 4 or 8 warps (0: 4 up to 8 token slots, else 1)
   bool pdl = true;        // fused kernels as programmatic dependent launches
+  // One token on the per-projection fused kernels: they read the router's ids
+  // themselves and gate_up converts the input (no routing launch).
+  bool fused_one_token_direct = true;
   // Fused path implementation: 0 auto, 1 per-projection kernels (routing,
   // gate_up, down, combine), 2 one persistent kernel (bulk-copy ring, both
   // projections and the combine; needs 16-byte aligned expert tensors).

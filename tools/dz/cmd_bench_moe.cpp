@@ -393,8 +393,9 @@ int bench_moe(const Args& a) {
       // warps; kernel 2: the persistent kernel with nb tokens per weight pass;
       // programmatic dependent launch on/off); the default options are what
       // "fused_ms" reports.
-      auto time_fused = [&](int kernel, int ks, bool pdl, int nb = 0) {
+      auto time_fused = [&](int kernel, int ks, bool pdl, int nb = 0, bool direct = true) {
         layer.options().fused_kernel = kernel;
+        layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
         layer.options().fused_tokens_per_pass = nb;
         layer.options().fused_k_split = ks;
         layer.options().pdl = pdl;
@@ -428,6 +429,7 @@ int bench_moe(const Args& a) {
           for (bool pdl : {false, true})
             if (ks != 8 || (T <= 64 && pdl))
               variants["ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] = time_fused(1, ks, pdl);
+        if (T == 1) variants["ks4_pdl_routing_kernel"] = time_fused(1, 4, true, 0, false);  // one token, routed
       }
       double ms_v2 = -1;
       if (persistent_ok(0)) {
