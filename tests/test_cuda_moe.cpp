@@ -357,52 +357,33 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
     layer.options() = MoeOptions{8.0, 3};
     CHECK(layer.take_error() == 0);
   }
-  // An out-of-range expert id is flagged, not a crash; with one token (no routing launch) too.
-  {
-    MoeCase c = make_moe(8, 2, 64, 32, 1, rng);
-    c.ids[1] = 99;
-    MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, 4);
+  // An out-of-range expert id is flagged, not a crash, and the other slots still count: one token (no routing
+  // launch), a few tokens, and more than 4096 slots (the multi-block routing).
+  struct BadId {
+    int T, topk, slot, id;
+    MoePath path;
+  };
+  for (const BadId& b : {BadId{1, 2, 1, 99, MoePath::kFused}, BadId{3, 2, 1, 99, MoePath::kFused},
+                         BadId{1100, 4, 4321, -3, MoePath::kFp8}}) {
+    INFO("T " << b.T << ", slot " << b.slot << " names expert " << b.id);
+    MoeCase c = make_moe(8, b.topk, 64, 32, b.T, rng);
+    c.ids[size_t(b.slot)] = b.id;
+    MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, std::max(4, c.T));
     Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
     Dev<uint16_t> b1(c.b1), b2(c.b2);
     Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
     Dev<int> ids(c.ids);
-    layer.forward(MoeWeights{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p}, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFused);
+    const MoeWeights w{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p};
+    layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, b.path);
     ctx.sync();
     CHECK(layer.take_error() == 1);
     bool finite = true;
     for (float v : out.get()) finite &= std::isfinite(v);
     CHECK(finite);
-  }
-  {
-    MoeCase c = make_moe(8, 2, 64, 32, 3, rng);
-    c.ids[1] = 99;
-    MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, 4);
-    Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
-    Dev<uint16_t> b1(c.b1), b2(c.b2);
-    Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
-    Dev<int> ids(c.ids);
-    layer.forward(MoeWeights{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p}, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFused);
-    CHECK(layer.take_error() == 1);
-    CHECK_THROWS_AS(layer.forward(MoeWeights{}, x.p, ids.p, gw.p, c.T, out.p), Error);
-    CHECK_THROWS_AS(layer.forward(MoeWeights{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p}, x.p, ids.p, gw.p, 5, out.p),
-                    Error);
-  }
-  // The same through the multi-block routing (more than 4096 slots), where the other tokens still count.
-  {
-    MoeCase c = make_moe(8, 4, 64, 32, 1100, rng);
-    c.ids[4321] = -3;
-    MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, c.T);
-    Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
-    Dev<uint16_t> b1(c.b1), b2(c.b2);
-    Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
-    Dev<int> ids(c.ids);
-    layer.forward(MoeWeights{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p}, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
-    ctx.sync();
-    CHECK(layer.take_error() == 1);
-    const auto got = out.get();
-    bool finite = true;
-    for (float v : got) finite &= std::isfinite(v);
-    CHECK(finite);
+    if (b.T == 3) {
+      CHECK_THROWS_AS(layer.forward(MoeWeights{}, x.p, ids.p, gw.p, c.T, out.p), Error);
+      CHECK_THROWS_AS(layer.forward(w, x.p, ids.p, gw.p, 5, out.p), Error);  // more tokens than the scratch holds
+    }
   }
 #endif
 }
