@@ -207,66 +207,31 @@ __global__ void __launch_bounds__(kRouteChunkThreads)
   route_rows(off, cnt, E, int(blockIdx.x * blockDim.x + threadIdx.x), int(gridDim.x * blockDim.x), row_expert, sorted);
 }
 
-// One token row (whole block): fp32 -> fp16 [kpad] scaled by a power of two
-// (x / scale in [-1, 1]), zero padded; the scale goes to *scale_out. H % 4 == 0
-// (MoeLayer checks H % 32). Rows of up to 8 float4 per thread stay in
-// registers: one load round trip (a strided loop per pass took ~5 us a row).
-__device__ void x_to_half_row(const float* row, int H, int kpad, __half* out, float* scale_out, float* red) {
-  constexpr int kPer = 8;
-  const int h4 = H / 4, n4 = kpad / 4;
-  const bool in_regs = n4 <= kPer * int(blockDim.x);
-  float4 v[kPer];
-  float amax = 0.f;
-  if (in_regs) {
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int q = threadIdx.x + j * blockDim.x;
-      v[j] = q < h4 ? reinterpret_cast<const float4*>(row)[q] : make_float4(0.f, 0.f, 0.f, 0.f);
-      amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[j].x), fabsf(v[j].y)), fmaxf(fabsf(v[j].z), fabsf(v[j].w))));
-    }
-  } else {
-    for (int k = threadIdx.x; k < H; k += blockDim.x) amax = fmaxf(amax, fabsf(row[k]));
-  }
-  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
-  __syncthreads();  // red reused across rows
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
+// Block-wide max of v (red: 32 floats of shared memory, free again on return).
+__device__ __forceinline__ float block_max(float v, float* red) {
+  for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(~0u, v, o));
+  __syncthreads();  // red may still be read by an earlier call
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
-  amax = 0.f;
-  for (int i = 0; i < int(blockDim.x >> 5); ++i) amax = fmaxf(amax, red[i]);
+  v = 0.f;
+  for (int i = 0; i < int(blockDim.x >> 5); ++i) v = fmaxf(v, red[i]);
+  return v;
+}
+
+// The power of two that brings a row with largest magnitude amax into [-1, 1].
+__device__ __forceinline__ float pow2_scale(float amax) {
   int ex = 0;
   frexpf(amax, &ex);  // amax = m * 2^ex, m in [0.5, 1)
-  const float scale = amax > 0.f ? ldexpf(1.f, ex) : 1.f;
-  const float inv = 1.f / scale;
-  if (in_regs) {
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int q = threadIdx.x + j * blockDim.x;
-      if (q >= n4) continue;
-      __half2* d = reinterpret_cast<__half2*>(out) + 2 * q;
-      d[0] = __floats2half2_rn(v[j].x * inv, v[j].y * inv);
-      d[1] = __floats2half2_rn(v[j].z * inv, v[j].w * inv);
-    }
-  } else {
-    for (int k = threadIdx.x; k < kpad; k += blockDim.x) out[k] = __float2half_rn(k < H ? row[k] * inv : 0.f);
-  }
-  if (threadIdx.x == 0) *scale_out = scale;
+  return amax > 0.f ? ldexpf(1.f, ex) : 1.f;
 }
 
-__global__ void __launch_bounds__(256) x_to_half_kernel(const float* x, int H, int kpad, __half* xh, float* xs) {
-  griddep_launch();  // dependents only read xh/xs after their griddepcontrol.wait
-  __shared__ float red[32];
-  const int t = blockIdx.x;
-  x_to_half_row(x + int64_t(t) * H, H, kpad, xh + int64_t(t) * kpad, xs + t, red);
-}
-
-// One token row (whole block, in registers): fp32 [H] -> fp16 scaled by a
-// power of two as x_to_half_row, handed out as 8-value pieces q8 < k8 (zero
-// past H) to put(q8, piece); returns the scale. For the fused kernels' one-token
-// case (bit-identical to the conversion kernels).
-template <typename Put>
-__device__ __forceinline__ float x_to_half_pieces(const float* x, int H, int k8, Put put) {
-  __shared__ float red[32];
-  constexpr int kPer = 2;  // pieces a thread (k8 <= kPer * blockDim.x: H up to 4096 at 256 threads)
+// One token row (whole block, kPer pieces a thread in registers: one load
+// round trip): fp32 [H] -> fp16 scaled by a power of two (x / scale in
+// [-1, 1]), handed out as 8-value pieces q8 < k8 (zero past H) to put(q8,
+// piece); returns the scale. H % 4 == 0 (MoeLayer checks H % 32);
+// k8 <= kPer * blockDim.x.
+template <int kPer, typename Put>
+__device__ __forceinline__ float x_to_half_pieces(const float* x, int H, int k8, Put put, float* red) {
   float4 v[kPer][2];
   float amax = 0.f;
 #pragma unroll
@@ -279,14 +244,7 @@ __device__ __forceinline__ float x_to_half_pieces(const float* x, int H, int k8,
       amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[j][h].x), fabsf(v[j][h].y)), fmaxf(fabsf(v[j][h].z), fabsf(v[j][h].w))));
     }
   }
-  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
-  __syncthreads();
-  amax = 0.f;
-  for (int i = 0; i < int(blockDim.x >> 5); ++i) amax = fmaxf(amax, red[i]);
-  int ex = 0;
-  frexpf(amax, &ex);
-  const float scale = amax > 0.f ? ldexpf(1.f, ex) : 1.f, inv = 1.f / scale;
+  const float scale = pow2_scale(block_max(amax, red)), inv = 1.f / scale;
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     const int q8 = threadIdx.x + j * blockDim.x;
@@ -300,6 +258,33 @@ __device__ __forceinline__ float x_to_half_pieces(const float* x, int H, int k8,
     put(q8, p);
   }
   return scale;
+}
+
+// One token row (whole block) -> fp16 [kpad], zero padded, as x_to_half_pieces
+// (rows of up to 4 pieces a thread; a strided loop per pass took ~5 us a row);
+// the scale goes to *scale_out.
+__device__ void x_to_half_row(const float* row, int H, int kpad, __half* out, float* scale_out, float* red) {
+  constexpr int kPer = 4;
+  const int k8 = kpad / 8;
+  float scale;
+  if (k8 <= kPer * int(blockDim.x)) {
+    scale = x_to_half_pieces<kPer>(
+        row, H, k8, [&](int q8, uint4 v) { reinterpret_cast<uint4*>(out)[q8] = v; }, red);
+  } else {
+    float amax = 0.f;
+    for (int k = threadIdx.x; k < H; k += blockDim.x) amax = fmaxf(amax, fabsf(row[k]));
+    scale = pow2_scale(block_max(amax, red));
+    const float inv = 1.f / scale;
+    for (int k = threadIdx.x; k < kpad; k += blockDim.x) out[k] = __float2half_rn(k < H ? row[k] * inv : 0.f);
+  }
+  if (threadIdx.x == 0) *scale_out = scale;
+}
+
+__global__ void __launch_bounds__(256) x_to_half_kernel(const float* x, int H, int kpad, __half* xh, float* xs) {
+  griddep_launch();  // dependents only read xh/xs after their griddepcontrol.wait
+  __shared__ float red[32];
+  const int t = blockIdx.x;
+  x_to_half_row(x + int64_t(t) * H, H, kpad, xh + int64_t(t) * kpad, xs + t, red);
 }
 
 // ------------------------------------------------------- fused W4A16 path
@@ -503,10 +488,14 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
     __syncthreads();
     float x_scale = 1.f;  // direct: the token's input scale
     if (kGateUp && a.direct) {
-      x_scale = x_to_half_pieces(a.x, a.H, k8, [&](int q8, uint4 v) {
-        const int c = q8 >> 4, tt = (q8 >> 2) & 3, ii = q8 & 3;
-        xs4[(c * 4 + ii) * 4 + tt] = v;
-      });
+      __shared__ float xred[32];
+      x_scale = x_to_half_pieces<2>(
+          a.x, a.H, k8,
+          [&](int q8, uint4 v) {
+            const int c = q8 >> 4, tt = (q8 >> 2) & 3, ii = q8 & 3;
+            xs4[(c * 4 + ii) * 4 + tt] = v;
+          },
+          xred);
     } else {
       for (int gi = 0; gi < m; ++gi) {
         const __half* src = a.act + int64_t(kGateUp ? a.sorted[seg + base + gi] / a.topk : seg + base + gi) * a.kpad;
@@ -1471,9 +1460,9 @@ struct MoeLayer::Impl {
            accumulate);
   }
 
-  // One token, per-projection kernels: no routing launch (see MoeOptions).
-  // x_to_half_pieces holds up to 512 pieces of 8 values a block.
-  bool direct(int T) const { return T == 1 && opt.fused_one_token_direct && kph <= 4096 && s.topk <= s.n_experts; }
+  // One token, per-projection kernels: no routing launch (see MoeOptions);
+  // gate_up's blocks convert the input 2 pieces a thread.
+  bool direct(int T) const { return T == 1 && opt.fused_one_token_direct && kph / 8 <= 2 * kW4Threads; }
 
   // Tokens per weight pass of the persistent kernel.
   int tokens_per_pass(int T) const {
