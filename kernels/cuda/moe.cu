@@ -24,7 +24,8 @@ constexpr int kRouteThreads = 1024;
 constexpr int kW4Threads = 256;
 constexpr int kW4Tokens = 8;         // tokens per MMA tile (n = 8)
 constexpr int kW4MaxTokens = 16;     // tokens per weight pass of the per-projection kernels (two tiles)
-constexpr int kRouteConvertsX = 16;  // the routing block converts the input up to this many tokens
+constexpr int kRouteConvertsX = 16;
+constexpr int kA8Row = 144;          // W4A8 staging: bytes per (chunk, token slot), 128 used  // the routing block converts the input up to this many tokens
 
 // Programmatic dependent launch: wait for the previous kernel's results / let the next kernel start.
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
@@ -329,6 +330,28 @@ __device__ __forceinline__ uint32_t w4_decode(uint32_t w, uint32_t l0, uint32_t 
   return ptx::prmt(l0, l1, w & 0x7777u) | ((sg & 0x40404040u) << 1);
 }
 
+// E4M3 bytes of E2M1 code * 2^(6-d) for codes 0..7 (the FP8 fold rule: d = 0
+// puts 6 at 384 <= 448); exact while d <= 14, below that rounded (flushed).
+__device__ __forceinline__ void w4_lut8(int d, uint32_t& l0, uint32_t& l1) {
+  if (d <= 11) {  // normal: subtract d from each nonzero entry's exponent
+    l0 = 0x6C686000u - uint32_t(d * 8) * 0x01010100u;
+    l1 = 0x7C787470u - uint32_t(d * 8) * 0x01010101u;
+  } else {  // rare: E4M3 subnormals
+    const float f = ldexpf(1.f, 6 - d);
+    auto b = [&](float v) { return uint32_t(__nv_cvt_float_to_fp8(v * f, __NV_SATFINITE, __NV_E4M3)); };
+    l0 = (b(0.5f) << 8) | (b(1.f) << 16) | (b(1.5f) << 24);
+    l1 = b(2.f) | (b(3.f) << 8) | (b(4.f) << 16) | (b(6.f) << 24);
+  }
+}
+
+// D += A(16x32, row) * B(32x8, col), E4M3 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_16832_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // The k order inside a 128-wide chunk is permuted identically for both
 // operands: lane (g, t) owns sub-block t (32 elements) of the chunk; MMA step s
 // takes elements 4s..4s+3 of it. Each row's 4 sub-block scales are folded into
@@ -389,6 +412,54 @@ __device__ __forceinline__ void w4_chunk_n(const uint4 wa, const uint4 wb, const
   }
 }
 
+// The same chunk with E4M3 activations (W4A8): the weights decode straight to
+// E4M3 bytes (w4_decode with the FP8 table; no fp16 pair expansion) and each
+// MMA (k = 32) takes one 4-byte word of the lane's sub-block per row. Lane
+// (g, t) of step i covers chunk elements 32t + 8i .. +7, so b(n) is its 32
+// consecutive activation bytes (two uint4: steps 0-1, 2-3) of token 8n + g
+// and xs(n, j) the 1x128 scale of token 8n + 2t + j in this chunk.
+template <int kN, typename B, typename S>
+__device__ __forceinline__ void w4_chunk_a8(const uint4 wa, const uint4 wb, const int s_a, const int s_b, B b, S xs,
+                                            float (&acc)[kN][4]) {
+  int mA = ((wa.x | wa.y | wa.z | wa.w) & 0x77777777u) ? s_a : -1;
+  int mB = ((wb.x | wb.y | wb.z | wb.w) & 0x77777777u) ? s_b : -1;
+  mA = max(mA, __shfl_xor_sync(~0u, mA, 1));
+  mB = max(mB, __shfl_xor_sync(~0u, mB, 1));
+  mA = max(mA, __shfl_xor_sync(~0u, mA, 2));
+  mB = max(mB, __shfl_xor_sync(~0u, mB, 2));
+  uint32_t la0, la1, lb0, lb1;
+  w4_lut8(max(mA - s_a, 0), la0, la1);
+  w4_lut8(max(mB - s_b, 0), lb0, lb1);
+  const float fA = mA < 0 ? 0.f : e8m0_to_float(mA) * (1.f / 64), fB = mB < 0 ? 0.f : e8m0_to_float(mB) * (1.f / 64);
+  constexpr int kC = kN == 1 ? 2 : 1;  // independent MMA chains
+  float q[kN][kC][4] = {};
+  uint4 bv[kN][2];
+#pragma unroll
+  for (int n = 0; n < kN; ++n) b(n, bv[n]);
+  const uint32_t wA[4] = {wa.x, wa.y, wa.z, wa.w}, wB[4] = {wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t a0 = w4_decode(wA[i], la0, la1), a2 = w4_decode(wA[i] >> 16, la0, la1);
+    const uint32_t a1 = w4_decode(wB[i], lb0, lb1), a3 = w4_decode(wB[i] >> 16, lb0, lb1);
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      const uint4& v = bv[n][i >> 1];
+      mma_16832_e4m3(q[n][i % kC], a0, a1, a2, a3, i & 1 ? v.z : v.x, i & 1 ? v.w : v.y);
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < kN; ++n) {
+    float s[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) s[j] = kC == 2 ? q[n][0][j] + q[n][kC - 1][j] : q[n][0][j];
+    const float x0 = xs(n, 0), x1 = xs(n, 1);
+    acc[n][0] += s[0] * (fA * x0);
+    acc[n][1] += s[1] * (fA * x1);
+    acc[n][2] += s[2] * (fB * x0);
+    acc[n][3] += s[3] * (fB * x1);
+  }
+}
+
 // One token tile (the persistent kernel's form).
 template <typename B>
 __device__ __forceinline__ void w4_chunk(const uint4 wa, const uint4 wb, const int s_a, const int s_b, B b,
@@ -409,7 +480,11 @@ __device__ __forceinline__ void w4_chunk(const uint4 wa, const uint4 wb, const i
 // latency-bound, more of them hide more.
 // (Measured on an H200 and dropped: cp.async rings in shared memory for more
 // bytes in flight, and blocks streaming several row tiles; both slower.)
-template <bool kGateUp, int kKS, int kN, bool kPdl>
+// kA8: E4M3 activations with one scale per token and 128-wide chunk (the FP8
+// path's 1x128 rule), quantized while staged: shared memory holds
+// [chunk][token slot][kA8Row bytes] (128 used; the pad spreads a quarter
+// warp's 16-byte reads over all banks), then the fp32 scales [chunk][slot].
+template <bool kGateUp, int kKS, int kN, bool kPdl, bool kA8>
 __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args a) {
   static_assert(kN == 1 || kKS == 1, "two token tiles only without a K split");
   constexpr int kRT = 8 / kKS, kRows = 16 * kRT, kRing = 3;
@@ -457,6 +532,10 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   const uint4* xb[kN];
 #pragma unroll
   for (int n = 0; n < kN; ++n) xb[n] = xs4 + min(8 * n + g, NT - 1) * 4 + t;
+  // A8: this lane's activation bytes / the scales of its output columns, chunk 0.
+  uint8_t* const xq = reinterpret_cast<uint8_t*>(xs4);
+  float* const xqs = reinterpret_cast<float*>(xq + nchunk * NT * kA8Row);
+  const int xq_tok = g * kA8Row + 32 * t, xs_tok = 2 * t;  // token tile n: + 8n (clamped to NT - 1)
 
   auto load = [&](int c, uint4& wa, uint4& wb, int& sa, int& sb) {
     const int sub = c * 4 + t;
@@ -487,7 +566,64 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
     const int m = min(NT, cnt - base);
     __syncthreads();
     float x_scale = 1.f;  // direct: the token's input scale
-    if (kGateUp && a.direct) {
+    if (kA8) {
+      // 16 threads a chunk: each quantizes an 8-value piece against the chunk's amax.
+      auto stage = [&](int gi, auto load8) {
+        for (int q0 = 0; q0 < k8; q0 += blockDim.x) {
+          const int q8 = q0 + threadIdx.x;
+          float v[8];
+          if (q8 < k8)
+            load8(q8, v);
+          else
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] = 0.f;
+          float am = 0.f;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) am = fmaxf(am, fabsf(v[j]));
+#pragma unroll
+          for (int o = 1; o < 16; o <<= 1) am = fmaxf(am, __shfl_xor_sync(~0u, am, o));
+          const float inv = am > 0.f ? 448.f / am : 0.f;
+          uint32_t p[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[4 * h] * inv, v[4 * h + 1] * inv),
+                                                         __NV_SATFINITE, __NV_E4M3);
+            const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[4 * h + 2] * inv, v[4 * h + 3] * inv),
+                                                         __NV_SATFINITE, __NV_E4M3);
+            p[h] = lo | (hi << 16);
+          }
+          if (q8 < k8) {
+            const int c = q8 >> 4, pc = q8 & 15;
+            *reinterpret_cast<uint2*>(xq + (c * NT + gi) * kA8Row + 8 * pc) = make_uint2(p[0], p[1]);
+            if (pc == 0) xqs[c * NT + gi] = am * (1.f / 448);
+          }
+        }
+      };
+      if (kGateUp && a.direct) {
+        stage(0, [&](int q8, float(&v)[8]) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int c = 8 * q8 + 4 * h;
+            const float4 f = c < a.H ? *reinterpret_cast<const float4*>(a.x + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+            v[4 * h] = f.x, v[4 * h + 1] = f.y, v[4 * h + 2] = f.z, v[4 * h + 3] = f.w;
+          }
+        });
+      } else {
+        for (int gi = 0; gi < m; ++gi) {
+          const __half* src =
+              a.act + int64_t(kGateUp ? a.sorted[seg + base + gi] / a.topk : seg + base + gi) * a.kpad;
+          stage(gi, [&](int q8, float(&v)[8]) {
+            const uint4 u = *reinterpret_cast<const uint4*>(src + q8 * 8);
+            const __half2* h2 = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const float2 f = __half22float2(h2[j]);
+              v[2 * j] = f.x, v[2 * j + 1] = f.y;
+            }
+          });
+        }
+      }
+    } else if (kGateUp && a.direct) {
       __shared__ float xred[32];
       x_scale = x_to_half_pieces<2>(
           a.x, a.H, k8,
@@ -530,8 +666,18 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
           const int c = c0 + p;
           if (c >= c_end) break;
           // Consumed in place, then refilled: no register copies of the slot.
-          w4_chunk_n<kN>(
-              ra[p], rb[p], sa[p], sb[p], [&](int i, int n) { return xb[n][(c * 4 + i) * 4 * NT]; }, acc);
+          if constexpr (kA8)
+            w4_chunk_a8<kN>(
+                ra[p], rb[p], sa[p], sb[p],
+                [&](int n, uint4(&v)[2]) {
+                  const int off = n == 0 || 8 * n + g < NT ? xq_tok + 8 * n * kA8Row : (NT - 1) * kA8Row + 32 * t;
+                  const uint4* q = reinterpret_cast<const uint4*>(xq + c * NT * kA8Row + off);
+                  v[0] = q[0], v[1] = q[1];
+                },
+                [&](int n, int j) { return xqs[c * NT + min(8 * n + xs_tok + j, NT - 1)]; }, acc);
+          else
+            w4_chunk_n<kN>(
+                ra[p], rb[p], sa[p], sb[p], [&](int i, int n) { return xb[n][(c * 4 + i) * 4 * NT]; }, acc);
           if (c + kRing < c_end) load(c + kRing, ra[p], rb[p], sa[p], sb[p]);
         }
       }
@@ -566,19 +712,28 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   if (kPdl) griddep_launch();  // after this block's results are written
 }
 
+// Dynamic shared memory of a fused kernel staging ntok token slots of kpad.
+size_t w4_smem(int ntok, int kpad, bool a8) {
+  return a8 ? size_t(ntok) * (kpad / 128) * (kA8Row + sizeof(float)) : size_t(ntok) * kpad * 2;
+}
+
 // The instantiated K splits of the fused kernels.
 constexpr int kW4Splits[] = {1, 4, 8};
 using W4Fn = void (*)(W4Args);
-template <bool kGateUp, bool kPdl>
-W4Fn w4_fn(int ks, int ntile) {
+template <bool kGateUp, bool kPdl, bool kA8>
+W4Fn w4_fn_t(int ks, int ntile) {
   switch (ks) {
     case 1:
-      return ntile == 2 ? w4_kernel<kGateUp, 1, 2, kPdl> : w4_kernel<kGateUp, 1, 1, kPdl>;
+      return ntile == 2 ? w4_kernel<kGateUp, 1, 2, kPdl, kA8> : w4_kernel<kGateUp, 1, 1, kPdl, kA8>;
     case 4:
-      return w4_kernel<kGateUp, 4, 1, kPdl>;
+      return w4_kernel<kGateUp, 4, 1, kPdl, kA8>;
     default:
-      return w4_kernel<kGateUp, 8, 1, kPdl>;
+      return w4_kernel<kGateUp, 8, 1, kPdl, kA8>;
   }
+}
+template <bool kGateUp, bool kPdl>
+W4Fn w4_fn(int ks, int ntile, bool a8) {
+  return a8 ? w4_fn_t<kGateUp, kPdl, true>(ks, ntile) : w4_fn_t<kGateUp, kPdl, false>(ks, ntile);
 }
 
 // ------------------------------------------ fused path, persistent kernel
@@ -1371,12 +1526,14 @@ struct MoeLayer::Impl {
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     DZ_CUDA_CHECK(cudaFuncSetAttribute(moe_persistent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem));
-    const int smem = int(kW4MaxTokens * std::max(kph, kpi) * 2);
+    const int smem = int(std::max(w4_smem(kW4MaxTokens, int(std::max(kph, kpi)), false),
+                                  w4_smem(kW4MaxTokens, int(std::max(kph, kpi)), true)));
     for (int ks : kW4Splits)
       for (int nt : {1, 2})
-        for (auto k : {w4_fn<true, false>(ks, nt), w4_fn<true, true>(ks, nt), w4_fn<false, false>(ks, nt),
-                       w4_fn<false, true>(ks, nt)})
-          DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        for (bool a8 : {false, true})
+          for (auto k : {w4_fn<true, false>(ks, nt, a8), w4_fn<true, true>(ks, nt, a8), w4_fn<false, false>(ks, nt, a8),
+                         w4_fn<false, true>(ks, nt, a8)})
+            DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     DZ_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
   }
 
@@ -1547,8 +1704,9 @@ struct MoeLayer::Impl {
   void launch_w4(int ks, bool pdl, int rows, unsigned max_active, cudaStream_t st, const W4Args& a) {
     const int per_block = 16 * (8 / ks), ntile = a.ntok > kW4Tokens ? 2 : 1;
     const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
-    const size_t smem = size_t(a.ntok) * a.kpad * 2;
-    launch(pdl ? w4_fn<G, true>(ks, ntile) : w4_fn<G, false>(ks, ntile), grid, dim3(kW4Threads), smem, st, pdl, a);
+    const bool a8 = opt.fused_fp8_activations;
+    launch(pdl ? w4_fn<G, true>(ks, ntile, a8) : w4_fn<G, false>(ks, ntile, a8), grid, dim3(kW4Threads),
+           w4_smem(a.ntok, a.kpad, a8), st, pdl, a);
   }
 
   // The fused kernels' K split for T tokens.
