@@ -535,7 +535,9 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   // A8: this lane's activation bytes / the scales of its output columns, chunk 0.
   uint8_t* const xq = reinterpret_cast<uint8_t*>(xs4);
   float* const xqs = reinterpret_cast<float*>(xq + nchunk * NT * kA8Row);
-  const int xq_tok = g * kA8Row + 32 * t, xs_tok = 2 * t;  // token tile n: + 8n (clamped to NT - 1)
+  int xq_off[kN];  // token tile n's activation bytes, chunk 0 (token clamped to NT - 1)
+#pragma unroll
+  for (int n = 0; n < kN; ++n) xq_off[n] = min(8 * n + g, NT - 1) * kA8Row + 32 * t;
 
   auto load = [&](int c, uint4& wa, uint4& wb, int& sa, int& sb) {
     const int sub = c * 4 + t;
@@ -670,11 +672,10 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
             w4_chunk_a8<kN>(
                 ra[p], rb[p], sa[p], sb[p],
                 [&](int n, uint4(&v)[2]) {
-                  const int off = n == 0 || 8 * n + g < NT ? xq_tok + 8 * n * kA8Row : (NT - 1) * kA8Row + 32 * t;
-                  const uint4* q = reinterpret_cast<const uint4*>(xq + c * NT * kA8Row + off);
+                  const uint4* q = reinterpret_cast<const uint4*>(xq + c * NT * kA8Row + xq_off[n]);
                   v[0] = q[0], v[1] = q[1];
                 },
-                [&](int n, int j) { return xqs[c * NT + min(8 * n + xs_tok + j, NT - 1)]; }, acc);
+                [&](int n, int j) { return xqs[c * NT + min(8 * n + 2 * t + j, NT - 1)]; }, acc);
           else
             w4_chunk_n<kN>(
                 ra[p], rb[p], sa[p], sb[p], [&](int i, int n) { return xb[n][(c * 4 + i) * 4 * NT]; }, acc);
