@@ -10,6 +10,12 @@
 #include "cuda/mxfp4_fold.h"
 #include "cuda/pdl.cuh"
 #include "cuda/ptx.cuh"
+
+// wgmma exists only in the sm_90a target: elsewhere the W4A8 kernel body is
+// empty and the host does not choose it (Fp8GroupedGemm::supported).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DZ_MOE_SM90A 1
+#endif
 #include "runtime/cuda/cuda_check.h"
 
 namespace dz::cuda {
@@ -24,8 +30,7 @@ constexpr int kRouteThreads = 1024;
 constexpr int kW4Threads = 256;
 constexpr int kW4Tokens = 8;         // tokens per MMA tile (n = 8)
 constexpr int kW4MaxTokens = 16;     // tokens per weight pass of the per-projection kernels (two tiles)
-constexpr int kRouteConvertsX = 16;
-constexpr int kA8Row = 144;          // W4A8 staging: bytes per (chunk, token slot), 128 used  // the routing block converts the input up to this many tokens
+constexpr int kRouteConvertsX = 16;  // the routing block converts the input up to this many tokens
 
 // Programmatic dependent launch: wait for the previous kernel's results / let the next kernel start.
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
@@ -330,28 +335,6 @@ __device__ __forceinline__ uint32_t w4_decode(uint32_t w, uint32_t l0, uint32_t 
   return ptx::prmt(l0, l1, w & 0x7777u) | ((sg & 0x40404040u) << 1);
 }
 
-// E4M3 bytes of E2M1 code * 2^(6-d) for codes 0..7 (the FP8 fold rule: d = 0
-// puts 6 at 384 <= 448); exact while d <= 14, below that rounded (flushed).
-__device__ __forceinline__ void w4_lut8(int d, uint32_t& l0, uint32_t& l1) {
-  if (d <= 11) {  // normal: subtract d from each nonzero entry's exponent
-    l0 = 0x6C686000u - uint32_t(d * 8) * 0x01010100u;
-    l1 = 0x7C787470u - uint32_t(d * 8) * 0x01010101u;
-  } else {  // rare: E4M3 subnormals
-    const float f = ldexpf(1.f, 6 - d);
-    auto b = [&](float v) { return uint32_t(__nv_cvt_float_to_fp8(v * f, __NV_SATFINITE, __NV_E4M3)); };
-    l0 = (b(0.5f) << 8) | (b(1.f) << 16) | (b(1.5f) << 24);
-    l1 = b(2.f) | (b(3.f) << 8) | (b(4.f) << 16) | (b(6.f) << 24);
-  }
-}
-
-// D += A(16x32, row) * B(32x8, col), E4M3 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma_16832_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                               uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // The k order inside a 128-wide chunk is permuted identically for both
 // operands: lane (g, t) owns sub-block t (32 elements) of the chunk; MMA step s
 // takes elements 4s..4s+3 of it. Each row's 4 sub-block scales are folded into
@@ -412,54 +395,6 @@ __device__ __forceinline__ void w4_chunk_n(const uint4 wa, const uint4 wb, const
   }
 }
 
-// The same chunk with E4M3 activations (W4A8): the weights decode straight to
-// E4M3 bytes (w4_decode with the FP8 table; no fp16 pair expansion) and each
-// MMA (k = 32) takes one 4-byte word of the lane's sub-block per row. Lane
-// (g, t) of step i covers chunk elements 32t + 8i .. +7, so b(n) is its 32
-// consecutive activation bytes (two uint4: steps 0-1, 2-3) of token 8n + g
-// and xs(n, j) the 1x128 scale of token 8n + 2t + j in this chunk.
-template <int kN, typename B, typename S>
-__device__ __forceinline__ void w4_chunk_a8(const uint4 wa, const uint4 wb, const int s_a, const int s_b, B b, S xs,
-                                            float (&acc)[kN][4]) {
-  int mA = ((wa.x | wa.y | wa.z | wa.w) & 0x77777777u) ? s_a : -1;
-  int mB = ((wb.x | wb.y | wb.z | wb.w) & 0x77777777u) ? s_b : -1;
-  mA = max(mA, __shfl_xor_sync(~0u, mA, 1));
-  mB = max(mB, __shfl_xor_sync(~0u, mB, 1));
-  mA = max(mA, __shfl_xor_sync(~0u, mA, 2));
-  mB = max(mB, __shfl_xor_sync(~0u, mB, 2));
-  uint32_t la0, la1, lb0, lb1;
-  w4_lut8(max(mA - s_a, 0), la0, la1);
-  w4_lut8(max(mB - s_b, 0), lb0, lb1);
-  const float fA = mA < 0 ? 0.f : e8m0_to_float(mA) * (1.f / 64), fB = mB < 0 ? 0.f : e8m0_to_float(mB) * (1.f / 64);
-  constexpr int kC = kN == 1 ? 2 : 1;  // independent MMA chains
-  float q[kN][kC][4] = {};
-  uint4 bv[kN][2];
-#pragma unroll
-  for (int n = 0; n < kN; ++n) b(n, bv[n]);
-  const uint32_t wA[4] = {wa.x, wa.y, wa.z, wa.w}, wB[4] = {wb.x, wb.y, wb.z, wb.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t a0 = w4_decode(wA[i], la0, la1), a2 = w4_decode(wA[i] >> 16, la0, la1);
-    const uint32_t a1 = w4_decode(wB[i], lb0, lb1), a3 = w4_decode(wB[i] >> 16, lb0, lb1);
-#pragma unroll
-    for (int n = 0; n < kN; ++n) {
-      const uint4& v = bv[n][i >> 1];
-      mma_16832_e4m3(q[n][i % kC], a0, a1, a2, a3, i & 1 ? v.z : v.x, i & 1 ? v.w : v.y);
-    }
-  }
-#pragma unroll
-  for (int n = 0; n < kN; ++n) {
-    float s[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) s[j] = kC == 2 ? q[n][0][j] + q[n][kC - 1][j] : q[n][0][j];
-    const float x0 = xs(n, 0), x1 = xs(n, 1);
-    acc[n][0] += s[0] * (fA * x0);
-    acc[n][1] += s[1] * (fA * x1);
-    acc[n][2] += s[2] * (fB * x0);
-    acc[n][3] += s[3] * (fB * x1);
-  }
-}
-
 // One token tile (the persistent kernel's form).
 template <typename B>
 __device__ __forceinline__ void w4_chunk(const uint4 wa, const uint4 wb, const int s_a, const int s_b, B b,
@@ -480,11 +415,7 @@ __device__ __forceinline__ void w4_chunk(const uint4 wa, const uint4 wb, const i
 // latency-bound, more of them hide more.
 // (Measured on an H200 and dropped: cp.async rings in shared memory for more
 // bytes in flight, and blocks streaming several row tiles; both slower.)
-// kA8: E4M3 activations with one scale per token and 128-wide chunk (the FP8
-// path's 1x128 rule), quantized while staged: shared memory holds
-// [chunk][token slot][kA8Row bytes] (128 used; the pad spreads a quarter
-// warp's 16-byte reads over all banks), then the fp32 scales [chunk][slot].
-template <bool kGateUp, int kKS, int kN, bool kPdl, bool kA8>
+template <bool kGateUp, int kKS, int kN, bool kPdl>
 __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args a) {
   static_assert(kN == 1 || kKS == 1, "two token tiles only without a K split");
   constexpr int kRT = 8 / kKS, kRows = 16 * kRT, kRing = 3;
@@ -532,12 +463,6 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   const uint4* xb[kN];
 #pragma unroll
   for (int n = 0; n < kN; ++n) xb[n] = xs4 + min(8 * n + g, NT - 1) * 4 + t;
-  // A8: this lane's activation bytes / the scales of its output columns, chunk 0.
-  uint8_t* const xq = reinterpret_cast<uint8_t*>(xs4);
-  float* const xqs = reinterpret_cast<float*>(xq + nchunk * NT * kA8Row);
-  int xq_off[kN];  // token tile n's activation bytes, chunk 0 (token clamped to NT - 1)
-#pragma unroll
-  for (int n = 0; n < kN; ++n) xq_off[n] = min(8 * n + g, NT - 1) * kA8Row + 32 * t;
 
   auto load = [&](int c, uint4& wa, uint4& wb, int& sa, int& sb) {
     const int sub = c * 4 + t;
@@ -568,64 +493,7 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
     const int m = min(NT, cnt - base);
     __syncthreads();
     float x_scale = 1.f;  // direct: the token's input scale
-    if (kA8) {
-      // 16 threads a chunk: each quantizes an 8-value piece against the chunk's amax.
-      auto stage = [&](int gi, auto load8) {
-        for (int q0 = 0; q0 < k8; q0 += blockDim.x) {
-          const int q8 = q0 + threadIdx.x;
-          float v[8];
-          if (q8 < k8)
-            load8(q8, v);
-          else
-#pragma unroll
-            for (int j = 0; j < 8; ++j) v[j] = 0.f;
-          float am = 0.f;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) am = fmaxf(am, fabsf(v[j]));
-#pragma unroll
-          for (int o = 1; o < 16; o <<= 1) am = fmaxf(am, __shfl_xor_sync(~0u, am, o));
-          const float inv = am > 0.f ? 448.f / am : 0.f;
-          uint32_t p[2];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[4 * h] * inv, v[4 * h + 1] * inv),
-                                                         __NV_SATFINITE, __NV_E4M3);
-            const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[4 * h + 2] * inv, v[4 * h + 3] * inv),
-                                                         __NV_SATFINITE, __NV_E4M3);
-            p[h] = lo | (hi << 16);
-          }
-          if (q8 < k8) {
-            const int c = q8 >> 4, pc = q8 & 15;
-            *reinterpret_cast<uint2*>(xq + (c * NT + gi) * kA8Row + 8 * pc) = make_uint2(p[0], p[1]);
-            if (pc == 0) xqs[c * NT + gi] = am * (1.f / 448);
-          }
-        }
-      };
-      if (kGateUp && a.direct) {
-        stage(0, [&](int q8, float(&v)[8]) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int c = 8 * q8 + 4 * h;
-            const float4 f = c < a.H ? *reinterpret_cast<const float4*>(a.x + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-            v[4 * h] = f.x, v[4 * h + 1] = f.y, v[4 * h + 2] = f.z, v[4 * h + 3] = f.w;
-          }
-        });
-      } else {
-        for (int gi = 0; gi < m; ++gi) {
-          const __half* src =
-              a.act + int64_t(kGateUp ? a.sorted[seg + base + gi] / a.topk : seg + base + gi) * a.kpad;
-          stage(gi, [&](int q8, float(&v)[8]) {
-            const uint4 u = *reinterpret_cast<const uint4*>(src + q8 * 8);
-            const __half2* h2 = reinterpret_cast<const __half2*>(&u);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const float2 f = __half22float2(h2[j]);
-              v[2 * j] = f.x, v[2 * j + 1] = f.y;
-            }
-          });
-        }
-      }
-    } else if (kGateUp && a.direct) {
+    if (kGateUp && a.direct) {
       __shared__ float xred[32];
       x_scale = x_to_half_pieces<2>(
           a.x, a.H, k8,
@@ -668,17 +536,8 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
           const int c = c0 + p;
           if (c >= c_end) break;
           // Consumed in place, then refilled: no register copies of the slot.
-          if constexpr (kA8)
-            w4_chunk_a8<kN>(
-                ra[p], rb[p], sa[p], sb[p],
-                [&](int n, uint4(&v)[2]) {
-                  const uint4* q = reinterpret_cast<const uint4*>(xq + c * NT * kA8Row + xq_off[n]);
-                  v[0] = q[0], v[1] = q[1];
-                },
-                [&](int n, int j) { return xqs[c * NT + min(8 * n + 2 * t + j, NT - 1)]; }, acc);
-          else
-            w4_chunk_n<kN>(
-                ra[p], rb[p], sa[p], sb[p], [&](int i, int n) { return xb[n][(c * 4 + i) * 4 * NT]; }, acc);
+          w4_chunk_n<kN>(
+              ra[p], rb[p], sa[p], sb[p], [&](int i, int n) { return xb[n][(c * 4 + i) * 4 * NT]; }, acc);
           if (c + kRing < c_end) load(c + kRing, ra[p], rb[p], sa[p], sb[p]);
         }
       }
@@ -713,28 +572,251 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   if (kPdl) griddep_launch();  // after this block's results are written
 }
 
-// Dynamic shared memory of a fused kernel staging ntok token slots of kpad.
-size_t w4_smem(int ntok, int kpad, bool a8) {
-  return a8 ? size_t(ntok) * (kpad / 128) * (kA8Row + sizeof(float)) : size_t(ntok) * kpad * 2;
-}
-
 // The instantiated K splits of the fused kernels.
 constexpr int kW4Splits[] = {1, 4, 8};
 using W4Fn = void (*)(W4Args);
-template <bool kGateUp, bool kPdl, bool kA8>
-W4Fn w4_fn_t(int ks, int ntile) {
+template <bool kGateUp, bool kPdl>
+W4Fn w4_fn(int ks, int ntile) {
   switch (ks) {
     case 1:
-      return ntile == 2 ? w4_kernel<kGateUp, 1, 2, kPdl, kA8> : w4_kernel<kGateUp, 1, 1, kPdl, kA8>;
+      return ntile == 2 ? w4_kernel<kGateUp, 1, 2, kPdl> : w4_kernel<kGateUp, 1, 1, kPdl>;
     case 4:
-      return w4_kernel<kGateUp, 4, 1, kPdl, kA8>;
+      return w4_kernel<kGateUp, 4, 1, kPdl>;
     default:
-      return w4_kernel<kGateUp, 8, 1, kPdl, kA8>;
+      return w4_kernel<kGateUp, 8, 1, kPdl>;
   }
 }
+
+// ------------------------------------------- fused W4A8 path (wgmma, sm_90a)
+// The fp16 path spends most of its issue slots decoding E2M1 through tables
+// and folding sub-block scales. Here the activations are E4M3 and each FP8
+// wgmma (m64 n8 k32, A from registers) covers one 32-element sub-block, so:
+//  - a nibble's E2M1 bits placed in an E4M3 byte are its value * 2^-6 exactly
+//    (s..m -> bits 7, 4..2; the 0.5 code lands on the subnormal 2^-7): a word
+//    of 8 nibbles decodes in 5 logic/shift instructions, no table;
+//  - the sub-block's E8M0 scale multiplies the fp32 partial sums (no folding);
+//  - lane t of a quad supplies word t of the sub-block (even nibbles: MMA k
+//    4t..4t+3, odd: 16+4t..), so the activations are staged per sub-block as
+//    its even then its odd elements (two 8 x 16-byte core matrices).
+// Activations: E4M3 of a fixed power-of-two multiple (gate_up: the input is
+// in [-1, 1] after its per-token scale, x 256; down: gpt-oss's clamped SwiGLU
+// is in [-42, 56], x 8), no per-block scales. A block is two warpgroups: two
+// 64-row tiles (kKS 1) or one split over K (kKS 2); up to 8 tokens a pass.
+constexpr int kW8Threads = 256;
+constexpr int kW8SubBytes = 256;  // staged activations of one sub-block: 2 core matrices x 8 tokens x 16 bytes
+
+__device__ __forceinline__ uint32_t e2m1_even_to_e4m3(uint32_t w) {
+  return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
+}
+__device__ __forceinline__ uint32_t e2m1_odd_to_e4m3(uint32_t w) {
+  return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
+}
+
+#ifdef DZ_MOE_SM90A
+__device__ __forceinline__ void ptx_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void ptx_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void ptx_wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// No-swizzle K-major descriptor of one sub-block's staged activations: core
+// matrices (8 tokens x 16 bytes) 128 bytes apart along K (leading byte offset).
+__device__ __forceinline__ uint64_t w8_desc(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(128 >> 4) << 16) | (uint64_t(256 >> 4) << 32);
+}
+// d = A(64 x 32, registers) * B(8 x 32, shared)^T, E4M3, fresh fp32 accumulators.
+__device__ __forceinline__ void wgmma_rs_m64n8k32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                  uint64_t db) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 0, 1, 1;\n"
+               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
+}
+#endif
+
+template <bool kGateUp, int kKS, bool kPdl>
+__global__ void __launch_bounds__(kW8Threads, 2) w4a8_kernel(W4Args a) {
+#ifdef DZ_MOE_SM90A
+  constexpr int kTiles = 2 / kKS;  // 64-row tiles per block
+  extern __shared__ uint4 xs4[];   // [chunk][sub-block][even/odd][8 token slots][16 bytes]
+  __shared__ float4 red[128];
+  if (kPdl && kGateUp) griddep_wait();  // routing outputs
+  int4 info;
+  if (a.direct) {
+    const int id = a.ids[blockIdx.y];
+    const bool ok = id >= 0 && id < a.n_experts;
+    if (kGateUp && blockIdx.x == 0 && threadIdx.x == 0) {
+      a.inv[blockIdx.y] = ok ? int(blockIdx.y) * kPadRows : -1;
+      if (!ok) atomicOr(a.err, 1);
+    }
+    if (!ok) {
+      if (kPdl) griddep_launch();
+      return;
+    }
+    info = make_int4(id, int(blockIdx.y) * kPadRows, 1, 0);
+  } else {
+    const int n_active = *a.n_active;
+    info = a.active[min(blockIdx.y, unsigned(gridDim.y) - 1)];
+    if (blockIdx.y >= unsigned(n_active)) {
+      if (kPdl) griddep_launch();
+      return;
+    }
+  }
+  const int e = info.x, seg = info.y, cnt = info.z;
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int rt = wg % kTiles, ks = wg / kTiles;
+  const int T0 = (blockIdx.x * kTiles + rt) * 64;
+  const bool active = T0 < a.rows;  // whole warpgroups (rows % 64 == 0)
+  const int R0 = T0 + warp * 16;
+  const int rA = kGateUp ? R0 + 2 * g : R0 + g;
+  const int rB = kGateUp ? R0 + 2 * g + 1 : R0 + g + 8;
+  const int64_t rowA = int64_t(e) * a.rows + rA, rowB = int64_t(e) * a.rows + rB;
+  const uint8_t* bA = a.blocks + rowA * a.nsub * 16 + 4 * t;
+  const uint8_t* bB = a.blocks + rowB * a.nsub * 16 + 4 * t;
+  const uint8_t* sA = a.scales + rowA * a.nsub;
+  const uint8_t* sB = a.scales + rowB * a.nsub;
+  const int nchunk = a.kpad / 128, k8 = a.kpad / 8;
+  const int per = (nchunk + kKS - 1) / kKS;
+  const int c_begin = min(nchunk, ks * per), c_end = min(nchunk, c_begin + per);
+  const bool has_work = active && c_begin < c_end;
+  const uint32_t xs_base = ptx::smem_u32(xs4);
+
+  // Word t of each of chunk c's 4 sub-blocks, rows A and B; the scale of sub-block t.
+  struct Slot {
+    uint32_t wa[4], wb[4];
+    int sa, sb;
+  };
+  auto load = [&](int c, Slot& s) {
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const int sub = 4 * c + b;
+      const bool in = sub < a.nsub;
+      s.wa[b] = in ? __ldg(reinterpret_cast<const uint32_t*>(bA + sub * 16)) : 0u;
+      s.wb[b] = in ? __ldg(reinterpret_cast<const uint32_t*>(bB + sub * 16)) : 0u;
+    }
+    const int sub = 4 * c + t;
+    s.sa = sub < a.nsub ? sA[sub] : 127;
+    s.sb = sub < a.nsub ? sB[sub] : 127;
+  };
+  constexpr int kRing = 3;
+  Slot ring[kRing];
+  auto prefetch = [&] {
+#pragma unroll
+    for (int p = 0; p < kRing; ++p)
+      if (c_begin + p < c_end) load(c_begin + p, ring[p]);
+  };
+  if (has_work) prefetch();
+  bool ready = true;
+  if (kPdl && !kGateUp) griddep_wait();
+
+  for (int base = 0; base < cnt; base += kW4Tokens) {
+    const int m = min(kW4Tokens, cnt - base);
+    __syncthreads();
+    // Stage fp16 pieces (8 elements: word p of sub-block sb of chunk c) as E4M3.
+    const float mul = kGateUp ? 256.f : 8.f;
+    uint8_t* const xq = reinterpret_cast<uint8_t*>(xs4);
+    auto put8 = [&](int gi, int q8, uint4 u) {
+      const __half2* h2 = reinterpret_cast<const __half2*>(&u);
+      uint32_t v[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __half22float2(h2[j]);
+        v[j] = __nv_cvt_float2_to_fp8x2(make_float2(f.x * mul, f.y * mul), __NV_SATFINITE, __NV_E4M3);
+      }
+      const uint32_t lo = v[0] | (v[1] << 16), hi = v[2] | (v[3] << 16);  // bytes x0..x3, x4..x7
+      uint8_t* d = xq + (q8 >> 2) * kW8SubBytes + gi * 16 + (q8 & 3) * 4;
+      *reinterpret_cast<uint32_t*>(d) = ptx::prmt(lo, hi, 0x6420);        // even elements
+      *reinterpret_cast<uint32_t*>(d + 128) = ptx::prmt(lo, hi, 0x7531);  // odd elements
+    };
+    float x_scale = 1.f;
+    if (kGateUp && a.direct) {
+      __shared__ float xred[32];
+      x_scale = x_to_half_pieces<2>(
+          a.x, a.H, k8, [&](int q8, uint4 v) { put8(0, q8, v); }, xred);
+    } else {
+      for (int gi = 0; gi < m; ++gi) {
+        const __half* src = a.act + int64_t(kGateUp ? a.sorted[seg + base + gi] / a.topk : seg + base + gi) * a.kpad;
+        for (int q8 = threadIdx.x; q8 < k8; q8 += blockDim.x)
+          put8(gi, q8, *reinterpret_cast<const uint4*>(src + q8 * 8));
+      }
+    }
+    float biasA = 0.f, biasB = 0.f, xsc[2] = {1.f, 1.f};
+    if (active && ks == 0) {
+      biasA = bf16_to_float(a.bias[rowA]), biasB = bf16_to_float(a.bias[rowB]);
+      if (kGateUp)
+        for (int j = 0; j < 2; ++j)
+          if (2 * t + j < m) xsc[j] = a.direct ? x_scale : a.act_scale[a.sorted[seg + base + 2 * t + j] / a.topk];
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
+    __syncthreads();
+
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    if (has_work) {
+      if (!ready) prefetch();
+      ready = false;
+      const int q0 = lane & 28;
+      for (int c0 = c_begin; c0 < c_end; c0 += kRing) {
+#pragma unroll
+        for (int p = 0; p < kRing; ++p) {
+          const int c = c0 + p;
+          if (c >= c_end) break;  // uniform over the warpgroup
+          Slot& sl = ring[p];
+          const float fa = e8m0_to_float(sl.sa), fb = e8m0_to_float(sl.sb);
+          uint32_t af[4][4];  // all four sub-blocks' fragments first: one fence for the four MMAs
+#pragma unroll
+          for (int b = 0; b < 4; ++b) {
+            af[b][0] = e2m1_even_to_e4m3(sl.wa[b]), af[b][1] = e2m1_even_to_e4m3(sl.wb[b]);
+            af[b][2] = e2m1_odd_to_e4m3(sl.wa[b]), af[b][3] = e2m1_odd_to_e4m3(sl.wb[b]);
+          }
+          float q[4][4];
+          ptx_wgmma_fence();
+#pragma unroll
+          for (int b = 0; b < 4; ++b)
+            wgmma_rs_m64n8k32(q[b], af[b][0], af[b][1], af[b][2], af[b][3],
+                              w8_desc(xs_base + uint32_t((4 * c + b) * kW8SubBytes)));
+          ptx_wgmma_commit();
+          if (c + kRing < c_end) load(c + kRing, sl);  // refill under the MMAs
+          ptx_wgmma_wait0();
+#pragma unroll
+          for (int b = 0; b < 4; ++b) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(q[b][j])::"memory");
+            const float gA = __shfl_sync(~0u, fa, q0 | b), gB = __shfl_sync(~0u, fb, q0 | b);
+            acc[0] += q[b][0] * gA;
+            acc[1] += q[b][1] * gA;
+            acc[2] += q[b][2] * gB;
+            acc[3] += q[b][3] * gB;
+          }
+        }
+      }
+    }
+    if (kKS > 1) {
+      if (ks > 0) red[threadIdx.x & 127] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      __syncthreads();
+      if (ks != 0) continue;
+      const float4 v = red[threadIdx.x & 127];
+      acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
+    }
+    if (!active) continue;
+    // The E2M1 placement (2^-6) and the activations' multiplier.
+    constexpr float kPost = kGateUp ? 64.f / 256.f : 64.f / 8.f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int tok = 2 * t + j;
+      if (tok >= m) continue;
+      const int row = seg + base + tok;
+      if (kGateUp) {
+        const float v = swiglu(acc[j] * kPost * xsc[j] + biasA, acc[2 + j] * kPost * xsc[j] + biasB);
+        a.out_act[int64_t(row) * a.out_ld + (rA >> 1)] = __float2half_rn(v);
+      } else {
+        a.out_y[int64_t(row) * a.rows + rA] = acc[j] * kPost + biasA;
+        a.out_y[int64_t(row) * a.rows + rB] = acc[2 + j] * kPost + biasB;
+      }
+    }
+  }
+  if (kPdl) griddep_launch();
+#endif
+}
+
 template <bool kGateUp, bool kPdl>
-W4Fn w4_fn(int ks, int ntile, bool a8) {
-  return a8 ? w4_fn_t<kGateUp, kPdl, true>(ks, ntile) : w4_fn_t<kGateUp, kPdl, false>(ks, ntile);
+W4Fn w4a8_fn(int ks) {
+  return ks == 2 ? w4a8_kernel<kGateUp, 2, kPdl> : w4a8_kernel<kGateUp, 1, kPdl>;
 }
 
 // ------------------------------------------ fused path, persistent kernel
@@ -1527,14 +1609,19 @@ struct MoeLayer::Impl {
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     DZ_CUDA_CHECK(cudaFuncSetAttribute(moe_persistent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem));
-    const int smem = int(std::max(w4_smem(kW4MaxTokens, int(std::max(kph, kpi)), false),
-                                  w4_smem(kW4MaxTokens, int(std::max(kph, kpi)), true)));
+    const int smem = int(kW4MaxTokens * std::max(kph, kpi) * 2);
     for (int ks : kW4Splits)
       for (int nt : {1, 2})
-        for (bool a8 : {false, true})
-          for (auto k : {w4_fn<true, false>(ks, nt, a8), w4_fn<true, true>(ks, nt, a8), w4_fn<false, false>(ks, nt, a8),
-                         w4_fn<false, true>(ks, nt, a8)})
-            DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        for (auto k : {w4_fn<true, false>(ks, nt), w4_fn<true, true>(ks, nt), w4_fn<false, false>(ks, nt),
+                       w4_fn<false, true>(ks, nt)})
+          DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    if (Fp8GroupedGemm::supported()) {
+      const int smem8 = int(std::max(kph, kpi) / 32 * kW8SubBytes);
+      for (int ks : {1, 2})
+        for (auto k :
+             {w4a8_fn<true, false>(ks), w4a8_fn<true, true>(ks), w4a8_fn<false, false>(ks), w4a8_fn<false, true>(ks)})
+          DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem8));
+    }
     DZ_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
   }
 
@@ -1703,12 +1790,21 @@ struct MoeLayer::Impl {
   // One projection of the fused path, K split ks.
   template <bool G>
   void launch_w4(int ks, bool pdl, int rows, unsigned max_active, cudaStream_t st, const W4Args& a) {
+    if (w4a8(rows)) {  // two warpgroups a block: two 64-row tiles, or one split over K
+      const int ks8 = ks == 1 ? 1 : 2, per_block = 64 * (2 / ks8);
+      const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
+      launch(pdl ? w4a8_fn<G, true>(ks8) : w4a8_fn<G, false>(ks8), grid, dim3(kW8Threads),
+             size_t(a.kpad / 32) * kW8SubBytes, st, pdl, a);
+      return;
+    }
     const int per_block = 16 * (8 / ks), ntile = a.ntok > kW4Tokens ? 2 : 1;
     const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
-    const bool a8 = opt.fused_fp8_activations;
-    launch(pdl ? w4_fn<G, true>(ks, ntile, a8) : w4_fn<G, false>(ks, ntile, a8), grid, dim3(kW4Threads),
-           w4_smem(a.ntok, a.kpad, a8), st, pdl, a);
+    const size_t smem = size_t(a.ntok) * a.kpad * 2;
+    launch(pdl ? w4_fn<G, true>(ks, ntile) : w4_fn<G, false>(ks, ntile), grid, dim3(kW4Threads), smem, st, pdl, a);
   }
+
+  // The W4A8 kernels run a projection of this many rows (the option, an sm_90a build and device, 64-row tiles).
+  bool w4a8(int rows) const { return opt.fused_fp8_activations && rows % 64 == 0 && Fp8GroupedGemm::supported(); }
 
   // The fused kernels' K split for T tokens.
   int w4_split(int T) const {

@@ -129,10 +129,10 @@ int bench_moe(const Args& a) {
     std::printf("%s", kUsage);
     return 0;
   }
-  reject_unknown(a,
-                 {"--tokens", "--reps", "--experts", "--topk", "--hidden", "--intermediate", "--threshold", "--tile",
-                  "--gemm-streams", "--fused-kernel", "--tokens-per-pass", "--no-components", "--bw-ceiling", "--fp8-act",
-                  "--fp8-ceiling", "--fp8-gemm", "--grouped-blocks", "--dump", "--out", "--help"},
+  reject_unknown(a, {"--tokens",          "--reps",           "--experts",    "--topk",         "--hidden",
+                     "--intermediate",    "--threshold",      "--tile",       "--gemm-streams", "--fused-kernel",
+                     "--tokens-per-pass", "--no-components",  "--bw-ceiling", "--fp8-act",      "--fp8-ceiling",
+                     "--fp8-gemm",        "--grouped-blocks", "--dump",       "--out",          "--help"},
                  "bench moe");
   const std::vector<int> tokens = parse_list(flag_value(a, "--tokens", "1,8,64,128,256,384,512,1024,2048,4096,16384"));
   const int reps = std::stoi(flag_value(a, "--reps", "20"));
@@ -436,7 +436,8 @@ int bench_moe(const Args& a) {
         // The per-projection kernels with fp16 (a16) and E4M3 (a8) activations, automatic K split.
         for (int a8 : {0, 1}) variants[a8 ? "auto_pdl_a8" : "auto_pdl_a16"] = time_fused(1, 0, true, 0, true, a8);
         if (T <= 64)
-          for (int ks : {1, 4, 8}) variants["ks" + std::to_string(ks) + "_pdl_a8"] = time_fused(1, ks, true, 0, true, 1);
+          for (int ks : {1, 4, 8})
+            variants["ks" + std::to_string(ks) + "_pdl_a8"] = time_fused(1, ks, true, 0, true, 1);
       }
       double ms_v2 = -1;
       if (persistent_ok(0)) {
