@@ -667,11 +667,12 @@ __global__ void __launch_bounds__(kW8Threads, 2) w4a8_kernel(W4Args a) {
   const int rA = kGateUp ? R0 + 2 * g : R0 + g;
   const int rB = kGateUp ? R0 + 2 * g + 1 : R0 + g + 8;
   const int64_t rowA = int64_t(e) * a.rows + rA, rowB = int64_t(e) * a.rows + rB;
-  const uint8_t* bA = a.blocks + rowA * a.nsub * 16 + 4 * t;
-  const uint8_t* bB = a.blocks + rowB * a.nsub * 16 + 4 * t;
-  const uint8_t* sA = a.scales + rowA * a.nsub;
-  const uint8_t* sB = a.scales + rowB * a.nsub;
-  const int nchunk = a.kpad / 128, k8 = a.kpad / 8;
+  // Word t of sub-block 0 of rows A / B, their scales (sub-block t).
+  const uint32_t* const wA = reinterpret_cast<const uint32_t*>(a.blocks + rowA * a.nsub * 16) + t;
+  const uint32_t* const wB = reinterpret_cast<const uint32_t*>(a.blocks + rowB * a.nsub * 16) + t;
+  const uint8_t* const sA = a.scales + rowA * a.nsub + t;
+  const uint8_t* const sB = a.scales + rowB * a.nsub + t;
+  const int nchunk = a.kpad / 128, k8 = a.kpad / 8, nsub = a.nsub;
   const int per = (nchunk + kKS - 1) / kKS;
   const int c_begin = min(nchunk, ks * per), c_end = min(nchunk, c_begin + per);
   const bool has_work = active && c_begin < c_end;
@@ -683,16 +684,22 @@ __global__ void __launch_bounds__(kW8Threads, 2) w4a8_kernel(W4Args a) {
     int sa, sb;
   };
   auto load = [&](int c, Slot& s) {
+    const uint32_t *pa = wA + 16 * c, *pb = wB + 16 * c;
+    if (4 * c + 4 <= nsub) {  // whole chunk (all but a short last one)
 #pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      const int sub = 4 * c + b;
-      const bool in = sub < a.nsub;
-      s.wa[b] = in ? __ldg(reinterpret_cast<const uint32_t*>(bA + sub * 16)) : 0u;
-      s.wb[b] = in ? __ldg(reinterpret_cast<const uint32_t*>(bB + sub * 16)) : 0u;
+      for (int b = 0; b < 4; ++b) s.wa[b] = __ldg(pa + 4 * b), s.wb[b] = __ldg(pb + 4 * b);
+      s.sa = sA[4 * c], s.sb = sB[4 * c];
+    } else {
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const bool in = 4 * c + b < nsub;
+        s.wa[b] = in ? __ldg(pa + 4 * b) : 0u;
+        s.wb[b] = in ? __ldg(pb + 4 * b) : 0u;
+      }
+      const bool in = 4 * c + t < nsub;
+      s.sa = in ? sA[4 * c] : 127;
+      s.sb = in ? sB[4 * c] : 127;
     }
-    const int sub = 4 * c + t;
-    s.sa = sub < a.nsub ? sA[sub] : 127;
-    s.sb = sub < a.nsub ? sB[sub] : 127;
   };
   constexpr int kRing = 3;
   Slot ring[kRing];
