@@ -612,6 +612,14 @@ __device__ __forceinline__ uint32_t e2m1_odd_to_e4m3(uint32_t w) {
   return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
 }
 
+// A weight word through L1 (the quad's four words of a sub-block share a
+// sector); L2 fetches the surrounding 256 bytes from DRAM (four chunks of the row).
+__device__ __forceinline__ uint32_t ldg_w8(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.L2::256B.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
 #ifdef DZ_MOE_SM90A
 __device__ __forceinline__ void ptx_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void ptx_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -677,6 +685,8 @@ __global__ void __launch_bounds__(kW8Threads, 2) w4a8_kernel(W4Args a) {
   const int c_begin = min(nchunk, ks * per), c_end = min(nchunk, c_begin + per);
   const bool has_work = active && c_begin < c_end;
   const uint32_t xs_base = ptx::smem_u32(xs4);
+  constexpr int kPf = 8;  // L2 prefetch distance in chunks
+  const uint8_t* const pf_row = a.blocks + (int64_t(e) * a.rows + R0 + (lane & 15)) * a.nsub * 16;
 
   // Word t of each of chunk c's 4 sub-blocks, rows A and B; the scale of sub-block t.
   struct Slot {
@@ -687,14 +697,14 @@ __global__ void __launch_bounds__(kW8Threads, 2) w4a8_kernel(W4Args a) {
     const uint32_t *pa = wA + 16 * c, *pb = wB + 16 * c;
     if (4 * c + 4 <= nsub) {  // whole chunk (all but a short last one)
 #pragma unroll
-      for (int b = 0; b < 4; ++b) s.wa[b] = __ldg(pa + 4 * b), s.wb[b] = __ldg(pb + 4 * b);
+      for (int b = 0; b < 4; ++b) s.wa[b] = ldg_w8(pa + 4 * b), s.wb[b] = ldg_w8(pb + 4 * b);
       s.sa = sA[4 * c], s.sb = sB[4 * c];
     } else {
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
         const bool in = 4 * c + b < nsub;
-        s.wa[b] = in ? __ldg(pa + 4 * b) : 0u;
-        s.wb[b] = in ? __ldg(pb + 4 * b) : 0u;
+        s.wa[b] = in ? ldg_w8(pa + 4 * b) : 0u;
+        s.wb[b] = in ? ldg_w8(pb + 4 * b) : 0u;
       }
       const bool in = 4 * c + t < nsub;
       s.sa = in ? sA[4 * c] : 127;
@@ -778,7 +788,9 @@ __global__ void __launch_bounds__(kW8Threads, 2) w4a8_kernel(W4Args a) {
             wgmma_rs_m64n8k32(q[b], af[b][0], af[b][1], af[b][2], af[b][3],
                               w8_desc(xs_base + uint32_t((4 * c + b) * kW8SubBytes)));
           ptx_wgmma_commit();
-          if (c + kRing < c_end) load(c + kRing, sl);  // refill under the MMAs
+          if (c + kRing < c_end) load(c + kRing, sl);                   // refill under the MMAs
+          if (kPf > 0 && (c & 1) == 0 && c + kPf < c_end && lane < 16)  // a 128-byte line: two chunks of the row
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(pf_row + (c + kPf) * 64));
           ptx_wgmma_wait0();
 #pragma unroll
           for (int b = 0; b < 4; ++b) {
