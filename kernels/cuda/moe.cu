@@ -742,49 +742,23 @@ __global__ void __launch_bounds__(kW8Threads, 2) w4a8_kernel(W4Args a) {
       *reinterpret_cast<uint32_t*>(d + 128) = ptx::prmt(lo, hi, 0x7531);  // odd elements
     };
     float x_scale = 1.f;
-    int xsc_tok[2] = {0, 0};
     if (kGateUp && a.direct) {
       __shared__ float xred[32];
       x_scale = x_to_half_pieces<2>(
           a.x, a.H, k8, [&](int q8, uint4 v) { put8(0, q8, v); }, xred);
     } else {
-      // The pass's activation rows: their ids in one round trip, then 8
-      // pieces a thread in flight (a token loop with a dependent load each
-      // costs two L2 round trips a token, with the SM's other warps idle).
-      __shared__ int src_row[kW4Tokens];
-      if (threadIdx.x < m)
-        src_row[threadIdx.x] = kGateUp ? a.sorted[seg + base + threadIdx.x] / a.topk : seg + base + threadIdx.x;
-      __syncthreads();
-      constexpr int kTok = 4, kPer = 2;
-      for (int g0 = 0; g0 < m; g0 += kTok)
-        for (int q0 = 0; q0 < k8; q0 += kPer * kW8Threads) {
-          uint4 v[kTok][kPer];
-#pragma unroll
-          for (int i = 0; i < kTok; ++i)
-#pragma unroll
-            for (int j = 0; j < kPer; ++j) {
-              const int q8 = q0 + j * kW8Threads + threadIdx.x;
-              if (g0 + i < m && q8 < k8)
-                v[i][j] = *reinterpret_cast<const uint4*>(a.act + int64_t(src_row[g0 + i]) * a.kpad + q8 * 8);
-            }
-#pragma unroll
-          for (int i = 0; i < kTok; ++i)
-#pragma unroll
-            for (int j = 0; j < kPer; ++j) {
-              const int q8 = q0 + j * kW8Threads + threadIdx.x;
-              if (g0 + i < m && q8 < k8) put8(g0 + i, q8, v[i][j]);
-            }
-        }
-      if (kGateUp && active && ks == 0)
-        for (int j = 0; j < 2; ++j)
-          if (2 * t + j < m) xsc_tok[j] = src_row[2 * t + j];
+      for (int gi = 0; gi < m; ++gi) {
+        const __half* src = a.act + int64_t(kGateUp ? a.sorted[seg + base + gi] / a.topk : seg + base + gi) * a.kpad;
+        for (int q8 = threadIdx.x; q8 < k8; q8 += blockDim.x)
+          put8(gi, q8, *reinterpret_cast<const uint4*>(src + q8 * 8));
+      }
     }
     float biasA = 0.f, biasB = 0.f, xsc[2] = {1.f, 1.f};
     if (active && ks == 0) {
       biasA = bf16_to_float(a.bias[rowA]), biasB = bf16_to_float(a.bias[rowB]);
       if (kGateUp)
         for (int j = 0; j < 2; ++j)
-          if (2 * t + j < m) xsc[j] = a.direct ? x_scale : a.act_scale[xsc_tok[j]];
+          if (2 * t + j < m) xsc[j] = a.direct ? x_scale : a.act_scale[a.sorted[seg + base + 2 * t + j] / a.topk];
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
     __syncthreads();
