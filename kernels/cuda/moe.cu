@@ -316,6 +316,31 @@ struct W4Args {
   int *inv, *err;
 };
 
+// The expert item of a fused kernel's block row (grid y): {expert, first
+// sorted row, tokens}. One token (direct): slot y's expert straight from the
+// router's ids (gate_up also writes inv and flags a bad id). False: nothing to
+// do here (dependents already released).
+template <bool kGateUp, bool kPdl>
+__device__ __forceinline__ bool w4_item(const W4Args& a, int4& info) {
+  if (kPdl && kGateUp) griddep_wait();  // routing outputs
+  if (a.direct) {
+    const int id = a.ids[blockIdx.y];
+    const bool ok = id >= 0 && id < a.n_experts;
+    if (kGateUp && blockIdx.x == 0 && threadIdx.x == 0) {
+      a.inv[blockIdx.y] = ok ? int(blockIdx.y) * kPadRows : -1;
+      if (!ok) atomicOr(a.err, 1);
+    }
+    info = make_int4(id, int(blockIdx.y) * kPadRows, 1, 0);
+    if (!ok && kPdl) griddep_launch();
+    return ok;
+  }
+  const int n_active = *a.n_active;
+  info = a.active[min(blockIdx.y, unsigned(gridDim.y) - 1)];  // in parallel with n_active; stale past it
+  const bool ok = blockIdx.y < unsigned(n_active);
+  if (!ok && kPdl) griddep_launch();
+  return ok;
+}
+
 // Hi bytes of fp16(E2M1 code * 2^-d) for codes 0..7 (low bytes are zero).
 __device__ __forceinline__ void w4_lut(int d, uint32_t& l0, uint32_t& l1) {
   if (d <= 13) {  // exponent stays normal: subtract d from each nonzero entry's exponent
@@ -421,28 +446,8 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   constexpr int kRT = 8 / kKS, kRows = 16 * kRT, kRing = 3;
   extern __shared__ uint4 xs4[];
   __shared__ float4 red[kKS > 1 ? kKS - 1 : 1][kRT][32];
-  if (kPdl && kGateUp) griddep_wait();  // routing outputs
   int4 info;
-  if (a.direct) {
-    const int id = a.ids[blockIdx.y];
-    const bool ok = id >= 0 && id < a.n_experts;
-    if (kGateUp && blockIdx.x == 0 && threadIdx.x == 0) {
-      a.inv[blockIdx.y] = ok ? int(blockIdx.y) * kPadRows : -1;
-      if (!ok) atomicOr(a.err, 1);
-    }
-    if (!ok) {
-      if (kPdl) griddep_launch();
-      return;
-    }
-    info = make_int4(id, int(blockIdx.y) * kPadRows, 1, 0);
-  } else {
-    const int n_active = *a.n_active;
-    info = a.active[min(blockIdx.y, unsigned(gridDim.y) - 1)];  // in parallel with n_active; stale past it
-    if (blockIdx.y >= unsigned(n_active)) {
-      if (kPdl) griddep_launch();
-      return;
-    }
-  }
+  if (!w4_item<kGateUp, kPdl>(a, info)) return;
   const int e = info.x, seg = info.y, cnt = info.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int rt = warp % kRT, ks = warp / kRT;
@@ -602,6 +607,14 @@ W4Fn w4_fn(int ks, int ntile) {
 // in [-1, 1] after its per-token scale, x 256; down: gpt-oss's clamped SwiGLU
 // is in [-42, 56], x 8), no per-block scales. A block is two warpgroups: two
 // 64-row tiles (kKS 1) or one split over K (kKS 2); up to 8 tokens a pass.
+// Lane t's words of a chunk are 16 bytes apart: four 32-bit loads (the quad
+// shares each sector through L1). Measured on an H200 at gpt-oss-120b shapes:
+// 26% fewer instructions than the fp16 kernel but no faster (8 tokens 196 vs
+// 195 us): with the decoding cheap, warps wait on their weight loads (Nsight
+// Compute: long-scoreboard 4.3 stalls an instruction, issue 42%). More bytes
+// in flight (a shared-memory ring fed by bulk copies) is what it needs next;
+// 256-byte L2 fetches, L2 prefetch ahead, and chunk-major weights (timing
+// only) each changed nothing.
 constexpr int kW8Threads = 256;
 constexpr int kW8SubBytes = 256;  // staged activations of one sub-block: 2 core matrices x 8 tokens x 16 bytes
 
@@ -610,14 +623,6 @@ __device__ __forceinline__ uint32_t e2m1_even_to_e4m3(uint32_t w) {
 }
 __device__ __forceinline__ uint32_t e2m1_odd_to_e4m3(uint32_t w) {
   return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
-}
-
-// A weight word through L1 (the quad's four words of a sub-block share a
-// sector); L2 fetches the surrounding 256 bytes from DRAM (four chunks of the row).
-__device__ __forceinline__ uint32_t ldg_w8(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.global.nc.L2::256B.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
 }
 
 #ifdef DZ_MOE_SM90A
@@ -644,28 +649,8 @@ __global__ void __launch_bounds__(kW8Threads, 2) w4a8_kernel(W4Args a) {
   constexpr int kTiles = 2 / kKS;  // 64-row tiles per block
   extern __shared__ uint4 xs4[];   // [chunk][sub-block][even/odd][8 token slots][16 bytes]
   __shared__ float4 red[128];
-  if (kPdl && kGateUp) griddep_wait();  // routing outputs
   int4 info;
-  if (a.direct) {
-    const int id = a.ids[blockIdx.y];
-    const bool ok = id >= 0 && id < a.n_experts;
-    if (kGateUp && blockIdx.x == 0 && threadIdx.x == 0) {
-      a.inv[blockIdx.y] = ok ? int(blockIdx.y) * kPadRows : -1;
-      if (!ok) atomicOr(a.err, 1);
-    }
-    if (!ok) {
-      if (kPdl) griddep_launch();
-      return;
-    }
-    info = make_int4(id, int(blockIdx.y) * kPadRows, 1, 0);
-  } else {
-    const int n_active = *a.n_active;
-    info = a.active[min(blockIdx.y, unsigned(gridDim.y) - 1)];
-    if (blockIdx.y >= unsigned(n_active)) {
-      if (kPdl) griddep_launch();
-      return;
-    }
-  }
+  if (!w4_item<kGateUp, kPdl>(a, info)) return;
   const int e = info.x, seg = info.y, cnt = info.z;
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int rt = wg % kTiles, ks = wg / kTiles;
@@ -685,8 +670,6 @@ __global__ void __launch_bounds__(kW8Threads, 2) w4a8_kernel(W4Args a) {
   const int c_begin = min(nchunk, ks * per), c_end = min(nchunk, c_begin + per);
   const bool has_work = active && c_begin < c_end;
   const uint32_t xs_base = ptx::smem_u32(xs4);
-  constexpr int kPf = 8;  // L2 prefetch distance in chunks
-  const uint8_t* const pf_row = a.blocks + (int64_t(e) * a.rows + R0 + (lane & 15)) * a.nsub * 16;
 
   // Word t of each of chunk c's 4 sub-blocks, rows A and B; the scale of sub-block t.
   struct Slot {
@@ -697,14 +680,14 @@ __global__ void __launch_bounds__(kW8Threads, 2) w4a8_kernel(W4Args a) {
     const uint32_t *pa = wA + 16 * c, *pb = wB + 16 * c;
     if (4 * c + 4 <= nsub) {  // whole chunk (all but a short last one)
 #pragma unroll
-      for (int b = 0; b < 4; ++b) s.wa[b] = ldg_w8(pa + 4 * b), s.wb[b] = ldg_w8(pb + 4 * b);
+      for (int b = 0; b < 4; ++b) s.wa[b] = __ldg(pa + 4 * b), s.wb[b] = __ldg(pb + 4 * b);
       s.sa = sA[4 * c], s.sb = sB[4 * c];
     } else {
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
         const bool in = 4 * c + b < nsub;
-        s.wa[b] = in ? ldg_w8(pa + 4 * b) : 0u;
-        s.wb[b] = in ? ldg_w8(pb + 4 * b) : 0u;
+        s.wa[b] = in ? __ldg(pa + 4 * b) : 0u;
+        s.wb[b] = in ? __ldg(pb + 4 * b) : 0u;
       }
       const bool in = 4 * c + t < nsub;
       s.sa = in ? sA[4 * c] : 127;
@@ -788,9 +771,7 @@ __global__ void __launch_bounds__(kW8Threads, 2) w4a8_kernel(W4Args a) {
             wgmma_rs_m64n8k32(q[b], af[b][0], af[b][1], af[b][2], af[b][3],
                               w8_desc(xs_base + uint32_t((4 * c + b) * kW8SubBytes)));
           ptx_wgmma_commit();
-          if (c + kRing < c_end) load(c + kRing, sl);                   // refill under the MMAs
-          if (kPf > 0 && (c & 1) == 0 && c + kPf < c_end && lane < 16)  // a 128-byte line: two chunks of the row
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(pf_row + (c + kPf) * 64));
+          if (c + kRing < c_end) load(c + kRing, sl);  // refill under the MMAs
           ptx_wgmma_wait0();
 #pragma unroll
           for (int b = 0; b < 4; ++b) {
