@@ -342,38 +342,6 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
         INFO("diff " << d);
         CHECK(d < 2e-4);
       }
-    // W4A8: E4M3 activations (1x128 scales) on FP8 MMAs, every K split, in a
-    // CUDA graph, with and without the one-token direct mode; deterministic.
-    // The weights stay exact, so the error is the activations' rounding (E4M3:
-    // 3 mantissa bits) in both projections.
-    layer.options() = MoeOptions{8.0, 3};
-    layer.options().fused_fp8_activations = true;
-    for (int ks : {1, 4, 8})
-      for (bool direct : {true, false}) {
-        INFO("W4A8 fused variant ks " << ks << " direct " << direct);
-        layer.options().fused_k_split = ks;
-        layer.options().fused_one_token_direct = direct;
-        DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        DZ_CUDA_CHECK(cudaStreamBeginCapture(ctx.stream(), cudaStreamCaptureModeThreadLocal));
-        layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFused);
-        DZ_CUDA_CHECK(cudaStreamEndCapture(ctx.stream(), &g));
-        DZ_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-        DZ_CUDA_CHECK(cudaGraphLaunch(ge, ctx.stream()));
-        ctx.sync();
-        const auto got = out.get();
-        const double d = diff_metric(std::vector<double>(got.begin(), got.end()), ref);
-        INFO("diff " << d);
-        CHECK(d < 2e-3);
-        CHECK(d > 1e-7);  // the activations really are rounded to E4M3
-        DZ_CUDA_CHECK(cudaGraphLaunch(ge, ctx.stream()));
-        ctx.sync();
-        CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
-        cudaGraphExecDestroy(ge);
-        cudaGraphDestroy(g);
-      }
-    layer.options() = MoeOptions{8.0, 3};
     // One token reads the router's ids directly (no routing launch): the same bits as through the routing kernel.
     if (T == 1) {
       layer.options() = MoeOptions{8.0, 3};

@@ -10,12 +10,6 @@
 #include "cuda/mxfp4_fold.h"
 #include "cuda/pdl.cuh"
 #include "cuda/ptx.cuh"
-
-// wgmma exists only in the sm_90a target: elsewhere the W4A8 kernel body is
-// empty and the host does not choose it (Fp8GroupedGemm::supported).
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define DZ_MOE_SM90A 1
-#endif
 #include "runtime/cuda/cuda_check.h"
 
 namespace dz::cuda {
@@ -316,31 +310,6 @@ struct W4Args {
   int *inv, *err;
 };
 
-// The expert item of a fused kernel's block row (grid y): {expert, first
-// sorted row, tokens}. One token (direct): slot y's expert straight from the
-// router's ids (gate_up also writes inv and flags a bad id). False: nothing to
-// do here (dependents already released).
-template <bool kGateUp, bool kPdl>
-__device__ __forceinline__ bool w4_item(const W4Args& a, int4& info) {
-  if (kPdl && kGateUp) griddep_wait();  // routing outputs
-  if (a.direct) {
-    const int id = a.ids[blockIdx.y];
-    const bool ok = id >= 0 && id < a.n_experts;
-    if (kGateUp && blockIdx.x == 0 && threadIdx.x == 0) {
-      a.inv[blockIdx.y] = ok ? int(blockIdx.y) * kPadRows : -1;
-      if (!ok) atomicOr(a.err, 1);
-    }
-    info = make_int4(id, int(blockIdx.y) * kPadRows, 1, 0);
-    if (!ok && kPdl) griddep_launch();
-    return ok;
-  }
-  const int n_active = *a.n_active;
-  info = a.active[min(blockIdx.y, unsigned(gridDim.y) - 1)];  // in parallel with n_active; stale past it
-  const bool ok = blockIdx.y < unsigned(n_active);
-  if (!ok && kPdl) griddep_launch();
-  return ok;
-}
-
 // Hi bytes of fp16(E2M1 code * 2^-d) for codes 0..7 (low bytes are zero).
 __device__ __forceinline__ void w4_lut(int d, uint32_t& l0, uint32_t& l1) {
   if (d <= 13) {  // exponent stays normal: subtract d from each nonzero entry's exponent
@@ -446,8 +415,28 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   constexpr int kRT = 8 / kKS, kRows = 16 * kRT, kRing = 3;
   extern __shared__ uint4 xs4[];
   __shared__ float4 red[kKS > 1 ? kKS - 1 : 1][kRT][32];
+  if (kPdl && kGateUp) griddep_wait();  // routing outputs
   int4 info;
-  if (!w4_item<kGateUp, kPdl>(a, info)) return;
+  if (a.direct) {
+    const int id = a.ids[blockIdx.y];
+    const bool ok = id >= 0 && id < a.n_experts;
+    if (kGateUp && blockIdx.x == 0 && threadIdx.x == 0) {
+      a.inv[blockIdx.y] = ok ? int(blockIdx.y) * kPadRows : -1;
+      if (!ok) atomicOr(a.err, 1);
+    }
+    if (!ok) {
+      if (kPdl) griddep_launch();
+      return;
+    }
+    info = make_int4(id, int(blockIdx.y) * kPadRows, 1, 0);
+  } else {
+    const int n_active = *a.n_active;
+    info = a.active[min(blockIdx.y, unsigned(gridDim.y) - 1)];  // in parallel with n_active; stale past it
+    if (blockIdx.y >= unsigned(n_active)) {
+      if (kPdl) griddep_launch();
+      return;
+    }
+  }
   const int e = info.x, seg = info.y, cnt = info.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int rt = warp % kRT, ks = warp / kRT;
@@ -590,233 +579,6 @@ W4Fn w4_fn(int ks, int ntile) {
     default:
       return w4_kernel<kGateUp, 8, 1, kPdl>;
   }
-}
-
-// ------------------------------------------- fused W4A8 path (wgmma, sm_90a)
-// The fp16 path spends most of its issue slots decoding E2M1 through tables
-// and folding sub-block scales. Here the activations are E4M3 and each FP8
-// wgmma (m64 n8 k32, A from registers) covers one 32-element sub-block, so:
-//  - a nibble's E2M1 bits placed in an E4M3 byte are its value * 2^-6 exactly
-//    (s..m -> bits 7, 4..2; the 0.5 code lands on the subnormal 2^-7): a word
-//    of 8 nibbles decodes in 5 logic/shift instructions, no table;
-//  - the sub-block's E8M0 scale multiplies the fp32 partial sums (no folding);
-//  - lane t of a quad supplies word t of the sub-block (even nibbles: MMA k
-//    4t..4t+3, odd: 16+4t..), so the activations are staged per sub-block as
-//    its even then its odd elements (two 8 x 16-byte core matrices).
-// Activations: E4M3 of a fixed power-of-two multiple (gate_up: the input is
-// in [-1, 1] after its per-token scale, x 256; down: gpt-oss's clamped SwiGLU
-// is in [-42, 56], x 8), no per-block scales. A block is two warpgroups: two
-// 64-row tiles (kKS 1) or one split over K (kKS 2); up to 8 tokens a pass.
-// Lane t's words of a chunk are 16 bytes apart: four 32-bit loads (the quad
-// shares each sector through L1). Measured on an H200 at gpt-oss-120b shapes:
-// 26% fewer instructions than the fp16 kernel but no faster (8 tokens 196 vs
-// 195 us): with the decoding cheap, warps wait on their weight loads (Nsight
-// Compute: long-scoreboard 4.3 stalls an instruction, issue 42%). More bytes
-// in flight (a shared-memory ring fed by bulk copies) is what it needs next;
-// 256-byte L2 fetches, L2 prefetch ahead, and chunk-major weights (timing
-// only) each changed nothing.
-constexpr int kW8Threads = 256;
-constexpr int kW8SubBytes = 256;  // staged activations of one sub-block: 2 core matrices x 8 tokens x 16 bytes
-
-__device__ __forceinline__ uint32_t e2m1_even_to_e4m3(uint32_t w) {
-  return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
-}
-__device__ __forceinline__ uint32_t e2m1_odd_to_e4m3(uint32_t w) {
-  return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
-}
-
-#ifdef DZ_MOE_SM90A
-__device__ __forceinline__ void ptx_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void ptx_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void ptx_wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-// No-swizzle K-major descriptor of one sub-block's staged activations: core
-// matrices (8 tokens x 16 bytes) 128 bytes apart along K (leading byte offset).
-__device__ __forceinline__ uint64_t w8_desc(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(128 >> 4) << 16) | (uint64_t(256 >> 4) << 32);
-}
-// d = A(64 x 32, registers) * B(8 x 32, shared)^T, E4M3, fresh fp32 accumulators.
-__device__ __forceinline__ void wgmma_rs_m64n8k32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                                  uint64_t db) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 0, 1, 1;\n"
-               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
-}
-#endif
-
-template <bool kGateUp, int kKS, bool kPdl>
-__global__ void __launch_bounds__(kW8Threads, 2) w4a8_kernel(W4Args a) {
-#ifdef DZ_MOE_SM90A
-  constexpr int kTiles = 2 / kKS;  // 64-row tiles per block
-  extern __shared__ uint4 xs4[];   // [chunk][sub-block][even/odd][8 token slots][16 bytes]
-  __shared__ float4 red[128];
-  int4 info;
-  if (!w4_item<kGateUp, kPdl>(a, info)) return;
-  const int e = info.x, seg = info.y, cnt = info.z;
-  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int rt = wg % kTiles, ks = wg / kTiles;
-  const int T0 = (blockIdx.x * kTiles + rt) * 64;
-  const bool active = T0 < a.rows;  // whole warpgroups (rows % 64 == 0)
-  const int R0 = T0 + warp * 16;
-  const int rA = kGateUp ? R0 + 2 * g : R0 + g;
-  const int rB = kGateUp ? R0 + 2 * g + 1 : R0 + g + 8;
-  const int64_t rowA = int64_t(e) * a.rows + rA, rowB = int64_t(e) * a.rows + rB;
-  // Word t of sub-block 0 of rows A / B, their scales (sub-block t).
-  const uint32_t* const wA = reinterpret_cast<const uint32_t*>(a.blocks + rowA * a.nsub * 16) + t;
-  const uint32_t* const wB = reinterpret_cast<const uint32_t*>(a.blocks + rowB * a.nsub * 16) + t;
-  const uint8_t* const sA = a.scales + rowA * a.nsub + t;
-  const uint8_t* const sB = a.scales + rowB * a.nsub + t;
-  const int nchunk = a.kpad / 128, k8 = a.kpad / 8, nsub = a.nsub;
-  const int per = (nchunk + kKS - 1) / kKS;
-  const int c_begin = min(nchunk, ks * per), c_end = min(nchunk, c_begin + per);
-  const bool has_work = active && c_begin < c_end;
-  const uint32_t xs_base = ptx::smem_u32(xs4);
-
-  // Word t of each of chunk c's 4 sub-blocks, rows A and B; the scale of sub-block t.
-  struct Slot {
-    uint32_t wa[4], wb[4];
-    int sa, sb;
-  };
-  auto load = [&](int c, Slot& s) {
-    const uint32_t *pa = wA + 16 * c, *pb = wB + 16 * c;
-    if (4 * c + 4 <= nsub) {  // whole chunk (all but a short last one)
-#pragma unroll
-      for (int b = 0; b < 4; ++b) s.wa[b] = __ldg(pa + 4 * b), s.wb[b] = __ldg(pb + 4 * b);
-      s.sa = sA[4 * c], s.sb = sB[4 * c];
-    } else {
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const bool in = 4 * c + b < nsub;
-        s.wa[b] = in ? __ldg(pa + 4 * b) : 0u;
-        s.wb[b] = in ? __ldg(pb + 4 * b) : 0u;
-      }
-      const bool in = 4 * c + t < nsub;
-      s.sa = in ? sA[4 * c] : 127;
-      s.sb = in ? sB[4 * c] : 127;
-    }
-  };
-  constexpr int kRing = 3;
-  Slot ring[kRing];
-  auto prefetch = [&] {
-#pragma unroll
-    for (int p = 0; p < kRing; ++p)
-      if (c_begin + p < c_end) load(c_begin + p, ring[p]);
-  };
-  if (has_work) prefetch();
-  bool ready = true;
-  if (kPdl && !kGateUp) griddep_wait();
-
-  for (int base = 0; base < cnt; base += kW4Tokens) {
-    const int m = min(kW4Tokens, cnt - base);
-    __syncthreads();
-    // Stage fp16 pieces (8 elements: word p of sub-block sb of chunk c) as E4M3.
-    const float mul = kGateUp ? 256.f : 8.f;
-    uint8_t* const xq = reinterpret_cast<uint8_t*>(xs4);
-    auto put8 = [&](int gi, int q8, uint4 u) {
-      const __half2* h2 = reinterpret_cast<const __half2*>(&u);
-      uint32_t v[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = __half22float2(h2[j]);
-        v[j] = __nv_cvt_float2_to_fp8x2(make_float2(f.x * mul, f.y * mul), __NV_SATFINITE, __NV_E4M3);
-      }
-      const uint32_t lo = v[0] | (v[1] << 16), hi = v[2] | (v[3] << 16);  // bytes x0..x3, x4..x7
-      uint8_t* d = xq + (q8 >> 2) * kW8SubBytes + gi * 16 + (q8 & 3) * 4;
-      *reinterpret_cast<uint32_t*>(d) = ptx::prmt(lo, hi, 0x6420);        // even elements
-      *reinterpret_cast<uint32_t*>(d + 128) = ptx::prmt(lo, hi, 0x7531);  // odd elements
-    };
-    float x_scale = 1.f;
-    if (kGateUp && a.direct) {
-      __shared__ float xred[32];
-      x_scale = x_to_half_pieces<2>(
-          a.x, a.H, k8, [&](int q8, uint4 v) { put8(0, q8, v); }, xred);
-    } else {
-      for (int gi = 0; gi < m; ++gi) {
-        const __half* src = a.act + int64_t(kGateUp ? a.sorted[seg + base + gi] / a.topk : seg + base + gi) * a.kpad;
-        for (int q8 = threadIdx.x; q8 < k8; q8 += blockDim.x)
-          put8(gi, q8, *reinterpret_cast<const uint4*>(src + q8 * 8));
-      }
-    }
-    float biasA = 0.f, biasB = 0.f, xsc[2] = {1.f, 1.f};
-    if (active && ks == 0) {
-      biasA = bf16_to_float(a.bias[rowA]), biasB = bf16_to_float(a.bias[rowB]);
-      if (kGateUp)
-        for (int j = 0; j < 2; ++j)
-          if (2 * t + j < m) xsc[j] = a.direct ? x_scale : a.act_scale[a.sorted[seg + base + 2 * t + j] / a.topk];
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
-    __syncthreads();
-
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    if (has_work) {
-      if (!ready) prefetch();
-      ready = false;
-      const int q0 = lane & 28;
-      for (int c0 = c_begin; c0 < c_end; c0 += kRing) {
-#pragma unroll
-        for (int p = 0; p < kRing; ++p) {
-          const int c = c0 + p;
-          if (c >= c_end) break;  // uniform over the warpgroup
-          Slot& sl = ring[p];
-          const float fa = e8m0_to_float(sl.sa), fb = e8m0_to_float(sl.sb);
-          uint32_t af[4][4];  // all four sub-blocks' fragments first: one fence for the four MMAs
-#pragma unroll
-          for (int b = 0; b < 4; ++b) {
-            af[b][0] = e2m1_even_to_e4m3(sl.wa[b]), af[b][1] = e2m1_even_to_e4m3(sl.wb[b]);
-            af[b][2] = e2m1_odd_to_e4m3(sl.wa[b]), af[b][3] = e2m1_odd_to_e4m3(sl.wb[b]);
-          }
-          float q[4][4];
-          ptx_wgmma_fence();
-#pragma unroll
-          for (int b = 0; b < 4; ++b)
-            wgmma_rs_m64n8k32(q[b], af[b][0], af[b][1], af[b][2], af[b][3],
-                              w8_desc(xs_base + uint32_t((4 * c + b) * kW8SubBytes)));
-          ptx_wgmma_commit();
-          if (c + kRing < c_end) load(c + kRing, sl);  // refill under the MMAs
-          ptx_wgmma_wait0();
-#pragma unroll
-          for (int b = 0; b < 4; ++b) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(q[b][j])::"memory");
-            const float gA = __shfl_sync(~0u, fa, q0 | b), gB = __shfl_sync(~0u, fb, q0 | b);
-            acc[0] += q[b][0] * gA;
-            acc[1] += q[b][1] * gA;
-            acc[2] += q[b][2] * gB;
-            acc[3] += q[b][3] * gB;
-          }
-        }
-      }
-    }
-    if (kKS > 1) {
-      if (ks > 0) red[threadIdx.x & 127] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-      __syncthreads();
-      if (ks != 0) continue;
-      const float4 v = red[threadIdx.x & 127];
-      acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
-    }
-    if (!active) continue;
-    // The E2M1 placement (2^-6) and the activations' multiplier.
-    constexpr float kPost = kGateUp ? 64.f / 256.f : 64.f / 8.f;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int tok = 2 * t + j;
-      if (tok >= m) continue;
-      const int row = seg + base + tok;
-      if (kGateUp) {
-        const float v = swiglu(acc[j] * kPost * xsc[j] + biasA, acc[2 + j] * kPost * xsc[j] + biasB);
-        a.out_act[int64_t(row) * a.out_ld + (rA >> 1)] = __float2half_rn(v);
-      } else {
-        a.out_y[int64_t(row) * a.rows + rA] = acc[j] * kPost + biasA;
-        a.out_y[int64_t(row) * a.rows + rB] = acc[2 + j] * kPost + biasB;
-      }
-    }
-  }
-  if (kPdl) griddep_launch();
-#endif
-}
-
-template <bool kGateUp, bool kPdl>
-W4Fn w4a8_fn(int ks) {
-  return ks == 2 ? w4a8_kernel<kGateUp, 2, kPdl> : w4a8_kernel<kGateUp, 1, kPdl>;
 }
 
 // ------------------------------------------ fused path, persistent kernel
@@ -1615,13 +1377,6 @@ struct MoeLayer::Impl {
         for (auto k : {w4_fn<true, false>(ks, nt), w4_fn<true, true>(ks, nt), w4_fn<false, false>(ks, nt),
                        w4_fn<false, true>(ks, nt)})
           DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    if (Fp8GroupedGemm::supported()) {
-      const int smem8 = int(std::max(kph, kpi) / 32 * kW8SubBytes);
-      for (int ks : {1, 2})
-        for (auto k :
-             {w4a8_fn<true, false>(ks), w4a8_fn<true, true>(ks), w4a8_fn<false, false>(ks), w4a8_fn<false, true>(ks)})
-          DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem8));
-    }
     DZ_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
   }
 
@@ -1790,21 +1545,11 @@ struct MoeLayer::Impl {
   // One projection of the fused path, K split ks.
   template <bool G>
   void launch_w4(int ks, bool pdl, int rows, unsigned max_active, cudaStream_t st, const W4Args& a) {
-    if (w4a8(rows)) {  // two warpgroups a block: two 64-row tiles, or one split over K
-      const int ks8 = ks == 1 ? 1 : 2, per_block = 64 * (2 / ks8);
-      const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
-      launch(pdl ? w4a8_fn<G, true>(ks8) : w4a8_fn<G, false>(ks8), grid, dim3(kW8Threads),
-             size_t(a.kpad / 32) * kW8SubBytes, st, pdl, a);
-      return;
-    }
     const int per_block = 16 * (8 / ks), ntile = a.ntok > kW4Tokens ? 2 : 1;
     const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
     const size_t smem = size_t(a.ntok) * a.kpad * 2;
     launch(pdl ? w4_fn<G, true>(ks, ntile) : w4_fn<G, false>(ks, ntile), grid, dim3(kW4Threads), smem, st, pdl, a);
   }
-
-  // The W4A8 kernels run a projection of this many rows (the option, an sm_90a build and device, 64-row tiles).
-  bool w4a8(int rows) const { return opt.fused_fp8_activations && rows % 64 == 0 && Fp8GroupedGemm::supported(); }
 
   // The fused kernels' K split for T tokens.
   int w4_split(int T) const {

@@ -51,12 +51,6 @@ struct MoeOptions {
   // One token on the per-projection fused kernels: they read the router's ids
   // themselves and gate_up converts the input (no routing launch).
   bool fused_one_token_direct = true;
-  // Fused kernels with E4M3 activations (W4A8) on FP8 wgmma instead of fp16
-  // MMAs (W4A16): no decoding tables and no scale folding (sm_90a; projections
-  // whose rows are not a multiple of 64 stay W4A16). The activations lose
-  // precision: E4M3 of the input after its per-token power-of-two scale, and
-  // of the clamped SwiGLU.
-  bool fused_fp8_activations = false;
   // Fused path implementation: 0 auto, 1 per-projection kernels (routing,
   // gate_up, down, combine), 2 one persistent kernel (bulk-copy ring, both
   // projections and the combine; needs 16-byte aligned expert tensors).

@@ -37,7 +37,7 @@ namespace {
 const char* kUsage =
     "usage: dz bench moe [--tokens 1,8,64,128,256,384,512,1024,2048,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
     "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
-    "                    [--fused-kernel 0|1|2] [--tokens-per-pass NB] [--fp8-act 0|1] [--no-components]\n"
+    "                    [--fused-kernel 0|1|2] [--tokens-per-pass NB] [--no-components]\n"
     "                    [--fp8-gemm auto|cublaslt|grouped|grouped_ws|LIST] [--grouped-blocks N]\n"
     "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
     "MXFP4 MoE layer on the GPU: fused W4A16 vs FP8 (fold + FP8 GEMMs) paths, JSON results.\n"
@@ -45,8 +45,7 @@ const char* kUsage =
     "MXFP4 experts itself; grouped_ws: on experts folded into the FP8 workspace first) or auto\n"
     "(the library's default: grouped up to 256 tokens per expert); of a comma list the first\n"
     "is fp8_ms, every one listed is timed (fp8_gemm_ms) and compared with the first.\n"
-    "--grouped-blocks: persistent blocks of the grouped GEMM (default 0: one per SM).\n"
-    "--fp8-act: the fused kernels' activations in E4M3 (1, W4A8) or fp16 (0, W4A16); default: the library's.\n";
+    "--grouped-blocks: persistent blocks of the grouped GEMM (default 0: one per SM).\n";
 
 std::vector<int> parse_list(const std::string& s) {
   std::vector<int> v;
@@ -129,10 +128,10 @@ int bench_moe(const Args& a) {
     std::printf("%s", kUsage);
     return 0;
   }
-  reject_unknown(a, {"--tokens",          "--reps",           "--experts",    "--topk",         "--hidden",
-                     "--intermediate",    "--threshold",      "--tile",       "--gemm-streams", "--fused-kernel",
-                     "--tokens-per-pass", "--no-components",  "--bw-ceiling", "--fp8-act",      "--fp8-ceiling",
-                     "--fp8-gemm",        "--grouped-blocks", "--dump",       "--out",          "--help"},
+  reject_unknown(a,
+                 {"--tokens", "--reps", "--experts", "--topk", "--hidden", "--intermediate", "--threshold", "--tile",
+                  "--gemm-streams", "--fused-kernel", "--tokens-per-pass", "--no-components", "--bw-ceiling",
+                  "--fp8-ceiling", "--fp8-gemm", "--grouped-blocks", "--dump", "--out", "--help"},
                  "bench moe");
   const std::vector<int> tokens = parse_list(flag_value(a, "--tokens", "1,8,64,128,256,384,512,1024,2048,4096,16384"));
   const int reps = std::stoi(flag_value(a, "--reps", "20"));
@@ -149,7 +148,6 @@ int bench_moe(const Args& a) {
   opt.gemm_streams = int_flag("--gemm-streams", opt.gemm_streams);
   opt.fused_kernel = int_flag("--fused-kernel", opt.fused_kernel);
   opt.fused_tokens_per_pass = int_flag("--tokens-per-pass", opt.fused_tokens_per_pass);
-  opt.fused_fp8_activations = int_flag("--fp8-act", opt.fused_fp8_activations ? 1 : 0) != 0;
   std::vector<std::string> fp8_gemms;
   {
     std::stringstream ss(flag_value(a, "--fp8-gemm", "auto"));
@@ -395,9 +393,8 @@ int bench_moe(const Args& a) {
       // warps; kernel 2: the persistent kernel with nb tokens per weight pass;
       // programmatic dependent launch on/off); the default options are what
       // "fused_ms" reports.
-      auto time_fused = [&](int kernel, int ks, bool pdl, int nb = 0, bool direct = true, int a8 = -1) {
+      auto time_fused = [&](int kernel, int ks, bool pdl, int nb = 0, bool direct = true) {
         layer.options().fused_kernel = kernel;
-        if (a8 >= 0) layer.options().fused_fp8_activations = a8 != 0;
         layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
         layer.options().fused_tokens_per_pass = nb;
         layer.options().fused_k_split = ks;
@@ -433,11 +430,6 @@ int bench_moe(const Args& a) {
             if (ks != 8 || (T <= 64 && pdl))
               variants["ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] = time_fused(1, ks, pdl);
         if (T == 1) variants["ks4_pdl_routing_kernel"] = time_fused(1, 4, true, 0, false);  // one token, routed
-        // The per-projection kernels with fp16 (a16) and E4M3 (a8) activations, automatic K split.
-        for (int a8 : {0, 1}) variants[a8 ? "auto_pdl_a8" : "auto_pdl_a16"] = time_fused(1, 0, true, 0, true, a8);
-        if (T <= 64)
-          for (int ks : {1, 4, 8})
-            variants["ks" + std::to_string(ks) + "_pdl_a8"] = time_fused(1, ks, true, 0, true, 1);
       }
       double ms_v2 = -1;
       if (persistent_ok(0)) {
@@ -489,21 +481,6 @@ int bench_moe(const Args& a) {
       DZ_CUDA_CHECK(cudaMemcpy(hf.data(), out_f.get(), hf.size() * 4, cudaMemcpyDeviceToHost));
       DZ_CUDA_CHECK(cudaMemcpy(h8.data(), out_8.get(), h8.size() * 4, cudaMemcpyDeviceToHost));
       const double agree = diff_metric(hf, h8);
-      // E4M3 vs fp16 activations on the per-projection fused kernels.
-      double agree_a8 = -1;
-      if (T <= 4096) {
-        std::vector<float> ha[2];
-        for (int a8 : {0, 1}) {
-          layer.options().fused_kernel = 1;
-          layer.options().fused_fp8_activations = a8 != 0;
-          layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
-          ctx.sync();
-          ha[a8].resize(x.size());
-          DZ_CUDA_CHECK(cudaMemcpy(ha[a8].data(), out_f.get(), x.size() * 4, cudaMemcpyDeviceToHost));
-        }
-        layer.options() = opt;
-        agree_a8 = diff_metric(ha[0], ha[1]);
-      }
       double agree_v2 = -1;  // persistent vs per-projection fused kernels
       if (ms_v2 >= 0) {
         std::vector<float> h1(x.size()), h2(x.size());
@@ -557,8 +534,6 @@ int bench_moe(const Args& a) {
           {"fp8_peak_fraction", flops / (ms_fp8 * 1e-3) / fp8_ceiling},
           {"best_peak_fraction", flops / (ms_best * 1e-3) / fp8_ceiling},
           {"fused_vs_fp8_diff", agree},
-          {"fused_a8_vs_a16_diff", or_null(agree_a8 >= 0, agree_a8)},
-          {"fused_fp8_activations", opt.fused_fp8_activations},
           {"plain_read_ms", or_null(ms_read > 0, ms_read)},
           {"plain_read_hbm_fraction", or_null(ms_read > 0, bytes / (ms_read * 1e-3) / bw_ceiling)},
           {"fused_vs_plain_read", or_null(ms_read > 0, ms_read / ms_fused)},
