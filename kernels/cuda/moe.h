@@ -51,11 +51,6 @@ struct MoeOptions {
   // One token on the per-projection fused kernels: they read the router's ids
   // themselves and gate_up converts the input (no routing launch).
   bool fused_one_token_direct = true;
-  // Fused path implementation: 0 auto, 1 per-projection kernels (routing,
-  // gate_up, down, combine), 2 one persistent kernel (bulk-copy ring, both
-  // projections and the combine; needs 16-byte aligned expert tensors).
-  int fused_kernel = 0;
-  int fused_tokens_per_pass = 0;  // persistent kernel: tokens per weight pass, 1..8 (0: min(T, 4))
   // Grouped FP8 GEMM blocks (0: one per SM); fewer leave SMs to the next tile's
   // weight folding, which runs concurrently on the aux stream.
   int fp8_grouped_blocks = 0;
@@ -105,8 +100,6 @@ class MoeLayer {
   // The device flag take_error() reads, for callers that read and reset it on
   // their stream themselves (inside a CUDA graph: no sync).
   int* error_flag();
-  // Ring stages of the persistent fused kernel for T tokens (0: it does not fit).
-  int persistent_stages(int T) const;
 
  private:
   struct Impl;

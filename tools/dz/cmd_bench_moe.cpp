@@ -2,9 +2,8 @@
 // top-4, H=I=2880; random MXFP4 weights and routing) for several token counts.
 // Both device paths are timed at every size (fused W4A16 and FP8 workspace +
 // cuBLASLt), giving the measured tokens-per-expert threshold between them;
-// the fused path's implementations are compared too (per-projection kernels
-// vs the persistent kernel, fused_v1/v2_*, with the achieved fraction of HBM
-// bandwidth on the FP4 expert bytes).
+// the fused kernels' variants are timed too (K split, PDL), with the achieved
+// fraction of HBM bandwidth on the FP4 expert bytes.
 // Median of CUDA-event timings; L2 flushed before every timed call and the
 // routing rotated among several sets; the fused path replays CUDA graphs.
 // --dump DIR writes the weights, inputs, routing and outputs for the PyTorch
@@ -37,7 +36,7 @@ namespace {
 const char* kUsage =
     "usage: dz bench moe [--tokens 1,8,64,128,256,384,512,1024,2048,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
     "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
-    "                    [--fused-kernel 0|1|2] [--tokens-per-pass NB] [--no-components]\n"
+    "                    [--no-components]\n"
     "                    [--fp8-gemm auto|cublaslt|grouped|grouped_ws|LIST] [--grouped-blocks N]\n"
     "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
     "MXFP4 MoE layer on the GPU: fused W4A16 vs FP8 (fold + FP8 GEMMs) paths, JSON results.\n"
@@ -130,8 +129,8 @@ int bench_moe(const Args& a) {
   }
   reject_unknown(a,
                  {"--tokens", "--reps", "--experts", "--topk", "--hidden", "--intermediate", "--threshold", "--tile",
-                  "--gemm-streams", "--fused-kernel", "--tokens-per-pass", "--no-components", "--bw-ceiling",
-                  "--fp8-ceiling", "--fp8-gemm", "--grouped-blocks", "--dump", "--out", "--help"},
+                  "--gemm-streams", "--no-components", "--bw-ceiling", "--fp8-ceiling", "--fp8-gemm",
+                  "--grouped-blocks", "--dump", "--out", "--help"},
                  "bench moe");
   const std::vector<int> tokens = parse_list(flag_value(a, "--tokens", "1,8,64,128,256,384,512,1024,2048,4096,16384"));
   const int reps = std::stoi(flag_value(a, "--reps", "20"));
@@ -146,8 +145,6 @@ int bench_moe(const Args& a) {
   auto int_flag = [&](const char* flag, int dflt) { return std::stoi(flag_value(a, flag, std::to_string(dflt))); };
   opt.tile_experts = int_flag("--tile", opt.tile_experts);
   opt.gemm_streams = int_flag("--gemm-streams", opt.gemm_streams);
-  opt.fused_kernel = int_flag("--fused-kernel", opt.fused_kernel);
-  opt.fused_tokens_per_pass = int_flag("--tokens-per-pass", opt.fused_tokens_per_pass);
   std::vector<std::string> fp8_gemms;
   {
     std::stringstream ss(flag_value(a, "--fp8-gemm", "auto"));
@@ -324,8 +321,6 @@ int bench_moe(const Args& a) {
                         {"scratch_bytes", layer.scratch_bytes()},
                         {"tile_experts", opt.tile_experts},
                         {"gemm_streams", opt.gemm_streams},
-                        {"fused_kernel", opt.fused_kernel},
-                        {"fused_tokens_per_pass", opt.fused_tokens_per_pass},
                         {"fp8_gemm", fp8_gemms},
                         {"fp8_grouped_blocks", opt.fp8_grouped_blocks},
                         {"fold_check",
@@ -389,14 +384,10 @@ int bench_moe(const Args& a) {
       DZ_CUDA_CHECK(cudaDeviceSynchronize());  // pageable copies may land after they return
       const int r = std::max(3, T >= 4096 ? reps / 4 : reps);
       // Fused path: one CUDA graph per routing set (thread-local capture), for
-      // each variant (kernel 1: per-projection kernels with K split over 1 or 4
-      // warps; kernel 2: the persistent kernel with nb tokens per weight pass;
-      // programmatic dependent launch on/off); the default options are what
-      // "fused_ms" reports.
-      auto time_fused = [&](int kernel, int ks, bool pdl, int nb = 0, bool direct = true) {
-        layer.options().fused_kernel = kernel;
+      // each variant (K split over 1, 4 or 8 warps; programmatic dependent
+      // launch on/off); the default options are what "fused_ms" reports.
+      auto time_fused = [&](int ks, bool pdl, bool direct = true) {
         layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
-        layer.options().fused_tokens_per_pass = nb;
         layer.options().fused_k_split = ks;
         layer.options().pdl = pdl;
         std::vector<cudaGraphExec_t> graphs(kSets);
@@ -415,33 +406,16 @@ int bench_moe(const Args& a) {
         layer.options() = opt;
         return ms;
       };
-      // Persistent kernel with nb tokens per pass, where it fits (else -1).
-      auto persistent_ok = [&](int nb) {
-        layer.options().fused_tokens_per_pass = nb;
-        const bool ok = T <= 512 && layer.persistent_stages(T) >= 2;
-        layer.options() = opt;
-        return ok;
-      };
       nlohmann::json variants = nlohmann::json::object();
       if (T <= 4096) {
         // K split over 1, 4 or 8 warps (8 only up to 64 tokens, with PDL).
         for (int ks : {1, 4, 8})
           for (bool pdl : {false, true})
             if (ks != 8 || (T <= 64 && pdl))
-              variants["ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] = time_fused(1, ks, pdl);
-        if (T == 1) variants["ks4_pdl_routing_kernel"] = time_fused(1, 4, true, 0, false);  // one token, routed
+              variants["ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] = time_fused(ks, pdl);
+        if (T == 1) variants["ks4_pdl_routing_kernel"] = time_fused(4, true, false);  // one token, routed
       }
-      double ms_v2 = -1;
-      if (persistent_ok(0)) {
-        ms_v2 = time_fused(2, 0, true);
-        variants["persistent_pdl"] = ms_v2;
-        variants["persistent"] = time_fused(2, 0, false);
-        for (int nb : {1, 2, 4, 8})
-          if (nb <= T && persistent_ok(nb))
-            variants["persistent_pdl_tok" + std::to_string(nb)] = time_fused(2, 0, true, nb);
-      }
-      const double ms_v1 = time_fused(1, 0, true);
-      const double ms_fused = time_fused(opt.fused_kernel, opt.fused_k_split, opt.pdl, opt.fused_tokens_per_pass);
+      const double ms_fused = time_fused(opt.fused_k_split, opt.pdl);
       std::vector<double> host;
       const double ms_fp8 = timer.median_ms(r, kSets, [&](int i) {
         const auto h0 = std::chrono::steady_clock::now();
@@ -481,18 +455,6 @@ int bench_moe(const Args& a) {
       DZ_CUDA_CHECK(cudaMemcpy(hf.data(), out_f.get(), hf.size() * 4, cudaMemcpyDeviceToHost));
       DZ_CUDA_CHECK(cudaMemcpy(h8.data(), out_8.get(), h8.size() * 4, cudaMemcpyDeviceToHost));
       const double agree = diff_metric(hf, h8);
-      double agree_v2 = -1;  // persistent vs per-projection fused kernels
-      if (ms_v2 >= 0) {
-        std::vector<float> h1(x.size()), h2(x.size());
-        for (int kernel : {1, 2}) {
-          layer.options().fused_kernel = kernel;
-          layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
-          DZ_CUDA_CHECK(cudaMemcpy((kernel == 1 ? h1 : h2).data(), out_f.get(), h1.size() * 4, cudaMemcpyDeviceToHost));
-        }
-        layer.options() = opt;
-        check(layer.take_error() == 0, DZ_ERR_INTERNAL, "persistent MoE kernel reported an error");
-        agree_v2 = diff_metric(h1, h2);
-      }
       const double tpe = double(T) * K / E;
       if (ms_fused < ms_fp8) threshold_tpe = std::max(threshold_tpe, tpe);
       const MoePath chosen = layer.choose(T);
@@ -537,13 +499,6 @@ int bench_moe(const Args& a) {
           {"plain_read_ms", or_null(ms_read > 0, ms_read)},
           {"plain_read_hbm_fraction", or_null(ms_read > 0, bytes / (ms_read * 1e-3) / bw_ceiling)},
           {"fused_vs_plain_read", or_null(ms_read > 0, ms_read / ms_fused)},
-          {"fused_v1_ms", ms_v1},
-          {"fused_v1_hbm_fraction", bytes / (ms_v1 * 1e-3) / bw_ceiling},
-          {"fused_v2_ms", ms_v2 >= 0 ? nlohmann::json(ms_v2) : nlohmann::json()},
-          {"fused_v2_hbm_fraction",
-           ms_v2 >= 0 ? nlohmann::json(bytes / (ms_v2 * 1e-3) / bw_ceiling) : nlohmann::json()},
-          {"fused_v2_vs_v1_diff", ms_v2 >= 0 ? nlohmann::json(agree_v2) : nlohmann::json()},
-          {"persistent_stages", layer.persistent_stages(T)},
           {"fp8_host_ms", median(host)},
           {"fused_variants_ms", variants},
           {"fp8_gemm_ms", gemm_ms},
@@ -562,12 +517,6 @@ int bench_moe(const Args& a) {
                      fp8_gemms[v].c_str(), ms_v, flops / (ms_v * 1e-3) / 1e12, fp8_gemms[0].c_str(), ms_fp8,
                      gemm_diff[fp8_gemms[v]].get<double>());
       }
-      if (ms_v2 >= 0)
-        std::fprintf(stderr,
-                     "moe T=%6d  fused kernels: per-projection %9.4f ms (hbm %.1f%%), persistent %9.4f ms (hbm %.1f%%) "
-                     " diff %.2e\n",
-                     T, ms_v1, 100 * bytes / (ms_v1 * 1e-3) / bw_ceiling, ms_v2,
-                     100 * bytes / (ms_v2 * 1e-3) / bw_ceiling, agree_v2);
       if (!dump.empty()) {
         const std::string p = dump + "/T" + std::to_string(T) + "_";
         write_bin(p + "x.bin", x.get(), x.size());
