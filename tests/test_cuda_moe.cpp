@@ -220,6 +220,14 @@ MoeCase make_moe(int E, int topk, int H, int I, int T, std::mt19937& rng) {
   }
   return c;
 }
+// Every value finite (checked), and the diff metric against ref.
+double finite_diff(const std::vector<float>& got, const std::vector<double>& ref) {
+  const std::vector<double> g(got.begin(), got.end());
+  bool finite = true;
+  for (double v : g) finite &= std::isfinite(v);
+  CHECK(finite);
+  return diff_metric(g, ref);
+}
 std::vector<double> moe_ref(const MoeCase& c) {
   std::vector<double> out(size_t(c.T * c.H), 0.0);
   std::vector<double> act(size_t(c.I));
@@ -272,11 +280,7 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
       layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, path);
       ctx.sync();
       const auto got = out.get();
-      std::vector<double> g(got.begin(), got.end());
-      bool finite = true;
-      for (double v : g) finite &= std::isfinite(v);
-      CHECK(finite);
-      const double d = diff_metric(g, ref);
+      const double d = finite_diff(got, ref);
       INFO("diff " << d);
       CHECK(d < 1e-2);
       if (path == MoePath::kFused) CHECK(d < 2e-4);  // fp16 activations, exact weights
@@ -297,12 +301,9 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
       layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
       ctx.sync();
       const auto got = out.get();
-      std::vector<double> g(got.begin(), got.end());
-      bool finite = true;
-      for (double v : g) finite &= std::isfinite(v);
-      const double d = diff_metric(g, ref), d_lt = diff_metric(g, std::vector<double>(lt.begin(), lt.end()));
+      const double d = finite_diff(got, ref), d_lt = diff_metric(std::vector<double>(got.begin(), got.end()),
+                                                                 std::vector<double>(lt.begin(), lt.end()));
       INFO("FP8 path, grouped GEMMs: diff " << d << ", vs the cuBLASLt FP8 path " << d_lt);
-      CHECK(finite);
       CHECK(d < 1e-2);
       CHECK(d_lt < 1e-4);
       layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
@@ -465,11 +466,7 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
       return out.get();
     };
     const auto got = run(false);
-    std::vector<double> g(got.begin(), got.end());
-    bool finite = true;
-    for (double v : g) finite &= std::isfinite(v);
-    CHECK(finite);
-    const double d = diff_metric(g, ref);
+    const double d = finite_diff(got, ref);
     INFO("diff " << d);
     CHECK(d < 2e-4);  // fp16 activations, exact weights
     // Bitwise equal: again, inside a CUDA graph (replayed), and without PDL.
