@@ -310,30 +310,44 @@ struct W4Args {
   int *inv, *err;
 };
 
-// Hi bytes of fp16(E2M1 code * 2^-d) for codes 0..7 (low bytes are zero).
-__device__ __forceinline__ void w4_lut(int d, uint32_t& l0, uint32_t& l1) {
-  if (d <= 13) {  // exponent stays normal: subtract d from each nonzero entry's exponent
-    l0 = 0x3E3C3800u - uint32_t(d * 4) * 0x01010100u;
-    l1 = 0x46444240u - uint32_t(d * 4) * 0x01010101u;
-  } else {  // rare: far below the group's largest scale (fp16 subnormals, rounded)
-    const float f = ldexpf(1.f, -d);
-    auto hb = [&](float v) { return uint32_t(__half_as_ushort(__float2half_rn(v * f)) >> 8); };
-    l0 = (hb(0.5f) << 8) | (hb(1.f) << 16) | (hb(1.5f) << 24);
-    l1 = hb(2.f) | (hb(3.f) << 8) | (hb(4.f) << 16) | (hb(6.f) << 24);
-  }
+// The fold of a sub-block d binades under its chunk's largest scale, 2^(14 -
+// d) as a half2: times a code from w4_pair it is E2M1 * 2^-d, exact down to
+// fp16's smallest subnormal (below that rounded as fp16 rounds).
+__device__ __forceinline__ uint32_t w4_fold_scale(int d) {
+  const uint32_t h = d <= 28 ? uint32_t(29 - d) << 10 : d <= 38 ? 1u << (38 - d) : 0u;
+  return h | (h << 16);
 }
 
-// 4 nibbles (low 16 bits of w) -> hi bytes of 4 fp16 values, sign included.
-__device__ __forceinline__ uint32_t w4_decode(uint32_t w, uint32_t l0, uint32_t l1) {
-  const uint32_t sg = ptx::prmt(0x80808080u, 0x80808080u, w);
-  return ptx::prmt(l0, l1, w & 0x7777u) | ((sg & 0x40404040u) << 1);
+// Nibbles j and j + 4 of w (j = 0..3) as an fp16 pair (low, high half): E2M1
+// bits placed at fp16 bits 15 and 11..9 are the code's value * 2^-14 exactly
+// (the 0.5 code lands on the subnormal 2^-15). Two shifts and one logic op
+// (j = 3: one shift), no table.
+template <int j>
+__device__ __forceinline__ uint32_t w4_pair(uint32_t w) {
+  constexpr int m = 9 - 4 * j, s = 12 - 4 * j;
+  const uint32_t mag = m >= 0 ? w << m : w >> -m;
+  return (mag & 0x0E000E00u) | ((w << s) & 0x80008000u);
+}
+
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// An 8-element fp16 activation piece x0..x7 in the order of the weight pairs:
+// (x0, x4), (x1, x5), (x2, x6), (x3, x7).
+__device__ __forceinline__ uint4 w4_piece(uint4 u) {
+  return make_uint4(ptx::prmt(u.x, u.z, 0x5410), ptx::prmt(u.x, u.z, 0x7632), ptx::prmt(u.y, u.w, 0x5410),
+                    ptx::prmt(u.y, u.w, 0x7632));
 }
 
 // The k order inside a 128-wide chunk is permuted identically for both
-// operands: lane (g, t) owns sub-block t (32 elements) of the chunk; MMA step s
-// takes elements 4s..4s+3 of it. Each row's 4 sub-block scales are folded into
-// the fp16 weights relative to the chunk's largest one; that one multiplies the
-// fp32 partial sums.
+// operands: lane (g, t) owns sub-block t (32 elements) of the chunk; MMA step
+// 2i + h takes elements 8i + {2h, 2h + 4, 2h + 1, 2h + 5} of it (w4_pair,
+// w4_piece). Each row's 4 sub-block scales are folded into the fp16 weights
+// relative to the chunk's largest one; that one multiplies the fp32 partial
+// sums.
 
 // One 128-wide K chunk of a 16-row MMA tile (rows A = MMA rows 0..7, rows B =
 // 8..15) against kN tiles of 8 tokens: wa/wb are this lane's 16-byte sub-block
@@ -351,9 +365,7 @@ __device__ __forceinline__ void w4_chunk_n(const uint4 wa, const uint4 wb, const
   mB = max(mB, __shfl_xor_sync(~0u, mB, 1));
   mA = max(mA, __shfl_xor_sync(~0u, mA, 2));
   mB = max(mB, __shfl_xor_sync(~0u, mB, 2));
-  uint32_t la0, la1, lb0, lb1;
-  w4_lut(max(mA - s_a, 0), la0, la1);
-  w4_lut(max(mB - s_b, 0), lb0, lb1);
+  const uint32_t fa2 = w4_fold_scale(max(mA - s_a, 0)), fb2 = w4_fold_scale(max(mB - s_b, 0));
   const float fA = mA < 0 ? 0.f : e8m0_to_float(mA);
   const float fB = mB < 0 ? 0.f : e8m0_to_float(mB);
   // Independent MMA chains: a decode-step warp waits on MMA latency, not on
@@ -366,12 +378,13 @@ __device__ __forceinline__ void w4_chunk_n(const uint4 wa, const uint4 wb, const
     uint4 bv[kN];
 #pragma unroll
     for (int n = 0; n < kN; ++n) bv[n] = b(i, n);
+    const uint32_t pA[4] = {hmul2(w4_pair<0>(wA[i]), fa2), hmul2(w4_pair<1>(wA[i]), fa2), hmul2(w4_pair<2>(wA[i]), fa2),
+                            hmul2(w4_pair<3>(wA[i]), fa2)};
+    const uint32_t pB[4] = {hmul2(w4_pair<0>(wB[i]), fb2), hmul2(w4_pair<1>(wB[i]), fb2), hmul2(w4_pair<2>(wB[i]), fb2),
+                            hmul2(w4_pair<3>(wB[i]), fb2)};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const uint32_t HA = w4_decode(wA[i] >> (16 * h), la0, la1);
-      const uint32_t HB = w4_decode(wB[i] >> (16 * h), lb0, lb1);
-      const uint32_t a0 = ptx::prmt(HA, 0, 0x1404), a1 = ptx::prmt(HB, 0, 0x1404);
-      const uint32_t a2 = ptx::prmt(HA, 0, 0x3424), a3 = ptx::prmt(HB, 0, 0x3424);
+      const uint32_t a0 = pA[2 * h], a1 = pB[2 * h], a2 = pA[2 * h + 1], a3 = pB[2 * h + 1];
 #pragma unroll
       for (int n = 0; n < kN; ++n)
         ptx::mma_16816(q[n][h % kC], a0, a1, a2, a3, h ? bv[n].z : bv[n].x, h ? bv[n].w : bv[n].y);
@@ -485,7 +498,7 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
           a.x, a.H, k8,
           [&](int q8, uint4 v) {
             const int c = q8 >> 4, tt = (q8 >> 2) & 3, ii = q8 & 3;
-            xs4[(c * 4 + ii) * 4 + tt] = v;
+            xs4[(c * 4 + ii) * 4 + tt] = w4_piece(v);
           },
           xred);
     } else {
@@ -493,7 +506,7 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
         const __half* src = a.act + int64_t(kGateUp ? a.sorted[seg + base + gi] / a.topk : seg + base + gi) * a.kpad;
         for (int q8 = threadIdx.x; q8 < k8; q8 += blockDim.x) {
           const int c = q8 >> 4, tt = (q8 >> 2) & 3, ii = q8 & 3;
-          xs4[((c * 4 + ii) * NT + gi) * 4 + tt] = *reinterpret_cast<const uint4*>(src + q8 * 8);
+          xs4[((c * 4 + ii) * NT + gi) * 4 + tt] = w4_piece(*reinterpret_cast<const uint4*>(src + q8 * 8));
         }
       }
     }
