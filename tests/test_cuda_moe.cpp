@@ -194,8 +194,9 @@ struct MoeCase {
   std::vector<float> x, gw;
   std::vector<int> ids;
 };
-MoeCase make_moe(int E, int topk, int H, int I, int T, std::mt19937& rng) {
-  MoeCase c{E,  topk, H,  I,  T, random_mx(E, 2 * I, H, rng, 118, 124), random_mx(E, H, I, rng, 118, 124),
+// Scale bytes uniform in [s_lo, s_hi].
+MoeCase make_moe(int E, int topk, int H, int I, int T, std::mt19937& rng, int s_lo = 118, int s_hi = 124) {
+  MoeCase c{E,  topk, H,  I,  T, random_mx(E, 2 * I, H, rng, s_lo, s_hi), random_mx(E, H, I, rng, s_lo, s_hi),
             {}, {},   {}, {}, {}};
   std::normal_distribution<float> nd(0.f, 1.f);
   for (int i = 0; i < E * 2 * I; ++i) c.b1.push_back(f32_to_bf16(0.5f * nd(rng)));
@@ -431,14 +432,19 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
   struct Case {
     int E, topk, H, I, T;
     bool crowd;  // every token routed to experts 0..topk-1: many passes per expert
-  } cases[] = {{8, 4, 320, 192, 1, false},  {8, 4, 320, 192, 2, false},  {8, 4, 320, 192, 8, false},
-               {8, 4, 320, 192, 64, false}, {40, 2, 256, 320, 8, false}, {8, 4, 320, 192, 24, true}};
+    // Scale bytes: a wide range puts sub-blocks up to 34 binades under their
+    // chunk's largest, through every branch of the fused kernels' fold.
+    int s_lo = 118, s_hi = 124;
+  } cases[] = {{8, 4, 320, 192, 1, false},         {8, 4, 320, 192, 2, false},  {8, 4, 320, 192, 8, false},
+               {8, 4, 320, 192, 64, false},        {40, 2, 256, 320, 8, false}, {8, 4, 320, 192, 24, true},
+               {8, 4, 320, 192, 8, false, 96, 130}};
   for (const auto& cs : cases) {
-    MoeCase c = make_moe(cs.E, cs.topk, cs.H, cs.I, cs.T, rng);
+    MoeCase c = make_moe(cs.E, cs.topk, cs.H, cs.I, cs.T, rng, cs.s_lo, cs.s_hi);
     if (cs.crowd)
       for (int t = 0; t < c.T; ++t)
         for (int k = 0; k < c.topk; ++k) c.ids[size_t(t * c.topk + k)] = (k + t) % c.topk;
-    INFO("E " << c.E << " topk " << c.topk << " H " << c.H << " I " << c.I << " T " << c.T << " crowd " << cs.crowd);
+    INFO("E " << c.E << " topk " << c.topk << " H " << c.H << " I " << c.I << " T " << c.T << " crowd " << cs.crowd
+              << " scales " << cs.s_lo << ".." << cs.s_hi);
     MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, 64, MoeOptions{8.0, 3});
     Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
     Dev<uint16_t> b1(c.b1), b2(c.b2);
