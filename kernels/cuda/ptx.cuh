@@ -39,12 +39,8 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
 }
 #undef DZ_MMA_16816
 
-// 16-byte asynchronous copy global -> shared (L2 only).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-
-// The same with src_bytes (0 or 16) read and the rest zero-filled.
+// 16-byte asynchronous copy global -> shared (L2 only): src_bytes (0 or 16)
+// read and the rest zero-filled.
 __device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, uint32_t src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
