@@ -586,6 +586,316 @@ W4Fn w4_fn(int ks, int ntile) {
   }
 }
 
+// ------------------------------------------ fused path, one token, one launch
+// A decode step at batch 1: the whole layer in one launch, one block per SM
+// (a cooperative launch, so every block is resident for the grid barrier).
+//  1. Each block bulk-copies the down-projection rows it will need into shared
+//     memory (as many 16-row units as fit: all of them at gpt-oss shapes) and
+//     meanwhile streams its share of the gate_up rows through the register
+//     ring: down's weights arrive while gate_up runs, not after it. SwiGLU
+//     outputs go to global memory.
+//  2. A grid barrier.
+//  3. Down, from shared memory (units that did not fit stream from global).
+//     A block owns whole 16-row output tiles for every routed expert, so it
+//     also does the combine (fixed k order: deterministic).
+// Inside a block, a phase's units x 128-wide K chunks are split evenly over
+// the warps; a warp's range may span unit boundaries, and the partial sums of
+// a unit meet in shared memory in warp order (deterministic).
+constexpr int kL1Threads = 512;
+constexpr int kL1Warps = kL1Threads / 32;
+constexpr int kL1Ring = 4;  // K chunks in flight per warp
+
+struct L1Args {
+  const uint8_t *w1b, *w1s, *w2b, *w2s;
+  const uint16_t *b1, *b2;  // bf16 [E][2I], [E][H]
+  const float* x;           // [H]
+  const int* ids;           // [topk]
+  const float* gw;          // [topk]
+  float* out;               // [H] (+)= the layer
+  __half* h;                // [topk][kpi] SwiGLU outputs (pad columns stay zero)
+  int* bar;                 // [2] grid barrier: arrivals, generation (zero at first use)
+  int* err;
+  int E, topk, H, I, kph, kpi, accumulate;
+  int slots;                     // partial-sum slots per warp
+  int off_part, off_act, off_w;  // shared memory
+  int row_stride, unit_bytes;    // a preloaded unit: 16 rows of blocks, then 16 rows of scales
+  int max_pre;                   // down units a block preloads at most
+};
+
+// One unit's two rows for this lane (A, B) and where they live.
+struct L1Rows {
+  const uint8_t *a, *b, *sa, *sb;
+  bool smem, valid;
+};
+
+// Per-thread timeout for waits that only a bug could make endless: flag and trap.
+struct Patience {
+  uint64_t t0 = 0;
+  int n = 0;
+  __device__ void tick(int* err) {
+    if ((++n & 255) != 0) return;
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t0 == 0) {
+      t0 = t;
+    } else if (t - t0 > 4000000000ull) {
+      atomicOr(err, 2);
+      __trap();
+    }
+  }
+};
+
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Every block of the grid (all resident) reaches this before any leaves;
+// global writes before it are visible after it. Sense by generation: the last
+// arrival resets the count and bumps bar[1].
+__device__ void grid_barrier(int* bar, int* err) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int gen = ld_acquire(bar + 1);  // before arriving: it cannot move until we have
+    __threadfence();
+    if (atomicAdd(bar, 1) == int(gridDim.x) - 1) {
+      atomicExch(bar, 0);
+      __threadfence();
+      atomicAdd(bar + 1, 1);
+    } else {
+      Patience w;
+      while (ld_acquire(bar + 1) == gen) {
+        __nanosleep(64);
+        w.tick(err);
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// This warp's share [q0, q1) of a phase's units x nc chunks: rows_of(j) names
+// unit j's rows, act(j, c, i) its activation piece for MMA steps 2i, 2i + 1 of
+// chunk c, flush(slot, acc) takes the partial sums of the slot-th unit the
+// range touches. The first kL1Ring chunks are requested before stage() (block
+// staging, every thread calls it) runs.
+template <typename RowsFn, typename ActFn, typename FlushFn, typename StageFn>
+__device__ __forceinline__ void l1_stream(int q0, int q1, int nc, int nsub, RowsFn rows_of, ActFn act, FlushFn flush,
+                                          StageFn stage) {
+  const int t = threadIdx.x & 3;
+  uint4 ra[kL1Ring], rb[kL1Ring];
+  int sa[kL1Ring], sb[kL1Ring];
+  int lj = q0 / nc, lc = q0 - lj * nc;  // next chunk to load
+  L1Rows lr = rows_of(lj);
+  auto load = [&](uint4& wa, uint4& wb, int& s_a, int& s_b) {
+    const int sub = lc * 4 + t;
+    if (lr.valid && sub < nsub) {
+      if (lr.smem) {
+        wa = *reinterpret_cast<const uint4*>(lr.a + sub * 16);
+        wb = *reinterpret_cast<const uint4*>(lr.b + sub * 16);
+      } else {
+        wa = ptx::ldg_nc_v4(lr.a + sub * 16);
+        wb = ptx::ldg_nc_v4(lr.b + sub * 16);
+      }
+      s_a = lr.sa[sub];
+      s_b = lr.sb[sub];
+    } else {
+      wa = wb = make_uint4(0, 0, 0, 0);
+      s_a = s_b = 0;
+    }
+    if (++lc == nc) lc = 0, lr = rows_of(++lj);
+  };
+#pragma unroll
+  for (int p = 0; p < kL1Ring; ++p)
+    if (q0 + p < q1) load(ra[p], rb[p], sa[p], sb[p]);
+  stage();
+  int cj = q0 / nc, cc = q0 - cj * nc, slot = 0;
+  float acc[1][4] = {};
+  for (int q = q0; q < q1; q += kL1Ring) {
+#pragma unroll
+    for (int p = 0; p < kL1Ring; ++p) {
+      if (q + p >= q1) break;
+      w4_chunk_n<1>(
+          ra[p], rb[p], sa[p], sb[p], [&](int i, int) { return act(cj, cc, i); }, acc);
+      if (q + p + kL1Ring < q1) load(ra[p], rb[p], sa[p], sb[p]);
+      const bool unit_end = ++cc == nc;
+      if (unit_end || q + p + 1 == q1) {
+        flush(slot++, acc[0]);
+        acc[0][0] = acc[0][1] = acc[0][2] = acc[0][3] = 0.f;
+        if (unit_end) cc = 0, ++cj;
+      }
+    }
+  }
+}
+
+// Sum over the block's warps, in warp order, of unit j's partials (lane row g):
+// the warps whose share of C chunks (nc a unit) touches unit j.
+__device__ __forceinline__ float2 l1_gather(const float2* part, int slots, int C, int nc, int j, int g) {
+  float2 s = make_float2(0.f, 0.f);
+  for (int w = 0; w < kL1Warps; ++w) {
+    const int q0 = w * C / kL1Warps, q1 = (w + 1) * C / kL1Warps;
+    if (q0 >= q1 || q0 >= (j + 1) * nc || q1 <= j * nc) continue;
+    const float2 v = part[(w * slots + j - q0 / nc) * 8 + g];
+    s.x += v.x, s.y += v.y;
+  }
+  return s;
+}
+
+__global__ void __launch_bounds__(kL1Threads, 1) w4_layer1_kernel(const L1Args a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
+  const int topk = a.topk, nb = gridDim.x, b = blockIdx.x;
+  __shared__ float red[32];
+  uint64_t* mbar = reinterpret_cast<uint64_t*>(smem);
+  float2* part = reinterpret_cast<float2*>(smem + a.off_part);
+  uint4* act4 = reinterpret_cast<uint4*>(smem + a.off_act);
+  const int nsub_h = a.H / 32, nsub_i = a.I / 32, nch = a.kph / 128, nci = a.kpi / 128;
+  const int rt_gu = 2 * a.I / 16, rt_dn = a.H / 16;
+  // This block's gate_up units [u0, u1) (16 rows of one slot's expert) and
+  // down output tiles [d0, d1) (x topk units).
+  const int n_gu = topk * rt_gu, u0 = b * n_gu / nb, u1 = (b + 1) * n_gu / nb;
+  const int d0 = b * rt_dn / nb, d1 = (b + 1) * rt_dn / nb, n_dn = (d1 - d0) * topk;
+  const int n_pre = min(n_dn, a.max_pre);
+  auto expert = [&](int k) {
+    const int e = a.ids[k];
+    return e >= 0 && e < a.E ? e : -1;
+  };
+
+  griddep_wait();  // ids, x: the router's outputs
+  if (b == 0 && tid < topk && expert(tid) < 0) atomicOr(a.err, 1);
+  // 1a. Down units [0, n_pre) into shared memory: one mbarrier, 17 bulk copies a unit.
+  const uint32_t bar = ptx::smem_u32(mbar);
+  if (warp == 0 && n_pre > 0) {
+    if (lane == 0) {
+      ptx::mbar_init(bar, 1);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      int bytes = 0;
+      for (int j = 0; j < n_pre; ++j) bytes += expert(j % topk) >= 0 ? 16 * (nsub_i * 16 + nsub_i) : 0;
+      if (bytes)
+        ptx::mbar_arrive_expect_tx(bar, uint32_t(bytes));
+      else
+        ptx::mbar_arrive(bar);
+    }
+    __syncwarp();
+    for (int q = lane; q < 17 * n_pre; q += 32) {
+      const int j = q / 17, r = q - j * 17, e = expert(j % topk);
+      if (e < 0) continue;
+      const int64_t row0 = int64_t(e) * a.H + (d0 + j / topk) * 16;
+      const uint32_t dst = ptx::smem_u32(smem + a.off_w + j * a.unit_bytes + r * a.row_stride);
+      const void* src = r < 16 ? static_cast<const void*>(a.w2b + (row0 + r) * nsub_i * 16)
+                               : static_cast<const void*>(a.w2s + row0 * nsub_i);
+      const uint32_t n = r < 16 ? nsub_i * 16 : 16 * nsub_i;
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                   "l"(src), "r"(n), "r"(bar)
+                   : "memory");
+    }
+  }
+
+  // 1b. gate_up + SwiGLU over this block's units.
+  {
+    const int C = (u1 - u0) * nch, q0 = warp * C / kL1Warps, q1 = (warp + 1) * C / kL1Warps;
+    float x_scale = 1.f;
+    auto rows_of = [&](int j) {
+      L1Rows r{};
+      const int u = u0 + j, k = u / rt_gu, e = j < u1 - u0 ? expert(k) : -1;
+      r.valid = e >= 0;
+      if (r.valid) {
+        const int64_t rowA = int64_t(e) * 2 * a.I + (u - k * rt_gu) * 16 + 2 * g;
+        r.a = a.w1b + rowA * nsub_h * 16, r.b = r.a + nsub_h * 16;
+        r.sa = a.w1s + rowA * nsub_h, r.sb = r.sa + nsub_h;
+      }
+      return r;
+    };
+    const uint4* xb = act4 + (lane & 3);
+    auto act = [&](int, int c, int i) { return xb[(c * 4 + i) * 4]; };
+    auto flush = [&](int slot, const float(&acc)[4]) {
+      if ((lane & 3) == 0) part[(warp * a.slots + slot) * 8 + g] = make_float2(acc[0], acc[2]);
+    };
+    auto stage = [&] {
+      x_scale = x_to_half_pieces<2>(
+          a.x, a.H, a.kph / 8,
+          [&](int q8, uint4 v) {
+            const int c = q8 >> 4, tt = (q8 >> 2) & 3, ii = q8 & 3;
+            act4[(c * 4 + ii) * 4 + tt] = w4_piece(v);
+          },
+          red);
+      __syncthreads();
+    };
+    if (q0 < q1)
+      l1_stream(q0, q1, nch, nsub_h, rows_of, act, flush, stage);
+    else
+      stage();
+    __syncthreads();
+    for (int i = tid; i < (u1 - u0) * 8; i += kL1Threads) {
+      const int j = i >> 3, gg = i & 7, u = u0 + j, k = u / rt_gu, e = expert(k);
+      if (e < 0) continue;
+      const float2 s = l1_gather(part, a.slots, C, nch, j, gg);
+      const int row = (u - k * rt_gu) * 16 + 2 * gg;
+      const float gate = s.x * x_scale + bf16_to_float(a.b1[int64_t(e) * 2 * a.I + row]);
+      const float up = s.y * x_scale + bf16_to_float(a.b1[int64_t(e) * 2 * a.I + row + 1]);
+      a.h[int64_t(k) * a.kpi + (row >> 1)] = __float2half_rn(swiglu(gate, up));
+    }
+  }
+
+  // 2. Every SwiGLU output written.
+  grid_barrier(a.bar, a.err);
+  griddep_launch();  // every block is resident by now: dependents cannot take their place
+
+  // 3. Down + combine over this block's output tiles.
+  {
+    const int C = n_dn * nci, q0 = warp * C / kL1Warps, q1 = (warp + 1) * C / kL1Warps;
+    const int k8 = a.kpi / 8;
+    auto rows_of = [&](int j) {
+      L1Rows r{};
+      const int k = j % topk, e = j < n_dn ? expert(k) : -1;
+      r.valid = e >= 0;
+      if (!r.valid) return r;
+      const int R0 = (d0 + j / topk) * 16;
+      r.smem = j < n_pre;
+      if (r.smem) {
+        const uint8_t* base = smem + a.off_w + j * a.unit_bytes;
+        r.a = base + g * a.row_stride, r.b = r.a + 8 * a.row_stride;
+        r.sa = base + 16 * a.row_stride + g * nsub_i, r.sb = r.sa + 8 * nsub_i;
+      } else {
+        const int64_t rowA = int64_t(e) * a.H + R0 + g;
+        r.a = a.w2b + rowA * nsub_i * 16, r.b = r.a + 8 * nsub_i * 16;
+        r.sa = a.w2s + rowA * nsub_i, r.sb = r.sa + 8 * nsub_i;
+      }
+      return r;
+    };
+    const uint4* hb = act4 + (lane & 3);
+    auto act = [&](int j, int c, int i) { return hb[(j % topk) * k8 + (c * 4 + i) * 4]; };
+    auto flush = [&](int slot, const float(&acc)[4]) {
+      if ((lane & 3) == 0) part[(warp * a.slots + slot) * 8 + g] = make_float2(acc[0], acc[2]);
+    };
+    // The SwiGLU outputs (written by other blocks: through L2) and the preloaded weights.
+    for (int i = tid; i < topk * k8; i += kL1Threads) {
+      const int k = i / k8, q8 = i - k * k8, c = q8 >> 4, tt = (q8 >> 2) & 3, ii = q8 & 3;
+      act4[k * k8 + (c * 4 + ii) * 4 + tt] =
+          w4_piece(__ldcg(reinterpret_cast<const uint4*>(a.h + int64_t(k) * a.kpi) + q8));
+    }
+    if (n_pre > 0) {
+      Patience w;
+      while (!ptx::mbar_try_wait(bar, 0)) w.tick(a.err);
+    }
+    __syncthreads();
+    if (q0 < q1) l1_stream(q0, q1, nci, nsub_i, rows_of, act, flush, [] {});
+    __syncthreads();
+    for (int i = tid; i < (d1 - d0) * 16; i += kL1Threads) {
+      const int tile = i >> 4, r = i & 15, row = (d0 + tile) * 16 + r;
+      float acc = 0.f;
+      for (int k = 0; k < topk; ++k) {  // fixed order: deterministic
+        const int e = expert(k);
+        if (e < 0) continue;
+        const float2 s = l1_gather(part, a.slots, C, nci, tile * topk + k, r & 7);
+        acc += a.gw[k] * ((r < 8 ? s.x : s.y) + bf16_to_float(a.b2[int64_t(e) * a.H + row]));
+      }
+      a.out[row] = a.accumulate ? a.out[row] + acc : acc;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- FP8 path
 // A warp's 128-value block (4 values a lane) -> E4M3 with scale amax / 448:
 // this lane's 4 bytes and the block's scale.
@@ -834,6 +1144,11 @@ struct MoeLayer::Impl {
   DeviceArray<float> ws_scales;
   int tile_cap = 0;         // experts per workspace tile it was sized for
   int* h_counts = nullptr;  // pinned: counts[E], offsets[E+1]
+  // one token, one launch (w4_layer1_kernel): grid, shared memory, layout
+  DeviceArray<int> l1_bar;
+  int l1_blocks = 0;
+  size_t l1_smem = 0;
+  L1Args l1{};
   cudaEvent_t ev_ready[2]{}, ev_free[2]{};
 
   Impl(Context& c, const MoeShape& sh, int maxT, const MoeOptions& o)
@@ -900,7 +1215,61 @@ struct MoeLayer::Impl {
         for (auto k : {w4_fn<true, false>(ks, nt), w4_fn<true, true>(ks, nt), w4_fn<false, false>(ks, nt),
                        w4_fn<false, true>(ks, nt)})
           DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    l1_bar = DeviceArray<int>(P, 2, "moe grid barrier");
+    DZ_CUDA_CHECK(cudaMemsetAsync(l1_bar.get(), 0, l1_bar.bytes(), ctx.stream()));
+    plan_one_launch();
     DZ_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
+  }
+
+  // The one-launch kernel's grid and shared-memory layout (fixed for a shape
+  // and device); l1_blocks stays 0 where it cannot run.
+  void plan_one_launch() {
+    int dev = 0, n_sm = 0, coop = 0, optin = 0;
+    DZ_CUDA_CHECK(cudaGetDevice(&dev));
+    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
+    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
+    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    const int topk = s.topk, H = s.hidden, I = s.intermediate, nch = int(kph / 128), nci = int(kpi / 128);
+    if (!coop || kph / 8 > 2 * kL1Threads) return;
+    const int n_gu = topk * (2 * I / 16), rt_dn = H / 16, nb = std::min(n_sm, std::max(n_gu, rt_dn));
+    const int max_gu = (n_gu + nb - 1) / nb, max_dn = (rt_dn + nb - 1) / nb * topk;
+    // Units a warp's share of a block's chunks can touch.
+    auto slots = [](int units, int nc) { return ((units * nc + kL1Warps - 1) / kL1Warps + nc - 1) / nc + 1; };
+    L1Args& a = l1;
+    a.slots = std::max(slots(max_gu, nch), slots(max_dn, nci));
+    a.off_part = 16;  // after the mbarrier
+    a.off_act = a.off_part + kL1Warps * a.slots * 8 * int(sizeof(float2));
+    a.off_w = a.off_act + std::max(int(kph / 8), topk * int(kpi / 8)) * 16;
+    // Rows 64 bytes apart modulo 128: a quarter warp's 16-byte loads (two rows) hit distinct banks.
+    const int row = I / 32 * 16;
+    a.row_stride = row + ((64 - row) % 128 + 128) % 128;
+    a.unit_bytes = 16 * a.row_stride + 16 * (I / 32);
+    cudaFuncAttributes fa{};
+    DZ_CUDA_CHECK(cudaFuncGetAttributes(&fa, w4_layer1_kernel));
+    const int avail = optin - int(fa.sharedSizeBytes) - a.off_w;
+    if (avail < 0) return;
+    a.max_pre = std::min(avail / a.unit_bytes, max_dn);
+    l1_smem = size_t(a.off_w) + size_t(a.max_pre) * a.unit_bytes;
+    DZ_CUDA_CHECK(cudaFuncSetAttribute(w4_layer1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(l1_smem)));
+    int occ = 0;
+    DZ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, w4_layer1_kernel, kL1Threads, l1_smem));
+    if (occ * n_sm >= nb) l1_blocks = nb;
+  }
+
+  bool one_launch(int T) const { return T == 1 && opt.fused_one_launch && l1_blocks > 0; }
+
+  void fused_one_launch(const MoeWeights& w, const float* x, const int* ids, const float* gw, float* out,
+                        int accumulate) {
+    L1Args a = l1;
+    a.w1b = w.w1_blocks, a.w1s = w.w1_scales, a.w2b = w.w2_blocks, a.w2s = w.w2_scales, a.b1 = w.b1, a.b2 = w.b2;
+    a.x = x, a.ids = ids, a.gw = gw, a.out = out, a.h = act16.get(), a.bar = l1_bar.get(), a.err = err.get();
+    a.E = s.n_experts, a.topk = s.topk, a.H = s.hidden, a.I = s.intermediate, a.kph = int(kph), a.kpi = int(kpi);
+    a.accumulate = accumulate;
+    // Bulk copies need 16-byte aligned sources (row offsets are: H % 16 == 0).
+    const int pre = opt.fused_one_launch_preload;
+    a.max_pre =
+        aligned16(w.w2_blocks) && aligned16(w.w2_scales) ? (pre < 0 ? l1.max_pre : std::min(pre, l1.max_pre)) : 0;
+    launch_ex(opt.pdl, true, w4_layer1_kernel, dim3(unsigned(l1_blocks)), dim3(kL1Threads), l1_smem, ctx.stream(), a);
   }
 
   ~Impl() {
@@ -940,6 +1309,7 @@ struct MoeLayer::Impl {
   }
 
   void fused(const MoeWeights& w, const float* x, const int* ids, const float* gw, int T, float* out, int accumulate) {
+    if (one_launch(T)) return fused_one_launch(w, x, ids, gw, out, accumulate);
     cudaStream_t st = ctx.stream();
     const int E = s.n_experts, H = s.hidden, I = s.intermediate;
     if (T > kRouteConvertsX) {
@@ -1149,7 +1519,7 @@ void MoeLayer::forward(const MoeWeights& w, const float* x, const int* ids, cons
   check(x && ids && gw && out && w.w1_blocks && w.w1_scales && w.b1 && w.w2_blocks && w.w2_scales && w.b2,
         DZ_ERR_INVALID_ARGUMENT, "MoeLayer::forward: null pointer");
   if (path == MoePath::kAuto) path = choose(T);
-  if (!(path == MoePath::kFused && p_->direct(T)))
+  if (!(path == MoePath::kFused && (p_->one_launch(T) || p_->direct(T))))
     p_->route(ids, T, path == MoePath::kFused && T <= kRouteConvertsX ? x : nullptr);
   if (path == MoePath::kFused)
     p_->fused(w, x, ids, gw, T, out, accumulate ? 1 : 0);
