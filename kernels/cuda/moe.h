@@ -51,14 +51,6 @@ struct MoeOptions {
   // One token on the per-projection fused kernels: they read the router's ids
   // themselves and gate_up converts the input (no routing launch).
   bool fused_one_token_direct = true;
-  // One token on the fused path in one launch: gate_up, a grid barrier, then
-  // down from shared memory, where each block copied its down rows while
-  // gate_up ran, and the combine (a cooperative launch of one block per SM;
-  // where the shape or device does not allow it, the per-projection kernels).
-  bool fused_one_launch = true;
-  // Down units (16 rows of one expert) each block of that kernel copies into
-  // shared memory at most; the rest stream from global memory (-1: all that fit).
-  int fused_one_launch_preload = -1;
   // Grouped FP8 GEMM blocks (0: one per SM); fewer leave SMs to the next tile's
   // weight folding, which runs concurrently on the aux stream.
   int fp8_grouped_blocks = 0;

@@ -386,10 +386,8 @@ int bench_moe(const Args& a) {
       // Fused path: one CUDA graph per routing set (thread-local capture), for
       // each variant (K split over 1, 4 or 8 warps; programmatic dependent
       // launch on/off); the default options are what "fused_ms" reports.
-      auto time_fused = [&](int ks, bool pdl, bool direct = true, bool one_launch = false, int preload = -1) {
+      auto time_fused = [&](int ks, bool pdl, bool direct = true) {
         layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
-        layer.options().fused_one_launch = one_launch;
-        layer.options().fused_one_launch_preload = preload;
         layer.options().fused_k_split = ks;
         layer.options().pdl = pdl;
         std::vector<cudaGraphExec_t> graphs(kSets);
@@ -415,15 +413,9 @@ int bench_moe(const Args& a) {
           for (bool pdl : {false, true})
             if (ks != 8 || (T <= 64 && pdl))
               variants["ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] = time_fused(ks, pdl);
-        if (T == 1) {
-          variants["ks4_pdl_routing_kernel"] = time_fused(4, true, false);  // one token, routed
-          // One launch for the layer: as configured, without PDL, and with no down rows preloaded.
-          variants["one_launch_no_pdl"] = time_fused(0, false, true, true);
-          variants["one_launch_no_preload"] = time_fused(0, true, true, true, 0);
-        }
+        if (T == 1) variants["ks4_pdl_routing_kernel"] = time_fused(4, true, false);  // one token, routed
       }
-      const double ms_fused =
-          time_fused(opt.fused_k_split, opt.pdl, true, opt.fused_one_launch, opt.fused_one_launch_preload);
+      const double ms_fused = time_fused(opt.fused_k_split, opt.pdl);
       std::vector<double> host;
       const double ms_fp8 = timer.median_ms(r, kSets, [&](int i) {
         const auto h0 = std::chrono::steady_clock::now();
