@@ -121,13 +121,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, const c
   }
 }
 
-__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
-          dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
-      : "memory");
-}
+using ptx::tma_2d;
 __device__ __forceinline__ void tma_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
@@ -413,18 +407,8 @@ EncodeTiled encoder() {
     const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
     return e == cudaSuccess && q == cudaDriverEntryPointSuccess ? reinterpret_cast<EncodeTiled>(f) : nullptr;
   }();
-  check(fn != nullptr, DZ_ERR_UNSUPPORTED, "fp8_grouped_gemm: the driver has no cuTensorMapEncodeTiled");
+  check(fn != nullptr, DZ_ERR_UNSUPPORTED, "the driver has no cuTensorMapEncodeTiled");
   return fn;
-}
-
-void encode(CUtensorMap* map, CUtensorMapDataType type, int rank, const void* base, const cuuint64_t* dims,
-            const cuuint64_t* strides, const cuuint32_t* box, CUtensorMapSwizzle swz, const char* what) {
-  const cuuint32_t one[3] = {1, 1, 1};
-  const CUresult r = encoder()(map, type, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, one,
-                               CU_TENSOR_MAP_INTERLEAVE_NONE, swz, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);  // out-of-bounds elements read as zero
-  check(r == CUDA_SUCCESS, DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: cuTensorMapEncodeTiled failed for ", what,
-        " (CUresult ", int(r), ")");
 }
 
 bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
@@ -444,6 +428,16 @@ int device_sm90a() {
 }
 
 }  // namespace
+
+void encode_tensor_map(CUtensorMap* map, CUtensorMapDataType type, int rank, const void* base, const cuuint64_t* dims,
+                       const cuuint64_t* strides, const cuuint32_t* box, CUtensorMapSwizzle swz, const char* what) {
+  const cuuint32_t one[3] = {1, 1, 1};
+  const CUresult r = encoder()(map, type, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, one,
+                               CU_TENSOR_MAP_INTERLEAVE_NONE, swz, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);  // out-of-bounds elements read as zero
+  check(r == CUDA_SUCCESS, DZ_ERR_INVALID_ARGUMENT, "cuTensorMapEncodeTiled failed for ", what, " (CUresult ", int(r),
+        ")");
+}
 
 bool Fp8GroupedGemm::supported() {
   static const bool ok = device_sm90a() == 1;  // the first device asked about (one GPU per process here)
@@ -503,7 +497,8 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
   {
     const cuuint64_t dims[2] = {cuuint64_t(a.k), cuuint64_t(a.rows_total)}, strides[1] = {cuuint64_t(a.k)};
     const cuuint32_t box[2] = {kBK, kBM};
-    encode(&p.xmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.x, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B, "X");
+    encode_tensor_map(&p.xmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.x, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B,
+                      "X");
   }
   p.xs = a.xs;
   p.d = static_cast<__nv_bfloat16*>(a.d);
@@ -516,15 +511,15 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
       const cuuint64_t dims[3] = {cuuint64_t(a.k), cuuint64_t(a.n), cuuint64_t(G)};
       const cuuint64_t strides[2] = {cuuint64_t(a.k), cuuint64_t(w_stride)};
       const cuuint32_t box[3] = {kBK, kBN, 1};
-      encode(&p.wmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w + w_stride * g0, dims, strides, box,
-             CU_TENSOR_MAP_SWIZZLE_128B, "W");
+      encode_tensor_map(&p.wmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w + w_stride * g0, dims, strides, box,
+                        CU_TENSOR_MAP_SWIZZLE_128B, "W");
     }
     if (!w4) {
       const cuuint64_t dims[3] = {cuuint64_t(a.n), cuuint64_t(nkb), cuuint64_t(G)};
       const cuuint64_t strides[2] = {cuuint64_t(a.n) * 4, cuuint64_t(ws_stride) * 4};
       const cuuint32_t box[3] = {kBN, 1, 1};
-      encode(&p.smap, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, a.ws + ws_stride * g0, dims, strides, box,
-             CU_TENSOR_MAP_SWIZZLE_NONE, "W scales");
+      encode_tensor_map(&p.smap, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, a.ws + ws_stride * g0, dims, strides, box,
+                        CU_TENSOR_MAP_SWIZZLE_NONE, "W scales");
     }
     p.groups = G;
     int tiles = 0;

@@ -16,6 +16,7 @@
 // and then added, scaled, into the fp32 result (so the block scales never meet
 // a tensor-core accumulation). Rows of D outside the groups are not written.
 #pragma once
+#include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -46,6 +47,12 @@ struct Fp8GroupedArgs {
   const int* experts = nullptr;  // host: [groups]
   int w4_experts = 0;            // experts in the stack (bounds check)
 };
+
+// A tensor map (TMA descriptor) through the driver's encoder, reached via the
+// runtime's entry-point query (no link against libcuda); out-of-bounds
+// elements read as zero. Throws DZ_ERR_INVALID_ARGUMENT naming `what`.
+void encode_tensor_map(CUtensorMap* map, CUtensorMapDataType type, int rank, const void* base, const cuuint64_t* dims,
+                       const cuuint64_t* strides, const cuuint32_t* box, CUtensorMapSwizzle swz, const char* what);
 
 class Fp8GroupedGemm {
  public:

@@ -12,6 +12,12 @@
 #include "cuda/ptx.cuh"
 #include "runtime/cuda/cuda_check.h"
 
+// wgmma exists only in the sm_90a target: elsewhere the W4A8 kernel body is
+// empty and the host does not choose it (Fp8GroupedGemm::supported).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DZ_MOE_SM90A 1
+#endif
+
 namespace dz::cuda {
 
 namespace {
@@ -402,6 +408,34 @@ __device__ __forceinline__ void w4_chunk_n(const uint4 wa, const uint4 wb, const
   }
 }
 
+// This block's work item {expert, first row, tokens} (grid y: an active
+// expert, or with a.direct the token's slot y); false: nothing to do (an
+// invalid direct id is flagged and its inv entry set to -1).
+template <bool kGateUp, bool kPdl>
+__device__ __forceinline__ bool w4_item(const W4Args& a, int4& info) {
+  if (a.direct) {
+    const int id = a.ids[blockIdx.y];
+    const bool ok = id >= 0 && id < a.n_experts;
+    if (kGateUp && blockIdx.x == 0 && threadIdx.x == 0) {
+      a.inv[blockIdx.y] = ok ? int(blockIdx.y) * kPadRows : -1;
+      if (!ok) atomicOr(a.err, 1);
+    }
+    if (!ok) {
+      if (kPdl) griddep_launch();
+      return false;
+    }
+    info = make_int4(id, int(blockIdx.y) * kPadRows, 1, 0);
+    return true;
+  }
+  const int n_active = *a.n_active;
+  info = a.active[min(blockIdx.y, unsigned(gridDim.y) - 1)];  // in parallel with n_active; stale past it
+  if (blockIdx.y >= unsigned(n_active)) {
+    if (kPdl) griddep_launch();
+    return false;
+  }
+  return true;
+}
+
 // kKS: K split over warps (more warps per row for small batches, where few
 // experts leave the grid short); each warp keeps kRing K chunks of weights in
 // flight in registers. kN: token tiles of 8 per weight pass (2: up to 16 tokens
@@ -422,26 +456,7 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   __shared__ float4 red[kKS > 1 ? kKS - 1 : 1][kRT][32];
   if (kPdl && kGateUp) griddep_wait();  // routing outputs
   int4 info;
-  if (a.direct) {
-    const int id = a.ids[blockIdx.y];
-    const bool ok = id >= 0 && id < a.n_experts;
-    if (kGateUp && blockIdx.x == 0 && threadIdx.x == 0) {
-      a.inv[blockIdx.y] = ok ? int(blockIdx.y) * kPadRows : -1;
-      if (!ok) atomicOr(a.err, 1);
-    }
-    if (!ok) {
-      if (kPdl) griddep_launch();
-      return;
-    }
-    info = make_int4(id, int(blockIdx.y) * kPadRows, 1, 0);
-  } else {
-    const int n_active = *a.n_active;
-    info = a.active[min(blockIdx.y, unsigned(gridDim.y) - 1)];  // in parallel with n_active; stale past it
-    if (blockIdx.y >= unsigned(n_active)) {
-      if (kPdl) griddep_launch();
-      return;
-    }
-  }
+  if (!w4_item<kGateUp, kPdl>(a, info)) return;
   const int e = info.x, seg = info.y, cnt = info.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int rt = warp % kRT, ks = warp / kRT;
@@ -597,6 +612,264 @@ __device__ __forceinline__ uint32_t quant_1x128(const float (&v)[4], float& sc) 
   const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] * inv, v[1] * inv), __NV_SATFINITE, __NV_E4M3);
   const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] * inv, v[3] * inv), __NV_SATFINITE, __NV_E4M3);
   return lo | (hi << 16);
+}
+
+// ------------------------------------------- fused W4A8 path (wgmma, sm_90a)
+// Few tokens per expert with E4M3 activations (1x128 scales, as the FP8 path):
+//  - the MXFP4 rows reach shared memory through the copy engine: per consumer
+//    warpgroup a ring of kW8Stages boxes of 64 rows x 128 bytes (two 128-wide
+//    K chunks; 128B-swizzled) that a producer warp keeps in flight without
+//    holding registers, and the tile's E8M0 scales in one bulk copy;
+//  - consumers decode E2M1 -> E4M3 in registers (a nibble's E2M1 bits placed in
+//    an E4M3 byte are its value * 2^-6 exactly: 5 instructions per 8 weights,
+//    no table) and run FP8 wgmma m64n8k32 with the weights from registers, one
+//    MMA per 32-element sub-block so its scale multiplies the fp32 partial sums;
+//  - lane t of a quad takes word t of each sub-block (even nibbles: MMA k
+//    4t..4t+3, odd: 16 + 4t..), so activations are staged per sub-block as its
+//    even then its odd elements (two core matrices of 8 tokens x 16 bytes).
+// Up to 8 tokens of an expert a pass (more: further passes over the weights).
+// A block is two consumer warpgroups (two 64-row tiles, or one split over K)
+// and the producer warp.
+constexpr int kW8Consumers = 2;
+constexpr int kW8Threads = 128 * kW8Consumers + 32;
+constexpr int kW8Stages = 4;
+constexpr int kW8StageBytes = 64 * 128;
+constexpr int kW8SubBytes = 256;
+
+// Shared-memory layout (offsets from the 1024-aligned base; total includes the alignment slack).
+struct W8Smem {
+  int sc, act, xs, red, bar, total;
+};
+__host__ __device__ inline W8Smem w8_smem(int nsub, int kpad) {
+  W8Smem L{};
+  int o = kW8Consumers * kW8Stages * kW8StageBytes;
+  L.sc = o, o += kW8Consumers * ((64 * nsub + 15) / 16 * 16);
+  L.act = o, o += kpad / 32 * kW8SubBytes;
+  L.xs = o, o += kpad / 128 * kW4Tokens * 4;
+  L.red = o, o += 128 * 16;
+  L.bar = o, o += (2 * kW8Consumers * kW8Stages + kW8Consumers) * 8;
+  L.total = o + 1024;
+  return L;
+}
+
+__device__ __forceinline__ uint32_t e2m1_even_to_e4m3(uint32_t w) {
+  return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
+}
+__device__ __forceinline__ uint32_t e2m1_odd_to_e4m3(uint32_t w) {
+  return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
+}
+
+#ifdef DZ_MOE_SM90A
+// No-swizzle K-major descriptor of one sub-block's staged activations: core
+// matrices (8 tokens x 16 bytes) 128 bytes apart along K (leading byte offset).
+__device__ __forceinline__ uint64_t w8_desc(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(128 >> 4) << 16) | (uint64_t(256 >> 4) << 32);
+}
+// d = A(64 x 32, registers) * B(8 x 32, shared)^T, E4M3, fresh fp32 accumulators.
+__device__ __forceinline__ void wgmma_rs_m64n8k32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                  uint64_t db) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 0, 1, 1;\n"
+               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
+}
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void mbar_wait_spin(uint32_t bar, uint32_t parity) {
+  while (!ptx::mbar_try_wait(bar, parity)) {
+  }
+}
+#endif
+
+template <bool kGateUp, int kKS, bool kPdl>
+__global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const __grid_constant__ CUtensorMap wmap) {
+#ifdef DZ_MOE_SM90A
+  constexpr int kTiles = kW8Consumers / kKS;
+  extern __shared__ unsigned char w8_raw[];
+  unsigned char* const sm =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(w8_raw) + 1023) & ~uintptr_t(1023));
+  const W8Smem L = w8_smem(a.nsub, a.kpad);
+  const uint32_t base = ptx::smem_u32(sm);
+  const int tid = threadIdx.x, wg = tid >> 7;
+  const uint32_t bar0 = base + L.bar;  // full[w][s], empty[w][s], scales[w]
+  auto full = [&](int w, int st) { return bar0 + 8 * (w * kW8Stages + st); };
+  auto empty = [&](int w, int st) { return bar0 + 8 * ((kW8Consumers + w) * kW8Stages + st); };
+  auto sbar = [&](int w) { return bar0 + 8 * (2 * kW8Consumers * kW8Stages + w); };
+  if (tid == 0) {
+    for (int w = 0; w < kW8Consumers; ++w) {
+      for (int st = 0; st < kW8Stages; ++st) ptx::mbar_init(full(w, st), 1), ptx::mbar_init(empty(w, st), 4);
+      ptx::mbar_init(sbar(w), 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (kPdl && kGateUp) griddep_wait();  // routing outputs
+  int4 info;
+  if (!w4_item<kGateUp, kPdl>(a, info)) return;
+  const int e = info.x, seg = info.y, cnt = info.z;
+  const int nch = a.kpad / 128, nst = (nch + 1) / 2, per = (nst + kKS - 1) / kKS;
+  // Warpgroup w's 64-row tile and its range of stages.
+  auto tile0 = [&](int w) { return (int(blockIdx.x) * kTiles + w % kTiles) * 64; };
+  auto s_begin = [&](int w) { return min(nst, (w / kTiles) * per); };
+  auto s_len = [&](int w) { return tile0(w) < a.rows ? min(nst, s_begin(w) + per) - s_begin(w) : 0; };
+  const int sc_bytes = (64 * a.nsub + 15) / 16 * 16;
+
+  if (wg == kW8Consumers) {  // producer warp
+    if ((tid & 31) == 0) {
+      for (int w = 0; w < kW8Consumers; ++w)
+        if (s_len(w) > 0) {
+          ptx::mbar_arrive_expect_tx(sbar(w), uint32_t(64 * a.nsub));
+          ptx::bulk_g2s(base + L.sc + w * sc_bytes, a.scales + (int64_t(e) * a.rows + tile0(w)) * a.nsub,
+                        uint32_t(64 * a.nsub), sbar(w));
+        }
+      int n[kW8Consumers] = {};
+      const int len = max(s_len(0), s_len(kW8Consumers - 1));
+      for (int base_t = 0; base_t < cnt; base_t += kW4Tokens)
+        for (int j = 0; j < len; ++j)
+          for (int w = 0; w < kW8Consumers; ++w) {
+            if (j >= s_len(w)) continue;
+            const int st = n[w] % kW8Stages, ph = (n[w] / kW8Stages) & 1;
+            mbar_wait_spin(empty(w, st), ph ^ 1);
+            ptx::mbar_arrive_expect_tx(full(w, st), kW8StageBytes);
+            ptx::tma_2d(base + (w * kW8Stages + st) * kW8StageBytes, &wmap, full(w, st), (s_begin(w) + j) * 128,
+                        e * a.rows + tile0(w));
+            ++n[w];
+          }
+    }
+    if (kPdl) griddep_launch();
+    return;
+  }
+
+  // Consumers.
+  const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int T0 = tile0(wg), len = s_len(wg), sb0 = s_begin(wg), ks = wg / kTiles;
+  const bool active = T0 < a.rows;
+  const int rA = kGateUp ? 16 * warp + 2 * g : 16 * warp + g, rB = kGateUp ? rA + 1 : rA + 8;  // tile rows
+  // Byte offsets of word t of 16-byte unit u (chunk u / 4, sub-block u % 4) of rows A / B in a swizzled box.
+  uint32_t offA[8], offB[8];
+#pragma unroll
+  for (int u = 0; u < 8; ++u)
+    offA[u] = rA * 128 + ((u ^ (rA & 7)) << 4) + 4 * t, offB[u] = rB * 128 + ((u ^ (rB & 7)) << 4) + 4 * t;
+  const uint8_t* const scA = sm + L.sc + wg * sc_bytes + rA * a.nsub;
+  const uint8_t* const scB = sm + L.sc + wg * sc_bytes + rB * a.nsub;
+  const float* const xsm = reinterpret_cast<const float*>(sm + L.xs);
+  float4* const red = reinterpret_cast<float4*>(sm + L.red);
+  if (kPdl && !kGateUp) griddep_wait();  // the SwiGLU rows
+  int n = 0;
+  for (int base_t = 0; base_t < cnt; base_t += kW4Tokens) {
+    const int m = min(kW4Tokens, cnt - base_t);
+    ptx::named_sync(1, 128 * kW8Consumers);  // the previous pass's activations are read
+    // Stage: warp v of 8 quantizes (token gi, chunk c) pairs, 4 values a lane.
+    float tok_scale[2] = {1.f, 1.f};
+    for (int p = tid >> 5; p < m * nch; p += 4 * kW8Consumers) {
+      const int gi = p / nch, c = p - gi * nch, k = c * 128 + 4 * lane;
+      float v[4];
+      if (kGateUp && a.direct) {
+        const float4 f = k < a.H ? *reinterpret_cast<const float4*>(a.x + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+      } else {
+        const int64_t row = kGateUp ? a.sorted[seg + base_t + gi] / a.topk : seg + base_t + gi;
+        const uint2 h = *reinterpret_cast<const uint2*>(a.act + row * a.kpad + k);
+        const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
+        const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h.y));
+        v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+      }
+      float sc;
+      const uint32_t q = quant_1x128(v, sc);
+      const int q8 = k >> 3, hh = lane & 1;
+      unsigned char* d = sm + L.act + (q8 >> 2) * kW8SubBytes + gi * 16 + (q8 & 3) * 4 + 2 * hh;
+      *reinterpret_cast<uint16_t*>(d) = uint16_t(ptx::prmt(q, 0, 0x20));        // even elements
+      *reinterpret_cast<uint16_t*>(d + 128) = uint16_t(ptx::prmt(q, 0, 0x31));  // odd elements
+      if (lane == 0) reinterpret_cast<float*>(sm + L.xs)[c * kW4Tokens + gi] = sc;
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
+    // The epilogue's operands load now (bias, the tokens' input scales).
+    float biasA = 0.f, biasB = 0.f;
+    if (active && ks == 0) {
+      biasA = bf16_to_float(a.bias[int64_t(e) * a.rows + T0 + rA]);
+      biasB = bf16_to_float(a.bias[int64_t(e) * a.rows + T0 + rB]);
+      if (kGateUp && !a.direct)
+        for (int j = 0; j < 2; ++j)
+          if (2 * t + j < m) tok_scale[j] = a.act_scale[a.sorted[seg + base_t + 2 * t + j] / a.topk];
+    }
+    ptx::named_sync(1, 128 * kW8Consumers);
+    if (len > 0 && base_t == 0) mbar_wait_spin(sbar(wg), 0);
+
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < len; ++j, ++n) {
+      const int st = n % kW8Stages;
+      mbar_wait_spin(full(wg, st), (n / kW8Stages) & 1);
+      const uint32_t box = base + (wg * kW8Stages + st) * kW8StageBytes;
+      uint32_t wa[8], wb[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) wa[u] = lds32(box + offA[u]), wb[u] = lds32(box + offB[u]);
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(empty(wg, st));  // this warp is done with the box
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        const int c = 2 * (sb0 + j) + cc;
+        if (c >= nch) break;
+        uint32_t af[4][4];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          af[b][0] = e2m1_even_to_e4m3(wa[4 * cc + b]), af[b][1] = e2m1_even_to_e4m3(wb[4 * cc + b]);
+          af[b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
+        }
+        float q[4][4];
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+        for (int b = 0; b < 4; ++b)
+          wgmma_rs_m64n8k32(q[b], af[b][0], af[b][1], af[b][2], af[b][3],
+                            w8_desc(base + L.act + uint32_t((4 * c + b) * kW8SubBytes)));
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        float pA[2] = {0.f, 0.f}, pB[2] = {0.f, 0.f};
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[b][i])::"memory");
+          const int sub = 4 * c + b;
+          const float fA = sub < a.nsub ? e8m0_to_float(scA[sub]) : 0.f;
+          const float fB = sub < a.nsub ? e8m0_to_float(scB[sub]) : 0.f;
+          pA[0] += q[b][0] * fA, pA[1] += q[b][1] * fA;
+          pB[0] += q[b][2] * fB, pB[1] += q[b][3] * fB;
+        }
+        const float x0 = xsm[c * kW4Tokens + 2 * t], x1 = xsm[c * kW4Tokens + 2 * t + 1];
+        acc[0] += pA[0] * x0, acc[1] += pA[1] * x1, acc[2] += pB[0] * x0, acc[3] += pB[1] * x1;
+      }
+    }
+    if (kKS > 1) {
+      if (ks > 0) red[tid & 127] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      ptx::named_sync(2, 128 * kW8Consumers);
+      if (ks != 0) continue;
+      const float4 v = red[tid & 127];
+      acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
+    }
+    if (!active) continue;
+    constexpr float kPost = 64.f;  // the E2M1 placement's 2^-6
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int tok = 2 * t + j;
+      if (tok >= m) continue;
+      const int row = seg + base_t + tok;
+      if (kGateUp) {
+        const float v = swiglu(acc[j] * kPost * tok_scale[j] + biasA, acc[2 + j] * kPost * tok_scale[j] + biasB);
+        a.out_act[int64_t(row) * a.out_ld + ((T0 + rA) >> 1)] = __float2half_rn(v);
+      } else {
+        a.out_y[int64_t(row) * a.rows + T0 + rA] = acc[j] * kPost + biasA;
+        a.out_y[int64_t(row) * a.rows + T0 + rB] = acc[2 + j] * kPost + biasB;
+      }
+    }
+  }
+  if (kPdl) griddep_launch();
+#endif
+}
+
+template <bool kGateUp, bool kPdl>
+auto w8_fn(int ks) {
+  return ks == 2 ? w8_kernel<kGateUp, 2, kPdl> : w8_kernel<kGateUp, 1, kPdl>;
 }
 // Block kb of sorted row r of expert segment [off, off + mp): q [rows][nkb * 128],
 // the segment's scales [kb][mp] from qs + nkb * off (the layout the FP8 GEMMs take).
@@ -900,6 +1173,10 @@ struct MoeLayer::Impl {
         for (auto k : {w4_fn<true, false>(ks, nt), w4_fn<true, true>(ks, nt), w4_fn<false, false>(ks, nt),
                        w4_fn<false, true>(ks, nt)})
           DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const int smem8 = std::max(w8_smem(H / 32, int(kph)).total, w8_smem(I / 32, int(kpi)).total);
+    for (int ks : {1, 2})
+      for (auto k : {w8_fn<true, false>(ks), w8_fn<true, true>(ks), w8_fn<false, false>(ks), w8_fn<false, true>(ks)})
+        DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem8));
     DZ_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
   }
 
@@ -987,6 +1264,13 @@ struct MoeLayer::Impl {
   // gate_up's blocks convert the input 2 pieces a thread.
   bool direct(int T) const { return T == 1 && opt.fused_one_token_direct && kph / 8 <= 2 * kW4Threads; }
 
+  // The W4A8 kernels run a projection of this many rows (the option, an sm_90a
+  // build and device, 64-row tiles, 16-byte aligned weights for the copy engine).
+  bool w8(int rows, const W4Args& a) const {
+    return opt.fused_w4a8 && rows % 64 == 0 && Fp8GroupedGemm::supported() && aligned16(a.blocks) &&
+           aligned16(a.scales);
+  }
+
   static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
   // Whether the combine can take 8 values a thread (16-byte loads and stores).
   bool vec8(const void* y, const void* bias, const float* out) const {
@@ -996,6 +1280,19 @@ struct MoeLayer::Impl {
   // One projection of the fused path, K split ks.
   template <bool G>
   void launch_w4(int ks, bool pdl, int rows, unsigned max_active, cudaStream_t st, const W4Args& a) {
+    if (w8(rows, a)) {  // two warpgroups a block: two 64-row tiles, or one split over K
+      CUtensorMap map;
+      const cuuint64_t dims[2] = {cuuint64_t(a.nsub) * 16, cuuint64_t(s.n_experts) * rows};
+      const cuuint64_t strides[1] = {cuuint64_t(a.nsub) * 16};
+      const cuuint32_t box[2] = {128, 64};
+      encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks, dims, strides, box,
+                        CU_TENSOR_MAP_SWIZZLE_128B, G ? "MoE gate_up blocks" : "MoE down blocks");
+      const int ks8 = ks == 1 ? 1 : 2, per_block = 64 * (kW8Consumers / ks8);
+      const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
+      launch(pdl ? w8_fn<G, true>(ks8) : w8_fn<G, false>(ks8), grid, dim3(kW8Threads),
+             size_t(w8_smem(a.nsub, a.kpad).total), st, pdl, a, map);
+      return;
+    }
     const int per_block = 16 * (8 / ks), ntile = a.ntok > kW4Tokens ? 2 : 1;
     const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
     const size_t smem = size_t(a.ntok) * a.kpad * 2;

@@ -386,8 +386,9 @@ int bench_moe(const Args& a) {
       // Fused path: one CUDA graph per routing set (thread-local capture), for
       // each variant (K split over 1, 4 or 8 warps; programmatic dependent
       // launch on/off); the default options are what "fused_ms" reports.
-      auto time_fused = [&](int ks, bool pdl, bool direct = true) {
+      auto time_fused = [&](int ks, bool pdl, bool direct = true, bool w4a8 = false) {
         layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
+        layer.options().fused_w4a8 = w4a8;
         layer.options().fused_k_split = ks;
         layer.options().pdl = pdl;
         std::vector<cudaGraphExec_t> graphs(kSets);
@@ -414,8 +415,11 @@ int bench_moe(const Args& a) {
             if (ks != 8 || (T <= 64 && pdl))
               variants["ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] = time_fused(ks, pdl);
         if (T == 1) variants["ks4_pdl_routing_kernel"] = time_fused(4, true, false);  // one token, routed
+        // W4A8 (E4M3 activations, FP8 wgmma, weights through the copy engine): both block shapes.
+        if (Fp8GroupedGemm::supported())
+          for (int ks : {1, 4}) variants["w4a8_ks" + std::to_string(ks) + "_pdl"] = time_fused(ks, true, true, true);
       }
-      const double ms_fused = time_fused(opt.fused_k_split, opt.pdl);
+      const double ms_fused = time_fused(opt.fused_k_split, opt.pdl, true, opt.fused_w4a8);
       std::vector<double> host;
       const double ms_fp8 = timer.median_ms(r, kSets, [&](int i) {
         const auto h0 = std::chrono::steady_clock::now();
