@@ -736,21 +736,20 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
 
   if (wg == kW8Consumers) {  // producer warp: one thread issues every copy
     if ((tid & 31) == 0) {
-      int n[kW8Consumers] = {}, k[kW8Consumers] = {};  // stages and items of each warpgroup
+      int n[kW8Consumers] = {}, k = 0;
       for (int i = blockIdx.x; i < n_items; i += gridDim.x) {
         int4 info;
         if (!item(i, info)) continue;
         const int e = info.x, cnt = info.z;
-#pragma unroll
         for (int w = 0; w < kW8Consumers; ++w)
           if (s_len(i, w) > 0) {
-            const int p = k[w] & 1;
-            mbar_wait_spin(sempty(w, p), ((k[w] >> 1) & 1) ^ 1);
+            const int p = k & 1;
+            mbar_wait_spin(sempty(w, p), ((k >> 1) & 1) ^ 1);
             ptx::mbar_arrive_expect_tx(sfull(w, p), uint32_t(64 * a.nsub));
             ptx::bulk_g2s(base + L.sc + (2 * w + p) * sc_bytes, a.scales + (int64_t(e) * a.rows + tile0(i, w)) * a.nsub,
                           uint32_t(64 * a.nsub), sfull(w, p));
-            ++k[w];
           }
+        ++k;
         const int len = max(s_len(i, 0), s_len(i, kW8Consumers - 1));
         for (int b0 = 0; b0 < cnt; b0 += kW4Tokens)
           for (int j = 0; j < len; ++j)
@@ -788,7 +787,7 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
     if (!item(i, info)) continue;
     const int e = info.x, seg = info.y, cnt = info.z;
     const int T0 = tile0(i, wg), len = s_len(i, wg), p = k & 1, sph = (k >> 1) & 1;
-    k += len > 0;  // items this warpgroup has stages of (as the producer counts them)
+    ++k;
     const bool active = T0 < a.rows;
     const uint8_t* const scA = sm + L.sc + (2 * wg + p) * sc_bytes + rA * a.nsub;
     const uint8_t* const scB = sm + L.sc + (2 * wg + p) * sc_bytes + rB * a.nsub;
@@ -1334,9 +1333,8 @@ struct MoeLayer::Impl {
       const int items = (rows + per_block - 1) / per_block * int(max_active);
       W4Args b = a;
       b.max_active = int(max_active);
-      const int blocks = std::min(items, opt.fused_w4a8_blocks > 0 ? opt.fused_w4a8_blocks : 2 * n_sm);
-      launch(pdl ? w8_fn<G, true>(ks8) : w8_fn<G, false>(ks8), dim3(unsigned(blocks)), dim3(kW8Threads),
-             size_t(w8_smem(a.nsub, a.kpad).total), st, pdl, b, map);
+      launch(pdl ? w8_fn<G, true>(ks8) : w8_fn<G, false>(ks8), dim3(unsigned(std::min(items, 2 * n_sm))),
+             dim3(kW8Threads), size_t(w8_smem(a.nsub, a.kpad).total), st, pdl, b, map);
       return;
     }
     const int per_block = 16 * (8 / ks), ntile = a.ntok > kW4Tokens ? 2 : 1;

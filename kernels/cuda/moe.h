@@ -55,7 +55,6 @@ struct MoeOptions {
   // streamed into shared memory by the copy engine (sm_90a; projections of a
   // multiple of 64 rows; elsewhere the W4A16 kernels run).
   bool fused_w4a8 = false;
-  int fused_w4a8_blocks = 0;  // their persistent blocks (0: two per SM; fewer: more work items per block)
   // Grouped FP8 GEMM blocks (0: one per SM); fewer leave SMs to the next tile's
   // weight folding, which runs concurrently on the aux stream.
   int fp8_grouped_blocks = 0;
