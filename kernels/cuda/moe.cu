@@ -314,7 +314,6 @@ struct W4Args {
   const int* ids;
   const float* x;
   int *inv, *err;
-  int max_active;  // W4A8 kernels: expert slots of the work items (grid y of the W4A16 kernels)
 };
 
 // The fold of a sub-block d binades under its chunk's largest scale, 2^(14 -
@@ -644,11 +643,11 @@ struct W8Smem {
 __host__ __device__ inline W8Smem w8_smem(int nsub, int kpad) {
   W8Smem L{};
   int o = kW8Consumers * kW8Stages * kW8StageBytes;
-  L.sc = o, o += 2 * kW8Consumers * ((64 * nsub + 15) / 16 * 16);  // two items in flight
+  L.sc = o, o += kW8Consumers * ((64 * nsub + 15) / 16 * 16);
   L.act = o, o += kpad / 32 * kW8SubBytes;
   L.xs = o, o += kpad / 128 * kW4Tokens * 4;
   L.red = o, o += 128 * 16;
-  L.bar = o, o += (2 * kW8Consumers * kW8Stages + 4 * kW8Consumers) * 8;
+  L.bar = o, o += (2 * kW8Consumers * kW8Stages + kW8Consumers) * 8;
   L.total = o + 1024;
   return L;
 }
@@ -694,209 +693,173 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
   const W8Smem L = w8_smem(a.nsub, a.kpad);
   const uint32_t base = ptx::smem_u32(sm);
   const int tid = threadIdx.x, wg = tid >> 7;
-  // mbarriers: full[w][s], empty[w][s] (ring stages), scales full[w][2], scales empty[w][2].
-  const uint32_t bar0 = base + L.bar;
+  const uint32_t bar0 = base + L.bar;  // full[w][s], empty[w][s], scales[w]
   auto full = [&](int w, int st) { return bar0 + 8 * (w * kW8Stages + st); };
   auto empty = [&](int w, int st) { return bar0 + 8 * ((kW8Consumers + w) * kW8Stages + st); };
-  auto sfull = [&](int w, int p) { return bar0 + 8 * (2 * kW8Consumers * kW8Stages + 2 * w + p); };
-  auto sempty = [&](int w, int p) { return bar0 + 8 * (2 * kW8Consumers * kW8Stages + 2 * kW8Consumers + 2 * w + p); };
+  auto sbar = [&](int w) { return bar0 + 8 * (2 * kW8Consumers * kW8Stages + w); };
   if (tid == 0) {
     for (int w = 0; w < kW8Consumers; ++w) {
       for (int st = 0; st < kW8Stages; ++st) ptx::mbar_init(full(w, st), 1), ptx::mbar_init(empty(w, st), 4);
-      for (int p = 0; p < 2; ++p) ptx::mbar_init(sfull(w, p), 1), ptx::mbar_init(sempty(w, p), 4);
+      ptx::mbar_init(sbar(w), 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   if (kPdl && kGateUp) griddep_wait();  // routing outputs
-  // Work items: (expert slot y, group x of kTiles 64-row tiles), dealt to the
-  // persistent blocks in turn; the producer runs ahead across items.
-  const int tiles_x = (a.rows + 64 * kTiles - 1) / (64 * kTiles), items = a.max_active * tiles_x;
-  const int n_items = a.direct ? items : min(items, *a.n_active * tiles_x);
-  auto item = [&](int i, int4& info) {  // false: an invalid direct id (flagged once)
-    const int y = i / tiles_x;
-    if (!a.direct) {
-      info = a.active[y];
-      return true;
-    }
-    const int id = a.ids[y];
-    const bool ok = id >= 0 && id < a.n_experts;
-    if (kGateUp && i % tiles_x == 0 && tid == 0) {
-      a.inv[y] = ok ? y * kPadRows : -1;
-      if (!ok) atomicOr(a.err, 1);
-    }
-    info = make_int4(id, y * kPadRows, 1, 0);
-    return ok;
-  };
+  int4 info;
+  if (!w4_item<kGateUp, kPdl>(a, info)) return;
+  const int e = info.x, seg = info.y, cnt = info.z;
   const int nch = a.kpad / 128, nst = (nch + 1) / 2, per = (nst + kKS - 1) / kKS;
-  auto tile0 = [&](int i, int w) { return ((i % tiles_x) * kTiles + w % kTiles) * 64; };
+  // Warpgroup w's 64-row tile and its range of stages.
+  auto tile0 = [&](int w) { return (int(blockIdx.x) * kTiles + w % kTiles) * 64; };
   auto s_begin = [&](int w) { return min(nst, (w / kTiles) * per); };
-  auto s_len = [&](int i, int w) { return tile0(i, w) < a.rows ? min(nst, s_begin(w) + per) - s_begin(w) : 0; };
+  auto s_len = [&](int w) { return tile0(w) < a.rows ? min(nst, s_begin(w) + per) - s_begin(w) : 0; };
   const int sc_bytes = (64 * a.nsub + 15) / 16 * 16;
 
-  if (wg == kW8Consumers) {  // producer warp: one thread issues every copy
+  if (wg == kW8Consumers) {  // producer warp
     if ((tid & 31) == 0) {
-      int n[kW8Consumers] = {}, k = 0;
-      for (int i = blockIdx.x; i < n_items; i += gridDim.x) {
-        int4 info;
-        if (!item(i, info)) continue;
-        const int e = info.x, cnt = info.z;
-        for (int w = 0; w < kW8Consumers; ++w)
-          if (s_len(i, w) > 0) {
-            const int p = k & 1;
-            mbar_wait_spin(sempty(w, p), ((k >> 1) & 1) ^ 1);
-            ptx::mbar_arrive_expect_tx(sfull(w, p), uint32_t(64 * a.nsub));
-            ptx::bulk_g2s(base + L.sc + (2 * w + p) * sc_bytes, a.scales + (int64_t(e) * a.rows + tile0(i, w)) * a.nsub,
-                          uint32_t(64 * a.nsub), sfull(w, p));
+      for (int w = 0; w < kW8Consumers; ++w)
+        if (s_len(w) > 0) {
+          ptx::mbar_arrive_expect_tx(sbar(w), uint32_t(64 * a.nsub));
+          ptx::bulk_g2s(base + L.sc + w * sc_bytes, a.scales + (int64_t(e) * a.rows + tile0(w)) * a.nsub,
+                        uint32_t(64 * a.nsub), sbar(w));
+        }
+      int n[kW8Consumers] = {};
+      const int len = max(s_len(0), s_len(kW8Consumers - 1));
+      for (int base_t = 0; base_t < cnt; base_t += kW4Tokens)
+        for (int j = 0; j < len; ++j)
+          for (int w = 0; w < kW8Consumers; ++w) {
+            if (j >= s_len(w)) continue;
+            const int st = n[w] % kW8Stages, ph = (n[w] / kW8Stages) & 1;
+            mbar_wait_spin(empty(w, st), ph ^ 1);
+            ptx::mbar_arrive_expect_tx(full(w, st), kW8StageBytes);
+            ptx::tma_2d(base + (w * kW8Stages + st) * kW8StageBytes, &wmap, full(w, st), (s_begin(w) + j) * 128,
+                        e * a.rows + tile0(w));
+            ++n[w];
           }
-        ++k;
-        const int len = max(s_len(i, 0), s_len(i, kW8Consumers - 1));
-        for (int b0 = 0; b0 < cnt; b0 += kW4Tokens)
-          for (int j = 0; j < len; ++j)
-#pragma unroll
-            for (int w = 0; w < kW8Consumers; ++w) {
-              if (j >= s_len(i, w)) continue;
-              const int st = n[w] % kW8Stages, ph = (n[w] / kW8Stages) & 1;
-              mbar_wait_spin(empty(w, st), ph ^ 1);
-              ptx::mbar_arrive_expect_tx(full(w, st), kW8StageBytes);
-              ptx::tma_2d(base + (w * kW8Stages + st) * kW8StageBytes, &wmap, full(w, st), (s_begin(w) + j) * 128,
-                          e * a.rows + tile0(i, w));
-              ++n[w];
-            }
-      }
     }
     if (kPdl) griddep_launch();
     return;
   }
 
   // Consumers.
-  const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3, ks = wg / kTiles;
-  const int sb0 = s_begin(wg);
+  const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int T0 = tile0(wg), len = s_len(wg), sb0 = s_begin(wg), ks = wg / kTiles;
+  const bool active = T0 < a.rows;
   const int rA = kGateUp ? 16 * warp + 2 * g : 16 * warp + g, rB = kGateUp ? rA + 1 : rA + 8;  // tile rows
   // Byte offsets of word t of 16-byte unit u (chunk u / 4, sub-block u % 4) of rows A / B in a swizzled box.
   uint32_t offA[8], offB[8];
 #pragma unroll
   for (int u = 0; u < 8; ++u)
     offA[u] = rA * 128 + ((u ^ (rA & 7)) << 4) + 4 * t, offB[u] = rB * 128 + ((u ^ (rB & 7)) << 4) + 4 * t;
+  const uint8_t* const scA = sm + L.sc + wg * sc_bytes + rA * a.nsub;
+  const uint8_t* const scB = sm + L.sc + wg * sc_bytes + rB * a.nsub;
   const float* const xsm = reinterpret_cast<const float*>(sm + L.xs);
   float4* const red = reinterpret_cast<float4*>(sm + L.red);
   if (kPdl && !kGateUp) griddep_wait();  // the SwiGLU rows
-  int n = 0, k = 0;
-  for (int i = blockIdx.x; i < n_items; i += gridDim.x) {
-    int4 info;
-    if (!item(i, info)) continue;
-    const int e = info.x, seg = info.y, cnt = info.z;
-    const int T0 = tile0(i, wg), len = s_len(i, wg), p = k & 1, sph = (k >> 1) & 1;
-    ++k;
-    const bool active = T0 < a.rows;
-    const uint8_t* const scA = sm + L.sc + (2 * wg + p) * sc_bytes + rA * a.nsub;
-    const uint8_t* const scB = sm + L.sc + (2 * wg + p) * sc_bytes + rB * a.nsub;
-    for (int base_t = 0; base_t < cnt; base_t += kW4Tokens) {
-      const int m = min(kW4Tokens, cnt - base_t);
-      ptx::named_sync(1, 128 * kW8Consumers);  // the previous pass's activations are read
-      // Stage: 8 warps quantize (token gi, chunk c) pairs to E4M3 with 1x128 scales, 4 values a lane.
-      for (int q = tid >> 5; q < m * nch; q += 4 * kW8Consumers) {
-        const int gi = q / nch, c = q - gi * nch, kk = c * 128 + 4 * lane;
-        float v[4];
-        if (kGateUp && a.direct) {
-          const float4 f = kk < a.H ? *reinterpret_cast<const float4*>(a.x + kk) : make_float4(0.f, 0.f, 0.f, 0.f);
-          v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
-        } else {
-          const int64_t row = kGateUp ? a.sorted[seg + base_t + gi] / a.topk : seg + base_t + gi;
-          const uint2 h = *reinterpret_cast<const uint2*>(a.act + row * a.kpad + kk);
-          const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
-          const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h.y));
-          v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
-        }
-        float sc;
-        const uint32_t qv = quant_1x128(v, sc);
-        const int q8 = kk >> 3;
-        unsigned char* d = sm + L.act + (q8 >> 2) * kW8SubBytes + gi * 16 + (q8 & 3) * 4 + 2 * (lane & 1);
-        *reinterpret_cast<uint16_t*>(d) = uint16_t(ptx::prmt(qv, 0, 0x20));        // even elements
-        *reinterpret_cast<uint16_t*>(d + 128) = uint16_t(ptx::prmt(qv, 0, 0x31));  // odd elements
-        if (lane == 0) reinterpret_cast<float*>(sm + L.xs)[c * kW4Tokens + gi] = sc;
+  int n = 0;
+  for (int base_t = 0; base_t < cnt; base_t += kW4Tokens) {
+    const int m = min(kW4Tokens, cnt - base_t);
+    ptx::named_sync(1, 128 * kW8Consumers);  // the previous pass's activations are read
+    // Stage: warp v of 8 quantizes (token gi, chunk c) pairs, 4 values a lane.
+    float tok_scale[2] = {1.f, 1.f};
+    for (int p = tid >> 5; p < m * nch; p += 4 * kW8Consumers) {
+      const int gi = p / nch, c = p - gi * nch, k = c * 128 + 4 * lane;
+      float v[4];
+      if (kGateUp && a.direct) {
+        const float4 f = k < a.H ? *reinterpret_cast<const float4*>(a.x + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+      } else {
+        const int64_t row = kGateUp ? a.sorted[seg + base_t + gi] / a.topk : seg + base_t + gi;
+        const uint2 h = *reinterpret_cast<const uint2*>(a.act + row * a.kpad + k);
+        const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
+        const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h.y));
+        v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
       }
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
-      // The epilogue's operands load now (bias, the tokens' input scales).
-      float biasA = 0.f, biasB = 0.f, tok_scale[2] = {1.f, 1.f};
-      if (active && ks == 0) {
-        biasA = bf16_to_float(a.bias[int64_t(e) * a.rows + T0 + rA]);
-        biasB = bf16_to_float(a.bias[int64_t(e) * a.rows + T0 + rB]);
-        if (kGateUp && !a.direct)
-          for (int j = 0; j < 2; ++j)
-            if (2 * t + j < m) tok_scale[j] = a.act_scale[a.sorted[seg + base_t + 2 * t + j] / a.topk];
-      }
-      ptx::named_sync(1, 128 * kW8Consumers);
-      if (len > 0 && base_t == 0) mbar_wait_spin(sfull(wg, p), sph);
+      float sc;
+      const uint32_t q = quant_1x128(v, sc);
+      const int q8 = k >> 3, hh = lane & 1;
+      unsigned char* d = sm + L.act + (q8 >> 2) * kW8SubBytes + gi * 16 + (q8 & 3) * 4 + 2 * hh;
+      *reinterpret_cast<uint16_t*>(d) = uint16_t(ptx::prmt(q, 0, 0x20));        // even elements
+      *reinterpret_cast<uint16_t*>(d + 128) = uint16_t(ptx::prmt(q, 0, 0x31));  // odd elements
+      if (lane == 0) reinterpret_cast<float*>(sm + L.xs)[c * kW4Tokens + gi] = sc;
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
+    // The epilogue's operands load now (bias, the tokens' input scales).
+    float biasA = 0.f, biasB = 0.f;
+    if (active && ks == 0) {
+      biasA = bf16_to_float(a.bias[int64_t(e) * a.rows + T0 + rA]);
+      biasB = bf16_to_float(a.bias[int64_t(e) * a.rows + T0 + rB]);
+      if (kGateUp && !a.direct)
+        for (int j = 0; j < 2; ++j)
+          if (2 * t + j < m) tok_scale[j] = a.act_scale[a.sorted[seg + base_t + 2 * t + j] / a.topk];
+    }
+    ptx::named_sync(1, 128 * kW8Consumers);
+    if (len > 0 && base_t == 0) mbar_wait_spin(sbar(wg), 0);
 
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      for (int j = 0; j < len; ++j, ++n) {
-        const int st = n % kW8Stages;
-        mbar_wait_spin(full(wg, st), (n / kW8Stages) & 1);
-        const uint32_t box = base + (wg * kW8Stages + st) * kW8StageBytes;
-        uint32_t wa[8], wb[8];
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < len; ++j, ++n) {
+      const int st = n % kW8Stages;
+      mbar_wait_spin(full(wg, st), (n / kW8Stages) & 1);
+      const uint32_t box = base + (wg * kW8Stages + st) * kW8StageBytes;
+      uint32_t wa[8], wb[8];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) wa[u] = lds32(box + offA[u]), wb[u] = lds32(box + offB[u]);
-        __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(empty(wg, st));  // this warp is done with the box
+      for (int u = 0; u < 8; ++u) wa[u] = lds32(box + offA[u]), wb[u] = lds32(box + offB[u]);
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(empty(wg, st));  // this warp is done with the box
 #pragma unroll
-        for (int cc = 0; cc < 2; ++cc) {
-          const int c = 2 * (sb0 + j) + cc;
-          if (c >= nch) break;
-          uint32_t af[4][4];
+      for (int cc = 0; cc < 2; ++cc) {
+        const int c = 2 * (sb0 + j) + cc;
+        if (c >= nch) break;
+        uint32_t af[4][4];
 #pragma unroll
-          for (int b = 0; b < 4; ++b) {
-            af[b][0] = e2m1_even_to_e4m3(wa[4 * cc + b]), af[b][1] = e2m1_even_to_e4m3(wb[4 * cc + b]);
-            af[b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
-          }
-          float q[4][4];
-          asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-          for (int b = 0; b < 4; ++b)
-            wgmma_rs_m64n8k32(q[b], af[b][0], af[b][1], af[b][2], af[b][3],
-                              w8_desc(base + L.act + uint32_t((4 * c + b) * kW8SubBytes)));
-          asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-          asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-          float pA[2] = {0.f, 0.f}, pB[2] = {0.f, 0.f};
-#pragma unroll
-          for (int b = 0; b < 4; ++b) {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) asm volatile("" : "+f"(q[b][r])::"memory");
-            const int sub = 4 * c + b;
-            const float fA = sub < a.nsub ? e8m0_to_float(scA[sub]) : 0.f;
-            const float fB = sub < a.nsub ? e8m0_to_float(scB[sub]) : 0.f;
-            pA[0] += q[b][0] * fA, pA[1] += q[b][1] * fA;
-            pB[0] += q[b][2] * fB, pB[1] += q[b][3] * fB;
-          }
-          const float x0 = xsm[c * kW4Tokens + 2 * t], x1 = xsm[c * kW4Tokens + 2 * t + 1];
-          acc[0] += pA[0] * x0, acc[1] += pA[1] * x1, acc[2] += pB[0] * x0, acc[3] += pB[1] * x1;
+        for (int b = 0; b < 4; ++b) {
+          af[b][0] = e2m1_even_to_e4m3(wa[4 * cc + b]), af[b][1] = e2m1_even_to_e4m3(wb[4 * cc + b]);
+          af[b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
         }
-      }
-      if (len > 0 && base_t + kW4Tokens >= cnt) {  // the item's scales are read
-        __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(sempty(wg, p));
-      }
-      if (kKS > 1) {
-        if (ks > 0) red[tid & 127] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-        ptx::named_sync(2, 128 * kW8Consumers);
-        if (ks != 0) continue;
-        const float4 v = red[tid & 127];
-        acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
-      }
-      if (!active) continue;
-      constexpr float kPost = 64.f;  // the E2M1 placement's 2^-6
+        float q[4][4];
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int tok = 2 * t + j;
-        if (tok >= m) continue;
-        const int row = seg + base_t + tok;
-        if (kGateUp) {
-          const float v = swiglu(acc[j] * kPost * tok_scale[j] + biasA, acc[2 + j] * kPost * tok_scale[j] + biasB);
-          a.out_act[int64_t(row) * a.out_ld + ((T0 + rA) >> 1)] = __float2half_rn(v);
-        } else {
-          a.out_y[int64_t(row) * a.rows + T0 + rA] = acc[j] * kPost + biasA;
-          a.out_y[int64_t(row) * a.rows + T0 + rB] = acc[2 + j] * kPost + biasB;
+        for (int b = 0; b < 4; ++b)
+          wgmma_rs_m64n8k32(q[b], af[b][0], af[b][1], af[b][2], af[b][3],
+                            w8_desc(base + L.act + uint32_t((4 * c + b) * kW8SubBytes)));
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        float pA[2] = {0.f, 0.f}, pB[2] = {0.f, 0.f};
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[b][i])::"memory");
+          const int sub = 4 * c + b;
+          const float fA = sub < a.nsub ? e8m0_to_float(scA[sub]) : 0.f;
+          const float fB = sub < a.nsub ? e8m0_to_float(scB[sub]) : 0.f;
+          pA[0] += q[b][0] * fA, pA[1] += q[b][1] * fA;
+          pB[0] += q[b][2] * fB, pB[1] += q[b][3] * fB;
         }
+        const float x0 = xsm[c * kW4Tokens + 2 * t], x1 = xsm[c * kW4Tokens + 2 * t + 1];
+        acc[0] += pA[0] * x0, acc[1] += pA[1] * x1, acc[2] += pB[0] * x0, acc[3] += pB[1] * x1;
+      }
+    }
+    if (kKS > 1) {
+      if (ks > 0) red[tid & 127] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      ptx::named_sync(2, 128 * kW8Consumers);
+      if (ks != 0) continue;
+      const float4 v = red[tid & 127];
+      acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
+    }
+    if (!active) continue;
+    constexpr float kPost = 64.f;  // the E2M1 placement's 2^-6
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int tok = 2 * t + j;
+      if (tok >= m) continue;
+      const int row = seg + base_t + tok;
+      if (kGateUp) {
+        const float v = swiglu(acc[j] * kPost * tok_scale[j] + biasA, acc[2 + j] * kPost * tok_scale[j] + biasB);
+        a.out_act[int64_t(row) * a.out_ld + ((T0 + rA) >> 1)] = __float2half_rn(v);
+      } else {
+        a.out_y[int64_t(row) * a.rows + T0 + rA] = acc[j] * kPost + biasA;
+        a.out_y[int64_t(row) * a.rows + T0 + rB] = acc[2 + j] * kPost + biasB;
       }
     }
   }
@@ -1142,7 +1105,6 @@ struct MoeLayer::Impl {
   // the FP8 expert workspace: 2 tiles x tile_experts x (w1 + w2)
   DeviceArray<uint8_t> ws_fp8;
   DeviceArray<float> ws_scales;
-  int n_sm = 0;
   int tile_cap = 0;         // experts per workspace tile it was sized for
   int* h_counts = nullptr;  // pinned: counts[E], offsets[E+1]
   cudaEvent_t ev_ready[2]{}, ev_free[2]{};
@@ -1211,9 +1173,6 @@ struct MoeLayer::Impl {
         for (auto k : {w4_fn<true, false>(ks, nt), w4_fn<true, true>(ks, nt), w4_fn<false, false>(ks, nt),
                        w4_fn<false, true>(ks, nt)})
           DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    int dev = 0;
-    DZ_CUDA_CHECK(cudaGetDevice(&dev));
-    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
     const int smem8 = std::max(w8_smem(H / 32, int(kph)).total, w8_smem(I / 32, int(kpi)).total);
     for (int ks : {1, 2})
       for (auto k : {w8_fn<true, false>(ks), w8_fn<true, true>(ks), w8_fn<false, false>(ks), w8_fn<false, true>(ks)})
@@ -1328,13 +1287,10 @@ struct MoeLayer::Impl {
       const cuuint32_t box[2] = {128, 64};
       encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks, dims, strides, box,
                         CU_TENSOR_MAP_SWIZZLE_128B, G ? "MoE gate_up blocks" : "MoE down blocks");
-      // Persistent blocks (two an SM) over max_active x row-group items.
       const int ks8 = ks == 1 ? 1 : 2, per_block = 64 * (kW8Consumers / ks8);
-      const int items = (rows + per_block - 1) / per_block * int(max_active);
-      W4Args b = a;
-      b.max_active = int(max_active);
-      launch(pdl ? w8_fn<G, true>(ks8) : w8_fn<G, false>(ks8), dim3(unsigned(std::min(items, 2 * n_sm))),
-             dim3(kW8Threads), size_t(w8_smem(a.nsub, a.kpad).total), st, pdl, b, map);
+      const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
+      launch(pdl ? w8_fn<G, true>(ks8) : w8_fn<G, false>(ks8), grid, dim3(kW8Threads),
+             size_t(w8_smem(a.nsub, a.kpad).total), st, pdl, a, map);
       return;
     }
     const int per_block = 16 * (8 / ks), ntile = a.ntok > kW4Tokens ? 2 : 1;
