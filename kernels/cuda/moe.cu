@@ -672,6 +672,11 @@ __device__ __forceinline__ void wgmma_rs_m64n8k32(float (&d)[4], uint32_t a0, ui
                : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
 }
+__device__ __forceinline__ uint32_t lds16(uint32_t addr) {
+  uint16_t v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
+  return v;
+}
 __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
@@ -752,8 +757,8 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
 #pragma unroll
   for (int u = 0; u < 8; ++u)
     offA[u] = rA * 128 + ((u ^ (rA & 7)) << 4) + 4 * t, offB[u] = rB * 128 + ((u ^ (rB & 7)) << 4) + 4 * t;
-  const uint8_t* const scA = sm + L.sc + wg * sc_bytes + rA * a.nsub;
-  const uint8_t* const scB = sm + L.sc + wg * sc_bytes + rB * a.nsub;
+  const uint32_t scA = base + L.sc + wg * sc_bytes + rA * a.nsub, scB = base + L.sc + wg * sc_bytes + rB * a.nsub;
+  const uint32_t act0 = base + L.act;
   const float* const xsm = reinterpret_cast<const float*>(sm + L.xs);
   float4* const red = reinterpret_cast<float4*>(sm + L.red);
   if (kPdl && !kGateUp) griddep_wait();  // the SwiGLU rows
@@ -807,34 +812,51 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
       for (int u = 0; u < 8; ++u) wa[u] = lds32(box + offA[u]), wb[u] = lds32(box + offB[u]);
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(empty(wg, st));  // this warp is done with the box
+      // Both chunks of the stage (the second past K only in a short last stage):
+      // eight MMAs under one wait.
+      const int c0 = 2 * (sb0 + j), nc = min(2, nch - c0);
+      uint32_t af[2][4][4];
 #pragma unroll
-      for (int cc = 0; cc < 2; ++cc) {
-        const int c = 2 * (sb0 + j) + cc;
-        if (c >= nch) break;
-        uint32_t af[4][4];
+      for (int cc = 0; cc < 2; ++cc)
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
-          af[b][0] = e2m1_even_to_e4m3(wa[4 * cc + b]), af[b][1] = e2m1_even_to_e4m3(wb[4 * cc + b]);
-          af[b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
+          af[cc][b][0] = e2m1_even_to_e4m3(wa[4 * cc + b]), af[cc][b][1] = e2m1_even_to_e4m3(wb[4 * cc + b]);
+          af[cc][b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[cc][b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
         }
-        float q[4][4];
-        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      float q[2][4][4];
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-        for (int b = 0; b < 4; ++b)
-          wgmma_rs_m64n8k32(q[b], af[b][0], af[b][1], af[b][2], af[b][3],
-                            w8_desc(base + L.act + uint32_t((4 * c + b) * kW8SubBytes)));
-        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+      for (int cc = 0; cc < 2; ++cc)
+        if (cc < nc)
+#pragma unroll
+          for (int b = 0; b < 4; ++b)
+            wgmma_rs_m64n8k32(q[cc][b], af[cc][b][0], af[cc][b][1], af[cc][b][2], af[cc][b][3],
+                              w8_desc(act0 + uint32_t((4 * (c0 + cc) + b) * kW8SubBytes)));
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        if (cc >= nc) break;
+        const int c = c0 + cc;
+        // Sub-block scales 4c..4c+3 of rows A and B: two 16-bit loads a row (nsub is even); an E8M0
+        // byte s is the float with exponent field s (s = 0, 2^-127, reads as 0).
+        const uint32_t a01 = lds16(scA + 4 * c), a23 = lds16(scA + 4 * c + 2);
+        const uint32_t b01 = lds16(scB + 4 * c), b23 = lds16(scB + 4 * c + 2);
+        float fA[4] = {__uint_as_float((a01 << 23) & 0x7F800000u), __uint_as_float((a01 << 15) & 0x7F800000u),
+                       __uint_as_float((a23 << 23) & 0x7F800000u), __uint_as_float((a23 << 15) & 0x7F800000u)};
+        float fB[4] = {__uint_as_float((b01 << 23) & 0x7F800000u), __uint_as_float((b01 << 15) & 0x7F800000u),
+                       __uint_as_float((b23 << 23) & 0x7F800000u), __uint_as_float((b23 << 15) & 0x7F800000u)};
+        if (4 * c + 4 > a.nsub)  // sub-blocks past K: zero weights, and bytes of the next row for scales
+#pragma unroll
+          for (int b = 0; b < 4; ++b)
+            if (4 * c + b >= a.nsub) fA[b] = fB[b] = 0.f;
         float pA[2] = {0.f, 0.f}, pB[2] = {0.f, 0.f};
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[b][i])::"memory");
-          const int sub = 4 * c + b;
-          const float fA = sub < a.nsub ? e8m0_to_float(scA[sub]) : 0.f;
-          const float fB = sub < a.nsub ? e8m0_to_float(scB[sub]) : 0.f;
-          pA[0] += q[b][0] * fA, pA[1] += q[b][1] * fA;
-          pB[0] += q[b][2] * fB, pB[1] += q[b][3] * fB;
+          for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[cc][b][i])::"memory");
+          pA[0] += q[cc][b][0] * fA[b], pA[1] += q[cc][b][1] * fA[b];
+          pB[0] += q[cc][b][2] * fB[b], pB[1] += q[cc][b][3] * fB[b];
         }
         const float x0 = xsm[c * kW4Tokens + 2 * t], x1 = xsm[c * kW4Tokens + 2 * t + 1];
         acc[0] += pA[0] * x0, acc[1] += pA[1] * x1, acc[2] += pB[0] * x0, acc[3] += pB[1] * x1;
@@ -1265,9 +1287,10 @@ struct MoeLayer::Impl {
   bool direct(int T) const { return T == 1 && opt.fused_one_token_direct && kph / 8 <= 2 * kW4Threads; }
 
   // The W4A8 kernels run a projection of this many rows (the option, an sm_90a
-  // build and device, 64-row tiles, 16-byte aligned weights for the copy engine).
+  // build and device, 64-row tiles, an even number of sub-blocks a row, 16-byte
+  // aligned weights for the copy engine).
   bool w8(int rows, const W4Args& a) const {
-    return opt.fused_w4a8 && rows % 64 == 0 && Fp8GroupedGemm::supported() && aligned16(a.blocks) &&
+    return opt.fused_w4a8 && rows % 64 == 0 && a.nsub % 2 == 0 && Fp8GroupedGemm::supported() && aligned16(a.blocks) &&
            aligned16(a.scales);
   }
 
