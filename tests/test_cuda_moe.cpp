@@ -484,7 +484,11 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
       const auto got = run(false);
       const double d = finite_diff(got, ref);
       INFO("diff " << d);
-      CHECK(d < (w4a8 ? 3e-3 : 2e-4));
+      // W4A8 with sub-block scales 34 binades apart: a 128-block's activation
+      // scale follows elements that meet tiny weights, and the ones that meet
+      // huge weights keep few bits (the FP8 path's bound there).
+      const double bound = !w4a8 ? 2e-4 : cs.s_hi - cs.s_lo > 10 ? 2e-2 : 3e-3;
+      CHECK(d < bound);
       // Bitwise equal: again, inside a CUDA graph (replayed), and without PDL.
       CHECK(std::memcmp(run(false).data(), got.data(), got.size() * sizeof(float)) == 0);
       CHECK(std::memcmp(run(true).data(), got.data(), got.size() * sizeof(float)) == 0);
@@ -495,7 +499,7 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
         for (int ks : {1, 4}) {  // both block shapes (two 64-row tiles; one tile split over K)
           layer.options().fused_k_split = ks;
           INFO("k split " << ks);
-          CHECK(finite_diff(run(false), ref) < 3e-3);
+          CHECK(finite_diff(run(false), ref) < bound);
         }
       CHECK(layer.take_error() == 0);
     }

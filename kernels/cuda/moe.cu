@@ -823,15 +823,17 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
           af[cc][b][0] = e2m1_even_to_e4m3(wa[4 * cc + b]), af[cc][b][1] = e2m1_even_to_e4m3(wb[4 * cc + b]);
           af[cc][b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[cc][b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
         }
+      // No branch around the MMAs (the compiler would serialize them): a chunk
+      // past K has zero weights (the copy engine's fill) and reads the
+      // stage's first chunk of activations, giving exact zeros, unused.
       float q[2][4][4];
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
       for (int cc = 0; cc < 2; ++cc)
-        if (cc < nc)
 #pragma unroll
-          for (int b = 0; b < 4; ++b)
-            wgmma_rs_m64n8k32(q[cc][b], af[cc][b][0], af[cc][b][1], af[cc][b][2], af[cc][b][3],
-                              w8_desc(act0 + uint32_t((4 * (c0 + cc) + b) * kW8SubBytes)));
+        for (int b = 0; b < 4; ++b)
+          wgmma_rs_m64n8k32(q[cc][b], af[cc][b][0], af[cc][b][1], af[cc][b][2], af[cc][b][3],
+                            w8_desc(act0 + uint32_t((4 * (cc < nc ? c0 + cc : c0) + b) * kW8SubBytes)));
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
       asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
