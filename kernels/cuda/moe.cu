@@ -617,8 +617,8 @@ __device__ __forceinline__ uint32_t quant_1x128(const float (&v)[4], float& sc) 
 // ------------------------------------------- fused W4A8 path (wgmma, sm_90a)
 // Few tokens per expert with E4M3 activations (1x128 scales, as the FP8 path):
 //  - the MXFP4 rows reach shared memory through the copy engine: per consumer
-//    warpgroup a ring of kW8Stages boxes of 64 rows x 128 bytes (two 128-wide
-//    K chunks; 128B-swizzled) that a producer warp keeps in flight without
+//    warpgroup a ring of kW8Stages boxes of 64 rows x 144 bytes (two 128-wide
+//    K chunks, see kW8Row) that a producer warp keeps in flight without
 //    holding registers, and the tile's E8M0 scales in one bulk copy;
 //  - consumers decode E2M1 -> E4M3 in registers (a nibble's E2M1 bits placed in
 //    an E4M3 byte are its value * 2^-6 exactly: 5 instructions per 8 weights,
@@ -633,7 +633,11 @@ __device__ __forceinline__ uint32_t quant_1x128(const float (&v)[4], float& sc) 
 constexpr int kW8Consumers = 2;
 constexpr int kW8Threads = 128 * kW8Consumers + 32;
 constexpr int kW8Stages = 4;
-constexpr int kW8StageBytes = 64 * 128;
+// A box is 64 rows x 144 bytes: two chunks and the next 16 bytes (read again
+// by the next box, from L2), so rows sit 36 words apart and a quarter warp's
+// loads of one word from 8 rows hit distinct banks without a swizzle.
+constexpr int kW8Row = 144;
+constexpr int kW8StageBytes = 64 * kW8Row;
 constexpr int kW8SubBytes = 256;
 
 // Shared-memory layout (offsets from the 1024-aligned base; total includes the alignment slack).
@@ -752,14 +756,9 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
   const int T0 = tile0(wg), len = s_len(wg), sb0 = s_begin(wg), ks = wg / kTiles;
   const bool active = T0 < a.rows;
   const int rA = kGateUp ? 16 * warp + 2 * g : 16 * warp + g, rB = kGateUp ? rA + 1 : rA + 8;  // tile rows
-  // Byte offsets of word t of 16-byte unit u (chunk u / 4, sub-block u % 4) of rows A / B in a swizzled box.
-  uint32_t offA[8], offB[8];
-#pragma unroll
-  for (int u = 0; u < 8; ++u)
-    offA[u] = rA * 128 + ((u ^ (rA & 7)) << 4) + 4 * t, offB[u] = rB * 128 + ((u ^ (rB & 7)) << 4) + 4 * t;
   const uint32_t scA = base + L.sc + wg * sc_bytes + rA * a.nsub, scB = base + L.sc + wg * sc_bytes + rB * a.nsub;
   const uint32_t act0 = base + L.act;
-  const float* const xsm = reinterpret_cast<const float*>(sm + L.xs);
+  const uint32_t xs0 = base + L.xs;
   float4* const red = reinterpret_cast<float4*>(sm + L.red);
   if (kPdl && !kGateUp) griddep_wait();  // the SwiGLU rows
   int n = 0;
@@ -802,67 +801,82 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
     ptx::named_sync(1, 128 * kW8Consumers);
     if (len > 0 && base_t == 0) mbar_wait_spin(sbar(wg), 0);
 
+    // The stage's two chunks: fragments decoded from the box's words, eight
+    // MMAs under one wait, then the sub-block and activation scales. guard:
+    // chunks reaching past K (the last stage only).
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < len; ++j, ++n) {
-      const int st = n % kW8Stages;
-      mbar_wait_spin(full(wg, st), (n / kW8Stages) & 1);
-      const uint32_t box = base + (wg * kW8Stages + st) * kW8StageBytes;
+    auto stage = [&](uint32_t box, int c0, bool guard, auto release) {
       uint32_t wa[8], wb[8];
+      const uint32_t pa = box + rA * kW8Row + 4 * t, pb = box + rB * kW8Row + 4 * t;
 #pragma unroll
-      for (int u = 0; u < 8; ++u) wa[u] = lds32(box + offA[u]), wb[u] = lds32(box + offB[u]);
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(empty(wg, st));  // this warp is done with the box
-      // Both chunks of the stage (the second past K only in a short last stage):
-      // eight MMAs under one wait.
-      const int c0 = 2 * (sb0 + j), nc = min(2, nch - c0);
-      uint32_t af[2][4][4];
+      for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * u), wb[u] = lds32(pb + 16 * u);
+      release();
+      {
+        const int nc = guard ? min(2, nch - c0) : 2;
+        uint32_t af[2][4][4];
 #pragma unroll
-      for (int cc = 0; cc < 2; ++cc)
+        for (int cc = 0; cc < 2; ++cc)
 #pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          af[cc][b][0] = e2m1_even_to_e4m3(wa[4 * cc + b]), af[cc][b][1] = e2m1_even_to_e4m3(wb[4 * cc + b]);
-          af[cc][b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[cc][b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
-        }
-      // No branch around the MMAs (the compiler would serialize them): a chunk
-      // past K has zero weights (the copy engine's fill) and reads the
-      // stage's first chunk of activations, giving exact zeros, unused.
-      float q[2][4][4];
-      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+          for (int b = 0; b < 4; ++b) {
+            af[cc][b][0] = e2m1_even_to_e4m3(wa[4 * cc + b]), af[cc][b][1] = e2m1_even_to_e4m3(wb[4 * cc + b]);
+            af[cc][b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[cc][b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
+          }
+        // No branch around the MMAs (the compiler would serialize them): a chunk
+        // past K has zero weights (the copy engine's fill) and reads the
+        // stage's first chunk of activations, giving exact zeros, unused.
+        float q[2][4][4];
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-      for (int cc = 0; cc < 2; ++cc)
-#pragma unroll
-        for (int b = 0; b < 4; ++b)
-          wgmma_rs_m64n8k32(q[cc][b], af[cc][b][0], af[cc][b][1], af[cc][b][2], af[cc][b][3],
-                            w8_desc(act0 + uint32_t((4 * (cc < nc ? c0 + cc : c0) + b) * kW8SubBytes)));
-      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-      for (int cc = 0; cc < 2; ++cc) {
-        if (cc >= nc) break;
-        const int c = c0 + cc;
-        // Sub-block scales 4c..4c+3 of rows A and B: two 16-bit loads a row (nsub is even); an E8M0
-        // byte s is the float with exponent field s (s = 0, 2^-127, reads as 0).
-        const uint32_t a01 = lds16(scA + 4 * c), a23 = lds16(scA + 4 * c + 2);
-        const uint32_t b01 = lds16(scB + 4 * c), b23 = lds16(scB + 4 * c + 2);
-        float fA[4] = {__uint_as_float((a01 << 23) & 0x7F800000u), __uint_as_float((a01 << 15) & 0x7F800000u),
-                       __uint_as_float((a23 << 23) & 0x7F800000u), __uint_as_float((a23 << 15) & 0x7F800000u)};
-        float fB[4] = {__uint_as_float((b01 << 23) & 0x7F800000u), __uint_as_float((b01 << 15) & 0x7F800000u),
-                       __uint_as_float((b23 << 23) & 0x7F800000u), __uint_as_float((b23 << 15) & 0x7F800000u)};
-        if (4 * c + 4 > a.nsub)  // sub-blocks past K: zero weights, and bytes of the next row for scales
+        for (int cc = 0; cc < 2; ++cc)
 #pragma unroll
           for (int b = 0; b < 4; ++b)
-            if (4 * c + b >= a.nsub) fA[b] = fB[b] = 0.f;
-        float pA[2] = {0.f, 0.f}, pB[2] = {0.f, 0.f};
+            wgmma_rs_m64n8k32(q[cc][b], af[cc][b][0], af[cc][b][1], af[cc][b][2], af[cc][b][3],
+                              w8_desc(act0 + uint32_t((4 * (cc < nc ? c0 + cc : c0) + b) * kW8SubBytes)));
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
-        for (int b = 0; b < 4; ++b) {
+        for (int cc = 0; cc < 2; ++cc) {
+          if (cc >= nc) break;
+          const int c = c0 + cc;
+          // Sub-block scales 4c..4c+3 of rows A and B: two 16-bit loads a row (nsub is even); an E8M0
+          // byte s is the float with exponent field s (s = 0, 2^-127, reads as 0).
+          const uint32_t a01 = lds16(scA + 4 * c), a23 = lds16(scA + 4 * c + 2);
+          const uint32_t b01 = lds16(scB + 4 * c), b23 = lds16(scB + 4 * c + 2);
+          float fA[4] = {__uint_as_float((a01 << 23) & 0x7F800000u), __uint_as_float((a01 << 15) & 0x7F800000u),
+                         __uint_as_float((a23 << 23) & 0x7F800000u), __uint_as_float((a23 << 15) & 0x7F800000u)};
+          float fB[4] = {__uint_as_float((b01 << 23) & 0x7F800000u), __uint_as_float((b01 << 15) & 0x7F800000u),
+                         __uint_as_float((b23 << 23) & 0x7F800000u), __uint_as_float((b23 << 15) & 0x7F800000u)};
+          if (guard)  // sub-blocks past K: zero weights, and bytes of the next row for scales
 #pragma unroll
-          for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[cc][b][i])::"memory");
-          pA[0] += q[cc][b][0] * fA[b], pA[1] += q[cc][b][1] * fA[b];
-          pB[0] += q[cc][b][2] * fB[b], pB[1] += q[cc][b][3] * fB[b];
+            for (int b = 0; b < 4; ++b)
+              if (4 * c + b >= a.nsub) fA[b] = fB[b] = 0.f;
+          float pA[2] = {0.f, 0.f}, pB[2] = {0.f, 0.f};
+#pragma unroll
+          for (int b = 0; b < 4; ++b) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[cc][b][i])::"memory");
+            pA[0] += q[cc][b][0] * fA[b], pA[1] += q[cc][b][1] * fA[b];
+            pB[0] += q[cc][b][2] * fB[b], pB[1] += q[cc][b][3] * fB[b];
+          }
+          const float x0 = __uint_as_float(lds32(xs0 + (c * kW4Tokens + 2 * t) * 4));
+          const float x1 = __uint_as_float(lds32(xs0 + (c * kW4Tokens + 2 * t + 1) * 4));
+          acc[0] += pA[0] * x0, acc[1] += pA[1] * x1, acc[2] += pB[0] * x0, acc[3] += pB[1] * x1;
         }
-        const float x0 = xsm[c * kW4Tokens + 2 * t], x1 = xsm[c * kW4Tokens + 2 * t + 1];
-        acc[0] += pA[0] * x0, acc[1] += pA[1] * x1, acc[2] += pB[0] * x0, acc[3] += pB[1] * x1;
       }
+    };
+    const int full_chunks = a.nsub / 4;  // chunks wholly inside K
+    for (int j = 0; j < len; ++j, ++n) {
+      const int st = n % kW8Stages, c0 = 2 * (sb0 + j);
+      mbar_wait_spin(full(wg, st), (n / kW8Stages) & 1);
+      const uint32_t box = base + (wg * kW8Stages + st) * kW8StageBytes;
+      auto release = [&] {  // this warp is done with the box
+        __syncwarp();
+        if (lane == 0) ptx::mbar_arrive(empty(wg, st));
+      };
+      if (c0 + 2 <= full_chunks)
+        stage(box, c0, false, release);
+      else
+        stage(box, c0, true, release);
     }
     if (kKS > 1) {
       if (ks > 0) red[tid & 127] = make_float4(acc[0], acc[1], acc[2], acc[3]);
@@ -1309,9 +1323,9 @@ struct MoeLayer::Impl {
       CUtensorMap map;
       const cuuint64_t dims[2] = {cuuint64_t(a.nsub) * 16, cuuint64_t(s.n_experts) * rows};
       const cuuint64_t strides[1] = {cuuint64_t(a.nsub) * 16};
-      const cuuint32_t box[2] = {128, 64};
+      const cuuint32_t box[2] = {kW8Row, 64};
       encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks, dims, strides, box,
-                        CU_TENSOR_MAP_SWIZZLE_128B, G ? "MoE gate_up blocks" : "MoE down blocks");
+                        CU_TENSOR_MAP_SWIZZLE_NONE, G ? "MoE gate_up blocks" : "MoE down blocks");
       const int ks8 = ks == 1 ? 1 : 2, per_block = 64 * (kW8Consumers / ks8);
       const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
       launch(pdl ? w8_fn<G, true>(ks8) : w8_fn<G, false>(ks8), grid, dim3(kW8Threads),
