@@ -757,7 +757,7 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
   const bool active = T0 < a.rows;
   const int rA = kGateUp ? 16 * warp + 2 * g : 16 * warp + g, rB = kGateUp ? rA + 1 : rA + 8;  // tile rows
   const uint32_t scA = base + L.sc + wg * sc_bytes + rA * a.nsub, scB = base + L.sc + wg * sc_bytes + rB * a.nsub;
-  const uint32_t act0 = base + L.act;
+  const uint64_t desc0 = w8_desc(base + L.act);  // sub-block s: + s * 16 (its address in 16-byte units)
   const uint32_t xs0 = base + L.xs;
   float4* const red = reinterpret_cast<float4*>(sm + L.red);
   if (kPdl && !kGateUp) griddep_wait();  // the SwiGLU rows
@@ -831,7 +831,7 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
 #pragma unroll
           for (int b = 0; b < 4; ++b)
             wgmma_rs_m64n8k32(q[cc][b], af[cc][b][0], af[cc][b][1], af[cc][b][2], af[cc][b][3],
-                              w8_desc(act0 + uint32_t((4 * (cc < nc ? c0 + cc : c0) + b) * kW8SubBytes)));
+                              desc0 + uint64_t((4 * (cc < nc ? c0 + cc : c0) + b) * (kW8SubBytes >> 4)));
         asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
@@ -1283,13 +1283,14 @@ struct MoeLayer::Impl {
     const bool two_tiles = ks == 1 && int64_t(T) * s.topk > int64_t(kW4Tokens) * E;
     a.ntok = std::min(T, two_tiles ? kW4MaxTokens : kW4Tokens);
     const bool pdl = opt.pdl;
-    launch_w4<true>(ks, pdl, 2 * I, max_active, st, a);
+    const bool w4a8 = opt.fused_w4a8 && double(T) * s.topk / E <= opt.fused_w4a8_max_tokens_per_expert;
+    launch_w4<true>(ks, pdl, w4a8, 2 * I, max_active, st, a);
     // down
     a.blocks = w.w2_blocks, a.scales = w.w2_scales, a.bias = w.b2;
     a.act = act16.get(), a.act_scale = nullptr;
     a.rows = H, a.nsub = I / 32, a.kpad = int(kpi);
     a.out_y = y32.get();
-    launch_w4<false>(ks, pdl, H, max_active, st, a);
+    launch_w4<false>(ks, pdl, w4a8, H, max_active, st, a);
     const bool v8 = vec8(y32.get(), nullptr, out);
     const auto comb = v8 ? (pdl ? combine_kernel<float, false, true, true> : combine_kernel<float, false, false, true>)
                          : (pdl ? combine_kernel<float, false, true> : combine_kernel<float, false, false>);
@@ -1302,11 +1303,10 @@ struct MoeLayer::Impl {
   // gate_up's blocks convert the input 2 pieces a thread.
   bool direct(int T) const { return T == 1 && opt.fused_one_token_direct && kph / 8 <= 2 * kW4Threads; }
 
-  // The W4A8 kernels run a projection of this many rows (the option, an sm_90a
-  // build and device, 64-row tiles, an even number of sub-blocks a row, 16-byte
-  // aligned weights for the copy engine).
+  // The W4A8 kernels can run a projection of this many rows (an sm_90a build and device, 64-row tiles, an even number
+  // of sub-blocks a row, 16-byte aligned weights for the copy engine).
   bool w8(int rows, const W4Args& a) const {
-    return opt.fused_w4a8 && rows % 64 == 0 && a.nsub % 2 == 0 && Fp8GroupedGemm::supported() && aligned16(a.blocks) &&
+    return rows % 64 == 0 && a.nsub % 2 == 0 && Fp8GroupedGemm::supported() && aligned16(a.blocks) &&
            aligned16(a.scales);
   }
 
@@ -1318,8 +1318,8 @@ struct MoeLayer::Impl {
 
   // One projection of the fused path, K split ks.
   template <bool G>
-  void launch_w4(int ks, bool pdl, int rows, unsigned max_active, cudaStream_t st, const W4Args& a) {
-    if (w8(rows, a)) {  // two warpgroups a block: two 64-row tiles, or one split over K
+  void launch_w4(int ks, bool pdl, bool w4a8, int rows, unsigned max_active, cudaStream_t st, const W4Args& a) {
+    if (w4a8 && w8(rows, a)) {  // two warpgroups a block: two 64-row tiles, or one split over K
       CUtensorMap map;
       const cuuint64_t dims[2] = {cuuint64_t(a.nsub) * 16, cuuint64_t(s.n_experts) * rows};
       const cuuint64_t strides[1] = {cuuint64_t(a.nsub) * 16};

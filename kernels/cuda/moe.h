@@ -51,10 +51,14 @@ struct MoeOptions {
   // One token on the per-projection fused kernels: they read the router's ids
   // themselves and gate_up converts the input (no routing launch).
   bool fused_one_token_direct = true;
-  // Fused kernels with E4M3 activations (1x128 scales) on FP8 wgmma, weights
-  // streamed into shared memory by the copy engine (sm_90a; projections of a
-  // multiple of 64 rows; elsewhere the W4A16 kernels run).
-  bool fused_w4a8 = false;
+  // Fused kernels with E4M3 activations (1x128 scales, as the FP8 path) on FP8
+  // wgmma, the weights streamed into shared memory by the copy engine, while
+  // tokens * topk / n_experts <= fused_w4a8_max_tokens_per_expert (they take 8
+  // tokens of an expert per pass over its weights, the W4A16 kernels 16).
+  // sm_90a, projections of a multiple of 64 rows and an even number of
+  // 32-element sub-blocks a row; elsewhere the W4A16 kernels run.
+  bool fused_w4a8 = true;
+  double fused_w4a8_max_tokens_per_expert = 4.0;
   // Grouped FP8 GEMM blocks (0: one per SM); fewer leave SMs to the next tile's
   // weight folding, which runs concurrently on the aux stream.
   int fp8_grouped_blocks = 0;

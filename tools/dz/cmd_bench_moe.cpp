@@ -36,10 +36,11 @@ namespace {
 const char* kUsage =
     "usage: dz bench moe [--tokens 1,8,64,128,256,384,512,1024,2048,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
     "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
-    "                    [--no-components]\n"
+    "                    [--no-components] [--no-w4a8]\n"
     "                    [--fp8-gemm auto|cublaslt|grouped|grouped_ws|LIST] [--grouped-blocks N]\n"
     "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
-    "MXFP4 MoE layer on the GPU: fused W4A16 vs FP8 (fold + FP8 GEMMs) paths, JSON results.\n"
+    "MXFP4 MoE layer on the GPU: fused (W4A8 / W4A16 kernels) vs FP8 (fold + FP8 GEMMs) paths, JSON results.\n"
+    "--no-w4a8: the fused path on its W4A16 kernels only (the W4A8 kernels stay timed as variants).\n"
     "--fp8-gemm: the FP8 path's GEMMs, per-expert cuBLASLt, our grouped kernel (folding the\n"
     "MXFP4 experts itself; grouped_ws: on experts folded into the FP8 workspace first) or auto\n"
     "(the library's default: grouped up to 256 tokens per expert); of a comma list the first\n"
@@ -130,7 +131,7 @@ int bench_moe(const Args& a) {
   reject_unknown(a,
                  {"--tokens", "--reps", "--experts", "--topk", "--hidden", "--intermediate", "--threshold", "--tile",
                   "--gemm-streams", "--no-components", "--bw-ceiling", "--fp8-ceiling", "--fp8-gemm",
-                  "--grouped-blocks", "--dump", "--out", "--help"},
+                  "--grouped-blocks", "--no-w4a8", "--dump", "--out", "--help"},
                  "bench moe");
   const std::vector<int> tokens = parse_list(flag_value(a, "--tokens", "1,8,64,128,256,384,512,1024,2048,4096,16384"));
   const int reps = std::stoi(flag_value(a, "--reps", "20"));
@@ -144,6 +145,7 @@ int bench_moe(const Args& a) {
       std::stod(flag_value(a, "--threshold", std::to_string(opt.fused_max_tokens_per_expert)));
   auto int_flag = [&](const char* flag, int dflt) { return std::stoi(flag_value(a, flag, std::to_string(dflt))); };
   opt.tile_experts = int_flag("--tile", opt.tile_experts);
+  if (has_flag(a, "--no-w4a8")) opt.fused_w4a8 = false;  // the fused path's default: W4A16 kernels only
   opt.gemm_streams = int_flag("--gemm-streams", opt.gemm_streams);
   std::vector<std::string> fp8_gemms;
   {
@@ -386,11 +388,15 @@ int bench_moe(const Args& a) {
       // Fused path: one CUDA graph per routing set (thread-local capture), for
       // each variant (K split over 1, 4 or 8 warps; programmatic dependent
       // launch on/off); the default options are what "fused_ms" reports.
-      auto time_fused = [&](int ks, bool pdl, bool direct = true, bool w4a8 = false) {
-        layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
-        layer.options().fused_w4a8 = w4a8;
-        layer.options().fused_k_split = ks;
-        layer.options().pdl = pdl;
+      // W4A8 variants run at every size; defaults: the options as given.
+      auto time_fused = [&](int ks, bool pdl, bool direct = true, bool w4a8 = false, bool defaults = false) {
+        if (!defaults) {
+          layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
+          layer.options().fused_w4a8 = w4a8;
+          layer.options().fused_w4a8_max_tokens_per_expert = 1e9;
+          layer.options().fused_k_split = ks;
+          layer.options().pdl = pdl;
+        }
         std::vector<cudaGraphExec_t> graphs(kSets);
         for (int s = 0; s < kSets; ++s) {
           layer.forward(W, x.get(), ids[s].get(), gws[s].get(), T, out_f.get(), MoePath::kFused);  // warm
@@ -419,7 +425,7 @@ int bench_moe(const Args& a) {
         if (Fp8GroupedGemm::supported())
           for (int ks : {1, 4}) variants["w4a8_ks" + std::to_string(ks) + "_pdl"] = time_fused(ks, true, true, true);
       }
-      const double ms_fused = time_fused(opt.fused_k_split, opt.pdl, true, opt.fused_w4a8);
+      const double ms_fused = time_fused(0, false, true, false, true);
       std::vector<double> host;
       const double ms_fp8 = timer.median_ms(r, kSets, [&](int i) {
         const auto h0 = std::chrono::steady_clock::now();
