@@ -221,6 +221,14 @@ MoeCase make_moe(int E, int topk, int H, int I, int T, std::mt19937& rng, int s_
   }
   return c;
 }
+// Small test layers: the fused path up to 8 tokens per expert, FP8 workspace
+// tiles of 3 experts, and the fused path on its W4A16 kernels (fp16
+// activations: the tight bounds).
+MoeOptions w4a16_options() {
+  MoeOptions o{8.0, 3};
+  o.fused_w4a8 = false;
+  return o;
+}
 // Every value finite (checked), and the diff metric against ref.
 double finite_diff(const std::vector<float>& got, const std::vector<double>& ref) {
   const std::vector<double> g(got.begin(), got.end());
@@ -268,7 +276,7 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
   for (int T : {1, 5, 40, 1100}) {
     MoeCase c = make_moe(8, 4, 320, 192, T, rng);
     INFO("T = " << T);
-    MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, std::max(64, T), MoeOptions{8.0, 3});
+    MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, std::max(64, T), w4a16_options());
     Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
     Dev<uint16_t> b1(c.b1), b2(c.b2);
     Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
@@ -346,7 +354,7 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
       }
     // One token reads the router's ids directly (no routing launch): the same bits as through the routing kernel.
     if (T == 1) {
-      layer.options() = MoeOptions{8.0, 3};
+      layer.options() = w4a16_options();
       layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFused);
       ctx.sync();
       const auto direct = out.get();
@@ -356,7 +364,7 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
       ctx.sync();
       CHECK(std::memcmp(out.get().data(), direct.data(), direct.size() * sizeof(float)) == 0);
     }
-    layer.options() = MoeOptions{8.0, 3};
+    layer.options() = w4a16_options();
     CHECK(layer.take_error() == 0);
   }
   // An out-of-range expert id is flagged, not a crash, and the other slots still count: one token (no routing
@@ -481,6 +489,7 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
       INFO((w4a8 ? "W4A8" : "W4A16"));
       layer.options() = MoeOptions{8.0, 3};
       layer.options().fused_w4a8 = w4a8;
+      layer.options().fused_w4a8_max_tokens_per_expert = 1e9;  // also crowded experts: several passes
       const auto got = run(false);
       const double d = finite_diff(got, ref);
       INFO("diff " << d);
@@ -522,7 +531,9 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
       ctx.sync();
       const auto got = out.get();
       const std::vector<double> g(got.begin(), got.begin() + T * c.H), r(ref.begin(), ref.begin() + T * c.H);
-      CHECK(diff_metric(g, r) < 2e-4);
+      // Up to 4 tokens per expert the W4A8 kernels run (E4M3 activations), above them W4A16.
+      const bool w4a8 = Fp8GroupedGemm::supported() && T * c.topk <= 4 * c.E;
+      CHECK(diff_metric(g, r) < (w4a8 ? 3e-3 : 2e-4));
     }
     CHECK(layer.take_error() == 0);
     {  // accumulate: out += the layer (the residual stream)
