@@ -126,7 +126,9 @@ typedef enum dz_device {
 typedef enum dz_expert_precision {
   DZ_EXPERTS_AUTO = 0,   /* checkpoint precision; CUDA: FP4->FP8 pipeline */
   DZ_EXPERTS_NATIVE = 1, /* decode checkpoint precision exactly (reference) */
-  DZ_EXPERTS_FP8 = 2,    /* MXFP4 folded to FP8 E4M3, one scale per 1x128 */
+  DZ_EXPERTS_FP8 = 2,    /* E4M3 arithmetic at every batch size: weights
+                            exact in E4M3, activations E4M3 with one scale
+                            per 1x128 (CUDA: the fastest decode) */
   DZ_EXPERTS_BF16 = 3    /* dequantised to BF16 (precision comparisons) */
 } dz_expert_precision;
 

@@ -56,9 +56,15 @@ struct MoeOptions {
   // tokens * topk / n_experts <= fused_w4a8_max_tokens_per_expert (they take 8
   // tokens of an expert per pass over its weights, the W4A16 kernels 16).
   // sm_90a, projections of a multiple of 64 rows and an even number of
-  // 32-element sub-blocks a row; elsewhere the W4A16 kernels run.
-  bool fused_w4a8 = true;
-  double fused_w4a8_max_tokens_per_expert = 4.0;
+  // 32-element sub-blocks a row; elsewhere the W4A16 kernels run. Off by
+  // default: E4M3 activations cost accuracy (gpt-oss fixtures: min logits
+  // cosine 0.9964 vs 0.99999 with fp16 activations), so the models use them
+  // for DZ_EXPERTS_FP8 only. H200, gpt-oss-120b shapes
+  // (bench/results/2026-12-01-h200-run16.md): 1 / 8 / 64 / 128 / 256 tokens
+  // 37.6 / 159 / 603 / 793 / 1238 us vs W4A16 38.4 / 186 / 639 / 745 / 1112,
+  // FP8 path 120 / 407 / 1303 / 1430 / 1551.
+  bool fused_w4a8 = false;
+  double fused_w4a8_max_tokens_per_expert = 2.0;
   // Grouped FP8 GEMM blocks (0: one per SM); fewer leave SMs to the next tile's
   // weight folding, which runs concurrently on the aux stream.
   int fp8_grouped_blocks = 0;

@@ -230,6 +230,7 @@ class GptOssCuda final : public Family, private GptOssDesc {
 
   int dev_ = 0;
   cuda::MoePath path_ = cuda::MoePath::kAuto;
+  bool fp8_experts_ = false;  // DZ_EXPERTS_FP8
   int exact_moe_layers_ = 0;  // AUTO: first and last layers kept on the exact (fused MXFP4) path
   uint64_t device_bytes_ = 0;
   std::unique_ptr<cuda::Context> ctx_;
@@ -302,9 +303,10 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
       break;
     case DZ_EXPERTS_NATIVE:
       path_ = cuda::MoePath::kFused;
-      break;  // MXFP4 decoded in registers
-    case DZ_EXPERTS_FP8:
-      path_ = cuda::MoePath::kFp8;
+      break;              // MXFP4 decoded in registers
+    case DZ_EXPERTS_FP8:  // E4M3 arithmetic at every size: fused W4A8 kernels, FP8 GEMMs above 8 tokens an expert
+      path_ = cuda::MoePath::kAuto;
+      fp8_experts_ = true;
       break;
     default:
       fail(DZ_ERR_UNSUPPORTED, "gpt_oss CUDA: dz_expert_precision ", int(params.experts),
@@ -341,6 +343,11 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   ms.hidden = int(H);
   ms.intermediate = int(I);
   moe_ = std::make_unique<cuda::MoeLayer>(*ctx_, ms, kMaxRows);
+  if (fp8_experts_) {  // W4A8 faster than the FP8 GEMM path up to 8 tokens an expert (H200, run 16)
+    cuda::MoeOptions& o = moe_->options();
+    o.fused_w4a8 = true;
+    o.fused_max_tokens_per_expert = o.fused_w4a8_max_tokens_per_expert = 8.0;
+  }
 
   embed_d_ = upload_bf16({&embed_}, "embed_tokens");
   lm_head_d_ = lm_head_.data == embed_.data ? DeviceArray<uint16_t>() : upload_bf16({&lm_head_}, "lm_head");
@@ -703,7 +710,7 @@ void GptOssCuda::enqueue(const PassArgs& p, const ForwardOptions* abort_between)
     mw.w2_blocks = L.w2b.get();
     mw.w2_scales = L.w2s.get();
     mw.b2 = L.b2.get();
-    const bool exact = li < exact_moe_layers_ || li >= n_layers_ - exact_moe_layers_;
+    const bool exact = !fp8_experts_ && (li < exact_moe_layers_ || li >= n_layers_ - exact_moe_layers_);
     const cuda::MoePath lp = path_ == cuda::MoePath::kAuto && exact ? cuda::MoePath::kFused : path_;
     moe_->forward(mw, xn_.get(), ids_.get(), gw_.get(), T, x, lp, true);  // x += experts(xn)
   }

@@ -37,7 +37,7 @@ using Clock = std::chrono::steady_clock;
 
 const char* kUsage =
     "usage: dz bench model (--make-random DIR | --model DIR) [--device cuda|cpu|auto] [--prefill N]\n"
-    "                      [--ctx N] [--steps N] [--batch N] [--out FILE.json]\n"
+    "                      [--ctx N] [--steps N] [--batch N] [--experts auto|native|fp8] [--out FILE.json]\n"
     "  --make-random DIR  write a gpt-oss-20b-shaped random checkpoint (~13 GB) into DIR first\n"
     "  --layers N         layers of the random checkpoint (default 24)\n"
     "  --prefill N        prefill tokens (default 4096)\n"
@@ -45,7 +45,8 @@ const char* kUsage =
     "  --long-ctx N       long context before the decode steps (default 4096; 0: skip)\n"
     "  --steps N          decode steps timed (default 32)\n"
     "  --batch N          sessions of the batched decode (default 64)\n"
-    "  --no-eager         skip the decode runs without CUDA graphs (DZ_CUDA_GRAPHS=0)\n";
+    "  --no-eager         skip the decode runs without CUDA graphs (DZ_CUDA_GRAPHS=0)\n"
+    "  --experts MODE     expert precision (dz_expert_precision; default auto; fp8: E4M3 arithmetic)\n";
 
 uint64_t mix(uint64_t x) {  // splitmix64
   x += 0x9e3779b97f4a7c15ull;
@@ -207,8 +208,8 @@ void write_checkpoint(const std::string& dir, int layers) {
     check(fd >= 0, DZ_ERR_IO, "cannot create ", path);
     fds.push_back(fd);
     const uint64_t hl = h.size();
-    check(::pwrite(fd, &hl, 8, 0) == 8 && ::pwrite(fd, h.data(), h.size(), 8) == ssize_t(h.size()), DZ_ERR_IO,
-          "write ", path);
+    check(::pwrite(fd, &hl, 8, 0) == 8 && ::pwrite(fd, h.data(), h.size(), 8) == ssize_t(h.size()), DZ_ERR_IO, "write ",
+          path);
     size_t base = 8 + h.size(), to = 0;
     for (const TensorSpec& t : shards[si]) {
       for (size_t o = 0; o < t.bytes(); o += size_t(32) << 20)
@@ -255,8 +256,9 @@ int bench_model(const Args& a) {
     std::printf("%s", kUsage);
     return 0;
   }
-  reject_unknown(a, {"--make-random", "--model", "--device", "--prefill", "--ctx", "--long-ctx", "--steps", "--batch",
-                     "--out", "--layers", "--no-eager"},
+  reject_unknown(a,
+                 {"--make-random", "--model", "--device", "--prefill", "--ctx", "--long-ctx", "--steps", "--batch",
+                  "--out", "--layers", "--no-eager", "--experts"},
                  "bench model");
   try {
     const std::string mk = flag_value(a, "--make-random"), dir = mk.empty() ? flag_value(a, "--model") : mk;
@@ -280,6 +282,13 @@ int bench_model(const Args& a) {
     dz_model_params_init(&mp);
     const std::string dev = flag_value(a, "--device", "cuda");
     mp.device = dev == "cpu" ? DZ_DEVICE_CPU : dev == "auto" ? DZ_DEVICE_AUTO : DZ_DEVICE_CUDA;
+    const std::string ex = flag_value(a, "--experts", "auto");
+    if (ex != "auto" && ex != "native" && ex != "fp8") {
+      std::fprintf(stderr, "dz bench model: --experts takes auto, native or fp8, not '%s'\n", ex.c_str());
+      return 2;
+    }
+    mp.experts = ex == "fp8" ? DZ_EXPERTS_FP8 : ex == "native" ? DZ_EXPERTS_NATIVE : DZ_EXPERTS_AUTO;
+    r["experts"] = ex;
     dz_model* m = nullptr;
     auto t0 = Clock::now();
     ok(dz_model_open(dir.c_str(), &mp, &m), "dz_model_open");
@@ -290,8 +299,8 @@ int bench_model(const Args& a) {
     r["device"] = info.device == DZ_DEVICE_CUDA ? "cuda" : "cpu";
     r["checkpoint_bytes"] = info.weight_bytes;
     r["device_weight_bytes"] = info.device_bytes;
-    r["shape"] = {{"layers", info.n_layers}, {"hidden", info.hidden_size}, {"heads", info.n_heads},
-                  {"kv_heads", info.n_kv_heads}, {"experts", info.n_experts}, {"top_k", info.n_experts_active},
+    r["shape"] = {{"layers", info.n_layers},     {"hidden", info.hidden_size}, {"heads", info.n_heads},
+                  {"kv_heads", info.n_kv_heads}, {"experts", info.n_experts},  {"top_k", info.n_experts_active},
                   {"vocab", info.n_vocab}};
     std::fprintf(stderr, "loaded in %.2f s: %.2f GB on the device (checkpoint %.2f GB)\n", secs(t0),
                  info.device_bytes / 1e9, info.weight_bytes / 1e9);
@@ -407,11 +416,12 @@ int bench_model(const Args& a) {
                   {"floor_tokens_per_s", b / fl * 1e3},
                   {"graphs_over_floor", tm.graphs_ms / fl}};
         if (eager) e["eager_ms_per_step"] = tm.eager_ms, e["eager_tokens_per_s"] = b / tm.eager_ms * 1e3;
-        std::fprintf(stderr, "decode batch %d ctx %d: %.3f ms/step with CUDA graphs (%.0f tokens/s), %s%.3f eager; floor %.3f ms\n",
-                     b, c, tm.graphs_ms, b / tm.graphs_ms * 1e3, eager ? "" : "(skipped) ", tm.eager_ms, fl);
+        std::fprintf(
+            stderr,
+            "decode batch %d ctx %d: %.3f ms/step with CUDA graphs (%.0f tokens/s), %s%.3f eager; floor %.3f ms\n", b,
+            c, tm.graphs_ms, b / tm.graphs_ms * 1e3, eager ? "" : "(skipped) ", tm.eager_ms, fl);
         runs.push_back(e);
-        if (b == 1 && c == ctx)
-          r["decode_batch1"] = {{"ctx", c}, {"ms_per_token", tm.graphs_ms}, {"floor_ms", fl}};
+        if (b == 1 && c == ctx) r["decode_batch1"] = {{"ctx", c}, {"ms_per_token", tm.graphs_ms}, {"floor_ms", fl}};
         if (b == 1 && c == long_ctx)
           r["decode_batch1_long"] = {{"ctx", c}, {"ms_per_token", tm.graphs_ms}, {"floor_ms", fl}};
         if (b == batch && b != 1 && c == ctx)
