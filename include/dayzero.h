@@ -128,7 +128,7 @@ typedef enum dz_expert_precision {
   DZ_EXPERTS_NATIVE = 1, /* decode checkpoint precision exactly (reference) */
   DZ_EXPERTS_FP8 = 2,    /* E4M3 arithmetic at every batch size: weights
                             exact in E4M3, activations E4M3 with one scale
-                            per 1x128 (CUDA: the fastest decode) */
+                            per 1x128 */
   DZ_EXPERTS_BF16 = 3    /* dequantised to BF16 (precision comparisons) */
 } dz_expert_precision;
 
