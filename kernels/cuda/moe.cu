@@ -1143,6 +1143,7 @@ struct MoeLayer::Impl {
   // the FP8 expert workspace: 2 tiles x tile_experts x (w1 + w2)
   DeviceArray<uint8_t> ws_fp8;
   DeviceArray<float> ws_scales;
+  bool w8_fits = false;     // the W4A8 kernels can run here (device, build, shared memory)
   int tile_cap = 0;         // experts per workspace tile it was sized for
   int* h_counts = nullptr;  // pinned: counts[E], offsets[E+1]
   cudaEvent_t ev_ready[2]{}, ev_free[2]{};
@@ -1211,10 +1212,17 @@ struct MoeLayer::Impl {
         for (auto k : {w4_fn<true, false>(ks, nt), w4_fn<true, true>(ks, nt), w4_fn<false, false>(ks, nt),
                        w4_fn<false, true>(ks, nt)})
           DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    // The W4A8 kernels: sm_90a only, and where their shared memory fits a block.
     const int smem8 = std::max(w8_smem(H / 32, int(kph)).total, w8_smem(I / 32, int(kpi)).total);
-    for (int ks : {1, 2})
-      for (auto k : {w8_fn<true, false>(ks), w8_fn<true, true>(ks), w8_fn<false, false>(ks), w8_fn<false, true>(ks)})
-        DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem8));
+    int optin = 0, dev = 0;
+    DZ_CUDA_CHECK(cudaGetDevice(&dev));
+    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    w8_fits = Fp8GroupedGemm::supported() && smem8 <= optin;
+    if (w8_fits) {
+      for (int ks : {1, 2})
+        for (auto k : {w8_fn<true, false>(ks), w8_fn<true, true>(ks), w8_fn<false, false>(ks), w8_fn<false, true>(ks)})
+          DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem8));
+    }
     DZ_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
   }
 
@@ -1306,8 +1314,7 @@ struct MoeLayer::Impl {
   // The W4A8 kernels can run a projection of this many rows (an sm_90a build and device, 64-row tiles, an even number
   // of sub-blocks a row, 16-byte aligned weights for the copy engine).
   bool w8(int rows, const W4Args& a) const {
-    return rows % 64 == 0 && a.nsub % 2 == 0 && Fp8GroupedGemm::supported() && aligned16(a.blocks) &&
-           aligned16(a.scales);
+    return rows % 64 == 0 && a.nsub % 2 == 0 && w8_fits && aligned16(a.blocks) && aligned16(a.scales);
   }
 
   static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
