@@ -36,11 +36,12 @@ namespace {
 const char* kUsage =
     "usage: dz bench moe [--tokens 1,8,64,128,256,384,512,1024,2048,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
     "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
-    "                    [--no-components] [--no-w4a8]\n"
+    "                    [--no-components] [--w4a8]\n"
     "                    [--fp8-gemm auto|cublaslt|grouped|grouped_ws|LIST] [--grouped-blocks N]\n"
     "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
     "MXFP4 MoE layer on the GPU: fused (W4A8 / W4A16 kernels) vs FP8 (fold + FP8 GEMMs) paths, JSON results.\n"
-    "--no-w4a8: the fused path on its W4A16 kernels only (the W4A8 kernels stay timed as variants).\n"
+    "--w4a8: the fused path's default with the W4A8 kernels on (as DZ_EXPERTS_FP8); either way both\n"
+    "kernel families are timed as variants at every size.\n"
     "--fp8-gemm: the FP8 path's GEMMs, per-expert cuBLASLt, our grouped kernel (folding the\n"
     "MXFP4 experts itself; grouped_ws: on experts folded into the FP8 workspace first) or auto\n"
     "(the library's default: grouped up to 256 tokens per expert); of a comma list the first\n"
@@ -131,7 +132,7 @@ int bench_moe(const Args& a) {
   reject_unknown(a,
                  {"--tokens", "--reps", "--experts", "--topk", "--hidden", "--intermediate", "--threshold", "--tile",
                   "--gemm-streams", "--no-components", "--bw-ceiling", "--fp8-ceiling", "--fp8-gemm",
-                  "--grouped-blocks", "--no-w4a8", "--dump", "--out", "--help"},
+                  "--grouped-blocks", "--w4a8", "--dump", "--out", "--help"},
                  "bench moe");
   const std::vector<int> tokens = parse_list(flag_value(a, "--tokens", "1,8,64,128,256,384,512,1024,2048,4096,16384"));
   const int reps = std::stoi(flag_value(a, "--reps", "20"));
@@ -145,7 +146,7 @@ int bench_moe(const Args& a) {
       std::stod(flag_value(a, "--threshold", std::to_string(opt.fused_max_tokens_per_expert)));
   auto int_flag = [&](const char* flag, int dflt) { return std::stoi(flag_value(a, flag, std::to_string(dflt))); };
   opt.tile_experts = int_flag("--tile", opt.tile_experts);
-  if (has_flag(a, "--no-w4a8")) opt.fused_w4a8 = false;  // the fused path's default: W4A16 kernels only
+  if (has_flag(a, "--w4a8")) opt.fused_w4a8 = true;  // the fused path's default with W4A8 (off unless asked)
   opt.gemm_streams = int_flag("--gemm-streams", opt.gemm_streams);
   std::vector<std::string> fp8_gemms;
   {
