@@ -107,8 +107,7 @@ __device__ __forceinline__ uint64_t global_ns() {
 template <bool kDebug>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, const char* what, int stage) {
   if constexpr (!kDebug) {
-    while (!mbar_try_wait(bar, parity)) {
-    }
+    ptx::mbar_wait(bar, parity);
   } else {
     const uint64_t t0 = global_ns();
     while (!mbar_try_wait(bar, parity)) {
@@ -143,9 +142,9 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
   return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+using ptx::wgmma_commit;
+using ptx::wgmma_fence;
+using ptx::wgmma_wait0;
 
 // Keeps the compiler from moving accesses of d across the asynchronous MMA.
 __device__ __forceinline__ void fence_regs(float (&d)[64]) {

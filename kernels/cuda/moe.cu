@@ -686,10 +686,6 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
   return v;
 }
-__device__ __forceinline__ void mbar_wait_spin(uint32_t bar, uint32_t parity) {
-  while (!ptx::mbar_try_wait(bar, parity)) {
-  }
-}
 #endif
 
 template <bool kGateUp, int kKS, bool kPdl>
@@ -740,7 +736,7 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
           for (int w = 0; w < kW8Consumers; ++w) {
             if (j >= s_len(w)) continue;
             const int st = n[w] % kW8Stages, ph = (n[w] / kW8Stages) & 1;
-            mbar_wait_spin(empty(w, st), ph ^ 1);
+            ptx::mbar_wait(empty(w, st), ph ^ 1);
             ptx::mbar_arrive_expect_tx(full(w, st), kW8StageBytes);
             ptx::tma_2d(base + (w * kW8Stages + st) * kW8StageBytes, &wmap, full(w, st), (s_begin(w) + j) * 128,
                         e * a.rows + tile0(w));
@@ -799,7 +795,7 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
           if (2 * t + j < m) tok_scale[j] = a.act_scale[a.sorted[seg + base_t + 2 * t + j] / a.topk];
     }
     ptx::named_sync(1, 128 * kW8Consumers);
-    if (len > 0 && base_t == 0) mbar_wait_spin(sbar(wg), 0);
+    if (len > 0 && base_t == 0) ptx::mbar_wait(sbar(wg), 0);
 
     // The stage's two chunks: fragments decoded from the box's words, eight
     // MMAs under one wait, then the sub-block and activation scales. guard:
@@ -825,15 +821,15 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
         // past K has zero weights (the copy engine's fill) and reads the
         // stage's first chunk of activations, giving exact zeros, unused.
         float q[2][4][4];
-        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        ptx::wgmma_fence();
 #pragma unroll
         for (int cc = 0; cc < 2; ++cc)
 #pragma unroll
           for (int b = 0; b < 4; ++b)
             wgmma_rs_m64n8k32(q[cc][b], af[cc][b][0], af[cc][b][1], af[cc][b][2], af[cc][b][3],
                               desc0 + uint64_t((4 * (cc < nc ? c0 + cc : c0) + b) * (kW8SubBytes >> 4)));
-        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        ptx::wgmma_commit();
+        ptx::wgmma_wait0();
 #pragma unroll
         for (int cc = 0; cc < 2; ++cc) {
           if (cc >= nc) break;
@@ -867,7 +863,7 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
     const int full_chunks = a.nsub / 4;  // chunks wholly inside K
     for (int j = 0; j < len; ++j, ++n) {
       const int st = n % kW8Stages, c0 = 2 * (sb0 + j);
-      mbar_wait_spin(full(wg, st), (n / kW8Stages) & 1);
+      ptx::mbar_wait(full(wg, st), (n / kW8Stages) & 1);
       const uint32_t box = base + (wg * kW8Stages + st) * kW8StageBytes;
       auto release = [&] {  // this warp is done with the box
         __syncwarp();
