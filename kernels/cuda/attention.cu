@@ -134,11 +134,12 @@ __device__ __forceinline__ size_t partial_off(int i, int h, int c, int n_heads, 
 // Blocks a multiprocessor: head_dim 64 keeps the five it had before the
 // register prefetch (48 registers, no spills).
 template <int D>
-__global__ void __launch_bounds__(kSplitThreads, D == 128 ? 2 : D == 64 ? 5 : 3)
+__global__ void __launch_bounds__(kSplitThreads, D == 128  ? 2
+                                                 : D == 64 ? 5
+                                                           : 3)
     split_kernel(AttnBatch a, const int32_t* __restrict__ rows, int splits, int min_chunk, int max_splits,
                  float* __restrict__ part, int* __restrict__ tickets) {
   constexpr int PER = D / 32, KP = D + 4;
-  pdl_wait();
   const int i = blockIdx.x, r = rows[i];
   const int item = a.row_item[r], pos = a.row_pos[r], lo = row_lo(a, pos), len = pos - lo + 1;
   const int chunk = chunk_keys(len, min_chunk, max_splits, splits);
@@ -157,8 +158,6 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 2 : D == 64 ? 5 : 3)
   __shared__ __align__(16) float qs[kSplitHeads][D];
   __shared__ int ticket;
   const float sl2 = a.scale * kLog2e;
-  if (head_ok)
-    for (int d = lane; d < D; d += 32) qs[warp][d] = a.q[size_t(r) * a.q_stride + h * D + d] * sl2;
   float m = -INFINITY, l = 0, acc[PER];
 #pragma unroll
   for (int k = 0; k < PER; ++k) acc[k] = 0;
@@ -179,7 +178,15 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 2 : D == 64 ? 5 : 3)
       }
     }
   };
+  // Rows, page tables and the keys before pos were written before the previous
+  // kernel (which stores key pos and q): the first tile's loads go out first.
+  const bool early = j_begin + kSplitKeys <= pos;
+  if (!early) pdl_wait();
   load_tile(j_begin);
+  if (early) pdl_wait();
+  pdl_trigger();
+  if (head_ok)
+    for (int d = lane; d < D; d += 32) qs[warp][d] = a.q[size_t(r) * a.q_stride + h * D + d] * sl2;
   for (int j0 = j_begin; j0 <= j_end; j0 += kSplitKeys) {
     const int nv = min(kSplitKeys, j_end - j0 + 1);
     __syncthreads();  // previous tile consumed (and qs written, first time)

@@ -24,7 +24,7 @@ struct AttnBatch {
   const float* sinks = nullptr;  // [n_heads], fp32
   const float* q = nullptr;      // row r, head h at q + r * q_stride + h * head_dim
   int q_stride = 0;
-  uint16_t* out = nullptr;  // bf16 [R][n_heads * head_dim]
+  uint16_t* out = nullptr;   // bf16 [R][n_heads * head_dim]
   float* out_f32 = nullptr;  // decode kernels only: when set, fp32 output here instead of out (tests)
 };
 
@@ -43,6 +43,9 @@ void attention_decode(const AttnBatch& a, const int32_t* rows, int n_rows, cudaS
 // not depend on the batch or on the grid (`splits` blocks per row; those past
 // the row's chunk count exit), which is what lets a CUDA graph captured for
 // `splits` serve every row that needs at most that many chunks.
+// Launched as a programmatic dependent of the previous kernel (PDL), it reads
+// rows, row metadata, page tables and the keys before each row's position
+// before waiting for that kernel: only q and key pos may come from it.
 struct DecodeSplitPolicy {
   int min_chunk = 64;   // keys per chunk at least (multiple of 32)
   int max_splits = 64;  // chunks per row at most: longer rows get chunks of min_chunk * 2^k
@@ -65,8 +68,8 @@ struct DecodeScratch {
 };
 size_t decode_partial_floats(int n_rows, int n_heads, int head_dim, int splits);
 size_t decode_ticket_ints(int n_rows, int n_heads, int n_kv_heads);
-void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows, int splits,
-                            const DecodeSplitPolicy& p, const DecodeScratch& scratch, cudaStream_t s);
+void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows, int splits, const DecodeSplitPolicy& p,
+                            const DecodeScratch& scratch, cudaStream_t s);
 
 // Tiles of consecutive rows of one sequence (prefill): one block per (tile,
 // KV head), one thread per (row, head of the group), keys staged in shared

@@ -10,9 +10,9 @@
 // cuBLASLt's kernels for these shapes reached ~1.8 TB/s on an H200 (split-K
 // plus a reduce kernel, bench/results/2026-12-01-h200-run6.md).
 //
-// A block owns 16 rows of W and splits K over its 8 warps; each lane streams
-// 16 bytes of two rows per 32-wide K chunk, kRing chunks in flight in
-// registers. The K order inside a chunk is permuted identically for W and X
+// A block owns 16 rows of W and splits K over its 8 warps, chunk by chunk;
+// each lane streams 16 bytes of two rows per 32-wide K chunk, kRing chunks in
+// flight in registers. The K order inside a chunk is permuted identically for W and X
 // (lane t's 8 consecutive elements feed MMA slots 2t, 2t+1, 2t+8, 2t+9 of two
 // m16n8k16 steps), so both operands load as plain 16-byte words. Partial sums
 // meet in shared memory in a fixed order (deterministic).
@@ -21,13 +21,17 @@ namespace dz::cuda {
 
 namespace {
 
-constexpr int kThreads = 256, kWarps = 8, kRing = 4;
+constexpr int kRing = 4;
+// Warps a block: 8, or 32 where the rows leave most multiprocessors idle (a
+// router's 32 rows: two blocks), so each warp's share of K is one ring's worth.
+constexpr int kWarpsWide = 8, kWarpsNarrow = 32, kNarrowMaxRows = 512;
 
 // X rows live in shared memory with a 16-byte pad per row (rows k * 2 bytes
 // apart would put all 8 tokens of a load on the same banks).
 __host__ __device__ inline int x_stride_u4(int k) { return k / 8 + 1; }
 
-__global__ void __launch_bounds__(kThreads)
+template <int kWarps>
+__global__ void __launch_bounds__(32 * kWarps)
     bf16_gemv_kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w, const float* __restrict__ bias,
                      float* d, int m, int n, int k, float beta) {
   extern __shared__ uint4 xs[];
@@ -35,8 +39,10 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * 16;
   const int rA = min(n0 + g, n - 1), rB = min(n0 + g + 8, n - 1);  // rows past n load a valid row, unused
-  const int nchunk = k / 32, per = (nchunk + kWarps - 1) / kWarps;
-  const int c_begin = min(nchunk, warp * per), c_end = min(nchunk, c_begin + per);
+  // Warp w takes chunks w, w + kWarps, ...: at each ring step the block's
+  // warps read neighbouring chunks, so every row streams front to back.
+  const int nchunk = k / 32, nloc = (nchunk - warp + kWarps - 1) / kWarps;
+  auto chunk = [&](int j) { return warp + j * kWarps; };
   const uint4* wA = reinterpret_cast<const uint4*>(w + int64_t(rA) * k) + t;
   const uint4* wB = reinterpret_cast<const uint4*>(w + int64_t(rB) * k) + t;
 
@@ -44,11 +50,11 @@ __global__ void __launch_bounds__(kThreads)
   uint4 ra[kRing], rb[kRing];
 #pragma unroll
   for (int p = 0; p < kRing; ++p)
-    if (c_begin + p < c_end)
-      ra[p] = ptx::ldg_nc_v4(wA + (c_begin + p) * 4), rb[p] = ptx::ldg_nc_v4(wB + (c_begin + p) * 4);
+    if (p < nloc) ra[p] = ptx::ldg_nc_v4(wA + chunk(p) * 4), rb[p] = ptx::ldg_nc_v4(wB + chunk(p) * 4);
   pdl_wait();
+  pdl_trigger();
   const int xsu = x_stride_u4(k);
-  for (int i = threadIdx.x; i < m * (k / 8); i += kThreads) {
+  for (int i = threadIdx.x; i < m * (k / 8); i += 32 * kWarps) {
     const int r = i / (k / 8), q = i - r * (k / 8);
     xs[r * xsu + q] = reinterpret_cast<const uint4*>(x + int64_t(r) * k)[q];
   }
@@ -56,15 +62,16 @@ __global__ void __launch_bounds__(kThreads)
 
   const uint4* xr = xs + min(g, m - 1) * xsu + t;  // token g's X row (tokens past m read the last row, unused)
   float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int c0 = c_begin; c0 < c_end; c0 += kRing) {
+  for (int j0 = 0; j0 < nloc; j0 += kRing) {
 #pragma unroll
     for (int p = 0; p < kRing; ++p) {
-      const int c = c0 + p;
-      if (c >= c_end) break;
-      const uint4 xv = xr[c * 4];
+      const int j = j0 + p;
+      if (j >= nloc) break;
+      const uint4 xv = xr[chunk(j) * 4];
       ptx::mma_16816<true>(acc0, ra[p].x, rb[p].x, ra[p].y, rb[p].y, xv.x, xv.y);
       ptx::mma_16816<true>(acc1, ra[p].z, rb[p].z, ra[p].w, rb[p].w, xv.z, xv.w);
-      if (c + kRing < c_end) ra[p] = ptx::ldg_nc_v4(wA + (c + kRing) * 4), rb[p] = ptx::ldg_nc_v4(wB + (c + kRing) * 4);
+      if (j + kRing < nloc)
+        ra[p] = ptx::ldg_nc_v4(wA + chunk(j + kRing) * 4), rb[p] = ptx::ldg_nc_v4(wB + chunk(j + kRing) * 4);
     }
   }
   float acc[4];
@@ -102,13 +109,15 @@ bool bf16_gemv_fits(const uint16_t* x, const uint16_t* w, int m, int n, int k) {
 void bf16_gemv(const uint16_t* x, const uint16_t* w, const float* bias, float* d, int m, int n, int k, float beta,
                cudaStream_t s) {
   static const bool attr_set = [] {
-    DZ_CUDA_CHECK(
-        cudaFuncSetAttribute(bf16_gemv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBf16GemvMaxSmem)));
+    for (auto f : {bf16_gemv_kernel<kWarpsWide>, bf16_gemv_kernel<kWarpsNarrow>})
+      DZ_CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBf16GemvMaxSmem)));
     return true;
   }();
   (void)attr_set;
   const size_t smem = size_t(m) * x_stride_u4(k) * 16;
-  launch_pdl(bf16_gemv_kernel, dim3(unsigned((n + 15) / 16)), dim3(kThreads), smem, s, x, w, bias, d, m, n, k, beta);
+  const bool narrow = n <= kNarrowMaxRows;
+  launch_pdl(narrow ? bf16_gemv_kernel<kWarpsNarrow> : bf16_gemv_kernel<kWarpsWide>, dim3(unsigned((n + 15) / 16)),
+             dim3(32 * (narrow ? kWarpsNarrow : kWarpsWide)), smem, s, x, w, bias, d, m, n, k, beta);
 }
 
 }  // namespace dz::cuda

@@ -32,10 +32,6 @@ constexpr int kW4Tokens = 8;         // tokens per MMA tile (n = 8)
 constexpr int kW4MaxTokens = 16;     // tokens per weight pass of the per-projection kernels (two tiles)
 constexpr int kRouteConvertsX = 16;  // the routing block converts the input up to this many tokens
 
-// Programmatic dependent launch: wait for the previous kernel's results / let the next kernel start.
-__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-
 __device__ __forceinline__ float bf16_to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
 
 // 2^(s-127) for an E8M0 byte s in 0..254 (s = 0 is the fp32 subnormal 2^-127).
@@ -287,7 +283,7 @@ __device__ void x_to_half_row(const float* row, int H, int kpad, __half* out, fl
 }
 
 __global__ void __launch_bounds__(256) x_to_half_kernel(const float* x, int H, int kpad, __half* xh, float* xs) {
-  griddep_launch();  // dependents only read xh/xs after their griddepcontrol.wait
+  pdl_trigger();  // dependents only read xh/xs after their griddepcontrol.wait
   __shared__ float red[32];
   const int t = blockIdx.x;
   x_to_half_row(x + int64_t(t) * H, H, kpad, xh + int64_t(t) * kpad, xs + t, red);
@@ -421,7 +417,7 @@ __device__ __forceinline__ bool w4_item(const W4Args& a, int4& info) {
       if (!ok) atomicOr(a.err, 1);
     }
     if (!ok) {
-      if (kPdl) griddep_launch();
+      if (kPdl) pdl_trigger();
       return false;
     }
     info = make_int4(id, int(blockIdx.y) * kPadRows, 1, 0);
@@ -430,7 +426,7 @@ __device__ __forceinline__ bool w4_item(const W4Args& a, int4& info) {
   const int n_active = *a.n_active;
   info = a.active[min(blockIdx.y, unsigned(gridDim.y) - 1)];  // in parallel with n_active; stale past it
   if (blockIdx.y >= unsigned(n_active)) {
-    if (kPdl) griddep_launch();
+    if (kPdl) pdl_trigger();
     return false;
   }
   return true;
@@ -454,7 +450,7 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   constexpr int kRT = 8 / kKS, kRows = 16 * kRT, kRing = 3;
   extern __shared__ uint4 xs4[];
   __shared__ float4 red[kKS > 1 ? kKS - 1 : 1][kRT][32];
-  if (kPdl && kGateUp) griddep_wait();  // routing outputs
+  if (kPdl && kGateUp) pdl_wait(), pdl_trigger();  // routing outputs; the down kernel may start its weight loads
   int4 info;
   if (!w4_item<kGateUp, kPdl>(a, info)) return;
   const int e = info.x, seg = info.y, cnt = info.z;
@@ -470,9 +466,11 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   const uint8_t* sA = a.scales + rowA * a.nsub;
   const uint8_t* sB = a.scales + rowB * a.nsub;
   const int nchunk = a.kpad / 128, k8 = a.kpad / 8, NT = a.ntok;
-  const int per = (nchunk + kKS - 1) / kKS;
-  const int c_begin = min(nchunk, ks * per), c_end = min(nchunk, c_begin + per);
-  const bool has_work = wactive && c_begin < c_end;
+  // K slice ks: chunks ks, ks + kKS, ... (the slices' warps read neighbouring
+  // chunks at each ring step: every row streams front to back).
+  const int nloc = (nchunk - ks + kKS - 1) / kKS;
+  auto chunk = [&](int j) { return ks + j * kKS; };
+  const bool has_work = wactive && nloc > 0;
   // This lane's activation pieces of token tile n: xb[n][(c * 4 + i) * 4 * NT].
   const uint4* xb[kN];
 #pragma unroll
@@ -495,13 +493,13 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   auto prefetch = [&] {
 #pragma unroll
     for (int p = 0; p < kRing; ++p)
-      if (c_begin + p < c_end) load(c_begin + p, ra[p], rb[p], sa[p], sb[p]);
+      if (p < nloc) load(chunk(p), ra[p], rb[p], sa[p], sb[p]);
   };
   // The first weight loads go out before the activations are staged (and, for
   // a dependent down projection, before waiting for the gate_up kernel).
   if (has_work) prefetch();
   bool ready = true;
-  if (kPdl && !kGateUp) griddep_wait();
+  if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();
 
   for (int base = 0; base < cnt; base += NT) {
     const int m = min(NT, cnt - base);
@@ -544,15 +542,15 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
     if (has_work) {
       if (!ready) prefetch();
       ready = false;
-      for (int c0 = c_begin; c0 < c_end; c0 += kRing) {
+      for (int j0 = 0; j0 < nloc; j0 += kRing) {
 #pragma unroll
         for (int p = 0; p < kRing; ++p) {
-          const int c = c0 + p;
-          if (c >= c_end) break;
+          const int j = j0 + p, c = chunk(j);
+          if (j >= nloc) break;
           // Consumed in place, then refilled: no register copies of the slot.
           w4_chunk_n<kN>(
               ra[p], rb[p], sa[p], sb[p], [&](int i, int n) { return xb[n][(c * 4 + i) * 4 * NT]; }, acc);
-          if (c + kRing < c_end) load(c + kRing, ra[p], rb[p], sa[p], sb[p]);
+          if (j + kRing < nloc) load(chunk(j + kRing), ra[p], rb[p], sa[p], sb[p]);
         }
       }
     }
@@ -583,7 +581,6 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
         }
       }
   }
-  if (kPdl) griddep_launch();  // after this block's results are written
 }
 
 // The instantiated K splits of the fused kernels.
@@ -710,7 +707,7 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (kPdl && kGateUp) griddep_wait();  // routing outputs
+  if (kPdl && kGateUp) pdl_wait(), pdl_trigger();  // routing outputs; the down kernel may start its weight loads
   int4 info;
   if (!w4_item<kGateUp, kPdl>(a, info)) return;
   const int e = info.x, seg = info.y, cnt = info.z;
@@ -743,7 +740,7 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
             ++n[w];
           }
     }
-    if (kPdl) griddep_launch();
+    if (kPdl) pdl_trigger();
     return;
   }
 
@@ -756,7 +753,7 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
   const uint64_t desc0 = w8_desc(base + L.act);  // sub-block s: + s * 16 (its address in 16-byte units)
   const uint32_t xs0 = base + L.xs;
   float4* const red = reinterpret_cast<float4*>(sm + L.red);
-  if (kPdl && !kGateUp) griddep_wait();  // the SwiGLU rows
+  if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();  // the SwiGLU rows
   int n = 0;
   for (int base_t = 0; base_t < cnt; base_t += kW4Tokens) {
     const int m = min(kW4Tokens, cnt - base_t);
@@ -897,7 +894,6 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
       }
     }
   }
-  if (kPdl) griddep_launch();
 #endif
 }
 
@@ -1035,7 +1031,7 @@ __device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
 template <typename T, bool kBias, bool kPdl = false, bool kVec8 = false>
 __global__ void combine_kernel(const T* y, const int* inv, const int* ids, const float* gw, int topk,
                                const uint16_t* bias, int H, float* out, int accumulate) {
-  if (kPdl) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (kPdl) pdl_wait(), pdl_trigger();
   const int t = blockIdx.x;
   // The token's slots first (topk <= kMaxTopk: in registers), so that the expert
   // rows load together instead of one dependent pair of loads per slot.
@@ -1286,7 +1282,7 @@ struct MoeLayer::Impl {
     const int ks = w4_split(T);
     const bool two_tiles = ks == 1 && int64_t(T) * s.topk > int64_t(kW4Tokens) * E;
     a.ntok = std::min(T, two_tiles ? kW4MaxTokens : kW4Tokens);
-    const bool pdl = opt.pdl;
+    const bool pdl = opt.pdl && pdl_enabled();
     const bool w4a8 = opt.fused_w4a8 && double(T) * s.topk / E <= opt.fused_w4a8_max_tokens_per_expert;
     launch_w4<true>(ks, pdl, w4a8, 2 * I, max_active, st, a);
     // down

@@ -26,6 +26,7 @@ __global__ void __launch_bounds__(kNormThreads)
     if (q < n4) wv[j] = reinterpret_cast<const float4*>(w)[q];
   }
   pdl_wait();
+  pdl_trigger();
   const int i = blockIdx.x;
   const int r = rows ? rows[i] : i;
   const float4* xr = reinterpret_cast<const float4*>(x + size_t(r) * H);
@@ -66,6 +67,7 @@ __global__ void rms_norm_kernel(const float* __restrict__ x, const int32_t* __re
                                 const float* __restrict__ w, float eps, float* __restrict__ of,
                                 __nv_bfloat16* __restrict__ ob) {
   pdl_wait();
+  pdl_trigger();
   const int i = blockIdx.x;
   const int r = rows ? rows[i] : i;
   const float* xr = x + size_t(r) * H;

@@ -14,6 +14,12 @@
 namespace dz::cuda {
 
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// Lets the next kernel launch before this one ends: once every block of this
+// grid has called it (or exited), the next grid's blocks may become resident and
+// issue what does not depend on this kernel (weight loads) while it runs; their
+// pdl_wait() still waits for this kernel's completion. Called right after
+// pdl_wait(): one kernel of look-ahead, no chain of waiting grids.
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 inline bool pdl_enabled() {
   static const bool on = [] {

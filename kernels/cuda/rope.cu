@@ -15,6 +15,7 @@ __global__ void __launch_bounds__(kRopeThreads)
                       const float* __restrict__ sinv, int n_heads, int n_kv, int D, uint8_t* __restrict__ kv_layer,
                       const int64_t* __restrict__ row_off) {
   pdl_wait();
+  pdl_trigger();
   const int r = blockIdx.x, half = D / 2;
   const int p = blockIdx.y * kRopeThreads + threadIdx.x;
   const int nq = n_heads * half, nk = n_kv * half, nv = n_kv * D;

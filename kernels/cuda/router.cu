@@ -15,6 +15,7 @@ constexpr int kRows = 4;  // rows (warps) per block
 __global__ void __launch_bounds__(32 * kRows) topk_kernel(const float* __restrict__ logits, int T, int E, int k,
                                                           int32_t* __restrict__ ids, float* __restrict__ w) {
   pdl_wait();
+  pdl_trigger();
   const int lane = threadIdx.x & 31, t = blockIdx.x * kRows + int(threadIdx.x >> 5);
   if (t >= T) return;
   const float* l = logits + size_t(t) * E;

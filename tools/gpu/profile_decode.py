@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where a dayzero decode step spends its GPU time: per-kernel totals of eager decode steps
-(no CUDA graphs, so every kernel is its own launch) through torch.profiler, whose CUPTI tracing sees
-every kernel of the process, libdayzero's included. Needs PyTorch with CUDA and the Python binding.
+(no CUDA graphs, no programmatic dependent launch: each kernel its own launch and its own time)
+through torch.profiler, whose CUPTI tracing sees every kernel of the process, libdayzero's
+included. Needs PyTorch with CUDA and the Python binding.
 
     DAYZERO_LIB=build/libdayzero.so python3 tools/gpu/profile_decode.py MODEL_DIR [--ctx 128]
         [--steps 16] [--batch 1] [--json OUT]
@@ -28,6 +29,9 @@ def main():
     ap.add_argument("--json")
     a = ap.parse_args()
     os.environ["DZ_CUDA_GRAPHS"] = "0"  # read at each forward: every kernel a separate launch
+    # Programmatic dependent launch off as well: with it a kernel starts (and its span in the trace
+    # begins) while the previous one still runs, so the per-kernel times would overlap.
+    os.environ["DZ_CUDA_PDL"] = "0"
     import torch
     from torch.profiler import ProfilerActivity, profile
 
