@@ -124,7 +124,10 @@ typedef enum dz_device {
 } dz_device;
 
 typedef enum dz_expert_precision {
-  DZ_EXPERTS_AUTO = 0,   /* checkpoint precision; CUDA: FP4->FP8 pipeline */
+  DZ_EXPERTS_AUTO = 0,   /* checkpoint precision; CUDA: MXFP4 decoded in
+                            registers for few tokens an expert (activations
+                            FP16, or two E4M3 terms: ~8 significant bits),
+                            FP4->FP8 pipeline for many */
   DZ_EXPERTS_NATIVE = 1, /* decode checkpoint precision exactly (reference) */
   DZ_EXPERTS_FP8 = 2,    /* E4M3 arithmetic at every batch size: weights
                             exact in E4M3, activations E4M3 with one scale

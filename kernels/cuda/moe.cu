@@ -653,6 +653,21 @@ __host__ __device__ inline W8Smem w8_smem(int nsub, int kpad) {
   return L;
 }
 
+// The E4M3 rounding of what quant_1x128 left over (v / sc minus its bytes q):
+// hi + lo carry ~8 significant bits of each value (the remainder's own
+// rounding; values far below the block's largest lose more, as in BF16 they
+// would lose nothing, but their products weigh as little).
+__device__ __forceinline__ uint32_t quant_1x128_rest(const float (&v)[4], float sc, uint32_t q) {
+  const float inv = 1.f / sc;  // as quant_1x128
+  const float2 h01 = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(q & 0xFFFFu), __NV_E4M3)));
+  const float2 h23 = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(q >> 16), __NV_E4M3)));
+  const uint32_t lo =
+      __nv_cvt_float2_to_fp8x2(make_float2(v[0] * inv - h01.x, v[1] * inv - h01.y), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi =
+      __nv_cvt_float2_to_fp8x2(make_float2(v[2] * inv - h23.x, v[3] * inv - h23.y), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+}
+
 __device__ __forceinline__ uint32_t e2m1_even_to_e4m3(uint32_t w) {
   return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
 }
@@ -685,10 +700,15 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
 }
 #endif
 
-template <bool kGateUp, int kKS, bool kPdl>
+// kLo: two E4M3 terms a token (x / scale = hi + lo, lo the E4M3 rounding of
+// the remainder: ~8 significant bits, as BF16), staged as MMA columns 2i and
+// 2i + 1 of token i under the same scale and summed in the epilogue; 4 tokens
+// a pass instead of 8, no other cost.
+template <bool kGateUp, int kKS, bool kPdl, bool kLo>
 __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const __grid_constant__ CUtensorMap wmap) {
 #ifdef DZ_MOE_SM90A
   constexpr int kTiles = kW8Consumers / kKS;
+  constexpr int kPass = kLo ? kW4Tokens / 2 : kW4Tokens;  // tokens a pass over the weights
   extern __shared__ unsigned char w8_raw[];
   unsigned char* const sm =
       reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(w8_raw) + 1023) & ~uintptr_t(1023));
@@ -728,7 +748,7 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
         }
       int n[kW8Consumers] = {};
       const int len = max(s_len(0), s_len(kW8Consumers - 1));
-      for (int base_t = 0; base_t < cnt; base_t += kW4Tokens)
+      for (int base_t = 0; base_t < cnt; base_t += kPass)
         for (int j = 0; j < len; ++j)
           for (int w = 0; w < kW8Consumers; ++w) {
             if (j >= s_len(w)) continue;
@@ -755,8 +775,8 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
   float4* const red = reinterpret_cast<float4*>(sm + L.red);
   if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();  // the SwiGLU rows
   int n = 0;
-  for (int base_t = 0; base_t < cnt; base_t += kW4Tokens) {
-    const int m = min(kW4Tokens, cnt - base_t);
+  for (int base_t = 0; base_t < cnt; base_t += kPass) {
+    const int m = min(kPass, cnt - base_t);
     ptx::named_sync(1, 128 * kW8Consumers);  // the previous pass's activations are read
     // Stage: warp v of 8 quantizes (token gi, chunk c) pairs, 4 values a lane.
     float tok_scale[2] = {1.f, 1.f};
@@ -775,11 +795,20 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
       }
       float sc;
       const uint32_t q = quant_1x128(v, sc);
-      const int q8 = k >> 3, hh = lane & 1;
-      unsigned char* d = sm + L.act + (q8 >> 2) * kW8SubBytes + gi * 16 + (q8 & 3) * 4 + 2 * hh;
+      const int q8 = k >> 3, hh = lane & 1, col = kLo ? 2 * gi : gi;
+      unsigned char* d = sm + L.act + (q8 >> 2) * kW8SubBytes + col * 16 + (q8 & 3) * 4 + 2 * hh;
       *reinterpret_cast<uint16_t*>(d) = uint16_t(ptx::prmt(q, 0, 0x20));        // even elements
       *reinterpret_cast<uint16_t*>(d + 128) = uint16_t(ptx::prmt(q, 0, 0x31));  // odd elements
-      if (lane == 0) reinterpret_cast<float*>(sm + L.xs)[c * kW4Tokens + gi] = sc;
+      if (kLo) {
+        const uint32_t r = quant_1x128_rest(v, sc, q);
+        *reinterpret_cast<uint16_t*>(d + 16) = uint16_t(ptx::prmt(r, 0, 0x20));
+        *reinterpret_cast<uint16_t*>(d + 144) = uint16_t(ptx::prmt(r, 0, 0x31));
+      }
+      if (lane == 0) {
+        float* xs = reinterpret_cast<float*>(sm + L.xs) + c * kW4Tokens + col;
+        xs[0] = sc;
+        if (kLo) xs[1] = sc;
+      }
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
     // The epilogue's operands load now (bias, the tokens' input scales).
@@ -788,8 +817,10 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
       biasA = bf16_to_float(a.bias[int64_t(e) * a.rows + T0 + rA]);
       biasB = bf16_to_float(a.bias[int64_t(e) * a.rows + T0 + rB]);
       if (kGateUp && !a.direct)
-        for (int j = 0; j < 2; ++j)
-          if (2 * t + j < m) tok_scale[j] = a.act_scale[a.sorted[seg + base_t + 2 * t + j] / a.topk];
+        for (int j = 0; j < 2; ++j) {
+          const int tok = kLo ? t : 2 * t + j;  // this lane's MMA columns 2t, 2t + 1
+          if (tok < m) tok_scale[j] = a.act_scale[a.sorted[seg + base_t + tok] / a.topk];
+        }
     }
     ptx::named_sync(1, 128 * kW8Consumers);
     if (len > 0 && base_t == 0) ptx::mbar_wait(sbar(wg), 0);
@@ -879,10 +910,11 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
       acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
     }
     if (!active) continue;
-    constexpr float kPost = 64.f;  // the E2M1 placement's 2^-6
+    constexpr float kPost = 64.f;                 // the E2M1 placement's 2^-6
+    if (kLo) acc[0] += acc[1], acc[2] += acc[3];  // hi + lo terms of token t
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int tok = 2 * t + j;
+    for (int j = 0; j < (kLo ? 1 : 2); ++j) {
+      const int tok = kLo ? t : 2 * t + j;
       if (tok >= m) continue;
       const int row = seg + base_t + tok;
       if (kGateUp) {
@@ -898,8 +930,9 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
 }
 
 template <bool kGateUp, bool kPdl>
-auto w8_fn(int ks) {
-  return ks == 2 ? w8_kernel<kGateUp, 2, kPdl> : w8_kernel<kGateUp, 1, kPdl>;
+auto w8_fn(int ks, bool lo) {
+  return ks == 2 ? (lo ? w8_kernel<kGateUp, 2, kPdl, true> : w8_kernel<kGateUp, 2, kPdl, false>)
+                 : (lo ? w8_kernel<kGateUp, 1, kPdl, true> : w8_kernel<kGateUp, 1, kPdl, false>);
 }
 // Block kb of sorted row r of expert segment [off, off + mp): q [rows][nkb * 128],
 // the segment's scales [kb][mp] from qs + nkb * off (the layout the FP8 GEMMs take).
@@ -1212,8 +1245,10 @@ struct MoeLayer::Impl {
     w8_fits = Fp8GroupedGemm::supported() && smem8 <= optin;
     if (w8_fits) {
       for (int ks : {1, 2})
-        for (auto k : {w8_fn<true, false>(ks), w8_fn<true, true>(ks), w8_fn<false, false>(ks), w8_fn<false, true>(ks)})
-          DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem8));
+        for (bool lo : {false, true})
+          for (auto k : {w8_fn<true, false>(ks, lo), w8_fn<true, true>(ks, lo), w8_fn<false, false>(ks, lo),
+                         w8_fn<false, true>(ks, lo)})
+            DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem8));
     }
     DZ_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
   }
@@ -1283,7 +1318,10 @@ struct MoeLayer::Impl {
     const bool two_tiles = ks == 1 && int64_t(T) * s.topk > int64_t(kW4Tokens) * E;
     a.ntok = std::min(T, two_tiles ? kW4MaxTokens : kW4Tokens);
     const bool pdl = opt.pdl && pdl_enabled();
-    const bool w4a8 = opt.fused_w4a8 && double(T) * s.topk / E <= opt.fused_w4a8_max_tokens_per_expert;
+    check(opt.fused_w4a8_terms == 1 || opt.fused_w4a8_terms == 2, DZ_ERR_INVALID_ARGUMENT,
+          "fused_w4a8_terms must be 1 or 2, not ", opt.fused_w4a8_terms);
+    const bool w4a8 = opt.fused_w4a8 && double(T) * s.topk / E <= opt.fused_w4a8_max_tokens_per_expert &&
+                      int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
     launch_w4<true>(ks, pdl, w4a8, 2 * I, max_active, st, a);
     // down
     a.blocks = w.w2_blocks, a.scales = w.w2_scales, a.bias = w.b2;
@@ -1327,7 +1365,8 @@ struct MoeLayer::Impl {
                         CU_TENSOR_MAP_SWIZZLE_NONE, G ? "MoE gate_up blocks" : "MoE down blocks");
       const int ks8 = ks == 1 ? 1 : 2, per_block = 64 * (kW8Consumers / ks8);
       const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
-      launch(pdl ? w8_fn<G, true>(ks8) : w8_fn<G, false>(ks8), grid, dim3(kW8Threads),
+      const bool lo = opt.fused_w4a8_terms == 2;
+      launch(pdl ? w8_fn<G, true>(ks8, lo) : w8_fn<G, false>(ks8, lo), grid, dim3(kW8Threads),
              size_t(w8_smem(a.nsub, a.kpad).total), st, pdl, a, map);
       return;
     }

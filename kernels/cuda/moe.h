@@ -51,21 +51,35 @@ struct MoeOptions {
   // One token on the per-projection fused kernels: they read the router's ids
   // themselves and gate_up converts the input (no routing launch).
   bool fused_one_token_direct = true;
-  // Fused kernels with E4M3 activations (1x128 scales, as the FP8 path) on FP8
-  // wgmma, the weights streamed into shared memory by the copy engine, while
-  // tokens * topk / n_experts <= fused_w4a8_max_tokens_per_expert (they take 8
-  // tokens of an expert per pass over its weights, the W4A16 kernels 16).
-  // sm_90a, projections of a multiple of 64 rows and an even number of
-  // 32-element sub-blocks a row; elsewhere the W4A16 kernels run. Off by
-  // default: E4M3 activations cost accuracy (gpt-oss fixtures: min logits
-  // cosine 0.9964 vs 0.99999 with fp16 activations), so the models use them
-  // for DZ_EXPERTS_FP8 only. H200, gpt-oss-120b shapes
-  // (bench/results/2026-12-01-h200-run16.md): 1 / 8 / 64 / 128 / 256 tokens
-  // 37.6 / 159 / 603 / 793 / 1238 us vs W4A16 38.4 / 186 / 639 / 745 / 1112,
-  // FP8 path 120 / 407 / 1303 / 1430 / 1551; gpt-oss-20b (32 experts) decode
-  // at batch 1: 41 vs 36 us a layer (the K split's short rings).
-  bool fused_w4a8 = false;
-  double fused_w4a8_max_tokens_per_expert = 2.0;
+  // W4A8 fused kernels: E4M3 activations (1x128 scales, as the FP8 path) on
+  // FP8 wgmma, the weights streamed into shared memory by the copy engine, for
+  // tokens * topk / n_experts <= fused_w4a8_max_tokens_per_expert and more
+  // than fused_w4a8_min_slots token slots (tokens * topk: below, the W4A16
+  // kernels' K split is faster). sm_90a, projections of a multiple of 64 rows
+  // and an even number of 32-element sub-blocks a row; elsewhere the W4A16
+  // kernels run. fused_w4a8_terms E4M3 terms a value: 1 costs accuracy (the
+  // gpt-oss fixture's min logits cosine 0.9964 vs 0.99999 with fp16
+  // activations: DZ_EXPERTS_FP8 only); 2 (x / scale = hi + lo, lo the E4M3
+  // rounding of the remainder: ~8 significant bits, as BF16, in two MMA
+  // columns; 4 tokens of an expert a pass instead of 8) is the default.
+  // H200 (bench/results/2026-12-01-h200-run18.md), two terms vs W4A16 at
+  // gpt-oss-120b shapes (128 experts): 4 / 8 / 16 / 32 / 48 tokens 94 / 159 /
+  // 263 / 429 / 512 us vs 103 / 180 / 298 / 478 / 549; 64 tokens (2 an
+  // expert) 634 vs 621, 1 token 39.7 vs 35.3 (K split), 2 tokens a tie; at 32
+  // experts 8 tokens 129 vs 142, 16 tokens 184 vs 180.
+  bool fused_w4a8 = true;
+  double fused_w4a8_max_tokens_per_expert = 1.5;
+  int fused_w4a8_min_slots = 8;
+  int fused_w4a8_terms = 2;
+  // E4M3 arithmetic at every size (DZ_EXPERTS_FP8): one E4M3 term a value,
+  // W4A8 kernels at every slot count up to 8 tokens an expert (faster than
+  // the FP8 GEMM path there: run 16), the FP8 path above.
+  void use_e4m3_activations() {
+    fused_w4a8 = true;
+    fused_w4a8_terms = 1;
+    fused_w4a8_min_slots = 0;
+    fused_max_tokens_per_expert = fused_w4a8_max_tokens_per_expert = 8.0;
+  }
   // Grouped FP8 GEMM blocks (0: one per SM); fewer leave SMs to the next tile's
   // weight folding, which runs concurrently on the aux stream.
   int fp8_grouped_blocks = 0;

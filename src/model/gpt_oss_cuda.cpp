@@ -231,6 +231,7 @@ class GptOssCuda final : public Family, private GptOssDesc {
   int dev_ = 0;
   cuda::MoePath path_ = cuda::MoePath::kAuto;
   bool fp8_experts_ = false;  // DZ_EXPERTS_FP8
+  bool auto_w4a8_ = false;    // the W4A8 kernels where the MoE layer's options choose them (AUTO, FP8)
   int exact_moe_layers_ = 0;  // AUTO: first and last layers kept on the exact (fused MXFP4) path
   uint64_t device_bytes_ = 0;
   std::unique_ptr<cuda::Context> ctx_;
@@ -343,11 +344,11 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   ms.hidden = int(H);
   ms.intermediate = int(I);
   moe_ = std::make_unique<cuda::MoeLayer>(*ctx_, ms, kMaxRows);
-  if (fp8_experts_) {  // W4A8 faster than the FP8 GEMM path up to 8 tokens an expert (H200, run 16)
-    cuda::MoeOptions& o = moe_->options();
-    o.fused_w4a8 = true;
-    o.fused_max_tokens_per_expert = o.fused_w4a8_max_tokens_per_expert = 8.0;
-  }
+  if (fp8_experts_) moe_->options().use_e4m3_activations();
+  // NATIVE: fp16 activations throughout (the W4A16 kernels); AUTO: the
+  // library's default (two-term E4M3 W4A8 kernels where they are faster).
+  auto_w4a8_ = moe_->options().fused_w4a8 && path_ == cuda::MoePath::kAuto;
+  if (path_ == cuda::MoePath::kFused) moe_->options().fused_w4a8 = false;
 
   embed_d_ = upload_bf16({&embed_}, "embed_tokens");
   lm_head_d_ = lm_head_.data == embed_.data ? DeviceArray<uint16_t>() : upload_bf16({&lm_head_}, "lm_head");
@@ -712,6 +713,7 @@ void GptOssCuda::enqueue(const PassArgs& p, const ForwardOptions* abort_between)
     mw.b2 = L.b2.get();
     const bool exact = !fp8_experts_ && (li < exact_moe_layers_ || li >= n_layers_ - exact_moe_layers_);
     const cuda::MoePath lp = path_ == cuda::MoePath::kAuto && exact ? cuda::MoePath::kFused : path_;
+    moe_->options().fused_w4a8 = auto_w4a8_ && !exact;                    // exact layers: fp16 activations
     moe_->forward(mw, xn_.get(), ids_.get(), gw_.get(), T, x, lp, true);  // x += experts(xn)
   }
   abort_check();

@@ -146,7 +146,7 @@ int bench_moe(const Args& a) {
       std::stod(flag_value(a, "--threshold", std::to_string(opt.fused_max_tokens_per_expert)));
   auto int_flag = [&](const char* flag, int dflt) { return std::stoi(flag_value(a, flag, std::to_string(dflt))); };
   opt.tile_experts = int_flag("--tile", opt.tile_experts);
-  if (has_flag(a, "--w4a8")) opt.fused_w4a8 = true;  // the fused path's default with W4A8 (off unless asked)
+  if (has_flag(a, "--w4a8")) opt.use_e4m3_activations();  // as DZ_EXPERTS_FP8
   opt.gemm_streams = int_flag("--gemm-streams", opt.gemm_streams);
   std::vector<std::string> fp8_gemms;
   {
@@ -390,11 +390,13 @@ int bench_moe(const Args& a) {
       // each variant (K split over 1, 4 or 8 warps; programmatic dependent
       // launch on/off); the default options are what "fused_ms" reports.
       // W4A8 variants run at every size; defaults: the options as given.
-      auto time_fused = [&](int ks, bool pdl, bool direct = true, bool w4a8 = false, bool defaults = false) {
+      auto time_fused = [&](int ks, bool pdl, bool direct = true, int w4a8_terms = 0, bool defaults = false) {
         if (!defaults) {
           layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
-          layer.options().fused_w4a8 = w4a8;
+          layer.options().fused_w4a8 = w4a8_terms > 0;
+          layer.options().fused_w4a8_terms = std::max(1, w4a8_terms);
           layer.options().fused_w4a8_max_tokens_per_expert = 1e9;
+          layer.options().fused_w4a8_min_slots = 0;
           layer.options().fused_k_split = ks;
           layer.options().pdl = pdl;
         }
@@ -422,11 +424,15 @@ int bench_moe(const Args& a) {
             if (ks != 8 || (T <= 64 && pdl))
               variants["ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] = time_fused(ks, pdl);
         if (T == 1) variants["ks4_pdl_routing_kernel"] = time_fused(4, true, false);  // one token, routed
-        // W4A8 (E4M3 activations, FP8 wgmma, weights through the copy engine): both block shapes.
+        // W4A8 (E4M3 activations, FP8 wgmma, weights through the copy engine): both block shapes, one
+        // E4M3 term a value (w4a8_*) or two (w4a8x2_*: hi + lo).
         if (Fp8GroupedGemm::supported())
-          for (int ks : {1, 4}) variants["w4a8_ks" + std::to_string(ks) + "_pdl"] = time_fused(ks, true, true, true);
+          for (int terms : {1, 2})
+            for (int ks : {1, 4})
+              variants[std::string(terms == 2 ? "w4a8x2" : "w4a8") + "_ks" + std::to_string(ks) + "_pdl"] =
+                  time_fused(ks, true, true, terms);
       }
-      const double ms_fused = time_fused(0, false, true, false, true);
+      const double ms_fused = time_fused(0, false, true, 0, true);
       std::vector<double> host;
       const double ms_fp8 = timer.median_ms(r, kSets, [&](int i) {
         const auto h0 = std::chrono::steady_clock::now();
