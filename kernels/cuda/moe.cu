@@ -654,9 +654,9 @@ __host__ __device__ inline W8Smem w8_smem(int nsub, int kpad) {
 }
 
 // The E4M3 rounding of what quant_1x128 left over (v / sc minus its bytes q):
-// hi + lo carry ~8 significant bits of each value (the remainder's own
-// rounding; values far below the block's largest lose more, as in BF16 they
-// would lose nothing, but their products weigh as little).
+// hi + lo keep ~8 significant bits of a value within 2^-10 of its block's
+// largest; smaller ones keep fewer (the remainder meets E4M3's subnormals),
+// but their products weigh as little.
 __device__ __forceinline__ uint32_t quant_1x128_rest(const float (&v)[4], float sc, uint32_t q) {
   const float inv = 1.f / sc;  // as quant_1x128
   const float2 h01 = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(q & 0xFFFFu), __NV_E4M3)));
