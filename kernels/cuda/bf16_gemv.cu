@@ -21,16 +21,16 @@ namespace dz::cuda {
 
 namespace {
 
+constexpr int kRing = 4;
 // Warps a block: 8, or 32 where the rows leave most multiprocessors idle (a
-// router's 32 rows: two blocks), so each warp's share of K is about one ring
-// (kRing chunks in flight: 4, or 3 within the 64 registers of 1024 threads).
+// router's 32 rows: two blocks), so each warp's share of K is one ring's worth.
 constexpr int kWarpsWide = 8, kWarpsNarrow = 32, kNarrowMaxRows = 512;
 
 // X rows live in shared memory with a 16-byte pad per row (rows k * 2 bytes
 // apart would put all 8 tokens of a load on the same banks).
 __host__ __device__ inline int x_stride_u4(int k) { return k / 8 + 1; }
 
-template <int kWarps, int kRing = kWarps == kWarpsNarrow ? 3 : 4>
+template <int kWarps>
 __global__ void __launch_bounds__(32 * kWarps)
     bf16_gemv_kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w, const float* __restrict__ bias,
                      float* d, int m, int n, int k, float beta) {
