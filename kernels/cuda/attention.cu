@@ -133,10 +133,9 @@ __device__ __forceinline__ size_t partial_off(int i, int h, int c, int n_heads, 
 // (a ticket counter, reset by that block for the next launch) merges them.
 // Blocks a multiprocessor: head_dim 64 keeps the five it had before the
 // register prefetch (48 registers, no spills).
+constexpr int split_blocks_per_sm(int D) { return D == 128 ? 2 : D == 64 ? 5 : 3; }
 template <int D>
-__global__ void __launch_bounds__(kSplitThreads, D == 128  ? 2
-                                                 : D == 64 ? 5
-                                                           : 3)
+__global__ void __launch_bounds__(kSplitThreads, split_blocks_per_sm(D))
     split_kernel(AttnBatch a, const int32_t* __restrict__ rows, int splits, int min_chunk, int max_splits,
                  float* __restrict__ part, int* __restrict__ tickets) {
   constexpr int PER = D / 32, KP = D + 4;
