@@ -347,8 +347,8 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   if (fp8_experts_) moe_->options().use_e4m3_activations();
   // NATIVE: fp16 activations throughout (the W4A16 kernels); AUTO: the
   // library's default (two-term E4M3 W4A8 kernels where they are faster).
+  // Applied per layer in enqueue (exact layers keep fp16 activations).
   auto_w4a8_ = moe_->options().fused_w4a8 && path_ == cuda::MoePath::kAuto;
-  if (path_ == cuda::MoePath::kFused) moe_->options().fused_w4a8 = false;
 
   embed_d_ = upload_bf16({&embed_}, "embed_tokens");
   lm_head_d_ = lm_head_.data == embed_.data ? DeviceArray<uint16_t>() : upload_bf16({&lm_head_}, "lm_head");
