@@ -521,6 +521,14 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
           INFO("k split " << ks);
           CHECK(finite_diff(run(false), ref) < bound);
         }
+      if (w4a8) {  // two row tiles a warpgroup (K split 1): the same sums, bit for bit
+        layer.options().fused_k_split = 1;
+        const auto one = run(false);
+        layer.options().fused_w4a8_tiles = 2;
+        INFO("two tiles a warpgroup");
+        CHECK(std::memcmp(run(false).data(), one.data(), one.size() * sizeof(float)) == 0);
+        CHECK(std::memcmp(run(true).data(), one.data(), one.size() * sizeof(float)) == 0);
+      }
       CHECK(layer.take_error() == 0);
     }
   }

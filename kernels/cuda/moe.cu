@@ -404,6 +404,13 @@ __device__ __forceinline__ void w4_chunk_n(const uint4 wa, const uint4 wb, const
   }
 }
 
+// The activation row (fp16 [row][kpad]) of sorted slot i: gate_up reads its
+// token's input row, down the slot's own SwiGLU row.
+template <bool kGateUp>
+__device__ __forceinline__ int act_row(const W4Args& a, int i) {
+  return kGateUp ? a.sorted[i] / a.topk : i;
+}
+
 // This block's work item {expert, first row, tokens} (grid y: an active
 // expert, or with a.direct the token's slot y); false: nothing to do (an
 // invalid direct id is flagged and its inv entry set to -1).
@@ -501,8 +508,11 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   bool ready = true;
   if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();
 
+  __shared__ int s_row[kW4MaxTokens];
   for (int base = 0; base < cnt; base += NT) {
     const int m = min(NT, cnt - base);
+    if (!(kGateUp && a.direct) && int(threadIdx.x) < m)
+      s_row[threadIdx.x] = act_row<kGateUp>(a, seg + base + threadIdx.x);
     __syncthreads();
     float x_scale = 1.f;  // direct: the token's input scale
     if (kGateUp && a.direct) {
@@ -516,7 +526,7 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
           xred);
     } else {
       for (int gi = 0; gi < m; ++gi) {
-        const __half* src = a.act + int64_t(kGateUp ? a.sorted[seg + base + gi] / a.topk : seg + base + gi) * a.kpad;
+        const __half* src = a.act + int64_t(s_row[gi]) * a.kpad;
         for (int q8 = threadIdx.x; q8 < k8; q8 += blockDim.x) {
           const int c = q8 >> 4, tt = (q8 >> 2) & 3, ii = q8 & 3;
           xs4[((c * 4 + ii) * NT + gi) * 4 + tt] = w4_piece(*reinterpret_cast<const uint4*>(src + q8 * 8));
@@ -533,8 +543,7 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
 #pragma unroll
         for (int n = 0; n < kN; ++n)
           for (int j = 0; j < 2; ++j)
-            if (8 * n + 2 * t + j < m)
-              xsc[n][j] = a.direct ? x_scale : a.act_scale[a.sorted[seg + base + 8 * n + 2 * t + j] / a.topk];
+            if (8 * n + 2 * t + j < m) xsc[n][j] = a.direct ? x_scale : a.act_scale[s_row[8 * n + 2 * t + j]];
     }
     __syncthreads();
 
@@ -629,7 +638,9 @@ __device__ __forceinline__ uint32_t quant_1x128(const float (&v)[4], float& sc) 
 // and the producer warp.
 constexpr int kW8Consumers = 2;
 constexpr int kW8Threads = 128 * kW8Consumers + 32;
-constexpr int kW8Stages = 4;
+// Ring stages a warpgroup: 4 with one row tile a warpgroup, 3 with two (their
+// scales take the room; two blocks an SM either way).
+constexpr int w8_stages(int tiles) { return tiles == 1 ? 4 : 3; }
 // A box is 64 rows x 144 bytes: two chunks and the next 16 bytes (read again
 // by the next box, from L2), so rows sit 36 words apart and a quarter warp's
 // loads of one word from 8 rows hit distinct banks without a swizzle.
@@ -641,14 +652,15 @@ constexpr int kW8SubBytes = 256;
 struct W8Smem {
   int sc, act, xs, red, bar, total;
 };
-__host__ __device__ inline W8Smem w8_smem(int nsub, int kpad) {
+__host__ __device__ inline W8Smem w8_smem(int nsub, int kpad, int tiles) {
   W8Smem L{};
-  int o = kW8Consumers * kW8Stages * kW8StageBytes;
-  L.sc = o, o += kW8Consumers * ((64 * nsub + 15) / 16 * 16);
+  const int stages = w8_stages(tiles);
+  int o = kW8Consumers * stages * kW8StageBytes;
+  L.sc = o, o += kW8Consumers * tiles * ((64 * nsub + 15) / 16 * 16);
   L.act = o, o += kpad / 32 * kW8SubBytes;
   L.xs = o, o += kpad / 128 * kW4Tokens * 4;
   L.red = o, o += 128 * 16;
-  L.bar = o, o += (2 * kW8Consumers * kW8Stages + kW8Consumers) * 8;
+  L.bar = o, o += (2 * kW8Consumers * stages + kW8Consumers) * 8;
   L.total = o + 1024;
   return L;
 }
@@ -704,15 +716,20 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
 // the remainder: ~8 significant bits, as BF16), staged as MMA columns 2i and
 // 2i + 1 of token i under the same scale and summed in the epilogue; 4 tokens
 // a pass instead of 8, no other cost.
-template <bool kGateUp, int kKS, bool kPdl, bool kLo>
+// kTPW: row tiles a warpgroup streams one after another (K split 1 only):
+// its ring runs on from one tile into the next, and the block's setup
+// (routing, activation staging, the scales' copy) serves them all.
+template <bool kGateUp, int kKS, bool kPdl, bool kLo, int kTPW>
 __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const __grid_constant__ CUtensorMap wmap) {
 #ifdef DZ_MOE_SM90A
-  constexpr int kTiles = kW8Consumers / kKS;
+  static_assert(kTPW == 1 || kKS == 1, "several tiles a warpgroup only without a K split");
+  constexpr int kTiles = kW8Consumers / kKS;              // row tiles side by side (one a warpgroup, or one shared)
   constexpr int kPass = kLo ? kW4Tokens / 2 : kW4Tokens;  // tokens a pass over the weights
+  constexpr int kW8Stages = w8_stages(kTPW);
   extern __shared__ unsigned char w8_raw[];
   unsigned char* const sm =
       reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(w8_raw) + 1023) & ~uintptr_t(1023));
-  const W8Smem L = w8_smem(a.nsub, a.kpad);
+  const W8Smem L = w8_smem(a.nsub, a.kpad, kTPW);
   const uint32_t base = ptx::smem_u32(sm);
   const int tid = threadIdx.x, wg = tid >> 7;
   const uint32_t bar0 = base + L.bar;  // full[w][s], empty[w][s], scales[w]
@@ -732,33 +749,43 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
   if (!w4_item<kGateUp, kPdl>(a, info)) return;
   const int e = info.x, seg = info.y, cnt = info.z;
   const int nch = a.kpad / 128, nst = (nch + 1) / 2, per = (nst + kKS - 1) / kKS;
-  // Warpgroup w's 64-row tile and its range of stages.
-  auto tile0 = [&](int w) { return (int(blockIdx.x) * kTiles + w % kTiles) * 64; };
+  // Warpgroup w's q-th 64-row tile and its range of stages; ntiles(w): its
+  // tiles inside the projection (a prefix of the kTPW).
+  auto tile0 = [&](int w, int q) { return ((int(blockIdx.x) * kTPW + q) * kTiles + w % kTiles) * 64; };
+  auto ntiles = [&](int w) {
+    int c = 0;
+    while (c < kTPW && tile0(w, c) < a.rows) ++c;
+    return c;
+  };
   auto s_begin = [&](int w) { return min(nst, (w / kTiles) * per); };
-  auto s_len = [&](int w) { return tile0(w) < a.rows ? min(nst, s_begin(w) + per) - s_begin(w) : 0; };
+  auto s_len = [&](int w) { return ntiles(w) > 0 ? min(nst, s_begin(w) + per) - s_begin(w) : 0; };
   const int sc_bytes = (64 * a.nsub + 15) / 16 * 16;
+  auto sc_at = [&](int w, int q) { return L.sc + (w * kTPW + q) * sc_bytes; };
 
   if (wg == kW8Consumers) {  // producer warp
     if ((tid & 31) == 0) {
       for (int w = 0; w < kW8Consumers; ++w)
         if (s_len(w) > 0) {
-          ptx::mbar_arrive_expect_tx(sbar(w), uint32_t(64 * a.nsub));
-          ptx::bulk_g2s(base + L.sc + w * sc_bytes, a.scales + (int64_t(e) * a.rows + tile0(w)) * a.nsub,
-                        uint32_t(64 * a.nsub), sbar(w));
+          const int nt = ntiles(w);
+          ptx::mbar_arrive_expect_tx(sbar(w), uint32_t(nt * 64 * a.nsub));
+          for (int q = 0; q < nt; ++q)
+            ptx::bulk_g2s(base + sc_at(w, q), a.scales + (int64_t(e) * a.rows + tile0(w, q)) * a.nsub,
+                          uint32_t(64 * a.nsub), sbar(w));
         }
       int n[kW8Consumers] = {};
       const int len = max(s_len(0), s_len(kW8Consumers - 1));
       for (int base_t = 0; base_t < cnt; base_t += kPass)
-        for (int j = 0; j < len; ++j)
-          for (int w = 0; w < kW8Consumers; ++w) {
-            if (j >= s_len(w)) continue;
-            const int st = n[w] % kW8Stages, ph = (n[w] / kW8Stages) & 1;
-            ptx::mbar_wait(empty(w, st), ph ^ 1);
-            ptx::mbar_arrive_expect_tx(full(w, st), kW8StageBytes);
-            ptx::tma_2d(base + (w * kW8Stages + st) * kW8StageBytes, &wmap, full(w, st), (s_begin(w) + j) * 128,
-                        e * a.rows + tile0(w));
-            ++n[w];
-          }
+        for (int q = 0; q < kTPW; ++q)
+          for (int j = 0; j < len; ++j)
+            for (int w = 0; w < kW8Consumers; ++w) {
+              if (j >= s_len(w) || q >= ntiles(w)) continue;
+              const int st = n[w] % kW8Stages, ph = (n[w] / kW8Stages) & 1;
+              ptx::mbar_wait(empty(w, st), ph ^ 1);
+              ptx::mbar_arrive_expect_tx(full(w, st), kW8StageBytes);
+              ptx::tma_2d(base + (w * kW8Stages + st) * kW8StageBytes, &wmap, full(w, st), (s_begin(w) + j) * 128,
+                          e * a.rows + tile0(w, q));
+              ++n[w];
+            }
     }
     if (kPdl) pdl_trigger();
     return;
@@ -766,69 +793,79 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
 
   // Consumers.
   const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int T0 = tile0(wg), len = s_len(wg), sb0 = s_begin(wg), ks = wg / kTiles;
-  const bool active = T0 < a.rows;
+  const int len = s_len(wg), sb0 = s_begin(wg), ks = wg / kTiles, nt = ntiles(wg);
   const int rA = kGateUp ? 16 * warp + 2 * g : 16 * warp + g, rB = kGateUp ? rA + 1 : rA + 8;  // tile rows
-  const uint32_t scA = base + L.sc + wg * sc_bytes + rA * a.nsub, scB = base + L.sc + wg * sc_bytes + rB * a.nsub;
   const uint64_t desc0 = w8_desc(base + L.act);  // sub-block s: + s * 16 (its address in 16-byte units)
   const uint32_t xs0 = base + L.xs;
   float4* const red = reinterpret_cast<float4*>(sm + L.red);
   if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();  // the SwiGLU rows
+  __shared__ int s_row[kW4Tokens];                  // this pass's activation rows (act_row)
   int n = 0;
   for (int base_t = 0; base_t < cnt; base_t += kPass) {
     const int m = min(kPass, cnt - base_t);
-    ptx::named_sync(1, 128 * kW8Consumers);  // the previous pass's activations are read
-    // Stage: warp v of 8 quantizes (token gi, chunk c) pairs, 4 values a lane.
+    if (!(kGateUp && a.direct) && tid < m) s_row[tid] = act_row<kGateUp>(a, seg + base_t + tid);
+    ptx::named_sync(1, 128 * kW8Consumers);  // the previous pass's activations are read; s_row written
+    // Stage: warp v of 8 quantizes (token gi, chunk c) pairs, 4 values a lane,
+    // kBatch pairs' loads in flight before the first is quantized.
     float tok_scale[2] = {1.f, 1.f};
-    for (int p = tid >> 5; p < m * nch; p += 4 * kW8Consumers) {
-      const int gi = p / nch, c = p - gi * nch, k = c * 128 + 4 * lane;
-      float v[4];
-      if (kGateUp && a.direct) {
-        const float4 f = k < a.H ? *reinterpret_cast<const float4*>(a.x + k) : make_float4(0.f, 0.f, 0.f, 0.f);
-        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
-      } else {
-        const int64_t row = kGateUp ? a.sorted[seg + base_t + gi] / a.topk : seg + base_t + gi;
-        const uint2 h = *reinterpret_cast<const uint2*>(a.act + row * a.kpad + k);
-        const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
-        const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h.y));
-        v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+    constexpr int kBatch = 4, kStep = 4 * kW8Consumers;
+    const int items = m * nch;
+    for (int p0 = tid >> 5; p0 < items; p0 += kBatch * kStep) {
+      float v[kBatch][4];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int p = p0 + b * kStep, gi = p / nch, k = (p - gi * nch) * 128 + 4 * lane;
+        v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
+        if (p >= items) continue;
+        if (kGateUp && a.direct) {
+          if (k < a.H) {
+            const float4 f = *reinterpret_cast<const float4*>(a.x + k);
+            v[b][0] = f.x, v[b][1] = f.y, v[b][2] = f.z, v[b][3] = f.w;
+          }
+        } else {
+          const uint2 h = *reinterpret_cast<const uint2*>(a.act + int64_t(s_row[gi]) * a.kpad + k);
+          const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
+          const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h.y));
+          v[b][0] = lo.x, v[b][1] = lo.y, v[b][2] = hi.x, v[b][3] = hi.y;
+        }
       }
-      float sc;
-      const uint32_t q = quant_1x128(v, sc);
-      const int q8 = k >> 3, hh = lane & 1, col = kLo ? 2 * gi : gi;
-      unsigned char* d = sm + L.act + (q8 >> 2) * kW8SubBytes + col * 16 + (q8 & 3) * 4 + 2 * hh;
-      *reinterpret_cast<uint16_t*>(d) = uint16_t(ptx::prmt(q, 0, 0x20));        // even elements
-      *reinterpret_cast<uint16_t*>(d + 128) = uint16_t(ptx::prmt(q, 0, 0x31));  // odd elements
-      if (kLo) {
-        const uint32_t r = quant_1x128_rest(v, sc, q);
-        *reinterpret_cast<uint16_t*>(d + 16) = uint16_t(ptx::prmt(r, 0, 0x20));
-        *reinterpret_cast<uint16_t*>(d + 144) = uint16_t(ptx::prmt(r, 0, 0x31));
-      }
-      if (lane == 0) {
-        float* xs = reinterpret_cast<float*>(sm + L.xs) + c * kW4Tokens + col;
-        xs[0] = sc;
-        if (kLo) xs[1] = sc;
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int p = p0 + b * kStep, gi = p / nch, c = p - gi * nch, k = c * 128 + 4 * lane;
+        if (p >= items) break;  // warp-uniform
+        float sc;
+        const uint32_t q = quant_1x128(v[b], sc);
+        const int q8 = k >> 3, hh = lane & 1, col = kLo ? 2 * gi : gi;
+        unsigned char* d = sm + L.act + (q8 >> 2) * kW8SubBytes + col * 16 + (q8 & 3) * 4 + 2 * hh;
+        *reinterpret_cast<uint16_t*>(d) = uint16_t(ptx::prmt(q, 0, 0x20));        // even elements
+        *reinterpret_cast<uint16_t*>(d + 128) = uint16_t(ptx::prmt(q, 0, 0x31));  // odd elements
+        if (kLo) {
+          const uint32_t r = quant_1x128_rest(v[b], sc, q);
+          *reinterpret_cast<uint16_t*>(d + 16) = uint16_t(ptx::prmt(r, 0, 0x20));
+          *reinterpret_cast<uint16_t*>(d + 144) = uint16_t(ptx::prmt(r, 0, 0x31));
+        }
+        if (lane == 0) {
+          float* xs = reinterpret_cast<float*>(sm + L.xs) + c * kW4Tokens + col;
+          xs[0] = sc;
+          if (kLo) xs[1] = sc;
+        }
       }
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
-    // The epilogue's operands load now (bias, the tokens' input scales).
-    float biasA = 0.f, biasB = 0.f;
-    if (active && ks == 0) {
-      biasA = bf16_to_float(a.bias[int64_t(e) * a.rows + T0 + rA]);
-      biasB = bf16_to_float(a.bias[int64_t(e) * a.rows + T0 + rB]);
-      if (kGateUp && !a.direct)
-        for (int j = 0; j < 2; ++j) {
-          const int tok = kLo ? t : 2 * t + j;  // this lane's MMA columns 2t, 2t + 1
-          if (tok < m) tok_scale[j] = a.act_scale[a.sorted[seg + base_t + tok] / a.topk];
-        }
-    }
+    // The epilogue's operands load now (the tokens' input scales; biases a tile).
+    if (kGateUp && !a.direct && nt > 0 && ks == 0)
+      for (int j = 0; j < 2; ++j) {
+        const int tok = kLo ? t : 2 * t + j;  // this lane's MMA columns 2t, 2t + 1
+        if (tok < m) tok_scale[j] = a.act_scale[s_row[tok]];
+      }
     ptx::named_sync(1, 128 * kW8Consumers);
     if (len > 0 && base_t == 0) ptx::mbar_wait(sbar(wg), 0);
 
     // The stage's two chunks: fragments decoded from the box's words, eight
     // MMAs under one wait, then the sub-block and activation scales. guard:
     // chunks reaching past K (the last stage only).
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    float acc[4];
+    uint32_t scA = 0, scB = 0;  // this tile's scales of rows A and B
     auto stage = [&](uint32_t box, int c0, bool guard, auto release) {
       uint32_t wa[8], wb[8];
       const uint32_t pa = box + rA * kW8Row + 4 * t, pb = box + rB * kW8Row + 4 * t;
@@ -889,50 +926,64 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
       }
     };
     const int full_chunks = a.nsub / 4;  // chunks wholly inside K
-    for (int j = 0; j < len; ++j, ++n) {
-      const int st = n % kW8Stages, c0 = 2 * (sb0 + j);
-      ptx::mbar_wait(full(wg, st), (n / kW8Stages) & 1);
-      const uint32_t box = base + (wg * kW8Stages + st) * kW8StageBytes;
-      auto release = [&] {  // this warp is done with the box
-        __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(empty(wg, st));
-      };
-      if (c0 + 2 <= full_chunks)
-        stage(box, c0, false, release);
-      else
-        stage(box, c0, true, release);
-    }
-    if (kKS > 1) {
-      if (ks > 0) red[tid & 127] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-      ptx::named_sync(2, 128 * kW8Consumers);
-      if (ks != 0) continue;
-      const float4 v = red[tid & 127];
-      acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
-    }
-    if (!active) continue;
-    constexpr float kPost = 64.f;                 // the E2M1 placement's 2^-6
-    if (kLo) acc[0] += acc[1], acc[2] += acc[3];  // hi + lo terms of token t
+    for (int q = 0; q < kTPW; ++q) {
+      const bool active = q < nt;
+      if (q > 0 && !active) break;  // (the first tile's K-split reduction below runs either way)
+      const int T0 = tile0(wg, q);
+      scA = base + sc_at(wg, q) + rA * a.nsub, scB = base + sc_at(wg, q) + rB * a.nsub;
+      float biasA = 0.f, biasB = 0.f;
+      if (active && ks == 0) {
+        biasA = bf16_to_float(a.bias[int64_t(e) * a.rows + T0 + rA]);
+        biasB = bf16_to_float(a.bias[int64_t(e) * a.rows + T0 + rB]);
+      }
+      acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+      for (int j = 0; j < len; ++j, ++n) {
+        const int st = n % kW8Stages, c0 = 2 * (sb0 + j);
+        ptx::mbar_wait(full(wg, st), (n / kW8Stages) & 1);
+        const uint32_t box = base + (wg * kW8Stages + st) * kW8StageBytes;
+        auto release = [&] {  // this warp is done with the box
+          __syncwarp();
+          if (lane == 0) ptx::mbar_arrive(empty(wg, st));
+        };
+        if (c0 + 2 <= full_chunks)
+          stage(box, c0, false, release);
+        else
+          stage(box, c0, true, release);
+      }
+      if (kKS > 1) {
+        if (ks > 0) red[tid & 127] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        ptx::named_sync(2, 128 * kW8Consumers);
+        if (ks != 0) continue;
+        const float4 v = red[tid & 127];
+        acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
+      }
+      if (!active) continue;
+      constexpr float kPost = 64.f;                 // the E2M1 placement's 2^-6
+      if (kLo) acc[0] += acc[1], acc[2] += acc[3];  // hi + lo terms of token t
 #pragma unroll
-    for (int j = 0; j < (kLo ? 1 : 2); ++j) {
-      const int tok = kLo ? t : 2 * t + j;
-      if (tok >= m) continue;
-      const int row = seg + base_t + tok;
-      if (kGateUp) {
-        const float v = swiglu(acc[j] * kPost * tok_scale[j] + biasA, acc[2 + j] * kPost * tok_scale[j] + biasB);
-        a.out_act[int64_t(row) * a.out_ld + ((T0 + rA) >> 1)] = __float2half_rn(v);
-      } else {
-        a.out_y[int64_t(row) * a.rows + T0 + rA] = acc[j] * kPost + biasA;
-        a.out_y[int64_t(row) * a.rows + T0 + rB] = acc[2 + j] * kPost + biasB;
+      for (int j = 0; j < (kLo ? 1 : 2); ++j) {
+        const int tok = kLo ? t : 2 * t + j;
+        if (tok >= m) continue;
+        const int row = seg + base_t + tok;
+        if (kGateUp) {
+          const float v = swiglu(acc[j] * kPost * tok_scale[j] + biasA, acc[2 + j] * kPost * tok_scale[j] + biasB);
+          a.out_act[int64_t(row) * a.out_ld + ((T0 + rA) >> 1)] = __float2half_rn(v);
+        } else {
+          a.out_y[int64_t(row) * a.rows + T0 + rA] = acc[j] * kPost + biasA;
+          a.out_y[int64_t(row) * a.rows + T0 + rB] = acc[2 + j] * kPost + biasB;
+        }
       }
     }
   }
 #endif
 }
 
+// The W4A8 kernel for a K split (1 or 2), one or two E4M3 terms, and row tiles a warpgroup (1 or 2; K split 1).
 template <bool kGateUp, bool kPdl>
-auto w8_fn(int ks, bool lo) {
-  return ks == 2 ? (lo ? w8_kernel<kGateUp, 2, kPdl, true> : w8_kernel<kGateUp, 2, kPdl, false>)
-                 : (lo ? w8_kernel<kGateUp, 1, kPdl, true> : w8_kernel<kGateUp, 1, kPdl, false>);
+auto w8_fn(int ks, bool lo, int tiles) {
+  if (ks == 2) return lo ? w8_kernel<kGateUp, 2, kPdl, true, 1> : w8_kernel<kGateUp, 2, kPdl, false, 1>;
+  if (tiles == 2) return lo ? w8_kernel<kGateUp, 1, kPdl, true, 2> : w8_kernel<kGateUp, 1, kPdl, false, 2>;
+  return lo ? w8_kernel<kGateUp, 1, kPdl, true, 1> : w8_kernel<kGateUp, 1, kPdl, false, 1>;
 }
 // Block kb of sorted row r of expert segment [off, off + mp): q [rows][nkb * 128],
 // the segment's scales [kb][mp] from qs + nkb * off (the layout the FP8 GEMMs take).
@@ -1238,7 +1289,9 @@ struct MoeLayer::Impl {
                        w4_fn<false, true>(ks, nt)})
           DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     // The W4A8 kernels: sm_90a only, and where their shared memory fits a block.
-    const int smem8 = std::max(w8_smem(H / 32, int(kph)).total, w8_smem(I / 32, int(kpi)).total);
+    int smem8 = 0;
+    for (int tiles : {1, 2})
+      smem8 = std::max({smem8, w8_smem(H / 32, int(kph), tiles).total, w8_smem(I / 32, int(kpi), tiles).total});
     int optin = 0, dev = 0;
     DZ_CUDA_CHECK(cudaGetDevice(&dev));
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
@@ -1246,9 +1299,10 @@ struct MoeLayer::Impl {
     if (w8_fits) {
       for (int ks : {1, 2})
         for (bool lo : {false, true})
-          for (auto k : {w8_fn<true, false>(ks, lo), w8_fn<true, true>(ks, lo), w8_fn<false, false>(ks, lo),
-                         w8_fn<false, true>(ks, lo)})
-            DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem8));
+          for (int tiles : {1, 2})
+            for (auto k : {w8_fn<true, false>(ks, lo, tiles), w8_fn<true, true>(ks, lo, tiles),
+                           w8_fn<false, false>(ks, lo, tiles), w8_fn<false, true>(ks, lo, tiles)})
+              DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem8));
     }
     DZ_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
   }
@@ -1320,6 +1374,8 @@ struct MoeLayer::Impl {
     const bool pdl = opt.pdl && pdl_enabled();
     check(opt.fused_w4a8_terms == 1 || opt.fused_w4a8_terms == 2, DZ_ERR_INVALID_ARGUMENT,
           "fused_w4a8_terms must be 1 or 2, not ", opt.fused_w4a8_terms);
+    check(opt.fused_w4a8_tiles == 1 || opt.fused_w4a8_tiles == 2, DZ_ERR_INVALID_ARGUMENT,
+          "fused_w4a8_tiles must be 1 or 2, not ", opt.fused_w4a8_tiles);
     const bool w4a8 = opt.fused_w4a8 && double(T) * s.topk / E <= opt.fused_w4a8_max_tokens_per_expert &&
                       int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
     launch_w4<true>(ks, pdl, w4a8, 2 * I, max_active, st, a);
@@ -1363,11 +1419,12 @@ struct MoeLayer::Impl {
       const cuuint32_t box[2] = {kW8Row, 64};
       encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks, dims, strides, box,
                         CU_TENSOR_MAP_SWIZZLE_NONE, G ? "MoE gate_up blocks" : "MoE down blocks");
-      const int ks8 = ks == 1 ? 1 : 2, per_block = 64 * (kW8Consumers / ks8);
+      const int ks8 = ks == 1 ? 1 : 2, tiles = ks8 == 1 ? opt.fused_w4a8_tiles : 1;
+      const int per_block = 64 * (kW8Consumers / ks8) * tiles;
       const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
       const bool lo = opt.fused_w4a8_terms == 2;
-      launch(pdl ? w8_fn<G, true>(ks8, lo) : w8_fn<G, false>(ks8, lo), grid, dim3(kW8Threads),
-             size_t(w8_smem(a.nsub, a.kpad).total), st, pdl, a, map);
+      launch(pdl ? w8_fn<G, true>(ks8, lo, tiles) : w8_fn<G, false>(ks8, lo, tiles), grid, dim3(kW8Threads),
+             size_t(w8_smem(a.nsub, a.kpad, tiles).total), st, pdl, a, map);
       return;
     }
     const int per_block = 16 * (8 / ks), ntile = a.ntok > kW4Tokens ? 2 : 1;

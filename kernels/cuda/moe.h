@@ -71,6 +71,10 @@ struct MoeOptions {
   double fused_w4a8_max_tokens_per_expert = 1.5;
   int fused_w4a8_min_slots = 8;
   int fused_w4a8_terms = 2;
+  // 64-row tiles each W4A8 warpgroup streams in turn without a K split (1 or
+  // 2): with 2 its copy ring runs on from one tile into the next (3 stages
+  // instead of 4) and a block's setup serves twice the rows.
+  int fused_w4a8_tiles = 1;
   // E4M3 arithmetic at every size (DZ_EXPERTS_FP8): one E4M3 term a value,
   // W4A8 kernels at every slot count up to 8 tokens an expert (faster than
   // the FP8 GEMM path there: run 16), the FP8 path above.

@@ -390,11 +390,13 @@ int bench_moe(const Args& a) {
       // each variant (K split over 1, 4 or 8 warps; programmatic dependent
       // launch on/off); the default options are what "fused_ms" reports.
       // W4A8 variants run at every size; defaults: the options as given.
-      auto time_fused = [&](int ks, bool pdl, bool direct = true, int w4a8_terms = 0, bool defaults = false) {
+      auto time_fused = [&](int ks, bool pdl, bool direct = true, int w4a8_terms = 0, bool defaults = false,
+                            int w4a8_tiles = 1) {
         if (!defaults) {
           layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
           layer.options().fused_w4a8 = w4a8_terms > 0;
           layer.options().fused_w4a8_terms = std::max(1, w4a8_terms);
+          layer.options().fused_w4a8_tiles = w4a8_tiles;
           layer.options().fused_w4a8_max_tokens_per_expert = 1e9;
           layer.options().fused_w4a8_min_slots = 0;
           layer.options().fused_k_split = ks;
@@ -431,6 +433,11 @@ int bench_moe(const Args& a) {
             for (int ks : {1, 4})
               variants[std::string(terms == 2 ? "w4a8x2" : "w4a8") + "_ks" + std::to_string(ks) + "_pdl"] =
                   time_fused(ks, true, true, terms);
+        // Two row tiles a warpgroup (K split 1), both E4M3 forms.
+        if (Fp8GroupedGemm::supported())
+          for (int terms : {1, 2})
+            variants[std::string(terms == 2 ? "w4a8x2" : "w4a8") + "_ks1_t2_pdl"] =
+                time_fused(1, true, true, terms, false, 2);
       }
       const double ms_fused = time_fused(0, false, true, 0, true);
       std::vector<double> host;
