@@ -94,7 +94,6 @@ TEST_CASE("CUDA MXFP4 -> FP8 folding is bit-exact with the CPU reference", "[cud
     for (int i = 0; i < int(m.scales.size() / 16); ++i) m.scales[size_t(pick(rng))] = 0;
     const int64_t kpad = cpu::fold_kpad(c.k), per = c.rows * kpad, per_s = c.rows * kpad / 128;
     Dev<uint8_t> db(m.blocks), ds(m.scales);
-    dz::test::mxfp4_to_device_order(db, E, c.rows, c.k);
     Dev<uint8_t> q(size_t(2 * per));
     Dev<float> qs(size_t(2 * per_s));
     cudaStream_t st = nullptr;
@@ -146,7 +145,6 @@ TEST_CASE("CUDA FP8 1x128 GEMM through cuBLASLt matches float64", "[cuda]") {
     for (int c = 0; c < K; ++c) x[size_t(r * K + c)] = nd(rng) * std::ldexp(1.f, (r % 7) - 3) * (c < 128 ? 4.f : 1.f);
   Dev<float> dx(x);
   Dev<uint8_t> db(w.blocks), ds(w.scales), wq(size_t(N * kpad)), xq(size_t(M * kpad));
-  dz::test::mxfp4_to_device_order(db, 1, N, K);
   Dev<float> wqs(size_t(N * kpad / 128)), xqs(size_t(M * kpad / 128));
   Dev<uint16_t> d(size_t(M * N));
   const int id0 = 0;
@@ -282,8 +280,6 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
     INFO("T = " << T);
     MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, std::max(64, T), w4a16_options());
     Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
-    dz::test::mxfp4_to_device_order(w1b, c.E, 2 * c.I, c.H);
-    dz::test::mxfp4_to_device_order(w2b, c.E, c.H, c.I);
     Dev<uint16_t> b1(c.b1), b2(c.b2);
     Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
     Dev<int> ids(c.ids);
@@ -386,8 +382,6 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
     c.ids[size_t(b.slot)] = b.id;
     MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, std::max(4, c.T));
     Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
-    dz::test::mxfp4_to_device_order(w1b, c.E, 2 * c.I, c.H);
-    dz::test::mxfp4_to_device_order(w2b, c.E, c.H, c.I);
     Dev<uint16_t> b1(c.b1), b2(c.b2);
     Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
     Dev<int> ids(c.ids);
@@ -463,8 +457,6 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
               << " scales " << cs.s_lo << ".." << cs.s_hi);
     MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, 64, MoeOptions{8.0, 3});
     Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
-    dz::test::mxfp4_to_device_order(w1b, c.E, 2 * c.I, c.H);
-    dz::test::mxfp4_to_device_order(w2b, c.E, c.H, c.I);
     Dev<uint16_t> b1(c.b1), b2(c.b2);
     Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
     Dev<int> ids(c.ids);
@@ -546,8 +538,6 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
     MoeCase c = make_moe(8, 4, 320, 192, 16, rng);
     MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, 16);
     Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
-    dz::test::mxfp4_to_device_order(w1b, c.E, 2 * c.I, c.H);
-    dz::test::mxfp4_to_device_order(w2b, c.E, c.H, c.I);
     Dev<uint16_t> b1(c.b1), b2(c.b2);
     Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
     Dev<int> ids(c.ids);

@@ -64,7 +64,7 @@ struct Params {
   const float* xs;
   __nv_bfloat16* d;
   int n, nkb, groups, tiles_total;
-  const uint8_t *w4_blocks, *w4_scales;  // MXFP4 weights: stacks [E][n][nsub][16] (device order), [E][n][nsub]
+  const uint8_t *w4_blocks, *w4_scales;  // MXFP4 weights: stacks [E][n][nsub][16], [E][n][nsub]
   int nsub;
   int expert[kMaxGroups];  // MXFP4 weights: group -> index in the stacks
   int off[kMaxGroups];
@@ -228,8 +228,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
       const int row = p.off[g] + mt * kBM, wr = nt * kBN + tid;
       const bool rok = wr < p.n;
       const int64_t er = int64_t(p.expert[g]) * p.n + (rok ? wr : 0);
-      const uint8_t* eb = p.w4_blocks + int64_t(p.expert[g]) * p.n * p.nsub * 16;  // device order (mxfp4_layout.h)
-      const int rw = rok ? wr : 0;
+      const uint8_t* bl = p.w4_blocks + er * p.nsub * 16;
       const uint8_t* sc = p.w4_scales + er * p.nsub;
       // Stage s (counted over all tiles) belongs to warpgroup s % 2.
       const int kb0 = int((pw - done % kW4Producers + kW4Producers) % kW4Producers);
@@ -243,8 +242,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
           for (int j = 0; j < 4; ++j) {
             const int sb = kb * 4 + j;
             const bool ok = rok && sb < p.nsub;
-            ptx::cp_async16_zfill(smem_u32(dst + piece(j)), eb + (ok ? w4_unit_offset(rw, sb, p.n, p.nsub) : 0),
-                                  ok ? 16u : 0u);
+            ptx::cp_async16_zfill(smem_u32(dst + piece(j)), ok ? bl + sb * 16 : bl, ok ? 16u : 0u);
           }
         ptx::cp_async_commit();
       };

@@ -8,7 +8,6 @@
 #include "cpu/mxfp4_fold.h"
 #include "cuda/moe.h"
 #include "cuda/mxfp4_fold.h"
-#include "cuda/mxfp4_layout.h"
 #include "cuda/pdl.cuh"
 #include "cuda/ptx.cuh"
 #include "runtime/cuda/cuda_check.h"
@@ -469,8 +468,8 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   const int rA = kGateUp ? R0 + 2 * g : R0 + g;
   const int rB = kGateUp ? R0 + 2 * g + 1 : R0 + g + 8;
   const int64_t rowA = int64_t(e) * a.rows + rA, rowB = int64_t(e) * a.rows + rB;
-  const uint8_t* eb = a.blocks + int64_t(e) * a.rows * a.nsub * 16;  // device order (mxfp4_layout.h)
-  const W4Row bA = w4_row(eb, rA, a.rows, a.nsub), bB = w4_row(eb, rB, a.rows, a.nsub);
+  const uint8_t* bA = a.blocks + rowA * a.nsub * 16;
+  const uint8_t* bB = a.blocks + rowB * a.nsub * 16;
   const uint8_t* sA = a.scales + rowA * a.nsub;
   const uint8_t* sB = a.scales + rowB * a.nsub;
   const int nchunk = a.kpad / 128, k8 = a.kpad / 8, NT = a.ntok;
@@ -487,8 +486,8 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   auto load = [&](int c, uint4& wa, uint4& wb, int& sa, int& sb) {
     const int sub = c * 4 + t;
     if (sub < a.nsub) {
-      wa = ptx::ldg_nc_v4(bA.unit(sub));
-      wb = ptx::ldg_nc_v4(bB.unit(sub));
+      wa = ptx::ldg_nc_v4(bA + sub * 16);
+      wb = ptx::ldg_nc_v4(bB + sub * 16);
       sa = sA[sub];
       sb = sB[sub];
     } else {
@@ -509,8 +508,11 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   bool ready = true;
   if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();
 
+  __shared__ int s_row[kW4MaxTokens];
   for (int base = 0; base < cnt; base += NT) {
     const int m = min(NT, cnt - base);
+    if (!(kGateUp && a.direct) && int(threadIdx.x) < m)
+      s_row[threadIdx.x] = act_row<kGateUp>(a, seg + base + threadIdx.x);
     __syncthreads();
     float x_scale = 1.f;  // direct: the token's input scale
     if (kGateUp && a.direct) {
@@ -524,7 +526,7 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
           xred);
     } else {
       for (int gi = 0; gi < m; ++gi) {
-        const __half* src = a.act + int64_t(act_row<kGateUp>(a, seg + base + gi)) * a.kpad;
+        const __half* src = a.act + int64_t(s_row[gi]) * a.kpad;
         for (int q8 = threadIdx.x; q8 < k8; q8 += blockDim.x) {
           const int c = q8 >> 4, tt = (q8 >> 2) & 3, ii = q8 & 3;
           xs4[((c * 4 + ii) * NT + gi) * 4 + tt] = w4_piece(*reinterpret_cast<const uint4*>(src + q8 * 8));
@@ -541,8 +543,7 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
 #pragma unroll
         for (int n = 0; n < kN; ++n)
           for (int j = 0; j < 2; ++j)
-            if (8 * n + 2 * t + j < m)
-              xsc[n][j] = a.direct ? x_scale : a.act_scale[act_row<true>(a, seg + base + 8 * n + 2 * t + j)];
+            if (8 * n + 2 * t + j < m) xsc[n][j] = a.direct ? x_scale : a.act_scale[s_row[8 * n + 2 * t + j]];
     }
     __syncthreads();
 
@@ -622,10 +623,9 @@ __device__ __forceinline__ uint32_t quant_1x128(const float (&v)[4], float& sc) 
 // ------------------------------------------- fused W4A8 path (wgmma, sm_90a)
 // Few tokens per expert with E4M3 activations (1x128 scales, as the FP8 path):
 //  - the MXFP4 rows reach shared memory through the copy engine: per consumer
-//    warpgroup a ring of stage pieces (64 rows x two 128-wide K chunks, 8 KB
-//    contiguous in the device order of mxfp4_layout.h, which also swizzles
-//    them for conflict-free loads) that a producer warp keeps in flight
-//    without holding registers, and the tile's E8M0 scales in one bulk copy;
+//    warpgroup a ring of kW8Stages boxes of 64 rows x 144 bytes (two 128-wide
+//    K chunks, see kW8Row) that a producer warp keeps in flight without
+//    holding registers, and the tile's E8M0 scales in one bulk copy;
 //  - consumers decode E2M1 -> E4M3 in registers (a nibble's E2M1 bits placed in
 //    an E4M3 byte are its value * 2^-6 exactly: 5 instructions per 8 weights,
 //    no table) and run FP8 wgmma m64n8k32 with the weights from registers, one
@@ -641,7 +641,11 @@ constexpr int kW8Threads = 128 * kW8Consumers + 32;
 // Ring stages a warpgroup: 4 with one row tile a warpgroup, 3 with two (their
 // scales take the room; two blocks an SM either way).
 constexpr int w8_stages(int tiles) { return tiles == 1 ? 4 : 3; }
-constexpr int kW8StageBytes = kW4TileRows * kW4StageBytes;
+// A box is 64 rows x 144 bytes: two chunks and the next 16 bytes (read again
+// by the next box, from L2), so rows sit 36 words apart and a quarter warp's
+// loads of one word from 8 rows hit distinct banks without a swizzle.
+constexpr int kW8Row = 144;
+constexpr int kW8StageBytes = 64 * kW8Row;
 constexpr int kW8SubBytes = 256;
 
 // Shared-memory layout (offsets from the 1024-aligned base; total includes the alignment slack).
@@ -716,7 +720,7 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
 // its ring runs on from one tile into the next, and the block's setup
 // (routing, activation staging, the scales' copy) serves them all.
 template <bool kGateUp, int kKS, bool kPdl, bool kLo, int kTPW>
-__global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a) {
+__global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const __grid_constant__ CUtensorMap wmap) {
 #ifdef DZ_MOE_SM90A
   static_assert(kTPW == 1 || kKS == 1, "several tiles a warpgroup only without a K split");
   constexpr int kTiles = kW8Consumers / kKS;              // row tiles side by side (one a warpgroup, or one shared)
@@ -758,8 +762,7 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a) {
   const int sc_bytes = (64 * a.nsub + 15) / 16 * 16;
   auto sc_at = [&](int w, int q) { return L.sc + (w * kTPW + q) * sc_bytes; };
 
-  if (wg == kW8Consumers) {                                            // producer warp
-    const uint8_t* eb = a.blocks + int64_t(e) * a.rows * a.nsub * 16;  // device order (mxfp4_layout.h)
+  if (wg == kW8Consumers) {  // producer warp
     if ((tid & 31) == 0) {
       for (int w = 0; w < kW8Consumers; ++w)
         if (s_len(w) > 0) {
@@ -778,11 +781,9 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a) {
               if (j >= s_len(w) || q >= ntiles(w)) continue;
               const int st = n[w] % kW8Stages, ph = (n[w] / kW8Stages) & 1;
               ptx::mbar_wait(empty(w, st), ph ^ 1);
-              const int t0 = tile0(w, q), sp = s_begin(w) + j;
-              const int bytes = w4_piece_bytes(t0, sp, a.rows, a.nsub);
-              ptx::mbar_arrive_expect_tx(full(w, st), uint32_t(bytes));
-              ptx::bulk_g2s(base + (w * kW8Stages + st) * kW8StageBytes, eb + w4_piece_offset(t0, sp, a.rows, a.nsub),
-                            uint32_t(bytes), full(w, st));
+              ptx::mbar_arrive_expect_tx(full(w, st), kW8StageBytes);
+              ptx::tma_2d(base + (w * kW8Stages + st) * kW8StageBytes, &wmap, full(w, st), (s_begin(w) + j) * 128,
+                          e * a.rows + tile0(w, q));
               ++n[w];
             }
     }
@@ -794,7 +795,6 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a) {
   const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int len = s_len(wg), sb0 = s_begin(wg), ks = wg / kTiles, nt = ntiles(wg);
   const int rA = kGateUp ? 16 * warp + 2 * g : 16 * warp + g, rB = kGateUp ? rA + 1 : rA + 8;  // tile rows
-  const int swzA = (rA ^ (rA >> 1)) & 7, swzB = (rB ^ (rB >> 1)) & 7;  // their units' swizzle (mxfp4_layout.h)
   const uint64_t desc0 = w8_desc(base + L.act);  // sub-block s: + s * 16 (its address in 16-byte units)
   const uint32_t xs0 = base + L.xs;
   float4* const red = reinterpret_cast<float4*>(sm + L.red);
@@ -868,19 +868,9 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a) {
     uint32_t scA = 0, scB = 0;  // this tile's scales of rows A and B
     auto stage = [&](uint32_t box, int c0, bool guard, auto release) {
       uint32_t wa[8], wb[8];
-      if (!guard) {  // a full piece: 128-byte rows, 16-byte units swizzled
-        const uint32_t pa = box + rA * kW4StageBytes + 4 * t, pb = box + rB * kW4StageBytes + 4 * t;
+      const uint32_t pa = box + rA * kW8Row + 4 * t, pb = box + rB * kW8Row + 4 * t;
 #pragma unroll
-        for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + ((u ^ swzA) << 4)), wb[u] = lds32(pb + ((u ^ swzB) << 4));
-      } else {  // the partial last piece: tw units a row, unswizzled; units past it read unit 0 (zero scales)
-        const int tw = a.nsub % kW4StageSubs;
-        const uint32_t pa = box + rA * tw * 16 + 4 * t, pb = box + rB * tw * 16 + 4 * t;
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const uint32_t o = u < tw ? 16 * u : 0;
-          wa[u] = lds32(pa + o), wb[u] = lds32(pb + o);
-        }
-      }
+      for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * u), wb[u] = lds32(pb + 16 * u);
       release();
       {
         const int nc = guard ? min(2, nch - c0) : 2;
@@ -893,8 +883,8 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a) {
             af[cc][b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[cc][b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
           }
         // No branch around the MMAs (the compiler would serialize them): a chunk
-        // past K decodes whatever the slot holds (always finite) against the
-        // stage's first chunk of activations, and is not used.
+        // past K has zero weights (the copy engine's fill) and reads the
+        // stage's first chunk of activations, giving exact zeros, unused.
         float q[2][4][4];
         ptx::wgmma_fence();
 #pragma unroll
@@ -1423,12 +1413,18 @@ struct MoeLayer::Impl {
   template <bool G>
   void launch_w4(int ks, bool pdl, bool w4a8, int rows, unsigned max_active, cudaStream_t st, const W4Args& a) {
     if (w4a8 && w8(rows, a)) {  // two warpgroups a block: two 64-row tiles, or one split over K
+      CUtensorMap map;
+      const cuuint64_t dims[2] = {cuuint64_t(a.nsub) * 16, cuuint64_t(s.n_experts) * rows};
+      const cuuint64_t strides[1] = {cuuint64_t(a.nsub) * 16};
+      const cuuint32_t box[2] = {kW8Row, 64};
+      encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks, dims, strides, box,
+                        CU_TENSOR_MAP_SWIZZLE_NONE, G ? "MoE gate_up blocks" : "MoE down blocks");
       const int ks8 = ks == 1 ? 1 : 2, tiles = ks8 == 1 ? opt.fused_w4a8_tiles : 1;
       const int per_block = 64 * (kW8Consumers / ks8) * tiles;
       const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
       const bool lo = opt.fused_w4a8_terms == 2;
       launch(pdl ? w8_fn<G, true>(ks8, lo, tiles) : w8_fn<G, false>(ks8, lo, tiles), grid, dim3(kW8Threads),
-             size_t(w8_smem(a.nsub, a.kpad, tiles).total), st, pdl, a);
+             size_t(w8_smem(a.nsub, a.kpad, tiles).total), st, pdl, a, map);
       return;
     }
     const int per_block = 16 * (8 / ks), ntile = a.ntok > kW4Tokens ? 2 : 1;

@@ -37,9 +37,9 @@ __global__ void __launch_bounds__(kFoldThreads) fold_kernel(FoldArgs a) {
   if (idx < total) {
     const int r = int(idx / a.ngroups), g = int(idx % a.ngroups);
     const int64_t e = a.ids[slot];
-    const uint8_t* eb = a.blocks + e * a.rows * int64_t(a.nsub) * 16;
+    const uint8_t* bl = a.blocks + (e * a.rows + r) * int64_t(a.nsub) * 16;
     const uint8_t* sc = a.scales + (e * a.rows + r) * int64_t(a.nsub);
-    const GroupIn G = load_group(eb, r, a.rows, sc, g, a.nsub);
+    const GroupIn G = load_group(bl, sc, g, a.nsub);
     a.out_scales[int64_t(slot) * total + int64_t(g) * a.rows + r] =
         fold_group(G, stage + threadIdx.x * 8, threadIdx.x & 7);
   }
@@ -53,17 +53,15 @@ __global__ void __launch_bounds__(kFoldThreads) fold_kernel(FoldArgs a) {
 }
 
 // stats: [groups, lossy, zero, max_spread, nan_scales]
-// rows: of all experts (R each, consecutive).
 __global__ void __launch_bounds__(256) fold_check_kernel(const uint8_t* blocks, const uint8_t* scales, int64_t rows,
-                                                         int R, int nsub, int ngroups, unsigned long long* stats) {
+                                                         int nsub, int ngroups, unsigned long long* stats) {
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   unsigned long long lossy = 0, zero = 0, nan = 0, groups = 0;
   int spread = 0;
   if (idx < rows * ngroups) {
     const int64_t r = idx % rows;
     const int g = int(idx / rows);
-    const int64_t e = r / R;
-    const GroupIn G = load_group(blocks + e * R * nsub * 16, int(r - e * R), R, scales + r * nsub, g, nsub);
+    const GroupIn G = load_group(blocks + r * nsub * 16, scales + r * nsub, g, nsub);
     const int smax = group_smax(G);
     groups = 1;
     if (smax < 0) zero = 1;
@@ -118,8 +116,7 @@ cpu::FoldStats mxfp4_fold_check_device(const Mxfp4Stack& w, int n_experts, uint6
   const int nsub = int(w.k / 32), ngroups = int(cpu::fold_kpad(w.k) / 128);
   const int64_t rows = w.rows * n_experts;  // experts are consecutive rows
   const int64_t work = rows * ngroups;
-  fold_check_kernel<<<unsigned((work + 255) / 256), 256, 0, s>>>(w.blocks, w.scales, rows, int(w.rows), nsub, ngroups,
-                                                                 d);
+  fold_check_kernel<<<unsigned((work + 255) / 256), 256, 0, s>>>(w.blocks, w.scales, rows, nsub, ngroups, d);
   DZ_CUDA_LAUNCH_CHECK();
   unsigned long long h[5];
   DZ_CUDA_CHECK(cudaMemcpyAsync(h, d, sizeof h, cudaMemcpyDeviceToHost, s));

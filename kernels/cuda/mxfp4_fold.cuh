@@ -6,7 +6,6 @@
 
 #include <cstdint>
 
-#include "cuda/mxfp4_layout.h"
 #include "cuda/ptx.cuh"
 
 namespace dz::cuda {
@@ -45,15 +44,14 @@ struct GroupIn {
   int s[4];
 };
 
-// Loads only: the caller may issue them early and fold later. eb: the
-// expert's blocks (device order, mxfp4_layout.h), R its rows; sc: row r's scales.
-__device__ __forceinline__ GroupIn load_group(const uint8_t* eb, int r, int R, const uint8_t* sc, int g, int nsub) {
+// Loads only: the caller may issue them early and fold later.
+__device__ __forceinline__ GroupIn load_group(const uint8_t* bl, const uint8_t* sc, int g, int nsub) {
   GroupIn G;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int sb = g * 4 + j;
     if (sb < nsub) {
-      G.w[j] = __ldg(reinterpret_cast<const uint4*>(eb + w4_unit_offset(r, sb, R, nsub)));
+      G.w[j] = __ldg(reinterpret_cast<const uint4*>(bl + sb * 16));  // L1 keeps the sector's other half
       G.s[j] = sc[sb];
     } else {
       G.w[j] = make_uint4(0, 0, 0, 0);

@@ -11,8 +11,7 @@
 namespace dz::cuda {
 
 // A stack of same-shaped MXFP4 matrices on the device: expert e's blocks at
-// blocks + e * rows * k/2 (in the device order of mxfp4_layout.h), scales at
-// scales + e * rows * k/32.
+// blocks + e * rows * k/2, scales at scales + e * rows * k/32.
 struct Mxfp4Stack {
   const uint8_t* blocks = nullptr;
   const uint8_t* scales = nullptr;

@@ -35,7 +35,6 @@ uint64_t gpt_oss_cuda_graph_replays() { return 0; }
 #include "cuda/bf16_gemm.h"
 #include "cuda/embed.h"
 #include "cuda/moe.h"
-#include "cuda/mxfp4_layout.h"
 #include "cuda/norm.h"
 #include "cuda/rope.h"
 #include "cuda/router.h"
@@ -377,9 +376,6 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
     d.w1s = upload(L.gate_up.scales, L.gate_up.scale_bytes(E), "gate_up scales");
     d.w2b = upload(L.down.blocks, L.down.block_bytes(E), "down blocks");
     d.w2s = upload(L.down.scales, L.down.scale_bytes(E), "down scales");
-    // The experts' blocks in the device order the kernels stream (same bytes, still MXFP4).
-    cuda::mxfp4_to_device_order(d.w1b.get(), E, int(L.gate_up.rows), L.gate_up.cols, ctx_->stream());
-    cuda::mxfp4_to_device_order(d.w2b.get(), E, int(L.down.rows), L.down.cols, ctx_->stream());
     std::vector<uint16_t> b1(L.gate_up_bias.size()), b2(L.down_bias.size());
     for (size_t i = 0; i < b1.size(); ++i) b1[i] = f32_to_bf16(L.gate_up_bias[i]);  // BF16 in the checkpoint: exact
     for (size_t i = 0; i < b2.size(); ++i) b2[i] = f32_to_bf16(L.down_bias[i]);

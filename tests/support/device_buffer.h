@@ -8,7 +8,6 @@
 
 #include <vector>
 
-#include "cuda/mxfp4_layout.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 
@@ -42,11 +41,5 @@ struct DeviceBuffer {
     return v;
   }
 };
-
-// MXFP4 blocks of E experts (R rows, K columns, checkpoint order) uploaded
-// into b, reordered in place as the device kernels read them.
-inline void mxfp4_to_device_order(DeviceBuffer<uint8_t>& b, int64_t E, int64_t R, int64_t K) {
-  dz::cuda::mxfp4_to_device_order(b.p, E, int(R), K, nullptr);
-}
 
 }  // namespace dz::test
