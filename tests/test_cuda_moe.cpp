@@ -523,6 +523,7 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
         }
       if (w4a8) {  // two row tiles a warpgroup (K split 1): the same sums, bit for bit
         layer.options().fused_k_split = 1;
+        layer.options().fused_w4a8_tiles = 1;
         const auto one = run(false);
         layer.options().fused_w4a8_tiles = 2;
         INFO("two tiles a warpgroup");

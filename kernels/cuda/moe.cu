@@ -1374,17 +1374,18 @@ struct MoeLayer::Impl {
     const bool pdl = opt.pdl && pdl_enabled();
     check(opt.fused_w4a8_terms == 1 || opt.fused_w4a8_terms == 2, DZ_ERR_INVALID_ARGUMENT,
           "fused_w4a8_terms must be 1 or 2, not ", opt.fused_w4a8_terms);
-    check(opt.fused_w4a8_tiles == 1 || opt.fused_w4a8_tiles == 2, DZ_ERR_INVALID_ARGUMENT,
-          "fused_w4a8_tiles must be 1 or 2, not ", opt.fused_w4a8_tiles);
+    check(opt.fused_w4a8_tiles >= 0 && opt.fused_w4a8_tiles <= 2, DZ_ERR_INVALID_ARGUMENT,
+          "fused_w4a8_tiles must be 0 (auto), 1 or 2, not ", opt.fused_w4a8_tiles);
+    const int tiles = opt.fused_w4a8_tiles ? opt.fused_w4a8_tiles : int64_t(T) * s.topk >= E ? 2 : 1;
     const bool w4a8 = opt.fused_w4a8 && double(T) * s.topk / E <= opt.fused_w4a8_max_tokens_per_expert &&
                       int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
-    launch_w4<true>(ks, pdl, w4a8, 2 * I, max_active, st, a);
+    launch_w4<true>(ks, pdl, w4a8, tiles, 2 * I, max_active, st, a);
     // down
     a.blocks = w.w2_blocks, a.scales = w.w2_scales, a.bias = w.b2;
     a.act = act16.get(), a.act_scale = nullptr;
     a.rows = H, a.nsub = I / 32, a.kpad = int(kpi);
     a.out_y = y32.get();
-    launch_w4<false>(ks, pdl, w4a8, H, max_active, st, a);
+    launch_w4<false>(ks, pdl, w4a8, tiles, H, max_active, st, a);
     const bool v8 = vec8(y32.get(), nullptr, out);
     const auto comb = v8 ? (pdl ? combine_kernel<float, false, true, true> : combine_kernel<float, false, false, true>)
                          : (pdl ? combine_kernel<float, false, true> : combine_kernel<float, false, false>);
@@ -1411,7 +1412,8 @@ struct MoeLayer::Impl {
 
   // One projection of the fused path, K split ks.
   template <bool G>
-  void launch_w4(int ks, bool pdl, bool w4a8, int rows, unsigned max_active, cudaStream_t st, const W4Args& a) {
+  void launch_w4(int ks, bool pdl, bool w4a8, int tiles, int rows, unsigned max_active, cudaStream_t st,
+                 const W4Args& a) {
     if (w4a8 && w8(rows, a)) {  // two warpgroups a block: two 64-row tiles, or one split over K
       CUtensorMap map;
       const cuuint64_t dims[2] = {cuuint64_t(a.nsub) * 16, cuuint64_t(s.n_experts) * rows};
@@ -1419,7 +1421,8 @@ struct MoeLayer::Impl {
       const cuuint32_t box[2] = {kW8Row, 64};
       encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks, dims, strides, box,
                         CU_TENSOR_MAP_SWIZZLE_NONE, G ? "MoE gate_up blocks" : "MoE down blocks");
-      const int ks8 = ks == 1 ? 1 : 2, tiles = ks8 == 1 ? opt.fused_w4a8_tiles : 1;
+      const int ks8 = ks == 1 ? 1 : 2;
+      if (ks8 == 2) tiles = 1;
       const int per_block = 64 * (kW8Consumers / ks8) * tiles;
       const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
       const bool lo = opt.fused_w4a8_terms == 2;

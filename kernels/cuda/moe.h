@@ -71,10 +71,15 @@ struct MoeOptions {
   double fused_w4a8_max_tokens_per_expert = 1.5;
   int fused_w4a8_min_slots = 8;
   int fused_w4a8_terms = 2;
-  // 64-row tiles each W4A8 warpgroup streams in turn without a K split (1 or
-  // 2): with 2 its copy ring runs on from one tile into the next (3 stages
-  // instead of 4) and a block's setup serves twice the rows.
-  int fused_w4a8_tiles = 1;
+  // 64-row tiles each W4A8 warpgroup streams in turn without a K split: with
+  // 2 its copy ring runs on from one tile into the next (3 stages instead of
+  // 4) and a block's setup serves twice the rows, but half the blocks leave
+  // a longer last wave; 0 (auto): 2 from one token an expert on average
+  // (tokens * topk >= n_experts), else 1. H200 (2026-12-01-h200-run19.md),
+  // two terms, one vs two tiles: 120b shapes (128 experts) 8 / 16 / 32 / 64
+  // tokens 160 / 260 / 421 / 623 vs 165 / 257 / 391 / 569 us; 32 experts 4 /
+  // 8 / 16 tokens 88 / 126 / 186 vs 102 / 118 / 190 us.
+  int fused_w4a8_tiles = 0;
   // E4M3 arithmetic at every size (DZ_EXPERTS_FP8): one E4M3 term a value,
   // W4A8 kernels at every slot count up to 8 tokens an expert (faster than
   // the FP8 GEMM path there: run 16), the FP8 path above.

@@ -391,7 +391,7 @@ int bench_moe(const Args& a) {
       // launch on/off); the default options are what "fused_ms" reports.
       // W4A8 variants run at every size; defaults: the options as given.
       auto time_fused = [&](int ks, bool pdl, bool direct = true, int w4a8_terms = 0, bool defaults = false,
-                            int w4a8_tiles = 1) {
+                            int w4a8_tiles = 0) {
         if (!defaults) {
           layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
           layer.options().fused_w4a8 = w4a8_terms > 0;
@@ -432,7 +432,7 @@ int bench_moe(const Args& a) {
           for (int terms : {1, 2})
             for (int ks : {1, 4})
               variants[std::string(terms == 2 ? "w4a8x2" : "w4a8") + "_ks" + std::to_string(ks) + "_pdl"] =
-                  time_fused(ks, true, true, terms);
+                  time_fused(ks, true, true, terms, false, 1);
         // Two row tiles a warpgroup (K split 1), both E4M3 forms.
         if (Fp8GroupedGemm::supported())
           for (int terms : {1, 2})
