@@ -107,10 +107,8 @@ constexpr int kSplitHeads = 8;                   // query heads per block (one w
 constexpr int kSplitThreads = 32 * kSplitHeads;  // also with fewer heads per KV head: every warp loads
 static_assert(kSplitKeys * 32 / 4 % kSplitThreads == 0, "a tile's float4s spread evenly over the threads");
 
-__host__ __device__ inline int chunk_keys(int len, int min_chunk, int max_splits, int splits, int single_max) {
+__host__ __device__ inline int chunk_keys(int len, int min_chunk, int max_splits, int splits) {
   int64_t c = min_chunk;
-  const int64_t whole = (int64_t(len) + kSplitKeys - 1) / kSplitKeys * kSplitKeys;
-  if (len <= single_max && whole > c) c = whole;
   while ((int64_t(len) + c - 1) / c > max_splits) c *= 2;
   const int64_t need = (int64_t(len) + splits - 1) / splits;  // a grid too small for the policy: larger chunks
   if (need > c) c = (need + kSplitKeys - 1) / kSplitKeys * kSplitKeys;
@@ -139,11 +137,11 @@ constexpr int split_blocks_per_sm(int D) { return D == 128 ? 2 : D == 64 ? 5 : 3
 template <int D>
 __global__ void __launch_bounds__(kSplitThreads, split_blocks_per_sm(D))
     split_kernel(AttnBatch a, const int32_t* __restrict__ rows, int splits, int min_chunk, int max_splits,
-                 int single_max, float* __restrict__ part, int* __restrict__ tickets) {
+                 float* __restrict__ part, int* __restrict__ tickets) {
   constexpr int PER = D / 32, KP = D + 4;
   const int i = blockIdx.x, r = rows[i];
   const int item = a.row_item[r], pos = a.row_pos[r], lo = row_lo(a, pos), len = pos - lo + 1;
-  const int chunk = chunk_keys(len, min_chunk, max_splits, splits, single_max);
+  const int chunk = chunk_keys(len, min_chunk, max_splits, splits);
   const int n = int((int64_t(len) + chunk - 1) / chunk);
   const int c = blockIdx.z;
   if (c >= n) return;  // whole block: past this row's chunks
@@ -399,11 +397,11 @@ void attention_decode(const AttnBatch& a, const int32_t* rows, int n_rows, cudaS
 }
 
 int decode_chunk_keys(int len, const DecodeSplitPolicy& p, int splits) {
-  return chunk_keys(len, p.min_chunk, p.max_splits, splits, p.single_chunk_max);
+  return chunk_keys(len, p.min_chunk, p.max_splits, splits);
 }
 
 int decode_chunks(int len, const DecodeSplitPolicy& p, int splits) {
-  const int64_t c = chunk_keys(len, p.min_chunk, p.max_splits, splits, p.single_chunk_max);
+  const int64_t c = chunk_keys(len, p.min_chunk, p.max_splits, splits);
   return int((int64_t(len) + c - 1) / c);
 }
 
@@ -441,15 +439,15 @@ void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows,
     switch (a.head_dim) {
       case 32:
         launch_pdl(split_kernel<32>, grid, dim3(threads), 0, s, a, rows + r0, splits, p.min_chunk, p.max_splits,
-                   p.single_chunk_max, scratch.partials, scratch.tickets);
+                   scratch.partials, scratch.tickets);
         break;
       case 64:
         launch_pdl(split_kernel<64>, grid, dim3(threads), 0, s, a, rows + r0, splits, p.min_chunk, p.max_splits,
-                   p.single_chunk_max, scratch.partials, scratch.tickets);
+                   scratch.partials, scratch.tickets);
         break;
       case 128:
         launch_pdl(split_kernel<128>, grid, dim3(threads), 0, s, a, rows + r0, splits, p.min_chunk, p.max_splits,
-                   p.single_chunk_max, scratch.partials, scratch.tickets);
+                   scratch.partials, scratch.tickets);
         break;
       default:
         fail(DZ_ERR_UNSUPPORTED, "CUDA attention: head_dim ", a.head_dim, " (built for 32, 64, 128)");

@@ -49,9 +49,6 @@ void attention_decode(const AttnBatch& a, const int32_t* rows, int n_rows, cudaS
 struct DecodeSplitPolicy {
   int min_chunk = 64;   // keys per chunk at least (multiple of 32)
   int max_splits = 64;  // chunks per row at most: longer rows get chunks of min_chunk * 2^k
-  // Rows of at most this many keys take one chunk (no partial states to
-  // merge: a short row's latency is the merge's, not its keys'); 0: none.
-  int single_chunk_max = 0;
 };
 // Keys per chunk and chunks for a row attending to len keys (len >= 1) when
 // `splits` blocks per row are launched: decode_chunk_keys(len) as long as

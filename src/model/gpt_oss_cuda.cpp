@@ -247,9 +247,7 @@ class GptOssCuda final : public Family, private GptOssDesc {
   DeviceArray<uint8_t> meta_;
   DeviceArray<float> att_part_;      // split decode attention partials
   DeviceArray<int32_t> att_ticket_;  // and its ticket counters (zero between launches)
-  // Split decode attention; rows of up to 256 keys (every sliding-window row
-  // of gpt-oss) in one chunk: their blocks finish the row themselves.
-  cuda::DecodeSplitPolicy split_{64, 64, 256};
+  cuda::DecodeSplitPolicy split_;
   float* logits_host_ = nullptr;  // pinned [kLogitRows][V]
   uint8_t* stage_ = nullptr;      // pinned staging of the metadata (uploaded with one copy)
   size_t stage_cap_ = 0;
