@@ -1369,7 +1369,7 @@ struct MoeLayer::Impl {
     // tokens; fewer leave the larger staging buffer idle (64 tokens of 128
     // experts: 0.79 vs 0.66 ms with 16 slots on an H200).
     const int ks = w4_split(T);
-    const bool two_tiles = ks == 1 && int64_t(T) * s.topk > int64_t(kW4Tokens) * E;
+    const bool two_tiles = ks == 1 && double(T) * s.topk > opt.fused_two_token_tiles_above * E;
     a.ntok = std::min(T, two_tiles ? kW4MaxTokens : kW4Tokens);
     const bool pdl = opt.pdl && pdl_enabled();
     check(opt.fused_w4a8_terms == 1 || opt.fused_w4a8_terms == 2, DZ_ERR_INVALID_ARGUMENT,

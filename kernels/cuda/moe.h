@@ -47,7 +47,11 @@ struct MoeOptions {
   int tile_experts = 16;  // experts per FP8 workspace tile (two tiles in flight; more than the layer has: all)
   int gemm_streams = 4;   // experts of a tile run concurrently on this many streams
   int fused_k_split = 0;  // fused kernels: K split over 1, 4 or 8 warps (0: 4 up to 8 token slots, else 1)
-  bool pdl = true;        // fused kernels as programmatic dependent launches
+  // W4A16 kernels without a K split: 16 token slots a weight pass (two MMA
+  // token tiles sharing one decode) once tokens * topk / n_experts is above
+  // this, else 8 (an expert with more tokens takes more passes).
+  double fused_two_token_tiles_above = 8.0;
+  bool pdl = true;  // fused kernels as programmatic dependent launches
   // One token on the per-projection fused kernels: they read the router's ids
   // themselves and gate_up converts the input (no routing launch).
   bool fused_one_token_direct = true;

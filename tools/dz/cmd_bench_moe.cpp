@@ -426,6 +426,10 @@ int bench_moe(const Args& a) {
             if (ks != 8 || (T <= 64 && pdl))
               variants["ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] = time_fused(ks, pdl);
         if (T == 1) variants["ks4_pdl_routing_kernel"] = time_fused(4, true, false);  // one token, routed
+        if (T >= 8) {  // 16 token slots a pass (two MMA token tiles) whatever the tokens per expert
+          layer.options().fused_two_token_tiles_above = 0.0;  // kept by time_fused, which then restores opt
+          variants["ks1_pdl_16slots"] = time_fused(1, true);
+        }
         // W4A8 (E4M3 activations, FP8 wgmma, weights through the copy engine): both block shapes, one
         // E4M3 term a value (w4a8_*) or two (w4a8x2_*: hi + lo).
         if (Fp8GroupedGemm::supported())
