@@ -49,8 +49,12 @@ struct MoeOptions {
   int fused_k_split = 0;  // fused kernels: K split over 1, 4 or 8 warps (0: 4 up to 8 token slots, else 1)
   // W4A16 kernels without a K split: 16 token slots a weight pass (two MMA
   // token tiles sharing one decode) once tokens * topk / n_experts is above
-  // this, else 8 (an expert with more tokens takes more passes).
-  double fused_two_token_tiles_above = 8.0;
+  // this, else 8 (an expert with more tokens takes more passes). H200
+  // (2026-12-01-h200-run19.md, run 24), 8 vs 16 slots: 128 experts 4 / 6 / 8
+  // tokens an expert 737 / 864 / 1080 vs 864 / 915 / 956 us; 32 experts 4 /
+  // 6 / 8: 198 / 240 / 316 vs 231 / 240 / 253 us. At 8 on average many
+  // experts get a ninth token and a second pass.
+  double fused_two_token_tiles_above = 7.0;
   bool pdl = true;  // fused kernels as programmatic dependent launches
   // One token on the per-projection fused kernels: they read the router's ids
   // themselves and gate_up converts the input (no routing launch).
