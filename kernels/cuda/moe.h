@@ -40,10 +40,11 @@ enum class MoePath { kAuto = 0, kFused = 1, kFp8 = 2 };
 
 struct MoeOptions {
   // Fused path while tokens * topk / n_experts <= this. Measured on an H200
-  // at gpt-oss-120b shapes (bench/results/2026-12-01-h200-run10.md), since the
-  // FP8 path folds inside its GEMMs: fused 1.15 vs 1.47 ms at 12 tokens per
-  // expert, FP8 1.50 vs 1.55 ms at 16 (and 1.56 vs 2.67 ms at 32).
-  double fused_max_tokens_per_expert = 12.0;
+  // (bench/results/2026-12-01-h200-run19.md, run 26), fused vs FP8 path at 12
+  // / 14 / 16 / 20 tokens per expert: 128 experts (gpt-oss-120b) 1.13 / 1.27
+  // / 1.46 / 1.80 vs 1.47 / 1.48 / 1.48 / 1.50 ms; 32 experts (gpt-oss-20b)
+  // at 12 / 16 / 20: 0.30 / 0.40 / 0.49 vs 0.42 / 0.42 / 0.43 ms.
+  double fused_max_tokens_per_expert = 16.0;
   int tile_experts = 16;  // experts per FP8 workspace tile (two tiles in flight; more than the layer has: all)
   int gemm_streams = 4;   // experts of a tile run concurrently on this many streams
   int fused_k_split = 0;  // fused kernels: K split over 1, 4 or 8 warps (0: 4 up to 8 token slots, else 1)
