@@ -430,18 +430,15 @@ int bench_moe(const Args& a) {
           layer.options().fused_two_token_tiles_above = 0.0;  // kept by time_fused, which then restores opt
           variants["ks1_pdl_16slots"] = time_fused(1, true);
         }
-        // W4A8 (E4M3 activations, FP8 wgmma, weights through the copy engine): both block shapes, one
-        // E4M3 term a value (w4a8_*) or two (w4a8x2_*: hi + lo).
+        // W4A8 (E4M3 activations, FP8 wgmma, weights through the copy engine), one E4M3 term a value
+        // (w4a8_*) or two (w4a8x2_*: hi + lo): both block shapes, and two row tiles a warpgroup (_t2).
         if (Fp8GroupedGemm::supported())
-          for (int terms : {1, 2})
+          for (int terms : {1, 2}) {
+            const std::string name = terms == 2 ? "w4a8x2" : "w4a8";
             for (int ks : {1, 4})
-              variants[std::string(terms == 2 ? "w4a8x2" : "w4a8") + "_ks" + std::to_string(ks) + "_pdl"] =
-                  time_fused(ks, true, true, terms, false, 1);
-        // Two row tiles a warpgroup (K split 1), both E4M3 forms.
-        if (Fp8GroupedGemm::supported())
-          for (int terms : {1, 2})
-            variants[std::string(terms == 2 ? "w4a8x2" : "w4a8") + "_ks1_t2_pdl"] =
-                time_fused(1, true, true, terms, false, 2);
+              variants[name + "_ks" + std::to_string(ks) + "_pdl"] = time_fused(ks, true, true, terms, false, 1);
+            variants[name + "_ks1_t2_pdl"] = time_fused(1, true, true, terms, false, 2);
+          }
       }
       const double ms_fused = time_fused(0, false, true, 0, true);
       std::vector<double> host;
