@@ -149,7 +149,8 @@ typedef enum dz_activation_precision {
   DZ_ACTIVATIONS_AUTO = 0, /* the backend's own (CPU fp32, CUDA BF16) */
   DZ_ACTIVATIONS_F32 = 1,  /* fp32 (CPU) */
   DZ_ACTIVATIONS_BF16 = 2  /* rounded to BF16 before each product, experts'
-                              inputs to FP16 (CPU gpt_oss; CUDA) */
+                              inputs to FP16, K and V cached in BF16 (CPU
+                              gpt_oss; CUDA) */
 } dz_activation_precision;
 
 typedef struct dz_model_params {

@@ -19,6 +19,7 @@
 #include "model/gpt_oss.h"
 #include "runtime/device.h"
 #include "support/gpu.h"
+#include "support/safetensors_writer.h"
 
 #ifdef DZ_WITH_CUDA
 #include "cuda/attention.h"
@@ -38,12 +39,13 @@ namespace {
 
 using dz::cuda::DeviceArray;
 
-// A paged single-layer KV cache with random pages, queries and sinks.
+// A paged single-layer KV cache (bf16 K|V, as the model stores it) with random pages, queries and sinks.
 struct AttnCase {
   int n_heads, n_kv, D, page_tokens = 16;
   std::vector<int> pos, item;                // per row
   std::vector<std::vector<int32_t>> tables;  // per item: page ids
-  std::vector<float> kv, q, sinks;           // host copies
+  std::vector<uint16_t> kv;                  // bf16, host copy
+  std::vector<float> q, sinks;
   int q_stride = 0;
   int64_t page_bytes = 0;
 
@@ -63,18 +65,18 @@ struct AttnCase {
     for (int it = 0, k = 0; it < n_items; ++it)
       for (int p = 0; p < (need[size_t(it)] + page_tokens - 1) / page_tokens; ++p)
         tables[size_t(it)].push_back(perm[size_t(k++)]);
-    page_bytes = int64_t(page_tokens) * 2 * n_kv * D * 4;
-    kv.resize(size_t(pages) * size_t(page_bytes) / 4);
-    for (auto& x : kv) x = nd(rng) * 1.5f;  // scores spread enough that the softmax is not flat
-    q_stride = n_heads * D + 2 * n_kv * D;  // as in the fused QKV rows
+    page_bytes = int64_t(page_tokens) * 2 * n_kv * D * 2;
+    kv.resize(size_t(pages) * size_t(page_bytes) / 2);
+    for (auto& x : kv) x = dz::test::f32_to_bf16(nd(rng) * 1.5f);  // scores spread enough that the softmax is not flat
+    q_stride = n_heads * D + 2 * n_kv * D;                         // as in the fused QKV rows
     q.resize(pos.size() * size_t(q_stride));
     for (auto& x : q) x = nd(rng);
     sinks.resize(size_t(n_heads));
     for (auto& x : sinks) x = nd(rng) * 2.f;
   }
-  const float* key(int it, int j) const {
+  const uint16_t* key(int it, int j) const {
     const int64_t page = tables[size_t(it)][size_t(j / page_tokens)];
-    return kv.data() + (page * page_bytes + int64_t(j % page_tokens) * 2 * n_kv * D * 4) / 4;
+    return kv.data() + (page * page_bytes + int64_t(j % page_tokens) * 2 * n_kv * D * 2) / 2;
   }
   // float64 reference of row r, head h: softmax over [sink, keys lo..pos], sink dropped.
   std::vector<double> reference(int r, int h, int window) const {
@@ -83,9 +85,10 @@ struct AttnCase {
     std::vector<double> s;
     double m = sinks[size_t(h)];
     for (int j = lo; j <= p; ++j) {
-      const float* k = key(item[size_t(r)], j) + kvh * D;
+      const uint16_t* k = key(item[size_t(r)], j) + kvh * D;
       double dot = 0;
-      for (int d = 0; d < D; ++d) dot += double(q[size_t(r) * q_stride + size_t(h * D + d)]) * k[d];
+      for (int d = 0; d < D; ++d)
+        dot += double(q[size_t(r) * q_stride + size_t(h * D + d)]) * dz::test::bf16_to_double(k[d]);
       s.push_back(dot * scale);
       m = std::max(m, dot * scale);
     }
@@ -94,8 +97,8 @@ struct AttnCase {
     for (int j = lo; j <= p; ++j) {
       const double w = std::exp(s[size_t(j - lo)] - m);
       l += w;
-      const float* v = key(item[size_t(r)], j) + n_kv * D + kvh * D;
-      for (int d = 0; d < D; ++d) out[size_t(d)] += w * v[d];
+      const uint16_t* v = key(item[size_t(r)], j) + n_kv * D + kvh * D;
+      for (int d = 0; d < D; ++d) out[size_t(d)] += w * dz::test::bf16_to_double(v[d]);
     }
     for (auto& x : out) x /= l;
     return out;
@@ -110,7 +113,7 @@ struct DeviceCase {
   DeviceArray<int32_t> pt, ipt, ritem, rpos, rows;
   DeviceCase(dz::cuda::Context& cx, const AttnCase& cs) : ctx(cx), c(cs) {
     auto& P = ctx.pool();
-    kv = DeviceArray<uint8_t>(P, c.kv.size() * 4, "kv");
+    kv = DeviceArray<uint8_t>(P, c.kv.size() * 2, "kv");
     q = DeviceArray<float>(P, c.q.size(), "q");
     sinks = DeviceArray<float>(P, c.sinks.size(), "sinks");
     out = DeviceArray<float>(P, c.pos.size() * size_t(c.n_heads * c.D), "out");
@@ -123,7 +126,7 @@ struct DeviceCase {
     ritem = up(std::vector<int32_t>(c.item.begin(), c.item.end()));
     rpos = up(std::vector<int32_t>(c.pos.begin(), c.pos.end()));
     rows = up(all);
-    DZ_CUDA_CHECK(cudaMemcpy(kv.get(), c.kv.data(), c.kv.size() * 4, cudaMemcpyHostToDevice));
+    DZ_CUDA_CHECK(cudaMemcpy(kv.get(), c.kv.data(), c.kv.size() * 2, cudaMemcpyHostToDevice));
     DZ_CUDA_CHECK(cudaMemcpy(q.get(), c.q.data(), c.q.size() * 4, cudaMemcpyHostToDevice));
     DZ_CUDA_CHECK(cudaMemcpy(sinks.get(), c.sinks.data(), c.sinks.size() * 4, cudaMemcpyHostToDevice));
     // Copies from pageable memory may return before their DMA lands, and the
@@ -211,8 +214,9 @@ TEST_CASE("split-K decode attention: float64 reference, unsplit kernel, grid ind
   struct Shape {
     int nh, nkv, D;
   };
-  // G = 8 (gpt-oss), G = 2 (idle loader warps), G = 12 (two head groups, the second partial).
-  for (const Shape sh : {Shape{16, 2, 64}, Shape{4, 2, 32}, Shape{24, 2, 128}}) {
+  // G = 8 (gpt-oss: MMA rows 8-15 idle), G = 2, G = 12 (rows 12-15 idle), G = 20 (two head groups, the second
+  // partial).
+  for (const Shape sh : {Shape{16, 2, 64}, Shape{4, 2, 32}, Shape{24, 2, 128}, Shape{40, 2, 64}}) {
     // Rows of two sequences; long contexts, page and chunk boundaries, a single key.
     const AttnCase c(sh.nh, sh.nkv, sh.D, {4999, 0, 63, 64, 2048, 4095, 1000}, {0, 1, 1, 0, 0, 1, 1},
                      uint32_t(sh.D * 7 + sh.nh));

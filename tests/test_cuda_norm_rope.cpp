@@ -1,10 +1,11 @@
 // GPU tests of the decode step's small kernels ([cuda]; they skip with a
 // message where no CUDA device is present): RMSNorm (register-resident rows and
 // the strided fallback, row indirection, fp32 and bf16 outputs) and RoPE + KV
-// store against float64 on random inputs.
+// store (bf16 K and V, rounded to nearest) against float64 on random inputs.
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <tuple>
 #include <vector>
@@ -80,7 +81,7 @@ TEST_CASE("CUDA RoPE + KV store matches float64", "[cuda]") {
       cs[i] = 1.1f * std::cos(a), sn[i] = 1.1f * std::sin(a);  // an attention factor folded in, as YaRN does
     }
     // Rows' KV slots out of order inside a larger page buffer.
-    const int slot = 2 * nkv * D * 4;
+    const int slot = 2 * nkv * D * 2;  // bf16 K | V
     const std::vector<int64_t> off = {2 * int64_t(slot), 0, 4 * int64_t(slot)};
     dz::test::DeviceBuffer<float> dq(qkv), dc(cs), ds(sn);
     dz::test::DeviceBuffer<int64_t> doff(off);
@@ -90,27 +91,38 @@ TEST_CASE("CUDA RoPE + KV store matches float64", "[cuda]") {
     ctx.sync();
     const auto q = dq.get();
     const auto kvb = dkv.get();
-    double worst = 0;
-    int untouched_bad = 0;
+    double worst = 0, worst_kv = 0;  // q: absolute; K: in half-ulps of bf16 (rounded to nearest: <= 1)
+    int untouched_bad = 0, v_bad = 0;
     auto rot = [&](const float* src, int r, int i, bool second) {
       const double c = cs[size_t(r) * half + i], s = sn[size_t(r) * half + i];
       return second ? double(src[i + half]) * c + double(src[i]) * s : double(src[i]) * c - double(src[i + half]) * s;
     };
     for (int r = 0; r < R; ++r) {
       const float* in = qkv.data() + size_t(r) * stride;
-      const float* kvr = reinterpret_cast<const float*>(kvb.data() + off[size_t(r)]);
+      const uint8_t* kvr = kvb.data() + off[size_t(r)];
+      auto kv_at = [&](int i) {
+        uint16_t b;
+        std::memcpy(&b, kvr + 2 * i, 2);
+        return b;
+      };
       for (int h = 0; h < nh + nkv; ++h)
         for (int i = 0; i < D; ++i) {
           const double ref = rot(in + h * D, r, i % half, i >= half);
-          const double got = h < nh ? q[size_t(r) * stride + h * D + i] : kvr[(h - nh) * D + i];
-          worst = std::max(worst, std::fabs(got - ref));
+          if (h < nh) {
+            worst = std::max(worst, std::fabs(q[size_t(r) * stride + h * D + i] - ref));
+          } else {
+            const double got = dz::test::bf16_to_double(kv_at((h - nh) * D + i));
+            const double half_ulp = std::ldexp(1.0, std::ilogb(std::max(std::fabs(ref), 1e-30)) - 8);
+            worst_kv = std::max(worst_kv, std::fabs(got - ref) / (half_ulp + 1e-6));  // + the fp32 rotation
+          }
         }
-      for (int i = 0; i < nkv * D; ++i)
-        worst = std::max(worst, double(std::fabs(kvr[nkv * D + i] - in[(nh + nkv) * D + i])));
+      for (int i = 0; i < nkv * D; ++i) v_bad += kv_at(nkv * D + i) != dz::test::f32_to_bf16(in[(nh + nkv) * D + i]);
       // k and v inside qkv, and its padding, stay as they were.
       for (int i = nh * D; i < stride; ++i) untouched_bad += q[size_t(r) * stride + i] != in[i];
     }
     CHECK(worst < 1e-5);
+    CHECK(worst_kv <= 1.0);
+    CHECK(v_bad == 0);
     CHECK(untouched_bad == 0);
   }
 #endif

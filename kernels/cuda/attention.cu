@@ -5,6 +5,7 @@
 #include "common/error.h"
 #include "cuda/attention.h"
 #include "cuda/pdl.cuh"
+#include "cuda/ptx.cuh"
 #include "runtime/cuda/cuda_check.h"
 
 namespace dz::cuda {
@@ -13,10 +14,16 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ const float* key_row(const AttnBatch& a, const int32_t* pt, int j) {
+// Token j's K row (all KV heads, bf16; its V row follows at + n_kv_heads * head_dim).
+__device__ __forceinline__ const __nv_bfloat16* key_row(const AttnBatch& a, const int32_t* pt, int j) {
   const int64_t page = pt[j / a.page_tokens];
-  return reinterpret_cast<const float*>(a.kv + page * a.page_bytes +
-                                        int64_t(j % a.page_tokens) * (2 * a.n_kv_heads * a.head_dim) * 4);
+  return reinterpret_cast<const __nv_bfloat16*>(a.kv + page * a.page_bytes +
+                                                int64_t(j % a.page_tokens) * (2 * a.n_kv_heads * a.head_dim) * 2);
+}
+
+__device__ __forceinline__ float4 bf16x4_to_float4(uint2 u) {
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                     __uint_as_float(u.y & 0xffff0000u));
 }
 
 // One block (4 warps) per (row, head); lane holds D/32 dims; each warp takes
@@ -47,11 +54,11 @@ __global__ void __launch_bounds__(128) decode_kernel(AttnBatch a, const int32_t*
 #pragma unroll
       for (int i = 0; i < PER; ++i) v[u][i] = 0;
       if (j <= pos) {
-        const float* kr = key_row(a, pt, j) + kvh * D + lane * PER;
+        const __nv_bfloat16* kr = key_row(a, pt, j) + kvh * D + lane * PER;
 #pragma unroll
-        for (int i = 0; i < PER; ++i) s[u] += q[i] * kr[i];
+        for (int i = 0; i < PER; ++i) s[u] += q[i] * __bfloat162float(kr[i]);
 #pragma unroll
-        for (int i = 0; i < PER; ++i) v[u][i] = kr[KVD + i];
+        for (int i = 0; i < PER; ++i) v[u][i] = __bfloat162float(kr[KVD + i]);
       }
     }
 #pragma unroll
@@ -102,10 +109,30 @@ __global__ void __launch_bounds__(128) decode_kernel(AttnBatch a, const int32_t*
 
 // ----------------------------------------------------------- split-K decode
 
-constexpr int kSplitKeys = 32;                   // keys per shared-memory tile (one per lane when scoring)
-constexpr int kSplitHeads = 8;                   // query heads per block (one warp each)
-constexpr int kSplitThreads = 32 * kSplitHeads;  // also with fewer heads per KV head: every warp loads
-static_assert(kSplitKeys * 32 / 4 % kSplitThreads == 0, "a tile's float4s spread evenly over the threads");
+constexpr int kSplitKeys = 32;  // chunk sizes are multiples of this
+constexpr int kTileKeys = 16;   // keys a warp takes at a time (one MMA k step of P V)
+constexpr int kSplitWarps = 4;  // a block's warps take its chunk's tiles in turn
+constexpr int kSplitThreads = 32 * kSplitWarps;
+constexpr int kSplitHeads = 16;  // query heads of one KV head a block: the MMA's rows
+constexpr int kSplitStages = 2;  // K/V tiles in flight a warp
+
+// Shared memory: per warp and stage a K and a V tile of kTileKeys rows of D
+// bf16, each row padded by 16 bytes so ldmatrix's eight rows hit distinct
+// banks; after the key loop the same bytes hold the warps' softmax states.
+template <int D>
+constexpr int split_row() {
+  return D + 8;  // bf16 elements
+}
+template <int D>
+constexpr uint32_t split_tile_bytes() {
+  return uint32_t(kTileKeys * split_row<D>() * 2);
+}
+template <int D>
+constexpr size_t split_smem() {
+  const size_t tiles = size_t(kSplitWarps) * kSplitStages * 2 * split_tile_bytes<D>();
+  const size_t merge = size_t(kSplitWarps) * kSplitHeads * (D + 2) * 4;
+  return tiles > merge ? tiles : merge;
+}
 
 __host__ __device__ inline int chunk_keys(int len, int min_chunk, int max_splits, int splits) {
   int64_t c = min_chunk;
@@ -124,21 +151,33 @@ __device__ __forceinline__ size_t partial_off(int i, int h, int c, int n_heads, 
   return ((size_t(i) * n_heads + h) * splits + c) * size_t(D + 2);
 }
 
-// Block = (row, KV head x head group, chunk); warp w = query head group*8 + w.
-// Keys of the chunk are staged 32 at a time (K and V, rows padded to D + 4
-// floats so lane-per-key float4 reads are conflict-free); each lane scores one
-// key against its warp's head, then the warp accumulates P V with lane = D/32
-// dims. A row of one chunk normalises at once; otherwise each block writes
-// its partial state and the last block of the (row, KV head, group) to finish
-// (a ticket counter, reset by that block for the next launch) merges them.
-// Blocks a multiprocessor: head_dim 64 keeps the five it had before the
-// register prefetch (48 registers, no spills).
-constexpr int split_blocks_per_sm(int D) { return D == 128 ? 2 : D == 64 ? 5 : 3; }
+// x0, x1 as two bf16 pairs, hi (rounded) + lo (the remainder, rounded): ~16
+// significant bits, so bf16 MMAs on fp32 queries and probabilities lose next
+// to nothing; only K and V are bf16 themselves.
+__device__ __forceinline__ void split_bf16(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+  const float2 hf = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
+  hi = reinterpret_cast<const uint32_t&>(h);
+  lo = reinterpret_cast<const uint32_t&>(l);
+}
+
+// Block = (row, KV head x group of up to 16 query heads, chunk of keys); the
+// group's heads are the rows of m16n8k16 bf16 MMAs (S = Q K^T with keys as the
+// n columns, then O += P V with keys as k), so each key is read once for all
+// of them. Each warp streams 16-key tiles of the chunk (tiles w, w + 4, ...)
+// through a two-stage cp.async ring in its own shared memory (ldmatrix, V
+// transposed) and keeps an online softmax per head; the warps' states merge in
+// shared memory. A row of one chunk normalises at once; otherwise each block
+// writes its partial state and the last block of the (row, KV head, group) to
+// finish (a ticket counter, reset by that block for the next launch) merges
+// the chunks in a fixed order with the sink.
 template <int D>
-__global__ void __launch_bounds__(kSplitThreads, split_blocks_per_sm(D))
+__global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 4)
     split_kernel(AttnBatch a, const int32_t* __restrict__ rows, int splits, int min_chunk, int max_splits,
                  float* __restrict__ part, int* __restrict__ tickets) {
-  constexpr int PER = D / 32, KP = D + 4;
+  constexpr int KS = D / 16, NT = D / 8, ROW = split_row<D>(), PD = D / 8;
+  constexpr uint32_t TB = split_tile_bytes<D>();
   const int i = blockIdx.x, r = rows[i];
   const int item = a.row_item[r], pos = a.row_pos[r], lo = row_lo(a, pos), len = pos - lo + 1;
   const int chunk = chunk_keys(len, min_chunk, max_splits, splits);
@@ -146,146 +185,214 @@ __global__ void __launch_bounds__(kSplitThreads, split_blocks_per_sm(D))
   const int c = blockIdx.z;
   if (c >= n) return;  // whole block: past this row's chunks
   const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
-  const int kvh = blockIdx.y / ngrp, gi = (blockIdx.y % ngrp) * kSplitHeads + int(threadIdx.x >> 5);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const bool head_ok = warp < kSplitHeads && gi < G;
-  const int h = kvh * G + gi;
+  const int kvh = blockIdx.y / ngrp, g0 = (blockIdx.y % ngrp) * kSplitHeads, nh = min(kSplitHeads, G - g0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int KVD = a.n_kv_heads * D;
   const int j_begin = lo + c * chunk, j_end = min(pos, j_begin + chunk - 1);
+  const int ntiles = (j_end - j_begin + kTileKeys) / kTileKeys;
   const int32_t* pt = a.page_table + a.item_pt[item];
-  __shared__ __align__(16) float ks[kSplitKeys * KP], vs[kSplitKeys * KP];
-  __shared__ __align__(16) float qs[kSplitHeads][D];
-  __shared__ int ticket;
-  const float sl2 = a.scale * kLog2e;
-  float m = -INFINITY, l = 0, acc[PER];
+  extern __shared__ __align__(16) uint8_t smem[];
+  const uint32_t my = ptx::smem_u32(smem) + uint32_t(warp) * kSplitStages * 2 * TB;
+
+  // Tile tl's K and V into stage st (keys past j_end: zeros), one commit group (empty past the tiles).
+  auto issue = [&](int tl, int st) {
+    if (tl < ntiles) {
+      const int j0 = j_begin + tl * kTileKeys;
 #pragma unroll
-  for (int k = 0; k < PER; ++k) acc[k] = 0;
-  // A tile's K and V go through registers (kLd float4 pairs a thread): the
-  // next tile's loads are in flight while this one is scored.
-  constexpr int kLd = kSplitKeys * (D / 4) / kSplitThreads;
-  float4 kreg[kLd], vreg[kLd];
-  auto load_tile = [&](int j0) {
-    const int nv = min(kSplitKeys, j_end - j0 + 1);
-#pragma unroll
-    for (int u = 0; u < kLd; ++u) {
-      const int e = threadIdx.x + u * kSplitThreads, key = e / (D / 4), d4 = e % (D / 4);
-      kreg[u] = vreg[u] = make_float4(0, 0, 0, 0);
-      if (key < nv) {
-        const float* kr = key_row(a, pt, j0 + key) + kvh * D;
-        kreg[u] = reinterpret_cast<const float4*>(kr)[d4];
-        vreg[u] = reinterpret_cast<const float4*>(kr + KVD)[d4];
+      for (int u = 0; u < kTileKeys * D / 8 / 32; ++u) {
+        const int e = lane + 32 * u, key = e / (D / 8), q8 = e % (D / 8), j = j0 + key;
+        const bool ok = j <= j_end;
+        const __nv_bfloat16* kr = key_row(a, pt, ok ? j : j_end) + kvh * D + q8 * 8;
+        const uint32_t dst = my + uint32_t(st) * 2 * TB + uint32_t(key * ROW + q8 * 8) * 2;
+        ptx::cp_async16_zfill(dst, kr, ok ? 16 : 0);
+        ptx::cp_async16_zfill(dst + TB, kr + KVD, ok ? 16 : 0);
       }
     }
+    ptx::cp_async_commit();
   };
-  // Rows, page tables and the keys before pos were written before the previous
-  // kernel (which stores key pos and q): the first tile's loads go out first.
-  const bool early = j_begin + kSplitKeys <= pos;
+  // Rows, page tables and the keys before pos were written before the
+  // previous kernel (which stores key pos and q): a warp whose first tile ends
+  // before pos issues it before waiting.
+  const bool early = warp >= ntiles || j_begin + (warp + 1) * kTileKeys - 1 < pos;
   if (!early) pdl_wait();
-  load_tile(j_begin);
+  issue(warp, 0);
   if (early) pdl_wait();
   pdl_trigger();
-  if (head_ok)
-    for (int d = lane; d < D; d += 32) qs[warp][d] = a.q[size_t(r) * a.q_stride + h * D + d] * sl2;
-  for (int j0 = j_begin; j0 <= j_end; j0 += kSplitKeys) {
-    const int nv = min(kSplitKeys, j_end - j0 + 1);
-    __syncthreads();  // previous tile consumed (and qs written, first time)
+  issue(warp + kSplitWarps, 1);
+
+  // Q fragments (rows g and g + 8 of the group; heads past it zero), scaled to log2 units, as hi + lo.
+  uint32_t qh[KS][4], ql[KS][4];
+  {
+    const float sl2 = a.scale * kLog2e;
+    const float* qr = a.q + size_t(r) * a.q_stride + size_t(kvh * G + g0) * D;
 #pragma unroll
-    for (int u = 0; u < kLd; ++u) {
-      const int e = threadIdx.x + u * kSplitThreads, key = e / (D / 4), d4 = e % (D / 4);
-      reinterpret_cast<float4*>(ks + key * KP)[d4] = kreg[u];
-      reinterpret_cast<float4*>(vs + key * KP)[d4] = vreg[u];
-    }
-    __syncthreads();
-    if (j0 + kSplitKeys <= j_end) load_tile(j0 + kSplitKeys);
-    if (!head_ok) continue;
-    float sc = -INFINITY;
-    if (lane < nv) {
-      const float4* kr = reinterpret_cast<const float4*>(ks + lane * KP);
-      const float4* qr = reinterpret_cast<const float4*>(qs[warp]);
-      float dot = 0;
+    for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
-      for (int d4 = 0; d4 < D / 4; ++d4) {
-        const float4 kx = kr[d4], qx = qr[d4];
-        dot += qx.x * kx.x + qx.y * kx.y + qx.z * kx.z + qx.w * kx.w;
-      }
-      sc = dot;
-    }
-    float mc = sc;
+      for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-    for (int o = 16; o; o >>= 1) mc = fmaxf(mc, __shfl_xor_sync(0xffffffffu, mc, o));
-    const float nm = fmaxf(m, mc);  // finite: lane 0 always holds a key
-    const float f = exp2f(m - nm), p = exp2f(sc - nm);
-    float ps = p;
-#pragma unroll
-    for (int o = 16; o; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
-    l = l * f + ps;
-#pragma unroll
-    for (int k = 0; k < PER; ++k) acc[k] *= f;
-    for (int u = 0; u < nv; ++u) {
-      const float pu = __shfl_sync(0xffffffffu, p, u);
-      const float* vr = vs + u * KP + lane * PER;
-#pragma unroll
-      for (int k = 0; k < PER; ++k) acc[k] += pu * vr[k];
-    }
-    m = nm;
+        for (int rr = 0; rr < 2; ++rr) {  // a0 / a2: row g, a1 / a3: row g + 8
+          const int hr = g + 8 * rr, k = 16 * ks + 8 * hf + 2 * t;
+          const float x0 = hr < nh ? qr[hr * D + k] * sl2 : 0.f, x1 = hr < nh ? qr[hr * D + k + 1] * sl2 : 0.f;
+          split_bf16(x0, x1, qh[ks][2 * hf + rr], ql[ks][2 * hf + rr]);
+        }
   }
-  const size_t ob = size_t(r) * a.n_heads * D + h * D + lane * PER;
-  auto store = [&](int k, float v) {
+
+  // ldmatrix addresses (lane -> row lane % 8 of matrix lane / 8). K: matrices
+  // (keys 0-7 | 8-15) x (dims +0 | +8) give b0, b1 of both key n-tiles; V
+  // (transposed): (keys 0-7 | 8-15) x (dims of n-tile nd | nd + 1).
+  const uint32_t koff = uint32_t(((lane >> 4) * 8 + (lane & 7)) * ROW + ((lane >> 3) & 1) * 8) * 2;
+  const uint32_t voff = uint32_t((((lane >> 3) & 1) * 8 + (lane & 7)) * ROW + (lane >> 4) * 8) * 2;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g, g + 8 (l: this lane's share until the end)
+  float acc[NT][4];
+#pragma unroll
+  for (int nd = 0; nd < NT; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
+  for (int tl = warp, k = 0; tl < ntiles; tl += kSplitWarps, ++k) {
+    const int st = k & 1;
+    ptx::cp_async_wait<1>();
+    __syncwarp();  // the other lanes' copies too
+    const uint32_t kt = my + uint32_t(st) * 2 * TB, vt = kt + TB;
+    // Scores: s0 keys 2t, 2t + 1 of the tile, s1 keys 8 + 2t, 9 + 2t; [0..1] row g, [2..3] row g + 8.
+    float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      uint32_t b[4];
+      ptx::ldsm_x4(b, kt + koff + uint32_t(ks) * 32);
+      ptx::mma_16816<true>(s0, qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b[0], b[1]);
+      ptx::mma_16816<true>(s0, ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[0], b[1]);
+      ptx::mma_16816<true>(s1, qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b[2], b[3]);
+      ptx::mma_16816<true>(s1, ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[2], b[3]);
+    }
+    const int nv = j_end - (j_begin + tl * kTileKeys) + 1;  // valid keys of the tile (>= 1)
+    if (nv < kTileKeys)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (2 * t + e >= nv) s0[e] = s0[2 + e] = -INFINITY;
+        if (8 + 2 * t + e >= nv) s1[e] = s1[2 + e] = -INFINITY;
+      }
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      float mx = fmaxf(fmaxf(s0[2 * rr], s0[2 * rr + 1]), fmaxf(s1[2 * rr], s1[2 * rr + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float nm = fmaxf(m[rr], mx);  // finite: the tile's first key is valid
+      const float f = exp2f(m[rr] - nm);
+      m[rr] = nm;
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        s0[2 * rr + e] = exp2f(s0[2 * rr + e] - nm), s1[2 * rr + e] = exp2f(s1[2 * rr + e] - nm);
+      l[rr] = l[rr] * f + ((s0[2 * rr] + s0[2 * rr + 1]) + (s1[2 * rr] + s1[2 * rr + 1]));
+#pragma unroll
+      for (int nd = 0; nd < NT; ++nd) acc[nd][2 * rr] *= f, acc[nd][2 * rr + 1] *= f;
+    }
+    // P as the A operand (keys are k): a0 row g keys 2t.., a1 row g + 8, a2 / a3 keys 8 + 2t.. .
+    uint32_t ph[4], pl[4];
+    split_bf16(s0[0], s0[1], ph[0], pl[0]);
+    split_bf16(s0[2], s0[3], ph[1], pl[1]);
+    split_bf16(s1[0], s1[1], ph[2], pl[2]);
+    split_bf16(s1[2], s1[3], ph[3], pl[3]);
+#pragma unroll
+    for (int nd = 0; nd < NT; nd += 2) {
+      uint32_t b[4];
+      ptx::ldsm_x4<true>(b, vt + voff + uint32_t(nd) * 16);
+      ptx::mma_16816<true>(acc[nd], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
+      ptx::mma_16816<true>(acc[nd], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
+      ptx::mma_16816<true>(acc[nd + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
+      ptx::mma_16816<true>(acc[nd + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
+    }
+    __syncwarp();  // every lane done with stage st before it is refilled
+    issue(tl + 2 * kSplitWarps, st);
+  }
+  ptx::cp_async_wait<0>();
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
+    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
+  }
+
+  // The warps' states: m, l per head row, acc [row][D] (a warp without tiles: m = -inf, l = 0, acc = 0).
+  __syncthreads();  // every warp is done with its tiles: the bytes hold the states now
+  float* ms = reinterpret_cast<float*>(smem);
+  float* ls = ms + kSplitWarps * kSplitHeads;
+  float* os = ls + kSplitWarps * kSplitHeads;
+  if (t == 0) {
+    ms[warp * kSplitHeads + g] = m[0], ms[warp * kSplitHeads + g + 8] = m[1];
+    ls[warp * kSplitHeads + g] = l[0], ls[warp * kSplitHeads + g + 8] = l[1];
+  }
+#pragma unroll
+  for (int nd = 0; nd < NT; ++nd)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      os[(warp * kSplitHeads + g) * D + 8 * nd + 2 * t + e] = acc[nd][e];
+      os[(warp * kSplitHeads + g + 8) * D + 8 * nd + 2 * t + e] = acc[nd][2 + e];
+    }
+  __syncthreads();
+  // Thread -> head row hr of the group, dims d0 .. d0 + PD - 1.
+  const int hr = threadIdx.x >> 3, d0 = (threadIdx.x & 7) * PD;
+  float M = -INFINITY, L = 0.f, o[PD];
+#pragma unroll
+  for (int d = 0; d < PD; ++d) o[d] = 0.f;
+#pragma unroll
+  for (int w = 0; w < kSplitWarps; ++w) M = fmaxf(M, ms[w * kSplitHeads + hr]);
+#pragma unroll
+  for (int w = 0; w < kSplitWarps; ++w) {
+    const float mw = ms[w * kSplitHeads + hr];
+    if (mw == -INFINITY) continue;  // fixed order, skipped warps add nothing: deterministic
+    const float wt = exp2f(mw - M);
+    L += ls[w * kSplitHeads + hr] * wt;
+#pragma unroll
+    for (int d = 0; d < PD; ++d) o[d] += os[(w * kSplitHeads + hr) * D + d0 + d] * wt;
+  }
+  const bool row_ok = hr < nh;
+  const int h = kvh * G + g0 + hr;
+  const size_t ob = size_t(r) * a.n_heads * D + size_t(h) * D + d0;
+  auto store = [&](int d, float v) {
     if (a.out_f32)
-      a.out_f32[ob + k] = v;
+      a.out_f32[ob + d] = v;
     else
-      reinterpret_cast<__nv_bfloat16*>(a.out)[ob + k] = __float2bfloat16_rn(v);
+      reinterpret_cast<__nv_bfloat16*>(a.out)[ob + d] = __float2bfloat16_rn(v);
   };
   if (n == 1) {  // the whole row in this block: merge with the sink here
-    if (!head_ok) return;
-    const float sink = a.sinks[h] * kLog2e, M = fmaxf(m, sink), w = exp2f(m - M);
-    const float inv = 1.f / (l * w + exp2f(sink - M));
+    if (!row_ok) return;
+    const float sink = a.sinks[h] * kLog2e, Mx = fmaxf(M, sink), w = exp2f(M - Mx);
+    const float inv = 1.f / (L * w + exp2f(sink - Mx));
 #pragma unroll
-    for (int k = 0; k < PER; ++k) store(k, acc[k] * w * inv);
+    for (int d = 0; d < PD; ++d) store(d, o[d] * w * inv);
     return;
   }
-  if (head_ok) {
-    float* o = part + partial_off(i, h, c, a.n_heads, splits, D);
+  if (row_ok) {
+    float* po = part + partial_off(i, h, c, a.n_heads, splits, D);
 #pragma unroll
-    for (int k = 0; k < PER; ++k) o[lane * PER + k] = acc[k];
-    if (lane == 0) o[D] = m, o[D + 1] = l;
+    for (int d = 0; d < PD; ++d) po[d0 + d] = o[d];
+    if ((threadIdx.x & 7) == 0) po[D] = M, po[D + 1] = L;
   }
   __threadfence();  // this block's partials visible device-wide before its ticket
   __syncthreads();
+  __shared__ int ticket;
   int* tk = tickets + size_t(i) * gridDim.y + blockIdx.y;
   if (threadIdx.x == 0) ticket = atomicAdd(tk, 1);
   __syncthreads();
   if (ticket != n - 1) return;
   // The last block: every other block of this (row, KV head, group) has
-  // published its partial state.
+  // published its partial state. Chunks merge in a fixed order, starting from
+  // the sink as a state of its own (m = sink, l = 1, acc = 0).
   __threadfence();
   if (threadIdx.x == 0) *tk = 0;  // ready for the next launch
-  if (!head_ok) return;
-  const float sink = a.sinks[h] * kLog2e;
-  float M = sink;
-  for (int cc = lane; cc < n; cc += 32) M = fmaxf(M, __ldcg(part + partial_off(i, h, cc, a.n_heads, splits, D) + D));
+  if (!row_ok) return;
+  float Mc = a.sinks[h] * kLog2e, Lc = 1.f, out[PD];
 #pragma unroll
-  for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-  float L = 0;
-  for (int cc = lane; cc < n; cc += 32) {
-    const float* pc = part + partial_off(i, h, cc, a.n_heads, splits, D);
-    L += __ldcg(pc + D + 1) * exp2f(__ldcg(pc + D) - M);
-  }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
-  L += exp2f(sink - M);
-  float out[PER];
-#pragma unroll
-  for (int k = 0; k < PER; ++k) out[k] = 0;
+  for (int d = 0; d < PD; ++d) out[d] = 0.f;
   for (int cc = 0; cc < n; ++cc) {
     const float* pc = part + partial_off(i, h, cc, a.n_heads, splits, D);
-    const float w = exp2f(__ldcg(pc + D) - M);
+    const float mc = __ldcg(pc + D), lc = __ldcg(pc + D + 1);
+    const float nm = fmaxf(Mc, mc), fo = exp2f(Mc - nm), fc = exp2f(mc - nm);
+    Lc = Lc * fo + lc * fc;
 #pragma unroll
-    for (int k = 0; k < PER; ++k) out[k] += w * __ldcg(pc + lane * PER + k);
+    for (int d = 0; d < PD; ++d) out[d] = out[d] * fo + __ldcg(pc + d0 + d) * fc;
+    Mc = nm;
   }
-  const float inv = 1.f / L;
+  const float inv = 1.f / Lc;
 #pragma unroll
-  for (int k = 0; k < PER; ++k) store(k, out[k] * inv);
+  for (int d = 0; d < PD; ++d) store(d, out[d] * inv);
 }
 
 // One block per (tile of rows of one sequence, KV head); thread = (row, head
@@ -323,9 +430,9 @@ __global__ void __launch_bounds__(128) prefill_kernel(AttnBatch a, const AttnTil
       const int key = e / (D / 4), d4 = e % (D / 4), j = c0 + key;
       float4 kx = make_float4(0, 0, 0, 0), vx = kx;
       if (j <= khi) {
-        const float* kr = key_row(a, pt, j) + kvh * D;
-        kx = reinterpret_cast<const float4*>(kr)[d4];
-        vx = reinterpret_cast<const float4*>(kr + KVD)[d4];
+        const __nv_bfloat16* kr = key_row(a, pt, j) + kvh * D;
+        kx = bf16x4_to_float4(reinterpret_cast<const uint2*>(kr)[d4]);
+        vx = bf16x4_to_float4(reinterpret_cast<const uint2*>(kr + KVD)[d4]);
       }
       ks[e] = kx;
       vs[e] = vx;
@@ -432,22 +539,32 @@ void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows,
   const int group =
       int(std::min({size_t(n_rows), scratch.partial_floats / per_row, scratch.ticket_ints / tickets_per_row}));
   const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
-  const unsigned threads = unsigned(kSplitThreads);
+  static const bool attr_set = [] {  // head_dim 128 takes more than the default 48 KB
+    DZ_CUDA_CHECK(
+        cudaFuncSetAttribute(split_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(split_smem<32>())));
+    DZ_CUDA_CHECK(
+        cudaFuncSetAttribute(split_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(split_smem<64>())));
+    DZ_CUDA_CHECK(
+        cudaFuncSetAttribute(split_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(split_smem<128>())));
+    return true;
+  }();
+  (void)attr_set;
+  const dim3 block{unsigned(kSplitThreads)};
   for (int r0 = 0; r0 < n_rows; r0 += group) {
     const int n = std::min(group, n_rows - r0);
     const dim3 grid(unsigned(n), unsigned(a.n_kv_heads * ngrp), unsigned(splits));
     switch (a.head_dim) {
       case 32:
-        launch_pdl(split_kernel<32>, grid, dim3(threads), 0, s, a, rows + r0, splits, p.min_chunk, p.max_splits,
+        launch_pdl(split_kernel<32>, grid, block, split_smem<32>(), s, a, rows + r0, splits, p.min_chunk, p.max_splits,
                    scratch.partials, scratch.tickets);
         break;
       case 64:
-        launch_pdl(split_kernel<64>, grid, dim3(threads), 0, s, a, rows + r0, splits, p.min_chunk, p.max_splits,
+        launch_pdl(split_kernel<64>, grid, block, split_smem<64>(), s, a, rows + r0, splits, p.min_chunk, p.max_splits,
                    scratch.partials, scratch.tickets);
         break;
       case 128:
-        launch_pdl(split_kernel<128>, grid, dim3(threads), 0, s, a, rows + r0, splits, p.min_chunk, p.max_splits,
-                   scratch.partials, scratch.tickets);
+        launch_pdl(split_kernel<128>, grid, block, split_smem<128>(), s, a, rows + r0, splits, p.min_chunk,
+                   p.max_splits, scratch.partials, scratch.tickets);
         break;
       default:
         fail(DZ_ERR_UNSUPPORTED, "CUDA attention: head_dim ", a.head_dim, " (built for 32, 64, 128)");

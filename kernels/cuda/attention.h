@@ -1,5 +1,6 @@
 // Paged GQA attention with per-head sinks and an optional sliding window
-// (gpt-oss), reading fp32 K/V from KV pages through per-sequence page tables.
+// (gpt-oss), reading bf16 K/V from KV pages through per-sequence page tables
+// (a token's slot: K of every KV head, then V).
 // Ragged batches: every row (query token) carries its sequence and position
 // and attends to keys [lo, pos], lo = window ? max(0, pos - window + 1) : 0.
 // Softmax includes the sink logit as one extra column that is then dropped.
@@ -35,8 +36,10 @@ void attention_decode(const AttnBatch& a, const int32_t* rows, int n_rows, cudaS
 
 // Split-K decode ("flash decoding"). A row attending to len = pos - lo + 1
 // keys cuts them into chunks of decode_chunk_keys(len) keys starting at lo;
-// one block per (row, KV head, group of up to 8 query heads, chunk) reads each
-// key of its chunk once for all those heads. A row of one chunk is finished
+// one block per (row, KV head, group of up to 16 query heads, chunk) reads each
+// key of its chunk once for all those heads (bf16 tensor-core MMAs, queries
+// and probabilities as two bf16 terms each: fp32-like accuracy on the bf16
+// cache). A row of one chunk is finished
 // by its block; otherwise blocks write partial softmax states (max, sum, acc)
 // and the last block of the row to finish merges them with the sink. The
 // chunk size depends on the row's own length only, so a row's output does

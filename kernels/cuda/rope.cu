@@ -1,3 +1,5 @@
+#include <cuda_bf16.h>
+
 #include "cuda/pdl.cuh"
 #include "cuda/rope.h"
 #include "runtime/cuda/cuda_check.h"
@@ -23,9 +25,9 @@ __global__ void __launch_bounds__(kRopeThreads)
   float* q = qkv + size_t(r) * stride;
   const float* k = q + n_heads * D;
   const float* v = k + n_kv * D;
-  float* dst = reinterpret_cast<float*>(kv_layer + row_off[r]);
+  __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(kv_layer + row_off[r]);  // K | V, bf16
   if (p >= nq + nk) {
-    dst[n_kv * D + (p - nq - nk)] = v[p - nq - nk];
+    dst[n_kv * D + (p - nq - nk)] = __float2bfloat16_rn(v[p - nq - nk]);
     return;
   }
   const bool is_q = p < nq;
@@ -33,9 +35,14 @@ __global__ void __launch_bounds__(kRopeThreads)
   const float c = cosv[size_t(r) * half + i], s = sinv[size_t(r) * half + i];
   const float* src = (is_q ? q : k) + h * D;
   const float x1 = src[i], x2 = src[i + half];
-  float* out = is_q ? q + h * D : dst + h * D;
-  out[i] = x1 * c - x2 * s;
-  out[i + half] = x2 * c + x1 * s;
+  const float y1 = x1 * c - x2 * s, y2 = x2 * c + x1 * s;
+  if (is_q) {
+    q[h * D + i] = y1;
+    q[h * D + i + half] = y2;
+  } else {
+    dst[h * D + i] = __float2bfloat16_rn(y1);
+    dst[h * D + i + half] = __float2bfloat16_rn(y2);
+  }
 }
 }  // namespace
 

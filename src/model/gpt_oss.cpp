@@ -81,7 +81,7 @@ class GptOss final : public Family, private GptOssDesc {
   void set_router_trace(std::vector<float>* m) { router_trace_ = m; }
 
  private:
-  // Round GEMM inputs as the CUDA backend does (DZ_ACTIVATIONS_BF16).
+  // Round GEMM inputs and the cached K, V as the CUDA backend does (DZ_ACTIVATIONS_BF16).
   void round_bf16(float* x, int64_t n) const {
     if (bf16_act_) cpu::round_to_bf16(x, size_t(n));
   }
@@ -98,9 +98,9 @@ GptOss::GptOss(const Config& cfg, const WeightStore& ws, const dz_model_params& 
         int(params.experts));
   bf16_act_ = params.activations == DZ_ACTIVATIONS_BF16;
   // Rounded activations give different K/V: the prefix cache must not mix the two.
-  model_key_ = fnv1a(
-      bf16_act_ ? "gpt_oss kv: f32 K|V per layer, host, bf16 activations v1" : "gpt_oss kv: f32 K|V per layer, host v1",
-      config_hash_);
+  model_key_ = fnv1a(bf16_act_ ? "gpt_oss kv: f32 K|V per layer, host, bf16 activations and K|V v2"
+                               : "gpt_oss kv: f32 K|V per layer, host v1",
+                     config_hash_);
   pool_ = std::make_unique<ThreadPool>(params.n_threads);
 }
 
@@ -152,6 +152,8 @@ void GptOss::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
       const int64_t pos = rows[size_t(r)].pos;
       float* dst = reinterpret_cast<float*>(
           seq.arena().token_ptr(seq.page_of(size_t(pos)), uint32_t(li), seq.slot_of(size_t(pos))));
+      round_bf16(k.data() + r * KVD, KVD);  // the CUDA cache holds bf16 K and V
+      round_bf16(v.data() + r * KVD, KVD);
       std::memcpy(dst, k.data() + r * KVD, size_t(KVD) * sizeof(float));
       std::memcpy(dst + KVD, v.data() + r * KVD, size_t(KVD) * sizeof(float));
     }

@@ -120,6 +120,7 @@ constexpr StorageFn kStorageFns[] = {make_device_storage<0>, make_device_storage
 constexpr int kMaxRows = 4096;
 constexpr int kLogitRows = 256;     // lm_head rows per GEMM / host copy; also the largest graphed decode batch
 constexpr int kAttnGroupRows = 64;  // split decode attention: partials sized for this many rows at max_splits
+constexpr size_t kKvBytes = 2;      // the KV cache holds K and V in bf16 (the checkpoint's own precision)
 constexpr size_t kMaxGraphs = 32;   // captured decode graphs kept per model (least recently used dropped)
 
 struct DevLayer {
@@ -166,8 +167,8 @@ class GptOssCuda final : public Family, private GptOssDesc {
   kv::Layout kv_layout(uint32_t page_tokens) const override {
     kv::Layout l;
     l.page_tokens = page_tokens;
-    l.layer_token_bytes.assign(size_t(n_layers_), size_t(2 * kv_dim()) * sizeof(float));
-    l.model_key = config_hash_ ^ 0x6375646131ull;  // "cuda1": device pages, fp32 K|V
+    l.layer_token_bytes.assign(size_t(n_layers_), size_t(2 * kv_dim()) * kKvBytes);
+    l.model_key = config_hash_ ^ 0x6375646132ull;  // "cuda2": device pages, bf16 K|V
     return l;
   }
   std::unique_ptr<kv::Storage> (*kv_storage() const)(size_t) override { return kStorageFns[dev_]; }
@@ -489,7 +490,7 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
   }
   std::vector<cuda::AttnTile> tiles;
   const int tile_rows = cuda::attention_tile_rows(n_heads_, n_kv_heads_);
-  const size_t ltb = size_t(2 * KVD) * 4;
+  const size_t ltb = size_t(2 * KVD) * kKvBytes;
   std::vector<float*> logit_dst;
   int chunks_full = 1, chunks_sliding = 1;  // most chunks a decode row needs (split attention grid)
   for (int i = 0; i < T; ++i) {

@@ -321,13 +321,13 @@ int bench_model(const Args& a) {
 
     // Bytes one decode step must read: per layer the dense weights plus the
     // experts in use (batch 1: top-k; batch B: E (1 - (1 - k/E)^B) expected),
-    // plus lm_head; fp32 K and V per layer per token, sliding layers at most
+    // plus lm_head; bf16 K and V per layer per token, sliding layers at most
     // `window` tokens.
     const double Hd = info.hidden_size, E = info.n_experts, K = info.n_experts_active, L = info.n_layers;
     const double QD = head_dim * info.n_heads, KVD = head_dim * info.n_kv_heads;
     const double dense = 2 * (Hd * (QD + 2 * KVD) + QD * Hd + E * Hd);
     const double expert = (2 * Hd * Hd) * (0.5 + 1.0 / 32) + (Hd * Hd) * (0.5 + 1.0 / 32) + 2 * 3 * Hd;
-    const double lm = 2.0 * info.n_vocab * Hd, kv_layer_tok = 2 * KVD * 4, kv_tok = L * kv_layer_tok;
+    const double lm = 2.0 * info.n_vocab * Hd, kv_layer_tok = 2 * KVD * 2, kv_tok = L * kv_layer_tok;
     auto floor_ms = [&](double b, double ctx_tokens) {
       const double used = E * (1 - std::pow(1 - K / E, b));
       const double slide = window > 0 ? std::min(ctx_tokens, window) : ctx_tokens;
@@ -436,7 +436,7 @@ int bench_model(const Args& a) {
     r["note"] =
         "decode steps via dz_decode_batch (CUDA graphs unless DZ_CUDA_GRAPHS=0; 'eager' = without) include copying "
         "every session's logits row to the host; floors count weights (MXFP4 experts in use, BF16 dense, lm_head) "
-        "and fp32 KV read once (sliding layers: at most the window) at 4.27e12 B/s";
+        "and bf16 KV read once (sliding layers: at most the window) at 4.27e12 B/s";
     dz_kv_arena_free(arena);
     dz_model_free(m);
     bench_emit(r, flag_value(a, "--out"));
