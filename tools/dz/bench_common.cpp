@@ -1,8 +1,10 @@
 #include "bench_common.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <ctime>
 #include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "dayzero.h"
@@ -41,6 +43,20 @@ void bench_emit(const nlohmann::json& j, const std::string& path) {
     f << s << "\n";
     if (!f) std::fprintf(stderr, "dz bench: cannot write %s\n", path.c_str());
   }
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : (v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]));
+}
+
+std::vector<int> parse_int_list(const std::string& s) {
+  std::vector<int> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) v.push_back(std::stoi(item));
+  return v;
 }
 
 }  // namespace dz::cli

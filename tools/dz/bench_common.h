@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 namespace dz::cli {
 
@@ -12,5 +13,9 @@ namespace dz::cli {
 nlohmann::json bench_meta();
 // Write j to path (pretty) when path is non-empty, and always print it to stdout.
 void bench_emit(const nlohmann::json& j, const std::string& path);
+// Median (the mean of the middle two for an even count; 0 when empty).
+double median(std::vector<double> v);
+// "1,8,64" -> {1, 8, 64}.
+std::vector<int> parse_int_list(const std::string& s);
 
 }  // namespace dz::cli

@@ -15,6 +15,7 @@ struct Bench {
 };
 const Bench kBenches[] = {
     {"", nullptr, ""},  // rows: {"kv", bench_kv, "..."},
+    {"attention", bench_attention, "split-K decode attention on the GPU over a paged bf16 KV cache"},
     {"kv", bench_kv, "KV arena bookkeeping: allocate/append/free, fork, prefix lookups, 1M-token memory"},
     {"model", bench_model, "whole gpt-oss model: load, prefill, decode (random 20b-shaped checkpoint)"},
     {"moe", bench_moe, "MXFP4 MoE layer on the GPU (fused W4A16 vs FP8 paths)"},
@@ -24,8 +25,9 @@ void usage(FILE* f) {
   std::fprintf(f, "usage: dz bench <benchmark> [options] [--out FILE.json]\n\nbenchmarks:\n");
   for (const auto& b : kBenches)
     if (b.run) std::fprintf(f, "  %-12s %s\n", b.name, b.summary);
-  std::fprintf(f, "\n'dz bench <benchmark> --help' describes its options. Results are JSON on stdout\n"
-                  "(and in --out) with date, commit and device.\n");
+  std::fprintf(f,
+               "\n'dz bench <benchmark> --help' describes its options. Results are JSON on stdout\n"
+               "(and in --out) with date, commit and device.\n");
 }
 }  // namespace
 

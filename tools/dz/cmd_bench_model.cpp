@@ -240,11 +240,6 @@ void write_checkpoint(const std::string& dir, int layers) {
 
 double secs(Clock::time_point a) { return std::chrono::duration<double>(Clock::now() - a).count(); }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
 void ok(dz_status s, const char* what) {
   if (s != DZ_OK) fail(s, what, ": ", dz_last_error());
 }

@@ -22,6 +22,7 @@
 #include "common/error.h"
 
 #ifdef DZ_WITH_CUDA
+#include "bench_cuda.h"
 #include "cuda/fill.h"
 #include "cuda/fp8_grouped_gemm.h"
 #include "cuda/moe.h"
@@ -48,14 +49,6 @@ const char* kUsage =
     "is fp8_ms, every one listed is timed (fp8_gemm_ms) and compared with the first.\n"
     "--grouped-blocks: persistent blocks of the grouped GEMM (default 0: one per SM).\n";
 
-std::vector<int> parse_list(const std::string& s) {
-  std::vector<int> v;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ','))
-    if (!item.empty()) v.push_back(std::stoi(item));
-  return v;
-}
 }  // namespace
 
 #ifndef DZ_WITH_CUDA
@@ -81,47 +74,12 @@ void write_bin(const std::string& path, const T* dev, size_t n) {
   check(bool(f), DZ_ERR_IO, "cannot write ", path);
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : (v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]));
-}
-
 double diff_metric(const std::vector<float>& x, const std::vector<float>& y) {
   double xy = 0, xx = 0;
   for (size_t i = 0; i < x.size(); ++i) xy += double(x[i]) * y[i], xx += double(x[i]) * x[i] + double(y[i]) * y[i];
   return xx > 0 ? 1.0 - 2.0 * xy / xx : 0.0;
 }
 
-struct Timer {
-  Context& ctx;
-  void* flush;
-  size_t flush_bytes;
-  cudaEvent_t a{}, b{};
-  float* sink;
-  Timer(Context& c, void* f, size_t fb, float* sk) : ctx(c), flush(f), flush_bytes(fb), sink(sk) {
-    DZ_CUDA_CHECK(cudaEventCreate(&a));
-    DZ_CUDA_CHECK(cudaEventCreate(&b));
-  }
-  ~Timer() {
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-  }
-  template <typename F>
-  double median_ms(int reps, int warm, F run) {
-    std::vector<double> v;
-    for (int i = -warm; i < reps; ++i) {  // warm-up calls first (each routing set once)
-      l2_flush_read(flush, flush_bytes, sink, ctx.stream());
-      DZ_CUDA_CHECK(cudaEventRecord(a, ctx.stream()));
-      run(i < 0 ? i + warm : i);
-      DZ_CUDA_CHECK(cudaEventRecord(b, ctx.stream()));
-      DZ_CUDA_CHECK(cudaEventSynchronize(b));
-      float ms = 0;
-      DZ_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-      if (i >= 0) v.push_back(ms);
-    }
-    return median(v);
-  }
-};
 }  // namespace
 
 int bench_moe(const Args& a) {
@@ -134,7 +92,8 @@ int bench_moe(const Args& a) {
                   "--gemm-streams", "--no-components", "--bw-ceiling", "--fp8-ceiling", "--fp8-gemm",
                   "--grouped-blocks", "--w4a8", "--dump", "--out", "--help"},
                  "bench moe");
-  const std::vector<int> tokens = parse_list(flag_value(a, "--tokens", "1,8,64,128,256,384,512,1024,2048,4096,16384"));
+  const std::vector<int> tokens =
+      parse_int_list(flag_value(a, "--tokens", "1,8,64,128,256,384,512,1024,2048,4096,16384"));
   const int reps = std::stoi(flag_value(a, "--reps", "20"));
   MoeShape sh;
   sh.n_experts = std::stoi(flag_value(a, "--experts", "128"));
@@ -311,7 +270,7 @@ int bench_moe(const Args& a) {
     DeviceArray<uint8_t> flush(P, flush_bytes, "L2 flush");
     DeviceArray<float> sink(P, 1, "flush sink");
     fill_random_u8(flush.get(), flush_bytes, 5, 0, 255, st);
-    Timer timer(ctx, flush.get(), flush_bytes, sink.get());
+    GpuTimer timer(ctx, flush.get(), flush_bytes, sink.get());
     constexpr int kSets = 4;  // routing sets rotated between calls
 
     nlohmann::json meta = bench_meta();

@@ -118,12 +118,6 @@ double cosine(const float* a, const float* b, size_t n) {
   return ab / std::sqrt(aa * bb);
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::nth_element(v.begin(), v.begin() + ptrdiff_t(v.size() / 2), v.end());
-  return v[v.size() / 2];
-}
-
 struct Run {
   dz_model* model = nullptr;
   dz_kv_arena* arena = nullptr;

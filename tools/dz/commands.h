@@ -20,6 +20,7 @@ int cmd_indexer_fp8(const Args& args);  // FP8 vs exact DSA indexer on real text
 
 // Benchmarks (dz bench <name>), one per cmd_bench_<name>.cpp; add a row to kBenches in cmd_bench.cpp.
 int bench_moe(const Args& args);
+int bench_attention(const Args& args);
 int bench_kv(const Args& args);
 int bench_tokenize(const Args& args);
 int bench_model(const Args& args);

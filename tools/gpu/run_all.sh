@@ -12,7 +12,7 @@
 #                     Catch2 v3, so the results under bench/results were made this way)
 #   DZ_DEPS=DIR       extra prefix (include/, lib/, lib/pkgconfig) with the build dependencies
 #   DZ_BENCH_TOKENS   token counts for dz bench moe (default 1,8,64,128,256,384,512,1024,2048,4096,16384)
-#   DZ_GPU_STEPS      which steps to run (default "tests moe peers model profile"; profile needs model)
+#   DZ_GPU_STEPS      which steps to run (default "tests moe peers attention model profile"; profile needs model)
 #   DZ_MODEL_DIR      where dz bench model writes its random gpt-oss-20b checkpoint (default /tmp/dz_gptoss20b_random)
 # NCCL, where a benchmark needs it, comes from PyTorch's nvidia Python packages.
 set -uo pipefail
@@ -62,7 +62,7 @@ else
   LIBDZ=build-gpu/libdayzero.so
 fi
 
-STEPS=" ${DZ_GPU_STEPS:-tests moe peers model profile} "
+STEPS=" ${DZ_GPU_STEPS:-tests moe peers attention model profile} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 if want tests; then
@@ -99,6 +99,17 @@ if [ -f "$DUMP/meta.json" ]; then
     { echo "peers FAILED"; status=1; }
 fi
 rm -rf "$DUMP"
+fi
+
+if want attention; then
+step "dz bench attention (split-K decode over paged bf16 KV, gpt-oss-20b heads) and its PyTorch peer"
+"$DZ" bench attention --out "$OUTDIR/bench_attention.json" 2>"$OUTDIR/bench_attention.log" >/dev/null ||
+  { echo "dz bench attention FAILED"; status=1; }
+grep -E "^attention" "$OUTDIR/bench_attention.log"
+if python3 -c "import torch" 2>/dev/null; then
+  python3 tools/bench/attention_peer.py --dz-json "$OUTDIR/bench_attention.json" --out "$OUTDIR/attention_peer.json" ||
+    { echo "attention peer FAILED"; status=1; }
+fi
 fi
 
 if want model; then

@@ -1,0 +1,56 @@
+// GPU timing shared by the `dz bench` commands that time kernels (CUDA builds
+// only): median of CUDA-event times with the L2 flushed before every call, so
+// each call reads its bytes from HBM as in a model's forward pass.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <vector>
+
+#include "bench_common.h"
+#include "cuda/fill.h"
+#include "runtime/cuda/context.h"
+#include "runtime/cuda/cuda_check.h"
+
+namespace dz::cli {
+
+class GpuTimer {
+ public:
+  // flush: flush_bytes of device memory read before each timed call (larger than the L2); sink: one float.
+  GpuTimer(cuda::Context& c, const void* flush, size_t flush_bytes, float* sink)
+      : ctx_(c), flush_(flush), flush_bytes_(flush_bytes), sink_(sink) {
+    DZ_CUDA_CHECK(cudaEventCreate(&a_));
+    DZ_CUDA_CHECK(cudaEventCreate(&b_));
+  }
+  ~GpuTimer() {
+    cudaEventDestroy(a_);
+    cudaEventDestroy(b_);
+  }
+  GpuTimer(const GpuTimer&) = delete;
+  GpuTimer& operator=(const GpuTimer&) = delete;
+  // Median ms of run(i) on the context's stream over reps calls, after warm calls (run(0 .. warm - 1)).
+  template <typename F>
+  double median_ms(int reps, int warm, F run) {
+    std::vector<double> v;
+    for (int i = -warm; i < reps; ++i) {
+      cuda::l2_flush_read(flush_, flush_bytes_, sink_, ctx_.stream());
+      DZ_CUDA_CHECK(cudaEventRecord(a_, ctx_.stream()));
+      run(i < 0 ? i + warm : i);
+      DZ_CUDA_CHECK(cudaEventRecord(b_, ctx_.stream()));
+      DZ_CUDA_CHECK(cudaEventSynchronize(b_));
+      float ms = 0;
+      DZ_CUDA_CHECK(cudaEventElapsedTime(&ms, a_, b_));
+      if (i >= 0) v.push_back(ms);
+    }
+    return median(v);
+  }
+
+ private:
+  cuda::Context& ctx_;
+  const void* flush_;
+  size_t flush_bytes_;
+  float* sink_;
+  cudaEvent_t a_{}, b_{};
+};
+
+}  // namespace dz::cli

@@ -1,0 +1,215 @@
+// dz bench attention: split-K decode attention on the GPU over a paged bf16 KV
+// cache (one layer; gpt-oss-20b heads by default), every session appending one
+// token at position ctx - 1, for a grid of batch sizes and context lengths.
+// Each chunk policy (--min-chunk list; the first is the library's default) is
+// timed, with the KV bytes it reads as a fraction of HBM bandwidth and a plain
+// read of the same byte count. Random bf16 K/V, pages scattered over the
+// cache; median of CUDA-event timings with the L2 flushed before every call.
+// The PyTorch peer on the same shapes: tools/bench/attention_peer.py.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "bench_common.h"
+#include "commands.h"
+#include "common/error.h"
+
+#ifdef DZ_WITH_CUDA
+#include "bench_cuda.h"
+#include "cuda/attention.h"
+#include "cuda/fill.h"
+#include "runtime/cuda/context.h"
+#include "runtime/cuda/cuda_check.h"
+#endif
+
+namespace dz::cli {
+
+namespace {
+const char* kUsage =
+    "usage: dz bench attention [--batch 1,8,64] [--ctx 128,1024,4096,32768,131072] [--heads 64] [--kv-heads 8]\n"
+    "                          [--head-dim 64] [--window 0] [--min-chunk 64,128,256] [--max-splits 64]\n"
+    "                          [--page-tokens 64] [--reps 20] [--max-kv-gib 16] [--bw-ceiling 4.27e12] [--out "
+    "FILE.json]\n"
+    "Split-K decode attention (paged bf16 KV, one layer): time per call for every batch x context\n"
+    "(skipping those whose KV exceeds --max-kv-gib), KV bytes read as a fraction of HBM bandwidth, and\n"
+    "a plain read of the same bytes. Every --min-chunk policy is timed; the first is the default.\n";
+}  // namespace
+
+#ifndef DZ_WITH_CUDA
+int bench_attention(const Args& a) {
+  if (has_flag(a, "--help")) {
+    std::printf("%s", kUsage);
+    return 0;
+  }
+  std::fprintf(stderr, "dz bench attention: this build has no CUDA backend\n");
+  return 1;
+}
+#else
+
+int bench_attention(const Args& a) {
+  using namespace dz::cuda;
+  if (has_flag(a, "--help")) {
+    std::printf("%s", kUsage);
+    return 0;
+  }
+  reject_unknown(a,
+                 {"--batch", "--ctx", "--heads", "--kv-heads", "--head-dim", "--window", "--min-chunk", "--max-splits",
+                  "--page-tokens", "--reps", "--max-kv-gib", "--bw-ceiling", "--out", "--help"},
+                 "dz bench attention");
+  const std::vector<int> batches = parse_int_list(flag_value(a, "--batch", "1,8,64"));
+  const std::vector<int> ctxs = parse_int_list(flag_value(a, "--ctx", "128,1024,4096,32768,131072"));
+  const std::vector<int> chunks = parse_int_list(flag_value(a, "--min-chunk", "64,128,256"));
+  auto int_flag = [&](const char* f, int d) { return std::stoi(flag_value(a, f, std::to_string(d))); };
+  const int nh = int_flag("--heads", 64), nkv = int_flag("--kv-heads", 8), D = int_flag("--head-dim", 64);
+  const int window = int_flag("--window", 0), max_splits = int_flag("--max-splits", DecodeSplitPolicy{}.max_splits);
+  const int pt = int_flag("--page-tokens", 64), reps = int_flag("--reps", 20);
+  const double max_kv = std::stod(flag_value(a, "--max-kv-gib", "16")) * double(1ull << 30);
+  const double bw_ceiling = std::stod(flag_value(a, "--bw-ceiling", "4.27e12"));
+  const std::string out_path = flag_value(a, "--out", "");
+  if (batches.empty() || ctxs.empty() || chunks.empty() || nkv <= 0 || nh % nkv != 0 || !attention_supports(D) ||
+      pt <= 0 || reps <= 0 || max_splits <= 0) {
+    std::fprintf(stderr, "dz bench attention: bad arguments\n%s", kUsage);
+    return 2;
+  }
+  const int64_t token_bytes = int64_t(2) * nkv * D * 2;  // K | V, bf16, all KV heads
+  const int64_t page_bytes = token_bytes * pt;
+  try {
+    // The largest case that fits decides the cache's size.
+    int64_t max_pages = 0;
+    int max_b = 1;
+    for (int b : batches)
+      for (int c : ctxs) {
+        const int64_t pages = int64_t(b) * ((c + pt - 1) / pt);
+        if (double(pages * page_bytes) <= max_kv) max_pages = std::max(max_pages, pages), max_b = std::max(max_b, b);
+      }
+    check(max_pages > 0, DZ_ERR_INVALID_ARGUMENT, "dz bench attention: no case fits --max-kv-gib");
+    ContextOptions co;
+    co.pool_bytes = size_t(max_pages * page_bytes) + (size_t(2) << 30);
+    Context ctx(co);
+    cudaStream_t st = ctx.stream();
+    DevicePool& P = ctx.pool();
+    std::fprintf(stderr, "attention: %d heads / %d KV heads, head_dim %d, %lld-token pages; KV cache %.2f GiB\n", nh,
+                 nkv, D, (long long)pt, double(max_pages * page_bytes) / double(1ull << 30));
+    DeviceArray<uint8_t> kv(P, size_t(max_pages * page_bytes), "KV pages");
+    fill_random_bf16(reinterpret_cast<uint16_t*>(kv.get()), kv.size() / 2, 21, 1.f, st);
+    const int q_stride = (nh + 2 * nkv) * D;
+    DeviceArray<float> q(P, size_t(max_b) * q_stride, "q"), sinks(P, size_t(nh), "sinks");
+    fill_random_f32(q.get(), q.size(), 22, 1.f, st);
+    fill_random_f32(sinks.get(), sinks.size(), 23, 1.f, st);
+    DeviceArray<uint16_t> out(P, size_t(max_b) * nh * D, "out");
+    const size_t flush_bytes = size_t(256) << 20;
+    DeviceArray<uint8_t> flush(P, flush_bytes, "L2 flush");
+    DeviceArray<float> sink(P, 1, "flush sink");
+    fill_random_u8(flush.get(), flush_bytes, 5, 0, 255, st);
+    GpuTimer timer(ctx, flush.get(), flush_bytes, sink.get());
+
+    nlohmann::json meta = bench_meta();
+    meta["gpu"] = ctx.describe();
+    nlohmann::json j = {{"bench", "attention"},
+                        {"meta", meta},
+                        {"shape", {{"heads", nh}, {"kv_heads", nkv}, {"head_dim", D}, {"window", window}}},
+                        {"kv", {{"dtype", "bf16"}, {"page_tokens", pt}, {"token_bytes_per_layer", token_bytes}}},
+                        {"max_splits", max_splits},
+                        {"ceilings", {{"hbm_bytes_per_s", bw_ceiling}}},
+                        {"timing", "median of " + std::to_string(reps) +
+                                       " CUDA-event times, L2 flushed (256 MiB read) before each call"},
+                        {"results", nlohmann::json::array()}};
+    std::mt19937 rng(7);
+    for (int B : batches)
+      for (int C : ctxs) {
+        const int npg = (C + pt - 1) / pt;
+        const int64_t pages = int64_t(B) * npg;
+        if (double(pages * page_bytes) > max_kv) {
+          std::fprintf(stderr, "attention B=%d ctx=%d: KV %.1f GiB over --max-kv-gib, skipped\n", B, C,
+                       double(pages * page_bytes) / double(1ull << 30));
+          continue;
+        }
+        // Sessions' pages scattered over the cache.
+        std::vector<int32_t> perm(static_cast<size_t>(max_pages));
+        std::iota(perm.begin(), perm.end(), 0);
+        std::shuffle(perm.begin(), perm.end(), rng);
+        std::vector<int32_t> table(perm.begin(), perm.begin() + pages), item_pt(static_cast<size_t>(B)),
+            row_item(static_cast<size_t>(B)), row_pos(static_cast<size_t>(B), C - 1), rows(static_cast<size_t>(B));
+        for (int b = 0; b < B; ++b) item_pt[size_t(b)] = b * npg, row_item[size_t(b)] = b, rows[size_t(b)] = b;
+        auto up = [&](const std::vector<int32_t>& v, const char* what) {
+          DeviceArray<int32_t> d(P, v.size(), what);
+          DZ_CUDA_CHECK(cudaMemcpy(d.get(), v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+          return d;
+        };
+        const DeviceArray<int32_t> d_table = up(table, "page table"), d_ipt = up(item_pt, "item tables"),
+                                   d_item = up(row_item, "row items"), d_pos = up(row_pos, "row positions"),
+                                   d_rows = up(rows, "rows");
+        AttnBatch ab;
+        ab.kv = kv.get();
+        ab.page_bytes = page_bytes;
+        ab.page_tokens = pt;
+        ab.page_table = d_table.get();
+        ab.item_pt = d_ipt.get();
+        ab.row_item = d_item.get();
+        ab.row_pos = d_pos.get();
+        ab.n_heads = nh;
+        ab.n_kv_heads = nkv;
+        ab.head_dim = D;
+        ab.window = window;
+        ab.scale = float(1.0 / std::sqrt(double(D)));
+        ab.sinks = sinks.get();
+        ab.q = q.get();
+        ab.q_stride = q_stride;
+        ab.out = out.get();
+        const int len = window > 0 ? std::min(C, window) : C;
+        const double bytes = double(B) * len * double(token_bytes);
+        nlohmann::json pol = nlohmann::json::object();
+        double best = 1e30;
+        int best_chunk = 0;
+        for (int mc : chunks) {
+          DecodeSplitPolicy p;
+          p.min_chunk = mc;
+          p.max_splits = max_splits;
+          const int splits = decode_chunks(len, p, p.max_splits);
+          const size_t pf = decode_partial_floats(B, nh, D, splits), ti = decode_ticket_ints(B, nh, nkv);
+          DeviceArray<float> part(P, pf, "partials");
+          DeviceArray<int32_t> tickets(P, ti, "tickets");
+          DZ_CUDA_CHECK(cudaMemsetAsync(tickets.get(), 0, ti * 4, st));
+          const DecodeScratch scratch{part.get(), pf, tickets.get(), ti};
+          const double ms = timer.median_ms(
+              reps, 2, [&](int) { attention_decode_split(ab, d_rows.get(), B, splits, p, scratch, st); });
+          pol[std::to_string(mc)] = {{"us", ms * 1e3},
+                                     {"chunks", splits},
+                                     {"chunk_keys", decode_chunk_keys(len, p, splits)},
+                                     {"hbm_fraction", bytes / (ms * 1e-3) / bw_ceiling}};
+          if (ms < best) best = ms, best_chunk = mc;
+        }
+        const double ms_default = pol[std::to_string(chunks[0])]["us"].get<double>() * 1e-3;
+        const size_t read_bytes = size_t(bytes) / 16 * 16;
+        const double ms_read =
+            timer.median_ms(reps, 2, [&](int) { stream_read(kv.get(), read_bytes, sink.get(), st); });
+        j["results"].push_back({{"batch", B},
+                                {"ctx", C},
+                                {"keys_per_row", len},
+                                {"kv_bytes", bytes},
+                                {"us", ms_default * 1e3},
+                                {"hbm_fraction", bytes / (ms_default * 1e-3) / bw_ceiling},
+                                {"best_min_chunk", best_chunk},
+                                {"best_us", best * 1e3},
+                                {"policies", pol},
+                                {"plain_read_us", ms_read * 1e3},
+                                {"plain_read_hbm_fraction", bytes / (ms_read * 1e-3) / bw_ceiling}});
+        std::fprintf(stderr,
+                     "attention B=%3d ctx=%6d: %8.1f us (%.0f%% of HBM on %.1f MB of KV; plain read %.1f us), best "
+                     "min_chunk %d: %.1f us\n",
+                     B, C, ms_default * 1e3, 100 * bytes / (ms_default * 1e-3) / bw_ceiling, bytes / 1e6, ms_read * 1e3,
+                     best_chunk, best * 1e3);
+      }
+    bench_emit(j, out_path);
+    return 0;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "dz bench attention: %s\n", e.what());
+    return 1;
+  }
+}
+#endif
+
+}  // namespace dz::cli
