@@ -114,7 +114,7 @@ constexpr int kTileKeys = 16;   // keys a warp takes at a time (one MMA k step o
 constexpr int kSplitWarps = 4;  // a block's warps take its chunk's tiles in turn
 constexpr int kSplitThreads = 32 * kSplitWarps;
 constexpr int kSplitHeads = 16;  // query heads of one KV head a block: the MMA's rows
-constexpr int kSplitStages = 2;  // K/V tiles in flight a warp
+constexpr int kSplitStages = 3;  // K/V tiles in flight a warp
 
 // Shared memory: per warp and stage a K and a V tile of kTileKeys rows of D
 // bf16, each row padded by 16 bytes so ldmatrix's eight rows hit distinct
@@ -166,7 +166,7 @@ __device__ __forceinline__ void split_bf16(float x0, float x1, uint32_t& hi, uin
 // group's heads are the rows of m16n8k16 bf16 MMAs (S = Q K^T with keys as the
 // n columns, then O += P V with keys as k), so each key is read once for all
 // of them. Each warp streams 16-key tiles of the chunk (tiles w, w + 4, ...)
-// through a two-stage cp.async ring in its own shared memory (ldmatrix, V
+// through a three-stage cp.async ring in its own shared memory (ldmatrix, V
 // transposed) and keeps an online softmax per head; the warps' states merge in
 // shared memory. A row of one chunk normalises at once; otherwise each block
 // writes its partial state and the last block of the (row, KV head, group) to
@@ -178,14 +178,14 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 4)
                  float* __restrict__ part, int* __restrict__ tickets) {
   constexpr int KS = D / 16, NT = D / 8, ROW = split_row<D>(), PD = D / 8;
   constexpr uint32_t TB = split_tile_bytes<D>();
-  const int i = blockIdx.x, r = rows[i];
+  const int i = blockIdx.z, r = rows[i];
   const int item = a.row_item[r], pos = a.row_pos[r], lo = row_lo(a, pos), len = pos - lo + 1;
   const int chunk = chunk_keys(len, min_chunk, max_splits, splits);
   const int n = int((int64_t(len) + chunk - 1) / chunk);
-  const int c = blockIdx.z;
+  const int c = blockIdx.y;
   if (c >= n) return;  // whole block: past this row's chunks
   const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
-  const int kvh = blockIdx.y / ngrp, g0 = (blockIdx.y % ngrp) * kSplitHeads, nh = min(kSplitHeads, G - g0);
+  const int kvh = blockIdx.x / ngrp, g0 = (blockIdx.x % ngrp) * kSplitHeads, nh = min(kSplitHeads, G - g0);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int KVD = a.n_kv_heads * D;
   const int j_begin = lo + c * chunk, j_end = min(pos, j_begin + chunk - 1);
@@ -218,7 +218,8 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 4)
   issue(warp, 0);
   if (early) pdl_wait();
   pdl_trigger();
-  issue(warp + kSplitWarps, 1);
+#pragma unroll
+  for (int st = 1; st < kSplitStages; ++st) issue(warp + st * kSplitWarps, st);
 
   // Q fragments (rows g and g + 8 of the group; heads past it zero), scaled to log2 units, as hi + lo.
   uint32_t qh[KS][4], ql[KS][4];
@@ -247,8 +248,8 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 4)
 #pragma unroll
   for (int nd = 0; nd < NT; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
   for (int tl = warp, k = 0; tl < ntiles; tl += kSplitWarps, ++k) {
-    const int st = k & 1;
-    ptx::cp_async_wait<1>();
+    const int st = k % kSplitStages;
+    ptx::cp_async_wait<kSplitStages - 1>();
     __syncwarp();  // the other lanes' copies too
     const uint32_t kt = my + uint32_t(st) * 2 * TB, vt = kt + TB;
     // Scores: s0 keys 2t, 2t + 1 of the tile, s1 keys 8 + 2t, 9 + 2t; [0..1] row g, [2..3] row g + 8.
@@ -300,7 +301,7 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 4)
       ptx::mma_16816<true>(acc[nd + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
     }
     __syncwarp();  // every lane done with stage st before it is refilled
-    issue(tl + 2 * kSplitWarps, st);
+    issue(tl + kSplitStages * kSplitWarps, st);
   }
   ptx::cp_async_wait<0>();
 #pragma unroll
@@ -368,7 +369,7 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 4)
   __threadfence();  // this block's partials visible device-wide before its ticket
   __syncthreads();
   __shared__ int ticket;
-  int* tk = tickets + size_t(i) * gridDim.y + blockIdx.y;
+  int* tk = tickets + size_t(i) * gridDim.x + blockIdx.x;
   if (threadIdx.x == 0) ticket = atomicAdd(tk, 1);
   __syncthreads();
   if (ticket != n - 1) return;
@@ -536,8 +537,8 @@ void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows,
             scratch.ticket_ints >= tickets_per_row,
         DZ_ERR_INTERNAL, "split decode attention: scratch of ", scratch.partial_floats, " floats and ",
         scratch.ticket_ints, " tickets, one row needs ", per_row, " and ", tickets_per_row);
-  const int group =
-      int(std::min({size_t(n_rows), scratch.partial_floats / per_row, scratch.ticket_ints / tickets_per_row}));
+  const int group = int(std::min(
+      {size_t(n_rows), scratch.partial_floats / per_row, scratch.ticket_ints / tickets_per_row, size_t(65535)}));
   const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
   static const bool attr_set = [] {  // head_dim 128 takes more than the default 48 KB
     DZ_CUDA_CHECK(
@@ -552,7 +553,8 @@ void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows,
   const dim3 block{unsigned(kSplitThreads)};
   for (int r0 = 0; r0 < n_rows; r0 += group) {
     const int n = std::min(group, n_rows - r0);
-    const dim3 grid(unsigned(n), unsigned(a.n_kv_heads * ngrp), unsigned(splits));
+    // KV heads fastest, then chunks: blocks running together read neighbouring bytes of the same pages.
+    const dim3 grid(unsigned(a.n_kv_heads * ngrp), unsigned(splits), unsigned(n));
     switch (a.head_dim) {
       case 32:
         launch_pdl(split_kernel<32>, grid, block, split_smem<32>(), s, a, rows + r0, splits, p.min_chunk, p.max_splits,
