@@ -146,9 +146,11 @@ __device__ __forceinline__ int row_lo(const AttnBatch& a, int pos) {
   return a.window > 0 ? max(0, pos - a.window + 1) : 0;
 }
 
-// Partial state of (row i, head h, chunk c): acc[D] | m | l (m in log2 units).
+// Partial state of (row i, head h, chunk c): acc[D] | m | l | pad (m in log2
+// units; D + 4 floats keep every state 16-byte aligned for vector access).
+__host__ __device__ inline size_t partial_stride(int D) { return size_t(D) + 4; }
 __device__ __forceinline__ size_t partial_off(int i, int h, int c, int n_heads, int splits, int D) {
-  return ((size_t(i) * n_heads + h) * splits + c) * size_t(D + 2);
+  return ((size_t(i) * n_heads + h) * splits + c) * partial_stride(D);
 }
 
 // x0, x1 as two bf16 pairs, hi (rounded) + lo (the remainder, rounded): ~16
@@ -363,7 +365,8 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 4)
   if (row_ok) {
     float* po = part + partial_off(i, h, c, a.n_heads, splits, D);
 #pragma unroll
-    for (int d = 0; d < PD; ++d) po[d0 + d] = o[d];
+    for (int d = 0; d < PD; d += 4)
+      *reinterpret_cast<float4*>(po + d0 + d) = make_float4(o[d], o[d + 1], o[d + 2], o[d + 3]);
     if ((threadIdx.x & 7) == 0) po[D] = M, po[D + 1] = L;
   }
   __threadfence();  // this block's partials visible device-wide before its ticket
@@ -374,24 +377,44 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 4)
   __syncthreads();
   if (ticket != n - 1) return;
   // The last block: every other block of this (row, KV head, group) has
-  // published its partial state. Chunks merge in a fixed order, starting from
-  // the sink as a state of its own (m = sink, l = 1, acc = 0).
+  // published its partial state. With the sink as one more column:
+  // M = max(sink, m_c), L = 2^(sink - M) + sum l_c 2^(m_c - M), out = sum
+  // acc_c 2^(m_c - M) / L. A head's 8 threads split the chunks for M and L,
+  // then each sums its dims over every chunk with independent loads (no
+  // chain through a running maximum); fixed orders: deterministic.
   __threadfence();
   if (threadIdx.x == 0) *tk = 0;  // ready for the next launch
-  if (!row_ok) return;
-  float Mc = a.sinks[h] * kLog2e, Lc = 1.f, out[PD];
+  if (!row_ok) return;            // (whole 8-thread groups)
+  const unsigned grp = 0xffu << (threadIdx.x & 24);
+  const int j8 = threadIdx.x & 7;
+  const size_t PS = partial_stride(D);
+  const float* p0 = part + partial_off(i, h, 0, a.n_heads, splits, D);
+  const float sink = a.sinks[h] * kLog2e;
+  float Mx = sink, Ls = 0.f;
+  for (int cc = j8; cc < n; cc += 8) Mx = fmaxf(Mx, __ldcg(p0 + cc * PS + D));
+#pragma unroll
+  for (int o8 = 1; o8 < 8; o8 <<= 1) Mx = fmaxf(Mx, __shfl_xor_sync(grp, Mx, o8));
+  for (int cc = j8; cc < n; cc += 8) {
+    const float2 ml = __ldcg(reinterpret_cast<const float2*>(p0 + cc * PS + D));
+    Ls += ml.y * exp2f(ml.x - Mx);
+  }
+#pragma unroll
+  for (int o8 = 1; o8 < 8; o8 <<= 1) Ls += __shfl_xor_sync(grp, Ls, o8);
+  Ls += exp2f(sink - Mx);
+  float out[PD];
 #pragma unroll
   for (int d = 0; d < PD; ++d) out[d] = 0.f;
+#pragma unroll 4
   for (int cc = 0; cc < n; ++cc) {
-    const float* pc = part + partial_off(i, h, cc, a.n_heads, splits, D);
-    const float mc = __ldcg(pc + D), lc = __ldcg(pc + D + 1);
-    const float nm = fmaxf(Mc, mc), fo = exp2f(Mc - nm), fc = exp2f(mc - nm);
-    Lc = Lc * fo + lc * fc;
+    const float* pc = p0 + cc * PS;
+    const float w = exp2f(__ldcg(pc + D) - Mx);
 #pragma unroll
-    for (int d = 0; d < PD; ++d) out[d] = out[d] * fo + __ldcg(pc + d0 + d) * fc;
-    Mc = nm;
+    for (int d = 0; d < PD; d += 4) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(pc + d0 + d));
+      out[d] += w * v.x, out[d + 1] += w * v.y, out[d + 2] += w * v.z, out[d + 3] += w * v.w;
+    }
   }
-  const float inv = 1.f / Lc;
+  const float inv = 1.f / Ls;
 #pragma unroll
   for (int d = 0; d < PD; ++d) store(d, out[d] * inv);
 }
@@ -514,7 +537,7 @@ int decode_chunks(int len, const DecodeSplitPolicy& p, int splits) {
 }
 
 size_t decode_partial_floats(int n_rows, int n_heads, int head_dim, int splits) {
-  return size_t(n_rows) * size_t(n_heads) * size_t(splits) * size_t(head_dim + 2);
+  return size_t(n_rows) * size_t(n_heads) * size_t(splits) * partial_stride(head_dim);
 }
 
 size_t decode_ticket_ints(int n_rows, int n_heads, int n_kv_heads) {
