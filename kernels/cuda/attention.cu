@@ -118,7 +118,7 @@ constexpr int kSplitStages = 3;  // K/V tiles in flight a warp
 
 // Shared memory: per warp and stage a K and a V tile of kTileKeys rows of D
 // bf16, each row padded by 16 bytes so ldmatrix's eight rows hit distinct
-// banks; then the warps' softmax states of the chunk being merged.
+// banks; after the key loop the same bytes hold the warps' softmax states.
 template <int D>
 constexpr int split_row() {
   return D + 8;  // bf16 elements
@@ -128,12 +128,10 @@ constexpr uint32_t split_tile_bytes() {
   return uint32_t(kTileKeys * split_row<D>() * 2);
 }
 template <int D>
-constexpr uint32_t split_ring_bytes() {
-  return uint32_t(kSplitWarps) * kSplitStages * 2 * split_tile_bytes<D>();
-}
-template <int D>
 constexpr size_t split_smem() {
-  return split_ring_bytes<D>() + size_t(kSplitWarps) * kSplitHeads * (D + 2) * 4;
+  const size_t tiles = size_t(kSplitWarps) * kSplitStages * 2 * split_tile_bytes<D>();
+  const size_t merge = size_t(kSplitWarps) * kSplitHeads * (D + 2) * 4;
+  return tiles > merge ? tiles : merge;
 }
 
 __host__ __device__ inline int chunk_keys(int len, int min_chunk, int max_splits, int splits) {
@@ -166,22 +164,18 @@ __device__ __forceinline__ void split_bf16(float x0, float x1, uint32_t& hi, uin
   lo = reinterpret_cast<const uint32_t&>(l);
 }
 
-// Block = (KV head x group of up to 16 query heads, slot, row). A row's keys
-// are cut into chunks by its length alone; the row's gridDim.y blocks take
-// chunks slot, slot + gridDim.y, ... in turn, so the grid only decides who
-// computes a chunk, never how: outputs are bitwise the same for any grid.
-// The group's heads are the rows of m16n8k16 bf16 MMAs (S = Q K^T with keys as
-// the n columns, then O += P V with keys as k), so each key is read once for
-// all of them. Each warp streams 16-key tiles (tiles w, w + 4, ... of each of
-// its block's chunks) through a three-stage cp.async ring in its own shared
-// memory (ldmatrix, V transposed) that runs on across chunk boundaries, and
-// keeps an online softmax per head; at the end of a chunk the warps' states
-// merge in shared memory into the chunk's state. A row of one chunk
-// normalises at once; otherwise chunk states go to `part`, and the last block
-// of the (row, group) to finish (a ticket counter, reset by that block for the
-// next launch) merges them in chunk order with the sink.
+// Block = (row, KV head x group of up to 16 query heads, chunk of keys); the
+// group's heads are the rows of m16n8k16 bf16 MMAs (S = Q K^T with keys as the
+// n columns, then O += P V with keys as k), so each key is read once for all
+// of them. Each warp streams 16-key tiles of the chunk (tiles w, w + 4, ...)
+// through a three-stage cp.async ring in its own shared memory (ldmatrix, V
+// transposed) and keeps an online softmax per head; the warps' states merge in
+// shared memory. A row of one chunk normalises at once; otherwise each block
+// writes its partial state and the last block of the (row, KV head, group) to
+// finish (a ticket counter, reset by that block for the next launch) merges
+// the chunks in a fixed order with the sink.
 template <int D>
-__global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 3)
+__global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 4)
     split_kernel(AttnBatch a, const int32_t* __restrict__ rows, int splits, int min_chunk, int max_splits,
                  float* __restrict__ part, int* __restrict__ tickets) {
   constexpr int KS = D / 16, NT = D / 8, ROW = split_row<D>(), PD = D / 8;
@@ -190,38 +184,28 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 3)
   const int item = a.row_item[r], pos = a.row_pos[r], lo = row_lo(a, pos), len = pos - lo + 1;
   const int chunk = chunk_keys(len, min_chunk, max_splits, splits);
   const int n = int((int64_t(len) + chunk - 1) / chunk);
-  if (int(blockIdx.y) >= n) return;  // whole block: more slots than this row has chunks
-  const int nslots = min(int(gridDim.y), n), J = (n - int(blockIdx.y) + nslots - 1) / nslots;
+  const int c = blockIdx.y;
+  if (c >= n) return;  // whole block: past this row's chunks
   const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
   const int kvh = blockIdx.x / ngrp, g0 = (blockIdx.x % ngrp) * kSplitHeads, nh = min(kSplitHeads, G - g0);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int KVD = a.n_kv_heads * D;
+  const int j_begin = lo + c * chunk, j_end = min(pos, j_begin + chunk - 1);
+  const int ntiles = (j_end - j_begin + kTileKeys) / kTileKeys;
   const int32_t* pt = a.page_table + a.item_pt[item];
   extern __shared__ __align__(16) uint8_t smem[];
   const uint32_t my = ptx::smem_u32(smem) + uint32_t(warp) * kSplitStages * 2 * TB;
-  // This warp's tiles: per chunk q of them (tiles warp, warp + 4, ... of a
-  // full chunk); item s is tile warp + 4 (s % q) of the block's chunk s / q,
-  // empty where the row's last chunk is shorter.
-  const int T = chunk / kTileKeys, q = warp < T ? (T - warp + kSplitWarps - 1) / kSplitWarps : 0;
-  const int items = q * J;
-  auto chunk_of = [&](int j) { return int(blockIdx.y) + j * nslots; };
-  // Item s's first key, or -1 for an empty item.
-  auto item_key = [&](int s) {
-    const int j0 = lo + chunk_of(s / q) * chunk + (warp + kSplitWarps * (s % q)) * kTileKeys;
-    return j0 <= pos && j0 < lo + (chunk_of(s / q) + 1) * chunk ? j0 : -1;
-  };
-  // Item s's K and V into its ring stage (keys past the chunk or pos: zeros), one commit group.
-  auto issue = [&](int s) {
-    const int j0 = s < items ? item_key(s) : -1;
-    if (j0 >= 0) {
-      const int j_end = min(pos, lo + (chunk_of(s / q) + 1) * chunk - 1);
-      const uint32_t stage = my + uint32_t(s % kSplitStages) * 2 * TB;
+
+  // Tile tl's K and V into stage st (keys past j_end: zeros), one commit group (empty past the tiles).
+  auto issue = [&](int tl, int st) {
+    if (tl < ntiles) {
+      const int j0 = j_begin + tl * kTileKeys;
 #pragma unroll
       for (int u = 0; u < kTileKeys * D / 8 / 32; ++u) {
         const int e = lane + 32 * u, key = e / (D / 8), q8 = e % (D / 8), j = j0 + key;
         const bool ok = j <= j_end;
         const __nv_bfloat16* kr = key_row(a, pt, ok ? j : j_end) + kvh * D + q8 * 8;
-        const uint32_t dst = stage + uint32_t(key * ROW + q8 * 8) * 2;
+        const uint32_t dst = my + uint32_t(st) * 2 * TB + uint32_t(key * ROW + q8 * 8) * 2;
         ptx::cp_async16_zfill(dst, kr, ok ? 16 : 0);
         ptx::cp_async16_zfill(dst + TB, kr + KVD, ok ? 16 : 0);
       }
@@ -231,13 +215,13 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 3)
   // Rows, page tables and the keys before pos were written before the
   // previous kernel (which stores key pos and q): a warp whose first tile ends
   // before pos issues it before waiting.
-  const bool early = items == 0 || item_key(0) < 0 || item_key(0) + kTileKeys - 1 < pos;
+  const bool early = warp >= ntiles || j_begin + (warp + 1) * kTileKeys - 1 < pos;
   if (!early) pdl_wait();
-  issue(0);
+  issue(warp, 0);
   if (early) pdl_wait();
   pdl_trigger();
 #pragma unroll
-  for (int st = 1; st < kSplitStages; ++st) issue(st);
+  for (int st = 1; st < kSplitStages; ++st) issue(warp + st * kSplitWarps, st);
 
   // Q fragments (rows g and g + 8 of the group; heads past it zero), scaled to log2 units, as hi + lo.
   uint32_t qh[KS][4], ql[KS][4];
@@ -261,11 +245,106 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 3)
   // (transposed): (keys 0-7 | 8-15) x (dims of n-tile nd | nd + 1).
   const uint32_t koff = uint32_t(((lane >> 4) * 8 + (lane & 7)) * ROW + ((lane >> 3) & 1) * 8) * 2;
   const uint32_t voff = uint32_t((((lane >> 3) & 1) * 8 + (lane & 7)) * ROW + (lane >> 4) * 8) * 2;
-  float* ms = reinterpret_cast<float*>(smem + split_ring_bytes<D>());  // warps' states: m, l [warp][16], acc
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g, g + 8 (l: this lane's share until the end)
+  float acc[NT][4];
+#pragma unroll
+  for (int nd = 0; nd < NT; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
+  for (int tl = warp, k = 0; tl < ntiles; tl += kSplitWarps, ++k) {
+    const int st = k % kSplitStages;
+    ptx::cp_async_wait<kSplitStages - 1>();
+    __syncwarp();  // the other lanes' copies too
+    const uint32_t kt = my + uint32_t(st) * 2 * TB, vt = kt + TB;
+    // Scores: s0 keys 2t, 2t + 1 of the tile, s1 keys 8 + 2t, 9 + 2t; [0..1] row g, [2..3] row g + 8.
+    float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      uint32_t b[4];
+      ptx::ldsm_x4(b, kt + koff + uint32_t(ks) * 32);
+      ptx::mma_16816<true>(s0, qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b[0], b[1]);
+      ptx::mma_16816<true>(s0, ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[0], b[1]);
+      ptx::mma_16816<true>(s1, qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b[2], b[3]);
+      ptx::mma_16816<true>(s1, ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[2], b[3]);
+    }
+    const int nv = j_end - (j_begin + tl * kTileKeys) + 1;  // valid keys of the tile (>= 1)
+    if (nv < kTileKeys)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (2 * t + e >= nv) s0[e] = s0[2 + e] = -INFINITY;
+        if (8 + 2 * t + e >= nv) s1[e] = s1[2 + e] = -INFINITY;
+      }
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      float mx = fmaxf(fmaxf(s0[2 * rr], s0[2 * rr + 1]), fmaxf(s1[2 * rr], s1[2 * rr + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float nm = fmaxf(m[rr], mx);  // finite: the tile's first key is valid
+      const float f = exp2f(m[rr] - nm);
+      m[rr] = nm;
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        s0[2 * rr + e] = exp2f(s0[2 * rr + e] - nm), s1[2 * rr + e] = exp2f(s1[2 * rr + e] - nm);
+      l[rr] = l[rr] * f + ((s0[2 * rr] + s0[2 * rr + 1]) + (s1[2 * rr] + s1[2 * rr + 1]));
+#pragma unroll
+      for (int nd = 0; nd < NT; ++nd) acc[nd][2 * rr] *= f, acc[nd][2 * rr + 1] *= f;
+    }
+    // P as the A operand (keys are k): a0 row g keys 2t.., a1 row g + 8, a2 / a3 keys 8 + 2t.. .
+    uint32_t ph[4], pl[4];
+    split_bf16(s0[0], s0[1], ph[0], pl[0]);
+    split_bf16(s0[2], s0[3], ph[1], pl[1]);
+    split_bf16(s1[0], s1[1], ph[2], pl[2]);
+    split_bf16(s1[2], s1[3], ph[3], pl[3]);
+#pragma unroll
+    for (int nd = 0; nd < NT; nd += 2) {
+      uint32_t b[4];
+      ptx::ldsm_x4<true>(b, vt + voff + uint32_t(nd) * 16);
+      ptx::mma_16816<true>(acc[nd], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
+      ptx::mma_16816<true>(acc[nd], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
+      ptx::mma_16816<true>(acc[nd + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
+      ptx::mma_16816<true>(acc[nd + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
+    }
+    __syncwarp();  // every lane done with stage st before it is refilled
+    issue(tl + kSplitStages * kSplitWarps, st);
+  }
+  ptx::cp_async_wait<0>();
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
+    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
+  }
+
+  // The warps' states: m, l per head row, acc [row][D] (a warp without tiles: m = -inf, l = 0, acc = 0).
+  __syncthreads();  // every warp is done with its tiles: the bytes hold the states now
+  float* ms = reinterpret_cast<float*>(smem);
   float* ls = ms + kSplitWarps * kSplitHeads;
-  float* os = ls + kSplitWarps * kSplitHeads;  // [warp][16][D]
-  // Merge-side thread -> head row hr of the group, dims d0 .. d0 + PD - 1.
+  float* os = ls + kSplitWarps * kSplitHeads;
+  if (t == 0) {
+    ms[warp * kSplitHeads + g] = m[0], ms[warp * kSplitHeads + g + 8] = m[1];
+    ls[warp * kSplitHeads + g] = l[0], ls[warp * kSplitHeads + g + 8] = l[1];
+  }
+#pragma unroll
+  for (int nd = 0; nd < NT; ++nd)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      os[(warp * kSplitHeads + g) * D + 8 * nd + 2 * t + e] = acc[nd][e];
+      os[(warp * kSplitHeads + g + 8) * D + 8 * nd + 2 * t + e] = acc[nd][2 + e];
+    }
+  __syncthreads();
+  // Thread -> head row hr of the group, dims d0 .. d0 + PD - 1.
   const int hr = threadIdx.x >> 3, d0 = (threadIdx.x & 7) * PD;
+  float M = -INFINITY, L = 0.f, o[PD];
+#pragma unroll
+  for (int d = 0; d < PD; ++d) o[d] = 0.f;
+#pragma unroll
+  for (int w = 0; w < kSplitWarps; ++w) M = fmaxf(M, ms[w * kSplitHeads + hr]);
+#pragma unroll
+  for (int w = 0; w < kSplitWarps; ++w) {
+    const float mw = ms[w * kSplitHeads + hr];
+    if (mw == -INFINITY) continue;  // fixed order, skipped warps add nothing: deterministic
+    const float wt = exp2f(mw - M);
+    L += ls[w * kSplitHeads + hr] * wt;
+#pragma unroll
+    for (int d = 0; d < PD; ++d) o[d] += os[(w * kSplitHeads + hr) * D + d0 + d] * wt;
+  }
   const bool row_ok = hr < nh;
   const int h = kvh * G + g0 + hr;
   const size_t ob = size_t(r) * a.n_heads * D + size_t(h) * D + d0;
@@ -275,132 +354,34 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 3)
     else
       reinterpret_cast<__nv_bfloat16*>(a.out)[ob + d] = __float2bfloat16_rn(v);
   };
-
-  for (int jc = 0, s = 0; jc < J; ++jc) {
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g, g + 8 (l: this lane's share until the end)
-    float acc[NT][4];
+  if (n == 1) {  // the whole row in this block: merge with the sink here
+    if (!row_ok) return;
+    const float sink = a.sinks[h] * kLog2e, Mx = fmaxf(M, sink), w = exp2f(M - Mx);
+    const float inv = 1.f / (L * w + exp2f(sink - Mx));
 #pragma unroll
-    for (int nd = 0; nd < NT; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
-    for (int u = 0; u < q; ++u, ++s) {
-      ptx::cp_async_wait<kSplitStages - 1>();
-      __syncwarp();  // the other lanes' copies too
-      const int j0 = item_key(s);
-      if (j0 >= 0) {
-        const uint32_t kt = my + uint32_t(s % kSplitStages) * 2 * TB, vt = kt + TB;
-        // Scores: s0 keys 2t, 2t + 1 of the tile, s1 keys 8 + 2t, 9 + 2t; [0..1] row g, [2..3] row g + 8.
-        float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-          uint32_t b[4];
-          ptx::ldsm_x4(b, kt + koff + uint32_t(ks) * 32);
-          ptx::mma_16816<true>(s0, qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b[0], b[1]);
-          ptx::mma_16816<true>(s0, ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[0], b[1]);
-          ptx::mma_16816<true>(s1, qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b[2], b[3]);
-          ptx::mma_16816<true>(s1, ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[2], b[3]);
-        }
-        const int nv = min(pos, lo + (chunk_of(jc) + 1) * chunk - 1) - j0 + 1;  // valid keys of the tile (>= 1)
-        if (nv < kTileKeys)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            if (2 * t + e >= nv) s0[e] = s0[2 + e] = -INFINITY;
-            if (8 + 2 * t + e >= nv) s1[e] = s1[2 + e] = -INFINITY;
-          }
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          float mx = fmaxf(fmaxf(s0[2 * rr], s0[2 * rr + 1]), fmaxf(s1[2 * rr], s1[2 * rr + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float nm = fmaxf(m[rr], mx);  // finite: the tile's first key is valid
-          const float f = exp2f(m[rr] - nm);
-          m[rr] = nm;
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            s0[2 * rr + e] = exp2f(s0[2 * rr + e] - nm), s1[2 * rr + e] = exp2f(s1[2 * rr + e] - nm);
-          l[rr] = l[rr] * f + ((s0[2 * rr] + s0[2 * rr + 1]) + (s1[2 * rr] + s1[2 * rr + 1]));
-#pragma unroll
-          for (int nd = 0; nd < NT; ++nd) acc[nd][2 * rr] *= f, acc[nd][2 * rr + 1] *= f;
-        }
-        // P as the A operand (keys are k): a0 row g keys 2t.., a1 row g + 8, a2 / a3 keys 8 + 2t.. .
-        uint32_t ph[4], pl[4];
-        split_bf16(s0[0], s0[1], ph[0], pl[0]);
-        split_bf16(s0[2], s0[3], ph[1], pl[1]);
-        split_bf16(s1[0], s1[1], ph[2], pl[2]);
-        split_bf16(s1[2], s1[3], ph[3], pl[3]);
-#pragma unroll
-        for (int nd = 0; nd < NT; nd += 2) {
-          uint32_t b[4];
-          ptx::ldsm_x4<true>(b, vt + voff + uint32_t(nd) * 16);
-          ptx::mma_16816<true>(acc[nd], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
-          ptx::mma_16816<true>(acc[nd], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
-          ptx::mma_16816<true>(acc[nd + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
-          ptx::mma_16816<true>(acc[nd + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
-        }
-      }
-      __syncwarp();  // every lane done with the stage before it is refilled
-      issue(s + kSplitStages);
-    }
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
-      l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
-    }
-    // The chunk's state from the warps' (a warp without tiles: m = -inf, l = 0, acc = 0).
-    __syncthreads();  // the previous chunk's merge has read the states
-    if (t == 0) {
-      ms[warp * kSplitHeads + g] = m[0], ms[warp * kSplitHeads + g + 8] = m[1];
-      ls[warp * kSplitHeads + g] = l[0], ls[warp * kSplitHeads + g + 8] = l[1];
-    }
-#pragma unroll
-    for (int nd = 0; nd < NT; ++nd)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        os[(warp * kSplitHeads + g) * D + 8 * nd + 2 * t + e] = acc[nd][e];
-        os[(warp * kSplitHeads + g + 8) * D + 8 * nd + 2 * t + e] = acc[nd][2 + e];
-      }
-    __syncthreads();
-    float M = -INFINITY, L = 0.f, o[PD];
-#pragma unroll
-    for (int d = 0; d < PD; ++d) o[d] = 0.f;
-#pragma unroll
-    for (int w = 0; w < kSplitWarps; ++w) M = fmaxf(M, ms[w * kSplitHeads + hr]);
-#pragma unroll
-    for (int w = 0; w < kSplitWarps; ++w) {
-      const float mw = ms[w * kSplitHeads + hr];
-      if (mw == -INFINITY) continue;  // fixed order, skipped warps add nothing: deterministic
-      const float wt = exp2f(mw - M);
-      L += ls[w * kSplitHeads + hr] * wt;
-#pragma unroll
-      for (int d = 0; d < PD; ++d) o[d] += os[(w * kSplitHeads + hr) * D + d0 + d] * wt;
-    }
-    if (!row_ok) continue;
-    if (n == 1) {  // the whole row in this block: merge with the sink here
-      const float sink = a.sinks[h] * kLog2e, Mx = fmaxf(M, sink), w = exp2f(M - Mx);
-      const float inv = 1.f / (L * w + exp2f(sink - Mx));
-#pragma unroll
-      for (int d = 0; d < PD; ++d) store(d, o[d] * w * inv);
-      continue;
-    }
-    float* po = part + partial_off(i, h, chunk_of(jc), a.n_heads, splits, D);
+    for (int d = 0; d < PD; ++d) store(d, o[d] * w * inv);
+    return;
+  }
+  if (row_ok) {
+    float* po = part + partial_off(i, h, c, a.n_heads, splits, D);
 #pragma unroll
     for (int d = 0; d < PD; d += 4)
       *reinterpret_cast<float4*>(po + d0 + d) = make_float4(o[d], o[d + 1], o[d + 2], o[d + 3]);
     if ((threadIdx.x & 7) == 0) po[D] = M, po[D + 1] = L;
   }
-  ptx::cp_async_wait<0>();
-  if (n == 1) return;
   __threadfence();  // this block's partials visible device-wide before its ticket
   __syncthreads();
   __shared__ int ticket;
   int* tk = tickets + size_t(i) * gridDim.x + blockIdx.x;
   if (threadIdx.x == 0) ticket = atomicAdd(tk, 1);
   __syncthreads();
-  if (ticket != nslots - 1) return;
-  // The last block: every other block of this (row, group) has published its
-  // chunks' states. With the sink as one more column: M = max(sink, m_c),
-  // L = 2^(sink - M) + sum l_c 2^(m_c - M), out = sum acc_c 2^(m_c - M) / L. A
-  // head's 8 threads split the chunks for M and L, then each sums its dims
-  // over every chunk with independent loads (no chain through a running
-  // maximum); fixed orders: deterministic.
+  if (ticket != n - 1) return;
+  // The last block: every other block of this (row, KV head, group) has
+  // published its partial state. With the sink as one more column:
+  // M = max(sink, m_c), L = 2^(sink - M) + sum l_c 2^(m_c - M), out = sum
+  // acc_c 2^(m_c - M) / L. A head's 8 threads split the chunks for M and L,
+  // then each sums its dims over every chunk with independent loads (no
+  // chain through a running maximum); fixed orders: deterministic.
   __threadfence();
   if (threadIdx.x == 0) *tk = 0;  // ready for the next launch
   if (!row_ok) return;            // (whole 8-thread groups)
@@ -593,18 +574,10 @@ void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows,
   }();
   (void)attr_set;
   const dim3 block{unsigned(kSplitThreads)};
-  int dev = 0, sms = 0;
-  DZ_CUDA_CHECK(cudaGetDevice(&dev));
-  DZ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const int resident = sms * (a.head_dim == 128 ? 1 : 3);  // blocks a wave (the kernels' launch bounds)
   for (int r0 = 0; r0 < n_rows; r0 += group) {
     const int n = std::min(group, n_rows - r0);
-    // Slots a row: enough blocks for two waves, at most a block a chunk (a
-    // block takes several chunks of its row where rows alone fill the GPU).
-    const int64_t per_slot = int64_t(n) * a.n_kv_heads * ngrp;
-    const int slots = int(std::clamp<int64_t>((2 * int64_t(resident) + per_slot - 1) / per_slot, 1, splits));
-    // KV heads fastest, then slots: blocks running together read neighbouring bytes of the same pages.
-    const dim3 grid(unsigned(a.n_kv_heads * ngrp), unsigned(slots), unsigned(n));
+    // KV heads fastest, then chunks: blocks running together read neighbouring bytes of the same pages.
+    const dim3 grid(unsigned(a.n_kv_heads * ngrp), unsigned(splits), unsigned(n));
     switch (a.head_dim) {
       case 32:
         launch_pdl(split_kernel<32>, grid, block, split_smem<32>(), s, a, rows + r0, splits, p.min_chunk, p.max_splits,

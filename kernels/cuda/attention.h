@@ -36,17 +36,16 @@ void attention_decode(const AttnBatch& a, const int32_t* rows, int n_rows, cudaS
 
 // Split-K decode ("flash decoding"). A row attending to len = pos - lo + 1
 // keys cuts them into chunks of decode_chunk_keys(len) keys starting at lo;
-// blocks of (row, KV head, group of up to 16 query heads) compute chunks' softmax
-// states (max, sum, acc) reading each key once for all those heads (bf16
-// tensor-core MMAs, queries and probabilities as two bf16 terms each:
-// fp32-like accuracy on the bf16 cache); the last block of a row to finish
-// merges them with the sink (a row of one chunk is finished by its block).
-// The chunk size depends on the row's own length only, and the launch only
-// decides how many blocks share a row's chunks (up to one a chunk; fewer when
-// the rows alone fill the GPU), so a row's output is bitwise the same whatever
-// the batch or the grid; `splits` is the number of chunk states a row may
-// have, which lets a CUDA graph captured for `splits` serve every row that
-// needs at most that many chunks.
+// one block per (row, KV head, group of up to 16 query heads, chunk) reads each
+// key of its chunk once for all those heads (bf16 tensor-core MMAs, queries
+// and probabilities as two bf16 terms each: fp32-like accuracy on the bf16
+// cache). A row of one chunk is finished
+// by its block; otherwise blocks write partial softmax states (max, sum, acc)
+// and the last block of the row to finish merges them with the sink. The
+// chunk size depends on the row's own length only, so a row's output does
+// not depend on the batch or on the grid (`splits` blocks per row; those past
+// the row's chunk count exit), which is what lets a CUDA graph captured for
+// `splits` serve every row that needs at most that many chunks.
 // Launched as a programmatic dependent of the previous kernel (PDL), it reads
 // rows, row metadata, page tables and the keys before each row's position
 // before waiting for that kernel: only q and key pos may come from it.
@@ -55,7 +54,7 @@ struct DecodeSplitPolicy {
   int max_splits = 64;  // chunks per row at most: longer rows get chunks of min_chunk * 2^k
 };
 // Keys per chunk and chunks for a row attending to len keys (len >= 1) when
-// a row may have `splits` chunk states: decode_chunk_keys(len) as long as
+// `splits` blocks per row are launched: decode_chunk_keys(len) as long as
 // that needs at most `splits` chunks, else larger chunks (still correct, but
 // then the row's rounding depends on `splits`): callers launch
 // splits >= max over rows of decode_chunks(len, p, p.max_splits).
