@@ -30,7 +30,7 @@ namespace dz::cli {
 namespace {
 const char* kUsage =
     "usage: dz bench attention [--batch 1,8,64] [--ctx 128,1024,4096,32768,131072] [--heads 64] [--kv-heads 8]\n"
-    "                          [--head-dim 64] [--window 0] [--min-chunk 64,128,256,512] [--max-splits 64]\n"
+    "                          [--head-dim 64] [--window 0] [--min-chunk 256,64,128,512] [--max-splits 64]\n"
     "                          [--page-tokens 64] [--reps 20] [--max-kv-gib 16] [--bw-ceiling 4.27e12] [--out "
     "FILE.json]\n"
     "Split-K decode attention (paged bf16 KV, one layer): time per call for every batch x context\n"
@@ -61,7 +61,7 @@ int bench_attention(const Args& a) {
                  "dz bench attention");
   const std::vector<int> batches = parse_int_list(flag_value(a, "--batch", "1,8,64"));
   const std::vector<int> ctxs = parse_int_list(flag_value(a, "--ctx", "128,1024,4096,32768,131072"));
-  const std::vector<int> chunks = parse_int_list(flag_value(a, "--min-chunk", "64,128,256,512"));
+  const std::vector<int> chunks = parse_int_list(flag_value(a, "--min-chunk", "256,64,128,512"));
   auto int_flag = [&](const char* f, int d) { return std::stoi(flag_value(a, f, std::to_string(d))); };
   const int nh = int_flag("--heads", 64), nkv = int_flag("--kv-heads", 8), D = int_flag("--head-dim", 64);
   const int window = int_flag("--window", 0), max_splits = int_flag("--max-splits", DecodeSplitPolicy{}.max_splits);
