@@ -53,9 +53,11 @@ struct DecodeSplitPolicy {
   // Keys per chunk at least (multiple of 32). Each chunk costs its block a
   // fixed latency and a partial state to merge, so short chunks pay only where
   // rows are few (H200, dz bench attention: 256 vs 64 at batch 64 x 4K keys
-  // 207 vs 499 us, at batch 1 x 4K 14 vs 23 us; 64 is 2 us ahead at 1K keys).
+  // 207 vs 499 us, at batch 1 x 4K 14 vs 23 us; 128 is 2 us ahead at 1K keys).
   int min_chunk = 256;
-  int max_splits = 64;  // chunks per row at most: longer rows get chunks of min_chunk * 2^k
+  // Chunks per row at most: longer rows get chunks of min_chunk * 2^k (32 vs
+  // 64: batch 1 x 128K keys 83 vs 91 us, batch 64 x 32K 1118 vs 1215 us).
+  int max_splits = 32;
 };
 // Keys per chunk and chunks for a row attending to len keys (len >= 1) when
 // `splits` blocks per row are launched: decode_chunk_keys(len) as long as
