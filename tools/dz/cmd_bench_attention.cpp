@@ -30,7 +30,7 @@ namespace dz::cli {
 namespace {
 const char* kUsage =
     "usage: dz bench attention [--batch 1,8,64] [--ctx 128,1024,4096,32768,131072] [--heads 64] [--kv-heads 8]\n"
-    "                          [--head-dim 64] [--window 0] [--min-chunk 256,64,128,512] [--max-splits 64]\n"
+    "                          [--head-dim 64] [--window 0] [--min-chunk 256,64,128,512] [--max-splits 32]\n"
     "                          [--page-tokens 64] [--reps 20] [--max-kv-gib 16] [--bw-ceiling 4.27e12] [--out "
     "FILE.json]\n"
     "Split-K decode attention (paged bf16 KV, one layer): time per call for every batch x context\n"
