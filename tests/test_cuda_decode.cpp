@@ -1,12 +1,14 @@
 // The CUDA decode path ([cuda]; skipped with a message where no GPU is
 // present, but always compiled): split-K decode attention against a float64
-// reference, the unsplit kernel and itself under other grids; gpt-oss decode
+// reference, the unsplit kernel and itself under other grids; prefill
+// attention against float64; gpt-oss decode
 // steps replayed from CUDA graphs against the same steps run eagerly
 // (bitwise), and against the CPU backend, over contexts that cross pages and
 // split-grid buckets, at batch 1 and 3.
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -186,6 +188,17 @@ struct DeviceCase {
     CHECK(std::memcmp(first.data(), second.data(), first.size() * 4) == 0);
     return second;
   }
+  // Prefill over tiles of consecutive rows; fp32 [rows][heads*D] (rows of no tile keep NaN).
+  std::vector<float> prefill(int window, const std::vector<dz::cuda::AttnTile>& tiles) {
+    DeviceArray<uint8_t> dt(ctx.pool(), tiles.size() * sizeof(dz::cuda::AttnTile), "tiles");
+    DZ_CUDA_CHECK(
+        cudaMemcpy(dt.get(), tiles.data(), tiles.size() * sizeof(dz::cuda::AttnTile), cudaMemcpyHostToDevice));
+    DZ_CUDA_CHECK(cudaMemsetAsync(out.get(), 0xff, out.bytes(), ctx.stream()));
+    dz::cuda::attention_prefill(batch(window), reinterpret_cast<const dz::cuda::AttnTile*>(dt.get()), int(tiles.size()),
+                                dz::cuda::attention_tile_rows(c.n_heads, c.n_kv), ctx.stream());
+    DZ_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
+    return fetch();
+  }
   std::vector<float> unsplit(int window) {
     DZ_CUDA_CHECK(cudaMemsetAsync(out.get(), 0xff, out.bytes(), ctx.stream()));
     dz::cuda::attention_decode(batch(window), rows.get(), int(c.pos.size()), ctx.stream());
@@ -284,6 +297,48 @@ TEST_CASE("split-K decode attention: float64 reference, unsplit kernel, grid ind
           CHECK(std::memcmp(alone.data() + size_t(r) * n, full.data() + size_t(r) * n, n * 4) == 0);
         }
       }
+    }
+  }
+}
+
+TEST_CASE("prefill attention (tensor cores): float64 reference over ragged tiles, windows, head groupings", "[cuda]") {
+  if (!have_gpu()) return;
+  dz::cuda::Context ctx(small_ctx());
+  struct Shape {
+    int nh, nkv, D;
+  };
+  // G = 8 (gpt-oss: 2 tokens a warp), 2 (8 tokens), 12 (one token, rows 12-15 idle), 20 (two head groups), 1 (16
+  // tokens a warp).
+  for (const Shape sh : {Shape{16, 2, 64}, Shape{4, 2, 32}, Shape{24, 2, 128}, Shape{40, 2, 64}, Shape{2, 2, 64}}) {
+    // A prompt from position 0 and one continuing after 700 cached tokens: keys cross pages and stages.
+    std::vector<int> pos, item;
+    for (int p = 0; p < 150; ++p) pos.push_back(p), item.push_back(0);
+    for (int p = 700; p < 764; ++p) pos.push_back(p), item.push_back(1);
+    const AttnCase c(sh.nh, sh.nkv, sh.D, pos, item, uint32_t(sh.D * 5 + sh.nh));
+    DeviceCase dc(ctx, c);
+    const int R = int(pos.size()), tr = dz::cuda::attention_tile_rows(sh.nh, sh.nkv);
+    std::vector<dz::cuda::AttnTile> tiles;
+    for (int r0 = 0; r0 < R;) {  // tiles of at most tr consecutive rows of one sequence (the last of each ragged)
+      int n = 1;
+      while (n < tr && r0 + n < R && item[size_t(r0 + n)] == item[size_t(r0)]) ++n;
+      tiles.push_back({r0, n});
+      r0 += n;
+    }
+    for (const int window : {0, 100}) {
+      const std::vector<float> got = dc.prefill(window, tiles);
+      double e = 0, amax = 0;
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < sh.nh; ++h) {
+          const std::vector<double> ref = c.reference(r, h, window);
+          for (int d = 0; d < sh.D; ++d) {
+            const double g = got[size_t(r) * sh.nh * sh.D + size_t(h * sh.D + d)];
+            amax = std::max(amax, std::fabs(ref[size_t(d)]));
+            e = std::max(e, std::isfinite(g) ? std::fabs(g - ref[size_t(d)]) : 1e30);
+          }
+        }
+      std::printf("prefill attention heads %d/%d D %d window %d (%d rows a tile): max error %.3g (max |out| %.3g)\n",
+                  sh.nh, sh.nkv, sh.D, window, tr, e, amax);
+      CHECK(e < 2e-5 * std::max(1.0, amax));
     }
   }
 }

@@ -21,11 +21,6 @@ __device__ __forceinline__ const __nv_bfloat16* key_row(const AttnBatch& a, cons
                                                 int64_t(j % a.page_tokens) * (2 * a.n_kv_heads * a.head_dim) * 2);
 }
 
-__device__ __forceinline__ float4 bf16x4_to_float4(uint2 u) {
-  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
-                     __uint_as_float(u.y & 0xffff0000u));
-}
-
 // One block (4 warps) per (row, head); lane holds D/32 dims; each warp takes
 // groups of 4 keys (4 independent dot products in flight), then the warps'
 // partial softmax states are merged.
@@ -164,6 +159,98 @@ __device__ __forceinline__ void split_bf16(float x0, float x1, uint32_t& hi, uin
   lo = reinterpret_cast<const uint32_t&>(l);
 }
 
+// Q fragments of a warp's 16 MMA rows as hi + lo bf16 pairs, scaled to log2
+// units: this thread's rows g (qa) and g + 8 (qb), fp32 [D]; null: a row of
+// zeros.
+template <int D>
+__device__ __forceinline__ void q_frags(const float* qa, const float* qb, float sl2, uint32_t (&qh)[D / 16][4],
+                                        uint32_t (&ql)[D / 16][4]) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {  // a0 / a2: row g, a1 / a3: row g + 8
+        const float* q = rr ? qb : qa;
+        const int k = 16 * ks + 8 * hf + 2 * t;
+        split_bf16(q ? q[k] * sl2 : 0.f, q ? q[k + 1] * sl2 : 0.f, qh[ks][2 * hf + rr], ql[ks][2 * hf + rr]);
+      }
+}
+
+// ldmatrix byte offsets in a tile of rows of `row` bf16 (lane -> row lane % 8
+// of matrix lane / 8). K: matrices (keys 0-7 | 8-15) x (dims +0 | +8) give b0,
+// b1 of both key n-tiles; V (transposed): (keys 0-7 | 8-15) x (dims of n-tile
+// nd | nd + 1).
+__device__ __forceinline__ uint32_t k_ldsm_off(int lane, int row) {
+  return uint32_t(((lane >> 4) * 8 + (lane & 7)) * row + ((lane >> 3) & 1) * 8) * 2;
+}
+__device__ __forceinline__ uint32_t v_ldsm_off(int lane, int row) {
+  return uint32_t((((lane >> 3) & 1) * 8 + (lane & 7)) * row + (lane >> 4) * 8) * 2;
+}
+
+// One 16-key tile of K and V (shared memory, rows of D + 8 bf16; kt / vt
+// already offset by the lane's ldmatrix row) into a warp's online softmax
+// over its 16 MMA rows (a thread: rows g and g + 8, rr = 0 / 1). With
+// `masked`, keys kk of the tile that row rr may not see (!see(rr, kk)) drop
+// out; a row may see none of the tile.
+template <int D, typename See>
+__device__ __forceinline__ void attend_tile16(uint32_t kt, uint32_t vt, const uint32_t (&qh)[D / 16][4],
+                                              const uint32_t (&ql)[D / 16][4], float (&m)[2], float (&l)[2],
+                                              float (&acc)[D / 8][4], bool masked, See see) {
+  constexpr int KS = D / 16, NT = D / 8;
+  const int t = threadIdx.x & 3;
+  // Scores: s0 keys 2t, 2t + 1 of the tile, s1 keys 8 + 2t, 9 + 2t; [0..1] row g, [2..3] row g + 8.
+  float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    uint32_t b[4];
+    ptx::ldsm_x4(b, kt + uint32_t(ks) * 32);
+    ptx::mma_16816<true>(s0, qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b[0], b[1]);
+    ptx::mma_16816<true>(s0, ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[0], b[1]);
+    ptx::mma_16816<true>(s1, qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b[2], b[3]);
+    ptx::mma_16816<true>(s1, ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[2], b[3]);
+  }
+  if (masked)
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (!see(rr, 2 * t + e)) s0[2 * rr + e] = -INFINITY;
+        if (!see(rr, 8 + 2 * t + e)) s1[2 * rr + e] = -INFINITY;
+      }
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    float mx = fmaxf(fmaxf(s0[2 * rr], s0[2 * rr + 1]), fmaxf(s1[2 * rr], s1[2 * rr + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float nm = fmaxf(m[rr], mx), base = nm == -INFINITY ? 0.f : nm;  // nothing seen yet: all terms 0
+    const float f = exp2f(m[rr] - base);
+    m[rr] = nm;
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      s0[2 * rr + e] = exp2f(s0[2 * rr + e] - base), s1[2 * rr + e] = exp2f(s1[2 * rr + e] - base);
+    l[rr] = l[rr] * f + ((s0[2 * rr] + s0[2 * rr + 1]) + (s1[2 * rr] + s1[2 * rr + 1]));
+#pragma unroll
+    for (int nd = 0; nd < NT; ++nd) acc[nd][2 * rr] *= f, acc[nd][2 * rr + 1] *= f;
+  }
+  // P as the A operand (keys are k): a0 row g keys 2t.., a1 row g + 8, a2 / a3 keys 8 + 2t.. .
+  uint32_t ph[4], pl[4];
+  split_bf16(s0[0], s0[1], ph[0], pl[0]);
+  split_bf16(s0[2], s0[3], ph[1], pl[1]);
+  split_bf16(s1[0], s1[1], ph[2], pl[2]);
+  split_bf16(s1[2], s1[3], ph[3], pl[3]);
+#pragma unroll
+  for (int nd = 0; nd < NT; nd += 2) {
+    uint32_t b[4];
+    ptx::ldsm_x4<true>(b, vt + uint32_t(nd) * 16);
+    ptx::mma_16816<true>(acc[nd], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
+    ptx::mma_16816<true>(acc[nd], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
+    ptx::mma_16816<true>(acc[nd + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
+    ptx::mma_16816<true>(acc[nd + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
+  }
+}
+
 // Block = (row, KV head x group of up to 16 query heads, chunk of keys); the
 // group's heads are the rows of m16n8k16 bf16 MMAs (S = Q K^T with keys as the
 // n columns, then O += P V with keys as k), so each key is read once for all
@@ -223,28 +310,13 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 4)
 #pragma unroll
   for (int st = 1; st < kSplitStages; ++st) issue(warp + st * kSplitWarps, st);
 
-  // Q fragments (rows g and g + 8 of the group; heads past it zero), scaled to log2 units, as hi + lo.
+  // Q fragments (rows g and g + 8 of the group; heads past it zero).
   uint32_t qh[KS][4], ql[KS][4];
   {
-    const float sl2 = a.scale * kLog2e;
     const float* qr = a.q + size_t(r) * a.q_stride + size_t(kvh * G + g0) * D;
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {  // a0 / a2: row g, a1 / a3: row g + 8
-          const int hr = g + 8 * rr, k = 16 * ks + 8 * hf + 2 * t;
-          const float x0 = hr < nh ? qr[hr * D + k] * sl2 : 0.f, x1 = hr < nh ? qr[hr * D + k + 1] * sl2 : 0.f;
-          split_bf16(x0, x1, qh[ks][2 * hf + rr], ql[ks][2 * hf + rr]);
-        }
+    q_frags<D>(g < nh ? qr + g * D : nullptr, g + 8 < nh ? qr + (g + 8) * D : nullptr, a.scale * kLog2e, qh, ql);
   }
-
-  // ldmatrix addresses (lane -> row lane % 8 of matrix lane / 8). K: matrices
-  // (keys 0-7 | 8-15) x (dims +0 | +8) give b0, b1 of both key n-tiles; V
-  // (transposed): (keys 0-7 | 8-15) x (dims of n-tile nd | nd + 1).
-  const uint32_t koff = uint32_t(((lane >> 4) * 8 + (lane & 7)) * ROW + ((lane >> 3) & 1) * 8) * 2;
-  const uint32_t voff = uint32_t((((lane >> 3) & 1) * 8 + (lane & 7)) * ROW + (lane >> 4) * 8) * 2;
+  const uint32_t koff = k_ldsm_off(lane, ROW), voff = v_ldsm_off(lane, ROW);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g, g + 8 (l: this lane's share until the end)
   float acc[NT][4];
 #pragma unroll
@@ -254,54 +326,8 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 4)
     ptx::cp_async_wait<kSplitStages - 1>();
     __syncwarp();  // the other lanes' copies too
     const uint32_t kt = my + uint32_t(st) * 2 * TB, vt = kt + TB;
-    // Scores: s0 keys 2t, 2t + 1 of the tile, s1 keys 8 + 2t, 9 + 2t; [0..1] row g, [2..3] row g + 8.
-    float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      uint32_t b[4];
-      ptx::ldsm_x4(b, kt + koff + uint32_t(ks) * 32);
-      ptx::mma_16816<true>(s0, qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b[0], b[1]);
-      ptx::mma_16816<true>(s0, ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[0], b[1]);
-      ptx::mma_16816<true>(s1, qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b[2], b[3]);
-      ptx::mma_16816<true>(s1, ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[2], b[3]);
-    }
     const int nv = j_end - (j_begin + tl * kTileKeys) + 1;  // valid keys of the tile (>= 1)
-    if (nv < kTileKeys)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        if (2 * t + e >= nv) s0[e] = s0[2 + e] = -INFINITY;
-        if (8 + 2 * t + e >= nv) s1[e] = s1[2 + e] = -INFINITY;
-      }
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      float mx = fmaxf(fmaxf(s0[2 * rr], s0[2 * rr + 1]), fmaxf(s1[2 * rr], s1[2 * rr + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float nm = fmaxf(m[rr], mx);  // finite: the tile's first key is valid
-      const float f = exp2f(m[rr] - nm);
-      m[rr] = nm;
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        s0[2 * rr + e] = exp2f(s0[2 * rr + e] - nm), s1[2 * rr + e] = exp2f(s1[2 * rr + e] - nm);
-      l[rr] = l[rr] * f + ((s0[2 * rr] + s0[2 * rr + 1]) + (s1[2 * rr] + s1[2 * rr + 1]));
-#pragma unroll
-      for (int nd = 0; nd < NT; ++nd) acc[nd][2 * rr] *= f, acc[nd][2 * rr + 1] *= f;
-    }
-    // P as the A operand (keys are k): a0 row g keys 2t.., a1 row g + 8, a2 / a3 keys 8 + 2t.. .
-    uint32_t ph[4], pl[4];
-    split_bf16(s0[0], s0[1], ph[0], pl[0]);
-    split_bf16(s0[2], s0[3], ph[1], pl[1]);
-    split_bf16(s1[0], s1[1], ph[2], pl[2]);
-    split_bf16(s1[2], s1[3], ph[3], pl[3]);
-#pragma unroll
-    for (int nd = 0; nd < NT; nd += 2) {
-      uint32_t b[4];
-      ptx::ldsm_x4<true>(b, vt + voff + uint32_t(nd) * 16);
-      ptx::mma_16816<true>(acc[nd], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
-      ptx::mma_16816<true>(acc[nd], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
-      ptx::mma_16816<true>(acc[nd + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
-      ptx::mma_16816<true>(acc[nd + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
-    }
+    attend_tile16<D>(kt + koff, vt + voff, qh, ql, m, l, acc, nv < kTileKeys, [&](int, int kk) { return kk < nv; });
     __syncwarp();  // every lane done with stage st before it is refilled
     issue(tl + kSplitStages * kSplitWarps, st);
   }
@@ -419,84 +445,126 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 4)
   for (int d = 0; d < PD; ++d) store(d, out[d] * inv);
 }
 
-// One block per (tile of rows of one sequence, KV head); thread = (row, head
-// of the group); keys in chunks of CH staged in shared memory (broadcast reads).
-template <int D, int CH>
-__global__ void __launch_bounds__(128) prefill_kernel(AttnBatch a, const AttnTile* __restrict__ tiles) {
-  const AttnTile t = tiles[blockIdx.x];
-  const int kvh = blockIdx.y, G = a.n_heads / a.n_kv_heads;
-  const int qi = threadIdx.x / G, g = threadIdx.x % G;
-  const bool active = qi < t.n;
-  const int r = t.row0 + (active ? qi : t.n - 1), h = kvh * G + g;
-  const int item = a.row_item[t.row0], pos0 = a.row_pos[t.row0];
-  const int pos = a.row_pos[r];
-  const int lo = a.window > 0 ? max(0, pos - a.window + 1) : 0;
-  const int klo = a.window > 0 ? max(0, pos0 - a.window + 1) : 0, khi = pos0 + t.n - 1;
+// ------------------------------------------------------------------ prefill
+
+constexpr int kPreWarps = 8;
+constexpr int kPreThreads = 32 * kPreWarps;
+constexpr int kPreKeys = 32;   // keys a ring stage (every warp takes all of them, as two 16-key tiles)
+constexpr int kPreStages = 3;  // K/V stages in flight a block
+// Query tokens a warp: its 16 MMA rows are (token, head) pairs of one KV
+// head's group (gpt-oss, 8 heads: 2 tokens); more than 16 heads a KV head go
+// in groups of 16, one token a warp.
+__host__ __device__ inline int prefill_tokens_per_warp(int G) { return G >= 16 ? 1 : 16 / G; }
+template <int D>
+constexpr size_t prefill_smem() {
+  return size_t(kPreStages) * 2 * kPreKeys * split_row<D>() * 2;
+}
+
+// Block = (tile of consecutive rows of one sequence, KV head x group of up to
+// 16 query heads); each warp's 16 MMA rows are its tokens x the group's heads
+// (rows past them idle). The block's keys (from the first row's window start
+// to the last row) stream through a three-stage cp.async ring of 32-key K and
+// V stages in shared memory that every warp reads (ldmatrix), each row
+// masking to its own [window start, position]; a warp skips the 16-key tiles
+// none of its rows sees. Online softmax in the MMAs' fragments, queries and
+// probabilities as two bf16 terms each (as in decode), the sink at the end.
+template <int D>
+__global__ void __launch_bounds__(kPreThreads) prefill_kernel(AttnBatch a, const AttnTile* __restrict__ tiles) {
+  constexpr int KS = D / 16, NT = D / 8, ROW = split_row<D>();
+  constexpr uint32_t TB = uint32_t(kPreKeys * ROW * 2);  // one K (or V) stage
+  const AttnTile tile = tiles[blockIdx.x];
+  const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
+  const int kvh = blockIdx.y / ngrp, g0 = (blockIdx.y % ngrp) * kSplitHeads, HG = min(kSplitHeads, G - g0);
+  const int TPW = prefill_tokens_per_warp(G);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int KVD = a.n_kv_heads * D;
+  const int item = a.row_item[tile.row0], pos0 = a.row_pos[tile.row0];
+  const int klo = row_lo(a, pos0), khi = pos0 + tile.n - 1;
   const int32_t* pt = a.page_table + a.item_pt[item];
-  const float sl2 = a.scale * kLog2e;
-  __shared__ float4 ks[CH * D / 4], vs[CH * D / 4];
-  float q[D], acc[D];
-  {
-    const float4* qr = reinterpret_cast<const float4*>(a.q + size_t(r) * a.q_stride + h * D);
+  // This thread's two rows (rr 0: MMA row g, 1: g + 8): token, head, visible keys [lo, pos].
+  int row[2], head[2], rpos[2], rlo[2];
+  bool rok[2];
 #pragma unroll
-    for (int i = 0; i < D / 4; ++i) {
-      const float4 x = qr[i];
-      q[4 * i] = x.x * sl2, q[4 * i + 1] = x.y * sl2, q[4 * i + 2] = x.z * sl2, q[4 * i + 3] = x.w * sl2;
+  for (int rr = 0; rr < 2; ++rr) {
+    const int mr = g + 8 * rr, tok = warp * TPW + mr / HG;
+    rok[rr] = mr < TPW * HG && tok < tile.n;
+    row[rr] = tile.row0 + min(tok, tile.n - 1);
+    head[rr] = kvh * G + g0 + mr % HG;
+    rpos[rr] = a.row_pos[row[rr]];
+    rlo[rr] = row_lo(a, rpos[rr]);
+  }
+  // The warp's tokens see keys within [wlo_min, wpos_max]; every one of them sees [wlo_max, wpos_min].
+  const int tfirst = warp * TPW, tlast = min(tfirst + TPW, tile.n) - 1;
+  const bool wactive = tfirst < tile.n;
+  const int wpos_min = pos0 + tfirst, wpos_max = pos0 + tlast;
+  const int wlo_min = row_lo(a, wpos_min), wlo_max = row_lo(a, wpos_max);
+  uint32_t qh[KS][4], ql[KS][4];
+  q_frags<D>(rok[0] ? a.q + size_t(row[0]) * a.q_stride + size_t(head[0]) * D : nullptr,
+             rok[1] ? a.q + size_t(row[1]) * a.q_stride + size_t(head[1]) * D : nullptr, a.scale * kLog2e, qh, ql);
+
+  extern __shared__ __align__(16) uint8_t smem[];
+  const uint32_t ring = ptx::smem_u32(smem);
+  const int ntiles = (khi - klo + kPreKeys) / kPreKeys;
+  auto issue = [&](int k) {  // stage k's K and V (keys past khi: zeros), one commit group
+    if (k < ntiles) {
+      const int j0 = klo + k * kPreKeys;
+      const uint32_t stage = ring + uint32_t(k % kPreStages) * 2 * TB;
+      for (int e = threadIdx.x; e < kPreKeys * D / 8; e += kPreThreads) {
+        const int key = e / (D / 8), q8 = e % (D / 8), j = j0 + key;
+        const bool ok = j <= khi;
+        const __nv_bfloat16* kr = key_row(a, pt, ok ? j : khi) + kvh * D + q8 * 8;
+        const uint32_t dst = stage + uint32_t(key * ROW + q8 * 8) * 2;
+        ptx::cp_async16_zfill(dst, kr, ok ? 16 : 0);
+        ptx::cp_async16_zfill(dst + TB, kr + KVD, ok ? 16 : 0);
+      }
+    }
+    ptx::cp_async_commit();
+  };
+#pragma unroll
+  for (int st = 0; st < kPreStages - 1; ++st) issue(st);
+
+  const uint32_t koff = k_ldsm_off(lane, ROW), voff = v_ldsm_off(lane, ROW);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float acc[NT][4];
+#pragma unroll
+  for (int nd = 0; nd < NT; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
+  for (int k = 0; k < ntiles; ++k) {
+    ptx::cp_async_wait<kPreStages - 2>();
+    __syncthreads();            // stage k landed for every thread; stage k - 1 read by every warp
+    issue(k + kPreStages - 1);  // into stage k - 1's slot
+    if (!wactive) continue;
+    const uint32_t stage = ring + uint32_t(k % kPreStages) * 2 * TB;
+#pragma unroll
+    for (int half = 0; half < kPreKeys / kTileKeys; ++half) {
+      const int h0 = klo + k * kPreKeys + half * kTileKeys;
+      if (h0 > wpos_max || h0 + kTileKeys - 1 < wlo_min) continue;  // no row of the warp sees these keys
+      const bool masked = !(h0 >= wlo_max && h0 + kTileKeys - 1 <= wpos_min);
+      const uint32_t off = uint32_t(half * kTileKeys * ROW * 2);
+      attend_tile16<D>(stage + off + koff, stage + TB + off + voff, qh, ql, m, l, acc, masked, [&](int rr, int kk) {
+        const int j = h0 + kk;
+        return j >= rlo[rr] && j <= rpos[rr];
+      });
     }
   }
+  ptx::cp_async_wait<0>();
 #pragma unroll
-  for (int i = 0; i < D; ++i) acc[i] = 0;
-  float m = a.sinks[h] * kLog2e, l = 1;
-  for (int c0 = klo; c0 <= khi; c0 += CH) {
-    __syncthreads();
-    for (int e = threadIdx.x; e < CH * D / 4; e += blockDim.x) {
-      const int key = e / (D / 4), d4 = e % (D / 4), j = c0 + key;
-      float4 kx = make_float4(0, 0, 0, 0), vx = kx;
-      if (j <= khi) {
-        const __nv_bfloat16* kr = key_row(a, pt, j) + kvh * D;
-        kx = bf16x4_to_float4(reinterpret_cast<const uint2*>(kr)[d4]);
-        vx = bf16x4_to_float4(reinterpret_cast<const uint2*>(kr + KVD)[d4]);
-      }
-      ks[e] = kx;
-      vs[e] = vx;
+  for (int rr = 0; rr < 2; ++rr) {
+    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
+    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
+    if (!rok[rr]) continue;
+    const float sink = a.sinks[head[rr]] * kLog2e, Mx = fmaxf(m[rr], sink), w = exp2f(m[rr] - Mx);
+    const float inv = 1.f / (l[rr] * w + exp2f(sink - Mx)), sc = w * inv;
+    const size_t ob = size_t(row[rr]) * a.n_heads * D + size_t(head[rr]) * D + 2 * t;
+#pragma unroll
+    for (int nd = 0; nd < NT; ++nd) {
+      const float v0 = acc[nd][2 * rr] * sc, v1 = acc[nd][2 * rr + 1] * sc;
+      if (a.out_f32)
+        *reinterpret_cast<float2*>(a.out_f32 + ob + 8 * nd) = make_float2(v0, v1);
+      else
+        *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<__nv_bfloat16*>(a.out) + ob + 8 * nd) =
+            __floats2bfloat162_rn(v0, v1);
     }
-    __syncthreads();
-    float s[CH], mc = -INFINITY;
-#pragma unroll
-    for (int u = 0; u < CH; ++u) {
-      float dot = 0;
-#pragma unroll
-      for (int i = 0; i < D / 4; ++i) {
-        const float4 kx = ks[u * (D / 4) + i];
-        dot += q[4 * i] * kx.x + q[4 * i + 1] * kx.y + q[4 * i + 2] * kx.z + q[4 * i + 3] * kx.w;
-      }
-      const int j = c0 + u;
-      s[u] = (j >= lo && j <= pos) ? dot : -INFINITY;
-      mc = fmaxf(mc, s[u]);
-    }
-    if (mc == -INFINITY) continue;
-    const float nm = fmaxf(m, mc), f = exp2f(m - nm);
-    l *= f;
-#pragma unroll
-    for (int i = 0; i < D; ++i) acc[i] *= f;
-#pragma unroll
-    for (int u = 0; u < CH; ++u) {
-      const float p = exp2f(s[u] - nm);
-      l += p;
-#pragma unroll
-      for (int i = 0; i < D / 4; ++i) {
-        const float4 vx = vs[u * (D / 4) + i];
-        acc[4 * i] += p * vx.x, acc[4 * i + 1] += p * vx.y, acc[4 * i + 2] += p * vx.z, acc[4 * i + 3] += p * vx.w;
-      }
-    }
-    m = nm;
   }
-  if (!active) return;
-  __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(a.out) + size_t(r) * a.n_heads * D + h * D;
-  const float inv = 1.f / l;
-#pragma unroll
-  for (int i = 0; i < D; ++i) o[i] = __float2bfloat16_rn(acc[i] * inv);
 }
 
 }  // namespace
@@ -504,8 +572,7 @@ __global__ void __launch_bounds__(128) prefill_kernel(AttnBatch a, const AttnTil
 bool attention_supports(int d) { return d == 32 || d == 64 || d == 128; }
 
 int attention_tile_rows(int n_heads, int n_kv_heads) {
-  const int g = n_heads / n_kv_heads;
-  return g >= 128 ? 1 : 128 / g;
+  return kPreWarps * prefill_tokens_per_warp(n_heads / std::max(1, n_kv_heads));
 }
 
 void attention_decode(const AttnBatch& a, const int32_t* rows, int n_rows, cudaStream_t s) {
@@ -600,20 +667,28 @@ void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows,
 
 void attention_prefill(const AttnBatch& a, const AttnTile* tiles, int n_tiles, int rows_per_tile, cudaStream_t s) {
   if (n_tiles <= 0) return;
-  const int G = a.n_heads / a.n_kv_heads;
-  check(G <= 128 && rows_per_tile * G <= 128, DZ_ERR_UNSUPPORTED, "CUDA attention: ", G,
-        " query heads per KV head (at most 128)");
-  const dim3 grid(unsigned(n_tiles), unsigned(a.n_kv_heads));
-  const unsigned threads = unsigned(rows_per_tile * G);
+  check(a.n_kv_heads > 0 && a.n_heads % a.n_kv_heads == 0 &&
+            rows_per_tile == attention_tile_rows(a.n_heads, a.n_kv_heads),
+        DZ_ERR_INVALID_ARGUMENT, "prefill attention: ", a.n_heads, " heads over ", a.n_kv_heads,
+        " KV heads in tiles of ", rows_per_tile,
+        " rows (attention_tile_rows: ", attention_tile_rows(a.n_heads, a.n_kv_heads), ")");
+  static const bool attr_set = [] {  // head_dim 128 takes more than the default 48 KB
+    DZ_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(prefill_smem<128>())));
+    return true;
+  }();
+  (void)attr_set;
+  const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
+  const dim3 grid(unsigned(n_tiles), unsigned(a.n_kv_heads * ngrp)), block{unsigned(kPreThreads)};
   switch (a.head_dim) {
     case 32:
-      prefill_kernel<32, 32><<<grid, threads, 0, s>>>(a, tiles);
+      prefill_kernel<32><<<grid, block, prefill_smem<32>(), s>>>(a, tiles);
       break;
     case 64:
-      prefill_kernel<64, 32><<<grid, threads, 0, s>>>(a, tiles);
+      prefill_kernel<64><<<grid, block, prefill_smem<64>(), s>>>(a, tiles);
       break;
     case 128:
-      prefill_kernel<128, 8><<<grid, threads, 0, s>>>(a, tiles);
+      prefill_kernel<128><<<grid, block, prefill_smem<128>(), s>>>(a, tiles);
       break;
     default:
       fail(DZ_ERR_UNSUPPORTED, "CUDA attention: head_dim ", a.head_dim, " (built for 32, 64, 128)");

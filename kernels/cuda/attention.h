@@ -26,7 +26,7 @@ struct AttnBatch {
   const float* q = nullptr;      // row r, head h at q + r * q_stride + h * head_dim
   int q_stride = 0;
   uint16_t* out = nullptr;   // bf16 [R][n_heads * head_dim]
-  float* out_f32 = nullptr;  // decode kernels only: when set, fp32 output here instead of out (tests)
+  float* out_f32 = nullptr;  // when set, fp32 output here instead of out (tests)
 };
 
 // Rows with a single new token (decode), unsplit: one block per (row, head),
@@ -80,9 +80,11 @@ size_t decode_ticket_ints(int n_rows, int n_heads, int n_kv_heads);
 void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows, int splits, const DecodeSplitPolicy& p,
                             const DecodeScratch& scratch, cudaStream_t s);
 
-// Tiles of consecutive rows of one sequence (prefill): one block per (tile,
-// KV head), one thread per (row, head of the group), keys staged in shared
-// memory. rows_per_tile = attention_tile_rows(a).
+// Tiles of consecutive rows of one sequence (prefill; rows_per_tile =
+// attention_tile_rows(n_heads, n_kv_heads)): one block per (tile, KV head x
+// group of up to 16 query heads), the tile's (token, head) pairs the rows of
+// the same bf16 tensor-core MMAs as decode (queries and probabilities as two
+// terms), the block's keys streamed once through shared memory for all of them.
 struct AttnTile {
   int32_t row0, n;
 };

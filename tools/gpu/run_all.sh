@@ -71,7 +71,7 @@ step "GPU tests ([cuda], [mxfp4])"
 rc=$?
 grep -E "^(Passed|Failed) " "$OUTDIR/tests_cuda.log" | tail -15
 [ $rc -ne 0 ] && { echo "GPU tests FAILED (rc $rc)"; grep -B2 -A12 "FAILED" "$OUTDIR/tests_cuda.log" | head -80; status=1; }
-grep -E "^gpt_oss_tiny|greedy diverges" "$OUTDIR/tests_cuda.log" | head -20
+grep -E "^gpt_oss_tiny|^prefill attention|greedy diverges" "$OUTDIR/tests_cuda.log" | head -30
 fi
 
 if want moe; then
