@@ -13,23 +13,11 @@ median. The peer's output is checked against a float32 reference on the first ro
 """
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
-
-def timed(fn, reps, flush):
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for _ in range(2):
-        fn()
-    for a, b in ev:
-        flush.zero_()
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
+from cuda_timing import timed
 
 
 def main():

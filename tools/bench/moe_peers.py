@@ -16,10 +16,11 @@ median. Each peer's output is compared with dayzero's (diff = 1 - 2 sum(xy) / su
 import argparse
 import json
 import os
-import statistics
 
 import numpy as np
 import torch
+
+from cuda_timing import timed
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
@@ -51,19 +52,6 @@ def diff(x, y):
     x = x.double().flatten()
     y = y.double().flatten()
     return float(1.0 - 2.0 * (x * y).sum() / (x * x + y * y).sum())
-
-
-def timed(fn, reps, flush):
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for _ in range(2):
-        fn()
-    for a, b in ev:
-        flush.zero_()
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
 
 
 def ceilings(dev):

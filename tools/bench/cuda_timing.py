@@ -1,0 +1,18 @@
+"""Timing shared by the PyTorch peers of `dz bench`: median of CUDA-event times, L2 flushed before each call."""
+import statistics
+
+import torch
+
+
+def timed(fn, reps, flush):
+    """Median ms of fn() over reps calls after two warm-up calls; flush (a large tensor) is zeroed before each."""
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for _ in range(2):
+        fn()
+    for a, b in ev:
+        flush.zero_()
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev)
