@@ -33,7 +33,7 @@ __host__ __device__ inline int x_stride_u4(int k) { return k / 8 + 1; }
 template <int kWarps>
 __global__ void __launch_bounds__(32 * kWarps)
     bf16_gemv_kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w, const float* __restrict__ bias,
-                     float* d, int m, int n, int k, float beta, int l2) {
+                     float* d, int m, int n, int k, float beta) {
   extern __shared__ uint4 xs[];
   __shared__ float4 red[kWarps - 1][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -46,16 +46,7 @@ __global__ void __launch_bounds__(32 * kWarps)
   const uint4* wA = reinterpret_cast<const uint4*>(w + int64_t(rA) * k) + t;
   const uint4* wB = reinterpret_cast<const uint4*>(w + int64_t(rB) * k) + t;
 
-  // The weights do not depend on the previous kernel: their first loads go out before waiting for it,
-  // and (l2) the block's 16 rows, contiguous, are asked of L2 at once.
-  if (l2 && threadIdx.x == 0) {
-    const uint8_t* p = reinterpret_cast<const uint8_t*>(w + int64_t(n0) * k);
-    const int64_t bytes = int64_t(min(16, n - n0)) * k * 2;
-    for (int64_t o = 0; o < bytes; o += 65536)
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + o),
-                   "r"(uint32_t(min(bytes - o, int64_t(65536))) & ~15u)
-                   : "memory");
-  }
+  // The weights do not depend on the previous kernel: their first loads go out before waiting for it.
   uint4 ra[kRing], rb[kRing];
 #pragma unroll
   for (int p = 0; p < kRing; ++p)
@@ -125,9 +116,8 @@ void bf16_gemv(const uint16_t* x, const uint16_t* w, const float* bias, float* d
   (void)attr_set;
   const size_t smem = size_t(m) * x_stride_u4(k) * 16;
   const bool narrow = n <= kNarrowMaxRows;
-  const int l2 = l2_prefetch_enabled() ? 1 : 0;  // each block's rows asked of L2 at its start
   launch_pdl(narrow ? bf16_gemv_kernel<kWarpsNarrow> : bf16_gemv_kernel<kWarpsWide>, dim3(unsigned((n + 15) / 16)),
-             dim3(32 * (narrow ? kWarpsNarrow : kWarpsWide)), smem, s, x, w, bias, d, m, n, k, beta, l2);
+             dim3(32 * (narrow ? kWarpsNarrow : kWarpsWide)), smem, s, x, w, bias, d, m, n, k, beta);
 }
 
 }  // namespace dz::cuda

@@ -307,11 +307,6 @@ struct W4Args {
   // its row y * kPadRows; gate_up blocks convert x (fp32 [H]) to fp16
   // themselves and write inv (invalid ids: -1 and err).
   int direct, n_experts, H;
-  // L2 prefetch bits (MoeOptions::fused_l2_prefetch; 2 only in gate_up) and,
-  // for bit 2, the down projection's weights.
-  int l2;
-  const uint8_t *down_blocks, *down_scales;
-  int down_rows, down_nsub;
   const int* ids;
   const float* x;
   int *inv, *err;
@@ -416,37 +411,6 @@ __device__ __forceinline__ int act_row(const W4Args& a, int i) {
   return kGateUp ? a.sorted[i] / a.topk : i;
 }
 
-// Asks L2 for bytes [off, off + n) of a tensor of total bytes (16-byte aligned
-// base): whole 16-byte units inside it, in pieces of at most 64 KB.
-__device__ __forceinline__ void l2_prefetch(const uint8_t* base, int64_t total, int64_t off, int64_t n) {
-  int64_t lo = off & ~int64_t(15);
-  const int64_t hi = min((off + n + 15) & ~int64_t(15), total & ~int64_t(15));
-  for (; lo < hi; lo += 65536)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + lo),
-                 "r"(uint32_t(min(hi - lo, int64_t(65536))))
-                 : "memory");
-}
-
-// The prefetch hints of a block of expert e that owns rows [r0, r0 + nrows)
-// (MoeOptions::fused_l2_prefetch); one thread issues them.
-template <bool kGateUp>
-__device__ __forceinline__ void w4_l2(const W4Args& a, int e, int r0, int nrows) {
-  if (!a.l2 || threadIdx.x != 0) return;
-  if (a.l2 & 1) {
-    nrows = min(nrows, a.rows - r0);
-    const int64_t row0 = int64_t(e) * a.rows + r0, all = int64_t(a.n_experts) * a.rows * a.nsub;
-    l2_prefetch(a.blocks, all * 16, row0 * a.nsub * 16, int64_t(nrows) * a.nsub * 16);
-    l2_prefetch(a.scales, all, row0 * a.nsub, int64_t(nrows) * a.nsub);
-  }
-  if (kGateUp && (a.l2 & 2)) {  // slice blockIdx.x of the expert's down rows
-    const int64_t per = int64_t(a.down_rows) * a.down_nsub, all = per * a.n_experts;
-    const int64_t sl = (per * 16 / gridDim.x + 15) & ~int64_t(15), ss = (per / gridDim.x + 15) & ~int64_t(15);
-    const int64_t o = int64_t(blockIdx.x) * sl, os = int64_t(blockIdx.x) * ss;
-    if (o < per * 16) l2_prefetch(a.down_blocks, all * 16, e * per * 16 + o, min(sl, per * 16 - o));
-    if (os < per) l2_prefetch(a.down_scales, all, e * per + os, min(ss, per - os));
-  }
-}
-
 // This block's work item {expert, first row, tokens} (grid y: an active
 // expert, or with a.direct the token's slot y); false: nothing to do (an
 // invalid direct id is flagged and its inv entry set to -1).
@@ -497,7 +461,6 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   int4 info;
   if (!w4_item<kGateUp, kPdl>(a, info)) return;
   const int e = info.x, seg = info.y, cnt = info.z;
-  w4_l2<kGateUp>(a, e, blockIdx.x * kRows, kRows);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int rt = warp % kRT, ks = warp / kRT;
   const int R0 = blockIdx.x * kRows + rt * 16;
@@ -785,7 +748,6 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
   int4 info;
   if (!w4_item<kGateUp, kPdl>(a, info)) return;
   const int e = info.x, seg = info.y, cnt = info.z;
-  w4_l2<kGateUp>(a, e, int(blockIdx.x) * kTPW * kTiles * 64, kTPW * kTiles * 64);
   const int nch = a.kpad / 128, nst = (nch + 1) / 2, per = (nst + kKS - 1) / kKS;
   // Warpgroup w's q-th 64-row tile and its range of stages; ntiles(w): its
   // tiles inside the projection (a prefix of the kTPW).
@@ -1393,7 +1355,6 @@ struct MoeLayer::Impl {
     if (direct(T)) {  // grid y = topk: one block row per routed slot
       a.direct = 1, a.n_experts = E, a.H = H, a.ids = ids, a.x = x, a.inv = inv.get(), a.err = err.get();
     }
-    a.n_experts = E;
     a.sorted = sorted.get();
     a.active = reinterpret_cast<const int4*>(active.get());
     a.n_active = n_active.get();
@@ -1418,17 +1379,8 @@ struct MoeLayer::Impl {
     const int tiles = opt.fused_w4a8_tiles ? opt.fused_w4a8_tiles : int64_t(T) * s.topk >= E ? 2 : 1;
     const bool w4a8 = opt.fused_w4a8 && double(T) * s.topk / E <= opt.fused_w4a8_max_tokens_per_expert &&
                       int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
-    // L2 prefetch hints: base addresses whole 16-byte units; the down rows only
-    // while those of every routed slot fit the budget.
-    const bool al =
-        aligned16(w.w1_blocks) && aligned16(w.w1_scales) && aligned16(w.w2_blocks) && aligned16(w.w2_scales);
-    const int64_t down_bytes = int64_t(H) * (I / 32) * 17;
-    a.l2 = al && l2_prefetch_enabled() ? opt.fused_l2_prefetch & 3 : 0;
-    if (int64_t(T) * s.topk * down_bytes > opt.fused_l2_prefetch_down_bytes) a.l2 &= 1;
-    a.down_blocks = w.w2_blocks, a.down_scales = w.w2_scales, a.down_rows = H, a.down_nsub = I / 32;
     launch_w4<true>(ks, pdl, w4a8, tiles, 2 * I, max_active, st, a);
     // down
-    a.l2 &= 1;
     a.blocks = w.w2_blocks, a.scales = w.w2_scales, a.bias = w.b2;
     a.act = act16.get(), a.act_scale = nullptr;
     a.rows = H, a.nsub = I / 32, a.kpad = int(kpi);

@@ -60,14 +60,6 @@ struct MoeOptions {
   // One token on the per-projection fused kernels: they read the router's ids
   // themselves and gate_up converts the input (no routing launch).
   bool fused_one_token_direct = true;
-  // Fused kernels, L2 prefetch hints (bits): 1, each block asks L2 for all of
-  // its weight rows (every K) when it starts, so its stream is one request
-  // instead of a register ring's or copy ring's worth at a time; 2, gate_up
-  // blocks ask for a slice of their expert's down rows (when those of all
-  // routed slots fit in fused_l2_prefetch_down_bytes), which the down kernel
-  // then reads from L2.
-  int fused_l2_prefetch = 3;
-  int64_t fused_l2_prefetch_down_bytes = int64_t(24) << 20;
   // W4A8 fused kernels: E4M3 activations (1x128 scales, as the FP8 path) on
   // FP8 wgmma, the weights streamed into shared memory by the copy engine, for
   // tokens * topk / n_experts <= fused_w4a8_max_tokens_per_expert and more

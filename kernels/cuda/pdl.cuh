@@ -29,16 +29,6 @@ inline bool pdl_enabled() {
   return on;
 }
 
-// L2 prefetch hints of the decode kernels (weights asked of L2 ahead of their
-// loads); DZ_L2_PREFETCH=0 in the environment turns them off (comparisons).
-inline bool l2_prefetch_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("DZ_L2_PREFETCH");
-    return !(e && e[0] == '0' && e[1] == 0);
-  }();
-  return on;
-}
-
 // Launch k, as a programmatic dependent of the previous kernel in s when pdl.
 template <typename... P, typename... A>
 void launch_maybe_pdl(bool pdl, void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A... args) {

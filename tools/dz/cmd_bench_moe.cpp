@@ -399,11 +399,6 @@ int bench_moe(const Args& a) {
             variants[name + "_ks1_t2_pdl"] = time_fused(1, true, true, terms, false, 2);
           }
       }
-      if (T <= 64)  // L2 prefetch hints (MoeOptions::fused_l2_prefetch) on the default kernels
-        for (int bits : {0, 1, 2, 3}) {
-          layer.options().fused_l2_prefetch = bits;  // restored by time_fused
-          variants["auto_l2_" + std::to_string(bits)] = time_fused(0, false, true, 0, true);
-        }
       const double ms_fused = time_fused(0, false, true, 0, true);
       std::vector<double> host;
       const double ms_fp8 = timer.median_ms(r, kSets, [&](int i) {

@@ -121,10 +121,6 @@ step "dz bench model, experts in E4M3 arithmetic (DZ_EXPERTS_FP8: fused W4A8 ker
 "$DZ" bench model --model "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}" --experts fp8 --prefill 512 --long-ctx 0 --no-eager \
   --out "$OUTDIR/bench_model_fp8.json" >"$OUTDIR/bench_model_fp8.log" 2>&1 || { echo "dz bench model --experts fp8 FAILED"; status=1; }
 tail -8 "$OUTDIR/bench_model_fp8.log"
-step "dz bench model, L2 prefetch hints off (DZ_L2_PREFETCH=0: the decode kernels' comparison)"
-DZ_L2_PREFETCH=0 "$DZ" bench model --model "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}" --prefill 512 --long-ctx 0 --no-eager \
-  --out "$OUTDIR/bench_model_nol2.json" >"$OUTDIR/bench_model_nol2.log" 2>&1 || { echo "dz bench model (DZ_L2_PREFETCH=0) FAILED"; status=1; }
-tail -8 "$OUTDIR/bench_model_nol2.log"
 if want profile && ! python3 -c "import torch" 2>/dev/null; then
   step "per-kernel profile skipped: no PyTorch (tools/gpu/profile_decode.py traces through torch.profiler)"
 elif want profile; then
