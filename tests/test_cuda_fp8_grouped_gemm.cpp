@@ -347,6 +347,22 @@ TEST_CASE("CUDA grouped FP8 GEMM matches float64 and cuBLASLt per group", "[cuda
     INFO(differ << " of " << got.size() << " output elements differ from folding first");
     CHECK(differ == 0);
     CHECK(int64_t(std::count(want.begin(), want.end(), kSentinel)) < int64_t(want.size()));  // something was written
+    // Few blocks: each folds the stages of several tiles in a row (an odd
+    // number of K blocks a tile, so the producer warpgroups' turns and their
+    // copies ahead cross tile boundaries).
+    for (int blocks : {1, 3}) {
+      Device dvb(p);
+      Fp8GroupedArgs ab = dvb.args(p);
+      ab.w = nullptr, ab.ws = nullptr, ab.w4 = stack, ab.experts = experts.data(), ab.w4_experts = E;
+      ab.max_blocks = blocks;
+      gg.run(ab, ctx.stream());
+      ctx.sync();
+      const auto gotb = dvb.d.get();
+      int64_t diff_b = 0;
+      for (size_t i = 0; i < gotb.size(); ++i) diff_b += gotb[i] != want[i];
+      INFO(diff_b << " of " << gotb.size() << " output elements differ with " << blocks << " block(s)");
+      CHECK(diff_b == 0);
+    }
     // Bad MXFP4 arguments: rows not n, K not padding to k, an expert out of range.
     auto b = a4;
     b.w4.rows = n + 16;

@@ -19,17 +19,15 @@
 namespace dz::cuda {
 namespace {
 
-constexpr int kBM = 128;  // rows of a block tile: two consumer warpgroups of 64
-constexpr int kBN = 128;  // columns of a block tile (wgmma n128)
-constexpr int kBK = 128;  // K per stage: one scale block, one 128-byte swizzle row per tile row
-constexpr int kStages = 6;
+constexpr int kBM = 128;    // rows of a block tile: two consumer warpgroups of 64
+constexpr int kBN = 128;    // columns of a block tile (wgmma n128)
+constexpr int kBK = 128;    // K per stage: one scale block, one 128-byte swizzle row per tile row
+constexpr int kStages = 6;  // FP8 weights: stages of the copy-engine ring
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kABytes = kBM * kBK, kBBytes = kBN * kBK, kSBytes = kBN * 4;
 [[maybe_unused]] constexpr int kTxBytes =
     kABytes + kBBytes + kSBytes;  // full boxes: the copy engine counts zero-filled bytes too
-constexpr int kOffB = kStages * kABytes, kOffS = kOffB + kStages * kBBytes, kOffBar = kOffS + kStages * kSBytes;
-constexpr int kSmemBytes = kOffBar + 2 * kStages * 8 + 1024;  // +1024: the base is aligned up at run time
 // Two producer warpgroups take turns by stage (one warp per scheduler cannot
 // fold a stage in the time the tensor cores take for it).
 constexpr int kW4Producers = 2, kThreadsW4 = 128 * (kW4Producers + kConsumers);
@@ -41,18 +39,31 @@ constexpr int kW4ProducerRegs = 72, kW4ConsumerRegs = 184;
 constexpr int kW4LaunchRegs = (65536 / kThreadsW4) / 8 * 8;
 static_assert(128 * kW4Producers * kW4ProducerRegs + 128 * kConsumers * kW4ConsumerRegs <= kThreadsW4 * kW4LaunchRegs,
               "setmaxnreg budget");
-// kW4: per producer warpgroup one MXFP4 W tile (64 bytes a row) that its
-// threads copy asynchronously while the other warpgroup folds.
+// kW4: each producer warpgroup keeps kW4Bufs MXFP4 W tiles (64 bytes a row)
+// in flight by asynchronous copy, its own next stages', while it folds: one
+// tile in flight (16 KB a block) held the FP4 stream to ~1.1 TB/s at 16 tokens
+// an expert. The FP8 ring is shorter for them (folding fills it without a
+// copy's latency).
+constexpr int kW4Stages = 4, kW4Bufs = 4;
 constexpr int kW4TileBytes = kBN * 64;
-constexpr int kOffW4 = (kOffBar + 2 * kStages * 8 + 127) / 128 * 128;
-constexpr int kSmemBytesW4 = kOffW4 + kW4Producers * kW4TileBytes + 1024;
+
+// Shared memory of a kernel with S stages: X tiles, W tiles, W scales, the
+// full and empty barriers, then (kW4) the MXFP4 tiles.
+template <bool kW4>
+struct Smem {
+  static constexpr int S = kW4 ? kW4Stages : kStages;
+  static constexpr int offB = S * kABytes, offS = offB + S * kBBytes, offBar = offS + S * kSBytes;
+  static constexpr int offW4 = (offBar + 2 * S * 8 + 127) / 128 * 128;
+  static constexpr int bytes =
+      (kW4 ? offW4 + kW4Producers * kW4Bufs * kW4TileBytes : offBar + 2 * S * 8) + 1024;  // +1024: base aligned up
+  static_assert(offS % 128 == 0 && kSBytes % 16 == 0, "bulk copy destinations");
+  static_assert(bytes <= 227 * 1024, "shared memory of one sm_90 block");
+};
 constexpr int kMaxGroups = 128;                                  // per launch; more groups are split over launches
 [[maybe_unused]] constexpr int kEmptyArrivals = kConsumers * 4;  // one per consumer warp
 
 static_assert(kBK == 128, "one 1x128 scale block per stage, one 128-byte swizzle row per tile row");
 static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "stages keep the 1024-byte period of the 128B swizzle");
-static_assert(kOffS % 128 == 0 && kSBytes % 16 == 0, "bulk copy destinations");
-static_assert(kSmemBytes <= 227 * 1024 && kSmemBytesW4 <= 227 * 1024, "shared memory of one sm_90 block");
 static_assert(kBM == 64 * kConsumers, "each consumer warpgroup owns 64 rows (wgmma m64)");
 static_assert(128 * 40 + 128 * kConsumers * 232 <= kThreads * 168, "setmaxnreg budget (see the kernel)");
 [[maybe_unused]] constexpr int kW4FullArrivals = 128;  // every producer thread, after its row of the W tile
@@ -184,16 +195,18 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, ui
 template <bool kDebug, bool kW4>
 __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_kernel(const __grid_constant__ Params p) {
 #ifdef DZ_GG_SM90A
+  using L = Smem<kW4>;
+  constexpr int kS = L::S;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
-  const float* s_scales = reinterpret_cast<const float*>(smem_raw + (base - raw) + kOffS);
-  const uint32_t sA = base, sB = base + kOffB, sS = base + kOffS, bars = base + kOffBar;
+  const float* s_scales = reinterpret_cast<const float*>(smem_raw + (base - raw) + L::offS);
+  const uint32_t sA = base, sB = base + L::offB, sS = base + L::offS, bars = base + L::offBar;
   auto full = [&](int s) { return bars + 8u * uint32_t(s); };
-  auto empty = [&](int s) { return bars + 8u * uint32_t(kStages + s); };
+  auto empty = [&](int s) { return bars + 8u * uint32_t(kS + s); };
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < kS; ++s) {
       // The producer's arrive.expect_tx (the copies complete the bytes), or with
       // kW4 the producer threads' arrivals after their rows (plus X's bytes).
       mbar_init(full(s), kW4 ? kW4FullArrivals : 1);
@@ -216,72 +229,92 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kW4ProducerRegs) : "memory");
     const int tid = int(threadIdx.x) & 127, pw = wg;  // the W tile row this thread folds; its warpgroup
     if (tid == 0 && pw == 0) prefetch_map(&p.xmap);
-    uint8_t* const sBp = smem_raw + (base - raw) + kOffB;
-    float* const sSp = reinterpret_cast<float*>(smem_raw + (base - raw) + kOffS);
-    const uint8_t* const w4t = smem_raw + (base - raw) + kOffW4 + pw * kW4TileBytes;
-    // This row's piece j of the copied tile (XOR-swizzled by row pair: conflict-free 16-byte accesses).
+    uint8_t* const sBp = smem_raw + (base - raw) + L::offB;
+    float* const sSp = reinterpret_cast<float*>(smem_raw + (base - raw) + L::offS);
+    const uint8_t* const w4t = smem_raw + (base - raw) + L::offW4 + pw * kW4Bufs * kW4TileBytes;
+    // This row's piece j of a copied tile (XOR-swizzled by row pair: conflict-free 16-byte accesses).
     auto piece = [&](int j) { return tid * 64 + ((j ^ ((tid >> 1) & 3)) << 4); };
-    int64_t done = 0;  // stages of all tiles before this one (both warpgroups count all of them)
-    for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x), done += p.nkb) {
+    // Stages are counted over this block's tiles (gs = its j-th tile * nkb +
+    // kb); warpgroup pw owns those with gs % 2 == pw, its i-th being gs = pw +
+    // 2i, whose MXFP4 tile lives in buffer i % kW4Bufs.
+    const int64_t my_tiles = (p.tiles_total - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);
+    const int64_t total = my_tiles * p.nkb;
+    struct Where {  // a tile's rows for this thread
+      int64_t j = -1;
+      const uint8_t *bl, *sc;
+      bool rok;
+      int row;
+    };
+    auto locate = [&](Where& w, int64_t j) {
+      if (w.j == j) return;
+      w.j = j;
       int g, mt, nt;
-      find_tile(p, t, g, mt, nt);
-      const int row = p.off[g] + mt * kBM, wr = nt * kBN + tid;
-      const bool rok = wr < p.n;
-      const int64_t er = int64_t(p.expert[g]) * p.n + (rok ? wr : 0);
-      const uint8_t* bl = p.w4_blocks + er * p.nsub * 16;
-      const uint8_t* sc = p.w4_scales + er * p.nsub;
-      // Stage s (counted over all tiles) belongs to warpgroup s % 2.
-      const int kb0 = int((pw - done % kW4Producers + kW4Producers) % kW4Producers);
-      // Asynchronous copies (one group per own stage, empty past the end):
-      // unlike loads into registers, the release of each stage's arrival
-      // below does not wait for them. Scale bytes are plain loads issued after
-      // that arrival, an own stage ahead.
-      auto copy = [&](int kb, const uint8_t* dst) {
-        if (kb < p.nkb)
+      find_tile(p, int(blockIdx.x + j * gridDim.x), g, mt, nt);
+      const int wr = nt * kBN + tid;
+      w.rok = wr < p.n;
+      const int64_t er = int64_t(p.expert[g]) * p.n + (w.rok ? wr : 0);
+      w.bl = p.w4_blocks + er * p.nsub * 16;
+      w.sc = p.w4_scales + er * p.nsub;
+      w.row = p.off[g] + mt * kBM;
+    };
+    Where wi, wc;  // where the copies are issued, where the folding is
+    // Own stage i's copies (one group, empty past the end) and its scale bytes
+    // (plain loads into a register ring): issued kW4Bufs own stages ahead.
+    auto issue = [&](int64_t i, int buf, uint32_t& scv) {
+      const int64_t gs = pw + 2 * i;
+      scv = 0;
+      if (gs < total) {
+        const int64_t j = gs / p.nkb;
+        const int kb = int(gs - j * p.nkb);
+        locate(wi, j);
+        const uint8_t* dst = w4t + buf * kW4TileBytes;
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int sb = kb * 4 + j;
-            const bool ok = rok && sb < p.nsub;
-            ptx::cp_async16_zfill(smem_u32(dst + piece(j)), ok ? bl + sb * 16 : bl, ok ? 16u : 0u);
-          }
-        ptx::cp_async_commit();
-      };
-      auto scales = [&](int kb) {
-        uint32_t v = 0;
+        for (int q = 0; q < 4; ++q) {
+          const int sb = kb * 4 + q;
+          const bool ok = wi.rok && sb < p.nsub;
+          ptx::cp_async16_zfill(smem_u32(dst + piece(q)), ok ? wi.bl + sb * 16 : wi.bl, ok ? 16u : 0u);
+          if (ok) scv |= uint32_t(wi.sc[sb]) << (8 * q);
+        }
+      }
+      ptx::cp_async_commit();
+    };
+    uint32_t scr[kW4Bufs];
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          if (rok && kb < p.nkb && kb * 4 + j < p.nsub) v |= uint32_t(sc[kb * 4 + j]) << (8 * j);
-        return v;
-      };
-      copy(kb0, w4t);
-      uint32_t sc_cur = scales(kb0);
-      for (int kb = kb0; kb < p.nkb; kb += kW4Producers) {
-        ptx::cp_async_wait<0>();  // this thread's copies of stage kb have landed
+    for (int r = 0; r < kW4Bufs; ++r) issue(r, r, scr[r]);
+    for (int64_t i0 = 0; pw + 2 * i0 < total; i0 += kW4Bufs) {
+#pragma unroll
+      for (int r = 0; r < kW4Bufs; ++r) {
+        const int64_t i = i0 + r, gs = pw + 2 * i;
+        if (gs >= total) break;
+        const int64_t j = gs / p.nkb;
+        const int kb = int(gs - j * p.nkb);
+        locate(wc, j);
+        ptx::cp_async_wait<kW4Bufs - 1>();  // own stage i's copies have landed (later ones may not)
+        const uint8_t* buf = w4t + r * kW4TileBytes;
         GroupIn G;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          G.w[j] = *reinterpret_cast<const uint4*>(w4t + piece(j));
-          G.s[j] = int((sc_cur >> (8 * j)) & 0xFFu);
+        for (int q = 0; q < 4; ++q) {
+          G.w[q] = *reinterpret_cast<const uint4*>(buf + piece(q));
+          G.s[q] = int((scr[r] >> (8 * q)) & 0xFFu);
         }
-        // The next copies overwrite the tile: their addresses take a data
+        // The next copies overwrite the buffer: their addresses take a data
         // dependency on what was just read, so they issue after the reads land.
-        const uint8_t* dst = w4t;
-        asm volatile("" : "+l"(dst) : "r"(G.w[0].x ^ G.w[1].y ^ G.w[2].z ^ G.w[3].w));
-        copy(kb + kW4Producers, dst);
-        const int64_t gs = done + kb;
-        const int stage = int(gs % kStages);
-        const uint32_t phase = uint32_t(gs / kStages) & 1u;
+        int bi = r;
+        asm volatile("" : "+r"(bi) : "r"(G.w[0].x ^ G.w[1].y ^ G.w[2].z ^ G.w[3].w));
+        issue(i + kW4Bufs, bi, scr[r]);
+        const int stage = int(gs % kS);
+        const uint32_t phase = uint32_t(gs / kS) & 1u;
         mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);
         if (tid == 0) {
           ptx::mbar_expect_tx(full(stage), kABytes);
-          tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), kb * kBK, row);
+          tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), kb * kBK, wc.row);
         }
         sSp[stage * kBN + tid] = fold_group(G, reinterpret_cast<uint4*>(sBp + stage * kBBytes + tid * kBK), tid & 7);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
         mbar_arrive(full(stage));
-        sc_cur = scales(kb + kW4Producers);
       }
     }
+    ptx::cp_async_wait<0>();
   } else if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (threadIdx.x == 0) {
@@ -300,7 +333,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
           tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), kb * kBK, row);
           tma_3d(sB + uint32_t(stage * kBBytes), &p.wmap, full(stage), kb * kBK, n0, g);
           tma_3d(sS + uint32_t(stage * kSBytes), &p.smap, full(stage), n0, kb, g);
-          if (++stage == kStages) stage = 0, phase ^= 1u;
+          if (++stage == kS) stage = 0, phase ^= 1u;
         }
       }
     }
@@ -356,7 +389,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(empty(stage));
-        if (++stage == kStages) stage = 0, phase ^= 1u;
+        if (++stage == kS) stage = 0, phase ^= 1u;
       }
       // Epilogue: rows of this group only; columns < n (n % 16 == 0, so a pair is all in or all out).
       const int cbase = n0 + 2 * (lane & 3);
@@ -451,9 +484,9 @@ Fp8GroupedGemm::Fp8GroupedGemm() {
   DZ_CUDA_CHECK(cudaGetDevice(&dev));
   DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm_, cudaDevAttrMultiProcessorCount, dev));
   for (auto k : {fp8_grouped_kernel<false, false>, fp8_grouped_kernel<true, false>})
-    DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<false>::bytes));
   for (auto k : {fp8_grouped_kernel<false, true>, fp8_grouped_kernel<true, true>})
-    DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytesW4));
+    DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<true>::bytes));
 }
 
 void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
@@ -536,7 +569,7 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     const dim3 grid(unsigned(std::min(tiles, blocks))), block(w4 ? kThreadsW4 : kThreads);
     const auto kernel = w4 ? (debug_ ? fp8_grouped_kernel<true, true> : fp8_grouped_kernel<false, true>)
                            : (debug_ ? fp8_grouped_kernel<true, false> : fp8_grouped_kernel<false, false>);
-    kernel<<<grid, block, w4 ? kSmemBytesW4 : kSmemBytes, s>>>(p);
+    kernel<<<grid, block, w4 ? Smem<true>::bytes : Smem<false>::bytes, s>>>(p);
     DZ_CUDA_LAUNCH_CHECK();
     if (debug_) {
       cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
