@@ -31,7 +31,7 @@ constexpr int kABytes = kBM * kBK, kBBytes = kBN * kBK, kSBytes = kBN * 4;
 // Two producer warpgroups take turns by stage (one warp per scheduler cannot
 // fold a stage in the time the tensor cores take for it).
 constexpr int kW4Producers = 2, kThreadsW4 = 128 * (kW4Producers + kConsumers);
-constexpr int kW4ProducerRegs = 72, kW4ConsumerRegs = 184;
+constexpr int kW4ProducerRegs = 80, kW4ConsumerRegs = 176;
 // setmaxnreg moves registers between the warpgroups of a block; the total stays
 // what the launch allocated (the launch-bounds cap per thread). With 3 producer
 // warpgroups that cap is 96 and the consumers could get 144 at most (measured:
@@ -236,60 +236,68 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     auto piece = [&](int j) { return tid * 64 + ((j ^ ((tid >> 1) & 3)) << 4); };
     // Stages are counted over this block's tiles (gs = its j-th tile * nkb +
     // kb); warpgroup pw owns those with gs % 2 == pw, its i-th being gs = pw +
-    // 2i, whose MXFP4 tile lives in buffer i % kW4Bufs.
-    const int64_t my_tiles = (p.tiles_total - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);
-    const int64_t total = my_tiles * p.nkb;
-    struct Where {  // a tile's rows for this thread
-      int64_t j = -1;
-      const uint8_t *bl, *sc;
-      bool rok;
-      int row;
+    // 2i, whose MXFP4 tile lives in buffer i % kW4Bufs. Two cursors walk them
+    // (32-bit counters, no division): the copies' kW4Bufs own stages ahead of
+    // the folding's.
+    const int my_tiles = (p.tiles_total - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);
+    const int total = my_tiles * p.nkb;
+    struct Cursor {
+      int gs, j, kb;  // stage, this block's tile, K block
+      int jl = -1;    // the tile of the fields below
     };
-    auto locate = [&](Where& w, int64_t j) {
-      if (w.j == j) return;
-      w.j = j;
-      int g, mt, nt;
-      find_tile(p, int(blockIdx.x + j * gridDim.x), g, mt, nt);
-      const int wr = nt * kBN + tid;
-      w.rok = wr < p.n;
-      const int64_t er = int64_t(p.expert[g]) * p.n + (w.rok ? wr : 0);
-      w.bl = p.w4_blocks + er * p.nsub * 16;
-      w.sc = p.w4_scales + er * p.nsub;
-      w.row = p.off[g] + mt * kBM;
+    auto start = [&](Cursor& c, int gs) { c.gs = gs, c.j = gs / p.nkb, c.kb = gs - c.j * p.nkb; };
+    auto next = [&](Cursor& c) {
+      c.gs += kW4Producers, c.kb += kW4Producers;
+      if (c.kb >= p.nkb) c.kb -= p.nkb, ++c.j;
     };
-    Where wi, wc;  // where the copies are issued, where the folding is
-    // Own stage i's copies (one group, empty past the end) and its scale bytes
-    // (plain loads into a register ring): issued kW4Bufs own stages ahead.
-    auto issue = [&](int64_t i, int buf, uint32_t& scv) {
-      const int64_t gs = pw + 2 * i;
+    // Whether c moved to another tile since the last call; g, mt, nt: that tile.
+    auto moved = [&](Cursor& c, int& g, int& mt, int& nt) {
+      if (c.jl == c.j) return false;
+      c.jl = c.j;
+      find_tile(p, int(blockIdx.x) + c.j * int(gridDim.x), g, mt, nt);
+      return true;
+    };
+    Cursor ci, cc;                               // the copies', the folding's
+    const uint8_t *bl = nullptr, *sc = nullptr;  // the copies' row of W (blocks, scales)
+    bool rok = false;
+    int row = 0;  // the folding's first X row
+    start(ci, pw);
+    start(cc, pw);
+    // The copy's own stage (one group, empty past the end) and its scale bytes
+    // (plain loads into a register ring, first used kW4Bufs own stages later).
+    auto issue = [&](int buf, uint32_t& scv) {
       scv = 0;
-      if (gs < total) {
-        const int64_t j = gs / p.nkb;
-        const int kb = int(gs - j * p.nkb);
-        locate(wi, j);
+      if (ci.gs < total) {
+        int g, mt, nt;
+        if (moved(ci, g, mt, nt)) {
+          const int wr = nt * kBN + tid;
+          rok = wr < p.n;
+          const int64_t er = int64_t(p.expert[g]) * p.n + (rok ? wr : 0);
+          bl = p.w4_blocks + er * p.nsub * 16;
+          sc = p.w4_scales + er * p.nsub;
+        }
         const uint8_t* dst = w4t + buf * kW4TileBytes;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          const int sb = kb * 4 + q;
-          const bool ok = wi.rok && sb < p.nsub;
-          ptx::cp_async16_zfill(smem_u32(dst + piece(q)), ok ? wi.bl + sb * 16 : wi.bl, ok ? 16u : 0u);
-          if (ok) scv |= uint32_t(wi.sc[sb]) << (8 * q);
+          const int sb = ci.kb * 4 + q;
+          const bool ok = rok && sb < p.nsub;
+          ptx::cp_async16_zfill(smem_u32(dst + piece(q)), ok ? bl + sb * 16 : bl, ok ? 16u : 0u);
+          if (ok) scv |= uint32_t(sc[sb]) << (8 * q);
         }
       }
       ptx::cp_async_commit();
+      next(ci);
     };
     uint32_t scr[kW4Bufs];
 #pragma unroll
-    for (int r = 0; r < kW4Bufs; ++r) issue(r, r, scr[r]);
-    for (int64_t i0 = 0; pw + 2 * i0 < total; i0 += kW4Bufs) {
+    for (int r = 0; r < kW4Bufs; ++r) issue(r, scr[r]);
+    while (cc.gs < total) {
 #pragma unroll
       for (int r = 0; r < kW4Bufs; ++r) {
-        const int64_t i = i0 + r, gs = pw + 2 * i;
-        if (gs >= total) break;
-        const int64_t j = gs / p.nkb;
-        const int kb = int(gs - j * p.nkb);
-        locate(wc, j);
-        ptx::cp_async_wait<kW4Bufs - 1>();  // own stage i's copies have landed (later ones may not)
+        if (cc.gs >= total) break;
+        int g, mt, nt;
+        if (moved(cc, g, mt, nt)) row = p.off[g] + mt * kBM;
+        ptx::cp_async_wait<kW4Bufs - 1>();  // this own stage's copies have landed (later ones may not)
         const uint8_t* buf = w4t + r * kW4TileBytes;
         GroupIn G;
 #pragma unroll
@@ -301,17 +309,18 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
         // dependency on what was just read, so they issue after the reads land.
         int bi = r;
         asm volatile("" : "+r"(bi) : "r"(G.w[0].x ^ G.w[1].y ^ G.w[2].z ^ G.w[3].w));
-        issue(i + kW4Bufs, bi, scr[r]);
-        const int stage = int(gs % kS);
-        const uint32_t phase = uint32_t(gs / kS) & 1u;
+        issue(bi, scr[r]);
+        const int stage = cc.gs % kS;
+        const uint32_t phase = uint32_t(cc.gs / kS) & 1u;
         mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);
         if (tid == 0) {
           ptx::mbar_expect_tx(full(stage), kABytes);
-          tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), kb * kBK, wc.row);
+          tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), cc.kb * kBK, row);
         }
         sSp[stage * kBN + tid] = fold_group(G, reinterpret_cast<uint4*>(sBp + stage * kBBytes + tid * kBK), tid & 7);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
         mbar_arrive(full(stage));
+        next(cc);
       }
     }
     ptx::cp_async_wait<0>();
