@@ -368,6 +368,20 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
       const float* xsg = p.xs + int64_t(p.nkb) * off;
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+      // A warpgroup whose 64 rows all lie past the group (a group's last m
+      // tile, or groups of at most 64 rows) only keeps the ring's count: it
+      // waits for each stage, so its arrival is for that stage's phase.
+      if (mt * kBM + cw * 64 >= m) {
+        for (int kb = 0; kb < p.nkb; ++kb) {
+          mbar_wait<kDebug>(full(stage), phase, "full", stage);
+          __syncwarp();
+          if (lane == 0) mbar_arrive(empty(stage));
+          if (++stage == kS) stage = 0, phase ^= 1u;
+        }
+        continue;
+      }
+      // Warps whose 16 rows all lie past the group skip the promotion.
+      const bool wlive = mt * kBM + cw * 64 + warp * 16 < m;
       for (int kb = 0; kb < p.nkb; ++kb) {
         // Row scales straight from global memory, issued before the wait so
         // the MMA hides their latency; rows past the group read nothing.
@@ -390,6 +404,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
         const float2* sc = reinterpret_cast<const float2*>(s_scales + stage * kBN);
 #pragma unroll
         for (int j = 0; j < kBN / 8; ++j) {
+          if (!wlive) break;
           const float2 w = sc[j * 4 + (lane & 3)];
           acc[4 * j + 0] = fmaf(part[4 * j + 0], x0 * w.x, acc[4 * j + 0]);
           acc[4 * j + 1] = fmaf(part[4 * j + 1], x0 * w.y, acc[4 * j + 1]);
