@@ -46,7 +46,6 @@ static_assert(128 * kW4Producers * kW4ProducerRegs + 128 * kConsumers * kW4Consu
 // copy's latency).
 constexpr int kW4Stages = 4, kW4Bufs = 4;
 constexpr int kW4TileBytes = kBN * 64;
-constexpr int kW4LutBytes = kFoldLutEntries * 8;
 
 // Shared memory of a kernel with S stages: X tiles, W tiles, W scales, the
 // full and empty barriers, then (kW4) the MXFP4 tiles.
@@ -56,8 +55,7 @@ struct Smem {
   static constexpr int offB = S * kABytes, offS = offB + S * kBBytes, offBar = offS + S * kSBytes;
   static constexpr int offW4 = (offBar + 2 * S * 8 + 127) / 128 * 128;
   static constexpr int bytes =
-      (kW4 ? offW4 + kW4Producers * kW4Bufs * kW4TileBytes + kW4LutBytes : offBar + 2 * S * 8) +
-      1024;  // +1024: base aligned up
+      (kW4 ? offW4 + kW4Producers * kW4Bufs * kW4TileBytes : offBar + 2 * S * 8) + 1024;  // +1024: base aligned up
   static_assert(offS % 128 == 0 && kSBytes % 16 == 0, "bulk copy destinations");
   static_assert(bytes <= 227 * 1024, "shared memory of one sm_90 block");
 };
@@ -234,11 +232,6 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     uint8_t* const sBp = smem_raw + (base - raw) + L::offB;
     float* const sSp = reinterpret_cast<float*>(smem_raw + (base - raw) + L::offS);
     const uint8_t* const w4t = smem_raw + (base - raw) + L::offW4 + pw * kW4Bufs * kW4TileBytes;
-    // The fold's table, filled by the first warp, then both warpgroups sync.
-    uint2* const lut =
-        reinterpret_cast<uint2*>(smem_raw + (base - raw) + L::offW4 + kW4Producers * kW4Bufs * kW4TileBytes);
-    if (pw == 0 && tid < 32) fold_lut_fill(lut, tid);
-    ptx::named_sync(1, 128 * kW4Producers);
     // This row's piece j of a copied tile (XOR-swizzled by row pair: conflict-free 16-byte accesses).
     auto piece = [&](int j) { return tid * 64 + ((j ^ ((tid >> 1) & 3)) << 4); };
     // Stages are counted over this block's tiles (gs = its j-th tile * nkb +
@@ -324,8 +317,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
           ptx::mbar_expect_tx(full(stage), kABytes);
           tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), cc.kb * kBK, row);
         }
-        sSp[stage * kBN + tid] =
-            fold_group(G, reinterpret_cast<uint4*>(sBp + stage * kBBytes + tid * kBK), tid & 7, lut);
+        sSp[stage * kBN + tid] = fold_group(G, reinterpret_cast<uint4*>(sBp + stage * kBBytes + tid * kBK), tid & 7);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
         mbar_arrive(full(stage));
         next(cc);

@@ -72,19 +72,10 @@ __device__ __forceinline__ int group_smax(const GroupIn& G) {
   return smax;
 }
 
-// fold_lut for d = 0..31 in shared memory (kFoldLutEntries uint2), written
-// by the calling threads (one entry each; synchronize before use): a table
-// lookup instead of the branch, so a thread's sub-blocks fold interleaved.
-constexpr int kFoldLutEntries = 32;
-__device__ __forceinline__ void fold_lut_fill(uint2* lut, int d) {
-  if (d < kFoldLutEntries) fold_lut(d, lut[d].x, lut[d].y);
-}
-
 // Fold G: its 128 E4M3 bytes go to dst as 8 16-byte pieces, piece c at
 // dst[c ^ sw] (sw: this row's 128-byte swizzle, 0 for none); returns the
-// group's FP8 block scale (NaN for a 0xFF scale byte). lut: the filled table,
-// or null to compute each entry.
-__device__ __forceinline__ float fold_group(const GroupIn& G, uint4* dst, int sw, const uint2* lut = nullptr) {
+// group's FP8 block scale (NaN for a 0xFF scale byte).
+__device__ __forceinline__ float fold_group(const GroupIn& G, uint4* dst, int sw) {
   const int m = group_smax(G), smax = m < 0 ? 133 : m;
   bool nan = false;
 #pragma unroll
@@ -92,12 +83,7 @@ __device__ __forceinline__ float fold_group(const GroupIn& G, uint4* dst, int sw
     nan |= G.s[j] == 255;
     const int d = min(max(smax - G.s[j], 0), 31);
     uint32_t lo, hi;
-    if (lut) {
-      const uint2 e = lut[d];
-      lo = e.x, hi = e.y;
-    } else {
-      fold_lut(d, lo, hi);
-    }
+    fold_lut(d, lo, hi);
     const uint2 p0 = fold_word(G.w[j].x, lo, hi), p1 = fold_word(G.w[j].y, lo, hi);
     const uint2 p2 = fold_word(G.w[j].z, lo, hi), p3 = fold_word(G.w[j].w, lo, hi);
     dst[(j * 2) ^ sw] = make_uint4(p0.x, p0.y, p1.x, p1.y);
