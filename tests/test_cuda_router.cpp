@@ -3,12 +3,14 @@
 // present): random logits with ties and -inf entries, many rows.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
 #include "cpu/moe.h"
 
 #ifdef DZ_WITH_CUDA
+#include "cuda/norm.h"
 #include "cuda/router.h"
 #include "runtime/cuda/context.h"
 #include "support/device_buffer.h"
@@ -49,5 +51,90 @@ TEST_CASE("CUDA router top-k softmax matches the CPU backend (ties to the lower 
       CHECK(id_bad == 0);
       CHECK(w_err < 1e-6);
     }
+#endif
+}
+
+TEST_CASE("CUDA fused decode router: norm as rms_norm, logits vs float64, top-k as the CPU backend", "[cuda]") {
+  if (!dz::test::have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  dz::cuda::Context ctx(dz::test::pool_options(size_t(64) << 20));
+  std::mt19937 rng(22);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_real_distribution<float> ud(0.5f, 1.5f);
+  auto bf16 = [](float f) {  // round to nearest even
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  };
+  auto bf16f = [](uint16_t h) {
+    const uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  const float eps = 1e-5f;
+  dz::test::DeviceBuffer<int32_t> ticket(std::vector<int32_t>{0});
+  for (int H : {2880, 64, 3072})
+    for (int E : {32, 128})
+      for (int T : {1, 2, 4}) {
+        const int k = 4;
+        INFO("H " << H << " E " << E << " T " << T);
+        REQUIRE(dz::cuda::router_fused_fits(T, H, E, k));
+        std::vector<float> x(static_cast<size_t>(T) * H), nw(static_cast<size_t>(H)), bias(static_cast<size_t>(E));
+        std::vector<uint16_t> w(static_cast<size_t>(E) * H);
+        for (auto& v : x) v = 3.f * nd(rng);
+        for (auto& v : nw) v = ud(rng);
+        for (auto& v : w) v = bf16(0.05f * nd(rng));
+        for (auto& v : bias) v = 0.1f * nd(rng);
+        dz::test::DeviceBuffer<float> dx(x), dnw(nw), dbias(bias), dxn(size_t(T) * H), dxn2(size_t(T) * H),
+            dlog(size_t(T) * E), dgw(size_t(T) * k);
+        dz::test::DeviceBuffer<uint16_t> dw(w), dxb(size_t(T) * H);
+        dz::test::DeviceBuffer<int32_t> dids(size_t(T) * k);
+        for (int rep = 0; rep < 2; ++rep)  // the ticket is left zero: a second launch works the same
+          dz::cuda::router_fused(dx.p, T, H, dnw.p, eps, dw.p, dbias.p, E, k, dxn.p, dlog.p, dids.p, dgw.p, ticket.p,
+                                 ctx.stream());
+        dz::cuda::rms_norm(dx.p, nullptr, T, H, dnw.p, eps, dxn2.p, dxb.p, ctx.stream());
+        ctx.sync();
+        const auto xn = dxn.get(), xn2 = dxn2.get(), logits = dlog.get(), gw = dgw.get();
+        const auto ids = dids.get();
+        CHECK(ticket.get()[0] == 0);
+        // The experts' input: the same bits as the norm kernel's.
+        CHECK(std::memcmp(xn.data(), xn2.data(), xn.size() * 4) == 0);
+        // The normalized rows against float64, and the logits against float64 sums of
+        // the same bf16 products (the projection's input is bf16(xn)).
+        double xn_err = 0, log_err = 0, log_scale = 0;
+        int id_bad = 0;
+        double w_err = 0;
+        for (int t = 0; t < T; ++t) {
+          double ss = 0;
+          for (int h = 0; h < H; ++h) ss += double(x[size_t(t) * H + h]) * x[size_t(t) * H + h];
+          const double inv = 1.0 / std::sqrt(ss / H + eps);
+          for (int h = 0; h < H; ++h)
+            xn_err = std::max(xn_err, std::fabs(xn[size_t(t) * H + h] - nw[size_t(h)] * x[size_t(t) * H + h] * inv) /
+                                          (std::fabs(nw[size_t(h)] * x[size_t(t) * H + h] * inv) + 1e-30));
+          for (int e = 0; e < E; ++e) {
+            double acc = bias[size_t(e)], mag = std::fabs(bias[size_t(e)]);
+            for (int h = 0; h < H; ++h) {
+              const double p = double(bf16f(bf16(xn[size_t(t) * H + h]))) * bf16f(w[size_t(e) * H + h]);
+              acc += p, mag += std::fabs(p);
+            }
+            log_err = std::max(log_err, std::fabs(logits[size_t(t) * E + e] - acc));
+            log_scale = std::max(log_scale, mag);
+          }
+          std::vector<int32_t> ri(size_t(k), 0);
+          std::vector<float> rw(size_t(k), 0.f);
+          dz::cpu::router_topk_softmax(logits.data() + size_t(t) * E, E, k, ri.data(), rw.data());
+          for (int j = 0; j < k; ++j) {
+            id_bad += ids[size_t(t) * k + j] != ri[size_t(j)];
+            w_err = std::max(w_err, double(std::fabs(gw[size_t(t) * k + j] - rw[size_t(j)])));
+          }
+        }
+        CHECK(xn_err < 1e-5);
+        CHECK(log_err < 4e-6 * log_scale);  // fp32 accumulation (a missing product: ~1 / H of the scale)
+        CHECK(id_bad == 0);
+        CHECK(w_err < 1e-6);
+      }
+  CHECK_THROWS(dz::cuda::router_fused(nullptr, 5, 2880, nullptr, eps, nullptr, nullptr, 32, 4, nullptr, nullptr,
+                                      nullptr, nullptr, ticket.p, ctx.stream()));
 #endif
 }

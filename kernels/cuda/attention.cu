@@ -12,6 +12,14 @@ namespace dz::cuda {
 
 namespace {
 
+// The factor that finishes a row's softmax state (running max m and sum l, in
+// log2 units, over the output o) with the sink as one more column:
+// out = o * 2^(m - M) / (l 2^(m - M) + 2^(sink - M)), M = max(m, sink).
+__device__ __forceinline__ float sink_finish(float m, float l, float sink) {
+  const float mx = fmaxf(m, sink), w = exp2f(m - mx);
+  return w / (l * w + exp2f(sink - mx));
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 
 // Token j's K row (all KV heads, bf16; its V row follows at + n_kv_heads * head_dim).
@@ -382,10 +390,9 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 4)
   };
   if (n == 1) {  // the whole row in this block: merge with the sink here
     if (!row_ok) return;
-    const float sink = a.sinks[h] * kLog2e, Mx = fmaxf(M, sink), w = exp2f(M - Mx);
-    const float inv = 1.f / (L * w + exp2f(sink - Mx));
+    const float sc = sink_finish(M, L, a.sinks[h] * kLog2e);
 #pragma unroll
-    for (int d = 0; d < PD; ++d) store(d, o[d] * w * inv);
+    for (int d = 0; d < PD; ++d) store(d, o[d] * sc);
     return;
   }
   if (row_ok) {
@@ -552,8 +559,7 @@ __global__ void __launch_bounds__(kPreThreads) prefill_kernel(AttnBatch a, const
     l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
     l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
     if (!rok[rr]) continue;
-    const float sink = a.sinks[head[rr]] * kLog2e, Mx = fmaxf(m[rr], sink), w = exp2f(m[rr] - Mx);
-    const float inv = 1.f / (l[rr] * w + exp2f(sink - Mx)), sc = w * inv;
+    const float sc = sink_finish(m[rr], l[rr], a.sinks[head[rr]] * kLog2e);
     const size_t ob = size_t(row[rr]) * a.n_heads * D + size_t(head[rr]) * D + 2 * t;
 #pragma unroll
     for (int nd = 0; nd < NT; ++nd) {

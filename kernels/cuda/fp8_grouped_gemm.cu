@@ -31,7 +31,7 @@ constexpr int kABytes = kBM * kBK, kBBytes = kBN * kBK, kSBytes = kBN * 4;
 // Two producer warpgroups take turns by stage (one warp per scheduler cannot
 // fold a stage in the time the tensor cores take for it).
 constexpr int kW4Producers = 2, kThreadsW4 = 128 * (kW4Producers + kConsumers);
-constexpr int kW4ProducerRegs = 80, kW4ConsumerRegs = 176;
+constexpr int kW4ProducerRegs = 72, kW4ConsumerRegs = 184;
 // setmaxnreg moves registers between the warpgroups of a block; the total stays
 // what the launch allocated (the launch-bounds cap per thread). With 3 producer
 // warpgroups that cap is 96 and the consumers could get 144 at most (measured:
@@ -40,11 +40,12 @@ constexpr int kW4LaunchRegs = (65536 / kThreadsW4) / 8 * 8;
 static_assert(128 * kW4Producers * kW4ProducerRegs + 128 * kConsumers * kW4ConsumerRegs <= kThreadsW4 * kW4LaunchRegs,
               "setmaxnreg budget");
 // kW4: each producer warpgroup keeps kW4Bufs MXFP4 W tiles (64 bytes a row)
-// in flight by asynchronous copy, its own next stages', while it folds: one
-// tile in flight (16 KB a block) held the FP4 stream to ~1.1 TB/s at 16 tokens
-// an expert. The FP8 ring is shorter for them (folding fills it without a
-// copy's latency).
-constexpr int kW4Stages = 4, kW4Bufs = 4;
+// in flight by asynchronous copy, its own next stages', while it folds. One
+// is enough: four (with an FP8 ring of 4 stages to make room) measured the
+// same at 16-128 tokens an expert (H200, 2026-12-02-h200-run36.md), where the
+// FP4 stream runs at ~1.1 TB/s: the producers' folding bounds it, not bytes
+// in flight.
+constexpr int kW4Stages = 6, kW4Bufs = 1;
 constexpr int kW4TileBytes = kBN * 64;
 
 // Shared memory of a kernel with S stages: X tiles, W tiles, W scales, the

@@ -246,8 +246,9 @@ class GptOssCuda final : public Family, private GptOssDesc {
   DeviceArray<uint16_t> xb_, att_;
   DeviceArray<int32_t> ids_;
   DeviceArray<uint8_t> meta_;
-  DeviceArray<float> att_part_;      // split decode attention partials
-  DeviceArray<int32_t> att_ticket_;  // and its ticket counters (zero between launches)
+  DeviceArray<float> att_part_;         // split decode attention partials
+  DeviceArray<int32_t> att_ticket_;     // and its ticket counters (zero between launches)
+  DeviceArray<int32_t> router_ticket_;  // the fused router's (zero between launches)
   cuda::DecodeSplitPolicy split_;
   float* logits_host_ = nullptr;  // pinned [kLogitRows][V]
   uint8_t* stage_ = nullptr;      // pinned staging of the metadata (uploaded with one copy)
@@ -397,6 +398,8 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   att_part_ =
       DeviceArray<float>(pool, cuda::decode_partial_floats(kAttnGroupRows, n_heads_, int(head_dim_), split_.max_splits),
                          "decode attention partials");
+  router_ticket_ = DeviceArray<int32_t>(pool, 1, "router ticket");
+  DZ_CUDA_CHECK(cudaMemset(router_ticket_.get(), 0, router_ticket_.bytes()));
   att_ticket_ = DeviceArray<int32_t>(pool, cuda::decode_ticket_ints(kAttnGroupRows, n_heads_, n_kv_heads_),
                                      "decode attention tickets");
   DZ_CUDA_CHECK(cudaMemset(att_ticket_.get(), 0, att_ticket_.bytes()));
@@ -702,9 +705,14 @@ void GptOssCuda::enqueue(const PassArgs& p, const ForwardOptions* abort_between)
                                  {att_part_.get(), att_part_.size(), att_ticket_.get(), att_ticket_.size()}, s);
     cuda::attention_prefill(ab, p.tiles, p.n_tiles, cuda::attention_tile_rows(n_heads_, n_kv_heads_), s);
     gemm_->run(att_.get(), L.o_w.get(), L.o_b.get(), x, T, int(H), int(QD), 1.f, s);  // x += o_proj(att)
-    cuda::rms_norm(x, nullptr, T, int(H), L.post_norm.get(), eps_, xn_.get(), xb_.get(), s);
-    gemm_->run(xb_.get(), L.router_w.get(), L.router_b.get(), rlog_.get(), T, n_experts_, int(H), 0.f, s);
-    cuda::router_topk_softmax(rlog_.get(), T, n_experts_, n_active_, ids_.get(), gw_.get(), s);
+    if (cuda::router_fused_fits(T, int(H), n_experts_, n_active_)) {                  // a decode step: one launch
+      cuda::router_fused(x, T, int(H), L.post_norm.get(), eps_, L.router_w.get(), L.router_b.get(), n_experts_,
+                         n_active_, xn_.get(), rlog_.get(), ids_.get(), gw_.get(), router_ticket_.get(), s);
+    } else {
+      cuda::rms_norm(x, nullptr, T, int(H), L.post_norm.get(), eps_, xn_.get(), xb_.get(), s);
+      gemm_->run(xb_.get(), L.router_w.get(), L.router_b.get(), rlog_.get(), T, n_experts_, int(H), 0.f, s);
+      cuda::router_topk_softmax(rlog_.get(), T, n_experts_, n_active_, ids_.get(), gw_.get(), s);
+    }
     cuda::MoeWeights mw;
     mw.w1_blocks = L.w1b.get();
     mw.w1_scales = L.w1s.get();
