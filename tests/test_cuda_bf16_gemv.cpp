@@ -14,6 +14,7 @@
 #ifdef DZ_WITH_CUDA
 #include "cuda/bf16_gemm.h"
 #include "cuda/bf16_gemv.h"
+#include "cuda/norm.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 #include "support/device_buffer.h"
@@ -167,5 +168,55 @@ TEST_CASE("CUDA few-row BF16 projections: throughput at gpt-oss decode shapes (p
                               << bytes / (us * 1e-6) / 1e12 << " TB/s of weights");
     }
   }
+#endif
+}
+
+TEST_CASE("CUDA BF16 projection with the RMS norm inside: the bits of rms_norm then the projection", "[cuda]") {
+  if (!dz::test::have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  Context ctx(dz::test::pool_options(size_t(256) << 20));
+  std::mt19937 rng(12);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_real_distribution<float> ud(0.5f, 1.5f);
+  const float eps = 1e-5f;
+  struct Shape {
+    int m, n, k;
+  };
+  // gpt-oss's qkv projection at 1-4 rows, and a ragged one (n off 16, one K chunk per warp).
+  for (Shape sh : {Shape{1, 5120, 2880}, Shape{2, 5120, 2880}, Shape{4, 5120, 2880}, Shape{3, 520, 64}}) {
+    const int m = sh.m, n = sh.n, k = sh.k;
+    INFO("m " << m << " n " << n << " k " << k);
+    std::vector<float> x(static_cast<size_t>(m) * k), nw(static_cast<size_t>(k)), bias(static_cast<size_t>(n));
+    for (auto& v : x) v = 4.f * nd(rng);
+    for (auto& v : nw) v = ud(rng);
+    for (auto& v : bias) v = nd(rng);
+    const auto w = random_bf16(size_t(n) * k, rng, 0.05f);
+    Buf<float> dx(x), dnw(nw), dbias(bias), d1(size_t(m) * n), d2(size_t(m) * n);
+    Buf<uint16_t> dw(w), dxb(size_t(m) * k);
+    REQUIRE(bf16_gemv_norm_fits(dx.p, dw.p, m, n, k));
+    bf16_gemv_norm(dx.p, dnw.p, eps, dw.p, dbias.p, d1.p, m, n, k, ctx.stream());
+    rms_norm(dx.p, nullptr, m, k, dnw.p, eps, nullptr, dxb.p, ctx.stream());
+    bf16_gemv(dxb.p, dw.p, dbias.p, d2.p, m, n, k, 0.f, ctx.stream());
+    ctx.sync();
+    const auto a = d1.get(), b = d2.get();
+    CHECK(std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
+    // And against float64 on the staged bf16 rows (the norm's own rounding is rms_norm's, tested elsewhere).
+    const auto xb = dxb.get();
+    double err = 0, scale = 0;
+    for (int r = 0; r < m; ++r)
+      for (int j = 0; j < n; j += 7) {
+        double acc = bias[size_t(j)], mag = std::fabs(bias[size_t(j)]);
+        for (int i = 0; i < k; ++i) {
+          const double p = bf16_to_double(xb[size_t(r) * k + i]) * bf16_to_double(w[size_t(j) * k + i]);
+          acc += p, mag += std::fabs(p);
+        }
+        err = std::max(err, std::fabs(a[size_t(r) * n + j] - acc));
+        scale = std::max(scale, mag);
+      }
+    CHECK(err < 4e-6 * scale);
+  }
+  Buf<float> dx(std::vector<float>(64, 1.f));
+  CHECK_FALSE(bf16_gemv_norm_fits(dx.p, reinterpret_cast<const uint16_t*>(256), 1, 512, 64));  // narrow n
+  CHECK_FALSE(bf16_gemv_norm_fits(dx.p, reinterpret_cast<const uint16_t*>(256), 9, 5120, 64));
 #endif
 }

@@ -73,7 +73,6 @@ TEST_CASE("CUDA fused decode router: norm as rms_norm, logits vs float64, top-k 
     return f;
   };
   const float eps = 1e-5f;
-  dz::test::DeviceBuffer<int32_t> ticket(std::vector<int32_t>{0});
   for (int H : {2880, 64, 3072})
     for (int E : {32, 128})
       for (int T : {1, 2, 4}) {
@@ -90,16 +89,23 @@ TEST_CASE("CUDA fused decode router: norm as rms_norm, logits vs float64, top-k 
             dlog(size_t(T) * E), dgw(size_t(T) * k);
         dz::test::DeviceBuffer<uint16_t> dw(w), dxb(size_t(T) * H);
         dz::test::DeviceBuffer<int32_t> dids(size_t(T) * k);
-        for (int rep = 0; rep < 2; ++rep)  // the ticket is left zero: a second launch works the same
-          dz::cuda::router_fused(dx.p, T, H, dnw.p, eps, dw.p, dbias.p, E, k, dxn.p, dlog.p, dids.p, dgw.p, ticket.p,
+        for (int rep = 0; rep < 2; ++rep)  // a second launch over the same outputs
+          dz::cuda::router_fused(dx.p, T, H, dnw.p, eps, dw.p, dbias.p, E, k, dxn.p, dlog.p, dids.p, dgw.p,
                                  ctx.stream());
         dz::cuda::rms_norm(dx.p, nullptr, T, H, dnw.p, eps, dxn2.p, dxb.p, ctx.stream());
         ctx.sync();
         const auto xn = dxn.get(), xn2 = dxn2.get(), logits = dlog.get(), gw = dgw.get();
         const auto ids = dids.get();
-        CHECK(ticket.get()[0] == 0);
-        // The experts' input: the same bits as the norm kernel's.
-        CHECK(std::memcmp(xn.data(), xn2.data(), xn.size() * 4) == 0);
+        // The experts' input: the same bits as the norm kernel's where the blocks
+        // have its 256 threads (up to 64 experts), else within rounding.
+        if (E <= 64) {
+          CHECK(std::memcmp(xn.data(), xn2.data(), xn.size() * 4) == 0);
+        } else {
+          double d = 0;
+          for (size_t i = 0; i < xn.size(); ++i)
+            d = std::max(d, std::fabs(double(xn[i]) - xn2[i]) / (std::fabs(double(xn2[i])) + 1e-30));
+          CHECK(d < 1e-6);
+        }
         // The normalized rows against float64, and the logits against float64 sums of
         // the same bf16 products (the projection's input is bf16(xn)).
         double xn_err = 0, log_err = 0, log_scale = 0;
@@ -135,6 +141,6 @@ TEST_CASE("CUDA fused decode router: norm as rms_norm, logits vs float64, top-k 
         CHECK(w_err < 1e-6);
       }
   CHECK_THROWS(dz::cuda::router_fused(nullptr, 5, 2880, nullptr, eps, nullptr, nullptr, 32, 4, nullptr, nullptr,
-                                      nullptr, nullptr, ticket.p, ctx.stream()));
+                                      nullptr, nullptr, ctx.stream()));
 #endif
 }

@@ -1,5 +1,8 @@
+#include <cuda_bf16.h>
+
 #include <algorithm>
 
+#include "common/error.h"
 #include "cuda/bf16_gemv.h"
 #include "cuda/pdl.cuh"
 #include "cuda/ptx.cuh"
@@ -30,10 +33,19 @@ constexpr int kWarpsWide = 8, kWarpsNarrow = 32, kNarrowMaxRows = 512;
 // apart would put all 8 tokens of a load on the same banks).
 __host__ __device__ inline int x_stride_u4(int k) { return k / 8 + 1; }
 
-template <int kWarps>
+// kNorm: X is bf16(RMS norm of fp32 rows xf with weights nw), computed by
+// every block as rms_norm computes it (256 threads, the same partition and
+// order of the sums: the same bits), instead of a norm launch before.
+struct GemvNorm {
+  const float *xf = nullptr, *nw = nullptr;
+  float eps = 0.f;
+};
+
+template <int kWarps, bool kNorm>
 __global__ void __launch_bounds__(32 * kWarps)
     bf16_gemv_kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w, const float* __restrict__ bias,
-                     float* d, int m, int n, int k, float beta) {
+                     float* d, int m, int n, int k, float beta, GemvNorm nrm) {
+  static_assert(!kNorm || kWarps == 8, "the norm's sums as rms_norm's 256 threads");
   extern __shared__ uint4 xs[];
   __shared__ float4 red[kWarps - 1][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -54,9 +66,38 @@ __global__ void __launch_bounds__(32 * kWarps)
   pdl_wait();
   pdl_trigger();
   const int xsu = x_stride_u4(k);
-  for (int i = threadIdx.x; i < m * (k / 8); i += 32 * kWarps) {
-    const int r = i / (k / 8), q = i - r * (k / 8);
-    xs[r * xsu + q] = reinterpret_cast<const uint4*>(x + int64_t(r) * k)[q];
+  if constexpr (kNorm) {
+    __shared__ float npart[kWarps][kBf16GemvMaxRows];
+    const int n4 = k / 4;
+    const float4* xf4 = reinterpret_cast<const float4*>(nrm.xf);
+    for (int r = 0; r < m; ++r) {
+      float ss = 0.f;
+      for (int q = threadIdx.x; q < n4; q += 32 * kWarps) {
+        const float4 v = xf4[r * n4 + q];
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+      }
+      for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (lane == 0) npart[warp][r] = ss;
+    }
+    __syncthreads();
+    for (int r = 0; r < m; ++r) {
+      float tot = 0.f;
+#pragma unroll
+      for (int j = 0; j < kWarps; ++j) tot += npart[j][r];  // every thread, same order
+      const float inv = rsqrtf(tot / float(k) + nrm.eps);
+      for (int q = threadIdx.x; q < n4; q += 32 * kWarps) {
+        const float4 v = xf4[r * n4 + q], g = reinterpret_cast<const float4*>(nrm.nw)[q];
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(g.x * (v.x * inv), g.y * (v.y * inv));
+        const __nv_bfloat162 hi = __floats2bfloat162_rn(g.z * (v.z * inv), g.w * (v.w * inv));
+        reinterpret_cast<uint2*>(xs + r * xsu)[q] =
+            make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+      }
+    }
+  } else {
+    for (int i = threadIdx.x; i < m * (k / 8); i += 32 * kWarps) {
+      const int r = i / (k / 8), q = i - r * (k / 8);
+      xs[r * xsu + q] = reinterpret_cast<const uint4*>(x + int64_t(r) * k)[q];
+    }
   }
   __syncthreads();
 
@@ -99,6 +140,17 @@ __global__ void __launch_bounds__(32 * kWarps)
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+// The kernels' dynamic shared-memory limit, raised once.
+void set_smem_limits() {
+  static const bool done = [] {
+    for (auto f : {bf16_gemv_kernel<kWarpsWide, false>, bf16_gemv_kernel<kWarpsNarrow, false>,
+                   bf16_gemv_kernel<kWarpsWide, true>})
+      DZ_CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBf16GemvMaxSmem)));
+    return true;
+  }();
+  (void)done;
+}
+
 }  // namespace
 
 bool bf16_gemv_fits(const uint16_t* x, const uint16_t* w, int m, int n, int k) {
@@ -108,16 +160,28 @@ bool bf16_gemv_fits(const uint16_t* x, const uint16_t* w, int m, int n, int k) {
 
 void bf16_gemv(const uint16_t* x, const uint16_t* w, const float* bias, float* d, int m, int n, int k, float beta,
                cudaStream_t s) {
-  static const bool attr_set = [] {
-    for (auto f : {bf16_gemv_kernel<kWarpsWide>, bf16_gemv_kernel<kWarpsNarrow>})
-      DZ_CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBf16GemvMaxSmem)));
-    return true;
-  }();
-  (void)attr_set;
+  set_smem_limits();
   const size_t smem = size_t(m) * x_stride_u4(k) * 16;
   const bool narrow = n <= kNarrowMaxRows;
-  launch_pdl(narrow ? bf16_gemv_kernel<kWarpsNarrow> : bf16_gemv_kernel<kWarpsWide>, dim3(unsigned((n + 15) / 16)),
-             dim3(32 * (narrow ? kWarpsNarrow : kWarpsWide)), smem, s, x, w, bias, d, m, n, k, beta);
+  launch_pdl(narrow ? bf16_gemv_kernel<kWarpsNarrow, false> : bf16_gemv_kernel<kWarpsWide, false>,
+             dim3(unsigned((n + 15) / 16)), dim3(32 * (narrow ? kWarpsNarrow : kWarpsWide)), smem, s, x, w, bias, d, m,
+             n, k, beta, GemvNorm{});
+}
+
+bool bf16_gemv_norm_fits(const float* x, const uint16_t* w, int m, int n, int k) {
+  return m >= 1 && m <= kBf16GemvMaxRows && n > kNarrowMaxRows && k >= 32 && k % 32 == 0 && aligned16(x) &&
+         aligned16(w) && size_t(m) * x_stride_u4(k) * 16 <= kBf16GemvMaxSmem;
+}
+
+void bf16_gemv_norm(const float* x, const float* norm_w, float eps, const uint16_t* w, const float* bias, float* d,
+                    int m, int n, int k, cudaStream_t s) {
+  check(bf16_gemv_norm_fits(x, w, m, n, k) && aligned16(norm_w), DZ_ERR_INVALID_ARGUMENT, "bf16_gemv_norm: m=", m,
+        " n=", n, " k=", k, " (1..", kBf16GemvMaxRows, " rows, n > ", kNarrowMaxRows,
+        ", k a multiple of 32, 16-byte aligned rows and weights)");
+  set_smem_limits();
+  const size_t smem = size_t(m) * x_stride_u4(k) * 16;
+  launch_pdl(bf16_gemv_kernel<kWarpsWide, true>, dim3(unsigned((n + 15) / 16)), dim3(32 * kWarpsWide), smem, s,
+             (const uint16_t*)nullptr, w, bias, d, m, n, k, 0.f, GemvNorm{x, norm_w, eps});
 }
 
 }  // namespace dz::cuda

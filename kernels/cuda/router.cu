@@ -1,3 +1,4 @@
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include "common/error.h"
@@ -14,16 +15,15 @@ namespace {
 // logits k times, took ~5 us per decode step layer.)
 constexpr int kRows = 4;  // rows (warps) per block
 
-// Row t's top-k of E logits l (a warp; E <= 256, k <= 16) and the softmax
-// over them (double, lane 0) into ids/w. L1-bypassing loads: the logits may
-// have been written by other blocks of the same launch.
+// Row t's top-k of E logits l (a warp; E <= 256, k <= 16; global or shared
+// memory) and the softmax over them (double, lane 0) into ids/w.
 __device__ void topk_row(const float* l, int E, int k, int32_t* ids, float* w) {
   const int lane = threadIdx.x & 31;
   float v[8];  // NaN and missing entries are never picked before real ones
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int e = lane + 32 * i;
-    const float x = e < E ? __ldcg(l + e) : -INFINITY;
+    const float x = e < E ? l[e] : -INFINITY;
     v[i] = x == x ? x : -INFINITY;
   }
   uint32_t taken = 0;  // bit i: entry lane + 32 i already picked
@@ -65,93 +65,113 @@ __global__ void __launch_bounds__(32 * kRows) topk_kernel(const float* __restric
   topk_row(logits + size_t(t) * E, E, k, ids + size_t(t) * k, w + size_t(t) * k);
 }
 
-// A decode step's router in one launch (up to kFusedRows rows): RMS norm of
-// the residual rows, the router's logits, top-k + softmax. Each block
-// normalizes the rows itself (they are small) and takes kFusedWarps experts,
-// a warp each, with the expert's weight row in registers (loaded before the
-// PDL wait); the last block to finish (a ticket) picks the top k. Three
-// launches before (norm, projection, top-k), ~9 us a layer on an H200.
-constexpr int kFusedWarps = 8, kFusedRowU4 = 12;  // H <= 32 * 12 * 8 = 3072
+// A decode step's router in one launch (up to kRouterFusedMaxRows rows): RMS
+// norm of the residual rows, the router's logits, top-k + softmax. One
+// cluster of blocks, W experts a block (a warp each, its weight row in
+// registers, loaded with the norm's weights before the PDL wait); every block
+// normalizes the rows itself (one read of them, kept in registers), writes
+// its logits into the first block's shared memory, and after the cluster
+// barrier that block picks the top k. (Three launches before: norm,
+// projection, top-k; and a first form of this kernel that met through global
+// memory and a ticket took as long as they did, ~9 us a layer on an H200.)
+constexpr int kFusedRowU4 = 12;  // weight row pieces a lane: H <= 32 * 12 * 8 = 3072
+constexpr int kMaxCluster = 8;
 
-__global__ void __launch_bounds__(32 * kFusedWarps)
+template <int W>
+__global__ void __launch_bounds__(32 * W)
     router_fused_kernel(const float* __restrict__ x, int T, int H, const float* __restrict__ nw, float eps,
                         const uint16_t* __restrict__ wr, const float* __restrict__ bias, int E, int k,
-                        float* __restrict__ xn, float* logits, int32_t* __restrict__ ids, float* __restrict__ gw,
-                        int32_t* ticket) {
-  extern __shared__ float4 xs4[];  // normalized rows, rounded to bf16 as the projection's input: [T][H / 4]
-  __shared__ float part[kFusedWarps][kRouterFusedMaxRows];
-  __shared__ int last;
+                        float* __restrict__ xn, float* __restrict__ logits, int32_t* __restrict__ ids,
+                        float* __restrict__ gw) {
+  namespace cg = cooperative_groups;
+  constexpr int kNP = (8 * 32 * kFusedRowU4 / 4 + 32 * W - 1) / (32 * W);  // float4 pieces of a row a thread
+  __shared__ uint4 xs[kRouterFusedMaxRows][32 * kFusedRowU4];              // bf16(xn) rows, 8 a piece
+  __shared__ float slog[kRouterFusedMaxRows][256];                         // the first block's: every expert's logit
+  __shared__ float part[W][kRouterFusedMaxRows];
+  cg::cluster_group cluster = cg::this_cluster();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n8 = H / 8, n4 = H / 4;
-  const int e = blockIdx.x * kFusedWarps + warp;
+  const int e = int(cluster.block_rank()) * W + warp;
   uint4 w[kFusedRowU4];
 #pragma unroll
   for (int j = 0; j < kFusedRowU4; ++j) {
     const int q = lane + 32 * j;
     w[j] = e < E && q < n8 ? __ldg(reinterpret_cast<const uint4*>(wr + size_t(e) * H) + q) : make_uint4(0, 0, 0, 0);
   }
+  float4 g[kNP];
+#pragma unroll
+  for (int j = 0; j < kNP; ++j) {
+    const int q = threadIdx.x + j * 32 * W;
+    g[j] = q < n4 ? __ldg(reinterpret_cast<const float4*>(nw) + q) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const float b = e < E && bias ? __ldg(bias + e) : 0.f;
   pdl_wait();
   pdl_trigger();
-  // Sums of squares (rows' float4 pieces strided over the block), as rms_norm.
-  float ss[kRouterFusedMaxRows] = {};
-  for (int q = threadIdx.x; q < n4; q += blockDim.x)
-    for (int t = 0; t < T; ++t) {
-      const float4 v = reinterpret_cast<const float4*>(x + size_t(t) * H)[q];
-      ss[t] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+  // The rows in registers; sums of squares as rms_norm (same partition and order for W = 8).
+  float4 v[kRouterFusedMaxRows][kNP];
+  float ss[kRouterFusedMaxRows];
+#pragma unroll
+  for (int t = 0; t < kRouterFusedMaxRows; ++t) {
+    ss[t] = 0.f;
+#pragma unroll
+    for (int j = 0; j < kNP; ++j) {
+      const int q = threadIdx.x + j * 32 * W;
+      v[t][j] =
+          t < T && q < n4 ? reinterpret_cast<const float4*>(x + size_t(t) * H)[q] : make_float4(0.f, 0.f, 0.f, 0.f);
+      ss[t] += v[t][j].x * v[t][j].x + v[t][j].y * v[t][j].y + v[t][j].z * v[t][j].z + v[t][j].w * v[t][j].w;
     }
-  for (int t = 0; t < T; ++t) {
     for (int o = 16; o; o >>= 1) ss[t] += __shfl_xor_sync(0xffffffffu, ss[t], o);
     if (lane == 0) part[warp][t] = ss[t];
   }
   __syncthreads();
-  // This block's share of xn (fp32, for the experts) and all of the bf16-rounded rows (shared memory).
-  const int per = (n4 + gridDim.x - 1) / gridDim.x, q0 = blockIdx.x * per;
-  for (int t = 0; t < T; ++t) {
+  // xn (fp32, for the experts: the first block writes it) and bf16(xn) into shared memory.
+  const bool first = cluster.block_rank() == 0;
+#pragma unroll
+  for (int t = 0; t < kRouterFusedMaxRows; ++t) {
+    if (t >= T) break;
     float tot = 0;
 #pragma unroll
-    for (int j = 0; j < kFusedWarps; ++j) tot += part[j][t];  // every thread, same order
+    for (int j = 0; j < W; ++j) tot += part[j][t];  // every thread, same order
     const float inv = rsqrtf(tot / float(H) + eps);
-    for (int q = threadIdx.x; q < n4; q += blockDim.x) {
-      const float4 v = reinterpret_cast<const float4*>(x + size_t(t) * H)[q];
-      const float4 g = reinterpret_cast<const float4*>(nw)[q];
-      const float4 o = make_float4(g.x * (v.x * inv), g.y * (v.y * inv), g.z * (v.z * inv), g.w * (v.w * inv));
-      if (q >= q0 && q < q0 + per) reinterpret_cast<float4*>(xn + size_t(t) * H)[q] = o;
-      xs4[t * n4 + q] =
-          make_float4(__bfloat162float(__float2bfloat16_rn(o.x)), __bfloat162float(__float2bfloat16_rn(o.y)),
-                      __bfloat162float(__float2bfloat16_rn(o.z)), __bfloat162float(__float2bfloat16_rn(o.w)));
+#pragma unroll
+    for (int j = 0; j < kNP; ++j) {
+      const int q = threadIdx.x + j * 32 * W;
+      if (q >= n4) continue;
+      const float4 o = make_float4(g[j].x * (v[t][j].x * inv), g[j].y * (v[t][j].y * inv), g[j].z * (v[t][j].z * inv),
+                                   g[j].w * (v[t][j].w * inv));
+      if (first) reinterpret_cast<float4*>(xn + size_t(t) * H)[q] = o;
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(o.x, o.y), hi = __floats2bfloat162_rn(o.z, o.w);
+      reinterpret_cast<uint2*>(&xs[t][0])[q] =
+          make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
     }
   }
   __syncthreads();
-  if (e < E) {
-    const float b = bias ? bias[e] : 0.f;
+  float* const dst = cluster.map_shared_rank(&slog[0][0], 0);
+  if (e < E)
     for (int t = 0; t < T; ++t) {
       float acc = 0.f;
 #pragma unroll
       for (int j = 0; j < kFusedRowU4; ++j) {
         const int q = lane + 32 * j;
         if (q >= n8) break;
-        const float4 a0 = xs4[t * n4 + 2 * q], a1 = xs4[t * n4 + 2 * q + 1];
-        const uint32_t u[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
-        const float xv[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+        const uint4 xq = xs[t][q];
+        const uint32_t u[4] = {w[j].x, w[j].y, w[j].z, w[j].w}, xv[4] = {xq.x, xq.y, xq.z, xq.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          acc = fmaf(__uint_as_float(u[i] << 16), xv[2 * i], acc);
-          acc = fmaf(__uint_as_float(u[i] & 0xFFFF0000u), xv[2 * i + 1], acc);
+          acc = fmaf(__uint_as_float(u[i] << 16), __uint_as_float(xv[i] << 16), acc);
+          acc = fmaf(__uint_as_float(u[i] & 0xFFFF0000u), __uint_as_float(xv[i] & 0xFFFF0000u), acc);
         }
       }
       for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-      if (lane == 0) logits[size_t(t) * E + e] = acc + b;
+      if (lane == 0) dst[t * 256 + e] = acc + b;
     }
-  }
-  // The last block picks the experts once every block's logits are visible.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == int(gridDim.x) - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  if (warp < T) topk_row(logits + size_t(warp) * E, E, k, ids + size_t(warp) * k, gw + size_t(warp) * k);
-  if (threadIdx.x == 0) *ticket = 0;  // ready for the next launch (and graph replay)
+  cluster.sync();  // every logit in the first block's shared memory
+  if (!first) return;
+  for (int i = threadIdx.x; i < T * E; i += blockDim.x) logits[i] = slog[i / E][i % E];
+  if (warp < T) topk_row(&slog[warp][0], E, k, ids + size_t(warp) * k, gw + size_t(warp) * k);
 }
+
+// Warps a block for E experts: a cluster of at most kMaxCluster blocks.
+int fused_warps(int E) { return E <= 8 * kMaxCluster ? 8 : 16; }
 }  // namespace
 
 void router_topk_softmax(const float* logits, int T, int E, int k, int32_t* ids, float* weights, cudaStream_t s) {
@@ -163,17 +183,29 @@ void router_topk_softmax(const float* logits, int T, int E, int k, int32_t* ids,
 }
 
 bool router_fused_fits(int T, int H, int E, int k) {
-  return T >= 1 && T <= kRouterFusedMaxRows && H % 8 == 0 && H / 8 <= 32 * kFusedRowU4 && E > 0 && E <= 256 && k > 0 &&
-         k <= 16 && k <= E;
+  return T >= 1 && T <= kRouterFusedMaxRows && H % 8 == 0 && H / 8 <= 32 * kFusedRowU4 && E > 0 &&
+         E <= 16 * kMaxCluster && k > 0 && k <= 16 && k <= E;
 }
 
 void router_fused(const float* x, int T, int H, const float* norm_w, float eps, const uint16_t* w, const float* bias,
-                  int E, int k, float* xn, float* logits, int32_t* ids, float* weights, int32_t* ticket,
-                  cudaStream_t s) {
+                  int E, int k, float* xn, float* logits, int32_t* ids, float* weights, cudaStream_t s) {
   check(router_fused_fits(T, H, E, k), DZ_ERR_INVALID_ARGUMENT, "router_fused: T=", T, " H=", H, " E=", E, " k=", k,
-        " (T <= ", kRouterFusedMaxRows, ", H % 8 == 0 and H <= ", 8 * 32 * kFusedRowU4, ", E <= 256, k <= 16)");
-  launch_pdl(router_fused_kernel, dim3(unsigned((E + kFusedWarps - 1) / kFusedWarps)), dim3(32 * kFusedWarps),
-             size_t(T) * H * 4, s, x, T, H, norm_w, eps, w, bias, E, k, xn, logits, ids, weights, ticket);
+        " (T <= ", kRouterFusedMaxRows, ", H % 8 == 0 and H <= ", 8 * 32 * kFusedRowU4, ", E <= ", 16 * kMaxCluster,
+        ", k <= 16)");
+  const int W = fused_warps(E);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned((E + W - 1) / W));
+  cfg.blockDim = dim3(unsigned(32 * W));
+  cfg.stream = s;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cfg.gridDim.x, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 2 : 1;
+  DZ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, W == 8 ? router_fused_kernel<8> : router_fused_kernel<16>, x, T, H, norm_w,
+                                   eps, w, bias, E, k, xn, logits, ids, weights));
 }
 
 }  // namespace dz::cuda

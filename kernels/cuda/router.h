@@ -10,15 +10,14 @@ namespace dz::cuda {
 // logits [T, E] fp32 -> ids [T, k] int32, weights [T, k] fp32. E <= 256, k <= 16.
 void router_topk_softmax(const float* logits, int T, int E, int k, int32_t* ids, float* weights, cudaStream_t s);
 
-// A decode step's router in one launch, for T <= kRouterFusedMaxRows rows
-// (router_fused_fits): xn = RMS norm of x [T, H] with norm_w (fp32, for the
-// experts), logits [T, E] = bf16(xn) w^T + bias (w bf16 [E, H], fp32
-// accumulation), then ids/weights as router_topk_softmax. ticket: one int,
-// zero before the call and left zero after it (the launch's last block).
+// A decode step's router in one launch (one cluster of blocks), for T <=
+// kRouterFusedMaxRows rows (router_fused_fits: also H % 8 == 0, H <= 3072,
+// E <= 128): xn = RMS norm of x [T, H] with norm_w (fp32, for the experts;
+// the bits of rms_norm), logits [T, E] = bf16(xn) w^T + bias (w bf16 [E, H],
+// fp32 accumulation), then ids/weights as router_topk_softmax.
 constexpr int kRouterFusedMaxRows = 4;
 bool router_fused_fits(int T, int H, int E, int k);
 void router_fused(const float* x, int T, int H, const float* norm_w, float eps, const uint16_t* w, const float* bias,
-                  int E, int k, float* xn, float* logits, int32_t* ids, float* weights, int32_t* ticket,
-                  cudaStream_t s);
+                  int E, int k, float* xn, float* logits, int32_t* ids, float* weights, cudaStream_t s);
 
 }  // namespace dz::cuda

@@ -33,6 +33,7 @@ uint64_t gpt_oss_cuda_graph_replays() { return 0; }
 #include "cpu/mxfp4.h"
 #include "cuda/attention.h"
 #include "cuda/bf16_gemm.h"
+#include "cuda/bf16_gemv.h"
 #include "cuda/embed.h"
 #include "cuda/moe.h"
 #include "cuda/norm.h"
@@ -246,9 +247,8 @@ class GptOssCuda final : public Family, private GptOssDesc {
   DeviceArray<uint16_t> xb_, att_;
   DeviceArray<int32_t> ids_;
   DeviceArray<uint8_t> meta_;
-  DeviceArray<float> att_part_;         // split decode attention partials
-  DeviceArray<int32_t> att_ticket_;     // and its ticket counters (zero between launches)
-  DeviceArray<int32_t> router_ticket_;  // the fused router's (zero between launches)
+  DeviceArray<float> att_part_;      // split decode attention partials
+  DeviceArray<int32_t> att_ticket_;  // and its ticket counters (zero between launches)
   cuda::DecodeSplitPolicy split_;
   float* logits_host_ = nullptr;  // pinned [kLogitRows][V]
   uint8_t* stage_ = nullptr;      // pinned staging of the metadata (uploaded with one copy)
@@ -398,8 +398,6 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   att_part_ =
       DeviceArray<float>(pool, cuda::decode_partial_floats(kAttnGroupRows, n_heads_, int(head_dim_), split_.max_splits),
                          "decode attention partials");
-  router_ticket_ = DeviceArray<int32_t>(pool, 1, "router ticket");
-  DZ_CUDA_CHECK(cudaMemset(router_ticket_.get(), 0, router_ticket_.bytes()));
   att_ticket_ = DeviceArray<int32_t>(pool, cuda::decode_ticket_ints(kAttnGroupRows, n_heads_, n_kv_heads_),
                                      "decode attention tickets");
   DZ_CUDA_CHECK(cudaMemset(att_ticket_.get(), 0, att_ticket_.bytes()));
@@ -695,8 +693,12 @@ void GptOssCuda::enqueue(const PassArgs& p, const ForwardOptions* abort_between)
     abort_check();
     const DevLayer& L = dl_[size_t(li)];
     uint8_t* kv_layer = arena.storage().data() + arena.layer_offset(uint32_t(li));
-    cuda::rms_norm(x, nullptr, T, int(H), L.in_norm.get(), eps_, nullptr, xb_.get(), s);
-    gemm_->run(xb_.get(), L.qkv_w.get(), L.qkv_b.get(), qkv_.get(), T, qkv_n, int(H), 0.f, s);
+    if (T <= cuda::Bf16Gemm::kSmallMaxM && cuda::bf16_gemv_norm_fits(x, L.qkv_w.get(), T, qkv_n, int(H))) {
+      cuda::bf16_gemv_norm(x, L.in_norm.get(), eps_, L.qkv_w.get(), L.qkv_b.get(), qkv_.get(), T, qkv_n, int(H), s);
+    } else {
+      cuda::rms_norm(x, nullptr, T, int(H), L.in_norm.get(), eps_, nullptr, xb_.get(), s);
+      gemm_->run(xb_.get(), L.qkv_w.get(), L.qkv_b.get(), qkv_.get(), T, qkv_n, int(H), 0.f, s);
+    }
     cuda::rope_qk_store_kv(qkv_.get(), T, qkv_n, p.cs, p.sn, n_heads_, n_kv_heads_, int(D), kv_layer, p.off, s);
     ab.kv = kv_layer;
     ab.window = L.sliding ? int(window_) : 0;
@@ -707,7 +709,7 @@ void GptOssCuda::enqueue(const PassArgs& p, const ForwardOptions* abort_between)
     gemm_->run(att_.get(), L.o_w.get(), L.o_b.get(), x, T, int(H), int(QD), 1.f, s);  // x += o_proj(att)
     if (cuda::router_fused_fits(T, int(H), n_experts_, n_active_)) {                  // a decode step: one launch
       cuda::router_fused(x, T, int(H), L.post_norm.get(), eps_, L.router_w.get(), L.router_b.get(), n_experts_,
-                         n_active_, xn_.get(), rlog_.get(), ids_.get(), gw_.get(), router_ticket_.get(), s);
+                         n_active_, xn_.get(), rlog_.get(), ids_.get(), gw_.get(), s);
     } else {
       cuda::rms_norm(x, nullptr, T, int(H), L.post_norm.get(), eps_, xn_.get(), xb_.get(), s);
       gemm_->run(xb_.get(), L.router_w.get(), L.router_b.get(), rlog_.get(), T, n_experts_, int(H), 0.f, s);
