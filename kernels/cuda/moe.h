@@ -40,11 +40,12 @@ enum class MoePath { kAuto = 0, kFused = 1, kFp8 = 2 };
 
 struct MoeOptions {
   // Fused path while tokens * topk / n_experts <= this. Measured on an H200
-  // (bench/results/2026-12-01-h200-run19.md, run 26), fused vs FP8 path at 12
-  // / 14 / 16 / 20 tokens per expert: 128 experts (gpt-oss-120b) 1.13 / 1.27
-  // / 1.46 / 1.80 vs 1.47 / 1.48 / 1.48 / 1.50 ms; 32 experts (gpt-oss-20b)
-  // at 12 / 16 / 20: 0.30 / 0.40 / 0.49 vs 0.42 / 0.42 / 0.43 ms.
-  double fused_max_tokens_per_expert = 16.0;
+  // (bench/results/2026-12-02-h200-run36.md, run 43), fused vs FP8 path at 12
+  // / 16 tokens per expert: 128 experts (gpt-oss-120b) 1.10 / 1.45 vs 1.25 /
+  // 1.26 ms; 32 experts (gpt-oss-20b) 0.31 / 0.38 vs 0.36 / 0.36 ms: the
+  // paths cross at ~14 and ~15 (16 before the FP8 path's idle warpgroups
+  // stopped multiplying padding rows).
+  double fused_max_tokens_per_expert = 14.0;
   int tile_experts = 16;  // experts per FP8 workspace tile (two tiles in flight; more than the layer has: all)
   int gemm_streams = 4;   // experts of a tile run concurrently on this many streams
   int fused_k_split = 0;  // fused kernels: K split over 1, 4 or 8 warps (0: 4 up to 8 token slots, else 1)
