@@ -14,6 +14,7 @@
 #include "cuda/router.h"
 #include "runtime/cuda/context.h"
 #include "support/device_buffer.h"
+#include "support/safetensors_writer.h"
 #endif
 
 #include "support/gpu.h"
@@ -61,17 +62,8 @@ TEST_CASE("CUDA fused decode router: norm as rms_norm, logits vs float64, top-k 
   std::mt19937 rng(22);
   std::normal_distribution<float> nd(0.f, 1.f);
   std::uniform_real_distribution<float> ud(0.5f, 1.5f);
-  auto bf16 = [](float f) {  // round to nearest even
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  };
-  auto bf16f = [](uint16_t h) {
-    const uint32_t u = uint32_t(h) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  };
+  using dz::test::bf16_to_double;
+  using dz::test::f32_to_bf16;
   const float eps = 1e-5f;
   for (int H : {2880, 64, 3072})
     for (int E : {32, 128})
@@ -83,7 +75,7 @@ TEST_CASE("CUDA fused decode router: norm as rms_norm, logits vs float64, top-k 
         std::vector<uint16_t> w(static_cast<size_t>(E) * H);
         for (auto& v : x) v = 3.f * nd(rng);
         for (auto& v : nw) v = ud(rng);
-        for (auto& v : w) v = bf16(0.05f * nd(rng));
+        for (auto& v : w) v = f32_to_bf16(0.05f * nd(rng));
         for (auto& v : bias) v = 0.1f * nd(rng);
         dz::test::DeviceBuffer<float> dx(x), dnw(nw), dbias(bias), dxn(size_t(T) * H), dxn2(size_t(T) * H),
             dlog(size_t(T) * E), dgw(size_t(T) * k);
@@ -121,7 +113,8 @@ TEST_CASE("CUDA fused decode router: norm as rms_norm, logits vs float64, top-k 
           for (int e = 0; e < E; ++e) {
             double acc = bias[size_t(e)], mag = std::fabs(bias[size_t(e)]);
             for (int h = 0; h < H; ++h) {
-              const double p = double(bf16f(bf16(xn[size_t(t) * H + h]))) * bf16f(w[size_t(e) * H + h]);
+              const double p =
+                  bf16_to_double(f32_to_bf16(xn[size_t(t) * H + h])) * bf16_to_double(w[size_t(e) * H + h]);
               acc += p, mag += std::fabs(p);
             }
             log_err = std::max(log_err, std::fabs(logits[size_t(t) * E + e] - acc));
