@@ -24,11 +24,7 @@ namespace dz::cuda {
 
 namespace {
 
-// K chunks in flight a lane: 4, or 8 where the grid is at most two blocks an
-// SM (o_proj's 180 blocks of 16 rows): a block then streams its rows in half
-// the round trips and the registers (up to ~110 a thread) still leave room for
-// two blocks an SM.
-constexpr int kRingNarrow = 4, kRingDeep = 8;
+constexpr int kRing = 4;
 // Warps a block: 8, or 32 where the rows leave most multiprocessors idle (a
 // router's 32 rows: two blocks), so each warp's share of K is one ring's worth.
 constexpr int kWarpsWide = 8, kWarpsNarrow = 32, kNarrowMaxRows = 512;
@@ -45,7 +41,7 @@ struct GemvNorm {
   float eps = 0.f;
 };
 
-template <int kWarps, bool kNorm, int kRing = kRingNarrow>
+template <int kWarps, bool kNorm>
 __global__ void __launch_bounds__(32 * kWarps)
     bf16_gemv_kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w, const float* __restrict__ bias,
                      float* d, int m, int n, int k, float beta, GemvNorm nrm) {
@@ -144,26 +140,11 @@ __global__ void __launch_bounds__(32 * kWarps)
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-// Whether n rows (wide blocks) take the deep ring: ring 8 / 4 forces it; 0,
-// where the grid is at most two blocks an SM.
-bool deep_ring(int n, int ring) {
-  static const int n_sm = [] {
-    int dev = 0, v = 0;
-    return cudaGetDevice(&dev) == cudaSuccess &&
-                   cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess
-               ? v
-               : 0;
-  }();
-  if (ring) return ring == kRingDeep;
-  return (n + 15) / 16 <= 2 * n_sm;
-}
-
 // The kernels' dynamic shared-memory limit, raised once.
 void set_smem_limits() {
   static const bool done = [] {
     for (auto f : {bf16_gemv_kernel<kWarpsWide, false>, bf16_gemv_kernel<kWarpsNarrow, false>,
-                   bf16_gemv_kernel<kWarpsWide, true>, bf16_gemv_kernel<kWarpsWide, false, kRingDeep>,
-                   bf16_gemv_kernel<kWarpsWide, true, kRingDeep>})
+                   bf16_gemv_kernel<kWarpsWide, true>})
       DZ_CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBf16GemvMaxSmem)));
     return true;
   }();
@@ -178,15 +159,13 @@ bool bf16_gemv_fits(const uint16_t* x, const uint16_t* w, int m, int n, int k) {
 }
 
 void bf16_gemv(const uint16_t* x, const uint16_t* w, const float* bias, float* d, int m, int n, int k, float beta,
-               cudaStream_t s, int ring) {
+               cudaStream_t s) {
   set_smem_limits();
   const size_t smem = size_t(m) * x_stride_u4(k) * 16;
-  const bool narrow = n <= kNarrowMaxRows, deep = !narrow && deep_ring(n, ring);
-  const auto kernel = narrow ? bf16_gemv_kernel<kWarpsNarrow, false>
-                      : deep ? bf16_gemv_kernel<kWarpsWide, false, kRingDeep>
-                             : bf16_gemv_kernel<kWarpsWide, false>;
-  launch_pdl(kernel, dim3(unsigned((n + 15) / 16)), dim3(32 * (narrow ? kWarpsNarrow : kWarpsWide)), smem, s, x, w,
-             bias, d, m, n, k, beta, GemvNorm{});
+  const bool narrow = n <= kNarrowMaxRows;
+  launch_pdl(narrow ? bf16_gemv_kernel<kWarpsNarrow, false> : bf16_gemv_kernel<kWarpsWide, false>,
+             dim3(unsigned((n + 15) / 16)), dim3(32 * (narrow ? kWarpsNarrow : kWarpsWide)), smem, s, x, w, bias, d, m,
+             n, k, beta, GemvNorm{});
 }
 
 bool bf16_gemv_norm_fits(const float* x, const uint16_t* w, int m, int n, int k) {
@@ -195,15 +174,14 @@ bool bf16_gemv_norm_fits(const float* x, const uint16_t* w, int m, int n, int k)
 }
 
 void bf16_gemv_norm(const float* x, const float* norm_w, float eps, const uint16_t* w, const float* bias, float* d,
-                    int m, int n, int k, cudaStream_t s, int ring) {
+                    int m, int n, int k, cudaStream_t s) {
   check(bf16_gemv_norm_fits(x, w, m, n, k) && aligned16(norm_w), DZ_ERR_INVALID_ARGUMENT, "bf16_gemv_norm: m=", m,
         " n=", n, " k=", k, " (1..", kBf16GemvMaxRows, " rows, n > ", kNarrowMaxRows,
         ", k a multiple of 32, 16-byte aligned rows and weights)");
   set_smem_limits();
   const size_t smem = size_t(m) * x_stride_u4(k) * 16;
-  launch_pdl(deep_ring(n, ring) ? bf16_gemv_kernel<kWarpsWide, true, kRingDeep> : bf16_gemv_kernel<kWarpsWide, true>,
-             dim3(unsigned((n + 15) / 16)), dim3(32 * kWarpsWide), smem, s, (const uint16_t*)nullptr, w, bias, d, m, n,
-             k, 0.f, GemvNorm{x, norm_w, eps});
+  launch_pdl(bf16_gemv_kernel<kWarpsWide, true>, dim3(unsigned((n + 15) / 16)), dim3(32 * kWarpsWide), smem, s,
+             (const uint16_t*)nullptr, w, bias, d, m, n, k, 0.f, GemvNorm{x, norm_w, eps});
 }
 
 }  // namespace dz::cuda

@@ -18,16 +18,14 @@ constexpr size_t kBf16GemvMaxSmem = size_t(96) << 10;  // X rows staged in share
 // 16-byte aligned, X small enough for shared memory.
 bool bf16_gemv_fits(const uint16_t* x, const uint16_t* w, int m, int n, int k);
 
-// ring: K chunks in flight a lane, 0 (auto: 8 where the grid is at most two
-// blocks an SM, else 4) or 4 / 8 (tests and timing).
 void bf16_gemv(const uint16_t* x, const uint16_t* w, const float* bias, float* d, int m, int n, int k, float beta,
-               cudaStream_t s, int ring = 0);
+               cudaStream_t s);
 
 // D = bf16(rms_norm(x) * norm_w) W^T + bias, the norm inside the projection's
 // launch (the bits of rms_norm's bf16 output): x fp32 [m][k] rows, norm_w fp32
 // [k]. Fits: as bf16_gemv, and n > 512 (the wide blocks).
 bool bf16_gemv_norm_fits(const float* x, const uint16_t* w, int m, int n, int k);
 void bf16_gemv_norm(const float* x, const float* norm_w, float eps, const uint16_t* w, const float* bias, float* d,
-                    int m, int n, int k, cudaStream_t s, int ring = 0);
+                    int m, int n, int k, cudaStream_t s);
 
 }  // namespace dz::cuda
