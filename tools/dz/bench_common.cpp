@@ -59,4 +59,13 @@ std::vector<int> parse_int_list(const std::string& s) {
   return v;
 }
 
+int bench_needs_cuda(const Args& a, const char* usage, const char* name) {
+  if (has_flag(a, "--help")) {
+    std::printf("%s", usage);
+    return 0;
+  }
+  std::fprintf(stderr, "%s: this build has no CUDA backend\n", name);
+  return 1;
+}
+
 }  // namespace dz::cli

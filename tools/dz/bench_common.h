@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "commands.h"
+
 namespace dz::cli {
 
 // {"date": "YYYY-MM-DDTHH:MM:SSZ", "commit": "...", "dayzero": "0.1.0", "cpu": "...", "threads": N,
@@ -17,5 +19,8 @@ void bench_emit(const nlohmann::json& j, const std::string& path);
 double median(std::vector<double> v);
 // "1,8,64" -> {1, 8, 64}.
 std::vector<int> parse_int_list(const std::string& s);
+// A GPU benchmark in a build without the CUDA backend: --help prints usage
+// (exit 0), anything else says why it cannot run (exit 1).
+int bench_needs_cuda(const Args& a, const char* usage, const char* name);
 
 }  // namespace dz::cli

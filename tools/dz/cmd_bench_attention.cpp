@@ -40,14 +40,7 @@ const char* kUsage =
 }  // namespace
 
 #ifndef DZ_WITH_CUDA
-int bench_attention(const Args& a) {
-  if (has_flag(a, "--help")) {
-    std::printf("%s", kUsage);
-    return 0;
-  }
-  std::fprintf(stderr, "dz bench attention: this build has no CUDA backend\n");
-  return 1;
-}
+int bench_attention(const Args& a) { return bench_needs_cuda(a, kUsage, "dz bench attention"); }
 #else
 
 int bench_attention(const Args& a) {

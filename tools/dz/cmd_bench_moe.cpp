@@ -52,14 +52,7 @@ const char* kUsage =
 }  // namespace
 
 #ifndef DZ_WITH_CUDA
-int bench_moe(const Args& a) {
-  if (has_flag(a, "--help")) {
-    std::printf("%s", kUsage);
-    return 0;
-  }
-  std::fprintf(stderr, "dz bench moe: this build has no CUDA backend\n");
-  return 1;
-}
+int bench_moe(const Args& a) { return bench_needs_cuda(a, kUsage, "dz bench moe"); }
 #else
 
 namespace {
