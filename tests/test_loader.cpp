@@ -3,8 +3,8 @@
 #include <catch2/catch.hpp>
 #include <fstream>
 
-#include "dayzero.h"
 #include "common/error.h"
+#include "dayzero.h"
 #include "loader/safetensors.h"
 #include "support/safetensors_writer.h"
 
@@ -95,8 +95,8 @@ TEST_CASE("loader refuses corrupted files with a clear error", "[loader]") {
     expect_refused(dir / "m.safetensors", DZ_ERR_FORMAT, {"not well-formed JSON"});
   }
   SECTION("non-UTF-8 tensor name") {
-    write_raw(dir / "m.safetensors", "{\"bad\xff\xfename\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]}}",
-              data);
+    write_raw(dir / "m.safetensors",
+              "{\"bad\xff\xfename\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]}}", data);
     expect_refused(dir / "m.safetensors", DZ_ERR_FORMAT, {"UTF-8"});
   }
   SECTION("unknown dtype") {
@@ -184,7 +184,8 @@ TEST_CASE("sharded checkpoints load through the index and are validated", "[load
     auto idx = nlohmann::json::parse(std::ifstream(dir / "model.safetensors.index.json"));
     idx["weight_map"]["ghost.weight"] = "model-00001-of-00003.safetensors";
     std::ofstream(dir / "model.safetensors.index.json") << idx.dump();
-    CHECK_THROWS_WITH(WeightStore(dir.string()), Catch::Contains("ghost.weight") && Catch::Contains("does not contain"));
+    CHECK_THROWS_WITH(WeightStore(dir.string()),
+                      Catch::Contains("ghost.weight") && Catch::Contains("does not contain"));
   }
   SECTION("index points outside the directory") {
     auto idx = nlohmann::json::parse(std::ifstream(dir / "model.safetensors.index.json"));

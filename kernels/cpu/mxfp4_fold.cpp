@@ -10,12 +10,12 @@ uint8_t e4m3_from_double(double x) {
   if (std::isnan(x)) return 0x7F;
   const uint8_t sign = std::signbit(x) ? 0x80 : 0;
   double a = std::fabs(x);
-  if (a >= 448.0) return sign | 0x7E;  // satfinite (values in (448, 464) round to 448 too)
-  if (a < std::ldexp(1.0, -6)) {       // subnormal: k * 2^-9, k in 0..8 (8 = smallest normal)
+  if (a >= 448.0) return sign | 0x7E;            // satfinite (values in (448, 464) round to 448 too)
+  if (a < std::ldexp(1.0, -6)) {                 // subnormal: k * 2^-9, k in 0..8 (8 = smallest normal)
     const double q = std::nearbyint(a * 512.0);  // default rounding mode: nearest-even
     return sign | uint8_t(q);
   }
-  int e = std::ilogb(a);  // a = m * 2^e, m in [1, 2)
+  int e = std::ilogb(a);                               // a = m * 2^e, m in [1, 2)
   double q = std::nearbyint(std::ldexp(a, -e) * 8.0);  // 8..16
   if (q == 16.0) {
     q = 8.0;
@@ -40,8 +40,8 @@ double e8m0_to_double(uint8_t s) { return s == 0xFF ? NAN : std::ldexp(1.0, int(
 namespace {
 
 void check_shape(const Mxfp4View& w) {
-  check(w.k > 0 && w.k % 32 == 0 && w.rows > 0, DZ_ERR_INVALID_ARGUMENT, "MXFP4 tensor ", w.name,
-        ": K = ", w.k, " must be a positive multiple of 32");
+  check(w.k > 0 && w.k % 32 == 0 && w.rows > 0, DZ_ERR_INVALID_ARGUMENT, "MXFP4 tensor ", w.name, ": K = ", w.k,
+        " must be a positive multiple of 32");
 }
 
 // Scale bytes and nonzero flags of fold group g of row r (padding sub-blocks: zero, scale 0).
@@ -64,8 +64,7 @@ Group read_group(const Mxfp4View& w, int64_t r, int64_t g) {
       continue;
     }
     const uint8_t s = w.scales[r * nsub + sb];
-    if (s == 0xFF)
-      fail(DZ_ERR_FORMAT, "MXFP4 tensor ", w.name, ": scale byte 0xFF (NaN) at row ", r, ", block ", sb);
+    if (s == 0xFF) fail(DZ_ERR_FORMAT, "MXFP4 tensor ", w.name, ": scale byte 0xFF (NaN) at row ", r, ", block ", sb);
     G.s[j] = s;
     const uint8_t* b = w.blocks + (r * nsub + sb) * 16;
     bool nz = false;

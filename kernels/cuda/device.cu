@@ -22,8 +22,8 @@ std::string cuda_devices_summary() {
   for (int i = 0; i < n; ++i) {
     cudaDeviceProp p{};
     if (cudaGetDeviceProperties(&p, i) != cudaSuccess) continue;
-    s += (s.empty() ? "" : ", ") + std::string(p.name) + " (sm_" + std::to_string(p.major) +
-         std::to_string(p.minor) + ", " + std::to_string(p.totalGlobalMem >> 30) + " GiB)";
+    s += (s.empty() ? "" : ", ") + std::string(p.name) + " (sm_" + std::to_string(p.major) + std::to_string(p.minor) +
+         ", " + std::to_string(p.totalGlobalMem >> 30) + " GiB)";
   }
   return s;
 }

@@ -1,7 +1,6 @@
-#include "cuda/embed.h"
-
 #include <cuda_bf16.h>
 
+#include "cuda/embed.h"
 #include "runtime/cuda/cuda_check.h"
 
 namespace dz::cuda {

@@ -25,8 +25,8 @@ Fp8Gemm::~Fp8Gemm() {
 
 // cuBLASLt is column-major: D^T [n x m] = op(A) * B with A = W stored k x n
 // (op T), B = X stored k x m (op N): the TN form FP8 requires on Hopper.
-Fp8Gemm::Plan& Fp8Gemm::plan(int m, int n, int k, const uint8_t* x, const float* xs, const uint8_t* w,
-                             const float* wsc, void* d, cudaStream_t s, void* work, size_t work_bytes) {
+Fp8Gemm::Plan& Fp8Gemm::plan(int m, int n, int k, const uint8_t* x, const float* xs, const uint8_t* w, const float* wsc,
+                             void* d, cudaStream_t s, void* work, size_t work_bytes) {
   auto key = std::make_tuple(m, n, k);
   auto it = plans_.find(key);
   if (it != plans_.end()) return it->second;
@@ -46,8 +46,7 @@ Fp8Gemm::Plan& Fp8Gemm::plan(int m, int n, int k, const uint8_t* x, const float*
   cublasLtMatmulPreference_t pref = nullptr;
   DZ_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const size_t ws = work_bytes;
-  DZ_CUBLAS_CHECK(
-      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+  DZ_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
   constexpr int kCand = 8;
   cublasLtMatmulHeuristicResult_t cand[kCand]{};
   int found = 0;
@@ -73,8 +72,8 @@ Fp8Gemm::Plan& Fp8Gemm::plan(int m, int n, int k, const uint8_t* x, const float*
     float best = 1e30f;
     for (int i = 0; i < found; ++i) {
       auto go = [&] {
-        return cublasLtMatmul(ctx_.lt(), p.op, &alpha, w, p.a, x, p.b, &beta, d, p.d, d, p.d, &cand[i].algo,
-                              work, work_bytes, s);
+        return cublasLtMatmul(ctx_.lt(), p.op, &alpha, w, p.a, x, p.b, &beta, d, p.d, d, p.d, &cand[i].algo, work,
+                              work_bytes, s);
       };
       if (go() != CUBLAS_STATUS_SUCCESS) continue;
       DZ_CUDA_CHECK(cudaEventRecord(e0, s));
@@ -92,8 +91,8 @@ Fp8Gemm::Plan& Fp8Gemm::plan(int m, int n, int k, const uint8_t* x, const float*
   return plans_.emplace(key, p).first->second;
 }
 
-void Fp8Gemm::run(const uint8_t* x, const float* xs, const uint8_t* w, const float* wsc, void* d, int m, int n,
-                  int k, cudaStream_t s, void* work, size_t work_bytes) {
+void Fp8Gemm::run(const uint8_t* x, const float* xs, const uint8_t* w, const float* wsc, void* d, int m, int n, int k,
+                  cudaStream_t s, void* work, size_t work_bytes) {
   if (!work) work = ws_, work_bytes = ws_bytes_;
   check(k % 128 == 0 && m > 0 && n > 0, DZ_ERR_INVALID_ARGUMENT, "Fp8Gemm: m=", m, " n=", n, " k=", k,
         " (k must be a multiple of 128)");
@@ -101,15 +100,14 @@ void Fp8Gemm::run(const uint8_t* x, const float* xs, const uint8_t* w, const flo
   DZ_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &wsc, sizeof wsc));
   DZ_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs, sizeof xs));
   const float alpha = 1.f, beta = 0.f;
-  DZ_CUBLAS_CHECK(cublasLtMatmul(ctx_.lt(), p.op, &alpha, w, p.a, x, p.b, &beta, d, p.d, d, p.d, &p.algo, work,
-                                 work_bytes, s));
+  DZ_CUBLAS_CHECK(
+      cublasLtMatmul(ctx_.lt(), p.op, &alpha, w, p.a, x, p.b, &beta, d, p.d, d, p.d, &p.algo, work, work_bytes, s));
 }
 
 namespace {
 
 // One warp per (row, 128-column block): 4 elements per lane.
-__global__ void quantize_1x128_kernel(const float* x, int64_t ld, int m, int k_in, int nkb, uint8_t* q,
-                                      float* scales) {
+__global__ void quantize_1x128_kernel(const float* x, int64_t ld, int m, int k_in, int nkb, uint8_t* q, float* scales) {
   const int warp = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
   if (warp >= m * nkb) return;
   const int row = warp % m, kb = warp / m;
@@ -129,8 +127,7 @@ __global__ void quantize_1x128_kernel(const float* x, int64_t ld, int m, int k_i
 
 }  // namespace
 
-void quantize_1x128(const float* x, int64_t ld, int m, int k_in, int kpad, uint8_t* q, float* scales,
-                    cudaStream_t s) {
+void quantize_1x128(const float* x, int64_t ld, int m, int k_in, int kpad, uint8_t* q, float* scales, cudaStream_t s) {
   check(kpad % 128 == 0 && k_in <= kpad, DZ_ERR_INVALID_ARGUMENT, "quantize_1x128: k_in=", k_in, " kpad=", kpad);
   const int nkb = kpad / 128;
   const int64_t threads = int64_t(m) * nkb * 32;

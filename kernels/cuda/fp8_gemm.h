@@ -30,8 +30,8 @@ class Fp8Gemm {
   // Pointers 16-byte aligned; m >= 1. Plans (layouts + autotuned algo) are cached per shape.
   // workspace: cuBLASLt scratch for this call (null: the instance's); calls on
   // concurrent streams need distinct workspaces.
-  void run(const uint8_t* x, const float* x_scales, const uint8_t* w, const float* w_scales, void* d_bf16, int m,
-           int n, int k, cudaStream_t s, void* workspace = nullptr, size_t workspace_bytes = 0);
+  void run(const uint8_t* x, const float* x_scales, const uint8_t* w, const float* w_scales, void* d_bf16, int m, int n,
+           int k, cudaStream_t s, void* workspace = nullptr, size_t workspace_bytes = 0);
 
  private:
   struct Plan {
@@ -51,7 +51,6 @@ class Fp8Gemm {
 
 // Quantize rows of a float matrix [m][k_in] (leading dimension ld) to fp8
 // [m][kpad] with scales [kpad/128][m]; columns k_in..kpad are zero.
-void quantize_1x128(const float* x, int64_t ld, int m, int k_in, int kpad, uint8_t* q, float* scales,
-                    cudaStream_t s);
+void quantize_1x128(const float* x, int64_t ld, int m, int k_in, int kpad, uint8_t* q, float* scales, cudaStream_t s);
 
 }  // namespace dz::cuda

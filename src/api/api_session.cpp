@@ -256,8 +256,8 @@ DZ_API dz_status dz_session_append(dz_session* session, const int32_t* tokens, s
     int mode_value;
     static_assert(sizeof(mode_value) == sizeof(mode));
     std::memcpy(&mode_value, &mode, sizeof(mode_value));
-    dz::check(mode_value == DZ_LOGITS_LAST || mode_value == DZ_LOGITS_ALL, DZ_ERR_INVALID_ARGUMENT, "mode ",
-              mode_value, " is not a dz_logits_mode");
+    dz::check(mode_value == DZ_LOGITS_LAST || mode_value == DZ_LOGITS_ALL, DZ_ERR_INVALID_ARGUMENT, "mode ", mode_value,
+              " is not a dz_logits_mode");
     check_tokens(session, tokens, n);
     dz::kv::Sequence& seq = *session->seq;
     dz::Family& family = *session->arena->model->family;

@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "dayzero.h"
+#include "kv/arena.h"
 #include "loader/config.h"
 #include "loader/safetensors.h"
-#include "kv/arena.h"
 #include "model/family.h"
 
 struct dz_model {

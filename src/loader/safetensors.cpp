@@ -25,10 +25,9 @@ struct DTypeInfo {
   size_t size;
 };
 constexpr DTypeInfo kDTypes[] = {
-    {"F32", DType::F32, 4},        {"F16", DType::F16, 2},   {"BF16", DType::BF16, 2},
-    {"F8_E4M3", DType::F8_E4M3, 1}, {"F8_E5M2", DType::F8_E5M2, 1}, {"U8", DType::U8, 1},
-    {"I8", DType::I8, 1},          {"I16", DType::I16, 2},   {"I32", DType::I32, 4},
-    {"I64", DType::I64, 8},        {"BOOL", DType::BOOL, 1}, {"F64", DType::F64, 8},
+    {"F32", DType::F32, 4},         {"F16", DType::F16, 2}, {"BF16", DType::BF16, 2}, {"F8_E4M3", DType::F8_E4M3, 1},
+    {"F8_E5M2", DType::F8_E5M2, 1}, {"U8", DType::U8, 1},   {"I8", DType::I8, 1},     {"I16", DType::I16, 2},
+    {"I32", DType::I32, 4},         {"I64", DType::I64, 8}, {"BOOL", DType::BOOL, 1}, {"F64", DType::F64, 8},
 };
 // A header larger than this is refused before it is read (real checkpoints
 // have headers of a few MB).
@@ -126,8 +125,7 @@ SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
       t.name = name;
       const std::string dt = e["dtype"].get<std::string>();
       check(dtype_from_name(dt, &t.dtype), DZ_ERR_FORMAT, path_, ": tensor '", name, "': unknown dtype '", dt, "'");
-      check(e.contains("shape") && e["shape"].is_array(), DZ_ERR_FORMAT, path_, ": tensor '", name,
-            "': missing shape");
+      check(e.contains("shape") && e["shape"].is_array(), DZ_ERR_FORMAT, path_, ": tensor '", name, "': missing shape");
       uint64_t numel = 1;
       bool overflow = false;
       for (const auto& d : e["shape"]) {
@@ -207,7 +205,8 @@ WeightStore::WeightStore(const std::string& dir, const std::function<void(size_t
     for (const auto& e : fs::directory_iterator(d))
       if (e.path().extension() == ".safetensors") files.push_back(e.path().filename().string());
     std::sort(files.begin(), files.end());
-    check(!files.empty(), DZ_ERR_NOT_FOUND, dir, ": no model.safetensors, model.safetensors.index.json or *.safetensors");
+    check(!files.empty(), DZ_ERR_NOT_FOUND, dir,
+          ": no model.safetensors, model.safetensors.index.json or *.safetensors");
   }
   for (size_t i = 0; i < files.size(); ++i) {
     shards_.push_back(std::make_unique<SafetensorsFile>((d / files[i]).string()));
@@ -220,8 +219,8 @@ WeightStore::WeightStore(const std::string& dir, const std::function<void(size_t
         auto it = weight_map.find(name);
         check(it != weight_map.end(), DZ_ERR_FORMAT, s->path(), ": tensor '", name,
               "' is not listed in model.safetensors.index.json");
-        check(it->second == fname, DZ_ERR_FORMAT, s->path(), ": tensor '", name, "' is listed in shard '",
-              it->second, "'");
+        check(it->second == fname, DZ_ERR_FORMAT, s->path(), ": tensor '", name, "' is listed in shard '", it->second,
+              "'");
       }
       check(index_.emplace(name, &t).second, DZ_ERR_FORMAT, s->path(), ": tensor '", name,
             "' also appears in another shard");

@@ -7,9 +7,7 @@ namespace dz {
 
 namespace {
 constexpr uint64_t kEmpty = ~uint64_t{0};
-inline uint64_t pair_key(int32_t a, int32_t b) {
-  return (uint64_t(uint32_t(a)) << 32) | uint32_t(b);
-}
+inline uint64_t pair_key(int32_t a, int32_t b) { return (uint64_t(uint32_t(a)) << 32) | uint32_t(b); }
 inline size_t mix(uint64_t k) {
   k ^= k >> 33;
   k *= 0xff51afd7ed558ccdULL;
@@ -81,8 +79,10 @@ void Bpe::encode(std::string_view piece, std::vector<int32_t>& out) const {
   if (piece.empty()) return;
   if (piece.size() == 1) {
     const int32_t id = byte_id_[uint8_t(piece[0])];
-    if (id >= 0) out.push_back(id);
-    else if (unk >= 0) out.push_back(unk);
+    if (id >= 0)
+      out.push_back(id);
+    else if (unk >= 0)
+      out.push_back(unk);
     return;
   }
   if (ignore_merges) {

@@ -93,8 +93,10 @@ struct Dict {
     return nullptr;
   }
   void set(const std::string& key, Value v) {
-    if (Value* p = find(key)) *p = std::move(v);
-    else items.emplace_back(key, std::move(v));
+    if (Value* p = find(key))
+      *p = std::move(v);
+    else
+      items.emplace_back(key, std::move(v));
   }
 };
 
@@ -120,15 +122,20 @@ struct Args {
 
 Value from_json(const nlohmann::ordered_json& j) {
   switch (j.type()) {
-    case nlohmann::ordered_json::value_t::null: return Value::none();
-    case nlohmann::ordered_json::value_t::boolean: return Value::boolean(j.get<bool>());
-    case nlohmann::ordered_json::value_t::number_integer: return Value::integer(j.get<int64_t>());
+    case nlohmann::ordered_json::value_t::null:
+      return Value::none();
+    case nlohmann::ordered_json::value_t::boolean:
+      return Value::boolean(j.get<bool>());
+    case nlohmann::ordered_json::value_t::number_integer:
+      return Value::integer(j.get<int64_t>());
     case nlohmann::ordered_json::value_t::number_unsigned: {
       const uint64_t u = j.get<uint64_t>();
       return u <= uint64_t(INT64_MAX) ? Value::integer(int64_t(u)) : Value::real(double(u));
     }
-    case nlohmann::ordered_json::value_t::number_float: return Value::real(j.get<double>());
-    case nlohmann::ordered_json::value_t::string: return Value::str(j.get<std::string>());
+    case nlohmann::ordered_json::value_t::number_float:
+      return Value::real(j.get<double>());
+    case nlohmann::ordered_json::value_t::string:
+      return Value::str(j.get<std::string>());
     case nlohmann::ordered_json::value_t::array: {
       List l;
       for (const auto& x : j) l.push_back(from_json(x));
@@ -139,7 +146,8 @@ Value from_json(const nlohmann::ordered_json& j) {
       for (auto it = j.begin(); it != j.end(); ++it) v.d->items.emplace_back(it.key(), from_json(it.value()));
       return v;
     }
-    default: return Value::none();
+    default:
+      return Value::none();
   }
 }
 
@@ -186,11 +194,16 @@ std::string py_repr_str(const std::string& s) {
   std::string o(1, q);
   for (size_t i = 0; i < s.size();) {
     const unsigned char c = uint8_t(s[i]);
-    if (c == '\\') o += "\\\\";
-    else if (c == uint8_t(q)) o += std::string("\\") + char(q);
-    else if (c == '\n') o += "\\n";
-    else if (c == '\r') o += "\\r";
-    else if (c == '\t') o += "\\t";
+    if (c == '\\')
+      o += "\\\\";
+    else if (c == uint8_t(q))
+      o += std::string("\\") + char(q);
+    else if (c == '\n')
+      o += "\\n";
+    else if (c == '\r')
+      o += "\\r";
+    else if (c == '\t')
+      o += "\\t";
     else if (c < 0x20 || c == 0x7f) {
       char b[8];
       std::snprintf(b, sizeof b, "\\x%02x", c);
@@ -213,12 +226,18 @@ std::string repr(const Value& v) {
 
 std::string to_str(const Value& v) {
   switch (v.k) {
-    case Value::kUndef: return "";
-    case Value::kNone: return "None";
-    case Value::kBool: return v.b ? "True" : "False";
-    case Value::kInt: return std::to_string(v.i);
-    case Value::kFloat: return py_float(v.f);
-    case Value::kStr: return v.sv();
+    case Value::kUndef:
+      return "";
+    case Value::kNone:
+      return "None";
+    case Value::kBool:
+      return v.b ? "True" : "False";
+    case Value::kInt:
+      return std::to_string(v.i);
+    case Value::kFloat:
+      return py_float(v.f);
+    case Value::kStr:
+      return v.sv();
     case Value::kList: {
       std::string o = "[";
       for (size_t i = 0; i < v.l->size(); ++i) o += (i ? ", " : "") + repr((*v.l)[i]);
@@ -230,8 +249,10 @@ std::string to_str(const Value& v) {
         o += (i ? ", " : "") + py_repr_str(v.d->items[i].first) + ": " + repr(v.d->items[i].second);
       return o + "}";
     }
-    case Value::kNs: return "<Namespace>";
-    case Value::kFunc: return "<function>";
+    case Value::kNs:
+      return "<Namespace>";
+    case Value::kFunc:
+      return "<function>";
   }
   return "";
 }
@@ -245,26 +266,49 @@ void to_json(const Value& v, std::string& o, int indent, int depth, const std::s
     o.append(size_t(indent * d), ' ');
   };
   switch (v.k) {
-    case Value::kNone: o += "null"; return;
-    case Value::kBool: o += v.b ? "true" : "false"; return;
-    case Value::kInt: o += std::to_string(v.i); return;
+    case Value::kNone:
+      o += "null";
+      return;
+    case Value::kBool:
+      o += v.b ? "true" : "false";
+      return;
+    case Value::kInt:
+      o += std::to_string(v.i);
+      return;
     case Value::kFloat:
-      if (std::isnan(v.f)) o += "NaN";
-      else if (std::isinf(v.f)) o += v.f > 0 ? "Infinity" : "-Infinity";
-      else o += py_float(v.f);
+      if (std::isnan(v.f))
+        o += "NaN";
+      else if (std::isinf(v.f))
+        o += v.f > 0 ? "Infinity" : "-Infinity";
+      else
+        o += py_float(v.f);
       return;
     case Value::kStr: {
       o += '"';
       for (char ch : v.sv()) {
         const unsigned char c = uint8_t(ch);
         switch (c) {
-          case '"': o += "\\\""; break;
-          case '\\': o += "\\\\"; break;
-          case '\n': o += "\\n"; break;
-          case '\r': o += "\\r"; break;
-          case '\t': o += "\\t"; break;
-          case '\b': o += "\\b"; break;
-          case '\f': o += "\\f"; break;
+          case '"':
+            o += "\\\"";
+            break;
+          case '\\':
+            o += "\\\\";
+            break;
+          case '\n':
+            o += "\\n";
+            break;
+          case '\r':
+            o += "\\r";
+            break;
+          case '\t':
+            o += "\\t";
+            break;
+          case '\b':
+            o += "\\b";
+            break;
+          case '\f':
+            o += "\\f";
+            break;
           default:
             if (c < 0x20) {
               char b[8];
@@ -313,22 +357,32 @@ void to_json(const Value& v, std::string& o, int indent, int depth, const std::s
       o += '}';
       return;
     }
-    case Value::kUndef: error("tojson: value is undefined" + (v.s && !v.s->empty() ? " ('" + *v.s + "')" : std::string()));
-    case Value::kFunc: error("tojson: a function is not JSON serializable");
+    case Value::kUndef:
+      error("tojson: value is undefined" + (v.s && !v.s->empty() ? " ('" + *v.s + "')" : std::string()));
+    case Value::kFunc:
+      error("tojson: a function is not JSON serializable");
   }
 }
 
 bool truthy(const Value& v) {
   switch (v.k) {
     case Value::kUndef:
-    case Value::kNone: return false;
-    case Value::kBool: return v.b;
-    case Value::kInt: return v.i != 0;
-    case Value::kFloat: return v.f != 0;
-    case Value::kStr: return !v.sv().empty();
-    case Value::kList: return !v.l->empty();
-    case Value::kDict: return !v.d->items.empty();
-    default: return true;
+    case Value::kNone:
+      return false;
+    case Value::kBool:
+      return v.b;
+    case Value::kInt:
+      return v.i != 0;
+    case Value::kFloat:
+      return v.f != 0;
+    case Value::kStr:
+      return !v.sv().empty();
+    case Value::kList:
+      return !v.l->empty();
+    case Value::kDict:
+      return !v.d->items.empty();
+    default:
+      return true;
   }
 }
 
@@ -340,8 +394,10 @@ bool equal(const Value& a, const Value& b) {
   if (a.k != b.k) return false;
   switch (a.k) {
     case Value::kUndef:
-    case Value::kNone: return true;
-    case Value::kStr: return a.sv() == b.sv();
+    case Value::kNone:
+      return true;
+    case Value::kStr:
+      return a.sv() == b.sv();
     case Value::kList:
       if (a.l->size() != b.l->size()) return false;
       for (size_t i = 0; i < a.l->size(); ++i)
@@ -354,22 +410,33 @@ bool equal(const Value& a, const Value& b) {
         if (!o || !equal(v, *o)) return false;
       }
       return true;
-    default: return a.d == b.d && a.fn == b.fn;
+    default:
+      return a.d == b.d && a.fn == b.fn;
   }
 }
 
 const char* type_name(const Value& v) {
   switch (v.k) {
-    case Value::kUndef: return "undefined";
-    case Value::kNone: return "NoneType";
-    case Value::kBool: return "bool";
-    case Value::kInt: return "int";
-    case Value::kFloat: return "float";
-    case Value::kStr: return "str";
-    case Value::kList: return "list";
-    case Value::kDict: return "dict";
-    case Value::kFunc: return "function";
-    case Value::kNs: return "Namespace";
+    case Value::kUndef:
+      return "undefined";
+    case Value::kNone:
+      return "NoneType";
+    case Value::kBool:
+      return "bool";
+    case Value::kInt:
+      return "int";
+    case Value::kFloat:
+      return "float";
+    case Value::kStr:
+      return "str";
+    case Value::kList:
+      return "list";
+    case Value::kDict:
+      return "dict";
+    case Value::kFunc:
+      return "function";
+    case Value::kNs:
+      return "Namespace";
   }
   return "?";
 }
@@ -409,7 +476,8 @@ int compare(const Value& a, const Value& b, const char* op) {
 // Iterate like Python: lists, dict keys, string characters; undefined is empty.
 List iterate(const Value& v) {
   switch (v.k) {
-    case Value::kList: return *v.l;
+    case Value::kList:
+      return *v.l;
     case Value::kDict: {
       List l;
       for (auto& kv : v.d->items) l.push_back(Value::str(kv.first));
@@ -421,8 +489,10 @@ List iterate(const Value& v) {
       for (size_t i = 0; i + 1 < b.size(); ++i) l.push_back(Value::str(v.sv().substr(b[i], b[i + 1] - b[i])));
       return l;
     }
-    case Value::kUndef: return {};
-    default: error(std::string("'") + type_name(v) + "' object is not iterable");
+    case Value::kUndef:
+      return {};
+    default:
+      error(std::string("'") + type_name(v) + "' object is not iterable");
   }
 }
 
@@ -436,20 +506,28 @@ bool contains(const Value& container, const Value& item) {
         if (equal(x, item)) return true;
       return false;
     case Value::kDict:
-    case Value::kNs: return item.k == Value::kStr && container.d->find(item.sv()) != nullptr;
-    case Value::kUndef: return false;
-    default: error(std::string("argument of type '") + type_name(container) + "' is not iterable");
+    case Value::kNs:
+      return item.k == Value::kStr && container.d->find(item.sv()) != nullptr;
+    case Value::kUndef:
+      return false;
+    default:
+      error(std::string("argument of type '") + type_name(container) + "' is not iterable");
   }
 }
 
 int64_t length(const Value& v) {
   switch (v.k) {
-    case Value::kStr: return int64_t(cp_bounds(v.sv()).size() - 1);
-    case Value::kList: return int64_t(v.l->size());
+    case Value::kStr:
+      return int64_t(cp_bounds(v.sv()).size() - 1);
+    case Value::kList:
+      return int64_t(v.l->size());
     case Value::kDict:
-    case Value::kNs: return int64_t(v.d->items.size());
-    case Value::kUndef: return 0;
-    default: error(std::string("object of type '") + type_name(v) + "' has no len()");
+    case Value::kNs:
+      return int64_t(v.d->items.size());
+    case Value::kUndef:
+      return 0;
+    default:
+      error(std::string("object of type '") + type_name(v) + "' has no len()");
   }
 }
 
@@ -591,7 +669,9 @@ class Lexer {
  private:
   std::string s_;
 
-  int line_of(size_t pos) const { return 1 + int(std::count(s_.begin(), s_.begin() + long(std::min(pos, s_.size())), '\n')); }
+  int line_of(size_t pos) const {
+    return 1 + int(std::count(s_.begin(), s_.begin() + long(std::min(pos, s_.size())), '\n'));
+  }
 
   static void add_text(std::vector<Item>& items, const std::string& t, int line) {
     if (!t.empty()) items.push_back({Item::kText, t, {}, line});
@@ -721,18 +801,41 @@ class Lexer {
         const char e = s_[p + 1];
         p += 2;
         switch (e) {
-          case 'n': out += '\n'; break;
-          case 't': out += '\t'; break;
-          case 'r': out += '\r'; break;
-          case '\\': out += '\\'; break;
-          case '\'': out += '\''; break;
-          case '"': out += '"'; break;
-          case 'b': out += '\b'; break;
-          case 'f': out += '\f'; break;
-          case 'v': out += '\v'; break;
-          case 'a': out += '\a'; break;
-          case '0': out += '\0'; break;
-          case '\n': break;
+          case 'n':
+            out += '\n';
+            break;
+          case 't':
+            out += '\t';
+            break;
+          case 'r':
+            out += '\r';
+            break;
+          case '\\':
+            out += '\\';
+            break;
+          case '\'':
+            out += '\'';
+            break;
+          case '"':
+            out += '"';
+            break;
+          case 'b':
+            out += '\b';
+            break;
+          case 'f':
+            out += '\f';
+            break;
+          case 'v':
+            out += '\v';
+            break;
+          case 'a':
+            out += '\a';
+            break;
+          case '0':
+            out += '\0';
+            break;
+          case '\n':
+            break;
           case 'x':
           case 'u':
           case 'U': {
@@ -761,25 +864,41 @@ class Lexer {
 
 struct Expr {
   enum Kind {
-    kLit, kName, kAttr, kItem, kSlice, kCall, kFilter, kTest, kNeg, kPos, kNot, kBin, kAnd, kOr, kCmp, kCond,
-    kList, kDictLit
+    kLit,
+    kName,
+    kAttr,
+    kItem,
+    kSlice,
+    kCall,
+    kFilter,
+    kTest,
+    kNeg,
+    kPos,
+    kNot,
+    kBin,
+    kAnd,
+    kOr,
+    kCmp,
+    kCond,
+    kList,
+    kDictLit
   } k;
   Value lit;
-  std::string name;                             // name, attribute, filter/test/op
-  std::vector<std::unique_ptr<Expr>> a;         // operands / args / list items / dict keys+values
+  std::string name;                                               // name, attribute, filter/test/op
+  std::vector<std::unique_ptr<Expr>> a;                           // operands / args / list items / dict keys+values
   std::vector<std::pair<std::string, std::unique_ptr<Expr>>> kw;  // keyword args
-  std::vector<std::string> ops;                 // comparison chain
-  bool negate = false;                          // is not
+  std::vector<std::string> ops;                                   // comparison chain
+  bool negate = false;                                            // is not
   int line = 0;
 };
 using ExprP = std::unique_ptr<Expr>;
 
 struct Stmt {
   enum Kind { kText, kOut, kIf, kFor, kSet, kSetBlock, kMacro, kBreak, kContinue, kFilterBlock, kBlock } k;
-  std::string text;                       // kText; kSet/kSetBlock/kMacro name; kFilterBlock filter name
-  ExprP e;                                // kOut; kFor iterable; kSet value; kFor filter in e2
-  ExprP e2;                               // kFor "if" filter; kSet namespace target object
-  std::vector<std::string> targets;       // kFor loop variables; kSet tuple targets
+  std::string text;                  // kText; kSet/kSetBlock/kMacro name; kFilterBlock filter name
+  ExprP e;                           // kOut; kFor iterable; kSet value; kFor filter in e2
+  ExprP e2;                          // kFor "if" filter; kSet namespace target object
+  std::vector<std::string> targets;  // kFor loop variables; kSet tuple targets
   std::vector<std::pair<ExprP, std::vector<std::unique_ptr<Stmt>>>> branches;  // kIf
   std::vector<std::unique_ptr<Stmt>> body, else_body;
   std::vector<std::pair<std::string, ExprP>> params;  // kMacro (defaults may be null)
@@ -820,12 +939,8 @@ class Parser {
     if (tp_ < toks_->size()) ++tp_;
     return t;
   }
-  bool is_op(const char* op, size_t ahead = 0) const {
-    return peek(ahead).k == Tok::kOp && peek(ahead).text == op;
-  }
-  bool is_name(const char* n, size_t ahead = 0) const {
-    return peek(ahead).k == Tok::kName && peek(ahead).text == n;
-  }
+  bool is_op(const char* op, size_t ahead = 0) const { return peek(ahead).k == Tok::kOp && peek(ahead).text == op; }
+  bool is_name(const char* n, size_t ahead = 0) const { return peek(ahead).k == Tok::kName && peek(ahead).text == n; }
   void expect_op(const char* op) {
     if (!is_op(op)) syntax(line_, std::string("expected '") + op + "', got '" + peek().text + "'");
     next();
@@ -1073,9 +1188,8 @@ class Parser {
     ExprP cmp;
     while (true) {
       std::string op;
-      if (peek().k == Tok::kOp &&
-          (peek().text == "==" || peek().text == "!=" || peek().text == "<" || peek().text == ">" ||
-           peek().text == "<=" || peek().text == ">=")) {
+      if (peek().k == Tok::kOp && (peek().text == "==" || peek().text == "!=" || peek().text == "<" ||
+                                   peek().text == ">" || peek().text == "<=" || peek().text == ">=")) {
         op = next().text;
       } else if (is_name("in")) {
         next();
@@ -1251,8 +1365,10 @@ class Parser {
       if (is_op(".")) {
         next();
         auto a = make(Expr::kAttr);
-        if (peek().k == Tok::kInt) a->name = std::to_string(next().i);
-        else a->name = expect_name();
+        if (peek().k == Tok::kInt)
+          a->name = std::to_string(next().i);
+        else
+          a->name = expect_name();
         a->a.push_back(std::move(e));
         e = std::move(a);
       } else if (is_op("[")) {
@@ -1463,8 +1579,10 @@ Value Interp::method(const Value& obj, const std::string& name) {
         bool start = true;
         for (auto& c : r) {
           const bool alpha = std::isalpha(uint8_t(c));
-          if (name == "capitalize") c = char(start ? std::toupper(uint8_t(c)) : std::tolower(uint8_t(c)));
-          else c = char(start && alpha ? std::toupper(uint8_t(c)) : alpha ? std::tolower(uint8_t(c)) : c);
+          if (name == "capitalize")
+            c = char(start ? std::toupper(uint8_t(c)) : std::tolower(uint8_t(c)));
+          else
+            c = char(start && alpha ? std::toupper(uint8_t(c)) : alpha ? std::tolower(uint8_t(c)) : c);
           start = name == "capitalize" ? false : !alpha;
         }
         return Value::str(r);
@@ -1474,9 +1592,10 @@ Value Interp::method(const Value& obj, const std::string& name) {
         if (s.sv().empty()) return Value::boolean(false);
         for (char c : s.sv()) {
           const auto u = uint8_t(c);
-          const bool ok = name == "isdigit" ? std::isdigit(u) : name == "isspace" ? ws(c) : name == "isalpha"
-                                                                                       ? std::isalpha(u)
-                                                                                       : std::isalnum(u);
+          const bool ok = name == "isdigit"   ? std::isdigit(u)
+                          : name == "isspace" ? ws(c)
+                          : name == "isalpha" ? std::isalpha(u)
+                                              : std::isalnum(u);
           if (!ok) return Value::boolean(false);
         }
         return Value::boolean(true);
@@ -1502,7 +1621,8 @@ Value Interp::method(const Value& obj, const std::string& name) {
         Value* v = k.k == Value::kStr ? d.d->find(k.sv()) : nullptr;
         return v ? *v : a.get(1, "default", Value::none());
       });
-    if (name == "copy") return bind([](Interp&, const Value& d, Args&) {
+    if (name == "copy")
+      return bind([](Interp&, const Value& d, Args&) {
         Value c = Value::dict();
         *c.d = *d.d;
         return c;
@@ -1590,7 +1710,9 @@ Value Interp::binop(const std::string& op, const Value& a, const Value& b) {
   } else if (op == "*") {
     if (ints) return Value::integer(iv(a) * iv(b));
     if (a.is_num() && b.is_num()) return Value::real(a.num() * b.num());
-    const Value* s = a.k == Value::kStr || a.k == Value::kList ? &a : b.k == Value::kStr || b.k == Value::kList ? &b : nullptr;
+    const Value* s = a.k == Value::kStr || a.k == Value::kList   ? &a
+                     : b.k == Value::kStr || b.k == Value::kList ? &b
+                                                                 : nullptr;
     const Value* n = s == &a ? &b : &a;
     if (s && (n->k == Value::kInt || n->k == Value::kBool)) {
       const int64_t times = std::max<int64_t>(0, iv(*n));
@@ -1642,12 +1764,15 @@ Value slice(const Value& obj, const Value& lo, const Value& hi, const Value& st)
   };
   std::vector<size_t> bounds;
   int64_t n;
-  if (obj.k == Value::kList) n = int64_t(obj.l->size());
+  if (obj.k == Value::kList)
+    n = int64_t(obj.l->size());
   else if (obj.k == Value::kStr) {
     bounds = cp_bounds(obj.sv());
     n = int64_t(bounds.size()) - 1;
-  } else if (obj.undefined()) undefined_error(obj);
-  else error(std::string("'") + type_name(obj) + "' object is not subscriptable");
+  } else if (obj.undefined())
+    undefined_error(obj);
+  else
+    error(std::string("'") + type_name(obj) + "' object is not subscriptable");
   const int64_t step = opt(st, "step").value_or(1);
   if (step == 0) error("slice step cannot be zero");
   auto norm = [&](std::optional<int64_t> v, int64_t dflt, bool is_hi) {
@@ -1677,13 +1802,16 @@ Value slice(const Value& obj, const Value& lo, const Value& hi, const Value& st)
 
 Value Interp::eval(const Expr& e) {
   switch (e.k) {
-    case Expr::kLit: return e.lit;
+    case Expr::kLit:
+      return e.lit;
     case Expr::kName: {
       if (Value* v = frame->find(e.name)) return *v;
       return Value::undef(e.name);
     }
-    case Expr::kAttr: return getattr(eval(*e.a[0]), e.name);
-    case Expr::kItem: return getitem(eval(*e.a[0]), eval(*e.a[1]));
+    case Expr::kAttr:
+      return getattr(eval(*e.a[0]), e.name);
+    case Expr::kItem:
+      return getitem(eval(*e.a[0]), eval(*e.a[1]));
     case Expr::kSlice: {
       Value o = eval(*e.a[0]);
       Value parts[3];
@@ -1716,13 +1844,16 @@ Value Interp::eval(const Expr& e) {
       Value v = eval(*e.a[0]);
       if (!v.is_num()) {
         if (v.undefined()) undefined_error(v);
-        error(std::string("bad operand type for unary ") + (e.k == Expr::kNeg ? "-" : "+") + ": '" + type_name(v) + "'");
+        error(std::string("bad operand type for unary ") + (e.k == Expr::kNeg ? "-" : "+") + ": '" + type_name(v) +
+              "'");
       }
       if (e.k == Expr::kPos) return v;
       return v.k == Value::kFloat ? Value::real(-v.f) : Value::integer(-(v.k == Value::kBool ? int64_t(v.b) : v.i));
     }
-    case Expr::kNot: return Value::boolean(!truthy(eval(*e.a[0])));
-    case Expr::kBin: return binop(e.name, eval(*e.a[0]), eval(*e.a[1]));
+    case Expr::kNot:
+      return Value::boolean(!truthy(eval(*e.a[0])));
+    case Expr::kBin:
+      return binop(e.name, eval(*e.a[0]), eval(*e.a[1]));
     case Expr::kAnd: {
       Value l = eval(*e.a[0]);
       return truthy(l) ? eval(*e.a[1]) : l;
@@ -1737,10 +1868,14 @@ Value Interp::eval(const Expr& e) {
         Value r = eval(*e.a[i + 1]);
         const std::string& op = e.ops[i];
         bool ok;
-        if (op == "==") ok = equal(l, r);
-        else if (op == "!=") ok = !equal(l, r);
-        else if (op == "in") ok = contains(r, l);
-        else if (op == "notin") ok = !contains(r, l);
+        if (op == "==")
+          ok = equal(l, r);
+        else if (op == "!=")
+          ok = !equal(l, r);
+        else if (op == "in")
+          ok = contains(r, l);
+        else if (op == "notin")
+          ok = !contains(r, l);
         else {
           const int c = compare(l, r, op.c_str());
           ok = op == "<" ? c < 0 : op == ">" ? c > 0 : op == "<=" ? c <= 0 : c >= 0;
@@ -1786,7 +1921,8 @@ Value do_map_attr(Interp& in, const Value& item, const std::string& attr) {
   while (true) {  // dotted attribute paths
     const size_t dot = attr.find('.', p);
     const std::string part = attr.substr(p, dot == std::string::npos ? std::string::npos : dot - p);
-    const bool digits = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return std::isdigit(uint8_t(c)); });
+    const bool digits =
+        !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return std::isdigit(uint8_t(c)); });
     cur = digits ? in.getitem(cur, Value::integer(std::stoll(part))) : in.getitem(cur, Value::str(part));
     if (dot == std::string::npos) return cur;
     p = dot + 1;
@@ -1817,8 +1953,8 @@ Value Interp::filter(const std::string& name, Value v, Args& a, int line) {
   }
   if (name == "replace") {
     Value c = a.get(2, "count", Value::none());
-    return Value::str(replace_all(to_str(v), to_str(a.get(0, "old")), to_str(a.get(1, "new")),
-                                  c.k == Value::kInt ? c.i : -1));
+    return Value::str(
+        replace_all(to_str(v), to_str(a.get(0, "old")), to_str(a.get(1, "new")), c.k == Value::kInt ? c.i : -1));
   }
   if (name == "join") {
     Value attr = a.get(1, "attribute", Value::none());
@@ -1967,12 +2103,23 @@ Value Interp::filter(const std::string& name, Value v, Args& a, int line) {
     std::string o;
     for (char c : s) {
       switch (c) {
-        case '&': o += "&amp;"; break;
-        case '<': o += "&lt;"; break;
-        case '>': o += "&gt;"; break;
-        case '"': o += "&#34;"; break;
-        case '\'': o += "&#39;"; break;
-        default: o += c;
+        case '&':
+          o += "&amp;";
+          break;
+        case '<':
+          o += "&lt;";
+          break;
+        case '>':
+          o += "&gt;";
+          break;
+        case '"':
+          o += "&#34;";
+          break;
+        case '\'':
+          o += "&#39;";
+          break;
+        default:
+          o += c;
       }
     }
     return Value::str(o);
@@ -2039,9 +2186,8 @@ bool Interp::test(const std::string& name, const Value& v, Args& a, int line) {
   if (name == "lower" || name == "upper") {
     if (v.k != Value::kStr) return false;
     const std::string& s = v.sv();
-    return std::none_of(s.begin(), s.end(), [&](char c) {
-      return name == "lower" ? std::isupper(uint8_t(c)) : std::islower(uint8_t(c));
-    });
+    return std::none_of(s.begin(), s.end(),
+                        [&](char c) { return name == "lower" ? std::isupper(uint8_t(c)) : std::islower(uint8_t(c)); });
   }
   error("unknown test '" + name + "' (line " + std::to_string(line) + ")");
 }
@@ -2068,8 +2214,12 @@ void assign(Frame& f, const std::vector<std::string>& targets, const Value& v) {
 
 Flow Interp::exec1(const Stmt& s, std::string& out) {
   switch (s.k) {
-    case Stmt::kText: out += s.text; return Flow::kNormal;
-    case Stmt::kOut: out += to_str(eval(*s.e)); return Flow::kNormal;
+    case Stmt::kText:
+      out += s.text;
+      return Flow::kNormal;
+    case Stmt::kOut:
+      out += to_str(eval(*s.e));
+      return Flow::kNormal;
     case Stmt::kIf:
       for (const auto& [cond, body] : s.branches)
         if (truthy(eval(*cond))) return exec(body, out);
@@ -2111,9 +2261,9 @@ Flow Interp::exec1(const Stmt& s, std::string& out) {
         d.set("previtem", i > 0 ? items[size_t(i - 1)] : Value::undef("previtem"));
         d.set("nextitem", i + 1 < n ? items[size_t(i + 1)] : Value::undef("nextitem"));
         d.set("cycle", Value::func([i](Interp&, Args& a) {
-          if (a.pos.empty()) error("loop.cycle needs arguments");
-          return a.pos[size_t(i) % a.pos.size()];
-        }));
+                if (a.pos.empty()) error("loop.cycle needs arguments");
+                return a.pos[size_t(i) % a.pos.size()];
+              }));
         f->set("loop", loop);
         assign(*f, s.targets, items[size_t(i)]);
         frame = f;
@@ -2151,37 +2301,39 @@ Flow Interp::exec1(const Stmt& s, std::string& out) {
       std::weak_ptr<Frame> def = frame;
       const Stmt* m = &s;
       frame->set(s.text, Value::func([def, m](Interp& in, Args& a) {
-        if (++in.depth > 200) error("macro recursion too deep");
-        auto f = std::make_shared<Frame>();
-        f->parent = def.lock();
-        if (!f->parent) f->parent = in.frame;
-        if (a.pos.size() > m->params.size())
-          error("macro '" + m->text + "' takes " + std::to_string(m->params.size()) + " arguments");
-        for (size_t i = 0; i < m->params.size(); ++i) {
-          const auto& [pname, dflt] = m->params[i];
-          Value v = i < a.pos.size() ? a.pos[i] : Value::undef(pname);
-          for (const auto& [k, kv] : a.kw)
-            if (k == pname) v = kv;
-          if (v.undefined() && dflt) {
-            FrameP saved = in.frame;
-            in.frame = f;
-            v = in.eval(*dflt);
-            in.frame = saved;
-          }
-          f->set(pname, v);
-        }
-        FrameP saved = in.frame;
-        in.frame = f;
-        std::string body;
-        in.exec(m->body, body);
-        in.frame = saved;
-        --in.depth;
-        return Value::str(body);
-      }));
+                   if (++in.depth > 200) error("macro recursion too deep");
+                   auto f = std::make_shared<Frame>();
+                   f->parent = def.lock();
+                   if (!f->parent) f->parent = in.frame;
+                   if (a.pos.size() > m->params.size())
+                     error("macro '" + m->text + "' takes " + std::to_string(m->params.size()) + " arguments");
+                   for (size_t i = 0; i < m->params.size(); ++i) {
+                     const auto& [pname, dflt] = m->params[i];
+                     Value v = i < a.pos.size() ? a.pos[i] : Value::undef(pname);
+                     for (const auto& [k, kv] : a.kw)
+                       if (k == pname) v = kv;
+                     if (v.undefined() && dflt) {
+                       FrameP saved = in.frame;
+                       in.frame = f;
+                       v = in.eval(*dflt);
+                       in.frame = saved;
+                     }
+                     f->set(pname, v);
+                   }
+                   FrameP saved = in.frame;
+                   in.frame = f;
+                   std::string body;
+                   in.exec(m->body, body);
+                   in.frame = saved;
+                   --in.depth;
+                   return Value::str(body);
+                 }));
       return Flow::kNormal;
     }
-    case Stmt::kBreak: return Flow::kBreak;
-    case Stmt::kContinue: return Flow::kContinue;
+    case Stmt::kBreak:
+      return Flow::kBreak;
+    case Stmt::kContinue:
+      return Flow::kContinue;
     case Stmt::kFilterBlock: {
       std::string body;
       exec(s.body, body);
@@ -2189,7 +2341,8 @@ Flow Interp::exec1(const Stmt& s, std::string& out) {
       out += to_str(filter(s.text, Value::str(body), none, s.line));
       return Flow::kNormal;
     }
-    case Stmt::kBlock: return exec(s.body, out);
+    case Stmt::kBlock:
+      return exec(s.body, out);
   }
   return Flow::kNormal;
 }
@@ -2214,46 +2367,48 @@ std::string Template::render(const nlohmann::ordered_json& vars, const std::tm* 
   }
   auto globals = std::make_shared<Frame>();
   globals->set("raise_exception", Value::func([](Interp&, Args& a) -> Value {
-    fail(DZ_ERR_INVALID_ARGUMENT, "chat template raised: ", to_str(a.get(0, "message")));
-  }));
+                 fail(DZ_ERR_INVALID_ARGUMENT, "chat template raised: ", to_str(a.get(0, "message")));
+               }));
   globals->set("strftime_now", Value::func([](Interp& in, Args& a) {
-    const std::string fmt = to_str(a.get(0, "format"));
-    char buf[256];
-    const size_t n = std::strftime(buf, sizeof buf, fmt.c_str(), &in.now);
-    return Value::str(std::string(buf, n));
-  }));
+                 const std::string fmt = to_str(a.get(0, "format"));
+                 char buf[256];
+                 const size_t n = std::strftime(buf, sizeof buf, fmt.c_str(), &in.now);
+                 return Value::str(std::string(buf, n));
+               }));
   globals->set("namespace", Value::func([](Interp&, Args& a) {
-    Value ns = Value::dict();
-    ns.k = Value::kNs;
-    for (const auto& p : a.pos)
-      if (p.k == Value::kDict)
-        for (auto& kv : p.d->items) ns.d->set(kv.first, kv.second);
-    for (auto& [k, v] : a.kw) ns.d->set(k, v);
-    return ns;
-  }));
+                 Value ns = Value::dict();
+                 ns.k = Value::kNs;
+                 for (const auto& p : a.pos)
+                   if (p.k == Value::kDict)
+                     for (auto& kv : p.d->items) ns.d->set(kv.first, kv.second);
+                 for (auto& [k, v] : a.kw) ns.d->set(k, v);
+                 return ns;
+               }));
   globals->set("range", Value::func([](Interp&, Args& a) {
-    int64_t lo = 0, hi, st = 1;
-    if (a.pos.size() == 1) hi = a.pos[0].i;
-    else if (a.pos.size() >= 2) {
-      lo = a.pos[0].i;
-      hi = a.pos[1].i;
-      if (a.pos.size() > 2) st = a.pos[2].i;
-    } else error("range expects arguments");
-    if (st == 0) error("range step must not be zero");
-    List l;
-    for (int64_t i = lo; st > 0 ? i < hi : i > hi; i += st) {
-      l.push_back(Value::integer(i));
-      if (l.size() > 1000000) error("range too large");
-    }
-    return Value::list(l);
-  }));
+                 int64_t lo = 0, hi, st = 1;
+                 if (a.pos.size() == 1)
+                   hi = a.pos[0].i;
+                 else if (a.pos.size() >= 2) {
+                   lo = a.pos[0].i;
+                   hi = a.pos[1].i;
+                   if (a.pos.size() > 2) st = a.pos[2].i;
+                 } else
+                   error("range expects arguments");
+                 if (st == 0) error("range step must not be zero");
+                 List l;
+                 for (int64_t i = lo; st > 0 ? i < hi : i > hi; i += st) {
+                   l.push_back(Value::integer(i));
+                   if (l.size() > 1000000) error("range too large");
+                 }
+                 return Value::list(l);
+               }));
   globals->set("dict", Value::func([](Interp&, Args& a) {
-    Value d = Value::dict();
-    for (const auto& p : a.pos)
-      if (p.k == Value::kDict) *d.d = *p.d;
-    for (auto& [k, v] : a.kw) d.d->set(k, v);
-    return d;
-  }));
+                 Value d = Value::dict();
+                 for (const auto& p : a.pos)
+                   if (p.k == Value::kDict) *d.d = *p.d;
+                 for (auto& [k, v] : a.kw) d.d->set(k, v);
+                 return d;
+               }));
   auto top = std::make_shared<Frame>();
   top->parent = globals;
   for (auto it = vars.begin(); it != vars.end(); ++it) top->set(it.key(), from_json(it.value()));

@@ -46,8 +46,8 @@ bool is_script(std::string_view name) {
   const std::string pat = "\\p{sc:" + std::string(name) + "}";
   int err = 0;
   PCRE2_SIZE off = 0;
-  pcre2_code* c = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pat.data()), pat.size(), PCRE2_UTF | PCRE2_UCP, &err,
-                                &off, nullptr);
+  pcre2_code* c =
+      pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pat.data()), pat.size(), PCRE2_UTF | PCRE2_UCP, &err, &off, nullptr);
   pcre2_code_free(c);
   return c != nullptr;
 }
@@ -104,8 +104,10 @@ size_t translate_class(std::string_view p, size_t i, std::string& out) {
       } else {  // [A&&B...] with a bare set: read up to the closing ']'
         std::string rest = "[";
         while (j < p.size() && p[j] != ']') {
-          if (p[j] == '\\') j = copy_escape(p, j, rest);
-          else rest += p[j++];
+          if (p[j] == '\\')
+            j = copy_escape(p, j, rest);
+          else
+            rest += p[j++];
         }
         other = rest + "]";
       }
@@ -203,8 +205,7 @@ void Regex::find_all(std::string_view s, std::vector<Match>& out) const {
 
 bool Regex::search(std::string_view s) const {
   Scratch& sc = scratch();
-  const int rc =
-      pcre2_match(impl_->code, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), 0, 0, sc.md, sc.mctx);
+  const int rc = pcre2_match(impl_->code, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), 0, 0, sc.md, sc.mctx);
   if (rc == PCRE2_ERROR_NOMATCH) return false;
   if (rc < 0) fail(DZ_ERR_INTERNAL, "regex match failed: ", pcre2_message(rc));
   return true;

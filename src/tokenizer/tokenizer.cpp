@@ -26,7 +26,7 @@ constexpr const char* kKimiPattern =
     R"([\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
 // Tokens that end a turn in common chat formats; those present are stop ids.
-const char* const kStopTokens[] = {"<|return|>", "<|call|>",  "<|endoftext|>", "<|im_end|>", "<|eot_id|>",
+const char* const kStopTokens[] = {"<|return|>", "<|call|>",        "<|endoftext|>",         "<|im_end|>", "<|eot_id|>",
                                    "<|eom_id|>", "<|end_of_text|>", "<｜end▁of▁sentence｜>", "[EOS]"};
 
 std::string read_file(const std::string& path) {
@@ -87,8 +87,10 @@ bool unmap_bytes(std::string_view s, std::string& out) {
 std::string show(std::string_view s) {  // for messages: printable, bounded
   std::string r;
   for (char c : s.substr(0, 60)) {
-    if (uint8_t(c) < 0x20) r += cat("\\x", std::hex, int(uint8_t(c)));
-    else r += c;
+    if (uint8_t(c) < 0x20)
+      r += cat("\\x", std::hex, int(uint8_t(c)));
+    else
+      r += c;
   }
   return s.size() > 60 ? r + "..." : r;
 }
@@ -146,7 +148,8 @@ struct Tokenizer::Step {
 namespace {
 
 std::unique_ptr<Regex> pattern_regex(const json& p, const std::string& where) {
-  if (const json* r = member(p, "Regex"); r && r->is_string()) return std::make_unique<Regex>(r->get<std::string>(), where);
+  if (const json* r = member(p, "Regex"); r && r->is_string())
+    return std::make_unique<Regex>(r->get<std::string>(), where);
   if (const json* s = member(p, "String"); s && s->is_string())
     return std::make_unique<Regex>(s->get<std::string>(), where, true);
   fail(DZ_ERR_FORMAT, where, ".pattern must be {\"Regex\": ...} or {\"String\": ...}");
@@ -292,7 +295,9 @@ void apply_split(const Tokenizer::Step& st, std::string_view p, EncodeCtx& c) {
   if (prev != p.size()) spans.push_back({prev, p.size(), st.invert});
   using S = Tokenizer::Step;
   switch (st.behavior) {
-    case S::kIsolated: acc = spans; break;
+    case S::kIsolated:
+      acc = spans;
+      break;
     case S::kRemoved:
       for (const auto& s : spans)
         if (!s.m) acc.push_back(s);
@@ -300,8 +305,10 @@ void apply_split(const Tokenizer::Step& st, std::string_view p, EncodeCtx& c) {
     case S::kMergedWithPrevious: {
       bool pm = false;
       for (const auto& s : spans) {
-        if (s.m && !pm && !acc.empty()) acc.back().e = s.e;
-        else acc.push_back(s);
+        if (s.m && !pm && !acc.empty())
+          acc.back().e = s.e;
+        else
+          acc.push_back(s);
         pm = s.m;
       }
       break;
@@ -310,8 +317,10 @@ void apply_split(const Tokenizer::Step& st, std::string_view p, EncodeCtx& c) {
       bool pm = false;
       for (size_t k = spans.size(); k-- > 0;) {
         const auto& s = spans[k];
-        if (s.m && !pm && !acc.empty()) acc.back().b = s.b;
-        else acc.push_back(s);
+        if (s.m && !pm && !acc.empty())
+          acc.back().b = s.b;
+        else
+          acc.push_back(s);
         pm = s.m;
       }
       std::reverse(acc.begin(), acc.end());
@@ -320,8 +329,10 @@ void apply_split(const Tokenizer::Step& st, std::string_view p, EncodeCtx& c) {
     case S::kContiguous: {
       bool pm = false;
       for (const auto& s : spans) {
-        if (s.m == pm && !acc.empty()) acc.back().e = s.e;
-        else acc.push_back(s);
+        if (s.m == pm && !acc.empty())
+          acc.back().e = s.e;
+        else
+          acc.push_back(s);
         pm = s.m;
       }
       break;
@@ -373,7 +384,8 @@ void add_pretok(const json& j, const std::string& where, std::vector<StepPtr>& s
   if (type == "Sequence") {
     const json* list = member(j, "pretokenizers");
     if (!list || !list->is_array()) fail(DZ_ERR_FORMAT, where, ".pretokenizers must be an array");
-    for (size_t i = 0; i < list->size(); ++i) add_pretok((*list)[i], cat(where, ".pretokenizers[", i, "]"), steps, byte_level);
+    for (size_t i = 0; i < list->size(); ++i)
+      add_pretok((*list)[i], cat(where, ".pretokenizers[", i, "]"), steps, byte_level);
   } else if (type == "Split") {
     auto s = std::make_unique<Tokenizer::Step>();
     const json* p = member(j, "pattern");
@@ -382,12 +394,18 @@ void add_pretok(const json& j, const std::string& where, std::vector<StepPtr>& s
     s->invert = get_bool(j, "invert", false, where);
     const std::string b = get_string(j, "behavior", where);
     using S = Tokenizer::Step;
-    if (b == "Isolated") s->behavior = S::kIsolated;
-    else if (b == "Removed") s->behavior = S::kRemoved;
-    else if (b == "MergedWithPrevious") s->behavior = S::kMergedWithPrevious;
-    else if (b == "MergedWithNext") s->behavior = S::kMergedWithNext;
-    else if (b == "Contiguous") s->behavior = S::kContiguous;
-    else fail(DZ_ERR_FORMAT, where, ".behavior '", b, "' is not a split behavior");
+    if (b == "Isolated")
+      s->behavior = S::kIsolated;
+    else if (b == "Removed")
+      s->behavior = S::kRemoved;
+    else if (b == "MergedWithPrevious")
+      s->behavior = S::kMergedWithPrevious;
+    else if (b == "MergedWithNext")
+      s->behavior = S::kMergedWithNext;
+    else if (b == "Contiguous")
+      s->behavior = S::kContiguous;
+    else
+      fail(DZ_ERR_FORMAT, where, ".behavior '", b, "' is not a split behavior");
     steps.push_back(std::move(s));
   } else if (type == "ByteLevel") {
     byte_level = true;
@@ -404,8 +422,8 @@ void add_pretok(const json& j, const std::string& where, std::vector<StepPtr>& s
   } else if (type == "Digits") {
     auto s = std::make_unique<Tokenizer::Step>();
     s->re = std::make_unique<Regex>("[0-9]", where);
-    s->behavior = get_bool(j, "individual_digits", false, where) ? Tokenizer::Step::kIsolated
-                                                                 : Tokenizer::Step::kContiguous;
+    s->behavior =
+        get_bool(j, "individual_digits", false, where) ? Tokenizer::Step::kIsolated : Tokenizer::Step::kContiguous;
     steps.push_back(std::move(s));
   } else {
     fail(DZ_ERR_UNSUPPORTED, where, ": pre-tokenizer type '", type,
@@ -492,7 +510,8 @@ void Tokenizer::load_tokenizer_json(const std::string& path) {
   if (const json* unk = member(*model, "unk_token")) {
     if (!unk->is_string()) fail(DZ_ERR_FORMAT, mw, ".unk_token must be a string");
     auto it = vocab->find(unk->get<std::string>());
-    if (it == vocab->end()) fail(DZ_ERR_FORMAT, mw, ".unk_token '", show(unk->get<std::string>()), "' is not in the vocabulary");
+    if (it == vocab->end())
+      fail(DZ_ERR_FORMAT, mw, ".unk_token '", show(unk->get<std::string>()), "' is not in the vocabulary");
     bpe_.unk = it->get<int32_t>();
   }
   const json* merges = member(*model, "merges");
@@ -520,7 +539,10 @@ void Tokenizer::load_tokenizer_json(const std::string& path) {
     ab = a + b;
     const int32_t ia = bpe_.find(a), ib = bpe_.find(b), iab = bpe_.find(ab);
     if (ia < 0 || ib < 0 || iab < 0)
-      fail(DZ_ERR_FORMAT, mw, ".merges[", i, "]: token '", show(ia < 0 ? sa : ib < 0 ? sb : std::string_view(ab)),
+      fail(DZ_ERR_FORMAT, mw, ".merges[", i, "]: token '",
+           show(ia < 0   ? sa
+                : ib < 0 ? sb
+                         : std::string_view(ab)),
            "' is not in the vocabulary");
     bpe_.add_merge(ia, ib, uint32_t(i), iab);
   }
@@ -638,7 +660,8 @@ void Tokenizer::load_config(const std::string& dir) {
       const json* v = member(cfg, k);
       if (!v) continue;
       const std::string t = token_text(*v);
-      if (t.empty() && !v->is_string()) fail(DZ_ERR_FORMAT, cfg_path, ".", k, " must be a string or {\"content\": ...}");
+      if (t.empty() && !v->is_string())
+        fail(DZ_ERR_FORMAT, cfg_path, ".", k, " must be a string or {\"content\": ...}");
       template_tokens_.emplace_back(k, t);
       if (std::string_view(k) == "eos_token") eos_token_ = t;
     }
@@ -670,7 +693,8 @@ void Tokenizer::load_config(const std::string& dir) {
   if (fs::exists(gen_path, ec)) {
     const json g = parse_json(gen_path);
     if (const json* e = member(g, "eos_token_id")) {
-      if (e->is_number_integer()) generation_eos_.push_back(e->get<int32_t>());
+      if (e->is_number_integer())
+        generation_eos_.push_back(e->get<int32_t>());
       else if (e->is_array())
         for (const auto& x : *e)
           if (x.is_number_integer()) generation_eos_.push_back(x.get<int32_t>());
@@ -784,8 +808,10 @@ void Tokenizer::encode_segment(std::string_view seg, bool parse_special, std::ve
   std::vector<Split> splits;
   find_added(*norm_match_, added_, text, !parse_special, splits);
   for (const auto& s : splits) {
-    if (s.token >= 0) out.push_back(added_[size_t(s.token)].id);
-    else if (s.end > s.begin) pretokenize_and_bpe(text.substr(s.begin, s.end - s.begin), out);
+    if (s.token >= 0)
+      out.push_back(added_[size_t(s.token)].id);
+    else if (s.end > s.begin)
+      pretokenize_and_bpe(text.substr(s.begin, s.end - s.begin), out);
   }
 }
 
@@ -804,8 +830,10 @@ void Tokenizer::encode(std::string_view text, bool parse_special, std::vector<in
   std::vector<Split> splits;
   find_added(*raw_match_, added_, text, !parse_special, splits);
   for (const auto& s : splits) {
-    if (s.token >= 0) out.push_back(added_[size_t(s.token)].id);
-    else if (s.end > s.begin) encode_segment(text.substr(s.begin, s.end - s.begin), parse_special, out);
+    if (s.token >= 0)
+      out.push_back(added_[size_t(s.token)].id);
+    else if (s.end > s.begin)
+      encode_segment(text.substr(s.begin, s.end - s.begin), parse_special, out);
   }
 }
 

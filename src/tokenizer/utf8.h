@@ -25,7 +25,7 @@ inline size_t seq_len(std::string_view s, size_t i) {
   }
   if (c >= 0xF0 && c <= 0xF4) {
     if (n < 4 || (b(i + 1) & 0xC0) != 0x80 || (b(i + 2) & 0xC0) != 0x80 || (b(i + 3) & 0xC0) != 0x80) return 0;
-    if (c == 0xF0 && b(i + 1) < 0x90) return 0;  // overlong
+    if (c == 0xF0 && b(i + 1) < 0x90) return 0;   // overlong
     if (c == 0xF4 && b(i + 1) >= 0x90) return 0;  // > U+10FFFF
     return 4;
   }
@@ -39,10 +39,14 @@ inline bool is_incomplete_prefix(std::string_view s, size_t i) {
   const auto b = [&](size_t k) { return static_cast<uint8_t>(s[i + k]); };
   size_t need;
   const uint8_t c = b(0);
-  if (c >= 0xC2 && c <= 0xDF) need = 2;
-  else if (c >= 0xE0 && c <= 0xEF) need = 3;
-  else if (c >= 0xF0 && c <= 0xF4) need = 4;
-  else return false;
+  if (c >= 0xC2 && c <= 0xDF)
+    need = 2;
+  else if (c >= 0xE0 && c <= 0xEF)
+    need = 3;
+  else if (c >= 0xF0 && c <= 0xF4)
+    need = 4;
+  else
+    return false;
   if (n >= need) return false;
   for (size_t k = 1; k < n; ++k) {
     if ((b(k) & 0xC0) != 0x80) return false;
@@ -60,10 +64,14 @@ inline bool is_incomplete_prefix(std::string_view s, size_t i) {
 inline uint32_t decode(std::string_view s, size_t i, size_t len) {
   const auto b = [&](size_t k) { return static_cast<uint32_t>(static_cast<uint8_t>(s[i + k])); };
   switch (len) {
-    case 1: return b(0);
-    case 2: return ((b(0) & 0x1F) << 6) | (b(1) & 0x3F);
-    case 3: return ((b(0) & 0x0F) << 12) | ((b(1) & 0x3F) << 6) | (b(2) & 0x3F);
-    default: return ((b(0) & 0x07) << 18) | ((b(1) & 0x3F) << 12) | ((b(2) & 0x3F) << 6) | (b(3) & 0x3F);
+    case 1:
+      return b(0);
+    case 2:
+      return ((b(0) & 0x1F) << 6) | (b(1) & 0x3F);
+    case 3:
+      return ((b(0) & 0x0F) << 12) | ((b(1) & 0x3F) << 6) | (b(2) & 0x3F);
+    default:
+      return ((b(0) & 0x07) << 18) | ((b(1) & 0x3F) << 12) | ((b(2) & 0x3F) << 6) | (b(3) & 0x3F);
   }
 }
 

@@ -1,10 +1,11 @@
 // dz info: what a model directory holds and whether it is valid. Works for
 // any architecture (it does not need the family to be served).
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <map>
-#include <unistd.h>
 
 #include "commands.h"
 #include "common/error.h"
@@ -27,10 +28,14 @@ std::string human_bytes(double b) {
 }
 std::string human_count(double n) {
   char s[32];
-  if (n >= 1e9) std::snprintf(s, sizeof s, "%.2fB", n / 1e9);
-  else if (n >= 1e6) std::snprintf(s, sizeof s, "%.2fM", n / 1e6);
-  else if (n >= 1e3) std::snprintf(s, sizeof s, "%.1fK", n / 1e3);
-  else std::snprintf(s, sizeof s, "%.0f", n);
+  if (n >= 1e9)
+    std::snprintf(s, sizeof s, "%.2fB", n / 1e9);
+  else if (n >= 1e6)
+    std::snprintf(s, sizeof s, "%.2fM", n / 1e6);
+  else if (n >= 1e3)
+    std::snprintf(s, sizeof s, "%.1fK", n / 1e3);
+  else
+    std::snprintf(s, sizeof s, "%.0f", n);
   return s;
 }
 // MXFP4 blocks pack two elements per byte.
@@ -71,8 +76,7 @@ int cmd_info(const Args& a) {
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const std::string arch = cfg.get_or<std::string>("model_type", "?");
     std::printf("model:        %s\n", dir.c_str());
-    std::printf("architecture: %s (%s by this build)\n", arch.c_str(),
-                find_family(arch) ? "served" : "not served");
+    std::printf("architecture: %s (%s by this build)\n", arch.c_str(), find_family(arch) ? "served" : "not served");
     const auto& j = cfg.json();
     auto show = [&](const char* label, const char* key) {
       if (j.contains(key) && !j[key].is_null()) std::printf("%-14s%s\n", label, j[key].dump().c_str());
@@ -124,7 +128,8 @@ int cmd_info(const Args& a) {
         check(sc != nullptr, DZ_ERR_FORMAT, "MXFP4 tensor ", name, " has no ", sname);
         check(t->shape.size() >= 3 && t->dim(-1) == 16 && t->dtype == DType::U8 && sc->dtype == DType::U8 &&
                   sc->numel() * 16 == t->numel(),
-              DZ_ERR_FORMAT, "MXFP4 tensor ", name, ": expected U8 [..., rows, K/32, 16] with scales [..., rows, K/32]");
+              DZ_ERR_FORMAT, "MXFP4 tensor ", name,
+              ": expected U8 [..., rows, K/32, 16] with scales [..., rows, K/32]");
         const int64_t k = t->dim(-2) * 32;
         const cpu::FoldStats st = cpu::mxfp4_fold_check({t->data, sc->data, t->numel() / (k / 2), k, name});
         all.merge(st);
@@ -133,8 +138,8 @@ int cmd_info(const Args& a) {
           std::printf("  fold lossy:  %s: %llu of %llu groups (max spread %d)\n", name.c_str(),
                       (unsigned long long)st.lossy_groups, (unsigned long long)st.groups, st.max_spread);
       }
-      std::printf("fold check:   %d MXFP4 tensors, %llu groups of 1x128, %llu lossy, %llu all-zero, max spread %d%s\n", n,
-                  (unsigned long long)all.groups, (unsigned long long)all.lossy_groups,
+      std::printf("fold check:   %d MXFP4 tensors, %llu groups of 1x128, %llu lossy, %llu all-zero, max spread %d%s\n",
+                  n, (unsigned long long)all.groups, (unsigned long long)all.lossy_groups,
                   (unsigned long long)all.zero_groups, all.max_spread,
                   all.lossy_groups ? " (FP8 folding is not exact for these)" : " (FP8 folding exact)");
     }

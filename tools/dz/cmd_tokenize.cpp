@@ -47,10 +47,9 @@ int cmd_tokenize(const Args& a) {
         "  --no-special       special-token text is plain text (not its id)\n");
     return 0;
   }
-  reject_unknown(a,
-                 {"--model", "--tokenizer", "--chat", "--add-generation-prompt", "--options", "--no-special",
-                  "--print-text"},
-                 "tokenize");
+  reject_unknown(
+      a, {"--model", "--tokenizer", "--chat", "--add-generation-prompt", "--options", "--no-special", "--print-text"},
+      "tokenize");
   try {
     auto tok = open_tokenizer_flags(a, "tokenize");
     std::string text = read_stdin();

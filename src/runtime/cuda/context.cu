@@ -1,7 +1,6 @@
-#include "runtime/cuda/context.h"
-
 #include <cstdio>
 
+#include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 
 namespace dz::cuda {
@@ -9,13 +8,13 @@ namespace dz::cuda {
 void throw_cuda(cudaError_t e, const char* what, const char* file, int line) {
   cudaGetLastError();  // clear a sticky-free error so later calls can report their own
   const dz_status st = (e == cudaErrorMemoryAllocation) ? DZ_ERR_OUT_OF_MEMORY : DZ_ERR_DEVICE;
-  throw Error(st, cat("CUDA error ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ") in ", what, " at ",
-                      file, ":", line));
+  throw Error(
+      st, cat("CUDA error ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ") in ", what, " at ", file, ":", line));
 }
 
 void throw_cublas(cublasStatus_t s, const char* what, const char* file, int line) {
-  throw Error(DZ_ERR_DEVICE, cat("cuBLAS error ", cublasLtGetStatusName(s), " (", cublasLtGetStatusString(s),
-                                 ") in ", what, " at ", file, ":", line));
+  throw Error(DZ_ERR_DEVICE, cat("cuBLAS error ", cublasLtGetStatusName(s), " (", cublasLtGetStatusString(s), ") in ",
+                                 what, " at ", file, ":", line));
 }
 
 // ------------------------------------------------------------------ pool
@@ -96,8 +95,8 @@ Context::Context(const ContextOptions& opt) : device_(opt.device) {
     cudaGetLastError();
     fail(DZ_ERR_DEVICE, "no CUDA device is available");
   }
-  check(opt.device >= 0 && opt.device < n, DZ_ERR_INVALID_ARGUMENT, "CUDA device ", opt.device, " out of range (",
-        n, " present)");
+  check(opt.device >= 0 && opt.device < n, DZ_ERR_INVALID_ARGUMENT, "CUDA device ", opt.device, " out of range (", n,
+        " present)");
   DZ_CUDA_CHECK(cudaSetDevice(device_));
   DZ_CUDA_CHECK(cudaGetDeviceProperties(&props_, device_));
   check(props_.major >= 9, DZ_ERR_UNSUPPORTED, "CUDA device ", props_.name, " is sm_", props_.major, props_.minor,

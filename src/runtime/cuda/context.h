@@ -69,7 +69,7 @@ class DeviceArray {
 
 struct ContextOptions {
   int device = 0;
-  size_t pool_bytes = 0;            // 0: 90% of the free device memory at creation
+  size_t pool_bytes = 0;  // 0: 90% of the free device memory at creation
   size_t cublas_workspace = 64 << 20;
 };
 

@@ -13,17 +13,17 @@ namespace dz::cuda {
 
 }  // namespace dz::cuda
 
-#define DZ_CUDA_CHECK(expr)                                                           \
-  do {                                                                                \
-    cudaError_t dz_e_ = (expr);                                                       \
+#define DZ_CUDA_CHECK(expr)                                                             \
+  do {                                                                                  \
+    cudaError_t dz_e_ = (expr);                                                         \
     if (dz_e_ != cudaSuccess) ::dz::cuda::throw_cuda(dz_e_, #expr, __FILE__, __LINE__); \
   } while (0)
 
 // After a kernel launch: launch-configuration errors surface here.
 #define DZ_CUDA_LAUNCH_CHECK() DZ_CUDA_CHECK(cudaGetLastError())
 
-#define DZ_CUBLAS_CHECK(expr)                                                                   \
-  do {                                                                                          \
-    cublasStatus_t dz_s_ = (expr);                                                              \
+#define DZ_CUBLAS_CHECK(expr)                                                                       \
+  do {                                                                                              \
+    cublasStatus_t dz_s_ = (expr);                                                                  \
     if (dz_s_ != CUBLAS_STATUS_SUCCESS) ::dz::cuda::throw_cublas(dz_s_, #expr, __FILE__, __LINE__); \
   } while (0)
