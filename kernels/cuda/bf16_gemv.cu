@@ -6,6 +6,7 @@
 #include "cuda/bf16_gemv.h"
 #include "cuda/pdl.cuh"
 #include "cuda/ptx.cuh"
+#include "cuda/rms.cuh"
 #include "runtime/cuda/cuda_check.h"
 
 // Dense projections of a decode step (1-8 rows of X): the weights are read
@@ -73,25 +74,17 @@ __global__ void __launch_bounds__(32 * kWarps)
     for (int r = 0; r < m; ++r) {
       float ss = 0.f;
       for (int q = threadIdx.x; q < n4; q += 32 * kWarps) {
-        const float4 v = xf4[r * n4 + q];
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        ss += rms::sq4(xf4[r * n4 + q]);
       }
-      for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      ss = rms::warp_sum(ss);
       if (lane == 0) npart[warp][r] = ss;
     }
     __syncthreads();
     for (int r = 0; r < m; ++r) {
-      float tot = 0.f;
-#pragma unroll
-      for (int j = 0; j < kWarps; ++j) tot += npart[j][r];  // every thread, same order
-      const float inv = rsqrtf(tot / float(k) + nrm.eps);
-      for (int q = threadIdx.x; q < n4; q += 32 * kWarps) {
-        const float4 v = xf4[r * n4 + q], g = reinterpret_cast<const float4*>(nrm.nw)[q];
-        const __nv_bfloat162 lo = __floats2bfloat162_rn(g.x * (v.x * inv), g.y * (v.y * inv));
-        const __nv_bfloat162 hi = __floats2bfloat162_rn(g.z * (v.z * inv), g.w * (v.w * inv));
+      const float inv = rms::inv_rms<kWarps>(&npart[0][r], kBf16GemvMaxRows, k, nrm.eps);
+      for (int q = threadIdx.x; q < n4; q += 32 * kWarps)
         reinterpret_cast<uint2*>(xs + r * xsu)[q] =
-            make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
-      }
+            rms::to_bf16x4(rms::apply(xf4[r * n4 + q], reinterpret_cast<const float4*>(nrm.nw)[q], inv));
     }
   } else {
     for (int i = threadIdx.x; i < m * (k / 8); i += 32 * kWarps) {

@@ -2,6 +2,7 @@
 
 #include "cuda/norm.h"
 #include "cuda/pdl.cuh"
+#include "cuda/rms.cuh"
 #include "runtime/cuda/cuda_check.h"
 
 namespace dz::cuda {
@@ -36,29 +37,21 @@ __global__ void __launch_bounds__(kNormThreads)
     const int q = threadIdx.x + j * kNormThreads;
     if (q < n4) {
       v[j] = xr[q];
-      ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+      ss += rms::sq4(v[j]);
     }
   }
   __shared__ float part[kNormThreads / 32];
-  for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  ss = rms::warp_sum(ss);
   if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
   __syncthreads();
-  float tot = 0;
-#pragma unroll
-  for (int k = 0; k < kNormThreads / 32; ++k) tot += part[k];  // every thread, same order
-  const float inv = rsqrtf(tot / float(H) + eps);
+  const float inv = rms::inv_rms<kNormThreads / 32>(part, 1, H, eps);
 #pragma unroll
   for (int j = 0; j < kNormPer; ++j) {
     const int q = threadIdx.x + j * kNormThreads;
     if (q >= n4) continue;
-    const float4 o = make_float4(wv[j].x * (v[j].x * inv), wv[j].y * (v[j].y * inv), wv[j].z * (v[j].z * inv),
-                                 wv[j].w * (v[j].w * inv));
+    const float4 o = rms::apply(v[j], wv[j], inv);
     if (of) reinterpret_cast<float4*>(of + size_t(i) * H)[q] = o;
-    if (ob) {
-      __nv_bfloat162* d = reinterpret_cast<__nv_bfloat162*>(ob + size_t(i) * H) + 2 * q;
-      d[0] = __floats2bfloat162_rn(o.x, o.y);
-      d[1] = __floats2bfloat162_rn(o.z, o.w);
-    }
+    if (ob) reinterpret_cast<uint2*>(ob + size_t(i) * H)[q] = rms::to_bf16x4(o);
   }
 }
 

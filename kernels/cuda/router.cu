@@ -3,6 +3,7 @@
 
 #include "common/error.h"
 #include "cuda/pdl.cuh"
+#include "cuda/rms.cuh"
 #include "cuda/router.h"
 #include "runtime/cuda/cuda_check.h"
 
@@ -117,9 +118,9 @@ __global__ void __launch_bounds__(32 * W)
       const int q = threadIdx.x + j * 32 * W;
       v[t][j] =
           t < T && q < n4 ? reinterpret_cast<const float4*>(x + size_t(t) * H)[q] : make_float4(0.f, 0.f, 0.f, 0.f);
-      ss[t] += v[t][j].x * v[t][j].x + v[t][j].y * v[t][j].y + v[t][j].z * v[t][j].z + v[t][j].w * v[t][j].w;
+      ss[t] += rms::sq4(v[t][j]);
     }
-    for (int o = 16; o; o >>= 1) ss[t] += __shfl_xor_sync(0xffffffffu, ss[t], o);
+    ss[t] = rms::warp_sum(ss[t]);
     if (lane == 0) part[warp][t] = ss[t];
   }
   __syncthreads();
@@ -128,20 +129,14 @@ __global__ void __launch_bounds__(32 * W)
 #pragma unroll
   for (int t = 0; t < kRouterFusedMaxRows; ++t) {
     if (t >= T) break;
-    float tot = 0;
-#pragma unroll
-    for (int j = 0; j < W; ++j) tot += part[j][t];  // every thread, same order
-    const float inv = rsqrtf(tot / float(H) + eps);
+    const float inv = rms::inv_rms<W>(&part[0][t], kRouterFusedMaxRows, H, eps);
 #pragma unroll
     for (int j = 0; j < kNP; ++j) {
       const int q = threadIdx.x + j * 32 * W;
       if (q >= n4) continue;
-      const float4 o = make_float4(g[j].x * (v[t][j].x * inv), g[j].y * (v[t][j].y * inv), g[j].z * (v[t][j].z * inv),
-                                   g[j].w * (v[t][j].w * inv));
+      const float4 o = rms::apply(v[t][j], g[j], inv);
       if (first) reinterpret_cast<float4*>(xn + size_t(t) * H)[q] = o;
-      const __nv_bfloat162 lo = __floats2bfloat162_rn(o.x, o.y), hi = __floats2bfloat162_rn(o.z, o.w);
-      reinterpret_cast<uint2*>(&xs[t][0])[q] =
-          make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+      reinterpret_cast<uint2*>(&xs[t][0])[q] = rms::to_bf16x4(o);
     }
   }
   __syncthreads();
