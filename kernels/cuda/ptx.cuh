@@ -151,14 +151,9 @@ __device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
   return r;
 }
-// Arrive on an mbarrier of any block of the cluster (bar: a map_rank address),
-// with the default (CTA-scope) release: .release.cluster compiles to a
-// GPU-wide memory barrier before each arrival (MEMBAR.ALL.GPU, which waits
-// for the thread's outstanding global loads; measured: the grouped GEMM's
-// consumers stalled there), and the arrivals here only say that the
-// arriving warp's reads of a stage (complete by then) are done.
+// Arrive on an mbarrier of any block of the cluster (bar: a map_rank address).
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 // Bulk copy of bytes (a multiple of 16; both addresses 16-byte aligned) from
 // this block's shared memory to another block's of the cluster, completing
