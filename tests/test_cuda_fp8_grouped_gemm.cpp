@@ -359,14 +359,13 @@ TEST_CASE("CUDA grouped FP8 GEMM matches float64 and cuBLASLt per group", "[cuda
         Fp8GroupedArgs ab = dvb.args(p);
         ab.w = nullptr, ab.ws = nullptr, ab.w4 = stack, ab.experts = experts.data(), ab.w4_experts = E;
         ab.cluster = cluster, ab.max_blocks = clusters * cluster;
-        INFO("clusters of " << cluster << ", " << (clusters ? std::to_string(clusters * cluster) : std::string("all"))
-                            << " blocks");
         gg.run(ab, ctx.stream());
         ctx.sync();
         const auto gotb = dvb.d.get();
         int64_t diff_b = 0;
         for (size_t i = 0; i < gotb.size(); ++i) diff_b += gotb[i] != want[i];
-        INFO(diff_b << " of " << gotb.size() << " output elements differ from folding first");
+        INFO(diff_b << " of " << gotb.size() << " output elements differ in clusters of " << cluster << ", "
+                    << (clusters ? std::to_string(clusters * cluster) : std::string("all")) << " blocks");
         CHECK(diff_b == 0);
       }
     auto bc = a4;

@@ -72,16 +72,12 @@ static_assert(128 * 40 + 128 * kConsumers * 232 <= kThreads * 168, "setmaxnreg b
 // 128 / kC rows of every W tile stage (one row a producer thread) and copies
 // them into the others' stages; the folding, what bounds this kernel at 16-128
 // tokens an expert, is then done once per kC M tiles instead of once per tile.
-// The producer threads form units of 128 / kC that take turns by stage: 2 kC
-// of them, but at most one a stage of the ring. A unit waits for its stage's
-// release by phase parity, which is unambiguous only while no unit can run
-// two phases of a stage ahead; with no more units than stages each stage
-// has one unit (kC = 4: 6 of the 8 warps fold, 2 idle).
+// The producer threads form 2 kC units of 128 / kC that take turns by stage.
 template <int kC>
 struct W4Cluster {
   static_assert(kC == 1 || kC == 2 || kC == 4, "cluster of 1, 2 or 4 blocks");
-  static constexpr int kUnit = 128 / kC;                                          // rows a block folds a stage
-  static constexpr int kUnits = std::min(kW4Producers * 128 / kUnit, kW4Stages);  // units taking turns by stage
+  static constexpr int kUnit = 128 / kC;                     // rows a block folds a stage
+  static constexpr int kUnits = kW4Producers * 128 / kUnit;  // units taking turns by stage
   static constexpr int kSliceBytes = kUnit * kBK, kSliceScaleBytes = kUnit * 4;
   static constexpr int kPeerTx = (kC - 1) * (kSliceBytes + kSliceScaleBytes);  // bytes the other blocks copy in
   static_assert(kUnit % 32 == 0 && kSliceScaleBytes % 16 == 0, "whole warps, 16-byte bulk copies");
@@ -285,7 +281,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     // them (32-bit counters, no division): the copies' kW4Bufs own stages
     // ahead of the folding's.
     const int my_tiles = (p.tiles_total - cid + ncl - 1) / ncl;
-    const int total = pw < CL::kUnits ? my_tiles * p.nkb : 0;  // units past kUnits idle
+    const int total = my_tiles * p.nkb;
     struct Cursor {
       int gs, j, kb;  // stage, this block's tile, K block
       int jl = -1;    // the tile of the fields below
