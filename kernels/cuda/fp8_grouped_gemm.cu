@@ -31,7 +31,7 @@ constexpr int kABytes = kBM * kBK, kBBytes = kBN * kBK, kSBytes = kBN * 4;
 // Two producer warpgroups take turns by stage (one warp per scheduler cannot
 // fold a stage in the time the tensor cores take for it).
 constexpr int kW4Producers = 2, kThreadsW4 = 128 * (kW4Producers + kConsumers);
-constexpr int kW4ProducerRegs = 80, kW4ConsumerRegs = 176;
+constexpr int kW4ProducerRegs = 72, kW4ConsumerRegs = 184;
 // setmaxnreg moves registers between the warpgroups of a block; the total stays
 // what the launch allocated (the launch-bounds cap per thread). With 3 producer
 // warpgroups that cap is 96 and the consumers could get 144 at most (measured:
@@ -67,21 +67,7 @@ static_assert(kBK == 128, "one 1x128 scale block per stage, one 128-byte swizzle
 static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "stages keep the 1024-byte period of the 128B swizzle");
 static_assert(kBM == 64 * kConsumers, "each consumer warpgroup owns 64 rows (wgmma m64)");
 static_assert(128 * 40 + 128 * kConsumers * 232 <= kThreads * 168, "setmaxnreg budget (see the kernel)");
-// kW4 in clusters of kC blocks (kC = 1, 2, 4): the blocks of a cluster take
-// kC M tiles of one expert and the same N tile, and each folds only its
-// 128 / kC rows of every W tile stage (one row a producer thread) and copies
-// them into the others' stages; the folding, what bounds this kernel at 16-128
-// tokens an expert, is then done once per kC M tiles instead of once per tile.
-// The producer threads form 2 kC units of 128 / kC that take turns by stage.
-template <int kC>
-struct W4Cluster {
-  static_assert(kC == 1 || kC == 2 || kC == 4, "cluster of 1, 2 or 4 blocks");
-  static constexpr int kUnit = 128 / kC;                     // rows a block folds a stage
-  static constexpr int kUnits = kW4Producers * 128 / kUnit;  // units taking turns by stage
-  static constexpr int kSliceBytes = kUnit * kBK, kSliceScaleBytes = kUnit * 4;
-  static constexpr int kPeerTx = (kC - 1) * (kSliceBytes + kSliceScaleBytes);  // bytes the other blocks copy in
-  static_assert(kUnit % 32 == 0 && kSliceScaleBytes % 16 == 0, "whole warps, 16-byte bulk copies");
-};
+[[maybe_unused]] constexpr int kW4FullArrivals = 128;  // every producer thread, after its row of the W tile
 
 struct Params {
   CUtensorMap xmap;  // X  [rows_total][k] u8, box 128 x 128, 128B swizzle
@@ -95,17 +81,14 @@ struct Params {
   int expert[kMaxGroups];  // MXFP4 weights: group -> index in the stacks
   int off[kMaxGroups];
   int m[kMaxGroups];
-  int tile_start[kMaxGroups + 1];  // prefix sums of ceil(ceil(m/kBM) / cluster) * ceil(n/kBN)
+  int tile_start[kMaxGroups + 1];  // prefix sums of ceil(m/kBM) * ceil(n/kBN)
 };
 static_assert(sizeof(Params) <= 4096, "kernel parameters");
 
 #ifdef DZ_GG_SM90A
-// Tile t -> group, m tile, n tile; in clusters of kC blocks a tile is kC m
-// tiles (mq: their index; block r of the cluster takes m tile kC mq + r).
-// Within a group the m tiles of one n tile are consecutive, so blocks running
-// side by side share W tiles through L2.
-template <int kC = 1>
-__device__ __forceinline__ void find_tile(const Params& p, int t, int& g, int& mq, int& nt) {
+// Tile t -> group, m tile, n tile. Within a group the m tiles of one n tile are
+// consecutive, so blocks running side by side share W tiles through L2.
+__device__ __forceinline__ void find_tile(const Params& p, int t, int& g, int& mt, int& nt) {
   int lo = 0, hi = p.groups - 1;  // the last group whose first tile is <= t (empty groups are skipped)
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
@@ -115,9 +98,9 @@ __device__ __forceinline__ void find_tile(const Params& p, int t, int& g, int& m
       hi = mid - 1;
   }
   g = lo;
-  const int local = t - p.tile_start[g], mqs = ((p.m[g] + kBM - 1) / kBM + kC - 1) / kC;
-  nt = local / mqs;
-  mq = local - nt * mqs;
+  const int local = t - p.tile_start[g], mtiles = (p.m[g] + kBM - 1) / kBM;
+  nt = local / mtiles;
+  mt = local - nt * mtiles;
 }
 
 using ptx::mbar_arrive;
@@ -209,19 +192,12 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, ui
 // each thread folding one W tile row into the stage (the folding kernel's
 // bytes, written in the copy engine's 128B swizzle) and its block scale, its
 // next stage's row arriving meanwhile by asynchronous copy; X still comes by
-// bulk tensor copy. Consumers are warpgroups 2 and 3 then. kC > 1 (kW4
-// only): clusters of kC blocks share the folding (W4Cluster).
-template <bool kDebug, bool kW4, int kC = 1>
+// bulk tensor copy. Consumers are warpgroups 2 and 3 then.
+template <bool kDebug, bool kW4>
 __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_kernel(const __grid_constant__ Params p) {
 #ifdef DZ_GG_SM90A
-  static_assert(kW4 || kC == 1, "clusters share the folding of MXFP4 weights only");
   using L = Smem<kW4>;
-  using CL = W4Cluster<kC>;
   constexpr int kS = L::S;
-  // This block's rank in its cluster, the cluster, the clusters of the grid.
-  const int rank = kC > 1 ? int(ptx::cluster_rank()) : 0;
-  const int cid = kC > 1 ? int(ptx::cluster_id()) : int(blockIdx.x);
-  const int ncl = kC > 1 ? int(ptx::cluster_count()) : int(gridDim.x);
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
@@ -234,53 +210,37 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     for (int s = 0; s < kS; ++s) {
       // The producer's arrive.expect_tx (the copies complete the bytes), or with
       // kW4 the producer threads' arrivals after their rows (plus X's bytes).
-      // kW4: one arrival a row of this block's slice; every consumer warp of
-      // the cluster releases a stage (the producers write all of its blocks).
-      mbar_init(full(s), kW4 ? CL::kUnit : 1);
-      mbar_init(empty(s), kEmptyArrivals * kC);
+      mbar_init(full(s), kW4 ? kW4FullArrivals : 1);
+      mbar_init(empty(s), kEmptyArrivals);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
-  if constexpr (kC > 1)
-    ptx::cluster_sync();  // no block arrives on another's barriers before they exist
-  else
-    __syncthreads();
-  // A stage is free again: this consumer warp's release, to every block of the cluster.
-  auto release = [&](int s) {
-    if constexpr (kC == 1) {
-      mbar_arrive(empty(s));
-    } else {
-#pragma unroll
-      for (int q = 0; q < kC; ++q) ptx::mbar_arrive_cluster(ptx::map_rank(empty(s), uint32_t(q)));
-    }
-  };
+  __syncthreads();
 
   // Registers: 384 threads enter with the launch-bounds cap of 168; the
   // producer gives back down to 40 and the consumers take up to 232, which
   // is the same total (128 x 40 + 256 x 232 = 384 x 168), so the increase
   // never waits on registers that are not there. kW4: 512 threads enter with
-  // 128; the two producer warpgroups go down to 80 and the consumers up to 176,
+  // 128; the two producer warpgroups go down to 72 and the consumers up to 184,
   // the same total again (see kW4LaunchRegs).
   const int wg = int(threadIdx.x) / 128;
   constexpr int kProducerWgs = kW4 ? kW4Producers : 1;
   if (kW4 && wg < kProducerWgs) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kW4ProducerRegs) : "memory");
-    // This thread's unit, its index there, the W tile row it folds (in this block's slice).
-    const int pw = int(threadIdx.x) / CL::kUnit, tid = int(threadIdx.x) % CL::kUnit;
-    const int srow = rank * CL::kUnit + tid;
-    if (threadIdx.x == 0) prefetch_map(&p.xmap);
+    const int tid = int(threadIdx.x) & 127, pw = wg;  // the W tile row this thread folds; its warpgroup
+    if (tid == 0 && pw == 0) prefetch_map(&p.xmap);
     uint8_t* const sBp = smem_raw + (base - raw) + L::offB;
     float* const sSp = reinterpret_cast<float*>(smem_raw + (base - raw) + L::offS);
-    const uint8_t* const w4t = smem_raw + (base - raw) + L::offW4 + pw * kW4Bufs * CL::kUnit * 64;
+    const uint8_t* const w4t = smem_raw + (base - raw) + L::offW4 + pw * kW4Bufs * kW4TileBytes;
     // This row's piece j of a copied tile (XOR-swizzled by row pair: conflict-free 16-byte accesses).
     auto piece = [&](int j) { return tid * 64 + ((j ^ ((tid >> 1) & 3)) << 4); };
     // Stages are counted over this block's tiles (gs = its j-th tile * nkb +
-    // kb); unit pw owns those with gs % kUnits == pw, its i-th being gs = pw +
-    // kUnits i, whose MXFP4 slice lives in buffer i % kW4Bufs. Two cursors walk
-    // them (32-bit counters, no division): the copies' kW4Bufs own stages
-    // ahead of the folding's.
-    const int my_tiles = (p.tiles_total - cid + ncl - 1) / ncl;
+    // kb); warpgroup pw owns those with gs % 2 == pw, its i-th being gs = pw +
+    // 2i, whose MXFP4 tile lives in buffer i % kW4Bufs. Two cursors walk them
+    // (32-bit counters, no division): the copies' kW4Bufs own stages ahead of
+    // the folding's.
+    const int my_tiles = (p.tiles_total - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);
     const int total = my_tiles * p.nkb;
     struct Cursor {
       int gs, j, kb;  // stage, this block's tile, K block
@@ -288,15 +248,14 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     };
     auto start = [&](Cursor& c, int gs) { c.gs = gs, c.j = gs / p.nkb, c.kb = gs - c.j * p.nkb; };
     auto next = [&](Cursor& c) {
-      c.gs += CL::kUnits, c.kb += CL::kUnits;
-      while (c.kb >= p.nkb) c.kb -= p.nkb, ++c.j;
+      c.gs += kW4Producers, c.kb += kW4Producers;
+      if (c.kb >= p.nkb) c.kb -= p.nkb, ++c.j;
     };
     // Whether c moved to another tile since the last call; g, mt, nt: that tile.
     auto moved = [&](Cursor& c, int& g, int& mt, int& nt) {
       if (c.jl == c.j) return false;
       c.jl = c.j;
-      find_tile<kC>(p, cid + c.j * ncl, g, mt, nt);
-      mt = mt * kC + rank;
+      find_tile(p, int(blockIdx.x) + c.j * int(gridDim.x), g, mt, nt);
       return true;
     };
     Cursor ci, cc;                               // the copies', the folding's
@@ -312,13 +271,13 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
       if (ci.gs < total) {
         int g, mt, nt;
         if (moved(ci, g, mt, nt)) {
-          const int wr = nt * kBN + srow;
+          const int wr = nt * kBN + tid;
           rok = wr < p.n;
           const int64_t er = int64_t(p.expert[g]) * p.n + (rok ? wr : 0);
           bl = p.w4_blocks + er * p.nsub * 16;
           sc = p.w4_scales + er * p.nsub;
         }
-        const uint8_t* dst = w4t + buf * CL::kUnit * 64;
+        const uint8_t* dst = w4t + buf * kW4TileBytes;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           const int sb = ci.kb * 4 + q;
@@ -338,11 +297,9 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
       for (int r = 0; r < kW4Bufs; ++r) {
         if (cc.gs >= total) break;
         int g, mt, nt;
-        // X of an m tile past the group (a cluster's blocks past an expert's
-        // rows) comes from its last tile: in bounds, and its consumers skip it.
-        if (moved(cc, g, mt, nt)) row = p.off[g] + std::min(mt, (p.m[g] - 1) / kBM) * kBM;
+        if (moved(cc, g, mt, nt)) row = p.off[g] + mt * kBM;
         ptx::cp_async_wait<kW4Bufs - 1>();  // this own stage's copies have landed (later ones may not)
-        const uint8_t* buf = w4t + r * CL::kUnit * 64;
+        const uint8_t* buf = w4t + r * kW4TileBytes;
         GroupIn G;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -358,28 +315,11 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
         const uint32_t phase = uint32_t(cc.gs / kS) & 1u;
         mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);
         if (tid == 0) {
-          ptx::mbar_expect_tx(full(stage), kABytes + CL::kPeerTx);
+          ptx::mbar_expect_tx(full(stage), kABytes);
           tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), cc.kb * kBK, row);
         }
-        sSp[stage * kBN + srow] = fold_group(G, reinterpret_cast<uint4*>(sBp + stage * kBBytes + srow * kBK), srow & 7);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's and copies' reads
-        if constexpr (kC > 1) {
-          // The slice (rows and scales) to the same stage of the other blocks.
-          if constexpr (CL::kUnit == 32)
-            __syncwarp();
-          else
-            ptx::named_sync(1 + pw, CL::kUnit);
-          if (tid == 0) {
-            const uint32_t rows = sB + uint32_t(stage * kBBytes + rank * CL::kSliceBytes);
-            const uint32_t scs = sS + uint32_t(stage * kSBytes + rank * CL::kSliceScaleBytes);
-#pragma unroll
-            for (int q = 1; q < kC; ++q) {
-              const uint32_t peer = uint32_t((rank + q) % kC), bar = ptx::map_rank(full(stage), peer);
-              ptx::bulk_s2s(ptx::map_rank(rows, peer), rows, CL::kSliceBytes, bar);
-              ptx::bulk_s2s(ptx::map_rank(scs, peer), scs, CL::kSliceScaleBytes, bar);
-            }
-          }
-        }
+        sSp[stage * kBN + tid] = fold_group(G, reinterpret_cast<uint4*>(sBp + stage * kBBytes + tid * kBK), tid & 7);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
         mbar_arrive(full(stage));
         next(cc);
       }
@@ -419,10 +359,9 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     for (int i = 0; i < 64; ++i) part[i] = 0.f;
     int stage = 0;
     uint32_t phase = 0;
-    for (int t = cid; t < p.tiles_total; t += ncl) {
+    for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
       int g, mt, nt;
-      find_tile<kC>(p, t, g, mt, nt);
-      mt = mt * kC + rank;
+      find_tile(p, t, g, mt, nt);
       const int m = p.m[g], off = p.off[g], n0 = nt * kBN;
       // This thread's rows in the group (wgmma layout: warp w of the
       // warpgroup holds rows 16w..16w+15, lane/4 and lane/4 + 8).
@@ -437,7 +376,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
         for (int kb = 0; kb < p.nkb; ++kb) {
           mbar_wait<kDebug>(full(stage), phase, "full", stage);
           __syncwarp();
-          if (lane == 0) release(stage);
+          if (lane == 0) mbar_arrive(empty(stage));
           if (++stage == kS) stage = 0, phase ^= 1u;
         }
         continue;
@@ -474,7 +413,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
           acc[4 * j + 3] = fmaf(part[4 * j + 3], x1 * w.y, acc[4 * j + 3]);
         }
         __syncwarp();
-        if (lane == 0) release(stage);
+        if (lane == 0) mbar_arrive(empty(stage));
         if (++stage == kS) stage = 0, phase ^= 1u;
       }
       // Epilogue: rows of this group only; columns < n (n % 16 == 0, so a pair is all in or all out).
@@ -497,9 +436,6 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
       }
     }
   }
-  // No block of a cluster leaves while another may still arrive on its
-  // barriers or copy into (or out of) its shared memory.
-  if constexpr (kC > 1) ptx::cluster_sync();
 #else
   if (threadIdx.x == 0 && blockIdx.x == 0) printf("fp8_grouped_gemm: kernel built without sm_90a\n");
   __trap();
@@ -548,30 +484,6 @@ int device_sm90a() {
   return ok ? h : 0;
 }
 
-using KernelFn = void (*)(Params);
-KernelFn w4_kernel(bool debug, int C) {
-  switch (C) {
-    case 2:
-      return debug ? fp8_grouped_kernel<true, true, 2> : fp8_grouped_kernel<false, true, 2>;
-    case 4:
-      return debug ? fp8_grouped_kernel<true, true, 4> : fp8_grouped_kernel<false, true, 4>;
-    default:
-      return debug ? fp8_grouped_kernel<true, true, 1> : fp8_grouped_kernel<false, true, 1>;
-  }
-}
-
-// A launch of `blocks` blocks in clusters of C.
-void cluster_config(cudaLaunchConfig_t& cfg, cudaLaunchAttribute& attr, int C, unsigned blocks, cudaStream_t s) {
-  cfg.gridDim = dim3(blocks);
-  cfg.blockDim = dim3(kThreadsW4);
-  cfg.dynamicSmemBytes = Smem<true>::bytes;
-  cfg.stream = s;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = unsigned(C), attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-}
-
 }  // namespace
 
 void encode_tensor_map(CUtensorMap* map, CUtensorMapDataType type, int rank, const void* base, const cuuint64_t* dims,
@@ -600,21 +512,6 @@ Fp8GroupedGemm::Fp8GroupedGemm() {
     DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<false>::bytes));
   for (auto k : {fp8_grouped_kernel<false, true>, fp8_grouped_kernel<true, true>})
     DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<true>::bytes));
-  // Clusters of 2 and 4 blocks (MXFP4 weights): how many fit at once, so a
-  // persistent grid never waits for a cluster to leave (a cluster's blocks
-  // share a GPC; SMs left over there stay idle).
-  for (int ci = 0; ci < 2; ++ci) {
-    const int C = 2 << ci;
-    for (bool dbg : {false, true})
-      DZ_CUDA_CHECK(
-          cudaFuncSetAttribute(w4_kernel(dbg, C), cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<true>::bytes));
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr{};
-    cluster_config(cfg, attr, C, unsigned(n_sm_ / C * C), nullptr);
-    int n = 0;
-    DZ_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, w4_kernel(false, C), &cfg));
-    max_clusters_[ci] = n;
-  }
 }
 
 void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
@@ -633,8 +530,6 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
   for (int g = 0; g < a.groups; ++g) rows_used += a.counts[g];
   if (rows_used == 0) return;
   const bool w4 = a.w4.blocks != nullptr;
-  check(a.cluster == 0 || a.cluster == 1 || a.cluster == 2 || a.cluster == 4, DZ_ERR_INVALID_ARGUMENT,
-        "fp8_grouped_gemm: cluster=", a.cluster, " (0 = auto, 1, 2 or 4)");
   check(a.x && a.xs && a.d && (w4 ? a.w4.scales != nullptr : a.w && a.ws), DZ_ERR_INVALID_ARGUMENT,
         "fp8_grouped_gemm: null pointer");
   check(aligned(a.x, 16) && aligned(a.d, 16) && aligned(a.xs, 4) && (w4 || (aligned(a.w, 16) && aligned(a.ws, 16))),
@@ -684,40 +579,22 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
                         CU_TENSOR_MAP_SWIZZLE_NONE, "W scales");
     }
     p.groups = G;
-    // Cluster size (MXFP4 weights): the groups' m tiles on average, rounded
-    // down to 1, 2 or 4 (a cluster past an expert's tiles folds for nothing).
-    int C = 1;
-    if (w4) {
-      int64_t mtiles = 0, live = 0;
-      for (int g = 0; g < G; ++g) mtiles += (a.counts[g0 + g] + kBM - 1) / kBM, live += a.counts[g0 + g] > 0;
-      C = a.cluster ? a.cluster : live && mtiles >= 4 * live ? 4 : live && mtiles >= 2 * live ? 2 : 1;
-      if (C > 1 && max_clusters_[C / 4] < 1) C = 1;  // no cluster of C fits this device
-    }
     int tiles = 0;
     for (int g = 0; g < G; ++g) {
       p.off[g] = a.offsets[g0 + g];
       p.expert[g] = w4 ? a.experts[g0 + g] : 0;
       p.m[g] = a.counts[g0 + g];
       p.tile_start[g] = tiles;
-      tiles += ((p.m[g] + kBM - 1) / kBM + C - 1) / C * ntiles;
+      tiles += (p.m[g] + kBM - 1) / kBM * ntiles;
     }
     p.tile_start[G] = tiles;
     p.tiles_total = tiles;
     if (tiles == 0) continue;
     const int blocks = a.max_blocks > 0 ? std::min(a.max_blocks, n_sm_) : n_sm_;
-    if (C == 1) {
-      const dim3 grid(unsigned(std::min(tiles, blocks))), block(w4 ? kThreadsW4 : kThreads);
-      const auto kernel =
-          w4 ? w4_kernel(debug_, 1) : (debug_ ? fp8_grouped_kernel<true, false> : fp8_grouped_kernel<false, false>);
-      kernel<<<grid, block, w4 ? Smem<true>::bytes : Smem<false>::bytes, s>>>(p);
-    } else {
-      // Clusters: as many as fit at once (and as asked for), one a tile at most.
-      const int clusters = std::max(1, std::min({tiles, blocks / C, max_clusters_[C / 4]}));
-      cudaLaunchConfig_t cfg{};
-      cudaLaunchAttribute attr{};
-      cluster_config(cfg, attr, C, unsigned(clusters * C), s);
-      DZ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, w4_kernel(debug_, C), p));
-    }
+    const dim3 grid(unsigned(std::min(tiles, blocks))), block(w4 ? kThreadsW4 : kThreads);
+    const auto kernel = w4 ? (debug_ ? fp8_grouped_kernel<true, true> : fp8_grouped_kernel<false, true>)
+                           : (debug_ ? fp8_grouped_kernel<true, false> : fp8_grouped_kernel<false, false>);
+    kernel<<<grid, block, w4 ? Smem<true>::bytes : Smem<false>::bytes, s>>>(p);
     DZ_CUDA_LAUNCH_CHECK();
     if (debug_) {
       cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;

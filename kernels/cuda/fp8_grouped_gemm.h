@@ -39,11 +39,6 @@ struct Fp8GroupedArgs {
   const int* counts = nullptr;   // host: counts[g] = m_g
   int groups = 0;
   int max_blocks = 0;  // persistent blocks (0: one per SM); fewer leave SMs to concurrent kernels
-  // MXFP4 weights: blocks per cluster, each folding 1 / cluster of every W
-  // tile and taking one of `cluster` m tiles of the same expert and n tile
-  // (1, 2 or 4; 0 auto: the groups' 128-row tiles on average, rounded down to
-  // one of those). Ignored with FP8 weights.
-  int cluster = 0;
   // MXFP4 weights instead of W/ws (sm_90a): group g uses expert experts[g] of
   // the stack w4 (rows == n, K == w4.k padded to k), folded to E4M3 with 1x128
   // scales inside the kernel exactly as mxfp4_fold_experts would (the same
@@ -72,7 +67,6 @@ class Fp8GroupedGemm {
 
  private:
   int n_sm_ = 0;
-  int max_clusters_[2] = {0, 0};  // clusters of 2 and 4 blocks that fit at once
   bool debug_ = false;
 };
 

@@ -1461,7 +1461,6 @@ struct MoeLayer::Impl {
     for (Fp8GroupedArgs* g : {&g1, &g2}) {
       g->rows_total = rows_total, g->offsets = goff.data(), g->counts = gcnt.data(), g->groups = n;
       g->max_blocks = opt.fp8_grouped_blocks;
-      g->cluster = opt.fp8_grouped_cluster;
     }
     g1.x = a1.get(), g1.xs = a1s.get(), g1.d = d1.get(), g1.n = 2 * I, g1.k = int(kph);
     ggemm.run(g1, st);

@@ -102,9 +102,6 @@ struct MoeOptions {
   // Grouped FP8 GEMM blocks (0: one per SM); fewer leave SMs to the next tile's
   // weight folding, which runs concurrently on the aux stream.
   int fp8_grouped_blocks = 0;
-  // Grouped FP8 GEMM on MXFP4 weights: blocks per cluster sharing the
-  // folding of each W tile (Fp8GroupedArgs::cluster: 0 auto, 1, 2, 4).
-  int fp8_grouped_cluster = 0;
   // FP8 path GEMMs: 1 per-expert cuBLASLt calls on gemm_streams streams; 2 one
   // grouped launch per projection for all experts of a workspace tile
   // (fp8_grouped_gemm.h; sm_90a only, DZ_ERR_UNSUPPORTED elsewhere); 0 auto:

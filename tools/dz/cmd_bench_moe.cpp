@@ -38,15 +38,13 @@ const char* kUsage =
     "usage: dz bench moe [--tokens 1,8,64,128,256,384,512,1024,2048,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
     "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
     "                    [--no-components] [--w4a8]\n"
-    "                    [--fp8-gemm auto|cublaslt|grouped|grouped_c1|grouped_c2|grouped_c4|grouped_ws|LIST]\n"
-    "                    [--grouped-blocks N]\n"
+    "                    [--fp8-gemm auto|cublaslt|grouped|grouped_ws|LIST] [--grouped-blocks N]\n"
     "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
     "MXFP4 MoE layer on the GPU: fused (W4A8 / W4A16 kernels) vs FP8 (fold + FP8 GEMMs) paths, JSON results.\n"
     "--w4a8: the fused path's default with the W4A8 kernels on (as DZ_EXPERTS_FP8); either way both\n"
     "kernel families are timed as variants at every size.\n"
     "--fp8-gemm: the FP8 path's GEMMs, per-expert cuBLASLt, our grouped kernel (folding the\n"
-    "MXFP4 experts itself, in clusters of blocks sharing the folding: grouped_c1/c2/c4 fix the\n"
-    "cluster size, grouped picks it; grouped_ws: on experts folded into the FP8 workspace first) or auto\n"
+    "MXFP4 experts itself; grouped_ws: on experts folded into the FP8 workspace first) or auto\n"
     "(the library's default: grouped up to 256 tokens per expert); of a comma list the first\n"
     "is fp8_ms, every one listed is timed (fp8_gemm_ms) and compared with the first.\n"
     "--grouped-blocks: persistent blocks of the grouped GEMM (default 0: one per SM).\n";
@@ -108,11 +106,8 @@ int bench_moe(const Args& a) {
     std::string item;
     while (std::getline(ss, item, ',')) {
       if (item.empty()) continue;
-      if (item != "auto" && item != "cublaslt" && item != "grouped" && item != "grouped_c1" && item != "grouped_c2" &&
-          item != "grouped_c4" && item != "grouped_ws") {
-        std::fprintf(stderr,
-                     "dz bench moe: --fp8-gemm takes auto, cublaslt, grouped, grouped_c1/c2/c4 and/or grouped_ws, not "
-                     "'%s'\n",
+      if (item != "auto" && item != "cublaslt" && item != "grouped" && item != "grouped_ws") {
+        std::fprintf(stderr, "dz bench moe: --fp8-gemm takes auto, cublaslt, grouped and/or grouped_ws, not '%s'\n",
                      item.c_str());
         return 2;
       }
@@ -120,13 +115,10 @@ int bench_moe(const Args& a) {
     }
     if (fp8_gemms.empty()) fp8_gemms.push_back("cublaslt");
   }
-  // grouped_ws: the grouped GEMMs on experts folded into the FP8 workspace
-  // first; grouped_cN: folding inside in clusters of N blocks (grouped: auto).
+  // grouped_ws: the grouped GEMMs on experts folded into the FP8 workspace first.
   auto set_gemm = [](MoeOptions& o, const std::string& g) {
-    const bool grouped = g.rfind("grouped", 0) == 0;
-    o.fp8_gemm = grouped ? 2 : g == "cublaslt" ? 1 : 0;
+    o.fp8_gemm = g == "grouped" || g == "grouped_ws" ? 2 : g == "cublaslt" ? 1 : 0;
     o.fp8_fold_in_gemm = g != "grouped_ws";
-    o.fp8_grouped_cluster = g.size() == 10 && g.compare(0, 9, "grouped_c") == 0 ? g[9] - '0' : 0;
   };
   set_gemm(opt, fp8_gemms[0]);
   opt.fp8_grouped_blocks = int_flag("--grouped-blocks", opt.fp8_grouped_blocks);
