@@ -26,14 +26,17 @@ __device__ __forceinline__ void fold_lut(int d, uint32_t& lo, uint32_t& hi) {
   hi = cv(2.f * f, 3.f * f) | (cv(4.f * f, 6.f * f) << 16);
 }
 
-// 8 nibbles (elements in order) -> 8 E4M3 bytes, sign kept.
+// 8 nibbles (elements in order) -> 8 E4M3 bytes, sign kept. The signs: nibble
+// 2j + 1's is the top bit of byte j of w, nibble 2j's that of byte j of w << 4,
+// and prmt's sign-replicating selectors (bit 3) pick those bytes in output
+// order as 0xFF / 0x00, so one AND-OR (a lop3) sets each E4M3 sign.
 __device__ __forceinline__ uint2 fold_word(uint32_t w, uint32_t lo, uint32_t hi) {
-  const uint32_t m = w & 0x77777777u;
-  const uint32_t sl = ptx::prmt(0x80808080u, 0x80808080u, w);  // 0xFF where the nibble is negative
-  const uint32_t sh = ptx::prmt(0x80808080u, 0x80808080u, w >> 16);
+  const uint32_t m = w & 0x77777777u, w4 = w << 4;
+  const uint32_t sl = ptx::prmt(w4, w, 0xD9C8u);  // nibbles 0..3: bytes 0, 4, 1, 5 of (w4, w), sign-replicated
+  const uint32_t sh = ptx::prmt(w4, w, 0xFBEAu);  // nibbles 4..7: bytes 2, 6, 3, 7
   uint2 r;
-  r.x = ptx::prmt(lo, hi, m) | ((sl & 0x40404040u) << 1);
-  r.y = ptx::prmt(lo, hi, m >> 16) | ((sh & 0x40404040u) << 1);
+  r.x = ptx::prmt(lo, hi, m) | (sl & 0x80808080u);
+  r.y = ptx::prmt(lo, hi, m >> 16) | (sh & 0x80808080u);
   return r;
 }
 
