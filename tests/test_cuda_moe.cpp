@@ -434,6 +434,94 @@ TEST_CASE("CUDA runtime: errors carry the CUDA message; the pool sub-allocates o
 #endif
 }
 
+TEST_CASE("CUDA MoE layer: one token on the stream-K W4A8 kernels matches float64 and the per-tile kernels", "[cuda]") {
+  if (!have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  if (!Fp8GroupedGemm::supported()) {
+    WARN("W4A8 fused kernels need sm_90a: stream-K kernels not tested");
+    return;
+  }
+  Context ctx(small_ctx());
+  std::mt19937 rng(29);
+  struct Case {
+    int E, topk, H, I;
+    int s_lo = 118, s_hi = 124;
+  } cases[] = {// every gate_up tile cut in two (one unit a warpgroup), down tiles whole
+               {8, 4, 320, 192},
+               {8, 4, 320, 192, 96, 130},
+               {40, 2, 256, 320},
+               // gpt-oss shapes: ~8 and ~4 of 12 stages a warpgroup, tiles in two or three parts
+               {4, 4, 2880, 2880}};
+  for (const auto& cs : cases) {
+    MoeCase c = make_moe(cs.E, cs.topk, cs.H, cs.I, 1, rng, cs.s_lo, cs.s_hi);
+    INFO("E " << c.E << " topk " << c.topk << " H " << c.H << " I " << c.I << " scales " << cs.s_lo << ".." << cs.s_hi);
+    MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, 4, MoeOptions{8.0, 3});
+    Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
+    Dev<uint16_t> b1(c.b1), b2(c.b2);
+    Dev<float> x(c.x), gw(c.gw), out(size_t(c.H));
+    Dev<int> ids(c.ids);
+    const MoeWeights w{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p};
+    const auto ref = moe_ref(c);
+    auto run = [&](bool graph) {
+      DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));  // poison: every element must be written
+      cudaGraph_t g;
+      cudaGraphExec_t ge;
+      if (graph) DZ_CUDA_CHECK(cudaStreamBeginCapture(ctx.stream(), cudaStreamCaptureModeThreadLocal));
+      layer.forward(w, x.p, ids.p, gw.p, 1, out.p, MoePath::kFused);
+      if (graph) {
+        DZ_CUDA_CHECK(cudaStreamEndCapture(ctx.stream(), &g));
+        DZ_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+        for (int r = 0; r < 3; ++r) DZ_CUDA_CHECK(cudaGraphLaunch(ge, ctx.stream()));  // replays
+      }
+      ctx.sync();
+      if (graph) cudaGraphExecDestroy(ge), cudaGraphDestroy(g);
+      return out.get();
+    };
+    // The per-tile W4A8 kernels with two E4M3 terms: the same products, summed in another grouping.
+    layer.options().fused_w4a8_min_slots = 0;
+    layer.options().fused_one_token_stream_k = false;
+    const auto tiled = run(false);
+    layer.options().fused_one_token_stream_k = true;
+    const int64_t before = layer.stream_k_launches();
+    const auto got = run(false);
+    CHECK(layer.stream_k_launches() == before + 2);  // both projections took the stream-K kernels
+    const double d = finite_diff(got, ref);
+    const double d_tiled =
+        diff_metric(std::vector<double>(got.begin(), got.end()), std::vector<double>(tiled.begin(), tiled.end()));
+    INFO("diff " << d << " vs float64, " << d_tiled << " vs the per-tile kernels");
+    std::printf(
+        "MoE one token, stream-K W4A8 (two terms), E %d H %d I %d scales %d..%d: diff %.3g vs float64, %.3g "
+        "vs per-tile W4A8\n",
+        c.E, c.H, c.I, cs.s_lo, cs.s_hi, d, d_tiled);
+    const bool wide = cs.s_hi - cs.s_lo > 10;
+    CHECK(d < (wide ? 4e-3 : 6e-4));  // the two-term bound of the per-tile kernels' test
+    CHECK(d_tiled < 1e-10);           // fp32 rounding of the grouping only
+    // The same bits again, replayed in a graph, and without PDL (a cut tile's parts added in their order).
+    CHECK(std::memcmp(run(false).data(), got.data(), got.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(run(true).data(), got.data(), got.size() * sizeof(float)) == 0);
+    layer.options().pdl = false;
+    CHECK(std::memcmp(run(false).data(), got.data(), got.size() * sizeof(float)) == 0);
+    CHECK(layer.take_error() == 0);
+    // An out-of-range id: flagged, its slot left out, the others still counted.
+    std::vector<int> bad = c.ids;
+    bad[1] = c.E + 5;
+    Dev<int> dbad(bad);
+    DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
+    layer.forward(w, x.p, dbad.p, gw.p, 1, out.p, MoePath::kFused);
+    CHECK(layer.take_error() == 1);
+    MoeCase cb = c;
+    cb.ids = bad;
+    cb.gw[1] = 0.f;  // the reference without slot 1
+    cb.ids[1] = 0;
+    const double d_bad = finite_diff(out.get(), moe_ref(cb));
+    INFO("bad id: diff " << d_bad);
+    CHECK(d_bad < (wide ? 4e-3 : 6e-4));
+    // Correct again after it (the tile counts were left clean).
+    CHECK(std::memcmp(run(false).data(), got.data(), got.size() * sizeof(float)) == 0);
+  }
+#endif
+}
+
 TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interleaved sizes, bad ids", "[cuda]") {
   if (!have_gpu()) return;
 #ifdef DZ_WITH_CUDA
