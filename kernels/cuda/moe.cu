@@ -694,15 +694,21 @@ __device__ __forceinline__ uint32_t e2m1_odd_to_e4m3(uint32_t w) {
 #ifdef DZ_MOE_SM90A
 // No-swizzle K-major descriptor of one sub-block's staged activations: core
 // matrices (8 tokens x 16 bytes) 128 bytes apart along K (leading byte offset).
-__device__ __forceinline__ uint64_t w8_desc(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(128 >> 4) << 16) | (uint64_t(256 >> 4) << 32);
+// Its low word: sub-block s lies at + s * 16 (the 14-bit address field holds
+// every shared-memory address, so no carry leaves the word: 32-bit adds, not
+// the 64-bit ones that took ~50 instructions a stage); the high word is fixed.
+__device__ __forceinline__ uint32_t w8_desc_lo(uint32_t addr) {
+  return ((addr & 0x3FFFF) >> 4) | (uint32_t(128 >> 4) << 16);
 }
+constexpr uint32_t kW8DescHi = 256 >> 4;
 // d = A(64 x 32, registers) * B(8 x 32, shared)^T, E4M3, fresh fp32 accumulators.
 __device__ __forceinline__ void wgmma_rs_m64n8k32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                                  uint64_t db) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 0, 1, 1;\n"
-               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
+                                                  uint32_t db_lo) {
+  asm volatile(
+      "{\n.reg .b64 db;\nmov.b64 db, {%8, %9};\n"
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, db, 0, 1, 1;\n}\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(db_lo), "r"(kW8DescHi));
 }
 __device__ __forceinline__ uint32_t lds16(uint32_t addr) {
   uint16_t v;
@@ -718,23 +724,24 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
 // Stages m tokens' activations for the MMAs: E4M3 with 1x128 scales, token i
 // in column i (kLo: its two terms in columns 2i and 2i + 1), each sub-block as
 // its even then its odd elements (two core matrices of 8 tokens x 16 bytes),
-// and each (chunk, column)'s scale at xs. The 8 consumer warps share it: warp v
-// quantizes (token gi, chunk c) pairs v, v + 8, ..., 4 values a lane, kBatch
-// pairs' loads in flight before the first is quantized. Rows: s_row[gi] (fp16
-// act), or with a direct gate_up the fp32 input.
-template <bool kGateUp, bool kLo>
-__device__ __forceinline__ void w8_stage_act(const W4Args& a, unsigned char* sm, const W8Smem& L, int m,
-                                             const int* s_row, int tid) {
-  const int lane = tid & 31, nch = a.kpad / 128;
-  constexpr int kBatch = 4, kStep = 4 * kW8Consumers;
-  const int items = m * nch;
-  for (int p0 = tid >> 5; p0 < items; p0 += kBatch * kStep) {
+// and each (chunk, column)'s scale at xs. Item p of items is (token gi, chunk
+// c) = item(p) (c < 0: nothing); warp v of kStep quantizes items v, v + kStep,
+// ..., 4 values a lane, kBatch items' loads in flight before the first is
+// quantized. Rows: s_row[gi] (fp16 act), or with a direct gate_up the fp32 input.
+template <bool kGateUp, bool kLo, int kStep, typename Item>
+__device__ __forceinline__ void w8_stage_items(const W4Args& a, unsigned char* sm, const W8Smem& L, int items,
+                                               Item item, const int* s_row, int warp, int lane) {
+  constexpr int kBatch = 4;
+  for (int p0 = warp; p0 < items; p0 += kBatch * kStep) {
     float v[kBatch][4];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      const int p = p0 + b * kStep, gi = p / nch, k = (p - gi * nch) * 128 + 4 * lane;
+      const int p = p0 + b * kStep;
       v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
       if (p >= items) continue;
+      const int2 gc = item(p);
+      const int gi = gc.x, k = gc.y * 128 + 4 * lane;
+      if (gc.y < 0) continue;
       if (kGateUp && a.direct) {
         if (k < a.H) {
           const float4 f = *reinterpret_cast<const float4*>(a.x + k);
@@ -749,8 +756,11 @@ __device__ __forceinline__ void w8_stage_act(const W4Args& a, unsigned char* sm,
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      const int p = p0 + b * kStep, gi = p / nch, c = p - gi * nch, k = c * 128 + 4 * lane;
+      const int p = p0 + b * kStep;
       if (p >= items) break;  // warp-uniform
+      const int2 gc = item(p);
+      const int gi = gc.x, c = gc.y, k = c * 128 + 4 * lane;
+      if (c < 0) continue;
       float sc;
       const uint32_t q = quant_1x128(v[b], sc);
       const int q8 = k >> 3, hh = lane & 1, col = kLo ? 2 * gi : gi;
@@ -771,6 +781,15 @@ __device__ __forceinline__ void w8_stage_act(const W4Args& a, unsigned char* sm,
   }
 }
 
+// All chunks of m tokens, the 8 consumer warps sharing them.
+template <bool kGateUp, bool kLo>
+__device__ __forceinline__ void w8_stage_act(const W4Args& a, unsigned char* sm, const W8Smem& L, int m,
+                                             const int* s_row, int tid) {
+  const int nch = a.kpad / 128;
+  w8_stage_items<kGateUp, kLo, 4 * kW8Consumers>(
+      a, sm, L, m * nch, [nch](int p) { return make_int2(p / nch, p % nch); }, s_row, tid >> 5, tid & 31);
+}
+
 // One stage (two K chunks) of a 64-row tile: this thread's fragments of rows
 // rA and rB decoded from the box's words (release(): the box may be refilled),
 // eight MMAs under one wait, then the sub-block scales (scA / scB: the rows'
@@ -778,8 +797,8 @@ __device__ __forceinline__ void w8_stage_act(const W4Args& a, unsigned char* sm,
 // kGuard: chunks reaching past K (a projection's last stage only).
 template <bool kGuard, typename Release>
 __device__ __forceinline__ void w8_mma_stage(uint32_t box, int c0, int nch, int nsub, int rA, int rB, int t,
-                                             uint32_t scA, uint32_t scB, uint64_t desc0, uint32_t xs0, float (&acc)[4],
-                                             Release release) {
+                                             uint32_t scA, uint32_t scB, uint32_t desc_lo, uint32_t xs0,
+                                             float (&acc)[4], Release release) {
   uint32_t wa[8], wb[8];
   const uint32_t pa = box + rA * kW8Row + 4 * t, pb = box + rB * kW8Row + 4 * t;
 #pragma unroll
@@ -799,13 +818,14 @@ __device__ __forceinline__ void w8_mma_stage(uint32_t box, int c0, int nch, int 
     // past K has zero weights (the copy engine's fill) and reads the
     // stage's first chunk of activations, giving exact zeros, unused.
     float q[2][4][4];
+    const uint32_t d0 = desc_lo + uint32_t(4 * c0 * (kW8SubBytes >> 4));
     ptx::wgmma_fence();
 #pragma unroll
     for (int cc = 0; cc < 2; ++cc)
 #pragma unroll
       for (int b = 0; b < 4; ++b)
         wgmma_rs_m64n8k32(q[cc][b], af[cc][b][0], af[cc][b][1], af[cc][b][2], af[cc][b][3],
-                          desc0 + uint64_t((4 * (cc < nc ? c0 + cc : c0) + b) * (kW8SubBytes >> 4)));
+                          d0 + uint32_t((4 * (cc < nc ? cc : 0) + b) * (kW8SubBytes >> 4)));
     ptx::wgmma_commit();
     ptx::wgmma_wait0();
 #pragma unroll
@@ -923,7 +943,7 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
   const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int len = s_len(wg), sb0 = s_begin(wg), ks = wg / kTiles, nt = ntiles(wg);
   const int rA = kGateUp ? 16 * warp + 2 * g : 16 * warp + g, rB = kGateUp ? rA + 1 : rA + 8;  // tile rows
-  const uint64_t desc0 = w8_desc(base + L.act);  // sub-block s: + s * 16 (its address in 16-byte units)
+  const uint32_t desc_lo = w8_desc_lo(base + L.act);
   const uint32_t xs0 = base + L.xs;
   float4* const red = reinterpret_cast<float4*>(sm + L.red);
   if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();  // the SwiGLU rows
@@ -968,9 +988,9 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
           if (lane == 0) ptx::mbar_arrive(empty(wg, st));
         };
         if (c0 + 2 <= full_chunks)
-          w8_mma_stage<false>(box, c0, nch, a.nsub, rA, rB, t, scA, scB, desc0, xs0, acc, release);
+          w8_mma_stage<false>(box, c0, nch, a.nsub, rA, rB, t, scA, scB, desc_lo, xs0, acc, release);
         else
-          w8_mma_stage<true>(box, c0, nch, a.nsub, rA, rB, t, scA, scB, desc0, xs0, acc, release);
+          w8_mma_stage<true>(box, c0, nch, a.nsub, rA, rB, t, scA, scB, desc_lo, xs0, acc, release);
       }
       if (kKS > 1) {
         if (ks > 0) red[tid & 127] = make_float4(acc[0], acc[1], acc[2], acc[3]);
@@ -1094,22 +1114,29 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8sk_kernel(const W4Args a, con
     return;
   }
 
-  // Consumers: stage the activations once.
+  // Consumers: each warpgroup stages the activation chunks of its own units
+  // (the other's may overlap: the same bytes written twice), then waits for
+  // its own warps only.
   const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int rA = kGateUp ? 16 * warp + 2 * g : 16 * warp + g, rB = kGateUp ? rA + 1 : rA + 8;  // tile rows
-  const uint64_t desc0 = w8_desc(base + L.act);
+  const uint32_t desc_lo = w8_desc_lo(base + L.act);
   const uint32_t xs0 = base + L.xs;
+  const int64_t c = int64_t(blockIdx.x) * kW8Consumers + wg, u0 = first(c), u1 = first(c + 1);
   if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();  // the SwiGLU rows
   __shared__ int s_row[kW4Tokens / 2];
   __shared__ int s_last[kW8Consumers];
-  const int m = kGateUp ? 1 : a.topk;
-  if (!kGateUp && tid < m) s_row[tid] = tid * kPadRows;
+  if (!kGateUp && tid < a.topk) s_row[tid] = tid * kPadRows;
   ptx::named_sync(1, 128 * kW8Consumers);
-  w8_stage_act<kGateUp, true>(a, sm, L, m, s_row, tid);
+  w8_stage_items<kGateUp, true, 4>(
+      a, sm, L, int(2 * (u1 - u0)),
+      [&](int p) {
+        const int64_t u = u0 + p / 2, tt = u / nst;
+        const int ch = 2 * int(u - tt * nst) + (p & 1);
+        return make_int2(kGateUp ? 0 : int(tt / ntile), ch < nch ? ch : -1);
+      },
+      s_row, warp, lane);
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
-  ptx::named_sync(1, 128 * kW8Consumers);
-
-  const int64_t c = int64_t(blockIdx.x) * kW8Consumers + wg, u0 = first(c), u1 = first(c + 1);
+  ptx::named_sync(2 + wg, 128);
   if (u1 == u0) return;
   ptx::mbar_wait(sbar(wg), 0);
   const int64_t t0 = u0 / nst;
@@ -1171,9 +1198,9 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8sk_kernel(const W4Args a, con
       if (lane == 0) ptx::mbar_arrive(empty(wg, st));
     };
     if (c0 + 2 <= full_chunks)
-      w8_mma_stage<false>(box, c0, nch, a.nsub, rA, rB, t, scA, scB, desc0, xs0, acc, release);
+      w8_mma_stage<false>(box, c0, nch, a.nsub, rA, rB, t, scA, scB, desc_lo, xs0, acc, release);
     else
-      w8_mma_stage<true>(box, c0, nch, a.nsub, rA, rB, t, scA, scB, desc0, xs0, acc, release);
+      w8_mma_stage<true>(box, c0, nch, a.nsub, rA, rB, t, scA, scB, desc_lo, xs0, acc, release);
   }
   finish(cur);
 #endif
