@@ -310,10 +310,6 @@ struct W4Args {
   const int* ids;
   const float* x;
   int *inv, *err;
-  // One token, stream-K W4A8 kernels: a count per tile of the parts that
-  // finished (zero between launches) and their fp32 partial sums.
-  int* sk_count;
-  float* sk_part;
 };
 
 // The fold of a sub-block d binades under its chunk's largest scale, 2^(14 -
@@ -694,21 +690,15 @@ __device__ __forceinline__ uint32_t e2m1_odd_to_e4m3(uint32_t w) {
 #ifdef DZ_MOE_SM90A
 // No-swizzle K-major descriptor of one sub-block's staged activations: core
 // matrices (8 tokens x 16 bytes) 128 bytes apart along K (leading byte offset).
-// Its low word: sub-block s lies at + s * 16 (the 14-bit address field holds
-// every shared-memory address, so no carry leaves the word: 32-bit adds, not
-// the 64-bit ones that took ~50 instructions a stage); the high word is fixed.
-__device__ __forceinline__ uint32_t w8_desc_lo(uint32_t addr) {
-  return ((addr & 0x3FFFF) >> 4) | (uint32_t(128 >> 4) << 16);
+__device__ __forceinline__ uint64_t w8_desc(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(128 >> 4) << 16) | (uint64_t(256 >> 4) << 32);
 }
-constexpr uint32_t kW8DescHi = 256 >> 4;
 // d = A(64 x 32, registers) * B(8 x 32, shared)^T, E4M3, fresh fp32 accumulators.
 __device__ __forceinline__ void wgmma_rs_m64n8k32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                                  uint32_t db_lo) {
-  asm volatile(
-      "{\n.reg .b64 db;\nmov.b64 db, {%8, %9};\n"
-      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, db, 0, 1, 1;\n}\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(db_lo), "r"(kW8DescHi));
+                                                  uint64_t db) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 0, 1, 1;\n"
+               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
 }
 __device__ __forceinline__ uint32_t lds16(uint32_t addr) {
   uint16_t v;
@@ -719,144 +709,6 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
   return v;
-}
-
-// Stages m tokens' activations for the MMAs: E4M3 with 1x128 scales, token i
-// in column i (kLo: its two terms in columns 2i and 2i + 1), each sub-block as
-// its even then its odd elements (two core matrices of 8 tokens x 16 bytes),
-// and each (chunk, column)'s scale at xs. Item p of items is (token gi, chunk
-// c) = item(p) (c < 0: nothing); warp v of kStep quantizes items v, v + kStep,
-// ..., 4 values a lane, kBatch items' loads in flight before the first is
-// quantized. Rows: s_row[gi] (fp16 act), or with a direct gate_up the fp32 input.
-template <bool kGateUp, bool kLo, int kStep, typename Item>
-__device__ __forceinline__ void w8_stage_items(const W4Args& a, unsigned char* sm, const W8Smem& L, int items,
-                                               Item item, const int* s_row, int warp, int lane) {
-  constexpr int kBatch = 4;
-  for (int p0 = warp; p0 < items; p0 += kBatch * kStep) {
-    float v[kBatch][4];
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int p = p0 + b * kStep;
-      v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
-      if (p >= items) continue;
-      const int2 gc = item(p);
-      const int gi = gc.x, k = gc.y * 128 + 4 * lane;
-      if (gc.y < 0) continue;
-      if (kGateUp && a.direct) {
-        if (k < a.H) {
-          const float4 f = *reinterpret_cast<const float4*>(a.x + k);
-          v[b][0] = f.x, v[b][1] = f.y, v[b][2] = f.z, v[b][3] = f.w;
-        }
-      } else {
-        const uint2 h = *reinterpret_cast<const uint2*>(a.act + int64_t(s_row[gi]) * a.kpad + k);
-        const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
-        const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h.y));
-        v[b][0] = lo.x, v[b][1] = lo.y, v[b][2] = hi.x, v[b][3] = hi.y;
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int p = p0 + b * kStep;
-      if (p >= items) break;  // warp-uniform
-      const int2 gc = item(p);
-      const int gi = gc.x, c = gc.y, k = c * 128 + 4 * lane;
-      if (c < 0) continue;
-      float sc;
-      const uint32_t q = quant_1x128(v[b], sc);
-      const int q8 = k >> 3, hh = lane & 1, col = kLo ? 2 * gi : gi;
-      unsigned char* d = sm + L.act + (q8 >> 2) * kW8SubBytes + col * 16 + (q8 & 3) * 4 + 2 * hh;
-      *reinterpret_cast<uint16_t*>(d) = uint16_t(ptx::prmt(q, 0, 0x20));        // even elements
-      *reinterpret_cast<uint16_t*>(d + 128) = uint16_t(ptx::prmt(q, 0, 0x31));  // odd elements
-      if (kLo) {
-        const uint32_t r = quant_1x128_rest(v[b], sc, q);
-        *reinterpret_cast<uint16_t*>(d + 16) = uint16_t(ptx::prmt(r, 0, 0x20));
-        *reinterpret_cast<uint16_t*>(d + 144) = uint16_t(ptx::prmt(r, 0, 0x31));
-      }
-      if (lane == 0) {
-        float* xs = reinterpret_cast<float*>(sm + L.xs) + c * kW4Tokens + col;
-        xs[0] = sc;
-        if (kLo) xs[1] = sc;
-      }
-    }
-  }
-}
-
-// All chunks of m tokens, the 8 consumer warps sharing them.
-template <bool kGateUp, bool kLo>
-__device__ __forceinline__ void w8_stage_act(const W4Args& a, unsigned char* sm, const W8Smem& L, int m,
-                                             const int* s_row, int tid) {
-  const int nch = a.kpad / 128;
-  w8_stage_items<kGateUp, kLo, 4 * kW8Consumers>(
-      a, sm, L, m * nch, [nch](int p) { return make_int2(p / nch, p % nch); }, s_row, tid >> 5, tid & 31);
-}
-
-// One stage (two K chunks) of a 64-row tile: this thread's fragments of rows
-// rA and rB decoded from the box's words (release(): the box may be refilled),
-// eight MMAs under one wait, then the sub-block scales (scA / scB: the rows'
-// scale bytes in shared memory) and the columns' activation scales into acc.
-// kGuard: chunks reaching past K (a projection's last stage only).
-template <bool kGuard, typename Release>
-__device__ __forceinline__ void w8_mma_stage(uint32_t box, int c0, int nch, int nsub, int rA, int rB, int t,
-                                             uint32_t scA, uint32_t scB, uint32_t desc_lo, uint32_t xs0,
-                                             float (&acc)[4], Release release) {
-  uint32_t wa[8], wb[8];
-  const uint32_t pa = box + rA * kW8Row + 4 * t, pb = box + rB * kW8Row + 4 * t;
-#pragma unroll
-  for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * u), wb[u] = lds32(pb + 16 * u);
-  release();
-  {
-    const int nc = kGuard ? min(2, nch - c0) : 2;
-    uint32_t af[2][4][4];
-#pragma unroll
-    for (int cc = 0; cc < 2; ++cc)
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        af[cc][b][0] = e2m1_even_to_e4m3(wa[4 * cc + b]), af[cc][b][1] = e2m1_even_to_e4m3(wb[4 * cc + b]);
-        af[cc][b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[cc][b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
-      }
-    // No branch around the MMAs (the compiler would serialize them): a chunk
-    // past K has zero weights (the copy engine's fill) and reads the
-    // stage's first chunk of activations, giving exact zeros, unused.
-    float q[2][4][4];
-    const uint32_t d0 = desc_lo + uint32_t(4 * c0 * (kW8SubBytes >> 4));
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int cc = 0; cc < 2; ++cc)
-#pragma unroll
-      for (int b = 0; b < 4; ++b)
-        wgmma_rs_m64n8k32(q[cc][b], af[cc][b][0], af[cc][b][1], af[cc][b][2], af[cc][b][3],
-                          d0 + uint32_t((4 * (cc < nc ? cc : 0) + b) * (kW8SubBytes >> 4)));
-    ptx::wgmma_commit();
-    ptx::wgmma_wait0();
-#pragma unroll
-    for (int cc = 0; cc < 2; ++cc) {
-      if (cc >= nc) break;
-      const int c = c0 + cc;
-      // Sub-block scales 4c..4c+3 of rows A and B: two 16-bit loads a row (nsub is even); an E8M0
-      // byte s is the float with exponent field s (s = 0, 2^-127, reads as 0).
-      const uint32_t a01 = lds16(scA + 4 * c), a23 = lds16(scA + 4 * c + 2);
-      const uint32_t b01 = lds16(scB + 4 * c), b23 = lds16(scB + 4 * c + 2);
-      float fA[4] = {__uint_as_float((a01 << 23) & 0x7F800000u), __uint_as_float((a01 << 15) & 0x7F800000u),
-                     __uint_as_float((a23 << 23) & 0x7F800000u), __uint_as_float((a23 << 15) & 0x7F800000u)};
-      float fB[4] = {__uint_as_float((b01 << 23) & 0x7F800000u), __uint_as_float((b01 << 15) & 0x7F800000u),
-                     __uint_as_float((b23 << 23) & 0x7F800000u), __uint_as_float((b23 << 15) & 0x7F800000u)};
-      if (kGuard)  // sub-blocks past K: zero weights, and bytes of the next row for scales
-#pragma unroll
-        for (int b = 0; b < 4; ++b)
-          if (4 * c + b >= nsub) fA[b] = fB[b] = 0.f;
-      float pA[2] = {0.f, 0.f}, pB[2] = {0.f, 0.f};
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[cc][b][i])::"memory");
-        pA[0] += q[cc][b][0] * fA[b], pA[1] += q[cc][b][1] * fA[b];
-        pB[0] += q[cc][b][2] * fB[b], pB[1] += q[cc][b][3] * fB[b];
-      }
-      const float x0 = __uint_as_float(lds32(xs0 + (c * kW4Tokens + 2 * t) * 4));
-      const float x1 = __uint_as_float(lds32(xs0 + (c * kW4Tokens + 2 * t + 1) * 4));
-      acc[0] += pA[0] * x0, acc[1] += pA[1] * x1, acc[2] += pB[0] * x0, acc[3] += pB[1] * x1;
-    }
-  }
 }
 #endif
 
@@ -943,7 +795,7 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
   const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int len = s_len(wg), sb0 = s_begin(wg), ks = wg / kTiles, nt = ntiles(wg);
   const int rA = kGateUp ? 16 * warp + 2 * g : 16 * warp + g, rB = kGateUp ? rA + 1 : rA + 8;  // tile rows
-  const uint32_t desc_lo = w8_desc_lo(base + L.act);
+  const uint64_t desc0 = w8_desc(base + L.act);  // sub-block s: + s * 16 (its address in 16-byte units)
   const uint32_t xs0 = base + L.xs;
   float4* const red = reinterpret_cast<float4*>(sm + L.red);
   if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();  // the SwiGLU rows
@@ -953,8 +805,52 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
     const int m = min(kPass, cnt - base_t);
     if (!(kGateUp && a.direct) && tid < m) s_row[tid] = act_row<kGateUp>(a, seg + base_t + tid);
     ptx::named_sync(1, 128 * kW8Consumers);  // the previous pass's activations are read; s_row written
+    // Stage: warp v of 8 quantizes (token gi, chunk c) pairs, 4 values a lane,
+    // kBatch pairs' loads in flight before the first is quantized.
     float tok_scale[2] = {1.f, 1.f};
-    w8_stage_act<kGateUp, kLo>(a, sm, L, m, s_row, tid);
+    constexpr int kBatch = 4, kStep = 4 * kW8Consumers;
+    const int items = m * nch;
+    for (int p0 = tid >> 5; p0 < items; p0 += kBatch * kStep) {
+      float v[kBatch][4];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int p = p0 + b * kStep, gi = p / nch, k = (p - gi * nch) * 128 + 4 * lane;
+        v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
+        if (p >= items) continue;
+        if (kGateUp && a.direct) {
+          if (k < a.H) {
+            const float4 f = *reinterpret_cast<const float4*>(a.x + k);
+            v[b][0] = f.x, v[b][1] = f.y, v[b][2] = f.z, v[b][3] = f.w;
+          }
+        } else {
+          const uint2 h = *reinterpret_cast<const uint2*>(a.act + int64_t(s_row[gi]) * a.kpad + k);
+          const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
+          const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h.y));
+          v[b][0] = lo.x, v[b][1] = lo.y, v[b][2] = hi.x, v[b][3] = hi.y;
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int p = p0 + b * kStep, gi = p / nch, c = p - gi * nch, k = c * 128 + 4 * lane;
+        if (p >= items) break;  // warp-uniform
+        float sc;
+        const uint32_t q = quant_1x128(v[b], sc);
+        const int q8 = k >> 3, hh = lane & 1, col = kLo ? 2 * gi : gi;
+        unsigned char* d = sm + L.act + (q8 >> 2) * kW8SubBytes + col * 16 + (q8 & 3) * 4 + 2 * hh;
+        *reinterpret_cast<uint16_t*>(d) = uint16_t(ptx::prmt(q, 0, 0x20));        // even elements
+        *reinterpret_cast<uint16_t*>(d + 128) = uint16_t(ptx::prmt(q, 0, 0x31));  // odd elements
+        if (kLo) {
+          const uint32_t r = quant_1x128_rest(v[b], sc, q);
+          *reinterpret_cast<uint16_t*>(d + 16) = uint16_t(ptx::prmt(r, 0, 0x20));
+          *reinterpret_cast<uint16_t*>(d + 144) = uint16_t(ptx::prmt(r, 0, 0x31));
+        }
+        if (lane == 0) {
+          float* xs = reinterpret_cast<float*>(sm + L.xs) + c * kW4Tokens + col;
+          xs[0] = sc;
+          if (kLo) xs[1] = sc;
+        }
+      }
+    }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
     // The epilogue's operands load now (the tokens' input scales; biases a tile).
     if (kGateUp && !a.direct && nt > 0 && ks == 0)
@@ -965,8 +861,70 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
     ptx::named_sync(1, 128 * kW8Consumers);
     if (len > 0 && base_t == 0) ptx::mbar_wait(sbar(wg), 0);
 
+    // The stage's two chunks: fragments decoded from the box's words, eight
+    // MMAs under one wait, then the sub-block and activation scales. guard:
+    // chunks reaching past K (the last stage only).
     float acc[4];
-    uint32_t scA = 0, scB = 0;           // this tile's scales of rows A and B
+    uint32_t scA = 0, scB = 0;  // this tile's scales of rows A and B
+    auto stage = [&](uint32_t box, int c0, bool guard, auto release) {
+      uint32_t wa[8], wb[8];
+      const uint32_t pa = box + rA * kW8Row + 4 * t, pb = box + rB * kW8Row + 4 * t;
+#pragma unroll
+      for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * u), wb[u] = lds32(pb + 16 * u);
+      release();
+      {
+        const int nc = guard ? min(2, nch - c0) : 2;
+        uint32_t af[2][4][4];
+#pragma unroll
+        for (int cc = 0; cc < 2; ++cc)
+#pragma unroll
+          for (int b = 0; b < 4; ++b) {
+            af[cc][b][0] = e2m1_even_to_e4m3(wa[4 * cc + b]), af[cc][b][1] = e2m1_even_to_e4m3(wb[4 * cc + b]);
+            af[cc][b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[cc][b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
+          }
+        // No branch around the MMAs (the compiler would serialize them): a chunk
+        // past K has zero weights (the copy engine's fill) and reads the
+        // stage's first chunk of activations, giving exact zeros, unused.
+        float q[2][4][4];
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int cc = 0; cc < 2; ++cc)
+#pragma unroll
+          for (int b = 0; b < 4; ++b)
+            wgmma_rs_m64n8k32(q[cc][b], af[cc][b][0], af[cc][b][1], af[cc][b][2], af[cc][b][3],
+                              desc0 + uint64_t((4 * (cc < nc ? c0 + cc : c0) + b) * (kW8SubBytes >> 4)));
+        ptx::wgmma_commit();
+        ptx::wgmma_wait0();
+#pragma unroll
+        for (int cc = 0; cc < 2; ++cc) {
+          if (cc >= nc) break;
+          const int c = c0 + cc;
+          // Sub-block scales 4c..4c+3 of rows A and B: two 16-bit loads a row (nsub is even); an E8M0
+          // byte s is the float with exponent field s (s = 0, 2^-127, reads as 0).
+          const uint32_t a01 = lds16(scA + 4 * c), a23 = lds16(scA + 4 * c + 2);
+          const uint32_t b01 = lds16(scB + 4 * c), b23 = lds16(scB + 4 * c + 2);
+          float fA[4] = {__uint_as_float((a01 << 23) & 0x7F800000u), __uint_as_float((a01 << 15) & 0x7F800000u),
+                         __uint_as_float((a23 << 23) & 0x7F800000u), __uint_as_float((a23 << 15) & 0x7F800000u)};
+          float fB[4] = {__uint_as_float((b01 << 23) & 0x7F800000u), __uint_as_float((b01 << 15) & 0x7F800000u),
+                         __uint_as_float((b23 << 23) & 0x7F800000u), __uint_as_float((b23 << 15) & 0x7F800000u)};
+          if (guard)  // sub-blocks past K: zero weights, and bytes of the next row for scales
+#pragma unroll
+            for (int b = 0; b < 4; ++b)
+              if (4 * c + b >= a.nsub) fA[b] = fB[b] = 0.f;
+          float pA[2] = {0.f, 0.f}, pB[2] = {0.f, 0.f};
+#pragma unroll
+          for (int b = 0; b < 4; ++b) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[cc][b][i])::"memory");
+            pA[0] += q[cc][b][0] * fA[b], pA[1] += q[cc][b][1] * fA[b];
+            pB[0] += q[cc][b][2] * fB[b], pB[1] += q[cc][b][3] * fB[b];
+          }
+          const float x0 = __uint_as_float(lds32(xs0 + (c * kW4Tokens + 2 * t) * 4));
+          const float x1 = __uint_as_float(lds32(xs0 + (c * kW4Tokens + 2 * t + 1) * 4));
+          acc[0] += pA[0] * x0, acc[1] += pA[1] * x1, acc[2] += pB[0] * x0, acc[3] += pB[1] * x1;
+        }
+      }
+    };
     const int full_chunks = a.nsub / 4;  // chunks wholly inside K
     for (int q = 0; q < kTPW; ++q) {
       const bool active = q < nt;
@@ -988,9 +946,9 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
           if (lane == 0) ptx::mbar_arrive(empty(wg, st));
         };
         if (c0 + 2 <= full_chunks)
-          w8_mma_stage<false>(box, c0, nch, a.nsub, rA, rB, t, scA, scB, desc_lo, xs0, acc, release);
+          stage(box, c0, false, release);
         else
-          w8_mma_stage<true>(box, c0, nch, a.nsub, rA, rB, t, scA, scB, desc_lo, xs0, acc, release);
+          stage(box, c0, true, release);
       }
       if (kKS > 1) {
         if (ks > 0) red[tid & 127] = make_float4(acc[0], acc[1], acc[2], acc[3]);
@@ -1026,184 +984,6 @@ auto w8_fn(int ks, bool lo, int tiles) {
   if (ks == 2) return lo ? w8_kernel<kGateUp, 2, kPdl, true, 1> : w8_kernel<kGateUp, 2, kPdl, false, 1>;
   if (tiles == 2) return lo ? w8_kernel<kGateUp, 1, kPdl, true, 2> : w8_kernel<kGateUp, 1, kPdl, false, 2>;
   return lo ? w8_kernel<kGateUp, 1, kPdl, true, 1> : w8_kernel<kGateUp, 1, kPdl, false, 1>;
-}
-
-// One token, stream-K (a decode step at batch 1). The projection's topk slots
-// x (rows / 64) tiles x nst stages (two K chunks each) are one sequence of
-// units cut into equal contiguous ranges, one a consumer warpgroup of a single
-// wave, so every warpgroup streams the same bytes from start to end: the
-// per-tile grid leaves 1.4 waves at gpt-oss shapes and pays a block's setup
-// (activation staging, barriers, the scales' copy) per 64 rows. A range
-// touches at most two tiles (the host keeps it at most nst + 1 units). A tile
-// cut between warpgroups is finished by the last one to reach it: the others
-// leave fp32 partial sums in global scratch and count themselves in; the last
-// adds the parts in their order (the same bits whoever is last) and clears the
-// count. Activations (two E4M3 terms): gate_up the token's input in columns 0
-// and 1, down every slot's SwiGLU row y in columns 2y and 2y + 1, staged once a
-// block. Stages and MMAs are the W4A8 kernel's; invalid ids read expert 0
-// (flagged, and their slots left out by the combine).
-constexpr int kSkTiles = 2;  // tiles a warpgroup's range touches at most
-template <bool kGateUp, bool kPdl>
-__global__ void __launch_bounds__(kW8Threads, 2) w8sk_kernel(const W4Args a, const __grid_constant__ CUtensorMap wmap) {
-#ifdef DZ_MOE_SM90A
-  constexpr int kSt = w8_stages(kSkTiles);
-  extern __shared__ unsigned char w8_raw[];
-  unsigned char* const sm =
-      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(w8_raw) + 1023) & ~uintptr_t(1023));
-  const W8Smem L = w8_smem(a.nsub, a.kpad, kSkTiles);
-  const uint32_t base = ptx::smem_u32(sm);
-  const int tid = threadIdx.x, wg = tid >> 7;
-  const uint32_t bar0 = base + L.bar;  // full[w][s], empty[w][s], scales[w]
-  auto full = [&](int w, int st) { return bar0 + 8 * (w * kSt + st); };
-  auto empty = [&](int w, int st) { return bar0 + 8 * ((kW8Consumers + w) * kSt + st); };
-  auto sbar = [&](int w) { return bar0 + 8 * (2 * kW8Consumers * kSt + w); };
-  if (tid == 0) {
-    for (int w = 0; w < kW8Consumers; ++w) {
-      for (int st = 0; st < kSt; ++st) ptx::mbar_init(full(w, st), 1), ptx::mbar_init(empty(w, st), 4);
-      ptx::mbar_init(sbar(w), 1);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  if (kPdl && kGateUp) pdl_wait(), pdl_trigger();  // the router's ids; the down kernel may start its weight loads
-  const int nch = a.kpad / 128, nst = (nch + 1) / 2, ntile = a.rows / 64;
-  const int64_t U = int64_t(a.topk) * ntile * nst, C = int64_t(gridDim.x) * kW8Consumers;
-  auto first = [&](int64_t c) { return c * U / C; };                                 // consumer c's first unit
-  auto owner = [&](int64_t u) { return (u + 1) * C / U - ((u + 1) * C % U == 0); };  // the consumer of unit u
-  auto expert = [&](int y) {
-    const int id = a.ids[y];
-    return id >= 0 && id < a.n_experts ? id : 0;
-  };
-  if (kGateUp && blockIdx.x == 0 && tid < a.topk) {
-    const int id = a.ids[tid];
-    const bool ok = id >= 0 && id < a.n_experts;
-    a.inv[tid] = ok ? tid * kPadRows : -1;
-    if (!ok) atomicOr(a.err, 1);
-  }
-  const int sc_bytes = (64 * a.nsub + 15) / 16 * 16;
-  auto sc_at = [&](int w, int q) { return L.sc + (w * kSkTiles + q) * sc_bytes; };
-
-  if (wg == kW8Consumers) {  // producer warp
-    if ((tid & 31) == 0) {
-      int64_t u0[kW8Consumers], len[kW8Consumers], most = 0;
-      for (int w = 0; w < kW8Consumers; ++w) {
-        const int64_t c = int64_t(blockIdx.x) * kW8Consumers + w;
-        u0[w] = first(c), len[w] = first(c + 1) - u0[w], most = max(most, len[w]);
-        if (len[w] == 0) continue;
-        const int64_t t0 = u0[w] / nst, t1 = (u0[w] + len[w] - 1) / nst;
-        ptx::mbar_arrive_expect_tx(sbar(w), uint32_t((t1 - t0 + 1) * 64 * a.nsub));
-        for (int64_t tt = t0; tt <= t1; ++tt)
-          ptx::bulk_g2s(base + sc_at(w, int(tt - t0)),
-                        a.scales + (int64_t(expert(int(tt / ntile))) * a.rows + tt % ntile * 64) * a.nsub,
-                        uint32_t(64 * a.nsub), sbar(w));
-      }
-      int n[kW8Consumers] = {};
-      for (int64_t j = 0; j < most; ++j)
-        for (int w = 0; w < kW8Consumers; ++w) {
-          if (j >= len[w]) continue;
-          const int64_t u = u0[w] + j, tt = u / nst;
-          const int st = n[w] % kSt, ph = (n[w] / kSt) & 1;
-          ptx::mbar_wait(empty(w, st), ph ^ 1);
-          ptx::mbar_arrive_expect_tx(full(w, st), kW8StageBytes);
-          ptx::tma_2d(base + (w * kSt + st) * kW8StageBytes, &wmap, full(w, st), int(u - tt * nst) * 128,
-                      expert(int(tt / ntile)) * a.rows + int(tt % ntile) * 64);
-          ++n[w];
-        }
-    }
-    if (kPdl) pdl_trigger();
-    return;
-  }
-
-  // Consumers: each warpgroup stages the activation chunks of its own units
-  // (the other's may overlap: the same bytes written twice), then waits for
-  // its own warps only.
-  const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int rA = kGateUp ? 16 * warp + 2 * g : 16 * warp + g, rB = kGateUp ? rA + 1 : rA + 8;  // tile rows
-  const uint32_t desc_lo = w8_desc_lo(base + L.act);
-  const uint32_t xs0 = base + L.xs;
-  const int64_t c = int64_t(blockIdx.x) * kW8Consumers + wg, u0 = first(c), u1 = first(c + 1);
-  if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();  // the SwiGLU rows
-  __shared__ int s_row[kW4Tokens / 2];
-  __shared__ int s_last[kW8Consumers];
-  if (!kGateUp && tid < a.topk) s_row[tid] = tid * kPadRows;
-  ptx::named_sync(1, 128 * kW8Consumers);
-  w8_stage_items<kGateUp, true, 4>(
-      a, sm, L, int(2 * (u1 - u0)),
-      [&](int p) {
-        const int64_t u = u0 + p / 2, tt = u / nst;
-        const int ch = 2 * int(u - tt * nst) + (p & 1);
-        return make_int2(kGateUp ? 0 : int(tt / ntile), ch < nch ? ch : -1);
-      },
-      s_row, warp, lane);
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
-  ptx::named_sync(2 + wg, 128);
-  if (u1 == u0) return;
-  ptx::mbar_wait(sbar(wg), 0);
-  const int64_t t0 = u0 / nst;
-  const int full_chunks = a.nsub / 4;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  uint32_t scA = 0, scB = 0;
-  // Tile tt's sums are complete in this warpgroup (or it is the last part):
-  // the epilogue of slot y = tt / ntile, whose columns lanes t == col hold.
-  auto finish = [&](int64_t tt) {
-    const int y = int(tt / ntile), T0 = int(tt % ntile) * 64, col = kGateUp ? 0 : y;
-    constexpr float kPost = 64.f;                                          // the E2M1 placement's 2^-6
-    float vA = (acc[0] + acc[1]) * kPost, vB = (acc[2] + acc[3]) * kPost;  // hi + lo terms
-    const int64_t o = owner(tt * nst);
-    const int p = int(c - o), np = int(owner(tt * nst + nst - 1) - o) + 1;
-    if (np > 1) {
-      float* part = a.sk_part + tt * nst * 64;  // part q: 64 rows at q * 64
-      if (t == col) __stcg(part + p * 64 + rA, vA), __stcg(part + p * 64 + rB, vB);
-      __threadfence();
-      ptx::named_sync(2 + wg, 128);
-      if ((tid & 127) == 0) s_last[wg] = atomicAdd(a.sk_count + tt, 1) == np - 1;
-      ptx::named_sync(2 + wg, 128);
-      if (!s_last[wg]) return;
-      __threadfence();
-      if (t == col) {
-        float sA = 0.f, sB = 0.f;
-        for (int q = 0; q < np; ++q) {  // in part order
-          sA += q == p ? vA : __ldcg(part + q * 64 + rA);
-          sB += q == p ? vB : __ldcg(part + q * 64 + rB);
-        }
-        vA = sA, vB = sB;
-      }
-      if ((tid & 127) == 0) a.sk_count[tt] = 0;
-    }
-    if (t != col) return;
-    const int64_t brow = int64_t(expert(y)) * a.rows + T0;
-    const float biasA = bf16_to_float(a.bias[brow + rA]), biasB = bf16_to_float(a.bias[brow + rB]);
-    if (kGateUp)
-      a.out_act[int64_t(y) * kPadRows * a.out_ld + ((T0 + rA) >> 1)] = __float2half_rn(swiglu(vA + biasA, vB + biasB));
-    else {
-      a.out_y[int64_t(y) * kPadRows * a.rows + T0 + rA] = vA + biasA;
-      a.out_y[int64_t(y) * kPadRows * a.rows + T0 + rB] = vB + biasB;
-    }
-  };
-  int64_t cur = -1;
-  int n = 0;
-  for (int64_t u = u0; u < u1; ++u, ++n) {
-    const int64_t tt = u / nst;
-    if (tt != cur) {
-      if (cur >= 0) finish(cur);
-      cur = tt;
-      acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
-      scA = base + sc_at(wg, int(tt - t0)) + rA * a.nsub, scB = base + sc_at(wg, int(tt - t0)) + rB * a.nsub;
-    }
-    const int st = n % kSt, c0 = 2 * int(u - tt * nst);
-    ptx::mbar_wait(full(wg, st), (n / kSt) & 1);
-    const uint32_t box = base + (wg * kSt + st) * kW8StageBytes;
-    auto release = [&] {
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(empty(wg, st));
-    };
-    if (c0 + 2 <= full_chunks)
-      w8_mma_stage<false>(box, c0, nch, a.nsub, rA, rB, t, scA, scB, desc_lo, xs0, acc, release);
-    else
-      w8_mma_stage<true>(box, c0, nch, a.nsub, rA, rB, t, scA, scB, desc_lo, xs0, acc, release);
-  }
-  finish(cur);
-#endif
 }
 // Block kb of sorted row r of expert segment [off, off + mp): q [rows][nkb * 128],
 // the segment's scales [kb][mp] from qs + nkb * off (the layout the FP8 GEMMs take).
@@ -1439,14 +1219,7 @@ struct MoeLayer::Impl {
   // the FP8 expert workspace: 2 tiles x tile_experts x (w1 + w2)
   DeviceArray<uint8_t> ws_fp8;
   DeviceArray<float> ws_scales;
-  bool w8_fits = false;  // the W4A8 kernels can run here (device, build, shared memory)
-  // One token, stream-K W4A8 kernels: per projection (gate_up, down) the
-  // blocks of one wave, the tile counts' and partial sums' scratch.
-  int sk_blocks[2] = {0, 0};
-  int sk_tiles_gu = 0;
-  int64_t sk_launches = 0;
-  DeviceArray<int> sk_count;
-  DeviceArray<float> sk_part;
+  bool w8_fits = false;     // the W4A8 kernels can run here (device, build, shared memory)
   int tile_cap = 0;         // experts per workspace tile it was sized for
   int* h_counts = nullptr;  // pinned: counts[E], offsets[E+1]
   cudaEvent_t ev_ready[2]{}, ev_free[2]{};
@@ -1492,15 +1265,6 @@ struct MoeLayer::Impl {
     ws_fp8 = DeviceArray<uint8_t>(P, 2 * tile_cap * per_expert_fp8, "FP8 expert workspace");
     ws_scales = DeviceArray<float>(P, 2 * tile_cap * per_expert_sc, "FP8 expert workspace scales");
     DZ_CUDA_CHECK(cudaMemsetAsync(err.get(), 0, sizeof(int), ctx.stream()));
-    {
-      sk_tiles_gu = 2 * I / 64;
-      const int64_t nst_h = (kph / 128 + 1) / 2, nst_i = (kpi / 128 + 1) / 2;
-      sk_count = DeviceArray<int>(P, size_t(s.topk) * (sk_tiles_gu + H / 64) + 1, "moe stream-K tile counts");
-      sk_part = DeviceArray<float>(
-          P, size_t(s.topk) * std::max<int64_t>(1, std::max(sk_tiles_gu * nst_h, H / 64 * nst_i)) * 64,
-          "moe stream-K partial sums");
-      DZ_CUDA_CHECK(cudaMemsetAsync(sk_count.get(), 0, sk_count.bytes(), ctx.stream()));
-    }
     // Padding columns of the fp16 activations are never written by the kernels.
     DZ_CUDA_CHECK(cudaMemsetAsync(act16.get(), 0, act16.bytes(), ctx.stream()));
     DZ_CUDA_CHECK(cudaMallocHost(&h_counts, sizeof(int) * (2 * E + 1)));
@@ -1539,19 +1303,6 @@ struct MoeLayer::Impl {
             for (auto k : {w8_fn<true, false>(ks, lo, tiles), w8_fn<true, true>(ks, lo, tiles),
                            w8_fn<false, false>(ks, lo, tiles), w8_fn<false, true>(ks, lo, tiles)})
               DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem8));
-      int sms = 0;
-      DZ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-      for (int G = 0; G < 2; ++G) {
-        const int sk_smem =
-            G == 0 ? w8_smem(H / 32, int(kph), kSkTiles).total : w8_smem(I / 32, int(kpi), kSkTiles).total;
-        int per_sm = 0;
-        for (auto k :
-             {w8sk_kernel<true, false>, w8sk_kernel<true, true>, w8sk_kernel<false, false>, w8sk_kernel<false, true>})
-          DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem8));
-        DZ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &per_sm, G == 0 ? w8sk_kernel<true, true> : w8sk_kernel<false, true>, kW8Threads, size_t(sk_smem)));
-        sk_blocks[G] = per_sm * sms;
-      }
     }
     DZ_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
   }
@@ -1628,15 +1379,13 @@ struct MoeLayer::Impl {
     const int tiles = opt.fused_w4a8_tiles ? opt.fused_w4a8_tiles : int64_t(T) * s.topk >= E ? 2 : 1;
     const bool w4a8 = opt.fused_w4a8 && double(T) * s.topk / E <= opt.fused_w4a8_max_tokens_per_expert &&
                       int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
-    // One token: the stream-K W4A8 kernels where they run (MoeOptions::fused_one_token_stream_k).
-    const bool sk = direct(T) && opt.fused_w4a8 && opt.fused_one_token_stream_k;
-    if (!(sk && launch_sk<true>(pdl, 2 * I, st, a))) launch_w4<true>(ks, pdl, w4a8, tiles, 2 * I, max_active, st, a);
+    launch_w4<true>(ks, pdl, w4a8, tiles, 2 * I, max_active, st, a);
     // down
     a.blocks = w.w2_blocks, a.scales = w.w2_scales, a.bias = w.b2;
     a.act = act16.get(), a.act_scale = nullptr;
     a.rows = H, a.nsub = I / 32, a.kpad = int(kpi);
     a.out_y = y32.get();
-    if (!(sk && launch_sk<false>(pdl, H, st, a))) launch_w4<false>(ks, pdl, w4a8, tiles, H, max_active, st, a);
+    launch_w4<false>(ks, pdl, w4a8, tiles, H, max_active, st, a);
     const bool v8 = vec8(y32.get(), nullptr, out);
     const auto comb = v8 ? (pdl ? combine_kernel<float, false, true, true> : combine_kernel<float, false, false, true>)
                          : (pdl ? combine_kernel<float, false, true> : combine_kernel<float, false, false>);
@@ -1666,7 +1415,12 @@ struct MoeLayer::Impl {
   void launch_w4(int ks, bool pdl, bool w4a8, int tiles, int rows, unsigned max_active, cudaStream_t st,
                  const W4Args& a) {
     if (w4a8 && w8(rows, a)) {  // two warpgroups a block: two 64-row tiles, or one split over K
-      const CUtensorMap map = w8_map<G>(rows, a);
+      CUtensorMap map;
+      const cuuint64_t dims[2] = {cuuint64_t(a.nsub) * 16, cuuint64_t(s.n_experts) * rows};
+      const cuuint64_t strides[1] = {cuuint64_t(a.nsub) * 16};
+      const cuuint32_t box[2] = {kW8Row, 64};
+      encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks, dims, strides, box,
+                        CU_TENSOR_MAP_SWIZZLE_NONE, G ? "MoE gate_up blocks" : "MoE down blocks");
       const int ks8 = ks == 1 ? 1 : 2;
       if (ks8 == 2) tiles = 1;
       const int per_block = 64 * (kW8Consumers / ks8) * tiles;
@@ -1680,35 +1434,6 @@ struct MoeLayer::Impl {
     const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
     const size_t smem = size_t(a.ntok) * a.kpad * 2;
     launch(pdl ? w4_fn<G, true>(ks, ntile) : w4_fn<G, false>(ks, ntile), grid, dim3(kW4Threads), smem, st, pdl, a);
-  }
-
-  // The W4A8 kernels' tensor map: the experts' MXFP4 rows in boxes of 64 rows x kW8Row bytes.
-  template <bool G>
-  CUtensorMap w8_map(int rows, const W4Args& a) const {
-    CUtensorMap map;
-    const cuuint64_t dims[2] = {cuuint64_t(a.nsub) * 16, cuuint64_t(s.n_experts) * rows};
-    const cuuint64_t strides[1] = {cuuint64_t(a.nsub) * 16};
-    const cuuint32_t box[2] = {kW8Row, 64};
-    encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE,
-                      G ? "MoE gate_up blocks" : "MoE down blocks");
-    return map;
-  }
-
-  // One token's projection on the stream-K W4A8 kernel (one wave: every
-  // consumer warpgroup at least one unit and at most nst + 1, so a range
-  // touches at most kSkTiles tiles); false where it does not run.
-  template <bool G>
-  bool launch_sk(bool pdl, int rows, cudaStream_t st, W4Args a) {
-    if (!w8(rows, a) || s.topk > kW4Tokens / 2) return false;
-    const int64_t nst = (a.kpad / 128 + 1) / 2, U = int64_t(s.topk) * (rows / 64) * nst;
-    const int64_t blocks = std::min<int64_t>(sk_blocks[G ? 0 : 1], U / kW8Consumers), C = blocks * kW8Consumers;
-    if (blocks < 1 || (U + C - 1) / C > nst + 1) return false;
-    a.sk_count = sk_count.get() + (G ? 0 : s.topk * sk_tiles_gu);
-    a.sk_part = sk_part.get();
-    launch(pdl ? w8sk_kernel<G, true> : w8sk_kernel<G, false>, dim3(unsigned(blocks)), dim3(kW8Threads),
-           size_t(w8_smem(a.nsub, a.kpad, kSkTiles).total), st, pdl, a, w8_map<G>(rows, a));
-    ++sk_launches;
-    return true;
   }
 
   // The fused kernels' K split for T tokens.
@@ -1876,8 +1601,6 @@ size_t MoeLayer::scratch_bytes() const {
 }
 
 int* MoeLayer::error_flag() { return p_->err.get(); }
-
-int64_t MoeLayer::stream_k_launches() const { return p_->sk_launches; }
 
 int MoeLayer::take_error() {
   int h = 0;

@@ -90,11 +90,6 @@ struct MoeOptions {
   // tokens 160 / 260 / 421 / 623 vs 165 / 257 / 391 / 569 us; 32 experts 4 /
   // 8 / 16 tokens 88 / 126 / 186 vs 102 / 118 / 190 us.
   int fused_w4a8_tiles = 0;
-  // One token (a decode step at batch 1) with fused_w4a8 on: the stream-K
-  // W4A8 kernels (two E4M3 terms; one wave, every consumer warpgroup
-  // streaming an equal share of the projection's stages; tiles cut between
-  // warpgroups summed in a fixed order) instead of the per-tile kernels.
-  bool fused_one_token_stream_k = true;
   // E4M3 arithmetic at every size (DZ_EXPERTS_FP8): one E4M3 term a value,
   // W4A8 kernels at every slot count up to 8 tokens an expert (faster than
   // the FP8 GEMM path there: run 16), the FP8 path above.
@@ -153,9 +148,6 @@ class MoeLayer {
   // The device flag take_error() reads, for callers that read and reset it on
   // their stream themselves (inside a CUDA graph: no sync).
   int* error_flag();
-  // Projections run on the one-token stream-K kernels so far (which kernels a
-  // call took, for tests and benchmarks).
-  int64_t stream_k_launches() const;
 
  private:
   struct Impl;

@@ -343,13 +343,12 @@ int bench_moe(const Args& a) {
       // launch on/off); the default options are what "fused_ms" reports.
       // W4A8 variants run at every size; defaults: the options as given.
       auto time_fused = [&](int ks, bool pdl, bool direct = true, int w4a8_terms = 0, bool defaults = false,
-                            int w4a8_tiles = 0, bool stream_k = false) {
+                            int w4a8_tiles = 0) {
         if (!defaults) {
           layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
           layer.options().fused_w4a8 = w4a8_terms > 0;
           layer.options().fused_w4a8_terms = std::max(1, w4a8_terms);
           layer.options().fused_w4a8_tiles = w4a8_tiles;
-          layer.options().fused_one_token_stream_k = stream_k;
           layer.options().fused_w4a8_max_tokens_per_expert = 1e9;
           layer.options().fused_w4a8_min_slots = 0;
           layer.options().fused_k_split = ks;
@@ -392,10 +391,6 @@ int bench_moe(const Args& a) {
               variants[name + "_ks" + std::to_string(ks) + "_pdl"] = time_fused(ks, true, true, terms, false, 1);
             variants[name + "_ks1_t2_pdl"] = time_fused(1, true, true, terms, false, 2);
           }
-        if (Fp8GroupedGemm::supported() && T == 1)  // one token: the stream-K W4A8 kernels (two terms)
-          for (bool pdl : {false, true})
-            variants[std::string("w4a8x2_stream_k") + (pdl ? "_pdl" : "")] =
-                time_fused(4, pdl, true, 2, false, 1, true);
       }
       const double ms_fused = time_fused(0, false, true, 0, true);
       std::vector<double> host;
