@@ -690,15 +690,21 @@ __device__ __forceinline__ uint32_t e2m1_odd_to_e4m3(uint32_t w) {
 #ifdef DZ_MOE_SM90A
 // No-swizzle K-major descriptor of one sub-block's staged activations: core
 // matrices (8 tokens x 16 bytes) 128 bytes apart along K (leading byte offset).
-__device__ __forceinline__ uint64_t w8_desc(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(128 >> 4) << 16) | (uint64_t(256 >> 4) << 32);
+// Its low word: sub-block s lies at + s * 16 (the 14-bit address field holds
+// every shared-memory address, so no carry leaves the word: 32-bit adds, not
+// the 64-bit ones that took ~50 instructions a stage); the high word is fixed.
+__device__ __forceinline__ uint32_t w8_desc_lo(uint32_t addr) {
+  return ((addr & 0x3FFFF) >> 4) | (uint32_t(128 >> 4) << 16);
 }
+constexpr uint32_t kW8DescHi = 256 >> 4;
 // d = A(64 x 32, registers) * B(8 x 32, shared)^T, E4M3, fresh fp32 accumulators.
 __device__ __forceinline__ void wgmma_rs_m64n8k32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                                  uint64_t db) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 0, 1, 1;\n"
-               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
+                                                  uint32_t db_lo) {
+  asm volatile(
+      "{\n.reg .b64 db;\nmov.b64 db, {%8, %9};\n"
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, db, 0, 1, 1;\n}\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(db_lo), "r"(kW8DescHi));
 }
 __device__ __forceinline__ uint32_t lds16(uint32_t addr) {
   uint16_t v;
@@ -795,7 +801,7 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
   const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int len = s_len(wg), sb0 = s_begin(wg), ks = wg / kTiles, nt = ntiles(wg);
   const int rA = kGateUp ? 16 * warp + 2 * g : 16 * warp + g, rB = kGateUp ? rA + 1 : rA + 8;  // tile rows
-  const uint64_t desc0 = w8_desc(base + L.act);  // sub-block s: + s * 16 (its address in 16-byte units)
+  const uint32_t desc_lo = w8_desc_lo(base + L.act);
   const uint32_t xs0 = base + L.xs;
   float4* const red = reinterpret_cast<float4*>(sm + L.red);
   if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();  // the SwiGLU rows
@@ -886,13 +892,14 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
         // past K has zero weights (the copy engine's fill) and reads the
         // stage's first chunk of activations, giving exact zeros, unused.
         float q[2][4][4];
+        const uint32_t d0 = desc_lo + uint32_t(4 * c0 * (kW8SubBytes >> 4));
         ptx::wgmma_fence();
 #pragma unroll
         for (int cc = 0; cc < 2; ++cc)
 #pragma unroll
           for (int b = 0; b < 4; ++b)
             wgmma_rs_m64n8k32(q[cc][b], af[cc][b][0], af[cc][b][1], af[cc][b][2], af[cc][b][3],
-                              desc0 + uint64_t((4 * (cc < nc ? c0 + cc : c0) + b) * (kW8SubBytes >> 4)));
+                              d0 + uint32_t((4 * (cc < nc ? cc : 0) + b) * (kW8SubBytes >> 4)));
         ptx::wgmma_commit();
         ptx::wgmma_wait0();
 #pragma unroll
