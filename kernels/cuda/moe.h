@@ -76,9 +76,12 @@ struct MoeOptions {
   // gpt-oss-120b shapes (128 experts): 4 / 8 / 16 / 32 / 48 tokens 94 / 159 /
   // 263 / 429 / 512 us vs 103 / 180 / 298 / 478 / 549; 64 tokens (2 an
   // expert) 634 vs 621, 1 token 39.7 vs 35.3 (K split), 2 tokens a tie; at 32
-  // experts 8 tokens 129 vs 142, 16 tokens 184 vs 180.
+  // experts 8 tokens 129 vs 142, 16 tokens 184 vs 180. Up to 2 tokens an
+  // expert since run 53 (two row tiles a warpgroup, 32-bit descriptor adds):
+  // 120b shapes 64 / 96 / 128 tokens (2 / 3 / 4 an expert) 554 / 696 / 837 vs
+  // W4A16 626 / 691 / 747 us; 32 experts 16 / 24 tokens 181 / 218 vs 175 / 193.
   bool fused_w4a8 = true;
-  double fused_w4a8_max_tokens_per_expert = 1.5;
+  double fused_w4a8_max_tokens_per_expert = 2.0;
   int fused_w4a8_min_slots = 8;
   int fused_w4a8_terms = 2;
   // 64-row tiles each W4A8 warpgroup streams in turn without a K split: with
