@@ -77,7 +77,8 @@ struct MoeOptions {
   // 263 / 429 / 512 us vs 103 / 180 / 298 / 478 / 549; 64 tokens (2 an
   // expert) 634 vs 621, 1 token 39.7 vs 35.3 (K split), 2 tokens a tie; at 32
   // experts 8 tokens 129 vs 142, 16 tokens 184 vs 180. Up to 2 tokens an
-  // expert since run 53 (two row tiles a warpgroup, 32-bit descriptor adds):
+  // expert since 2026-12-02-h200-run52.md (run 53: two row tiles a
+  // warpgroup, 32-bit descriptor adds):
   // 120b shapes 64 / 96 / 128 tokens (2 / 3 / 4 an expert) 554 / 696 / 837 vs
   // W4A16 626 / 691 / 747 us; 32 experts 16 / 24 tokens 181 / 218 vs 175 / 193.
   bool fused_w4a8 = true;
