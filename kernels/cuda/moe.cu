@@ -624,7 +624,7 @@ __device__ __forceinline__ uint32_t quant_1x128(const float (&v)[4], float& sc) 
 // Few tokens per expert with E4M3 activations (1x128 scales, as the FP8 path):
 //  - the MXFP4 rows reach shared memory through the copy engine: per consumer
 //    warpgroup a ring of kW8Stages boxes of 64 rows x 144 bytes (two 128-wide
-//    K chunks, see kW8Row) that a producer warp keeps in flight without
+//    K chunks, see kW8Row) that its producer warp keeps in flight without
 //    holding registers, and the tile's E8M0 scales in one bulk copy;
 //  - consumers decode E2M1 -> E4M3 in registers (a nibble's E2M1 bits placed in
 //    an E4M3 byte are its value * 2^-6 exactly: 5 instructions per 8 weights,
@@ -635,9 +635,10 @@ __device__ __forceinline__ uint32_t quant_1x128(const float (&v)[4], float& sc) 
 //    even then its odd elements (two core matrices of 8 tokens x 16 bytes).
 // Up to 8 tokens of an expert a pass (more: further passes over the weights).
 // A block is two consumer warpgroups (two 64-row tiles, or one split over K)
-// and the producer warp.
+// and a producer warp for each (one thread serving both rings in lockstep let a
+// slow ring hold up the other's refills).
 constexpr int kW8Consumers = 2;
-constexpr int kW8Threads = 128 * kW8Consumers + 32;
+constexpr int kW8Threads = 160 * kW8Consumers;
 // Ring stages a warpgroup: 4 with one row tile a warpgroup, 3 with two (their
 // scales take the room; two blocks an SM either way).
 constexpr int w8_stages(int tiles) { return tiles == 1 ? 4 : 3; }
@@ -768,30 +769,24 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
   const int sc_bytes = (64 * a.nsub + 15) / 16 * 16;
   auto sc_at = [&](int w, int q) { return L.sc + (w * kTPW + q) * sc_bytes; };
 
-  if (wg == kW8Consumers) {  // producer warp
-    if ((tid & 31) == 0) {
-      for (int w = 0; w < kW8Consumers; ++w)
-        if (s_len(w) > 0) {
-          const int nt = ntiles(w);
-          ptx::mbar_arrive_expect_tx(sbar(w), uint32_t(nt * 64 * a.nsub));
-          for (int q = 0; q < nt; ++q)
-            ptx::bulk_g2s(base + sc_at(w, q), a.scales + (int64_t(e) * a.rows + tile0(w, q)) * a.nsub,
-                          uint32_t(64 * a.nsub), sbar(w));
-        }
-      int n[kW8Consumers] = {};
-      const int len = max(s_len(0), s_len(kW8Consumers - 1));
+  if (wg == kW8Consumers) {  // producer warps: warp w keeps ring w full, on its own
+    const int w = (tid >> 5) & (kW8Consumers - 1);
+    if ((tid & 31) == 0 && s_len(w) > 0) {
+      const int nt = ntiles(w);
+      ptx::mbar_arrive_expect_tx(sbar(w), uint32_t(nt * 64 * a.nsub));
+      for (int q = 0; q < nt; ++q)
+        ptx::bulk_g2s(base + sc_at(w, q), a.scales + (int64_t(e) * a.rows + tile0(w, q)) * a.nsub,
+                      uint32_t(64 * a.nsub), sbar(w));
+      int n = 0;
       for (int base_t = 0; base_t < cnt; base_t += kPass)
-        for (int q = 0; q < kTPW; ++q)
-          for (int j = 0; j < len; ++j)
-            for (int w = 0; w < kW8Consumers; ++w) {
-              if (j >= s_len(w) || q >= ntiles(w)) continue;
-              const int st = n[w] % kW8Stages, ph = (n[w] / kW8Stages) & 1;
-              ptx::mbar_wait(empty(w, st), ph ^ 1);
-              ptx::mbar_arrive_expect_tx(full(w, st), kW8StageBytes);
-              ptx::tma_2d(base + (w * kW8Stages + st) * kW8StageBytes, &wmap, full(w, st), (s_begin(w) + j) * 128,
-                          e * a.rows + tile0(w, q));
-              ++n[w];
-            }
+        for (int q = 0; q < nt; ++q)
+          for (int j = 0; j < s_len(w); ++j, ++n) {
+            const int st = n % kW8Stages, ph = (n / kW8Stages) & 1;
+            ptx::mbar_wait(empty(w, st), ph ^ 1);
+            ptx::mbar_arrive_expect_tx(full(w, st), kW8StageBytes);
+            ptx::tma_2d(base + (w * kW8Stages + st) * kW8StageBytes, &wmap, full(w, st), (s_begin(w) + j) * 128,
+                        e * a.rows + tile0(w, q));
+          }
     }
     if (kPdl) pdl_trigger();
     return;
