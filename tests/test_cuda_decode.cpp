@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/sampling.h"
 #include "dayzero.h"
 #include "model/gpt_oss.h"
 #include "runtime/device.h"
@@ -394,6 +395,7 @@ struct Run {
   Model model;
   Arena arena;
   std::vector<dz_session*> ss;
+  std::vector<int32_t> greedy;  // the last step's greedy samples
   bool graphs;
   Run(dz_device dev, bool g, const std::vector<std::vector<int32_t>>& prompts) : model(dev), arena(model), graphs(g) {
     Graphs gg(graphs);
@@ -415,7 +417,13 @@ struct Run {
     INFO(dz_last_error());
     REQUIRE(st == DZ_OK);
     std::vector<std::vector<float>> out;
+    greedy.clear();
     for (auto s : ss) {
+      // The default sampler is greedy: on the GPU the device's argmax, read
+      // before the row itself is copied to the host.
+      int32_t t = -1;
+      REQUIRE(dz_session_sample(s, &t) == DZ_OK);
+      greedy.push_back(t);
       const float* p;
       size_t rows, v;
       REQUIRE(dz_session_logits(s, &p, &rows, &v) == DZ_OK);
@@ -449,7 +457,7 @@ TEST_CASE("gpt-oss decode: CUDA graph replays equal eager steps bitwise and matc
     Run g(DZ_DEVICE_CUDA, true, prompts), e(DZ_DEVICE_CUDA, false, prompts), c(DZ_DEVICE_CPU, true, prompts);
     const uint64_t replays0 = dz::gpt_oss_cuda_graph_replays();
     const int steps = 150;
-    int mismatched = 0;
+    int mismatched = 0, greedy_bad = 0;
     std::vector<double> vs_cpu;
     for (int k = 0; k < steps; ++k) {
       std::vector<int32_t> t(static_cast<size_t>(batch));
@@ -465,6 +473,9 @@ TEST_CASE("gpt-oss decode: CUDA graph replays equal eager steps bitwise and matc
           CHECK(cosine(lg[size_t(b)], le[size_t(b)]) > 0.999999);
         }
         vs_cpu.push_back(cosine(lg[size_t(b)], lc[size_t(b)]));
+        greedy_bad += g.greedy[size_t(b)] != dz::cpu::argmax(lg[size_t(b)].data(), int64_t(n));
+        greedy_bad += e.greedy[size_t(b)] != dz::cpu::argmax(le[size_t(b)].data(), int64_t(n));
+        greedy_bad += c.greedy[size_t(b)] != dz::cpu::argmax(lc[size_t(b)].data(), int64_t(n));
       }
     }
     const uint64_t replays = dz::gpt_oss_cuda_graph_replays() - replays0;
@@ -476,6 +487,27 @@ TEST_CASE("gpt-oss decode: CUDA graph replays equal eager steps bitwise and matc
         batch, steps, (unsigned long long)replays, mismatched, steps * batch, vs_cpu.front(), vs_cpu[vs_cpu.size() / 2],
         below);
     CHECK(mismatched == 0);
+    CHECK(greedy_bad == 0);
+    // A fork taken while the last row is still on the device has the same
+    // logits and samples the same token.
+    {
+      std::vector<int32_t> t(static_cast<size_t>(batch), 3);
+      REQUIRE(dz_decode_batch(g.ss.data(), t.data(), g.ss.size()) == DZ_OK);
+      dz_session* f = nullptr;
+      REQUIRE(dz_session_fork(g.ss[0], &f) == DZ_OK);
+      const float *pf, *po;
+      size_t rf, ro, vf, vo;
+      REQUIRE(dz_session_logits(f, &pf, &rf, &vf) == DZ_OK);
+      REQUIRE(dz_session_logits(g.ss[0], &po, &ro, &vo) == DZ_OK);
+      REQUIRE((rf == 1 && ro == 1 && vf == vo));
+      CHECK(std::memcmp(pf, po, vf * 4) == 0);
+      int32_t tf = -1, to = -1;
+      REQUIRE(dz_session_sample(f, &tf) == DZ_OK);
+      REQUIRE(dz_session_sample(g.ss[0], &to) == DZ_OK);
+      CHECK(tf == to);
+      CHECK(tf == dz::cpu::argmax(po, int64_t(vo)));
+      dz_session_free(f);
+    }
     // Every step replays a graph except the first of each key (eager) and its capture step (replayed too).
     CHECK(replays >= uint64_t(steps - 8));
     CHECK(replays <= uint64_t(steps));

@@ -81,11 +81,17 @@ struct BatchAbort {
 void decode_batch(dz_session* const* sessions, const int32_t* tokens, size_t n) {
   dz::Family& family = *sessions[0]->arena->model->family;
   const size_t v = size_t(family.n_vocab());
-  // Each session's spare buffer receives its new row (allocated and touched
-  // once, not per step: a zero-filled fresh row per session per step costs
-  // milliseconds at large batches); it becomes the logits only on success.
-  for (size_t i = 0; i < n; ++i)
-    if (sessions[i]->spare.size() != v) sessions[i]->spare.assign(v, 0.f);
+  // The new row goes to the session's spare device row where the family keeps
+  // logits on the device (read back only if asked for), else to its spare host
+  // buffer (allocated and touched once, not per step: a zero-filled fresh row
+  // per session per step costs milliseconds at large batches); either becomes
+  // the logits only on success.
+  for (size_t i = 0; i < n; ++i) {
+    dz_session* s = sessions[i];
+    if (!s->dlog && s->spare.empty()) s->dlog = family.make_device_logits();
+    if (!s->dlog && s->spare.size() != v) s->spare.assign(v, 0.f);
+  }
+  std::vector<int32_t> argmax(n, -1);
   std::vector<uint64_t> read(n, 0);
   std::vector<dz::ForwardItem> items(n);
   size_t reserved = 0;
@@ -94,7 +100,12 @@ void decode_batch(dz_session* const* sessions, const int32_t* tokens, size_t n) 
     for (size_t i = 0; i < n; ++i) {
       items[i].seq = sessions[i]->seq.get();
       items[i].tokens = std::span<const int32_t>(tokens + i, 1);
-      items[i].logits = sessions[i]->spare.data();
+      if (dz_session* s = sessions[i]; s->dlog) {
+        items[i].device_logits = s->dlog->row(1 - s->dlog_cur);
+        items[i].argmax = &argmax[i];
+      } else {
+        items[i].logits = s->spare.data();
+      }
       items[i].attention_tokens_read = &read[i];
     }
     BatchAbort abort{sessions, n};
@@ -109,7 +120,14 @@ void decode_batch(dz_session* const* sessions, const int32_t* tokens, size_t n) 
   }
   for (size_t i = 0; i < n; ++i) {
     dz_session* s = sessions[i];
-    s->logits.swap(s->spare);
+    if (s->dlog) {
+      s->dlog_cur = 1 - s->dlog_cur;
+      s->on_device = true;
+      s->device_argmax = argmax[i];
+    } else {
+      s->logits.swap(s->spare);
+      s->on_device = false;
+    }
     s->rows = 1;
     s->tokens_computed += 1;
     s->attention_tokens_read += read[i];
@@ -121,10 +139,24 @@ void check_has_logits(const dz_session* s, const char* what) {
             " has no logits: append tokens first (truncate and reset discard them)");
 }
 
+// The last logits in `logits` (a copy of the device row if still there).
+void fetch_logits(const dz_session* s) {
+  if (!s->on_device) return;
+  s->logits.resize(size_t(n_vocab(s)));
+  s->dlog->fetch(s->dlog_cur, s->logits.data());
+  s->on_device = false;
+}
+
 int32_t sample_last(dz_session* s) {
   const size_t v = size_t(n_vocab(s));
-  const float* row = s->logits.data() + (s->rows - 1) * v;
-  const int32_t t = dz::cpu::sample_token(row, int64_t(v), sampler_config(s->params.sampler), s->rng);
+  const dz::cpu::SamplerConfig cfg = sampler_config(s->params.sampler);
+  int32_t t;
+  if (s->on_device && cfg.temperature <= 0) {
+    t = s->device_argmax;  // greedy: the device's argmax of the row, as cpu::argmax
+  } else {
+    fetch_logits(s);
+    t = dz::cpu::sample_token(s->logits.data() + (s->rows - 1) * v, int64_t(v), cfg, s->rng);
+  }
   dz::check(t >= 0, DZ_ERR_INTERNAL, "the logits row holds no number (NaN everywhere)");
   return t;
 }
@@ -239,6 +271,7 @@ DZ_API dz_status dz_session_fork(const dz_session* src, dz_session** out) {
     s->arena = src->arena;
     s->params = src->params;
     s->rng = src->rng;  // the fork samples exactly as the original would
+    fetch_logits(src);
     s->logits = src->logits;
     s->rows = src->rows;
     s->seq = src->seq->fork();
@@ -296,6 +329,7 @@ DZ_API dz_status dz_session_append(dz_session* session, const int32_t* tokens, s
       throw;
     }
     session->logits.swap(logits);
+    session->on_device = false;
     session->rows = all ? n : 1;
     session->tokens_computed += n - reused;
     session->tokens_reused += reused;
@@ -310,6 +344,7 @@ DZ_API dz_status dz_session_logits(const dz_session* session, const float** logi
     dz::need(rows, "rows");
     dz::need(n_vocab, "n_vocab");
     check_has_logits(session, "the session");
+    fetch_logits(session);
     *logits = session->logits.data();
     *rows = session->rows;
     *n_vocab = size_t(::n_vocab(session));
@@ -354,6 +389,7 @@ DZ_API dz_status dz_session_truncate(dz_session* session, size_t n) {
     session->seq->truncate(n);
     // The last logits belonged to a token that is gone.
     session->logits.clear();
+    session->on_device = false;
     session->rows = 0;
   });
 }
@@ -363,6 +399,7 @@ DZ_API dz_status dz_session_reset(dz_session* session) {
     dz::need(session, "session");
     session->seq->truncate(0);
     session->logits.clear();
+    session->on_device = false;
     session->rows = 0;
   });
 }

@@ -21,10 +21,14 @@ namespace dz {
 // One sequence's share of a forward pass (batches are ragged: sequences of
 // different lengths and different numbers of new tokens run together).
 struct ForwardItem {
-  kv::Sequence* seq = nullptr;                // room for tokens.size() more tokens already reserved
-  std::span<const int32_t> tokens;            // new tokens, at positions seq->length() ...
-  bool all_logits = false;                    // logits for every new token, else the last only
-  float* logits = nullptr;                    // [rows x n_vocab], rows = all_logits ? tokens.size() : 1
+  kv::Sequence* seq = nullptr;      // room for tokens.size() more tokens already reserved
+  std::span<const int32_t> tokens;  // new tokens, at positions seq->length() ...
+  bool all_logits = false;          // logits for every new token, else the last only
+  float* logits = nullptr;          // [rows x n_vocab], rows = all_logits ? tokens.size() : 1
+  // Instead of `logits` (one row, !all_logits): a row of a DeviceLogits from
+  // this family, which also writes the row's argmax (cpu::argmax) here.
+  float* device_logits = nullptr;
+  int32_t* argmax = nullptr;
   uint64_t* attention_tokens_read = nullptr;  // optional: this item's share of ForwardOptions' counter
 };
 
@@ -68,6 +72,15 @@ struct ForwardOptions {
   uint64_t* attention_tokens_read = nullptr;  // optional counter: KV tokens read by attention ops
 };
 
+// A session's logits rows in a family's device memory (two rows: the last
+// step's and the next step's, swapped on success), read back only on demand.
+class DeviceLogits {
+ public:
+  virtual ~DeviceLogits() = default;
+  virtual float* row(int i) = 0;                     // i = 0, 1: device pointer, n_vocab floats
+  virtual void fetch(int i, float* host) const = 0;  // copy row i to the host
+};
+
 class Family {
  public:
   virtual ~Family() = default;
@@ -82,6 +95,9 @@ class Family {
   // page slots and its logits. The caller commits (or rolls back) the
   // sequences afterwards. Throws dz::Error.
   virtual void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) = 0;
+  // Device rows for one session's decode-step logits (ForwardItem::device_logits);
+  // null where the family keeps logits on the host or the device is full.
+  virtual std::unique_ptr<DeviceLogits> make_device_logits() { return nullptr; }
 };
 
 using FamilyFactory = std::unique_ptr<Family> (*)(const Config& config, const WeightStore& weights,

@@ -35,6 +35,7 @@ uint64_t gpt_oss_cuda_graph_replays() { return 0; }
 #include "cuda/bf16_gemm.h"
 #include "cuda/bf16_gemv.h"
 #include "cuda/embed.h"
+#include "cuda/logits.h"
 #include "cuda/moe.h"
 #include "cuda/norm.h"
 #include "cuda/rope.h"
@@ -132,6 +133,32 @@ struct DevLayer {
   DeviceArray<uint16_t> b1, b2;
 };
 
+// A session's two logits rows in the model's device pool.
+class DevLogits final : public DeviceLogits {
+ public:
+  DevLogits(cuda::DevicePool& pool, int dev, int V)
+      : dev_(dev), v_(V), rows_(pool, size_t(2) * size_t(V), "logits rows") {}
+  ~DevLogits() override {
+    if (pinned_) cudaFreeHost(pinned_);
+  }
+  float* row(int i) override { return rows_.get() + size_t(i) * size_t(v_); }
+  // Through a pinned row of its own (allocated on the first read): a copy
+  // into pageable memory runs at a fraction of the link's speed.
+  void fetch(int i, float* host) const override {
+    DZ_CUDA_CHECK(cudaSetDevice(dev_));
+    const size_t bytes = size_t(v_) * 4;
+    if (!pinned_) DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_), bytes));
+    // The forward that wrote the row synchronised its stream before returning.
+    DZ_CUDA_CHECK(cudaMemcpy(pinned_, rows_.get() + size_t(i) * size_t(v_), bytes, cudaMemcpyDeviceToHost));
+    std::memcpy(host, pinned_, bytes);
+  }
+
+ private:
+  int dev_, v_;
+  DeviceArray<float> rows_;
+  mutable float* pinned_ = nullptr;
+};
+
 // Bytes packed into one host->device copy per pass (256-byte aligned parts,
 // in a fixed order, so that a decode batch of B rows has the same offsets
 // every step: only the page table, packed last, varies in length).
@@ -174,6 +201,14 @@ class GptOssCuda final : public Family, private GptOssDesc {
   }
   std::unique_ptr<kv::Storage> (*kv_storage() const)(size_t) override { return kStorageFns[dev_]; }
   void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
+  std::unique_ptr<DeviceLogits> make_device_logits() override {
+    try {
+      return std::make_unique<DevLogits>(ctx_->pool(), dev_, n_vocab_);
+    } catch (const Error& e) {
+      log_warn("gpt_oss CUDA: no device room for a session's logits rows (", e.what(), "); copying them to the host");
+      return nullptr;
+    }
+  }
 
  private:
   struct Row {
@@ -183,6 +218,7 @@ class GptOssCuda final : public Family, private GptOssDesc {
   // a captured decode graph is replayed only for an equal key.
   struct GraphKey {
     int rows = 0, splits_full = 0, splits_sliding = 0, page_tokens = 0;
+    bool host_logits = false;
     int64_t page_bytes = 0;
     const uint8_t* kv = nullptr;
     const uint8_t* meta = nullptr;
@@ -197,6 +233,8 @@ class GptOssCuda final : public Family, private GptOssDesc {
   struct PassArgs {
     int T = 0, n_dec = 0, n_tiles = 0, n_logit = 0;
     int splits_full = 1, splits_sliding = 1;
+    bool host_logits = false;      // some logit row goes to the host (else every row to a DeviceLogits)
+    float* const* ddst = nullptr;  // per logit row: its DeviceLogits row, or null (a host row)
     const int32_t *tok = nullptr, *dec = nullptr, *lr = nullptr;
     const int64_t* off = nullptr;
     const float *cs = nullptr, *sn = nullptr;
@@ -207,11 +245,24 @@ class GptOssCuda final : public Family, private GptOssDesc {
   void pass(std::span<ForwardItem> batch, const std::vector<Row>& rows, int64_t r0, int64_t r1,
             const std::vector<int64_t>& first_row, kv::Arena& arena, const std::vector<int32_t>& pt,
             const ForwardOptions& opt);
-  // Layers, then (n_logit <= kLogitRows) the final norm, lm_head and the
-  // logits' copy into logits_host_, then the MoE error flag's copy into
+  // Layers, then (n_logit <= kLogitRows) the final norm, lm_head, each row's
+  // argmax (into argmax_host_) and copy into its DeviceLogits row, and (if
+  // p.host_logits) the logits' copy into logits_host_, then the MoE error flag's copy into
   // err_host_ (and its reset). No host synchronisation unless `abort_between`
   // (polls the abort callback between layers; off while capturing).
   void enqueue(const PassArgs& p, const ForwardOptions* abort_between);
+  // Logit rows [c0, c0 + nc) of the pass, computed into logits_ rows 0..nc:
+  // argmax and DeviceLogits copies on the device, argmax (and host rows) to
+  // the pinned buffers.
+  void out_logits(const PassArgs& p, int c0, int nc) {
+    if (nc <= 0) return;
+    cudaStream_t s = ctx_->stream();
+    cuda::logits_argmax_copy(logits_.get(), nc, n_vocab_, p.ddst + c0, argmax_.get(), s);
+    DZ_CUDA_CHECK(cudaMemcpyAsync(argmax_host_, argmax_.get(), size_t(nc) * 4, cudaMemcpyDeviceToHost, s));
+    if (p.host_logits)
+      DZ_CUDA_CHECK(
+          cudaMemcpyAsync(logits_host_, logits_.get(), size_t(nc) * size_t(n_vocab_) * 4, cudaMemcpyDeviceToHost, s));
+  }
   void clear_graphs();
   bool moe_fused_for(int T) const {
     return path_ == cuda::MoePath::kFused ||
@@ -250,8 +301,10 @@ class GptOssCuda final : public Family, private GptOssDesc {
   DeviceArray<float> att_part_;      // split decode attention partials
   DeviceArray<int32_t> att_ticket_;  // and its ticket counters (zero between launches)
   cuda::DecodeSplitPolicy split_;
-  float* logits_host_ = nullptr;  // pinned [kLogitRows][V]
-  uint8_t* stage_ = nullptr;      // pinned staging of the metadata (uploaded with one copy)
+  float* logits_host_ = nullptr;    // pinned [kLogitRows][V]
+  int32_t* argmax_host_ = nullptr;  // pinned [kLogitRows]: each logit row's argmax
+  DeviceArray<int32_t> argmax_;     // [kLogitRows]
+  uint8_t* stage_ = nullptr;        // pinned staging of the metadata (uploaded with one copy)
   size_t stage_cap_ = 0;
   cudaEvent_t stage_ev_ = nullptr;         // after the last upload from stage_: rewrite only once it completed
   int* err_host_ = nullptr;                // pinned copy of the MoE error flag
@@ -404,6 +457,8 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   meta_ = DeviceArray<uint8_t>(pool, size_t(1) << 20, "batch metadata");
   DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&logits_host_), size_t(kLogitRows) * V * 4));
   DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&err_host_), sizeof(int)));
+  DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&argmax_host_), size_t(kLogitRows) * sizeof(int32_t)));
+  argmax_ = DeviceArray<int32_t>(pool, size_t(kLogitRows), "logits argmax");
   *err_host_ = 0;
   stage_cap_ = size_t(1) << 20;
   DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&stage_), stage_cap_));
@@ -420,6 +475,7 @@ GptOssCuda::~GptOssCuda() {
   if (stage_ev_) cudaEventDestroy(stage_ev_);
   if (stage_) cudaFreeHost(stage_);
   if (err_host_) cudaFreeHost(err_host_);
+  if (argmax_host_) cudaFreeHost(argmax_host_);
   if (logits_host_) cudaFreeHost(logits_host_);
 }
 
@@ -441,7 +497,8 @@ void GptOssCuda::forward(std::span<ForwardItem> batch, const ForwardOptions& opt
   std::vector<int32_t> pt;
   for (size_t b = 0; b < batch.size(); ++b) {
     const ForwardItem& it = batch[b];
-    check(it.seq && !it.tokens.empty() && it.logits && &it.seq->arena() == &arena, DZ_ERR_INTERNAL,
+    const bool out_ok = it.logits || (it.device_logits && it.argmax && !it.all_logits);
+    check(it.seq && !it.tokens.empty() && out_ok && &it.seq->arena() == &arena, DZ_ERR_INTERNAL,
           "gpt_oss forward: malformed batch item ", b);
     first_row[b] = int64_t(rows.size());
     const int64_t start = int64_t(it.seq->length());
@@ -492,7 +549,8 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
   std::vector<cuda::AttnTile> tiles;
   const int tile_rows = cuda::attention_tile_rows(n_heads_, n_kv_heads_);
   const size_t ltb = size_t(2 * KVD) * kKvBytes;
-  std::vector<float*> logit_dst;
+  std::vector<float*> logit_dst, dev_dst;  // per logit row: host or DeviceLogits destination (the other null)
+  std::vector<int32_t*> argmax_dst;
   int chunks_full = 1, chunks_sliding = 1;  // most chunks a decode row needs (split attention grid)
   for (int i = 0; i < T; ++i) {
     const Row& rw = rows[size_t(r0 + i)];
@@ -519,14 +577,16 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
     }
     if (it.all_logits || k == n - 1) {
       logit_rows.push_back(i);
-      logit_dst.push_back(it.logits + (it.all_logits ? k : 0) * V);
+      logit_dst.push_back(it.device_logits ? nullptr : it.logits + (it.all_logits ? k : 0) * V);
+      dev_dst.push_back(it.device_logits);
+      argmax_dst.push_back(it.device_logits ? it.argmax : nullptr);
     }
   }
   // Fixed order (see Packer): the page table last.
   Packer pk;
   const size_t o_tok = pk.add(tokens), o_item = pk.add(row_item), o_pos = pk.add(row_pos), o_off = pk.add(row_off),
                o_cs = pk.add(cs), o_sn = pk.add(sn), o_dec = pk.add(dec_rows), o_lr = pk.add(logit_rows),
-               o_tiles = pk.add(tiles), o_ipt = pk.add(item_pt), o_pt = pk.add(pt);
+               o_tiles = pk.add(tiles), o_dd = pk.add(dev_dst), o_ipt = pk.add(item_pt), o_pt = pk.add(pt);
   const size_t need = pk.bytes().size();
   // The previous upload from the staging buffer must have completed before it is rewritten.
   DZ_CUDA_CHECK(cudaEventSynchronize(stage_ev_));
@@ -553,6 +613,8 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
   p.n_dec = int(dec_rows.size());
   p.n_tiles = int(tiles.size());
   p.n_logit = int(logit_rows.size());
+  p.host_logits = std::any_of(logit_dst.begin(), logit_dst.end(), [](const float* d) { return d != nullptr; });
+  p.ddst = reinterpret_cast<float* const*>(m + o_dd);
   // Grids as powers of two: a graph serves a range of contexts (a row's
   // chunking does not depend on the grid as long as it fits).
   p.splits_full = pow2_at_least(chunks_full);
@@ -593,6 +655,7 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
     key.splits_sliding = p.splits_sliding;
     key.page_tokens = ab.page_tokens;
     key.page_bytes = ab.page_bytes;
+    key.host_logits = p.host_logits;
     key.kv = arena.storage().data();
     key.meta = m;
     auto it = std::find_if(graphs_.begin(), graphs_.end(), [&](const Graph& g) { return g.key == key; });
@@ -648,11 +711,15 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
   }
   DZ_CUDA_CHECK(cudaStreamSynchronize(s));
   auto copy_rows = [&](int c0, int nc) {
+    for (int i = 0; i < nc; ++i)
+      if (argmax_dst[size_t(c0 + i)]) *argmax_dst[size_t(c0 + i)] = argmax_host_[i];
+    if (!p.host_logits) return;
     const size_t grain = std::max<size_t>(1, (size_t(4) << 20) / (size_t(V) * 4));  // ~4 MB per task
     parallel_for(nc * V * 4 > (int64_t(8) << 20) ? copy_pool_.get() : nullptr, size_t(nc), grain,
                  [&](size_t i0, size_t i1) {
                    for (size_t i = i0; i < i1; ++i)
-                     std::memcpy(logit_dst[size_t(c0) + i], logits_host_ + i * size_t(V), size_t(V) * 4);
+                     if (float* d = logit_dst[size_t(c0) + i])
+                       std::memcpy(d, logits_host_ + i * size_t(V), size_t(V) * 4);
                  });
   };
   if (p.n_logit <= kLogitRows) copy_rows(0, p.n_logit);
@@ -664,7 +731,7 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
     const int nc = std::min(kLogitRows, p.n_logit - c0);
     cuda::rms_norm(x_.get(), p.lr + c0, nc, H, final_norm_d_.get(), eps_, nullptr, xb_.get(), s);
     gemm_->run(xb_.get(), lm, nullptr, logits_.get(), nc, int(V), H, 0.f, s);
-    DZ_CUDA_CHECK(cudaMemcpyAsync(logits_host_, logits_.get(), size_t(nc) * size_t(V) * 4, cudaMemcpyDeviceToHost, s));
+    out_logits(p, c0, nc);
     DZ_CUDA_CHECK(cudaStreamSynchronize(s));
     copy_rows(c0, nc);
   }
@@ -732,9 +799,7 @@ void GptOssCuda::enqueue(const PassArgs& p, const ForwardOptions* abort_between)
     const uint16_t* lm = lm_head_d_.get() ? lm_head_d_.get() : embed_d_.get();
     cuda::rms_norm(x, p.lr, p.n_logit, int(H), final_norm_d_.get(), eps_, nullptr, xb_.get(), s);
     gemm_->run(xb_.get(), lm, nullptr, logits_.get(), p.n_logit, int(V), int(H), 0.f, s);
-    if (p.n_logit > 0)
-      DZ_CUDA_CHECK(
-          cudaMemcpyAsync(logits_host_, logits_.get(), size_t(p.n_logit) * size_t(V) * 4, cudaMemcpyDeviceToHost, s));
+    out_logits(p, 0, p.n_logit);
   }
   int* err = moe_->error_flag();
   DZ_CUDA_CHECK(cudaMemcpyAsync(err_host_, err, sizeof(int), cudaMemcpyDeviceToHost, s));

@@ -364,7 +364,7 @@ int bench_model(const Args& a) {
     // eagerly and the second captures its graph) with CUDA graphs, then as
     // many without (DZ_CUDA_GRAPHS=0) on the same sessions (context + steps + 2).
     struct Timing {
-      double graphs_ms = 0, eager_ms = 0;
+      double graphs_ms = 0, eager_ms = 0, generate_ms = 0, logits_ms = 0;
     };
     auto decode = [&](int b, int context) {
       std::vector<dz_session*> ss(static_cast<size_t>(b));
@@ -388,8 +388,31 @@ int bench_model(const Args& a) {
         unsetenv("DZ_CUDA_GRAPHS");
         return median(t) * 1e3;
       };
+      // dz_generate_step: each session samples (greedy) from its last logits,
+      // then the batched step; what a serving loop runs.
+      // read_all: dz_decode_batch, then every session's logits row read on the host.
+      auto run_generate = [&](bool read_all) {
+        std::vector<double> t;
+        for (int k = 0; k < steps + 2; ++k) {
+          const auto c0 = Clock::now();
+          if (read_all) {
+            ok(dz_decode_batch(ss.data(), tok.data(), size_t(b)), "dz_decode_batch");
+            for (auto s : ss) {
+              const float* p;
+              size_t rows, nv;
+              ok(dz_session_logits(s, &p, &rows, &nv), "dz_session_logits");
+            }
+          } else {
+            ok(dz_generate_step(ss.data(), size_t(b), tok.data()), "dz_generate_step");
+          }
+          if (k >= 2) t.push_back(secs(c0));
+        }
+        return median(t) * 1e3;
+      };
       Timing tm;
       tm.graphs_ms = run(true);
+      tm.generate_ms = run_generate(false);
+      tm.logits_ms = run_generate(true);
       if (eager) tm.eager_ms = run(false);
       for (auto s : ss) dz_session_free(s);
       return tm;
@@ -409,14 +432,22 @@ int bench_model(const Args& a) {
                   {"graphs_tokens_per_s", b / tm.graphs_ms * 1e3},
                   {"floor_ms", fl},
                   {"floor_tokens_per_s", b / fl * 1e3},
-                  {"graphs_over_floor", tm.graphs_ms / fl}};
+                  {"graphs_over_floor", tm.graphs_ms / fl},
+                  {"generate_ms_per_step", tm.generate_ms},
+                  {"generate_tokens_per_s", b / tm.generate_ms * 1e3},
+                  {"with_logits_read_ms_per_step", tm.logits_ms}};
         if (eager) e["eager_ms_per_step"] = tm.eager_ms, e["eager_tokens_per_s"] = b / tm.eager_ms * 1e3;
         std::fprintf(
             stderr,
-            "decode batch %d ctx %d: %.3f ms/step with CUDA graphs (%.0f tokens/s), %s%.3f eager; floor %.3f ms\n", b,
-            c, tm.graphs_ms, b / tm.graphs_ms * 1e3, eager ? "" : "(skipped) ", tm.eager_ms, fl);
+            "decode batch %d ctx %d: %.3f ms/step with CUDA graphs (%.0f tokens/s), %s%.3f eager; with greedy "
+            "sampling (dz_generate_step) %.3f ms/step (%.0f tokens/s), reading every logits row %.3f; floor %.3f "
+            "ms\n",
+            b, c, tm.graphs_ms, b / tm.graphs_ms * 1e3, eager ? "" : "(skipped) ", tm.eager_ms, tm.generate_ms,
+            b / tm.generate_ms * 1e3, tm.logits_ms, fl);
         runs.push_back(e);
-        if (b == 1 && c == ctx) r["decode_batch1"] = {{"ctx", c}, {"ms_per_token", tm.graphs_ms}, {"floor_ms", fl}};
+        if (b == 1 && c == ctx)
+          r["decode_batch1"] = {
+              {"ctx", c}, {"ms_per_token", tm.graphs_ms}, {"generate_ms_per_token", tm.generate_ms}, {"floor_ms", fl}};
         if (b == 1 && c == long_ctx)
           r["decode_batch1_long"] = {{"ctx", c}, {"ms_per_token", tm.graphs_ms}, {"floor_ms", fl}};
         if (b == batch && b != 1 && c == ctx)
@@ -424,13 +455,18 @@ int bench_model(const Args& a) {
                                  {"ctx", c},
                                  {"ms_per_step", tm.graphs_ms},
                                  {"tokens_per_s", b / tm.graphs_ms * 1e3},
+                                 {"generate_ms_per_step", tm.generate_ms},
+                                 {"generate_tokens_per_s", b / tm.generate_ms * 1e3},
                                  {"floor_ms", fl},
                                  {"floor_tokens_per_s", b / fl * 1e3}};
       }
     r["decode"] = runs;
     r["note"] =
-        "decode steps via dz_decode_batch (CUDA graphs unless DZ_CUDA_GRAPHS=0; 'eager' = without) include copying "
-        "every session's logits row to the host; floors count weights (MXFP4 experts in use, BF16 dense, lm_head) "
+        "decode steps via dz_decode_batch (CUDA graphs unless DZ_CUDA_GRAPHS=0; 'eager' = without); generate = "
+        "dz_generate_step with greedy sampling (graphs); with_logits_read = dz_decode_batch then dz_session_logits on "
+        "every session. On the GPU each session's logits row stays on the device "
+        "(its argmax computed there) until dz_session_logits reads it; on the CPU rows land in host memory. Floors "
+        "count weights (MXFP4 experts in use, BF16 dense, lm_head) "
         "and bf16 KV read once (sliding layers: at most the window) at 4.27e12 B/s";
     dz_kv_arena_free(arena);
     dz_model_free(m);
