@@ -123,6 +123,7 @@ void decode_batch(dz_session* const* sessions, const int32_t* tokens, size_t n) 
     if (s->dlog) {
       s->dlog_cur = 1 - s->dlog_cur;
       s->on_device = true;
+      s->fetched = nullptr;
       s->device_argmax = argmax[i];
     } else {
       s->logits.swap(s->spare);
@@ -139,12 +140,12 @@ void check_has_logits(const dz_session* s, const char* what) {
             " has no logits: append tokens first (truncate and reset discard them)");
 }
 
-// The last logits in `logits` (a copy of the device row if still there).
-void fetch_logits(const dz_session* s) {
-  if (!s->on_device) return;
-  s->logits.resize(size_t(n_vocab(s)));
-  s->dlog->fetch(s->dlog_cur, s->logits.data());
-  s->on_device = false;
+// The last logits (rows x n_vocab) on the host: `logits`, or the device row
+// copied on first read.
+const float* last_logits(const dz_session* s) {
+  if (!s->on_device) return s->logits.data();
+  if (!s->fetched) s->fetched = s->dlog->fetch(s->dlog_cur);
+  return s->fetched;
 }
 
 int32_t sample_last(dz_session* s) {
@@ -154,8 +155,7 @@ int32_t sample_last(dz_session* s) {
   if (s->on_device && cfg.temperature <= 0) {
     t = s->device_argmax;  // greedy: the device's argmax of the row, as cpu::argmax
   } else {
-    fetch_logits(s);
-    t = dz::cpu::sample_token(s->logits.data() + (s->rows - 1) * v, int64_t(v), cfg, s->rng);
+    t = dz::cpu::sample_token(last_logits(s) + (s->rows - 1) * v, int64_t(v), cfg, s->rng);
   }
   dz::check(t >= 0, DZ_ERR_INTERNAL, "the logits row holds no number (NaN everywhere)");
   return t;
@@ -271,8 +271,8 @@ DZ_API dz_status dz_session_fork(const dz_session* src, dz_session** out) {
     s->arena = src->arena;
     s->params = src->params;
     s->rng = src->rng;  // the fork samples exactly as the original would
-    fetch_logits(src);
-    s->logits = src->logits;
+    const float* lg = last_logits(src);
+    s->logits.assign(lg, lg + src->rows * size_t(n_vocab(src)));
     s->rows = src->rows;
     s->seq = src->seq->fork();
     ++s->arena->sessions;
@@ -344,8 +344,7 @@ DZ_API dz_status dz_session_logits(const dz_session* session, const float** logi
     dz::need(rows, "rows");
     dz::need(n_vocab, "n_vocab");
     check_has_logits(session, "the session");
-    fetch_logits(session);
-    *logits = session->logits.data();
+    *logits = last_logits(session);
     *rows = session->rows;
     *n_vocab = size_t(::n_vocab(session));
   });

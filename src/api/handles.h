@@ -34,15 +34,17 @@ struct dz_session {
   std::unique_ptr<dz::kv::Sequence> seq;
   dz_session_params params{};
   std::mt19937_64 rng;
-  // rows x n_vocab of the last append / step. After a decode step on a family
-  // with device logits the row stays in dlog (row dlog_cur) and `logits` is
-  // filled on first read (sessions are used by one thread at a time).
-  mutable std::vector<float> logits;
+  // rows x n_vocab of the last append / host decode step. After a decode step
+  // on a family with device logits the row stays in dlog (row dlog_cur) until
+  // first read (into dlog's host row: `fetched`); sessions are used by one
+  // thread at a time.
+  std::vector<float> logits;
   std::vector<float> spare;  // a host decode step's logits land here, then swap with `logits` (no allocation per step)
   size_t rows = 0;
   std::unique_ptr<dz::DeviceLogits> dlog;  // this session's device rows (created on its first decode step)
   int dlog_cur = 0;
-  mutable bool on_device = false;  // the last logits are dlog's row dlog_cur, not yet in `logits`
-  int32_t device_argmax = -1;      // with on_device: that row's argmax (greedy sampling without a copy)
+  bool on_device = false;                  // the last logits are dlog's row dlog_cur, not `logits`
+  mutable const float* fetched = nullptr;  // with on_device: that row on the host once read
+  int32_t device_argmax = -1;              // with on_device: that row's argmax (greedy sampling without a copy)
   uint64_t tokens_computed = 0, tokens_reused = 0, attention_tokens_read = 0;
 };

@@ -77,8 +77,9 @@ struct ForwardOptions {
 class DeviceLogits {
  public:
   virtual ~DeviceLogits() = default;
-  virtual float* row(int i) = 0;                     // i = 0, 1: device pointer, n_vocab floats
-  virtual void fetch(int i, float* host) const = 0;  // copy row i to the host
+  virtual float* row(int i) = 0;  // i = 0, 1: device pointer, n_vocab floats
+  // Row i copied to host memory owned by this object, valid until the next fetch.
+  virtual const float* fetch(int i) const = 0;
 };
 
 class Family {
