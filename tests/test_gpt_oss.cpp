@@ -339,37 +339,52 @@ TEST_CASE("prefill then one step equals a full prefill; chunked prefill equals u
 TEST_CASE("sessions of different lengths batched through dz_generate_step match each alone", "[gpt_oss]") {
   Arena arena(16);
   const size_t steps = 6;
-  std::vector<std::vector<int32_t>> alone_tokens;
-  std::vector<std::vector<float>> alone_logits;
-  for (const Reference& ref : references()) {
-    Session s(arena);
-    s.append(ref.prompt);
-    std::vector<int32_t> toks;
-    for (size_t k = 0; k < steps; ++k) {
-      int32_t t;
-      REQUIRE(dz_generate_step(&s.s, 1, &t) == DZ_OK);
-      toks.push_back(t);
+  // Greedy, then sampling (several sessions sample in parallel in a batch):
+  // each session's seed fixes its draws either way.
+  for (const float temp : {0.f, 0.8f}) {
+    INFO("temperature " << temp);
+    auto set_sampler = [&](dz_session* s, size_t i) {
+      dz_sampler_params sp;
+      dz_sampler_params_init(&sp);
+      sp.temperature = temp;
+      sp.top_p = 0.95f;
+      sp.seed = 100 + i;
+      REQUIRE(dz_session_set_sampler(s, &sp) == DZ_OK);
+    };
+    std::vector<std::vector<int32_t>> alone_tokens;
+    std::vector<std::vector<float>> alone_logits;
+    for (size_t i = 0; i < references().size(); ++i) {
+      Session s(arena);
+      set_sampler(s.s, i);
+      s.append(references()[i].prompt);
+      std::vector<int32_t> toks;
+      for (size_t k = 0; k < steps; ++k) {
+        int32_t t;
+        REQUIRE(dz_generate_step(&s.s, 1, &t) == DZ_OK);
+        toks.push_back(t);
+      }
+      alone_tokens.push_back(toks);
+      alone_logits.push_back(s.last_row());
     }
-    alone_tokens.push_back(toks);
-    alone_logits.push_back(s.last_row());
-  }
-  std::vector<std::unique_ptr<Session>> ss;
-  std::vector<dz_session*> raw;
-  for (const Reference& ref : references()) {
-    ss.push_back(std::make_unique<Session>(arena));
-    ss.back()->append(ref.prompt);
-    raw.push_back(ss.back()->s);
-  }
-  std::vector<std::vector<int32_t>> batched(raw.size());
-  for (size_t k = 0; k < steps; ++k) {
-    std::vector<int32_t> out(raw.size(), -1);
-    REQUIRE(dz_generate_step(raw.data(), raw.size(), out.data()) == DZ_OK);
-    for (size_t i = 0; i < raw.size(); ++i) batched[i].push_back(out[i]);
-  }
-  for (size_t i = 0; i < raw.size(); ++i) {
-    CHECK(batched[i] == alone_tokens[i]);
-    CHECK(ss[i]->last_row() == alone_logits[i]);
-    CHECK(ss[i]->length() == references()[i].prompt.size() + steps);
+    std::vector<std::unique_ptr<Session>> ss;
+    std::vector<dz_session*> raw;
+    for (size_t i = 0; i < references().size(); ++i) {
+      ss.push_back(std::make_unique<Session>(arena));
+      set_sampler(ss.back()->s, i);
+      ss.back()->append(references()[i].prompt);
+      raw.push_back(ss.back()->s);
+    }
+    std::vector<std::vector<int32_t>> batched(raw.size());
+    for (size_t k = 0; k < steps; ++k) {
+      std::vector<int32_t> out(raw.size(), -1);
+      REQUIRE(dz_generate_step(raw.data(), raw.size(), out.data()) == DZ_OK);
+      for (size_t i = 0; i < raw.size(); ++i) batched[i].push_back(out[i]);
+    }
+    for (size_t i = 0; i < raw.size(); ++i) {
+      CHECK(batched[i] == alone_tokens[i]);
+      CHECK(ss[i]->last_row() == alone_logits[i]);
+      CHECK(ss[i]->length() == references()[i].prompt.size() + steps);
+    }
   }
 }
 

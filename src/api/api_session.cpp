@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <thread>
 #include <unordered_set>
 
 #include "api/api_util.h"
@@ -435,7 +436,22 @@ DZ_API dz_status dz_generate_step(dz_session* const* sessions, size_t n, int32_t
     std::vector<int32_t> tokens(n);
     for (size_t i = 0; i < n; ++i) rngs.push_back(sessions[i]->rng);
     try {
-      for (size_t i = 0; i < n; ++i) tokens[i] = sample_last(sessions[i]);
+      // Sampling on the host (a row to read, a softmax over the vocabulary)
+      // runs in parallel over the sessions; greedy rows on a device need none.
+      size_t host = 0;
+      for (size_t i = 0; i < n; ++i) host += !(sessions[i]->on_device && sessions[i]->params.sampler.temperature <= 0);
+      dz::ThreadPool* pool = nullptr;
+      if (host > 1) {
+        dz_model* m = sessions[0]->arena->model;
+        std::call_once(m->sample_pool_once, [m] {
+          m->sample_pool =
+              std::make_unique<dz::ThreadPool>(int(std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u)));
+        });
+        pool = m->sample_pool.get();
+      }
+      dz::parallel_for(pool, n, 1, [&](size_t i0, size_t i1) {
+        for (size_t i = i0; i < i1; ++i) tokens[i] = sample_last(sessions[i]);
+      });
       decode_batch(sessions, tokens.data(), n);
     } catch (...) {
       for (size_t i = 0; i < n; ++i) sessions[i]->rng = rngs[i];

@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "loader/config.h"
 #include "loader/safetensors.h"
 #include "model/family.h"
+#include "runtime/parallel.h"
 
 struct dz_model {
   dz_model_params params{};
@@ -20,6 +22,9 @@ struct dz_model {
   std::unique_ptr<dz::Family> family;
   dz_tokenizer* tokenizer = nullptr;  // owned; null when the directory has none
   std::string architecture;
+  // Threads sampling a batch's sessions on the host (created on first use).
+  std::once_flag sample_pool_once;
+  std::unique_ptr<dz::ThreadPool> sample_pool;
   ~dz_model() { dz_tokenizer_free(tokenizer); }
 };
 
