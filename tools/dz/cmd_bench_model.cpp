@@ -364,7 +364,7 @@ int bench_model(const Args& a) {
     // eagerly and the second captures its graph) with CUDA graphs, then as
     // many without (DZ_CUDA_GRAPHS=0) on the same sessions (context + steps + 2).
     struct Timing {
-      double graphs_ms = 0, eager_ms = 0, generate_ms = 0, logits_ms = 0;
+      double graphs_ms = 0, eager_ms = 0, generate_ms = 0, logits_ms = 0, sampled_ms = 0;
     };
     auto decode = [&](int b, int context) {
       std::vector<dz_session*> ss(static_cast<size_t>(b));
@@ -413,6 +413,20 @@ int bench_model(const Args& a) {
       tm.graphs_ms = run(true);
       tm.generate_ms = run_generate(false);
       tm.logits_ms = run_generate(true);
+      // Sampling at temperature 0.8, top_p 0.95 (rows read on the host, sessions sampled in parallel).
+      auto set_temp = [&](float temp) {
+        for (size_t i = 0; i < ss.size(); ++i) {
+          dz_sampler_params sp;
+          dz_sampler_params_init(&sp);
+          sp.temperature = temp;
+          sp.top_p = temp > 0 ? 0.95f : 1.f;
+          sp.seed = i;
+          ok(dz_session_set_sampler(ss[i], &sp), "dz_session_set_sampler");
+        }
+      };
+      set_temp(0.8f);
+      tm.sampled_ms = run_generate(false);
+      set_temp(0.f);
       if (eager) tm.eager_ms = run(false);
       for (auto s : ss) dz_session_free(s);
       return tm;
@@ -435,15 +449,16 @@ int bench_model(const Args& a) {
                   {"graphs_over_floor", tm.graphs_ms / fl},
                   {"generate_ms_per_step", tm.generate_ms},
                   {"generate_tokens_per_s", b / tm.generate_ms * 1e3},
-                  {"with_logits_read_ms_per_step", tm.logits_ms}};
+                  {"with_logits_read_ms_per_step", tm.logits_ms},
+                  {"sampled_ms_per_step", tm.sampled_ms}};
         if (eager) e["eager_ms_per_step"] = tm.eager_ms, e["eager_tokens_per_s"] = b / tm.eager_ms * 1e3;
         std::fprintf(
             stderr,
             "decode batch %d ctx %d: %.3f ms/step with CUDA graphs (%.0f tokens/s), %s%.3f eager; with greedy "
-            "sampling (dz_generate_step) %.3f ms/step (%.0f tokens/s), reading every logits row %.3f; floor %.3f "
-            "ms\n",
+            "sampling (dz_generate_step) %.3f ms/step (%.0f tokens/s), reading every logits row %.3f, sampling at "
+            "temperature 0.8 / top_p 0.95 %.3f; floor %.3f ms\n",
             b, c, tm.graphs_ms, b / tm.graphs_ms * 1e3, eager ? "" : "(skipped) ", tm.eager_ms, tm.generate_ms,
-            b / tm.generate_ms * 1e3, tm.logits_ms, fl);
+            b / tm.generate_ms * 1e3, tm.logits_ms, tm.sampled_ms, fl);
         runs.push_back(e);
         if (b == 1 && c == ctx)
           r["decode_batch1"] = {
@@ -464,7 +479,8 @@ int bench_model(const Args& a) {
     r["note"] =
         "decode steps via dz_decode_batch (CUDA graphs unless DZ_CUDA_GRAPHS=0; 'eager' = without); generate = "
         "dz_generate_step with greedy sampling (graphs); with_logits_read = dz_decode_batch then dz_session_logits on "
-        "every session. On the GPU each session's logits row stays on the device "
+        "every session; sampled = dz_generate_step at temperature 0.8, top_p 0.95. On the GPU each session's logits "
+        "row stays on the device "
         "(its argmax computed there) until dz_session_logits reads it; on the CPU rows land in host memory. Floors "
         "count weights (MXFP4 experts in use, BF16 dense, lm_head) "
         "and bf16 KV read once (sliding layers: at most the window) at 4.27e12 B/s";
