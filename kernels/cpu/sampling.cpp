@@ -39,42 +39,51 @@ int32_t sample_token(const float* logits, int64_t n, const SamplerConfig& cfg, s
   const double t = double(cfg.temperature);
   double total = 0;
   for (Cand& x : c) total += (x.w = std::exp((double(x.l) - double(mx)) / t));
-  // The walks below go through the candidates in order (largest logit first,
-  // lower index on ties) but rarely far: c[0, sorted) is put in order only as
-  // far as they reach (a full sort of a 200k vocabulary took ~60 ms a token).
-  size_t sorted = 0;
-  auto sort_more = [&] {
-    const size_t m = std::min(c.size(), std::max<size_t>(256, 4 * sorted));
-    if (m < c.size())
-      std::nth_element(c.begin() + std::ptrdiff_t(sorted), c.begin() + std::ptrdiff_t(m), c.end(), before);
-    std::sort(c.begin() + std::ptrdiff_t(sorted), c.begin() + std::ptrdiff_t(m), before);
-    sorted = m;
+  // Both walks below (the top_p prefix, then the draw) go through the
+  // candidates in order, largest logit first, lower index on ties: a
+  // quickselect by accumulated weight finds where each stops without sorting
+  // the vocabulary (a full sort of 201k logits took ~60 ms a token). It
+  // returns m: c[m - 1] is where the walk over c[lo, hi) stops (the first
+  // candidate at which `reached(sum)` holds, else the last one) and c[lo, m - 1)
+  // are the candidates before it, in any order.
+  auto walk = [&](size_t lo, size_t hi, auto reached) {
+    double acc = 0;
+    for (;;) {
+      if (hi - lo <= 32) {
+        std::sort(c.begin() + std::ptrdiff_t(lo), c.begin() + std::ptrdiff_t(hi), before);
+        for (size_t i = lo; i < hi; ++i)
+          if (reached(acc += c[i].w)) return i + 1;
+        return hi;
+      }
+      Cand a = c[lo], b = c[lo + (hi - lo) / 2], d = c[hi - 1];  // median of three
+      if (before(b, a)) std::swap(a, b);
+      if (before(d, b)) b = before(d, a) ? a : d;
+      const Cand pv = b;
+      const auto mid = std::partition(c.begin() + std::ptrdiff_t(lo), c.begin() + std::ptrdiff_t(hi),
+                                      [&](const Cand& x) { return before(x, pv); });
+      std::iter_swap(mid,
+                     std::find_if(mid, c.begin() + std::ptrdiff_t(hi), [&](const Cand& x) { return x.id == pv.id; }));
+      const size_t m = size_t(mid - c.begin());
+      double left = 0;
+      for (size_t i = lo; i < m; ++i) left += c[i].w;
+      if (reached(acc + left)) {
+        hi = m;
+      } else {
+        acc += left;
+        if (reached(acc += pv.w)) return m + 1;
+        lo = m + 1;
+      }
+    }
   };
   size_t keep = c.size();
   if (cfg.top_p < 1) {
-    double cum = 0;
-    size_t m = 0;
-    for (bool reached = false; !reached;) {
-      if (m == sorted) {
-        if (sorted == c.size()) break;
-        sort_more();
-      }
-      cum += c[m++].w / total;
-      reached = cum >= double(cfg.top_p);
-    }
-    keep = m;
+    const double target = double(cfg.top_p) * total;
+    keep = walk(0, c.size(), [&](double sum) { return sum >= target; });
     total = 0;
     for (size_t i = 0; i < keep; ++i) total += c[i].w;
   }
   const double u = uniform01(rng) * total;
-  double cum = 0;
-  for (size_t i = 0; i < keep; ++i) {
-    if (i == sorted) sort_more();
-    cum += c[i].w;
-    if (u < cum) return c[i].id;
-  }
-  while (sorted < keep) sort_more();
-  return c[keep - 1].id;
+  return c[walk(0, keep, [&](double sum) { return u < sum; }) - 1].id;
 }
 
 }  // namespace dz::cpu

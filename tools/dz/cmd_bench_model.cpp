@@ -335,7 +335,8 @@ int bench_model(const Args& a) {
     ap.page_tokens = 64;
     ap.prefix_cache = 0;
     const int ctx_max = std::max(ctx, long_ctx);
-    const uint64_t kv_tokens = uint64_t(prefill) * 2 + uint64_t(batch + 1) * uint64_t(ctx_max + 2 * steps + 16) + 1024;
+    const uint64_t kv_tokens =
+        uint64_t(prefill) * 2 + uint64_t(batch + 1) * uint64_t(ctx_max + 5 * (steps + 2) + 64) + 1024;
     ap.capacity_bytes = uint64_t(double(kv_tokens) * kv_tok * 1.1);
     dz_kv_arena* arena = nullptr;
     ok(dz_kv_arena_create(m, &ap, &arena), "dz_kv_arena_create");
