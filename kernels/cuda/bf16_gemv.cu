@@ -1,7 +1,6 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "common/error.h"
 #include "cuda/bf16_gemv.h"
@@ -132,18 +131,6 @@ __global__ void __launch_bounds__(32 * kWarps)
   }
 }
 
-constexpr uint32_t kPrefetchPiece = 64u << 10;
-
-__global__ void l2_prefetch_kernel(const uint8_t* p, size_t bytes) {
-  const size_t off = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPrefetchPiece;
-  if (off < bytes) {
-    const uint32_t n = uint32_t(std::min<size_t>(kPrefetchPiece, bytes - off)) & ~15u;
-    if (n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(n) : "memory");
-  }
-  pdl_trigger();
-  pdl_wait();  // complete only after the kernel before (the next one's wait covers both)
-}
-
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 // The kernels' dynamic shared-memory limit, raised once.
@@ -158,22 +145,6 @@ void set_smem_limits() {
 }
 
 }  // namespace
-
-bool l2_prefetch_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("DZ_CUDA_PREFETCH");
-    return !(e && e[0] == '0' && e[1] == 0);
-  }();
-  return on;
-}
-
-void l2_prefetch(const void* p, size_t bytes, cudaStream_t s) {
-  check(aligned16(p), DZ_ERR_INVALID_ARGUMENT, "l2_prefetch: the address is not 16-byte aligned");
-  if (!l2_prefetch_enabled() || bytes < 16) return;
-  const size_t pieces = (bytes + kPrefetchPiece - 1) / kPrefetchPiece;
-  const unsigned threads = 128, blocks = unsigned((pieces + threads - 1) / threads);
-  launch_pdl(l2_prefetch_kernel, dim3(blocks), dim3(threads), 0, s, static_cast<const uint8_t*>(p), bytes);
-}
 
 bool bf16_gemv_fits(const uint16_t* x, const uint16_t* w, int m, int n, int k) {
   return m >= 1 && m <= kBf16GemvMaxRows && n >= 1 && k >= 32 && k % 32 == 0 && aligned16(x) && aligned16(w) &&

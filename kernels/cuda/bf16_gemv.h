@@ -28,12 +28,4 @@ bool bf16_gemv_norm_fits(const float* x, const uint16_t* w, int m, int n, int k)
 void bf16_gemv_norm(const float* x, const float* norm_w, float eps, const uint16_t* w, const float* bias, float* d,
                     int m, int n, int k, cudaStream_t s);
 
-// Asks L2 for the bytes [p, p + bytes) of a coming projection's weights while
-// latency-bound kernels (attention) leave HBM idle: launched as a programmatic
-// dependent, it issues bulk L2 prefetches in 64 KB pieces and completes with
-// the kernel before it. p 16-byte aligned; a tail under 16 bytes is skipped.
-// DZ_CUDA_PREFETCH=0 in the environment turns it into a no-op (measurement).
-bool l2_prefetch_enabled();
-void l2_prefetch(const void* p, size_t bytes, cudaStream_t s);
-
 }  // namespace dz::cuda

@@ -767,8 +767,6 @@ void GptOssCuda::enqueue(const PassArgs& p, const ForwardOptions* abort_between)
       gemm_->run(xb_.get(), L.qkv_w.get(), L.qkv_b.get(), qkv_.get(), T, qkv_n, int(H), 0.f, s);
     }
     cuda::rope_qk_store_kv(qkv_.get(), T, qkv_n, p.cs, p.sn, n_heads_, n_kv_heads_, int(D), kv_layer, p.off, s);
-    // Few rows: attention is latency-bound; the o projection's weights come into L2 meanwhile.
-    if (T <= cuda::kBf16GemvMaxRows) cuda::l2_prefetch(L.o_w.get(), size_t(H) * size_t(QD) * 2, s);
     ab.kv = kv_layer;
     ab.window = L.sliding ? int(window_) : 0;
     ab.sinks = L.sinks.get();
