@@ -10,7 +10,7 @@ namespace {
 constexpr int kThreads = 512;
 
 // (v, i) beats (bv, bi): larger, or equal at a lower index; NaNs never win
-// and an empty best (bi < 0) loses to any number.
+// and an empty best (bi < 0, bv NaN) loses to any number.
 __device__ __forceinline__ bool beats(float v, int i, float bv, int bi) {
   return !isnan(v) && (bi < 0 || v > bv || (v == bv && i < bi));
 }
@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(kThreads)
   const int r = blockIdx.x;
   const float* row = logits + int64_t(r) * V;
   float* out = dst ? dst[r] : nullptr;
-  float bv = 0.f;
+  float bv = NAN;
   int bi = -1;
   const bool vec =
       (V & 3) == 0 && (reinterpret_cast<uintptr_t>(row) & 15) == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0;
@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int o = 16; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(~0u, bv, o);
     const int oi = __shfl_xor_sync(~0u, bi, o);
-    if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) bv = ov, bi = oi;
+    if (beats(ov, oi, bv, bi)) bv = ov, bi = oi;
   }
   __shared__ float sv[kThreads / 32];
   __shared__ int si[kThreads / 32];
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   if (threadIdx.x != 0) return;
   for (int w = 1; w < kThreads / 32; ++w)
-    if (si[w] >= 0 && (bi < 0 || sv[w] > bv || (sv[w] == bv && si[w] < bi))) bv = sv[w], bi = si[w];
+    if (beats(sv[w], si[w], bv, bi)) bv = sv[w], bi = si[w];
   argmax[r] = bi;
 }
 
