@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
-#include <thread>
 #include <unordered_set>
 
 #include "api/api_util.h"
@@ -149,15 +148,14 @@ const float* last_logits(const dz_session* s) {
   return s->fetched;
 }
 
+// Greedy sampling from a row still on the device: its argmax, no copy.
+bool greedy_on_device(const dz_session* s) { return s->on_device && s->params.sampler.temperature <= 0; }
+
 int32_t sample_last(dz_session* s) {
   const size_t v = size_t(n_vocab(s));
-  const dz::cpu::SamplerConfig cfg = sampler_config(s->params.sampler);
-  int32_t t;
-  if (s->on_device && cfg.temperature <= 0) {
-    t = s->device_argmax;  // greedy: the device's argmax of the row, as cpu::argmax
-  } else {
-    t = dz::cpu::sample_token(last_logits(s) + (s->rows - 1) * v, int64_t(v), cfg, s->rng);
-  }
+  const int32_t t = greedy_on_device(s) ? s->device_argmax  // as cpu::argmax of the row
+                                        : dz::cpu::sample_token(last_logits(s) + (s->rows - 1) * v, int64_t(v),
+                                                                sampler_config(s->params.sampler), s->rng);
   dz::check(t >= 0, DZ_ERR_INTERNAL, "the logits row holds no number (NaN everywhere)");
   return t;
 }
@@ -439,14 +437,12 @@ DZ_API dz_status dz_generate_step(dz_session* const* sessions, size_t n, int32_t
       // Sampling on the host (a row to read, a softmax over the vocabulary)
       // runs in parallel over the sessions; greedy rows on a device need none.
       size_t host = 0;
-      for (size_t i = 0; i < n; ++i) host += !(sessions[i]->on_device && sessions[i]->params.sampler.temperature <= 0);
+      for (size_t i = 0; i < n; ++i) host += !greedy_on_device(sessions[i]);
       dz::ThreadPool* pool = nullptr;
       if (host > 1) {
         dz_model* m = sessions[0]->arena->model;
-        std::call_once(m->sample_pool_once, [m] {
-          m->sample_pool =
-              std::make_unique<dz::ThreadPool>(int(std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u)));
-        });
+        std::call_once(m->sample_pool_once,
+                       [m] { m->sample_pool = std::make_unique<dz::ThreadPool>(dz::helper_threads()); });
         pool = m->sample_pool.get();
       }
       dz::parallel_for(pool, n, 1, [&](size_t i0, size_t i1) {

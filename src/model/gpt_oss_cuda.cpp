@@ -463,7 +463,7 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   stage_cap_ = size_t(1) << 20;
   DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&stage_), stage_cap_));
   DZ_CUDA_CHECK(cudaEventCreateWithFlags(&stage_ev_, cudaEventDisableTiming));
-  copy_pool_ = std::make_unique<ThreadPool>(int(std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u)));
+  copy_pool_ = std::make_unique<ThreadPool>(helper_threads());
   DZ_CUDA_CHECK(cudaDeviceSynchronize());
   log_info("gpt_oss on ", ctx_->describe(), ": ", device_bytes_ >> 20, " MiB of weights on the device (checkpoint ",
            weights >> 20, " MiB)");

@@ -3,6 +3,7 @@
 // threads; its forward passes then take turns on the pool).
 #pragma once
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -43,6 +44,10 @@ class ThreadPool {
   bool stop_ = false;
   std::exception_ptr error_;
 };
+
+// Threads of a helper pool beside the compute (host copies of logits rows,
+// sampling a batch's sessions): half the cores, 1 to 8.
+inline int helper_threads() { return int(std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u)); }
 
 // parallel_for on pool, or inline when pool is null.
 inline void parallel_for(ThreadPool* pool, size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn) {
