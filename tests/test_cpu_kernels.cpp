@@ -17,6 +17,7 @@
 #include "cpu/sampling.h"
 #include "runtime/parallel.h"
 #include "support/safetensors_writer.h"
+#include "support/sampling_reference.h"
 
 using namespace dz::cpu;
 
@@ -302,43 +303,6 @@ TEST_CASE("activation rounding as the CUDA backend stages it: BF16, and FP16 sca
   CHECK(hr[5] != h[5]);  // the subnormal lost precision
 }
 
-namespace {
-
-// The sampler's definition written out the plain way: every candidate sorted
-// (largest logit first, lower index on ties), softmax at the temperature over
-// the top_k, the top_p prefix, one draw.
-int32_t sample_sorted_reference(const float* l, int64_t n, const dz::cpu::SamplerConfig& cfg, std::mt19937_64& rng) {
-  std::vector<int32_t> c;
-  for (int64_t i = 0; i < n; ++i)
-    if (!std::isnan(l[i])) c.push_back(int32_t(i));
-  if (c.empty()) return -1;
-  std::sort(c.begin(), c.end(), [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
-  if (cfg.top_k > 0 && size_t(cfg.top_k) < c.size()) c.resize(size_t(cfg.top_k));
-  std::vector<double> p(c.size());
-  double total = 0;
-  for (size_t i = 0; i < c.size(); ++i)
-    total += (p[i] = std::exp((double(l[c[i]]) - double(l[c[0]])) / cfg.temperature));
-  size_t keep = c.size();
-  if (cfg.top_p < 1) {
-    double cum = 0;
-    size_t m = 0;
-    while (m < keep) {
-      cum += p[m++] / total;
-      if (cum >= double(cfg.top_p)) break;
-    }
-    keep = m;
-    total = 0;
-    for (size_t i = 0; i < keep; ++i) total += p[i];
-  }
-  const double u = dz::cpu::uniform01(rng) * total;
-  double cum = 0;
-  for (size_t i = 0; i < keep; ++i)
-    if (u < (cum += p[i])) return c[i];
-  return c[keep - 1];
-}
-
-}  // namespace
-
 TEST_CASE("sampling: the partial-order sampler draws what a full sort draws, seed for seed", "[kernels]") {
   std::mt19937 gen(5);
   for (const int64_t n : {int64_t(6), int64_t(1000), int64_t(201088)}) {
@@ -360,7 +324,8 @@ TEST_CASE("sampling: the partial-order sampler draws what a full sort draws, see
         int differ = 0;
         const int draws = n > 100000 ? 40 : 400;
         for (int d = 0; d < draws; ++d)
-          differ += dz::cpu::sample_token(l.data(), n, cfg, ra) != sample_sorted_reference(l.data(), n, cfg, rb);
+          differ += dz::cpu::sample_token(l.data(), n, cfg, ra) !=
+                    dz::test::sample_reference(l.data(), n, cfg, dz::cpu::uniform01(rb)).token;
         // Sums in another order could flip a draw within ~1e-16 of a boundary: never in practice.
         CHECK(differ == 0);
       }
@@ -369,4 +334,17 @@ TEST_CASE("sampling: the partial-order sampler draws what a full sort draws, see
   std::vector<float> nan(100, NAN);
   std::mt19937_64 r(1);
   CHECK(dz::cpu::sample_token(nan.data(), 100, {1.f, 0, 1.f}, r) == -1);
+  // Infinite logits: the largest weighs 1, so every -inf is as likely as
+  // another, and a +inf takes all the mass.
+  std::vector<float> ninf(8, -INFINITY);
+  const std::vector<float> pinf = {1.f, INFINITY, 3.f, INFINITY, NAN};
+  std::vector<int> hits(8, 0);
+  for (int d = 0; d < 400; ++d) {
+    const int32_t t = dz::cpu::sample_token(ninf.data(), 8, {1.f, 0, 1.f}, r);
+    REQUIRE((t >= 0 && t < 8));
+    ++hits[size_t(t)];
+    const int32_t ti = dz::cpu::sample_token(pinf.data(), 5, {0.7f, 0, 0.9f}, r);
+    CHECK((ti == 1 || ti == 3));
+  }
+  CHECK(*std::min_element(hits.begin(), hits.end()) > 20);
 }

@@ -57,7 +57,8 @@ int32_t sample_token(const float* logits, int64_t n, const SamplerConfig& cfg, s
   for (const Cand& x : c) mx = std::max(mx, x.l);
   const double t = double(cfg.temperature);
   double total = 0;
-  for (Cand& x : c) total += (x.w = std::exp((double(x.l) - double(mx)) / t));
+  // The largest weighs 1 also where it is infinite (all -inf: uniform).
+  for (Cand& x : c) total += (x.w = x.l == mx ? 1.0 : std::exp((double(x.l) - double(mx)) / t));
   // Both walks below (the top_p prefix, then the draw) go through the
   // candidates in order, largest logit first, lower index on ties: a
   // quickselect by accumulated weight finds where each stops without sorting
