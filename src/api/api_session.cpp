@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <span>
 #include <unordered_set>
 
 #include "api/api_util.h"
@@ -151,11 +152,38 @@ const float* last_logits(const dz_session* s) {
 // Greedy sampling from a row still on the device: its argmax, no copy.
 bool greedy_on_device(const dz_session* s) { return s->on_device && s->params.sampler.temperature <= 0; }
 
+// Any other sampler on a row still on the device: the family samples it there.
+bool samples_on_device(const dz_session* s) { return s->on_device && s->params.sampler.temperature > 0; }
+
+// Samples sessions[which[j]] into tokens[which[j]] on the device, one launch
+// for all, each drawing from its rng as the host sampler would; false (no rng
+// touched) where the family cannot.
+bool sample_on_device(dz_session* const* sessions, std::span<const size_t> which, int32_t* tokens) {
+  std::vector<dz::DeviceSample> rows(which.size());
+  for (size_t j = 0; j < which.size(); ++j) {
+    const dz_session* s = sessions[which[j]];
+    std::mt19937_64 r = s->rng;  // advanced below only once the token is known
+    rows[j] = {s->dlog->row(s->dlog_cur), sampler_config(s->params.sampler), dz::cpu::uniform01(r)};
+  }
+  std::vector<int32_t> out(which.size());
+  if (!sessions[0]->arena->model->family->sample_on_device(rows, out.data())) return false;
+  for (size_t j = 0; j < which.size(); ++j) {
+    dz::check(out[j] >= 0, DZ_ERR_INTERNAL, "the logits row holds no number (NaN everywhere)");
+    sessions[which[j]]->rng.discard(1);
+    tokens[which[j]] = out[j];
+  }
+  return true;
+}
+
 int32_t sample_last(dz_session* s) {
   const size_t v = size_t(n_vocab(s));
-  const int32_t t = greedy_on_device(s) ? s->device_argmax  // as cpu::argmax of the row
-                                        : dz::cpu::sample_token(last_logits(s) + (s->rows - 1) * v, int64_t(v),
-                                                                sampler_config(s->params.sampler), s->rng);
+  int32_t t = -1;
+  if (greedy_on_device(s)) {
+    t = s->device_argmax;  // as cpu::argmax of the row
+  } else if (const size_t zero = 0; !samples_on_device(s) || !sample_on_device(&s, std::span(&zero, 1), &t)) {
+    t = dz::cpu::sample_token(last_logits(s) + (s->rows - 1) * v, int64_t(v), sampler_config(s->params.sampler),
+                              s->rng);
+  }
   dz::check(t >= 0, DZ_ERR_INTERNAL, "the logits row holds no number (NaN everywhere)");
   return t;
 }
@@ -434,10 +462,17 @@ DZ_API dz_status dz_generate_step(dz_session* const* sessions, size_t n, int32_t
     std::vector<int32_t> tokens(n);
     for (size_t i = 0; i < n; ++i) rngs.push_back(sessions[i]->rng);
     try {
-      // Sampling on the host (a row to read, a softmax over the vocabulary)
-      // runs in parallel over the sessions; greedy rows on a device need none.
+      // Rows on a device are sampled there: greedy ones by their argmax, the
+      // others in one launch for the batch. Sampling on the host (a row to
+      // read, a softmax over the vocabulary) runs in parallel over the sessions.
+      std::vector<size_t> dev;
+      for (size_t i = 0; i < n; ++i)
+        if (samples_on_device(sessions[i])) dev.push_back(i);
+      std::vector<char> done(n, 0);
+      if (!dev.empty() && sample_on_device(sessions, dev, tokens.data()))
+        for (const size_t i : dev) done[i] = 1;
       size_t host = 0;
-      for (size_t i = 0; i < n; ++i) host += !greedy_on_device(sessions[i]);
+      for (size_t i = 0; i < n; ++i) host += !done[i] && !greedy_on_device(sessions[i]);
       dz::ThreadPool* pool = nullptr;
       if (host > 1) {
         dz_model* m = sessions[0]->arena->model;
@@ -446,7 +481,8 @@ DZ_API dz_status dz_generate_step(dz_session* const* sessions, size_t n, int32_t
         pool = m->sample_pool.get();
       }
       dz::parallel_for(pool, n, 1, [&](size_t i0, size_t i1) {
-        for (size_t i = i0; i < i1; ++i) tokens[i] = sample_last(sessions[i]);
+        for (size_t i = i0; i < i1; ++i)
+          if (!done[i]) tokens[i] = sample_last(sessions[i]);
       });
       decode_batch(sessions, tokens.data(), n);
     } catch (...) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "cpu/sampling.h"
 #include "dayzero.h"
 #include "kv/arena.h"
 #include "loader/config.h"
@@ -82,6 +83,15 @@ class DeviceLogits {
   virtual const float* fetch(int i) const = 0;
 };
 
+// One session's draw from its decode-step row on the device (a DeviceLogits
+// row of the family), with its sampler (temperature > 0) and the draw u in
+// [0, 1) that cpu::sample_token would take from the session's rng.
+struct DeviceSample {
+  const float* logits = nullptr;
+  cpu::SamplerConfig cfg;
+  double u = 0;
+};
+
 class Family {
  public:
   virtual ~Family() = default;
@@ -99,6 +109,13 @@ class Family {
   // Device rows for one session's decode-step logits (ForwardItem::device_logits);
   // null where the family keeps logits on the host or the device is full.
   virtual std::unique_ptr<DeviceLogits> make_device_logits() { return nullptr; }
+  // tokens[i] = the token sampled from rows[i] on the device, as
+  // cpu::sample_token picks it for that draw (-1 for a row of NaNs); false
+  // where the family cannot (the caller samples a host copy). Throws dz::Error.
+  virtual bool sample_on_device(std::span<const DeviceSample> rows, int32_t* tokens) {
+    (void)rows, (void)tokens;
+    return false;
+  }
 };
 
 using FamilyFactory = std::unique_ptr<Family> (*)(const Config& config, const WeightStore& weights,

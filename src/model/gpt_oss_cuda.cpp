@@ -40,6 +40,7 @@ uint64_t gpt_oss_cuda_graph_replays() { return 0; }
 #include "cuda/norm.h"
 #include "cuda/rope.h"
 #include "cuda/router.h"
+#include "cuda/sampling.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/device.h"
@@ -209,6 +210,7 @@ class GptOssCuda final : public Family, private GptOssDesc {
       return nullptr;
     }
   }
+  bool sample_on_device(std::span<const DeviceSample> rows, int32_t* tokens) override;
 
  private:
   struct Row {
@@ -301,10 +303,12 @@ class GptOssCuda final : public Family, private GptOssDesc {
   DeviceArray<float> att_part_;      // split decode attention partials
   DeviceArray<int32_t> att_ticket_;  // and its ticket counters (zero between launches)
   cuda::DecodeSplitPolicy split_;
-  float* logits_host_ = nullptr;    // pinned [kLogitRows][V]
-  int32_t* argmax_host_ = nullptr;  // pinned [kLogitRows]: each logit row's argmax
-  DeviceArray<int32_t> argmax_;     // [kLogitRows]
-  uint8_t* stage_ = nullptr;        // pinned staging of the metadata (uploaded with one copy)
+  float* logits_host_ = nullptr;            // pinned [kLogitRows][V]
+  int32_t* argmax_host_ = nullptr;          // pinned [kLogitRows]: each logit row's argmax
+  DeviceArray<int32_t> argmax_;             // [kLogitRows]; also the tokens of sample_on_device
+  cuda::SampleRow* sample_host_ = nullptr;  // pinned [kLogitRows]: sample_on_device's rows, uploaded
+  DeviceArray<cuda::SampleRow> sample_rows_;
+  uint8_t* stage_ = nullptr;  // pinned staging of the metadata (uploaded with one copy)
   size_t stage_cap_ = 0;
   cudaEvent_t stage_ev_ = nullptr;         // after the last upload from stage_: rewrite only once it completed
   int* err_host_ = nullptr;                // pinned copy of the MoE error flag
@@ -459,6 +463,8 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&err_host_), sizeof(int)));
   DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&argmax_host_), size_t(kLogitRows) * sizeof(int32_t)));
   argmax_ = DeviceArray<int32_t>(pool, size_t(kLogitRows), "logits argmax");
+  DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&sample_host_), size_t(kLogitRows) * sizeof(cuda::SampleRow)));
+  sample_rows_ = DeviceArray<cuda::SampleRow>(pool, size_t(kLogitRows), "sampling rows");
   *err_host_ = 0;
   stage_cap_ = size_t(1) << 20;
   DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&stage_), stage_cap_));
@@ -476,7 +482,31 @@ GptOssCuda::~GptOssCuda() {
   if (stage_) cudaFreeHost(stage_);
   if (err_host_) cudaFreeHost(err_host_);
   if (argmax_host_) cudaFreeHost(argmax_host_);
+  if (sample_host_) cudaFreeHost(sample_host_);
   if (logits_host_) cudaFreeHost(logits_host_);
+}
+
+bool GptOssCuda::sample_on_device(std::span<const DeviceSample> rows, int32_t* tokens) {
+  if (n_vocab_ > cuda::kMaxSampleVocab) return false;
+  std::lock_guard<std::mutex> lk(mu_);
+  DZ_CUDA_CHECK(cudaSetDevice(dev_));
+  cudaStream_t s = ctx_->stream();
+  // The staging buffers are free: every forward and every chunk here ends
+  // with its stream synchronised.
+  for (size_t c0 = 0; c0 < rows.size(); c0 += size_t(kLogitRows)) {
+    const size_t nc = std::min(rows.size() - c0, size_t(kLogitRows));
+    for (size_t i = 0; i < nc; ++i) {
+      const DeviceSample& r = rows[c0 + i];
+      sample_host_[i] = {r.logits, r.cfg.temperature, r.cfg.top_k, r.cfg.top_p, r.u};
+    }
+    DZ_CUDA_CHECK(
+        cudaMemcpyAsync(sample_rows_.get(), sample_host_, nc * sizeof(cuda::SampleRow), cudaMemcpyHostToDevice, s));
+    cuda::sample_rows(sample_rows_.get(), int(nc), n_vocab_, argmax_.get(), s);
+    DZ_CUDA_CHECK(cudaMemcpyAsync(argmax_host_, argmax_.get(), nc * 4, cudaMemcpyDeviceToHost, s));
+    DZ_CUDA_CHECK(cudaStreamSynchronize(s));
+    std::copy(argmax_host_, argmax_host_ + nc, tokens + c0);
+  }
+  return true;
 }
 
 void GptOssCuda::clear_graphs() {

@@ -19,6 +19,7 @@ const Bench kBenches[] = {
     {"kv", bench_kv, "KV arena bookkeeping: allocate/append/free, fork, prefix lookups, 1M-token memory"},
     {"model", bench_model, "whole gpt-oss model: load, prefill, decode (random 20b-shaped checkpoint)"},
     {"moe", bench_moe, "MXFP4 MoE layer on the GPU (fused W4A16 vs FP8 paths)"},
+    {"sampling", bench_sampling, "temperature / top-k / top-p sampling of logits rows on the GPU"},
     {"tokenize", bench_tokenize, "tokenizer encode throughput (MB/s) on a corpus"},
 };
 void usage(FILE* f) {

@@ -24,6 +24,7 @@ int bench_attention(const Args& args);
 int bench_kv(const Args& args);
 int bench_tokenize(const Args& args);
 int bench_model(const Args& args);
+int bench_sampling(const Args& args);
 
 // Small argument helpers shared by the subcommands.
 bool has_flag(const Args& a, const std::string& flag);

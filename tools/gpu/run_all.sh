@@ -12,7 +12,7 @@
 #                     Catch2 v3, so the results under bench/results were made this way)
 #   DZ_DEPS=DIR       extra prefix (include/, lib/, lib/pkgconfig) with the build dependencies
 #   DZ_BENCH_TOKENS   token counts for dz bench moe (default 1,8,64,128,256,384,512,1024,2048,4096,16384)
-#   DZ_GPU_STEPS      which steps to run (default "tests moe peers attention model profile"; profile needs model)
+#   DZ_GPU_STEPS      which steps to run (default "tests moe peers attention sampling model profile"; profile needs model)
 #   DZ_MODEL_DIR      where dz bench model writes its random gpt-oss-20b checkpoint (default /tmp/dz_gptoss20b_random)
 # NCCL, where a benchmark needs it, comes from PyTorch's nvidia Python packages.
 set -uo pipefail
@@ -62,7 +62,7 @@ else
   LIBDZ=build-gpu/libdayzero.so
 fi
 
-STEPS=" ${DZ_GPU_STEPS:-tests moe peers attention model profile} "
+STEPS=" ${DZ_GPU_STEPS:-tests moe peers attention sampling model profile} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 if want tests; then
@@ -114,6 +114,17 @@ grep -E "^attention" "$OUTDIR/bench_attention.log"
 if python3 -c "import torch" 2>/dev/null; then
   python3 tools/bench/attention_peer.py --dz-json "$OUTDIR/bench_attention.json" --out "$OUTDIR/attention_peer.json" ||
     { echo "attention peer FAILED"; status=1; }
+fi
+fi
+
+if want sampling; then
+step "dz bench sampling (logits rows sampled on the GPU) and its PyTorch peer"
+"$DZ" bench sampling --out "$OUTDIR/bench_sampling.json" 2>"$OUTDIR/bench_sampling.log" >/dev/null ||
+  { echo "dz bench sampling FAILED"; status=1; }
+grep -E "^sampling" "$OUTDIR/bench_sampling.log"
+if python3 -c "import torch" 2>/dev/null; then
+  python3 tools/bench/sampling_peer.py --dz-json "$OUTDIR/bench_sampling.json" --out "$OUTDIR/sampling_peer.json" ||
+    { echo "sampling peer FAILED"; status=1; }
 fi
 fi
 
