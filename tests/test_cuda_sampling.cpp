@@ -1,6 +1,7 @@
 // GPU test of temperature / top-k / top-p sampling on the device
 // (cuda/sampling.h) against a float64 reference that sorts the vocabulary,
 // draw for draw ([cuda]; skips with a message where no CUDA device is present).
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdio>
@@ -26,7 +27,7 @@ TEST_CASE("CUDA sampling draws what a sorted float64 reference draws, and the sa
   const std::vector<dz::cpu::SamplerConfig> cfgs = {
       {1.f, 0, 1.f}, {0.7f, 0, 0.9f},  {1.3f, 40, 1.f},      {0.8f, 300, 0.95f}, {5.f, 0, 0.999f},
       {1.f, 1, 1.f}, {0.6f, 0, 0.05f}, {2.f, 1 << 30, 0.5f}, {0.3f, 7, 0.6f},    {1e-30f, 0, 1.f}};
-  size_t cases = 0, exact = 0, near_differ = 0;
+  size_t cases = 0, exact = 0, near_random = 0;
   for (const int V : {201088, 4099, 1000, 7}) {
     // Rows: Gaussian at three scales (flat to peaked) with NaN and -inf
     // entries, a coarse grid (many exact ties, +0 and -0), all -inf, one
@@ -60,11 +61,17 @@ TEST_CASE("CUDA sampling draws what a sorted float64 reference draws, and the sa
                                  : ud(gen)});
     dz::test::DeviceBuffer<dz::cuda::SampleRow> dr(sr);
     dz::test::DeviceBuffer<int32_t> dt(sr.size()), dt2(sr.size());
-    dz::cuda::sample_rows(dr.p, int(sr.size()), V, dt.p, ctx.stream());
+    // Once in launches of 16, 60 and 120 rows (a row split over 8, 4 and 2
+    // blocks), once all at once (a block a row): the same tokens, as the
+    // sums are integers.
+    for (size_t j = 0, c = 0, k = 0; j < sr.size(); j += c, ++k) {
+      c = std::min(sr.size() - j, size_t(k % 3 == 0 ? 16 : k % 3 == 1 ? 60 : 120));
+      dz::cuda::sample_rows(dr.p + j, int(c), V, dt.p + j, ctx.stream());
+    }
     dz::cuda::sample_rows(dr.p, int(sr.size()), V, dt2.p, ctx.stream());
     ctx.sync();
     const auto tok = dt.get(), tok2 = dt2.get();
-    CHECK(tok == tok2);  // deterministic: integer sums
+    CHECK(tok == tok2);
     for (size_t j = 0; j < sr.size(); ++j) {
       const int r = int(j / (cfgs.size() * 10));
       const dz::cpu::SamplerConfig cfg{sr[j].temperature, sr[j].top_k, sr[j].top_p};
@@ -78,11 +85,13 @@ TEST_CASE("CUDA sampling draws what a sorted float64 reference draws, and the sa
       }
       // The device's fp32 weights may pick a neighbour only at a boundary.
       CHECK(ref.near);
-      near_differ += ref.near;
+      // Rare for random draws (the ends of [0, 1) and the uniform row's top_p
+      // of exactly half its mass sit on boundaries by construction).
+      near_random += ref.near && j % 10 >= 2 && r != 4;
     }
   }
-  std::printf("CUDA sampling: %zu draws, %zu as the float64 reference, %zu next to it at a boundary\n", cases, exact,
-              near_differ);
-  CHECK(near_differ * 200 <= cases);
+  std::printf("CUDA sampling: %zu draws, %zu as the float64 reference, %zu of the others next to it at a boundary\n",
+              cases, exact, cases - exact);
+  CHECK(near_random * 1000 <= cases);
 #endif
 }

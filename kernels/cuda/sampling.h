@@ -8,8 +8,9 @@
 
 namespace dz::cuda {
 
-// The largest vocabulary sample_rows takes (an index is 24 bits of its sort key).
-constexpr int kMaxSampleVocab = 1 << 24;
+// The largest vocabulary sample_rows takes (4M: a block's slice of a row
+// stays below 2^19 logits, and an index within 24 bits of its sort key).
+constexpr int kMaxSampleVocab = 1 << 22;
 
 struct SampleRow {
   const float* logits;  // V floats on the device
@@ -28,7 +29,7 @@ struct SampleRow {
 // relative: the two agree except where a draw or the top_p mass lies that
 // close to a boundary between two tokens; a token weighing below ~2^-39 of the
 // largest is never drawn. rows and tokens are device pointers; 0 < V <=
-// kMaxSampleVocab. One 512-thread block a row.
+// kMaxSampleVocab. One cluster of eight 512-thread blocks a row.
 void sample_rows(const SampleRow* rows, int n, int V, int32_t* tokens, cudaStream_t s);
 
 }  // namespace dz::cuda
