@@ -348,12 +348,15 @@ DZ_API dz_status dz_session_append(dz_session *session, const int32_t *tokens,
 /* Logits of the last append or decode step: *rows x *n_vocab floats,
  * row-major; owned by the session, valid until the next call that changes it.
  * After a decode step on a GPU the row stays in device memory until the first
- * call here copies it (greedy sampling needs no copy: the device keeps each
- * row's argmax). */
+ * call here copies it (sampling needs no copy: it runs on the device). */
 DZ_API dz_status dz_session_logits(const dz_session *session,
                                    const float **logits, size_t *rows,
                                    size_t *n_vocab);
-/* Sample from the last logits row with the session's sampler. */
+/* Sample from the last logits row with the session's sampler. A seed gives
+ * the same tokens run after run; after a GPU decode step the draw is made on
+ * the device in exact integer arithmetic and may differ from the host's
+ * (double) only where it falls within ~1e-6 of a boundary between two tokens,
+ * and a token weighing below ~2^-39 of the likeliest is never drawn there. */
 DZ_API dz_status dz_session_sample(dz_session *session, int32_t *token);
 DZ_API dz_status dz_session_set_sampler(dz_session *session,
                                         const dz_sampler_params *params);
