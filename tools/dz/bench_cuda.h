@@ -16,9 +16,11 @@ namespace dz::cli {
 
 class GpuTimer {
  public:
-  // flush: flush_bytes of device memory read before each timed call (larger than the L2); sink: one float.
-  GpuTimer(cuda::Context& c, const void* flush, size_t flush_bytes, float* sink)
-      : ctx_(c), flush_(flush), flush_bytes_(flush_bytes), sink_(sink) {
+  static constexpr size_t kFlushBytes = size_t(256) << 20;  // larger than the L2
+  // Its flush buffer (random bytes) and sink come from the context's pool.
+  explicit GpuTimer(cuda::Context& c)
+      : ctx_(c), flush_(c.pool(), kFlushBytes, "L2 flush"), sink_(c.pool(), 1, "flush sink") {
+    cuda::fill_random_u8(flush_.get(), kFlushBytes, 5, 0, 255, c.stream());
     DZ_CUDA_CHECK(cudaEventCreate(&a_));
     DZ_CUDA_CHECK(cudaEventCreate(&b_));
   }
@@ -28,12 +30,14 @@ class GpuTimer {
   }
   GpuTimer(const GpuTimer&) = delete;
   GpuTimer& operator=(const GpuTimer&) = delete;
+  // One float a kernel may write to (cuda::stream_read's result).
+  float* sink() const { return sink_.get(); }
   // Median ms of run(i) on the context's stream over reps calls, after warm calls (run(0 .. warm - 1)).
   template <typename F>
   double median_ms(int reps, int warm, F run) {
     std::vector<double> v;
     for (int i = -warm; i < reps; ++i) {
-      cuda::l2_flush_read(flush_, flush_bytes_, sink_, ctx_.stream());
+      cuda::l2_flush_read(flush_.get(), kFlushBytes, sink_.get(), ctx_.stream());
       DZ_CUDA_CHECK(cudaEventRecord(a_, ctx_.stream()));
       run(i < 0 ? i + warm : i);
       DZ_CUDA_CHECK(cudaEventRecord(b_, ctx_.stream()));
@@ -47,9 +51,8 @@ class GpuTimer {
 
  private:
   cuda::Context& ctx_;
-  const void* flush_;
-  size_t flush_bytes_;
-  float* sink_;
+  cuda::DeviceArray<uint8_t> flush_;
+  cuda::DeviceArray<float> sink_;
   cudaEvent_t a_{}, b_{};
 };
 

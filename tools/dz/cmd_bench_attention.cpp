@@ -97,11 +97,7 @@ int bench_attention(const Args& a) {
     fill_random_f32(q.get(), q.size(), 22, 1.f, st);
     fill_random_f32(sinks.get(), sinks.size(), 23, 1.f, st);
     DeviceArray<uint16_t> out(P, size_t(max_b) * nh * D, "out");
-    const size_t flush_bytes = size_t(256) << 20;
-    DeviceArray<uint8_t> flush(P, flush_bytes, "L2 flush");
-    DeviceArray<float> sink(P, 1, "flush sink");
-    fill_random_u8(flush.get(), flush_bytes, 5, 0, 255, st);
-    GpuTimer timer(ctx, flush.get(), flush_bytes, sink.get());
+    GpuTimer timer(ctx);
 
     nlohmann::json meta = bench_meta();
     meta["gpu"] = ctx.describe();
@@ -182,7 +178,7 @@ int bench_attention(const Args& a) {
         const double ms_default = pol[std::to_string(chunks[0])]["us"].get<double>() * 1e-3;
         const size_t read_bytes = size_t(bytes) / 16 * 16;
         const double ms_read =
-            timer.median_ms(reps, 2, [&](int) { stream_read(kv.get(), read_bytes, sink.get(), st); });
+            timer.median_ms(reps, 2, [&](int) { stream_read(kv.get(), read_bytes, timer.sink(), st); });
         j["results"].push_back({{"batch", B},
                                 {"ctx", C},
                                 {"keys_per_row", len},

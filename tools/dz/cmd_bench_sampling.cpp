@@ -68,11 +68,7 @@ int bench_sampling(const Args& a) {
     DeviceArray<float> logits(P, size_t(max_b) * size_t(V), "logits");
     DeviceArray<SampleRow> rows(P, size_t(max_b), "rows");
     DeviceArray<int32_t> tokens(P, size_t(max_b), "tokens");
-    const size_t flush_bytes = size_t(256) << 20;
-    DeviceArray<uint8_t> flush(P, flush_bytes, "L2 flush");
-    DeviceArray<float> sink(P, 1, "flush sink");
-    fill_random_u8(flush.get(), flush_bytes, 5, 0, 255, st);
-    GpuTimer timer(ctx, flush.get(), flush_bytes, sink.get());
+    GpuTimer timer(ctx);
     nlohmann::json meta = bench_meta();
     meta["gpu"] = ctx.describe();
     nlohmann::json j = {{"bench", "sampling"},
@@ -105,7 +101,7 @@ int bench_sampling(const Args& a) {
           const double ms = timer.median_ms(reps, 2, [&](int) { sample_rows(rows.get(), B, V, tokens.get(), st); });
           const size_t bytes = size_t(B) * size_t(V) * 4;
           const double ms_read =
-              timer.median_ms(reps, 2, [&](int) { stream_read(logits.get(), bytes, sink.get(), st); });
+              timer.median_ms(reps, 2, [&](int) { stream_read(logits.get(), bytes, timer.sink(), st); });
           j["results"].push_back({{"spread", spread},
                                   {"sampler", sm.name},
                                   {"temperature", sm.cfg.temperature},
