@@ -347,8 +347,9 @@ DZ_API dz_status dz_session_append(dz_session *session, const int32_t *tokens,
                                    size_t n, dz_logits_mode mode);
 /* Logits of the last append or decode step: *rows x *n_vocab floats,
  * row-major; owned by the session, valid until the next call that changes it.
- * After a decode step on a GPU the row stays in device memory until the first
- * call here copies it (sampling needs no copy: it runs on the device). */
+ * After a decode step or a DZ_LOGITS_LAST append on a GPU the row stays in
+ * device memory until the first call here copies it (sampling needs no copy:
+ * it runs on the device). */
 DZ_API dz_status dz_session_logits(const dz_session *session,
                                    const float **logits, size_t *rows,
                                    size_t *n_vocab);

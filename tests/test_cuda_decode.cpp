@@ -518,13 +518,24 @@ TEST_CASE("gpt-oss decode: CUDA graph replays equal eager steps bitwise and matc
   }
 }
 
-// Rows left on the device by decode steps are sampled there (batched in
-// dz_generate_step, one row in dz_session_sample); a fork holds a host copy
-// of the same row and the same rng, so it samples the same token on the host.
+// Rows left on the device by appends and decode steps are sampled there
+// (batched in dz_generate_step, one row in dz_session_sample); a fork holds a
+// host copy of the same row and the same rng, so it samples the same token on
+// the host.
 TEST_CASE("gpt-oss decode: sampling on the device draws what the host sampler draws", "[cuda]") {
   if (!have_gpu()) return;
   const std::vector<std::vector<int32_t>> prompts = {{5, 9, 200}, {7, 1, 2, 3, 4}, {100}};
   Run g(DZ_DEVICE_CUDA, true, prompts);
+  // A prompt's last row stays on the device too: greedy takes its argmax.
+  for (dz_session* s : g.ss) {
+    int32_t t = -1;
+    REQUIRE(dz_session_sample(s, &t) == DZ_OK);
+    const float* p;
+    size_t rows, v;
+    REQUIRE(dz_session_logits(s, &p, &rows, &v) == DZ_OK);
+    REQUIRE(rows == 1);
+    CHECK(t == dz::cpu::argmax(p, int64_t(v)));
+  }
   const dz::cpu::SamplerConfig cfgs[3] = {{0.8f, 0, 0.95f}, {1.2f, 40, 1.f}, {0.5f, 0, 0.5f}};
   for (size_t i = 0; i < 3; ++i) {
     dz_sampler_params p;

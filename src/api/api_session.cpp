@@ -78,6 +78,27 @@ struct BatchAbort {
   }
 };
 
+// The session's two device logits rows, made on first use where the family
+// keeps logits on the device; null where it does not or had no room (not
+// asked again: the session keeps its logits on the host).
+dz::DeviceLogits* device_rows(dz_session* s, dz::Family& family) {
+  if (!s->dlog && !s->host_rows_only) {
+    s->dlog = family.make_device_logits();
+    s->host_rows_only = !s->dlog;
+  }
+  return s->dlog.get();
+}
+
+// After a successful forward into the spare device row: it is the session's
+// logits now (one row, argmax known, not yet on the host).
+void take_device_row(dz_session* s, int32_t argmax) {
+  s->dlog_cur = 1 - s->dlog_cur;
+  s->on_device = true;
+  s->fetched = nullptr;
+  s->device_argmax = argmax;
+  s->rows = 1;
+}
+
 // Append tokens[i] to sessions[i], one batched forward; all or nothing.
 void decode_batch(dz_session* const* sessions, const int32_t* tokens, size_t n) {
   dz::Family& family = *sessions[0]->arena->model->family;
@@ -89,8 +110,7 @@ void decode_batch(dz_session* const* sessions, const int32_t* tokens, size_t n) 
   // the logits only on success.
   for (size_t i = 0; i < n; ++i) {
     dz_session* s = sessions[i];
-    if (!s->dlog && s->spare.empty()) s->dlog = family.make_device_logits();
-    if (!s->dlog && s->spare.size() != v) s->spare.assign(v, 0.f);
+    if (!device_rows(s, family) && s->spare.size() != v) s->spare.assign(v, 0.f);
   }
   std::vector<int32_t> argmax(n, -1);
   std::vector<uint64_t> read(n, 0);
@@ -122,15 +142,12 @@ void decode_batch(dz_session* const* sessions, const int32_t* tokens, size_t n) 
   for (size_t i = 0; i < n; ++i) {
     dz_session* s = sessions[i];
     if (s->dlog) {
-      s->dlog_cur = 1 - s->dlog_cur;
-      s->on_device = true;
-      s->fetched = nullptr;
-      s->device_argmax = argmax[i];
+      take_device_row(s, argmax[i]);
     } else {
       s->logits.swap(s->spare);
       s->on_device = false;
+      s->rows = 1;
     }
-    s->rows = 1;
     s->tokens_computed += 1;
     s->attention_tokens_read += read[i];
   }
@@ -324,7 +341,11 @@ DZ_API dz_status dz_session_append(dz_session* session, const int32_t* tokens, s
     const size_t v = size_t(family.n_vocab());
     const bool all = mode_value == DZ_LOGITS_ALL;
     dz::check(!all || n <= SIZE_MAX / sizeof(float) / v, DZ_ERR_OUT_OF_MEMORY, "logits of ", n, " rows overflow");
-    std::vector<float> logits(all ? n * v : v);
+    // The last row stays on the device where the family can keep it there
+    // (sampled there, copied to the host only if read), as after a decode step.
+    dz::DeviceLogits* dev = all ? nullptr : device_rows(session, family);
+    std::vector<float> logits(dev ? 0 : all ? n * v : v);
+    int32_t argmax = -1;
     const size_t start = seq.length();
     size_t done = 0;
     size_t reused = 0;
@@ -346,7 +367,12 @@ DZ_API dz_status dz_session_append(dz_session* session, const int32_t* tokens, s
         it.seq = &seq;
         it.tokens = std::span<const int32_t>(tokens + done, c);
         it.all_logits = all;
-        it.logits = all ? logits.data() + done * v : logits.data();
+        if (dev) {
+          it.device_logits = dev->row(1 - session->dlog_cur);
+          it.argmax = &argmax;
+        } else {
+          it.logits = all ? logits.data() + done * v : logits.data();
+        }
         family.forward(std::span<dz::ForwardItem>(&it, 1), opt);
         seq.commit(it.tokens);
         done += c;
@@ -355,9 +381,13 @@ DZ_API dz_status dz_session_append(dz_session* session, const int32_t* tokens, s
       restore(seq, start);
       throw;
     }
-    session->logits.swap(logits);
-    session->on_device = false;
-    session->rows = all ? n : 1;
+    if (dev) {
+      take_device_row(session, argmax);
+    } else {
+      session->logits.swap(logits);
+      session->on_device = false;
+      session->rows = all ? n : 1;
+    }
     session->tokens_computed += n - reused;
     session->tokens_reused += reused;
     session->attention_tokens_read += read;

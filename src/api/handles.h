@@ -40,13 +40,14 @@ struct dz_session {
   dz_session_params params{};
   std::mt19937_64 rng;
   // rows x n_vocab of the last append / host decode step. After a decode step
-  // on a family with device logits the row stays in dlog (row dlog_cur) until
-  // first read (into dlog's host row: `fetched`); sessions are used by one
-  // thread at a time.
+  // or a DZ_LOGITS_LAST append on a family with device logits the row stays in
+  // dlog (row dlog_cur) until first read (into dlog's host row: `fetched`);
+  // sessions are used by one thread at a time.
   std::vector<float> logits;
   std::vector<float> spare;  // a host decode step's logits land here, then swap with `logits` (no allocation per step)
   size_t rows = 0;
-  std::unique_ptr<dz::DeviceLogits> dlog;  // this session's device rows (created on its first decode step)
+  std::unique_ptr<dz::DeviceLogits> dlog;  // this session's device rows (created on first use)
+  bool host_rows_only = false;             // the family has none, or had no room for them
   int dlog_cur = 0;
   bool on_device = false;                  // the last logits are dlog's row dlog_cur, not `logits`
   mutable const float* fetched = nullptr;  // with on_device: that row on the host once read
