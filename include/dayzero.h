@@ -354,10 +354,10 @@ DZ_API dz_status dz_session_logits(const dz_session *session,
                                    const float **logits, size_t *rows,
                                    size_t *n_vocab);
 /* Sample from the last logits row with the session's sampler. A seed gives
- * the same tokens run after run; after a GPU decode step the draw is made on
- * the device in exact integer arithmetic and may differ from the host's
- * (double) only where it falls within ~1e-6 of a boundary between two tokens,
- * and a token weighing below ~2^-39 of the likeliest is never drawn there. */
+ * the same tokens run after run. A row still on a GPU is sampled there, in
+ * exact integer arithmetic: the token may differ from the host sampler's
+ * (double) only where the draw falls within ~1e-6 of a boundary between two
+ * tokens, and a token weighing below ~2^-39 of the likeliest is never drawn. */
 DZ_API dz_status dz_session_sample(dz_session *session, int32_t *token);
 DZ_API dz_status dz_session_set_sampler(dz_session *session,
                                         const dz_sampler_params *params);

@@ -27,7 +27,7 @@ constexpr float kOne = 274877906944.0f;  // 2^38, the largest logit's weight: a 
 // overflow while it holds at most 2^19 elements.
 constexpr int kPartBits = 13;
 constexpr int kMaxSlice = 1 << 19;
-static_assert(kBins % kThreads == 0 && kMaxSampleVocab <= kMaxCluster * kMaxSlice && kMaxSampleVocab <= 1 << kIdxBits);
+static_assert(kBins % kThreads == 0 && kMaxSampleVocab <= 1 << kIdxBits);
 
 using Scan = cub::BlockScan<unsigned long long, kThreads>;
 
@@ -78,6 +78,10 @@ __device__ __forceinline__ void for_each_logit(const float* row, int i0, int i1,
     }
   }
 }
+
+// Logits a block of a C-block cluster takes: a multiple of 4 (16-byte loads stay aligned).
+__host__ __device__ constexpr int slice_of(int V, int C) { return (V + C * 4 - 1) / (C * 4) * 4; }
+static_assert(slice_of(kMaxSampleVocab, kMaxCluster) <= kMaxSlice);
 
 // What a search stops at: the first candidate at which the running count
 // reaches kth, the running mass reaches target, or the mass passes target.
@@ -231,7 +235,7 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(const SampleRow* ro
   const int rank = int(cluster.block_rank());
   const int r = blockIdx.x / C;
   const SampleRow p = rows[r];
-  const int slice = (V + C * 4 - 1) / (C * 4) * 4;  // a multiple of 4: 16-byte loads stay aligned
+  const int slice = slice_of(V, C);
   const int i0 = min(V, rank * slice), i1 = min(V, i0 + slice);
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   float mx = -INFINITY;
@@ -294,7 +298,7 @@ void sample_rows(const SampleRow* rows, int n, int V, int32_t* tokens, cudaStrea
   // short: latency), fewer as the batch fills the GPU (each block's merge and
   // cluster barriers are overhead), never a slice above kMaxSlice.
   int c = n <= 32 ? 8 : n <= 64 ? 4 : n <= 128 ? 2 : 1;
-  while (c < kMaxCluster && (V + c - 1) / c > kMaxSlice) c *= 2;
+  while (c < kMaxCluster && slice_of(V, c) > kMaxSlice) c *= 2;
   switch (c) {
     case 1:
       launch<1>(rows, n, V, tokens, s);
