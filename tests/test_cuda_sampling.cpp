@@ -62,16 +62,24 @@ TEST_CASE("CUDA sampling draws what a sorted float64 reference draws, and the sa
     dz::test::DeviceBuffer<dz::cuda::SampleRow> dr(sr);
     dz::test::DeviceBuffer<int32_t> dt(sr.size()), dt2(sr.size());
     // Once in launches of 16, 60 and 120 rows (a row split over 8, 4 and 2
-    // blocks), once all at once (a block a row): the same tokens, as the
-    // sums are integers.
+    // blocks), once all at once (a block a row), once with the argmax given:
+    // the same tokens, as the sums are integers.
     for (size_t j = 0, c = 0, k = 0; j < sr.size(); j += c, ++k) {
       c = std::min(sr.size() - j, size_t(k % 3 == 0 ? 16 : k % 3 == 1 ? 60 : 120));
       dz::cuda::sample_rows(dr.p + j, int(c), V, dt.p + j, ctx.stream());
     }
     dz::cuda::sample_rows(dr.p, int(sr.size()), V, dt2.p, ctx.stream());
+    // Once more with each row's argmax given (the largest logit then costs no pass).
+    std::vector<dz::cuda::SampleRow> sa = sr;
+    for (size_t j = 0; j < sa.size(); ++j)
+      sa[j].argmax = dz::cpu::argmax(logits.data() + j / (cfgs.size() * 10) * size_t(V), V);
+    dz::test::DeviceBuffer<dz::cuda::SampleRow> da(sa);
+    dz::test::DeviceBuffer<int32_t> dt3(sr.size());
+    dz::cuda::sample_rows(da.p, int(sa.size()), V, dt3.p, ctx.stream());
     ctx.sync();
-    const auto tok = dt.get(), tok2 = dt2.get();
+    const auto tok = dt.get(), tok2 = dt2.get(), tok3 = dt3.get();
     CHECK(tok == tok2);
+    CHECK(tok == tok3);
     for (size_t j = 0; j < sr.size(); ++j) {
       const int r = int(j / (cfgs.size() * 10));
       const dz::cpu::SamplerConfig cfg{sr[j].temperature, sr[j].top_k, sr[j].top_p};

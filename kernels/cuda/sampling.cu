@@ -225,7 +225,7 @@ __device__ __noinline__ int search(Shared<C>& sh, const float* row, int i0, int 
 }
 
 // One cluster a row, each block a slice of it: the row's largest logit and
-// candidate count, then up to three searches, each narrowing the candidates
+// candidate count (a pass, unless the argmax is given), then up to three searches, each narrowing the candidates
 // to a prefix of the order: the top_k, the top_p prefix, the draw.
 template <int C>
 __global__ void __launch_bounds__(kThreads, 1) sample_kernel(const SampleRow* rows, int V, int32_t* tokens) {
@@ -239,26 +239,33 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(const SampleRow* ro
   const int i0 = min(V, rank * slice), i1 = min(V, i0 + slice);
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   float mx = -INFINITY;
-  unsigned n = 0;
-  for_each_logit(p.logits, i0, i1, [&](float l, int) {
-    if (!isnan(l)) mx = fmaxf(mx, l), ++n;
-  });
-  for (int o = 16; o > 0; o >>= 1) {
-    mx = fmaxf(mx, __shfl_xor_sync(~0u, mx, o));
-    n += __shfl_xor_sync(~0u, n, o);
-  }
-  if (lane == 0) sh.wmax[warp] = mx, sh.wcnt[warp] = n;
-  cluster.sync();
-  mx = -INFINITY, n = 0;
-  for (int q = 0; q < C; ++q) {
-    const Shared<C>& o = *cluster.map_shared_rank(&sh, q);
-    for (int w = 0; w < kThreads / 32; ++w) mx = fmaxf(mx, o.wmax[w]), n += o.wcnt[w];
+  unsigned n = 0;  // candidates (numbers); where the argmax is known, only whether there is one
+  if (p.argmax >= -1) {
+    n = p.argmax >= 0;
+    if (n) mx = __ldg(p.logits + p.argmax);
+  } else {
+    for_each_logit(p.logits, i0, i1, [&](float l, int) {
+      if (!isnan(l)) mx = fmaxf(mx, l), ++n;
+    });
+    for (int o = 16; o > 0; o >>= 1) {
+      mx = fmaxf(mx, __shfl_xor_sync(~0u, mx, o));
+      n += __shfl_xor_sync(~0u, n, o);
+    }
+    if (lane == 0) sh.wmax[warp] = mx, sh.wcnt[warp] = n;
+    cluster.sync();
+    mx = -INFINITY, n = 0;
+    for (int q = 0; q < C; ++q) {
+      const Shared<C>& o = *cluster.map_shared_rank(&sh, q);
+      for (int w = 0; w < kThreads / 32; ++w) mx = fmaxf(mx, o.wmax[w]), n += o.wcnt[w];
+    }
   }
   int token = -1;
   if (n > 0) {
     const float k = 1.4426950408889634f / p.temperature;
     uint64_t lo = 0;
-    if (p.top_k > 0 && unsigned(p.top_k) < n)
+    // With the argmax given the count is not known: a top_k of at least the
+    // count then searches for the last candidate, which keeps them all.
+    if (p.top_k > 0 && (p.argmax >= 0 || unsigned(p.top_k) < n))
       search(sh, p.logits, i0, i1, lo, mx, k, kCount, 0, uint64_t(p.top_k), &lo);
     if (p.top_p < 1) search(sh, p.logits, i0, i1, lo, mx, k, kMassReaches, double(p.top_p), 0, &lo);
     token = search(sh, p.logits, i0, i1, lo, mx, k, kMassPasses, p.u, 0, &lo);

@@ -18,6 +18,10 @@ struct SampleRow {
   int32_t top_k;        // 0: off
   float top_p;          // (0, 1]; 1: off
   double u;             // the draw in [0, 1) (cpu::uniform01 of the session's rng)
+  // The row's cpu::argmax where known (the decode step's logits kernel wrote
+  // it): its value is the row's largest, which saves a pass; -1: no logit is
+  // a number; below -1: unknown (the kernel finds the largest itself).
+  int32_t argmax = -2;
 };
 
 // For r < n: tokens[r] = the token cpu::sample_token picks from rows[r] with

@@ -180,7 +180,7 @@ bool sample_on_device(dz_session* const* sessions, std::span<const size_t> which
   for (size_t j = 0; j < which.size(); ++j) {
     const dz_session* s = sessions[which[j]];
     std::mt19937_64 r = s->rng;  // advanced below only once the token is known
-    rows[j] = {s->dlog->row(s->dlog_cur), sampler_config(s->params.sampler), dz::cpu::uniform01(r)};
+    rows[j] = {s->dlog->row(s->dlog_cur), sampler_config(s->params.sampler), dz::cpu::uniform01(r), s->device_argmax};
   }
   std::vector<int32_t> out(which.size());
   if (!sessions[0]->arena->model->family->sample_on_device(rows, out.data())) return false;

@@ -90,6 +90,7 @@ struct DeviceSample {
   const float* logits = nullptr;
   cpu::SamplerConfig cfg;
   double u = 0;
+  int32_t argmax = -2;  // the row's cpu::argmax where known (-1: no number), else below -1
 };
 
 class Family {

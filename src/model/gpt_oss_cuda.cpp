@@ -497,7 +497,7 @@ bool GptOssCuda::sample_on_device(std::span<const DeviceSample> rows, int32_t* t
     const size_t nc = std::min(rows.size() - c0, size_t(kLogitRows));
     for (size_t i = 0; i < nc; ++i) {
       const DeviceSample& r = rows[c0 + i];
-      sample_host_[i] = {r.logits, r.cfg.temperature, r.cfg.top_k, r.cfg.top_p, r.u};
+      sample_host_[i] = {r.logits, r.cfg.temperature, r.cfg.top_k, r.cfg.top_p, r.u, r.argmax};
     }
     DZ_CUDA_CHECK(
         cudaMemcpyAsync(sample_rows_.get(), sample_host_, nc * sizeof(cuda::SampleRow), cudaMemcpyHostToDevice, s));

@@ -29,8 +29,9 @@ namespace {
 const char* kUsage =
     "usage: dz bench sampling [--batch 1,8,64,256] [--vocab 201088] [--spread 1,4] [--reps 20] [--out FILE.json]\n"
     "Sampling on the GPU, one launch for a batch of logits rows: time per launch for each sampler\n"
-    "(temperature 0.8 + top_p 0.95; temperature 1 + top_k 40; temperature 0.7 alone), next to a\n"
-    "plain read of the rows and the host sampler on one row copied back.\n";
+    "(temperature 0.8 + top_p 0.95; temperature 1 + top_k 40; temperature 0.7 alone), also with each\n"
+    "row's argmax given (as a decode step hands it over), next to a plain read of the rows and the host\n"
+    "sampler on one row copied back.\n";
 }  // namespace
 
 #ifndef DZ_WITH_CUDA
@@ -82,7 +83,14 @@ int bench_sampling(const Args& a) {
     for (int spread : spreads) {
       fill_random_f32(logits.get(), logits.size(), 31 + uint64_t(spread), float(spread), st);
       DZ_CUDA_CHECK(cudaMemcpyAsync(host.data(), logits.get(), host.size() * 4, cudaMemcpyDeviceToHost, st));
-      ctx.sync();
+      // Each row's argmax, as a decode step hands it over (the kernel then skips its max pass).
+      std::vector<int32_t> am(static_cast<size_t>(max_b));
+      {
+        std::vector<float> all(logits.size());
+        DZ_CUDA_CHECK(cudaMemcpyAsync(all.data(), logits.get(), all.size() * 4, cudaMemcpyDeviceToHost, st));
+        ctx.sync();
+        for (int b = 0; b < max_b; ++b) am[size_t(b)] = cpu::argmax(all.data() + size_t(b) * size_t(V), V);
+      }
       for (const Sampler& sm : samplers) {
         // The host sampler on one row (what a session pays without this kernel, after its 0.8 MB copy).
         std::vector<double> hv;
@@ -99,6 +107,9 @@ int bench_sampling(const Args& a) {
                              cpu::uniform01(rng)};
           DZ_CUDA_CHECK(cudaMemcpy(rows.get(), hr.data(), hr.size() * sizeof(SampleRow), cudaMemcpyHostToDevice));
           const double ms = timer.median_ms(reps, 2, [&](int) { sample_rows(rows.get(), B, V, tokens.get(), st); });
+          for (int b = 0; b < B; ++b) hr[size_t(b)].argmax = am[size_t(b)];
+          DZ_CUDA_CHECK(cudaMemcpy(rows.get(), hr.data(), hr.size() * sizeof(SampleRow), cudaMemcpyHostToDevice));
+          const double ms_am = timer.median_ms(reps, 2, [&](int) { sample_rows(rows.get(), B, V, tokens.get(), st); });
           const size_t bytes = size_t(B) * size_t(V) * 4;
           const double ms_read =
               timer.median_ms(reps, 2, [&](int) { stream_read(logits.get(), bytes, timer.sink(), st); });
@@ -110,12 +121,13 @@ int bench_sampling(const Args& a) {
                                   {"batch", B},
                                   {"us", ms * 1e3},
                                   {"us_per_row", ms * 1e3 / B},
+                                  {"us_argmax_given", ms_am * 1e3},
                                   {"plain_read_us", ms_read * 1e3},
                                   {"host_sampler_us_one_row", host_ms * 1e3}});
           std::fprintf(stderr,
-                       "sampling spread %d %-11s B=%3d: %8.1f us (%6.1f us a row; plain read %.1f us; host sampler "
-                       "%.0f us a row)\n",
-                       spread, sm.name, B, ms * 1e3, ms * 1e3 / B, ms_read * 1e3, host_ms * 1e3);
+                       "sampling spread %d %-11s B=%3d: %8.1f us (%6.1f us a row; argmax given %.1f us; plain read "
+                       "%.1f us; host sampler %.0f us a row)\n",
+                       spread, sm.name, B, ms * 1e3, ms * 1e3 / B, ms_am * 1e3, ms_read * 1e3, host_ms * 1e3);
         }
       }
     }
