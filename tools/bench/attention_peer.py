@@ -17,7 +17,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from cuda_timing import timed
+from cuda_timing import peer_setup, timed
 
 
 def main():
@@ -27,15 +27,11 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--max-kv-gib", type=float, default=16.0)
     args = ap.parse_args()
-    dz = json.load(open(args.dz_json))
+    dz, dev, flush, g = peer_setup(args.dz_json)
     sh = dz["shape"]
     nh, nkv, D = sh["heads"], sh["kv_heads"], sh["head_dim"]
     pt = dz["kv"]["page_tokens"]
     bw = dz["ceilings"]["hbm_bytes_per_s"]
-    dev = torch.device("cuda")
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    g = torch.Generator(device=dev)
-    g.manual_seed(0)
     res = []
     for row in dz["results"]:
         B, C, L = row["batch"], row["ctx"], row["keys_per_row"]

@@ -1,4 +1,5 @@
 """Timing shared by the PyTorch peers of `dz bench`: median of CUDA-event times, L2 flushed before each call."""
+import json
 import statistics
 
 import torch
@@ -16,3 +17,14 @@ def timed(fn, reps, flush):
         b.record()
     torch.cuda.synchronize()
     return statistics.median(a.elapsed_time(b) for a, b in ev)
+
+
+def peer_setup(dz_json):
+    """dayzero's results (`dz bench ... --out FILE`), the CUDA device, a 256 MiB tensor to flush the L2 with (for
+    timed) and a generator seeded 0 on the device."""
+    dz = json.load(open(dz_json))
+    dev = torch.device("cuda")
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    g = torch.Generator(device=dev)
+    g.manual_seed(0)
+    return dz, dev, flush, g

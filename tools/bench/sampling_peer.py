@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from cuda_timing import timed
+from cuda_timing import peer_setup, timed
 
 
 def sample(logits, temperature, top_k, top_p):
@@ -37,12 +37,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
-    dz = json.load(open(args.dz_json))
+    dz, dev, flush, g = peer_setup(args.dz_json)
     V = dz["vocab"]
-    dev = torch.device("cuda")
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    g = torch.Generator(device=dev)
-    g.manual_seed(0)
     res = []
     for row in dz["results"]:
         B, T, k, p = row["batch"], row["temperature"], row["top_k"], row["top_p"]

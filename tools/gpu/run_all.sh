@@ -62,6 +62,19 @@ else
   LIBDZ=build-gpu/libdayzero.so
 fi
 
+# dz bench NAME into OUTDIR/bench_NAME.{json,log} (its lines that start with NAME
+# echoed), then its PyTorch peer tools/bench/NAME_peer.py on the same shapes
+# where PyTorch is installed.
+bench_with_peer() {
+  "$DZ" bench "$1" --out "$OUTDIR/bench_$1.json" 2>"$OUTDIR/bench_$1.log" >/dev/null ||
+    { echo "dz bench $1 FAILED"; status=1; }
+  grep -E "^$1" "$OUTDIR/bench_$1.log"
+  if python3 -c "import torch" 2>/dev/null; then
+    python3 "tools/bench/$1_peer.py" --dz-json "$OUTDIR/bench_$1.json" --out "$OUTDIR/$1_peer.json" ||
+      { echo "$1 peer FAILED"; status=1; }
+  fi
+}
+
 STEPS=" ${DZ_GPU_STEPS:-tests moe peers attention sampling model profile} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
@@ -108,24 +121,12 @@ fi
 
 if want attention; then
 step "dz bench attention (split-K decode over paged bf16 KV, gpt-oss-20b heads) and its PyTorch peer"
-"$DZ" bench attention --out "$OUTDIR/bench_attention.json" 2>"$OUTDIR/bench_attention.log" >/dev/null ||
-  { echo "dz bench attention FAILED"; status=1; }
-grep -E "^attention" "$OUTDIR/bench_attention.log"
-if python3 -c "import torch" 2>/dev/null; then
-  python3 tools/bench/attention_peer.py --dz-json "$OUTDIR/bench_attention.json" --out "$OUTDIR/attention_peer.json" ||
-    { echo "attention peer FAILED"; status=1; }
-fi
+bench_with_peer attention
 fi
 
 if want sampling; then
 step "dz bench sampling (logits rows sampled on the GPU) and its PyTorch peer"
-"$DZ" bench sampling --out "$OUTDIR/bench_sampling.json" 2>"$OUTDIR/bench_sampling.log" >/dev/null ||
-  { echo "dz bench sampling FAILED"; status=1; }
-grep -E "^sampling" "$OUTDIR/bench_sampling.log"
-if python3 -c "import torch" 2>/dev/null; then
-  python3 tools/bench/sampling_peer.py --dz-json "$OUTDIR/bench_sampling.json" --out "$OUTDIR/sampling_peer.json" ||
-    { echo "sampling peer FAILED"; status=1; }
-fi
+bench_with_peer sampling
 fi
 
 if want model; then
