@@ -83,8 +83,8 @@ class DeviceLogits {
   virtual const float* fetch(int i) const = 0;
 };
 
-// One session's draw from its decode-step row on the device (a DeviceLogits
-// row of the family), with its sampler (temperature > 0) and the draw u in
+// One session's draw from its last logits row on the device (a DeviceLogits
+// row of the family, written by a decode step or an append), with its sampler (temperature > 0) and the draw u in
 // [0, 1) that cpu::sample_token would take from the session's rng.
 struct DeviceSample {
   const float* logits = nullptr;

@@ -79,18 +79,14 @@ int bench_sampling(const Args& a) {
                                        " CUDA-event times, L2 flushed (256 MiB read) before each call"},
                         {"results", nlohmann::json::array()}};
     std::mt19937_64 rng(1);
-    std::vector<float> host(static_cast<size_t>(V));
+    std::vector<float> host(logits.size());  // the rows on the host: their argmaxes, the host sampler's row 0
+    std::vector<int32_t> am(static_cast<size_t>(max_b));
     for (int spread : spreads) {
       fill_random_f32(logits.get(), logits.size(), 31 + uint64_t(spread), float(spread), st);
       DZ_CUDA_CHECK(cudaMemcpyAsync(host.data(), logits.get(), host.size() * 4, cudaMemcpyDeviceToHost, st));
+      ctx.sync();
       // Each row's argmax, as a decode step hands it over (the kernel then skips its max pass).
-      std::vector<int32_t> am(static_cast<size_t>(max_b));
-      {
-        std::vector<float> all(logits.size());
-        DZ_CUDA_CHECK(cudaMemcpyAsync(all.data(), logits.get(), all.size() * 4, cudaMemcpyDeviceToHost, st));
-        ctx.sync();
-        for (int b = 0; b < max_b; ++b) am[size_t(b)] = cpu::argmax(all.data() + size_t(b) * size_t(V), V);
-      }
+      for (int b = 0; b < max_b; ++b) am[size_t(b)] = cpu::argmax(host.data() + size_t(b) * size_t(V), V);
       for (const Sampler& sm : samplers) {
         // The host sampler on one row (what a session pays without this kernel, after its 0.8 MB copy).
         std::vector<double> hv;
