@@ -292,7 +292,6 @@ __global__ void __launch_bounds__(256) x_to_half_kernel(const float* x, int H, i
 // ------------------------------------------------------- fused W4A16 path
 struct W4Args {
   const uint8_t* blocks;   // expert 0, [E][rows][nsub][16]
-  const uint8_t* tiled;    // the same in tile order (mxfp4_tile_order) or null: the W4A8 kernels' bulk copies
   const uint8_t* scales;   // [E][rows][nsub]
   const uint16_t* bias;    // bf16 [E][rows]
   const __half* act;       // gate_up: xh [T][kpad] (by token); down: act [rows_cap][kpad] (by sorted row)
@@ -782,18 +781,11 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
       for (int base_t = 0; base_t < cnt; base_t += kPass)
         for (int q = 0; q < nt; ++q)
           for (int j = 0; j < s_len(w); ++j, ++n) {
-            const int st = n % kW8Stages, ph = (n / kW8Stages) & 1, sx = s_begin(w) + j;
+            const int st = n % kW8Stages, ph = (n / kW8Stages) & 1;
             ptx::mbar_wait(empty(w, st), ph ^ 1);
-            const uint32_t dst = base + (w * kW8Stages + st) * kW8StageBytes;
-            if (a.tiled) {  // one contiguous piece: 64 rows x the stage's width
-              const uint32_t bytes = uint32_t(64 * 16 * min(8, a.nsub - 8 * sx));
-              ptx::mbar_arrive_expect_tx(full(w, st), bytes);
-              ptx::bulk_g2s(dst, a.tiled + (int64_t(e) * a.rows + tile0(w, q)) * a.nsub * 16 + int64_t(sx) * 64 * 128,
-                            bytes, full(w, st));
-            } else {
-              ptx::mbar_arrive_expect_tx(full(w, st), kW8StageBytes);
-              ptx::tma_2d(dst, &wmap, full(w, st), sx * 128, e * a.rows + tile0(w, q));
-            }
+            ptx::mbar_arrive_expect_tx(full(w, st), kW8StageBytes);
+            ptx::tma_2d(base + (w * kW8Stages + st) * kW8StageBytes, &wmap, full(w, st), (s_begin(w) + j) * 128,
+                        e * a.rows + tile0(w, q));
           }
     }
     if (kPdl) pdl_trigger();
@@ -804,10 +796,6 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
   const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int len = s_len(wg), sb0 = s_begin(wg), ks = wg / kTiles, nt = ntiles(wg);
   const int rA = kGateUp ? 16 * warp + 2 * g : 16 * warp + g, rB = kGateUp ? rA + 1 : rA + 8;  // tile rows
-  // Stage layout: a box (rows kW8Row bytes apart) or a tiled stage (128 bytes, pieces permuted).
-  const bool tiled = a.tiled != nullptr;
-  const int row_b = tiled ? 128 : kW8Row;
-  const int keyA = tiled ? (rA ^ (rA >> 1)) & 7 : 0, keyB = tiled ? (rB ^ (rB >> 1)) & 7 : 0;
   const uint32_t desc_lo = w8_desc_lo(base + L.act);
   const uint32_t xs0 = base + L.xs;
   float4* const red = reinterpret_cast<float4*>(sm + L.red);
@@ -881,19 +869,9 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
     uint32_t scA = 0, scB = 0;  // this tile's scales of rows A and B
     auto stage = [&](uint32_t box, int c0, bool guard, auto release) {
       uint32_t wa[8], wb[8];
-      if (!guard) {
-        const uint32_t pa = box + rA * row_b + 4 * t, pb = box + rB * row_b + 4 * t;
+      const uint32_t pa = box + rA * kW8Row + 4 * t, pb = box + rB * kW8Row + 4 * t;
 #pragma unroll
-        for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * (u ^ keyA)), wb[u] = lds32(pb + 16 * (u ^ keyB));
-      } else {  // the last stage: tiled, 64 rows x its width, unpermuted; else a box, zero-filled past K
-        const int width = tiled ? min(8, a.nsub - 4 * c0) : 8, rb = tiled ? 16 * width : kW8Row;
-        const uint32_t pa = box + rA * rb + 4 * t, pb = box + rB * rb + 4 * t;
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          wa[u] = u < width ? lds32(pa + 16 * u) : 0u;
-          wb[u] = u < width ? lds32(pb + 16 * u) : 0u;
-        }
-      }
+      for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * u), wb[u] = lds32(pb + 16 * u);
       release();
       {
         const int nc = guard ? min(2, nch - c0) : 2;
@@ -1000,18 +978,6 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
     }
   }
 #endif
-}
-
-// One 16-byte piece a thread: piece (row, sub) of [E * rows][nsub] to its
-// place in tile order (moe.h).
-__global__ void tile_order_kernel(const uint4* src, uint4* dst, int64_t pieces, int nsub) {
-  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < pieces; p += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = p / nsub;
-    const int sub = int(p - row * nsub), r = int(row & 63), sx = sub >> 3, u = sub & 7;
-    const int width = min(8, nsub - 8 * sx);
-    const int pos = width == 8 ? u ^ ((r ^ (r >> 1)) & 7) : u;
-    dst[(row >> 6) * 64 * nsub + int64_t(sx) * 64 * 8 + r * width + pos] = src[p];
-  }
 }
 
 // The W4A8 kernel for a K split (1 or 2), one or two E4M3 terms, and row tiles a warpgroup (1 or 2; K split 1).
@@ -1396,7 +1362,7 @@ struct MoeLayer::Impl {
     a.n_active = n_active.get();
     a.topk = s.topk;
     // gate_up + SwiGLU
-    a.blocks = w.w1_blocks, a.tiled = w.w1_tiled, a.scales = w.w1_scales, a.bias = w.b1;
+    a.blocks = w.w1_blocks, a.scales = w.w1_scales, a.bias = w.b1;
     a.act = xh.get(), a.act_scale = xs.get();
     a.rows = 2 * I, a.nsub = H / 32, a.kpad = int(kph);
     a.out_act = act16.get(), a.out_ld = int(kpi);
@@ -1417,7 +1383,7 @@ struct MoeLayer::Impl {
                       int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
     launch_w4<true>(ks, pdl, w4a8, tiles, 2 * I, max_active, st, a);
     // down
-    a.blocks = w.w2_blocks, a.tiled = w.w2_tiled, a.scales = w.w2_scales, a.bias = w.b2;
+    a.blocks = w.w2_blocks, a.scales = w.w2_scales, a.bias = w.b2;
     a.act = act16.get(), a.act_scale = nullptr;
     a.rows = H, a.nsub = I / 32, a.kpad = int(kpi);
     a.out_y = y32.get();
@@ -1437,8 +1403,7 @@ struct MoeLayer::Impl {
   // The W4A8 kernels can run a projection of this many rows (an sm_90a build and device, 64-row tiles, an even number
   // of sub-blocks a row, 16-byte aligned weights for the copy engine).
   bool w8(int rows, const W4Args& a) const {
-    return rows % 64 == 0 && a.nsub % 2 == 0 && w8_fits && aligned16(a.blocks) && aligned16(a.scales) &&
-           aligned16(a.tiled);
+    return rows % 64 == 0 && a.nsub % 2 == 0 && w8_fits && aligned16(a.blocks) && aligned16(a.scales);
   }
 
   static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
@@ -1600,15 +1565,6 @@ struct MoeLayer::Impl {
     DZ_CUDA_CHECK(cudaStreamWaitEvent(aux, ev_free[1], 0));
   }
 };
-
-void mxfp4_tile_order(const uint8_t* src, uint8_t* dst, int experts, int rows, int nsub, cudaStream_t st) {
-  check(rows % 64 == 0 && nsub > 0 && experts > 0, DZ_ERR_INVALID_ARGUMENT, "mxfp4_tile_order: ", rows,
-        " rows (a multiple of 64 needed), ", nsub, " sub-blocks");
-  const int64_t pieces = int64_t(experts) * rows * nsub;
-  tile_order_kernel<<<unsigned(std::min<int64_t>((pieces + 255) / 256, 8192)), 256, 0, st>>>(
-      reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst), pieces, nsub);
-  DZ_CUDA_LAUNCH_CHECK();
-}
 
 MoeLayer::MoeLayer(Context& ctx, const MoeShape& shape, int max_tokens, const MoeOptions& opt)
     : p_(std::make_unique<Impl>(ctx, shape, max_tokens, opt)), shape_(shape) {}

@@ -34,17 +34,7 @@ struct MoeWeights {
   const uint16_t* b1 = nullptr;  // bf16 [E][2I]
   const uint8_t *w2_blocks = nullptr, *w2_scales = nullptr;
   const uint16_t* b2 = nullptr;  // bf16 [E][H]
-  // Optional: the same blocks in tile order (mxfp4_tile_order), which the W4A8
-  // kernels stream as contiguous bulk copies instead of row-strided boxes.
-  const uint8_t *w1_tiled = nullptr, *w2_tiled = nullptr;
 };
-
-// Tile order of an MXFP4 block stack [E][rows][nsub][16] (rows % 64 == 0):
-// each 64-row tile's K stages of 8 sub-blocks (the W4A8 kernels' stage), one
-// after another, each stage 64 rows x 128 bytes with the 16-byte pieces of row
-// r permuted by (r ^ r >> 1) & 7 (conflict-free shared-memory reads); the last
-// stage is 64 rows x its width, unpermuted. The same bytes, permuted.
-void mxfp4_tile_order(const uint8_t* src, uint8_t* dst, int experts, int rows, int nsub, cudaStream_t st);
 
 enum class MoePath { kAuto = 0, kFused = 1, kFp8 = 2 };
 

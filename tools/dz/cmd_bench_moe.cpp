@@ -147,12 +147,6 @@ int bench_moe(const Args& a) {
     fill_random_bf16(b1.get(), b1.size(), 15, 0.05f, st);
     fill_random_bf16(b2.get(), b2.size(), 16, 0.05f, st);
     const MoeWeights W{w1b.get(), w1s.get(), b1.get(), w2b.get(), w2s.get(), b2.get()};
-    // The same blocks in tile order: the W4A8 kernels' contiguous-stream variants (*_tiled).
-    DeviceArray<uint8_t> w1t(P, w1b.size(), "w1 blocks, tile order"), w2t(P, w2b.size(), "w2 blocks, tile order");
-    mxfp4_tile_order(w1b.get(), w1t.get(), E, 2 * I, H / 32, st);
-    mxfp4_tile_order(w2b.get(), w2t.get(), E, H, I / 32, st);
-    MoeWeights Wt = W;
-    Wt.w1_tiled = w1t.get(), Wt.w2_tiled = w2t.get();
     const size_t expert_fp4_bytes = (size_t(2) * I * H + size_t(H) * I) / 2 + (size_t(2) * I * H + size_t(H) * I) / 32;
 
     // Load-time spread check (what a model load reports).
@@ -345,8 +339,7 @@ int bench_moe(const Args& a) {
       // launch on/off); the default options are what "fused_ms" reports.
       // W4A8 variants run at every size; defaults: the options as given.
       auto time_fused = [&](int ks, bool pdl, bool direct = true, int w4a8_terms = 0, bool defaults = false,
-                            int w4a8_tiles = 0, const MoeWeights* wv = nullptr) {
-        const MoeWeights& Wv = wv ? *wv : W;
+                            int w4a8_tiles = 0) {
         if (!defaults) {
           layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
           layer.options().fused_w4a8 = w4a8_terms > 0;
@@ -359,10 +352,10 @@ int bench_moe(const Args& a) {
         }
         std::vector<cudaGraphExec_t> graphs(kSets);
         for (int s = 0; s < kSets; ++s) {
-          layer.forward(Wv, x.get(), ids[s].get(), gws[s].get(), T, out_f.get(), MoePath::kFused);  // warm
+          layer.forward(W, x.get(), ids[s].get(), gws[s].get(), T, out_f.get(), MoePath::kFused);  // warm
           cudaGraph_t g;
           DZ_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-          layer.forward(Wv, x.get(), ids[s].get(), gws[s].get(), T, out_f.get(), MoePath::kFused);
+          layer.forward(W, x.get(), ids[s].get(), gws[s].get(), T, out_f.get(), MoePath::kFused);
           DZ_CUDA_CHECK(cudaStreamEndCapture(st, &g));
           DZ_CUDA_CHECK(cudaGraphInstantiate(&graphs[s], g, 0));
           DZ_CUDA_CHECK(cudaGraphDestroy(g));
@@ -391,33 +384,8 @@ int bench_moe(const Args& a) {
           for (int terms : {1, 2}) {
             const std::string name = terms == 2 ? "w4a8x2" : "w4a8";
             for (int ks : {1, 4})
-              for (bool tl : {false, true})
-                variants[name + "_ks" + std::to_string(ks) + "_pdl" + (tl ? "_tiled" : "")] =
-                    time_fused(ks, true, true, terms, false, 1, tl ? &Wt : &W);
-            for (bool tl : {false, true})
-              variants[name + "_ks1_t2_pdl" + (tl ? "_tiled" : "")] =
-                  time_fused(1, true, true, terms, false, 2, tl ? &Wt : &W);
-          }
-      }
-      // The tiled variants against the boxes, routing set 0: the same arithmetic, so the same bits.
-      double tiled_diff = -1;
-      if (T <= 4096 && Fp8GroupedGemm::supported()) {
-        tiled_diff = 0;
-        std::vector<float> hb(x.size()), ht(x.size());
-        for (int ks : {1, 4})
-          for (int tiles : {1, 2}) {
-            if (ks == 4 && tiles == 2) continue;
-            MoeOptions& o = layer.options();
-            o.fused_w4a8 = true, o.fused_w4a8_terms = 2, o.fused_w4a8_tiles = tiles, o.fused_k_split = ks;
-            o.fused_w4a8_max_tokens_per_expert = 1e9, o.fused_w4a8_min_slots = 0;
-            for (const MoeWeights* wv : {&W, static_cast<const MoeWeights*>(&Wt)}) {
-              layer.forward(*wv, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
-              ctx.sync();
-              DZ_CUDA_CHECK(
-                  cudaMemcpy((wv == &W ? hb : ht).data(), out_f.get(), hb.size() * 4, cudaMemcpyDeviceToHost));
-            }
-            for (size_t i = 0; i < hb.size(); ++i) tiled_diff = std::max(tiled_diff, double(std::fabs(hb[i] - ht[i])));
-            layer.options() = opt;
+              variants[name + "_ks" + std::to_string(ks) + "_pdl"] = time_fused(ks, true, true, terms, false, 1);
+            variants[name + "_ks1_t2_pdl"] = time_fused(1, true, true, terms, false, 2);
           }
       }
       const double ms_fused = time_fused(0, false, true, 0, true);
@@ -506,7 +474,6 @@ int bench_moe(const Args& a) {
           {"fused_vs_plain_read", or_null(ms_read > 0, ms_read / ms_fused)},
           {"fp8_host_ms", median(host)},
           {"fused_variants_ms", variants},
-          {"w4a8_tiled_vs_boxes_max_abs", or_null(tiled_diff >= 0, tiled_diff)},
           {"fp8_gemm_ms", gemm_ms},
           {"fp8_gemm_diff_vs_first", gemm_diff},
       };
