@@ -414,31 +414,25 @@ __device__ __forceinline__ int act_row(const W4Args& a, int i) {
 // This block's work item {expert, first row, tokens} (grid y: an active
 // expert, or with a.direct the token's slot y); false: nothing to do (an
 // invalid direct id is flagged and its inv entry set to -1).
-// Block (bx, by) of a grid gy items high.
-struct W4Block {
-  int bx, by, gy;
-};
-__device__ __forceinline__ W4Block w4_block() { return {int(blockIdx.x), int(blockIdx.y), int(gridDim.y)}; }
-
 template <bool kGateUp, bool kPdl>
-__device__ __forceinline__ bool w4_item(const W4Args& a, int4& info, const W4Block b = w4_block()) {
+__device__ __forceinline__ bool w4_item(const W4Args& a, int4& info) {
   if (a.direct) {
-    const int id = a.ids[b.by];
+    const int id = a.ids[blockIdx.y];
     const bool ok = id >= 0 && id < a.n_experts;
-    if (kGateUp && b.bx == 0 && threadIdx.x == 0) {
-      a.inv[b.by] = ok ? b.by * kPadRows : -1;
+    if (kGateUp && blockIdx.x == 0 && threadIdx.x == 0) {
+      a.inv[blockIdx.y] = ok ? int(blockIdx.y) * kPadRows : -1;
       if (!ok) atomicOr(a.err, 1);
     }
     if (!ok) {
       if (kPdl) pdl_trigger();
       return false;
     }
-    info = make_int4(id, b.by * kPadRows, 1, 0);
+    info = make_int4(id, int(blockIdx.y) * kPadRows, 1, 0);
     return true;
   }
   const int n_active = *a.n_active;
-  info = a.active[min(b.by, b.gy - 1)];  // in parallel with n_active; stale past it
-  if (b.by >= n_active) {
+  info = a.active[min(blockIdx.y, unsigned(gridDim.y) - 1)];  // in parallel with n_active; stale past it
+  if (blockIdx.y >= unsigned(n_active)) {
     if (kPdl) pdl_trigger();
     return false;
   }
@@ -629,7 +623,7 @@ __device__ __forceinline__ uint32_t quant_1x128(const float (&v)[4], float& sc) 
 // ------------------------------------------- fused W4A8 path (wgmma, sm_90a)
 // Few tokens per expert with E4M3 activations (1x128 scales, as the FP8 path):
 //  - the MXFP4 rows reach shared memory through the copy engine: per consumer
-//    warpgroup a ring of kW8Stages boxes of 64 rows x 128 bytes (two 128-wide
+//    warpgroup a ring of kW8Stages boxes of 64 rows x 144 bytes (two 128-wide
 //    K chunks, see kW8Row) that its producer warp keeps in flight without
 //    holding registers, and the tile's E8M0 scales in one bulk copy;
 //  - consumers decode E2M1 -> E4M3 in registers (a nibble's E2M1 bits placed in
@@ -648,12 +642,10 @@ constexpr int kW8Threads = 160 * kW8Consumers;
 // Ring stages a warpgroup: 4 with one row tile a warpgroup, 3 with two (their
 // scales take the room; two blocks an SM either way).
 constexpr int w8_stages(int tiles) { return tiles == 1 ? 4 : 3; }
-// A box is 64 rows x 128 bytes (two chunks: one 128-byte line a row), stored
-// with the copy engine's 128-byte swizzle (16-byte piece u of row r at piece
-// u ^ (r & 7)), so a warp's loads of one word from 8 rows spread over the
-// banks. (Boxes of 144 bytes, rows 36 words apart unswizzled, made each row
-// two L2 lines, the second read again by the next box: H200 run 72.)
-constexpr int kW8Row = 128;
+// A box is 64 rows x 144 bytes: two chunks and the next 16 bytes (read again
+// by the next box, from L2), so rows sit 36 words apart and a quarter warp's
+// loads of one word from 8 rows hit distinct banks without a swizzle.
+constexpr int kW8Row = 144;
 constexpr int kW8StageBytes = 64 * kW8Row;
 constexpr int kW8SubBytes = 256;
 
@@ -734,29 +726,8 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
 // kTPW: row tiles a warpgroup streams one after another (K split 1 only):
 // its ring runs on from one tile into the next, and the block's setup
 // (routing, activation staging, the scales' copy) serves them all.
-// One launch for both projections (w8_layer_kernel): gate_up blocks count
-// into *counter as they finish, down blocks stream their first weights, then
-// wait for every gate_up block before reading the SwiGLU rows. Each block adds
-// 1 (gate_up) or 1 << 16 (down, once past the wait, or on leaving early); the
-// last addition returns the counter to 0 for the next launch. Null counter: a
-// kernel of one projection.
-struct W8Sync {
-  int* counter = nullptr;
-  int gates = 0, downs = 0;  // blocks of each projection in the launch
-};
-__device__ __forceinline__ void w8_arrive(const W8Sync& y, bool gate) {
-  const int add = gate ? 1 : 1 << 16;
-  if (atomicAdd(y.counter, add) + add == y.gates + (y.downs << 16)) atomicExch(y.counter, 0);
-}
-__device__ __forceinline__ int ld_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 template <bool kGateUp, int kKS, bool kPdl, bool kLo, int kTPW>
-__device__ __forceinline__ void w8_body(const W4Args& a, const CUtensorMap* wmap, const W4Block blk,
-                                        const W8Sync& sync) {
+__global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const __grid_constant__ CUtensorMap wmap) {
 #ifdef DZ_MOE_SM90A
   static_assert(kTPW == 1 || kKS == 1, "several tiles a warpgroup only without a K split");
   constexpr int kTiles = kW8Consumers / kKS;              // row tiles side by side (one a warpgroup, or one shared)
@@ -780,19 +751,14 @@ __device__ __forceinline__ void w8_body(const W4Args& a, const CUtensorMap* wmap
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  const bool merged = sync.counter != nullptr;
-  if (kPdl && (kGateUp || merged))
-    pdl_wait(), pdl_trigger();  // routing outputs; the down kernel may start its weight loads
+  if (kPdl && kGateUp) pdl_wait(), pdl_trigger();  // routing outputs; the down kernel may start its weight loads
   int4 info;
-  if (!w4_item<kGateUp, kPdl>(a, info, blk)) {
-    if (merged && tid == 0) w8_arrive(sync, kGateUp);
-    return;
-  }
+  if (!w4_item<kGateUp, kPdl>(a, info)) return;
   const int e = info.x, seg = info.y, cnt = info.z;
   const int nch = a.kpad / 128, nst = (nch + 1) / 2, per = (nst + kKS - 1) / kKS;
   // Warpgroup w's q-th 64-row tile and its range of stages; ntiles(w): its
   // tiles inside the projection (a prefix of the kTPW).
-  auto tile0 = [&](int w, int q) { return ((blk.bx * kTPW + q) * kTiles + w % kTiles) * 64; };
+  auto tile0 = [&](int w, int q) { return ((int(blockIdx.x) * kTPW + q) * kTiles + w % kTiles) * 64; };
   auto ntiles = [&](int w) {
     int c = 0;
     while (c < kTPW && tile0(w, c) < a.rows) ++c;
@@ -818,7 +784,7 @@ __device__ __forceinline__ void w8_body(const W4Args& a, const CUtensorMap* wmap
             const int st = n % kW8Stages, ph = (n / kW8Stages) & 1;
             ptx::mbar_wait(empty(w, st), ph ^ 1);
             ptx::mbar_arrive_expect_tx(full(w, st), kW8StageBytes);
-            ptx::tma_2d(base + (w * kW8Stages + st) * kW8StageBytes, wmap, full(w, st), (s_begin(w) + j) * 128,
+            ptx::tma_2d(base + (w * kW8Stages + st) * kW8StageBytes, &wmap, full(w, st), (s_begin(w) + j) * 128,
                         e * a.rows + tile0(w, q));
           }
     }
@@ -833,16 +799,8 @@ __device__ __forceinline__ void w8_body(const W4Args& a, const CUtensorMap* wmap
   const uint32_t desc_lo = w8_desc_lo(base + L.act);
   const uint32_t xs0 = base + L.xs;
   float4* const red = reinterpret_cast<float4*>(sm + L.red);
-  if (!kGateUp && merged) {  // every gate_up block of the launch has written its SwiGLU rows
-    if (tid == 0) {
-      while ((ld_acquire(sync.counter) & 0xFFFF) < sync.gates) __nanosleep(64);
-      w8_arrive(sync, false);
-    }
-    ptx::named_sync(1, 128 * kW8Consumers);
-  } else if (kPdl && !kGateUp) {
-    pdl_wait(), pdl_trigger();  // the SwiGLU rows
-  }
-  __shared__ int s_row[kW4Tokens];  // this pass's activation rows (act_row)
+  if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();  // the SwiGLU rows
+  __shared__ int s_row[kW4Tokens];                  // this pass's activation rows (act_row)
   int n = 0;
   for (int base_t = 0; base_t < cnt; base_t += kPass) {
     const int m = min(kPass, cnt - base_t);
@@ -866,8 +824,7 @@ __device__ __forceinline__ void w8_body(const W4Args& a, const CUtensorMap* wmap
             v[b][0] = f.x, v[b][1] = f.y, v[b][2] = f.z, v[b][3] = f.w;
           }
         } else {
-          // (L2, not L1: in one launch with gate_up, the rows were written by other blocks of this grid)
-          const uint2 h = __ldcg(reinterpret_cast<const uint2*>(a.act + int64_t(s_row[gi]) * a.kpad + k));
+          const uint2 h = *reinterpret_cast<const uint2*>(a.act + int64_t(s_row[gi]) * a.kpad + k);
           const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
           const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h.y));
           v[b][0] = lo.x, v[b][1] = lo.y, v[b][2] = hi.x, v[b][3] = hi.y;
@@ -914,7 +871,7 @@ __device__ __forceinline__ void w8_body(const W4Args& a, const CUtensorMap* wmap
       uint32_t wa[8], wb[8];
       const uint32_t pa = box + rA * kW8Row + 4 * t, pb = box + rB * kW8Row + 4 * t;
 #pragma unroll
-      for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * (u ^ (rA & 7))), wb[u] = lds32(pb + 16 * (u ^ (rB & 7)));
+      for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * u), wb[u] = lds32(pb + 16 * u);
       release();
       {
         const int nc = guard ? min(2, nch - c0) : 2;
@@ -1020,34 +977,7 @@ __device__ __forceinline__ void w8_body(const W4Args& a, const CUtensorMap* wmap
       }
     }
   }
-  if (kGateUp && merged) {  // this block's SwiGLU rows are written
-    __threadfence();
-    ptx::named_sync(1, 128 * kW8Consumers);
-    if (tid == 0) w8_arrive(sync, true);
-  }
 #endif
-}
-
-template <bool kGateUp, int kKS, bool kPdl, bool kLo, int kTPW>
-__global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const __grid_constant__ CUtensorMap wmap) {
-  w8_body<kGateUp, kKS, kPdl, kLo, kTPW>(a, &wmap, w4_block(), W8Sync{});
-}
-
-// A layer's gate_up and down projections in one launch (one 64-row tile a
-// warpgroup, K split 1): blocks [0, gx_g * gy) are gate_up's, gx_g a row of
-// them per active expert, the rest down's, gx_d a row. The down blocks start
-// their weight stream while gate_up streams (and take the SMs gate_up's last
-// wave would leave idle); blocks start in index order, so the gate_up blocks
-// the down blocks wait for never wait behind them.
-template <bool kLo>
-__global__ void __launch_bounds__(kW8Threads, 2)
-    w8_layer_kernel(const W4Args g, const W4Args d, const __grid_constant__ CUtensorMap gmap,
-                    const __grid_constant__ CUtensorMap dmap, int gx_g, int gx_d, int gy, const W8Sync sync) {
-  const int i = int(blockIdx.x), ng = gx_g * gy;
-  if (i < ng)
-    w8_body<true, 1, true, kLo, 1>(g, &gmap, W4Block{i % gx_g, i / gx_g, gy}, sync);
-  else
-    w8_body<false, 1, true, kLo, 1>(d, &dmap, W4Block{(i - ng) % gx_d, (i - ng) / gx_d, gy}, sync);
 }
 
 // The W4A8 kernel for a K split (1 or 2), one or two E4M3 terms, and row tiles a warpgroup (1 or 2; K split 1).
@@ -1281,7 +1211,6 @@ struct MoeLayer::Impl {
   std::vector<cudaEvent_t> ev_join;
   // routing
   DeviceArray<int> counts, offsets, sorted, row_expert, inv, active, n_active, err, route_part;
-  DeviceArray<int> w8_sync;  // w8_layer_kernel's counter (W8Sync), 0 between launches
   // fused path
   DeviceArray<__half> xh, act16;
   DeviceArray<float> xs, y32;
@@ -1320,7 +1249,6 @@ struct MoeLayer::Impl {
     active = DeviceArray<int>(P, 4 * size_t(E), "moe active experts");
     n_active = DeviceArray<int>(P, 1, "moe active count");
     err = DeviceArray<int>(P, 1, "moe error flag");
-    w8_sync = DeviceArray<int>(P, 1, "moe one-launch counter");
     route_part = DeviceArray<int>(P, size_t(std::max<int64_t>(1, (slots + kRouteChunk - 1) / kRouteChunk)) * E,
                                   "moe routing chunk counts");
     xh = DeviceArray<__half>(P, size_t(maxT) * kph, "moe fp16 input");
@@ -1339,7 +1267,6 @@ struct MoeLayer::Impl {
     ws_fp8 = DeviceArray<uint8_t>(P, 2 * tile_cap * per_expert_fp8, "FP8 expert workspace");
     ws_scales = DeviceArray<float>(P, 2 * tile_cap * per_expert_sc, "FP8 expert workspace scales");
     DZ_CUDA_CHECK(cudaMemsetAsync(err.get(), 0, sizeof(int), ctx.stream()));
-    DZ_CUDA_CHECK(cudaMemsetAsync(w8_sync.get(), 0, sizeof(int), ctx.stream()));
     // Padding columns of the fp16 activations are never written by the kernels.
     DZ_CUDA_CHECK(cudaMemsetAsync(act16.get(), 0, act16.bytes(), ctx.stream()));
     DZ_CUDA_CHECK(cudaMallocHost(&h_counts, sizeof(int) * (2 * E + 1)));
@@ -1372,8 +1299,6 @@ struct MoeLayer::Impl {
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     w8_fits = Fp8GroupedGemm::supported() && smem8 <= optin;
     if (w8_fits) {
-      for (auto k : {w8_layer_kernel<true>, w8_layer_kernel<false>})
-        DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem8));
       for (int ks : {1, 2})
         for (bool lo : {false, true})
           for (int tiles : {1, 2})
@@ -1456,17 +1381,13 @@ struct MoeLayer::Impl {
     const int tiles = opt.fused_w4a8_tiles ? opt.fused_w4a8_tiles : int64_t(T) * s.topk >= E ? 2 : 1;
     const bool w4a8 = opt.fused_w4a8 && double(T) * s.topk / E <= opt.fused_w4a8_max_tokens_per_expert &&
                       int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
-    W4Args d = a;  // down
-    d.blocks = w.w2_blocks, d.scales = w.w2_scales, d.bias = w.b2;
-    d.act = act16.get(), d.act_scale = nullptr;
-    d.rows = H, d.nsub = I / 32, d.kpad = int(kpi);
-    d.out_y = y32.get();
-    if (opt.fused_w4a8 && pdl && T <= opt.fused_one_launch_max_tokens && w8(2 * I, a) && w8(H, d)) {
-      launch_w8_layer(opt.fused_w4a8_terms == 2, max_active, st, a, d);
-    } else {
-      launch_w4<true>(ks, pdl, w4a8, tiles, 2 * I, max_active, st, a);
-      launch_w4<false>(ks, pdl, w4a8, tiles, H, max_active, st, d);
-    }
+    launch_w4<true>(ks, pdl, w4a8, tiles, 2 * I, max_active, st, a);
+    // down
+    a.blocks = w.w2_blocks, a.scales = w.w2_scales, a.bias = w.b2;
+    a.act = act16.get(), a.act_scale = nullptr;
+    a.rows = H, a.nsub = I / 32, a.kpad = int(kpi);
+    a.out_y = y32.get();
+    launch_w4<false>(ks, pdl, w4a8, tiles, H, max_active, st, a);
     const bool v8 = vec8(y32.get(), nullptr, out);
     const auto comb = v8 ? (pdl ? combine_kernel<float, false, true, true> : combine_kernel<float, false, false, true>)
                          : (pdl ? combine_kernel<float, false, true> : combine_kernel<float, false, false>);
@@ -1491,34 +1412,17 @@ struct MoeLayer::Impl {
     return s.hidden % 8 == 0 && s.topk <= kMaxTopk && aligned16(y) && aligned16(bias) && aligned16(out);
   }
 
-  // The W4A8 kernels' view of a projection's MXFP4 blocks: boxes of 64 rows x kW8Row bytes.
-  CUtensorMap w8_map(const W4Args& a, int rows, bool gate) const {
-    CUtensorMap map;
-    const cuuint64_t dims[2] = {cuuint64_t(a.nsub) * 16, cuuint64_t(s.n_experts) * rows};
-    const cuuint64_t strides[1] = {cuuint64_t(a.nsub) * 16};
-    const cuuint32_t box[2] = {kW8Row, 64};
-    encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B,
-                      gate ? "MoE gate_up blocks" : "MoE down blocks");
-    return map;
-  }
-
-  // Both projections in one launch (w8_layer_kernel): a block two 64-row tiles.
-  void launch_w8_layer(bool lo, unsigned max_active, cudaStream_t st, const W4Args& g, const W4Args& d) {
-    const int per_block = 64 * kW8Consumers;
-    const int gx_g = (g.rows + per_block - 1) / per_block, gx_d = (d.rows + per_block - 1) / per_block;
-    const W8Sync sy{w8_sync.get(), gx_g * int(max_active), gx_d * int(max_active)};
-    const size_t smem = size_t(std::max(w8_smem(g.nsub, g.kpad, 1).total, w8_smem(d.nsub, d.kpad, 1).total));
-    launch(lo ? w8_layer_kernel<true> : w8_layer_kernel<false>, dim3(unsigned((gx_g + gx_d) * max_active)),
-           dim3(kW8Threads), smem, st, true, g, d, w8_map(g, g.rows, true), w8_map(d, d.rows, false), gx_g, gx_d,
-           int(max_active), sy);
-  }
-
   // One projection of the fused path, K split ks.
   template <bool G>
   void launch_w4(int ks, bool pdl, bool w4a8, int tiles, int rows, unsigned max_active, cudaStream_t st,
                  const W4Args& a) {
     if (w4a8 && w8(rows, a)) {  // two warpgroups a block: two 64-row tiles, or one split over K
-      const CUtensorMap map = w8_map(a, rows, G);
+      CUtensorMap map;
+      const cuuint64_t dims[2] = {cuuint64_t(a.nsub) * 16, cuuint64_t(s.n_experts) * rows};
+      const cuuint64_t strides[1] = {cuuint64_t(a.nsub) * 16};
+      const cuuint32_t box[2] = {kW8Row, 64};
+      encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks, dims, strides, box,
+                        CU_TENSOR_MAP_SWIZZLE_NONE, G ? "MoE gate_up blocks" : "MoE down blocks");
       const int ks8 = ks == 1 ? 1 : 2;
       if (ks8 == 2) tiles = 1;
       const int per_block = 64 * (kW8Consumers / ks8) * tiles;

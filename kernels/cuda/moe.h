@@ -94,12 +94,6 @@ struct MoeOptions {
   // tokens 160 / 260 / 421 / 623 vs 165 / 257 / 391 / 569 us; 32 experts 4 /
   // 8 / 16 tokens 88 / 126 / 186 vs 102 / 118 / 190 us.
   int fused_w4a8_tiles = 0;
-  // Up to this many tokens, the fused path runs gate_up and down as one W4A8
-  // launch (w8_layer_kernel, fused_w4a8_terms terms; sm_90a, where the W4A8
-  // kernels can run): the down projection's blocks stream their first weights
-  // while gate_up runs and fill the SMs its last wave leaves idle, then wait
-  // for it. 0: two launches.
-  int fused_one_launch_max_tokens = 8;
   // E4M3 arithmetic at every size (DZ_EXPERTS_FP8): one E4M3 term a value,
   // W4A8 kernels at every slot count up to 8 tokens an expert (faster than
   // the FP8 GEMM path there: run 16), the FP8 path above.

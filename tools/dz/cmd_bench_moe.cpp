@@ -339,9 +339,8 @@ int bench_moe(const Args& a) {
       // launch on/off); the default options are what "fused_ms" reports.
       // W4A8 variants run at every size; defaults: the options as given.
       auto time_fused = [&](int ks, bool pdl, bool direct = true, int w4a8_terms = 0, bool defaults = false,
-                            int w4a8_tiles = 0, bool one_launch = false) {
+                            int w4a8_tiles = 0) {
         if (!defaults) {
-          layer.options().fused_one_launch_max_tokens = one_launch ? T : 0;
           layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
           layer.options().fused_w4a8 = w4a8_terms > 0;
           layer.options().fused_w4a8_terms = std::max(1, w4a8_terms);
@@ -387,7 +386,6 @@ int bench_moe(const Args& a) {
             for (int ks : {1, 4})
               variants[name + "_ks" + std::to_string(ks) + "_pdl"] = time_fused(ks, true, true, terms, false, 1);
             variants[name + "_ks1_t2_pdl"] = time_fused(1, true, true, terms, false, 2);
-            if (T <= 64) variants[name + "_one_launch"] = time_fused(1, true, true, terms, false, 0, true);
           }
       }
       const double ms_fused = time_fused(0, false, true, 0, true);
