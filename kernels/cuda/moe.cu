@@ -623,7 +623,7 @@ __device__ __forceinline__ uint32_t quant_1x128(const float (&v)[4], float& sc) 
 // ------------------------------------------- fused W4A8 path (wgmma, sm_90a)
 // Few tokens per expert with E4M3 activations (1x128 scales, as the FP8 path):
 //  - the MXFP4 rows reach shared memory through the copy engine: per consumer
-//    warpgroup a ring of kW8Stages boxes of 64 rows x 144 bytes (two 128-wide
+//    warpgroup a ring of kW8Stages boxes of 64 rows x 128 bytes (two 128-wide
 //    K chunks, see kW8Row) that its producer warp keeps in flight without
 //    holding registers, and the tile's E8M0 scales in one bulk copy;
 //  - consumers decode E2M1 -> E4M3 in registers (a nibble's E2M1 bits placed in
@@ -642,10 +642,13 @@ constexpr int kW8Threads = 160 * kW8Consumers;
 // Ring stages a warpgroup: 4 with one row tile a warpgroup, 3 with two (their
 // scales take the room; two blocks an SM either way).
 constexpr int w8_stages(int tiles) { return tiles == 1 ? 4 : 3; }
-// A box is 64 rows x 144 bytes: two chunks and the next 16 bytes (read again
-// by the next box, from L2), so rows sit 36 words apart and a quarter warp's
-// loads of one word from 8 rows hit distinct banks without a swizzle.
-constexpr int kW8Row = 144;
+// A box is 64 rows x 128 bytes (two chunks: one 128-byte line a row), stored
+// with the copy engine's 128-byte swizzle (16-byte piece u of row r at piece
+// u ^ (r & 7)), so a warp's loads of one word from 8 rows spread over the
+// banks. Boxes of 144 bytes (rows 36 words apart, unswizzled) made each row
+// two L2 lines, the second read again by the next box: 64 tokens 630 -> 530
+// us with two terms and two tiles a warpgroup (H200, run 72).
+constexpr int kW8Row = 128;
 constexpr int kW8StageBytes = 64 * kW8Row;
 constexpr int kW8SubBytes = 256;
 
@@ -871,7 +874,7 @@ __global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const
       uint32_t wa[8], wb[8];
       const uint32_t pa = box + rA * kW8Row + 4 * t, pb = box + rB * kW8Row + 4 * t;
 #pragma unroll
-      for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * u), wb[u] = lds32(pb + 16 * u);
+      for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * (u ^ (rA & 7))), wb[u] = lds32(pb + 16 * (u ^ (rB & 7)));
       release();
       {
         const int nc = guard ? min(2, nch - c0) : 2;
@@ -1422,7 +1425,7 @@ struct MoeLayer::Impl {
       const cuuint64_t strides[1] = {cuuint64_t(a.nsub) * 16};
       const cuuint32_t box[2] = {kW8Row, 64};
       encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks, dims, strides, box,
-                        CU_TENSOR_MAP_SWIZZLE_NONE, G ? "MoE gate_up blocks" : "MoE down blocks");
+                        CU_TENSOR_MAP_SWIZZLE_128B, G ? "MoE gate_up blocks" : "MoE down blocks");
       const int ks8 = ks == 1 ? 1 : 2;
       if (ks8 == 2) tiles = 1;
       const int per_block = 64 * (kW8Consumers / ks8) * tiles;
