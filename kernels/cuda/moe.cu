@@ -1384,13 +1384,14 @@ struct MoeLayer::Impl {
     const int tiles = opt.fused_w4a8_tiles ? opt.fused_w4a8_tiles : int64_t(T) * s.topk >= E ? 2 : 1;
     const bool w4a8 = opt.fused_w4a8 && double(T) * s.topk / E <= opt.fused_w4a8_max_tokens_per_expert &&
                       int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
-    launch_w4<true>(ks, pdl, w4a8, tiles, 2 * I, max_active, st, a);
+    const int ks8 = w8_split(T);
+    launch_w4<true>(ks, ks8, pdl, w4a8, tiles, 2 * I, max_active, st, a);
     // down
     a.blocks = w.w2_blocks, a.scales = w.w2_scales, a.bias = w.b2;
     a.act = act16.get(), a.act_scale = nullptr;
     a.rows = H, a.nsub = I / 32, a.kpad = int(kpi);
     a.out_y = y32.get();
-    launch_w4<false>(ks, pdl, w4a8, tiles, H, max_active, st, a);
+    launch_w4<false>(ks, ks8, pdl, w4a8, tiles, H, max_active, st, a);
     const bool v8 = vec8(y32.get(), nullptr, out);
     const auto comb = v8 ? (pdl ? combine_kernel<float, false, true, true> : combine_kernel<float, false, false, true>)
                          : (pdl ? combine_kernel<float, false, true> : combine_kernel<float, false, false>);
@@ -1417,7 +1418,7 @@ struct MoeLayer::Impl {
 
   // One projection of the fused path, K split ks.
   template <bool G>
-  void launch_w4(int ks, bool pdl, bool w4a8, int tiles, int rows, unsigned max_active, cudaStream_t st,
+  void launch_w4(int ks, int ks8, bool pdl, bool w4a8, int tiles, int rows, unsigned max_active, cudaStream_t st,
                  const W4Args& a) {
     if (w4a8 && w8(rows, a)) {  // two warpgroups a block: two 64-row tiles, or one split over K
       CUtensorMap map;
@@ -1426,7 +1427,6 @@ struct MoeLayer::Impl {
       const cuuint32_t box[2] = {kW8Row, 64};
       encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks, dims, strides, box,
                         CU_TENSOR_MAP_SWIZZLE_128B, G ? "MoE gate_up blocks" : "MoE down blocks");
-      const int ks8 = ks == 1 ? 1 : 2;
       if (ks8 == 2) tiles = 1;
       const int per_block = 64 * (kW8Consumers / ks8) * tiles;
       const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
@@ -1439,6 +1439,14 @@ struct MoeLayer::Impl {
     const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
     const size_t smem = size_t(a.ntok) * a.kpad * 2;
     launch(pdl ? w4_fn<G, true>(ks, ntile) : w4_fn<G, false>(ks, ntile), grid, dim3(kW4Threads), smem, st, pdl, a);
+  }
+
+  // The W4A8 kernels' K split (1 or 2 warpgroups a tile) for T tokens: 2 only
+  // for one token's slots (H200, run 73: 2 tokens 56.9 us with 1 vs 60.7 with
+  // 2 at 120b shapes); a fused_k_split of 4 or 8 asks for 2.
+  int w8_split(int T) const {
+    if (opt.fused_k_split) return opt.fused_k_split == 1 ? 1 : 2;
+    return int64_t(T) * s.topk <= 4 ? 2 : 1;
   }
 
   // The fused kernels' K split for T tokens.

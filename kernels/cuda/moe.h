@@ -81,9 +81,13 @@ struct MoeOptions {
   // warpgroup, 32-bit descriptor adds):
   // 120b shapes 64 / 96 / 128 tokens (2 / 3 / 4 an expert) 554 / 696 / 837 vs
   // W4A16 626 / 691 / 747 us; 32 experts 16 / 24 tokens 181 / 218 vs 175 / 193.
+  // With 128-byte boxes (2026-12-02-h200-run71.md, run 73): 96 tokens (3 an
+  // expert) W4A16 669 vs 685 us, so the limit stays; 2 tokens (8 slots) 56.9
+  // vs W4A16 60.3 us (32 experts 57.0 vs 58.5), so from 5 slots; one token (4
+  // slots) 35.6 vs 35.0, W4A16's K split.
   bool fused_w4a8 = true;
   double fused_w4a8_max_tokens_per_expert = 2.0;
-  int fused_w4a8_min_slots = 8;
+  int fused_w4a8_min_slots = 4;
   int fused_w4a8_terms = 2;
   // 64-row tiles each W4A8 warpgroup streams in turn without a K split: with
   // 2 its copy ring runs on from one tile into the next (3 stages instead of
