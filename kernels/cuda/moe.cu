@@ -1416,7 +1416,7 @@ struct MoeLayer::Impl {
     return s.hidden % 8 == 0 && s.topk <= kMaxTopk && aligned16(y) && aligned16(bias) && aligned16(out);
   }
 
-  // One projection of the fused path, K split ks.
+  // One projection of the fused path: W4A8 (K split ks8) where it runs, else W4A16 (K split ks).
   template <bool G>
   void launch_w4(int ks, int ks8, bool pdl, bool w4a8, int tiles, int rows, unsigned max_active, cudaStream_t st,
                  const W4Args& a) {

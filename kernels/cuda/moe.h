@@ -84,7 +84,7 @@ struct MoeOptions {
   // With 128-byte boxes (2026-12-02-h200-run71.md, run 73): 96 tokens (3 an
   // expert) W4A16 669 vs 685 us, so the limit stays; 2 tokens (8 slots) 56.9
   // vs W4A16 60.3 us (32 experts 57.0 vs 58.5), so from 5 slots; one token (4
-  // slots) 35.6 vs 35.0, W4A16's K split.
+  // slots) 35.8 vs 35.4 (run 74): W4A16's K split.
   bool fused_w4a8 = true;
   double fused_w4a8_max_tokens_per_expert = 2.0;
   int fused_w4a8_min_slots = 4;
