@@ -354,9 +354,30 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
         INFO("diff " << d);
         CHECK(d < 2e-4);
       }
-    // One token reads the router's ids directly (no routing launch): the same bits as through the routing kernel.
+    // One token reads the router's ids directly (no routing launch): on the
+    // per-tile kernels, the same bits as through the routing kernel; on the
+    // streaming kernels (the default), within the same bound of float64 with
+    // row pairs cut between warps (fewer blocks), and the same bits again.
     if (T == 1) {
+      for (int blocks : {0, 5, 7}) {
+        INFO("streaming kernels, blocks " << blocks);
+        layer.options() = w4a16_options();
+        layer.options().fused_stream_blocks = blocks;
+        DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
+        layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFused);
+        ctx.sync();
+        const auto got = out.get();
+        const double d = finite_diff(got, ref);
+        INFO("diff " << d);
+        CHECK(d < 2e-4);
+        for (int rep = 0; rep < 3; ++rep) {  // the cut pairs' counters are back at zero after each launch
+          layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFused);
+          ctx.sync();
+          CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
+        }
+      }
       layer.options() = w4a16_options();
+      layer.options().fused_one_token_stream = false;
       layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFused);
       ctx.sync();
       const auto direct = out.get();
@@ -445,9 +466,9 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
     // Scale bytes: a wide range puts sub-blocks up to 34 binades under their
     // chunk's largest, through every branch of the fused kernels' fold.
     int s_lo = 118, s_hi = 124;
-  } cases[] = {{8, 4, 320, 192, 1, false},         {8, 4, 320, 192, 2, false},  {8, 4, 320, 192, 8, false},
-               {8, 4, 320, 192, 64, false},        {40, 2, 256, 320, 8, false}, {8, 4, 320, 192, 24, true},
-               {8, 4, 320, 192, 8, false, 96, 130}};
+  } cases[] = {{8, 4, 320, 192, 1, false},          {8, 4, 320, 192, 2, false},         {8, 4, 320, 192, 8, false},
+               {8, 4, 320, 192, 64, false},         {40, 2, 256, 320, 8, false},        {8, 4, 320, 192, 24, true},
+               {8, 4, 320, 192, 8, false, 96, 130}, {8, 4, 320, 192, 1, false, 96, 130}};
   for (const auto& cs : cases) {
     MoeCase c = make_moe(cs.E, cs.topk, cs.H, cs.I, cs.T, rng, cs.s_lo, cs.s_hi);
     if (cs.crowd)
@@ -496,6 +517,7 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
       layer.options().fused_w4a8_terms = std::max(1, terms);
       layer.options().fused_w4a8_max_tokens_per_expert = 1e9;  // also crowded experts: several passes
       layer.options().fused_w4a8_min_slots = 0;                // and one or two tokens
+      layer.options().fused_one_token_stream = !w4a8;          // (one token: else the streaming kernels)
       const auto got = run(false);
       const double d = finite_diff(got, ref);
       INFO("diff " << d);

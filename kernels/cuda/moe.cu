@@ -31,6 +31,7 @@ constexpr int kW4Threads = 256;
 constexpr int kW4Tokens = 8;         // tokens per MMA tile (n = 8)
 constexpr int kW4MaxTokens = 16;     // tokens per weight pass of the per-projection kernels (two tiles)
 constexpr int kRouteConvertsX = 16;  // the routing block converts the input up to this many tokens
+constexpr int kMaxTopk = 8;          // routed slots of a token held in registers (combine)
 
 __device__ __forceinline__ float bf16_to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
 
@@ -607,6 +608,178 @@ W4Fn w4_fn(int ks, int ntile) {
   }
 }
 
+// ------------------------------------------ one token: the streaming kernels
+// One token's projections (the decode step of one chat: one token an expert)
+// as a plain stream of the rows. The W4A16/W4A8 kernels give a block a tile of
+// rows and a token tile of MMA columns; at one token their blocks ramp up and
+// drain in 1.4-1.8 waves and reach half of HBM (a plain read of the same bytes
+// takes half their time). Here every warp of a single wave takes an equal
+// contiguous range of the projection's steps, where a step is 8 sub-blocks of
+// two rows (a row pair: gate and up, or two down rows), 128 contiguous bytes a
+// row, one 4-byte load a lane. The MMA's 8 columns are the 8 sub-blocks'
+// activations: MMA rows g and g + 8 (rows A and B, sub-block 8j + g) against
+// column g gives each sub-block's exact dot product on the diagonal, which the
+// lane holding it scales by the sub-block's E8M0 scale into fp32 (no folding,
+// no token tile). A row pair cut between two warps is finished by the second
+// to arrive (a counter a pair), always adding left + right: the same bits
+// whoever is last.
+constexpr int kGvThreads = 512;
+constexpr int kGvDepth = 8;  // steps of weights in flight a warp
+
+__device__ __forceinline__ uint32_t ldg_nc_u32(const uint8_t* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+struct GvArgs {
+  W4Args a;
+  float2* part;  // [units][2]: the left and right parts of a cut row pair
+  int* cnt;      // [units]: parts arrived (reset by the finisher)
+};
+
+template <bool kGateUp, bool kPdl>
+__global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
+  const W4Args& a = ga.a;
+  extern __shared__ uint4 gx4[];  // activation pieces [slot][S * 8 sub-blocks][4 lanes]
+  __shared__ int s_e[kMaxTopk];
+  __shared__ float s_red[32];
+  if (kPdl && kGateUp) pdl_wait(), pdl_trigger();  // the router's ids
+  const int nslot = a.topk, S = (a.nsub + 7) / 8, upe = a.rows / 2;
+  const int64_t total = int64_t(nslot) * upe * S;
+  const int nw = int(blockDim.x >> 5), warp = int(threadIdx.x >> 5), lane = int(threadIdx.x & 31);
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t W = int64_t(gridDim.x) * nw, wid = int64_t(blockIdx.x) * nw + warp;
+  const int64_t s0 = total * wid / W, s1 = total * (wid + 1) / W;
+  if (int(threadIdx.x) < nslot) {
+    const int id = a.ids[threadIdx.x];
+    const bool ok = id >= 0 && id < a.n_experts;
+    s_e[threadIdx.x] = ok ? id : -1;
+    if (kGateUp && blockIdx.x == 0) {
+      a.inv[threadIdx.x] = ok ? int(threadIdx.x) * kPadRows : -1;
+      if (!ok) atomicOr(a.err, 1);
+    }
+  }
+  __syncthreads();
+  const int64_t rstride = int64_t(a.nsub) * 16;  // row A -> row B
+  // Load cursor: unit lu, step lj; w / sc: this lane's bytes of row A.
+  int lu = int(s0 / S), lj = int(s0 % S);
+  const uint8_t *lw = nullptr, *lsc = nullptr;
+  bool lok = false;
+  auto seek = [&] {
+    const int slot = lu / upe, e = slot < nslot ? s_e[slot] : -1;
+    lok = e >= 0;
+    const int64_t row = int64_t(max(e, 0)) * a.rows + 2 * (lu - slot * upe);
+    lw = a.blocks + (row * a.nsub + 8 * lj + g) * 16 + 4 * t;
+    lsc = a.scales + row * a.nsub + 8 * lj + g;
+  };
+  seek();
+  int64_t ls = s0;
+  uint32_t rw[kGvDepth][2];
+  int rs[kGvDepth][2];
+  auto load = [&](int p) {
+    if (ls < s1 && lok && 8 * lj + g < a.nsub) {
+      rw[p][0] = ldg_nc_u32(lw), rw[p][1] = ldg_nc_u32(lw + rstride);
+      rs[p][0] = __ldg(lsc), rs[p][1] = __ldg(lsc + a.nsub);
+    } else {
+      rw[p][0] = rw[p][1] = 0u, rs[p][0] = rs[p][1] = 0;
+    }
+    ++ls;
+    if (++lj == S) {
+      lj = 0, ++lu;
+      if (ls < s1) seek();
+    } else {
+      lw += 128, lsc += 8;
+    }
+  };
+#pragma unroll
+  for (int p = 0; p < kGvDepth; ++p) load(p);
+  if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();  // gate_up's activations
+
+  // The activation pieces, in the weight pairs' order (w4_piece), zero past K.
+  const int q8n = S * 32;
+  float x_scale = 1.f;
+  if (kGateUp) {
+    x_scale = x_to_half_pieces<1>(
+        a.x, a.H, a.kpad / 8, [&](int q8, uint4 v) { gx4[q8] = w4_piece(v); }, s_red);
+    for (int q8 = a.kpad / 8 + int(threadIdx.x); q8 < q8n; q8 += int(blockDim.x)) gx4[q8] = make_uint4(0, 0, 0, 0);
+  } else {
+    for (int i = int(threadIdx.x); i < nslot * q8n; i += int(blockDim.x)) {
+      const int slot = i / q8n, q8 = i - slot * q8n;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (q8 < a.kpad / 8 && s_e[slot] >= 0)
+        v = w4_piece(*reinterpret_cast<const uint4*>(a.act + int64_t(slot) * kPadRows * a.kpad + q8 * 8));
+      gx4[i] = v;
+    }
+  }
+  __syncthreads();
+
+  // Compute cursor: unit cu, step cj; this lane's piece of sub-block 8 cj + g.
+  int cu = int(s0 / S), cj = int(s0 % S);
+  auto piece_ptr = [&] {
+    const int slot = kGateUp ? 0 : cu / upe;
+    return gx4 + (int64_t(slot) * q8n + (8 * cj + g) * 4 + t);
+  };
+  const uint4* px = piece_ptr();
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows A, A, B, B (MMA columns 2t, 2t + 1)
+
+  // A finished unit (or this warp's part of it): the diagonal's sum over the warp, then the epilogue.
+  auto finish = [&] {
+    const bool odd = g & 1, holder = t == (g >> 1);
+    float vA = holder ? (odd ? acc[1] : acc[0]) : 0.f, vB = holder ? (odd ? acc[3] : acc[2]) : 0.f;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) vA += __shfl_xor_sync(~0u, vA, o), vB += __shfl_xor_sync(~0u, vB, o);
+    acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+    const int slot = cu / upe, i = cu - slot * upe, e = s_e[slot];
+    if (lane != 0 || e < 0) return;
+    const int64_t u0 = int64_t(cu) * S;
+    if (u0 < s0 || u0 + S > s1) {  // cut between two warps
+      const int side = u0 < s0 ? 1 : 0;
+      ga.part[2 * int64_t(cu) + side] = make_float2(vA, vB);
+      __threadfence();
+      if (atomicAdd(ga.cnt + cu, 1) != 1) return;
+      __threadfence();
+      const float2 o = __ldcg(ga.part + 2 * int64_t(cu) + 1 - side);
+      vA = side ? o.x + vA : vA + o.x;
+      vB = side ? o.y + vB : vB + o.y;
+      ga.cnt[cu] = 0;
+    }
+    const int64_t r = int64_t(e) * a.rows + 2 * i, out_row = int64_t(slot) * kPadRows;
+    if (kGateUp) {
+      const float v = swiglu(vA * x_scale + bf16_to_float(a.bias[r]), vB * x_scale + bf16_to_float(a.bias[r + 1]));
+      a.out_act[out_row * a.out_ld + i] = __float2half_rn(v);
+    } else {
+      a.out_y[out_row * a.rows + 2 * i] = vA + bf16_to_float(a.bias[r]);
+      a.out_y[out_row * a.rows + 2 * i + 1] = vB + bf16_to_float(a.bias[r + 1]);
+    }
+  };
+
+  for (int64_t s = s0; s < s1; s += kGvDepth) {
+#pragma unroll
+    for (int p = 0; p < kGvDepth; ++p) {
+      if (s + p >= s1) break;
+      const uint4 b = *px;
+      const uint32_t wa = rw[p][0], wb = rw[p][1];
+      // E8M0 s as 2^(s - 127 + 14): the decoded weights are the codes * 2^-14.
+      const float fa = __uint_as_float(uint32_t(min(rs[p][0] + 14, 254)) << 23);
+      const float fb = __uint_as_float(uint32_t(min(rs[p][1] + 14, 254)) << 23);
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      ptx::mma_16816(d, w4_pair<0>(wa), w4_pair<0>(wb), w4_pair<1>(wa), w4_pair<1>(wb), b.x, b.y);
+      ptx::mma_16816(d, w4_pair<2>(wa), w4_pair<2>(wb), w4_pair<3>(wa), w4_pair<3>(wb), b.z, b.w);
+      acc[0] += d[0] * fa, acc[1] += d[1] * fa, acc[2] += d[2] * fb, acc[3] += d[3] * fb;
+      load(p);
+      if (++cj == S) {
+        finish();
+        cj = 0, ++cu;
+        px = piece_ptr();
+      } else {
+        px += 32;
+      }
+    }
+  }
+  if (cj != 0) finish();  // this warp's left part of its last unit
+}
+
 // ---------------------------------------------------------------- FP8 path
 // A warp's 128-value block (4 values a lane) -> E4M3 with scale amax / 448:
 // this lane's 4 bytes and the block's scale.
@@ -998,8 +1171,6 @@ __device__ __forceinline__ void store_1x128(uint32_t word, float sc, int lane, i
   if (lane == 0) qs[int64_t(nkb) * off + int64_t(kb) * mp + (r - off)] = sc;
 }
 
-constexpr int kMaxTopk = 8;  // routed slots of a token held in registers (combine)
-
 // Warps 0..T*G-1 (G groups of kGatherBlocks 128-column blocks): token t's
 // input blocks, read once, quantized 1x128 and written to each of the token's
 // routed rows (inv); the warp's loads all go out first. Warps T*G..T*G+E-1:
@@ -1217,6 +1388,9 @@ struct MoeLayer::Impl {
   // fused path
   DeviceArray<__half> xh, act16;
   DeviceArray<float> xs, y32;
+  DeviceArray<float2> gv_part;  // one token's streaming kernels: cut row pairs' parts,
+  DeviceArray<int> gv_cnt;      // and their arrival counters (zero between launches)
+  int n_sms = 0;
   // FP8 path
   DeviceArray<uint8_t> a1, a2;
   DeviceArray<float> a1s, a2s;
@@ -1225,6 +1399,7 @@ struct MoeLayer::Impl {
   DeviceArray<uint8_t> ws_fp8;
   DeviceArray<float> ws_scales;
   bool w8_fits = false;     // the W4A8 kernels can run here (device, build, shared memory)
+  bool gv_fits = false;     // the one-token streaming kernels' shared memory fits a block
   int tile_cap = 0;         // experts per workspace tile it was sized for
   int* h_counts = nullptr;  // pinned: counts[E], offsets[E+1]
   cudaEvent_t ev_ready[2]{}, ev_free[2]{};
@@ -1269,6 +1444,10 @@ struct MoeLayer::Impl {
     // Two tiles in flight: fold the next while the GEMMs use this one.
     ws_fp8 = DeviceArray<uint8_t>(P, 2 * tile_cap * per_expert_fp8, "FP8 expert workspace");
     ws_scales = DeviceArray<float>(P, 2 * tile_cap * per_expert_sc, "FP8 expert workspace scales");
+    const size_t gv_units = size_t(s.topk) * (I + H / 2);
+    gv_part = DeviceArray<float2>(P, 2 * gv_units, "moe one-token partial sums");
+    gv_cnt = DeviceArray<int>(P, gv_units, "moe one-token counters");
+    DZ_CUDA_CHECK(cudaMemsetAsync(gv_cnt.get(), 0, gv_cnt.bytes(), ctx.stream()));
     DZ_CUDA_CHECK(cudaMemsetAsync(err.get(), 0, sizeof(int), ctx.stream()));
     // Padding columns of the fp16 activations are never written by the kernels.
     DZ_CUDA_CHECK(cudaMemsetAsync(act16.get(), 0, act16.bytes(), ctx.stream()));
@@ -1301,6 +1480,12 @@ struct MoeLayer::Impl {
     DZ_CUDA_CHECK(cudaGetDevice(&dev));
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     w8_fits = Fp8GroupedGemm::supported() && smem8 <= optin;
+    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev));
+    const int smem_gv = gv_smem(false, std::max(H, I) / 32);
+    if (smem_gv <= optin)
+      for (auto k : {gv_kernel<true, false>, gv_kernel<true, true>, gv_kernel<false, false>, gv_kernel<false, true>})
+        DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_gv));
+    gv_fits = smem_gv <= optin;
     if (w8_fits) {
       for (int ks : {1, 2})
         for (bool lo : {false, true})
@@ -1385,13 +1570,20 @@ struct MoeLayer::Impl {
     const bool w4a8 = opt.fused_w4a8 && double(T) * s.topk / E <= opt.fused_w4a8_max_tokens_per_expert &&
                       int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
     const int ks8 = w8_split(T);
-    launch_w4<true>(ks, ks8, pdl, w4a8, tiles, 2 * I, max_active, st, a);
+    const bool gv = stream(T, w);
+    if (gv)
+      launch_gv<true>(a, pdl, 0, st);
+    else
+      launch_w4<true>(ks, ks8, pdl, w4a8, tiles, 2 * I, max_active, st, a);
     // down
     a.blocks = w.w2_blocks, a.scales = w.w2_scales, a.bias = w.b2;
     a.act = act16.get(), a.act_scale = nullptr;
     a.rows = H, a.nsub = I / 32, a.kpad = int(kpi);
     a.out_y = y32.get();
-    launch_w4<false>(ks, ks8, pdl, w4a8, tiles, H, max_active, st, a);
+    if (gv)
+      launch_gv<false>(a, pdl, int64_t(s.topk) * I, st);
+    else
+      launch_w4<false>(ks, ks8, pdl, w4a8, tiles, H, max_active, st, a);
     const bool v8 = vec8(y32.get(), nullptr, out);
     const auto comb = v8 ? (pdl ? combine_kernel<float, false, true, true> : combine_kernel<float, false, false, true>)
                          : (pdl ? combine_kernel<float, false, true> : combine_kernel<float, false, false>);
@@ -1403,6 +1595,27 @@ struct MoeLayer::Impl {
   // One token, per-projection kernels: no routing launch (see MoeOptions);
   // gate_up's blocks convert the input 2 pieces a thread.
   bool direct(int T) const { return T == 1 && opt.fused_one_token_direct && kph / 8 <= 2 * kW4Threads; }
+
+  // One token on the streaming kernels (gv_kernel): direct, and 4-byte aligned weights.
+  bool stream(int T, const MoeWeights& w) const {
+    return direct(T) && opt.fused_one_token_stream && gv_fits && s.topk <= kMaxTopk && kph / 8 <= kGvThreads &&
+           int64_t(s.topk) * std::min(s.intermediate, s.hidden / 2) >= kGvThreads / 32 &&
+           (reinterpret_cast<uintptr_t>(w.w1_blocks) & 3) == 0 && (reinterpret_cast<uintptr_t>(w.w2_blocks) & 3) == 0;
+  }
+
+  // One projection on the streaming kernels: a block of 16 warps an SM (at
+  // most one warp a row pair), the cut pairs' scratch from unit u0.
+  template <bool G>
+  void launch_gv(const W4Args& a, bool pdl, int64_t u0, cudaStream_t st) {
+    const int64_t units = int64_t(s.topk) * (a.rows / 2), wpb = kGvThreads / 32;
+    const int want = opt.fused_stream_blocks > 0 ? opt.fused_stream_blocks : n_sms;
+    const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>(want, units / wpb)));
+    const GvArgs g{a, gv_part.get() + 2 * u0, gv_cnt.get() + u0};
+    launch(pdl ? gv_kernel<G, true> : gv_kernel<G, false>, dim3(blocks), dim3(kGvThreads), size_t(gv_smem(G, a.nsub)),
+           st, pdl, g);
+  }
+  // Shared memory of a streaming kernel: the activation pieces, one row (gate_up) or one a slot (down).
+  int gv_smem(bool gate_up, int nsub) const { return (gate_up ? 1 : s.topk) * ((nsub + 7) / 8) * 32 * 16; }
 
   // The W4A8 kernels can run a projection of this many rows (an sm_90a build and device, 64-row tiles, an even number
   // of sub-blocks a row, 16-byte aligned weights for the copy engine).
