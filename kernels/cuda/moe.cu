@@ -645,12 +645,12 @@ __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
   __shared__ int s_e[kMaxTopk];
   __shared__ float s_red[32];
   if (kPdl && kGateUp) pdl_wait(), pdl_trigger();  // the router's ids
-  const int nslot = a.topk, S = (a.nsub + 7) / 8, upe = a.rows / 2;
-  const int64_t total = int64_t(nslot) * upe * S;
+  const int nslot = a.topk, nsub = a.nsub, S = (nsub + 7) / 8, upe = a.rows / 2;
+  const int total = nslot * upe * S;  // < 2^31 (the host checks)
   const int nw = int(blockDim.x >> 5), warp = int(threadIdx.x >> 5), lane = int(threadIdx.x & 31);
   const int g = lane >> 2, t = lane & 3;
   const int64_t W = int64_t(gridDim.x) * nw, wid = int64_t(blockIdx.x) * nw + warp;
-  const int64_t s0 = total * wid / W, s1 = total * (wid + 1) / W;
+  const int s0 = int(total * wid / W), s1 = int(total * (wid + 1) / W);
   if (int(threadIdx.x) < nslot) {
     const int id = a.ids[threadIdx.x];
     const bool ok = id >= 0 && id < a.n_experts;
@@ -661,33 +661,32 @@ __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
     }
   }
   __syncthreads();
-  const int64_t rstride = int64_t(a.nsub) * 16;  // row A -> row B
-  // Load cursor: unit lu, step lj; w / sc: this lane's bytes of row A.
-  int lu = int(s0 / S), lj = int(s0 % S);
-  const uint8_t *lw = nullptr, *lsc = nullptr;
-  bool lok = false;
+  const int rbytes = nsub * 16;  // row A -> row B
+  // Load cursor: slot lslot, row pair li, step lj; lw / lsc: this lane's bytes
+  // of row A (an invalid slot reads expert 0's rows; its sums are dropped).
+  const int u_first = s0 / S;
+  int lslot = u_first / upe, li = u_first - lslot * upe, lj = s0 - u_first * S, ls = s0;
+  const uint8_t *lw, *lsc;
   auto seek = [&] {
-    const int slot = lu / upe, e = slot < nslot ? s_e[slot] : -1;
-    lok = e >= 0;
-    const int64_t row = int64_t(max(e, 0)) * a.rows + 2 * (lu - slot * upe);
-    lw = a.blocks + (row * a.nsub + 8 * lj + g) * 16 + 4 * t;
-    lsc = a.scales + row * a.nsub + 8 * lj + g;
+    const int64_t row = int64_t(max(s_e[min(lslot, nslot - 1)], 0)) * a.rows + 2 * li;
+    lw = a.blocks + row * rbytes + (8 * lj + g) * 16 + 4 * t;
+    lsc = a.scales + row * nsub + 8 * lj + g;
   };
   seek();
-  int64_t ls = s0;
   uint32_t rw[kGvDepth][2];
-  int rs[kGvDepth][2];
+  uint32_t rs[kGvDepth][2];
   auto load = [&](int p) {
-    if (ls < s1 && lok && 8 * lj + g < a.nsub) {
-      rw[p][0] = ldg_nc_u32(lw), rw[p][1] = ldg_nc_u32(lw + rstride);
-      rs[p][0] = __ldg(lsc), rs[p][1] = __ldg(lsc + a.nsub);
+    if (ls < s1 && 8 * lj + g < nsub) {
+      rw[p][0] = ldg_nc_u32(lw), rw[p][1] = ldg_nc_u32(lw + rbytes);
+      rs[p][0] = __ldg(lsc), rs[p][1] = __ldg(lsc + nsub);
     } else {
-      rw[p][0] = rw[p][1] = 0u, rs[p][0] = rs[p][1] = 0;
+      rw[p][0] = rw[p][1] = rs[p][0] = rs[p][1] = 0u;
     }
     ++ls;
     if (++lj == S) {
-      lj = 0, ++lu;
-      if (ls < s1) seek();
+      lj = 0;
+      if (++li == upe) li = 0, ++lslot;
+      seek();
     } else {
       lw += 128, lsc += 8;
     }
@@ -698,9 +697,9 @@ __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
 
   // The activation pieces, in the weight pairs' order (w4_piece), zero past K.
   const int q8n = S * 32;
-  float x_scale = 1.f;
+  float out_scale = 16384.f;  // the decoded weights are the codes * 2^-14
   if (kGateUp) {
-    x_scale = x_to_half_pieces<1>(
+    out_scale *= x_to_half_pieces<1>(
         a.x, a.H, a.kpad / 8, [&](int q8, uint4 v) { gx4[q8] = w4_piece(v); }, s_red);
     for (int q8 = a.kpad / 8 + int(threadIdx.x); q8 < q8n; q8 += int(blockDim.x)) gx4[q8] = make_uint4(0, 0, 0, 0);
   } else {
@@ -714,55 +713,53 @@ __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
   }
   __syncthreads();
 
-  // Compute cursor: unit cu, step cj; this lane's piece of sub-block 8 cj + g.
-  int cu = int(s0 / S), cj = int(s0 % S);
-  auto piece_ptr = [&] {
-    const int slot = kGateUp ? 0 : cu / upe;
-    return gx4 + (int64_t(slot) * q8n + (8 * cj + g) * 4 + t);
-  };
-  const uint4* px = piece_ptr();
+  // Compute cursor: unit cu (slot cslot, row pair ci), step cj; px: this
+  // lane's piece of sub-block 8 cj + g.
+  int cu = u_first, cslot = u_first / upe, ci = u_first - cslot * upe, cj = s0 - u_first * S;
+  const uint4* px = gx4 + ((kGateUp ? 0 : cslot * q8n) + (8 * cj + g) * 4 + t);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows A, A, B, B (MMA columns 2t, 2t + 1)
 
-  // A finished unit (or this warp's part of it): the diagonal's sum over the warp, then the epilogue.
+  // A finished unit (or this warp's part of it): the diagonal's sum over the
+  // warp, then the epilogue.
   auto finish = [&] {
     const bool odd = g & 1, holder = t == (g >> 1);
     float vA = holder ? (odd ? acc[1] : acc[0]) : 0.f, vB = holder ? (odd ? acc[3] : acc[2]) : 0.f;
 #pragma unroll
     for (int o = 16; o; o >>= 1) vA += __shfl_xor_sync(~0u, vA, o), vB += __shfl_xor_sync(~0u, vB, o);
     acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
-    const int slot = cu / upe, i = cu - slot * upe, e = s_e[slot];
+    const int e = s_e[cslot];
     if (lane != 0 || e < 0) return;
-    const int64_t u0 = int64_t(cu) * S;
+    const int u0 = cu * S;
     if (u0 < s0 || u0 + S > s1) {  // cut between two warps
       const int side = u0 < s0 ? 1 : 0;
-      ga.part[2 * int64_t(cu) + side] = make_float2(vA, vB);
+      ga.part[2 * cu + side] = make_float2(vA, vB);
       __threadfence();
       if (atomicAdd(ga.cnt + cu, 1) != 1) return;
       __threadfence();
-      const float2 o = __ldcg(ga.part + 2 * int64_t(cu) + 1 - side);
+      const float2 o = __ldcg(ga.part + 2 * cu + 1 - side);
       vA = side ? o.x + vA : vA + o.x;
       vB = side ? o.y + vB : vB + o.y;
       ga.cnt[cu] = 0;
     }
-    const int64_t r = int64_t(e) * a.rows + 2 * i, out_row = int64_t(slot) * kPadRows;
+    const int64_t r = int64_t(e) * a.rows + 2 * ci, out_row = int64_t(cslot) * kPadRows;
+    vA *= out_scale, vB *= out_scale;
     if (kGateUp) {
-      const float v = swiglu(vA * x_scale + bf16_to_float(a.bias[r]), vB * x_scale + bf16_to_float(a.bias[r + 1]));
-      a.out_act[out_row * a.out_ld + i] = __float2half_rn(v);
+      const float v = swiglu(vA + bf16_to_float(a.bias[r]), vB + bf16_to_float(a.bias[r + 1]));
+      a.out_act[out_row * a.out_ld + ci] = __float2half_rn(v);
     } else {
-      a.out_y[out_row * a.rows + 2 * i] = vA + bf16_to_float(a.bias[r]);
-      a.out_y[out_row * a.rows + 2 * i + 1] = vB + bf16_to_float(a.bias[r + 1]);
+      a.out_y[out_row * a.rows + 2 * ci] = vA + bf16_to_float(a.bias[r]);
+      a.out_y[out_row * a.rows + 2 * ci + 1] = vB + bf16_to_float(a.bias[r + 1]);
     }
   };
 
-  for (int64_t s = s0; s < s1; s += kGvDepth) {
+  for (int s = s0; s < s1; s += kGvDepth) {
 #pragma unroll
     for (int p = 0; p < kGvDepth; ++p) {
       if (s + p >= s1) break;
       const uint4 b = *px;
       const uint32_t wa = rw[p][0], wb = rw[p][1];
-      // E8M0 s as 2^(s - 127 + 14): the decoded weights are the codes * 2^-14.
-      const float fa = __uint_as_float(uint32_t(min(rs[p][0] + 14, 254)) << 23);
-      const float fb = __uint_as_float(uint32_t(min(rs[p][1] + 14, 254)) << 23);
+      // E8M0 s as 2^(s - 127) (s = 0: zero instead of 2^-127).
+      const float fa = __uint_as_float(rs[p][0] << 23), fb = __uint_as_float(rs[p][1] << 23);
       float d[4] = {0.f, 0.f, 0.f, 0.f};
       ptx::mma_16816(d, w4_pair<0>(wa), w4_pair<0>(wb), w4_pair<1>(wa), w4_pair<1>(wb), b.x, b.y);
       ptx::mma_16816(d, w4_pair<2>(wa), w4_pair<2>(wb), w4_pair<3>(wa), w4_pair<3>(wb), b.z, b.w);
@@ -771,7 +768,8 @@ __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
       if (++cj == S) {
         finish();
         cj = 0, ++cu;
-        px = piece_ptr();
+        if (++ci == upe) ci = 0, ++cslot;
+        px = gx4 + ((kGateUp ? 0 : cslot * q8n) + g * 4 + t);
       } else {
         px += 32;
       }
@@ -1600,6 +1598,9 @@ struct MoeLayer::Impl {
   bool stream(int T, const MoeWeights& w) const {
     return direct(T) && opt.fused_one_token_stream && gv_fits && s.topk <= kMaxTopk && kph / 8 <= kGvThreads &&
            int64_t(s.topk) * std::min(s.intermediate, s.hidden / 2) >= kGvThreads / 32 &&
+           int64_t(s.topk) * std::max(s.intermediate, s.hidden / 2) *
+                   ((std::max(s.hidden, s.intermediate) / 32 + 7) / 8) <
+               (int64_t(1) << 31) &&
            (reinterpret_cast<uintptr_t>(w.w1_blocks) & 3) == 0 && (reinterpret_cast<uintptr_t>(w.w2_blocks) & 3) == 0;
   }
 
