@@ -354,30 +354,9 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
         INFO("diff " << d);
         CHECK(d < 2e-4);
       }
-    // One token reads the router's ids directly (no routing launch): on the
-    // per-tile kernels, the same bits as through the routing kernel; on the
-    // streaming kernels (the default), within the same bound of float64 with
-    // row pairs cut between warps (fewer blocks), and the same bits again.
+    // One token reads the router's ids directly (no routing launch): the same bits as through the routing kernel.
     if (T == 1) {
-      for (int blocks : {0, 5, 7}) {
-        INFO("streaming kernels, blocks " << blocks);
-        layer.options() = w4a16_options();
-        layer.options().fused_stream_blocks = blocks;
-        DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
-        layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFused);
-        ctx.sync();
-        const auto got = out.get();
-        const double d = finite_diff(got, ref);
-        INFO("diff " << d);
-        CHECK(d < 2e-4);
-        for (int rep = 0; rep < 3; ++rep) {  // the cut pairs' counters are back at zero after each launch
-          layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFused);
-          ctx.sync();
-          CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
-        }
-      }
       layer.options() = w4a16_options();
-      layer.options().fused_one_token_stream = false;
       layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFused);
       ctx.sync();
       const auto direct = out.get();
@@ -417,6 +396,81 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
       CHECK_THROWS_AS(layer.forward(MoeWeights{}, x.p, ids.p, gw.p, c.T, out.p), Error);
       CHECK_THROWS_AS(layer.forward(w, x.p, ids.p, gw.p, 5, out.p), Error);  // more tokens than the scratch holds
     }
+  }
+#endif
+}
+
+TEST_CASE("CUDA MoE layer: one token's streaming kernels at gpt-oss widths match float64", "[cuda]") {
+  if (!have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  Context ctx(small_ctx());
+  std::mt19937 rng(23);
+  // H = I = 2880 (the widths the streaming kernels are built for), one token,
+  // 8 experts; then the widest scale spread of the other tests.
+  for (int s_hi : {124, 130}) {
+    MoeCase c = make_moe(8, 4, 2880, 2880, 1, rng, s_hi == 124 ? 118 : 96, s_hi);
+    INFO("scales up to " << s_hi);
+    MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, 4);
+    Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
+    Dev<uint16_t> b1(c.b1), b2(c.b2);
+    Dev<float> x(c.x), gw(c.gw), out(size_t(c.H));
+    Dev<int> ids(c.ids);
+    const MoeWeights w{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p};
+    const auto ref = moe_ref(c);
+    auto run = [&](bool graph) {
+      DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));  // poison: every element must be written
+      if (graph) {
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        DZ_CUDA_CHECK(cudaStreamBeginCapture(ctx.stream(), cudaStreamCaptureModeThreadLocal));
+        layer.forward(w, x.p, ids.p, gw.p, 1, out.p, MoePath::kFused);
+        DZ_CUDA_CHECK(cudaStreamEndCapture(ctx.stream(), &g));
+        DZ_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+        for (int r = 0; r < 3; ++r) DZ_CUDA_CHECK(cudaGraphLaunch(ge, ctx.stream()));  // replays
+        ctx.sync();
+        cudaGraphExecDestroy(ge);
+        cudaGraphDestroy(g);
+      } else {
+        layer.forward(w, x.p, ids.p, gw.p, 1, out.p, MoePath::kFused);
+        ctx.sync();
+      }
+      return out.get();
+    };
+    // The per-tile W4A16 kernels first: the bound the streaming ones must meet.
+    layer.options().fused_w4a8 = false;
+    layer.options().fused_one_token_stream = false;
+    const double d_tile = finite_diff(run(false), ref);
+    // One block an SM (every row pair cut between warps somewhere on an H200),
+    // and 5 or 7 blocks (ranges of ~100 row pairs, cut at other places).
+    for (int blocks : {0, 5, 7}) {
+      layer.options() = MoeOptions{};
+      layer.options().fused_stream_blocks = blocks;
+      const auto got = run(false);
+      const double d = finite_diff(got, ref);
+      INFO("blocks " << blocks << ": diff " << d << " (per-tile W4A16 kernels " << d_tile << ")");
+      std::printf(
+          "MoE one token, streaming kernels, H = I = 2880, scales %d..%d, blocks %d: diff %.3g vs float64 "
+          "(per-tile W4A16 %.3g)\n",
+          s_hi == 124 ? 118 : 96, s_hi, blocks, d, d_tile);
+      CHECK(d < 2e-4);
+      CHECK(d < 2 * d_tile + 1e-6);
+      // Bitwise equal: again (the cut pairs' counters are back at zero), in a replayed graph, without PDL.
+      CHECK(std::memcmp(run(false).data(), got.data(), got.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(run(true).data(), got.data(), got.size() * sizeof(float)) == 0);
+      layer.options().pdl = false;
+      CHECK(std::memcmp(run(false).data(), got.data(), got.size() * sizeof(float)) == 0);
+    }
+    CHECK(layer.take_error() == 0);
+    // A bad id: flagged, the other slots still count, nothing past the slot's rows read.
+    std::vector<int> bad = c.ids;
+    bad[2] = 77;
+    DZ_CUDA_CHECK(cudaMemcpy(ids.p, bad.data(), bad.size() * sizeof(int), cudaMemcpyHostToDevice));
+    layer.options() = MoeOptions{};
+    const auto got = run(false);
+    CHECK(layer.take_error() == 1);
+    MoeCase c2 = c;  // the reference without slot 2
+    c2.gw[2] = 0.f;
+    CHECK(finite_diff(got, moe_ref(c2)) < 2e-4);
   }
 #endif
 }
@@ -517,7 +571,6 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
       layer.options().fused_w4a8_terms = std::max(1, terms);
       layer.options().fused_w4a8_max_tokens_per_expert = 1e9;  // also crowded experts: several passes
       layer.options().fused_w4a8_min_slots = 0;                // and one or two tokens
-      layer.options().fused_one_token_stream = !w4a8;          // (one token: else the streaming kernels)
       const auto got = run(false);
       const double d = finite_diff(got, ref);
       INFO("diff " << d);

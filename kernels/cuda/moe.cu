@@ -638,14 +638,23 @@ struct GvArgs {
   int* cnt;      // [units]: parts arrived (reset by the finisher)
 };
 
-template <bool kGateUp, bool kPdl>
+// The sub-blocks a row (nsub) are a template argument: every address offset
+// inside a unit is then an immediate and the ring slots are fixed by unrolling
+// kU units at once (kU * S steps, a multiple of the ring). gpt-oss's 2880-wide
+// rows (90 sub-blocks) are instantiated; other shapes take the per-tile kernels.
+constexpr int kGvNsub = 90;
+
+template <bool kGateUp, bool kPdl, int kNsub>
 __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
+  constexpr int S = (kNsub + 7) / 8, kLast = kNsub - 8 * (S - 1), kRB = kNsub * 16;
+  static_assert(S >= kGvDepth, "the ring reaches at most one unit past a group");
+  constexpr int kU = S % 8 == 0 ? 1 : S % 4 == 0 ? 2 : S % 2 == 0 ? 4 : 8, kQ = kU * S;
   const W4Args& a = ga.a;
   extern __shared__ uint4 gx4[];  // activation pieces [slot][S * 8 sub-blocks][4 lanes]
   __shared__ int s_e[kMaxTopk];
   __shared__ float s_red[32];
   if (kPdl && kGateUp) pdl_wait(), pdl_trigger();  // the router's ids
-  const int nslot = a.topk, nsub = a.nsub, S = (nsub + 7) / 8, upe = a.rows / 2;
+  const int nslot = a.topk, upe = a.rows / 2;
   const int total = nslot * upe * S;  // < 2^31 (the host checks)
   const int nw = int(blockDim.x >> 5), warp = int(threadIdx.x >> 5), lane = int(threadIdx.x & 31);
   const int g = lane >> 2, t = lane & 3;
@@ -661,42 +670,51 @@ __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
     }
   }
   __syncthreads();
-  const int rbytes = nsub * 16;  // row A -> row B
-  // Load cursor: slot lslot, row pair li, step lj; lw / lsc: this lane's bytes
-  // of row A (an invalid slot reads expert 0's rows; its sums are dropped).
-  const int u_first = s0 / S;
-  int lslot = u_first / upe, li = u_first - lslot * upe, lj = s0 - u_first * S, ls = s0;
-  const uint8_t *lw, *lsc;
-  auto seek = [&] {
-    const int64_t row = int64_t(max(s_e[min(lslot, nslot - 1)], 0)) * a.rows + 2 * li;
-    lw = a.blocks + row * rbytes + (8 * lj + g) * 16 + 4 * t;
-    lsc = a.scales + row * nsub + 8 * lj + g;
+  const int q8n = S * 32;
+  // A unit's bases: this lane's bytes and scale of row A at step 0, its
+  // activation pieces, its slot and row pair (an invalid slot reads expert 0's
+  // rows; its sums are dropped).
+  struct Unit {
+    const uint8_t *w, *sc;
+    int px, slot, i;
   };
-  seek();
-  uint32_t rw[kGvDepth][2];
-  uint32_t rs[kGvDepth][2];
-  auto load = [&](int p) {
-    if (ls < s1 && 8 * lj + g < nsub) {
-      rw[p][0] = ldg_nc_u32(lw), rw[p][1] = ldg_nc_u32(lw + rbytes);
-      rs[p][0] = __ldg(lsc), rs[p][1] = __ldg(lsc + nsub);
-    } else {
-      rw[p][0] = rw[p][1] = rs[p][0] = rs[p][1] = 0u;
-    }
-    ++ls;
-    if (++lj == S) {
-      lj = 0;
-      if (++li == upe) li = 0, ++lslot;
-      seek();
-    } else {
-      lw += 128, lsc += 8;
-    }
+  int nslot_n = 0, ni = 0;  // the next unit to set up
+  auto next_unit = [&] {
+    Unit b;
+    const int slot = min(nslot_n, nslot - 1);
+    const int64_t row = int64_t(max(s_e[slot], 0)) * a.rows + 2 * ni;
+    b.w = a.blocks + row * kRB + g * 16 + 4 * t;
+    b.sc = a.scales + row * kNsub + g;
+    b.px = (kGateUp ? 0 : slot * q8n) + g * 4 + t;
+    b.slot = nslot_n, b.i = ni;
+    if (++ni == upe) ni = 0, ++nslot_n;
+    return b;
   };
+  const int u_first = s0 / S, u_last = (s1 - 1) / S;
+  nslot_n = u_first / upe, ni = u_first - nslot_n * upe;
+  Unit un[kU + 1];
 #pragma unroll
-  for (int p = 0; p < kGvDepth; ++p) load(p);
+  for (int k = 0; k <= kU; ++k) un[k] = next_unit();
+
+  uint32_t rw[kGvDepth][2] = {}, rs[kGvDepth][2] = {};
+  // Step q of the group at unit u: unit k = q / S of the group (k = kU: the
+  // next group's first), step j = q % S. Loads past the warp's range are
+  // skipped; stale ring values meet zero activations (sub-blocks past the
+  // row) or are not consumed.
+  auto load = [&](int slot_p, const Unit& b, int j, bool in_range) {
+    if (in_range && (j < S - 1 || g < kLast)) {
+      rw[slot_p][0] = ldg_nc_u32(b.w + 128 * j), rw[slot_p][1] = ldg_nc_u32(b.w + 128 * j + kRB);
+      rs[slot_p][0] = __ldg(b.sc + 8 * j), rs[slot_p][1] = __ldg(b.sc + 8 * j + kNsub);
+    }
+  };
+  {
+    const int lim = s1 - u_first * S;
+#pragma unroll
+    for (int p = 0; p < kGvDepth; ++p) load(p, un[0], p, p < lim);
+  }
   if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();  // gate_up's activations
 
   // The activation pieces, in the weight pairs' order (w4_piece), zero past K.
-  const int q8n = S * 32;
   float out_scale = 16384.f;  // the decoded weights are the codes * 2^-14
   if (kGateUp) {
     out_scale *= x_to_half_pieces<1>(
@@ -713,21 +731,16 @@ __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
   }
   __syncthreads();
 
-  // Compute cursor: unit cu (slot cslot, row pair ci), step cj; px: this
-  // lane's piece of sub-block 8 cj + g.
-  int cu = u_first, cslot = u_first / upe, ci = u_first - cslot * upe, cj = s0 - u_first * S;
-  const uint4* px = gx4 + ((kGateUp ? 0 : cslot * q8n) + (8 * cj + g) * 4 + t);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows A, A, B, B (MMA columns 2t, 2t + 1)
-
-  // A finished unit (or this warp's part of it): the diagonal's sum over the
+  // Unit cu finished (or this warp's part of it): the diagonal's sum over the
   // warp, then the epilogue.
-  auto finish = [&] {
+  auto finish = [&](int cu, const Unit& b) {
     const bool odd = g & 1, holder = t == (g >> 1);
     float vA = holder ? (odd ? acc[1] : acc[0]) : 0.f, vB = holder ? (odd ? acc[3] : acc[2]) : 0.f;
 #pragma unroll
     for (int o = 16; o; o >>= 1) vA += __shfl_xor_sync(~0u, vA, o), vB += __shfl_xor_sync(~0u, vB, o);
     acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
-    const int e = s_e[cslot];
+    const int e = s_e[b.slot];
     if (lane != 0 || e < 0) return;
     const int u0 = cu * S;
     if (u0 < s0 || u0 + S > s1) {  // cut between two warps
@@ -741,41 +754,40 @@ __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
       vB = side ? o.y + vB : vB + o.y;
       ga.cnt[cu] = 0;
     }
-    const int64_t r = int64_t(e) * a.rows + 2 * ci, out_row = int64_t(cslot) * kPadRows;
+    const int64_t r = int64_t(e) * a.rows + 2 * b.i, out_row = int64_t(b.slot) * kPadRows;
     vA *= out_scale, vB *= out_scale;
     if (kGateUp) {
       const float v = swiglu(vA + bf16_to_float(a.bias[r]), vB + bf16_to_float(a.bias[r + 1]));
-      a.out_act[out_row * a.out_ld + ci] = __float2half_rn(v);
+      a.out_act[out_row * a.out_ld + b.i] = __float2half_rn(v);
     } else {
-      a.out_y[out_row * a.rows + 2 * ci] = vA + bf16_to_float(a.bias[r]);
-      a.out_y[out_row * a.rows + 2 * ci + 1] = vB + bf16_to_float(a.bias[r + 1]);
+      a.out_y[out_row * a.rows + 2 * b.i] = vA + bf16_to_float(a.bias[r]);
+      a.out_y[out_row * a.rows + 2 * b.i + 1] = vB + bf16_to_float(a.bias[r + 1]);
     }
   };
 
-  for (int s = s0; s < s1; s += kGvDepth) {
+  for (int u = u_first; u <= u_last; u += kU) {
+    const int lo = s0 - u * S, hi = s1 - u * S;  // this warp's steps, relative to the group
 #pragma unroll
-    for (int p = 0; p < kGvDepth; ++p) {
-      if (s + p >= s1) break;
-      const uint4 b = *px;
-      const uint32_t wa = rw[p][0], wb = rw[p][1];
-      // E8M0 s as 2^(s - 127) (s = 0: zero instead of 2^-127).
-      const float fa = __uint_as_float(rs[p][0] << 23), fb = __uint_as_float(rs[p][1] << 23);
-      float d[4] = {0.f, 0.f, 0.f, 0.f};
-      ptx::mma_16816(d, w4_pair<0>(wa), w4_pair<0>(wb), w4_pair<1>(wa), w4_pair<1>(wb), b.x, b.y);
-      ptx::mma_16816(d, w4_pair<2>(wa), w4_pair<2>(wb), w4_pair<3>(wa), w4_pair<3>(wb), b.z, b.w);
-      acc[0] += d[0] * fa, acc[1] += d[1] * fa, acc[2] += d[2] * fb, acc[3] += d[3] * fb;
-      load(p);
-      if (++cj == S) {
-        finish();
-        cj = 0, ++cu;
-        if (++ci == upe) ci = 0, ++cslot;
-        px = gx4 + ((kGateUp ? 0 : cslot * q8n) + g * 4 + t);
-      } else {
-        px += 32;
+    for (int q = 0; q < kQ; ++q) {
+      const int k = q / S, j = q % S, p = q % kGvDepth;
+      if (q >= lo && q < hi) {
+        const uint4 bx = gx4[un[k].px + 32 * j];
+        const uint32_t wa = rw[p][0], wb = rw[p][1];
+        // E8M0 s as 2^(s - 127) (s = 0: zero instead of 2^-127).
+        const float fa = __uint_as_float(rs[p][0] << 23), fb = __uint_as_float(rs[p][1] << 23);
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        ptx::mma_16816(d, w4_pair<0>(wa), w4_pair<0>(wb), w4_pair<1>(wa), w4_pair<1>(wb), bx.x, bx.y);
+        ptx::mma_16816(d, w4_pair<2>(wa), w4_pair<2>(wb), w4_pair<3>(wa), w4_pair<3>(wb), bx.z, bx.w);
+        acc[0] += d[0] * fa, acc[1] += d[1] * fa, acc[2] += d[2] * fb, acc[3] += d[3] * fb;
       }
+      const int ql = q + kGvDepth;  // the step this ring slot loads next
+      load(p, un[ql / S], ql % S, ql < hi);
+      if (j == S - 1 && u + k <= u_last) finish(u + k, un[k]);
     }
+    un[0] = un[kU];
+#pragma unroll
+    for (int k = 1; k <= kU; ++k) un[k] = next_unit();
   }
-  if (cj != 0) finish();  // this warp's left part of its last unit
 }
 
 // ---------------------------------------------------------------- FP8 path
@@ -1481,7 +1493,8 @@ struct MoeLayer::Impl {
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev));
     const int smem_gv = gv_smem(false, std::max(H, I) / 32);
     if (smem_gv <= optin)
-      for (auto k : {gv_kernel<true, false>, gv_kernel<true, true>, gv_kernel<false, false>, gv_kernel<false, true>})
+      for (auto k : {gv_kernel<true, false, kGvNsub>, gv_kernel<true, true, kGvNsub>, gv_kernel<false, false, kGvNsub>,
+                     gv_kernel<false, true, kGvNsub>})
         DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_gv));
     gv_fits = smem_gv <= optin;
     if (w8_fits) {
@@ -1597,6 +1610,7 @@ struct MoeLayer::Impl {
   // One token on the streaming kernels (gv_kernel): direct, and 4-byte aligned weights.
   bool stream(int T, const MoeWeights& w) const {
     return direct(T) && opt.fused_one_token_stream && gv_fits && s.topk <= kMaxTopk && kph / 8 <= kGvThreads &&
+           s.hidden == 32 * kGvNsub && s.intermediate == 32 * kGvNsub &&
            int64_t(s.topk) * std::min(s.intermediate, s.hidden / 2) >= kGvThreads / 32 &&
            int64_t(s.topk) * std::max(s.intermediate, s.hidden / 2) *
                    ((std::max(s.hidden, s.intermediate) / 32 + 7) / 8) <
@@ -1612,8 +1626,8 @@ struct MoeLayer::Impl {
     const int want = opt.fused_stream_blocks > 0 ? opt.fused_stream_blocks : n_sms;
     const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>(want, units / wpb)));
     const GvArgs g{a, gv_part.get() + 2 * u0, gv_cnt.get() + u0};
-    launch(pdl ? gv_kernel<G, true> : gv_kernel<G, false>, dim3(blocks), dim3(kGvThreads), size_t(gv_smem(G, a.nsub)),
-           st, pdl, g);
+    launch(pdl ? gv_kernel<G, true, kGvNsub> : gv_kernel<G, false, kGvNsub>, dim3(blocks), dim3(kGvThreads),
+           size_t(gv_smem(G, a.nsub)), st, pdl, g);
   }
   // Shared memory of a streaming kernel: the activation pieces, one row (gate_up) or one a slot (down).
   int gv_smem(bool gate_up, int nsub) const { return (gate_up ? 1 : s.topk) * ((nsub + 7) / 8) * 32 * 16; }
