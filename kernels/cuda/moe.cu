@@ -614,43 +614,52 @@ W4Fn w4_fn(int ks, int ntile) {
 // rows and a token tile of MMA columns; at one token their blocks ramp up and
 // drain in 1.4-1.8 waves and reach half of HBM (a plain read of the same bytes
 // takes half their time). Here every warp of a single wave takes an equal
-// contiguous range of the projection's steps, where a step is 8 sub-blocks of
-// two rows (a row pair: gate and up, or two down rows), 128 contiguous bytes a
-// row, one 4-byte load a lane. The MMA's 8 columns are the 8 sub-blocks'
-// activations: MMA rows g and g + 8 (rows A and B, sub-block 8j + g) against
-// column g gives each sub-block's exact dot product on the diagonal, which the
-// lane holding it scales by the sub-block's E8M0 scale into fp32 (no folding,
-// no token tile). A row pair cut between two warps is finished by the second
-// to arrive (a counter a pair), always adding left + right: the same bits
-// whoever is last.
+// contiguous range of the projection's steps. A unit is a row pair (gate and
+// up, or two down rows), a step 8 sub-blocks of both rows; the copy engine
+// brings a warp's next units (its steps of both rows and their scale bytes)
+// into a ring of buffers in shared memory. The MMA's 8 columns are the 8
+// sub-blocks' activations: MMA rows g and g + 8 (rows A and B, sub-block
+// 8j + g) against column g give each sub-block's exact dot product on the
+// diagonal, which the lane holding it scales by the sub-block's E8M0 scale in
+// fp32 (no folding, no token tile). A row pair cut between two warps is
+// finished by the second to arrive (a counter a pair), always adding left +
+// right: the same bits whoever is last.
 constexpr int kGvThreads = 512;
-constexpr int kGvDepth = 8;  // steps of weights in flight a warp
-
-__device__ __forceinline__ uint32_t ldg_nc_u32(const uint8_t* p) {
-  uint32_t v;
-  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
 struct GvArgs {
   W4Args a;
   float2* part;  // [units][2]: the left and right parts of a cut row pair
   int* cnt;      // [units]: parts arrived (reset by the finisher)
 };
 
-// The sub-blocks a row (nsub) are a template argument: every address offset
-// inside a unit is then an immediate and the ring slots are fixed by unrolling
-// kU units at once (kU * S steps, a multiple of the ring). gpt-oss's 2880-wide
-// rows (90 sub-blocks) are instantiated; other shapes take the per-tile kernels.
+// The sub-blocks a row (nsub) are a template argument: every offset inside a
+// unit is an immediate. gpt-oss's 2880-wide rows (90 sub-blocks) are
+// instantiated; other shapes take the per-tile kernels.
 constexpr int kGvNsub = 90;
+constexpr int kGvBufs = 3;  // units in flight a warp (copy-engine ring in shared memory)
+
+// The shared memory of one warp's ring buffer: two rows, then the scale bytes
+// of both (a 16-byte aligned superset of them).
+__host__ __device__ constexpr int gv_buf_bytes(int nsub) { return 2 * nsub * 16 + (12 + 2 * nsub + 15) / 16 * 16; }
+
+// Nibbles of w as fp16 pairs (n0, n4), (n1, n5), (n2, n6), (n3, n7), the same
+// values as w4_pair<0..3> (the codes * 2^-14) by way of bytes: the even
+// nibbles' fp16 high bytes in E, the odd ones' in O (11 instructions a word
+// instead of 15).
+__device__ __forceinline__ void w4_pairs(uint32_t w, uint32_t (&p)[4]) {
+  const uint32_t E = ((w << 1) & 0x0E0E0E0Eu) | ((w << 4) & 0x80808080u);
+  const uint32_t O = ((w >> 3) & 0x0E0E0E0Eu) | (w & 0x80808080u);
+  p[0] = ptx::prmt(E, 0u, 0x2404), p[2] = E & 0xFF00FF00u;
+  p[1] = ptx::prmt(O, 0u, 0x2404), p[3] = O & 0xFF00FF00u;
+}
 
 template <bool kGateUp, bool kPdl, int kNsub>
 __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
-  constexpr int S = (kNsub + 7) / 8, kLast = kNsub - 8 * (S - 1), kRB = kNsub * 16;
-  static_assert(S >= kGvDepth, "the ring reaches at most one unit past a group");
-  constexpr int kU = S % 8 == 0 ? 1 : S % 4 == 0 ? 2 : S % 2 == 0 ? 4 : 8, kQ = kU * S;
+  constexpr int S = (kNsub + 7) / 8, kLast = kNsub - 8 * (S - 1), kRB = kNsub * 16, kBuf = gv_buf_bytes(kNsub);
+  static_assert(kRB % 16 == 0 && kBuf % 16 == 0, "bulk copies move 16-byte multiples");
   const W4Args& a = ga.a;
-  extern __shared__ uint4 gx4[];  // activation pieces [slot][S * 8 sub-blocks][4 lanes]
+  // [warp][kGvBufs][kBuf] ring buffers, then the activation pieces [slot][S * 8 sub-blocks][4 lanes]
+  extern __shared__ __align__(128) uint8_t gsm[];
+  __shared__ uint64_t bars[kGvThreads / 32][kGvBufs];
   __shared__ int s_e[kMaxTopk];
   __shared__ float s_red[32];
   if (kPdl && kGateUp) pdl_wait(), pdl_trigger();  // the router's ids
@@ -669,49 +678,45 @@ __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
       if (!ok) atomicOr(a.err, 1);
     }
   }
+  if (lane == 0) {
+    for (int b = 0; b < kGvBufs; ++b) ptx::mbar_init(ptx::smem_u32(&bars[warp][b]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
   __syncthreads();
+  const uint32_t ring = ptx::smem_u32(gsm) + uint32_t(warp * kGvBufs * kBuf);
+  uint4* gx4 = reinterpret_cast<uint4*>(gsm + nw * kGvBufs * kBuf);
   const int q8n = S * 32;
-  // A unit's bases: this lane's bytes and scale of row A at step 0, its
-  // activation pieces, its slot and row pair (an invalid slot reads expert 0's
-  // rows; its sums are dropped).
+  const int u_first = s0 / S, nunits = (s1 - 1) / S - u_first + 1;
+  // Unit v: its slot, row pair, first row A (an invalid slot's rows are expert
+  // 0's; its sums are dropped), and this warp's steps [lo, hi) of it.
   struct Unit {
-    const uint8_t *w, *sc;
-    int px, slot, i;
+    int slot, i, lo, hi;
+    int64_t row;
   };
-  int nslot_n = 0, ni = 0;  // the next unit to set up
-  auto next_unit = [&] {
+  auto unit = [&](int v) {
     Unit b;
-    const int slot = min(nslot_n, nslot - 1);
-    const int64_t row = int64_t(max(s_e[slot], 0)) * a.rows + 2 * ni;
-    b.w = a.blocks + row * kRB + g * 16 + 4 * t;
-    b.sc = a.scales + row * kNsub + g;
-    b.px = (kGateUp ? 0 : slot * q8n) + g * 4 + t;
-    b.slot = nslot_n, b.i = ni;
-    if (++ni == upe) ni = 0, ++nslot_n;
+    b.slot = v / upe, b.i = v - b.slot * upe;
+    b.row = int64_t(max(s_e[b.slot], 0)) * a.rows + 2 * b.i;
+    b.lo = max(s0 - v * S, 0), b.hi = min(s1 - v * S, S);
     return b;
   };
-  const int u_first = s0 / S, u_last = (s1 - 1) / S;
-  nslot_n = u_first / upe, ni = u_first - nslot_n * upe;
-  Unit un[kU + 1];
-#pragma unroll
-  for (int k = 0; k <= kU; ++k) un[k] = next_unit();
-
-  uint32_t rw[kGvDepth][2] = {}, rs[kGvDepth][2] = {};
-  // Step q of the group at unit u: unit k = q / S of the group (k = kU: the
-  // next group's first), step j = q % S. Loads past the warp's range are
-  // skipped; stale ring values meet zero activations (sub-blocks past the
-  // row) or are not consumed.
-  auto load = [&](int slot_p, const Unit& b, int j, bool in_range) {
-    if (in_range && (j < S - 1 || g < kLast)) {
-      rw[slot_p][0] = ldg_nc_u32(b.w + 128 * j), rw[slot_p][1] = ldg_nc_u32(b.w + 128 * j + kRB);
-      rs[slot_p][0] = __ldg(b.sc + 8 * j), rs[slot_p][1] = __ldg(b.sc + 8 * j + kNsub);
-    }
+  // Lane 0: the copy engine brings this warp's steps of unit n's two rows and
+  // all their scale bytes into ring buffer n % kGvBufs.
+  auto issue = [&](int n) {
+    if (n >= nunits) return;
+    const Unit b = unit(u_first + n);
+    const uint32_t buf = ring + uint32_t((n % kGvBufs) * kBuf), bar = ptx::smem_u32(&bars[warp][n % kGvBufs]);
+    const int blo = 128 * b.lo, bytes = min(128 * b.hi, kRB) - blo;
+    const int64_t soff = b.row * kNsub;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the warp's reads of the buffer before the copy
+    ptx::mbar_arrive_expect_tx(bar, uint32_t(2 * bytes + (kBuf - 2 * kRB)));
+    const uint8_t* src = a.blocks + b.row * kRB + blo;
+    ptx::bulk_g2s(buf + blo, src, uint32_t(bytes), bar);
+    ptx::bulk_g2s(buf + kRB + blo, src + kRB, uint32_t(bytes), bar);
+    ptx::bulk_g2s(buf + 2 * kRB, a.scales + (soff & ~int64_t(15)), uint32_t(kBuf - 2 * kRB), bar);
   };
-  {
-    const int lim = s1 - u_first * S;
-#pragma unroll
-    for (int p = 0; p < kGvDepth; ++p) load(p, un[0], p, p < lim);
-  }
+  if (lane == 0)
+    for (int n = 0; n < kGvBufs; ++n) issue(n);
   if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();  // gate_up's activations
 
   // The activation pieces, in the weight pairs' order (w4_piece), zero past K.
@@ -731,23 +736,50 @@ __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
   }
   __syncthreads();
 
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows A, A, B, B (MMA columns 2t, 2t + 1)
-  // Unit cu finished (or this warp's part of it): the diagonal's sum over the
-  // warp, then the epilogue.
-  auto finish = [&](int cu, const Unit& b) {
+  for (int n = 0; n < nunits; ++n) {
+    const int cu = u_first + n;
+    const Unit b = unit(cu);
+    ptx::mbar_wait(ptx::smem_u32(&bars[warp][n % kGvBufs]), uint32_t((n / kGvBufs) & 1));
+    // This lane's word of row A at step 0, its scale byte, its activation piece
+    // (plain loads: the compiler may run them ahead, not above the wait).
+    const uint8_t* bp = gsm + (warp * kGvBufs + n % kGvBufs) * kBuf;
+    const uint32_t* wA = reinterpret_cast<const uint32_t*>(bp + g * 16 + 4 * t);
+    const uint8_t* sA = bp + 2 * kRB + int(b.row * kNsub & 15) + g;
+    const uint4* px = gx4 + ((kGateUp ? 0 : b.slot * q8n) + g * 4 + t);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows A, A, B, B (MMA columns 2t, 2t + 1)
+#pragma unroll
+    for (int j = 0; j < S; ++j) {
+      if (j < b.lo || j >= b.hi) continue;
+      const uint4 bx = px[32 * j];
+      const uint32_t wa = wA[32 * j], wb = wA[(kRB + 128 * j) / 4];
+      // E8M0 s as 2^(s - 127) (s = 0: zero instead of 2^-127). Lanes past the
+      // row's last sub-block meet zero activations; their scales are zeroed too.
+      uint32_t sa = 0, sb = 0;
+      if (j < S - 1 || g < kLast) sa = sA[8 * j], sb = sA[kNsub + 8 * j];
+      const float fa = __uint_as_float(sa << 23), fb = __uint_as_float(sb << 23);
+      uint32_t pa[4], pb[4];
+      w4_pairs(wa, pa), w4_pairs(wb, pb);
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      ptx::mma_16816(d, pa[0], pb[0], pa[1], pb[1], bx.x, bx.y);
+      ptx::mma_16816(d, pa[2], pb[2], pa[3], pb[3], bx.z, bx.w);
+      acc[0] += d[0] * fa, acc[1] += d[1] * fa, acc[2] += d[2] * fb, acc[3] += d[3] * fb;
+    }
+    __syncwarp();
+    if (lane == 0) issue(n + kGvBufs);  // the buffer is free again
+
+    // The diagonal's sum over the warp, then the epilogue (a unit cut between
+    // two warps: by the second to arrive, left + right).
     const bool odd = g & 1, holder = t == (g >> 1);
     float vA = holder ? (odd ? acc[1] : acc[0]) : 0.f, vB = holder ? (odd ? acc[3] : acc[2]) : 0.f;
 #pragma unroll
     for (int o = 16; o; o >>= 1) vA += __shfl_xor_sync(~0u, vA, o), vB += __shfl_xor_sync(~0u, vB, o);
-    acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
     const int e = s_e[b.slot];
-    if (lane != 0 || e < 0) return;
-    const int u0 = cu * S;
-    if (u0 < s0 || u0 + S > s1) {  // cut between two warps
-      const int side = u0 < s0 ? 1 : 0;
+    if (lane != 0 || e < 0) continue;
+    if (b.lo > 0 || b.hi < S) {
+      const int side = b.lo > 0 ? 1 : 0;
       ga.part[2 * cu + side] = make_float2(vA, vB);
       __threadfence();
-      if (atomicAdd(ga.cnt + cu, 1) != 1) return;
+      if (atomicAdd(ga.cnt + cu, 1) != 1) continue;
       __threadfence();
       const float2 o = __ldcg(ga.part + 2 * cu + 1 - side);
       vA = side ? o.x + vA : vA + o.x;
@@ -763,30 +795,6 @@ __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
       a.out_y[out_row * a.rows + 2 * b.i] = vA + bf16_to_float(a.bias[r]);
       a.out_y[out_row * a.rows + 2 * b.i + 1] = vB + bf16_to_float(a.bias[r + 1]);
     }
-  };
-
-  for (int u = u_first; u <= u_last; u += kU) {
-    const int lo = s0 - u * S, hi = s1 - u * S;  // this warp's steps, relative to the group
-#pragma unroll
-    for (int q = 0; q < kQ; ++q) {
-      const int k = q / S, j = q % S, p = q % kGvDepth;
-      if (q >= lo && q < hi) {
-        const uint4 bx = gx4[un[k].px + 32 * j];
-        const uint32_t wa = rw[p][0], wb = rw[p][1];
-        // E8M0 s as 2^(s - 127) (s = 0: zero instead of 2^-127).
-        const float fa = __uint_as_float(rs[p][0] << 23), fb = __uint_as_float(rs[p][1] << 23);
-        float d[4] = {0.f, 0.f, 0.f, 0.f};
-        ptx::mma_16816(d, w4_pair<0>(wa), w4_pair<0>(wb), w4_pair<1>(wa), w4_pair<1>(wb), bx.x, bx.y);
-        ptx::mma_16816(d, w4_pair<2>(wa), w4_pair<2>(wb), w4_pair<3>(wa), w4_pair<3>(wb), bx.z, bx.w);
-        acc[0] += d[0] * fa, acc[1] += d[1] * fa, acc[2] += d[2] * fb, acc[3] += d[3] * fb;
-      }
-      const int ql = q + kGvDepth;  // the step this ring slot loads next
-      load(p, un[ql / S], ql % S, ql < hi);
-      if (j == S - 1 && u + k <= u_last) finish(u + k, un[k]);
-    }
-    un[0] = un[kU];
-#pragma unroll
-    for (int k = 1; k <= kU; ++k) un[k] = next_unit();
   }
 }
 
@@ -1491,7 +1499,7 @@ struct MoeLayer::Impl {
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     w8_fits = Fp8GroupedGemm::supported() && smem8 <= optin;
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev));
-    const int smem_gv = gv_smem(false, std::max(H, I) / 32);
+    const int smem_gv = gv_smem(false, kGvNsub);
     if (smem_gv <= optin)
       for (auto k : {gv_kernel<true, false, kGvNsub>, gv_kernel<true, true, kGvNsub>, gv_kernel<false, false, kGvNsub>,
                      gv_kernel<false, true, kGvNsub>})
@@ -1610,7 +1618,8 @@ struct MoeLayer::Impl {
   // One token on the streaming kernels (gv_kernel): direct, and 4-byte aligned weights.
   bool stream(int T, const MoeWeights& w) const {
     return direct(T) && opt.fused_one_token_stream && gv_fits && s.topk <= kMaxTopk && kph / 8 <= kGvThreads &&
-           s.hidden == 32 * kGvNsub && s.intermediate == 32 * kGvNsub &&
+           s.hidden == 32 * kGvNsub && s.intermediate == 32 * kGvNsub && aligned16(w.w1_blocks) &&
+           aligned16(w.w2_blocks) && aligned16(w.w1_scales) && aligned16(w.w2_scales) &&
            int64_t(s.topk) * std::min(s.intermediate, s.hidden / 2) >= kGvThreads / 32 &&
            int64_t(s.topk) * std::max(s.intermediate, s.hidden / 2) *
                    ((std::max(s.hidden, s.intermediate) / 32 + 7) / 8) <
@@ -1630,7 +1639,9 @@ struct MoeLayer::Impl {
            size_t(gv_smem(G, a.nsub)), st, pdl, g);
   }
   // Shared memory of a streaming kernel: the activation pieces, one row (gate_up) or one a slot (down).
-  int gv_smem(bool gate_up, int nsub) const { return (gate_up ? 1 : s.topk) * ((nsub + 7) / 8) * 32 * 16; }
+  int gv_smem(bool gate_up, int nsub) const {
+    return kGvThreads / 32 * kGvBufs * gv_buf_bytes(nsub) + (gate_up ? 1 : s.topk) * ((nsub + 7) / 8) * 32 * 16;
+  }
 
   // The W4A8 kernels can run a projection of this many rows (an sm_90a build and device, 64-row tiles, an even number
   // of sub-blocks a row, 16-byte aligned weights for the copy engine).
