@@ -624,7 +624,7 @@ W4Fn w4_fn(int ks, int ntile) {
 // fp32 (no folding, no token tile). A row pair cut between two warps is
 // finished by the second to arrive (a counter a pair), always adding left +
 // right: the same bits whoever is last.
-constexpr int kGvThreads = 512;
+constexpr int kGvThreads = 768;
 struct GvArgs {
   W4Args a;
   float2* part;  // [units][2]: the left and right parts of a cut row pair
@@ -635,7 +635,9 @@ struct GvArgs {
 // unit is an immediate. gpt-oss's 2880-wide rows (90 sub-blocks) are
 // instantiated; other shapes take the per-tile kernels.
 constexpr int kGvNsub = 90;
-constexpr int kGvBufs = 3;  // units in flight a warp (copy-engine ring in shared memory)
+// Units in flight a warp (the copy-engine ring in shared memory) and the
+// block size that fits one block an SM: 2 with 24 warps, or 3 with 16.
+constexpr int gv_threads(int bufs) { return bufs == 3 ? 512 : 768; }
 
 // The shared memory of one warp's ring buffer: two rows, then the scale bytes
 // of both (a 16-byte aligned superset of them).
@@ -652,7 +654,7 @@ __device__ __forceinline__ void w4_pairs(uint32_t w, uint32_t (&p)[4]) {
   p[1] = ptx::prmt(O, 0u, 0x2404), p[3] = O & 0xFF00FF00u;
 }
 
-template <bool kGateUp, bool kPdl, int kNsub>
+template <bool kGateUp, bool kPdl, int kNsub, int kGvBufs>
 __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
   constexpr int S = (kNsub + 7) / 8, kLast = kNsub - 8 * (S - 1), kRB = kNsub * 16, kBuf = gv_buf_bytes(kNsub);
   static_assert(kRB % 16 == 0 && kBuf % 16 == 0, "bulk copies move 16-byte multiples");
@@ -1499,10 +1501,12 @@ struct MoeLayer::Impl {
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     w8_fits = Fp8GroupedGemm::supported() && smem8 <= optin;
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev));
-    const int smem_gv = gv_smem(false, kGvNsub);
+    const int smem_gv = std::max(gv_smem(false, kGvNsub, 2), gv_smem(false, kGvNsub, 3));
     if (smem_gv <= optin)
-      for (auto k : {gv_kernel<true, false, kGvNsub>, gv_kernel<true, true, kGvNsub>, gv_kernel<false, false, kGvNsub>,
-                     gv_kernel<false, true, kGvNsub>})
+      for (auto k :
+           {gv_kernel<true, false, kGvNsub, 2>, gv_kernel<true, true, kGvNsub, 2>, gv_kernel<false, false, kGvNsub, 2>,
+            gv_kernel<false, true, kGvNsub, 2>, gv_kernel<true, false, kGvNsub, 3>, gv_kernel<true, true, kGvNsub, 3>,
+            gv_kernel<false, false, kGvNsub, 3>, gv_kernel<false, true, kGvNsub, 3>})
         DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_gv));
     gv_fits = smem_gv <= optin;
     if (w8_fits) {
@@ -1631,16 +1635,21 @@ struct MoeLayer::Impl {
   // most one warp a row pair), the cut pairs' scratch from unit u0.
   template <bool G>
   void launch_gv(const W4Args& a, bool pdl, int64_t u0, cudaStream_t st) {
-    const int64_t units = int64_t(s.topk) * (a.rows / 2), wpb = kGvThreads / 32;
+    check(opt.fused_stream_bufs >= 0 && opt.fused_stream_bufs <= 3 && opt.fused_stream_bufs != 1,
+          DZ_ERR_INVALID_ARGUMENT, "fused_stream_bufs must be 0 (auto), 2 or 3, not ", opt.fused_stream_bufs);
+    const int bufs = opt.fused_stream_bufs ? opt.fused_stream_bufs : 2, threads = gv_threads(bufs);
+    const int64_t units = int64_t(s.topk) * (a.rows / 2), wpb = threads / 32;
     const int want = opt.fused_stream_blocks > 0 ? opt.fused_stream_blocks : n_sms;
     const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>(want, units / wpb)));
     const GvArgs g{a, gv_part.get() + 2 * u0, gv_cnt.get() + u0};
-    launch(pdl ? gv_kernel<G, true, kGvNsub> : gv_kernel<G, false, kGvNsub>, dim3(blocks), dim3(kGvThreads),
-           size_t(gv_smem(G, a.nsub)), st, pdl, g);
+    const auto k = bufs == 3 ? (pdl ? gv_kernel<G, true, kGvNsub, 3> : gv_kernel<G, false, kGvNsub, 3>)
+                             : (pdl ? gv_kernel<G, true, kGvNsub, 2> : gv_kernel<G, false, kGvNsub, 2>);
+    launch(k, dim3(blocks), dim3(unsigned(threads)), size_t(gv_smem(G, a.nsub, bufs)), st, pdl, g);
   }
-  // Shared memory of a streaming kernel: the activation pieces, one row (gate_up) or one a slot (down).
-  int gv_smem(bool gate_up, int nsub) const {
-    return kGvThreads / 32 * kGvBufs * gv_buf_bytes(nsub) + (gate_up ? 1 : s.topk) * ((nsub + 7) / 8) * 32 * 16;
+  // Shared memory of a streaming kernel: each warp's ring, then the
+  // activation pieces, one row (gate_up) or one a slot (down).
+  int gv_smem(bool gate_up, int nsub, int bufs) const {
+    return gv_threads(bufs) / 32 * bufs * gv_buf_bytes(nsub) + (gate_up ? 1 : s.topk) * ((nsub + 7) / 8) * 32 * 16;
   }
 
   // The W4A8 kernels can run a projection of this many rows (an sm_90a build and device, 64-row tiles, an even number

@@ -379,6 +379,8 @@ int bench_moe(const Args& a) {
           // One token's streaming kernels (every warp of one wave a contiguous range of rows).
           for (bool pdl : {false, true})
             variants[pdl ? "stream_pdl" : "stream"] = time_fused(1, pdl, true, 0, false, 0, true);
+          layer.options().fused_stream_bufs = 3;  // kept by time_fused, which then restores opt
+          variants["stream_bufs3_pdl"] = time_fused(1, true, true, 0, false, 0, true);
         }
         if (T >= 8) {  // 16 token slots a pass (two MMA token tiles) whatever the tokens per expert
           layer.options().fused_two_token_tiles_above = 0.0;  // kept by time_fused, which then restores opt
