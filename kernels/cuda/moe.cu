@@ -625,6 +625,22 @@ W4Fn w4_fn(int ks, int ntile) {
 // finished by the second to arrive (a counter a pair), always adding left +
 // right: the same bits whoever is last.
 constexpr int kGvThreads = 768;
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int atom_add_release(int* p, int v) {
+  int old;
+  asm volatile("atom.release.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+__device__ __forceinline__ int atom_add_acq_rel(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
 struct GvArgs {
   W4Args a;
   float2* part;  // [units][2]: the left and right parts of a cut row pair
@@ -738,9 +754,36 @@ __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
   }
   __syncthreads();
 
+  // The epilogue of unit b (row pair sums vA, vB): bias, SwiGLU or not, store.
+  auto epilogue = [&](const Unit& b, float vA, float vB, float biasA, float biasB) {
+    const int64_t out_row = int64_t(b.slot) * kPadRows;
+    vA = vA * out_scale + biasA, vB = vB * out_scale + biasB;
+    if (kGateUp)
+      a.out_act[out_row * a.out_ld + b.i] = __float2half_rn(swiglu(vA, vB));
+    else
+      a.out_y[out_row * a.rows + 2 * b.i] = vA, a.out_y[out_row * a.rows + 2 * b.i + 1] = vB;
+  };
+  // Units cut between warps: the right part (this warp's first unit) is
+  // stored, then counted (release) without waiting for the count; the left
+  // part (its last unit) finds the right one long done as a rule: it reads
+  // the count (acquire) and the part when the unit starts and finishes with
+  // them, else counts itself, and the second to count finishes.
+  int pend_cu = -1, pend_old = 0;
+  float2 pend_v = make_float2(0.f, 0.f);
   for (int n = 0; n < nunits; ++n) {
     const int cu = u_first + n;
     const Unit b = unit(cu);
+    const int e = s_e[b.slot];
+    const bool right = b.lo > 0;  // the right part of a cut unit
+    const bool cut = right || b.hi < S;
+    float biasA = 0.f, biasB = 0.f;  // loaded now, used after the unit's steps
+    int pre_cnt = 0;
+    float2 pre_part = make_float2(0.f, 0.f);
+    if (lane == 0 && e >= 0) {
+      const int64_t r = int64_t(e) * a.rows + 2 * b.i;
+      biasA = bf16_to_float(a.bias[r]), biasB = bf16_to_float(a.bias[r + 1]);
+      if (cut && !right) pre_cnt = ld_acquire(ga.cnt + cu), pre_part = __ldcg(ga.part + 2 * cu + 1);
+    }
     ptx::mbar_wait(ptx::smem_u32(&bars[warp][n % kGvBufs]), uint32_t((n / kGvBufs) & 1));
     // This lane's word of row A at step 0, its scale byte, its activation piece
     // (plain loads: the compiler may run them ahead, not above the wait).
@@ -769,34 +812,38 @@ __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
     __syncwarp();
     if (lane == 0) issue(n + kGvBufs);  // the buffer is free again
 
-    // The diagonal's sum over the warp, then the epilogue (a unit cut between
-    // two warps: by the second to arrive, left + right).
+    // The diagonal's sum over the warp, then the epilogue (a cut unit's by
+    // the second part to arrive, always left + right: the same bits whoever).
     const bool odd = g & 1, holder = t == (g >> 1);
     float vA = holder ? (odd ? acc[1] : acc[0]) : 0.f, vB = holder ? (odd ? acc[3] : acc[2]) : 0.f;
 #pragma unroll
     for (int o = 16; o; o >>= 1) vA += __shfl_xor_sync(~0u, vA, o), vB += __shfl_xor_sync(~0u, vB, o);
-    const int e = s_e[b.slot];
     if (lane != 0 || e < 0) continue;
-    if (b.lo > 0 || b.hi < S) {
-      const int side = b.lo > 0 ? 1 : 0;
-      ga.part[2 * cu + side] = make_float2(vA, vB);
-      __threadfence();
-      if (atomicAdd(ga.cnt + cu, 1) != 1) continue;
-      __threadfence();
-      const float2 o = __ldcg(ga.part + 2 * cu + 1 - side);
-      vA = side ? o.x + vA : vA + o.x;
-      vB = side ? o.y + vB : vB + o.y;
+    if (cut) {
+      if (right) {
+        ga.part[2 * cu + 1] = make_float2(vA, vB);
+        pend_cu = cu, pend_v = make_float2(vA, vB), pend_old = atom_add_release(ga.cnt + cu, 1);
+        continue;
+      }
+      if (pre_cnt == 1) {
+        vA += pre_part.x, vB += pre_part.y;
+      } else {
+        ga.part[2 * cu] = make_float2(vA, vB);
+        if (atom_add_acq_rel(ga.cnt + cu, 1) != 1) continue;
+        const float2 o = __ldcg(ga.part + 2 * cu + 1);
+        vA += o.x, vB += o.y;
+      }
       ga.cnt[cu] = 0;
     }
-    const int64_t r = int64_t(e) * a.rows + 2 * b.i, out_row = int64_t(b.slot) * kPadRows;
-    vA *= out_scale, vB *= out_scale;
-    if (kGateUp) {
-      const float v = swiglu(vA + bf16_to_float(a.bias[r]), vB + bf16_to_float(a.bias[r + 1]));
-      a.out_act[out_row * a.out_ld + b.i] = __float2half_rn(v);
-    } else {
-      a.out_y[out_row * a.rows + 2 * b.i] = vA + bf16_to_float(a.bias[r]);
-      a.out_y[out_row * a.rows + 2 * b.i + 1] = vB + bf16_to_float(a.bias[r + 1]);
-    }
+    epilogue(b, vA, vB, biasA, biasB);
+  }
+  if (pend_cu >= 0 && pend_old == 1) {  // the left part counted first: finish here, left + right
+    __threadfence();
+    const Unit b = unit(pend_cu);
+    const int64_t r = int64_t(s_e[b.slot]) * a.rows + 2 * b.i;
+    const float2 o = __ldcg(ga.part + 2 * pend_cu);
+    ga.cnt[pend_cu] = 0;
+    epilogue(b, o.x + pend_v.x, o.y + pend_v.y, bf16_to_float(a.bias[r]), bf16_to_float(a.bias[r + 1]));
   }
 }
 
