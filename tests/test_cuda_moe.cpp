@@ -442,24 +442,28 @@ TEST_CASE("CUDA MoE layer: one token's streaming kernels at gpt-oss widths match
     const double d_tile = finite_diff(run(false), ref);
     // One block an SM (every row pair cut between warps somewhere on an H200),
     // and 5 or 7 blocks (ranges of ~100 row pairs, cut at other places).
-    for (int blocks : {0, 5, 7}) {
-      layer.options() = MoeOptions{};
-      layer.options().fused_stream_blocks = blocks;
-      const auto got = run(false);
-      const double d = finite_diff(got, ref);
-      INFO("blocks " << blocks << ": diff " << d << " (per-tile W4A16 kernels " << d_tile << ")");
-      std::printf(
-          "MoE one token, streaming kernels, H = I = 2880, scales %d..%d, blocks %d: diff %.3g vs float64 "
-          "(per-tile W4A16 %.3g)\n",
-          s_hi == 124 ? 118 : 96, s_hi, blocks, d, d_tile);
-      CHECK(d < 2e-4);
-      CHECK(d < 2 * d_tile + 1e-6);
-      // Bitwise equal: again (the cut pairs' counters are back at zero), in a replayed graph, without PDL.
-      CHECK(std::memcmp(run(false).data(), got.data(), got.size() * sizeof(float)) == 0);
-      CHECK(std::memcmp(run(true).data(), got.data(), got.size() * sizeof(float)) == 0);
-      layer.options().pdl = false;
-      CHECK(std::memcmp(run(false).data(), got.data(), got.size() * sizeof(float)) == 0);
-    }
+    // Rings of 2 row pairs a warp (24 warps a block) and of 3 (16 warps).
+    for (int blocks : {0, 5, 7})
+      for (int bufs : {0, 3}) {
+        layer.options() = MoeOptions{};
+        layer.options().fused_stream_blocks = blocks;
+        layer.options().fused_stream_bufs = bufs;
+        const auto got = run(false);
+        const double d = finite_diff(got, ref);
+        INFO("blocks " << blocks << ", bufs " << bufs << ": diff " << d << " (per-tile W4A16 kernels " << d_tile
+                       << ")");
+        std::printf(
+            "MoE one token, streaming kernels, H = I = 2880, scales %d..%d, blocks %d, bufs %d: diff %.3g vs "
+            "float64 (per-tile W4A16 %.3g)\n",
+            s_hi == 124 ? 118 : 96, s_hi, blocks, bufs, d, d_tile);
+        CHECK(d < 2e-4);
+        CHECK(d < 2 * d_tile + 1e-6);
+        // Bitwise equal: again (the cut pairs' counters are back at zero), in a replayed graph, without PDL.
+        CHECK(std::memcmp(run(false).data(), got.data(), got.size() * sizeof(float)) == 0);
+        CHECK(std::memcmp(run(true).data(), got.data(), got.size() * sizeof(float)) == 0);
+        layer.options().pdl = false;
+        CHECK(std::memcmp(run(false).data(), got.data(), got.size() * sizeof(float)) == 0);
+      }
     CHECK(layer.take_error() == 0);
     // A bad id: flagged, the other slots still count, nothing past the slot's rows read.
     std::vector<int> bad = c.ids;
