@@ -216,8 +216,8 @@ __device__ __forceinline__ float block_max(float v, float* red) {
   __syncthreads();  // red may still be read by an earlier call
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
-  v = 0.f;
-  for (int i = 0; i < int(blockDim.x >> 5); ++i) v = fmaxf(v, red[i]);
+  v = (threadIdx.x & 31) < (blockDim.x >> 5) ? red[threadIdx.x & 31] : 0.f;  // (v >= 0: magnitudes)
+  for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(~0u, v, o));
   return v;
 }
 
@@ -711,22 +711,30 @@ __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
     int slot, i, lo, hi;
     int64_t row;
   };
-  auto unit = [&](int v) {
+  // Cursors (slot, row pair) of the next unit to bring in and to compute,
+  // advanced a unit at a time (no division a unit).
+  struct Cursor {
+    int v, slot, i;
+  };
+  Cursor cin{u_first, u_first / upe, 0}, cc{u_first, u_first / upe, 0};
+  cin.i = cc.i = u_first - cc.slot * upe;
+  auto unit = [&](Cursor& c) {
     Unit b;
-    b.slot = v / upe, b.i = v - b.slot * upe;
+    b.slot = c.slot, b.i = c.i;
     b.row = int64_t(max(s_e[b.slot], 0)) * a.rows + 2 * b.i;
-    b.lo = max(s0 - v * S, 0), b.hi = min(s1 - v * S, S);
+    b.lo = max(s0 - c.v * S, 0), b.hi = min(s1 - c.v * S, S);
+    ++c.v;
+    if (++c.i == upe) c.i = 0, ++c.slot;
     return b;
   };
   // Lane 0: the copy engine brings this warp's steps of unit n's two rows and
   // all their scale bytes into ring buffer n % kGvBufs.
   auto issue = [&](int n) {
     if (n >= nunits) return;
-    const Unit b = unit(u_first + n);
+    const Unit b = unit(cin);
     const uint32_t buf = ring + uint32_t((n % kGvBufs) * kBuf), bar = ptx::smem_u32(&bars[warp][n % kGvBufs]);
     const int blo = 128 * b.lo, bytes = min(128 * b.hi, kRB) - blo;
     const int64_t soff = b.row * kNsub;
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the warp's reads of the buffer before the copy
     ptx::mbar_arrive_expect_tx(bar, uint32_t(2 * bytes + (kBuf - 2 * kRB)));
     const uint8_t* src = a.blocks + b.row * kRB + blo;
     ptx::bulk_g2s(buf + blo, src, uint32_t(bytes), bar);
@@ -770,9 +778,10 @@ __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
   // them, else counts itself, and the second to count finishes.
   int pend_cu = -1, pend_old = 0;
   float2 pend_v = make_float2(0.f, 0.f);
+  Unit pend_b{};
   for (int n = 0; n < nunits; ++n) {
     const int cu = u_first + n;
-    const Unit b = unit(cu);
+    const Unit b = unit(cc);
     const int e = s_e[b.slot];
     const bool right = b.lo > 0;  // the right part of a cut unit
     const bool cut = right || b.hi < S;
@@ -822,7 +831,7 @@ __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
     if (cut) {
       if (right) {
         ga.part[2 * cu + 1] = make_float2(vA, vB);
-        pend_cu = cu, pend_v = make_float2(vA, vB), pend_old = atom_add_release(ga.cnt + cu, 1);
+        pend_cu = cu, pend_b = b, pend_v = make_float2(vA, vB), pend_old = atom_add_release(ga.cnt + cu, 1);
         continue;
       }
       if (pre_cnt == 1) {
@@ -839,7 +848,7 @@ __global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
   }
   if (pend_cu >= 0 && pend_old == 1) {  // the left part counted first: finish here, left + right
     __threadfence();
-    const Unit b = unit(pend_cu);
+    const Unit& b = pend_b;
     const int64_t r = int64_t(s_e[b.slot]) * a.rows + 2 * b.i;
     const float2 o = __ldcg(ga.part + 2 * pend_cu);
     ga.cnt[pend_cu] = 0;
