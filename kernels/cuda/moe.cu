@@ -31,7 +31,6 @@ constexpr int kW4Threads = 256;
 constexpr int kW4Tokens = 8;         // tokens per MMA tile (n = 8)
 constexpr int kW4MaxTokens = 16;     // tokens per weight pass of the per-projection kernels (two tiles)
 constexpr int kRouteConvertsX = 16;  // the routing block converts the input up to this many tokens
-constexpr int kMaxTopk = 8;          // routed slots of a token held in registers (combine)
 
 __device__ __forceinline__ float bf16_to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
 
@@ -314,22 +313,24 @@ struct W4Args {
 };
 
 // The fold of a sub-block d binades under its chunk's largest scale, 2^(14 -
-// d) as a half2: times a code from w4_pair it is E2M1 * 2^-d, exact down to
+// d) as a half2: times a code from w4_pairs it is E2M1 * 2^-d, exact down to
 // fp16's smallest subnormal (below that rounded as fp16 rounds).
 __device__ __forceinline__ uint32_t w4_fold_scale(int d) {
   const uint32_t h = d <= 28 ? uint32_t(29 - d) << 10 : d <= 38 ? 1u << (38 - d) : 0u;
   return h | (h << 16);
 }
 
-// Nibbles j and j + 4 of w (j = 0..3) as an fp16 pair (low, high half): E2M1
-// bits placed at fp16 bits 15 and 11..9 are the code's value * 2^-14 exactly
-// (the 0.5 code lands on the subnormal 2^-15). Two shifts and one logic op
-// (j = 3: one shift), no table.
-template <int j>
-__device__ __forceinline__ uint32_t w4_pair(uint32_t w) {
-  constexpr int m = 9 - 4 * j, s = 12 - 4 * j;
-  const uint32_t mag = m >= 0 ? w << m : w >> -m;
-  return (mag & 0x0E000E00u) | ((w << s) & 0x80008000u);
+// Nibbles j and j + 4 of w as fp16 pairs (low, high half), p[j] for j =
+// 0..3: E2M1 bits placed at fp16 bits 15 and 11..9 are the code's value *
+// 2^-14 exactly (the 0.5 code lands on the subnormal 2^-15), no table. By way
+// of bytes: the even nibbles' fp16 high bytes in E, the odd ones' in O, then
+// spread to half words: 11 instructions a word (15 placing each pair with its
+// own shifts, before run 76).
+__device__ __forceinline__ void w4_pairs(uint32_t w, uint32_t (&p)[4]) {
+  const uint32_t E = ((w << 1) & 0x0E0E0E0Eu) | ((w << 4) & 0x80808080u);
+  const uint32_t O = ((w >> 3) & 0x0E0E0E0Eu) | (w & 0x80808080u);
+  p[0] = ptx::prmt(E, 0u, 0x2404), p[2] = E & 0xFF00FF00u;
+  p[1] = ptx::prmt(O, 0u, 0x2404), p[3] = O & 0xFF00FF00u;
 }
 
 __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
@@ -347,7 +348,7 @@ __device__ __forceinline__ uint4 w4_piece(uint4 u) {
 
 // The k order inside a 128-wide chunk is permuted identically for both
 // operands: lane (g, t) owns sub-block t (32 elements) of the chunk; MMA step
-// 2i + h takes elements 8i + {2h, 2h + 4, 2h + 1, 2h + 5} of it (w4_pair,
+// 2i + h takes elements 8i + {2h, 2h + 4, 2h + 1, 2h + 5} of it (w4_pairs,
 // w4_piece). Each row's 4 sub-block scales are folded into the fp16 weights
 // relative to the chunk's largest one; that one multiplies the fp32 partial
 // sums.
@@ -381,10 +382,10 @@ __device__ __forceinline__ void w4_chunk_n(const uint4 wa, const uint4 wb, const
     uint4 bv[kN];
 #pragma unroll
     for (int n = 0; n < kN; ++n) bv[n] = b(i, n);
-    const uint32_t pA[4] = {hmul2(w4_pair<0>(wA[i]), fa2), hmul2(w4_pair<1>(wA[i]), fa2), hmul2(w4_pair<2>(wA[i]), fa2),
-                            hmul2(w4_pair<3>(wA[i]), fa2)};
-    const uint32_t pB[4] = {hmul2(w4_pair<0>(wB[i]), fb2), hmul2(w4_pair<1>(wB[i]), fb2), hmul2(w4_pair<2>(wB[i]), fb2),
-                            hmul2(w4_pair<3>(wB[i]), fb2)};
+    uint32_t pA[4], pB[4];
+    w4_pairs(wA[i], pA), w4_pairs(wB[i], pB);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) pA[j] = hmul2(pA[j], fa2), pB[j] = hmul2(pB[j], fb2);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint32_t a0 = pA[2 * h], a1 = pB[2 * h], a2 = pA[2 * h + 1], a3 = pB[2 * h + 1];
@@ -605,254 +606,6 @@ W4Fn w4_fn(int ks, int ntile) {
       return w4_kernel<kGateUp, 4, 1, kPdl>;
     default:
       return w4_kernel<kGateUp, 8, 1, kPdl>;
-  }
-}
-
-// ------------------------------------------ one token: the streaming kernels
-// One token's projections (the decode step of one chat: one token an expert)
-// as a plain stream of the rows. The W4A16/W4A8 kernels give a block a tile of
-// rows and a token tile of MMA columns; at one token their blocks ramp up and
-// drain in 1.4-1.8 waves and reach half of HBM (a plain read of the same bytes
-// takes half their time). Here every warp of a single wave takes an equal
-// contiguous range of the projection's steps. A unit is a row pair (gate and
-// up, or two down rows), a step 8 sub-blocks of both rows; the copy engine
-// brings a warp's next units (its steps of both rows and their scale bytes)
-// into a ring of buffers in shared memory. The MMA's 8 columns are the 8
-// sub-blocks' activations: MMA rows g and g + 8 (rows A and B, sub-block
-// 8j + g) against column g give each sub-block's exact dot product on the
-// diagonal, which the lane holding it scales by the sub-block's E8M0 scale in
-// fp32 (no folding, no token tile). A row pair cut between two warps is
-// finished by the second to arrive (a counter a pair), always adding left +
-// right: the same bits whoever is last.
-constexpr int kGvThreads = 768;
-__device__ __forceinline__ int ld_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ int atom_add_release(int* p, int v) {
-  int old;
-  asm volatile("atom.release.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
-__device__ __forceinline__ int atom_add_acq_rel(int* p, int v) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
-
-struct GvArgs {
-  W4Args a;
-  float2* part;  // [units][2]: the left and right parts of a cut row pair
-  int* cnt;      // [units]: parts arrived (reset by the finisher)
-};
-
-// The sub-blocks a row (nsub) are a template argument: every offset inside a
-// unit is an immediate. gpt-oss's 2880-wide rows (90 sub-blocks) are
-// instantiated; other shapes take the per-tile kernels.
-constexpr int kGvNsub = 90;
-// Units in flight a warp (the copy-engine ring in shared memory) and the
-// block size that fits one block an SM: 2 with 24 warps, or 3 with 16.
-constexpr int gv_threads(int bufs) { return bufs == 3 ? 512 : 768; }
-
-// The shared memory of one warp's ring buffer: two rows, then the scale bytes
-// of both (a 16-byte aligned superset of them).
-__host__ __device__ constexpr int gv_buf_bytes(int nsub) { return 2 * nsub * 16 + (12 + 2 * nsub + 15) / 16 * 16; }
-
-// Nibbles of w as fp16 pairs (n0, n4), (n1, n5), (n2, n6), (n3, n7), the same
-// values as w4_pair<0..3> (the codes * 2^-14) by way of bytes: the even
-// nibbles' fp16 high bytes in E, the odd ones' in O (11 instructions a word
-// instead of 15).
-__device__ __forceinline__ void w4_pairs(uint32_t w, uint32_t (&p)[4]) {
-  const uint32_t E = ((w << 1) & 0x0E0E0E0Eu) | ((w << 4) & 0x80808080u);
-  const uint32_t O = ((w >> 3) & 0x0E0E0E0Eu) | (w & 0x80808080u);
-  p[0] = ptx::prmt(E, 0u, 0x2404), p[2] = E & 0xFF00FF00u;
-  p[1] = ptx::prmt(O, 0u, 0x2404), p[3] = O & 0xFF00FF00u;
-}
-
-template <bool kGateUp, bool kPdl, int kNsub, int kGvBufs>
-__global__ void __launch_bounds__(kGvThreads, 1) gv_kernel(const GvArgs ga) {
-  constexpr int S = (kNsub + 7) / 8, kLast = kNsub - 8 * (S - 1), kRB = kNsub * 16, kBuf = gv_buf_bytes(kNsub);
-  static_assert(kRB % 16 == 0 && kBuf % 16 == 0, "bulk copies move 16-byte multiples");
-  const W4Args& a = ga.a;
-  // [warp][kGvBufs][kBuf] ring buffers, then the activation pieces [slot][S * 8 sub-blocks][4 lanes]
-  extern __shared__ __align__(128) uint8_t gsm[];
-  __shared__ uint64_t bars[kGvThreads / 32][kGvBufs];
-  __shared__ int s_e[kMaxTopk];
-  __shared__ float s_red[32];
-  if (kPdl && kGateUp) pdl_wait(), pdl_trigger();  // the router's ids
-  const int nslot = a.topk, upe = a.rows / 2;
-  const int total = nslot * upe * S;  // < 2^31 (the host checks)
-  const int nw = int(blockDim.x >> 5), warp = int(threadIdx.x >> 5), lane = int(threadIdx.x & 31);
-  const int g = lane >> 2, t = lane & 3;
-  const int64_t W = int64_t(gridDim.x) * nw, wid = int64_t(blockIdx.x) * nw + warp;
-  const int s0 = int(total * wid / W), s1 = int(total * (wid + 1) / W);
-  if (int(threadIdx.x) < nslot) {
-    const int id = a.ids[threadIdx.x];
-    const bool ok = id >= 0 && id < a.n_experts;
-    s_e[threadIdx.x] = ok ? id : -1;
-    if (kGateUp && blockIdx.x == 0) {
-      a.inv[threadIdx.x] = ok ? int(threadIdx.x) * kPadRows : -1;
-      if (!ok) atomicOr(a.err, 1);
-    }
-  }
-  if (lane == 0) {
-    for (int b = 0; b < kGvBufs; ++b) ptx::mbar_init(ptx::smem_u32(&bars[warp][b]), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  const uint32_t ring = ptx::smem_u32(gsm) + uint32_t(warp * kGvBufs * kBuf);
-  uint4* gx4 = reinterpret_cast<uint4*>(gsm + nw * kGvBufs * kBuf);
-  const int q8n = S * 32;
-  const int u_first = s0 / S, nunits = (s1 - 1) / S - u_first + 1;
-  // Unit v: its slot, row pair, first row A (an invalid slot's rows are expert
-  // 0's; its sums are dropped), and this warp's steps [lo, hi) of it.
-  struct Unit {
-    int slot, i, lo, hi;
-    int64_t row;
-  };
-  // Cursors (slot, row pair) of the next unit to bring in and to compute,
-  // advanced a unit at a time (no division a unit).
-  struct Cursor {
-    int v, slot, i;
-  };
-  Cursor cin{u_first, u_first / upe, 0}, cc{u_first, u_first / upe, 0};
-  cin.i = cc.i = u_first - cc.slot * upe;
-  auto unit = [&](Cursor& c) {
-    Unit b;
-    b.slot = c.slot, b.i = c.i;
-    b.row = int64_t(max(s_e[b.slot], 0)) * a.rows + 2 * b.i;
-    b.lo = max(s0 - c.v * S, 0), b.hi = min(s1 - c.v * S, S);
-    ++c.v;
-    if (++c.i == upe) c.i = 0, ++c.slot;
-    return b;
-  };
-  // Lane 0: the copy engine brings this warp's steps of unit n's two rows and
-  // all their scale bytes into ring buffer n % kGvBufs.
-  auto issue = [&](int n) {
-    if (n >= nunits) return;
-    const Unit b = unit(cin);
-    const uint32_t buf = ring + uint32_t((n % kGvBufs) * kBuf), bar = ptx::smem_u32(&bars[warp][n % kGvBufs]);
-    const int blo = 128 * b.lo, bytes = min(128 * b.hi, kRB) - blo;
-    const int64_t soff = b.row * kNsub;
-    ptx::mbar_arrive_expect_tx(bar, uint32_t(2 * bytes + (kBuf - 2 * kRB)));
-    const uint8_t* src = a.blocks + b.row * kRB + blo;
-    ptx::bulk_g2s(buf + blo, src, uint32_t(bytes), bar);
-    ptx::bulk_g2s(buf + kRB + blo, src + kRB, uint32_t(bytes), bar);
-    ptx::bulk_g2s(buf + 2 * kRB, a.scales + (soff & ~int64_t(15)), uint32_t(kBuf - 2 * kRB), bar);
-  };
-  if (lane == 0)
-    for (int n = 0; n < kGvBufs; ++n) issue(n);
-  if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();  // gate_up's activations
-
-  // The activation pieces, in the weight pairs' order (w4_piece), zero past K.
-  float out_scale = 16384.f;  // the decoded weights are the codes * 2^-14
-  if (kGateUp) {
-    out_scale *= x_to_half_pieces<1>(
-        a.x, a.H, a.kpad / 8, [&](int q8, uint4 v) { gx4[q8] = w4_piece(v); }, s_red);
-    for (int q8 = a.kpad / 8 + int(threadIdx.x); q8 < q8n; q8 += int(blockDim.x)) gx4[q8] = make_uint4(0, 0, 0, 0);
-  } else {
-    for (int i = int(threadIdx.x); i < nslot * q8n; i += int(blockDim.x)) {
-      const int slot = i / q8n, q8 = i - slot * q8n;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (q8 < a.kpad / 8 && s_e[slot] >= 0)
-        v = w4_piece(*reinterpret_cast<const uint4*>(a.act + int64_t(slot) * kPadRows * a.kpad + q8 * 8));
-      gx4[i] = v;
-    }
-  }
-  __syncthreads();
-
-  // The epilogue of unit b (row pair sums vA, vB): bias, SwiGLU or not, store.
-  auto epilogue = [&](const Unit& b, float vA, float vB, float biasA, float biasB) {
-    const int64_t out_row = int64_t(b.slot) * kPadRows;
-    vA = vA * out_scale + biasA, vB = vB * out_scale + biasB;
-    if (kGateUp)
-      a.out_act[out_row * a.out_ld + b.i] = __float2half_rn(swiglu(vA, vB));
-    else
-      a.out_y[out_row * a.rows + 2 * b.i] = vA, a.out_y[out_row * a.rows + 2 * b.i + 1] = vB;
-  };
-  // Units cut between warps: the right part (this warp's first unit) is
-  // stored, then counted (release) without waiting for the count; the left
-  // part (its last unit) finds the right one long done as a rule: it reads
-  // the count (acquire) and the part when the unit starts and finishes with
-  // them, else counts itself, and the second to count finishes.
-  int pend_cu = -1, pend_old = 0;
-  float2 pend_v = make_float2(0.f, 0.f);
-  Unit pend_b{};
-  for (int n = 0; n < nunits; ++n) {
-    const int cu = u_first + n;
-    const Unit b = unit(cc);
-    const int e = s_e[b.slot];
-    const bool right = b.lo > 0;  // the right part of a cut unit
-    const bool cut = right || b.hi < S;
-    float biasA = 0.f, biasB = 0.f;  // loaded now, used after the unit's steps
-    int pre_cnt = 0;
-    float2 pre_part = make_float2(0.f, 0.f);
-    if (lane == 0 && e >= 0) {
-      const int64_t r = int64_t(e) * a.rows + 2 * b.i;
-      biasA = bf16_to_float(a.bias[r]), biasB = bf16_to_float(a.bias[r + 1]);
-      if (cut && !right) pre_cnt = ld_acquire(ga.cnt + cu), pre_part = __ldcg(ga.part + 2 * cu + 1);
-    }
-    ptx::mbar_wait(ptx::smem_u32(&bars[warp][n % kGvBufs]), uint32_t((n / kGvBufs) & 1));
-    // This lane's word of row A at step 0, its scale byte, its activation piece
-    // (plain loads: the compiler may run them ahead, not above the wait).
-    const uint8_t* bp = gsm + (warp * kGvBufs + n % kGvBufs) * kBuf;
-    const uint32_t* wA = reinterpret_cast<const uint32_t*>(bp + g * 16 + 4 * t);
-    const uint8_t* sA = bp + 2 * kRB + int(b.row * kNsub & 15) + g;
-    const uint4* px = gx4 + ((kGateUp ? 0 : b.slot * q8n) + g * 4 + t);
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows A, A, B, B (MMA columns 2t, 2t + 1)
-#pragma unroll
-    for (int j = 0; j < S; ++j) {
-      if (j < b.lo || j >= b.hi) continue;
-      const uint4 bx = px[32 * j];
-      const uint32_t wa = wA[32 * j], wb = wA[(kRB + 128 * j) / 4];
-      // E8M0 s as 2^(s - 127) (s = 0: zero instead of 2^-127). Lanes past the
-      // row's last sub-block meet zero activations; their scales are zeroed too.
-      uint32_t sa = 0, sb = 0;
-      if (j < S - 1 || g < kLast) sa = sA[8 * j], sb = sA[kNsub + 8 * j];
-      const float fa = __uint_as_float(sa << 23), fb = __uint_as_float(sb << 23);
-      uint32_t pa[4], pb[4];
-      w4_pairs(wa, pa), w4_pairs(wb, pb);
-      float d[4] = {0.f, 0.f, 0.f, 0.f};
-      ptx::mma_16816(d, pa[0], pb[0], pa[1], pb[1], bx.x, bx.y);
-      ptx::mma_16816(d, pa[2], pb[2], pa[3], pb[3], bx.z, bx.w);
-      acc[0] += d[0] * fa, acc[1] += d[1] * fa, acc[2] += d[2] * fb, acc[3] += d[3] * fb;
-    }
-    __syncwarp();
-    if (lane == 0) issue(n + kGvBufs);  // the buffer is free again
-
-    // The diagonal's sum over the warp, then the epilogue (a cut unit's by
-    // the second part to arrive, always left + right: the same bits whoever).
-    const bool odd = g & 1, holder = t == (g >> 1);
-    float vA = holder ? (odd ? acc[1] : acc[0]) : 0.f, vB = holder ? (odd ? acc[3] : acc[2]) : 0.f;
-#pragma unroll
-    for (int o = 16; o; o >>= 1) vA += __shfl_xor_sync(~0u, vA, o), vB += __shfl_xor_sync(~0u, vB, o);
-    if (lane != 0 || e < 0) continue;
-    if (cut) {
-      if (right) {
-        ga.part[2 * cu + 1] = make_float2(vA, vB);
-        pend_cu = cu, pend_b = b, pend_v = make_float2(vA, vB), pend_old = atom_add_release(ga.cnt + cu, 1);
-        continue;
-      }
-      if (pre_cnt == 1) {
-        vA += pre_part.x, vB += pre_part.y;
-      } else {
-        ga.part[2 * cu] = make_float2(vA, vB);
-        if (atom_add_acq_rel(ga.cnt + cu, 1) != 1) continue;
-        const float2 o = __ldcg(ga.part + 2 * cu + 1);
-        vA += o.x, vB += o.y;
-      }
-      ga.cnt[cu] = 0;
-    }
-    epilogue(b, vA, vB, biasA, biasB);
-  }
-  if (pend_cu >= 0 && pend_old == 1) {  // the left part counted first: finish here, left + right
-    __threadfence();
-    const Unit& b = pend_b;
-    const int64_t r = int64_t(s_e[b.slot]) * a.rows + 2 * b.i;
-    const float2 o = __ldcg(ga.part + 2 * pend_cu);
-    ga.cnt[pend_cu] = 0;
-    epilogue(b, o.x + pend_v.x, o.y + pend_v.y, bf16_to_float(a.bias[r]), bf16_to_float(a.bias[r + 1]));
   }
 }
 
@@ -1247,6 +1000,8 @@ __device__ __forceinline__ void store_1x128(uint32_t word, float sc, int lane, i
   if (lane == 0) qs[int64_t(nkb) * off + int64_t(kb) * mp + (r - off)] = sc;
 }
 
+constexpr int kMaxTopk = 8;  // routed slots of a token held in registers (combine)
+
 // Warps 0..T*G-1 (G groups of kGatherBlocks 128-column blocks): token t's
 // input blocks, read once, quantized 1x128 and written to each of the token's
 // routed rows (inv); the warp's loads all go out first. Warps T*G..T*G+E-1:
@@ -1464,9 +1219,6 @@ struct MoeLayer::Impl {
   // fused path
   DeviceArray<__half> xh, act16;
   DeviceArray<float> xs, y32;
-  DeviceArray<float2> gv_part;  // one token's streaming kernels: cut row pairs' parts,
-  DeviceArray<int> gv_cnt;      // and their arrival counters (zero between launches)
-  int n_sms = 0;
   // FP8 path
   DeviceArray<uint8_t> a1, a2;
   DeviceArray<float> a1s, a2s;
@@ -1475,7 +1227,6 @@ struct MoeLayer::Impl {
   DeviceArray<uint8_t> ws_fp8;
   DeviceArray<float> ws_scales;
   bool w8_fits = false;     // the W4A8 kernels can run here (device, build, shared memory)
-  bool gv_fits = false;     // the one-token streaming kernels' shared memory fits a block
   int tile_cap = 0;         // experts per workspace tile it was sized for
   int* h_counts = nullptr;  // pinned: counts[E], offsets[E+1]
   cudaEvent_t ev_ready[2]{}, ev_free[2]{};
@@ -1520,10 +1271,6 @@ struct MoeLayer::Impl {
     // Two tiles in flight: fold the next while the GEMMs use this one.
     ws_fp8 = DeviceArray<uint8_t>(P, 2 * tile_cap * per_expert_fp8, "FP8 expert workspace");
     ws_scales = DeviceArray<float>(P, 2 * tile_cap * per_expert_sc, "FP8 expert workspace scales");
-    const size_t gv_units = size_t(s.topk) * (I + H / 2);
-    gv_part = DeviceArray<float2>(P, 2 * gv_units, "moe one-token partial sums");
-    gv_cnt = DeviceArray<int>(P, gv_units, "moe one-token counters");
-    DZ_CUDA_CHECK(cudaMemsetAsync(gv_cnt.get(), 0, gv_cnt.bytes(), ctx.stream()));
     DZ_CUDA_CHECK(cudaMemsetAsync(err.get(), 0, sizeof(int), ctx.stream()));
     // Padding columns of the fp16 activations are never written by the kernels.
     DZ_CUDA_CHECK(cudaMemsetAsync(act16.get(), 0, act16.bytes(), ctx.stream()));
@@ -1556,15 +1303,6 @@ struct MoeLayer::Impl {
     DZ_CUDA_CHECK(cudaGetDevice(&dev));
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     w8_fits = Fp8GroupedGemm::supported() && smem8 <= optin;
-    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev));
-    const int smem_gv = std::max(gv_smem(false, kGvNsub, 2), gv_smem(false, kGvNsub, 3));
-    if (smem_gv <= optin)
-      for (auto k :
-           {gv_kernel<true, false, kGvNsub, 2>, gv_kernel<true, true, kGvNsub, 2>, gv_kernel<false, false, kGvNsub, 2>,
-            gv_kernel<false, true, kGvNsub, 2>, gv_kernel<true, false, kGvNsub, 3>, gv_kernel<true, true, kGvNsub, 3>,
-            gv_kernel<false, false, kGvNsub, 3>, gv_kernel<false, true, kGvNsub, 3>})
-        DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_gv));
-    gv_fits = smem_gv <= optin;
     if (w8_fits) {
       for (int ks : {1, 2})
         for (bool lo : {false, true})
@@ -1649,20 +1387,13 @@ struct MoeLayer::Impl {
     const bool w4a8 = opt.fused_w4a8 && double(T) * s.topk / E <= opt.fused_w4a8_max_tokens_per_expert &&
                       int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
     const int ks8 = w8_split(T);
-    const bool gv = stream(T, w);
-    if (gv)
-      launch_gv<true>(a, pdl, 0, st);
-    else
-      launch_w4<true>(ks, ks8, pdl, w4a8, tiles, 2 * I, max_active, st, a);
+    launch_w4<true>(ks, ks8, pdl, w4a8, tiles, 2 * I, max_active, st, a);
     // down
     a.blocks = w.w2_blocks, a.scales = w.w2_scales, a.bias = w.b2;
     a.act = act16.get(), a.act_scale = nullptr;
     a.rows = H, a.nsub = I / 32, a.kpad = int(kpi);
     a.out_y = y32.get();
-    if (gv)
-      launch_gv<false>(a, pdl, int64_t(s.topk) * I, st);
-    else
-      launch_w4<false>(ks, ks8, pdl, w4a8, tiles, H, max_active, st, a);
+    launch_w4<false>(ks, ks8, pdl, w4a8, tiles, H, max_active, st, a);
     const bool v8 = vec8(y32.get(), nullptr, out);
     const auto comb = v8 ? (pdl ? combine_kernel<float, false, true, true> : combine_kernel<float, false, false, true>)
                          : (pdl ? combine_kernel<float, false, true> : combine_kernel<float, false, false>);
@@ -1674,39 +1405,6 @@ struct MoeLayer::Impl {
   // One token, per-projection kernels: no routing launch (see MoeOptions);
   // gate_up's blocks convert the input 2 pieces a thread.
   bool direct(int T) const { return T == 1 && opt.fused_one_token_direct && kph / 8 <= 2 * kW4Threads; }
-
-  // One token on the streaming kernels (gv_kernel): direct, and 4-byte aligned weights.
-  bool stream(int T, const MoeWeights& w) const {
-    return direct(T) && opt.fused_one_token_stream && gv_fits && s.topk <= kMaxTopk && kph / 8 <= kGvThreads &&
-           s.hidden == 32 * kGvNsub && s.intermediate == 32 * kGvNsub && aligned16(w.w1_blocks) &&
-           aligned16(w.w2_blocks) && aligned16(w.w1_scales) && aligned16(w.w2_scales) &&
-           int64_t(s.topk) * std::min(s.intermediate, s.hidden / 2) >= kGvThreads / 32 &&
-           int64_t(s.topk) * std::max(s.intermediate, s.hidden / 2) *
-                   ((std::max(s.hidden, s.intermediate) / 32 + 7) / 8) <
-               (int64_t(1) << 31) &&
-           (reinterpret_cast<uintptr_t>(w.w1_blocks) & 3) == 0 && (reinterpret_cast<uintptr_t>(w.w2_blocks) & 3) == 0;
-  }
-
-  // One projection on the streaming kernels: a block of 16 warps an SM (at
-  // most one warp a row pair), the cut pairs' scratch from unit u0.
-  template <bool G>
-  void launch_gv(const W4Args& a, bool pdl, int64_t u0, cudaStream_t st) {
-    check(opt.fused_stream_bufs >= 0 && opt.fused_stream_bufs <= 3 && opt.fused_stream_bufs != 1,
-          DZ_ERR_INVALID_ARGUMENT, "fused_stream_bufs must be 0 (auto), 2 or 3, not ", opt.fused_stream_bufs);
-    const int bufs = opt.fused_stream_bufs ? opt.fused_stream_bufs : 2, threads = gv_threads(bufs);
-    const int64_t units = int64_t(s.topk) * (a.rows / 2), wpb = threads / 32;
-    const int want = opt.fused_stream_blocks > 0 ? opt.fused_stream_blocks : n_sms;
-    const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>(want, units / wpb)));
-    const GvArgs g{a, gv_part.get() + 2 * u0, gv_cnt.get() + u0};
-    const auto k = bufs == 3 ? (pdl ? gv_kernel<G, true, kGvNsub, 3> : gv_kernel<G, false, kGvNsub, 3>)
-                             : (pdl ? gv_kernel<G, true, kGvNsub, 2> : gv_kernel<G, false, kGvNsub, 2>);
-    launch(k, dim3(blocks), dim3(unsigned(threads)), size_t(gv_smem(G, a.nsub, bufs)), st, pdl, g);
-  }
-  // Shared memory of a streaming kernel: each warp's ring, then the
-  // activation pieces, one row (gate_up) or one a slot (down).
-  int gv_smem(bool gate_up, int nsub, int bufs) const {
-    return gv_threads(bufs) / 32 * bufs * gv_buf_bytes(nsub) + (gate_up ? 1 : s.topk) * ((nsub + 7) / 8) * 32 * 16;
-  }
 
   // The W4A8 kernels can run a projection of this many rows (an sm_90a build and device, 64-row tiles, an even number
   // of sub-blocks a row, 16-byte aligned weights for the copy engine).

@@ -61,16 +61,6 @@ struct MoeOptions {
   // One token on the per-projection fused kernels: they read the router's ids
   // themselves and gate_up converts the input (no routing launch).
   bool fused_one_token_direct = true;
-  // ... and there, at gpt-oss's widths (H = I = 2880), the streaming kernels:
-  // every warp of one wave an equal contiguous range of the rows, brought by
-  // the copy engine into a ring of fused_stream_bufs row pairs a warp (0: 2,
-  // with 24 warps a block; 3: 16 warps), one exact MMA diagonal per 8
-  // sub-blocks (gv_kernel in moe.cu) instead of per-tile blocks.
-  // fused_stream_blocks: their grid (0: one block an SM; fewer cut more row
-  // pairs between warps, which the tests use).
-  bool fused_one_token_stream = true;
-  int fused_stream_blocks = 0;
-  int fused_stream_bufs = 0;
   // W4A8 fused kernels: E4M3 activations (1x128 scales, as the FP8 path) on
   // FP8 wgmma, the weights streamed into shared memory by the copy engine, for
   // tokens * topk / n_experts <= fused_w4a8_max_tokens_per_expert and more

@@ -339,10 +339,9 @@ int bench_moe(const Args& a) {
       // launch on/off); the default options are what "fused_ms" reports.
       // W4A8 variants run at every size; defaults: the options as given.
       auto time_fused = [&](int ks, bool pdl, bool direct = true, int w4a8_terms = 0, bool defaults = false,
-                            int w4a8_tiles = 0, bool stream = false) {
+                            int w4a8_tiles = 0) {
         if (!defaults) {
           layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
-          layer.options().fused_one_token_stream = stream;
           layer.options().fused_w4a8 = w4a8_terms > 0;
           layer.options().fused_w4a8_terms = std::max(1, w4a8_terms);
           layer.options().fused_w4a8_tiles = w4a8_tiles;
@@ -374,14 +373,7 @@ int bench_moe(const Args& a) {
           for (bool pdl : {false, true})
             if (ks != 8 || (T <= 64 && pdl))
               variants["ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] = time_fused(ks, pdl);
-        if (T == 1) {
-          variants["ks4_pdl_routing_kernel"] = time_fused(4, true, false);  // one token, routed
-          // One token's streaming kernels (every warp of one wave a contiguous range of rows).
-          for (bool pdl : {false, true})
-            variants[pdl ? "stream_pdl" : "stream"] = time_fused(1, pdl, true, 0, false, 0, true);
-          layer.options().fused_stream_bufs = 3;  // kept by time_fused, which then restores opt
-          variants["stream_bufs3_pdl"] = time_fused(1, true, true, 0, false, 0, true);
-        }
+        if (T == 1) variants["ks4_pdl_routing_kernel"] = time_fused(4, true, false);  // one token, routed
         if (T >= 8) {  // 16 token slots a pass (two MMA token tiles) whatever the tokens per expert
           layer.options().fused_two_token_tiles_above = 0.0;  // kept by time_fused, which then restores opt
           variants["ks1_pdl_16slots"] = time_fused(1, true);
