@@ -3,6 +3,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "cpu/mxfp4_fold.h"
@@ -1227,6 +1228,7 @@ struct MoeLayer::Impl {
   DeviceArray<uint8_t> ws_fp8;
   DeviceArray<float> ws_scales;
   bool w8_fits = false;     // the W4A8 kernels can run here (device, build, shared memory)
+  int n_sms = 132;          // multiprocessors of the device
   int tile_cap = 0;         // experts per workspace tile it was sized for
   int* h_counts = nullptr;  // pinned: counts[E], offsets[E+1]
   cudaEvent_t ev_ready[2]{}, ev_free[2]{};
@@ -1303,6 +1305,7 @@ struct MoeLayer::Impl {
     DZ_CUDA_CHECK(cudaGetDevice(&dev));
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     w8_fits = Fp8GroupedGemm::supported() && smem8 <= optin;
+    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev));
     if (w8_fits) {
       for (int ks : {1, 2})
         for (bool lo : {false, true})
@@ -1383,7 +1386,7 @@ struct MoeLayer::Impl {
           "fused_w4a8_terms must be 1 or 2, not ", opt.fused_w4a8_terms);
     check(opt.fused_w4a8_tiles >= 0 && opt.fused_w4a8_tiles <= 2, DZ_ERR_INVALID_ARGUMENT,
           "fused_w4a8_tiles must be 0 (auto), 1 or 2, not ", opt.fused_w4a8_tiles);
-    const int tiles = opt.fused_w4a8_tiles ? opt.fused_w4a8_tiles : int64_t(T) * s.topk >= E ? 2 : 1;
+    const int tiles = opt.fused_w4a8_tiles ? opt.fused_w4a8_tiles : w8_tiles(T);
     const bool w4a8 = opt.fused_w4a8 && double(T) * s.topk / E <= opt.fused_w4a8_max_tokens_per_expert &&
                       int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
     const int ks8 = w8_split(T);
@@ -1449,6 +1452,17 @@ struct MoeLayer::Impl {
   int w8_split(int T) const {
     if (opt.fused_k_split) return opt.fused_k_split == 1 ? 1 : 2;
     return int64_t(T) * s.topk <= 4 ? 2 : 1;
+  }
+
+  // Row tiles a W4A8 warpgroup streams (MoeOptions::fused_w4a8_tiles = 0):
+  // 2 from one token an expert on average, or once the gate_up grid of
+  // two-tile blocks (256 rows, two blocks an SM) still fills three waves with
+  // the experts T tokens reach under uniform routing; else 1.
+  int w8_tiles(int T) const {
+    const int E = s.n_experts;
+    if (int64_t(T) * s.topk >= E) return 2;
+    const double reached = E * (1.0 - std::pow(1.0 - double(s.topk) / E, double(T)));
+    return reached * std::ceil(2.0 * s.intermediate / 256.0) >= 3.0 * 2 * n_sms ? 2 : 1;
   }
 
   // The fused kernels' K split for T tokens.

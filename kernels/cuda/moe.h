@@ -93,10 +93,15 @@ struct MoeOptions {
   // 2 its copy ring runs on from one tile into the next (3 stages instead of
   // 4) and a block's setup serves twice the rows, but half the blocks leave
   // a longer last wave; 0 (auto): 2 from one token an expert on average
-  // (tokens * topk >= n_experts), else 1. H200 (2026-12-01-h200-run19.md),
-  // two terms, one vs two tiles: 120b shapes (128 experts) 8 / 16 / 32 / 64
-  // tokens 160 / 260 / 421 / 623 vs 165 / 257 / 391 / 569 us; 32 experts 4 /
-  // 8 / 16 tokens 88 / 126 / 186 vs 102 / 118 / 190 us.
+  // (tokens * topk >= n_experts) or once the two-tile blocks still fill three
+  // waves of the GPU with the experts the tokens reach (uniform routing), else
+  // 1. H200 (2026-12-01-h200-run19.md), two terms, one vs two tiles: 120b
+  // shapes (128 experts) 8 / 16 / 32 / 64 tokens 160 / 260 / 421 / 623 vs 165
+  // / 257 / 391 / 569 us; 32 experts 4 / 8 / 16 tokens 88 / 126 / 186 vs 102 /
+  // 118 / 190 us. Run 86 (2026-12-02-h200-run76.md), 120b shapes 4 / 8 / 12 /
+  // 16 / 24 tokens 89.6 / 148.0 / 189.9 / 245.9 / 315.8 vs 98.7 / 149.8 /
+  // 182.6 / 233.9 / 292.4 us (2.5 waves of two-tile blocks at 8 tokens, 3.5
+  // at 12); 32 experts 4 / 8 tokens 85.2 / 120.4 vs 95.4 / 110.4.
   int fused_w4a8_tiles = 0;
   // E4M3 arithmetic at every size (DZ_EXPERTS_FP8): one E4M3 term a value,
   // W4A8 kernels at every slot count up to 8 tokens an expert (faster than
