@@ -326,7 +326,7 @@ __device__ __forceinline__ uint32_t w4_fold_scale(int d) {
 // 2^-14 exactly (the 0.5 code lands on the subnormal 2^-15), no table. By way
 // of bytes: the even nibbles' fp16 high bytes in E, the odd ones' in O, then
 // spread to half words: 11 instructions a word (15 placing each pair with its
-// own shifts, before run 76).
+// own shifts, before run 84).
 __device__ __forceinline__ void w4_pairs(uint32_t w, uint32_t (&p)[4]) {
   const uint32_t E = ((w << 1) & 0x0E0E0E0Eu) | ((w << 4) & 0x80808080u);
   const uint32_t O = ((w >> 3) & 0x0E0E0E0Eu) | (w & 0x80808080u);
@@ -1462,7 +1462,8 @@ struct MoeLayer::Impl {
     const int E = s.n_experts;
     if (int64_t(T) * s.topk >= E) return 2;
     const double reached = E * (1.0 - std::pow(1.0 - double(s.topk) / E, double(T)));
-    return reached * std::ceil(2.0 * s.intermediate / 256.0) >= 3.0 * 2 * n_sms ? 2 : 1;
+    const double rows_per_block = 64.0 * kW8Consumers * 2, blocks_per_sm = 2;  // w8_kernel's launch bounds
+    return reached * std::ceil(2.0 * s.intermediate / rows_per_block) >= 3 * blocks_per_sm * n_sms ? 2 : 1;
   }
 
   // The fused kernels' K split for T tokens.
