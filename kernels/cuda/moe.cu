@@ -652,6 +652,9 @@ constexpr int w8_stages(int tiles) { return tiles == 1 ? 4 : 3; }
 // two L2 lines, the second read again by the next box: 64 tokens 630 -> 530
 // us with two terms and two tiles a warpgroup (H200, run 72).
 constexpr int kW8Row = 128;
+constexpr int kW8BlocksPerSm = 2;  // the W4A8 kernels' launch bounds
+// Rows a W4A8 block covers: its consumer warpgroups' 64-row tiles, two warpgroups a tile with a K split of 2.
+constexpr int w8_rows_per_block(int ks8, int tiles) { return 64 * (kW8Consumers / ks8) * tiles; }
 constexpr int kW8StageBytes = 64 * kW8Row;
 constexpr int kW8SubBytes = 256;
 
@@ -733,7 +736,8 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
 // its ring runs on from one tile into the next, and the block's setup
 // (routing, activation staging, the scales' copy) serves them all.
 template <bool kGateUp, int kKS, bool kPdl, bool kLo, int kTPW>
-__global__ void __launch_bounds__(kW8Threads, 2) w8_kernel(const W4Args a, const __grid_constant__ CUtensorMap wmap) {
+__global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
+    w8_kernel(const W4Args a, const __grid_constant__ CUtensorMap wmap) {
 #ifdef DZ_MOE_SM90A
   static_assert(kTPW == 1 || kKS == 1, "several tiles a warpgroup only without a K split");
   constexpr int kTiles = kW8Consumers / kKS;              // row tiles side by side (one a warpgroup, or one shared)
@@ -1433,7 +1437,7 @@ struct MoeLayer::Impl {
       encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks, dims, strides, box,
                         CU_TENSOR_MAP_SWIZZLE_128B, G ? "MoE gate_up blocks" : "MoE down blocks");
       if (ks8 == 2) tiles = 1;
-      const int per_block = 64 * (kW8Consumers / ks8) * tiles;
+      const int per_block = w8_rows_per_block(ks8, tiles);
       const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
       const bool lo = opt.fused_w4a8_terms == 2;
       launch(pdl ? w8_fn<G, true>(ks8, lo, tiles) : w8_fn<G, false>(ks8, lo, tiles), grid, dim3(kW8Threads),
@@ -1462,8 +1466,7 @@ struct MoeLayer::Impl {
     const int E = s.n_experts;
     if (int64_t(T) * s.topk >= E) return 2;
     const double reached = E * (1.0 - std::pow(1.0 - double(s.topk) / E, double(T)));
-    const double rows_per_block = 64.0 * kW8Consumers * 2, blocks_per_sm = 2;  // w8_kernel's launch bounds
-    return reached * std::ceil(2.0 * s.intermediate / rows_per_block) >= 3 * blocks_per_sm * n_sms ? 2 : 1;
+    return reached * std::ceil(2.0 * s.intermediate / w8_rows_per_block(1, 2)) >= 3.0 * kW8BlocksPerSm * n_sms ? 2 : 1;
   }
 
   // The fused kernels' K split for T tokens.
