@@ -11,6 +11,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/error.h"
@@ -263,10 +264,13 @@ TEST_CASE("CUDA grouped FP8 GEMM matches float64 and cuBLASLt per group", "[cuda
   std::mt19937 rng(7);
   SECTION("small groups, ragged sizes") {
     // Sizes off every tile multiple, an empty group, a one-row group; n = 256 (two
-    // n tiles) and n = 208 (a partial n tile); k = 384 (three scale blocks).
-    for (int n : {256, 208}) {
-      INFO("n " << n);
-      const Problem p = make_problem({0, 1, 7, 64, 129, 300}, n, 384, 3, rng);
+    // n tiles) and n = 208 (a partial n tile); k = 384 (three scale blocks), and
+    // one, two and four blocks (the consumers keep two K blocks in flight: every
+    // way their loop can end).
+    const std::pair<int, int> shapes[] = {{256, 384}, {208, 384}, {256, 128}, {208, 256}, {256, 512}};
+    for (auto [n, k] : shapes) {
+      INFO("n " << n << " k " << k);
+      const Problem p = make_problem({0, 1, 7, 64, 129, 300}, n, k, 3, rng);
       Device dv(p);
       gg.run(dv.args(p), ctx.stream());
       ctx.sync();

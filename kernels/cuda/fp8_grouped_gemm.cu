@@ -157,6 +157,7 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
 using ptx::wgmma_commit;
 using ptx::wgmma_fence;
 using ptx::wgmma_wait0;
+using ptx::wgmma_wait1;
 
 // Keeps the compiler from moving accesses of d across the asynchronous MMA.
 __device__ __forceinline__ void fence_regs(float (&d)[64]) {
@@ -354,9 +355,11 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
       asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     const int ct = int(threadIdx.x) - 128 * kProducerWgs;
     const int cw = ct >> 7, warp = (ct >> 5) & 3, lane = ct & 31;
-    float acc[64], part[64];
+    float acc[64], part[64], part2[kW4 ? 1 : 64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) part[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < int(sizeof part2 / sizeof(float)); ++i) part2[i] = 0.f;
     int stage = 0;
     uint32_t phase = 0;
     for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
@@ -383,38 +386,89 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
       }
       // Warps whose 16 rows all lie past the group skip the promotion.
       const bool wlive = mt * kBM + cw * 64 + warp * 16 < m;
-      for (int kb = 0; kb < p.nkb; ++kb) {
-        // Row scales straight from global memory, issued before the wait so
-        // the MMA hides their latency; rows past the group read nothing.
-        const float x0 = r0 < m ? __ldg(xsg + int64_t(kb) * m + r0) : 0.f;
-        const float x1 = r1 < m ? __ldg(xsg + int64_t(kb) * m + r1) : 0.f;
+      // Row scales straight from global memory, issued before the stage's
+      // wait so the MMA hides their latency; rows past the group read nothing.
+      auto row_scales = [&](int kb, float& x0, float& x1) {
+        x0 = r0 < m ? __ldg(xsg + int64_t(kb) * m + r0) : 0.f;
+        x1 = r1 < m ? __ldg(xsg + int64_t(kb) * m + r1) : 0.f;
+      };
+      // Wait for the ring's next stage and issue its K block's MMAs into pp.
+      auto issue = [&](float(&pp)[64]) {
         mbar_wait<kDebug>(full(stage), phase, "full", stage);
         __syncwarp();  // the warp leaves the spin together: wgmma is .aligned
         const uint64_t da = smem_desc(sA + uint32_t(stage * kABytes + cw * 64 * kBK));
         const uint64_t db = smem_desc(sB + uint32_t(stage * kBBytes));
         wgmma_fence();
-        fence_regs(part);
+        fence_regs(pp);
 #pragma unroll
-        for (int kk = 0; kk < kBK / 32; ++kk) wgmma_m64n128k32(part, da + 2 * kk, db + 2 * kk, kk);
+        for (int kk = 0; kk < kBK / 32; ++kk) wgmma_m64n128k32(pp, da + 2 * kk, db + 2 * kk, kk);
         wgmma_commit();
-        fence_regs(part);
-        wgmma_wait0();
-        fence_regs(part);
-        // Promotion: acc += part * xs[row] * ws[col]. Columns of register
-        // quad j: 8j + 2 (lane % 4) + {0, 1}; registers 4j+2, 4j+3 are row + 8.
-        const float2* sc = reinterpret_cast<const float2*>(s_scales + stage * kBN);
+        fence_regs(pp);
+        const int s = stage;
+        if (++stage == kS) stage = 0, phase ^= 1u;
+        return s;
+      };
+      // acc += pp * xs[row] * ws[col], then the stage goes back to the
+      // producer. Columns of register quad j: 8j + 2 (lane % 4) + {0, 1};
+      // registers 4j+2, 4j+3 are row + 8.
+      auto promote = [&](const float(&pp)[64], int s, float x0, float x1) {
+        const float2* sc = reinterpret_cast<const float2*>(s_scales + s * kBN);
 #pragma unroll
         for (int j = 0; j < kBN / 8; ++j) {
           if (!wlive) break;
           const float2 w = sc[j * 4 + (lane & 3)];
-          acc[4 * j + 0] = fmaf(part[4 * j + 0], x0 * w.x, acc[4 * j + 0]);
-          acc[4 * j + 1] = fmaf(part[4 * j + 1], x0 * w.y, acc[4 * j + 1]);
-          acc[4 * j + 2] = fmaf(part[4 * j + 2], x1 * w.x, acc[4 * j + 2]);
-          acc[4 * j + 3] = fmaf(part[4 * j + 3], x1 * w.y, acc[4 * j + 3]);
+          acc[4 * j + 0] = fmaf(pp[4 * j + 0], x0 * w.x, acc[4 * j + 0]);
+          acc[4 * j + 1] = fmaf(pp[4 * j + 1], x0 * w.y, acc[4 * j + 1]);
+          acc[4 * j + 2] = fmaf(pp[4 * j + 2], x1 * w.x, acc[4 * j + 2]);
+          acc[4 * j + 3] = fmaf(pp[4 * j + 3], x1 * w.y, acc[4 * j + 3]);
         }
         __syncwarp();
-        if (lane == 0) mbar_arrive(empty(stage));
-        if (++stage == kS) stage = 0, phase ^= 1u;
+        if (lane == 0) mbar_arrive(empty(s));
+      };
+      if constexpr (kW4) {
+        // 184 registers a consumer: one K block in flight at a time.
+        for (int kb = 0; kb < p.nkb; ++kb) {
+          float x0, x1;
+          row_scales(kb, x0, x1);
+          const int s = issue(part);
+          wgmma_wait0();
+          fence_regs(part);
+          promote(part, s, x0, x1);
+        }
+      } else {
+        // Two K blocks in flight: block kb + 1's MMAs run on the tensor cores
+        // while block kb's partial sums are promoted (232 registers a
+        // consumer hold both partial tiles and the result).
+        float x0, x1, y0, y1;
+        row_scales(0, x0, x1);
+        int s = issue(part);
+        // Block kb + 1 into nxt, then block kb (in cur) promoted.
+        auto step = [&](float(&cur)[64], float(&nxt)[64], int kb) {
+          row_scales(kb + 1, y0, y1);
+          const int sn = issue(nxt);
+          wgmma_wait1();
+          fence_regs(cur);
+          promote(cur, s, x0, x1);
+          s = sn, x0 = y0, x1 = y1;
+        };
+        // Unconditional steps in the loop (a branch between an MMA and its
+        // wait makes ptxas serialize every wgmma of the kernel), the last one
+        // or two blocks after it.
+        int kb = 0;
+        for (; kb + 2 < p.nkb; kb += 2) {
+          step(part, part2, kb);
+          step(part2, part, kb + 1);
+        }
+        if (kb + 1 < p.nkb) {
+          step(part, part2, kb);
+          wgmma_wait0();
+          fence_regs(part2);
+          promote(part2, s, x0, x1);
+        } else {
+          wgmma_wait0();
+          fence_regs(part);
+          promote(part, s, x0, x1);
+        }
       }
       // Epilogue: rows of this group only; columns < n (n % 16 == 0, so a pair is all in or all out).
       const int cbase = n0 + 2 * (lane & 3);
