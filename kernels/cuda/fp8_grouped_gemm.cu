@@ -49,14 +49,15 @@ constexpr int kW4Stages = 6, kW4Bufs = 1;
 constexpr int kW4TileBytes = kBN * 64;
 
 // Shared memory of a kernel with S stages: X tiles, W tiles, W scales, the
-// full and empty barriers, then (kW4) the MXFP4 tiles.
+// full and empty barriers, each stage's tile (FP8 weights), then (kW4) the
+// MXFP4 tiles.
 template <bool kW4>
 struct Smem {
   static constexpr int S = kW4 ? kW4Stages : kStages;
   static constexpr int offB = S * kABytes, offS = offB + S * kBBytes, offBar = offS + S * kSBytes;
-  static constexpr int offW4 = (offBar + 2 * S * 8 + 127) / 128 * 128;
+  static constexpr int offTile = offBar + 2 * S * 8, offW4 = (offTile + 4 * S + 127) / 128 * 128;
   static constexpr int bytes =
-      (kW4 ? offW4 + kW4Producers * kW4Bufs * kW4TileBytes : offBar + 2 * S * 8) + 1024;  // +1024: base aligned up
+      (kW4 ? offW4 + kW4Producers * kW4Bufs * kW4TileBytes : offTile + 4 * S) + 1024;  // +1024: base aligned up
   static_assert(offS % 128 == 0 && kSBytes % 16 == 0, "bulk copy destinations");
   static_assert(bytes <= 227 * 1024, "shared memory of one sm_90 block");
 };
@@ -76,6 +77,7 @@ struct Params {
   const float* xs;
   __nv_bfloat16* d;
   int n, nkb, groups, tiles_total;
+  int* sched;  // FP8 weights: [next tile, blocks done], zero at launch and again when the last block is done
   const uint8_t *w4_blocks, *w4_scales;  // MXFP4 weights: stacks [E][n][nsub][16], [E][n][nsub]
   int nsub;
   int expert[kMaxGroups];  // MXFP4 weights: group -> index in the stacks
@@ -204,6 +206,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
   const uint32_t base = (raw + 1023u) & ~1023u;
   const float* s_scales = reinterpret_cast<const float*>(smem_raw + (base - raw) + L::offS);
   const uint32_t sA = base, sB = base + L::offB, sS = base + L::offS, bars = base + L::offBar;
+  volatile int* const s_tile = reinterpret_cast<int*>(smem_raw + (base - raw) + L::offTile);
   auto full = [&](int s) { return bars + 8u * uint32_t(s); };
   auto empty = [&](int s) { return bars + 8u * uint32_t(kS + s); };
 
@@ -334,18 +337,37 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
       prefetch_map(&p.smap);
       int stage = 0;
       uint32_t phase = 0;
-      for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
+      // Tiles in order from a global counter (a block that starts late, behind
+      // another kernel's blocks, takes fewer); each tile's first stage carries
+      // its index for the consumers, and -1 in the next stage ends the block.
+      for (;;) {
+        int t = atomicAdd(p.sched, 1);
+        if (t >= p.tiles_total) t = -1;
+        mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);  // a fresh barrier passes parity 1
+        s_tile[stage] = t;
+        if (t < 0) {
+          mbar_arrive(full(stage));
+          break;
+        }
         int g, mt, nt;
         find_tile(p, t, g, mt, nt);
         const int row = p.off[g] + mt * kBM, n0 = nt * kBN;
         for (int kb = 0; kb < p.nkb; ++kb) {
-          mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);  // a fresh barrier passes parity 1
+          if (kb > 0) mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);
           mbar_arrive_expect_tx(full(stage), kTxBytes);
           tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), kb * kBK, row);
           tma_3d(sB + uint32_t(stage * kBBytes), &p.wmap, full(stage), kb * kBK, n0, g);
           tma_3d(sS + uint32_t(stage * kSBytes), &p.smap, full(stage), n0, kb, g);
           if (++stage == kS) stage = 0, phase ^= 1u;
         }
+      }
+      // The last block done resets the counter for the next launch (every
+      // block's last increment of it comes before its increment here).
+      __threadfence();
+      if (atomicAdd(p.sched + 1, 1) == int(gridDim.x) - 1) {
+        p.sched[0] = 0;
+        p.sched[1] = 0;
+        __threadfence();
       }
     }
   } else {
@@ -362,7 +384,15 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     for (int i = 0; i < int(sizeof part2 / sizeof(float)); ++i) part2[i] = 0.f;
     int stage = 0;
     uint32_t phase = 0;
-    for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
+    // The next tile: this block's next in turn (kW4), or the one the producer
+    // put in the ring's next stage (-1: none left).
+    auto next_tile = [&](int t) {
+      if constexpr (kW4) return t + int(gridDim.x) < p.tiles_total ? t + int(gridDim.x) : -1;
+      mbar_wait<kDebug>(full(stage), phase, "full", stage);
+      return int(s_tile[stage]);
+    };
+    for (int t = kW4 ? (int(blockIdx.x) < p.tiles_total ? int(blockIdx.x) : -1) : next_tile(0); t >= 0;
+         t = next_tile(t)) {
       int g, mt, nt;
       find_tile(p, t, g, mt, nt);
       const int m = p.m[g], off = p.off[g], n0 = nt * kBN;
@@ -566,6 +596,12 @@ Fp8GroupedGemm::Fp8GroupedGemm() {
     DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<false>::bytes));
   for (auto k : {fp8_grouped_kernel<false, true>, fp8_grouped_kernel<true, true>})
     DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<true>::bytes));
+  DZ_CUDA_CHECK(cudaMalloc(&sched_, 2 * sizeof(int)));
+  DZ_CUDA_CHECK(cudaMemset(sched_, 0, 2 * sizeof(int)));
+}
+
+Fp8GroupedGemm::~Fp8GroupedGemm() {
+  if (sched_) cudaFree(sched_);
 }
 
 void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
@@ -612,6 +648,7 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
                       "X");
   }
   p.xs = a.xs;
+  p.sched = sched_;
   p.d = static_cast<__nv_bfloat16*>(a.d);
   p.n = a.n;
   p.nkb = nkb;

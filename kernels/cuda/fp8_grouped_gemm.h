@@ -54,9 +54,15 @@ struct Fp8GroupedArgs {
 void encode_tensor_map(CUtensorMap* map, CUtensorMapDataType type, int rank, const void* base, const cuuint64_t* dims,
                        const cuuint64_t* strides, const cuuint32_t* box, CUtensorMapSwizzle swz, const char* what);
 
+// Calls on one instance must be ordered (one stream, or synchronized): with
+// FP8 weights its blocks take tiles from the instance's device counter, which
+// each launch's last block resets.
 class Fp8GroupedGemm {
  public:
   Fp8GroupedGemm();
+  ~Fp8GroupedGemm();
+  Fp8GroupedGemm(const Fp8GroupedGemm&) = delete;
+  Fp8GroupedGemm& operator=(const Fp8GroupedGemm&) = delete;
   // Enqueue on s. Arguments are validated on the host (DZ_ERR_INVALID_ARGUMENT);
   // DZ_ERR_UNSUPPORTED where the device is not sm_90 or the build lacks sm_90a.
   // DZ_FP8_GROUPED_DEBUG=1 in the environment: a checking kernel (bounded
@@ -68,6 +74,7 @@ class Fp8GroupedGemm {
  private:
   int n_sm_ = 0;
   bool debug_ = false;
+  int* sched_ = nullptr;  // [next tile, blocks done]
 };
 
 }  // namespace dz::cuda
