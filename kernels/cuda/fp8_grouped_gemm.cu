@@ -19,15 +19,24 @@
 namespace dz::cuda {
 namespace {
 
-constexpr int kBM = 128;    // rows of a block tile: two consumer warpgroups of 64
-constexpr int kBN = 128;    // columns of a block tile (wgmma n128)
-constexpr int kBK = 128;    // K per stage: one scale block, one 128-byte swizzle row per tile row
-constexpr int kStages = 6;  // FP8 weights: stages of the copy-engine ring
+constexpr int kBM = 128;  // rows of a block tile: two consumer warpgroups of 64
+constexpr int kBK = 128;  // K per stage: one scale block, one 128-byte swizzle row per tile row
+// Columns of a block tile (the wgmma n): 192 with FP8 weights (gpt-oss's 5760
+// and 2880 are 30 and 15 of them; a K block's fixed cost in a consumer, its
+// barrier, descriptors and scale loads, serves 1.5x the MMAs of n128), 128 with
+// MXFP4 weights (one producer thread folds each W tile row).
+template <bool kW4>
+constexpr int kBN = kW4 ? 128 : 192;
+constexpr int kStages = 5;  // FP8 weights: stages of the copy-engine ring
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
-constexpr int kABytes = kBM * kBK, kBBytes = kBN * kBK, kSBytes = kBN * 4;
+constexpr int kABytes = kBM * kBK;
+template <bool kW4>
+constexpr int kBBytes = kBN<kW4> * kBK;
+template <bool kW4>
+constexpr int kSBytes = kBN<kW4> * 4;
 [[maybe_unused]] constexpr int kTxBytes =
-    kABytes + kBBytes + kSBytes;  // full boxes: the copy engine counts zero-filled bytes too
+    kABytes + kBBytes<false> + kSBytes<false>;  // full boxes: the copy engine counts zero-filled bytes too
 // Two producer warpgroups take turns by stage (one warp per scheduler cannot
 // fold a stage in the time the tensor cores take for it).
 constexpr int kW4Producers = 2, kThreadsW4 = 128 * (kW4Producers + kConsumers);
@@ -46,7 +55,7 @@ static_assert(128 * kW4Producers * kW4ProducerRegs + 128 * kConsumers * kW4Consu
 // FP4 stream runs at ~1.1 TB/s: the producers' folding bounds it, not bytes
 // in flight.
 constexpr int kW4Stages = 6, kW4Bufs = 1;
-constexpr int kW4TileBytes = kBN * 64;
+constexpr int kW4TileBytes = kBN<true> * 64;
 
 // Shared memory of a kernel with S stages: X tiles, W tiles, W scales, the
 // full and empty barriers, each stage's tile (FP8 weights), then (kW4) the
@@ -54,18 +63,19 @@ constexpr int kW4TileBytes = kBN * 64;
 template <bool kW4>
 struct Smem {
   static constexpr int S = kW4 ? kW4Stages : kStages;
-  static constexpr int offB = S * kABytes, offS = offB + S * kBBytes, offBar = offS + S * kSBytes;
+  static constexpr int offB = S * kABytes, offS = offB + S * kBBytes<kW4>, offBar = offS + S * kSBytes<kW4>;
   static constexpr int offTile = offBar + 2 * S * 8, offW4 = (offTile + 4 * S + 127) / 128 * 128;
   static constexpr int bytes =
       (kW4 ? offW4 + kW4Producers * kW4Bufs * kW4TileBytes : offTile + 4 * S) + 1024;  // +1024: base aligned up
-  static_assert(offS % 128 == 0 && kSBytes % 16 == 0, "bulk copy destinations");
+  static_assert(offS % 128 == 0 && kSBytes<kW4> % 128 == 0, "bulk copy destinations");
   static_assert(bytes <= 227 * 1024, "shared memory of one sm_90 block");
 };
 constexpr int kMaxGroups = 128;                                  // per launch; more groups are split over launches
 [[maybe_unused]] constexpr int kEmptyArrivals = kConsumers * 4;  // one per consumer warp
 
 static_assert(kBK == 128, "one 1x128 scale block per stage, one 128-byte swizzle row per tile row");
-static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "stages keep the 1024-byte period of the 128B swizzle");
+static_assert(kABytes % 1024 == 0 && kBBytes<false> % 1024 == 0 && kBBytes<true> % 1024 == 0,
+              "stages keep the 1024-byte period of the 128B swizzle");
 static_assert(kBM == 64 * kConsumers, "each consumer warpgroup owns 64 rows (wgmma m64)");
 static_assert(128 * 40 + 128 * kConsumers * 232 <= kThreads * 168, "setmaxnreg budget (see the kernel)");
 [[maybe_unused]] constexpr int kW4FullArrivals = 128;  // every producer thread, after its row of the W tile
@@ -159,31 +169,59 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
 using ptx::wgmma_commit;
 using ptx::wgmma_fence;
 using ptx::wgmma_wait0;
-using ptx::wgmma_wait1;
 
 // Keeps the compiler from moving accesses of d across the asynchronous MMA.
-__device__ __forceinline__ void fence_regs(float (&d)[64]) {
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // d (64 x 128 fp32, wgmma register layout) = [d +] A(64 x 32) B(128 x 32)^T, both e4m3 from shared memory.
-__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+__device__ __forceinline__ void wgmma_tile(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
       " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
-      "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22,"
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43,"
+      "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},"
       "%64, %65, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// d (64 x 192 fp32, wgmma register layout) = [d +] A(64 x 32) B(192 x 32)^T, both e4m3 from shared memory.
+__device__ __forceinline__ void wgmma_tile(float (&d)[96], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %98, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22,"
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43,"
+      "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64,"
+      "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85,"
+      "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95},"
+      "%96, %97, p, 1, 1;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
       : "l"(da), "l"(db), "r"(accumulate));
 }
 #endif  // DZ_GG_SM90A
@@ -275,7 +313,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
       if (ci.gs < total) {
         int g, mt, nt;
         if (moved(ci, g, mt, nt)) {
-          const int wr = nt * kBN + tid;
+          const int wr = nt * kBN<true> + tid;
           rok = wr < p.n;
           const int64_t er = int64_t(p.expert[g]) * p.n + (rok ? wr : 0);
           bl = p.w4_blocks + er * p.nsub * 16;
@@ -322,7 +360,8 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
           ptx::mbar_expect_tx(full(stage), kABytes);
           tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), cc.kb * kBK, row);
         }
-        sSp[stage * kBN + tid] = fold_group(G, reinterpret_cast<uint4*>(sBp + stage * kBBytes + tid * kBK), tid & 7);
+        sSp[stage * kBN<true> + tid] =
+            fold_group(G, reinterpret_cast<uint4*>(sBp + stage * kBBytes<true> + tid * kBK), tid & 7);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
         mbar_arrive(full(stage));
         next(cc);
@@ -351,13 +390,13 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
         }
         int g, mt, nt;
         find_tile(p, t, g, mt, nt);
-        const int row = p.off[g] + mt * kBM, n0 = nt * kBN;
+        const int row = p.off[g] + mt * kBM, n0 = nt * kBN<false>;
         for (int kb = 0; kb < p.nkb; ++kb) {
           if (kb > 0) mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);
           mbar_arrive_expect_tx(full(stage), kTxBytes);
           tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), kb * kBK, row);
-          tma_3d(sB + uint32_t(stage * kBBytes), &p.wmap, full(stage), kb * kBK, n0, g);
-          tma_3d(sS + uint32_t(stage * kSBytes), &p.smap, full(stage), n0, kb, g);
+          tma_3d(sB + uint32_t(stage * kBBytes<false>), &p.wmap, full(stage), kb * kBK, n0, g);
+          tma_3d(sS + uint32_t(stage * kSBytes<false>), &p.smap, full(stage), n0, kb, g);
           if (++stage == kS) stage = 0, phase ^= 1u;
         }
       }
@@ -377,11 +416,10 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
       asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     const int ct = int(threadIdx.x) - 128 * kProducerWgs;
     const int cw = ct >> 7, warp = (ct >> 5) & 3, lane = ct & 31;
-    float acc[64], part[64], part2[kW4 ? 1 : 64];
+    constexpr int BN = kBN<kW4>, NR = BN / 2;  // tile columns, accumulators a thread
+    float acc[NR], part[NR];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) part[i] = 0.f;
-#pragma unroll
-    for (int i = 0; i < int(sizeof part2 / sizeof(float)); ++i) part2[i] = 0.f;
+    for (int i = 0; i < NR; ++i) part[i] = 0.f;
     int stage = 0;
     uint32_t phase = 0;
     // The next tile: this block's next in turn (kW4), or the one the producer
@@ -395,13 +433,13 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
          t = next_tile(t)) {
       int g, mt, nt;
       find_tile(p, t, g, mt, nt);
-      const int m = p.m[g], off = p.off[g], n0 = nt * kBN;
+      const int m = p.m[g], off = p.off[g], n0 = nt * BN;
       // This thread's rows in the group (wgmma layout: warp w of the
       // warpgroup holds rows 16w..16w+15, lane/4 and lane/4 + 8).
       const int r0 = mt * kBM + cw * 64 + warp * 16 + (lane >> 2), r1 = r0 + 8;
       const float* xsg = p.xs + int64_t(p.nkb) * off;
 #pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+      for (int i = 0; i < NR; ++i) acc[i] = 0.f;
       // A warpgroup whose 64 rows all lie past the group (a group's last m
       // tile, or groups of at most 64 rows) only keeps the ring's count: it
       // waits for each stage, so its arrival is for that stage's phase.
@@ -416,96 +454,46 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
       }
       // Warps whose 16 rows all lie past the group skip the promotion.
       const bool wlive = mt * kBM + cw * 64 + warp * 16 < m;
-      // Row scales straight from global memory, issued before the stage's
-      // wait so the MMA hides their latency; rows past the group read nothing.
-      auto row_scales = [&](int kb, float& x0, float& x1) {
-        x0 = r0 < m ? __ldg(xsg + int64_t(kb) * m + r0) : 0.f;
-        x1 = r1 < m ? __ldg(xsg + int64_t(kb) * m + r1) : 0.f;
-      };
-      // Wait for the ring's next stage and issue its K block's MMAs into pp.
-      auto issue = [&](float(&pp)[64]) {
+      for (int kb = 0; kb < p.nkb; ++kb) {
+        // Row scales straight from global memory, issued before the wait so
+        // the MMA hides their latency; rows past the group read nothing.
+        const float x0 = r0 < m ? __ldg(xsg + int64_t(kb) * m + r0) : 0.f;
+        const float x1 = r1 < m ? __ldg(xsg + int64_t(kb) * m + r1) : 0.f;
         mbar_wait<kDebug>(full(stage), phase, "full", stage);
         __syncwarp();  // the warp leaves the spin together: wgmma is .aligned
         const uint64_t da = smem_desc(sA + uint32_t(stage * kABytes + cw * 64 * kBK));
-        const uint64_t db = smem_desc(sB + uint32_t(stage * kBBytes));
+        const uint64_t db = smem_desc(sB + uint32_t(stage * kBBytes<kW4>));
         wgmma_fence();
-        fence_regs(pp);
+        fence_regs(part);
 #pragma unroll
-        for (int kk = 0; kk < kBK / 32; ++kk) wgmma_m64n128k32(pp, da + 2 * kk, db + 2 * kk, kk);
+        for (int kk = 0; kk < kBK / 32; ++kk) wgmma_tile(part, da + 2 * kk, db + 2 * kk, kk);
         wgmma_commit();
-        fence_regs(pp);
-        const int s = stage;
-        if (++stage == kS) stage = 0, phase ^= 1u;
-        return s;
-      };
-      // acc += pp * xs[row] * ws[col], then the stage goes back to the
-      // producer. Columns of register quad j: 8j + 2 (lane % 4) + {0, 1};
-      // registers 4j+2, 4j+3 are row + 8.
-      auto promote = [&](const float(&pp)[64], int s, float x0, float x1) {
-        const float2* sc = reinterpret_cast<const float2*>(s_scales + s * kBN);
+        fence_regs(part);
+        wgmma_wait0();
+        fence_regs(part);
+        // Promotion: acc += part * xs[row] * ws[col]. Columns of register
+        // quad j: 8j + 2 (lane % 4) + {0, 1}; registers 4j+2, 4j+3 are row + 8.
+        if (wlive) {
+          const float2* sc = reinterpret_cast<const float2*>(s_scales + stage * BN);
 #pragma unroll
-        for (int j = 0; j < kBN / 8; ++j) {
-          if (!wlive) break;
-          const float2 w = sc[j * 4 + (lane & 3)];
-          acc[4 * j + 0] = fmaf(pp[4 * j + 0], x0 * w.x, acc[4 * j + 0]);
-          acc[4 * j + 1] = fmaf(pp[4 * j + 1], x0 * w.y, acc[4 * j + 1]);
-          acc[4 * j + 2] = fmaf(pp[4 * j + 2], x1 * w.x, acc[4 * j + 2]);
-          acc[4 * j + 3] = fmaf(pp[4 * j + 3], x1 * w.y, acc[4 * j + 3]);
+          for (int j = 0; j < BN / 8; ++j) {
+            const float2 w = sc[j * 4 + (lane & 3)];
+            acc[4 * j + 0] = fmaf(part[4 * j + 0], x0 * w.x, acc[4 * j + 0]);
+            acc[4 * j + 1] = fmaf(part[4 * j + 1], x0 * w.y, acc[4 * j + 1]);
+            acc[4 * j + 2] = fmaf(part[4 * j + 2], x1 * w.x, acc[4 * j + 2]);
+            acc[4 * j + 3] = fmaf(part[4 * j + 3], x1 * w.y, acc[4 * j + 3]);
+          }
         }
         __syncwarp();
-        if (lane == 0) mbar_arrive(empty(s));
-      };
-      if constexpr (kW4) {
-        // 184 registers a consumer: one K block in flight at a time.
-        for (int kb = 0; kb < p.nkb; ++kb) {
-          float x0, x1;
-          row_scales(kb, x0, x1);
-          const int s = issue(part);
-          wgmma_wait0();
-          fence_regs(part);
-          promote(part, s, x0, x1);
-        }
-      } else {
-        // Two K blocks in flight: block kb + 1's MMAs run on the tensor cores
-        // while block kb's partial sums are promoted (232 registers a
-        // consumer hold both partial tiles and the result).
-        float x0, x1, y0, y1;
-        row_scales(0, x0, x1);
-        int s = issue(part);
-        // Block kb + 1 into nxt, then block kb (in cur) promoted.
-        auto step = [&](float(&cur)[64], float(&nxt)[64], int kb) {
-          row_scales(kb + 1, y0, y1);
-          const int sn = issue(nxt);
-          wgmma_wait1();
-          fence_regs(cur);
-          promote(cur, s, x0, x1);
-          s = sn, x0 = y0, x1 = y1;
-        };
-        // Unconditional steps in the loop (a branch between an MMA and its
-        // wait makes ptxas serialize every wgmma of the kernel), the last one
-        // or two blocks after it.
-        int kb = 0;
-        for (; kb + 2 < p.nkb; kb += 2) {
-          step(part, part2, kb);
-          step(part2, part, kb + 1);
-        }
-        if (kb + 1 < p.nkb) {
-          step(part, part2, kb);
-          wgmma_wait0();
-          fence_regs(part2);
-          promote(part2, s, x0, x1);
-        } else {
-          wgmma_wait0();
-          fence_regs(part);
-          promote(part, s, x0, x1);
-        }
+        if (lane == 0) mbar_arrive(empty(stage));
+        if (++stage == kS) stage = 0, phase ^= 1u;
       }
       // Epilogue: rows of this group only; columns < n (n % 16 == 0, so a pair is all in or all out).
       const int cbase = n0 + 2 * (lane & 3);
       if (r0 < m) {
         __nv_bfloat16* row = p.d + (int64_t(off) + r0) * p.n;
 #pragma unroll
-        for (int j = 0; j < kBN / 8; ++j)
+        for (int j = 0; j < BN / 8; ++j)
           if (cbase + 8 * j < p.n)
             *reinterpret_cast<__nv_bfloat162*>(row + cbase + 8 * j) =
                 __floats2bfloat162_rn(acc[4 * j + 0], acc[4 * j + 1]);
@@ -513,7 +501,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
       if (r1 < m) {
         __nv_bfloat16* row = p.d + (int64_t(off) + r1) * p.n;
 #pragma unroll
-        for (int j = 0; j < kBN / 8; ++j)
+        for (int j = 0; j < BN / 8; ++j)
           if (cbase + 8 * j < p.n)
             *reinterpret_cast<__nv_bfloat162*>(row + cbase + 8 * j) =
                 __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
@@ -611,7 +599,8 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
   check(a.groups >= 0 && (a.groups == 0 || (a.offsets && a.counts)) && a.rows_total >= 0 &&
             a.rows_total < (int64_t(1) << 31),
         DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: groups=", a.groups, " rows_total=", a.rows_total);
-  const int nkb = a.k / kBK, ntiles = (a.n + kBN - 1) / kBN;
+  const bool w4 = a.w4.blocks != nullptr;
+  const int bn = w4 ? kBN<true> : kBN<false>, nkb = a.k / kBK, ntiles = (a.n + bn - 1) / bn;
   for (int g = 0; g < a.groups; ++g)
     check(a.counts[g] >= 0 && a.offsets[g] >= 0 && int64_t(a.offsets[g]) + a.counts[g] <= a.rows_total,
           DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: group ", g, " rows [", a.offsets[g], ", ",
@@ -619,7 +608,6 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
   int64_t rows_used = 0;
   for (int g = 0; g < a.groups; ++g) rows_used += a.counts[g];
   if (rows_used == 0) return;
-  const bool w4 = a.w4.blocks != nullptr;
   check(a.x && a.xs && a.d && (w4 ? a.w4.scales != nullptr : a.w && a.ws), DZ_ERR_INVALID_ARGUMENT,
         "fp8_grouped_gemm: null pointer");
   check(aligned(a.x, 16) && aligned(a.d, 16) && aligned(a.xs, 4) && (w4 || (aligned(a.w, 16) && aligned(a.ws, 16))),
@@ -658,14 +646,14 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     if (!w4) {
       const cuuint64_t dims[3] = {cuuint64_t(a.k), cuuint64_t(a.n), cuuint64_t(G)};
       const cuuint64_t strides[2] = {cuuint64_t(a.k), cuuint64_t(w_stride)};
-      const cuuint32_t box[3] = {kBK, kBN, 1};
+      const cuuint32_t box[3] = {kBK, kBN<false>, 1};
       encode_tensor_map(&p.wmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w + w_stride * g0, dims, strides, box,
                         CU_TENSOR_MAP_SWIZZLE_128B, "W");
     }
     if (!w4) {
       const cuuint64_t dims[3] = {cuuint64_t(a.n), cuuint64_t(nkb), cuuint64_t(G)};
       const cuuint64_t strides[2] = {cuuint64_t(a.n) * 4, cuuint64_t(ws_stride) * 4};
-      const cuuint32_t box[3] = {kBN, 1, 1};
+      const cuuint32_t box[3] = {kBN<false>, 1, 1};
       encode_tensor_map(&p.smap, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, a.ws + ws_stride * g0, dims, strides, box,
                         CU_TENSOR_MAP_SWIZZLE_NONE, "W scales");
     }
