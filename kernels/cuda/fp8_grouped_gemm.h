@@ -1,7 +1,9 @@
 // Grouped FP8 E4M3 GEMM with 1x128 block scales on both operands, our own
 // Hopper kernel (sm_90a: wgmma fed by bulk tensor copies through an mbarrier
 // ring; one producer warpgroup, two consumer warpgroups of 64 rows each, tile
-// 128 x 128, one 128-wide K block per stage). One launch covers every group.
+// 128 x 192 (128 x 128 with MXFP4 weights), one 128-wide K block per stage).
+// One persistent launch covers every group; its blocks take tiles in order
+// from a counter, so blocks that start late take fewer.
 //
 // For each group g (rows [off_g, off_g + m_g) of X and D, m_g >= 0):
 //   D[off_g + r][c] (bf16) = sum_kb  xs_g[kb][r] * ws_g[kb][c] * sum_{k in kb} X[off_g + r][k] * W_g[c][k]

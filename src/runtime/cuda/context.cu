@@ -106,8 +106,13 @@ Context::Context(const ContextOptions& opt) : device_(opt.device) {
   const size_t want = opt.pool_bytes ? opt.pool_bytes : free_b / 10 * 9;
   pool_ = new DevicePool(want);
   try {
-    DZ_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    DZ_CUDA_CHECK(cudaStreamCreateWithFlags(&aux_, cudaStreamNonBlocking));
+    // The main stream first when both have blocks waiting for SMs: the aux
+    // stream's work (the FP8 path's folding of the next experts) fills what
+    // the main stream's kernels leave.
+    int least = 0, greatest = 0;
+    DZ_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    DZ_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
+    DZ_CUDA_CHECK(cudaStreamCreateWithPriority(&aux_, cudaStreamNonBlocking, least));
     DZ_CUBLAS_CHECK(cublasLtCreate(&lt_));
     lt_ws_bytes_ = opt.cublas_workspace;
     lt_ws_ = pool_->alloc(lt_ws_bytes_, "cuBLASLt workspace");
