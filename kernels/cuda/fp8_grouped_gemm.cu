@@ -32,7 +32,7 @@ constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kABytes = kBM * kBK;
 template <bool kW4>
-constexpr int kBBytes = kBN<kW4>* kBK;
+constexpr int kBBytes = kBN<kW4> * kBK;
 template <bool kW4>
 constexpr int kSBytes = kBN<kW4> * 4;
 [[maybe_unused]] constexpr int kTxBytes =
@@ -40,7 +40,7 @@ constexpr int kSBytes = kBN<kW4> * 4;
 // Two producer warpgroups take turns by stage (one warp per scheduler cannot
 // fold a stage in the time the tensor cores take for it).
 constexpr int kW4Producers = 2, kThreadsW4 = 128 * (kW4Producers + kConsumers);
-constexpr int kW4ProducerRegs = 88, kW4ConsumerRegs = 168;
+constexpr int kW4ProducerRegs = 72, kW4ConsumerRegs = 184;
 // setmaxnreg moves registers between the warpgroups of a block; the total stays
 // what the launch allocated (the launch-bounds cap per thread). With 3 producer
 // warpgroups that cap is 96 and the consumers could get 144 at most (measured:
@@ -81,23 +81,15 @@ static_assert(128 * 40 + 128 * kConsumers * 232 <= kThreads * 168, "setmaxnreg b
 [[maybe_unused]] constexpr int kW4FullArrivals = 128;  // every producer thread, after its row of the W tile
 
 struct Params {
-  CUtensorMap xmap;   // X  [rows_total][k] u8, box 128 x 128, 128B swizzle
-  CUtensorMap wmap;   // W  [G][n][k] u8, box 1 x 128 x 128, 128B swizzle (FP8 weights)
-  CUtensorMap smap;   // ws [G][k/128][n] f32, box 1 x 1 x 128 (FP8 weights)
-  CUtensorMap w8map;  // MXFP4 weights, reuse: w8 as [blocks * nkb * 128][128] u8, box 128 x 128, 128B swizzle
+  CUtensorMap xmap;  // X  [rows_total][k] u8, box 128 x 128, 128B swizzle
+  CUtensorMap wmap;  // W  [G][n][k] u8, box 1 x 128 x 128, 128B swizzle (FP8 weights)
+  CUtensorMap smap;  // ws [G][k/128][n] f32, box 1 x 1 x 128 (FP8 weights)
   const float* xs;
   __nv_bfloat16* d;
   int n, nkb, groups, tiles_total;
   int* sched;  // FP8 weights: [next tile, blocks done], zero at launch and again when the last block is done
   const uint8_t *w4_blocks, *w4_scales;  // MXFP4 weights: stacks [E][n][nsub][16], [E][n][nsub]
   int nsub;
-  // MXFP4 weights: with reuse a tile is an (expert, n tile) over all its m
-  // tiles, and the block's first m tile writes each folded W stage to its own
-  // w8 / s8 slots ([blockIdx][kb]: 128 rows x 128 bytes, 128 floats) for the
-  // others to copy back instead of folding again.
-  bool reuse;
-  uint8_t* w8;
-  float* s8;
   int expert[kMaxGroups];  // MXFP4 weights: group -> index in the stacks
   int off[kMaxGroups];
   int m[kMaxGroups];
@@ -119,10 +111,6 @@ __device__ __forceinline__ void find_tile(const Params& p, int t, int& g, int& m
   }
   g = lo;
   const int local = t - p.tile_start[g], mtiles = (p.m[g] + kBM - 1) / kBM;
-  if (p.reuse) {
-    nt = local, mt = 0;  // all m tiles, from the first
-    return;
-  }
   nt = local / mtiles;
   mt = local - nt * mtiles;
 }
@@ -198,14 +186,15 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[64], uint64_t da, uint64_t
       "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43,"
       "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},"
       "%64, %65, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
@@ -220,18 +209,19 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[96], uint64_t da, uint64_t
       "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85,"
       "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95},"
       "%96, %97, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
-        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
-        "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),
-        "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),
-        "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
       : "l"(da), "l"(db), "r"(accumulate));
 }
 #endif  // DZ_GG_SM90A
@@ -274,7 +264,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
   // producer gives back down to 40 and the consumers take up to 232, which
   // is the same total (128 x 40 + 256 x 232 = 384 x 168), so the increase
   // never waits on registers that are not there. kW4: 512 threads enter with
-  // 128; the two producer warpgroups go down to 88 and the consumers up to 168,
+  // 128; the two producer warpgroups go down to 72 and the consumers up to 184,
   // the same total again (see kW4LaunchRegs).
   const int wg = int(threadIdx.x) / 128;
   constexpr int kProducerWgs = kW4 ? kW4Producers : 1;
@@ -287,57 +277,45 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     const uint8_t* const w4t = smem_raw + (base - raw) + L::offW4 + pw * kW4Bufs * kW4TileBytes;
     // This row's piece j of a copied tile (XOR-swizzled by row pair: conflict-free 16-byte accesses).
     auto piece = [&](int j) { return tid * 64 + ((j ^ ((tid >> 1) & 3)) << 4); };
-    // This block's stages in ring order: its j-th tile (blockIdx + j * grid),
-    // each m tile of it (one unless p.reuse), each K block; warpgroup pw
-    // produces stages pw, pw + 2, ... Two cursors walk them: the copies'
-    // kW4Bufs own stages ahead of the folding's.
+    // Stages are counted over this block's tiles (gs = its j-th tile * nkb +
+    // kb); warpgroup pw owns those with gs % 2 == pw, its i-th being gs = pw +
+    // 2i, whose MXFP4 tile lives in buffer i % kW4Bufs. Two cursors walk them
+    // (32-bit counters, no division): the copies' kW4Bufs own stages ahead of
+    // the folding's.
+    const int my_tiles = (p.tiles_total - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);
+    const int total = my_tiles * p.nkb;
     struct Cursor {
-      int gs = 0, j = 0, mt = 0, mt_end = 0, kb = 0, g = 0, nt = 0;
-      bool end = false;
+      int gs, j, kb;  // stage, this block's tile, K block
+      int jl = -1;    // the tile of the fields below
     };
-    auto load = [&](Cursor& c) {  // c.j's tile from its first m tile
-      const int t = int(blockIdx.x) + c.j * int(gridDim.x);
-      if (t >= p.tiles_total) {
-        c.end = true;
-        return;
-      }
-      find_tile(p, t, c.g, c.mt, c.nt);
-      c.mt_end = p.reuse ? (p.m[c.g] + kBM - 1) / kBM : c.mt + 1;
-      c.kb = 0;
-    };
-    auto step = [&](Cursor& c) {
-      ++c.gs;
-      if (++c.kb < p.nkb) return;
-      c.kb = 0;
-      if (++c.mt < c.mt_end) return;
-      ++c.j;
-      load(c);
-    };
+    auto start = [&](Cursor& c, int gs) { c.gs = gs, c.j = gs / p.nkb, c.kb = gs - c.j * p.nkb; };
     auto next = [&](Cursor& c) {
-#pragma unroll
-      for (int i = 0; i < kW4Producers; ++i)
-        if (!c.end) step(c);
+      c.gs += kW4Producers, c.kb += kW4Producers;
+      if (c.kb >= p.nkb) c.kb -= p.nkb, ++c.j;
     };
-    // Whether the stage folds its W tile (else it copies back the first m tile's).
-    auto folds = [&](const Cursor& c) { return !p.reuse || c.mt == 0; };
+    // Whether c moved to another tile since the last call; g, mt, nt: that tile.
+    auto moved = [&](Cursor& c, int& g, int& mt, int& nt) {
+      if (c.jl == c.j) return false;
+      c.jl = c.j;
+      find_tile(p, int(blockIdx.x) + c.j * int(gridDim.x), g, mt, nt);
+      return true;
+    };
     Cursor ci, cc;                               // the copies', the folding's
     const uint8_t *bl = nullptr, *sc = nullptr;  // the copies' row of W (blocks, scales)
     bool rok = false;
-    int jl = -1, jsync = -1;  // the copies' tile of bl / sc; the folding's last tile synchronized
-    load(ci);
-    load(cc);
-    if (pw) step(ci), step(cc);
-    // The copy's own stage (one group, empty past the end or when it does not
-    // fold) and its scale bytes (plain loads into a register ring, first used
-    // kW4Bufs own stages later).
+    int row = 0;  // the folding's first X row
+    start(ci, pw);
+    start(cc, pw);
+    // The copy's own stage (one group, empty past the end) and its scale bytes
+    // (plain loads into a register ring, first used kW4Bufs own stages later).
     auto issue = [&](int buf, uint32_t& scv) {
       scv = 0;
-      if (!ci.end && folds(ci)) {
-        if (jl != ci.j) {
-          jl = ci.j;
-          const int wr = ci.nt * kBN<true> + tid;
+      if (ci.gs < total) {
+        int g, mt, nt;
+        if (moved(ci, g, mt, nt)) {
+          const int wr = nt * kBN<true> + tid;
           rok = wr < p.n;
-          const int64_t er = int64_t(p.expert[ci.g]) * p.n + (rok ? wr : 0);
+          const int64_t er = int64_t(p.expert[g]) * p.n + (rok ? wr : 0);
           bl = p.w4_blocks + er * p.nsub * 16;
           sc = p.w4_scales + er * p.nsub;
         }
@@ -356,17 +334,18 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     uint32_t scr[kW4Bufs];
 #pragma unroll
     for (int r = 0; r < kW4Bufs; ++r) issue(r, scr[r]);
-    while (!cc.end) {
+    while (cc.gs < total) {
 #pragma unroll
       for (int r = 0; r < kW4Bufs; ++r) {
-        if (cc.end) break;
-        const bool fold = folds(cc);
+        if (cc.gs >= total) break;
+        int g, mt, nt;
+        if (moved(cc, g, mt, nt)) row = p.off[g] + mt * kBM;
         ptx::cp_async_wait<kW4Bufs - 1>();  // this own stage's copies have landed (later ones may not)
         const uint8_t* buf = w4t + r * kW4TileBytes;
         GroupIn G;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          G.w[q] = fold ? *reinterpret_cast<const uint4*>(buf + piece(q)) : make_uint4(0, 0, 0, 0);
+          G.w[q] = *reinterpret_cast<const uint4*>(buf + piece(q));
           G.s[q] = int((scr[r] >> (8 * q)) & 0xFFu);
         }
         // The next copies overwrite the buffer: their addresses take a data
@@ -376,34 +355,14 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
         issue(bi, scr[r]);
         const int stage = cc.gs % kS;
         const uint32_t phase = uint32_t(cc.gs / kS) & 1u;
-        const int row = p.off[cc.g] + cc.mt * kBM;                 // the stage's first X row
-        const int64_t slot = int64_t(blockIdx.x) * p.nkb + cc.kb;  // its folded W tile's w8 / s8 slot
-        // Before the first copy back of a tile's folded stages, both producer
-        // warpgroups have written theirs (each is at its first copy-back stage
-        // of the tile then, nkb >= 2: the host's rule).
-        if (!fold && jsync != cc.j) ptx::named_sync(1, 128 * kW4Producers), jsync = cc.j;
         mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);
-        if (fold) {
-          if (tid == 0) {
-            ptx::mbar_expect_tx(full(stage), kABytes);
-            tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), cc.kb * kBK, row);
-          }
-          const bool keep = p.reuse && cc.mt_end > 1;  // other m tiles will copy this stage back
-          uint4* copy = keep ? reinterpret_cast<uint4*>(p.w8 + (slot * kBN<true> + tid) * kBK) : nullptr;
-          const float scale =
-              fold_group(G, reinterpret_cast<uint4*>(sBp + stage * kBBytes<true> + tid * kBK), tid & 7, copy);
-          sSp[stage * kBN<true> + tid] = scale;
-          if (keep) {
-            p.s8[slot * kBN<true> + tid] = scale;
-            asm volatile("fence.proxy.async.global;" ::: "memory");  // generic writes -> the copies back
-          }
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
-        } else if (tid == 0) {
-          ptx::mbar_expect_tx(full(stage), kABytes + kBBytes<true> + kSBytes<true>);
+        if (tid == 0) {
+          ptx::mbar_expect_tx(full(stage), kABytes);
           tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), cc.kb * kBK, row);
-          tma_2d(sB + uint32_t(stage * kBBytes<true>), &p.w8map, full(stage), 0, int(slot * kBN<true>));
-          ptx::bulk_g2s(sS + uint32_t(stage * kSBytes<true>), p.s8 + slot * kBN<true>, kSBytes<true>, full(stage));
         }
+        sSp[stage * kBN<true> + tid] =
+            fold_group(G, reinterpret_cast<uint4*>(sBp + stage * kBBytes<true> + tid * kBK), tid & 7);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
         mbar_arrive(full(stage));
         next(cc);
       }
@@ -472,82 +431,80 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     };
     for (int t = kW4 ? (int(blockIdx.x) < p.tiles_total ? int(blockIdx.x) : -1) : next_tile(0); t >= 0;
          t = next_tile(t)) {
-      int g, mt0, nt;
-      find_tile(p, t, g, mt0, nt);
-      const int m = p.m[g], off = p.off[g], n0 = nt * BN, mt_end = p.reuse ? (m + kBM - 1) / kBM : mt0 + 1;
-      for (int mt = mt0; mt < mt_end; ++mt) {
-        // This thread's rows in the group (wgmma layout: warp w of the
-        // warpgroup holds rows 16w..16w+15, lane/4 and lane/4 + 8).
-        const int r0 = mt * kBM + cw * 64 + warp * 16 + (lane >> 2), r1 = r0 + 8;
-        const float* xsg = p.xs + int64_t(p.nkb) * off;
+      int g, mt, nt;
+      find_tile(p, t, g, mt, nt);
+      const int m = p.m[g], off = p.off[g], n0 = nt * BN;
+      // This thread's rows in the group (wgmma layout: warp w of the
+      // warpgroup holds rows 16w..16w+15, lane/4 and lane/4 + 8).
+      const int r0 = mt * kBM + cw * 64 + warp * 16 + (lane >> 2), r1 = r0 + 8;
+      const float* xsg = p.xs + int64_t(p.nkb) * off;
 #pragma unroll
-        for (int i = 0; i < NR; ++i) acc[i] = 0.f;
-        // A warpgroup whose 64 rows all lie past the group (a group's last m
-        // tile, or groups of at most 64 rows) only keeps the ring's count: it
-        // waits for each stage, so its arrival is for that stage's phase.
-        if (mt * kBM + cw * 64 >= m) {
-          for (int kb = 0; kb < p.nkb; ++kb) {
-            mbar_wait<kDebug>(full(stage), phase, "full", stage);
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty(stage));
-            if (++stage == kS) stage = 0, phase ^= 1u;
-          }
-          continue;
-        }
-        // Warps whose 16 rows all lie past the group skip the promotion.
-        const bool wlive = mt * kBM + cw * 64 + warp * 16 < m;
+      for (int i = 0; i < NR; ++i) acc[i] = 0.f;
+      // A warpgroup whose 64 rows all lie past the group (a group's last m
+      // tile, or groups of at most 64 rows) only keeps the ring's count: it
+      // waits for each stage, so its arrival is for that stage's phase.
+      if (mt * kBM + cw * 64 >= m) {
         for (int kb = 0; kb < p.nkb; ++kb) {
-          // Row scales straight from global memory, issued before the wait so
-          // the MMA hides their latency; rows past the group read nothing.
-          const float x0 = r0 < m ? __ldg(xsg + int64_t(kb) * m + r0) : 0.f;
-          const float x1 = r1 < m ? __ldg(xsg + int64_t(kb) * m + r1) : 0.f;
           mbar_wait<kDebug>(full(stage), phase, "full", stage);
-          __syncwarp();  // the warp leaves the spin together: wgmma is .aligned
-          const uint64_t da = smem_desc(sA + uint32_t(stage * kABytes + cw * 64 * kBK));
-          const uint64_t db = smem_desc(sB + uint32_t(stage * kBBytes<kW4>));
-          wgmma_fence();
-          fence_regs(part);
-#pragma unroll
-          for (int kk = 0; kk < kBK / 32; ++kk) wgmma_tile(part, da + 2 * kk, db + 2 * kk, kk);
-          wgmma_commit();
-          fence_regs(part);
-          wgmma_wait0();
-          fence_regs(part);
-          // Promotion: acc += part * xs[row] * ws[col]. Columns of register
-          // quad j: 8j + 2 (lane % 4) + {0, 1}; registers 4j+2, 4j+3 are row + 8.
-          if (wlive) {
-            const float2* sc = reinterpret_cast<const float2*>(s_scales + stage * BN);
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-              const float2 w = sc[j * 4 + (lane & 3)];
-              acc[4 * j + 0] = fmaf(part[4 * j + 0], x0 * w.x, acc[4 * j + 0]);
-              acc[4 * j + 1] = fmaf(part[4 * j + 1], x0 * w.y, acc[4 * j + 1]);
-              acc[4 * j + 2] = fmaf(part[4 * j + 2], x1 * w.x, acc[4 * j + 2]);
-              acc[4 * j + 3] = fmaf(part[4 * j + 3], x1 * w.y, acc[4 * j + 3]);
-            }
-          }
           __syncwarp();
           if (lane == 0) mbar_arrive(empty(stage));
           if (++stage == kS) stage = 0, phase ^= 1u;
         }
-        // Epilogue: rows of this group only; columns < n (n % 16 == 0, so a pair is all in or all out).
-        const int cbase = n0 + 2 * (lane & 3);
-        if (r0 < m) {
-          __nv_bfloat16* row = p.d + (int64_t(off) + r0) * p.n;
+        continue;
+      }
+      // Warps whose 16 rows all lie past the group skip the promotion.
+      const bool wlive = mt * kBM + cw * 64 + warp * 16 < m;
+      for (int kb = 0; kb < p.nkb; ++kb) {
+        // Row scales straight from global memory, issued before the wait so
+        // the MMA hides their latency; rows past the group read nothing.
+        const float x0 = r0 < m ? __ldg(xsg + int64_t(kb) * m + r0) : 0.f;
+        const float x1 = r1 < m ? __ldg(xsg + int64_t(kb) * m + r1) : 0.f;
+        mbar_wait<kDebug>(full(stage), phase, "full", stage);
+        __syncwarp();  // the warp leaves the spin together: wgmma is .aligned
+        const uint64_t da = smem_desc(sA + uint32_t(stage * kABytes + cw * 64 * kBK));
+        const uint64_t db = smem_desc(sB + uint32_t(stage * kBBytes<kW4>));
+        wgmma_fence();
+        fence_regs(part);
 #pragma unroll
-          for (int j = 0; j < BN / 8; ++j)
-            if (cbase + 8 * j < p.n)
-              *reinterpret_cast<__nv_bfloat162*>(row + cbase + 8 * j) =
-                  __floats2bfloat162_rn(acc[4 * j + 0], acc[4 * j + 1]);
-        }
-        if (r1 < m) {
-          __nv_bfloat16* row = p.d + (int64_t(off) + r1) * p.n;
+        for (int kk = 0; kk < kBK / 32; ++kk) wgmma_tile(part, da + 2 * kk, db + 2 * kk, kk);
+        wgmma_commit();
+        fence_regs(part);
+        wgmma_wait0();
+        fence_regs(part);
+        // Promotion: acc += part * xs[row] * ws[col]. Columns of register
+        // quad j: 8j + 2 (lane % 4) + {0, 1}; registers 4j+2, 4j+3 are row + 8.
+        if (wlive) {
+          const float2* sc = reinterpret_cast<const float2*>(s_scales + stage * BN);
 #pragma unroll
-          for (int j = 0; j < BN / 8; ++j)
-            if (cbase + 8 * j < p.n)
-              *reinterpret_cast<__nv_bfloat162*>(row + cbase + 8 * j) =
-                  __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+          for (int j = 0; j < BN / 8; ++j) {
+            const float2 w = sc[j * 4 + (lane & 3)];
+            acc[4 * j + 0] = fmaf(part[4 * j + 0], x0 * w.x, acc[4 * j + 0]);
+            acc[4 * j + 1] = fmaf(part[4 * j + 1], x0 * w.y, acc[4 * j + 1]);
+            acc[4 * j + 2] = fmaf(part[4 * j + 2], x1 * w.x, acc[4 * j + 2]);
+            acc[4 * j + 3] = fmaf(part[4 * j + 3], x1 * w.y, acc[4 * j + 3]);
+          }
         }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(stage));
+        if (++stage == kS) stage = 0, phase ^= 1u;
+      }
+      // Epilogue: rows of this group only; columns < n (n % 16 == 0, so a pair is all in or all out).
+      const int cbase = n0 + 2 * (lane & 3);
+      if (r0 < m) {
+        __nv_bfloat16* row = p.d + (int64_t(off) + r0) * p.n;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+          if (cbase + 8 * j < p.n)
+            *reinterpret_cast<__nv_bfloat162*>(row + cbase + 8 * j) =
+                __floats2bfloat162_rn(acc[4 * j + 0], acc[4 * j + 1]);
+      }
+      if (r1 < m) {
+        __nv_bfloat16* row = p.d + (int64_t(off) + r1) * p.n;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+          if (cbase + 8 * j < p.n)
+            *reinterpret_cast<__nv_bfloat162*>(row + cbase + 8 * j) =
+                __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
       }
     }
   }
@@ -631,10 +588,6 @@ Fp8GroupedGemm::Fp8GroupedGemm() {
   DZ_CUDA_CHECK(cudaMemset(sched_, 0, 2 * sizeof(int)));
 }
 
-size_t Fp8GroupedGemm::w4_scratch_bytes(int k) const {
-  return size_t(std::max(n_sm_, 1)) * size_t(std::max(k, 0) / kBK) * kBN<true> * (kBK + 4);
-}
-
 Fp8GroupedGemm::~Fp8GroupedGemm() {
   if (sched_) cudaFree(sched_);
 }
@@ -688,11 +641,6 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
   p.n = a.n;
   p.nkb = nkb;
   p.w4_blocks = a.w4.blocks, p.w4_scales = a.w4.scales, p.nsub = int(a.w4.k / 32);
-  // Folded W tiles kept for a tile's other m tiles: the slots of K block kb
-  // are written nkb stages before the next tile's fold rewrites them, and
-  // the ring holds kW4Stages: more K blocks than stages keep that order.
-  p.reuse =
-      w4 && a.w4_scratch && nkb > kW4Stages && a.w4_scratch_bytes >= w4_scratch_bytes(a.k) && aligned(a.w4_scratch, 16);
   for (int g0 = 0; g0 < a.groups; g0 += kMaxGroups) {
     const int G = std::min(kMaxGroups, a.groups - g0);
     if (!w4) {
@@ -716,22 +664,13 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
       p.expert[g] = w4 ? a.experts[g0 + g] : 0;
       p.m[g] = a.counts[g0 + g];
       p.tile_start[g] = tiles;
-      tiles += (p.reuse ? (p.m[g] > 0) : (p.m[g] + kBM - 1) / kBM) * ntiles;
+      tiles += (p.m[g] + kBM - 1) / kBM * ntiles;
     }
     p.tile_start[G] = tiles;
     p.tiles_total = tiles;
     if (tiles == 0) continue;
     const int blocks = a.max_blocks > 0 ? std::min(a.max_blocks, n_sm_) : n_sm_;
     const dim3 grid(unsigned(std::min(tiles, blocks))), block(w4 ? kThreadsW4 : kThreads);
-    if (p.reuse) {
-      const int64_t slots = int64_t(grid.x) * nkb;
-      p.w8 = static_cast<uint8_t*>(a.w4_scratch);
-      p.s8 = reinterpret_cast<float*>(p.w8 + slots * kBN<true> * kBK);
-      const cuuint64_t dims[2] = {cuuint64_t(kBK), cuuint64_t(slots * kBN<true>)}, strides[1] = {cuuint64_t(kBK)};
-      const cuuint32_t box[2] = {kBK, kBN<true>};
-      encode_tensor_map(&p.w8map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, p.w8, dims, strides, box,
-                        CU_TENSOR_MAP_SWIZZLE_128B, "folded W scratch");
-    }
     const auto kernel = w4 ? (debug_ ? fp8_grouped_kernel<true, true> : fp8_grouped_kernel<false, true>)
                            : (debug_ ? fp8_grouped_kernel<true, false> : fp8_grouped_kernel<false, false>);
     kernel<<<grid, block, w4 ? Smem<true>::bytes : Smem<false>::bytes, s>>>(p);

@@ -48,13 +48,6 @@ struct Fp8GroupedArgs {
   Mxfp4Stack w4{};
   const int* experts = nullptr;  // host: [groups]
   int w4_experts = 0;            // experts in the stack (bounds check)
-  // Optional device scratch (Fp8GroupedGemm::w4_scratch_bytes(k), 16-byte
-  // aligned): with it a block takes all m tiles of an (expert, n tile) and
-  // folds each W tile once for them (its first m tile keeps the folded tile
-  // there, the others copy it back); without it every 128-row m tile folds
-  // its W tiles again. Used only with more than 6 K blocks.
-  void* w4_scratch = nullptr;
-  size_t w4_scratch_bytes = 0;
 };
 
 // A tensor map (TMA descriptor) through the driver's encoder, reached via the
@@ -79,9 +72,6 @@ class Fp8GroupedGemm {
   // each launch so faults surface at the call.
   void run(const Fp8GroupedArgs& a, cudaStream_t s);
   static bool supported();  // this build and device can run the kernel
-  // Bytes of Fp8GroupedArgs::w4_scratch for K = k (one folded W tile per K
-  // block per block of the grid: ~51 MB at k = 2944 on 132 SMs).
-  size_t w4_scratch_bytes(int k) const;
 
  private:
   int n_sm_ = 0;

@@ -1231,8 +1231,6 @@ struct MoeLayer::Impl {
   // the FP8 expert workspace: 2 tiles x tile_experts x (w1 + w2)
   DeviceArray<uint8_t> ws_fp8;
   DeviceArray<float> ws_scales;
-  // the grouped GEMMs' folded W tiles, kept for an expert's other m tiles
-  DeviceArray<uint8_t> w4_scratch;
   bool w8_fits = false;     // the W4A8 kernels can run here (device, build, shared memory)
   int n_sms = 132;          // multiprocessors of the device
   int tile_cap = 0;         // experts per workspace tile it was sized for
@@ -1279,9 +1277,6 @@ struct MoeLayer::Impl {
     // Two tiles in flight: fold the next while the GEMMs use this one.
     ws_fp8 = DeviceArray<uint8_t>(P, 2 * tile_cap * per_expert_fp8, "FP8 expert workspace");
     ws_scales = DeviceArray<float>(P, 2 * tile_cap * per_expert_sc, "FP8 expert workspace scales");
-    if (Fp8GroupedGemm::supported())
-      w4_scratch =
-          DeviceArray<uint8_t>(P, ggemm.w4_scratch_bytes(int(std::max(kph, kpi))), "grouped GEMM folded tiles");
     DZ_CUDA_CHECK(cudaMemsetAsync(err.get(), 0, sizeof(int), ctx.stream()));
     // Padding columns of the fp16 activations are never written by the kernels.
     DZ_CUDA_CHECK(cudaMemsetAsync(act16.get(), 0, act16.bytes(), ctx.stream()));
@@ -1543,8 +1538,6 @@ struct MoeLayer::Impl {
       g1.w4 = W1, g2.w4 = W2;
       g1.experts = g2.experts = act_e.data();
       g1.w4_experts = g2.w4_experts = E;
-      g1.w4_scratch = g2.w4_scratch = w4_scratch.get();
-      g1.w4_scratch_bytes = g2.w4_scratch_bytes = w4_scratch.bytes();
       grouped_gemms(act_e.data(), int(act_e.size()), ho, rows_total, g1, g2, w.b1, st);
       act_e.clear();  // nothing left for the workspace tiles below
     }
@@ -1637,7 +1630,7 @@ size_t MoeLayer::scratch_bytes() const {
   const Impl& q = *p_;
   return q.counts.bytes() + q.offsets.bytes() + q.sorted.bytes() + q.row_expert.bytes() + q.inv.bytes() +
          q.active.bytes() + q.xh.bytes() + q.xs.bytes() + q.act16.bytes() + q.y32.bytes() + q.a1.bytes() +
-         q.a1s.bytes() + q.a2.bytes() + q.a2s.bytes() + q.d1.bytes() + q.d2.bytes() + q.w4_scratch.bytes();
+         q.a1s.bytes() + q.a2.bytes() + q.a2s.bytes() + q.d1.bytes() + q.d2.bytes();
 }
 
 int* MoeLayer::error_flag() { return p_->err.get(); }

@@ -76,10 +76,9 @@ __device__ __forceinline__ int group_smax(const GroupIn& G) {
 }
 
 // Fold G: its 128 E4M3 bytes go to dst as 8 16-byte pieces, piece c at
-// dst[c ^ sw] (sw: this row's 128-byte swizzle, 0 for none), and also to
-// copy[c] when copy is not null; returns the group's FP8 block scale (NaN for
-// a 0xFF scale byte).
-__device__ __forceinline__ float fold_group(const GroupIn& G, uint4* dst, int sw, uint4* copy = nullptr) {
+// dst[c ^ sw] (sw: this row's 128-byte swizzle, 0 for none); returns the
+// group's FP8 block scale (NaN for a 0xFF scale byte).
+__device__ __forceinline__ float fold_group(const GroupIn& G, uint4* dst, int sw) {
   const int m = group_smax(G), smax = m < 0 ? 133 : m;
   bool nan = false;
 #pragma unroll
@@ -90,10 +89,8 @@ __device__ __forceinline__ float fold_group(const GroupIn& G, uint4* dst, int sw
     fold_lut(d, lo, hi);
     const uint2 p0 = fold_word(G.w[j].x, lo, hi), p1 = fold_word(G.w[j].y, lo, hi);
     const uint2 p2 = fold_word(G.w[j].z, lo, hi), p3 = fold_word(G.w[j].w, lo, hi);
-    const uint4 a = make_uint4(p0.x, p0.y, p1.x, p1.y), b = make_uint4(p2.x, p2.y, p3.x, p3.y);
-    dst[(j * 2) ^ sw] = a;
-    dst[(j * 2 + 1) ^ sw] = b;
-    if (copy) copy[j * 2] = a, copy[j * 2 + 1] = b;
+    dst[(j * 2) ^ sw] = make_uint4(p0.x, p0.y, p1.x, p1.y);
+    dst[(j * 2 + 1) ^ sw] = make_uint4(p2.x, p2.y, p3.x, p3.y);
   }
   return nan ? __int_as_float(0x7fc00000) : ldexpf(1.f, smax - 133);
 }
