@@ -329,6 +329,14 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
       CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
       layer.options().fp8_fold_in_gemm = true;
       layer.options().fp8_gemm = 0;
+      // Auto above fp8_grouped_max_tokens_per_expert: the same kernels on the workspace.
+      const double tpe_max = layer.options().fp8_grouped_max_tokens_per_expert;
+      layer.options().fp8_grouped_max_tokens_per_expert = 0;
+      DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
+      layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
+      ctx.sync();
+      CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
+      layer.options().fp8_grouped_max_tokens_per_expert = tpe_max;
     } else {
       WARN("grouped FP8 GEMM not supported here (needs sm_90 and an sm_90a build): FP8 grouped path not tested");
     }

@@ -1529,9 +1529,12 @@ struct MoeLayer::Impl {
     const int tile = std::max(1, std::min(opt.tile_experts, tile_cap));
     const Mxfp4Stack W1{w.w1_blocks, w.w1_scales, 2 * I, H}, W2{w.w2_blocks, w.w2_scales, H, I};
     check(opt.fp8_gemm >= 0 && opt.fp8_gemm <= 2, DZ_ERR_INVALID_ARGUMENT, "fp8_gemm must be 0 (auto), 1 or 2");
-    const bool grouped = opt.fp8_gemm == 2 || (opt.fp8_gemm == 0 && Fp8GroupedGemm::supported() &&
-                                               double(T) * s.topk / E <= opt.fp8_grouped_max_tokens_per_expert);
-    if (grouped && opt.fp8_fold_in_gemm && !act_e.empty()) {
+    // Auto: the grouped kernel where it runs, folding inside up to
+    // fp8_grouped_max_tokens_per_expert, on the workspace tiles above.
+    const bool grouped = opt.fp8_gemm == 2 || (opt.fp8_gemm == 0 && Fp8GroupedGemm::supported());
+    const bool fold_in =
+        opt.fp8_fold_in_gemm && (opt.fp8_gemm == 2 || double(T) * s.topk / E <= opt.fp8_grouped_max_tokens_per_expert);
+    if (grouped && fold_in && !act_e.empty()) {
       // The grouped GEMMs fold the experts' MXFP4 weights themselves: no FP8
       // workspace, no folding pass; one launch per projection for every active expert.
       Fp8GroupedArgs g1, g2;

@@ -118,10 +118,13 @@ struct MoeOptions {
   // FP8 path GEMMs: 1 per-expert cuBLASLt calls on gemm_streams streams; 2 one
   // grouped launch per projection for all experts of a workspace tile
   // (fp8_grouped_gemm.h; sm_90a only, DZ_ERR_UNSUPPORTED elsewhere); 0 auto:
-  // grouped up to fp8_grouped_max_tokens_per_expert where supported, else 1.
-  // Measured at gpt-oss-120b shapes on an H200 (bench/results/2026-12-01-h200-run10.md,
-  // grouped folding inside): grouped faster up to 256 tokens per expert (8192
-  // tokens 4.45 vs 5.13 ms), cuBLASLt at 512 (16384 tokens 7.36 vs 8.06 ms).
+  // grouped where supported (folding inside up to
+  // fp8_grouped_max_tokens_per_expert, on the workspace above), else 1.
+  // Measured at gpt-oss-120b shapes on an H200: folding inside faster up to
+  // 256 tokens per expert (bench/results/2026-12-01-h200-run10.md: 8192 tokens
+  // 4.45 vs 5.13 ms for cuBLASLt); at 512, once the kernel's FP8-weight tiles
+  // were 128 x 192 (2026-12-02-h200-run87.md), on the workspace 6.41 ms vs
+  // 7.2 folding inside and 6.64 for cuBLASLt (16384 tokens).
   int fp8_gemm = 0;
   double fp8_grouped_max_tokens_per_expert = 256.0;
   // Grouped FP8 GEMMs fold the MXFP4 experts inside the kernel (its producer
@@ -129,6 +132,7 @@ struct MoeOptions {
   // the FP8 workspace first; the same FP8 bytes and scales either way. H200,
   // gpt-oss-120b shapes (run 10): 1024 / 4096 / 8192 tokens 1.56 / 2.59 /
   // 4.45 ms vs 2.70 / 3.51 / 4.85 ms folding first (cuBLASLt: 3.34 / 3.82 / 5.13).
+  // Auto (fp8_gemm 0) folds inside only up to fp8_grouped_max_tokens_per_expert.
   bool fp8_fold_in_gemm = true;
 };
 
