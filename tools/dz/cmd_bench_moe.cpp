@@ -1,7 +1,7 @@
 // dz bench moe: the MXFP4 MoE layer on the GPU at gpt-oss-120b shapes (E=128,
 // top-4, H=I=2880; random MXFP4 weights and routing) for several token counts.
-// Both device paths are timed at every size (fused W4A16 and FP8 workspace +
-// cuBLASLt), giving the measured tokens-per-expert threshold between them;
+// Both device paths are timed at every size (fused W4A16 / W4A8 kernels and
+// the FP8 path: folding + grouped or cuBLASLt GEMMs), giving the measured tokens-per-expert threshold between them;
 // the fused kernels' variants are timed too (K split, PDL), with the achieved
 // fraction of HBM bandwidth on the FP4 expert bytes.
 // Median of CUDA-event timings; L2 flushed before every timed call and the
@@ -45,8 +45,9 @@ const char* kUsage =
     "kernel families are timed as variants at every size.\n"
     "--fp8-gemm: the FP8 path's GEMMs, per-expert cuBLASLt, our grouped kernel (folding the\n"
     "MXFP4 experts itself; grouped_ws: on experts folded into the FP8 workspace first) or auto\n"
-    "(the library's default: grouped up to 256 tokens per expert); of a comma list the first\n"
-    "is fp8_ms, every one listed is timed (fp8_gemm_ms) and compared with the first.\n"
+    "(the library's default: grouped, folding inside up to 256 tokens per expert and on the\n"
+    "workspace above); of a comma list the first is fp8_ms, every one listed is timed in\n"
+    "alternation (fp8_gemm_ms) and its output compared with the first's.\n"
     "--grouped-blocks: persistent blocks of the grouped GEMM (default 0: one per SM).\n";
 
 }  // namespace
@@ -333,7 +334,7 @@ int bench_moe(const Args& a) {
       }
       distinct /= kSets;
       DZ_CUDA_CHECK(cudaDeviceSynchronize());  // pageable copies may land after they return
-      const int r = std::max(3, T >= 4096 ? reps / 4 : reps);
+      const int r = std::max(5, T >= 4096 ? reps / 4 : reps);
       // Fused path: one CUDA graph per routing set (thread-local capture), for
       // each variant (K split over 1, 4 or 8 warps; programmatic dependent
       // launch on/off); the default options are what "fused_ms" reports.
@@ -389,35 +390,45 @@ int bench_moe(const Args& a) {
           }
       }
       const double ms_fused = time_fused(0, false, true, 0, true);
+      // The FP8 path with each GEMM implementation listed (the first is
+      // ms_fp8), timed in alternation (one call of each per round, after
+      // warm calls of each) so that clock drift over the run, e.g. after the
+      // fused path's long calls at large sizes, weighs on all alike; and each
+      // one's output against the first's on routing set 0.
+      const size_t nv = fp8_gemms.size();
       std::vector<double> host;
-      const double ms_fp8 = timer.median_ms(r, kSets, [&](int i) {
+      std::vector<std::vector<double> > samples(nv);
+      auto fp8_call = [&](size_t v, int i, float* out) {
+        set_gemm(layer.options(), fp8_gemms[v]);
         const auto h0 = std::chrono::steady_clock::now();
-        layer.forward(W, x.get(), ids[size_t(i % kSets)].get(), gws[size_t(i % kSets)].get(), T, out_8.get(),
-                      MoePath::kFp8);
-        host.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count());
-      });
-      // The FP8 path with each GEMM implementation listed (the first is ms_fp8),
-      // and each one's output against the first's on routing set 0.
+        layer.forward(W, x.get(), ids[size_t(i % kSets)].get(), gws[size_t(i % kSets)].get(), T, out, MoePath::kFp8);
+        if (v == 0)
+          host.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count());
+      };
+      for (size_t v = 0; v < nv; ++v)
+        for (int i = 0; i < kSets; ++i) fp8_call(v, i, out_8.get());
+      host.clear();
+      for (int i = 0; i < r; ++i)
+        for (size_t v = 0; v < nv; ++v)
+          samples[v].push_back(timer.median_ms(1, 0, [&](int) { fp8_call(v, i, out_8.get()); }));
+      layer.options() = opt;
+      const double ms_fp8 = median(samples[0]);
       nlohmann::json gemm_ms = nlohmann::json::object(), gemm_diff = nlohmann::json::object();
       gemm_ms[fp8_gemms[0]] = ms_fp8;
-      if (fp8_gemms.size() > 1) {
+      if (nv > 1) {
         DeviceArray<float> out_v(P, size_t(T) * H, "out fp8 variant");
         std::vector<float> h0(x.size()), hv(x.size());
         layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_8.get(), MoePath::kFp8);
         ctx.sync();  // the layer runs on a non-blocking stream: cudaMemcpy alone would not wait for it
         DZ_CUDA_CHECK(cudaMemcpy(h0.data(), out_8.get(), h0.size() * 4, cudaMemcpyDeviceToHost));
-        for (size_t v = 1; v < fp8_gemms.size(); ++v) {
-          set_gemm(layer.options(), fp8_gemms[v]);
-          gemm_ms[fp8_gemms[v]] = timer.median_ms(r, kSets, [&](int i) {
-            layer.forward(W, x.get(), ids[size_t(i % kSets)].get(), gws[size_t(i % kSets)].get(), T, out_v.get(),
-                          MoePath::kFp8);
-          });
-          layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_v.get(), MoePath::kFp8);
+        for (size_t v = 1; v < nv; ++v) {
+          gemm_ms[fp8_gemms[v]] = median(samples[v]);
+          fp8_call(v, 0, out_v.get());
           ctx.sync();
           DZ_CUDA_CHECK(cudaMemcpy(hv.data(), out_v.get(), hv.size() * 4, cudaMemcpyDeviceToHost));
           gemm_diff[fp8_gemms[v]] = diff_metric(h0, hv);
-          layer.options() = opt;
         }
+        layer.options() = opt;
       }
       // Outputs of both paths on routing set 0, and their agreement.
       layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
