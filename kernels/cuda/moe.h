@@ -123,8 +123,9 @@ struct MoeOptions {
   // Measured at gpt-oss-120b shapes on an H200: folding inside faster up to
   // 256 tokens per expert (bench/results/2026-12-01-h200-run10.md: 8192 tokens
   // 4.45 vs 5.13 ms for cuBLASLt); at 512, once the kernel's FP8-weight tiles
-  // were 128 x 192 (2026-12-02-h200-run87.md), on the workspace 6.41 ms vs
-  // 7.2 folding inside and 6.64 for cuBLASLt (16384 tokens).
+  // were 128 x 192 (2026-12-02-h200-run87.md, run 89: timed in
+  // alternation), on the workspace 6.62 ms vs 7.24 folding inside and 6.75
+  // for cuBLASLt (16384 tokens).
   int fp8_gemm = 0;
   double fp8_grouped_max_tokens_per_expert = 256.0;
   // Grouped FP8 GEMMs fold the MXFP4 experts inside the kernel (its producer
