@@ -374,63 +374,6 @@ TEST_CASE("CUDA grouped FP8 GEMM matches float64 and cuBLASLt per group", "[cuda
       INFO(diff_b << " of " << gotb.size() << " output elements differ with " << blocks << " block(s)");
       CHECK(diff_b == 0);
     }
-    // FP8 weights with MXFP4 experts folded beside the GEMM (the experts in
-    // another order, one twice): the GEMM's bits unchanged, and the folded
-    // bytes and scales those of the folding kernel above; with one, three and
-    // every block; and with no rows to multiply (the folding kernel does it).
-    {
-      const std::vector<int> fids{4, 1, 3, 0, 2, 4};
-      const size_t nf = fids.size();
-      Buf<uint8_t> want_q(size_t(per) * nf);
-      Buf<float> want_s(size_t(per_s) * nf);
-      mxfp4_fold_experts(stack, fids.data(), int(nf), Fp8Slots{want_q.p, want_s.p}, ctx.stream());
-      ctx.sync();
-      const auto wq = want_q.get();
-      const auto wsc = want_s.get();
-      const std::vector<int> none(sizes.size(), 0);
-      for (int blocks : {0, 1, 3, -1}) {
-        INFO("folding beside the GEMM, blocks " << blocks << (blocks < 0 ? " (no rows)" : ""));
-        Device dvf(p);
-        Fp8GroupedArgs af = dvf.args(p);
-        af.w = q.p, af.w_stride = per, af.ws = qs.p, af.ws_stride = per_s;
-        af.max_blocks = std::max(blocks, 0);
-        if (blocks < 0) af.counts = none.data();
-        Buf<uint8_t> fq(size_t(per) * nf);
-        Buf<float> fs(size_t(per_s) * nf);
-        DZ_CUDA_CHECK(cudaMemset(fq.p, 0x7F, fq.n));  // poison: every byte must be written
-        DZ_CUDA_CHECK(cudaMemset(fs.p, 0x7F, fs.n * sizeof(float)));
-        af.fold_w = stack, af.fold_ids = fids.data(), af.fold_n = int(nf), af.fold_w_experts = E;
-        af.fold_out = Fp8Slots{fq.p, fs.p};
-        gg.run(af, ctx.stream());
-        ctx.sync();
-        if (blocks >= 0) {
-          const auto gotf = dvf.d.get();
-          int64_t diff_f = 0;
-          for (size_t i = 0; i < gotf.size(); ++i) diff_f += gotf[i] != want[i];
-          INFO(diff_f << " GEMM output elements differ");
-          CHECK(diff_f == 0);
-        }
-        const auto gq = fq.get();
-        const auto gs = fs.get();
-        int64_t bad_q = 0, bad_s = 0;
-        for (size_t i = 0; i < gq.size(); ++i) bad_q += gq[i] != wq[i];
-        for (size_t i = 0; i < gs.size(); ++i) bad_s += std::memcmp(&gs[i], &wsc[i], 4) != 0;
-        INFO(bad_q << " folded bytes and " << bad_s << " scales differ from the folding kernel's");
-        CHECK(bad_q == 0);
-        CHECK(bad_s == 0);
-      }
-      // Bad folding arguments: MXFP4 weights in the GEMM too, an expert out of range, too many experts.
-      Fp8GroupedArgs af = a4;
-      af.fold_w = stack, af.fold_ids = fids.data(), af.fold_n = int(nf), af.fold_w_experts = E;
-      af.fold_out = Fp8Slots{want_q.p, want_s.p};
-      CHECK_THROWS_AS(gg.run(af, ctx.stream()), Error);
-      af = a, af.fold_w = stack, af.fold_ids = fids.data(), af.fold_n = int(nf), af.fold_w_experts = 4;
-      af.fold_out = Fp8Slots{want_q.p, want_s.p};
-      CHECK_THROWS_AS(gg.run(af, ctx.stream()), Error);
-      const std::vector<int> many(size_t(kFoldBesideMaxExperts) + 1, 0);
-      af.fold_ids = many.data(), af.fold_n = int(many.size()), af.fold_w_experts = E;
-      CHECK_THROWS_AS(gg.run(af, ctx.stream()), Error);
-    }
     // Bad MXFP4 arguments: rows not n, K not padding to k, an expert out of range.
     auto b = a4;
     b.w4.rows = n + 16;

@@ -5,7 +5,6 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "cpu/mxfp4_fold.h"
 #include "cuda/fp8_grouped_gemm.h"
 #include "cuda/mxfp4_fold.cuh"
 #include "cuda/ptx.cuh"
@@ -58,24 +57,16 @@ static_assert(128 * kW4Producers * kW4ProducerRegs + 128 * kConsumers * kW4Consu
 constexpr int kW4Stages = 6, kW4Bufs = 1;
 constexpr int kW4TileBytes = kBN<true> * 64;
 
-// FP8 weights: warps 1-3 of the producer warpgroup, idle otherwise, fold
-// MXFP4 experts for a later launch beside the GEMM (Fp8GroupedArgs::fold_*):
-// each lane kFoldDepth groups of 128 elements at a time, their 64 bytes
-// through shared memory by asynchronous copy (no registers held in flight:
-// the warpgroup runs on 40).
-constexpr int kFoldWarps = 3, kFoldDepth = 3, kMaxFoldIds = kFoldBesideMaxExperts;
-constexpr int kFoldRingBytes = kFoldWarps * kFoldDepth * 32 * 64;
-
 // Shared memory of a kernel with S stages: X tiles, W tiles, W scales, the
-// full and empty barriers, each stage's tile, then the MXFP4 tiles (kW4) or
-// the folding ring (FP8 weights).
+// full and empty barriers, each stage's tile (FP8 weights), then (kW4) the
+// MXFP4 tiles.
 template <bool kW4>
 struct Smem {
   static constexpr int S = kW4 ? kW4Stages : kStages;
   static constexpr int offB = S * kABytes, offS = offB + S * kBBytes<kW4>, offBar = offS + S * kSBytes<kW4>;
   static constexpr int offTile = offBar + 2 * S * 8, offW4 = (offTile + 4 * S + 127) / 128 * 128;
   static constexpr int bytes =
-      offW4 + (kW4 ? kW4Producers * kW4Bufs * kW4TileBytes : kFoldRingBytes) + 1024;  // +1024: base aligned up
+      (kW4 ? offW4 + kW4Producers * kW4Bufs * kW4TileBytes : offTile + 4 * S) + 1024;  // +1024: base aligned up
   static_assert(offS % 128 == 0 && kSBytes<kW4> % 128 == 0, "bulk copy destinations");
   static_assert(bytes <= 227 * 1024, "shared memory of one sm_90 block");
 };
@@ -96,20 +87,13 @@ struct Params {
   const float* xs;
   __nv_bfloat16* d;
   int n, nkb, groups, tiles_total;
-  int* sched;  // FP8 weights: [next tile, blocks done, next group to fold], zero at launch and again when the last
-               // block is done
+  int* sched;  // FP8 weights: [next tile, blocks done], zero at launch and again when the last block is done
   const uint8_t *w4_blocks, *w4_scales;  // MXFP4 weights: stacks [E][n][nsub][16], [E][n][nsub]
   int nsub;
   int expert[kMaxGroups];  // MXFP4 weights: group -> index in the stacks
   int off[kMaxGroups];
   int m[kMaxGroups];
   int tile_start[kMaxGroups + 1];  // prefix sums of ceil(m/kBM) * ceil(n/kBN)
-  // FP8 weights: f_items groups of 128 elements (f_ids' experts, rows, groups fastest) folded beside the GEMM.
-  const uint8_t *f_blocks, *f_scales;
-  uint8_t* f_out;
-  float* f_out_scales;
-  int f_rows, f_nsub, f_ngroups, f_items;
-  int f_ids[kMaxFoldIds];
 };
 static_assert(sizeof(Params) <= 4096, "kernel parameters");
 
@@ -227,55 +211,6 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[96], uint64_t da, uint64_t
 }
 #undef DZ_GG_ACC8
 #undef DZ_GG_R64
-
-// One warp's share of the folding beside the GEMM: batches of 32 x kFoldDepth
-// groups from the counter p.sched[2]; each lane copies its groups' sub-blocks
-// into its slots of the ring (zero past the row's end) and their scale bytes
-// into a register, then folds them straight to global memory: the bytes and
-// scales of mxfp4_fold_experts (the same fold_group).
-__device__ __forceinline__ void fold_beside(const Params& p, uint8_t* ring, int lane) {
-  const int per = p.f_rows * p.f_ngroups;
-  const int64_t kpad = int64_t(p.f_ngroups) * 128;
-  for (;;) {
-    int base = 0;
-    if (lane == 0) base = atomicAdd(p.sched + 2, 32 * kFoldDepth);
-    base = __shfl_sync(0xffffffffu, base, 0);
-    if (base >= p.f_items) break;
-    uint32_t scv[kFoldDepth];
-#pragma unroll
-    for (int d = 0; d < kFoldDepth; ++d) {
-      const int item = base + d * 32 + lane;
-      scv[d] = 0;
-      if (item >= p.f_items) continue;
-      const int slot = item / per, idx = item - slot * per, r = idx / p.f_ngroups, g = idx - r * p.f_ngroups;
-      const int64_t er = int64_t(p.f_ids[slot]) * p.f_rows + r;
-      const uint8_t* bl = p.f_blocks + er * p.f_nsub * 16;
-      const uint8_t* sc = p.f_scales + er * p.f_nsub;
-      const uint32_t dst = smem_u32(ring + (d * 32 + lane) * 64);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int sb = g * 4 + q;
-        const bool ok = sb < p.f_nsub;
-        ptx::cp_async16_zfill(dst + 16u * uint32_t(q), ok ? bl + sb * 16 : bl, ok ? 16u : 0u);
-        if (ok) scv[d] |= uint32_t(sc[sb]) << (8 * q);
-      }
-    }
-    ptx::cp_async_commit();
-    ptx::cp_async_wait<0>();
-#pragma unroll
-    for (int d = 0; d < kFoldDepth; ++d) {
-      const int item = base + d * 32 + lane;
-      if (item >= p.f_items) continue;
-      const int slot = item / per, idx = item - slot * per, r = idx / p.f_ngroups, g = idx - r * p.f_ngroups;
-      const uint4* src = reinterpret_cast<const uint4*>(ring + (d * 32 + lane) * 64);
-      GroupIn G;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) G.w[q] = src[q], G.s[q] = int((scv[d] >> (8 * q)) & 0xFFu);
-      uint4* out = reinterpret_cast<uint4*>(p.f_out + int64_t(slot) * p.f_rows * kpad + int64_t(idx) * 128);
-      p.f_out_scales[int64_t(slot) * per + int64_t(g) * p.f_rows + r] = fold_group(G, out, 0);
-    }
-  }
-}
 #endif  // DZ_GG_SM90A
 
 // Persistent: with FP8 weights blocks take tiles in order from p.sched, with
@@ -423,12 +358,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     ptx::cp_async_wait<0>();
   } else if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    const int pwarp = int(threadIdx.x) >> 5;
-    if (pwarp > 0) {
-      if (p.f_items > 0)
-        fold_beside(p, smem_raw + (base - raw) + L::offW4 + (pwarp - 1) * (kFoldRingBytes / kFoldWarps),
-                    int(threadIdx.x) & 31);
-    } else if (threadIdx.x == 0) {
+    if (threadIdx.x == 0) {
       prefetch_map(&p.xmap);
       prefetch_map(&p.wmap);
       prefetch_map(&p.smap);
@@ -458,18 +388,12 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
           if (++stage == kS) stage = 0, phase ^= 1u;
         }
       }
-    }
-    // The last block done resets the counters for the next launch (every
-    // block's last increments of them come before its increment here: the
-    // warpgroup's barrier waits for its folding warps).
-    __syncwarp();
-    asm volatile("bar.sync 1, 128;" ::: "memory");
-    if (threadIdx.x == 0) {
+      // The last block done resets the counter for the next launch (every
+      // block's last increment of it comes before its increment here).
       __threadfence();
       if (atomicAdd(p.sched + 1, 1) == int(gridDim.x) - 1) {
         p.sched[0] = 0;
         p.sched[1] = 0;
-        p.sched[2] = 0;
         __threadfence();
       }
     }
@@ -648,8 +572,8 @@ Fp8GroupedGemm::Fp8GroupedGemm() {
     DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<false>::bytes));
   for (auto k : {fp8_grouped_kernel<false, true>, fp8_grouped_kernel<true, true>})
     DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<true>::bytes));
-  DZ_CUDA_CHECK(cudaMalloc(&sched_, 3 * sizeof(int)));
-  DZ_CUDA_CHECK(cudaMemset(sched_, 0, 3 * sizeof(int)));
+  DZ_CUDA_CHECK(cudaMalloc(&sched_, 2 * sizeof(int)));
+  DZ_CUDA_CHECK(cudaMemset(sched_, 0, 2 * sizeof(int)));
 }
 
 Fp8GroupedGemm::~Fp8GroupedGemm() {
@@ -669,33 +593,9 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     check(a.counts[g] >= 0 && a.offsets[g] >= 0 && int64_t(a.offsets[g]) + a.counts[g] <= a.rows_total,
           DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: group ", g, " rows [", a.offsets[g], ", ",
           int64_t(a.offsets[g]) + a.counts[g], ") outside the ", a.rows_total, " rows of X and D");
-  // The folding beside the GEMM: checked here, done by the first launch (or,
-  // when there is none, by the folding kernel).
-  const int fold_n = a.fold_n;
-  int64_t fold_items = 0;
-  if (fold_n > 0) {
-    const Mxfp4Stack& f = a.fold_w;
-    check(!w4, DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: folding beside the GEMM needs FP8 weights");
-    check(fold_n <= kMaxFoldIds && a.fold_ids && f.blocks && f.scales && f.rows > 0 && f.k > 0 && f.k % 32 == 0 &&
-              aligned(f.blocks, 16) && a.fold_out.fp8 && a.fold_out.scales && aligned(a.fold_out.fp8, 16) &&
-              aligned(a.fold_out.scales, 4),
-          DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: folding beside the GEMM of ", fold_n, " experts (at most ",
-          kMaxFoldIds, ") of ", f.rows, " x ", f.k,
-          " MXFP4 (K a multiple of 32; blocks and FP8 output 16-byte aligned, scales 4-byte; ids given)");
-    for (int i = 0; i < fold_n; ++i)
-      check(a.fold_ids[i] >= 0 && a.fold_ids[i] < a.fold_w_experts, DZ_ERR_INVALID_ARGUMENT,
-            "fp8_grouped_gemm: folding beside the GEMM names expert ", a.fold_ids[i], " of ", a.fold_w_experts);
-    fold_items = int64_t(fold_n) * f.rows * (cpu::fold_kpad(f.k) / 128);
-    check(fold_items < (int64_t(1) << 31) - 32 * kFoldDepth, DZ_ERR_INVALID_ARGUMENT,
-          "fp8_grouped_gemm: folding beside the GEMM of ", fold_items, " groups (fewer than 2^31)");
-  }
-  bool fold_pending = fold_n > 0;
-  auto fold_rest = [&] {
-    if (fold_pending) mxfp4_fold_experts(a.fold_w, a.fold_ids, fold_n, a.fold_out, s);
-  };
   int64_t rows_used = 0;
   for (int g = 0; g < a.groups; ++g) rows_used += a.counts[g];
-  if (rows_used == 0) return fold_rest();
+  if (rows_used == 0) return;
   check(a.x && a.xs && a.d && (w4 ? a.w4.scales != nullptr : a.w && a.ws), DZ_ERR_INVALID_ARGUMENT,
         "fp8_grouped_gemm: null pointer");
   check(aligned(a.x, 16) && aligned(a.d, 16) && aligned(a.xs, 4) && (w4 || (aligned(a.w, 16) && aligned(a.ws, 16))),
@@ -757,15 +657,6 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     p.tile_start[G] = tiles;
     p.tiles_total = tiles;
     if (tiles == 0) continue;
-    p.f_items = 0;
-    if (fold_pending) {
-      const Mxfp4Stack& f = a.fold_w;
-      p.f_blocks = f.blocks, p.f_scales = f.scales, p.f_out = a.fold_out.fp8, p.f_out_scales = a.fold_out.scales;
-      p.f_rows = int(f.rows), p.f_nsub = int(f.k / 32), p.f_ngroups = int(cpu::fold_kpad(f.k) / 128);
-      p.f_items = int(fold_items);
-      for (int i = 0; i < fold_n; ++i) p.f_ids[i] = a.fold_ids[i];
-      fold_pending = false;
-    }
     const int blocks = a.max_blocks > 0 ? std::min(a.max_blocks, n_sm_) : n_sm_;
     const dim3 grid(unsigned(std::min(tiles, blocks))), block(w4 ? kThreadsW4 : kThreads);
     const auto kernel = w4 ? (debug_ ? fp8_grouped_kernel<true, true> : fp8_grouped_kernel<false, true>)
@@ -778,7 +669,6 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
       if (cap == cudaStreamCaptureStatusNone) DZ_CUDA_CHECK(cudaStreamSynchronize(s));
     }
   }
-  fold_rest();
 }
 
 }  // namespace dz::cuda

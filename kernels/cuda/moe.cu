@@ -1544,45 +1544,22 @@ struct MoeLayer::Impl {
       grouped_gemms(act_e.data(), int(act_e.size()), ho, rows_total, g1, g2, w.b1, st);
       act_e.clear();  // nothing left for the workspace tiles below
     }
-    // Tile ti's FP8 weights and scales in workspace buffer ti % 2.
-    auto slots = [&](size_t ti, Fp8Slots& o1, Fp8Slots& o2) {
-      const size_t buf = ti % 2;
-      o1.fp8 = ws_fp8.get() + buf * tile * (w1_fp8 + w2_fp8), o2.fp8 = o1.fp8 + size_t(tile) * w1_fp8;
-      o1.scales = ws_scales.get() + buf * tile * (w1_sc + w2_sc), o2.scales = o1.scales + size_t(tile) * w1_sc;
-    };
-    // The grouped kernel folds the next tile beside its GEMMs (the first tile
-    // is folded ahead); else every tile is folded on the aux stream, which
-    // runs only where the GEMMs leave room.
-    const bool beside = grouped && opt.fp8_fold_beside_gemm && tile <= kFoldBesideMaxExperts;
     for (size_t t0 = 0, ti = 0; t0 < act_e.size(); t0 += tile, ++ti) {
       const int n = int(std::min<size_t>(tile, act_e.size() - t0));
       const int buf = int(ti % 2);
-      Fp8Slots o1, o2;
-      slots(ti, o1, o2);
-      uint8_t *f1 = o1.fp8, *f2 = o2.fp8;
-      float *s1 = o1.scales, *s2 = o2.scales;
-      if (!beside || ti == 0) {
-        DZ_CUDA_CHECK(cudaStreamWaitEvent(aux, ev_free[buf], 0));
-        mxfp4_fold_experts(W1, act_e.data() + t0, n, o1, aux);
-        mxfp4_fold_experts(W2, act_e.data() + t0, n, o2, aux);
-        DZ_CUDA_CHECK(cudaEventRecord(ev_ready[buf], aux));
-        DZ_CUDA_CHECK(cudaStreamWaitEvent(st, ev_ready[buf], 0));
-      }
+      uint8_t* f1 = ws_fp8.get() + size_t(buf) * tile * (w1_fp8 + w2_fp8);
+      uint8_t* f2 = f1 + size_t(tile) * w1_fp8;
+      float* s1 = ws_scales.get() + size_t(buf) * tile * (w1_sc + w2_sc);
+      float* s2 = s1 + size_t(tile) * w1_sc;
+      DZ_CUDA_CHECK(cudaStreamWaitEvent(aux, ev_free[buf], 0));
+      mxfp4_fold_experts(W1, act_e.data() + t0, n, Fp8Slots{f1, s1}, aux);
+      mxfp4_fold_experts(W2, act_e.data() + t0, n, Fp8Slots{f2, s2}, aux);
+      DZ_CUDA_CHECK(cudaEventRecord(ev_ready[buf], aux));
+      DZ_CUDA_CHECK(cudaStreamWaitEvent(st, ev_ready[buf], 0));
       if (grouped) {
         Fp8GroupedArgs g1, g2;
         g1.w = f1, g1.w_stride = int64_t(w1_fp8), g1.ws = s1, g1.ws_stride = int64_t(w1_sc);
         g2.w = f2, g2.w_stride = int64_t(w2_fp8), g2.ws = s2, g2.ws_stride = int64_t(w2_sc);
-        if (beside && t0 + tile < act_e.size()) {
-          // The next tile into the other buffer, whose last readers (tile ti - 1's GEMMs) ran before on st.
-          Fp8Slots n1, n2;
-          slots(ti + 1, n1, n2);
-          const int nn = int(std::min<size_t>(tile, act_e.size() - t0 - tile));
-          g1.fold_w = W1, g2.fold_w = W2;
-          g1.fold_ids = g2.fold_ids = act_e.data() + t0 + tile;
-          g1.fold_n = g2.fold_n = nn;
-          g1.fold_w_experts = g2.fold_w_experts = E;
-          g1.fold_out = n1, g2.fold_out = n2;
-        }
         grouped_gemms(act_e.data() + t0, n, ho, rows_total, g1, g2, w.b1, st);
         DZ_CUDA_CHECK(cudaEventRecord(ev_free[buf], st));
         continue;

@@ -135,10 +135,6 @@ struct MoeOptions {
   // 4.45 ms vs 2.70 / 3.51 / 4.85 ms folding first (cuBLASLt: 3.34 / 3.82 / 5.13).
   // Auto (fp8_gemm 0) folds inside only up to fp8_grouped_max_tokens_per_expert.
   bool fp8_fold_in_gemm = true;
-  // On the workspace with the grouped kernel: each tile's GEMMs fold the next
-  // tile's experts beside them (idle producer warps) instead of a folding
-  // kernel on the aux stream, which finds no room beside the GEMM's blocks.
-  bool fp8_fold_beside_gemm = true;
 };
 
 class MoeLayer {

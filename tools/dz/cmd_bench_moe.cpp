@@ -38,15 +38,13 @@ const char* kUsage =
     "usage: dz bench moe [--tokens 1,8,64,128,256,384,512,1024,2048,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
     "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
     "                    [--no-components] [--w4a8]\n"
-    "                    [--fp8-gemm auto|cublaslt|grouped|grouped_ws|grouped_ws_aux|LIST] [--grouped-blocks N]\n"
+    "                    [--fp8-gemm auto|cublaslt|grouped|grouped_ws|LIST] [--grouped-blocks N]\n"
     "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
     "MXFP4 MoE layer on the GPU: fused (W4A8 / W4A16 kernels) vs FP8 (fold + FP8 GEMMs) paths, JSON results.\n"
     "--w4a8: the fused path's default with the W4A8 kernels on (as DZ_EXPERTS_FP8); either way both\n"
     "kernel families are timed as variants at every size.\n"
     "--fp8-gemm: the FP8 path's GEMMs, per-expert cuBLASLt, our grouped kernel (folding the\n"
-    "MXFP4 experts itself; grouped_ws: on experts folded into the FP8 workspace, each tile of\n"
-    "them beside the previous tile's GEMMs; grouped_ws_aux: the same, every tile folded by a\n"
-    "kernel on a second stream) or auto\n"
+    "MXFP4 experts itself; grouped_ws: on experts folded into the FP8 workspace first) or auto\n"
     "(the library's default: grouped, folding inside up to 256 tokens per expert and on the\n"
     "workspace above); of a comma list the first is fp8_ms, every one listed is timed in\n"
     "alternation (fp8_gemm_ms) and its output compared with the first's.\n"
@@ -109,25 +107,19 @@ int bench_moe(const Args& a) {
     std::string item;
     while (std::getline(ss, item, ',')) {
       if (item.empty()) continue;
-      if (item != "auto" && item != "cublaslt" && item != "grouped" && item != "grouped_ws" &&
-          item != "grouped_ws_aux") {
-        std::fprintf(
-            stderr,
-            "dz bench moe: --fp8-gemm takes auto, cublaslt, grouped, grouped_ws and/or grouped_ws_aux, not '%s'\n",
-            item.c_str());
+      if (item != "auto" && item != "cublaslt" && item != "grouped" && item != "grouped_ws") {
+        std::fprintf(stderr, "dz bench moe: --fp8-gemm takes auto, cublaslt, grouped and/or grouped_ws, not '%s'\n",
+                     item.c_str());
         return 2;
       }
       fp8_gemms.push_back(item);
     }
     if (fp8_gemms.empty()) fp8_gemms.push_back("cublaslt");
   }
-  // grouped_ws(_aux): the grouped GEMMs on experts folded into the FP8 workspace
-  // (beside the GEMMs, or on the aux stream).
+  // grouped_ws: the grouped GEMMs on experts folded into the FP8 workspace first.
   auto set_gemm = [](MoeOptions& o, const std::string& g) {
-    const bool ws = g == "grouped_ws" || g == "grouped_ws_aux";
-    o.fp8_gemm = g == "grouped" || ws ? 2 : g == "cublaslt" ? 1 : 0;
-    o.fp8_fold_in_gemm = !ws;
-    o.fp8_fold_beside_gemm = g != "grouped_ws_aux";
+    o.fp8_gemm = g == "grouped" || g == "grouped_ws" ? 2 : g == "cublaslt" ? 1 : 0;
+    o.fp8_fold_in_gemm = g != "grouped_ws";
   };
   set_gemm(opt, fp8_gemms[0]);
   opt.fp8_grouped_blocks = int_flag("--grouped-blocks", opt.fp8_grouped_blocks);
