@@ -1,9 +1,10 @@
 // dz bench moe: the MXFP4 MoE layer on the GPU at gpt-oss-120b shapes (E=128,
 // top-4, H=I=2880; random MXFP4 weights and routing) for several token counts.
 // Both device paths are timed at every size (fused W4A16 / W4A8 kernels and
-// the FP8 path: folding + grouped or cuBLASLt GEMMs), giving the measured tokens-per-expert threshold between them;
-// the fused kernels' variants are timed too (K split, PDL), with the achieved
-// fraction of HBM bandwidth on the FP4 expert bytes.
+// the FP8 path: folding + grouped or cuBLASLt GEMMs), giving the measured
+// tokens-per-expert threshold between them; the fused kernels' variants are
+// timed too (K split, PDL), with the achieved fraction of HBM bandwidth on the
+// FP4 expert bytes.
 // Median of CUDA-event timings; L2 flushed before every timed call and the
 // routing rotated among several sets; the fused path replays CUDA graphs.
 // --dump DIR writes the weights, inputs, routing and outputs for the PyTorch
