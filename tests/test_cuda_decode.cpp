@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -15,6 +16,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/sampling.h"
@@ -222,6 +224,48 @@ dz::cuda::ContextOptions small_ctx() {
 
 }  // namespace
 
+TEST_CASE("split-K decode attention: the chunk policy on the host (no GPU needed)", "[cuda]") {
+  using dz::cuda::decode_chunk_keys;
+  using dz::cuda::decode_chunks;
+  const dz::cuda::DecodeSplitPolicy def;
+  // The default's table (docs/cuda-attention.md): 256 keys up to 2K, 512 up to 8K, 1K up to 32K, then at most 32.
+  const std::pair<int, int> table[] = {
+      {1, 256},      {256, 256},    {2048, 256},   {2049, 512},    {8192, 512},      {8193, 1024},        {32768, 1024},
+      {32769, 2048}, {65536, 2048}, {65537, 4096}, {131072, 4096}, {1 << 20, 32768}, {INT32_MAX, 1 << 26}};
+  for (const auto& [len, chunk] : table) {
+    INFO("len " << len);
+    CHECK(decode_chunk_keys(len, def, def.max_splits) == chunk);
+  }
+  CHECK_FALSE(dz::cuda::decode_policy_valid({48, 8, 32}));
+  CHECK_FALSE(dz::cuda::decode_policy_valid({256, 0, 32}));
+  CHECK_FALSE(dz::cuda::decode_policy_valid({256, 8, 0}));
+  CHECK(dz::cuda::decode_policy_valid(def));
+  // Random policies and lengths against a search over chunk sizes: the
+  // smallest min_chunk * 2^k with at most base_splits * 2^k and max_splits
+  // chunks; a grid too small for it takes the fewest 32-key multiples that fit.
+  std::mt19937 rng(5);
+  for (int it = 0; it < 20000; ++it) {
+    dz::cuda::DecodeSplitPolicy p;
+    p.min_chunk = 32 * int(1 + rng() % 32);
+    p.base_splits = int(1 + rng() % 64);
+    p.max_splits = int(1 + rng() % 64);
+    const int len = int(1 + rng() % (it % 2 ? 5000u : 3000000u));
+    int64_t want = 0;
+    for (int k = 0; k < 40 && !want; ++k) {
+      const int64_t c = int64_t(p.min_chunk) << k, n = (len + c - 1) / c;
+      if (n <= p.max_splits && n <= int64_t(p.base_splits) << k) want = c;
+    }
+    const int splits = int(1 + rng() % 80);
+    const int64_t fit = (int64_t(len) + splits - 1) / splits;
+    if (fit > want) want = (fit + 31) / 32 * 32;
+    INFO("policy " << p.min_chunk << ":" << p.base_splits << ":" << p.max_splits << ", len " << len << ", splits "
+                   << splits);
+    REQUIRE(decode_chunk_keys(len, p, splits) == want);
+    REQUIRE(decode_chunks(len, p, splits) == int((len + want - 1) / want));
+    REQUIRE(decode_chunks(len, p, splits) <= std::min(splits, p.max_splits));
+  }
+}
+
 TEST_CASE("split-K decode attention: float64 reference, unsplit kernel, grid independence", "[cuda]") {
   if (!have_gpu()) return;
   dz::cuda::Context ctx(small_ctx());
@@ -263,11 +307,16 @@ TEST_CASE("split-K decode attention: float64 reference, unsplit kernel, grid ind
                     << " (max |out| " << amax << ")");
       CHECK(e_un < 2e-5 * std::max(1.0, amax));
       struct Pol {
-        int min_chunk, max_splits;
+        int min_chunk, base_splits, max_splits;
       };
-      for (const Pol pol : {Pol{64, 64}, Pol{32, 1024}, Pol{32, 8}, Pol{256, 4}, Pol{512, 64}}) {
+      // The library's default, chunks growing with the length from 32 keys,
+      // and fixed-size chunks (base_splits >= max_splits).
+      const dz::cuda::DecodeSplitPolicy def;
+      for (const Pol pol : {Pol{def.min_chunk, def.base_splits, def.max_splits}, Pol{32, 2, 64}, Pol{64, 64, 64},
+                            Pol{32, 1024, 1024}, Pol{32, 8, 8}, Pol{256, 4, 4}, Pol{512, 64, 64}}) {
         dz::cuda::DecodeSplitPolicy p;
         p.min_chunk = pol.min_chunk;
+        p.base_splits = pol.base_splits;
         p.max_splits = pol.max_splits;
         int need = 1;
         for (int r = 0; r < R; ++r) {
@@ -284,8 +333,9 @@ TEST_CASE("split-K decode attention: float64 reference, unsplit kernel, grid ind
             const double e = max_err(got);
             double vs_un = 0;
             for (size_t k = 0; k < got.size(); ++k) vs_un = std::max(vs_un, double(std::fabs(got[k] - un[k])));
-            INFO("policy chunk " << p.min_chunk << " x" << p.max_splits << ", grid " << splits << " (need " << need
-                                 << "), partial rows " << prow << ": max error " << e << ", vs unsplit " << vs_un);
+            INFO("policy " << p.min_chunk << ":" << p.base_splits << ":" << p.max_splits << ", grid " << splits
+                           << " (need " << need << "), partial rows " << prow << ": max error " << e << ", vs unsplit "
+                           << vs_un);
             CHECK(e < 2e-5 * std::max(1.0, amax));
             CHECK(vs_un < 4e-5 * std::max(1.0, amax));
           }

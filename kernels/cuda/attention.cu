@@ -137,9 +137,14 @@ constexpr size_t split_smem() {
   return tiles > merge ? tiles : merge;
 }
 
-__host__ __device__ inline int chunk_keys(int len, int min_chunk, int max_splits, int splits) {
-  int64_t c = min_chunk;
-  while ((int64_t(len) + c - 1) / c > max_splits) c *= 2;
+// The policy's chunk for len keys (see DecodeSplitPolicy), then larger if a
+// grid of `splits` blocks per row is too small for it.
+__host__ __device__ inline int chunk_keys(int len, const DecodeSplitPolicy& p, int splits) {
+  int64_t c = p.min_chunk;
+  for (;; c *= 2) {  // at most base_splits * (c / min_chunk) chunks of c keys, and max_splits
+    const int64_t n = (int64_t(len) + c - 1) / c;
+    if (n <= p.max_splits && n <= int64_t(p.base_splits) * (c / p.min_chunk)) break;
+  }
   const int64_t need = (int64_t(len) + splits - 1) / splits;  // a grid too small for the policy: larger chunks
   if (need > c) c = (need + kSplitKeys - 1) / kSplitKeys * kSplitKeys;
   return int(c);
@@ -271,13 +276,13 @@ __device__ __forceinline__ void attend_tile16(uint32_t kt, uint32_t vt, const ui
 // the chunks in a fixed order with the sink.
 template <int D>
 __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 4)
-    split_kernel(AttnBatch a, const int32_t* __restrict__ rows, int splits, int min_chunk, int max_splits,
+    split_kernel(AttnBatch a, const int32_t* __restrict__ rows, int splits, DecodeSplitPolicy pol,
                  float* __restrict__ part, int* __restrict__ tickets) {
   constexpr int KS = D / 16, NT = D / 8, ROW = split_row<D>(), PD = D / 8;
   constexpr uint32_t TB = split_tile_bytes<D>();
   const int i = blockIdx.z, r = rows[i];
   const int item = a.row_item[r], pos = a.row_pos[r], lo = row_lo(a, pos), len = pos - lo + 1;
-  const int chunk = chunk_keys(len, min_chunk, max_splits, splits);
+  const int chunk = chunk_keys(len, pol, splits);
   const int n = int((int64_t(len) + chunk - 1) / chunk);
   const int c = blockIdx.y;
   if (c >= n) return;  // whole block: past this row's chunks
@@ -600,12 +605,15 @@ void attention_decode(const AttnBatch& a, const int32_t* rows, int n_rows, cudaS
   DZ_CUDA_LAUNCH_CHECK();
 }
 
-int decode_chunk_keys(int len, const DecodeSplitPolicy& p, int splits) {
-  return chunk_keys(len, p.min_chunk, p.max_splits, splits);
+bool decode_policy_valid(const DecodeSplitPolicy& p) {
+  return p.min_chunk >= kSplitKeys && p.min_chunk % kSplitKeys == 0 && p.min_chunk <= (1 << 20) && p.base_splits >= 1 &&
+         p.base_splits <= 4096 && p.max_splits >= 1 && p.max_splits <= 4096;
 }
 
+int decode_chunk_keys(int len, const DecodeSplitPolicy& p, int splits) { return chunk_keys(len, p, splits); }
+
 int decode_chunks(int len, const DecodeSplitPolicy& p, int splits) {
-  const int64_t c = chunk_keys(len, p.min_chunk, p.max_splits, splits);
+  const int64_t c = chunk_keys(len, p, splits);
   return int((int64_t(len) + c - 1) / c);
 }
 
@@ -621,10 +629,9 @@ size_t decode_ticket_ints(int n_rows, int n_heads, int n_kv_heads) {
 void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows, int splits, const DecodeSplitPolicy& p,
                             const DecodeScratch& scratch, cudaStream_t s) {
   if (n_rows <= 0) return;
-  check(
-      p.min_chunk >= kSplitKeys && p.min_chunk % kSplitKeys == 0 && p.max_splits >= 1 && splits >= 1 && splits <= 4096,
-      DZ_ERR_INVALID_ARGUMENT, "split decode attention: min_chunk ", p.min_chunk, " (multiple of ", kSplitKeys,
-      "), max_splits ", p.max_splits, ", splits ", splits, " (1..4096)");
+  check(decode_policy_valid(p) && splits >= 1 && splits <= 4096, DZ_ERR_INVALID_ARGUMENT,
+        "split decode attention: min_chunk ", p.min_chunk, " (a multiple of ", kSplitKeys, " up to 2^20), base_splits ",
+        p.base_splits, " and max_splits ", p.max_splits, " (1..4096), splits ", splits, " (1..4096)");
   check(a.n_kv_heads > 0 && a.n_heads % a.n_kv_heads == 0, DZ_ERR_INVALID_ARGUMENT,
         "split decode attention: ", a.n_heads, " heads over ", a.n_kv_heads, " KV heads");
   const size_t per_row = decode_partial_floats(1, a.n_heads, a.head_dim, splits);
@@ -653,16 +660,16 @@ void attention_decode_split(const AttnBatch& a, const int32_t* rows, int n_rows,
     const dim3 grid(unsigned(a.n_kv_heads * ngrp), unsigned(splits), unsigned(n));
     switch (a.head_dim) {
       case 32:
-        launch_pdl(split_kernel<32>, grid, block, split_smem<32>(), s, a, rows + r0, splits, p.min_chunk, p.max_splits,
-                   scratch.partials, scratch.tickets);
+        launch_pdl(split_kernel<32>, grid, block, split_smem<32>(), s, a, rows + r0, splits, p, scratch.partials,
+                   scratch.tickets);
         break;
       case 64:
-        launch_pdl(split_kernel<64>, grid, block, split_smem<64>(), s, a, rows + r0, splits, p.min_chunk, p.max_splits,
-                   scratch.partials, scratch.tickets);
+        launch_pdl(split_kernel<64>, grid, block, split_smem<64>(), s, a, rows + r0, splits, p, scratch.partials,
+                   scratch.tickets);
         break;
       case 128:
-        launch_pdl(split_kernel<128>, grid, block, split_smem<128>(), s, a, rows + r0, splits, p.min_chunk,
-                   p.max_splits, scratch.partials, scratch.tickets);
+        launch_pdl(split_kernel<128>, grid, block, split_smem<128>(), s, a, rows + r0, splits, p, scratch.partials,
+                   scratch.tickets);
         break;
       default:
         fail(DZ_ERR_UNSUPPORTED, "CUDA attention: head_dim ", a.head_dim, " (built for 32, 64, 128)");

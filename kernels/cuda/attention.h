@@ -55,10 +55,23 @@ struct DecodeSplitPolicy {
   // rows are few (H200, dz bench attention: 256 vs 64 at batch 64 x 4K keys
   // 207 vs 499 us, at batch 1 x 4K 14 vs 23 us; 128 is 2 us ahead at 1K keys).
   int min_chunk = 256;
-  // Chunks per row at most: longer rows get chunks of min_chunk * 2^k (32 vs
-  // 64: batch 1 x 128K keys 83 vs 91 us, batch 64 x 32K 1118 vs 1215 us).
+  // Chunks of min_chunk * 2^k keys, at most base_splits * 2^k of them: a
+  // chunk doubles each time the length quadruples past base_splits *
+  // min_chunk keys, so a long row gets both more blocks and longer chunks
+  // (256 keys up to 2K, 512 up to 8K, 1K up to 32K, 2K up to 128K). H200 (run
+  // 92, against at most 32 chunks of 256 keys and up): 4K keys, 1 / 8 / 64
+  // sessions 14.3 / 38.6 / 206.4 -> 15.0 / 30.5 / 164.6 us; 8K 17.9 / 65.8 /
+  // 395.5 -> 17.2 / 55.5 / 313.9; 16K 23.2 / 97.0 / 611.2 -> 23.6 / 89.5 /
+  // 567.6. base_splits >= max_splits gives chunks of min_chunk * 2^k, at most
+  // max_splits of them.
+  int base_splits = 8;
+  // Chunks per row at most (32 vs 64: batch 1 x 128K keys 83 vs 91 us, batch
+  // 64 x 32K 1118 vs 1215 us; one session from 32K keys needs the 32: 32K
+  // 32.4 vs 35.2 us with 16, 128K 83.4 vs 99.6).
   int max_splits = 32;
 };
+// min_chunk a multiple of 32 up to 2^20, base_splits and max_splits 1..4096.
+bool decode_policy_valid(const DecodeSplitPolicy& p);
 // Keys per chunk and chunks for a row attending to len keys (len >= 1) when
 // `splits` blocks per row are launched: decode_chunk_keys(len) as long as
 // that needs at most `splits` chunks, else larger chunks (still correct, but

@@ -1,7 +1,7 @@
 // dz bench attention: split-K decode attention on the GPU over a paged bf16 KV
 // cache (one layer; gpt-oss-20b heads by default), every session appending one
 // token at position ctx - 1, for a grid of batch sizes and context lengths.
-// Each chunk policy (--min-chunk list; the first is the library's default) is
+// Each chunk policy (--policy list; the first is the library's default) is
 // timed, with the KV bytes it reads as a fraction of HBM bandwidth and a plain
 // read of the same byte count. Random bf16 K/V, pages scattered over the
 // cache; median of CUDA-event timings with the L2 flushed before every call.
@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "bench_common.h"
@@ -29,14 +30,15 @@ namespace dz::cli {
 
 namespace {
 const char* kUsage =
-    "usage: dz bench attention [--batch 1,8,64] [--ctx 128,1024,4096,32768,131072] [--heads 64] [--kv-heads 8]\n"
-    "                          [--head-dim 64] [--window 0] [--min-chunk LIST] [--max-splits 32]\n"
-    "                          [--page-tokens 64] [--reps 20] [--max-kv-gib 16] [--bw-ceiling 4.27e12] [--out "
-    "FILE.json]\n"
+    "usage: dz bench attention [--batch 1,8,64] [--ctx 128,1024,2048,3072,4096,8192,16384,32768,131072]\n"
+    "                          [--heads 64] [--kv-heads 8] [--head-dim 64] [--window 0]\n"
+    "                          [--policy MIN:BASE:MAX,...] [--page-tokens 64] [--reps 20] [--max-kv-gib 16]\n"
+    "                          [--bw-ceiling 4.27e12] [--out FILE.json]\n"
     "Split-K decode attention (paged bf16 KV, one layer): time per call for every batch x context\n"
     "(skipping those whose KV exceeds --max-kv-gib), KV bytes read as a fraction of HBM bandwidth, and\n"
-    "a plain read of the same bytes. Every --min-chunk policy is timed (default: the library's, then the\n"
-    "others of 64,128,256,512); the first is reported as the default.\n";
+    "a plain read of the same bytes. Every chunk policy given is timed: min_chunk:base_splits:max_splits\n"
+    "(DecodeSplitPolicy; default: the library's, then 256:32:32, the policy before run 93, and 512:8:32);\n"
+    "the first is reported as the default.\n";
 }  // namespace
 
 #ifndef DZ_WITH_CUDA
@@ -50,24 +52,40 @@ int bench_attention(const Args& a) {
     return 0;
   }
   reject_unknown(a,
-                 {"--batch", "--ctx", "--heads", "--kv-heads", "--head-dim", "--window", "--min-chunk", "--max-splits",
-                  "--page-tokens", "--reps", "--max-kv-gib", "--bw-ceiling", "--out", "--help"},
+                 {"--batch", "--ctx", "--heads", "--kv-heads", "--head-dim", "--window", "--policy", "--page-tokens",
+                  "--reps", "--max-kv-gib", "--bw-ceiling", "--out", "--help"},
                  "dz bench attention");
   const std::vector<int> batches = parse_int_list(flag_value(a, "--batch", "1,8,64"));
-  const std::vector<int> ctxs = parse_int_list(flag_value(a, "--ctx", "128,1024,4096,32768,131072"));
-  std::vector<int> chunks = {DecodeSplitPolicy{}.min_chunk};  // the library's default first, then the others
-  for (int c : {64, 128, 256, 512})
-    if (c != chunks[0]) chunks.push_back(c);
-  if (const std::string mc = flag_value(a, "--min-chunk"); !mc.empty()) chunks = parse_int_list(mc);
+  const std::vector<int> ctxs =
+      parse_int_list(flag_value(a, "--ctx", "128,1024,2048,3072,4096,8192,16384,32768,131072"));
+  // Policies as "min_chunk:base_splits:max_splits", the library's default first.
+  auto policy_name = [](const DecodeSplitPolicy& p) {
+    return std::to_string(p.min_chunk) + ":" + std::to_string(p.base_splits) + ":" + std::to_string(p.max_splits);
+  };
+  std::string policy_list = flag_value(a, "--policy", "");
+  if (policy_list.empty()) policy_list = policy_name(DecodeSplitPolicy{}) + ",256:32:32,512:8:32";
+  std::vector<DecodeSplitPolicy> policies;
+  bool policies_ok = true;
+  for (size_t b = 0; b <= policy_list.size();) {
+    const size_t e = std::min(policy_list.find(',', b), policy_list.size());
+    DecodeSplitPolicy p;
+    char tail = 0;
+    policies_ok = policies_ok &&
+                  std::sscanf(policy_list.substr(b, e - b).c_str(), "%d:%d:%d%c", &p.min_chunk, &p.base_splits,
+                              &p.max_splits, &tail) == 3 &&
+                  decode_policy_valid(p);
+    policies.push_back(p);
+    b = e + 1;
+  }
   auto int_flag = [&](const char* f, int d) { return std::stoi(flag_value(a, f, std::to_string(d))); };
   const int nh = int_flag("--heads", 64), nkv = int_flag("--kv-heads", 8), D = int_flag("--head-dim", 64);
-  const int window = int_flag("--window", 0), max_splits = int_flag("--max-splits", DecodeSplitPolicy{}.max_splits);
+  const int window = int_flag("--window", 0);
   const int pt = int_flag("--page-tokens", 64), reps = int_flag("--reps", 20);
   const double max_kv = std::stod(flag_value(a, "--max-kv-gib", "16")) * double(1ull << 30);
   const double bw_ceiling = std::stod(flag_value(a, "--bw-ceiling", "4.27e12"));
   const std::string out_path = flag_value(a, "--out", "");
-  if (batches.empty() || ctxs.empty() || chunks.empty() || nkv <= 0 || nh % nkv != 0 || !attention_supports(D) ||
-      pt <= 0 || reps <= 0 || max_splits <= 0) {
+  if (batches.empty() || ctxs.empty() || !policies_ok || nkv <= 0 || nh % nkv != 0 || !attention_supports(D) ||
+      pt <= 0 || reps <= 0) {
     std::fprintf(stderr, "dz bench attention: bad arguments\n%s", kUsage);
     return 2;
   }
@@ -105,7 +123,6 @@ int bench_attention(const Args& a) {
                         {"meta", meta},
                         {"shape", {{"heads", nh}, {"kv_heads", nkv}, {"head_dim", D}, {"window", window}}},
                         {"kv", {{"dtype", "bf16"}, {"page_tokens", pt}, {"token_bytes_per_layer", token_bytes}}},
-                        {"max_splits", max_splits},
                         {"ceilings", {{"hbm_bytes_per_s", bw_ceiling}}},
                         {"timing", "median of " + std::to_string(reps) +
                                        " CUDA-event times, L2 flushed (256 MiB read) before each call"},
@@ -156,11 +173,8 @@ int bench_attention(const Args& a) {
         const double bytes = double(B) * len * double(token_bytes);
         nlohmann::json pol = nlohmann::json::object();
         double best = 1e30;
-        int best_chunk = 0;
-        for (int mc : chunks) {
-          DecodeSplitPolicy p;
-          p.min_chunk = mc;
-          p.max_splits = max_splits;
+        std::string best_policy;
+        for (const DecodeSplitPolicy& p : policies) {
           const int splits = decode_chunks(len, p, p.max_splits);
           const size_t pf = decode_partial_floats(B, nh, D, splits), ti = decode_ticket_ints(B, nh, nkv);
           DeviceArray<float> part(P, pf, "partials");
@@ -169,13 +183,13 @@ int bench_attention(const Args& a) {
           const DecodeScratch scratch{part.get(), pf, tickets.get(), ti};
           const double ms = timer.median_ms(
               reps, 2, [&](int) { attention_decode_split(ab, d_rows.get(), B, splits, p, scratch, st); });
-          pol[std::to_string(mc)] = {{"us", ms * 1e3},
-                                     {"chunks", splits},
-                                     {"chunk_keys", decode_chunk_keys(len, p, splits)},
-                                     {"hbm_fraction", bytes / (ms * 1e-3) / bw_ceiling}};
-          if (ms < best) best = ms, best_chunk = mc;
+          pol[policy_name(p)] = {{"us", ms * 1e3},
+                                 {"chunks", splits},
+                                 {"chunk_keys", decode_chunk_keys(len, p, splits)},
+                                 {"hbm_fraction", bytes / (ms * 1e-3) / bw_ceiling}};
+          if (ms < best) best = ms, best_policy = policy_name(p);
         }
-        const double ms_default = pol[std::to_string(chunks[0])]["us"].get<double>() * 1e-3;
+        const double ms_default = pol[policy_name(policies[0])]["us"].get<double>() * 1e-3;
         const size_t read_bytes = size_t(bytes) / 16 * 16;
         const double ms_read =
             timer.median_ms(reps, 2, [&](int) { stream_read(kv.get(), read_bytes, timer.sink(), st); });
@@ -185,16 +199,16 @@ int bench_attention(const Args& a) {
                                 {"kv_bytes", bytes},
                                 {"us", ms_default * 1e3},
                                 {"hbm_fraction", bytes / (ms_default * 1e-3) / bw_ceiling},
-                                {"best_min_chunk", best_chunk},
+                                {"best_policy", best_policy},
                                 {"best_us", best * 1e3},
                                 {"policies", pol},
                                 {"plain_read_us", ms_read * 1e3},
                                 {"plain_read_hbm_fraction", bytes / (ms_read * 1e-3) / bw_ceiling}});
         std::fprintf(stderr,
                      "attention B=%3d ctx=%6d: %8.1f us (%.0f%% of HBM on %.1f MB of KV; plain read %.1f us), best "
-                     "min_chunk %d: %.1f us\n",
+                     "policy %s: %.1f us\n",
                      B, C, ms_default * 1e3, 100 * bytes / (ms_default * 1e-3) / bw_ceiling, bytes / 1e6, ms_read * 1e3,
-                     best_chunk, best * 1e3);
+                     best_policy.c_str(), best * 1e3);
       }
     bench_emit(j, out_path);
     return 0;
