@@ -15,6 +15,9 @@ cmake --build build -j"$(nproc)" --target dz dz_tests dayzero
 mkdir -p "$DIR"
 cp build/dz build/tests/dz_tests "$DIR"/
 cp -P build/libdayzero.so* "$DIR"/  # the Python binding (tools/gpu/profile_decode.py)
+# Symbol tables are not needed there (a sixth of the bytes to copy).
+strip "$DIR"/dz "$DIR"/dz_tests
+strip --strip-unneeded "$DIR"/libdayzero.so.*.*
 # Shared libraries that a CUDA image may not have (everything else is static or system).
 for lib in $(ldd build/dz build/tests/dz_tests | awk '/pcre2/ {print $3}' | sort -u); do cp -L "$lib" "$DIR"/; done
 ls -la "$DIR"
