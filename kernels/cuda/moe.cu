@@ -636,20 +636,15 @@ __device__ __forceinline__ uint32_t quant_1x128(const float (&v)[4], float& sc) 
 //  - lane t of a quad takes word t of each sub-block (even nibbles: MMA k
 //    4t..4t+3, odd: 16 + 4t..), so activations are staged per sub-block as its
 //    even then its odd elements (two core matrices of 8 tokens x 16 bytes).
-// kN = 8 or 16 MMA columns: up to kN tokens of an expert a pass (kN / 2 with
-// two terms; more: further passes over the weights). A block is two consumer warpgroups (two 64-row tiles, or one split
-// over K) and a producer warp for each (one thread serving both rings in lockstep let a slow ring hold up the other's
-// refills).
+// Up to 8 tokens of an expert a pass (more: further passes over the weights).
+// A block is two consumer warpgroups (two 64-row tiles, or one split over K)
+// and a producer warp for each (one thread serving both rings in lockstep let a
+// slow ring hold up the other's refills).
 constexpr int kW8Consumers = 2;
 constexpr int kW8Threads = 160 * kW8Consumers;
 // Ring stages a warpgroup: 4 with one row tile a warpgroup, 3 with two (their
-// scales take the room; two blocks an SM either way), one fewer with 16 MMA
-// columns (their activations take twice the room); with 32 columns one block
-// an SM, its rings 6 / 5 stages deep.
-constexpr int w8_stages(int tiles, int n) {
-  return n == 32 ? (tiles == 1 ? 6 : 5) : (tiles == 1 ? 4 : 3) - (n > 8 ? 1 : 0);
-}
-constexpr int w8_blocks_per_sm(int n) { return n == 32 ? 1 : 2; }
+// scales take the room; two blocks an SM either way).
+constexpr int w8_stages(int tiles) { return tiles == 1 ? 4 : 3; }
 // A box is 64 rows x 128 bytes (two chunks: one 128-byte line a row), stored
 // with the copy engine's 128-byte swizzle (16-byte piece u of row r at piece
 // u ^ (r & 7)), so a warp's loads of one word from 8 rows spread over the
@@ -657,24 +652,23 @@ constexpr int w8_blocks_per_sm(int n) { return n == 32 ? 1 : 2; }
 // two L2 lines, the second read again by the next box: 64 tokens 630 -> 530
 // us with two terms and two tiles a warpgroup (H200, run 72).
 constexpr int kW8Row = 128;
+constexpr int kW8BlocksPerSm = 2;  // the W4A8 kernels' launch bounds
 // Rows a W4A8 block covers: its consumer warpgroups' 64-row tiles, two warpgroups a tile with a K split of 2.
 constexpr int w8_rows_per_block(int ks8, int tiles) { return 64 * (kW8Consumers / ks8) * tiles; }
 constexpr int kW8StageBytes = 64 * kW8Row;
-// A sub-block's staged activations: its even then its odd elements (two core
-// matrices of 8 tokens x 16 bytes) for each 8 MMA columns.
-constexpr int w8_sub_bytes(int n) { return 256 * (n / 8); }
+constexpr int kW8SubBytes = 256;
 
 // Shared-memory layout (offsets from the 1024-aligned base; total includes the alignment slack).
 struct W8Smem {
   int sc, act, xs, red, bar, total;
 };
-__host__ __device__ inline W8Smem w8_smem(int nsub, int kpad, int tiles, int n) {
+__host__ __device__ inline W8Smem w8_smem(int nsub, int kpad, int tiles) {
   W8Smem L{};
-  const int stages = w8_stages(tiles, n);
+  const int stages = w8_stages(tiles);
   int o = kW8Consumers * stages * kW8StageBytes;
   L.sc = o, o += kW8Consumers * tiles * ((64 * nsub + 15) / 16 * 16);
-  L.act = o, o += kpad / 32 * w8_sub_bytes(n);
-  L.xs = o, o += kpad / 128 * n * 4;
+  L.act = o, o += kpad / 32 * kW8SubBytes;
+  L.xs = o, o += kpad / 128 * kW4Tokens * 4;
   L.red = o, o += 128 * 16;
   L.bar = o, o += (2 * kW8Consumers * stages + kW8Consumers) * 8;
   L.total = o + 1024;
@@ -705,8 +699,7 @@ __device__ __forceinline__ uint32_t e2m1_odd_to_e4m3(uint32_t w) {
 
 #ifdef DZ_MOE_SM90A
 // No-swizzle K-major descriptor of one sub-block's staged activations: core
-// matrices (8 tokens x 16 bytes) 128 bytes apart along K (leading byte offset),
-// 256 apart along N (stride byte offset: the next 8 columns).
+// matrices (8 tokens x 16 bytes) 128 bytes apart along K (leading byte offset).
 // Its low word: sub-block s lies at + s * 16 (the 14-bit address field holds
 // every shared-memory address, so no carry leaves the word: 32-bit adds, not
 // the 64-bit ones that took ~50 instructions a stage); the high word is fixed.
@@ -714,32 +707,13 @@ __device__ __forceinline__ uint32_t w8_desc_lo(uint32_t addr) {
   return ((addr & 0x3FFFF) >> 4) | (uint32_t(128 >> 4) << 16);
 }
 constexpr uint32_t kW8DescHi = 256 >> 4;
-// d = A(64 x 32, registers) * B(N x 32, shared)^T, E4M3, fresh fp32 accumulators.
-__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                              uint32_t db_lo) {
+// d = A(64 x 32, registers) * B(8 x 32, shared)^T, E4M3, fresh fp32 accumulators.
+__device__ __forceinline__ void wgmma_rs_m64n8k32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                  uint32_t db_lo) {
   asm volatile(
       "{\n.reg .b64 db;\nmov.b64 db, {%8, %9};\n"
       "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, db, 0, 1, 1;\n}\n"
       : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(db_lo), "r"(kW8DescHi));
-}
-__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                              uint32_t db_lo) {
-  asm volatile(
-      "{\n.reg .b64 db;\nmov.b64 db, {%20, %21};\n"
-      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15}, {%16, %17, %18, %19}, db, 0, 1, 1;\n}\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]),
-        "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(db_lo), "r"(kW8DescHi));
-}
-__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                              uint32_t db_lo) {
-  asm volatile(
-      "{\n.reg .b64 db;\nmov.b64 db, {%12, %13};\n"
-      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, "
-      "db, 0, 1, 1;\n}\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(db_lo), "r"(kW8DescHi));
 }
 __device__ __forceinline__ uint32_t lds16(uint32_t addr) {
@@ -761,23 +735,18 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
 // kTPW: row tiles a warpgroup streams one after another (K split 1 only):
 // its ring runs on from one tile into the next, and the block's setup
 // (routing, activation staging, the scales' copy) serves them all.
-// kN: MMA columns (8, or 16 / 32 without a K split): more decode an expert's
-// weights once for more of its tokens.
-template <bool kGateUp, int kKS, bool kPdl, bool kLo, int kTPW, int kN>
-__global__ void __launch_bounds__(kW8Threads, w8_blocks_per_sm(kN))
+template <bool kGateUp, int kKS, bool kPdl, bool kLo, int kTPW>
+__global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
     w8_kernel(const W4Args a, const __grid_constant__ CUtensorMap wmap) {
 #ifdef DZ_MOE_SM90A
   static_assert(kTPW == 1 || kKS == 1, "several tiles a warpgroup only without a K split");
-  static_assert(kN == 8 || ((kN == 16 || kN == 32) && kKS == 1), "16 / 32 MMA columns only without a K split");
-  constexpr int kTiles = kW8Consumers / kKS;  // row tiles side by side (one a warpgroup, or one shared)
-  constexpr int kPass = kLo ? kN / 2 : kN;    // tokens a pass over the weights
-  constexpr int kG8 = kN / 8;                 // groups of 8 MMA columns
-  constexpr int kSub = w8_sub_bytes(kN);
-  constexpr int kW8Stages = w8_stages(kTPW, kN);
+  constexpr int kTiles = kW8Consumers / kKS;              // row tiles side by side (one a warpgroup, or one shared)
+  constexpr int kPass = kLo ? kW4Tokens / 2 : kW4Tokens;  // tokens a pass over the weights
+  constexpr int kW8Stages = w8_stages(kTPW);
   extern __shared__ unsigned char w8_raw[];
   unsigned char* const sm =
       reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(w8_raw) + 1023) & ~uintptr_t(1023));
-  const W8Smem L = w8_smem(a.nsub, a.kpad, kTPW, kN);
+  const W8Smem L = w8_smem(a.nsub, a.kpad, kTPW);
   const uint32_t base = ptx::smem_u32(sm);
   const int tid = threadIdx.x, wg = tid >> 7;
   const uint32_t bar0 = base + L.bar;  // full[w][s], empty[w][s], scales[w]
@@ -841,7 +810,7 @@ __global__ void __launch_bounds__(kW8Threads, w8_blocks_per_sm(kN))
   const uint32_t xs0 = base + L.xs;
   float4* const red = reinterpret_cast<float4*>(sm + L.red);
   if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();  // the SwiGLU rows
-  __shared__ int s_row[kPass];                      // this pass's activation rows (act_row)
+  __shared__ int s_row[kW4Tokens];                  // this pass's activation rows (act_row)
   int n = 0;
   for (int base_t = 0; base_t < cnt; base_t += kPass) {
     const int m = min(kPass, cnt - base_t);
@@ -849,9 +818,7 @@ __global__ void __launch_bounds__(kW8Threads, w8_blocks_per_sm(kN))
     ptx::named_sync(1, 128 * kW8Consumers);  // the previous pass's activations are read; s_row written
     // Stage: warp v of 8 quantizes (token gi, chunk c) pairs, 4 values a lane,
     // kBatch pairs' loads in flight before the first is quantized.
-    float tok_scale[2 * kG8];
-#pragma unroll
-    for (int j = 0; j < 2 * kG8; ++j) tok_scale[j] = 1.f;
+    float tok_scale[2] = {1.f, 1.f};
     constexpr int kBatch = 4, kStep = 4 * kW8Consumers;
     const int items = m * nch;
     for (int p0 = tid >> 5; p0 < items; p0 += kBatch * kStep) {
@@ -880,7 +847,7 @@ __global__ void __launch_bounds__(kW8Threads, w8_blocks_per_sm(kN))
         float sc;
         const uint32_t q = quant_1x128(v[b], sc);
         const int q8 = k >> 3, hh = lane & 1, col = kLo ? 2 * gi : gi;
-        unsigned char* d = sm + L.act + (q8 >> 2) * kSub + (col >> 3) * 256 + (col & 7) * 16 + (q8 & 3) * 4 + 2 * hh;
+        unsigned char* d = sm + L.act + (q8 >> 2) * kW8SubBytes + col * 16 + (q8 & 3) * 4 + 2 * hh;
         *reinterpret_cast<uint16_t*>(d) = uint16_t(ptx::prmt(q, 0, 0x20));        // even elements
         *reinterpret_cast<uint16_t*>(d + 128) = uint16_t(ptx::prmt(q, 0, 0x31));  // odd elements
         if (kLo) {
@@ -889,7 +856,7 @@ __global__ void __launch_bounds__(kW8Threads, w8_blocks_per_sm(kN))
           *reinterpret_cast<uint16_t*>(d + 144) = uint16_t(ptx::prmt(r, 0, 0x31));
         }
         if (lane == 0) {
-          float* xs = reinterpret_cast<float*>(sm + L.xs) + c * kN + col;
+          float* xs = reinterpret_cast<float*>(sm + L.xs) + c * kW4Tokens + col;
           xs[0] = sc;
           if (kLo) xs[1] = sc;
         }
@@ -898,21 +865,17 @@ __global__ void __launch_bounds__(kW8Threads, w8_blocks_per_sm(kN))
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
     // The epilogue's operands load now (the tokens' input scales; biases a tile).
     if (kGateUp && !a.direct && nt > 0 && ks == 0)
-#pragma unroll
-      for (int j = 0; j < 2 * kG8; ++j) {
-        const int tok = kLo ? 4 * (j >> 1) + t : 8 * (j >> 1) + 2 * t + (j & 1);  // MMA columns 8i + 2t, 8i + 2t + 1
+      for (int j = 0; j < 2; ++j) {
+        const int tok = kLo ? t : 2 * t + j;  // this lane's MMA columns 2t, 2t + 1
         if (tok < m) tok_scale[j] = a.act_scale[s_row[tok]];
       }
     ptx::named_sync(1, 128 * kW8Consumers);
     if (len > 0 && base_t == 0) ptx::mbar_wait(sbar(wg), 0);
 
-    // The stage's two chunks: fragments decoded from the box's words, the
-    // MMAs of 16 / kN chunks under one wait (8 x kN / 2 fp32 results a thread),
-    // then the sub-block and activation scales. guard: chunks reaching past K
-    // (the last stage only). acc[4i + 0 / 1]: row A, MMA columns 8i + 2t / + 1;
-    // acc[4i + 2 / 3]: row B.
-    constexpr int kCPW = kN == 8 ? 2 : 1;
-    float acc[4 * kG8];
+    // The stage's two chunks: fragments decoded from the box's words, eight
+    // MMAs under one wait, then the sub-block and activation scales. guard:
+    // chunks reaching past K (the last stage only).
+    float acc[4];
     uint32_t scA = 0, scB = 0;  // this tile's scales of rows A and B
     auto stage = [&](uint32_t box, int c0, bool guard, auto release) {
       uint32_t wa[8], wb[8];
@@ -920,36 +883,32 @@ __global__ void __launch_bounds__(kW8Threads, w8_blocks_per_sm(kN))
 #pragma unroll
       for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * (u ^ (rA & 7))), wb[u] = lds32(pb + 16 * (u ^ (rB & 7)));
       release();
-      const int nc = guard ? min(2, nch - c0) : 2;
-      uint32_t af[2][4][4];
+      {
+        const int nc = guard ? min(2, nch - c0) : 2;
+        uint32_t af[2][4][4];
 #pragma unroll
-      for (int cc = 0; cc < 2; ++cc)
+        for (int cc = 0; cc < 2; ++cc)
 #pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          af[cc][b][0] = e2m1_even_to_e4m3(wa[4 * cc + b]), af[cc][b][1] = e2m1_even_to_e4m3(wb[4 * cc + b]);
-          af[cc][b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[cc][b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
-        }
-      const uint32_t d0 = desc_lo + uint32_t(4 * c0 * (kSub >> 4));
-#pragma unroll
-      for (int c1 = 0; c1 < 2; c1 += kCPW) {
+          for (int b = 0; b < 4; ++b) {
+            af[cc][b][0] = e2m1_even_to_e4m3(wa[4 * cc + b]), af[cc][b][1] = e2m1_even_to_e4m3(wb[4 * cc + b]);
+            af[cc][b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[cc][b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
+          }
         // No branch around the MMAs (the compiler would serialize them): a chunk
         // past K has zero weights (the copy engine's fill) and reads the
         // stage's first chunk of activations, giving exact zeros, unused.
-        float q[kCPW][4][kN / 2];
+        float q[2][4][4];
+        const uint32_t d0 = desc_lo + uint32_t(4 * c0 * (kW8SubBytes >> 4));
         ptx::wgmma_fence();
 #pragma unroll
-        for (int cw = 0; cw < kCPW; ++cw)
+        for (int cc = 0; cc < 2; ++cc)
 #pragma unroll
-          for (int b = 0; b < 4; ++b) {
-            const int cc = c1 + cw;
-            wgmma_rs_e4m3(q[cw][b], af[cc][b][0], af[cc][b][1], af[cc][b][2], af[cc][b][3],
-                          d0 + uint32_t((4 * (cc < nc ? cc : 0) + b) * (kSub >> 4)));
-          }
+          for (int b = 0; b < 4; ++b)
+            wgmma_rs_m64n8k32(q[cc][b], af[cc][b][0], af[cc][b][1], af[cc][b][2], af[cc][b][3],
+                              d0 + uint32_t((4 * (cc < nc ? cc : 0) + b) * (kW8SubBytes >> 4)));
         ptx::wgmma_commit();
         ptx::wgmma_wait0();
 #pragma unroll
-        for (int cw = 0; cw < kCPW; ++cw) {
-          const int cc = c1 + cw;
+        for (int cc = 0; cc < 2; ++cc) {
           if (cc >= nc) break;
           const int c = c0 + cc;
           // Sub-block scales 4c..4c+3 of rows A and B: two 16-bit loads a row (nsub is even); an E8M0
@@ -964,23 +923,17 @@ __global__ void __launch_bounds__(kW8Threads, w8_blocks_per_sm(kN))
 #pragma unroll
             for (int b = 0; b < 4; ++b)
               if (4 * c + b >= a.nsub) fA[b] = fB[b] = 0.f;
-          float p[4 * kG8];
-#pragma unroll
-          for (int i = 0; i < 4 * kG8; ++i) p[i] = 0.f;
+          float pA[2] = {0.f, 0.f}, pB[2] = {0.f, 0.f};
 #pragma unroll
           for (int b = 0; b < 4; ++b) {
 #pragma unroll
-            for (int i = 0; i < kN / 2; ++i) asm volatile("" : "+f"(q[cw][b][i])::"memory");
-#pragma unroll
-            for (int i = 0; i < 4 * kG8; ++i) p[i] += q[cw][b][i] * ((i & 2) ? fB[b] : fA[b]);
+            for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[cc][b][i])::"memory");
+            pA[0] += q[cc][b][0] * fA[b], pA[1] += q[cc][b][1] * fA[b];
+            pB[0] += q[cc][b][2] * fB[b], pB[1] += q[cc][b][3] * fB[b];
           }
-#pragma unroll
-          for (int i = 0; i < kG8; ++i) {
-            const float x0 = __uint_as_float(lds32(xs0 + (c * kN + 8 * i + 2 * t) * 4));
-            const float x1 = __uint_as_float(lds32(xs0 + (c * kN + 8 * i + 2 * t + 1) * 4));
-            acc[4 * i] += p[4 * i] * x0, acc[4 * i + 1] += p[4 * i + 1] * x1;
-            acc[4 * i + 2] += p[4 * i + 2] * x0, acc[4 * i + 3] += p[4 * i + 3] * x1;
-          }
+          const float x0 = __uint_as_float(lds32(xs0 + (c * kW4Tokens + 2 * t) * 4));
+          const float x1 = __uint_as_float(lds32(xs0 + (c * kW4Tokens + 2 * t + 1) * 4));
+          acc[0] += pA[0] * x0, acc[1] += pA[1] * x1, acc[2] += pB[0] * x0, acc[3] += pB[1] * x1;
         }
       }
     };
@@ -995,8 +948,7 @@ __global__ void __launch_bounds__(kW8Threads, w8_blocks_per_sm(kN))
         biasA = bf16_to_float(a.bias[int64_t(e) * a.rows + T0 + rA]);
         biasB = bf16_to_float(a.bias[int64_t(e) * a.rows + T0 + rB]);
       }
-#pragma unroll
-      for (int i = 0; i < 4 * kG8; ++i) acc[i] = 0.f;
+      acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
       for (int j = 0; j < len; ++j, ++n) {
         const int st = n % kW8Stages, c0 = 2 * (sb0 + j);
         ptx::mbar_wait(full(wg, st), (n / kW8Stages) & 1);
@@ -1018,24 +970,19 @@ __global__ void __launch_bounds__(kW8Threads, w8_blocks_per_sm(kN))
         acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
       }
       if (!active) continue;
-      constexpr float kPost = 64.f;  // the E2M1 placement's 2^-6
+      constexpr float kPost = 64.f;                 // the E2M1 placement's 2^-6
+      if (kLo) acc[0] += acc[1], acc[2] += acc[3];  // hi + lo terms of token t
 #pragma unroll
-      for (int i = 0; i < kG8; ++i) {
-        if (kLo) acc[4 * i] += acc[4 * i + 1], acc[4 * i + 2] += acc[4 * i + 3];  // hi + lo terms of token 4i + t
-#pragma unroll
-        for (int j = 0; j < (kLo ? 1 : 2); ++j) {
-          const int tok = kLo ? 4 * i + t : 8 * i + 2 * t + j;
-          if (tok >= m) continue;
-          const int row = seg + base_t + tok;
-          const float vA = acc[4 * i + j] * kPost, vB = acc[4 * i + 2 + j] * kPost;
-          if (kGateUp) {
-            const float ts = tok_scale[2 * i + j];
-            a.out_act[int64_t(row) * a.out_ld + ((T0 + rA) >> 1)] =
-                __float2half_rn(swiglu(vA * ts + biasA, vB * ts + biasB));
-          } else {
-            a.out_y[int64_t(row) * a.rows + T0 + rA] = vA + biasA;
-            a.out_y[int64_t(row) * a.rows + T0 + rB] = vB + biasB;
-          }
+      for (int j = 0; j < (kLo ? 1 : 2); ++j) {
+        const int tok = kLo ? t : 2 * t + j;
+        if (tok >= m) continue;
+        const int row = seg + base_t + tok;
+        if (kGateUp) {
+          const float v = swiglu(acc[j] * kPost * tok_scale[j] + biasA, acc[2 + j] * kPost * tok_scale[j] + biasB);
+          a.out_act[int64_t(row) * a.out_ld + ((T0 + rA) >> 1)] = __float2half_rn(v);
+        } else {
+          a.out_y[int64_t(row) * a.rows + T0 + rA] = acc[j] * kPost + biasA;
+          a.out_y[int64_t(row) * a.rows + T0 + rB] = acc[2 + j] * kPost + biasB;
         }
       }
     }
@@ -1043,21 +990,12 @@ __global__ void __launch_bounds__(kW8Threads, w8_blocks_per_sm(kN))
 #endif
 }
 
-// The W4A8 kernel for a K split (1 or 2), one or two E4M3 terms, row tiles a
-// warpgroup (1 or 2; K split 1) and MMA columns (8, or 16 with K split 1).
-template <bool kGateUp, bool kPdl, int kN>
-auto w8_fn_n(int ks, bool lo, int tiles) {
-  if (kN == 8 && ks == 2)
-    return lo ? w8_kernel < kGateUp, kN == 8 ? 2 : 1, kPdl, true, 1, kN > : w8_kernel < kGateUp, kN == 8 ? 2 : 1, kPdl,
-           false, 1, kN > ;
-  if (tiles == 2) return lo ? w8_kernel<kGateUp, 1, kPdl, true, 2, kN> : w8_kernel<kGateUp, 1, kPdl, false, 2, kN>;
-  return lo ? w8_kernel<kGateUp, 1, kPdl, true, 1, kN> : w8_kernel<kGateUp, 1, kPdl, false, 1, kN>;
-}
+// The W4A8 kernel for a K split (1 or 2), one or two E4M3 terms, and row tiles a warpgroup (1 or 2; K split 1).
 template <bool kGateUp, bool kPdl>
-auto w8_fn(int ks, bool lo, int tiles, int n) {
-  return n == 32   ? w8_fn_n<kGateUp, kPdl, 32>(1, lo, tiles)
-         : n == 16 ? w8_fn_n<kGateUp, kPdl, 16>(1, lo, tiles)
-                   : w8_fn_n<kGateUp, kPdl, 8>(ks, lo, tiles);
+auto w8_fn(int ks, bool lo, int tiles) {
+  if (ks == 2) return lo ? w8_kernel<kGateUp, 2, kPdl, true, 1> : w8_kernel<kGateUp, 2, kPdl, false, 1>;
+  if (tiles == 2) return lo ? w8_kernel<kGateUp, 1, kPdl, true, 2> : w8_kernel<kGateUp, 1, kPdl, false, 2>;
+  return lo ? w8_kernel<kGateUp, 1, kPdl, true, 1> : w8_kernel<kGateUp, 1, kPdl, false, 1>;
 }
 // Block kb of sorted row r of expert segment [off, off + mp): q [rows][nkb * 128],
 // the segment's scales [kb][mp] from qs + nkb * off (the layout the FP8 GEMMs take).
@@ -1294,7 +1232,6 @@ struct MoeLayer::Impl {
   DeviceArray<uint8_t> ws_fp8;
   DeviceArray<float> ws_scales;
   bool w8_fits = false;     // the W4A8 kernels can run here (device, build, shared memory)
-  bool w8_fits_n[3] = {};   // ... with 8 / 16 / 32 MMA columns
   int n_sms = 132;          // multiprocessors of the device
   int tile_cap = 0;         // experts per workspace tile it was sized for
   int* h_counts = nullptr;  // pinned: counts[E], offsets[E+1]
@@ -1364,26 +1301,23 @@ struct MoeLayer::Impl {
         for (auto k : {w4_fn<true, false>(ks, nt), w4_fn<true, true>(ks, nt), w4_fn<false, false>(ks, nt),
                        w4_fn<false, true>(ks, nt)})
           DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    // The W4A8 kernels: sm_90a only, and where their shared memory fits a block (each column count on its own).
+    // The W4A8 kernels: sm_90a only, and where their shared memory fits a block.
+    int smem8 = 0;
+    for (int tiles : {1, 2})
+      smem8 = std::max({smem8, w8_smem(H / 32, int(kph), tiles).total, w8_smem(I / 32, int(kpi), tiles).total});
     int optin = 0, dev = 0;
     DZ_CUDA_CHECK(cudaGetDevice(&dev));
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    w8_fits = Fp8GroupedGemm::supported() && smem8 <= optin;
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev));
-    for (int i = 0; i < 3; ++i) {
-      const int n = 8 << i;
-      int smem8 = 0;
-      for (int tiles : {1, 2})
-        smem8 = std::max({smem8, w8_smem(H / 32, int(kph), tiles, n).total, w8_smem(I / 32, int(kpi), tiles, n).total});
-      w8_fits_n[i] = Fp8GroupedGemm::supported() && smem8 <= optin && (i == 0 || w8_fits_n[0]);
-      if (w8_fits_n[i])
-        for (int ks : {1, 2})
-          for (bool lo : {false, true})
-            for (int tiles : {1, 2})
-              for (auto k : {w8_fn<true, false>(ks, lo, tiles, n), w8_fn<true, true>(ks, lo, tiles, n),
-                             w8_fn<false, false>(ks, lo, tiles, n), w8_fn<false, true>(ks, lo, tiles, n)})
-                DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem8));
+    if (w8_fits) {
+      for (int ks : {1, 2})
+        for (bool lo : {false, true})
+          for (int tiles : {1, 2})
+            for (auto k : {w8_fn<true, false>(ks, lo, tiles), w8_fn<true, true>(ks, lo, tiles),
+                           w8_fn<false, false>(ks, lo, tiles), w8_fn<false, true>(ks, lo, tiles)})
+              DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem8));
     }
-    w8_fits = w8_fits_n[0];
     DZ_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
   }
 
@@ -1459,18 +1393,14 @@ struct MoeLayer::Impl {
     const int tiles = opt.fused_w4a8_tiles ? opt.fused_w4a8_tiles : w8_tiles(T);
     const bool w4a8 = opt.fused_w4a8 && double(T) * s.topk / E <= opt.fused_w4a8_max_tokens_per_expert &&
                       int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
-    check(opt.fused_w4a8_columns == 0 || opt.fused_w4a8_columns == 8 || opt.fused_w4a8_columns == 16 ||
-              opt.fused_w4a8_columns == 32,
-          DZ_ERR_INVALID_ARGUMENT, "fused_w4a8_columns must be 0 (auto), 8, 16 or 32, not ", opt.fused_w4a8_columns);
     const int ks8 = w8_split(T);
-    const int cols = w8_columns(T, ks8);
-    launch_w4<true>(ks, ks8, pdl, w4a8, tiles, cols, 2 * I, max_active, st, a);
+    launch_w4<true>(ks, ks8, pdl, w4a8, tiles, 2 * I, max_active, st, a);
     // down
     a.blocks = w.w2_blocks, a.scales = w.w2_scales, a.bias = w.b2;
     a.act = act16.get(), a.act_scale = nullptr;
     a.rows = H, a.nsub = I / 32, a.kpad = int(kpi);
     a.out_y = y32.get();
-    launch_w4<false>(ks, ks8, pdl, w4a8, tiles, cols, H, max_active, st, a);
+    launch_w4<false>(ks, ks8, pdl, w4a8, tiles, H, max_active, st, a);
     const bool v8 = vec8(y32.get(), nullptr, out);
     const auto comb = v8 ? (pdl ? combine_kernel<float, false, true, true> : combine_kernel<float, false, false, true>)
                          : (pdl ? combine_kernel<float, false, true> : combine_kernel<float, false, false>);
@@ -1497,8 +1427,8 @@ struct MoeLayer::Impl {
 
   // One projection of the fused path: W4A8 (K split ks8) where it runs, else W4A16 (K split ks).
   template <bool G>
-  void launch_w4(int ks, int ks8, bool pdl, bool w4a8, int tiles, int cols, int rows, unsigned max_active,
-                 cudaStream_t st, const W4Args& a) {
+  void launch_w4(int ks, int ks8, bool pdl, bool w4a8, int tiles, int rows, unsigned max_active, cudaStream_t st,
+                 const W4Args& a) {
     if (w4a8 && w8(rows, a)) {  // two warpgroups a block: two 64-row tiles, or one split over K
       CUtensorMap map;
       const cuuint64_t dims[2] = {cuuint64_t(a.nsub) * 16, cuuint64_t(s.n_experts) * rows};
@@ -1510,8 +1440,8 @@ struct MoeLayer::Impl {
       const int per_block = w8_rows_per_block(ks8, tiles);
       const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
       const bool lo = opt.fused_w4a8_terms == 2;
-      launch(pdl ? w8_fn<G, true>(ks8, lo, tiles, cols) : w8_fn<G, false>(ks8, lo, tiles, cols), grid, dim3(kW8Threads),
-             size_t(w8_smem(a.nsub, a.kpad, tiles, cols).total), st, pdl, a, map);
+      launch(pdl ? w8_fn<G, true>(ks8, lo, tiles) : w8_fn<G, false>(ks8, lo, tiles), grid, dim3(kW8Threads),
+             size_t(w8_smem(a.nsub, a.kpad, tiles).total), st, pdl, a, map);
       return;
     }
     const int per_block = 16 * (8 / ks), ntile = a.ntok > kW4Tokens ? 2 : 1;
@@ -1528,19 +1458,6 @@ struct MoeLayer::Impl {
     return int64_t(T) * s.topk <= 4 ? 2 : 1;
   }
 
-  // MMA columns of the W4A8 kernels (MoeOptions::fused_w4a8_columns; 8 with a
-  // K split), the most that fit this device's shared memory.
-  int w8_columns(int T, int ks8) const {
-    const double per_expert = double(T) * s.topk / s.n_experts;
-    int n = ks8 > 1                                        ? 8
-            : opt.fused_w4a8_columns                       ? opt.fused_w4a8_columns
-            : per_expert > opt.fused_w4a8_32_columns_above ? 32
-            : per_expert > opt.fused_w4a8_16_columns_above ? 16
-                                                           : 8;
-    while (n > 8 && !w8_fits_n[n == 32 ? 2 : 1]) n /= 2;
-    return n;
-  }
-
   // Row tiles a W4A8 warpgroup streams (MoeOptions::fused_w4a8_tiles = 0):
   // 2 from one token an expert on average, or once the gate_up grid of
   // two-tile blocks (256 rows, two blocks an SM) still fills three waves with
@@ -1549,8 +1466,7 @@ struct MoeLayer::Impl {
     const int E = s.n_experts;
     if (int64_t(T) * s.topk >= E) return 2;
     const double reached = E * (1.0 - std::pow(1.0 - double(s.topk) / E, double(T)));
-    return reached * std::ceil(2.0 * s.intermediate / w8_rows_per_block(1, 2)) >= 3.0 * w8_blocks_per_sm(8) * n_sms ? 2
-                                                                                                                    : 1;
+    return reached * std::ceil(2.0 * s.intermediate / w8_rows_per_block(1, 2)) >= 3.0 * kW8BlocksPerSm * n_sms ? 2 : 1;
   }
 
   // The fused kernels' K split for T tokens.

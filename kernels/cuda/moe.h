@@ -103,14 +103,6 @@ struct MoeOptions {
   // 182.6 / 233.9 / 292.4 us (2.5 waves of two-tile blocks at 8 tokens, 3.5
   // at 12); 32 experts 4 / 8 tokens 85.2 / 120.4 vs 95.4 / 110.4.
   int fused_w4a8_tiles = 0;
-  // MMA columns of the W4A8 kernels without a K split: 16 / 32 decode an
-  // expert's weights once for 8 / 16 tokens (16 / 32 with one term) instead
-  // of 4 (8); 16 at one ring stage fewer (the activations take twice the
-  // shared memory), 32 one block an SM. 0 (auto): by tokens * topk /
-  // n_experts against the two thresholds below.
-  int fused_w4a8_columns = 0;
-  double fused_w4a8_16_columns_above = 2.0;
-  double fused_w4a8_32_columns_above = 4.0;
   // E4M3 arithmetic at every size (DZ_EXPERTS_FP8): one E4M3 term a value,
   // W4A8 kernels at every slot count up to 8 tokens an expert (faster than
   // the FP8 GEMM path there: run 16), the FP8 path above.

@@ -341,13 +341,12 @@ int bench_moe(const Args& a) {
       // launch on/off); the default options are what "fused_ms" reports.
       // W4A8 variants run at every size; defaults: the options as given.
       auto time_fused = [&](int ks, bool pdl, bool direct = true, int w4a8_terms = 0, bool defaults = false,
-                            int w4a8_tiles = 0, int w4a8_columns = 8) {
+                            int w4a8_tiles = 0) {
         if (!defaults) {
           layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
           layer.options().fused_w4a8 = w4a8_terms > 0;
           layer.options().fused_w4a8_terms = std::max(1, w4a8_terms);
           layer.options().fused_w4a8_tiles = w4a8_tiles;
-          layer.options().fused_w4a8_columns = w4a8_columns;
           layer.options().fused_w4a8_max_tokens_per_expert = 1e9;
           layer.options().fused_w4a8_min_slots = 0;
           layer.options().fused_k_split = ks;
@@ -382,19 +381,13 @@ int bench_moe(const Args& a) {
           variants["ks1_pdl_16slots"] = time_fused(1, true);
         }
         // W4A8 (E4M3 activations, FP8 wgmma, weights through the copy engine), one E4M3 term a value
-        // (w4a8_*) or two (w4a8x2_*: hi + lo): both block shapes, two row tiles a warpgroup (_t2), and 16 / 32
-        // MMA columns (_n16, _n32: 2x / 4x the tokens a pass) from 2 tokens.
+        // (w4a8_*) or two (w4a8x2_*: hi + lo): both block shapes, and two row tiles a warpgroup (_t2).
         if (Fp8GroupedGemm::supported())
           for (int terms : {1, 2}) {
             const std::string name = terms == 2 ? "w4a8x2" : "w4a8";
             for (int ks : {1, 4})
               variants[name + "_ks" + std::to_string(ks) + "_pdl"] = time_fused(ks, true, true, terms, false, 1);
             variants[name + "_ks1_t2_pdl"] = time_fused(1, true, true, terms, false, 2);
-            if (T >= 2)
-              for (int cols : {16, 32})
-                for (int tiles : {1, 2})
-                  variants[name + "_n" + std::to_string(cols) + "_ks1" + (tiles == 2 ? "_t2" : "") + "_pdl"] =
-                      time_fused(1, true, true, terms, false, tiles, cols);
           }
       }
       const double ms_fused = time_fused(0, false, true, 0, true);
