@@ -321,7 +321,7 @@ DZ_API void dz_sampler_params_init(dz_sampler_params *params);
 typedef struct dz_session_params {
   size_t struct_size;
   dz_sampler_params sampler;
-  uint32_t prefill_chunk; /* tokens per prefill micro-batch (0 = 512) */
+  uint32_t prefill_chunk; /* tokens per prefill micro-batch (0 = the backend's: 512 on the CPU, 4096 on CUDA) */
   dz_abort_fn abort;      /* optional, polled between layers */
   void *abort_user;
 } dz_session_params;

@@ -20,7 +20,6 @@ namespace {
 
 constexpr uint32_t kDefaultPageTokens = 64;
 constexpr uint64_t kDefaultArenaBytes = uint64_t(256) << 20;
-constexpr uint32_t kDefaultPrefillChunk = 512;
 
 dz::cpu::SamplerConfig sampler_config(const dz_sampler_params& p) { return {p.temperature, p.top_k, p.top_p}; }
 
@@ -289,7 +288,6 @@ DZ_API dz_status dz_session_create(dz_kv_arena* arena, const dz_session_params* 
     dz::check(p.sampler.struct_size >= sizeof(dz_sampler_params), DZ_ERR_INVALID_ARGUMENT,
               "params->sampler.struct_size is ", p.sampler.struct_size, "; fill params with dz_session_params_init");
     validate_sampler(p.sampler, "params->sampler");
-    if (!p.prefill_chunk) p.prefill_chunk = kDefaultPrefillChunk;
     auto s = std::make_unique<dz_session>();
     s->arena = arena;
     s->params = p;
@@ -360,8 +358,9 @@ DZ_API dz_status dz_session_append(dz_session* session, const int32_t* tokens, s
       opt.abort = session->params.abort;
       opt.abort_user = session->params.abort_user;
       opt.attention_tokens_read = &read;
+      const size_t chunk = session->params.prefill_chunk ? session->params.prefill_chunk : family.prefill_chunk();
       while (done < n) {
-        const size_t c = std::min<size_t>(session->params.prefill_chunk, n - done);
+        const size_t c = std::min<size_t>(chunk, n - done);
         seq.reserve(c);
         dz::ForwardItem it;
         it.seq = &seq;

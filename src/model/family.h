@@ -103,6 +103,8 @@ class Family {
   virtual kv::Layout kv_layout(uint32_t page_tokens) const = 0;
   // Backing memory for an arena of `bytes` (host for CPU, device for CUDA).
   virtual std::unique_ptr<kv::Storage> (*kv_storage() const)(size_t) { return kv::make_host_storage; }
+  // Tokens a prefill pass takes where the session leaves prefill_chunk at 0.
+  virtual uint32_t prefill_chunk() const { return 512; }
   // Run the model over the batch: write each item's KV into its reserved
   // page slots and its logits. The caller commits (or rolls back) the
   // sequences afterwards. Throws dz::Error.

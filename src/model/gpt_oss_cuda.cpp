@@ -201,6 +201,9 @@ class GptOssCuda final : public Family, private GptOssDesc {
     return l;
   }
   std::unique_ptr<kv::Storage> (*kv_storage() const)(size_t) override { return kStorageFns[dev_]; }
+  // A pass of up to kMaxRows rows reads (or folds) each layer's experts once:
+  // fewer, larger passes read them fewer times.
+  uint32_t prefill_chunk() const override { return kMaxRows; }
   void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
   std::unique_ptr<DeviceLogits> make_device_logits() override {
     try {
