@@ -202,65 +202,81 @@ __device__ __forceinline__ uint32_t v_ldsm_off(int lane, int row) {
   return uint32_t((((lane >> 3) & 1) * 8 + (lane & 7)) * row + (lane >> 4) * 8) * 2;
 }
 
-// One 16-key tile of K and V (shared memory, rows of D + 8 bf16; kt / vt
-// already offset by the lane's ldmatrix row) into a warp's online softmax
-// over its 16 MMA rows (a thread: rows g and g + 8, rr = 0 / 1). With
-// `masked`, keys kk of the tile that row rr may not see (!see(rr, kk)) drop
-// out; a row may see none of the tile.
-template <int D, typename See>
-__device__ __forceinline__ void attend_tile16(uint32_t kt, uint32_t vt, const uint32_t (&qh)[D / 16][4],
-                                              const uint32_t (&ql)[D / 16][4], float (&m)[2], float (&l)[2],
-                                              float (&acc)[D / 8][4], bool masked, See see) {
+// NK 16-key tiles of K and V (shared memory, rows of D + 8 bf16, tile u at
+// + u * tile_bytes; kt / vt already offset by the lane's ldmatrix row) into a
+// warp's online softmax over its 16 MMA rows (a thread: rows g and g + 8, rr =
+// 0 / 1), one max / rescale for all NK * 16 keys. With `masked`, keys kk of
+// the tiles that row rr may not see (!see(rr, kk)) drop out; a row may see
+// none of them.
+template <int D, int NK, typename See>
+__device__ __forceinline__ void attend_tiles(uint32_t kt, uint32_t vt, uint32_t tile_bytes,
+                                             const uint32_t (&qh)[D / 16][4], const uint32_t (&ql)[D / 16][4],
+                                             float (&m)[2], float (&l)[2], float (&acc)[D / 8][4], bool masked,
+                                             See see) {
   constexpr int KS = D / 16, NT = D / 8;
   const int t = threadIdx.x & 3;
-  // Scores: s0 keys 2t, 2t + 1 of the tile, s1 keys 8 + 2t, 9 + 2t; [0..1] row g, [2..3] row g + 8.
-  float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
+  // Scores: s[2u] keys 16u + 2t, + 1, s[2u + 1] keys 16u + 8 + 2t, + 1; [0..1] row g, [2..3] row g + 8.
+  float s[2 * NK][4];
 #pragma unroll
-  for (int ks = 0; ks < KS; ++ks) {
-    uint32_t b[4];
-    ptx::ldsm_x4(b, kt + uint32_t(ks) * 32);
-    ptx::mma_16816<true>(s0, qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b[0], b[1]);
-    ptx::mma_16816<true>(s0, ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[0], b[1]);
-    ptx::mma_16816<true>(s1, qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b[2], b[3]);
-    ptx::mma_16816<true>(s1, ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[2], b[3]);
-  }
+  for (int n = 0; n < 2 * NK; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+    for (int u = 0; u < NK; ++u) {
+      uint32_t b[4];
+      ptx::ldsm_x4(b, kt + uint32_t(u) * tile_bytes + uint32_t(ks) * 32);
+      ptx::mma_16816<true>(s[2 * u], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b[0], b[1]);
+      ptx::mma_16816<true>(s[2 * u + 1], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b[2], b[3]);
+      ptx::mma_16816<true>(s[2 * u], ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[0], b[1]);
+      ptx::mma_16816<true>(s[2 * u + 1], ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[2], b[3]);
+    }
   if (masked)
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr)
+    for (int n = 0; n < 2 * NK; ++n)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        if (!see(rr, 2 * t + e)) s0[2 * rr + e] = -INFINITY;
-        if (!see(rr, 8 + 2 * t + e)) s1[2 * rr + e] = -INFINITY;
-      }
+      for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (!see(rr, 8 * n + 2 * t + e)) s[n][2 * rr + e] = -INFINITY;
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
-    float mx = fmaxf(fmaxf(s0[2 * rr], s0[2 * rr + 1]), fmaxf(s1[2 * rr], s1[2 * rr + 1]));
+    float mx = fmaxf(s[0][2 * rr], s[0][2 * rr + 1]);
+#pragma unroll
+    for (int n = 1; n < 2 * NK; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * rr], s[n][2 * rr + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float nm = fmaxf(m[rr], mx), base = nm == -INFINITY ? 0.f : nm;  // nothing seen yet: all terms 0
     const float f = exp2f(m[rr] - base);
     m[rr] = nm;
+    float sum = 0.f;
 #pragma unroll
-    for (int e = 0; e < 2; ++e)
-      s0[2 * rr + e] = exp2f(s0[2 * rr + e] - base), s1[2 * rr + e] = exp2f(s1[2 * rr + e] - base);
-    l[rr] = l[rr] * f + ((s0[2 * rr] + s0[2 * rr + 1]) + (s1[2 * rr] + s1[2 * rr + 1]));
+    for (int n = 0; n < 2 * NK; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) s[n][2 * rr + e] = exp2f(s[n][2 * rr + e] - base);
+#pragma unroll
+    for (int n = 0; n < 2 * NK; n += 2)  // NK = 1: the sum order of the 16-key form, (s0 pair) + (s1 pair)
+      sum += (s[n][2 * rr] + s[n][2 * rr + 1]) + (s[n + 1][2 * rr] + s[n + 1][2 * rr + 1]);
+    l[rr] = l[rr] * f + sum;
 #pragma unroll
     for (int nd = 0; nd < NT; ++nd) acc[nd][2 * rr] *= f, acc[nd][2 * rr + 1] *= f;
   }
-  // P as the A operand (keys are k): a0 row g keys 2t.., a1 row g + 8, a2 / a3 keys 8 + 2t.. .
-  uint32_t ph[4], pl[4];
-  split_bf16(s0[0], s0[1], ph[0], pl[0]);
-  split_bf16(s0[2], s0[3], ph[1], pl[1]);
-  split_bf16(s1[0], s1[1], ph[2], pl[2]);
-  split_bf16(s1[2], s1[3], ph[3], pl[3]);
 #pragma unroll
-  for (int nd = 0; nd < NT; nd += 2) {
-    uint32_t b[4];
-    ptx::ldsm_x4<true>(b, vt + uint32_t(nd) * 16);
-    ptx::mma_16816<true>(acc[nd], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
-    ptx::mma_16816<true>(acc[nd], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
-    ptx::mma_16816<true>(acc[nd + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
-    ptx::mma_16816<true>(acc[nd + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
+  for (int u = 0; u < NK; ++u) {
+    // P as the A operand (keys are k): a0 row g keys 2t.., a1 row g + 8, a2 / a3 keys 8 + 2t.. .
+    uint32_t ph[4], pl[4];
+    split_bf16(s[2 * u][0], s[2 * u][1], ph[0], pl[0]);
+    split_bf16(s[2 * u][2], s[2 * u][3], ph[1], pl[1]);
+    split_bf16(s[2 * u + 1][0], s[2 * u + 1][1], ph[2], pl[2]);
+    split_bf16(s[2 * u + 1][2], s[2 * u + 1][3], ph[3], pl[3]);
+#pragma unroll
+    for (int nd = 0; nd < NT; nd += 2) {
+      uint32_t b[4];
+      ptx::ldsm_x4<true>(b, vt + uint32_t(u) * tile_bytes + uint32_t(nd) * 16);
+      ptx::mma_16816<true>(acc[nd], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
+      ptx::mma_16816<true>(acc[nd], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
+      ptx::mma_16816<true>(acc[nd + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
+      ptx::mma_16816<true>(acc[nd + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
+    }
   }
 }
 
@@ -340,7 +356,8 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 4)
     __syncwarp();  // the other lanes' copies too
     const uint32_t kt = my + uint32_t(st) * 2 * TB, vt = kt + TB;
     const int nv = j_end - (j_begin + tl * kTileKeys) + 1;  // valid keys of the tile (>= 1)
-    attend_tile16<D>(kt + koff, vt + voff, qh, ql, m, l, acc, nv < kTileKeys, [&](int, int kk) { return kk < nv; });
+    attend_tiles<D, 1>(kt + koff, vt + voff, 0, qh, ql, m, l, acc, nv < kTileKeys,
+                       [&](int, int kk) { return kk < nv; });
     __syncwarp();  // every lane done with stage st before it is refilled
     issue(tl + kSplitStages * kSplitWarps, st);
   }
@@ -461,7 +478,13 @@ __global__ void __launch_bounds__(kSplitThreads, D == 128 ? 1 : 4)
 
 constexpr int kPreWarps = 8;
 constexpr int kPreThreads = 32 * kPreWarps;
-constexpr int kPreKeys = 32;   // keys a ring stage (every warp takes all of them, as two 16-key tiles)
+// Keys a ring stage (every warp takes all of them), and keys a softmax update.
+// H200 (run 96), gpt-oss-20b prefill of 16,384 tokens, 457.1 ms with 32-key
+// stages and 16-key updates before: 64 / 16 449.3 ms, 64 / 32 425.5 ms (two
+// blocks an SM, 128 registers), 64 / 32 and 64 / 64 at one block an SM (165 /
+// 172 registers) 445.4 / 434.4 ms.
+constexpr int kPreKeys = 64;
+constexpr int kPreUpdateKeys = 32;
 constexpr int kPreStages = 3;  // K/V stages in flight a block
 // Query tokens a warp: its 16 MMA rows are (token, head) pairs of one KV
 // head's group (gpt-oss, 8 heads: 2 tokens); more than 16 heads a KV head go
@@ -481,7 +504,8 @@ constexpr size_t prefill_smem() {
 // none of its rows sees. Online softmax in the MMAs' fragments, queries and
 // probabilities as two bf16 terms each (as in decode), the sink at the end.
 template <int D>
-__global__ void __launch_bounds__(kPreThreads) prefill_kernel(AttnBatch a, const AttnTile* __restrict__ tiles) {
+__global__ void __launch_bounds__(kPreThreads, D == 128 ? 1 : 2)
+    prefill_kernel(AttnBatch a, const AttnTile* __restrict__ tiles) {
   constexpr int KS = D / 16, NT = D / 8, ROW = split_row<D>();
   constexpr uint32_t TB = uint32_t(kPreKeys * ROW * 2);  // one K (or V) stage
   const AttnTile tile = tiles[blockIdx.x];
@@ -547,15 +571,17 @@ __global__ void __launch_bounds__(kPreThreads) prefill_kernel(AttnBatch a, const
     if (!wactive) continue;
     const uint32_t stage = ring + uint32_t(k % kPreStages) * 2 * TB;
 #pragma unroll
-    for (int half = 0; half < kPreKeys / kTileKeys; ++half) {
-      const int h0 = klo + k * kPreKeys + half * kTileKeys;
-      if (h0 > wpos_max || h0 + kTileKeys - 1 < wlo_min) continue;  // no row of the warp sees these keys
-      const bool masked = !(h0 >= wlo_max && h0 + kTileKeys - 1 <= wpos_min);
-      const uint32_t off = uint32_t(half * kTileKeys * ROW * 2);
-      attend_tile16<D>(stage + off + koff, stage + TB + off + voff, qh, ql, m, l, acc, masked, [&](int rr, int kk) {
-        const int j = h0 + kk;
-        return j >= rlo[rr] && j <= rpos[rr];
-      });
+    for (int part = 0; part < kPreKeys / kPreUpdateKeys; ++part) {
+      const int h0 = klo + k * kPreKeys + part * kPreUpdateKeys;
+      if (h0 > wpos_max || h0 + kPreUpdateKeys - 1 < wlo_min) continue;  // no row of the warp sees these keys
+      const bool masked = !(h0 >= wlo_max && h0 + kPreUpdateKeys - 1 <= wpos_min);
+      const uint32_t off = uint32_t(part * kPreUpdateKeys * ROW * 2);
+      attend_tiles<D, kPreUpdateKeys / kTileKeys>(stage + off + koff, stage + TB + off + voff,
+                                                  uint32_t(kTileKeys * ROW * 2), qh, ql, m, l, acc, masked,
+                                                  [&](int rr, int kk) {
+                                                    const int j = h0 + kk;
+                                                    return j >= rlo[rr] && j <= rpos[rr];
+                                                  });
     }
   }
   ptx::cp_async_wait<0>();
@@ -685,14 +711,18 @@ void attention_prefill(const AttnBatch& a, const AttnTile* tiles, int n_tiles, i
         DZ_ERR_INVALID_ARGUMENT, "prefill attention: ", a.n_heads, " heads over ", a.n_kv_heads,
         " KV heads in tiles of ", rows_per_tile,
         " rows (attention_tile_rows: ", attention_tile_rows(a.n_heads, a.n_kv_heads), ")");
-  static const bool attr_set = [] {  // head_dim 128 takes more than the default 48 KB
+  const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
+  const dim3 grid(unsigned(n_tiles), unsigned(a.n_kv_heads * ngrp)), block{unsigned(kPreThreads)};
+  static const bool attr_set = [] {  // more than the default 48 KB
+    DZ_CUDA_CHECK(
+        cudaFuncSetAttribute(prefill_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(prefill_smem<32>())));
+    DZ_CUDA_CHECK(
+        cudaFuncSetAttribute(prefill_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(prefill_smem<64>())));
     DZ_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        int(prefill_smem<128>())));
     return true;
   }();
   (void)attr_set;
-  const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
-  const dim3 grid(unsigned(n_tiles), unsigned(a.n_kv_heads * ngrp)), block{unsigned(kPreThreads)};
   switch (a.head_dim) {
     case 32:
       prefill_kernel<32><<<grid, block, prefill_smem<32>(), s>>>(a, tiles);
