@@ -58,11 +58,12 @@ struct DecodeSplitPolicy {
   // Chunks of min_chunk * 2^k keys, at most base_splits * 2^k of them: a
   // chunk doubles each time the length quadruples past base_splits *
   // min_chunk keys, so a long row gets both more blocks and longer chunks
-  // (256 keys up to 2K, 512 up to 8K, 1K up to 32K, 2K up to 128K). H200 (run
-  // 92, against at most 32 chunks of 256 keys and up): 4K keys, 1 / 8 / 64
-  // sessions 14.3 / 38.6 / 206.4 -> 15.0 / 30.5 / 164.6 us; 8K 17.9 / 65.8 /
-  // 395.5 -> 17.2 / 55.5 / 313.9; 16K 23.2 / 97.0 / 611.2 -> 23.6 / 89.5 /
-  // 567.6. base_splits >= max_splits gives chunks of min_chunk * 2^k, at most
+  // (256 keys up to 2K, 512 up to 8K, 1K up to 32K, 2K up to 64K, then
+  // max_splits chunks). H200 (run 93, against at most 32 chunks of 256 keys
+  // and up): 4K keys, 1 / 8 / 64 sessions 14.5 / 39.4 / 209.1 -> 15.4 / 31.4
+  // / 167.7 us; 8K 18.2 / 66.4 / 400.4 -> 17.4 / 56.3 / 317.9; 16K 23.4 /
+  // 98.2 / 615.8 -> 23.3 / 89.7 / 573.6; 3K one session 15.4 -> 17.4.
+  // base_splits >= max_splits gives chunks of min_chunk * 2^k, at most
   // max_splits of them.
   int base_splits = 8;
   // Chunks per row at most (32 vs 64: batch 1 x 128K keys 83 vs 91 us, batch
