@@ -10,12 +10,18 @@ the same through a paged cache gathered by page table first (what a paged engine
 paged kernel does; the gather is timed). Neither has gpt-oss's sink column, which costs
 dayzero nothing measurable. Timing: CUDA events, L2 flushed (256 MiB) before each call,
 median. The peer's output is checked against a float32 reference on the first rows.
+
+For every prompt of dayzero's "prefill" results (causal, no window): the same function with
+is_causal over contiguous q [1, heads, n, D] and K/V [1, kv_heads, n, D] in bf16, restricted to
+PyTorch's fused kernels (FlashAttention, cuDNN, memory-efficient; the math fallback would
+materialize n x n scores), checked on its last rows against float32.
 """
 import argparse
 import json
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cuda_timing import peer_setup, timed
 
@@ -72,8 +78,44 @@ def main():
         print(f"peer B={B:3d} ctx={C:6d}: sdpa {ms * 1e3:9.1f} us ({100 * kv_bytes / (ms * 1e-3) / bw:.0f}% of HBM), "
               f"gather+sdpa {ms_paged * 1e3:9.1f} us; dayzero {row['us']:8.1f} us ({ms * 1e3 / row['us']:.2f}x)",
               flush=True)
+    pre = []
+    bf16_peak = dz["ceilings"].get("bf16_flops_per_s", 810e12)
+    for row in dz.get("prefill", []):
+        n = row["tokens"]
+        if row["window"] > 0:
+            continue
+        q = torch.randn(1, nh, n, D, device=dev, dtype=torch.bfloat16, generator=g)
+        k = torch.randn(1, nkv, n, D, device=dev, dtype=torch.bfloat16, generator=g)
+        v = torch.randn(1, nkv, n, D, device=dev, dtype=torch.bfloat16, generator=g)
+        fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+        def causal():
+            with sdpa_kernel(fused):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        item = {"tokens": n, "flops": row["flops"], "dayzero_us": row["us"], "dayzero_tflops": row["tflops"]}
+        try:
+            o = causal()
+            r = 4  # the last rows against float32 (all their keys)
+            qq = q[0, :, n - r:].float().reshape(nkv, nh // nkv, r, D)
+            s = (qq @ k[0].float().transpose(-1, -2).unsqueeze(1)) / D**0.5
+            s = s + torch.triu(torch.full((r, n), float("-inf"), device=dev), diagonal=n - r + 1)
+            ref = torch.softmax(s, -1) @ v[0].float().unsqueeze(1)
+            err = (o[0, :, n - r:].float().reshape(nkv, nh // nkv, r, D) - ref).abs().max().item()
+            ms = timed(causal, max(3, min(args.reps, 5 if n >= 32768 else args.reps)), flush)
+            item.update({"sdpa_us": ms * 1e3, "sdpa_tflops": row["flops"] / (ms * 1e-3) / 1e12,
+                         "sdpa_bf16_peak_fraction": row["flops"] / (ms * 1e-3) / bf16_peak,
+                         "sdpa_max_abs_err_vs_fp32": err, "dayzero_vs_sdpa": ms * 1e3 / row["us"]})
+            print(f"peer prefill {n:6d}: sdpa {ms * 1e3:10.1f} us ({row['flops'] / (ms * 1e-3) / 1e12:.0f} TFLOP/s); "
+                  f"dayzero {row['us']:10.1f} us ({row['tflops']:.0f} TFLOP/s, {ms * 1e3 / row['us']:.2f}x)", flush=True)
+        except RuntimeError as e:  # no fused kernel for this shape
+            item["sdpa_error"] = str(e).splitlines()[0]
+            print(f"peer prefill {n:6d}: no fused SDPA kernel ({item['sdpa_error']})", flush=True)
+        pre.append(item)
+        del q, k, v
+        torch.cuda.empty_cache()
     out = {"peer": "torch.nn.functional.scaled_dot_product_attention (enable_gqa), contiguous and page-gathered bf16 KV",
-           "torch": torch.__version__, "device": torch.cuda.get_device_name(), "results": res}
+           "torch": torch.__version__, "device": torch.cuda.get_device_name(), "results": res, "prefill": pre}
     json.dump(out, open(args.out, "w"), indent=2)
 
 

@@ -5,6 +5,9 @@
 // timed, with the KV bytes it reads as a fraction of HBM bandwidth and a plain
 // read of the same byte count. Random bf16 K/V, pages scattered over the
 // cache; median of CUDA-event timings with the L2 flushed before every call.
+// With --prefill, the prefill kernel too: one prompt of each length (every
+// row attending to the keys up to its own, or its window), as tensor-core
+// FLOP/s against the BF16 ceiling.
 // The PyTorch peer on the same shapes: tools/bench/attention_peer.py.
 #include <algorithm>
 #include <cmath>
@@ -33,12 +36,14 @@ const char* kUsage =
     "usage: dz bench attention [--batch 1,8,64] [--ctx 128,1024,2048,3072,4096,8192,16384,32768,131072]\n"
     "                          [--heads 64] [--kv-heads 8] [--head-dim 64] [--window 0]\n"
     "                          [--policy MIN:BASE:MAX,...] [--page-tokens 64] [--reps 20] [--max-kv-gib 16]\n"
-    "                          [--bw-ceiling 4.27e12] [--out FILE.json]\n"
+    "                          [--bw-ceiling 4.27e12] [--prefill 4096,16384,65536] [--bf16-ceiling 810e12]\n"
+    "                          [--out FILE.json]\n"
     "Split-K decode attention (paged bf16 KV, one layer): time per call for every batch x context\n"
     "(skipping those whose KV exceeds --max-kv-gib), KV bytes read as a fraction of HBM bandwidth, and\n"
     "a plain read of the same bytes. Every chunk policy given is timed: min_chunk:base_splits:max_splits\n"
     "(DecodeSplitPolicy; default: the library's, then 256:32:32, the policy before run 93, and 512:8:32);\n"
-    "the first is reported as the default.\n";
+    "the first is reported as the default. --prefill: prompts of these lengths through the prefill kernel\n"
+    "(one sequence, all rows; 0: none), FLOP/s of QK^T and PV against --bf16-ceiling.\n";
 }  // namespace
 
 #ifndef DZ_WITH_CUDA
@@ -53,7 +58,7 @@ int bench_attention(const Args& a) {
   }
   reject_unknown(a,
                  {"--batch", "--ctx", "--heads", "--kv-heads", "--head-dim", "--window", "--policy", "--page-tokens",
-                  "--reps", "--max-kv-gib", "--bw-ceiling", "--out", "--help"},
+                  "--reps", "--max-kv-gib", "--bw-ceiling", "--prefill", "--bf16-ceiling", "--out", "--help"},
                  "dz bench attention");
   const std::vector<int> batches = parse_int_list(flag_value(a, "--batch", "1,8,64"));
   const std::vector<int> ctxs =
@@ -83,6 +88,9 @@ int bench_attention(const Args& a) {
   const int pt = int_flag("--page-tokens", 64), reps = int_flag("--reps", 20);
   const double max_kv = std::stod(flag_value(a, "--max-kv-gib", "16")) * double(1ull << 30);
   const double bw_ceiling = std::stod(flag_value(a, "--bw-ceiling", "4.27e12"));
+  const double bf16_ceiling = std::stod(flag_value(a, "--bf16-ceiling", "810e12"));
+  std::vector<int> prompts = parse_int_list(flag_value(a, "--prefill", "4096,16384,65536"));
+  prompts.erase(std::remove(prompts.begin(), prompts.end(), 0), prompts.end());
   const std::string out_path = flag_value(a, "--out", "");
   if (batches.empty() || ctxs.empty() || !policies_ok || nkv <= 0 || nh % nkv != 0 || !attention_supports(D) ||
       pt <= 0 || reps <= 0) {
@@ -100,9 +108,16 @@ int bench_attention(const Args& a) {
         const int64_t pages = int64_t(b) * ((c + pt - 1) / pt);
         if (double(pages * page_bytes) <= max_kv) max_pages = std::max(max_pages, pages), max_b = std::max(max_b, b);
       }
+    for (int n : prompts) {
+      const int64_t pages = (int64_t(n) + pt - 1) / pt;
+      if (n > 0 && double(pages * page_bytes) <= max_kv) max_pages = std::max(max_pages, pages);
+    }
     check(max_pages > 0, DZ_ERR_INVALID_ARGUMENT, "dz bench attention: no case fits --max-kv-gib");
     ContextOptions co;
-    co.pool_bytes = size_t(max_pages * page_bytes) + (size_t(2) << 30);
+    size_t prefill_bytes = 0;  // the largest prompt's q, output and row tables
+    for (int n : prompts)
+      prefill_bytes = std::max(prefill_bytes, size_t(n) * (size_t(nh + 2 * nkv) * D * 4 + size_t(nh) * D * 2 + 64));
+    co.pool_bytes = size_t(max_pages * page_bytes) + prefill_bytes + (size_t(2) << 30);
     Context ctx(co);
     cudaStream_t st = ctx.stream();
     DevicePool& P = ctx.pool();
@@ -123,7 +138,7 @@ int bench_attention(const Args& a) {
                         {"meta", meta},
                         {"shape", {{"heads", nh}, {"kv_heads", nkv}, {"head_dim", D}, {"window", window}}},
                         {"kv", {{"dtype", "bf16"}, {"page_tokens", pt}, {"token_bytes_per_layer", token_bytes}}},
-                        {"ceilings", {{"hbm_bytes_per_s", bw_ceiling}}},
+                        {"ceilings", {{"hbm_bytes_per_s", bw_ceiling}, {"bf16_flops_per_s", bf16_ceiling}}},
                         {"timing", "median of " + std::to_string(reps) +
                                        " CUDA-event times, L2 flushed (256 MiB read) before each call"},
                         {"results", nlohmann::json::array()}};
@@ -210,6 +225,71 @@ int bench_attention(const Args& a) {
                      B, C, ms_default * 1e3, 100 * bytes / (ms_default * 1e-3) / bw_ceiling, bytes / 1e6, ms_read * 1e3,
                      best_policy.c_str(), best * 1e3);
       }
+    // Prefill: one sequence of n tokens, every row its own position, in the
+    // tiles the model uses.
+    j["prefill"] = nlohmann::json::array();
+    const int tile_rows = attention_tile_rows(nh, nkv);
+    for (int n : prompts) {
+      const int64_t npg = (int64_t(n) + pt - 1) / pt;
+      if (n < 0 || npg > max_pages) {
+        std::fprintf(stderr, "attention prefill %d: over --max-kv-gib, skipped\n", n);
+        continue;
+      }
+      std::vector<int32_t> perm(static_cast<size_t>(max_pages));
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      std::vector<int32_t> table(perm.begin(), perm.begin() + npg), item_pt{0}, row_item(static_cast<size_t>(n), 0),
+          row_pos(static_cast<size_t>(n));
+      std::iota(row_pos.begin(), row_pos.end(), 0);
+      std::vector<AttnTile> tl;
+      for (int r0 = 0; r0 < n; r0 += tile_rows) tl.push_back({r0, std::min(tile_rows, n - r0)});
+      auto up = [&](const void* src, size_t bytes, const char* what) {
+        DeviceArray<uint8_t> d(P, bytes, what);
+        DZ_CUDA_CHECK(cudaMemcpy(d.get(), src, bytes, cudaMemcpyHostToDevice));
+        return d;
+      };
+      const DeviceArray<uint8_t> d_table = up(table.data(), table.size() * 4, "page table"),
+                                 d_ipt = up(item_pt.data(), 4, "item tables"),
+                                 d_item = up(row_item.data(), row_item.size() * 4, "row items"),
+                                 d_pos = up(row_pos.data(), row_pos.size() * 4, "row positions"),
+                                 d_tiles = up(tl.data(), tl.size() * sizeof(AttnTile), "tiles");
+      DeviceArray<float> pq(P, size_t(n) * q_stride, "prefill q");
+      fill_random_f32(pq.get(), pq.size(), 24, 1.f, st);
+      DeviceArray<uint16_t> pout(P, size_t(n) * nh * D, "prefill out");
+      AttnBatch ab;
+      ab.kv = kv.get();
+      ab.page_bytes = page_bytes;
+      ab.page_tokens = pt;
+      ab.page_table = reinterpret_cast<const int32_t*>(d_table.get());
+      ab.item_pt = reinterpret_cast<const int32_t*>(d_ipt.get());
+      ab.row_item = reinterpret_cast<const int32_t*>(d_item.get());
+      ab.row_pos = reinterpret_cast<const int32_t*>(d_pos.get());
+      ab.n_heads = nh;
+      ab.n_kv_heads = nkv;
+      ab.head_dim = D;
+      ab.window = window;
+      ab.scale = float(1.0 / std::sqrt(double(D)));
+      ab.sinks = sinks.get();
+      ab.q = pq.get();
+      ab.q_stride = q_stride;
+      ab.out = pout.get();
+      // Query-key pairs: row i sees min(i + 1, window) keys.
+      double pairs = 0;
+      for (int i = 0; i < n; ++i) pairs += window > 0 ? std::min(i + 1, window) : i + 1;
+      const double flops = 4.0 * pairs * nh * D;  // QK^T and PV, 2 FLOPs a multiply-add
+      const double ms = timer.median_ms(std::max(3, std::min(reps, n >= 32768 ? 5 : reps)), 1, [&](int) {
+        attention_prefill(ab, reinterpret_cast<const AttnTile*>(d_tiles.get()), int(tl.size()), tile_rows, st);
+      });
+      j["prefill"].push_back({{"tokens", n},
+                              {"window", window},
+                              {"tile_rows", tile_rows},
+                              {"flops", flops},
+                              {"us", ms * 1e3},
+                              {"tflops", flops / (ms * 1e-3) / 1e12},
+                              {"bf16_peak_fraction", flops / (ms * 1e-3) / bf16_ceiling}});
+      std::fprintf(stderr, "attention prefill %6d tokens: %10.1f us (%.0f TFLOP/s, %.0f%% of the BF16 ceiling)\n", n,
+                   ms * 1e3, flops / (ms * 1e-3) / 1e12, 100 * flops / (ms * 1e-3) / bf16_ceiling);
+    }
     bench_emit(j, out_path);
     return 0;
   } catch (const Error& e) {
