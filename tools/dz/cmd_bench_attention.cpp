@@ -143,6 +143,41 @@ int bench_attention(const Args& a) {
                                        " CUDA-event times, L2 flushed (256 MiB read) before each call"},
                         {"results", nlohmann::json::array()}};
     std::mt19937 rng(7);
+    // npg pages scattered over the cache.
+    auto scattered_pages = [&](int64_t npg) {
+      std::vector<int32_t> perm(static_cast<size_t>(max_pages));
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      perm.resize(static_cast<size_t>(npg));
+      return perm;
+    };
+    auto upload = [&]<typename T>(const std::vector<T>& v, const char* what) {
+      DeviceArray<T> d(P, v.size(), what);
+      DZ_CUDA_CHECK(cudaMemcpy(d.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+      return d;
+    };
+    // What both kernels read: the cache, the row tables (device), q and out.
+    auto make_batch = [&](const int32_t* table, const int32_t* ipt, const int32_t* item, const int32_t* pos,
+                          const float* qp, uint16_t* outp) {
+      AttnBatch ab;
+      ab.kv = kv.get();
+      ab.page_bytes = page_bytes;
+      ab.page_tokens = pt;
+      ab.page_table = table;
+      ab.item_pt = ipt;
+      ab.row_item = item;
+      ab.row_pos = pos;
+      ab.n_heads = nh;
+      ab.n_kv_heads = nkv;
+      ab.head_dim = D;
+      ab.window = window;
+      ab.scale = float(1.0 / std::sqrt(double(D)));
+      ab.sinks = sinks.get();
+      ab.q = qp;
+      ab.q_stride = q_stride;
+      ab.out = outp;
+      return ab;
+    };
     for (int B : batches)
       for (int C : ctxs) {
         const int npg = (C + pt - 1) / pt;
@@ -152,38 +187,13 @@ int bench_attention(const Args& a) {
                        double(pages * page_bytes) / double(1ull << 30));
           continue;
         }
-        // Sessions' pages scattered over the cache.
-        std::vector<int32_t> perm(static_cast<size_t>(max_pages));
-        std::iota(perm.begin(), perm.end(), 0);
-        std::shuffle(perm.begin(), perm.end(), rng);
-        std::vector<int32_t> table(perm.begin(), perm.begin() + pages), item_pt(static_cast<size_t>(B)),
-            row_item(static_cast<size_t>(B)), row_pos(static_cast<size_t>(B), C - 1), rows(static_cast<size_t>(B));
+        std::vector<int32_t> item_pt(static_cast<size_t>(B)), row_item(static_cast<size_t>(B)),
+            row_pos(static_cast<size_t>(B), C - 1), rows(static_cast<size_t>(B));
         for (int b = 0; b < B; ++b) item_pt[size_t(b)] = b * npg, row_item[size_t(b)] = b, rows[size_t(b)] = b;
-        auto up = [&](const std::vector<int32_t>& v, const char* what) {
-          DeviceArray<int32_t> d(P, v.size(), what);
-          DZ_CUDA_CHECK(cudaMemcpy(d.get(), v.data(), v.size() * 4, cudaMemcpyHostToDevice));
-          return d;
-        };
-        const DeviceArray<int32_t> d_table = up(table, "page table"), d_ipt = up(item_pt, "item tables"),
-                                   d_item = up(row_item, "row items"), d_pos = up(row_pos, "row positions"),
-                                   d_rows = up(rows, "rows");
-        AttnBatch ab;
-        ab.kv = kv.get();
-        ab.page_bytes = page_bytes;
-        ab.page_tokens = pt;
-        ab.page_table = d_table.get();
-        ab.item_pt = d_ipt.get();
-        ab.row_item = d_item.get();
-        ab.row_pos = d_pos.get();
-        ab.n_heads = nh;
-        ab.n_kv_heads = nkv;
-        ab.head_dim = D;
-        ab.window = window;
-        ab.scale = float(1.0 / std::sqrt(double(D)));
-        ab.sinks = sinks.get();
-        ab.q = q.get();
-        ab.q_stride = q_stride;
-        ab.out = out.get();
+        const DeviceArray<int32_t> d_table = upload(scattered_pages(pages), "page table"),
+                                   d_ipt = upload(item_pt, "item tables"), d_item = upload(row_item, "row items"),
+                                   d_pos = upload(row_pos, "row positions"), d_rows = upload(rows, "rows");
+        const AttnBatch ab = make_batch(d_table.get(), d_ipt.get(), d_item.get(), d_pos.get(), q.get(), out.get());
         const int len = window > 0 ? std::min(C, window) : C;
         const double bytes = double(B) * len * double(token_bytes);
         nlohmann::json pol = nlohmann::json::object();
@@ -235,50 +245,24 @@ int bench_attention(const Args& a) {
         std::fprintf(stderr, "attention prefill %d: over --max-kv-gib, skipped\n", n);
         continue;
       }
-      std::vector<int32_t> perm(static_cast<size_t>(max_pages));
-      std::iota(perm.begin(), perm.end(), 0);
-      std::shuffle(perm.begin(), perm.end(), rng);
-      std::vector<int32_t> table(perm.begin(), perm.begin() + npg), item_pt{0}, row_item(static_cast<size_t>(n), 0),
-          row_pos(static_cast<size_t>(n));
+      std::vector<int32_t> row_item(static_cast<size_t>(n), 0), row_pos(static_cast<size_t>(n));
       std::iota(row_pos.begin(), row_pos.end(), 0);
       std::vector<AttnTile> tl;
       for (int r0 = 0; r0 < n; r0 += tile_rows) tl.push_back({r0, std::min(tile_rows, n - r0)});
-      auto up = [&](const void* src, size_t bytes, const char* what) {
-        DeviceArray<uint8_t> d(P, bytes, what);
-        DZ_CUDA_CHECK(cudaMemcpy(d.get(), src, bytes, cudaMemcpyHostToDevice));
-        return d;
-      };
-      const DeviceArray<uint8_t> d_table = up(table.data(), table.size() * 4, "page table"),
-                                 d_ipt = up(item_pt.data(), 4, "item tables"),
-                                 d_item = up(row_item.data(), row_item.size() * 4, "row items"),
-                                 d_pos = up(row_pos.data(), row_pos.size() * 4, "row positions"),
-                                 d_tiles = up(tl.data(), tl.size() * sizeof(AttnTile), "tiles");
+      const DeviceArray<int32_t> d_table = upload(scattered_pages(npg), "page table"),
+                                 d_ipt = upload(std::vector<int32_t>{0}, "item tables"),
+                                 d_item = upload(row_item, "row items"), d_pos = upload(row_pos, "row positions");
+      const DeviceArray<AttnTile> d_tiles = upload(tl, "tiles");
       DeviceArray<float> pq(P, size_t(n) * q_stride, "prefill q");
       fill_random_f32(pq.get(), pq.size(), 24, 1.f, st);
       DeviceArray<uint16_t> pout(P, size_t(n) * nh * D, "prefill out");
-      AttnBatch ab;
-      ab.kv = kv.get();
-      ab.page_bytes = page_bytes;
-      ab.page_tokens = pt;
-      ab.page_table = reinterpret_cast<const int32_t*>(d_table.get());
-      ab.item_pt = reinterpret_cast<const int32_t*>(d_ipt.get());
-      ab.row_item = reinterpret_cast<const int32_t*>(d_item.get());
-      ab.row_pos = reinterpret_cast<const int32_t*>(d_pos.get());
-      ab.n_heads = nh;
-      ab.n_kv_heads = nkv;
-      ab.head_dim = D;
-      ab.window = window;
-      ab.scale = float(1.0 / std::sqrt(double(D)));
-      ab.sinks = sinks.get();
-      ab.q = pq.get();
-      ab.q_stride = q_stride;
-      ab.out = pout.get();
+      const AttnBatch ab = make_batch(d_table.get(), d_ipt.get(), d_item.get(), d_pos.get(), pq.get(), pout.get());
       // Query-key pairs: row i sees min(i + 1, window) keys.
       double pairs = 0;
       for (int i = 0; i < n; ++i) pairs += window > 0 ? std::min(i + 1, window) : i + 1;
       const double flops = 4.0 * pairs * nh * D;  // QK^T and PV, 2 FLOPs a multiply-add
       const double ms = timer.median_ms(std::max(3, std::min(reps, n >= 32768 ? 5 : reps)), 1, [&](int) {
-        attention_prefill(ab, reinterpret_cast<const AttnTile*>(d_tiles.get()), int(tl.size()), tile_rows, st);
+        attention_prefill(ab, d_tiles.get(), int(tl.size()), tile_rows, st);
       });
       j["prefill"].push_back({{"tokens", n},
                               {"window", window},
