@@ -8,6 +8,12 @@
 #include "cuda/ptx.cuh"
 #include "runtime/cuda/cuda_check.h"
 
+// wgmma exists only in the sm_90a target: elsewhere the wgmma prefill kernel's
+// body is empty and the host does not choose it.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DZ_ATTN_SM90A 1
+#endif
+
 namespace dz::cuda {
 
 namespace {
@@ -208,7 +214,7 @@ __device__ __forceinline__ uint32_t v_ldsm_off(int lane, int row) {
 // 0 / 1), one max / rescale for all NK * 16 keys. With `masked`, keys kk of
 // the tiles that row rr may not see (!see(rr, kk)) drop out; a row may see
 // none of them.
-template <int D, int NK, typename See>
+template <int D, int NK, typename See, int kTerms = 2>
 __device__ __forceinline__ void attend_tiles(uint32_t kt, uint32_t vt, uint32_t tile_bytes,
                                              const uint32_t (&qh)[D / 16][4], const uint32_t (&ql)[D / 16][4],
                                              float (&m)[2], float (&l)[2], float (&acc)[D / 8][4], bool masked,
@@ -227,8 +233,10 @@ __device__ __forceinline__ void attend_tiles(uint32_t kt, uint32_t vt, uint32_t 
       ptx::ldsm_x4(b, kt + uint32_t(u) * tile_bytes + uint32_t(ks) * 32);
       ptx::mma_16816<true>(s[2 * u], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b[0], b[1]);
       ptx::mma_16816<true>(s[2 * u + 1], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b[2], b[3]);
-      ptx::mma_16816<true>(s[2 * u], ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[0], b[1]);
-      ptx::mma_16816<true>(s[2 * u + 1], ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[2], b[3]);
+      if constexpr (kTerms == 2) {
+        ptx::mma_16816<true>(s[2 * u], ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[0], b[1]);
+        ptx::mma_16816<true>(s[2 * u + 1], ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[2], b[3]);
+      }
     }
   if (masked)
 #pragma unroll
@@ -273,9 +281,9 @@ __device__ __forceinline__ void attend_tiles(uint32_t kt, uint32_t vt, uint32_t 
       uint32_t b[4];
       ptx::ldsm_x4<true>(b, vt + uint32_t(u) * tile_bytes + uint32_t(nd) * 16);
       ptx::mma_16816<true>(acc[nd], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
-      ptx::mma_16816<true>(acc[nd], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
+      if constexpr (kTerms == 2) ptx::mma_16816<true>(acc[nd], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
       ptx::mma_16816<true>(acc[nd + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
-      ptx::mma_16816<true>(acc[nd + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
+      if constexpr (kTerms == 2) ptx::mma_16816<true>(acc[nd + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
     }
   }
 }
@@ -503,7 +511,7 @@ constexpr size_t prefill_smem() {
 // masking to its own [window start, position]; a warp skips the 16-key tiles
 // none of its rows sees. Online softmax in the MMAs' fragments, queries and
 // probabilities as two bf16 terms each (as in decode), the sink at the end.
-template <int D>
+template <int D, int kTerms>
 __global__ void __launch_bounds__(kPreThreads, D == 128 ? 1 : 2)
     prefill_kernel(AttnBatch a, const AttnTile* __restrict__ tiles) {
   constexpr int KS = D / 16, NT = D / 8, ROW = split_row<D>();
@@ -576,12 +584,12 @@ __global__ void __launch_bounds__(kPreThreads, D == 128 ? 1 : 2)
       if (h0 > wpos_max || h0 + kPreUpdateKeys - 1 < wlo_min) continue;  // no row of the warp sees these keys
       const bool masked = !(h0 >= wlo_max && h0 + kPreUpdateKeys - 1 <= wpos_min);
       const uint32_t off = uint32_t(part * kPreUpdateKeys * ROW * 2);
-      attend_tiles<D, kPreUpdateKeys / kTileKeys>(stage + off + koff, stage + TB + off + voff,
-                                                  uint32_t(kTileKeys * ROW * 2), qh, ql, m, l, acc, masked,
-                                                  [&](int rr, int kk) {
-                                                    const int j = h0 + kk;
-                                                    return j >= rlo[rr] && j <= rpos[rr];
-                                                  });
+      auto see = [&](int rr, int kk) {
+        const int j = h0 + kk;
+        return j >= rlo[rr] && j <= rpos[rr];
+      };
+      attend_tiles<D, kPreUpdateKeys / kTileKeys, decltype(see), kTerms>(
+          stage + off + koff, stage + TB + off + voff, uint32_t(kTileKeys * ROW * 2), qh, ql, m, l, acc, masked, see);
     }
   }
   ptx::cp_async_wait<0>();
@@ -602,6 +610,253 @@ __global__ void __launch_bounds__(kPreThreads, D == 128 ? 1 : 2)
             __floats2bfloat162_rn(v0, v1);
     }
   }
+}
+
+// ------------------------------------------------- prefill on wgmma (sm_90a)
+// The block and rows of prefill_kernel<64>, two warpgroups of 64 MMA rows;
+// each 64-key stage is one wgmma chain for S = Q K^T (Q and K from shared
+// memory, K-major, 128-byte swizzle) and one for O += P V (P from registers,
+// V from shared memory MN-major: the transposed B operand). Scores and O are
+// in the wgmma accumulator layout, which per warp is the mma.sync layout of
+// attend_tiles. Q lives in shared memory because ptxas treats the registers
+// of a wgmma's A operand as free once the chain is done: a Q kept in
+// registers across the loop was overwritten by later values (H200: the
+// float64 test's error went from 2e-5 to 3 with one term).
+constexpr int kWgKeys = 64;                  // keys a stage and a softmax update
+constexpr int kWgStages = 3;                 // K/V stages in flight
+constexpr uint32_t kWgTile = kWgKeys * 128;  // one K (or V) stage, or one Q term of a warpgroup: 64 rows x 128 B
+
+// Descriptor of a 64-row x 128-byte tile with the 128-byte swizzle (rows
+// 128 B, 8-row groups 1024 B apart; base 1024-aligned). K-major (Q and K of
+// S): a 16-wide K step adds 32 B (2 in the 16-byte start field). MN-major
+// (V of P V, rows are keys): the PTX ISA's canonical layout
+// ((8,8,m),(8,k)):((1,8,LBO),(64,SBO)) in 16-byte units, so SBO = 1024 B
+// between 8-key groups and LBO (between 64-wide N blocks) unused with N =
+// 64; a 16-key K step is 16 rows, 2048 B.
+__device__ __forceinline__ uint64_t wg_desc_sw128(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+// Byte offset of (row r, bf16 column k) in such a tile.
+__device__ __forceinline__ uint32_t sw128_off(int r, int k) {
+  return uint32_t(r * 128 + ((((k >> 3) ^ (r & 7))) << 4) + (k & 7) * 2);
+}
+
+#ifdef DZ_ATTN_SM90A
+#define DZ_WG_R32                                                                                             \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define DZ_WG_ACC32(d)                                                                                        \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),  \
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+// d (64 x 64 fp32) [+]= A (64 x 16 bf16, shared, K-major) B (16 x 64 bf16, shared, K-major).
+__device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" DZ_WG_R32 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : DZ_WG_ACC32(d)
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+// d (64 x 64 fp32) += A (64 x 16 bf16, registers) B (16 x 64 bf16, shared, MN-major).
+__device__ __forceinline__ void wgmma_rs_m64n64k16_tb(float (&d)[32], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(" wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" DZ_WG_R32
+               "}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+               : DZ_WG_ACC32(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+#undef DZ_WG_R32
+#undef DZ_WG_ACC32
+// Accumulators: no access moves across the chain's issue or its wait.
+template <int N>
+__device__ __forceinline__ void wg_fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// A fragments: computed before wgmma.fence, none of it sunk past it.
+template <int N>
+__device__ __forceinline__ void wg_fence_regs(uint32_t (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+}
+#endif
+
+// kTerms: queries and probabilities as two bf16 terms (2) or one (1).
+template <int kTerms>
+__global__ void __launch_bounds__(kPreThreads, kTerms == 1 ? 2 : 1)
+    prefill_wg_kernel(AttnBatch a, const AttnTile* __restrict__ tiles) {
+#ifdef DZ_ATTN_SM90A
+  constexpr int D = 64, KS = D / 16;
+  const AttnTile tile = tiles[blockIdx.x];
+  const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
+  const int kvh = blockIdx.y / ngrp, g0 = (blockIdx.y % ngrp) * kSplitHeads, HG = min(kSplitHeads, G - g0);
+  const int TPW = prefill_tokens_per_warp(G);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, wg = warp >> 2;
+  const int KVD = a.n_kv_heads * D;
+  const int item = a.row_item[tile.row0], pos0 = a.row_pos[tile.row0];
+  const int klo = row_lo(a, pos0), khi = pos0 + tile.n - 1;
+  const int32_t* pt = a.page_table + a.item_pt[item];
+  int row[2], head[2], rpos[2], rlo[2];
+  bool rok[2];
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int mr = g + 8 * rr, tok = warp * TPW + mr / HG;
+    rok[rr] = mr < TPW * HG && tok < tile.n;
+    row[rr] = tile.row0 + min(tok, tile.n - 1);
+    head[rr] = kvh * G + g0 + mr % HG;
+    rpos[rr] = a.row_pos[row[rr]];
+    rlo[rr] = row_lo(a, rpos[rr]);
+  }
+  // The warpgroup's tokens (its 4 warps) see keys within [glo_min, gpos_max];
+  // every one of them sees [glo_max, gpos_min].
+  const int gfirst = 4 * wg * TPW, glast = min(gfirst + 4 * TPW, tile.n) - 1;
+  const bool gactive = gfirst < tile.n;
+  const int gpos_min = pos0 + gfirst, gpos_max = pos0 + glast;
+  const int glo_min = row_lo(a, gpos_min), glo_max = row_lo(a, gpos_max);
+
+  // Shared memory: the K/V ring, then each warpgroup's Q terms (64 rows x 64 dims, swizzled).
+  extern __shared__ uint8_t wg_raw[];
+  const uint32_t ring = (ptx::smem_u32(wg_raw) + 1023) & ~1023u;  // the swizzle's 1024-byte alignment
+  const uint32_t qs = ring + kWgStages * 2 * kWgTile + uint32_t(wg * kTerms) * kWgTile;
+  {
+    uint32_t qh[KS][4], ql[KS][4];
+    q_frags<D>(rok[0] ? a.q + size_t(row[0]) * a.q_stride + size_t(head[0]) * D : nullptr,
+               rok[1] ? a.q + size_t(row[1]) * a.q_stride + size_t(head[1]) * D : nullptr, a.scale * kLog2e, qh, ql);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // a0 / a2: row g, a1 / a3: row g + 8; a2 / a3 columns + 8
+        const uint32_t off = sw128_off(16 * (warp & 3) + g + 8 * (i & 1), 16 * ks + 8 * (i >> 1) + 2 * t);
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(qs + off), "r"(qh[ks][i]) : "memory");
+        if (kTerms == 2) asm volatile("st.shared.b32 [%0], %1;" ::"r"(qs + kWgTile + off), "r"(ql[ks][i]) : "memory");
+      }
+  }  // (made visible to the MMAs by the loop's first proxy fence and barrier)
+  const uint64_t dq = wg_desc_sw128(qs);
+
+  const int ntiles = (khi - klo + kWgKeys) / kWgKeys;
+  auto issue = [&](int k) {  // stage k's K and V rows (keys past khi: zeros), swizzled, one commit group
+    if (k < ntiles) {
+      const int j0 = klo + k * kWgKeys;
+      const uint32_t stage = ring + uint32_t(k % kWgStages) * 2 * kWgTile;
+      for (int e = threadIdx.x; e < kWgKeys * 8; e += kPreThreads) {
+        const int key = e >> 3, c = e & 7, j = j0 + key;
+        const bool ok = j <= khi;
+        const __nv_bfloat16* kr = key_row(a, pt, ok ? j : khi) + kvh * D + c * 8;
+        const uint32_t dst = stage + uint32_t(key * 128 + ((c ^ (key & 7)) << 4));
+        ptx::cp_async16_zfill(dst, kr, ok ? 16 : 0);
+        ptx::cp_async16_zfill(dst + kWgTile, kr + KVD, ok ? 16 : 0);
+      }
+    }
+    ptx::cp_async_commit();
+  };
+#pragma unroll
+  for (int st = 0; st < kWgStages - 1; ++st) issue(st);
+
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float o[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) o[i] = 0.f;
+  for (int k = 0; k < ntiles; ++k) {
+    ptx::cp_async_wait<kWgStages - 2>();
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async and Q writes -> wgmma's reads
+    __syncthreads();  // stage k landed for every thread; stage k - 1 read by every warpgroup
+    issue(k + kWgStages - 1);
+    const int h0 = klo + k * kWgKeys;
+    if (!gactive || h0 > gpos_max || h0 + kWgKeys - 1 < glo_min) continue;  // no row of the warpgroup sees these
+    const bool masked = !(h0 >= glo_max && h0 + kWgKeys - 1 <= gpos_min);
+    const uint32_t stage = ring + uint32_t(k % kWgStages) * 2 * kWgTile;
+    const uint64_t dk = wg_desc_sw128(stage), dv = wg_desc_sw128(stage + kWgTile);
+    // S = Q K^T: 64 rows x 64 keys.
+    float s[32];
+    wg_fence_regs(s);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      wgmma_ss_m64n64k16(s, dq + 2 * ks, dk + 2 * ks, ks);
+      if (kTerms == 2) wgmma_ss_m64n64k16(s, dq + (kWgTile >> 4) + 2 * ks, dk + 2 * ks, 1);
+    }
+    ptx::wgmma_commit();
+    wg_fence_regs(s);
+    ptx::wgmma_wait0();
+    wg_fence_regs(s);
+    // s[4n + 0 / 1]: row g, keys 8n + 2t, + 1; s[4n + 2 / 3]: row g + 8.
+    if (masked)
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = h0 + 8 * n + 2 * t + e;
+            if (!(j >= rlo[rr] && j <= rpos[rr])) s[4 * n + 2 * rr + e] = -INFINITY;
+          }
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      float mx = fmaxf(s[2 * rr], s[2 * rr + 1]);
+#pragma unroll
+      for (int n = 1; n < 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * rr], s[4 * n + 2 * rr + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float nm = fmaxf(m[rr], mx), base = nm == -INFINITY ? 0.f : nm;
+      const float f = exp2f(m[rr] - base);
+      m[rr] = nm;
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) s[4 * n + 2 * rr + e] = exp2f(s[4 * n + 2 * rr + e] - base);
+#pragma unroll
+      for (int n = 0; n < 8; n += 2)
+        sum += (s[4 * n + 2 * rr] + s[4 * n + 2 * rr + 1]) + (s[4 * n + 4 + 2 * rr] + s[4 * n + 5 + 2 * rr]);
+      l[rr] = l[rr] * f + sum;
+#pragma unroll
+      for (int nd = 0; nd < 8; ++nd) o[4 * nd + 2 * rr] *= f, o[4 * nd + 2 * rr + 1] *= f;
+    }
+    // O += P V; A fragment of 16-key step u: a0 row g keys 16u + 2t, a1 row g + 8, a2 / a3 keys + 8.
+    uint32_t ph[4][4], pl[4][4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) split_bf16(s[8 * u + 2 * i], s[8 * u + 2 * i + 1], ph[u][i], pl[u][i]);
+    wg_fence_regs(ph);
+    if (kTerms == 2) wg_fence_regs(pl);
+    wg_fence_regs(o);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      wgmma_rs_m64n64k16_tb(o, ph[u], dv + uint64_t(u) * (2048 >> 4));
+      if (kTerms == 2) wgmma_rs_m64n64k16_tb(o, pl[u], dv + uint64_t(u) * (2048 >> 4));
+    }
+    ptx::wgmma_commit();
+    wg_fence_regs(o);
+    ptx::wgmma_wait0();
+    wg_fence_regs(o);
+  }
+  ptx::cp_async_wait<0>();
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
+    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
+    if (!rok[rr]) continue;
+    const float sc = sink_finish(m[rr], l[rr], a.sinks[head[rr]] * kLog2e);
+    const size_t ob = size_t(row[rr]) * a.n_heads * D + size_t(head[rr]) * D + 2 * t;
+#pragma unroll
+    for (int nd = 0; nd < 8; ++nd) {
+      const float v0 = o[4 * nd + 2 * rr] * sc, v1 = o[4 * nd + 2 * rr + 1] * sc;
+      if (a.out_f32)
+        *reinterpret_cast<float2*>(a.out_f32 + ob + 8 * nd) = make_float2(v0, v1);
+      else
+        *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<__nv_bfloat16*>(a.out) + ob + 8 * nd) =
+            __floats2bfloat162_rn(v0, v1);
+    }
+  }
+#endif
+}
+template <int kTerms>
+constexpr size_t prefill_wg_smem() {
+  return size_t(kWgStages) * 2 * kWgTile + size_t(2 * kTerms) * kWgTile + 1024;
 }
 
 }  // namespace
@@ -713,25 +968,41 @@ void attention_prefill(const AttnBatch& a, const AttnTile* tiles, int n_tiles, i
         " rows (attention_tile_rows: ", attention_tile_rows(a.n_heads, a.n_kv_heads), ")");
   const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
   const dim3 grid(unsigned(n_tiles), unsigned(a.n_kv_heads * ngrp)), block{unsigned(kPreThreads)};
+  check(a.terms == 1 || a.terms == 2, DZ_ERR_INVALID_ARGUMENT, "prefill attention: terms ", a.terms, " (1 or 2)");
+  // The wgmma kernel where it exists (sm_90a: compute capability 9.0) and the
+  // head size is its 64; the mma.sync kernel elsewhere.
+  static const bool sm90a = [] {
+    int major = 0, minor = 0, dev = 0;
+    DZ_CUDA_CHECK(cudaGetDevice(&dev));
+    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    return major == 9 && minor == 0;
+  }();
   static const bool attr_set = [] {  // more than the default 48 KB
-    DZ_CUDA_CHECK(
-        cudaFuncSetAttribute(prefill_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(prefill_smem<32>())));
-    DZ_CUDA_CHECK(
-        cudaFuncSetAttribute(prefill_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(prefill_smem<64>())));
-    DZ_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       int(prefill_smem<128>())));
+    auto set = [](auto f, size_t bytes) {
+      DZ_CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    };
+    set(prefill_kernel<32, 1>, prefill_smem<32>()), set(prefill_kernel<32, 2>, prefill_smem<32>());
+    set(prefill_kernel<64, 1>, prefill_smem<64>()), set(prefill_kernel<64, 2>, prefill_smem<64>());
+    set(prefill_kernel<128, 1>, prefill_smem<128>()), set(prefill_kernel<128, 2>, prefill_smem<128>());
+    set(prefill_wg_kernel<1>, prefill_wg_smem<1>()), set(prefill_wg_kernel<2>, prefill_wg_smem<2>());
     return true;
   }();
   (void)attr_set;
+  const bool two = a.terms == 2;
   switch (a.head_dim) {
     case 32:
-      prefill_kernel<32><<<grid, block, prefill_smem<32>(), s>>>(a, tiles);
+      (two ? prefill_kernel<32, 2> : prefill_kernel<32, 1>)<<<grid, block, prefill_smem<32>(), s>>>(a, tiles);
       break;
     case 64:
-      prefill_kernel<64><<<grid, block, prefill_smem<64>(), s>>>(a, tiles);
+      if (sm90a && a.prefill_wgmma)
+        (two ? prefill_wg_kernel<2>
+             : prefill_wg_kernel<1>)<<<grid, block, two ? prefill_wg_smem<2>() : prefill_wg_smem<1>(), s>>>(a, tiles);
+      else
+        (two ? prefill_kernel<64, 2> : prefill_kernel<64, 1>)<<<grid, block, prefill_smem<64>(), s>>>(a, tiles);
       break;
     case 128:
-      prefill_kernel<128><<<grid, block, prefill_smem<128>(), s>>>(a, tiles);
+      (two ? prefill_kernel<128, 2> : prefill_kernel<128, 1>)<<<grid, block, prefill_smem<128>(), s>>>(a, tiles);
       break;
     default:
       fail(DZ_ERR_UNSUPPORTED, "CUDA attention: head_dim ", a.head_dim, " (built for 32, 64, 128)");

@@ -27,6 +27,12 @@ struct AttnBatch {
   int q_stride = 0;
   uint16_t* out = nullptr;   // bf16 [R][n_heads * head_dim]
   float* out_f32 = nullptr;  // when set, fp32 output here instead of out (tests)
+  // Prefill: queries and probabilities enter the bf16 MMAs as two terms each
+  // (hi + lo, ~16 significant bits: fp32-like) or as one (rounded to bf16,
+  // as FlashAttention does: half the MMAs, errors at the bf16 output's own
+  // rounding). Decode always takes two (its reads of K and V bound it).
+  int terms = 2;
+  bool prefill_wgmma = true;  // false: the mma.sync prefill kernel on sm_90a too (tests, benchmarks)
 };
 
 // Rows with a single new token (decode), unsplit: one block per (row, head),
