@@ -153,6 +153,19 @@ typedef enum dz_activation_precision {
                               gpt_oss; CUDA) */
 } dz_activation_precision;
 
+/* Precision of the attention's products in a CUDA prefill (queries times
+ * keys, probabilities times values; K and V are BF16 in the cache either way).
+ * Decode steps always take PRECISE: their reads of the cache bound them, not
+ * the products. The CPU backend computes attention in fp32 either way. */
+typedef enum dz_attention_precision {
+  DZ_ATTENTION_AUTO = 0,    /* the backend's default: PRECISE */
+  DZ_ATTENTION_PRECISE = 1, /* queries and probabilities as two BF16 terms
+                               (~16 significant bits): fp32-like */
+  DZ_ATTENTION_BF16 = 2     /* rounded to BF16 once, as FlashAttention does:
+                               half the tensor-core work, errors the size of
+                               the BF16 output's own rounding */
+} dz_attention_precision;
+
 typedef struct dz_model_params {
   size_t struct_size;
   dz_device device;        /* default DZ_DEVICE_CPU */
@@ -169,6 +182,7 @@ typedef struct dz_model_params {
                            layers keep the exact MXFP4 path (BF16/FP16
                            activations) at every batch size, the others
                            switch to FP8 for large batches (default 0) */
+  dz_attention_precision attention; /* default DZ_ATTENTION_AUTO */
 } dz_model_params;
 
 DZ_API void dz_model_params_init(dz_model_params *params);

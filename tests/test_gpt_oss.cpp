@@ -296,6 +296,10 @@ TEST_CASE("DZ_ACTIVATIONS_BF16 on the CPU: BF16-sized changes; bad values refuse
   p.exact_moe_layers = -1;
   CHECK(dz_model_open(kModelDir.c_str(), &p, &m) == DZ_ERR_INVALID_ARGUMENT);
   CHECK(std::string(dz_last_error()).find("exact_moe_layers") != std::string::npos);
+  p.exact_moe_layers = 0;
+  p.attention = dz_attention_precision(3);
+  CHECK(dz_model_open(kModelDir.c_str(), &p, &m) == DZ_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(dz_last_error()).find("params->attention 3") != std::string::npos);
 }
 
 TEST_CASE("gpt-oss greedy continuations match transformers through dz_generate_step", "[gpt_oss]") {

@@ -73,6 +73,7 @@ DZ_API void dz_model_params_init(dz_model_params* p) {
   p->indexer = DZ_INDEXER_EXACT;
   p->bf16_sensitive = 1;
   p->activations = DZ_ACTIVATIONS_AUTO;
+  p->attention = DZ_ATTENTION_AUTO;
 }
 
 DZ_API void dz_model_info_init(dz_model_info* info) {
@@ -93,6 +94,9 @@ DZ_API dz_status dz_model_open(const char* dir, const dz_model_params* params, d
     dz::check(m->params.activations >= DZ_ACTIVATIONS_AUTO && m->params.activations <= DZ_ACTIVATIONS_BF16,
               DZ_ERR_INVALID_ARGUMENT, "params->activations ", int(m->params.activations),
               " is not a dz_activation_precision");
+    dz::check(m->params.attention >= DZ_ATTENTION_AUTO && m->params.attention <= DZ_ATTENTION_BF16,
+              DZ_ERR_INVALID_ARGUMENT, "params->attention ", int(m->params.attention),
+              " is not a dz_attention_precision");
     dz::check(m->params.exact_moe_layers >= 0, DZ_ERR_INVALID_ARGUMENT, "params->exact_moe_layers ",
               m->params.exact_moe_layers, " is negative");
     m->config = dz::Config::load(dir);

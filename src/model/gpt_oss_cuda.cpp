@@ -290,6 +290,7 @@ class GptOssCuda final : public Family, private GptOssDesc {
   cuda::MoePath path_ = cuda::MoePath::kAuto;
   bool fp8_experts_ = false;  // DZ_EXPERTS_FP8
   bool auto_w4a8_ = false;    // the W4A8 kernels where the MoE layer's options choose them (AUTO, FP8)
+  int attention_terms_ = 2;   // prefill attention: queries and probabilities as 2 bf16 terms or 1 (DZ_ATTENTION_BF16)
   int exact_moe_layers_ = 0;  // AUTO: first and last layers kept on the exact (fused MXFP4) path
   uint64_t device_bytes_ = 0;
   std::unique_ptr<cuda::Context> ctx_;
@@ -360,6 +361,7 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
         "gpt_oss CUDA: DZ_ACTIVATIONS_F32 is not implemented (the GEMMs take BF16 activations; the CPU backend "
         "computes in fp32)");
   exact_moe_layers_ = params.exact_moe_layers;
+  attention_terms_ = params.attention == DZ_ATTENTION_BF16 ? 1 : 2;
   switch (params.experts) {
     case DZ_EXPERTS_AUTO:
       path_ = cuda::MoePath::kAuto;
@@ -674,6 +676,7 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
   ab.q = qkv_.get();
   ab.q_stride = int(q_dim() + 2 * KVD);
   ab.out = att_.get();
+  ab.terms = attention_terms_;
 
   // Decode batches (every row a single token of its own item, logits of each)
   // run as a CUDA graph captured per GraphKey; the first pass of a key runs

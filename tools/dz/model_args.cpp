@@ -8,7 +8,8 @@ namespace dz::cli {
 
 const char* const kModelOptionsHelp =
     "  --device D     cpu (default), cuda or auto\n"
-    "  --threads N    CPU threads (default: all cores)\n";
+    "  --threads N    CPU threads (default: all cores)\n"
+    "  --attention P  precise (default) or bf16: the CUDA prefill's attention products (dz_attention_precision)\n";
 
 const char* const kDefaultModel = "models/dayzero-tiny";
 
@@ -67,6 +68,18 @@ bool parse_model_options(const Args& a, dz_model_params* p, std::string* err) {
     return false;
   }
   p->n_threads = int(n);
+  return parse_attention(flag_value(a, "--attention", "precise"), p, err);
+}
+
+bool parse_attention(const std::string& v, dz_model_params* p, std::string* err) {
+  if (v == "precise" || v == "auto")
+    p->attention = v == "auto" ? DZ_ATTENTION_AUTO : DZ_ATTENTION_PRECISE;
+  else if (v == "bf16")
+    p->attention = DZ_ATTENTION_BF16;
+  else {
+    *err = "--attention '" + v + "' (expected precise, bf16 or auto)";
+    return false;
+  }
   return true;
 }
 
