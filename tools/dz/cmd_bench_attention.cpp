@@ -261,18 +261,39 @@ int bench_attention(const Args& a) {
       double pairs = 0;
       for (int i = 0; i < n; ++i) pairs += window > 0 ? std::min(i + 1, window) : i + 1;
       const double flops = 4.0 * pairs * nh * D;  // QK^T and PV, 2 FLOPs a multiply-add
-      const double ms = timer.median_ms(std::max(3, std::min(reps, n >= 32768 ? 5 : reps)), 1, [&](int) {
-        attention_prefill(ab, d_tiles.get(), int(tl.size()), tile_rows, st);
-      });
+      // The default (two terms, the wgmma kernel where it runs), then each precision on each kernel.
+      auto time = [&](int terms, bool wgmma) {
+        AttnBatch b = ab;
+        b.terms = terms;
+        b.prefill_wgmma = wgmma;
+        return timer.median_ms(std::max(3, std::min(reps, n >= 32768 ? 5 : reps)), 1,
+                               [&](int) { attention_prefill(b, d_tiles.get(), int(tl.size()), tile_rows, st); });
+      };
+      nlohmann::json variants = nlohmann::json::array();
+      double ms = 0;
+      for (const int terms : {2, 1})
+        for (const bool wgmma : {true, false}) {
+          const double v = time(terms, wgmma);
+          if (terms == 2 && wgmma) ms = v;
+          variants.push_back({{"terms", terms},
+                              {"prefill_wgmma", wgmma},
+                              {"us", v * 1e3},
+                              {"tflops", flops / (v * 1e-3) / 1e12},
+                              {"bf16_peak_fraction", flops / (v * 1e-3) / bf16_ceiling}});
+          std::fprintf(stderr,
+                       "attention prefill %6d tokens, %d term%s%s: %10.1f us (%.0f TFLOP/s, %.0f%% of the BF16 "
+                       "ceiling)\n",
+                       n, terms, terms == 2 ? "s" : " ", wgmma ? "" : ", mma.sync", v * 1e3, flops / (v * 1e-3) / 1e12,
+                       100 * flops / (v * 1e-3) / bf16_ceiling);
+        }
       j["prefill"].push_back({{"tokens", n},
                               {"window", window},
                               {"tile_rows", tile_rows},
                               {"flops", flops},
                               {"us", ms * 1e3},
                               {"tflops", flops / (ms * 1e-3) / 1e12},
-                              {"bf16_peak_fraction", flops / (ms * 1e-3) / bf16_ceiling}});
-      std::fprintf(stderr, "attention prefill %6d tokens: %10.1f us (%.0f TFLOP/s, %.0f%% of the BF16 ceiling)\n", n,
-                   ms * 1e3, flops / (ms * 1e-3) / 1e12, 100 * flops / (ms * 1e-3) / bf16_ceiling);
+                              {"bf16_peak_fraction", flops / (ms * 1e-3) / bf16_ceiling},
+                              {"variants", variants}});
     }
     bench_emit(j, out_path);
     return 0;

@@ -138,11 +138,11 @@ step "dz bench model, experts in E4M3 arithmetic (DZ_EXPERTS_FP8: fused W4A8 ker
 "$DZ" bench model --model "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}" --experts fp8 --prefill 512 --long-ctx 0 --no-eager \
   --out "$OUTDIR/bench_model_fp8.json" >"$OUTDIR/bench_model_fp8.log" 2>&1 || { echo "dz bench model --experts fp8 FAILED"; status=1; }
 tail -8 "$OUTDIR/bench_model_fp8.log"
-step "dz bench model, a long prompt (16384 tokens) and the old default of 512-token prefill passes"
-for c in 0 512; do
-  "$DZ" bench model --model "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}" --prefill 16384 --prefill-chunk $c --long-ctx 0 \
-    --batch 2 --steps 4 --no-eager --out "$OUTDIR/bench_model_prefill16k_c$c.json" 2>&1 | grep -E "^prefill" ||
-    { echo "dz bench model --prefill 16384 FAILED"; status=1; }
+step "dz bench model, a long prompt (16384 tokens): prefill attention as two bf16 terms (default) and as one"
+for at in precise bf16; do
+  "$DZ" bench model --model "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}" --prefill 16384 --attention $at --long-ctx 0 \
+    --batch 2 --steps 4 --no-eager --out "$OUTDIR/bench_model_prefill16k_$at.json" 2>&1 | grep -E "^prefill" ||
+    { echo "dz bench model --prefill 16384 --attention $at FAILED"; status=1; }
 done
 if want profile && ! python3 -c "import torch" 2>/dev/null; then
   step "per-kernel profile skipped: no PyTorch (tools/gpu/profile_decode.py traces through torch.profiler)"
