@@ -503,6 +503,38 @@ constexpr size_t prefill_smem() {
   return size_t(kPreStages) * 2 * kPreKeys * split_row<D>() * 2;
 }
 
+// What a prefill block knows of its tile: the KV head and query-head group
+// it serves, the keys its rows see ([klo, khi]), and this thread's two MMA
+// rows (rr 0: row g of its warp's 16, 1: g + 8): token row, head, visible
+// keys [rlo, rpos]; rok false for rows past the tile or the group.
+struct PrefillRows {
+  int G, kvh, g0, HG, TPW, pos0, klo, khi;
+  const int32_t* pt;
+  int row[2], head[2], rpos[2], rlo[2];
+  bool rok[2];
+};
+__device__ __forceinline__ PrefillRows prefill_rows(const AttnBatch& a, const AttnTile& tile, int warp, int g) {
+  PrefillRows r;
+  r.G = a.n_heads / a.n_kv_heads;
+  const int ngrp = (r.G + kSplitHeads - 1) / kSplitHeads;
+  r.kvh = blockIdx.y / ngrp, r.g0 = (blockIdx.y % ngrp) * kSplitHeads, r.HG = min(kSplitHeads, r.G - r.g0);
+  r.TPW = prefill_tokens_per_warp(r.G);
+  const int item = a.row_item[tile.row0];
+  r.pos0 = a.row_pos[tile.row0];
+  r.klo = row_lo(a, r.pos0), r.khi = r.pos0 + tile.n - 1;
+  r.pt = a.page_table + a.item_pt[item];
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int mr = g + 8 * rr, tok = warp * r.TPW + mr / r.HG;
+    r.rok[rr] = mr < r.TPW * r.HG && tok < tile.n;
+    r.row[rr] = tile.row0 + min(tok, tile.n - 1);
+    r.head[rr] = r.kvh * r.G + r.g0 + mr % r.HG;
+    r.rpos[rr] = a.row_pos[r.row[rr]];
+    r.rlo[rr] = row_lo(a, r.rpos[rr]);
+  }
+  return r;
+}
+
 // Block = (tile of consecutive rows of one sequence, KV head x group of up to
 // 16 query heads); each warp's 16 MMA rows are its tokens x the group's heads
 // (rows past them idle). The block's keys (from the first row's window start
@@ -517,26 +549,13 @@ __global__ void __launch_bounds__(kPreThreads, D == 128 ? 1 : 2)
   constexpr int KS = D / 16, NT = D / 8, ROW = split_row<D>();
   constexpr uint32_t TB = uint32_t(kPreKeys * ROW * 2);  // one K (or V) stage
   const AttnTile tile = tiles[blockIdx.x];
-  const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
-  const int kvh = blockIdx.y / ngrp, g0 = (blockIdx.y % ngrp) * kSplitHeads, HG = min(kSplitHeads, G - g0);
-  const int TPW = prefill_tokens_per_warp(G);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const PrefillRows pr = prefill_rows(a, tile, warp, g);
+  const int TPW = pr.TPW, kvh = pr.kvh, pos0 = pr.pos0, klo = pr.klo, khi = pr.khi;
+  const int32_t* pt = pr.pt;
+  const int *row = pr.row, *head = pr.head, *rpos = pr.rpos, *rlo = pr.rlo;
+  const bool* rok = pr.rok;
   const int KVD = a.n_kv_heads * D;
-  const int item = a.row_item[tile.row0], pos0 = a.row_pos[tile.row0];
-  const int klo = row_lo(a, pos0), khi = pos0 + tile.n - 1;
-  const int32_t* pt = a.page_table + a.item_pt[item];
-  // This thread's two rows (rr 0: MMA row g, 1: g + 8): token, head, visible keys [lo, pos].
-  int row[2], head[2], rpos[2], rlo[2];
-  bool rok[2];
-#pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    const int mr = g + 8 * rr, tok = warp * TPW + mr / HG;
-    rok[rr] = mr < TPW * HG && tok < tile.n;
-    row[rr] = tile.row0 + min(tok, tile.n - 1);
-    head[rr] = kvh * G + g0 + mr % HG;
-    rpos[rr] = a.row_pos[row[rr]];
-    rlo[rr] = row_lo(a, rpos[rr]);
-  }
   // The warp's tokens see keys within [wlo_min, wpos_max]; every one of them sees [wlo_max, wpos_min].
   const int tfirst = warp * TPW, tlast = min(tfirst + TPW, tile.n) - 1;
   const bool wactive = tfirst < tile.n;
@@ -690,25 +709,13 @@ __global__ void __launch_bounds__(kPreThreads, kTerms == 1 ? 2 : 1)
 #ifdef DZ_ATTN_SM90A
   constexpr int D = 64, KS = D / 16;
   const AttnTile tile = tiles[blockIdx.x];
-  const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
-  const int kvh = blockIdx.y / ngrp, g0 = (blockIdx.y % ngrp) * kSplitHeads, HG = min(kSplitHeads, G - g0);
-  const int TPW = prefill_tokens_per_warp(G);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, wg = warp >> 2;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3, wg = warp >> 2;
+  const PrefillRows pr = prefill_rows(a, tile, warp, g);
+  const int TPW = pr.TPW, kvh = pr.kvh, pos0 = pr.pos0, klo = pr.klo, khi = pr.khi;
+  const int32_t* pt = pr.pt;
+  const int *row = pr.row, *head = pr.head, *rpos = pr.rpos, *rlo = pr.rlo;
+  const bool* rok = pr.rok;
   const int KVD = a.n_kv_heads * D;
-  const int item = a.row_item[tile.row0], pos0 = a.row_pos[tile.row0];
-  const int klo = row_lo(a, pos0), khi = pos0 + tile.n - 1;
-  const int32_t* pt = a.page_table + a.item_pt[item];
-  int row[2], head[2], rpos[2], rlo[2];
-  bool rok[2];
-#pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    const int mr = g + 8 * rr, tok = warp * TPW + mr / HG;
-    rok[rr] = mr < TPW * HG && tok < tile.n;
-    row[rr] = tile.row0 + min(tok, tile.n - 1);
-    head[rr] = kvh * G + g0 + mr % HG;
-    rpos[rr] = a.row_pos[row[rr]];
-    rlo[rr] = row_lo(a, rpos[rr]);
-  }
   // The warpgroup's tokens (its 4 warps) see keys within [glo_min, gpos_max];
   // every one of them sees [glo_max, gpos_min].
   const int gfirst = 4 * wg * TPW, glast = min(gfirst + 4 * TPW, tile.n) - 1;
