@@ -4,12 +4,13 @@
 
 #include "common/error.h"
 #include "cuda/attention.h"
+#include "cuda/fp8_grouped_gemm.h"
 #include "cuda/pdl.cuh"
 #include "cuda/ptx.cuh"
 #include "runtime/cuda/cuda_check.h"
 
 // wgmma exists only in the sm_90a target: elsewhere the wgmma prefill kernel's
-// body is empty and the host does not choose it.
+// body is empty and the host does not choose it (Fp8GroupedGemm::supported).
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define DZ_ATTN_SM90A 1
 #endif
@@ -542,7 +543,7 @@ __device__ __forceinline__ PrefillRows prefill_rows(const AttnBatch& a, const At
 // V stages in shared memory that every warp reads (ldmatrix), each row
 // masking to its own [window start, position]; a warp skips the 16-key tiles
 // none of its rows sees. Online softmax in the MMAs' fragments, queries and
-// probabilities as two bf16 terms each (as in decode), the sink at the end.
+// probabilities as kTerms bf16 terms each (decode: two), the sink at the end.
 template <int D, int kTerms>
 __global__ void __launch_bounds__(kPreThreads, D == 128 ? 1 : 2)
     prefill_kernel(AttnBatch a, const AttnTile* __restrict__ tiles) {
@@ -637,10 +638,10 @@ __global__ void __launch_bounds__(kPreThreads, D == 128 ? 1 : 2)
 // memory, K-major, 128-byte swizzle) and one for O += P V (P from registers,
 // V from shared memory MN-major: the transposed B operand). Scores and O are
 // in the wgmma accumulator layout, which per warp is the mma.sync layout of
-// attend_tiles. Q lives in shared memory because ptxas treats the registers
-// of a wgmma's A operand as free once the chain is done: a Q kept in
-// registers across the loop was overwritten by later values (H200: the
-// float64 test's error went from 2e-5 to 3 with one term).
+// attend_tiles. Q lives in shared memory because ptxas treated the registers
+// of a wgmma's A operand as free once its chain was done: a Q kept in
+// registers across the loop was overwritten by later values (H200, against
+// float64: 0.01-0.02 with two terms, 2-6 with one, instead of 2e-5).
 constexpr int kWgKeys = 64;                  // keys a stage and a softmax update
 constexpr int kWgStages = 3;                 // K/V stages in flight
 constexpr uint32_t kWgTile = kWgKeys * 128;  // one K (or V) stage, or one Q term of a warpgroup: 64 rows x 128 B
@@ -976,15 +977,9 @@ void attention_prefill(const AttnBatch& a, const AttnTile* tiles, int n_tiles, i
   const int G = a.n_heads / a.n_kv_heads, ngrp = (G + kSplitHeads - 1) / kSplitHeads;
   const dim3 grid(unsigned(n_tiles), unsigned(a.n_kv_heads * ngrp)), block{unsigned(kPreThreads)};
   check(a.terms == 1 || a.terms == 2, DZ_ERR_INVALID_ARGUMENT, "prefill attention: terms ", a.terms, " (1 or 2)");
-  // The wgmma kernel where it exists (sm_90a: compute capability 9.0) and the
-  // head size is its 64; the mma.sync kernel elsewhere.
-  static const bool sm90a = [] {
-    int major = 0, minor = 0, dev = 0;
-    DZ_CUDA_CHECK(cudaGetDevice(&dev));
-    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-    return major == 9 && minor == 0;
-  }();
+  // The wgmma kernel where this build and device run sm_90a bodies (the probe
+  // moe.cu's kernels go by too) and the head size is its 64; mma.sync elsewhere.
+  const bool sm90a = Fp8GroupedGemm::supported();
   static const bool attr_set = [] {  // more than the default 48 KB
     auto set = [](auto f, size_t bytes) {
       DZ_CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
