@@ -162,8 +162,8 @@ typedef enum dz_attention_precision {
   DZ_ATTENTION_PRECISE = 1, /* queries and probabilities as two BF16 terms
                                (~16 significant bits): fp32-like */
   DZ_ATTENTION_BF16 = 2     /* rounded to BF16 once, as FlashAttention does:
-                               half the tensor-core work, errors the size of
-                               the BF16 output's own rounding */
+                               half the tensor-core work; outputs off by one
+                               or two steps of their BF16 rounding */
 } dz_attention_precision;
 
 typedef struct dz_model_params {

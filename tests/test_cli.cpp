@@ -34,6 +34,10 @@ TEST_CASE("dz --help lists commands and every command has --help", "[cli]") {
   auto [orc, oout] = run_cmd(std::string(DZ_TOOL) + " bench kv --tokens 99999999999999999999999");
   CHECK(orc == 2);
   CHECK_THAT(oout, Catch::Contains("out of range"));
+  // So does a precision no enum has.
+  auto [arc, aout] = run_cmd(std::string(DZ_TOOL) + " logits --model m --tokens 1 --out o --attention fast");
+  CHECK(arc == 2);
+  CHECK_THAT(aout, Catch::Contains("--attention 'fast'"));
 }
 
 TEST_CASE("dz info describes a sharded checkpoint and flags corruption", "[cli]") {

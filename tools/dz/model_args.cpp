@@ -9,7 +9,8 @@ namespace dz::cli {
 const char* const kModelOptionsHelp =
     "  --device D     cpu (default), cuda or auto\n"
     "  --threads N    CPU threads (default: all cores)\n"
-    "  --attention P  precise (default) or bf16: the CUDA prefill's attention products (dz_attention_precision)\n";
+    "  --attention P  auto (default: precise), precise or bf16: the CUDA prefill's attention products\n"
+    "                 (dz_attention_precision)\n";
 
 const char* const kDefaultModel = "models/dayzero-tiny";
 
@@ -68,7 +69,7 @@ bool parse_model_options(const Args& a, dz_model_params* p, std::string* err) {
     return false;
   }
   p->n_threads = int(n);
-  return parse_attention(flag_value(a, "--attention", "precise"), p, err);
+  return parse_attention(flag_value(a, "--attention", "auto"), p, err);
 }
 
 bool parse_attention(const std::string& v, dz_model_params* p, std::string* err) {
