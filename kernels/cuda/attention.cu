@@ -536,6 +536,32 @@ __device__ __forceinline__ PrefillRows prefill_rows(const AttnBatch& a, const At
   return r;
 }
 
+// The end of a prefill block: each row's softmax sum over its 4 threads, the
+// sink, and the output of this thread's two rows (acc(nd, i): dims 8 nd + 2 t
+// (+1 for odd i) of row g (i 0-1) or g + 8 (i 2-3), the MMA accumulator layout).
+template <int D, typename Acc>
+__device__ __forceinline__ void prefill_store(const AttnBatch& a, const PrefillRows& pr, const float (&m)[2],
+                                              float (&l)[2], Acc acc) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
+    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
+    if (!pr.rok[rr]) continue;
+    const float sc = sink_finish(m[rr], l[rr], a.sinks[pr.head[rr]] * kLog2e);
+    const size_t ob = size_t(pr.row[rr]) * a.n_heads * D + size_t(pr.head[rr]) * D + 2 * t;
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) {
+      const float v0 = acc(nd, 2 * rr) * sc, v1 = acc(nd, 2 * rr + 1) * sc;
+      if (a.out_f32)
+        *reinterpret_cast<float2*>(a.out_f32 + ob + 8 * nd) = make_float2(v0, v1);
+      else
+        *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<__nv_bfloat16*>(a.out) + ob + 8 * nd) =
+            __floats2bfloat162_rn(v0, v1);
+    }
+  }
+}
+
 // Block = (tile of consecutive rows of one sequence, KV head x group of up to
 // 16 query heads); each warp's 16 MMA rows are its tokens x the group's heads
 // (rows past them idle). The block's keys (from the first row's window start
@@ -550,7 +576,7 @@ __global__ void __launch_bounds__(kPreThreads, D == 128 ? 1 : 2)
   constexpr int KS = D / 16, NT = D / 8, ROW = split_row<D>();
   constexpr uint32_t TB = uint32_t(kPreKeys * ROW * 2);  // one K (or V) stage
   const AttnTile tile = tiles[blockIdx.x];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const PrefillRows pr = prefill_rows(a, tile, warp, g);
   const int TPW = pr.TPW, kvh = pr.kvh, pos0 = pr.pos0, klo = pr.klo, khi = pr.khi;
   const int32_t* pt = pr.pt;
@@ -613,23 +639,7 @@ __global__ void __launch_bounds__(kPreThreads, D == 128 ? 1 : 2)
     }
   }
   ptx::cp_async_wait<0>();
-#pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
-    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
-    if (!rok[rr]) continue;
-    const float sc = sink_finish(m[rr], l[rr], a.sinks[head[rr]] * kLog2e);
-    const size_t ob = size_t(row[rr]) * a.n_heads * D + size_t(head[rr]) * D + 2 * t;
-#pragma unroll
-    for (int nd = 0; nd < NT; ++nd) {
-      const float v0 = acc[nd][2 * rr] * sc, v1 = acc[nd][2 * rr + 1] * sc;
-      if (a.out_f32)
-        *reinterpret_cast<float2*>(a.out_f32 + ob + 8 * nd) = make_float2(v0, v1);
-      else
-        *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<__nv_bfloat16*>(a.out) + ob + 8 * nd) =
-            __floats2bfloat162_rn(v0, v1);
-    }
-  }
+  prefill_store<D>(a, pr, m, l, [&](int nd, int i) { return acc[nd][i]; });
 }
 
 // ------------------------------------------------- prefill on wgmma (sm_90a)
@@ -843,23 +853,7 @@ __global__ void __launch_bounds__(kPreThreads, kTerms == 1 ? 2 : 1)
     wg_fence_regs(o);
   }
   ptx::cp_async_wait<0>();
-#pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
-    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
-    if (!rok[rr]) continue;
-    const float sc = sink_finish(m[rr], l[rr], a.sinks[head[rr]] * kLog2e);
-    const size_t ob = size_t(row[rr]) * a.n_heads * D + size_t(head[rr]) * D + 2 * t;
-#pragma unroll
-    for (int nd = 0; nd < 8; ++nd) {
-      const float v0 = o[4 * nd + 2 * rr] * sc, v1 = o[4 * nd + 2 * rr + 1] * sc;
-      if (a.out_f32)
-        *reinterpret_cast<float2*>(a.out_f32 + ob + 8 * nd) = make_float2(v0, v1);
-      else
-        *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<__nv_bfloat16*>(a.out) + ob + 8 * nd) =
-            __floats2bfloat162_rn(v0, v1);
-    }
-  }
+  prefill_store<D>(a, pr, m, l, [&](int nd, int i) { return o[4 * nd + i]; });
 #endif
 }
 template <int kTerms>
