@@ -66,6 +66,11 @@ pub const DZ_ACTIVATIONS_AUTO: dz_activation_precision = 0;
 pub const DZ_ACTIVATIONS_F32: dz_activation_precision = 1;
 pub const DZ_ACTIVATIONS_BF16: dz_activation_precision = 2;
 
+pub type dz_attention_precision = c_int;
+pub const DZ_ATTENTION_AUTO: dz_attention_precision = 0;
+pub const DZ_ATTENTION_PRECISE: dz_attention_precision = 1;
+pub const DZ_ATTENTION_BF16: dz_attention_precision = 2;
+
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct dz_model_params {
@@ -80,6 +85,7 @@ pub struct dz_model_params {
     pub progress_user: *mut c_void,
     pub activations: dz_activation_precision,
     pub exact_moe_layers: c_int,
+    pub attention: dz_attention_precision,
 }
 
 #[repr(C)]
