@@ -209,6 +209,46 @@ __device__ __forceinline__ uint32_t v_ldsm_off(int lane, int row) {
   return uint32_t((((lane >> 3) & 1) * 8 + (lane & 7)) * row + (lane >> 4) * 8) * 2;
 }
 
+// Online softmax over NS 8-key column tiles of a warp's 16 rows in the MMA
+// accumulator layout (s[n][2 rr + e]: row g + 8 rr, key 8 n + 2 t + e): with
+// `masked`, keys kk row rr may not see (!see(rr, kk)) drop out; then one max
+// and rescale of m, l and acc for all of them, s turned into probabilities.
+template <int NS, int NT, typename See>
+__device__ __forceinline__ void softmax_update(float (&s)[NS][4], float (&m)[2], float (&l)[2], float (&acc)[NT][4],
+                                               bool masked, See see) {
+  const int t = threadIdx.x & 3;
+  if (masked)
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (!see(rr, 8 * n + 2 * t + e)) s[n][2 * rr + e] = -INFINITY;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    float mx = fmaxf(s[0][2 * rr], s[0][2 * rr + 1]);
+#pragma unroll
+    for (int n = 1; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * rr], s[n][2 * rr + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float nm = fmaxf(m[rr], mx), base = nm == -INFINITY ? 0.f : nm;  // nothing seen yet: all terms 0
+    const float f = exp2f(m[rr] - base);
+    m[rr] = nm;
+    float sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) s[n][2 * rr + e] = exp2f(s[n][2 * rr + e] - base);
+#pragma unroll
+    for (int n = 0; n < NS; n += 2)  // pairs of tiles: the sum order of the 16-key form, (s0 pair) + (s1 pair)
+      sum += (s[n][2 * rr] + s[n][2 * rr + 1]) + (s[n + 1][2 * rr] + s[n + 1][2 * rr + 1]);
+    l[rr] = l[rr] * f + sum;
+#pragma unroll
+    for (int nd = 0; nd < NT; ++nd) acc[nd][2 * rr] *= f, acc[nd][2 * rr + 1] *= f;
+  }
+}
+
 // NK 16-key tiles of K and V (shared memory, rows of D + 8 bf16, tile u at
 // + u * tile_bytes; kt / vt already offset by the lane's ldmatrix row) into a
 // warp's online softmax over its 16 MMA rows (a thread: rows g and g + 8, rr =
@@ -221,7 +261,6 @@ __device__ __forceinline__ void attend_tiles(uint32_t kt, uint32_t vt, uint32_t 
                                              float (&m)[2], float (&l)[2], float (&acc)[D / 8][4], bool masked,
                                              See see) {
   constexpr int KS = D / 16, NT = D / 8;
-  const int t = threadIdx.x & 3;
   // Scores: s[2u] keys 16u + 2t, + 1, s[2u + 1] keys 16u + 8 + 2t, + 1; [0..1] row g, [2..3] row g + 8.
   float s[2 * NK][4];
 #pragma unroll
@@ -239,36 +278,7 @@ __device__ __forceinline__ void attend_tiles(uint32_t kt, uint32_t vt, uint32_t 
         ptx::mma_16816<true>(s[2 * u + 1], ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b[2], b[3]);
       }
     }
-  if (masked)
-#pragma unroll
-    for (int n = 0; n < 2 * NK; ++n)
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          if (!see(rr, 8 * n + 2 * t + e)) s[n][2 * rr + e] = -INFINITY;
-#pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    float mx = fmaxf(s[0][2 * rr], s[0][2 * rr + 1]);
-#pragma unroll
-    for (int n = 1; n < 2 * NK; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * rr], s[n][2 * rr + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float nm = fmaxf(m[rr], mx), base = nm == -INFINITY ? 0.f : nm;  // nothing seen yet: all terms 0
-    const float f = exp2f(m[rr] - base);
-    m[rr] = nm;
-    float sum = 0.f;
-#pragma unroll
-    for (int n = 0; n < 2 * NK; ++n)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) s[n][2 * rr + e] = exp2f(s[n][2 * rr + e] - base);
-#pragma unroll
-    for (int n = 0; n < 2 * NK; n += 2)  // NK = 1: the sum order of the 16-key form, (s0 pair) + (s1 pair)
-      sum += (s[n][2 * rr] + s[n][2 * rr + 1]) + (s[n + 1][2 * rr] + s[n + 1][2 * rr + 1]);
-    l[rr] = l[rr] * f + sum;
-#pragma unroll
-    for (int nd = 0; nd < NT; ++nd) acc[nd][2 * rr] *= f, acc[nd][2 * rr + 1] *= f;
-  }
+  softmax_update(s, m, l, acc, masked, see);
 #pragma unroll
   for (int u = 0; u < NK; ++u) {
     // P as the A operand (keys are k): a0 row g keys 2t.., a1 row g + 8, a2 / a3 keys 8 + 2t.. .
@@ -773,9 +783,10 @@ __global__ void __launch_bounds__(kPreThreads, kTerms == 1 ? 2 : 1)
   for (int st = 0; st < kWgStages - 1; ++st) issue(st);
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  float o[32];
+  float o[32];  // (as on: 8 column tiles x 4, the accumulator layout softmax_update takes)
 #pragma unroll
   for (int i = 0; i < 32; ++i) o[i] = 0.f;
+  float(&on)[8][4] = *reinterpret_cast<float(*)[8][4]>(&o);
   for (int k = 0; k < ntiles; ++k) {
     ptx::cp_async_wait<kWgStages - 2>();
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async and Q writes -> wgmma's reads
@@ -788,6 +799,7 @@ __global__ void __launch_bounds__(kPreThreads, kTerms == 1 ? 2 : 1)
     const uint64_t dk = wg_desc_sw128(stage), dv = wg_desc_sw128(stage + kWgTile);
     // S = Q K^T: 64 rows x 64 keys.
     float s[32];
+    float(&sn)[8][4] = *reinterpret_cast<float(*)[8][4]>(&s);
     wg_fence_regs(s);
     ptx::wgmma_fence();
 #pragma unroll
@@ -799,39 +811,10 @@ __global__ void __launch_bounds__(kPreThreads, kTerms == 1 ? 2 : 1)
     wg_fence_regs(s);
     ptx::wgmma_wait0();
     wg_fence_regs(s);
-    // s[4n + 0 / 1]: row g, keys 8n + 2t, + 1; s[4n + 2 / 3]: row g + 8.
-    if (masked)
-#pragma unroll
-      for (int n = 0; n < 8; ++n)
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int j = h0 + 8 * n + 2 * t + e;
-            if (!(j >= rlo[rr] && j <= rpos[rr])) s[4 * n + 2 * rr + e] = -INFINITY;
-          }
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      float mx = fmaxf(s[2 * rr], s[2 * rr + 1]);
-#pragma unroll
-      for (int n = 1; n < 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * rr], s[4 * n + 2 * rr + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float nm = fmaxf(m[rr], mx), base = nm == -INFINITY ? 0.f : nm;
-      const float f = exp2f(m[rr] - base);
-      m[rr] = nm;
-      float sum = 0.f;
-#pragma unroll
-      for (int n = 0; n < 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) s[4 * n + 2 * rr + e] = exp2f(s[4 * n + 2 * rr + e] - base);
-#pragma unroll
-      for (int n = 0; n < 8; n += 2)
-        sum += (s[4 * n + 2 * rr] + s[4 * n + 2 * rr + 1]) + (s[4 * n + 4 + 2 * rr] + s[4 * n + 5 + 2 * rr]);
-      l[rr] = l[rr] * f + sum;
-#pragma unroll
-      for (int nd = 0; nd < 8; ++nd) o[4 * nd + 2 * rr] *= f, o[4 * nd + 2 * rr + 1] *= f;
-    }
+    softmax_update(sn, m, l, on, masked, [&](int rr, int kk) {
+      const int j = h0 + kk;
+      return j >= rlo[rr] && j <= rpos[rr];
+    });
     // O += P V; A fragment of 16-key step u: a0 row g keys 16u + 2t, a1 row g + 8, a2 / a3 keys + 8.
     uint32_t ph[4][4], pl[4][4];
 #pragma unroll
