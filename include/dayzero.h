@@ -11,9 +11,16 @@
  *    field). The message is thread-local and valid until the next failing call
  *    on the same thread.
  *  - Handles are opaque. *_free / *_close functions accept NULL and never fail.
- *  - Params structs begin with `size_t struct_size`; fill them with their
- *    *_init() function, then change fields. The library reads only the first
+ *  - Params and info structs begin with `size_t struct_size`; fill them with
+ *    their *_init(p), then change fields. The library reads only the first
  *    struct_size bytes, so programs built against an older header keep working.
+ *    *_init(p) is a macro for *_init_sized(p, sizeof *(p)): the library writes
+ *    its defaults into at most that many bytes (a NULL p is ignored) and sets
+ *    struct_size to the smaller of that size and its own sizeof, so a newer
+ *    library never writes past an older program's struct. Bindings that
+ *    declare the structs themselves must call *_init_sized with their own
+ *    struct's size. The functions named like the macros remain, for programs
+ *    built before the macros, and write the library's whole struct.
  *  - Pointers passed in are borrowed for the duration of the call unless a
  *    comment says otherwise. Pointers returned through `const T **` are owned
  *    by the library and valid for as long as the comment says.
@@ -185,7 +192,12 @@ typedef struct dz_model_params {
   dz_attention_precision attention; /* default DZ_ATTENTION_AUTO */
 } dz_model_params;
 
-DZ_API void dz_model_params_init(dz_model_params *params);
+/* Defaults. Each params/info struct has this trio: *_init_sized writes at
+ * most struct_size bytes, *_init(p) is the macro to call (see Conventions). */
+DZ_API void dz_model_params_init_sized(dz_model_params *params,
+                                       size_t struct_size);
+DZ_API void (dz_model_params_init)(dz_model_params *params);
+#define dz_model_params_init(p) dz_model_params_init_sized((p), sizeof *(p))
 
 /* Open a Hugging Face model directory (config.json, model.safetensors or
  * model.safetensors.index.json + shards, tokenizer.json). Every shard is
@@ -215,7 +227,9 @@ typedef struct dz_model_info {
   int32_t n_shards;
 } dz_model_info;
 
-DZ_API void dz_model_info_init(dz_model_info *info);
+DZ_API void dz_model_info_init_sized(dz_model_info *info, size_t struct_size);
+DZ_API void (dz_model_info_init)(dz_model_info *info);
+#define dz_model_info_init(p) dz_model_info_init_sized((p), sizeof *(p))
 DZ_API dz_status dz_model_get_info(const dz_model *model, dz_model_info *info);
 
 /* -------------------------------------------------------------- tokenizer */
@@ -289,7 +303,10 @@ typedef struct dz_kv_arena_params {
   int prefix_cache;        /* nonzero (default): reuse full pages by hash */
 } dz_kv_arena_params;
 
-DZ_API void dz_kv_arena_params_init(dz_kv_arena_params *params);
+DZ_API void dz_kv_arena_params_init_sized(dz_kv_arena_params *params,
+                                          size_t struct_size);
+DZ_API void (dz_kv_arena_params_init)(dz_kv_arena_params *params);
+#define dz_kv_arena_params_init(p) dz_kv_arena_params_init_sized((p), sizeof *(p))
 /* The arena lives in the model's backend memory (host or device). It must be
  * freed before its model. */
 DZ_API dz_status dz_kv_arena_create(dz_model *model,
@@ -314,7 +331,9 @@ typedef struct dz_kv_stats {
   uint32_t state_slots_used;
 } dz_kv_stats;
 
-DZ_API void dz_kv_stats_init(dz_kv_stats *stats);
+DZ_API void dz_kv_stats_init_sized(dz_kv_stats *stats, size_t struct_size);
+DZ_API void (dz_kv_stats_init)(dz_kv_stats *stats);
+#define dz_kv_stats_init(p) dz_kv_stats_init_sized((p), sizeof *(p))
 DZ_API dz_status dz_kv_arena_get_stats(const dz_kv_arena *arena,
                                        dz_kv_stats *stats);
 
@@ -330,7 +349,10 @@ typedef struct dz_sampler_params {
   uint64_t seed;     /* default 0 */
 } dz_sampler_params;
 
-DZ_API void dz_sampler_params_init(dz_sampler_params *params);
+DZ_API void dz_sampler_params_init_sized(dz_sampler_params *params,
+                                         size_t struct_size);
+DZ_API void (dz_sampler_params_init)(dz_sampler_params *params);
+#define dz_sampler_params_init(p) dz_sampler_params_init_sized((p), sizeof *(p))
 
 typedef struct dz_session_params {
   size_t struct_size;
@@ -340,7 +362,10 @@ typedef struct dz_session_params {
   void *abort_user;
 } dz_session_params;
 
-DZ_API void dz_session_params_init(dz_session_params *params);
+DZ_API void dz_session_params_init_sized(dz_session_params *params,
+                                         size_t struct_size);
+DZ_API void (dz_session_params_init)(dz_session_params *params);
+#define dz_session_params_init(p) dz_session_params_init_sized((p), sizeof *(p))
 /* A new empty sequence drawing pages from arena. params may be NULL. The
  * session must be freed before its arena. */
 DZ_API dz_status dz_session_create(dz_kv_arena *arena,
@@ -391,7 +416,10 @@ typedef struct dz_session_stats {
   uint64_t attention_tokens_read; /* KV tokens read by attention (sparsity) */
 } dz_session_stats;
 
-DZ_API void dz_session_stats_init(dz_session_stats *stats);
+DZ_API void dz_session_stats_init_sized(dz_session_stats *stats,
+                                        size_t struct_size);
+DZ_API void (dz_session_stats_init)(dz_session_stats *stats);
+#define dz_session_stats_init(p) dz_session_stats_init_sized((p), sizeof *(p))
 DZ_API dz_status dz_session_get_stats(const dz_session *session,
                                       dz_session_stats *stats);
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -692,6 +693,220 @@ TEST_CASE("session API argument errors", "[api][gpt_oss]") {
   CHECK(dz_kv_arena_get_stats(nullptr, nullptr) == DZ_ERR_INVALID_ARGUMENT);
   dz_session_free(nullptr);
   dz_kv_arena_free(nullptr);
+}
+
+namespace {
+
+// What a program built against an older (or newer) declaration of T passes: the
+// first `cut` bytes are its struct, the rest of the buffer guard bytes of 0xAB.
+template <typename T>
+struct CutStruct {
+  static constexpr unsigned char kGuard = 0xAB;
+  alignas(T) unsigned char bytes[sizeof(T) + 64];
+  size_t cut;
+  explicit CutStruct(size_t n) : cut(n) {
+    REQUIRE(n <= sizeof bytes);
+    std::memset(bytes, kGuard, sizeof bytes);
+  }
+  T* p() { return reinterpret_cast<T*>(bytes); }
+  size_t struct_size() const {
+    size_t n;
+    std::memcpy(&n, bytes, sizeof n);
+    return n;
+  }
+  std::vector<unsigned char> range(size_t from, size_t to) const { return {bytes + from, bytes + to}; }
+  // The bytes from `from` to the end of the buffer, and what they must still be.
+  std::vector<unsigned char> guard(size_t from) const { return range(from, sizeof bytes); }
+  std::vector<unsigned char> untouched(size_t from) const {
+    return std::vector<unsigned char>(sizeof bytes - from, kGuard);
+  }
+};
+
+template <typename T>
+std::vector<unsigned char> bytes_of(const T& t, size_t from, size_t to) {
+  const auto* b = reinterpret_cast<const unsigned char*>(&t);
+  return {b + from, b + to};
+}
+
+// init_sized on a struct cut at `cut` bytes: nothing past it written, struct_size
+// the cut (or sizeof(T) when longer), and every byte inside the full init's.
+template <typename T>
+void check_sized_init(void (*init_sized)(T*, size_t), void (*init)(T*), size_t cut) {
+  INFO("a struct of " << sizeof(T) << " bytes, cut at " << cut);
+  T full;
+  std::memset(&full, 0xCD, sizeof full);
+  init(&full);
+  REQUIRE(full.struct_size == sizeof(T));
+  CutStruct<T> c(cut);
+  init_sized(c.p(), cut);
+  const size_t n = std::min(cut, sizeof(T));
+  CHECK(c.struct_size() == n);
+  CHECK(c.guard(n) == c.untouched(n));
+  CHECK(c.range(sizeof(size_t), n) == bytes_of(full, sizeof(size_t), n));
+  // Too small to hold struct_size: nothing written at all. NULL: ignored.
+  for (size_t tiny : {size_t(0), size_t(1), sizeof(size_t) - 1}) {
+    CutStruct<T> t(tiny);
+    init_sized(t.p(), tiny);
+    CHECK(t.guard(0) == t.untouched(0));
+  }
+  init_sized(nullptr, sizeof(T));
+  init(nullptr);
+}
+
+}  // namespace
+
+TEST_CASE("sized *_init writes only the caller's struct_size bytes", "[api][gpt_oss]") {
+  // The unsized functions (the macros' names in parentheses) give the full defaults.
+  check_sized_init(dz_model_params_init_sized, dz_model_params_init, offsetof(dz_model_params, activations));
+  check_sized_init(dz_model_params_init_sized, dz_model_params_init, sizeof(dz_model_params));
+  check_sized_init(dz_model_params_init_sized, dz_model_params_init, sizeof(dz_model_params) + 24);
+  check_sized_init(dz_model_params_init_sized, dz_model_params_init, offsetof(dz_model_params, bf16_sensitive) + 2);
+  check_sized_init(dz_model_info_init_sized, dz_model_info_init, offsetof(dz_model_info, n_params));
+  check_sized_init(dz_kv_arena_params_init_sized, dz_kv_arena_params_init, offsetof(dz_kv_arena_params, max_sessions));
+  check_sized_init(dz_kv_stats_init_sized, dz_kv_stats_init, offsetof(dz_kv_stats, pages_free));
+  check_sized_init(dz_sampler_params_init_sized, dz_sampler_params_init, offsetof(dz_sampler_params, seed));
+  check_sized_init(dz_session_params_init_sized, dz_session_params_init, offsetof(dz_session_params, abort));
+  check_sized_init(dz_session_stats_init_sized, dz_session_stats_init, offsetof(dz_session_stats, pages));
+
+  // The defaults themselves, through the macro (sizeof *(p)).
+  dz_model_params mp;
+  std::memset(&mp, 0xCD, sizeof mp);
+  dz_model_params_init(&mp);
+  CHECK(mp.struct_size == sizeof mp);
+  CHECK(mp.device == DZ_DEVICE_CPU);
+  CHECK(mp.n_threads == 0);
+  CHECK(mp.bf16_sensitive == 1);
+  CHECK(mp.progress == nullptr);
+  CHECK(mp.exact_moe_layers == 0);
+  CHECK(mp.attention == DZ_ATTENTION_AUTO);
+  dz_session_params sp;
+  std::memset(&sp, 0xCD, sizeof sp);
+  dz_session_params_init(&sp);
+  CHECK(sp.struct_size == sizeof sp);
+  CHECK(sp.sampler.struct_size == sizeof sp.sampler);
+  CHECK(sp.sampler.top_p == 1.0f);
+  CHECK(sp.sampler.seed == 0);
+  CHECK(sp.abort == nullptr);
+
+  // A dz_session_params ending inside its sampler: the nested struct_size counts
+  // the sampler's bytes that are there.
+  {
+    const size_t at = offsetof(dz_session_params, sampler), cut = at + offsetof(dz_sampler_params, top_p);
+    CutStruct<dz_session_params> c(cut);
+    dz_session_params_init_sized(c.p(), cut);
+    CHECK(c.struct_size() == cut);
+    CHECK(c.guard(cut) == c.untouched(cut));
+    size_t nested;
+    std::memcpy(&nested, c.bytes + at, sizeof nested);
+    CHECK(nested == offsetof(dz_sampler_params, top_p));
+    CHECK(c.range(at + sizeof(size_t), cut) == bytes_of(sp, at + sizeof(size_t), cut));
+  }
+}
+
+TEST_CASE("an older program's shorter structs work with the library", "[api][gpt_oss]") {
+  // dz_model_params as it was before `activations`: the model opens with the
+  // defaults for the fields past its end (0xAB there would be refused).
+  {
+    CutStruct<dz_model_params> c(offsetof(dz_model_params, activations));
+    dz_model_params_init_sized(c.p(), c.cut);
+    c.p()->n_threads = 2;
+    dz_model* raw = nullptr;
+    const dz_status st = dz_model_open(kModelDir.c_str(), c.p(), &raw);
+    INFO(dz_last_error());
+    REQUIRE(st == DZ_OK);
+    std::unique_ptr<dz_model, void (*)(dz_model*)> m(raw, dz_model_free);
+    CHECK(c.guard(c.cut) == c.untouched(c.cut));
+    CHECK(m->params.struct_size == sizeof(dz_model_params));
+    CHECK(m->params.n_threads == 2);
+    CHECK(m->params.device == DZ_DEVICE_CPU);
+    CHECK(m->params.bf16_sensitive == 1);
+    CHECK(m->params.activations == DZ_ACTIVATIONS_AUTO);
+    CHECK(m->params.exact_moe_layers == 0);
+    CHECK(m->params.attention == DZ_ATTENTION_AUTO);
+    // It computes what the shared model (full params, also 2 threads) computes.
+    Arena shared_arena;
+    dz_kv_arena* ka = nullptr;
+    dz_kv_arena_params ap;
+    dz_kv_arena_params_init(&ap);
+    ap.capacity_bytes = uint64_t(4) << 20;
+    REQUIRE(dz_kv_arena_create(m.get(), &ap, &ka) == DZ_OK);
+    std::unique_ptr<dz_kv_arena, void (*)(dz_kv_arena*)> arena(ka, dz_kv_arena_free);
+    {
+      dz_session* raw_s = nullptr;
+      REQUIRE(dz_session_create(ka, nullptr, &raw_s) == DZ_OK);
+      Session mine(raw_s), theirs(shared_arena);
+      mine.append({3, 4, 5});
+      theirs.append({3, 4, 5});
+      CHECK(mine.last_row() == theirs.last_row());
+    }
+  }
+
+  Arena arena;
+  Session s(arena);
+  s.append({3, 4, 5});
+
+  // Output structs: get_info / get_stats fill the short struct and stop at its end.
+  {
+    dz_model_info full;
+    dz_model_info_init(&full);
+    REQUIRE(dz_model_get_info(shared_model().m, &full) == DZ_OK);
+    CutStruct<dz_model_info> c(offsetof(dz_model_info, n_params));
+    dz_model_info_init_sized(c.p(), c.cut);
+    REQUIRE(dz_model_get_info(shared_model().m, c.p()) == DZ_OK);
+    CHECK(c.struct_size() == c.cut);
+    CHECK(c.guard(c.cut) == c.untouched(c.cut));
+    CHECK(c.range(sizeof(size_t), c.cut) == bytes_of(full, sizeof(size_t), c.cut));
+  }
+  {
+    dz_kv_stats full;
+    dz_kv_stats_init(&full);
+    REQUIRE(dz_kv_arena_get_stats(arena.a, &full) == DZ_OK);
+    CHECK(full.pages_used > 0);
+    CutStruct<dz_kv_stats> c(offsetof(dz_kv_stats, pages_free));
+    dz_kv_stats_init_sized(c.p(), c.cut);
+    REQUIRE(dz_kv_arena_get_stats(arena.a, c.p()) == DZ_OK);
+    CHECK(c.struct_size() == c.cut);
+    CHECK(c.guard(c.cut) == c.untouched(c.cut));
+    CHECK(c.range(sizeof(size_t), c.cut) == bytes_of(full, sizeof(size_t), c.cut));
+  }
+  {
+    const dz_session_stats full = s.stats();
+    CHECK(full.n_tokens == 3);
+    CutStruct<dz_session_stats> c(offsetof(dz_session_stats, pages));
+    dz_session_stats_init_sized(c.p(), c.cut);
+    REQUIRE(dz_session_get_stats(s.s, c.p()) == DZ_OK);
+    CHECK(c.struct_size() == c.cut);
+    CHECK(c.guard(c.cut) == c.untouched(c.cut));
+    CHECK(c.range(sizeof(size_t), c.cut) == bytes_of(full, sizeof(size_t), c.cut));
+  }
+
+  // dz_session_params: the first ABI's struct ends at abort_user, so a shorter
+  // one is refused (and nothing past it is read or written); a newer program's
+  // longer one gets the library's part filled and works.
+  {
+    CutStruct<dz_session_params> c(offsetof(dz_session_params, abort));
+    dz_session_params_init_sized(c.p(), c.cut);
+    dz_session* ns = reinterpret_cast<dz_session*>(0x1);
+    CHECK(dz_session_create(arena.a, c.p(), &ns) == DZ_ERR_INVALID_ARGUMENT);
+    CHECK(ns == nullptr);
+    CHECK_THAT(std::string(dz_last_error()), Catch::Contains("struct_size"));
+    CHECK(c.guard(c.cut) == c.untouched(c.cut));
+  }
+  {
+    CutStruct<dz_session_params> c(sizeof(dz_session_params) + 16);
+    dz_session_params_init_sized(c.p(), c.cut);
+    CHECK(c.struct_size() == sizeof(dz_session_params));
+    CHECK(c.guard(sizeof(dz_session_params)) == c.untouched(sizeof(dz_session_params)));
+    c.p()->prefill_chunk = 2;
+    dz_session* ns = nullptr;
+    REQUIRE(dz_session_create(arena.a, c.p(), &ns) == DZ_OK);
+    Session longer(ns);
+    CHECK(ns->params.prefill_chunk == 2);
+    CHECK(ns->params.sampler.struct_size == sizeof(dz_sampler_params));
+    CHECK(ns->params.sampler.top_p == 1.0f);
+    longer.append({3, 4, 5});
+    CHECK(longer.last_row() == s.last_row());  // chunking changes no bit
+  }
 }
 
 TEST_CASE("gpt_oss open errors: wrong shapes, CUDA request", "[gpt_oss]") {

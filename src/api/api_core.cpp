@@ -64,23 +64,25 @@ DZ_API dz_status dz_log_set(dz_log_fn fn, void* user, dz_log_level min_level) {
   });
 }
 
-DZ_API void dz_model_params_init(dz_model_params* p) {
-  if (!p) return;
-  *p = dz_model_params{};
-  p->struct_size = sizeof(*p);
-  p->device = DZ_DEVICE_CPU;
-  p->experts = DZ_EXPERTS_AUTO;
-  p->indexer = DZ_INDEXER_EXACT;
-  p->bf16_sensitive = 1;
-  p->activations = DZ_ACTIVATIONS_AUTO;
-  p->attention = DZ_ATTENTION_AUTO;
+DZ_API void dz_model_params_init_sized(dz_model_params* p, size_t struct_size) {
+  dz::init_sized(p, struct_size, [](dz_model_params& d) {
+    d.device = DZ_DEVICE_CPU;
+    d.experts = DZ_EXPERTS_AUTO;
+    d.indexer = DZ_INDEXER_EXACT;
+    d.bf16_sensitive = 1;
+    d.activations = DZ_ACTIVATIONS_AUTO;
+    d.attention = DZ_ATTENTION_AUTO;
+  });
 }
 
-DZ_API void dz_model_info_init(dz_model_info* info) {
-  if (!info) return;
-  *info = dz_model_info{};
-  info->struct_size = sizeof(*info);
+// The header makes dz_*_init a macro: the parentheses keep it from expanding here.
+DZ_API void(dz_model_params_init)(dz_model_params* p) { dz_model_params_init_sized(p, sizeof(dz_model_params)); }
+
+DZ_API void dz_model_info_init_sized(dz_model_info* info, size_t struct_size) {
+  dz::init_sized(info, struct_size, [](dz_model_info&) {});
 }
+
+DZ_API void(dz_model_info_init)(dz_model_info* info) { dz_model_info_init_sized(info, sizeof(dz_model_info)); }
 
 DZ_API dz_status dz_model_open(const char* dir, const dz_model_params* params, dz_model** out) {
   return DZ_GUARD({

@@ -208,11 +208,13 @@ int32_t sample_last(dz_session* s) {
 
 extern "C" {
 
-DZ_API void dz_kv_arena_params_init(dz_kv_arena_params* p) {
-  if (!p) return;
-  *p = dz_kv_arena_params{};
-  p->struct_size = sizeof(*p);
-  p->prefix_cache = 1;
+DZ_API void dz_kv_arena_params_init_sized(dz_kv_arena_params* p, size_t struct_size) {
+  dz::init_sized(p, struct_size, [](dz_kv_arena_params& d) { d.prefix_cache = 1; });
+}
+
+// The header makes dz_*_init a macro: the parentheses keep it from expanding here.
+DZ_API void(dz_kv_arena_params_init)(dz_kv_arena_params* p) {
+  dz_kv_arena_params_init_sized(p, sizeof(dz_kv_arena_params));
 }
 
 DZ_API dz_status dz_kv_arena_create(dz_model* model, const dz_kv_arena_params* params, dz_kv_arena** out) {
@@ -251,11 +253,11 @@ DZ_API void dz_kv_arena_free(dz_kv_arena* arena) {
   delete arena;
 }
 
-DZ_API void dz_kv_stats_init(dz_kv_stats* s) {
-  if (!s) return;
-  *s = dz_kv_stats{};
-  s->struct_size = sizeof(*s);
+DZ_API void dz_kv_stats_init_sized(dz_kv_stats* s, size_t struct_size) {
+  dz::init_sized(s, struct_size, [](dz_kv_stats&) {});
 }
+
+DZ_API void(dz_kv_stats_init)(dz_kv_stats* s) { dz_kv_stats_init_sized(s, sizeof(dz_kv_stats)); }
 
 DZ_API dz_status dz_kv_arena_get_stats(const dz_kv_arena* arena, dz_kv_stats* stats) {
   return DZ_GUARD({
@@ -264,18 +266,25 @@ DZ_API dz_status dz_kv_arena_get_stats(const dz_kv_arena* arena, dz_kv_stats* st
   });
 }
 
-DZ_API void dz_sampler_params_init(dz_sampler_params* p) {
-  if (!p) return;
-  *p = dz_sampler_params{};
-  p->struct_size = sizeof(*p);
-  p->top_p = 1.0f;
+DZ_API void dz_sampler_params_init_sized(dz_sampler_params* p, size_t struct_size) {
+  dz::init_sized(p, struct_size, [](dz_sampler_params& d) { d.top_p = 1.0f; });
 }
 
-DZ_API void dz_session_params_init(dz_session_params* p) {
-  if (!p) return;
-  *p = dz_session_params{};
-  p->struct_size = sizeof(*p);
-  dz_sampler_params_init(&p->sampler);
+DZ_API void(dz_sampler_params_init)(dz_sampler_params* p) {
+  dz_sampler_params_init_sized(p, sizeof(dz_sampler_params));
+}
+
+DZ_API void dz_session_params_init_sized(dz_session_params* p, size_t struct_size) {
+  dz::init_sized(p, struct_size, [struct_size](dz_session_params& d) {
+    dz_sampler_params_init_sized(&d.sampler, sizeof d.sampler);
+    // A caller's struct that ends inside the sampler holds only that part of it.
+    constexpr size_t at = offsetof(dz_session_params, sampler);
+    if (struct_size > at && struct_size - at < sizeof d.sampler) d.sampler.struct_size = struct_size - at;
+  });
+}
+
+DZ_API void(dz_session_params_init)(dz_session_params* p) {
+  dz_session_params_init_sized(p, sizeof(dz_session_params));
 }
 
 DZ_API dz_status dz_session_create(dz_kv_arena* arena, const dz_session_params* params, dz_session** out) {
@@ -459,11 +468,11 @@ DZ_API dz_status dz_session_reset(dz_session* session) {
   });
 }
 
-DZ_API void dz_session_stats_init(dz_session_stats* s) {
-  if (!s) return;
-  *s = dz_session_stats{};
-  s->struct_size = sizeof(*s);
+DZ_API void dz_session_stats_init_sized(dz_session_stats* s, size_t struct_size) {
+  dz::init_sized(s, struct_size, [](dz_session_stats&) {});
 }
+
+DZ_API void(dz_session_stats_init)(dz_session_stats* s) { dz_session_stats_init_sized(s, sizeof(dz_session_stats)); }
 
 DZ_API dz_status dz_session_get_stats(const dz_session* session, dz_session_stats* stats) {
   return DZ_GUARD({

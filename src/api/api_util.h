@@ -48,6 +48,21 @@ T read_params(const T* in, void (*init)(T*), size_t min_size, const char* what) 
   out.struct_size = sizeof(T);
   return out;
 }
+// The body of every *_init_sized: the defaults go into a whole local T (zeroed,
+// padding included, then set_defaults(T&)), of which the caller's first
+// min(struct_size, sizeof(T)) bytes receive a copy with struct_size set to
+// that count. Nothing is written for a NULL dst or a struct_size too small to
+// hold struct_size itself.
+template <typename T, typename F>
+void init_sized(T* dst, size_t struct_size, F&& set_defaults) {
+  if (!dst || struct_size < sizeof(size_t)) return;
+  T d;
+  std::memset(&d, 0, sizeof d);
+  set_defaults(d);
+  const size_t n = struct_size < sizeof(T) ? struct_size : sizeof(T);
+  d.struct_size = n;
+  std::memcpy(dst, &d, n);
+}
 // An output struct: write at most its struct_size bytes.
 template <typename T>
 void write_out(T* dst, const T& src, const char* what) {

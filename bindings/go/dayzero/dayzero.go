@@ -130,7 +130,10 @@ type Model struct {
 // OpenModel opens a Hugging Face model directory; opts may be nil.
 func OpenModel(dir string, opts *ModelOptions) (*Model, error) {
 	var p C.dz_model_params
-	C.dz_model_params_init(&p)
+	// cgo cannot call the header's dz_*_init(p) macros: the *_init_sized forms
+	// they stand for are given this package's own struct size, so a newer
+	// library never writes past the struct compiled in here.
+	C.dz_model_params_init_sized(&p, C.size_t(unsafe.Sizeof(p)))
 	if opts != nil {
 		p.device = C.dz_device(opts.Device)
 		p.device_index = C.int(opts.DeviceIndex)
@@ -187,7 +190,7 @@ func (m *Model) Info() (ModelInfo, error) {
 		return ModelInfo{}, errClosed
 	}
 	var i C.dz_model_info
-	C.dz_model_info_init(&i)
+	C.dz_model_info_init_sized(&i, C.size_t(unsafe.Sizeof(i)))
 	if err := call(func() C.dz_status { return C.dz_model_get_info(m.p, &i) }); err != nil {
 		return ModelInfo{}, err
 	}
@@ -245,7 +248,7 @@ type Arena struct {
 func (m *Model) NewArena(opts *ArenaOptions) (*Arena, error) {
 	defer runtime.KeepAlive(m) // the finalizer must not free it during a C call
 	var p C.dz_kv_arena_params
-	C.dz_kv_arena_params_init(&p)
+	C.dz_kv_arena_params_init_sized(&p, C.size_t(unsafe.Sizeof(p)))
 	if opts != nil {
 		p.page_tokens = C.uint32_t(opts.PageTokens)
 		p.capacity_pages = C.uint64_t(opts.CapacityPages)
@@ -302,7 +305,7 @@ func (a *Arena) Stats() (ArenaStats, error) {
 		return ArenaStats{}, errClosed
 	}
 	var s C.dz_kv_stats
-	C.dz_kv_stats_init(&s)
+	C.dz_kv_stats_init_sized(&s, C.size_t(unsafe.Sizeof(s)))
 	if err := call(func() C.dz_status { return C.dz_kv_arena_get_stats(a.p, &s) }); err != nil {
 		return ArenaStats{}, err
 	}

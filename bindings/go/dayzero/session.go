@@ -28,7 +28,7 @@ type Sampler struct {
 
 func (s Sampler) c() C.dz_sampler_params {
 	var p C.dz_sampler_params
-	C.dz_sampler_params_init(&p)
+	C.dz_sampler_params_init_sized(&p, C.size_t(unsafe.Sizeof(p)))
 	p.temperature = C.float(s.Temperature)
 	p.top_k = C.int32_t(s.TopK)
 	if s.TopP > 0 {
@@ -79,7 +79,7 @@ func (f *abortFlag) set(v int32) { atomic.StoreInt32((*int32)(unsafe.Pointer(f.p
 func (a *Arena) NewSession(opts *SessionOptions) (*Session, error) {
 	defer runtime.KeepAlive(a) // the finalizer must not free it during a C call
 	var p C.dz_session_params
-	C.dz_session_params_init(&p)
+	C.dz_session_params_init_sized(&p, C.size_t(unsafe.Sizeof(p)))
 	if opts != nil {
 		p.sampler = opts.Sampler.c()
 		p.prefill_chunk = C.uint32_t(opts.PrefillChunk)
@@ -287,7 +287,7 @@ func (s *Session) Stats() (SessionStats, error) {
 		return SessionStats{}, err
 	}
 	var st C.dz_session_stats
-	C.dz_session_stats_init(&st)
+	C.dz_session_stats_init_sized(&st, C.size_t(unsafe.Sizeof(st)))
 	if err := call(func() C.dz_status { return C.dz_session_get_stats(p, &st) }); err != nil {
 		return SessionStats{}, err
 	}

@@ -102,8 +102,9 @@ def library_path():
 
 
 def _init(struct_type):
+    """A struct_type with the library's defaults, written into no more than ctypes.sizeof(struct_type) bytes."""
     s = struct_type()
-    getattr(_L, _c.STRUCT_INITS[struct_type])(ctypes.byref(s))
+    getattr(_L, _c.STRUCT_INITS[struct_type])(ctypes.byref(s), ctypes.sizeof(struct_type))
     return s
 
 

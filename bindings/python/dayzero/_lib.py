@@ -85,9 +85,11 @@ PROTOTYPES = {
     "dz_last_error": (c_char_p, []),
     "dz_status_name": (c_char_p, [dz_status]),
     "dz_log_set": (dz_status, [dz_log_fn, c_void_p, c_int]),
+    "dz_model_params_init_sized": (None, [P(dz_model_params), c_size_t]),
     "dz_model_params_init": (None, [P(dz_model_params)]),
     "dz_model_open": (dz_status, [c_char_p, P(dz_model_params), P(P(dz_model))]),
     "dz_model_free": (None, [P(dz_model)]),
+    "dz_model_info_init_sized": (None, [P(dz_model_info), c_size_t]),
     "dz_model_info_init": (None, [P(dz_model_info)]),
     "dz_model_get_info": (dz_status, [P(dz_model), P(dz_model_info)]),
     "dz_tokenizer_open": (dz_status, [c_char_p, P(P(dz_tokenizer))]),
@@ -104,12 +106,16 @@ PROTOTYPES = {
     "dz_detokenizer_flush": (dz_status, [P(dz_detokenizer), P(c_void_p), P(c_size_t)]),
     "dz_chat_apply_template": (dz_status, [P(dz_tokenizer), c_char_p, c_char_p, c_int, c_void_p, c_size_t,
                                            P(c_size_t)]),
+    "dz_kv_arena_params_init_sized": (None, [P(dz_kv_arena_params), c_size_t]),
     "dz_kv_arena_params_init": (None, [P(dz_kv_arena_params)]),
     "dz_kv_arena_create": (dz_status, [P(dz_model), P(dz_kv_arena_params), P(P(dz_kv_arena))]),
     "dz_kv_arena_free": (None, [P(dz_kv_arena)]),
+    "dz_kv_stats_init_sized": (None, [P(dz_kv_stats), c_size_t]),
     "dz_kv_stats_init": (None, [P(dz_kv_stats)]),
     "dz_kv_arena_get_stats": (dz_status, [P(dz_kv_arena), P(dz_kv_stats)]),
+    "dz_sampler_params_init_sized": (None, [P(dz_sampler_params), c_size_t]),
     "dz_sampler_params_init": (None, [P(dz_sampler_params)]),
+    "dz_session_params_init_sized": (None, [P(dz_session_params), c_size_t]),
     "dz_session_params_init": (None, [P(dz_session_params)]),
     "dz_session_create": (dz_status, [P(dz_kv_arena), P(dz_session_params), P(P(dz_session))]),
     "dz_session_free": (None, [P(dz_session)]),
@@ -121,21 +127,24 @@ PROTOTYPES = {
     "dz_session_length": (dz_status, [P(dz_session), P(c_size_t)]),
     "dz_session_truncate": (dz_status, [P(dz_session), c_size_t]),
     "dz_session_reset": (dz_status, [P(dz_session)]),
+    "dz_session_stats_init_sized": (None, [P(dz_session_stats), c_size_t]),
     "dz_session_stats_init": (None, [P(dz_session_stats)]),
     "dz_session_get_stats": (dz_status, [P(dz_session), P(dz_session_stats)]),
     "dz_generate_step": (dz_status, [P(P(dz_session)), c_size_t, P(c_int32)]),
     "dz_decode_batch": (dz_status, [P(P(dz_session)), P(c_int32), c_size_t]),
 }
 
-# Params/info structs and their init functions (the library writes its sizeof into struct_size).
+# Params/info structs and their init functions. The *_init_sized form is given ctypes.sizeof of the
+# declaration above, so a newer library writing a longer struct never writes past ours (the header's
+# *_init macros do the same with sizeof). The unsized *_init write the library's own sizeof.
 STRUCT_INITS = {
-    dz_model_params: "dz_model_params_init",
-    dz_model_info: "dz_model_info_init",
-    dz_kv_arena_params: "dz_kv_arena_params_init",
-    dz_kv_stats: "dz_kv_stats_init",
-    dz_sampler_params: "dz_sampler_params_init",
-    dz_session_params: "dz_session_params_init",
-    dz_session_stats: "dz_session_stats_init",
+    dz_model_params: "dz_model_params_init_sized",
+    dz_model_info: "dz_model_info_init_sized",
+    dz_kv_arena_params: "dz_kv_arena_params_init_sized",
+    dz_kv_stats: "dz_kv_stats_init_sized",
+    dz_sampler_params: "dz_sampler_params_init_sized",
+    dz_session_params: "dz_session_params_init_sized",
+    dz_session_stats: "dz_session_stats_init_sized",
 }
 
 

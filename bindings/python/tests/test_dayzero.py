@@ -84,17 +84,32 @@ class TestLibrary(unittest.TestCase):
 
     def test_declarations_match_header(self):
         h = header_text()
-        declared = set(re.findall(r"DZ_API[^;(]*?\b(dz_\w+)\s*\(", h))
+        # `DZ_API T dz_f(` or, where a macro of that name routes to dz_f_sized, `DZ_API T (dz_f)(`.
+        declared = set(re.findall(r"DZ_API[^;(]*?\(?\b(dz_\w+)\)?\s*\(", h))
         self.assertEqual(declared, set(_lib.PROTOTYPES), "ctypes prototypes differ from the header's functions")
         for struct, init in _lib.STRUCT_INITS.items():
             name = struct.__name__
             body = re.search(r"typedef struct %s \{(.*?)\} %s;" % (name, name), h, re.S).group(1)
             fields = [re.search(r"(\w+)\s*$", d.strip()).group(1) for d in body.split(";") if d.strip()]
             self.assertEqual([f for f, _ in struct._fields_], fields, name)
-            # The library's *_init writes its sizeof into struct_size.
-            buf = ctypes.create_string_buffer(1024)
-            getattr(dayzero._L, init)(ctypes.cast(buf, ctypes.POINTER(struct)))
-            self.assertEqual(ctypes.c_size_t.from_buffer(buf).value, ctypes.sizeof(struct), name)
+            self.assertEqual(init, name + "_init_sized")
+            self.assertIn("#define %s_init(p) %s((p), sizeof *(p))" % (name, init), h)
+            size = ctypes.sizeof(struct)
+            # The unsized *_init writes the library's sizeof into struct_size: it must be ours.
+            buf = ctypes.create_string_buffer(b"\xab" * 1024, 1024)
+            getattr(dayzero._L, name + "_init")(ctypes.cast(buf, ctypes.POINTER(struct)))
+            self.assertEqual(ctypes.c_size_t.from_buffer(buf).value, size, name)
+            # *_init_sized writes no byte past the size it is given: ours, or an older declaration's (one
+            # field fewer), whose bytes are the full struct's.
+            for n in (size, getattr(struct, struct._fields_[-1][0]).offset):
+                cut = ctypes.create_string_buffer(b"\xab" * 1024, 1024)
+                getattr(dayzero._L, init)(ctypes.cast(cut, ctypes.POINTER(struct)), n)
+                self.assertEqual(ctypes.c_size_t.from_buffer(cut).value, n, name)
+                self.assertEqual(cut.raw[n:], b"\xab" * (1024 - n), name)
+                head = ctypes.sizeof(ctypes.c_size_t)
+                self.assertEqual(cut.raw[head:n], buf.raw[head:n], name)
+            # What the binding's own helper gives: the defaults, struct_size ours.
+            self.assertEqual(dayzero._init(struct).struct_size, size, name)
         for enum_cls, c_enum in ((dayzero.Status, "dz_status"), (dayzero.Device, "dz_device"),
                                  (dayzero.LogLevel, "dz_log_level"), (dayzero.Experts, "dz_expert_precision"),
                                  (dayzero.Indexer, "dz_indexer_mode")):

@@ -193,6 +193,11 @@ pub struct dz_session_stats {
     pub attention_tokens_read: u64,
 }
 
+// The params/info structs' *_init: the header's *_init(p) is a macro for
+// *_init_sized(p, sizeof *(p)). Call the *_init_sized forms with
+// `size_of::<T>()` of the struct declared here: they write at most that many
+// bytes, so a newer library whose struct has grown never writes past ours. The
+// unsized *_init functions write the library's own sizeof.
 extern "C" {
     pub fn dz_version() -> *const c_char;
     pub fn dz_abi_version() -> c_int;
@@ -200,6 +205,7 @@ extern "C" {
     pub fn dz_status_name(status: dz_status) -> *const c_char;
     pub fn dz_log_set(fn_: dz_log_fn, user: *mut c_void, min_level: dz_log_level) -> dz_status;
 
+    pub fn dz_model_params_init_sized(params: *mut dz_model_params, struct_size: usize);
     pub fn dz_model_params_init(params: *mut dz_model_params);
     pub fn dz_model_open(
         dir: *const c_char,
@@ -207,6 +213,7 @@ extern "C" {
         out: *mut *mut dz_model,
     ) -> dz_status;
     pub fn dz_model_free(model: *mut dz_model);
+    pub fn dz_model_info_init_sized(info: *mut dz_model_info, struct_size: usize);
     pub fn dz_model_info_init(info: *mut dz_model_info);
     pub fn dz_model_get_info(model: *const dz_model, info: *mut dz_model_info) -> dz_status;
 
@@ -267,6 +274,7 @@ extern "C" {
         n_out: *mut usize,
     ) -> dz_status;
 
+    pub fn dz_kv_arena_params_init_sized(params: *mut dz_kv_arena_params, struct_size: usize);
     pub fn dz_kv_arena_params_init(params: *mut dz_kv_arena_params);
     pub fn dz_kv_arena_create(
         model: *mut dz_model,
@@ -274,10 +282,13 @@ extern "C" {
         out: *mut *mut dz_kv_arena,
     ) -> dz_status;
     pub fn dz_kv_arena_free(arena: *mut dz_kv_arena);
+    pub fn dz_kv_stats_init_sized(stats: *mut dz_kv_stats, struct_size: usize);
     pub fn dz_kv_stats_init(stats: *mut dz_kv_stats);
     pub fn dz_kv_arena_get_stats(arena: *const dz_kv_arena, stats: *mut dz_kv_stats) -> dz_status;
 
+    pub fn dz_sampler_params_init_sized(params: *mut dz_sampler_params, struct_size: usize);
     pub fn dz_sampler_params_init(params: *mut dz_sampler_params);
+    pub fn dz_session_params_init_sized(params: *mut dz_session_params, struct_size: usize);
     pub fn dz_session_params_init(params: *mut dz_session_params);
     pub fn dz_session_create(
         arena: *mut dz_kv_arena,
@@ -306,6 +317,7 @@ extern "C" {
     pub fn dz_session_length(session: *const dz_session, n: *mut usize) -> dz_status;
     pub fn dz_session_truncate(session: *mut dz_session, n: usize) -> dz_status;
     pub fn dz_session_reset(session: *mut dz_session) -> dz_status;
+    pub fn dz_session_stats_init_sized(stats: *mut dz_session_stats, struct_size: usize);
     pub fn dz_session_stats_init(stats: *mut dz_session_stats);
     pub fn dz_session_get_stats(
         session: *const dz_session,

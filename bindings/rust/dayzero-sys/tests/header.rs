@@ -5,7 +5,8 @@
 //! macro into the Rust declaration it must have, and checks that src/lib.rs
 //! holds exactly those (compared without whitespace), nothing more. A second
 //! test compares each params struct's size with the size the library's
-//! *_init function writes into struct_size.
+//! *_init function writes into struct_size, and checks that *_init_sized
+//! writes nothing past the size it is given.
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
@@ -119,6 +120,22 @@ fn ret(ty: &str) -> String {
     }
 }
 
+/// `void (dz_f)(T *p)` -> `void dz_f(T *p)`: the header parenthesizes the names
+/// of functions that a function-like macro of the same name stands in front of.
+fn unparenthesize_name(decl: &str) -> String {
+    if let Some(open) = decl.find('(') {
+        if let Some(close) = decl[open..].find(')').map(|j| j + open) {
+            let inner = &decl[open + 1..close];
+            let is_name =
+                !inner.is_empty() && inner.chars().all(|c| c.is_alphanumeric() || c == '_');
+            if is_name && decl[close + 1..].trim_start().starts_with('(') {
+                return format!("{}{}{}", &decl[..open], inner, &decl[close + 1..]);
+            }
+        }
+    }
+    decl.to_string()
+}
+
 /// Every declaration the header makes, as the Rust text it must appear as.
 fn expected_from_header(h: &str) -> Vec<(String, String)> {
     let mut out = Vec::new();
@@ -195,6 +212,7 @@ fn expected_from_header(h: &str) -> Vec<(String, String)> {
                 ),
             ));
         } else if let Some(rest) = stmt.strip_prefix("DZ_API ") {
+            let rest = unparenthesize_name(rest);
             let open = rest.find('(').unwrap();
             let (ret_ty_name, params) = rest.split_at(open);
             let (name, _) = c_decl(ret_ty_name);
@@ -319,31 +337,99 @@ fn declarations_match_the_header() {
     );
 }
 
+/// 1024 bytes of 0xAB, aligned for any params struct.
+fn guarded() -> [u64; 128] {
+    [0xABAB_ABAB_ABAB_ABAB; 128]
+}
+
+fn bytes_of(buf: &[u64; 128]) -> &[u8] {
+    unsafe { std::slice::from_raw_parts(buf.as_ptr() as *const u8, 1024) }
+}
+
 #[test]
 fn struct_sizes_match_the_library() {
     use dayzero_sys::*;
     use std::mem::{size_of, MaybeUninit};
     macro_rules! size_check {
-        ($t:ty, $init:ident) => {{
-            // The library's init writes its sizeof(T) into struct_size; give it room to spare.
-            let mut buf = MaybeUninit::<[u8; 1024]>::zeroed();
-            unsafe { $init(buf.as_mut_ptr() as *mut $t) };
-            let written = unsafe { *(buf.as_ptr() as *const usize) };
+        ($t:ty, $init:ident, $init_sized:ident, $last:ident) => {{
+            // The unsized init writes the library's sizeof(T) into struct_size; give it room to spare.
+            let mut full = guarded();
+            unsafe { $init(full.as_mut_ptr() as *mut $t) };
+            let full = bytes_of(&full);
+            let head = size_of::<usize>();
+            let written = usize::from_ne_bytes(full[..head].try_into().unwrap());
             assert_eq!(
                 written,
                 size_of::<$t>(),
                 "sizeof({}) differs between C and Rust",
                 stringify!($t)
             );
+            // The sized init writes no byte past the size it is given: ours, or an older
+            // declaration's (without its last field), whose bytes are the full init's.
+            let last = {
+                let u = MaybeUninit::<$t>::uninit();
+                let base = u.as_ptr();
+                unsafe { std::ptr::addr_of!((*base).$last) as usize - base as usize }
+            };
+            for n in [size_of::<$t>(), last] {
+                let mut cut = guarded();
+                unsafe { $init_sized(cut.as_mut_ptr() as *mut $t, n) };
+                let cut = bytes_of(&cut);
+                let struct_size = usize::from_ne_bytes(cut[..head].try_into().unwrap());
+                assert_eq!(struct_size, n, "{} cut at {}", stringify!($t), n);
+                assert!(
+                    cut[n..].iter().all(|&b| b == 0xAB),
+                    "{}({}) wrote past {} bytes",
+                    stringify!($init_sized),
+                    n,
+                    n
+                );
+                assert_eq!(cut[head..n], full[head..n], "{} cut at {}", stringify!($t), n);
+            }
         }};
     }
-    size_check!(dz_model_params, dz_model_params_init);
-    size_check!(dz_model_info, dz_model_info_init);
-    size_check!(dz_kv_arena_params, dz_kv_arena_params_init);
-    size_check!(dz_kv_stats, dz_kv_stats_init);
-    size_check!(dz_sampler_params, dz_sampler_params_init);
-    size_check!(dz_session_params, dz_session_params_init);
-    size_check!(dz_session_stats, dz_session_stats_init);
+    size_check!(
+        dz_model_params,
+        dz_model_params_init,
+        dz_model_params_init_sized,
+        attention
+    );
+    size_check!(
+        dz_model_info,
+        dz_model_info_init,
+        dz_model_info_init_sized,
+        n_shards
+    );
+    size_check!(
+        dz_kv_arena_params,
+        dz_kv_arena_params_init,
+        dz_kv_arena_params_init_sized,
+        prefix_cache
+    );
+    size_check!(
+        dz_kv_stats,
+        dz_kv_stats_init,
+        dz_kv_stats_init_sized,
+        state_slots_used
+    );
+    size_check!(
+        dz_sampler_params,
+        dz_sampler_params_init,
+        dz_sampler_params_init_sized,
+        seed
+    );
+    size_check!(
+        dz_session_params,
+        dz_session_params_init,
+        dz_session_params_init_sized,
+        abort_user
+    );
+    size_check!(
+        dz_session_stats,
+        dz_session_stats_init,
+        dz_session_stats_init_sized,
+        attention_tokens_read
+    );
 }
 
 #[test]
@@ -355,4 +441,12 @@ fn translator_self_check() {
     assert_eq!(c_type("void"), "()");
     assert_eq!(rust_params("void"), "");
     assert_eq!(rust_param("dz_log_fn fn"), "fn_: dz_log_fn");
+    assert_eq!(
+        unparenthesize_name("void (dz_x_init)(dz_x *p)"),
+        "void dz_x_init(dz_x *p)"
+    );
+    assert_eq!(
+        unparenthesize_name("void dz_x_init(dz_x *p)"),
+        "void dz_x_init(dz_x *p)"
+    );
 }

@@ -128,6 +128,19 @@ fn check(st: sys::dz_status) -> Result<()> {
     })
 }
 
+/// A C params/info struct holding the library's defaults. `init_sized` (a
+/// `dz_*_init_sized`) is given the size of the struct as dayzero-sys declares
+/// it, so a newer library whose struct has grown never writes past ours.
+fn c_defaults<T>(init_sized: unsafe extern "C" fn(*mut T, usize)) -> T {
+    let mut v = std::mem::MaybeUninit::<T>::zeroed();
+    // SAFETY: T is one of dayzero-sys's #[repr(C)] params/info structs, for which
+    // all zero bytes are valid; the call writes at most size_of::<T>() bytes.
+    unsafe {
+        init_sized(v.as_mut_ptr(), std::mem::size_of::<T>());
+        v.assume_init()
+    }
+}
+
 fn invalid(message: String) -> Error {
     Error {
         status: Status::InvalidArgument,
@@ -313,11 +326,7 @@ impl Model {
         progress: Option<&mut ProgressFn<'_>>,
     ) -> Result<Model> {
         let cdir = path_cstring(dir)?;
-        let mut p = unsafe {
-            let mut p = std::mem::MaybeUninit::<sys::dz_model_params>::zeroed();
-            sys::dz_model_params_init(p.as_mut_ptr());
-            p.assume_init()
-        };
+        let mut p = c_defaults(sys::dz_model_params_init_sized);
         p.device = params.device as c_int;
         p.device_index = params.device_index;
         p.n_threads = params.n_threads;
@@ -338,11 +347,7 @@ impl Model {
 
     /// Describes the model.
     pub fn info(&self) -> Result<ModelInfo> {
-        let mut i = unsafe {
-            let mut i = std::mem::MaybeUninit::<sys::dz_model_info>::zeroed();
-            sys::dz_model_info_init(i.as_mut_ptr());
-            i.assume_init()
-        };
+        let mut i = c_defaults(sys::dz_model_info_init_sized);
         check(unsafe { sys::dz_model_get_info(self.ptr.as_ptr(), &mut i) })?;
         let arch = if i.architecture.is_null() {
             String::new()
@@ -617,11 +622,7 @@ pub use sys::dz_session_stats as SessionStats;
 
 impl<'m> KvArena<'m> {
     pub fn new(model: &'m Model, params: &ArenaParams) -> Result<KvArena<'m>> {
-        let mut p = unsafe {
-            let mut p = std::mem::MaybeUninit::<sys::dz_kv_arena_params>::zeroed();
-            sys::dz_kv_arena_params_init(p.as_mut_ptr());
-            p.assume_init()
-        };
+        let mut p = c_defaults(sys::dz_kv_arena_params_init_sized);
         p.page_tokens = params.page_tokens;
         p.capacity_pages = params.capacity_pages;
         p.capacity_bytes = params.capacity_bytes;
@@ -644,9 +645,7 @@ impl<'m> KvArena<'m> {
 
     pub fn stats(&self) -> Result<KvStats> {
         unsafe {
-            let mut s = std::mem::MaybeUninit::<KvStats>::zeroed();
-            sys::dz_kv_stats_init(s.as_mut_ptr());
-            let mut s = s.assume_init();
+            let mut s: KvStats = c_defaults(sys::dz_kv_stats_init_sized);
             check(sys::dz_kv_arena_get_stats(self.ptr.as_ptr(), &mut s))?;
             Ok(s)
         }
@@ -684,11 +683,7 @@ impl Default for Sampler {
 
 impl Sampler {
     fn to_c(self) -> sys::dz_sampler_params {
-        let mut p = unsafe {
-            let mut p = std::mem::MaybeUninit::<sys::dz_sampler_params>::zeroed();
-            sys::dz_sampler_params_init(p.as_mut_ptr());
-            p.assume_init()
-        };
+        let mut p = c_defaults(sys::dz_sampler_params_init_sized);
         p.temperature = self.temperature;
         p.top_k = self.top_k;
         p.top_p = self.top_p;
@@ -746,11 +741,7 @@ unsafe impl Send for Session<'_> {}
 
 impl<'a> Session<'a> {
     pub fn new(arena: &'a KvArena<'a>, params: &SessionParams) -> Result<Session<'a>> {
-        let mut p = unsafe {
-            let mut p = std::mem::MaybeUninit::<sys::dz_session_params>::zeroed();
-            sys::dz_session_params_init(p.as_mut_ptr());
-            p.assume_init()
-        };
+        let mut p = c_defaults(sys::dz_session_params_init_sized);
         p.sampler = params.sampler.to_c();
         p.prefill_chunk = params.prefill_chunk;
         if let Some(flag) = &params.abort {
@@ -844,9 +835,7 @@ impl<'a> Session<'a> {
 
     pub fn stats(&self) -> Result<SessionStats> {
         unsafe {
-            let mut s = std::mem::MaybeUninit::<SessionStats>::zeroed();
-            sys::dz_session_stats_init(s.as_mut_ptr());
-            let mut s = s.assume_init();
+            let mut s: SessionStats = c_defaults(sys::dz_session_stats_init_sized);
             check(sys::dz_session_get_stats(self.ptr.as_ptr(), &mut s))?;
             Ok(s)
         }
