@@ -190,6 +190,13 @@ typedef struct dz_model_params {
                            activations) at every batch size, the others
                            switch to FP8 for large batches (default 0) */
   dz_attention_precision attention; /* default DZ_ATTENTION_AUTO */
+  uint32_t pass_tokens; /* CUDA backend: rows (tokens) one device pass holds,
+                           256..65536, 0 = the default (16384). Device scratch
+                           grows with it (about 250 KB a token for
+                           gpt-oss-20b), longer batches run as several passes,
+                           and it is the CUDA default of
+                           dz_session_params.prefill_chunk. The CPU backend
+                           ignores it. */
 } dz_model_params;
 
 /* Defaults. Each params/info struct has this trio: *_init_sized writes at
@@ -357,7 +364,9 @@ DZ_API void (dz_sampler_params_init)(dz_sampler_params *params);
 typedef struct dz_session_params {
   size_t struct_size;
   dz_sampler_params sampler;
-  uint32_t prefill_chunk; /* tokens per prefill micro-batch (0 = the backend's: 512 on the CPU, 4096 on CUDA) */
+  uint32_t prefill_chunk; /* tokens per prefill micro-batch (0 = the
+                             backend's: 512 on the CPU, the model's
+                             pass_tokens on CUDA) */
   dz_abort_fn abort;      /* optional, polled between layers */
   void *abort_user;
 } dz_session_params;

@@ -38,6 +38,13 @@ TEST_CASE("dz --help lists commands and every command has --help", "[cli]") {
   auto [arc, aout] = run_cmd(std::string(DZ_TOOL) + " logits --model m --tokens 1 --out o --attention fast");
   CHECK(arc == 2);
   CHECK_THAT(aout, Catch::Contains("--attention 'fast'"));
+  // And a pass size out of range.
+  for (const char* cmd : {" logits --model m --tokens 1 --out o", " bench model --model m"}) {
+    auto [prc, pout] = run_cmd(std::string(DZ_TOOL) + cmd + " --pass-tokens 100");
+    INFO(cmd << ": " << pout);
+    CHECK(prc == 2);
+    CHECK_THAT(pout, Catch::Contains("--pass-tokens '100'"));
+  }
 }
 
 TEST_CASE("dz info describes a sharded checkpoint and flags corruption", "[cli]") {

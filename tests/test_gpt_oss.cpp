@@ -301,6 +301,20 @@ TEST_CASE("DZ_ACTIVATIONS_BF16 on the CPU: BF16-sized changes; bad values refuse
   p.attention = dz_attention_precision(3);
   CHECK(dz_model_open(kModelDir.c_str(), &p, &m) == DZ_ERR_INVALID_ARGUMENT);
   CHECK(std::string(dz_last_error()).find("params->attention 3") != std::string::npos);
+  p.attention = DZ_ATTENTION_AUTO;
+  // pass_tokens: 0 or 256..65536, refused before any device work (so also
+  // here for DZ_DEVICE_CUDA without a GPU).
+  for (dz_device dev : {DZ_DEVICE_CPU, DZ_DEVICE_CUDA})
+    for (uint32_t bad : {1u, 255u, 65537u}) {
+      p.device = dev;
+      p.pass_tokens = bad;
+      CHECK(dz_model_open(kModelDir.c_str(), &p, &m) == DZ_ERR_INVALID_ARGUMENT);
+      CHECK(std::string(dz_last_error()).find("params->pass_tokens " + std::to_string(bad)) != std::string::npos);
+    }
+  p.device = DZ_DEVICE_CPU;
+  p.pass_tokens = 256;  // the CPU backend ignores it
+  REQUIRE(dz_model_open(kModelDir.c_str(), &p, &m) == DZ_OK);
+  dz_model_free(m);
 }
 
 TEST_CASE("gpt-oss greedy continuations match transformers through dz_generate_step", "[gpt_oss]") {
@@ -761,6 +775,7 @@ TEST_CASE("sized *_init writes only the caller's struct_size bytes", "[api][gpt_
   check_sized_init(dz_model_params_init_sized, dz_model_params_init, sizeof(dz_model_params));
   check_sized_init(dz_model_params_init_sized, dz_model_params_init, sizeof(dz_model_params) + 24);
   check_sized_init(dz_model_params_init_sized, dz_model_params_init, offsetof(dz_model_params, bf16_sensitive) + 2);
+  check_sized_init(dz_model_params_init_sized, dz_model_params_init, offsetof(dz_model_params, pass_tokens));
   check_sized_init(dz_model_info_init_sized, dz_model_info_init, offsetof(dz_model_info, n_params));
   check_sized_init(dz_kv_arena_params_init_sized, dz_kv_arena_params_init, offsetof(dz_kv_arena_params, max_sessions));
   check_sized_init(dz_kv_stats_init_sized, dz_kv_stats_init, offsetof(dz_kv_stats, pages_free));
@@ -779,6 +794,7 @@ TEST_CASE("sized *_init writes only the caller's struct_size bytes", "[api][gpt_
   CHECK(mp.progress == nullptr);
   CHECK(mp.exact_moe_layers == 0);
   CHECK(mp.attention == DZ_ATTENTION_AUTO);
+  CHECK(mp.pass_tokens == 0);
   dz_session_params sp;
   std::memset(&sp, 0xCD, sizeof sp);
   dz_session_params_init(&sp);
@@ -823,6 +839,7 @@ TEST_CASE("an older program's shorter structs work with the library", "[api][gpt
     CHECK(m->params.activations == DZ_ACTIVATIONS_AUTO);
     CHECK(m->params.exact_moe_layers == 0);
     CHECK(m->params.attention == DZ_ATTENTION_AUTO);
+    CHECK(m->params.pass_tokens == 0);
     // It computes what the shared model (full params, also 2 threads) computes.
     Arena shared_arena;
     dz_kv_arena* ka = nullptr;

@@ -57,7 +57,7 @@ struct Model {
   dz_model* m = nullptr;
   explicit Model(dz_device dev, dz_expert_precision experts = DZ_EXPERTS_AUTO,
                  dz_activation_precision act = DZ_ACTIVATIONS_AUTO, int exact_moe_layers = 0,
-                 dz_attention_precision attention = DZ_ATTENTION_AUTO) {
+                 dz_attention_precision attention = DZ_ATTENTION_AUTO, uint32_t pass_tokens = 0) {
     dz_model_params p;
     dz_model_params_init(&p);
     p.device = dev;
@@ -65,6 +65,7 @@ struct Model {
     p.activations = act;
     p.exact_moe_layers = exact_moe_layers;
     p.attention = attention;
+    p.pass_tokens = pass_tokens;
     p.n_threads = 2;
     const dz_status st = dz_model_open(kDir.c_str(), &p, &m);
     INFO(dz_last_error());
@@ -446,4 +447,40 @@ TEST_CASE("gpt-oss on the GPU: exact_moe_layers keeps the first and last MoE lay
   }
   std::printf("gpt_oss_tiny T=%zu min cosine vs the exact path: exact_moe_layers=1 %.6f, plain AUTO %.6f\n",
               r.prompt.size(), ce, cu);
+}
+
+// pass_tokens = 256: a 600-token append handed to the forward whole (the
+// session's chunk 1024) runs as three device passes, each reading the KV the
+// earlier ones wrote; with the session's default chunk (the model's 256) the
+// session splits it. Both match one 600-row pass.
+TEST_CASE("gpt-oss on the GPU: passes of pass_tokens = 256 match one pass", "[cuda]") {
+  if (!have_gpu()) return;
+  Model one(DZ_DEVICE_CUDA, DZ_EXPERTS_NATIVE),
+      small(DZ_DEVICE_CUDA, DZ_EXPERTS_NATIVE, DZ_ACTIVATIONS_AUTO, 0, DZ_ATTENTION_AUTO, 256);
+  Arena oa(one, 16), sa(small, 16);
+  std::vector<int32_t> prompt;
+  while (prompt.size() < 600)
+    for (const Ref& r : refs()) prompt.insert(prompt.end(), r.prompt.begin(), r.prompt.end());
+  prompt.resize(600);
+  Session os(oa, 1024), ms(sa, 1024), cs(sa);
+  const std::vector<float> o = os.append(prompt, DZ_LOGITS_ALL), m = ms.append(prompt, DZ_LOGITS_ALL),
+                           c = cs.append(prompt, DZ_LOGITS_ALL);
+  REQUIRE(m.size() == o.size());
+  REQUIRE(c.size() == o.size());
+  const size_t V = o.size() / prompt.size();
+  double worst = 1, worst_chunked = 1;
+  for (size_t t = 0; t < prompt.size(); ++t) {
+    worst = std::min(worst, cosine(m.data() + t * V, o.data() + t * V, V));
+    worst_chunked = std::min(worst_chunked, cosine(c.data() + t * V, o.data() + t * V, V));
+  }
+  std::printf("gpt_oss_tiny CUDA T=600 in passes of 256: min cosine vs one pass %.9f (session chunks of 256: %.9f)\n",
+              worst, worst_chunked);
+  CHECK(worst > 0.99999);
+  CHECK(worst_chunked > 0.99999);
+  for (int k = 0; k < 5; ++k) {
+    int32_t a = -1, b = -1;
+    REQUIRE(dz_generate_step(&os.s, 1, &a) == DZ_OK);
+    REQUIRE(dz_generate_step(&ms.s, 1, &b) == DZ_OK);
+    CHECK(a == b);
+  }
 }

@@ -101,6 +101,9 @@ DZ_API dz_status dz_model_open(const char* dir, const dz_model_params* params, d
               " is not a dz_attention_precision");
     dz::check(m->params.exact_moe_layers >= 0, DZ_ERR_INVALID_ARGUMENT, "params->exact_moe_layers ",
               m->params.exact_moe_layers, " is negative");
+    dz::check(m->params.pass_tokens == 0 || (m->params.pass_tokens >= 256 && m->params.pass_tokens <= 65536),
+              DZ_ERR_INVALID_ARGUMENT, "params->pass_tokens ", m->params.pass_tokens,
+              " (0 for the default, or 256..65536)");
     m->config = dz::Config::load(dir);
     m->architecture = m->config.model_type();
     const dz_model_params& p = m->params;

@@ -118,9 +118,10 @@ constexpr StorageFn kStorageFns[] = {make_device_storage<0>, make_device_storage
                                      make_device_storage<3>, make_device_storage<4>, make_device_storage<5>,
                                      make_device_storage<6>, make_device_storage<7>};
 
-// Rows per device pass: activations and the MoE scratch are sized for this;
-// longer batches run as consecutive passes (KV of earlier passes is in place).
-constexpr int kMaxRows = 4096;
+// Rows per device pass unless dz_model_params.pass_tokens says otherwise:
+// activations and the MoE scratch are sized for it; longer batches run as
+// consecutive passes (KV of earlier passes is in place).
+constexpr int kMaxRows = 16384;
 constexpr int kLogitRows = 256;     // lm_head rows per GEMM / host copy; also the largest graphed decode batch
 constexpr int kAttnGroupRows = 64;  // split decode attention: partials sized for this many rows at max_splits
 constexpr size_t kKvBytes = 2;      // the KV cache holds K and V in bf16 (the checkpoint's own precision)
@@ -201,9 +202,9 @@ class GptOssCuda final : public Family, private GptOssDesc {
     return l;
   }
   std::unique_ptr<kv::Storage> (*kv_storage() const)(size_t) override { return kStorageFns[dev_]; }
-  // A pass of up to kMaxRows rows reads (or folds) each layer's experts once:
+  // A pass of up to max_rows_ rows reads (or folds) each layer's experts once:
   // fewer, larger passes read them fewer times.
-  uint32_t prefill_chunk() const override { return kMaxRows; }
+  uint32_t prefill_chunk() const override { return uint32_t(max_rows_); }
   void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
   std::unique_ptr<DeviceLogits> make_device_logits() override {
     try {
@@ -299,7 +300,8 @@ class GptOssCuda final : public Family, private GptOssDesc {
   DeviceArray<uint16_t> embed_d_, lm_head_d_;
   DeviceArray<float> final_norm_d_;
   std::vector<DevLayer> dl_;
-  // Scratch for kMaxRows rows.
+  // Scratch for max_rows_ rows (dz_model_params.pass_tokens, 0: kMaxRows).
+  int max_rows_ = kMaxRows;
   DeviceArray<float> x_, xn_, qkv_, rlog_, gw_, logits_;
   DeviceArray<uint16_t> xb_, att_;
   DeviceArray<int32_t> ids_;
@@ -361,6 +363,7 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
         "gpt_oss CUDA: DZ_ACTIVATIONS_F32 is not implemented (the GEMMs take BF16 activations; the CPU backend "
         "computes in fp32)");
   exact_moe_layers_ = params.exact_moe_layers;
+  if (params.pass_tokens) max_rows_ = int(params.pass_tokens);  // 256..65536 (checked by dz_model_open)
   attention_terms_ = params.attention == DZ_ATTENTION_BF16 ? 1 : 2;
   switch (params.experts) {
     case DZ_EXPERTS_AUTO:
@@ -387,8 +390,14 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   // The pool: weights + scratch; the KV arenas are allocated beside it.
   const int64_t H = hidden_, I = inter_, E = n_experts_, QD = q_dim(), KVD = kv_dim(), V = n_vocab_;
   const size_t weights = size_t(ws.total_bytes());
-  const size_t scratch = size_t(kMaxRows) * size_t(4 * 4 * H + 4 * (QD + 2 * KVD) + 2 * H + 2 * QD + 8 * E + 256) +
-                         size_t(kLogitRows) * size_t(V) * 4 +
+  // A pass row: the activations below, and cuda::MoeLayer's per row: its fp16
+  // input, and per routed slot the routing lists, fp16/fp8 activations (K
+  // padded to 128) and expert outputs (~40 KB a slot at gpt-oss-20b's shape).
+  // The 3 GiB: the FP8 expert workspace, GEMM workspaces and the rest.
+  const int64_t KPH = (H + 127) / 128 * 128, KPI = (I + 127) / 128 * 128;
+  const int64_t slot = 12 + 6 * H + 4 * I + 3 * KPI + KPH + (KPH + KPI) / 32;
+  const int64_t row = 4 * 4 * H + 4 * (QD + 2 * KVD) + 2 * H + 2 * QD + 8 * E + 256 + 2 * KPH + 4 + n_active_ * slot;
+  const size_t scratch = size_t(max_rows_) * size_t(row) + size_t(kLogitRows) * size_t(V) * 4 +
                          4 * cuda::decode_partial_floats(kAttnGroupRows, n_heads_, int(head_dim_), split_.max_splits) +
                          (size_t(3) << 30);
   int n = 0;
@@ -407,7 +416,7 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   ms.topk = n_active_;
   ms.hidden = int(H);
   ms.intermediate = int(I);
-  moe_ = std::make_unique<cuda::MoeLayer>(*ctx_, ms, kMaxRows);
+  moe_ = std::make_unique<cuda::MoeLayer>(*ctx_, ms, max_rows_);
   if (fp8_experts_) moe_->options().use_e4m3_activations();
   // NATIVE: fp16 activations throughout (the W4A16 kernels); AUTO: the
   // library's default (two-term E4M3 W4A8 kernels where they are faster).
@@ -447,7 +456,7 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
     d.b2 = upload(b2.data(), b2.size(), "down bias");
   }
   auto& pool = ctx_->pool();
-  const size_t MR = kMaxRows;
+  const size_t MR = size_t(max_rows_);
   x_ = DeviceArray<float>(pool, MR * H, "x");
   xn_ = DeviceArray<float>(pool, MR * H, "xn");
   qkv_ = DeviceArray<float>(pool, MR * size_t(QD + 2 * KVD), "qkv");
@@ -547,8 +556,8 @@ void GptOssCuda::forward(std::span<ForwardItem> batch, const ForwardOptions& opt
     for (kv::PageId p : it.seq->pages()) pt.push_back(int32_t(p));
   }
   const int64_t R = int64_t(rows.size());
-  for (int64_t r0 = 0; r0 < R; r0 += kMaxRows)
-    pass(batch, rows, r0, std::min<int64_t>(R, r0 + kMaxRows), first_row, arena, pt, opt);
+  for (int64_t r0 = 0; r0 < R; r0 += max_rows_)
+    pass(batch, rows, r0, std::min<int64_t>(R, r0 + max_rows_), first_row, arena, pt, opt);
   uint64_t total = 0;
   for (size_t b = 0; b < batch.size(); ++b) {
     uint64_t n = 0;

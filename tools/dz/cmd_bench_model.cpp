@@ -39,7 +39,7 @@ using Clock = std::chrono::steady_clock;
 const char* kUsage =
     "usage: dz bench model (--make-random DIR | --model DIR) [--device cuda|cpu|auto] [--prefill N]\n"
     "                      [--prefill-chunk N] [--ctx N] [--steps N] [--batch N] [--experts auto|native|fp8]\n"
-    "                      [--attention precise|bf16]\n"
+    "                      [--attention precise|bf16] [--pass-tokens N]\n"
     "                      [--out FILE.json]\n"
     "  --make-random DIR  write a gpt-oss-20b-shaped random checkpoint (~13 GB) into DIR first\n"
     "  --layers N         layers of the random checkpoint (default 24)\n"
@@ -51,7 +51,8 @@ const char* kUsage =
     "  --batch N          sessions of the batched decode (default 64)\n"
     "  --no-eager         skip the decode runs without CUDA graphs (DZ_CUDA_GRAPHS=0)\n"
     "  --experts MODE     expert precision (dz_expert_precision; default auto; fp8: E4M3 arithmetic)\n"
-    "  --attention P      prefill attention products (dz_attention_precision; default precise)\n";
+    "  --attention P      prefill attention products (dz_attention_precision; default precise)\n"
+    "  --pass-tokens N    tokens one device pass holds (dz_model_params.pass_tokens; default 0: 16384)\n";
 
 uint64_t mix(uint64_t x) {  // splitmix64
   x += 0x9e3779b97f4a7c15ull;
@@ -258,7 +259,7 @@ int bench_model(const Args& a) {
   }
   reject_unknown(a,
                  {"--make-random", "--model", "--device", "--prefill", "--prefill-chunk", "--ctx", "--long-ctx",
-                  "--steps", "--batch", "--out", "--layers", "--no-eager", "--experts", "--attention"},
+                  "--steps", "--batch", "--out", "--layers", "--no-eager", "--experts", "--attention", "--pass-tokens"},
                  "bench model");
   try {
     const std::string mk = flag_value(a, "--make-random"), dir = mk.empty() ? flag_value(a, "--model") : mk;
@@ -296,6 +297,11 @@ int bench_model(const Args& a) {
       return 2;
     }
     r["attention"] = at;
+    if (!parse_pass_tokens(flag_value(a, "--pass-tokens", "0"), &mp, &err)) {
+      std::fprintf(stderr, "dz bench model: %s\n", err.c_str());
+      return 2;
+    }
+    r["pass_tokens"] = mp.pass_tokens;
     dz_model* m = nullptr;
     auto t0 = Clock::now();
     ok(dz_model_open(dir.c_str(), &mp, &m), "dz_model_open");

@@ -210,9 +210,10 @@ int cmd_indexer_fp8(const Args& a) {
         kModelOptionsHelp);
     return 0;
   }
-  reject_unknown(
-      a, {"--model", "--text", "--window", "--windows", "--json", "--device", "--threads", "--attention", "--help"},
-      "indexer-fp8");
+  reject_unknown(a,
+                 {"--model", "--text", "--window", "--windows", "--json", "--device", "--threads", "--attention",
+                  "--pass-tokens", "--help"},
+                 "indexer-fp8");
   const std::string dir = flag_value(a, "--model", "models/dayzero-tiny"), text_path = flag_value(a, "--text");
   const size_t window = size_t(std::stoul(flag_value(a, "--window", "256")));
   const size_t max_windows = size_t(std::stoul(flag_value(a, "--windows", "1000000")));

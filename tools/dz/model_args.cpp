@@ -10,7 +10,10 @@ const char* const kModelOptionsHelp =
     "  --device D     cpu (default), cuda or auto\n"
     "  --threads N    CPU threads (default: all cores)\n"
     "  --attention P  auto (default: precise), precise or bf16: the CUDA prefill's attention products\n"
-    "                 (dz_attention_precision)\n";
+    "                 (dz_attention_precision)\n"
+    "  --pass-tokens N\n"
+    "                 CUDA: tokens one device pass holds, 256..65536 (default 0: 16384); device\n"
+    "                 scratch grows with it (dz_model_params.pass_tokens)\n";
 
 const char* const kDefaultModel = "models/dayzero-tiny";
 
@@ -69,7 +72,8 @@ bool parse_model_options(const Args& a, dz_model_params* p, std::string* err) {
     return false;
   }
   p->n_threads = int(n);
-  return parse_attention(flag_value(a, "--attention", "auto"), p, err);
+  return parse_attention(flag_value(a, "--attention", "auto"), p, err) &&
+         parse_pass_tokens(flag_value(a, "--pass-tokens", "0"), p, err);
 }
 
 bool parse_attention(const std::string& v, dz_model_params* p, std::string* err) {
@@ -81,6 +85,18 @@ bool parse_attention(const std::string& v, dz_model_params* p, std::string* err)
     *err = "--attention '" + v + "' (expected precise, bf16 or auto)";
     return false;
   }
+  return true;
+}
+
+bool parse_pass_tokens(const std::string& v, dz_model_params* p, std::string* err) {
+  char* end = nullptr;
+  errno = 0;
+  const long long n = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end || errno || (n != 0 && (n < 256 || n > 65536))) {
+    *err = "--pass-tokens '" + v + "' (expected 256..65536, or 0 for the default)";
+    return false;
+  }
+  p->pass_tokens = uint32_t(n);
   return true;
 }
 

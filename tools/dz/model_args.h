@@ -12,11 +12,13 @@ namespace dz::cli {
 
 // "1,2,3" -> ids; false (with a message in *err) on anything else.
 bool parse_tokens(const std::string& s, std::vector<int32_t>* out, std::string* err);
-// --device cpu|cuda|auto, --threads N and --attention precise|bf16|auto into
-// params; false with *err.
+// --device cpu|cuda|auto, --threads N, --attention precise|bf16|auto and
+// --pass-tokens N into params; false with *err.
 bool parse_model_options(const Args& a, dz_model_params* params, std::string* err);
 // precise|bf16|auto into params->attention; false with *err.
 bool parse_attention(const std::string& v, dz_model_params* params, std::string* err);
+// 0 or 256..65536 into params->pass_tokens; false with *err.
+bool parse_pass_tokens(const std::string& v, dz_model_params* params, std::string* err);
 // The model opened without --model: DZ_MODEL in the environment, else
 // kDefaultModel relative to the dz executable's folder or its parent (build/dz
 // in a source tree), else to the working folder. The repository ships it: a

@@ -39,7 +39,7 @@ class dz_model_params(ctypes.Structure):
     _fields_ = [("struct_size", c_size_t), ("device", c_int), ("device_index", c_int), ("n_threads", c_int),
                 ("experts", c_int), ("indexer", c_int), ("bf16_sensitive", c_int),
                 ("progress", dz_progress_fn), ("progress_user", c_void_p), ("activations", c_int),
-                ("exact_moe_layers", c_int), ("attention", c_int)]
+                ("exact_moe_layers", c_int), ("attention", c_int), ("pass_tokens", c_uint32)]
 
 
 class dz_model_info(ctypes.Structure):

@@ -86,6 +86,7 @@ pub struct dz_model_params {
     pub activations: dz_activation_precision,
     pub exact_moe_layers: c_int,
     pub attention: dz_attention_precision,
+    pub pass_tokens: u32,
 }
 
 #[repr(C)]

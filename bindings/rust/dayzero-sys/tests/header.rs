@@ -392,7 +392,7 @@ fn struct_sizes_match_the_library() {
         dz_model_params,
         dz_model_params_init,
         dz_model_params_init_sized,
-        attention
+        pass_tokens
     );
     size_check!(
         dz_model_info,
