@@ -872,9 +872,9 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
     ptx::named_sync(1, 128 * kW8Consumers);
     if (len > 0 && base_t == 0) ptx::mbar_wait(sbar(wg), 0);
 
-    // The stage's two chunks: fragments decoded from the box's words, eight
-    // MMAs under one wait, then the sub-block and activation scales. guard:
-    // chunks reaching past K (the last stage only).
+    // The stage's two chunks: fragments decoded from the box's words, four
+    // MMAs a chunk under one wait, then the sub-block and activation scales.
+    // guard: chunks reaching past K (the last stage only).
     float acc[4];
     uint32_t scA = 0, scB = 0;  // this tile's scales of rows A and B
     auto stage = [&](uint32_t box, int c0, bool guard, auto release) {
@@ -883,58 +883,55 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
 #pragma unroll
       for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * (u ^ (rA & 7))), wb[u] = lds32(pb + 16 * (u ^ (rB & 7)));
       release();
-      {
-        const int nc = guard ? min(2, nch - c0) : 2;
-        uint32_t af[2][4][4];
+      const int nc = guard ? min(2, nch - c0) : 2;
+      const uint32_t d0 = desc_lo + uint32_t(4 * c0 * (kW8SubBytes >> 4));
+      // One chunk at a time (decode, four MMAs, wait, scales): half the
+      // fragments and accumulators live at once (both chunks under one wait
+      // left the 96 registers of two blocks an SM short: spills in the loop).
 #pragma unroll
-        for (int cc = 0; cc < 2; ++cc)
+      for (int cc = 0; cc < 2; ++cc) {
+        uint32_t af[4][4];
 #pragma unroll
-          for (int b = 0; b < 4; ++b) {
-            af[cc][b][0] = e2m1_even_to_e4m3(wa[4 * cc + b]), af[cc][b][1] = e2m1_even_to_e4m3(wb[4 * cc + b]);
-            af[cc][b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[cc][b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
-          }
+        for (int b = 0; b < 4; ++b) {
+          af[b][0] = e2m1_even_to_e4m3(wa[4 * cc + b]), af[b][1] = e2m1_even_to_e4m3(wb[4 * cc + b]);
+          af[b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
+        }
         // No branch around the MMAs (the compiler would serialize them): a chunk
         // past K has zero weights (the copy engine's fill) and reads the
         // stage's first chunk of activations, giving exact zeros, unused.
-        float q[2][4][4];
-        const uint32_t d0 = desc_lo + uint32_t(4 * c0 * (kW8SubBytes >> 4));
+        float q[4][4];
         ptx::wgmma_fence();
 #pragma unroll
-        for (int cc = 0; cc < 2; ++cc)
-#pragma unroll
-          for (int b = 0; b < 4; ++b)
-            wgmma_rs_m64n8k32(q[cc][b], af[cc][b][0], af[cc][b][1], af[cc][b][2], af[cc][b][3],
-                              d0 + uint32_t((4 * (cc < nc ? cc : 0) + b) * (kW8SubBytes >> 4)));
+        for (int b = 0; b < 4; ++b)
+          wgmma_rs_m64n8k32(q[b], af[b][0], af[b][1], af[b][2], af[b][3],
+                            d0 + uint32_t((4 * (cc < nc ? cc : 0) + b) * (kW8SubBytes >> 4)));
         ptx::wgmma_commit();
         ptx::wgmma_wait0();
+        if (cc >= nc) break;
+        const int c = c0 + cc;
+        // Sub-block scales 4c..4c+3 of rows A and B: two 16-bit loads a row (nsub is even); an E8M0
+        // byte s is the float with exponent field s (s = 0, 2^-127, reads as 0).
+        const uint32_t a01 = lds16(scA + 4 * c), a23 = lds16(scA + 4 * c + 2);
+        const uint32_t b01 = lds16(scB + 4 * c), b23 = lds16(scB + 4 * c + 2);
+        float fA[4] = {__uint_as_float((a01 << 23) & 0x7F800000u), __uint_as_float((a01 << 15) & 0x7F800000u),
+                       __uint_as_float((a23 << 23) & 0x7F800000u), __uint_as_float((a23 << 15) & 0x7F800000u)};
+        float fB[4] = {__uint_as_float((b01 << 23) & 0x7F800000u), __uint_as_float((b01 << 15) & 0x7F800000u),
+                       __uint_as_float((b23 << 23) & 0x7F800000u), __uint_as_float((b23 << 15) & 0x7F800000u)};
+        if (guard)  // sub-blocks past K: zero weights, and bytes of the next row for scales
 #pragma unroll
-        for (int cc = 0; cc < 2; ++cc) {
-          if (cc >= nc) break;
-          const int c = c0 + cc;
-          // Sub-block scales 4c..4c+3 of rows A and B: two 16-bit loads a row (nsub is even); an E8M0
-          // byte s is the float with exponent field s (s = 0, 2^-127, reads as 0).
-          const uint32_t a01 = lds16(scA + 4 * c), a23 = lds16(scA + 4 * c + 2);
-          const uint32_t b01 = lds16(scB + 4 * c), b23 = lds16(scB + 4 * c + 2);
-          float fA[4] = {__uint_as_float((a01 << 23) & 0x7F800000u), __uint_as_float((a01 << 15) & 0x7F800000u),
-                         __uint_as_float((a23 << 23) & 0x7F800000u), __uint_as_float((a23 << 15) & 0x7F800000u)};
-          float fB[4] = {__uint_as_float((b01 << 23) & 0x7F800000u), __uint_as_float((b01 << 15) & 0x7F800000u),
-                         __uint_as_float((b23 << 23) & 0x7F800000u), __uint_as_float((b23 << 15) & 0x7F800000u)};
-          if (guard)  // sub-blocks past K: zero weights, and bytes of the next row for scales
+          for (int b = 0; b < 4; ++b)
+            if (4 * c + b >= a.nsub) fA[b] = fB[b] = 0.f;
+        float pA[2] = {0.f, 0.f}, pB[2] = {0.f, 0.f};
 #pragma unroll
-            for (int b = 0; b < 4; ++b)
-              if (4 * c + b >= a.nsub) fA[b] = fB[b] = 0.f;
-          float pA[2] = {0.f, 0.f}, pB[2] = {0.f, 0.f};
+        for (int b = 0; b < 4; ++b) {
 #pragma unroll
-          for (int b = 0; b < 4; ++b) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[cc][b][i])::"memory");
-            pA[0] += q[cc][b][0] * fA[b], pA[1] += q[cc][b][1] * fA[b];
-            pB[0] += q[cc][b][2] * fB[b], pB[1] += q[cc][b][3] * fB[b];
-          }
-          const float x0 = __uint_as_float(lds32(xs0 + (c * kW4Tokens + 2 * t) * 4));
-          const float x1 = __uint_as_float(lds32(xs0 + (c * kW4Tokens + 2 * t + 1) * 4));
-          acc[0] += pA[0] * x0, acc[1] += pA[1] * x1, acc[2] += pB[0] * x0, acc[3] += pB[1] * x1;
+          for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[b][i])::"memory");
+          pA[0] += q[b][0] * fA[b], pA[1] += q[b][1] * fA[b];
+          pB[0] += q[b][2] * fB[b], pB[1] += q[b][3] * fB[b];
         }
+        const float x0 = __uint_as_float(lds32(xs0 + (c * kW4Tokens + 2 * t) * 4));
+        const float x1 = __uint_as_float(lds32(xs0 + (c * kW4Tokens + 2 * t + 1) * 4));
+        acc[0] += pA[0] * x0, acc[1] += pA[1] * x1, acc[2] += pB[0] * x0, acc[3] += pB[1] * x1;
       }
     };
     const int full_chunks = a.nsub / 4;  // chunks wholly inside K

@@ -10,14 +10,17 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 DIR=${1:-.gpubin}
 export PATH=/usr/local/cuda/bin:$PATH
-cmake --preset default -DDZ_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a >/dev/null
-cmake --build build -j"$(nproc)" --target dz dz_tests dayzero
+cmake --preset gpu >/dev/null  # build-gpu/ (sm_90a), beside the default build/
+cmake --build build-gpu -j"$(nproc)" --target dz dz_tests dayzero
 mkdir -p "$DIR"
-cp build/dz build/tests/dz_tests "$DIR"/
-cp -P build/libdayzero.so* "$DIR"/  # the Python binding (tools/gpu/profile_decode.py)
+cp build-gpu/dz build-gpu/tests/dz_tests "$DIR"/
+cp -P build-gpu/libdayzero.so* "$DIR"/  # the Python binding (tools/gpu/profile_decode.py)
+# The HBM access-pattern probe (tools/bench/dram_pattern.cu; driver API for its tensor maps).
+nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a tools/bench/dram_pattern.cu \
+  -L/usr/local/cuda/lib64/stubs -lcuda -o "$DIR"/dram_pattern
 # Symbol tables are not needed there (a sixth of the bytes to copy).
 strip "$DIR"/dz "$DIR"/dz_tests
 strip --strip-unneeded "$DIR"/libdayzero.so.*.*
 # Shared libraries that a CUDA image may not have (everything else is static or system).
-for lib in $(ldd build/dz build/tests/dz_tests | awk '/pcre2/ {print $3}' | sort -u); do cp -L "$lib" "$DIR"/; done
+for lib in $(ldd build-gpu/dz build-gpu/tests/dz_tests | awk '/pcre2/ {print $3}' | sort -u); do cp -L "$lib" "$DIR"/; done
 ls -la "$DIR"

@@ -12,7 +12,8 @@
 #                     Catch2 v3, so the results under bench/results were made this way)
 #   DZ_DEPS=DIR       extra prefix (include/, lib/, lib/pkgconfig) with the build dependencies
 #   DZ_BENCH_TOKENS   token counts for dz bench moe (default 1,8,64,128,256,384,512,1024,2048,4096,16384)
-#   DZ_GPU_STEPS      which steps to run (default "tests moe peers attention sampling model profile"; profile needs model)
+#   DZ_GPU_STEPS      which steps to run (default "tests moe peers patterns attention sampling model profile"; profile
+#                     needs model, patterns a prebuilt dram_pattern)
 #   DZ_MODEL_DIR      where dz bench model writes its random gpt-oss-20b checkpoint (default /tmp/dz_gptoss20b_random)
 # NCCL, where a benchmark needs it, comes from PyTorch's nvidia Python packages.
 set -uo pipefail
@@ -40,8 +41,9 @@ if [ -n "${DZ_PREBUILT:-}" ]; then
   DZ=$BIN/dz
   TESTS=$BIN/dz_tests
   LIBDZ=$BIN/libdayzero.so
-  # CLI tests call dz at the path they were built with (build/dz of the source tree).
-  [ -e build/dz ] || { mkdir -p build && ln -s "$BIN/dz" build/dz; }
+  DRAM_PATTERN=$BIN/dram_pattern
+  # CLI tests call dz at the path they were built with (build/dz or build-gpu/dz of the source tree).
+  for d in build build-gpu; do [ -e $d/dz ] || { mkdir -p $d && ln -s "$BIN/dz" $d/dz; }; done
 else
   step "build (cmake --preset gpu, sm_90a)"
   extra=()
@@ -60,6 +62,9 @@ else
   DZ=build-gpu/dz
   TESTS=build-gpu/tests/dz_tests
   LIBDZ=build-gpu/libdayzero.so
+  DRAM_PATTERN=build-gpu/dram_pattern
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a tools/bench/dram_pattern.cu -lcuda -o "$DRAM_PATTERN" ||
+    echo "tools/bench/dram_pattern.cu did not build (the patterns step is skipped)"
 fi
 
 # dz bench NAME into OUTDIR/bench_NAME.{json,log} (its lines that start with NAME
@@ -75,7 +80,7 @@ bench_with_peer() {
   fi
 }
 
-STEPS=" ${DZ_GPU_STEPS:-tests moe peers attention sampling model profile} "
+STEPS=" ${DZ_GPU_STEPS:-tests moe peers patterns attention sampling model profile} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 if want tests; then
@@ -119,6 +124,14 @@ fi
 rm -rf "$DUMP"
 fi
 
+if want patterns && [ -x "$DRAM_PATTERN" ]; then
+step "HBM access patterns of the W4A8 decode kernels' weight stream (tools/bench/dram_pattern.cu)"
+# gpt-oss MoE rows of 1440 bytes: 8 tokens' gate_up (30 experts x 5760 rows) and down (x 2880), one token's (4 experts).
+for shape in "30 5760 1440 4" "30 2880 1440 4" "4 5760 1440 4" "4 2880 1440 4"; do
+  "$DRAM_PATTERN" $shape
+done | tee "$OUTDIR/dram_pattern.jsonl" | grep variant
+fi
+
 if want attention; then
 step "dz bench attention (split-K decode over paged bf16 KV, gpt-oss-20b heads) and its PyTorch peer"
 bench_with_peer attention
@@ -138,12 +151,16 @@ step "dz bench model, experts in E4M3 arithmetic (DZ_EXPERTS_FP8: fused W4A8 ker
 "$DZ" bench model --model "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}" --experts fp8 --prefill 512 --long-ctx 0 --no-eager \
   --out "$OUTDIR/bench_model_fp8.json" >"$OUTDIR/bench_model_fp8.log" 2>&1 || { echo "dz bench model --experts fp8 FAILED"; status=1; }
 tail -8 "$OUTDIR/bench_model_fp8.log"
-step "dz bench model, a long prompt (16384 tokens): prefill attention as two bf16 terms (default) and as one"
+step "dz bench model, a long prompt (16384 tokens): prefill attention as two bf16 terms (default) and as one; passes of 4096"
 for at in precise bf16; do
   "$DZ" bench model --model "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}" --prefill 16384 --attention $at --long-ctx 0 \
     --batch 2 --steps 4 --no-eager --out "$OUTDIR/bench_model_prefill16k_$at.json" 2>&1 | grep -E "^prefill" ||
     { echo "dz bench model --prefill 16384 --attention $at FAILED"; status=1; }
 done
+echo "the same prompt in passes of 4096 rows (--pass-tokens 4096; the default takes it in one):"
+"$DZ" bench model --model "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}" --prefill 16384 --pass-tokens 4096 --long-ctx 0 \
+  --batch 2 --steps 4 --no-eager --out "$OUTDIR/bench_model_prefill16k_pass4096.json" 2>&1 | grep -E "^prefill" ||
+  { echo "dz bench model --prefill 16384 --pass-tokens 4096 FAILED"; status=1; }
 if want profile && ! python3 -c "import torch" 2>/dev/null; then
   step "per-kernel profile skipped: no PyTorch (tools/gpu/profile_decode.py traces through torch.profiler)"
 elif want profile; then

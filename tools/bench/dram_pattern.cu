@@ -1,0 +1,179 @@
+// How fast HBM serves the MoE decode kernels' access pattern: an expert's
+// MXFP4 rows (1440 bytes at gpt-oss shapes) streamed as 64-row tiles, each
+// tile as boxes of 64 rows x 128 bytes (2D tensor copies, what the W4A8
+// kernels do), against the same tiles read as contiguous 8 KB pieces (1D bulk
+// copies of a tile-major layout) and a plain vectorized read of the buffer.
+// Every variant has the same grid, ring depth and bytes; only the addresses
+// of a stage differ.
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a tools/bench/dram_pattern.cu -lcuda -o dram_pattern
+//   ./dram_pattern [experts=30] [rows=5760] [row_bytes=1440] [stages=4]
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CK(x)                                                                                 \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+constexpr int kStageBytes = 64 * 128;
+constexpr int kMaxStages = 8;
+
+__device__ __forceinline__ uint32_t su32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void bar_init(uint32_t b, uint32_t n) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(b), "r"(n) : "memory");
+}
+__device__ __forceinline__ void bar_expect(uint32_t b, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(uint32_t b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(b) : "memory");
+}
+__device__ __forceinline__ void bar_wait(uint32_t b, uint32_t ph) {
+  asm volatile("{\n.reg .pred p;\nW: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra W;\n}\n" ::"r"(b),
+               "r"(ph)
+               : "memory");
+}
+
+// Grid (tiles of 64 rows per block / 2, experts); two rings a block, a
+// producer warp each (lane 0 issues), 128 consumer threads each.
+// mode 0: 2D boxes 64 rows x 128 B of a row-major [E*R][RB] matrix;
+// mode 1: 1D 8 KB pieces of the tile's contiguous bytes (same bytes a tile).
+template <int kMode>
+__global__ void __launch_bounds__(320, 2) ring_kernel(const __grid_constant__ CUtensorMap map, const uint8_t* buf,
+                                                      int R, int RB, int stages, unsigned long long* sink) {
+  extern __shared__ __align__(1024) unsigned char raw[];
+  unsigned char* sm = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  __shared__ __align__(8) uint64_t full[2][kMaxStages], empty[2][kMaxStages];
+  const int tid = threadIdx.x, wg = tid >> 7;
+  if (tid == 0) {
+    for (int w = 0; w < 2; ++w)
+      for (int s = 0; s < stages; ++s) bar_init(su32(&full[w][s]), 1), bar_init(su32(&empty[w][s]), 4);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int e = blockIdx.y, tile = blockIdx.x * 2;
+  const int nst = kMode == 0 ? (RB + 127) / 128 : (64 * RB + kStageBytes - 1) / kStageBytes;
+  if (wg == 2) {
+    const int w = (tid >> 5) & 1;
+    if ((tid & 31) == 0 && (tile + w) * 64 < R) {
+      const int row0 = e * R + (tile + w) * 64;
+      for (int n = 0; n < nst; ++n) {
+        const int s = n % stages, ph = (n / stages) & 1;
+        bar_wait(su32(&empty[w][s]), ph ^ 1);
+        const uint32_t dst = su32(sm + (w * stages + s) * kStageBytes), fb = su32(&full[w][s]);
+        if (kMode == 0) {
+          bar_expect(fb, kStageBytes);
+          asm volatile(
+              "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+              "[%4];" ::"r"(dst),
+              "l"(&map), "r"(n * 128), "r"(row0), "r"(fb)
+              : "memory");
+        } else {
+          const int64_t off = int64_t(row0) * RB + int64_t(n) * kStageBytes;
+          const int bytes = min(kStageBytes, 64 * RB - n * kStageBytes);
+          bar_expect(fb, uint32_t(bytes));
+          asm volatile(
+              "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+              "l"(buf + off), "r"(bytes), "r"(fb)
+              : "memory");
+        }
+      }
+    }
+    return;
+  }
+  if ((tile + wg) * 64 >= R) return;
+  unsigned long long acc = 0;
+  for (int n = 0; n < nst; ++n) {
+    const int s = n % stages, ph = (n / stages) & 1;
+    bar_wait(su32(&full[wg][s]), ph);
+    const uint4 v = *reinterpret_cast<const uint4*>(sm + (wg * stages + s) * kStageBytes + (tid & 127) * 16);
+    acc += v.x ^ v.y ^ v.z ^ v.w;
+    __syncwarp();
+    if ((tid & 31) == 0) bar_arrive(su32(&empty[wg][s]));
+  }
+  if (acc == 0x123456789ull) *sink = acc;
+}
+
+__global__ void plain_kernel(const uint4* p, size_t n, unsigned long long* sink) {
+  unsigned long long acc = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p + i));
+    acc += v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x123456789ull) *sink = acc;
+}
+
+int main(int argc, char** argv) {
+  const int E = argc > 1 ? std::atoi(argv[1]) : 30, R = argc > 2 ? std::atoi(argv[2]) : 5760;
+  const int RB = argc > 3 ? std::atoi(argv[3]) : 1440, stages = argc > 4 ? std::atoi(argv[4]) : 4;
+  const size_t bytes = size_t(E) * R * RB;
+  uint8_t* buf;
+  unsigned long long* sink;
+  CK(cudaMalloc(&buf, bytes + 65536));
+  CK(cudaMalloc(&sink, 8));
+  std::vector<uint8_t> h(bytes);
+  uint32_t x = 12345;
+  for (auto& b : h) x = x * 1664525u + 1013904223u, b = uint8_t(x >> 24);
+  CK(cudaMemcpy(buf, h.data(), bytes, cudaMemcpyHostToDevice));
+  uint8_t* flush;  // evict the buffer from L2 between runs
+  CK(cudaMalloc(&flush, size_t(256) << 20));
+
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {cuuint64_t(RB), cuuint64_t(E) * R}, strides[1] = {cuuint64_t(RB)};
+  const cuuint32_t box[2] = {128, 64}, es[2] = {1, 1};
+  if (cuTensorMapEncodeTiled(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, buf, dims, strides, box, es,
+                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+    std::fprintf(stderr, "tensor map encode failed\n");
+    return 1;
+  }
+  const size_t smem = size_t(2) * stages * kStageBytes + 1024;
+  CK(cudaFuncSetAttribute(ring_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  CK(cudaFuncSetAttribute(ring_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  const dim3 grid(unsigned((R / 64 + 1) / 2), unsigned(E));
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  auto time = [&](auto launch) {
+    float best = 1e30f, sum = 0;
+    const int reps = 20;
+    for (int i = 0; i < reps + 2; ++i) {
+      CK(cudaMemsetAsync(flush, i, size_t(256) << 20));
+      CK(cudaEventRecord(a));
+      launch();
+      CK(cudaEventRecord(b));
+      CK(cudaEventSynchronize(b));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, a, b));
+      if (i >= 2) best = ms < best ? ms : best, sum += ms;
+    }
+    CK(cudaGetLastError());
+    return std::make_pair(best, sum / reps);
+  };
+  auto report = [&](const char* name, std::pair<float, float> t) {
+    std::printf("{\"variant\": \"%s\", \"bytes\": %zu, \"best_us\": %.2f, \"mean_us\": %.2f, \"best_TBps\": %.3f}\n",
+                name, bytes, t.first * 1e3, t.second * 1e3, bytes / (t.first * 1e-3) / 1e12);
+  };
+  report("plain_read",
+         time([&] { plain_kernel<<<sms * 8, 512>>>(reinterpret_cast<const uint4*>(buf), bytes / 16, sink); }));
+  report("tma2d_64x128_boxes", time([&] { ring_kernel<0><<<grid, 320, smem>>>(map, buf, R, RB, stages, sink); }));
+  report("bulk1d_8k_contiguous", time([&] { ring_kernel<1><<<grid, 320, smem>>>(map, buf, R, RB, stages, sink); }));
+  std::printf("{\"experts\": %d, \"rows\": %d, \"row_bytes\": %d, \"stages\": %d, \"blocks\": %u, \"sms\": %d}\n", E, R,
+              RB, stages, grid.x * grid.y, sms);
+  return 0;
+}
