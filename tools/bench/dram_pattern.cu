@@ -6,7 +6,8 @@
 // Every variant has the same grid, ring depth and bytes; only the addresses
 // of a stage differ.
 //
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a tools/bench/dram_pattern.cu -lcuda -o dram_pattern
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Ikernels tools/bench/dram_pattern.cu -lcuda -o
+//   dram_pattern
 //   ./dram_pattern [experts=30] [rows=5760] [row_bytes=1440] [stages=4]
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -15,6 +16,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
+
+#include "cuda/ptx.cuh"
 
 #define CK(x)                                                                                 \
   do {                                                                                        \
@@ -28,21 +31,7 @@
 constexpr int kStageBytes = 64 * 128;
 constexpr int kMaxStages = 8;
 
-__device__ __forceinline__ uint32_t su32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void bar_init(uint32_t b, uint32_t n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(b), "r"(n) : "memory");
-}
-__device__ __forceinline__ void bar_expect(uint32_t b, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(uint32_t b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(b) : "memory");
-}
-__device__ __forceinline__ void bar_wait(uint32_t b, uint32_t ph) {
-  asm volatile("{\n.reg .pred p;\nW: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra W;\n}\n" ::"r"(b),
-               "r"(ph)
-               : "memory");
-}
+using namespace dz::cuda::ptx;
 
 // Grid (tiles of 64 rows per block / 2, experts); two rings a block, a
 // producer warp each (lane 0 issues), 128 consumer threads each.
@@ -57,7 +46,7 @@ __global__ void __launch_bounds__(320, 2) ring_kernel(const __grid_constant__ CU
   const int tid = threadIdx.x, wg = tid >> 7;
   if (tid == 0) {
     for (int w = 0; w < 2; ++w)
-      for (int s = 0; s < stages; ++s) bar_init(su32(&full[w][s]), 1), bar_init(su32(&empty[w][s]), 4);
+      for (int s = 0; s < stages; ++s) mbar_init(smem_u32(&full[w][s]), 1), mbar_init(smem_u32(&empty[w][s]), 4);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -69,23 +58,16 @@ __global__ void __launch_bounds__(320, 2) ring_kernel(const __grid_constant__ CU
       const int row0 = e * R + (tile + w) * 64;
       for (int n = 0; n < nst; ++n) {
         const int s = n % stages, ph = (n / stages) & 1;
-        bar_wait(su32(&empty[w][s]), ph ^ 1);
-        const uint32_t dst = su32(sm + (w * stages + s) * kStageBytes), fb = su32(&full[w][s]);
+        mbar_wait(smem_u32(&empty[w][s]), ph ^ 1);
+        const uint32_t dst = smem_u32(sm + (w * stages + s) * kStageBytes), fb = smem_u32(&full[w][s]);
         if (kMode == 0) {
-          bar_expect(fb, kStageBytes);
-          asm volatile(
-              "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
-              "[%4];" ::"r"(dst),
-              "l"(&map), "r"(n * 128), "r"(row0), "r"(fb)
-              : "memory");
+          mbar_arrive_expect_tx(fb, kStageBytes);
+          tma_2d(dst, &map, fb, n * 128, row0);
         } else {
           const int64_t off = int64_t(row0) * RB + int64_t(n) * kStageBytes;
           const int bytes = min(kStageBytes, 64 * RB - n * kStageBytes);
-          bar_expect(fb, uint32_t(bytes));
-          asm volatile(
-              "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-              "l"(buf + off), "r"(bytes), "r"(fb)
-              : "memory");
+          mbar_arrive_expect_tx(fb, uint32_t(bytes));
+          bulk_g2s(dst, buf + off, uint32_t(bytes), fb);
         }
       }
     }
@@ -95,11 +77,11 @@ __global__ void __launch_bounds__(320, 2) ring_kernel(const __grid_constant__ CU
   unsigned long long acc = 0;
   for (int n = 0; n < nst; ++n) {
     const int s = n % stages, ph = (n / stages) & 1;
-    bar_wait(su32(&full[wg][s]), ph);
+    mbar_wait(smem_u32(&full[wg][s]), ph);
     const uint4 v = *reinterpret_cast<const uint4*>(sm + (wg * stages + s) * kStageBytes + (tid & 127) * 16);
     acc += v.x ^ v.y ^ v.z ^ v.w;
     __syncwarp();
-    if ((tid & 31) == 0) bar_arrive(su32(&empty[wg][s]));
+    if ((tid & 31) == 0) mbar_arrive(smem_u32(&empty[wg][s]));
   }
   if (acc == 0x123456789ull) *sink = acc;
 }

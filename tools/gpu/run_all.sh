@@ -63,7 +63,7 @@ else
   TESTS=build-gpu/tests/dz_tests
   LIBDZ=build-gpu/libdayzero.so
   DRAM_PATTERN=build-gpu/dram_pattern
-  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a tools/bench/dram_pattern.cu -lcuda -o "$DRAM_PATTERN" ||
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Ikernels tools/bench/dram_pattern.cu -lcuda -o "$DRAM_PATTERN" ||
     echo "tools/bench/dram_pattern.cu did not build (the patterns step is skipped)"
 fi
 
