@@ -44,8 +44,8 @@ int cmd_generate(const Args& a) {
     return 0;
   }
   reject_unknown(a,
-                 {"--model", "--tokens", "--max-new", "--ignore-stop", "--greedy", "--temperature", "--top-k",
-                  "--top-p", "--seed", "--device", "--threads", "--attention", "--pass-tokens", "--help"},
+                 with_model_options({"--model", "--tokens", "--max-new", "--ignore-stop", "--greedy", "--temperature",
+                                     "--top-k", "--top-p", "--seed", "--help"}),
                  "generate");
   const std::string dir = flag_value(a, "--model", default_model()), toks = flag_value(a, "--tokens");
   if (toks.empty() || flag_value(a, "--max-new").empty()) {

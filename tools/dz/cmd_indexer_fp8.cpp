@@ -210,9 +210,7 @@ int cmd_indexer_fp8(const Args& a) {
         kModelOptionsHelp);
     return 0;
   }
-  reject_unknown(a,
-                 {"--model", "--text", "--window", "--windows", "--json", "--device", "--threads", "--attention",
-                  "--pass-tokens", "--help"},
+  reject_unknown(a, with_model_options({"--model", "--text", "--window", "--windows", "--json", "--help"}),
                  "indexer-fp8");
   const std::string dir = flag_value(a, "--model", "models/dayzero-tiny"), text_path = flag_value(a, "--text");
   const size_t window = size_t(std::stoul(flag_value(a, "--window", "256")));

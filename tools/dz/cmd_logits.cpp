@@ -40,8 +40,7 @@ int cmd_logits(const Args& a) {
         kModelOptionsHelp);
     return 0;
   }
-  reject_unknown(a, {"--model", "--tokens", "--out", "--device", "--threads", "--attention", "--pass-tokens", "--help"},
-                 "logits");
+  reject_unknown(a, with_model_options({"--model", "--tokens", "--out", "--help"}), "logits");
   const std::string dir = flag_value(a, "--model"), toks = flag_value(a, "--tokens"), out = flag_value(a, "--out");
   if (dir.empty() || toks.empty() || out.empty()) {
     std::fprintf(stderr, "dz logits: --model, --tokens and --out are required (see dz logits --help)\n");

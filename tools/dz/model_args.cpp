@@ -51,6 +51,11 @@ bool parse_tokens(const std::string& s, std::vector<int32_t>* out, std::string* 
   return true;
 }
 
+std::vector<std::string> with_model_options(std::vector<std::string> own) {
+  for (const char* f : {"--device", "--threads", "--attention", "--pass-tokens"}) own.emplace_back(f);
+  return own;
+}
+
 bool parse_model_options(const Args& a, dz_model_params* p, std::string* err) {
   dz_model_params_init(p);
   const std::string dev = flag_value(a, "--device", "cpu");

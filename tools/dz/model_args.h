@@ -15,6 +15,8 @@ bool parse_tokens(const std::string& s, std::vector<int32_t>* out, std::string* 
 // --device cpu|cuda|auto, --threads N, --attention precise|bf16|auto and
 // --pass-tokens N into params; false with *err.
 bool parse_model_options(const Args& a, dz_model_params* params, std::string* err);
+// own + the flags parse_model_options reads: the known list for reject_unknown.
+std::vector<std::string> with_model_options(std::vector<std::string> own);
 // precise|bf16|auto into params->attention; false with *err.
 bool parse_attention(const std::string& v, dz_model_params* params, std::string* err);
 // 0 or 256..65536 into params->pass_tokens; false with *err.
