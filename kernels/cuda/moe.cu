@@ -311,9 +311,6 @@ struct W4Args {
   const int* ids;
   const float* x;
   int *inv, *err;
-  // W4A8 kernels only: blocks in the tile order of mxfp4_tiles.cuh (tiled != 0),
-  // with nfull whole 128-byte stages a row and a tail of tailw bytes.
-  int tiled, nfull, tailw;
 };
 
 // The fold of a sub-block d binades under its chunk's largest scale, 2^(14 -
@@ -740,7 +737,7 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
 // (routing, activation staging, the scales' copy) serves them all.
 template <bool kGateUp, int kKS, bool kPdl, bool kLo, int kTPW>
 __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
-    w8_kernel(const W4Args a, const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap tmap) {
+    w8_kernel(const W4Args a, const __grid_constant__ CUtensorMap wmap) {
 #ifdef DZ_MOE_SM90A
   static_assert(kTPW == 1 || kKS == 1, "several tiles a warpgroup only without a K split");
   constexpr int kTiles = kW8Consumers / kKS;              // row tiles side by side (one a warpgroup, or one shared)
@@ -794,22 +791,11 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
       for (int base_t = 0; base_t < cnt; base_t += kPass)
         for (int q = 0; q < nt; ++q)
           for (int j = 0; j < s_len(w); ++j, ++n) {
-            const int st = n % kW8Stages, ph = (n / kW8Stages) & 1, S = s_begin(w) + j;
-            const uint32_t dst = base + (w * kW8Stages + st) * kW8StageBytes;
+            const int st = n % kW8Stages, ph = (n / kW8Stages) & 1;
             ptx::mbar_wait(empty(w, st), ph ^ 1);
-            if (!a.tiled) {
-              ptx::mbar_arrive_expect_tx(full(w, st), kW8StageBytes);
-              ptx::tma_2d(dst, &wmap, full(w, st), S * 128, e * a.rows + tile0(w, q));
-              continue;
-            }
-            const int gt = e * (a.rows / 64) + tile0(w, q) / 64;  // the tile among the layer's
-            if (S < a.nfull) {  // a contiguous 8 KB stage, 128-byte swizzled as the row-major boxes
-              ptx::mbar_arrive_expect_tx(full(w, st), kW8StageBytes);
-              ptx::tma_2d(dst, &wmap, full(w, st), 0, (gt * a.nfull + S) * 64);
-            } else {  // the tail: 64 rows x tailw bytes, unswizzled
-              ptx::mbar_arrive_expect_tx(full(w, st), uint32_t(64 * a.tailw));
-              ptx::tma_2d(dst, &tmap, full(w, st), 0, gt * 64);
-            }
+            ptx::mbar_arrive_expect_tx(full(w, st), kW8StageBytes);
+            ptx::tma_2d(base + (w * kW8Stages + st) * kW8StageBytes, &wmap, full(w, st), (s_begin(w) + j) * 128,
+                        e * a.rows + tile0(w, q));
           }
     }
     if (kPdl) pdl_trigger();
@@ -893,16 +879,9 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
     uint32_t scA = 0, scB = 0;  // this tile's scales of rows A and B
     auto stage = [&](uint32_t box, int c0, bool guard, auto release) {
       uint32_t wa[8], wb[8];
-      if (guard && a.tiled) {  // the tail stage: rows tailw bytes apart, unswizzled; pieces past it repeat the last
-        const uint32_t pa = box + rA * a.tailw + 4 * t, pb = box + rB * a.tailw + 4 * t;
-        const int last = a.tailw / 16 - 1;
+      const uint32_t pa = box + rA * kW8Row + 4 * t, pb = box + rB * kW8Row + 4 * t;
 #pragma unroll
-        for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * min(u, last)), wb[u] = lds32(pb + 16 * min(u, last));
-      } else {
-        const uint32_t pa = box + rA * kW8Row + 4 * t, pb = box + rB * kW8Row + 4 * t;
-#pragma unroll
-        for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * (u ^ (rA & 7))), wb[u] = lds32(pb + 16 * (u ^ (rB & 7)));
-      }
+      for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * (u ^ (rA & 7))), wb[u] = lds32(pb + 16 * (u ^ (rB & 7)));
       release();
       const int nc = guard ? min(2, nch - c0) : 2;
       const uint32_t d0 = desc_lo + uint32_t(4 * c0 * (kW8SubBytes >> 4));
@@ -918,10 +897,8 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
           af[b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
         }
         // No branch around the MMAs (the compiler would serialize them): a chunk
-        // past K reads the stage's first chunk of activations, its result
-        // unused. (Sub-blocks past K inside a chunk meet zero activations and
-        // zero scales; the weights there, fill or repeated tail bytes, are
-        // finite E4M3.)
+        // past K has zero weights (the copy engine's fill) and reads the
+        // stage's first chunk of activations, giving exact zeros, unused.
         float q[4][4];
         ptx::wgmma_fence();
 #pragma unroll
@@ -1395,7 +1372,6 @@ struct MoeLayer::Impl {
     a.topk = s.topk;
     // gate_up + SwiGLU
     a.blocks = w.w1_blocks, a.scales = w.w1_scales, a.bias = w.b1;
-    a.tiled = w.tiled;
     a.act = xh.get(), a.act_scale = xs.get();
     a.rows = 2 * I, a.nsub = H / 32, a.kpad = int(kph);
     a.out_act = act16.get(), a.out_ld = int(kpi);
@@ -1449,41 +1425,20 @@ struct MoeLayer::Impl {
   // One projection of the fused path: W4A8 (K split ks8) where it runs, else W4A16 (K split ks).
   template <bool G>
   void launch_w4(int ks, int ks8, bool pdl, bool w4a8, int tiles, int rows, unsigned max_active, cudaStream_t st,
-                 W4Args a) {
-    check(!a.tiled || (w4a8 && w8(rows, a)), DZ_ERR_UNSUPPORTED, "MoE weights in tile order need the W4A8 kernels");
+                 const W4Args& a) {
     if (w4a8 && w8(rows, a)) {  // two warpgroups a block: two 64-row tiles, or one split over K
-      CUtensorMap map, tmap;
-      const char* what = G ? "MoE gate_up blocks" : "MoE down blocks";
-      if (a.tiled) {  // full stages as 128-byte rows; the tails as rows of their width
-        const Mxfp4Tiles t{rows, a.nsub, s.n_experts};
-        a.nfull = t.nfull(), a.tailw = t.tailw();
-        const cuuint64_t dims[2] = {kW8Row, cuuint64_t(s.n_experts) * t.tiles() * t.nfull() * 64};
-        const cuuint64_t strides[1] = {kW8Row};
-        const cuuint32_t box[2] = {kW8Row, 64};
-        encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks, dims, strides, box,
-                          CU_TENSOR_MAP_SWIZZLE_128B, what);
-        tmap = map;
-        if (t.tailw() > 0) {
-          const cuuint64_t tdims[2] = {cuuint64_t(t.tailw()), cuuint64_t(s.n_experts) * rows};
-          const cuuint64_t tstrides[1] = {cuuint64_t(t.tailw())};
-          const cuuint32_t tbox[2] = {cuuint32_t(t.tailw()), 64};
-          encode_tensor_map(&tmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks + t.tail_offset(), tdims, tstrides, tbox,
-                            CU_TENSOR_MAP_SWIZZLE_NONE, what);
-        }
-      } else {
-        const cuuint64_t dims[2] = {cuuint64_t(a.nsub) * 16, cuuint64_t(s.n_experts) * rows};
-        const cuuint64_t strides[1] = {cuuint64_t(a.nsub) * 16};
-        const cuuint32_t box[2] = {kW8Row, 64};
-        encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks, dims, strides, box,
-                          CU_TENSOR_MAP_SWIZZLE_128B, what);
-        tmap = map;
-      }
+      CUtensorMap map;
+      const cuuint64_t dims[2] = {cuuint64_t(a.nsub) * 16, cuuint64_t(s.n_experts) * rows};
+      const cuuint64_t strides[1] = {cuuint64_t(a.nsub) * 16};
+      const cuuint32_t box[2] = {kW8Row, 64};
+      encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks, dims, strides, box,
+                        CU_TENSOR_MAP_SWIZZLE_128B, G ? "MoE gate_up blocks" : "MoE down blocks");
       if (ks8 == 2) tiles = 1;
       const int per_block = w8_rows_per_block(ks8, tiles);
       const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
       const bool lo = opt.fused_w4a8_terms == 2;
       launch(pdl ? w8_fn<G, true>(ks8, lo, tiles) : w8_fn<G, false>(ks8, lo, tiles), grid, dim3(kW8Threads),
-             size_t(w8_smem(a.nsub, a.kpad, tiles).total), st, pdl, a, map, tmap);
+             size_t(w8_smem(a.nsub, a.kpad, tiles).total), st, pdl, a, map);
       return;
     }
     const int per_block = 16 * (8 / ks), ntile = a.ntok > kW4Tokens ? 2 : 1;
@@ -1569,7 +1524,6 @@ struct MoeLayer::Impl {
     const size_t w1_sc = size_t(2 * I) * (kph / 128), w2_sc = size_t(H) * (kpi / 128);
     // The workspace holds tiles of tile_cap experts (options changed later cannot grow it).
     const int tile = std::max(1, std::min(opt.tile_experts, tile_cap));
-    check(!w.tiled, DZ_ERR_UNSUPPORTED, "MoE weights in tile order: the FP8 path does not read them");
     const Mxfp4Stack W1{w.w1_blocks, w.w1_scales, 2 * I, H}, W2{w.w2_blocks, w.w2_scales, H, I};
     check(opt.fp8_gemm >= 0 && opt.fp8_gemm <= 2, DZ_ERR_INVALID_ARGUMENT, "fp8_gemm must be 0 (auto), 1 or 2");
     // Auto: the grouped kernel where it runs, folding inside up to

@@ -34,8 +34,6 @@ struct MoeWeights {
   const uint16_t* b1 = nullptr;  // bf16 [E][2I]
   const uint8_t *w2_blocks = nullptr, *w2_scales = nullptr;
   const uint16_t* b2 = nullptr;  // bf16 [E][H]
-  // Blocks in the tile order of mxfp4_tiles.cuh (rows and scales as before).
-  bool tiled = false;
 };
 
 enum class MoePath { kAuto = 0, kFused = 1, kFp8 = 2 };

@@ -131,25 +131,4 @@ cpu::FoldStats mxfp4_fold_check_device(const Mxfp4Stack& w, int n_experts, uint6
   return st;
 }
 
-namespace {
-__global__ void __launch_bounds__(256) to_tiles_kernel(const uint4* src, uint8_t* dst, Mxfp4Tiles t, int64_t pieces) {
-  const int64_t q = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (q >= pieces) return;
-  const int64_t row = q / t.nsub;  // expert * rows + n
-  const int p = int(q - row * t.nsub);
-  *reinterpret_cast<uint4*>(dst + t.offset(row / t.rows, int(row % t.rows), 16 * p)) = src[q];
-}
-}  // namespace
-
-void mxfp4_to_tiles(const uint8_t* src, uint8_t* dst, const Mxfp4Tiles& t, cudaStream_t s) {
-  check(t.rows > 0 && t.rows % 64 == 0 && t.nsub > 0 && t.n_experts > 0 &&
-            (reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) % 16 == 0,
-        DZ_ERR_INVALID_ARGUMENT, "mxfp4_to_tiles: rows=", t.rows, " nsub=", t.nsub, " experts=", t.n_experts,
-        " (rows a multiple of 64, 16-byte aligned buffers)");
-  const int64_t pieces = int64_t(t.n_experts) * t.rows * t.nsub;
-  if (pieces == 0) return;
-  to_tiles_kernel<<<unsigned((pieces + 255) / 256), 256, 0, s>>>(reinterpret_cast<const uint4*>(src), dst, t, pieces);
-  DZ_CUDA_LAUNCH_CHECK();
-}
-
 }  // namespace dz::cuda

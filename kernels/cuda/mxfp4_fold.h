@@ -7,7 +7,6 @@
 #include <cstdint>
 
 #include "cpu/mxfp4_fold.h"
-#include "cuda/mxfp4_tiles.cuh"
 
 namespace dz::cuda {
 
@@ -33,9 +32,5 @@ void mxfp4_fold_experts(const Mxfp4Stack& w, const int* ids, int n, const Fp8Slo
 // Spread check of n_experts experts on the device; returns the stats and the
 // number of 0xFF scale bytes (synchronizes the stream).
 cpu::FoldStats mxfp4_fold_check_device(const Mxfp4Stack& w, int n_experts, uint64_t* nan_scales, cudaStream_t s);
-
-// Copies a stack's blocks [E][rows][nsub][16] (src) into the tile order of
-// mxfp4_tiles.cuh (dst, as many bytes, not overlapping src).
-void mxfp4_to_tiles(const uint8_t* src, uint8_t* dst, const Mxfp4Tiles& t, cudaStream_t s);
 
 }  // namespace dz::cuda

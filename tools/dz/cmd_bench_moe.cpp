@@ -149,16 +149,6 @@ int bench_moe(const Args& a) {
     fill_random_bf16(b1.get(), b1.size(), 15, 0.05f, st);
     fill_random_bf16(b2.get(), b2.size(), 16, 0.05f, st);
     const MoeWeights W{w1b.get(), w1s.get(), b1.get(), w2b.get(), w2s.get(), b2.get()};
-    // The same blocks in tile order (mxfp4_tiles.cuh), for the W4A8 kernels' variants that read them.
-    const bool tiled = Fp8GroupedGemm::supported() && (2 * I) % 64 == 0 && H % 64 == 0;
-    DeviceArray<uint8_t> w1t(P, tiled ? w1b.size() : 0, "w1 blocks, tile order"),
-        w2t(P, tiled ? w2b.size() : 0, "w2 blocks, tile order");
-    MoeWeights Wt = W;
-    if (tiled) {
-      mxfp4_to_tiles(w1b.get(), w1t.get(), Mxfp4Tiles{2 * I, H / 32, E}, st);
-      mxfp4_to_tiles(w2b.get(), w2t.get(), Mxfp4Tiles{H, I / 32, E}, st);
-      Wt.w1_blocks = w1t.get(), Wt.w2_blocks = w2t.get(), Wt.tiled = true;
-    }
     const size_t expert_fp4_bytes = (size_t(2) * I * H + size_t(H) * I) / 2 + (size_t(2) * I * H + size_t(H) * I) / 32;
 
     // Load-time spread check (what a model load reports).
@@ -351,8 +341,7 @@ int bench_moe(const Args& a) {
       // launch on/off); the default options are what "fused_ms" reports.
       // W4A8 variants run at every size; defaults: the options as given.
       auto time_fused = [&](int ks, bool pdl, bool direct = true, int w4a8_terms = 0, bool defaults = false,
-                            int w4a8_tiles = 0, const MoeWeights* wp = nullptr) {
-        const MoeWeights& Wu = wp ? *wp : W;
+                            int w4a8_tiles = 0) {
         if (!defaults) {
           layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
           layer.options().fused_w4a8 = w4a8_terms > 0;
@@ -365,10 +354,10 @@ int bench_moe(const Args& a) {
         }
         std::vector<cudaGraphExec_t> graphs(kSets);
         for (int s = 0; s < kSets; ++s) {
-          layer.forward(Wu, x.get(), ids[s].get(), gws[s].get(), T, out_f.get(), MoePath::kFused);  // warm
+          layer.forward(W, x.get(), ids[s].get(), gws[s].get(), T, out_f.get(), MoePath::kFused);  // warm
           cudaGraph_t g;
           DZ_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-          layer.forward(Wu, x.get(), ids[s].get(), gws[s].get(), T, out_f.get(), MoePath::kFused);
+          layer.forward(W, x.get(), ids[s].get(), gws[s].get(), T, out_f.get(), MoePath::kFused);
           DZ_CUDA_CHECK(cudaStreamEndCapture(st, &g));
           DZ_CUDA_CHECK(cudaGraphInstantiate(&graphs[s], g, 0));
           DZ_CUDA_CHECK(cudaGraphDestroy(g));
@@ -380,7 +369,6 @@ int bench_moe(const Args& a) {
         return ms;
       };
       nlohmann::json variants = nlohmann::json::object();
-      double tiled_diff = -1;  // tile-order variants against row-major ones (max abs; -1: not run)
       if (T <= 4096) {
         // K split over 1, 4 or 8 warps (8 only up to 64 tokens, with PDL).
         for (int ks : {1, 4, 8})
@@ -401,25 +389,6 @@ int bench_moe(const Args& a) {
               variants[name + "_ks" + std::to_string(ks) + "_pdl"] = time_fused(ks, true, true, terms, false, 1);
             variants[name + "_ks1_t2_pdl"] = time_fused(1, true, true, terms, false, 2);
           }
-        // Two terms on the blocks in tile order, and their output against the row-major blocks' (bit-identical).
-        if (tiled && T <= 512) {
-          DeviceArray<float> out_r(P, size_t(T) * H, "out row-major");
-          std::vector<float> hr(size_t(T) * H), ht(hr.size());
-          for (int ks : {1, 4})
-            for (int tl : {1, 2}) {
-              if (ks == 4 && tl == 2) continue;
-              const std::string name = "w4a8x2_ks" + std::to_string(ks) + (tl == 2 ? "_t2" : "") + "_pdl_tiled";
-              variants[name] = time_fused(ks, true, true, 2, false, tl, &Wt);
-              ctx.sync();
-              DZ_CUDA_CHECK(cudaMemcpy(ht.data(), out_f.get(), ht.size() * 4, cudaMemcpyDeviceToHost));
-              time_fused(ks, true, true, 2, false, tl);
-              ctx.sync();
-              DZ_CUDA_CHECK(cudaMemcpy(hr.data(), out_f.get(), hr.size() * 4, cudaMemcpyDeviceToHost));
-              tiled_diff = std::max(tiled_diff, 0.0);
-              for (size_t i = 0; i < hr.size(); ++i)
-                tiled_diff = std::max(tiled_diff, double(std::fabs(hr[i] - ht[i])));
-            }
-        }
       }
       const double ms_fused = time_fused(0, false, true, 0, true);
       // The FP8 path with each GEMM implementation listed (the first is
@@ -517,7 +486,6 @@ int bench_moe(const Args& a) {
           {"fused_vs_plain_read", or_null(ms_read > 0, ms_read / ms_fused)},
           {"fp8_host_ms", median(host)},
           {"fused_variants_ms", variants},
-          {"tiled_vs_row_major_max_abs", tiled_diff},
           {"fp8_gemm_ms", gemm_ms},
           {"fp8_gemm_diff_vs_first", gemm_diff},
       };
