@@ -538,6 +538,17 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
         CHECK(std::memcmp(run(false).data(), one.data(), one.size() * sizeof(float)) == 0);
         CHECK(std::memcmp(run(true).data(), one.data(), one.size() * sizeof(float)) == 0);
       }
+      if (w4a8)  // activations staged by every block instead of one image kernel a projection: the same bits
+        for (int ks : {1, 4}) {
+          layer.options().fused_w4a8_tiles = 0;
+          layer.options().fused_k_split = ks;
+          layer.options().fused_w4a8_images = true;
+          const auto img = run(false);
+          layer.options().fused_w4a8_images = false;
+          INFO("activations staged in the blocks, k split " << ks);
+          CHECK(std::memcmp(run(false).data(), img.data(), img.size() * sizeof(float)) == 0);
+          layer.options().fused_w4a8_images = true;
+        }
       CHECK(layer.take_error() == 0);
     }
   }

@@ -32,6 +32,7 @@ constexpr int kW4Threads = 256;
 constexpr int kW4Tokens = 8;         // tokens per MMA tile (n = 8)
 constexpr int kW4MaxTokens = 16;     // tokens per weight pass of the per-projection kernels (two tiles)
 constexpr int kRouteConvertsX = 16;  // the routing block converts the input up to this many tokens
+constexpr int kW8ImageTokens = 256;  // tokens a call whose W4A8 activations are prepared as images
 
 __device__ __forceinline__ float bf16_to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
 
@@ -308,6 +309,11 @@ struct W4Args {
   // its row y * kPadRows; gate_up blocks convert x (fp32 [H]) to fp16
   // themselves and write inv (invalid ids: -1 and err).
   int direct, n_experts, H;
+  // W4A8 kernels: each pass's staged activations prepared in global memory
+  // (w8_image_kernel), one image of img_bytes a pass at img + (row / pass
+  // tokens) * img_bytes for the expert's sorted rows; null: staged in the kernel.
+  const uint8_t* img;
+  int img_bytes;
   const int* ids;
   const float* x;
   int *inv, *err;
@@ -659,18 +665,26 @@ constexpr int kW8StageBytes = 64 * kW8Row;
 constexpr int kW8SubBytes = 256;
 
 // Shared-memory layout (offsets from the 1024-aligned base; total includes the alignment slack).
+// A pass's activations (act: E4M3 sub-blocks for wgmma, xs: their 1x128
+// scales per chunk and MMA column, ts: gate_up's input scale per column) are
+// contiguous: what w8_image_kernel prepares and one bulk copy brings.
 struct W8Smem {
-  int sc, act, xs, red, bar, total;
+  int sc, act, xs, ts, red, bar, total;
 };
+__host__ __device__ inline int w8_act_bytes(int kpad) { return kpad / 32 * kW8SubBytes; }
+__host__ __device__ inline int w8_image_bytes(int kpad) {
+  return w8_act_bytes(kpad) + kpad / 128 * kW4Tokens * 4 + kW4Tokens * 4;
+}
 __host__ __device__ inline W8Smem w8_smem(int nsub, int kpad, int tiles) {
   W8Smem L{};
   const int stages = w8_stages(tiles);
   int o = kW8Consumers * stages * kW8StageBytes;
   L.sc = o, o += kW8Consumers * tiles * ((64 * nsub + 15) / 16 * 16);
-  L.act = o, o += kpad / 32 * kW8SubBytes;
+  L.act = o, o += w8_act_bytes(kpad);
   L.xs = o, o += kpad / 128 * kW4Tokens * 4;
+  L.ts = o, o += kW4Tokens * 4;
   L.red = o, o += 128 * 16;
-  L.bar = o, o += (2 * kW8Consumers * stages + kW8Consumers) * 8;
+  L.bar = o, o += (2 * kW8Consumers * stages + kW8Consumers + 2) * 8;
   L.total = o + 1024;
   return L;
 }
@@ -695,6 +709,59 @@ __device__ __forceinline__ uint32_t e2m1_even_to_e4m3(uint32_t w) {
 }
 __device__ __forceinline__ uint32_t e2m1_odd_to_e4m3(uint32_t w) {
   return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
+}
+
+// One (token, 128-value chunk) of a pass's activations, 4 values a lane, into
+// the staged layout: E4M3 (two terms with kLo: MMA columns 2 gi and 2 gi + 1)
+// as each sub-block's even then odd elements, and the chunk's scale (xs).
+template <bool kLo>
+__device__ __forceinline__ void w8_stage_put(const float (&v)[4], int c, int gi, int lane, unsigned char* act,
+                                             float* xs) {
+  float sc;
+  const uint32_t q = quant_1x128(v, sc);
+  const int q8 = (c * 128 + 4 * lane) >> 3, hh = lane & 1, col = kLo ? 2 * gi : gi;
+  unsigned char* d = act + (q8 >> 2) * kW8SubBytes + col * 16 + (q8 & 3) * 4 + 2 * hh;
+  *reinterpret_cast<uint16_t*>(d) = uint16_t(ptx::prmt(q, 0, 0x20));        // even elements
+  *reinterpret_cast<uint16_t*>(d + 128) = uint16_t(ptx::prmt(q, 0, 0x31));  // odd elements
+  if (kLo) {
+    const uint32_t r = quant_1x128_rest(v, sc, q);
+    *reinterpret_cast<uint16_t*>(d + 16) = uint16_t(ptx::prmt(r, 0, 0x20));
+    *reinterpret_cast<uint16_t*>(d + 144) = uint16_t(ptx::prmt(r, 0, 0x31));
+  }
+  if (lane == 0) {
+    xs[c * kW4Tokens + col] = sc;
+    if (kLo) xs[c * kW4Tokens + col + 1] = sc;
+  }
+}
+
+// The W4A8 kernels' activation images (W4Args::img), a warp per (routed
+// slot, chunk): the fp16 row the kernel would stage (gate_up: the slot's
+// token in xh; down: its SwiGLU row), quantized once instead of by every
+// block of the expert. Staging in the kernel put a chain of dependent loads
+// (the sorted rows, then the activations) before each block's first MMA
+// while its weight ring sat full (H200, 120b shapes, 8 tokens: the kernels
+// without that staging 124 vs 146 us).
+template <bool kGateUp, bool kLo>
+__global__ void __launch_bounds__(256) w8_image_kernel(const W4Args a, int n_slots) {
+  // The projection after this kernel may launch at once: its weight loads do
+  // not wait for this kernel (or the one before it), only its images do.
+  pdl_trigger();
+  pdl_wait();
+  constexpr int kPass = kLo ? kW4Tokens / 2 : kW4Tokens;
+  const int nch = a.kpad / 128, lane = threadIdx.x & 31;
+  const int w = int(blockIdx.x) * 8 + int(threadIdx.x >> 5);
+  if (w >= n_slots * nch) return;
+  const int i = w / nch, c = w - i * nch, r = a.inv[i];
+  if (r < 0) return;  // an invalid id (flagged by the routing)
+  const int row = kGateUp ? i / a.topk : r;
+  const uint2 h = *reinterpret_cast<const uint2*>(a.act + int64_t(row) * a.kpad + c * 128 + 4 * lane);
+  const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
+  const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h.y));
+  const float v[4] = {lo.x, lo.y, hi.x, hi.y};
+  unsigned char* img = const_cast<uint8_t*>(a.img) + int64_t(r / kPass) * a.img_bytes;
+  float* xs = reinterpret_cast<float*>(img + w8_act_bytes(a.kpad));
+  w8_stage_put<kLo>(v, c, r % kPass, lane, img, xs);
+  if (kGateUp && c == 0 && lane == 0) xs[nch * kW4Tokens + r % kPass] = a.act_scale[row];
 }
 
 #ifdef DZ_MOE_SM90A
@@ -753,11 +820,14 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
   auto full = [&](int w, int st) { return bar0 + 8 * (w * kW8Stages + st); };
   auto empty = [&](int w, int st) { return bar0 + 8 * ((kW8Consumers + w) * kW8Stages + st); };
   auto sbar = [&](int w) { return bar0 + 8 * (2 * kW8Consumers * kW8Stages + w); };
+  // A pass's activation image in shared memory (a.img), and every consumer warp done with it.
+  const uint32_t abar = bar0 + 8 * (2 * kW8Consumers * kW8Stages + kW8Consumers), aempty = abar + 8;
   if (tid == 0) {
     for (int w = 0; w < kW8Consumers; ++w) {
       for (int st = 0; st < kW8Stages; ++st) ptx::mbar_init(full(w, st), 1), ptx::mbar_init(empty(w, st), 4);
       ptx::mbar_init(sbar(w), 1);
     }
+    ptx::mbar_init(abar, 1), ptx::mbar_init(aempty, 4 * kW8Consumers);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -788,7 +858,18 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
         ptx::bulk_g2s(base + sc_at(w, q), a.scales + (int64_t(e) * a.rows + tile0(w, q)) * a.nsub,
                       uint32_t(64 * a.nsub), sbar(w));
       int n = 0;
-      for (int base_t = 0; base_t < cnt; base_t += kPass)
+      // Ring 0's producer brings each pass's activation image (a.img): the
+      // first after the ring's first fill (down: once gate_up's rows are
+      // there), the next ones once every consumer warp is done with the last.
+      const bool img = a.img && w == 0;
+      const int first_fill = min(kW8Stages, nt * s_len(w));
+      auto copy_image = [&](int base_t) {
+        const uint32_t bytes = uint32_t(a.img_bytes);
+        ptx::mbar_arrive_expect_tx(abar, bytes);
+        ptx::bulk_g2s(base + L.act, a.img + int64_t((seg + base_t) / kPass) * bytes, bytes, abar);
+      };
+      for (int base_t = 0; base_t < cnt; base_t += kPass) {
+        if (img && base_t > 0) ptx::mbar_wait(aempty, (base_t / kPass - 1) & 1), copy_image(base_t);
         for (int q = 0; q < nt; ++q)
           for (int j = 0; j < s_len(w); ++j, ++n) {
             const int st = n % kW8Stages, ph = (n / kW8Stages) & 1;
@@ -796,7 +877,12 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
             ptx::mbar_arrive_expect_tx(full(w, st), kW8StageBytes);
             ptx::tma_2d(base + (w * kW8Stages + st) * kW8StageBytes, &wmap, full(w, st), (s_begin(w) + j) * 128,
                         e * a.rows + tile0(w, q));
+            if (img && n + 1 == first_fill) {
+              if (kPdl && !kGateUp) pdl_wait();  // the image kernel's output
+              copy_image(0);
+            }
           }
+      }
     }
     if (kPdl) pdl_trigger();
     return;
@@ -814,62 +900,56 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
   int n = 0;
   for (int base_t = 0; base_t < cnt; base_t += kPass) {
     const int m = min(kPass, cnt - base_t);
-    if (!(kGateUp && a.direct) && tid < m) s_row[tid] = act_row<kGateUp>(a, seg + base_t + tid);
-    ptx::named_sync(1, 128 * kW8Consumers);  // the previous pass's activations are read; s_row written
-    // Stage: warp v of 8 quantizes (token gi, chunk c) pairs, 4 values a lane,
-    // kBatch pairs' loads in flight before the first is quantized.
     float tok_scale[2] = {1.f, 1.f};
-    constexpr int kBatch = 4, kStep = 4 * kW8Consumers;
-    const int items = m * nch;
-    for (int p0 = tid >> 5; p0 < items; p0 += kBatch * kStep) {
-      float v[kBatch][4];
+    if (a.img) {  // the image the producer brings
+      ptx::mbar_wait(abar, (base_t / kPass) & 1);
+      if (kGateUp && nt > 0 && ks == 0)
+        for (int j = 0; j < 2; ++j) {
+          const int tok = kLo ? t : 2 * t + j;  // this lane's MMA columns 2t, 2t + 1
+          if (tok < m) tok_scale[j] = reinterpret_cast<const float*>(sm + L.ts)[tok];
+        }
+    } else {
+      if (!(kGateUp && a.direct) && tid < m) s_row[tid] = act_row<kGateUp>(a, seg + base_t + tid);
+      ptx::named_sync(1, 128 * kW8Consumers);  // the previous pass's activations are read; s_row written
+      // Stage: warp v of 8 quantizes (token gi, chunk c) pairs, 4 values a lane,
+      // kBatch pairs' loads in flight before the first is quantized.
+      constexpr int kBatch = 4, kStep = 4 * kW8Consumers;
+      const int items = m * nch;
+      for (int p0 = tid >> 5; p0 < items; p0 += kBatch * kStep) {
+        float v[kBatch][4];
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int p = p0 + b * kStep, gi = p / nch, k = (p - gi * nch) * 128 + 4 * lane;
-        v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
-        if (p >= items) continue;
-        if (kGateUp && a.direct) {
-          if (k < a.H) {
-            const float4 f = *reinterpret_cast<const float4*>(a.x + k);
-            v[b][0] = f.x, v[b][1] = f.y, v[b][2] = f.z, v[b][3] = f.w;
+        for (int b = 0; b < kBatch; ++b) {
+          const int p = p0 + b * kStep, gi = p / nch, k = (p - gi * nch) * 128 + 4 * lane;
+          v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
+          if (p >= items) continue;
+          if (kGateUp && a.direct) {
+            if (k < a.H) {
+              const float4 f = *reinterpret_cast<const float4*>(a.x + k);
+              v[b][0] = f.x, v[b][1] = f.y, v[b][2] = f.z, v[b][3] = f.w;
+            }
+          } else {
+            const uint2 h = *reinterpret_cast<const uint2*>(a.act + int64_t(s_row[gi]) * a.kpad + k);
+            const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
+            const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h.y));
+            v[b][0] = lo.x, v[b][1] = lo.y, v[b][2] = hi.x, v[b][3] = hi.y;
           }
-        } else {
-          const uint2 h = *reinterpret_cast<const uint2*>(a.act + int64_t(s_row[gi]) * a.kpad + k);
-          const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
-          const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h.y));
-          v[b][0] = lo.x, v[b][1] = lo.y, v[b][2] = hi.x, v[b][3] = hi.y;
         }
-      }
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int p = p0 + b * kStep, gi = p / nch, c = p - gi * nch, k = c * 128 + 4 * lane;
-        if (p >= items) break;  // warp-uniform
-        float sc;
-        const uint32_t q = quant_1x128(v[b], sc);
-        const int q8 = k >> 3, hh = lane & 1, col = kLo ? 2 * gi : gi;
-        unsigned char* d = sm + L.act + (q8 >> 2) * kW8SubBytes + col * 16 + (q8 & 3) * 4 + 2 * hh;
-        *reinterpret_cast<uint16_t*>(d) = uint16_t(ptx::prmt(q, 0, 0x20));        // even elements
-        *reinterpret_cast<uint16_t*>(d + 128) = uint16_t(ptx::prmt(q, 0, 0x31));  // odd elements
-        if (kLo) {
-          const uint32_t r = quant_1x128_rest(v[b], sc, q);
-          *reinterpret_cast<uint16_t*>(d + 16) = uint16_t(ptx::prmt(r, 0, 0x20));
-          *reinterpret_cast<uint16_t*>(d + 144) = uint16_t(ptx::prmt(r, 0, 0x31));
-        }
-        if (lane == 0) {
-          float* xs = reinterpret_cast<float*>(sm + L.xs) + c * kW4Tokens + col;
-          xs[0] = sc;
-          if (kLo) xs[1] = sc;
+        for (int b = 0; b < kBatch; ++b) {
+          const int p = p0 + b * kStep, gi = p / nch;
+          if (p >= items) break;  // warp-uniform
+          w8_stage_put<kLo>(v[b], p - gi * nch, gi, lane, sm + L.act, reinterpret_cast<float*>(sm + L.xs));
         }
       }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
+      // The epilogue's operands load now (the tokens' input scales; biases a tile).
+      if (kGateUp && !a.direct && nt > 0 && ks == 0)
+        for (int j = 0; j < 2; ++j) {
+          const int tok = kLo ? t : 2 * t + j;  // this lane's MMA columns 2t, 2t + 1
+          if (tok < m) tok_scale[j] = a.act_scale[s_row[tok]];
+        }
+      ptx::named_sync(1, 128 * kW8Consumers);
     }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
-    // The epilogue's operands load now (the tokens' input scales; biases a tile).
-    if (kGateUp && !a.direct && nt > 0 && ks == 0)
-      for (int j = 0; j < 2; ++j) {
-        const int tok = kLo ? t : 2 * t + j;  // this lane's MMA columns 2t, 2t + 1
-        if (tok < m) tok_scale[j] = a.act_scale[s_row[tok]];
-      }
-    ptx::named_sync(1, 128 * kW8Consumers);
     if (len > 0 && base_t == 0) ptx::mbar_wait(sbar(wg), 0);
 
     // The stage's two chunks: fragments decoded from the box's words, four
@@ -982,6 +1062,10 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
           a.out_y[int64_t(row) * a.rows + T0 + rB] = acc[2 + j] * kPost + biasB;
         }
       }
+    }
+    if (a.img) {  // this warp is done with the pass's activations (its MMAs have completed)
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(aempty);
     }
   }
 #endif
@@ -1228,9 +1312,11 @@ struct MoeLayer::Impl {
   // the FP8 expert workspace: 2 tiles x tile_experts x (w1 + w2)
   DeviceArray<uint8_t> ws_fp8;
   DeviceArray<float> ws_scales;
-  bool w8_fits = false;     // the W4A8 kernels can run here (device, build, shared memory)
-  int n_sms = 132;          // multiprocessors of the device
-  int tile_cap = 0;         // experts per workspace tile it was sized for
+  bool w8_fits = false;  // the W4A8 kernels can run here (device, build, shared memory)
+  int n_sms = 132;       // multiprocessors of the device
+  int tile_cap = 0;      // experts per workspace tile it was sized for
+  DeviceArray<uint8_t> w8_img;
+  int img_tokens = 0;       // tokens w8_img holds images for
   int* h_counts = nullptr;  // pinned: counts[E], offsets[E+1]
   cudaEvent_t ev_ready[2]{}, ev_free[2]{};
 
@@ -1269,6 +1355,12 @@ struct MoeLayer::Impl {
     a2s = DeviceArray<float>(P, size_t(rows_cap) * (kpi / 128), "moe fp8 activation scales");
     d1 = DeviceArray<__nv_bfloat16>(P, size_t(rows_cap) * 2 * I, "moe gate_up output");
     d2 = DeviceArray<__nv_bfloat16>(P, size_t(rows_cap) * H, "moe down output");
+    // The W4A8 kernels' activation images: one a pass of 4 sorted rows (two
+    // terms; 8 with one), for up to kW8ImageTokens tokens.
+    img_tokens = std::min(maxT, kW8ImageTokens);
+    const int64_t img_rows = int64_t(img_tokens) * s.topk + int64_t(E) * (kPadRows - 1);
+    w8_img = DeviceArray<uint8_t>(P, size_t((img_rows + 3) / 4) * w8_image_bytes(int(std::max(kph, kpi))),
+                                  "moe W4A8 activation images");
     const size_t per_expert_fp8 = size_t(2 * I) * kph + size_t(H) * kpi;
     const size_t per_expert_sc = size_t(2 * I) * (kph / 128) + size_t(H) * (kpi / 128);
     // Two tiles in flight: fold the next while the GEMMs use this one.
@@ -1367,6 +1459,7 @@ struct MoeLayer::Impl {
       a.direct = 1, a.n_experts = E, a.H = H, a.ids = ids, a.x = x, a.inv = inv.get(), a.err = err.get();
     }
     a.sorted = sorted.get();
+    a.inv = inv.get();
     a.active = reinterpret_cast<const int4*>(active.get());
     a.n_active = n_active.get();
     a.topk = s.topk;
@@ -1391,13 +1484,14 @@ struct MoeLayer::Impl {
     const bool w4a8 = opt.fused_w4a8 && double(T) * s.topk / E <= opt.fused_w4a8_max_tokens_per_expert &&
                       int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
     const int ks8 = w8_split(T);
-    launch_w4<true>(ks, ks8, pdl, w4a8, tiles, 2 * I, max_active, st, a);
+    const bool images = opt.fused_w4a8_images && T <= img_tokens;
+    launch_w4<true>(ks, ks8, pdl, w4a8, tiles, 2 * I, max_active, st, a, images ? T * s.topk : 0);
     // down
     a.blocks = w.w2_blocks, a.scales = w.w2_scales, a.bias = w.b2;
     a.act = act16.get(), a.act_scale = nullptr;
     a.rows = H, a.nsub = I / 32, a.kpad = int(kpi);
     a.out_y = y32.get();
-    launch_w4<false>(ks, ks8, pdl, w4a8, tiles, H, max_active, st, a);
+    launch_w4<false>(ks, ks8, pdl, w4a8, tiles, H, max_active, st, a, images ? T * s.topk : 0);
     const bool v8 = vec8(y32.get(), nullptr, out);
     const auto comb = v8 ? (pdl ? combine_kernel<float, false, true, true> : combine_kernel<float, false, false, true>)
                          : (pdl ? combine_kernel<float, false, true> : combine_kernel<float, false, false>);
@@ -1424,8 +1518,9 @@ struct MoeLayer::Impl {
 
   // One projection of the fused path: W4A8 (K split ks8) where it runs, else W4A16 (K split ks).
   template <bool G>
+  // img_slots: the routed slots whose activations go through images (0: staged in the kernel).
   void launch_w4(int ks, int ks8, bool pdl, bool w4a8, int tiles, int rows, unsigned max_active, cudaStream_t st,
-                 const W4Args& a) {
+                 W4Args a, int img_slots) {
     if (w4a8 && w8(rows, a)) {  // two warpgroups a block: two 64-row tiles, or one split over K
       CUtensorMap map;
       const cuuint64_t dims[2] = {cuuint64_t(a.nsub) * 16, cuuint64_t(s.n_experts) * rows};
@@ -1437,6 +1532,13 @@ struct MoeLayer::Impl {
       const int per_block = w8_rows_per_block(ks8, tiles);
       const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
       const bool lo = opt.fused_w4a8_terms == 2;
+      a.img = nullptr;
+      if (img_slots > 0 && !(G && a.direct)) {  // (one token's gate_up converts its input itself)
+        a.img = w8_img.get(), a.img_bytes = w8_image_bytes(a.kpad);
+        const unsigned warps = unsigned(img_slots) * unsigned(a.kpad / 128);
+        launch(lo ? w8_image_kernel<G, true> : w8_image_kernel<G, false>, dim3((warps + 7) / 8), dim3(256), 0, st, pdl,
+               a, img_slots);
+      }
       launch(pdl ? w8_fn<G, true>(ks8, lo, tiles) : w8_fn<G, false>(ks8, lo, tiles), grid, dim3(kW8Threads),
              size_t(w8_smem(a.nsub, a.kpad, tiles).total), st, pdl, a, map);
       return;
@@ -1456,12 +1558,13 @@ struct MoeLayer::Impl {
   }
 
   // Row tiles a W4A8 warpgroup streams (MoeOptions::fused_w4a8_tiles = 0):
-  // 2 from one token an expert on average, or once the gate_up grid of
-  // two-tile blocks (256 rows, two blocks an SM) still fills three waves with
-  // the experts T tokens reach under uniform routing; else 1.
+  // 2 from one to 1.5 tokens an expert on average, or below one once the
+  // gate_up grid of two-tile blocks (256 rows, two blocks an SM) still fills
+  // three waves with the experts T tokens reach under uniform routing; else 1.
   int w8_tiles(int T) const {
     const int E = s.n_experts;
-    if (int64_t(T) * s.topk >= E) return 2;
+    const double tpe = double(T) * s.topk / E;
+    if (tpe >= 1.0) return tpe < 1.5 ? 2 : 1;
     const double reached = E * (1.0 - std::pow(1.0 - double(s.topk) / E, double(T)));
     return reached * std::ceil(2.0 * s.intermediate / w8_rows_per_block(1, 2)) >= 3.0 * kW8BlocksPerSm * n_sms ? 2 : 1;
   }
@@ -1630,7 +1733,7 @@ size_t MoeLayer::scratch_bytes() const {
   const Impl& q = *p_;
   return q.counts.bytes() + q.offsets.bytes() + q.sorted.bytes() + q.row_expert.bytes() + q.inv.bytes() +
          q.active.bytes() + q.xh.bytes() + q.xs.bytes() + q.act16.bytes() + q.y32.bytes() + q.a1.bytes() +
-         q.a1s.bytes() + q.a2.bytes() + q.a2s.bytes() + q.d1.bytes() + q.d2.bytes();
+         q.a1s.bytes() + q.a2.bytes() + q.a2s.bytes() + q.d1.bytes() + q.d2.bytes() + q.w8_img.bytes();
 }
 
 int* MoeLayer::error_flag() { return p_->err.get(); }

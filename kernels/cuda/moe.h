@@ -85,23 +85,37 @@ struct MoeOptions {
   // expert) W4A16 669 vs 685 us, so the limit stays; 2 tokens (8 slots) 56.9
   // vs W4A16 60.3 us (32 experts 57.0 vs 58.5), so from 5 slots; one token (4
   // slots) 35.8 vs 35.4 (run 74): W4A16's K split.
+  // Up to 4 tokens an expert since the activation images below
+  // (bench/results/2026-12-03-h200-run106.md, run 105): 120b shapes 128 / 256
+  // tokens (4 / 8 an expert) 683 / 1129 vs W4A16 703 / 953 us; 32 experts 32
+  // / 64 tokens 195 / 306 vs 192 / 241.
   bool fused_w4a8 = true;
-  double fused_w4a8_max_tokens_per_expert = 2.0;
+  double fused_w4a8_max_tokens_per_expert = 4.0;
   int fused_w4a8_min_slots = 4;
   int fused_w4a8_terms = 2;
+  // W4A8 kernels: each pass's activations quantized once, by a small kernel
+  // before each projection, and brought into a block by one bulk copy beside
+  // its first weight stages (false: every block of the expert quantizes them
+  // itself after loading its sorted rows; the same bits). The in-block
+  // staging kept each block's first MMA a chain of dependent loads behind its
+  // full weight ring. H200 (run 105), 120b shapes, two terms, one tile a
+  // warpgroup, images vs staged: 8 / 64 / 128 tokens 139.5 / 462 / 683 vs
+  // 145.7 / 577 / 916 us; 32 experts 16 tokens 141.6 vs 171.2. One token's
+  // gate_up still converts its input itself (no routing launch to follow).
+  bool fused_w4a8_images = true;
   // 64-row tiles each W4A8 warpgroup streams in turn without a K split: with
   // 2 its copy ring runs on from one tile into the next (3 stages instead of
   // 4) and a block's setup serves twice the rows, but half the blocks leave
-  // a longer last wave; 0 (auto): 2 from one token an expert on average
-  // (tokens * topk >= n_experts) or once the two-tile blocks still fill three
-  // waves of the GPU with the experts the tokens reach (uniform routing), else
-  // 1. H200 (2026-12-01-h200-run19.md), two terms, one vs two tiles: 120b
-  // shapes (128 experts) 8 / 16 / 32 / 64 tokens 160 / 260 / 421 / 623 vs 165
-  // / 257 / 391 / 569 us; 32 experts 4 / 8 / 16 tokens 88 / 126 / 186 vs 102 /
-  // 118 / 190 us. Run 86 (2026-12-02-h200-run76.md), 120b shapes 4 / 8 / 12 /
-  // 16 / 24 tokens 89.6 / 148.0 / 189.9 / 245.9 / 315.8 vs 98.7 / 149.8 /
-  // 182.6 / 233.9 / 292.4 us (2.5 waves of two-tile blocks at 8 tokens, 3.5
-  // at 12); 32 experts 4 / 8 tokens 85.2 / 120.4 vs 95.4 / 110.4.
+  // a longer last wave; 0 (auto): 2 from one to 1.5 tokens an expert on
+  // average, or below one once the two-tile blocks still fill three waves of
+  // the GPU with the experts the tokens reach (uniform routing), else 1. With
+  // activation images (run 105), one vs two tiles: 120b shapes 8 / 64 / 128
+  // tokens 139.5 / 462 / 683 vs 147.3 / 468 / 692 us, 32 experts 8 / 16 / 32
+  // tokens 104.5 / 141.6 / 194.8 vs 99.0 / 164.7 / 218.6. Before, H200 (2026-12-01-h200-run19.md), two terms, one vs
+  // two tiles: 120b shapes (128 experts) 8 / 16 / 32 / 64 tokens 160 / 260 / 421 / 623 vs 165 / 257 / 391 / 569 us; 32
+  // experts 4 / 8 / 16 tokens 88 / 126 / 186 vs 102 / 118 / 190 us. Run 86 (2026-12-02-h200-run76.md), 120b shapes 4 /
+  // 8 / 12 / 16 / 24 tokens 89.6 / 148.0 / 189.9 / 245.9 / 315.8 vs 98.7 / 149.8 / 182.6 / 233.9 / 292.4 us (2.5 waves
+  // of two-tile blocks at 8 tokens, 3.5 at 12); 32 experts 4 / 8 tokens 85.2 / 120.4 vs 95.4 / 110.4.
   int fused_w4a8_tiles = 0;
   // E4M3 arithmetic at every size (DZ_EXPERTS_FP8): one E4M3 term a value,
   // W4A8 kernels at every slot count up to 8 tokens an expert (faster than

@@ -369,6 +369,7 @@ int bench_moe(const Args& a) {
         return ms;
       };
       nlohmann::json variants = nlohmann::json::object();
+      double images_diff = -1;  // W4A8 with activation images vs staged in the blocks (max abs; -1: not run)
       if (T <= 4096) {
         // K split over 1, 4 or 8 warps (8 only up to 64 tokens, with PDL).
         for (int ks : {1, 4, 8})
@@ -389,6 +390,31 @@ int bench_moe(const Args& a) {
               variants[name + "_ks" + std::to_string(ks) + "_pdl"] = time_fused(ks, true, true, terms, false, 1);
             variants[name + "_ks1_t2_pdl"] = time_fused(1, true, true, terms, false, 2);
           }
+        // Two terms with each block staging its activations itself (no image kernels), and
+        // whether both ways give the same bits (routing set 0, each K split / tiles variant).
+        if (Fp8GroupedGemm::supported() && T <= 512) {
+          std::vector<float> hi(size_t(T) * H), hs(hi.size());
+          images_diff = 0;
+          for (int ks : {1, 4})
+            for (int tl : {1, 2}) {
+              if (ks == 4 && tl == 2) continue;
+              const std::string name = "w4a8x2_ks" + std::to_string(ks) + (tl == 2 ? "_t2" : "") + "_pdl_staged";
+              layer.options().fused_w4a8_images = false;
+              variants[name] = time_fused(ks, true, true, 2, false, tl);
+              for (bool images : {true, false}) {
+                MoeOptions& o = layer.options();
+                o.fused_w4a8 = true, o.fused_w4a8_terms = 2, o.fused_w4a8_tiles = tl, o.fused_k_split = ks;
+                o.fused_w4a8_max_tokens_per_expert = 1e9, o.fused_w4a8_min_slots = 0, o.fused_w4a8_images = images;
+                layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
+                ctx.sync();
+                DZ_CUDA_CHECK(
+                    cudaMemcpy((images ? hi : hs).data(), out_f.get(), hi.size() * 4, cudaMemcpyDeviceToHost));
+              }
+              layer.options() = opt;
+              for (size_t i = 0; i < hi.size(); ++i)
+                images_diff = std::max(images_diff, double(std::fabs(hi[i] - hs[i])));
+            }
+        }
       }
       const double ms_fused = time_fused(0, false, true, 0, true);
       // The FP8 path with each GEMM implementation listed (the first is
@@ -486,6 +512,7 @@ int bench_moe(const Args& a) {
           {"fused_vs_plain_read", or_null(ms_read > 0, ms_read / ms_fused)},
           {"fp8_host_ms", median(host)},
           {"fused_variants_ms", variants},
+          {"w4a8_images_vs_staged_max_abs", images_diff},
           {"fp8_gemm_ms", gemm_ms},
           {"fp8_gemm_diff_vs_first", gemm_diff},
       };
