@@ -1456,10 +1456,10 @@ struct MoeLayer::Impl {
     const unsigned max_active = unsigned(std::min<int64_t>(E, int64_t(T) * s.topk));
     W4Args a{};
     if (direct(T)) {  // grid y = topk: one block row per routed slot
-      a.direct = 1, a.n_experts = E, a.H = H, a.ids = ids, a.x = x, a.inv = inv.get(), a.err = err.get();
+      a.direct = 1, a.n_experts = E, a.H = H, a.ids = ids, a.x = x, a.err = err.get();
     }
     a.sorted = sorted.get();
-    a.inv = inv.get();
+    a.inv = inv.get();  // direct: gate_up writes it; the W4A8 image kernels read it
     a.active = reinterpret_cast<const int4*>(active.get());
     a.n_active = n_active.get();
     a.topk = s.topk;
