@@ -742,6 +742,18 @@ std::vector<unsigned char> bytes_of(const T& t, size_t from, size_t to) {
   return {b + from, b + to};
 }
 
+// A getter on a struct cut at `cut` bytes (init_sized first): struct_size the
+// cut, nothing past it written, and the fields inside it as in `full`.
+template <typename T, typename Init, typename Get>
+void check_cut_getter(const T& full, size_t cut, Init init_sized, Get get) {
+  CutStruct<T> c(cut);
+  init_sized(c.p(), c.cut);
+  REQUIRE(get(c.p()) == DZ_OK);
+  CHECK(c.struct_size() == c.cut);
+  CHECK(c.guard(c.cut) == c.untouched(c.cut));
+  CHECK(c.range(sizeof(size_t), c.cut) == bytes_of(full, sizeof(size_t), c.cut));
+}
+
 // init_sized on a struct cut at `cut` bytes: nothing past it written, struct_size
 // the cut (or sizeof(T) when longer), and every byte inside the full init's.
 template <typename T>
@@ -867,34 +879,22 @@ TEST_CASE("an older program's shorter structs work with the library", "[api][gpt
     dz_model_info full;
     dz_model_info_init(&full);
     REQUIRE(dz_model_get_info(shared_model().m, &full) == DZ_OK);
-    CutStruct<dz_model_info> c(offsetof(dz_model_info, n_params));
-    dz_model_info_init_sized(c.p(), c.cut);
-    REQUIRE(dz_model_get_info(shared_model().m, c.p()) == DZ_OK);
-    CHECK(c.struct_size() == c.cut);
-    CHECK(c.guard(c.cut) == c.untouched(c.cut));
-    CHECK(c.range(sizeof(size_t), c.cut) == bytes_of(full, sizeof(size_t), c.cut));
+    check_cut_getter(full, offsetof(dz_model_info, n_params), dz_model_info_init_sized,
+                     [](dz_model_info* p) { return dz_model_get_info(shared_model().m, p); });
   }
   {
     dz_kv_stats full;
     dz_kv_stats_init(&full);
     REQUIRE(dz_kv_arena_get_stats(arena.a, &full) == DZ_OK);
     CHECK(full.pages_used > 0);
-    CutStruct<dz_kv_stats> c(offsetof(dz_kv_stats, pages_free));
-    dz_kv_stats_init_sized(c.p(), c.cut);
-    REQUIRE(dz_kv_arena_get_stats(arena.a, c.p()) == DZ_OK);
-    CHECK(c.struct_size() == c.cut);
-    CHECK(c.guard(c.cut) == c.untouched(c.cut));
-    CHECK(c.range(sizeof(size_t), c.cut) == bytes_of(full, sizeof(size_t), c.cut));
+    check_cut_getter(full, offsetof(dz_kv_stats, pages_free), dz_kv_stats_init_sized,
+                     [&](dz_kv_stats* p) { return dz_kv_arena_get_stats(arena.a, p); });
   }
   {
     const dz_session_stats full = s.stats();
     CHECK(full.n_tokens == 3);
-    CutStruct<dz_session_stats> c(offsetof(dz_session_stats, pages));
-    dz_session_stats_init_sized(c.p(), c.cut);
-    REQUIRE(dz_session_get_stats(s.s, c.p()) == DZ_OK);
-    CHECK(c.struct_size() == c.cut);
-    CHECK(c.guard(c.cut) == c.untouched(c.cut));
-    CHECK(c.range(sizeof(size_t), c.cut) == bytes_of(full, sizeof(size_t), c.cut));
+    check_cut_getter(full, offsetof(dz_session_stats, pages), dz_session_stats_init_sized,
+                     [&](dz_session_stats* p) { return dz_session_get_stats(s.s, p); });
   }
 
   // dz_session_params: the first ABI's struct ends at abort_user, so a shorter
