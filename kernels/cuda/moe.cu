@@ -742,7 +742,7 @@ __device__ __forceinline__ void w8_stage_put(const float (&v)[4], int c, int gi,
 // while its weight ring sat full (H200, 120b shapes, 8 tokens: the kernels
 // without that staging 124 vs 146 us).
 template <bool kGateUp, bool kLo>
-__global__ void __launch_bounds__(256) w8_image_kernel(const W4Args a, int n_slots) {
+__global__ void __launch_bounds__(256) w8_image_kernel(const W4Args a, int n_slots, uint8_t* images) {
   // The projection after this kernel may launch at once: its weight loads do
   // not wait for this kernel (or the one before it), only its images do.
   pdl_trigger();
@@ -758,7 +758,7 @@ __global__ void __launch_bounds__(256) w8_image_kernel(const W4Args a, int n_slo
   const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
   const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h.y));
   const float v[4] = {lo.x, lo.y, hi.x, hi.y};
-  unsigned char* img = const_cast<uint8_t*>(a.img) + int64_t(r / kPass) * a.img_bytes;
+  unsigned char* img = images + int64_t(r / kPass) * a.img_bytes;
   float* xs = reinterpret_cast<float*>(img + w8_act_bytes(a.kpad));
   w8_stage_put<kLo>(v, c, r % kPass, lane, img, xs);
   if (kGateUp && c == 0 && lane == 0) xs[nch * kW4Tokens + r % kPass] = a.act_scale[row];
@@ -1537,7 +1537,7 @@ struct MoeLayer::Impl {
         a.img = w8_img.get(), a.img_bytes = w8_image_bytes(a.kpad);
         const unsigned warps = unsigned(img_slots) * unsigned(a.kpad / 128);
         launch(lo ? w8_image_kernel<G, true> : w8_image_kernel<G, false>, dim3((warps + 7) / 8), dim3(256), 0, st, pdl,
-               a, img_slots);
+               a, img_slots, w8_img.get());
       }
       launch(pdl ? w8_fn<G, true>(ks8, lo, tiles) : w8_fn<G, false>(ks8, lo, tiles), grid, dim3(kW8Threads),
              size_t(w8_smem(a.nsub, a.kpad, tiles).total), st, pdl, a, map);
