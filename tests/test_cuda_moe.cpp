@@ -453,16 +453,30 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
     // Scale bytes: a wide range puts sub-blocks up to 34 binades under their
     // chunk's largest, through every branch of the fused kernels' fold.
     int s_lo = 118, s_hi = 124;
-  } cases[] = {{8, 4, 320, 192, 1, false},          {8, 4, 320, 192, 2, false},         {8, 4, 320, 192, 8, false},
-               {8, 4, 320, 192, 64, false},         {40, 2, 256, 320, 8, false},        {8, 4, 320, 192, 24, true},
-               {8, 4, 320, 192, 8, false, 96, 130}, {8, 4, 320, 192, 1, false, 96, 130}};
+    // Inputs and biases times act: at 0.01 the SwiGLU outputs are ~1e-3, under
+    // the W4A8 down projection's fixed scale's normal range (kW8DownInv).
+    float act = 1.f;
+  } cases[] = {{8, 4, 320, 192, 1, false},
+               {8, 4, 320, 192, 2, false},
+               {8, 4, 320, 192, 8, false},
+               {8, 4, 320, 192, 64, false},
+               {40, 2, 256, 320, 8, false},
+               {8, 4, 320, 192, 24, true},
+               {8, 4, 320, 192, 8, false, 96, 130},
+               {8, 4, 320, 192, 1, false, 96, 130},
+               {8, 4, 320, 192, 8, false, 118, 124, 0.01f}};
   for (const auto& cs : cases) {
     MoeCase c = make_moe(cs.E, cs.topk, cs.H, cs.I, cs.T, rng, cs.s_lo, cs.s_hi);
+    if (cs.act != 1.f) {
+      for (float& v : c.x) v *= cs.act;
+      for (auto* b : {&c.b1, &c.b2})
+        for (uint16_t& v : *b) v = f32_to_bf16(cs.act * float(bf16_to_double(v)));
+    }
     if (cs.crowd)
       for (int t = 0; t < c.T; ++t)
         for (int k = 0; k < c.topk; ++k) c.ids[size_t(t * c.topk + k)] = (k + t) % c.topk;
     INFO("E " << c.E << " topk " << c.topk << " H " << c.H << " I " << c.I << " T " << c.T << " crowd " << cs.crowd
-              << " scales " << cs.s_lo << ".." << cs.s_hi);
+              << " scales " << cs.s_lo << ".." << cs.s_hi << " act " << cs.act);
     MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, 64, MoeOptions{8.0, 3});
     Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
     Dev<uint16_t> b1(c.b1), b2(c.b2);
@@ -508,8 +522,8 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
       const double d = finite_diff(got, ref);
       INFO("diff " << d);
       if (w4a8)
-        std::printf("MoE fused W4A8, %d E4M3 term(s), E %d T %d H %d I %d scales %d..%d: diff %.3g vs float64\n", terms,
-                    c.E, c.T, c.H, c.I, cs.s_lo, cs.s_hi, d);
+        std::printf("MoE fused W4A8, %d E4M3 term(s), E %d T %d H %d I %d scales %d..%d act %g: diff %.3g vs float64\n",
+                    terms, c.E, c.T, c.H, c.I, cs.s_lo, cs.s_hi, double(cs.act), d);
       // W4A8 with sub-block scales 34 binades apart: a 128-block's activation
       // scale follows elements that meet tiny weights, and the ones that meet
       // huge weights keep few bits (the FP8 path's bound there; two terms keep

@@ -44,9 +44,10 @@ __device__ __forceinline__ float e8m0_to_float(int s) {
 // gpt-oss's clamped SwiGLU. The fast division (~2 ulp; 0 once the
 // denominator passes 2^126, where the quotient underflows anyway) keeps the
 // FP8 path's SwiGLU + quantization pass off the instruction limit.
+constexpr float kSwigluLimit = 7.f;
 __device__ __forceinline__ float swiglu(float gate, float up) {
-  gate = fminf(gate, 7.f);
-  up = fminf(fmaxf(up, -7.f), 7.f);
+  gate = fminf(gate, kSwigluLimit);
+  up = fminf(fmaxf(up, -kSwigluLimit), kSwigluLimit);
   return (up + 1.f) * __fdividef(gate, 1.f + __expf(-1.702f * gate));
 }
 
@@ -314,6 +315,10 @@ struct W4Args {
   // tokens) * img_bytes for the expert's sorted rows; null: staged in the kernel.
   const uint8_t* img;
   int img_bytes;
+  // W4A8 gate_up with next_img: its epilogue also writes the down
+  // projection's images (next_img_bytes each, kpad = out_ld; w8_down_put).
+  uint8_t* next_img;
+  int next_img_bytes;
   const int* ids;
   const float* x;
   int *inv, *err;
@@ -617,16 +622,20 @@ W4Fn w4_fn(int ks, int ntile) {
 }
 
 // ---------------------------------------------------------------- FP8 path
+// E4M3 bytes of v * inv (saturating).
+__device__ __forceinline__ uint32_t e4m3x4(const float (&v)[4], float inv) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] * inv, v[1] * inv), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] * inv, v[3] * inv), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+}
+
 // A warp's 128-value block (4 values a lane) -> E4M3 with scale amax / 448:
 // this lane's 4 bytes and the block's scale.
 __device__ __forceinline__ uint32_t quant_1x128(const float (&v)[4], float& sc) {
   float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
   for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
   sc = amax > 0.f ? amax / 448.f : 1.f;
-  const float inv = 1.f / sc;
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] * inv, v[1] * inv), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] * inv, v[3] * inv), __NV_SATFINITE, __NV_E4M3);
-  return lo | (hi << 16);
+  return e4m3x4(v, 1.f / sc);
 }
 
 // ------------------------------------------- fused W4A8 path (wgmma, sm_90a)
@@ -665,9 +674,10 @@ constexpr int kW8StageBytes = 64 * kW8Row;
 constexpr int kW8SubBytes = 256;
 
 // Shared-memory layout (offsets from the 1024-aligned base; total includes the alignment slack).
-// A pass's activations (act: E4M3 sub-blocks for wgmma, xs: their 1x128
-// scales per chunk and MMA column, ts: gate_up's input scale per column) are
-// contiguous: what w8_image_kernel prepares and one bulk copy brings.
+// A pass's activations (act: E4M3 sub-blocks for wgmma, xs: gate_up's 1x128
+// scales per chunk and MMA column (down's scale is fixed: kW8DownInv), ts:
+// gate_up's input scale per column) are contiguous: what w8_image_kernel
+// prepares and one bulk copy brings.
 struct W8Smem {
   int sc, act, xs, ts, red, bar, total;
 };
@@ -693,14 +703,15 @@ __host__ __device__ inline W8Smem w8_smem(int nsub, int kpad, int tiles) {
 // hi + lo keep ~8 significant bits of a value within 2^-10 of its block's
 // largest; smaller ones keep fewer (the remainder meets E4M3's subnormals),
 // but their products weigh as little.
-__device__ __forceinline__ uint32_t quant_1x128_rest(const float (&v)[4], float sc, uint32_t q) {
+// mul: a power of two the remainder is stored times (kW8DownLo).
+__device__ __forceinline__ uint32_t quant_1x128_rest(const float (&v)[4], float sc, uint32_t q, float mul = 1.f) {
   const float inv = 1.f / sc;  // as quant_1x128
   const float2 h01 = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(q & 0xFFFFu), __NV_E4M3)));
   const float2 h23 = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(q >> 16), __NV_E4M3)));
-  const uint32_t lo =
-      __nv_cvt_float2_to_fp8x2(make_float2(v[0] * inv - h01.x, v[1] * inv - h01.y), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t hi =
-      __nv_cvt_float2_to_fp8x2(make_float2(v[2] * inv - h23.x, v[3] * inv - h23.y), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2((v[0] * inv - h01.x) * mul, (v[1] * inv - h01.y) * mul),
+                                               __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2((v[2] * inv - h23.x) * mul, (v[3] * inv - h23.y) * mul),
+                                               __NV_SATFINITE, __NV_E4M3);
   return lo | (hi << 16);
 }
 
@@ -711,24 +722,44 @@ __device__ __forceinline__ uint32_t e2m1_odd_to_e4m3(uint32_t w) {
   return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
 }
 
+// The down projection's activations as two E4M3 terms: gpt-oss's clamped
+// SwiGLU is at most (7 + 1) * 7 = 56 in magnitude, so they take one fixed
+// scale, 56 / 448 (E4M3's largest), instead of one a 128 values: E4M3 is as
+// fine relative to each value either way, only values under 2^-6 * 56 / 448
+// (0.002) meet its subnormals sooner (kW8DownLo), and with no reduction
+// gate_up's epilogue writes down's images itself (w8_down_put): the launch
+// between the projections that quantized them took 3.8 of 134 us (H200,
+// 120b shapes, 8 tokens).
+constexpr float kW8DownInv = 448.f / ((kSwigluLimit + 1.f) * kSwigluLimit);  // 8: a power of two
+// Down's second term is stored times 16 (the MMA column's sum divided by it
+// again): a remainder is at most half an E4M3 step of its first term (2^-4
+// of it), so times 16 stays under 448, and values whose first term is
+// subnormal (under 2^-6, 0.002 unscaled) keep 4 more bits than E4M3's
+// subnormals would leave: an absolute error under 2^-14 / 8 a value.
+constexpr float kW8DownLo = 16.f;
+// The fixed scale with two terms only: one E4M3 term keeps down's 1x128
+// scales (alone it would leave values under 0.002 an error of up to 2^-10 / 8).
+constexpr bool w8_fixed(bool gate_up, bool lo) { return !gate_up && lo; }
+
 // One (token, 128-value chunk) of a pass's activations, 4 values a lane, into
 // the staged layout: E4M3 (two terms with kLo: MMA columns 2 gi and 2 gi + 1)
-// as each sub-block's even then odd elements, and the chunk's scale (xs).
-template <bool kLo>
+// as each sub-block's even then odd elements, and the chunk's scale (xs;
+// kFixed: down's fixed scale, no xs).
+template <bool kLo, bool kFixed>
 __device__ __forceinline__ void w8_stage_put(const float (&v)[4], int c, int gi, int lane, unsigned char* act,
                                              float* xs) {
-  float sc;
-  const uint32_t q = quant_1x128(v, sc);
+  float sc = 1.f / kW8DownInv;
+  const uint32_t q = kFixed ? e4m3x4(v, kW8DownInv) : quant_1x128(v, sc);
   const int q8 = (c * 128 + 4 * lane) >> 3, hh = lane & 1, col = kLo ? 2 * gi : gi;
   unsigned char* d = act + (q8 >> 2) * kW8SubBytes + col * 16 + (q8 & 3) * 4 + 2 * hh;
   *reinterpret_cast<uint16_t*>(d) = uint16_t(ptx::prmt(q, 0, 0x20));        // even elements
   *reinterpret_cast<uint16_t*>(d + 128) = uint16_t(ptx::prmt(q, 0, 0x31));  // odd elements
   if (kLo) {
-    const uint32_t r = quant_1x128_rest(v, sc, q);
+    const uint32_t r = quant_1x128_rest(v, sc, q, kFixed ? kW8DownLo : 1.f);
     *reinterpret_cast<uint16_t*>(d + 16) = uint16_t(ptx::prmt(r, 0, 0x20));
     *reinterpret_cast<uint16_t*>(d + 144) = uint16_t(ptx::prmt(r, 0, 0x31));
   }
-  if (lane == 0) {
+  if (!kFixed && lane == 0) {
     xs[c * kW4Tokens + col] = sc;
     if (kLo) xs[c * kW4Tokens + col + 1] = sc;
   }
@@ -760,8 +791,22 @@ __global__ void __launch_bounds__(256) w8_image_kernel(const W4Args a, int n_slo
   const float v[4] = {lo.x, lo.y, hi.x, hi.y};
   unsigned char* img = images + int64_t(r / kPass) * a.img_bytes;
   float* xs = reinterpret_cast<float*>(img + w8_act_bytes(a.kpad));
-  w8_stage_put<kLo>(v, c, r % kPass, lane, img, xs);
+  w8_stage_put<kLo, w8_fixed(kGateUp, kLo)>(v, c, r % kPass, lane, img, xs);
   if (kGateUp && c == 0 && lane == 0) xs[nch * kW4Tokens + r % kPass] = a.act_scale[row];
+}
+
+// gate_up's epilogue (two terms): SwiGLU output o of token gi (fp16 h, the
+// bits down would stage) into down's image of the pass (img), as
+// w8_stage_put<true, true> puts it: element e of sub-block o / 32 at byte
+// e / 2 of the even (e even) or odd half of MMA columns 2 gi (hi) and 2 gi + 1.
+__device__ __forceinline__ void w8_down_put(unsigned char* img, int o, int gi, __half h) {
+  const float f = __half2float(h) * kW8DownInv;
+  const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3);
+  const int e = o & 31;
+  unsigned char* d = img + (o >> 5) * kW8SubBytes + (e & 1) * 128 + 2 * gi * 16 + (e >> 1);
+  d[0] = q;
+  d[16] = __nv_cvt_float_to_fp8((f - __half2float(__half(__nv_cvt_fp8_to_halfraw(q, __NV_E4M3)))) * kW8DownLo,
+                                __NV_SATFINITE, __NV_E4M3);
 }
 
 #ifdef DZ_MOE_SM90A
@@ -938,7 +983,8 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
         for (int b = 0; b < kBatch; ++b) {
           const int p = p0 + b * kStep, gi = p / nch;
           if (p >= items) break;  // warp-uniform
-          w8_stage_put<kLo>(v[b], p - gi * nch, gi, lane, sm + L.act, reinterpret_cast<float*>(sm + L.xs));
+          w8_stage_put<kLo, w8_fixed(kGateUp, kLo)>(v[b], p - gi * nch, gi, lane, sm + L.act,
+                                                    reinterpret_cast<float*>(sm + L.xs));
         }
       }
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
@@ -1001,17 +1047,27 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
 #pragma unroll
           for (int b = 0; b < 4; ++b)
             if (4 * c + b >= a.nsub) fA[b] = fB[b] = 0.f;
-        float pA[2] = {0.f, 0.f}, pB[2] = {0.f, 0.f};
+        if (!w8_fixed(kGateUp, kLo)) {  // the chunk's activation scales
+          float pA[2] = {0.f, 0.f}, pB[2] = {0.f, 0.f};
 #pragma unroll
-        for (int b = 0; b < 4; ++b) {
+          for (int b = 0; b < 4; ++b) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[b][i])::"memory");
-          pA[0] += q[b][0] * fA[b], pA[1] += q[b][1] * fA[b];
-          pB[0] += q[b][2] * fB[b], pB[1] += q[b][3] * fB[b];
+            for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[b][i])::"memory");
+            pA[0] += q[b][0] * fA[b], pA[1] += q[b][1] * fA[b];
+            pB[0] += q[b][2] * fB[b], pB[1] += q[b][3] * fB[b];
+          }
+          const float x0 = __uint_as_float(lds32(xs0 + (c * kW4Tokens + 2 * t) * 4));
+          const float x1 = __uint_as_float(lds32(xs0 + (c * kW4Tokens + 2 * t + 1) * 4));
+          acc[0] += pA[0] * x0, acc[1] += pA[1] * x1, acc[2] += pB[0] * x0, acc[3] += pB[1] * x1;
+        } else {  // down: one fixed scale, in the epilogue
+#pragma unroll
+          for (int b = 0; b < 4; ++b) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[b][i])::"memory");
+            acc[0] += q[b][0] * fA[b], acc[1] += q[b][1] * fA[b];
+            acc[2] += q[b][2] * fB[b], acc[3] += q[b][3] * fB[b];
+          }
         }
-        const float x0 = __uint_as_float(lds32(xs0 + (c * kW4Tokens + 2 * t) * 4));
-        const float x1 = __uint_as_float(lds32(xs0 + (c * kW4Tokens + 2 * t + 1) * 4));
-        acc[0] += pA[0] * x0, acc[1] += pA[1] * x1, acc[2] += pB[0] * x0, acc[3] += pB[1] * x1;
       }
     };
     const int full_chunks = a.nsub / 4;  // chunks wholly inside K
@@ -1047,8 +1103,12 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
         acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
       }
       if (!active) continue;
-      constexpr float kPost = 64.f;                 // the E2M1 placement's 2^-6
-      if (kLo) acc[0] += acc[1], acc[2] += acc[3];  // hi + lo terms of token t
+      // The E2M1 placement's 2^-6 (and down's fixed activation scale).
+      constexpr float kPost = w8_fixed(kGateUp, kLo) ? 64.f / kW8DownInv : 64.f;
+      if (kLo) {  // hi + lo terms of token t
+        constexpr float kLoPost = kGateUp ? 1.f : 1.f / kW8DownLo;
+        acc[0] += acc[1] * kLoPost, acc[2] += acc[3] * kLoPost;
+      }
 #pragma unroll
       for (int j = 0; j < (kLo ? 1 : 2); ++j) {
         const int tok = kLo ? t : 2 * t + j;
@@ -1056,7 +1116,10 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
         const int row = seg + base_t + tok;
         if (kGateUp) {
           const float v = swiglu(acc[j] * kPost * tok_scale[j] + biasA, acc[2 + j] * kPost * tok_scale[j] + biasB);
-          a.out_act[int64_t(row) * a.out_ld + ((T0 + rA) >> 1)] = __float2half_rn(v);
+          const __half h = __float2half_rn(v);
+          a.out_act[int64_t(row) * a.out_ld + ((T0 + rA) >> 1)] = h;
+          if (kLo && a.next_img)
+            w8_down_put(a.next_img + int64_t((seg + base_t) / kPass) * a.next_img_bytes, (T0 + rA) >> 1, tok, h);
         } else {
           a.out_y[int64_t(row) * a.rows + T0 + rA] = acc[j] * kPost + biasA;
           a.out_y[int64_t(row) * a.rows + T0 + rB] = acc[2 + j] * kPost + biasB;
@@ -1312,12 +1375,12 @@ struct MoeLayer::Impl {
   // the FP8 expert workspace: 2 tiles x tile_experts x (w1 + w2)
   DeviceArray<uint8_t> ws_fp8;
   DeviceArray<float> ws_scales;
-  bool w8_fits = false;  // the W4A8 kernels can run here (device, build, shared memory)
-  int n_sms = 132;       // multiprocessors of the device
-  int tile_cap = 0;      // experts per workspace tile it was sized for
-  DeviceArray<uint8_t> w8_img;
-  int img_tokens = 0;       // tokens w8_img holds images for
-  int* h_counts = nullptr;  // pinned: counts[E], offsets[E+1]
+  bool w8_fits = false;                      // the W4A8 kernels can run here (device, build, shared memory)
+  int n_sms = 132;                           // multiprocessors of the device
+  int tile_cap = 0;                          // experts per workspace tile it was sized for
+  DeviceArray<uint8_t> w8_img, w8_img_down;  // W4A8 images: gate_up's, and down's (written by gate_up)
+  int img_tokens = 0;                        // tokens the images are sized for
+  int* h_counts = nullptr;                   // pinned: counts[E], offsets[E+1]
   cudaEvent_t ev_ready[2]{}, ev_free[2]{};
 
   Impl(Context& c, const MoeShape& sh, int maxT, const MoeOptions& o)
@@ -1359,14 +1422,17 @@ struct MoeLayer::Impl {
     // terms; 8 with one), for up to kW8ImageTokens tokens.
     img_tokens = std::min(maxT, kW8ImageTokens);
     const int64_t img_rows = int64_t(img_tokens) * s.topk + int64_t(E) * (kPadRows - 1);
-    w8_img = DeviceArray<uint8_t>(P, size_t((img_rows + 3) / 4) * w8_image_bytes(int(std::max(kph, kpi))),
-                                  "moe W4A8 activation images");
+    const size_t img_passes = size_t(img_rows + 3) / 4 + 1;
+    w8_img = DeviceArray<uint8_t>(P, img_passes * w8_image_bytes(int(kph)), "moe W4A8 activation images");
+    w8_img_down = DeviceArray<uint8_t>(P, img_passes * w8_image_bytes(int(kpi)), "moe W4A8 down images");
     const size_t per_expert_fp8 = size_t(2 * I) * kph + size_t(H) * kpi;
     const size_t per_expert_sc = size_t(2 * I) * (kph / 128) + size_t(H) * (kpi / 128);
     // Two tiles in flight: fold the next while the GEMMs use this one.
     ws_fp8 = DeviceArray<uint8_t>(P, 2 * tile_cap * per_expert_fp8, "FP8 expert workspace");
     ws_scales = DeviceArray<float>(P, 2 * tile_cap * per_expert_sc, "FP8 expert workspace scales");
     DZ_CUDA_CHECK(cudaMemsetAsync(err.get(), 0, sizeof(int), ctx.stream()));
+    // gate_up's epilogue never writes down's sub-blocks past I (kpi > I): zeros.
+    DZ_CUDA_CHECK(cudaMemsetAsync(w8_img_down.get(), 0, w8_img_down.bytes(), ctx.stream()));
     // Padding columns of the fp16 activations are never written by the kernels.
     DZ_CUDA_CHECK(cudaMemsetAsync(act16.get(), 0, act16.bytes(), ctx.stream()));
     DZ_CUDA_CHECK(cudaMallocHost(&h_counts, sizeof(int) * (2 * E + 1)));
@@ -1485,13 +1551,16 @@ struct MoeLayer::Impl {
                       int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
     const int ks8 = w8_split(T);
     const bool images = opt.fused_w4a8_images && T <= img_tokens;
+    W4Args d = a;  // down
+    d.blocks = w.w2_blocks, d.scales = w.w2_scales, d.bias = w.b2;
+    d.act = act16.get(), d.act_scale = nullptr;
+    d.rows = H, d.nsub = I / 32, d.kpad = int(kpi);
+    d.out_y = y32.get();
+    // Both projections on the W4A8 kernels with two terms: gate_up writes down's images.
+    const bool chained = images && w4a8 && opt.fused_w4a8_terms == 2 && w8(2 * I, a) && w8(H, d);
+    if (chained) a.next_img = w8_img_down.get(), a.next_img_bytes = w8_image_bytes(d.kpad);
     launch_w4<true>(ks, ks8, pdl, w4a8, tiles, 2 * I, max_active, st, a, images ? T * s.topk : 0);
-    // down
-    a.blocks = w.w2_blocks, a.scales = w.w2_scales, a.bias = w.b2;
-    a.act = act16.get(), a.act_scale = nullptr;
-    a.rows = H, a.nsub = I / 32, a.kpad = int(kpi);
-    a.out_y = y32.get();
-    launch_w4<false>(ks, ks8, pdl, w4a8, tiles, H, max_active, st, a, images ? T * s.topk : 0);
+    launch_w4<false>(ks, ks8, pdl, w4a8, tiles, H, max_active, st, d, images ? T * s.topk : 0, chained);
     const bool v8 = vec8(y32.get(), nullptr, out);
     const auto comb = v8 ? (pdl ? combine_kernel<float, false, true, true> : combine_kernel<float, false, false, true>)
                          : (pdl ? combine_kernel<float, false, true> : combine_kernel<float, false, false>);
@@ -1518,9 +1587,10 @@ struct MoeLayer::Impl {
 
   // One projection of the fused path: W4A8 (K split ks8) where it runs, else W4A16 (K split ks).
   template <bool G>
-  // img_slots: the routed slots whose activations go through images (0: staged in the kernel).
+  // img_slots: the routed slots whose activations go through images (0: staged in the kernel);
+  // img_written: the previous kernel wrote them (down's, by gate_up).
   void launch_w4(int ks, int ks8, bool pdl, bool w4a8, int tiles, int rows, unsigned max_active, cudaStream_t st,
-                 W4Args a, int img_slots) {
+                 W4Args a, int img_slots, bool img_written = false) {
     if (w4a8 && w8(rows, a)) {  // two warpgroups a block: two 64-row tiles, or one split over K
       CUtensorMap map;
       const cuuint64_t dims[2] = {cuuint64_t(a.nsub) * 16, cuuint64_t(s.n_experts) * rows};
@@ -1533,11 +1603,14 @@ struct MoeLayer::Impl {
       const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
       const bool lo = opt.fused_w4a8_terms == 2;
       a.img = nullptr;
-      if (img_slots > 0 && !(G && a.direct)) {  // (one token's gate_up converts its input itself)
-        a.img = w8_img.get(), a.img_bytes = w8_image_bytes(a.kpad);
+      uint8_t* const img = G ? w8_img.get() : w8_img_down.get();
+      if (img_written) {
+        a.img = img, a.img_bytes = w8_image_bytes(a.kpad);
+      } else if (img_slots > 0 && !(G && a.direct)) {  // (one token's gate_up converts its input itself)
+        a.img = img, a.img_bytes = w8_image_bytes(a.kpad);
         const unsigned warps = unsigned(img_slots) * unsigned(a.kpad / 128);
         launch(lo ? w8_image_kernel<G, true> : w8_image_kernel<G, false>, dim3((warps + 7) / 8), dim3(256), 0, st, pdl,
-               a, img_slots, w8_img.get());
+               a, img_slots, img);
       }
       launch(pdl ? w8_fn<G, true>(ks8, lo, tiles) : w8_fn<G, false>(ks8, lo, tiles), grid, dim3(kW8Threads),
              size_t(w8_smem(a.nsub, a.kpad, tiles).total), st, pdl, a, map);
@@ -1733,7 +1806,8 @@ size_t MoeLayer::scratch_bytes() const {
   const Impl& q = *p_;
   return q.counts.bytes() + q.offsets.bytes() + q.sorted.bytes() + q.row_expert.bytes() + q.inv.bytes() +
          q.active.bytes() + q.xh.bytes() + q.xs.bytes() + q.act16.bytes() + q.y32.bytes() + q.a1.bytes() +
-         q.a1s.bytes() + q.a2.bytes() + q.a2s.bytes() + q.d1.bytes() + q.d2.bytes() + q.w8_img.bytes();
+         q.a1s.bytes() + q.a2.bytes() + q.a2s.bytes() + q.d1.bytes() + q.d2.bytes() + q.w8_img.bytes() +
+         q.w8_img_down.bytes();
 }
 
 int* MoeLayer::error_flag() { return p_->err.get(); }
