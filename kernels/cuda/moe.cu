@@ -674,8 +674,8 @@ constexpr int kW8StageBytes = 64 * kW8Row;
 constexpr int kW8SubBytes = 256;
 
 // Shared-memory layout (offsets from the 1024-aligned base; total includes the alignment slack).
-// A pass's activations (act: E4M3 sub-blocks for wgmma, xs: gate_up's 1x128
-// scales per chunk and MMA column (down's scale is fixed: kW8DownInv), ts:
+// A pass's activations (act: E4M3 sub-blocks for wgmma, xs: their 1x128
+// scales per chunk and MMA column (none for down's two terms: kW8DownInv), ts:
 // gate_up's input scale per column) are contiguous: what w8_image_kernel
 // prepares and one bulk copy brings.
 struct W8Smem {
@@ -1602,12 +1602,11 @@ struct MoeLayer::Impl {
       const int per_block = w8_rows_per_block(ks8, tiles);
       const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
       const bool lo = opt.fused_w4a8_terms == 2;
-      a.img = nullptr;
+      // (One token's gate_up converts its input itself.)
+      const bool img_kernel = !img_written && img_slots > 0 && !(G && a.direct);
       uint8_t* const img = G ? w8_img.get() : w8_img_down.get();
-      if (img_written) {
-        a.img = img, a.img_bytes = w8_image_bytes(a.kpad);
-      } else if (img_slots > 0 && !(G && a.direct)) {  // (one token's gate_up converts its input itself)
-        a.img = img, a.img_bytes = w8_image_bytes(a.kpad);
+      a.img = img_written || img_kernel ? img : nullptr, a.img_bytes = w8_image_bytes(a.kpad);
+      if (img_kernel) {
         const unsigned warps = unsigned(img_slots) * unsigned(a.kpad / 128);
         launch(lo ? w8_image_kernel<G, true> : w8_image_kernel<G, false>, dim3((warps + 7) / 8), dim3(256), 0, st, pdl,
                a, img_slots, img);
