@@ -89,13 +89,17 @@ struct MoeOptions {
   // (bench/results/2026-12-03-h200-run106.md, run 105): 120b shapes 128 / 256
   // tokens (4 / 8 an expert) 683 / 1129 vs W4A16 703 / 953 us; 32 experts 32
   // / 64 tokens 195 / 306 vs 192 / 241.
+  // One token since down's images come from gate_up (run 112): two terms, K
+  // split 2, 32.7 vs W4A16 34.7 us (32 experts 32.2 vs 34.6); AUTO keeps
+  // W4A16 there until the gpt-oss GPU tests have run with it.
   bool fused_w4a8 = true;
   double fused_w4a8_max_tokens_per_expert = 4.0;
   int fused_w4a8_min_slots = 4;
   int fused_w4a8_terms = 2;
-  // W4A8 kernels: each pass's activations quantized once, by a small kernel
-  // before each projection, and brought into a block by one bulk copy beside
-  // its first weight stages (false: every block of the expert quantizes them
+  // W4A8 kernels: each pass's activations quantized once (by a small kernel
+  // before gate_up; down's two terms by gate_up's epilogue, one term by a
+  // kernel before down) and brought into a block by one bulk copy beside its
+  // first weight stages (false: every block of the expert quantizes them
   // itself after loading its sorted rows; the same bits). The in-block
   // staging kept each block's first MMA a chain of dependent loads behind its
   // full weight ring. H200 (run 105), 120b shapes, two terms, one tile a
