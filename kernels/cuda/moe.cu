@@ -1422,7 +1422,7 @@ struct MoeLayer::Impl {
     // terms; 8 with one), for up to kW8ImageTokens tokens.
     img_tokens = std::min(maxT, kW8ImageTokens);
     const int64_t img_rows = int64_t(img_tokens) * s.topk + int64_t(E) * (kPadRows - 1);
-    const size_t img_passes = size_t(img_rows + 3) / 4 + 1;
+    const size_t img_passes = size_t(img_rows + 3) / 4;
     w8_img = DeviceArray<uint8_t>(P, img_passes * w8_image_bytes(int(kph)), "moe W4A8 activation images");
     w8_img_down = DeviceArray<uint8_t>(P, img_passes * w8_image_bytes(int(kpi)), "moe W4A8 down images");
     const size_t per_expert_fp8 = size_t(2 * I) * kph + size_t(H) * kpi;
