@@ -1,8 +1,6 @@
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <cmath>
 
 #include "common/error.h"
 #include "cuda/bf16_gemv.h"
@@ -22,12 +20,6 @@
 // (lane t's 8 consecutive elements feed MMA slots 2t, 2t+1, 2t+8, 2t+9 of two
 // m16n8k16 steps), so both operands load as plain 16-byte words. Partial sums
 // meet in shared memory in a fixed order (deterministic).
-//
-// kSplit > 1: a cluster of kSplit blocks shares a 16-row tile, each a
-// contiguous part of K, and the first block adds the others' sums (read
-// from their shared memory, in rank order). A tile a block left the
-// multiprocessors unevenly loaded (gpt-oss's o_proj: 180 tiles on 132 SMs,
-// 48 of them streaming two tiles while the rest idle for half the time).
 
 namespace dz::cuda {
 
@@ -50,7 +42,7 @@ struct GemvNorm {
   float eps = 0.f;
 };
 
-template <int kWarps, bool kNorm, int kSplit>
+template <int kWarps, bool kNorm>
 __global__ void __launch_bounds__(32 * kWarps)
     bf16_gemv_kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w, const float* __restrict__ bias,
                      float* d, int m, int n, int k, float beta, GemvNorm nrm) {
@@ -58,15 +50,12 @@ __global__ void __launch_bounds__(32 * kWarps)
   extern __shared__ uint4 xs[];
   __shared__ float4 red[kWarps - 1][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int rank = kSplit > 1 ? int(cooperative_groups::this_cluster().block_rank()) : 0;
-  const int n0 = int(blockIdx.x) / kSplit * 16;
+  const int n0 = blockIdx.x * 16;
   const int rA = min(n0 + g, n - 1), rB = min(n0 + g + 8, n - 1);  // rows past n load a valid row, unused
-  // This block's 32-wide chunks of K: [c0, c1). Warp w takes c0 + w, c0 + w +
-  // kWarps, ...: at each ring step the block's warps read neighbouring
-  // chunks, so every row streams front to back.
-  const int nchunk = k / 32, c0 = rank * nchunk / kSplit, c1 = (rank + 1) * nchunk / kSplit;
-  const int nloc = (c1 - c0 - warp + kWarps - 1) / kWarps;
-  auto chunk = [&](int j) { return c0 + warp + j * kWarps; };
+  // Warp w takes chunks w, w + kWarps, ...: at each ring step the block's
+  // warps read neighbouring chunks, so every row streams front to back.
+  const int nchunk = k / 32, nloc = (nchunk - warp + kWarps - 1) / kWarps;
+  auto chunk = [&](int j) { return warp + j * kWarps; };
   const uint4* wA = reinterpret_cast<const uint4*>(w + int64_t(rA) * k) + t;
   const uint4* wB = reinterpret_cast<const uint4*>(w + int64_t(rB) * k) + t;
 
@@ -93,14 +82,13 @@ __global__ void __launch_bounds__(32 * kWarps)
     __syncthreads();
     for (int r = 0; r < m; ++r) {
       const float inv = rms::inv_rms<kWarps>(&npart[0][r], kBf16GemvMaxRows, k, nrm.eps);
-      for (int q = c0 * 8 + threadIdx.x; q < c1 * 8; q += 32 * kWarps)  // this block's part of K
+      for (int q = threadIdx.x; q < n4; q += 32 * kWarps)
         reinterpret_cast<uint2*>(xs + r * xsu)[q] =
             rms::to_bf16x4(rms::apply(xf4[r * n4 + q], reinterpret_cast<const float4*>(nrm.nw)[q], inv));
     }
   } else {
-    const int per = (c1 - c0) * 4;  // 16-byte pieces of this block's part of a row
-    for (int i = threadIdx.x; i < m * per; i += 32 * kWarps) {
-      const int r = i / per, q = c0 * 4 + i - r * per;
+    for (int i = threadIdx.x; i < m * (k / 8); i += 32 * kWarps) {
+      const int r = i / (k / 8), q = i - r * (k / 8);
       xs[r * xsu + q] = reinterpret_cast<const uint4*>(x + int64_t(r) * k)[q];
     }
   }
@@ -125,26 +113,13 @@ __global__ void __launch_bounds__(32 * kWarps)
   for (int j = 0; j < 4; ++j) acc[j] = acc0[j] + acc1[j];
   if (warp > 0) red[warp - 1][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
   __syncthreads();
-  if (warp == 0) {
+  if (warp != 0) return;
 #pragma unroll
-    for (int j = 0; j < kWarps - 1; ++j) {  // fixed order: deterministic
-      const float4 v = red[j][lane];
-      acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
-    }
+  for (int j = 0; j < kWarps - 1; ++j) {  // fixed order: deterministic
+    const float4 v = red[j][lane];
+    acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
   }
-  if constexpr (kSplit > 1) {  // the cluster's parts of K, in rank order
-    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-    if (warp == 0 && rank > 0) red[0][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-    cluster.sync();
-    if (warp == 0 && rank == 0)
-      for (int r = 1; r < kSplit; ++r) {
-        const float4 v = *cluster.map_shared_rank(&red[0][lane], r);
-        acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
-      }
-    cluster.sync();  // the others' shared memory stays until the first block has read it
-  }
-  // Warp 0 of the first block writes: c0, c1 row g, tokens 2t, 2t + 1; c2, c3 row g + 8.
-  if (warp != 0 || rank != 0) return;
+  // c0, c1: row g, tokens 2t, 2t + 1; c2, c3: row g + 8.
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int row = n0 + g + (j >> 1) * 8, tok = 2 * t + (j & 1);
@@ -158,65 +133,15 @@ __global__ void __launch_bounds__(32 * kWarps)
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-using GemvFn = void (*)(const uint16_t*, const uint16_t*, const float*, float*, int, int, int, float, GemvNorm);
-
-template <bool kNorm>
-GemvFn wide_fn(int split) {
-  return split == 2 ? bf16_gemv_kernel<kWarpsWide, kNorm, 2> : bf16_gemv_kernel<kWarpsWide, kNorm, 1>;
-}
-
-// The kernels' dynamic shared-memory limit, raised once; the device's multiprocessors.
-int set_smem_limits() {
-  static const int sms = [] {
-    for (int split : {1, 2})
-      for (auto f : {wide_fn<false>(split), wide_fn<true>(split)})
-        DZ_CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBf16GemvMaxSmem)));
-    DZ_CUDA_CHECK(cudaFuncSetAttribute(bf16_gemv_kernel<kWarpsNarrow, false, 1>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBf16GemvMaxSmem)));
-    int dev = 0, n = 0;
-    DZ_CUDA_CHECK(cudaGetDevice(&dev));
-    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    return n;
+// The kernels' dynamic shared-memory limit, raised once.
+void set_smem_limits() {
+  static const bool done = [] {
+    for (auto f : {bf16_gemv_kernel<kWarpsWide, false>, bf16_gemv_kernel<kWarpsNarrow, false>,
+                   bf16_gemv_kernel<kWarpsWide, true>})
+      DZ_CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBf16GemvMaxSmem)));
+    return true;
   }();
-  return sms;
-}
-
-// Blocks a 16-row tile: 2 where the tiles number under two a multiprocessor
-// and two blocks a tile spread them more evenly (blocks / (ceil(blocks / sms)
-// * sms) 5% higher), each block keeping at least a chunk of K a warp; else 1.
-int split_for(int n, int k, int sms) {
-  const int tiles = (n + 15) / 16;
-  auto evenness = [&](int s) {
-    const double b = double(tiles) * s;
-    return b / (std::ceil(b / sms) * sms);
-  };
-  return tiles < 2 * sms && k / 32 / 2 >= kWarpsWide && evenness(2) > evenness(1) + 0.05 ? 2 : 1;
-}
-
-// A wide launch: clusters of `split` blocks a tile, a programmatic dependent of the previous kernel.
-template <bool kNorm>
-void launch_wide(int split, size_t smem, cudaStream_t s, const uint16_t* x, const uint16_t* w, const float* bias,
-                 float* d, int m, int n, int k, float beta, GemvNorm nrm) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned((n + 15) / 16 * split));
-  cfg.blockDim = dim3(32 * kWarpsWide);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[2];
-  unsigned na = 0;
-  if (split > 1) {
-    attr[na].id = cudaLaunchAttributeClusterDimension;
-    attr[na].val.clusterDim.x = unsigned(split), attr[na].val.clusterDim.y = 1, attr[na].val.clusterDim.z = 1;
-    ++na;
-  }
-  if (pdl_enabled()) {
-    attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[na].val.programmaticStreamSerializationAllowed = 1;
-    ++na;
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = na;
-  DZ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, wide_fn<kNorm>(split), x, w, bias, d, m, n, k, beta, nrm));
+  (void)done;
 }
 
 }  // namespace
@@ -228,14 +153,12 @@ bool bf16_gemv_fits(const uint16_t* x, const uint16_t* w, int m, int n, int k) {
 
 void bf16_gemv(const uint16_t* x, const uint16_t* w, const float* bias, float* d, int m, int n, int k, float beta,
                cudaStream_t s) {
-  const int sms = set_smem_limits();
+  set_smem_limits();
   const size_t smem = size_t(m) * x_stride_u4(k) * 16;
-  if (n <= kNarrowMaxRows) {
-    launch_pdl(bf16_gemv_kernel<kWarpsNarrow, false, 1>, dim3(unsigned((n + 15) / 16)), dim3(32 * kWarpsNarrow), smem,
-               s, x, w, bias, d, m, n, k, beta, GemvNorm{});
-    return;
-  }
-  launch_wide<false>(split_for(n, k, sms), smem, s, x, w, bias, d, m, n, k, beta, GemvNorm{});
+  const bool narrow = n <= kNarrowMaxRows;
+  launch_pdl(narrow ? bf16_gemv_kernel<kWarpsNarrow, false> : bf16_gemv_kernel<kWarpsWide, false>,
+             dim3(unsigned((n + 15) / 16)), dim3(32 * (narrow ? kWarpsNarrow : kWarpsWide)), smem, s, x, w, bias, d, m,
+             n, k, beta, GemvNorm{});
 }
 
 bool bf16_gemv_norm_fits(const float* x, const uint16_t* w, int m, int n, int k) {
@@ -248,9 +171,10 @@ void bf16_gemv_norm(const float* x, const float* norm_w, float eps, const uint16
   check(bf16_gemv_norm_fits(x, w, m, n, k) && aligned16(norm_w), DZ_ERR_INVALID_ARGUMENT, "bf16_gemv_norm: m=", m,
         " n=", n, " k=", k, " (1..", kBf16GemvMaxRows, " rows, n > ", kNarrowMaxRows,
         ", k a multiple of 32, 16-byte aligned rows and weights)");
-  const int sms = set_smem_limits();
+  set_smem_limits();
   const size_t smem = size_t(m) * x_stride_u4(k) * 16;
-  launch_wide<true>(split_for(n, k, sms), smem, s, nullptr, w, bias, d, m, n, k, 0.f, GemvNorm{x, norm_w, eps});
+  launch_pdl(bf16_gemv_kernel<kWarpsWide, true>, dim3(unsigned((n + 15) / 16)), dim3(32 * kWarpsWide), smem, s,
+             (const uint16_t*)nullptr, w, bias, d, m, n, k, 0.f, GemvNorm{x, norm_w, eps});
 }
 
 }  // namespace dz::cuda
