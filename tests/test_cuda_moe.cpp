@@ -462,7 +462,7 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
                {8, 4, 320, 192, 64, false},
                {40, 2, 256, 320, 8, false},
                {8, 4, 320, 192, 24, true},
-               {8, 4, 320, 192, 8, true},  // several passes an expert, images written by the routing kernel
+               {8, 4, 320, 192, 8, true},  // 8 tokens on the same 4 experts
                {8, 4, 320, 192, 8, false, 96, 130},
                {8, 4, 320, 192, 1, false, 96, 130},
                {8, 4, 320, 192, 8, false, 118, 124, 0.01f}};

@@ -64,8 +64,8 @@ struct MoeOptions {
   // W4A8 fused kernels: E4M3 activations (1x128 scales, as the FP8 path) on
   // FP8 wgmma, the weights streamed into shared memory by the copy engine, for
   // tokens * topk / n_experts <= fused_w4a8_max_tokens_per_expert and more
-  // than fused_w4a8_min_slots token slots (tokens * topk; the W4A16 kernels'
-  // K split run below it, faster at one token until run 112). sm_90a, projections of a multiple of 64 rows
+  // than fused_w4a8_min_slots token slots (tokens * topk: below, the W4A16
+  // kernels' K split is faster in the model). sm_90a, projections of a multiple of 64 rows
   // and an even number of 32-element sub-blocks a row; elsewhere the W4A16
   // kernels run. fused_w4a8_terms E4M3 terms a value: 1 costs accuracy (the
   // gpt-oss fixture's min logits cosine 0.9964 vs 0.99999 with fp16
@@ -89,11 +89,13 @@ struct MoeOptions {
   // (bench/results/2026-12-03-h200-run106.md, run 105): 120b shapes 128 / 256
   // tokens (4 / 8 an expert) 683 / 1129 vs W4A16 703 / 953 us; 32 experts 32
   // / 64 tokens 195 / 306 vs 192 / 241.
-  // One token too since down's images come from gate_up (run 112): two
-  // terms, K split 2, 32.7 vs W4A16 34.7 us (32 experts 32.2 vs 34.6).
+  // One token: since down's images come from gate_up (run 112) the W4A8
+  // kernels (two terms, K split 2) win the layer alone, 32.3 vs W4A16 34.5 us
+  // (run 113), but lose the gpt-oss-20b decode step they sit in: 2.010-2.053
+  // vs 1.928-1.954 ms, four alternating pairs (2026-12-03-h200-run119.md).
   bool fused_w4a8 = true;
   double fused_w4a8_max_tokens_per_expert = 4.0;
-  int fused_w4a8_min_slots = 0;
+  int fused_w4a8_min_slots = 4;
   int fused_w4a8_terms = 2;
   // W4A8 kernels: each pass's activations quantized once (by a small kernel
   // before gate_up; down's two terms by gate_up's epilogue, one term by a
