@@ -558,12 +558,28 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
           layer.options().fused_w4a8_tiles = 0;
           layer.options().fused_k_split = ks;
           layer.options().fused_w4a8_images = true;
+          layer.options().fused_w4a8_passes = -1;
           const auto img = run(false);
           layer.options().fused_w4a8_images = false;
+          layer.options().fused_w4a8_stream_above = 1e9;  // W4A8 staged at any size (and whole images above)
           INFO("activations staged in the blocks, k split " << ks);
           CHECK(std::memcmp(run(false).data(), img.data(), img.size() * sizeof(float)) == 0);
           layer.options().fused_w4a8_images = true;
+          layer.options().fused_w4a8_stream_above = MoeOptions{}.fused_w4a8_stream_above;
         }
+      if (w4a8) {  // activations streamed with the weights, 1 / 2 / 4 passes a read: the same bits as whole images
+        layer.options().fused_w4a8_tiles = 1;
+        layer.options().fused_k_split = 1;
+        layer.options().fused_w4a8_passes = -1;
+        const auto img = run(false);
+        for (int ps : {1, 2, 4}) {
+          layer.options().fused_w4a8_passes = ps;
+          INFO("activations streamed, passes a read " << ps);
+          CHECK(std::memcmp(run(false).data(), img.data(), img.size() * sizeof(float)) == 0);
+          CHECK(std::memcmp(run(true).data(), img.data(), img.size() * sizeof(float)) == 0);
+        }
+        layer.options().fused_w4a8_passes = 0;
+      }
       CHECK(layer.take_error() == 0);
     }
   }

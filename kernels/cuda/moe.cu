@@ -32,7 +32,7 @@ constexpr int kW4Threads = 256;
 constexpr int kW4Tokens = 8;         // tokens per MMA tile (n = 8)
 constexpr int kW4MaxTokens = 16;     // tokens per weight pass of the per-projection kernels (two tiles)
 constexpr int kRouteConvertsX = 16;  // the routing block converts the input up to this many tokens
-constexpr int kW8ImageTokens = 256;  // tokens a call whose W4A8 activations are prepared as images
+constexpr int kW8ImageTokens = 512;  // tokens a call whose W4A8 activations are prepared as images
 
 __device__ __forceinline__ float bf16_to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
 
@@ -838,6 +838,14 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
   return v;
 }
+// Sub-block scales 4c..4c+3 of a row (at addr, in shared memory) as floats:
+// two 16-bit loads (nsub is even); an E8M0 byte s is the float with exponent
+// field s (s = 0, 2^-127, reads as 0).
+__device__ __forceinline__ void w8_sub_scales(uint32_t addr, float (&f)[4]) {
+  const uint32_t v01 = lds16(addr), v23 = lds16(addr + 2);
+  f[0] = __uint_as_float((v01 << 23) & 0x7F800000u), f[1] = __uint_as_float((v01 << 15) & 0x7F800000u);
+  f[2] = __uint_as_float((v23 << 23) & 0x7F800000u), f[3] = __uint_as_float((v23 << 15) & 0x7F800000u);
+}
 #endif
 
 // kLo: two E4M3 terms a token (x / scale = hi + lo, lo the E4M3 rounding of
@@ -1035,14 +1043,9 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
         ptx::wgmma_wait0();
         if (cc >= nc) break;
         const int c = c0 + cc;
-        // Sub-block scales 4c..4c+3 of rows A and B: two 16-bit loads a row (nsub is even); an E8M0
-        // byte s is the float with exponent field s (s = 0, 2^-127, reads as 0).
-        const uint32_t a01 = lds16(scA + 4 * c), a23 = lds16(scA + 4 * c + 2);
-        const uint32_t b01 = lds16(scB + 4 * c), b23 = lds16(scB + 4 * c + 2);
-        float fA[4] = {__uint_as_float((a01 << 23) & 0x7F800000u), __uint_as_float((a01 << 15) & 0x7F800000u),
-                       __uint_as_float((a23 << 23) & 0x7F800000u), __uint_as_float((a23 << 15) & 0x7F800000u)};
-        float fB[4] = {__uint_as_float((b01 << 23) & 0x7F800000u), __uint_as_float((b01 << 15) & 0x7F800000u),
-                       __uint_as_float((b23 << 23) & 0x7F800000u), __uint_as_float((b23 << 15) & 0x7F800000u)};
+        // Sub-block scales 4c..4c+3 of rows A and B.
+        float fA[4], fB[4];
+        w8_sub_scales(scA + 4 * c, fA), w8_sub_scales(scB + 4 * c, fB);
         if (guard)  // sub-blocks past K: zero weights, and bytes of the next row for scales
 #pragma unroll
           for (int b = 0; b < 4; ++b)
@@ -1141,6 +1144,233 @@ auto w8_fn(int ks, bool lo, int tiles) {
   if (tiles == 2) return lo ? w8_kernel<kGateUp, 1, kPdl, true, 2> : w8_kernel<kGateUp, 1, kPdl, false, 2>;
   return lo ? w8_kernel<kGateUp, 1, kPdl, true, 1> : w8_kernel<kGateUp, 1, kPdl, false, 1>;
 }
+// The W4A8 kernels with the activations streamed a stage at a time: each ring
+// stage brings, beside its 64 rows x 256 K of weights, the same K range of up
+// to kP passes' images (2 KB of E4M3 a pass and, where they have them, the
+// two chunks' scales), so the weights decoded once serve kP * kPass tokens of
+// an expert and shared memory holds no whole image (whole images of 16 or 32
+// MMA columns cost a ring stage or a block an SM: run 94). The weights' part
+// of a stage is released once a warp holds its words, the activations' part
+// once its MMAs are done. K split 1, one 64-row tile a warpgroup; images
+// only (a.img: the image kernel's, or gate_up's for down).
+constexpr int kW8ActStage = 8 * kW8SubBytes;   // a stage's 8 sub-blocks of one pass's image
+constexpr int kW8XsStage = 2 * kW4Tokens * 4;  // and its two chunks' activation scales
+constexpr int w8s_stages(int passes) { return passes <= 2 ? 4 : 3; }
+struct W8sSmem {
+  int w, act, xs, sc, bar, total;
+};
+__host__ __device__ inline W8sSmem w8s_smem(int nsub, int passes) {
+  W8sSmem L{};
+  const int S = w8s_stages(passes);
+  int o = 0;
+  L.w = o, o += kW8Consumers * S * kW8StageBytes;
+  L.act = o, o += kW8Consumers * S * passes * kW8ActStage;
+  L.xs = o, o += kW8Consumers * S * passes * kW8XsStage;
+  L.sc = o, o += kW8Consumers * ((64 * nsub + 15) / 16 * 16);
+  L.bar = o, o += (3 * kW8Consumers * S + kW8Consumers) * 8;
+  L.total = o + 1024;
+  return L;
+}
+
+template <bool kGateUp, bool kPdl, bool kLo, int kP>
+__global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
+    w8s_kernel(const W4Args a, const __grid_constant__ CUtensorMap wmap) {
+#ifdef DZ_MOE_SM90A
+  constexpr int kPass = kLo ? kW4Tokens / 2 : kW4Tokens;  // tokens an image
+  constexpr int kGroup = kP * kPass;                      // tokens a read of the weights
+  constexpr int S = w8s_stages(kP);
+  constexpr bool kFixed = w8_fixed(kGateUp, kLo);
+  extern __shared__ unsigned char w8_raw[];
+  unsigned char* const sm =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(w8_raw) + 1023) & ~uintptr_t(1023));
+  const W8sSmem L = w8s_smem(a.nsub, kP);
+  const uint32_t base = ptx::smem_u32(sm);
+  const int tid = threadIdx.x, wg = tid >> 7;
+  const uint32_t bar0 = base + L.bar;  // full[w][s], wempty[w][s], aempty[w][s], scales[w]
+  auto full = [&](int w, int st) { return bar0 + 8 * (w * S + st); };
+  auto wempty = [&](int w, int st) { return bar0 + 8 * ((kW8Consumers + w) * S + st); };
+  auto aempty = [&](int w, int st) { return bar0 + 8 * ((2 * kW8Consumers + w) * S + st); };
+  auto sbar = [&](int w) { return bar0 + 8 * (3 * kW8Consumers * S + w); };
+  auto wbox = [&](int w, int st) { return base + L.w + (w * S + st) * kW8StageBytes; };
+  auto abox = [&](int w, int st, int p) { return base + L.act + ((w * S + st) * kP + p) * kW8ActStage; };
+  auto xbox = [&](int w, int st, int p) { return base + L.xs + ((w * S + st) * kP + p) * kW8XsStage; };
+  if (tid == 0) {
+    for (int w = 0; w < kW8Consumers; ++w) {
+      for (int st = 0; st < S; ++st)
+        ptx::mbar_init(full(w, st), 1), ptx::mbar_init(wempty(w, st), 4), ptx::mbar_init(aempty(w, st), 4);
+      ptx::mbar_init(sbar(w), 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (kPdl && kGateUp) pdl_wait(), pdl_trigger();  // routing and images; the down kernel may start its weight loads
+  int4 info;
+  if (!w4_item<kGateUp, kPdl>(a, info)) return;
+  const int e = info.x, seg = info.y, cnt = info.z;
+  const int nch = a.kpad / 128, nst = (nch + 1) / 2, groups = (cnt + kGroup - 1) / kGroup;
+  const int img0 = seg / kPass;  // the expert's first image (segments start at multiples of kPadRows)
+  const int act_bytes = w8_act_bytes(a.kpad), sc_bytes = (64 * a.nsub + 15) / 16 * 16;
+  auto tile0 = [&](int w) { return (int(blockIdx.x) * kW8Consumers + w) * 64; };
+  auto passes = [&](int g) { return min(kP, (cnt - g * kGroup + kPass - 1) / kPass); };
+
+  if (wg == kW8Consumers) {  // producer warps: warp w keeps ring w full, on its own
+    const int w = (tid >> 5) & (kW8Consumers - 1);
+    if ((tid & 31) == 0 && tile0(w) < a.rows) {
+      ptx::mbar_arrive_expect_tx(sbar(w), uint32_t(64 * a.nsub));
+      ptx::bulk_g2s(base + L.sc + w * sc_bytes, a.scales + (int64_t(e) * a.rows + tile0(w)) * a.nsub,
+                    uint32_t(64 * a.nsub), sbar(w));
+      // Stage n: group n / nst, K stage n % nst (two chunks; the last may hold one).
+      auto weights = [&](int n) {
+        const int st = n % S, g = n / nst, j = n % nst, nc = min(2, nch - 2 * j);
+        const int act = passes(g) * nc * (kW8ActStage + (kFixed ? 0 : kW8XsStage)) / 2;
+        ptx::mbar_arrive_expect_tx(full(w, st), uint32_t(kW8StageBytes + act));
+        ptx::tma_2d(wbox(w, st), &wmap, full(w, st), j * 128, e * a.rows + tile0(w));
+      };
+      auto acts = [&](int n) {
+        const int st = n % S, g = n / nst, j = n % nst, nc = min(2, nch - 2 * j);
+        for (int p = 0; p < passes(g); ++p) {
+          const uint8_t* im = a.img + int64_t(img0 + g * kP + p) * a.img_bytes;
+          ptx::bulk_g2s(abox(w, st, p), im + j * kW8ActStage, uint32_t(nc * kW8ActStage / 2), full(w, st));
+          if (!kFixed)
+            ptx::bulk_g2s(xbox(w, st, p), im + act_bytes + j * kW8XsStage, uint32_t(nc * kW8XsStage / 2), full(w, st));
+        }
+      };
+      const int total = groups * nst, first = min(S, total);
+      for (int n = 0; n < first; ++n) weights(n);
+      if (kPdl && !kGateUp) pdl_wait();  // down's images: gate_up's epilogue
+      for (int n = 0; n < first; ++n) acts(n);
+      for (int n = S; n < total; ++n) {
+        const uint32_t ph = ((n / S) & 1) ^ 1;
+        ptx::mbar_wait(wempty(w, n % S), ph);
+        weights(n);
+        ptx::mbar_wait(aempty(w, n % S), ph);
+        acts(n);
+      }
+    }
+    if (kPdl) pdl_trigger();
+    return;
+  }
+
+  // Consumers.
+  if (kPdl && !kGateUp) pdl_trigger();  // (their inputs come through the producers)
+  const int T0 = tile0(wg);
+  if (T0 >= a.rows) return;
+  const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int rA = kGateUp ? 16 * warp + 2 * g : 16 * warp + g, rB = kGateUp ? rA + 1 : rA + 8;  // tile rows
+  const uint32_t scA = base + L.sc + wg * sc_bytes + rA * a.nsub, scB = base + L.sc + wg * sc_bytes + rB * a.nsub;
+  const float biasA = bf16_to_float(a.bias[int64_t(e) * a.rows + T0 + rA]);
+  const float biasB = bf16_to_float(a.bias[int64_t(e) * a.rows + T0 + rB]);
+  const int full_chunks = a.nsub / 4;  // chunks wholly inside K
+  ptx::mbar_wait(sbar(wg), 0);
+  int n = 0;
+  for (int gi = 0; gi < groups; ++gi) {
+    const int np = passes(gi), base_t = gi * kGroup, m = min(kGroup, cnt - base_t);
+    float acc[kP][4] = {};
+    for (int j = 0; j < nst; ++j, ++n) {
+      const int st = n % S, c0 = 2 * j, nc = min(2, nch - c0);
+      const bool guard = c0 + 2 > full_chunks;
+      ptx::mbar_wait(full(wg, st), (n / S) & 1);
+      uint32_t wa[8], wb[8];
+      const uint32_t box = wbox(wg, st), pa = box + rA * kW8Row + 4 * t, pb = box + rB * kW8Row + 4 * t;
+#pragma unroll
+      for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * (u ^ (rA & 7))), wb[u] = lds32(pb + 16 * (u ^ (rB & 7)));
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(wempty(wg, st));
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        uint32_t af[4][4];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          af[b][0] = e2m1_even_to_e4m3(wa[4 * cc + b]), af[b][1] = e2m1_even_to_e4m3(wb[4 * cc + b]);
+          af[b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
+        }
+        float fA[4], fB[4];
+        w8_sub_scales(scA + 4 * (c0 + cc), fA), w8_sub_scales(scB + 4 * (c0 + cc), fB);
+        if (guard)  // sub-blocks past K: zero weights, and bytes of the next row for scales
+#pragma unroll
+          for (int b = 0; b < 4; ++b)
+            if (4 * (c0 + cc) + b >= a.nsub) fA[b] = fB[b] = 0.f;
+#pragma unroll
+        for (int p = 0; p < kP; ++p) {
+          if (p > 0 && p >= np) break;  // (a group has a first pass: no branch around its MMAs)
+          // A chunk past K (zero weights) reads the stage's first chunk of activations: exact zeros, unused.
+          const uint32_t d0 = w8_desc_lo(abox(wg, st, p)) + uint32_t(4 * (cc < nc ? cc : 0) * (kW8SubBytes >> 4));
+          float q[4][4];
+          ptx::wgmma_fence();
+#pragma unroll
+          for (int b = 0; b < 4; ++b)
+            wgmma_rs_m64n8k32(q[b], af[b][0], af[b][1], af[b][2], af[b][3], d0 + uint32_t(b * (kW8SubBytes >> 4)));
+          ptx::wgmma_commit();
+          ptx::wgmma_wait0();
+          if (cc >= nc) continue;
+          // (The whole-image kernels' order of the sums: the same bits.)
+          if (!kFixed) {  // the chunk's activation scales
+            float pA[2] = {0.f, 0.f}, pB[2] = {0.f, 0.f};
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+#pragma unroll
+              for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[b][i])::"memory");
+              pA[0] += q[b][0] * fA[b], pA[1] += q[b][1] * fA[b];
+              pB[0] += q[b][2] * fB[b], pB[1] += q[b][3] * fB[b];
+            }
+            const uint32_t xsa = xbox(wg, st, p) + (cc * kW4Tokens + 2 * t) * 4;
+            const float x0 = __uint_as_float(lds32(xsa)), x1 = __uint_as_float(lds32(xsa + 4));
+            acc[p][0] += pA[0] * x0, acc[p][1] += pA[1] * x1, acc[p][2] += pB[0] * x0, acc[p][3] += pB[1] * x1;
+          } else {  // down: one fixed scale, in the epilogue
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+#pragma unroll
+              for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[b][i])::"memory");
+              acc[p][0] += q[b][0] * fA[b], acc[p][1] += q[b][1] * fA[b];
+              acc[p][2] += q[b][2] * fB[b], acc[p][3] += q[b][3] * fB[b];
+            }
+          }
+        }
+      }
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(aempty(wg, st));
+    }
+    // The E2M1 placement's 2^-6 (and down's fixed activation scale).
+    constexpr float kPost = kFixed ? 64.f / kW8DownInv : 64.f;
+#pragma unroll
+    for (int p = 0; p < kP; ++p) {
+      if (p >= np) break;
+      if (kLo) {  // hi + lo terms of token t
+        constexpr float kLoPost = kGateUp ? 1.f : 1.f / kW8DownLo;
+        acc[p][0] += acc[p][1] * kLoPost, acc[p][2] += acc[p][3] * kLoPost;
+      }
+#pragma unroll
+      for (int j = 0; j < (kLo ? 1 : 2); ++j) {
+        const int tok = kLo ? t : 2 * t + j;
+        if (p * kPass + tok >= m) continue;
+        const int row = seg + base_t + p * kPass + tok;
+        if (kGateUp) {
+          const uint8_t* im = a.img + int64_t(img0 + gi * kP + p) * a.img_bytes;
+          const float ts =
+              *reinterpret_cast<const float*>(im + act_bytes + nch * kW4Tokens * 4 + tok * 4);  // input scale
+          const float v = swiglu(acc[p][j] * kPost * ts + biasA, acc[p][2 + j] * kPost * ts + biasB);
+          const __half h = __float2half_rn(v);
+          a.out_act[int64_t(row) * a.out_ld + ((T0 + rA) >> 1)] = h;
+          if (kLo && a.next_img)
+            w8_down_put(a.next_img + int64_t(img0 + gi * kP + p) * a.next_img_bytes, (T0 + rA) >> 1, tok, h);
+        } else {
+          a.out_y[int64_t(row) * a.rows + T0 + rA] = acc[p][j] * kPost + biasA;
+          a.out_y[int64_t(row) * a.rows + T0 + rB] = acc[p][2 + j] * kPost + biasB;
+        }
+      }
+    }
+  }
+#endif
+}
+
+// The streamed W4A8 kernel for one or two E4M3 terms and 1, 2 or 4 passes a read of the weights.
+template <bool kGateUp, bool kPdl>
+auto w8s_fn(bool lo, int passes) {
+  if (passes >= 4) return lo ? w8s_kernel<kGateUp, kPdl, true, 4> : w8s_kernel<kGateUp, kPdl, false, 4>;
+  if (passes == 2) return lo ? w8s_kernel<kGateUp, kPdl, true, 2> : w8s_kernel<kGateUp, kPdl, false, 2>;
+  return lo ? w8s_kernel<kGateUp, kPdl, true, 1> : w8s_kernel<kGateUp, kPdl, false, 1>;
+}
+
 // Block kb of sorted row r of expert segment [off, off + mp): q [rows][nkb * 128],
 // the segment's scales [kb][mp] from qs + nkb * off (the layout the FP8 GEMMs take).
 __device__ __forceinline__ void store_1x128(uint32_t word, float sc, int lane, int r, int kb, int nkb, int off, int mp,
@@ -1380,6 +1610,7 @@ struct MoeLayer::Impl {
   int tile_cap = 0;                          // experts per workspace tile it was sized for
   DeviceArray<uint8_t> w8_img, w8_img_down;  // W4A8 images: gate_up's, and down's (written by gate_up)
   int img_tokens = 0;                        // tokens the images are sized for
+  bool w8s_fits[3] = {};                     // the streamed W4A8 kernels' shared memory fits (1, 2, 4 passes)
   int* h_counts = nullptr;                   // pinned: counts[E], offsets[E+1]
   cudaEvent_t ev_ready[2]{}, ev_free[2]{};
 
@@ -1472,6 +1703,14 @@ struct MoeLayer::Impl {
             for (auto k : {w8_fn<true, false>(ks, lo, tiles), w8_fn<true, true>(ks, lo, tiles),
                            w8_fn<false, false>(ks, lo, tiles), w8_fn<false, true>(ks, lo, tiles)})
               DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem8));
+      for (int ps : {1, 2, 4}) {
+        const int smem_s = std::max(w8s_smem(H / 32, ps).total, w8s_smem(I / 32, ps).total);
+        w8s_fits[ps == 4 ? 2 : ps - 1] = smem_s <= optin;
+        for (bool lo : {false, true})
+          for (auto k : {w8s_fn<true, false>(lo, ps), w8s_fn<true, true>(lo, ps), w8s_fn<false, false>(lo, ps),
+                         w8s_fn<false, true>(lo, ps)})
+            DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_s));
+      }
     }
     DZ_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
   }
@@ -1547,10 +1786,12 @@ struct MoeLayer::Impl {
     check(opt.fused_w4a8_tiles >= 0 && opt.fused_w4a8_tiles <= 2, DZ_ERR_INVALID_ARGUMENT,
           "fused_w4a8_tiles must be 0 (auto), 1 or 2, not ", opt.fused_w4a8_tiles);
     const int tiles = opt.fused_w4a8_tiles ? opt.fused_w4a8_tiles : w8_tiles(T);
-    const bool w4a8 = opt.fused_w4a8 && double(T) * s.topk / E <= opt.fused_w4a8_max_tokens_per_expert &&
-                      int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
-    const int ks8 = w8_split(T);
     const bool images = opt.fused_w4a8_images && T <= img_tokens;
+    // Without images (staged in the blocks) W4A8 only up to fused_w4a8_stream_above tokens an expert.
+    const double tpe = double(T) * s.topk / E;
+    const bool w4a8 = opt.fused_w4a8 && tpe <= opt.fused_w4a8_max_tokens_per_expert &&
+                      (images || tpe <= opt.fused_w4a8_stream_above) && int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
+    const int ks8 = w8_split(T);
     W4Args d = a;  // down
     d.blocks = w.w2_blocks, d.scales = w.w2_scales, d.bias = w.b2;
     d.act = act16.get(), d.act_scale = nullptr;
@@ -1559,8 +1800,9 @@ struct MoeLayer::Impl {
     // Both projections on the W4A8 kernels with two terms: gate_up writes down's images.
     const bool chained = images && w4a8 && opt.fused_w4a8_terms == 2 && w8(2 * I, a) && w8(H, d);
     if (chained) a.next_img = w8_img_down.get(), a.next_img_bytes = w8_image_bytes(d.kpad);
-    launch_w4<true>(ks, ks8, pdl, w4a8, tiles, 2 * I, max_active, st, a, images ? T * s.topk : 0);
-    launch_w4<false>(ks, ks8, pdl, w4a8, tiles, H, max_active, st, d, images ? T * s.topk : 0, chained);
+    const int passes = w8_passes(T);
+    launch_w4<true>(ks, ks8, pdl, w4a8, tiles, passes, 2 * I, max_active, st, a, images ? T * s.topk : 0);
+    launch_w4<false>(ks, ks8, pdl, w4a8, tiles, passes, H, max_active, st, d, images ? T * s.topk : 0, chained);
     const bool v8 = vec8(y32.get(), nullptr, out);
     const auto comb = v8 ? (pdl ? combine_kernel<float, false, true, true> : combine_kernel<float, false, false, true>)
                          : (pdl ? combine_kernel<float, false, true> : combine_kernel<float, false, false>);
@@ -1589,8 +1831,9 @@ struct MoeLayer::Impl {
   template <bool G>
   // img_slots: the routed slots whose activations go through images (0: staged in the kernel);
   // img_written: the previous kernel wrote them (down's, by gate_up).
-  void launch_w4(int ks, int ks8, bool pdl, bool w4a8, int tiles, int rows, unsigned max_active, cudaStream_t st,
-                 W4Args a, int img_slots, bool img_written = false) {
+  // passes: > 0, the streamed W4A8 kernel with that many passes a read of the weights (where images run).
+  void launch_w4(int ks, int ks8, bool pdl, bool w4a8, int tiles, int passes, int rows, unsigned max_active,
+                 cudaStream_t st, W4Args a, int img_slots, bool img_written = false) {
     if (w4a8 && w8(rows, a)) {  // two warpgroups a block: two 64-row tiles, or one split over K
       CUtensorMap map;
       const cuuint64_t dims[2] = {cuuint64_t(a.nsub) * 16, cuuint64_t(s.n_experts) * rows};
@@ -1599,8 +1842,6 @@ struct MoeLayer::Impl {
       encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks, dims, strides, box,
                         CU_TENSOR_MAP_SWIZZLE_128B, G ? "MoE gate_up blocks" : "MoE down blocks");
       if (ks8 == 2) tiles = 1;
-      const int per_block = w8_rows_per_block(ks8, tiles);
-      const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
       const bool lo = opt.fused_w4a8_terms == 2;
       // (One token's gate_up converts its input itself.)
       const bool img_kernel = !img_written && img_slots > 0 && !(G && a.direct);
@@ -1611,6 +1852,14 @@ struct MoeLayer::Impl {
         launch(lo ? w8_image_kernel<G, true> : w8_image_kernel<G, false>, dim3((warps + 7) / 8), dim3(256), 0, st, pdl,
                a, img_slots, img);
       }
+      if (passes > 0 && ks8 == 1 && a.img) {  // activations streamed by stage, passes a read of the weights
+        const dim3 grid(unsigned((rows + 64 * kW8Consumers - 1) / (64 * kW8Consumers)), max_active);
+        launch(pdl ? w8s_fn<G, true>(lo, passes) : w8s_fn<G, false>(lo, passes), grid, dim3(kW8Threads),
+               size_t(w8s_smem(a.nsub, passes).total), st, pdl, a, map);
+        return;
+      }
+      const int per_block = w8_rows_per_block(ks8, tiles);
+      const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
       launch(pdl ? w8_fn<G, true>(ks8, lo, tiles) : w8_fn<G, false>(ks8, lo, tiles), grid, dim3(kW8Threads),
              size_t(w8_smem(a.nsub, a.kpad, tiles).total), st, pdl, a, map);
       return;
@@ -1639,6 +1888,22 @@ struct MoeLayer::Impl {
     if (tpe >= 1.0) return tpe < 1.5 ? 2 : 1;
     const double reached = E * (1.0 - std::pow(1.0 - double(s.topk) / E, double(T)));
     return reached * std::ceil(2.0 * s.intermediate / w8_rows_per_block(1, 2)) >= 3.0 * kW8BlocksPerSm * n_sms ? 2 : 1;
+  }
+
+  // Passes a read of the weights for the streamed W4A8 kernels (0: the
+  // whole-image kernels): MoeOptions::fused_w4a8_passes, or auto.
+  int w8_passes(int T) const {
+    int p = opt.fused_w4a8_passes;
+    check(p >= -1 && p <= 4 && p != 3, DZ_ERR_INVALID_ARGUMENT,
+          "fused_w4a8_passes must be -1 (off), 0 (auto), 1, 2 or 4, not ", p);
+    if (p < 0) return 0;
+    if (p == 0) {
+      const double tpe = double(T) * s.topk / s.n_experts;
+      const int pass = opt.fused_w4a8_terms == 2 ? kW4Tokens / 2 : kW4Tokens;
+      if (tpe <= opt.fused_w4a8_stream_above) return 0;
+      p = tpe * 1.5 <= pass ? 1 : tpe * 1.5 <= 2 * pass ? 2 : 4;
+    }
+    return w8s_fits[p == 4 ? 2 : p - 1] ? p : 0;
   }
 
   // The fused kernels' K split for T tokens.

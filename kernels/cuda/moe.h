@@ -88,13 +88,14 @@ struct MoeOptions {
   // Up to 4 tokens an expert since the activation images below
   // (bench/results/2026-12-03-h200-run106.md, run 105): 120b shapes 128 / 256
   // tokens (4 / 8 an expert) 683 / 1129 vs W4A16 703 / 953 us; 32 experts 32
-  // / 64 tokens 195 / 306 vs 192 / 241.
+  // / 64 tokens 195 / 306 vs 192 / 241. Up to 16 since the streamed
+  // activations below (fused_w4a8_passes; run 121).
   // One token: since down's images come from gate_up (run 112) the W4A8
   // kernels (two terms, K split 2) win the layer alone, 32.3 vs W4A16 34.5 us
   // (run 113), but lose the gpt-oss-20b decode step they sit in: 2.010-2.053
   // vs 1.928-1.954 ms, four alternating pairs (2026-12-03-h200-run119.md).
   bool fused_w4a8 = true;
-  double fused_w4a8_max_tokens_per_expert = 4.0;
+  double fused_w4a8_max_tokens_per_expert = 16.0;
   int fused_w4a8_min_slots = 4;
   int fused_w4a8_terms = 2;
   // W4A8 kernels: each pass's activations quantized once (by a small kernel
@@ -122,14 +123,30 @@ struct MoeOptions {
   // 8 / 12 / 16 / 24 tokens 89.6 / 148.0 / 189.9 / 245.9 / 315.8 vs 98.7 / 149.8 / 182.6 / 233.9 / 292.4 us (2.5 waves
   // of two-tile blocks at 8 tokens, 3.5 at 12); 32 experts 4 / 8 tokens 85.2 / 120.4 vs 95.4 / 110.4.
   int fused_w4a8_tiles = 0;
+  // W4A8 kernels with activation images: the activations streamed into each
+  // ring stage beside its weights, for fused_w4a8_passes passes (4 tokens of
+  // an expert each with two terms, 8 with one) a read of the weights: 1, 2 or
+  // 4; -1 never; 0 (auto) above fused_w4a8_stream_above tokens an expert on
+  // average, as many passes as 1.5x that average needs (the same bits either
+  // way). Without images (more tokens than they are sized for) W4A8 runs up
+  // to fused_w4a8_stream_above only. H200 (bench/results/2026-12-04-h200-run121.md),
+  // two terms, streamed (4 passes) vs whole images vs W4A16: 120b shapes 256 /
+  // 384 tokens (8 / 12 an expert) 775 / 952 vs 1065 / 1454 vs 926 / 1070 us;
+  // 32 experts 64 / 96 / 128 tokens (8 / 12 / 16) 215 / 277 / 340 vs 296 /
+  // 418 / 505 vs 242 / 305 / 386; at 4 an expert 660 vs 651 (120b, 128
+  // tokens) and 177 vs 194 (32 experts, 32 tokens); at 2 streaming loses
+  // (120b, 64 tokens: 493 vs 462).
+  int fused_w4a8_passes = 0;
+  double fused_w4a8_stream_above = 4.0;
   // E4M3 arithmetic at every size (DZ_EXPERTS_FP8): one E4M3 term a value,
-  // W4A8 kernels at every slot count up to 8 tokens an expert (faster than
-  // the FP8 GEMM path there: run 16), the FP8 path above.
+  // W4A8 kernels at every slot count up to 16 tokens an expert (8 before the
+  // streamed activations; 120b shapes at 16: 826 us vs the FP8 path's 1231,
+  // run 121), the FP8 path above.
   void use_e4m3_activations() {
     fused_w4a8 = true;
     fused_w4a8_terms = 1;
     fused_w4a8_min_slots = 0;
-    fused_max_tokens_per_expert = fused_w4a8_max_tokens_per_expert = 8.0;
+    fused_max_tokens_per_expert = fused_w4a8_max_tokens_per_expert = 16.0;
   }
   // Grouped FP8 GEMM blocks (0: one per SM); fewer leave SMs to the next tile's
   // weight folding, which runs concurrently on the aux stream.

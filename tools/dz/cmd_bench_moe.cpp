@@ -341,8 +341,10 @@ int bench_moe(const Args& a) {
       // launch on/off); the default options are what "fused_ms" reports.
       // W4A8 variants run at every size; defaults: the options as given.
       auto time_fused = [&](int ks, bool pdl, bool direct = true, int w4a8_terms = 0, bool defaults = false,
-                            int w4a8_tiles = 0) {
+                            int w4a8_tiles = 0, int w4a8_passes = -1) {
         if (!defaults) {
+          layer.options().fused_w4a8_passes = w4a8_passes;
+          layer.options().fused_w4a8_stream_above = 1e9;  // W4A8 staged (no images) at any size
           layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
           layer.options().fused_w4a8 = w4a8_terms > 0;
           layer.options().fused_w4a8_terms = std::max(1, w4a8_terms);
@@ -370,6 +372,7 @@ int bench_moe(const Args& a) {
       };
       nlohmann::json variants = nlohmann::json::object();
       double images_diff = -1;  // W4A8 with activation images vs staged in the blocks (max abs; -1: not run)
+      double stream_diff = -1;  // W4A8 streamed activations vs whole images (max abs; -1: not run)
       if (T <= 4096) {
         // K split over 1, 4 or 8 warps (8 only up to 64 tokens, with PDL).
         for (int ks : {1, 4, 8})
@@ -389,7 +392,27 @@ int bench_moe(const Args& a) {
             for (int ks : {1, 4})
               variants[name + "_ks" + std::to_string(ks) + "_pdl"] = time_fused(ks, true, true, terms, false, 1);
             variants[name + "_ks1_t2_pdl"] = time_fused(1, true, true, terms, false, 2);
+            // Activations streamed by stage, 1 / 2 / 4 passes a read of the weights (_s1, _s2, _s4).
+            for (int ps : {1, 2, 4})
+              variants[name + "_s" + std::to_string(ps) + "_pdl"] = time_fused(1, true, true, terms, false, 1, ps);
           }
+        // The streamed kernels against the whole-image ones (two terms, one tile a warpgroup): max abs, 0 = same bits.
+        if (Fp8GroupedGemm::supported() && T <= 512) {
+          std::vector<float> h0(size_t(T) * H), hv(h0.size());
+          stream_diff = 0;
+          for (int ps : {-1, 1, 2, 4}) {
+            MoeOptions& o = layer.options();
+            o.fused_w4a8 = true, o.fused_w4a8_terms = 2, o.fused_w4a8_tiles = 1, o.fused_k_split = 1;
+            o.fused_w4a8_max_tokens_per_expert = 1e9, o.fused_w4a8_min_slots = 0, o.fused_w4a8_passes = ps;
+            layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
+            ctx.sync();
+            DZ_CUDA_CHECK(cudaMemcpy((ps < 0 ? h0 : hv).data(), out_f.get(), h0.size() * 4, cudaMemcpyDeviceToHost));
+            layer.options() = opt;
+            if (ps > 0)
+              for (size_t i = 0; i < h0.size(); ++i)
+                stream_diff = std::max(stream_diff, double(std::fabs(h0[i] - hv[i])));
+          }
+        }
         // Two terms with each block staging its activations itself (no image kernels), and
         // whether both ways give the same bits (routing set 0, each K split / tiles variant).
         if (Fp8GroupedGemm::supported() && T <= 512) {
@@ -405,6 +428,7 @@ int bench_moe(const Args& a) {
                 MoeOptions& o = layer.options();
                 o.fused_w4a8 = true, o.fused_w4a8_terms = 2, o.fused_w4a8_tiles = tl, o.fused_k_split = ks;
                 o.fused_w4a8_max_tokens_per_expert = 1e9, o.fused_w4a8_min_slots = 0, o.fused_w4a8_images = images;
+                o.fused_w4a8_passes = -1, o.fused_w4a8_stream_above = 1e9;
                 layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
                 ctx.sync();
                 DZ_CUDA_CHECK(
@@ -513,6 +537,7 @@ int bench_moe(const Args& a) {
           {"fp8_host_ms", median(host)},
           {"fused_variants_ms", variants},
           {"w4a8_images_vs_staged_max_abs", images_diff},
+          {"w4a8_streamed_vs_images_max_abs", stream_diff},
           {"fp8_gemm_ms", gemm_ms},
           {"fp8_gemm_diff_vs_first", gemm_diff},
       };
