@@ -372,7 +372,7 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
     case DZ_EXPERTS_NATIVE:
       path_ = cuda::MoePath::kFused;
       break;              // MXFP4 decoded in registers
-    case DZ_EXPERTS_FP8:  // E4M3 arithmetic at every size: fused W4A8 kernels, FP8 GEMMs above 8 tokens an expert
+    case DZ_EXPERTS_FP8:  // E4M3 arithmetic at every size: fused W4A8 kernels, FP8 GEMMs above 16 tokens an expert
       path_ = cuda::MoePath::kAuto;
       fp8_experts_ = true;
       break;
