@@ -846,6 +846,79 @@ __device__ __forceinline__ void w8_sub_scales(uint32_t addr, float (&f)[4]) {
   f[0] = __uint_as_float((v01 << 23) & 0x7F800000u), f[1] = __uint_as_float((v01 << 15) & 0x7F800000u);
   f[2] = __uint_as_float((v23 << 23) & 0x7F800000u), f[3] = __uint_as_float((v23 << 15) & 0x7F800000u);
 }
+
+// This lane's words of rows rA / rB of a ring stage's box (64 rows x 128
+// bytes, the copy engine's 128-byte swizzle): word u of each row's 8 is
+// sub-block u's word t.
+__device__ __forceinline__ void w8_box_words(uint32_t box, int rA, int rB, int t, uint32_t (&wa)[8],
+                                             uint32_t (&wb)[8]) {
+  const uint32_t pa = box + rA * kW8Row + 4 * t, pb = box + rB * kW8Row + 4 * t;
+#pragma unroll
+  for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * (u ^ (rA & 7))), wb[u] = lds32(pb + 16 * (u ^ (rB & 7)));
+}
+
+// The MMA fragments of chunk cc of a stage's words: sub-block b's even and
+// odd nibbles of rows A and B as E4M3.
+__device__ __forceinline__ void w8_fragments(const uint32_t (&wa)[8], const uint32_t (&wb)[8], int cc,
+                                             uint32_t (&af)[4][4]) {
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    af[b][0] = e2m1_even_to_e4m3(wa[4 * cc + b]), af[b][1] = e2m1_even_to_e4m3(wb[4 * cc + b]);
+    af[b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
+  }
+}
+
+// Chunk c's sub-block scales of rows A and B (scA / scB: the rows' scales in
+// shared memory); guard: sub-blocks past K (nsub) get 0 (their bytes are the
+// next row's).
+__device__ __forceinline__ void w8_chunk_scales(uint32_t scA, uint32_t scB, int c, bool guard, int nsub, float (&fA)[4],
+                                                float (&fB)[4]) {
+  w8_sub_scales(scA + 4 * c, fA), w8_sub_scales(scB + 4 * c, fB);
+  if (guard)
+#pragma unroll
+    for (int b = 0; b < 4; ++b)
+      if (4 * c + b >= nsub) fA[b] = fB[b] = 0.f;
+}
+
+// A chunk's four MMAs (sub-block b: fragments af[b], activations at
+// descriptor d0 + b sub-blocks) into fresh accumulators q[b], waited for.
+__device__ __forceinline__ void w8_mma4(const uint32_t (&af)[4][4], uint32_t d0, float (&q)[4][4]) {
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int b = 0; b < 4; ++b)
+    wgmma_rs_m64n8k32(q[b], af[b][0], af[b][1], af[b][2], af[b][3], d0 + uint32_t(b * (kW8SubBytes >> 4)));
+  ptx::wgmma_commit();
+  ptx::wgmma_wait0();
+}
+
+// A chunk's four MMA results q[b] (sub-block b) into the accumulators: each
+// times its sub-block's scale, and (kFixed false) the chunk's activation
+// scales of this lane's columns, at xs_addr (two floats). The order of the
+// sums is fixed: every W4A8 kernel gives the same bits.
+template <bool kFixed>
+__device__ __forceinline__ void w8_fold(float (&q)[4][4], const float (&fA)[4], const float (&fB)[4], uint32_t xs_addr,
+                                        float (&acc)[4]) {
+  if (!kFixed) {
+    float pA[2] = {0.f, 0.f}, pB[2] = {0.f, 0.f};
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[b][i])::"memory");
+      pA[0] += q[b][0] * fA[b], pA[1] += q[b][1] * fA[b];
+      pB[0] += q[b][2] * fB[b], pB[1] += q[b][3] * fB[b];
+    }
+    const float x0 = __uint_as_float(lds32(xs_addr)), x1 = __uint_as_float(lds32(xs_addr + 4));
+    acc[0] += pA[0] * x0, acc[1] += pA[1] * x1, acc[2] += pB[0] * x0, acc[3] += pB[1] * x1;
+  } else {  // down: one fixed scale, in the epilogue
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[b][i])::"memory");
+      acc[0] += q[b][0] * fA[b], acc[1] += q[b][1] * fA[b];
+      acc[2] += q[b][2] * fB[b], acc[3] += q[b][3] * fB[b];
+    }
+  }
+}
 #endif
 
 // kLo: two E4M3 terms a token (x / scale = hi + lo, lo the E4M3 rounding of
@@ -1013,9 +1086,7 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
     uint32_t scA = 0, scB = 0;  // this tile's scales of rows A and B
     auto stage = [&](uint32_t box, int c0, bool guard, auto release) {
       uint32_t wa[8], wb[8];
-      const uint32_t pa = box + rA * kW8Row + 4 * t, pb = box + rB * kW8Row + 4 * t;
-#pragma unroll
-      for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * (u ^ (rA & 7))), wb[u] = lds32(pb + 16 * (u ^ (rB & 7)));
+      w8_box_words(box, rA, rB, t, wa, wb);
       release();
       const int nc = guard ? min(2, nch - c0) : 2;
       const uint32_t d0 = desc_lo + uint32_t(4 * c0 * (kW8SubBytes >> 4));
@@ -1025,52 +1096,17 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
 #pragma unroll
       for (int cc = 0; cc < 2; ++cc) {
         uint32_t af[4][4];
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          af[b][0] = e2m1_even_to_e4m3(wa[4 * cc + b]), af[b][1] = e2m1_even_to_e4m3(wb[4 * cc + b]);
-          af[b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
-        }
+        w8_fragments(wa, wb, cc, af);
         // No branch around the MMAs (the compiler would serialize them): a chunk
         // past K has zero weights (the copy engine's fill) and reads the
         // stage's first chunk of activations, giving exact zeros, unused.
         float q[4][4];
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int b = 0; b < 4; ++b)
-          wgmma_rs_m64n8k32(q[b], af[b][0], af[b][1], af[b][2], af[b][3],
-                            d0 + uint32_t((4 * (cc < nc ? cc : 0) + b) * (kW8SubBytes >> 4)));
-        ptx::wgmma_commit();
-        ptx::wgmma_wait0();
+        w8_mma4(af, d0 + uint32_t(4 * (cc < nc ? cc : 0) * (kW8SubBytes >> 4)), q);
         if (cc >= nc) break;
         const int c = c0 + cc;
-        // Sub-block scales 4c..4c+3 of rows A and B.
         float fA[4], fB[4];
-        w8_sub_scales(scA + 4 * c, fA), w8_sub_scales(scB + 4 * c, fB);
-        if (guard)  // sub-blocks past K: zero weights, and bytes of the next row for scales
-#pragma unroll
-          for (int b = 0; b < 4; ++b)
-            if (4 * c + b >= a.nsub) fA[b] = fB[b] = 0.f;
-        if (!w8_fixed(kGateUp, kLo)) {  // the chunk's activation scales
-          float pA[2] = {0.f, 0.f}, pB[2] = {0.f, 0.f};
-#pragma unroll
-          for (int b = 0; b < 4; ++b) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[b][i])::"memory");
-            pA[0] += q[b][0] * fA[b], pA[1] += q[b][1] * fA[b];
-            pB[0] += q[b][2] * fB[b], pB[1] += q[b][3] * fB[b];
-          }
-          const float x0 = __uint_as_float(lds32(xs0 + (c * kW4Tokens + 2 * t) * 4));
-          const float x1 = __uint_as_float(lds32(xs0 + (c * kW4Tokens + 2 * t + 1) * 4));
-          acc[0] += pA[0] * x0, acc[1] += pA[1] * x1, acc[2] += pB[0] * x0, acc[3] += pB[1] * x1;
-        } else {  // down: one fixed scale, in the epilogue
-#pragma unroll
-          for (int b = 0; b < 4; ++b) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[b][i])::"memory");
-            acc[0] += q[b][0] * fA[b], acc[1] += q[b][1] * fA[b];
-            acc[2] += q[b][2] * fB[b], acc[3] += q[b][3] * fB[b];
-          }
-        }
+        w8_chunk_scales(scA, scB, c, guard, a.nsub, fA, fB);
+        w8_fold<w8_fixed(kGateUp, kLo)>(q, fA, fB, xs0 + (c * kW4Tokens + 2 * t) * 4, acc);
       }
     };
     const int full_chunks = a.nsub / 4;  // chunks wholly inside K
@@ -1271,60 +1307,24 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
       const bool guard = c0 + 2 > full_chunks;
       ptx::mbar_wait(full(wg, st), (n / S) & 1);
       uint32_t wa[8], wb[8];
-      const uint32_t box = wbox(wg, st), pa = box + rA * kW8Row + 4 * t, pb = box + rB * kW8Row + 4 * t;
-#pragma unroll
-      for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * (u ^ (rA & 7))), wb[u] = lds32(pb + 16 * (u ^ (rB & 7)));
+      w8_box_words(wbox(wg, st), rA, rB, t, wa, wb);
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(wempty(wg, st));
 #pragma unroll
       for (int cc = 0; cc < 2; ++cc) {
         uint32_t af[4][4];
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          af[b][0] = e2m1_even_to_e4m3(wa[4 * cc + b]), af[b][1] = e2m1_even_to_e4m3(wb[4 * cc + b]);
-          af[b][2] = e2m1_odd_to_e4m3(wa[4 * cc + b]), af[b][3] = e2m1_odd_to_e4m3(wb[4 * cc + b]);
-        }
+        w8_fragments(wa, wb, cc, af);
         float fA[4], fB[4];
-        w8_sub_scales(scA + 4 * (c0 + cc), fA), w8_sub_scales(scB + 4 * (c0 + cc), fB);
-        if (guard)  // sub-blocks past K: zero weights, and bytes of the next row for scales
-#pragma unroll
-          for (int b = 0; b < 4; ++b)
-            if (4 * (c0 + cc) + b >= a.nsub) fA[b] = fB[b] = 0.f;
+        w8_chunk_scales(scA, scB, c0 + cc, guard, a.nsub, fA, fB);
 #pragma unroll
         for (int p = 0; p < kP; ++p) {
           if (p > 0 && p >= np) break;  // (a group has a first pass: no branch around its MMAs)
           // A chunk past K (zero weights) reads the stage's first chunk of activations: exact zeros, unused.
           const uint32_t d0 = w8_desc_lo(abox(wg, st, p)) + uint32_t(4 * (cc < nc ? cc : 0) * (kW8SubBytes >> 4));
           float q[4][4];
-          ptx::wgmma_fence();
-#pragma unroll
-          for (int b = 0; b < 4; ++b)
-            wgmma_rs_m64n8k32(q[b], af[b][0], af[b][1], af[b][2], af[b][3], d0 + uint32_t(b * (kW8SubBytes >> 4)));
-          ptx::wgmma_commit();
-          ptx::wgmma_wait0();
+          w8_mma4(af, d0, q);
           if (cc >= nc) continue;
-          // (The whole-image kernels' order of the sums: the same bits.)
-          if (!kFixed) {  // the chunk's activation scales
-            float pA[2] = {0.f, 0.f}, pB[2] = {0.f, 0.f};
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-#pragma unroll
-              for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[b][i])::"memory");
-              pA[0] += q[b][0] * fA[b], pA[1] += q[b][1] * fA[b];
-              pB[0] += q[b][2] * fB[b], pB[1] += q[b][3] * fB[b];
-            }
-            const uint32_t xsa = xbox(wg, st, p) + (cc * kW4Tokens + 2 * t) * 4;
-            const float x0 = __uint_as_float(lds32(xsa)), x1 = __uint_as_float(lds32(xsa + 4));
-            acc[p][0] += pA[0] * x0, acc[p][1] += pA[1] * x1, acc[p][2] += pB[0] * x0, acc[p][3] += pB[1] * x1;
-          } else {  // down: one fixed scale, in the epilogue
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-#pragma unroll
-              for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[b][i])::"memory");
-              acc[p][0] += q[b][0] * fA[b], acc[p][1] += q[b][1] * fA[b];
-              acc[p][2] += q[b][2] * fB[b], acc[p][3] += q[b][3] * fB[b];
-            }
-          }
+          w8_fold<kFixed>(q, fA, fB, xbox(wg, st, p) + (cc * kW4Tokens + 2 * t) * 4, acc[p]);
         }
       }
       __syncwarp();
