@@ -828,6 +828,18 @@ __device__ __forceinline__ void wgmma_rs_m64n8k32(float (&d)[4], uint32_t a0, ui
       : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(db_lo), "r"(kW8DescHi));
 }
+// d = A(64 x 32, registers) * B(16 x 32, shared)^T, E4M3: B's second 8 rows
+// (columns 8..15 of d, in d[4..7]) lie sbo bytes after its first.
+template <int kSbo>
+__device__ __forceinline__ void wgmma_rs_m64n16k32(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                   uint32_t db_lo) {
+  asm volatile(
+      "{\n.reg .b64 db;\nmov.b64 db, {%12, %13};\n"
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, db, "
+      "0, 1, 1;\n}\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(db_lo), "n"(kSbo >> 4));
+}
 __device__ __forceinline__ uint32_t lds16(uint32_t addr) {
   uint16_t v;
   asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
@@ -850,16 +862,20 @@ __device__ __forceinline__ void w8_sub_scales(uint32_t addr, float (&f)[4]) {
 // This lane's words of rows rA / rB of a ring stage's box (64 rows x 128
 // bytes, the copy engine's 128-byte swizzle): word u of each row's 8 is
 // sub-block u's word t.
-__device__ __forceinline__ void w8_box_words(uint32_t box, int rA, int rB, int t, uint32_t (&wa)[8],
-                                             uint32_t (&wb)[8]) {
+// (kN words from word u0: both chunks, or chunk u0 / 4 alone.)
+template <int kN>
+__device__ __forceinline__ void w8_box_words(uint32_t box, int rA, int rB, int t, uint32_t (&wa)[kN],
+                                             uint32_t (&wb)[kN], int u0 = 0) {
   const uint32_t pa = box + rA * kW8Row + 4 * t, pb = box + rB * kW8Row + 4 * t;
 #pragma unroll
-  for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * (u ^ (rA & 7))), wb[u] = lds32(pb + 16 * (u ^ (rB & 7)));
+  for (int u = 0; u < kN; ++u)
+    wa[u] = lds32(pa + 16 * ((u0 + u) ^ (rA & 7))), wb[u] = lds32(pb + 16 * ((u0 + u) ^ (rB & 7)));
 }
 
 // The MMA fragments of chunk cc of a stage's words: sub-block b's even and
 // odd nibbles of rows A and B as E4M3.
-__device__ __forceinline__ void w8_fragments(const uint32_t (&wa)[8], const uint32_t (&wb)[8], int cc,
+template <int kN>
+__device__ __forceinline__ void w8_fragments(const uint32_t (&wa)[kN], const uint32_t (&wb)[kN], int cc,
                                              uint32_t (&af)[4][4]) {
 #pragma unroll
   for (int b = 0; b < 4; ++b) {
@@ -887,6 +903,18 @@ __device__ __forceinline__ void w8_mma4(const uint32_t (&af)[4][4], uint32_t d0,
 #pragma unroll
   for (int b = 0; b < 4; ++b)
     wgmma_rs_m64n8k32(q[b], af[b][0], af[b][1], af[b][2], af[b][3], d0 + uint32_t(b * (kW8SubBytes >> 4)));
+  ptx::wgmma_commit();
+  ptx::wgmma_wait0();
+}
+
+// The same for two passes at once, their activations kSbo bytes apart (n = 16:
+// q[b][0..3] the first pass's, q[b][4..7] the second's).
+template <int kSbo>
+__device__ __forceinline__ void w8_mma4_pair(const uint32_t (&af)[4][4], uint32_t d0, float (&q)[4][8]) {
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int b = 0; b < 4; ++b)
+    wgmma_rs_m64n16k32<kSbo>(q[b], af[b][0], af[b][1], af[b][2], af[b][3], d0 + uint32_t(b * (kW8SubBytes >> 4)));
   ptx::wgmma_commit();
   ptx::wgmma_wait0();
 }
@@ -1316,15 +1344,32 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
         w8_fragments(wa, wb, cc, af);
         float fA[4], fB[4];
         w8_chunk_scales(scA, scB, c0 + cc, guard, a.nsub, fA, fB);
-#pragma unroll
-        for (int p = 0; p < kP; ++p) {
-          if (p > 0 && p >= np) break;  // (a group has a first pass: no branch around its MMAs)
-          // A chunk past K (zero weights) reads the stage's first chunk of activations: exact zeros, unused.
-          const uint32_t d0 = w8_desc_lo(abox(wg, st, p)) + uint32_t(4 * (cc < nc ? cc : 0) * (kW8SubBytes >> 4));
+        // A chunk past K (zero weights) reads the stage's first chunk of activations: exact zeros, unused.
+        const uint32_t dc = uint32_t(4 * (cc < nc ? cc : 0) * (kW8SubBytes >> 4));
+        if (kP == 1) {
           float q[4][4];
-          w8_mma4(af, d0, q);
-          if (cc >= nc) continue;
-          w8_fold<kFixed>(q, fA, fB, xbox(wg, st, p) + (cc * kW4Tokens + 2 * t) * 4, acc[p]);
+          w8_mma4(af, w8_desc_lo(abox(wg, st, 0)) + dc, q);
+          if (cc < nc) w8_fold<kFixed>(q, fA, fB, xbox(wg, st, 0) + (cc * kW4Tokens + 2 * t) * 4, acc[0]);
+        } else {
+          // Passes two at a time, one n = 16 MMA a sub-block (a pair's second
+          // pass past the group's reads a stale slot: unused).
+#pragma unroll
+          for (int p = 0; p < kP; p += 2) {
+            if (p > 0 && p >= np) break;  // (a group has a first pass: no branch around its MMAs)
+            float q[4][8];
+            w8_mma4_pair<kW8ActStage>(af, w8_desc_lo(abox(wg, st, p)) + dc, q);
+            if (cc >= nc) continue;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              if (h && p + 1 >= np) break;
+              float qh[4][4];
+#pragma unroll
+              for (int b = 0; b < 4; ++b)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) qh[b][i] = q[b][4 * h + i];
+              w8_fold<kFixed>(qh, fA, fB, xbox(wg, st, p + h) + (cc * kW4Tokens + 2 * t) * 4, acc[p + h]);
+            }
+          }
         }
       }
       __syncwarp();
@@ -1901,7 +1946,7 @@ struct MoeLayer::Impl {
       const double tpe = double(T) * s.topk / s.n_experts;
       const int pass = opt.fused_w4a8_terms == 2 ? kW4Tokens / 2 : kW4Tokens;
       if (tpe <= opt.fused_w4a8_stream_above) return 0;
-      p = tpe * 1.5 <= pass ? 1 : tpe * 1.5 <= 2 * pass ? 2 : 4;
+      p = tpe * 1.5 <= 2 * pass ? 2 : 4;  // (one pass a read: whole images are faster)
     }
     return w8s_fits[p == 4 ? 2 : p - 1] ? p : 0;
   }

@@ -125,19 +125,21 @@ struct MoeOptions {
   int fused_w4a8_tiles = 0;
   // W4A8 kernels with activation images: the activations streamed into each
   // ring stage beside its weights, for fused_w4a8_passes passes (4 tokens of
-  // an expert each with two terms, 8 with one) a read of the weights: 1, 2 or
-  // 4; -1 never; 0 (auto) above fused_w4a8_stream_above tokens an expert on
-  // average, as many passes as 1.5x that average needs (the same bits either
-  // way). Without images (more tokens than they are sized for) W4A8 runs up
-  // to fused_w4a8_stream_above only. H200 (bench/results/2026-12-04-h200-run121.md),
-  // two terms, streamed (4 passes) vs whole images vs W4A16: 120b shapes 256 /
-  // 384 tokens (8 / 12 an expert) 775 / 952 vs 1065 / 1454 vs 926 / 1070 us;
-  // 32 experts 64 / 96 / 128 tokens (8 / 12 / 16) 215 / 277 / 340 vs 296 /
-  // 418 / 505 vs 242 / 305 / 386; at 4 an expert 660 vs 651 (120b, 128
-  // tokens) and 177 vs 194 (32 experts, 32 tokens); at 2 streaming loses
-  // (120b, 64 tokens: 493 vs 462).
+  // an expert each with two terms, 8 with one; two passes share n = 16 MMAs)
+  // a read of the weights: 1, 2 or 4; -1 never; 0 (auto) above
+  // fused_w4a8_stream_above tokens an expert on average, 2 passes where 1.5x
+  // that average fits them, else 4 (the same bits either way). Without images
+  // (more tokens than they are sized for) W4A8 runs up to
+  // fused_w4a8_stream_above only. H200 (bench/results/2026-12-04-h200-run121.md,
+  // run 122), two terms, streamed 2 / 4 passes vs whole images vs W4A16: 120b
+  // shapes 128 / 256 / 384 tokens (4 / 8 / 12 an expert) 584 / 846 / 1127 and
+  // 644 / 774 / 927 vs 648 / 1038 / 1468 vs 697 / 924 / 1075 us; 32 experts
+  // 32 / 64 / 96 / 128 tokens (4 / 8 / 12 / 16) 165 / 236 / 318 / 375 and 182 /
+  // 210 / 264 / 323 vs 193 / 294 / 417 / 503 vs 192 / 241 / 303 / 386. One pass
+  // a read loses to whole images (712 vs 648 at 4 an expert); at 2 an expert
+  // whole images won against unpaired passes (run 121: 462 vs 491).
   int fused_w4a8_passes = 0;
-  double fused_w4a8_stream_above = 4.0;
+  double fused_w4a8_stream_above = 3.0;
   // E4M3 arithmetic at every size (DZ_EXPERTS_FP8): one E4M3 term a value,
   // W4A8 kernels at every slot count up to 16 tokens an expert (8 before the
   // streamed activations; 120b shapes at 16: 826 us vs the FP8 path's 1231,
