@@ -1831,11 +1831,7 @@ struct MoeLayer::Impl {
     check(opt.fused_w4a8_tiles >= 0 && opt.fused_w4a8_tiles <= 2, DZ_ERR_INVALID_ARGUMENT,
           "fused_w4a8_tiles must be 0 (auto), 1 or 2, not ", opt.fused_w4a8_tiles);
     const int tiles = opt.fused_w4a8_tiles ? opt.fused_w4a8_tiles : w8_tiles(T);
-    const bool images = opt.fused_w4a8_images && T <= img_tokens;
-    // Without images (staged in the blocks) W4A8 only up to fused_w4a8_stream_above tokens an expert.
-    const double tpe = double(T) * s.topk / E;
-    const bool w4a8 = opt.fused_w4a8 && tpe <= opt.fused_w4a8_max_tokens_per_expert &&
-                      (images || tpe <= opt.fused_w4a8_stream_above) && int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
+    const bool images = w8_images(T), w4a8 = w8_chosen(T);
     const int ks8 = w8_split(T);
     W4Args d = a;  // down
     d.blocks = w.w2_blocks, d.scales = w.w2_scales, d.bias = w.b2;
@@ -1934,6 +1930,21 @@ struct MoeLayer::Impl {
     const double reached = E * (1.0 - std::pow(1.0 - double(s.topk) / E, double(T)));
     return reached * std::ceil(2.0 * s.intermediate / w8_rows_per_block(1, 2)) >= 3.0 * kW8BlocksPerSm * n_sms ? 2 : 1;
   }
+
+  // The W4A8 kernels' activations as images (W4Args::img) for T tokens.
+  bool w8_images(int T) const { return opt.fused_w4a8_images && T <= img_tokens; }
+
+  // The fused path takes the W4A8 kernels for T tokens (where a projection's
+  // shape allows: w8): without images (staged in the blocks) only up to
+  // fused_w4a8_stream_above tokens an expert.
+  bool w8_chosen(int T) const {
+    const double tpe = double(T) * s.topk / s.n_experts;
+    return opt.fused_w4a8 && w8_fits && tpe <= opt.fused_w4a8_max_tokens_per_expert &&
+           (w8_images(T) || tpe <= opt.fused_w4a8_stream_above) && int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
+  }
+
+  // The fused path streams the W4A8 activations for T tokens (K split 1).
+  bool w8_streams(int T) const { return w8_chosen(T) && w8_images(T) && w8_split(T) == 1 && w8_passes(T) > 0; }
 
   // Passes a read of the weights for the streamed W4A8 kernels (0: the
   // whole-image kernels): MoeOptions::fused_w4a8_passes, or auto.
@@ -2091,7 +2102,9 @@ MoeOptions& MoeLayer::options() { return p_->opt; }
 
 MoePath MoeLayer::choose(int T) const {
   const double per_expert = double(T) * shape_.topk / shape_.n_experts;
-  return per_expert <= p_->opt.fused_max_tokens_per_expert ? MoePath::kFused : MoePath::kFp8;
+  if (per_expert <= p_->opt.fused_max_tokens_per_expert) return MoePath::kFused;
+  return per_expert <= p_->opt.fused_streamed_max_tokens_per_expert && p_->w8_streams(T) ? MoePath::kFused
+                                                                                         : MoePath::kFp8;
 }
 
 void MoeLayer::forward(const MoeWeights& w, const float* x, const int* ids, const float* gw, int T, float* out,
