@@ -224,10 +224,16 @@ MoeCase make_moe(int E, int topk, int H, int I, int T, std::mt19937& rng, int s_
   return c;
 }
 // Small test layers: the fused path up to 8 tokens per expert, FP8 workspace
-// tiles of 3 experts, the fused path on its W4A16 kernels (fp16 activations:
-// the tight bounds; the default, stated).
+// tiles of 3 experts.
+MoeOptions small_options() {
+  MoeOptions o;
+  o.fused_max_tokens_per_expert = 8.0, o.tile_experts = 3;
+  return o;
+}
+// The same on the fused path's W4A16 kernels (fp16 activations: the tight
+// bounds; the default, stated).
 MoeOptions w4a16_options() {
-  MoeOptions o{8.0, 3};
+  MoeOptions o = small_options();
   o.fused_w4a8 = false;
   return o;
 }
@@ -478,7 +484,8 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
         for (int k = 0; k < c.topk; ++k) c.ids[size_t(t * c.topk + k)] = (k + t) % c.topk;
     INFO("E " << c.E << " topk " << c.topk << " H " << c.H << " I " << c.I << " T " << c.T << " crowd " << cs.crowd
               << " scales " << cs.s_lo << ".." << cs.s_hi << " act " << cs.act);
-    MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, 64, MoeOptions{8.0, 3});
+    const MoeOptions base = small_options();
+    MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, 64, base);
     Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
     Dev<uint16_t> b1(c.b1), b2(c.b2);
     Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
@@ -514,7 +521,7 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
         break;
       }
       INFO((w4a8 ? "W4A8, E4M3 terms " : "W4A16") << terms);
-      layer.options() = MoeOptions{8.0, 3};
+      layer.options() = base;
       layer.options().fused_w4a8 = w4a8;
       layer.options().fused_w4a8_terms = std::max(1, terms);
       layer.options().fused_w4a8_max_tokens_per_expert = 1e9;  // also crowded experts: several passes

@@ -46,13 +46,6 @@ struct MoeOptions {
   // paths cross at ~14 and ~15 (16 before the FP8 path's idle warpgroups
   // stopped multiplying padding rows).
   double fused_max_tokens_per_expert = 14.0;
-  // Fused path also up to this many tokens an expert where its W4A8 kernels
-  // stream the activations (fused_w4a8_passes): H200 (run 123,
-  // bench/results/2026-12-04-h200-run121.md), 16 tokens an expert: 128 experts
-  // 1.130 vs the FP8 path's 1.250 ms, 32 experts 0.319 vs 0.360 ms; the
-  // gpt-oss-20b decode step at 128 sessions (16 an expert, now in CUDA graphs)
-  // 9.92-9.98 vs 11.11-11.16 ms (run 124, alternating).
-  double fused_streamed_max_tokens_per_expert = 16.0;
   int tile_experts = 16;  // experts per FP8 workspace tile (two tiles in flight; more than the layer has: all)
   int gemm_streams = 4;   // experts of a tile run concurrently on this many streams
   int fused_k_split = 0;  // fused kernels: K split over 1, 4 or 8 warps (0: 4 up to 8 token slots, else 1)
@@ -147,6 +140,13 @@ struct MoeOptions {
   // whole images won against unpaired passes (run 121: 462 vs 491).
   int fused_w4a8_passes = 0;
   double fused_w4a8_stream_above = 3.0;
+  // Fused path also up to this many tokens an expert where its W4A8 kernels
+  // stream the activations (fused_w4a8_passes): H200 (run 123,
+  // bench/results/2026-12-04-h200-run121.md), 16 tokens an expert: 128 experts
+  // 1.130 vs the FP8 path's 1.250 ms, 32 experts 0.319 vs 0.360 ms; the
+  // gpt-oss-20b decode step at 128 sessions (16 an expert, now in CUDA graphs)
+  // 9.92-9.98 vs 11.11-11.16 ms (run 124, alternating).
+  double fused_streamed_max_tokens_per_expert = 16.0;
   // E4M3 arithmetic at every size (DZ_EXPERTS_FP8): one E4M3 term a value,
   // W4A8 kernels at every slot count up to 16 tokens an expert (8 before the
   // streamed activations; 120b shapes at 16: 826 us vs the FP8 path's 1231,
