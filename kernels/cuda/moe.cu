@@ -862,20 +862,16 @@ __device__ __forceinline__ void w8_sub_scales(uint32_t addr, float (&f)[4]) {
 // This lane's words of rows rA / rB of a ring stage's box (64 rows x 128
 // bytes, the copy engine's 128-byte swizzle): word u of each row's 8 is
 // sub-block u's word t.
-// (kN words from word u0: both chunks, or chunk u0 / 4 alone.)
-template <int kN>
-__device__ __forceinline__ void w8_box_words(uint32_t box, int rA, int rB, int t, uint32_t (&wa)[kN],
-                                             uint32_t (&wb)[kN], int u0 = 0) {
+__device__ __forceinline__ void w8_box_words(uint32_t box, int rA, int rB, int t, uint32_t (&wa)[8],
+                                             uint32_t (&wb)[8]) {
   const uint32_t pa = box + rA * kW8Row + 4 * t, pb = box + rB * kW8Row + 4 * t;
 #pragma unroll
-  for (int u = 0; u < kN; ++u)
-    wa[u] = lds32(pa + 16 * ((u0 + u) ^ (rA & 7))), wb[u] = lds32(pb + 16 * ((u0 + u) ^ (rB & 7)));
+  for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * (u ^ (rA & 7))), wb[u] = lds32(pb + 16 * (u ^ (rB & 7)));
 }
 
 // The MMA fragments of chunk cc of a stage's words: sub-block b's even and
 // odd nibbles of rows A and B as E4M3.
-template <int kN>
-__device__ __forceinline__ void w8_fragments(const uint32_t (&wa)[kN], const uint32_t (&wb)[kN], int cc,
+__device__ __forceinline__ void w8_fragments(const uint32_t (&wa)[8], const uint32_t (&wb)[8], int cc,
                                              uint32_t (&af)[4][4]) {
 #pragma unroll
   for (int b = 0; b < 4; ++b) {
@@ -948,6 +944,37 @@ __device__ __forceinline__ void w8_fold(float (&q)[4][4], const float (&fA)[4], 
   }
 }
 #endif
+
+// A W4A8 tile's results for one pass (acc: this lane's MMA columns 2t, 2t + 1
+// of rows A and B) into the outputs: gate_up's SwiGLU (and, with two terms and
+// a.next_img, down's image img of the pass), down's rows with their biases.
+// row0: the pass's first sorted row; m: its tokens; ts(j, tok): gate_up's
+// input scale of this lane's column j.
+template <bool kGateUp, bool kLo, typename Ts>
+__device__ __forceinline__ void w8_store_pass(const W4Args& a, float (&acc)[4], int row0, int m, int64_t img, int T0,
+                                              int rA, int rB, int t, float biasA, float biasB, Ts ts) {
+  // The E2M1 placement's 2^-6 (and down's fixed activation scale).
+  constexpr float kPost = w8_fixed(kGateUp, kLo) ? 64.f / kW8DownInv : 64.f;
+  if (kLo) {  // hi + lo terms of token t
+    constexpr float kLoPost = kGateUp ? 1.f : 1.f / kW8DownLo;
+    acc[0] += acc[1] * kLoPost, acc[2] += acc[3] * kLoPost;
+  }
+#pragma unroll
+  for (int j = 0; j < (kLo ? 1 : 2); ++j) {
+    const int tok = kLo ? t : 2 * t + j;
+    if (tok >= m) continue;
+    const int row = row0 + tok;
+    if (kGateUp) {
+      const float x = ts(j, tok);
+      const __half h = __float2half_rn(swiglu(acc[j] * kPost * x + biasA, acc[2 + j] * kPost * x + biasB));
+      a.out_act[int64_t(row) * a.out_ld + ((T0 + rA) >> 1)] = h;
+      if (kLo && a.next_img) w8_down_put(a.next_img + img * a.next_img_bytes, (T0 + rA) >> 1, tok, h);
+    } else {
+      a.out_y[int64_t(row) * a.rows + T0 + rA] = acc[j] * kPost + biasA;
+      a.out_y[int64_t(row) * a.rows + T0 + rB] = acc[2 + j] * kPost + biasB;
+    }
+  }
+}
 
 // kLo: two E4M3 terms a token (x / scale = hi + lo, lo the E4M3 rounding of
 // the remainder: ~8 significant bits, as BF16), staged as MMA columns 2i and
@@ -1170,28 +1197,8 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
         acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
       }
       if (!active) continue;
-      // The E2M1 placement's 2^-6 (and down's fixed activation scale).
-      constexpr float kPost = w8_fixed(kGateUp, kLo) ? 64.f / kW8DownInv : 64.f;
-      if (kLo) {  // hi + lo terms of token t
-        constexpr float kLoPost = kGateUp ? 1.f : 1.f / kW8DownLo;
-        acc[0] += acc[1] * kLoPost, acc[2] += acc[3] * kLoPost;
-      }
-#pragma unroll
-      for (int j = 0; j < (kLo ? 1 : 2); ++j) {
-        const int tok = kLo ? t : 2 * t + j;
-        if (tok >= m) continue;
-        const int row = seg + base_t + tok;
-        if (kGateUp) {
-          const float v = swiglu(acc[j] * kPost * tok_scale[j] + biasA, acc[2 + j] * kPost * tok_scale[j] + biasB);
-          const __half h = __float2half_rn(v);
-          a.out_act[int64_t(row) * a.out_ld + ((T0 + rA) >> 1)] = h;
-          if (kLo && a.next_img)
-            w8_down_put(a.next_img + int64_t((seg + base_t) / kPass) * a.next_img_bytes, (T0 + rA) >> 1, tok, h);
-        } else {
-          a.out_y[int64_t(row) * a.rows + T0 + rA] = acc[j] * kPost + biasA;
-          a.out_y[int64_t(row) * a.rows + T0 + rB] = acc[2 + j] * kPost + biasB;
-        }
-      }
+      w8_store_pass<kGateUp, kLo>(a, acc, seg + base_t, m, (seg + base_t) / kPass, T0, rA, rB, t, biasA, biasB,
+                                  [&](int j, int) { return tok_scale[j]; });
     }
     if (a.img) {  // this warp is done with the pass's activations (its MMAs have completed)
       __syncwarp();
@@ -1375,34 +1382,14 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(aempty(wg, st));
     }
-    // The E2M1 placement's 2^-6 (and down's fixed activation scale).
-    constexpr float kPost = kFixed ? 64.f / kW8DownInv : 64.f;
 #pragma unroll
     for (int p = 0; p < kP; ++p) {
       if (p >= np) break;
-      if (kLo) {  // hi + lo terms of token t
-        constexpr float kLoPost = kGateUp ? 1.f : 1.f / kW8DownLo;
-        acc[p][0] += acc[p][1] * kLoPost, acc[p][2] += acc[p][3] * kLoPost;
-      }
-#pragma unroll
-      for (int j = 0; j < (kLo ? 1 : 2); ++j) {
-        const int tok = kLo ? t : 2 * t + j;
-        if (p * kPass + tok >= m) continue;
-        const int row = seg + base_t + p * kPass + tok;
-        if (kGateUp) {
-          const uint8_t* im = a.img + int64_t(img0 + gi * kP + p) * a.img_bytes;
-          const float ts =
-              *reinterpret_cast<const float*>(im + act_bytes + nch * kW4Tokens * 4 + tok * 4);  // input scale
-          const float v = swiglu(acc[p][j] * kPost * ts + biasA, acc[p][2 + j] * kPost * ts + biasB);
-          const __half h = __float2half_rn(v);
-          a.out_act[int64_t(row) * a.out_ld + ((T0 + rA) >> 1)] = h;
-          if (kLo && a.next_img)
-            w8_down_put(a.next_img + int64_t(img0 + gi * kP + p) * a.next_img_bytes, (T0 + rA) >> 1, tok, h);
-        } else {
-          a.out_y[int64_t(row) * a.rows + T0 + rA] = acc[p][j] * kPost + biasA;
-          a.out_y[int64_t(row) * a.rows + T0 + rB] = acc[p][2 + j] * kPost + biasB;
-        }
-      }
+      const int64_t img = img0 + gi * kP + p;
+      // gate_up's input scales: the image's, after its activations and their 1x128 scales.
+      const float* ts = reinterpret_cast<const float*>(a.img + img * a.img_bytes + act_bytes + nch * kW4Tokens * 4);
+      w8_store_pass<kGateUp, kLo>(a, acc[p], seg + base_t + p * kPass, m - p * kPass, img, T0, rA, rB, t, biasA, biasB,
+                                  [&](int, int tok) { return ts[tok]; });
     }
   }
 #endif
