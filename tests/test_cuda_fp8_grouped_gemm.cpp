@@ -334,8 +334,6 @@ TEST_CASE("CUDA grouped FP8 GEMM matches float64 and cuBLASLt per group", "[cuda
     for (size_t i = 0; i < scales.size(); i += 13)
       for (int j = 0; j < 16; ++j) blocks[i * 16 + size_t(j)] = (i & 1) ? 0x88 : 0x00;  // +-0 sub-blocks
     Buf<uint8_t> db(blocks), ds(scales);
-    mxfp4_to_tile_order(db.p, E, n, K, nullptr);  // the device order, as a model load leaves it
-    Buf<uint8_t>::settle();
     const Mxfp4Stack stack{db.p, ds.p, n, K};
     // Reference: the folding kernel into FP8 slots (its bits are tested against
     // the CPU fold elsewhere), then this GEMM with FP8 weights.

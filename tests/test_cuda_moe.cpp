@@ -19,7 +19,6 @@
 #include "cuda/fp8_grouped_gemm.h"
 #include "cuda/moe.h"
 #include "cuda/mxfp4_fold.h"
-#include "cuda/mxfp4_tiles.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 #include "support/device_buffer.h"
@@ -68,48 +67,8 @@ ContextOptions small_ctx() { return dz::test::pool_options(size_t(2) << 30); }
 
 using dz::test::bf16_to_double;
 using dz::test::f32_to_bf16;
-
-// An uploaded expert stack's blocks put in the device's tile order, as a model load does.
-void tile_order(const Dev<uint8_t>& b, const Mx& m) {
-  mxfp4_to_tile_order(b.p, int64_t(m.blocks.size()) * 2 / (m.rows * m.k), m.rows, m.k, nullptr);
-  Dev<uint8_t>::settle();
-}
 }  // namespace
 #endif
-
-TEST_CASE("CUDA MXFP4 blocks reorder into the tile order as the host rule says", "[cuda]") {
-  if (!have_gpu()) return;
-#ifdef DZ_WITH_CUDA
-  std::mt19937 rng(31);
-  // (experts, rows, k): gpt-oss's K = 2880 (8 full stages and a 2-sub-block
-  // tail), a short last tile, no full stage, whole stages only, and rows too
-  // long for a tile in shared memory (the path through a copy).
-  const int64_t cases[][3] = {{3, 192, 2880}, {2, 100, 320}, {2, 70, 96}, {1, 128, 512}, {2, 80, 8192}};
-  for (const auto& c : cases) {
-    const int64_t E = c[0], rows = c[1], k = c[2];
-    INFO("E " << E << " rows " << rows << " k " << k);
-    const Mx m = random_mx(E, rows, k, rng, 100, 140);
-    Dev<uint8_t> db(m.blocks);
-    tile_order(db, m);
-    const auto got = db.get();
-    const int nsub = int(k / 32);
-    std::vector<uint8_t> want(m.blocks.size());
-    std::vector<int> hits(m.blocks.size() / 16, 0);
-    for (int64_t e = 0; e < E; ++e)
-      for (int64_t r = 0; r < rows; ++r)
-        for (int sb = 0; sb < nsub; ++sb) {
-          const int64_t o = mx4_offset(e, r, sb, rows, nsub);
-          REQUIRE(o % 16 == 0);
-          REQUIRE(o >= 0);
-          REQUIRE(size_t(o) < want.size());
-          ++hits[size_t(o / 16)];
-          std::memcpy(&want[size_t(o)], &m.blocks[size_t(((e * rows + r) * nsub + sb) * 16)], 16);
-        }
-    CHECK(std::count(hits.begin(), hits.end(), 1) == int64_t(hits.size()));  // a permutation of the pieces
-    CHECK(got == want);
-  }
-#endif
-}
 
 TEST_CASE("CUDA MXFP4 -> FP8 folding is bit-exact with the CPU reference", "[cuda]") {
   if (!have_gpu()) return;
@@ -135,7 +94,6 @@ TEST_CASE("CUDA MXFP4 -> FP8 folding is bit-exact with the CPU reference", "[cud
     for (int i = 0; i < int(m.scales.size() / 16); ++i) m.scales[size_t(pick(rng))] = 0;
     const int64_t kpad = cpu::fold_kpad(c.k), per = c.rows * kpad, per_s = c.rows * kpad / 128;
     Dev<uint8_t> db(m.blocks), ds(m.scales);
-    tile_order(db, m);
     Dev<uint8_t> q(size_t(2 * per));
     Dev<float> qs(size_t(2 * per_s));
     cudaStream_t st = nullptr;
@@ -187,7 +145,6 @@ TEST_CASE("CUDA FP8 1x128 GEMM through cuBLASLt matches float64", "[cuda]") {
     for (int c = 0; c < K; ++c) x[size_t(r * K + c)] = nd(rng) * std::ldexp(1.f, (r % 7) - 3) * (c < 128 ? 4.f : 1.f);
   Dev<float> dx(x);
   Dev<uint8_t> db(w.blocks), ds(w.scales), wq(size_t(N * kpad)), xq(size_t(M * kpad));
-  tile_order(db, w);
   Dev<float> wqs(size_t(N * kpad / 128)), xqs(size_t(M * kpad / 128));
   Dev<uint16_t> d(size_t(M * N));
   const int id0 = 0;
@@ -329,7 +286,6 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
     INFO("T = " << T);
     MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, std::max(64, T), w4a16_options());
     Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
-    tile_order(w1b, c.w1), tile_order(w2b, c.w2);
     Dev<uint16_t> b1(c.b1), b2(c.b2);
     Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
     Dev<int> ids(c.ids);
@@ -440,7 +396,6 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
     c.ids[size_t(b.slot)] = b.id;
     MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, std::max(4, c.T));
     Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
-    tile_order(w1b, c.w1), tile_order(w2b, c.w2);
     Dev<uint16_t> b1(c.b1), b2(c.b2);
     Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
     Dev<int> ids(c.ids);
@@ -532,7 +487,6 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
     const MoeOptions base = small_options();
     MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, 64, base);
     Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
-    tile_order(w1b, c.w1), tile_order(w2b, c.w2);
     Dev<uint16_t> b1(c.b1), b2(c.b2);
     Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
     Dev<int> ids(c.ids);
@@ -642,7 +596,6 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
     MoeCase c = make_moe(8, 4, 320, 192, 16, rng);
     MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, 16);
     Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
-    tile_order(w1b, c.w1), tile_order(w2b, c.w2);
     Dev<uint16_t> b1(c.b1), b2(c.b2);
     Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
     Dev<int> ids(c.ids);

@@ -1,7 +1,6 @@
 // CPU reference of the MXFP4 -> FP8 E4M3 1x128 folding: E4M3 rounding,
 // exactness when the scale spread is <= 14, lossy groups counted past it,
 // padding of K to 128, and NaN scales refused.
-#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <random>
@@ -9,7 +8,6 @@
 
 #include "common/error.h"
 #include "cpu/mxfp4_fold.h"
-#include "cuda/mxfp4_tiles.h"
 
 using namespace dz;
 using namespace dz::cpu;
@@ -102,34 +100,5 @@ TEST_CASE("MXFP4 fold: zero groups get scale 1, scale byte 0 is 2^-127, 0xFF is 
   } catch (const Error& e) {
     CHECK(e.status() == DZ_ERR_FORMAT);
     CHECK_THAT(e.what(), Catch::Contains("0xFF") && Catch::Contains("test") && Catch::Contains("row 1"));
-  }
-}
-
-// The device order of expert blocks (kernels/cuda/mxfp4_tiles.h) is a host
-// rule too: every 16-byte sub-block lands on its own slot inside its expert,
-// a 64-row tile keeps its byte range, and a full stage of a tile is one
-// contiguous piece of 64 rows x 128 bytes.
-TEST_CASE("MXFP4 tile order: a permutation of the sub-blocks, tiles in place, stages contiguous", "[mxfp4]") {
-  const int64_t cases[][2] = {{192, 90}, {100, 10}, {70, 3}, {128, 16}, {64, 8}, {1, 1}};
-  for (const auto& c : cases) {
-    const int64_t rows = c[0], E = 2;
-    const int nsub = int(c[1]);
-    INFO("rows " << rows << " nsub " << nsub);
-    std::vector<int> hits(size_t(E * rows * nsub), 0);
-    for (int64_t e = 0; e < E; ++e)
-      for (int64_t r = 0; r < rows; ++r)
-        for (int sb = 0; sb < nsub; ++sb) {
-          const int64_t o = cuda::mx4_offset(e, r, sb, rows, nsub);
-          REQUIRE(o % 16 == 0);
-          const int64_t piece = o / 16, t0 = r / 64 * 64, rt = std::min<int64_t>(64, rows - t0);
-          REQUIRE(piece >= (e * rows + t0) * nsub);  // inside the row's tile
-          REQUIRE(piece < (e * rows + t0 + rt) * nsub);
-          ++hits[size_t(piece)];
-          if (sb < nsub / 8 * 8) {  // full stage: row-contiguous 128-byte rows
-            const int64_t stage0 = cuda::mx4_offset(e, t0, sb / 8 * 8, rows, nsub);
-            CHECK(o == stage0 + (r - t0) * 128 + (sb % 8) * 16);
-          }
-        }
-    CHECK(std::count(hits.begin(), hits.end(), 1) == int64_t(hits.size()));
   }
 }

@@ -7,7 +7,6 @@
 
 #include "cuda/fp8_grouped_gemm.h"
 #include "cuda/mxfp4_fold.cuh"
-#include "cuda/mxfp4_tiles.h"
 #include "cuda/ptx.cuh"
 #include "runtime/cuda/cuda_check.h"
 
@@ -89,7 +88,7 @@ struct Params {
   __nv_bfloat16* d;
   int n, nkb, groups, tiles_total;
   int* sched;  // FP8 weights: [next tile, blocks done], zero at launch and again when the last block is done
-  const uint8_t *w4_blocks, *w4_scales;  // MXFP4 weights: stacks [E][n][nsub][16] (tile order), [E][n][nsub]
+  const uint8_t *w4_blocks, *w4_scales;  // MXFP4 weights: stacks [E][n][nsub][16], [E][n][nsub]
   int nsub;
   int expert[kMaxGroups];  // MXFP4 weights: group -> index in the stacks
   int off[kMaxGroups];
@@ -290,8 +289,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
       return true;
     };
     Cursor ci, cc;                               // the copies', the folding's
-    const uint8_t *bl = nullptr, *sc = nullptr;  // the copies' expert (tile-ordered blocks), row of scales
-    Mx4Row mr;                                   // the copies' row in bl
+    const uint8_t *bl = nullptr, *sc = nullptr;  // the copies' row of W (blocks, scales)
     bool rok = false;
     int row = 0;  // the folding's first X row
     start(ci, pw);
@@ -306,8 +304,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
           const int wr = nt * kBN<true> + tid;
           rok = wr < p.n;
           const int64_t er = int64_t(p.expert[g]) * p.n + (rok ? wr : 0);
-          mr = mx4_row(rok ? wr : 0, p.n, p.nsub);
-          bl = p.w4_blocks + int64_t(p.expert[g]) * p.n * p.nsub * 16;
+          bl = p.w4_blocks + er * p.nsub * 16;
           sc = p.w4_scales + er * p.nsub;
         }
         const uint8_t* dst = w4t + buf * kW4TileBytes;
@@ -315,7 +312,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
         for (int q = 0; q < 4; ++q) {
           const int sb = ci.kb * 4 + q;
           const bool ok = rok && sb < p.nsub;
-          ptx::cp_async16_zfill(smem_u32(dst + piece(q)), ok ? bl + mr.sub(sb) : bl, ok ? 16u : 0u);
+          ptx::cp_async16_zfill(smem_u32(dst + piece(q)), ok ? bl + sb * 16 : bl, ok ? 16u : 0u);
           if (ok) scv |= uint32_t(sc[sb]) << (8 * q);
         }
       }
@@ -551,7 +548,7 @@ int device_sm90a() {
 
 void encode_tensor_map(CUtensorMap* map, CUtensorMapDataType type, int rank, const void* base, const cuuint64_t* dims,
                        const cuuint64_t* strides, const cuuint32_t* box, CUtensorMapSwizzle swz, const char* what) {
-  const cuuint32_t one[5] = {1, 1, 1, 1, 1};  // rank <= 5
+  const cuuint32_t one[3] = {1, 1, 1};
   const CUresult r = encoder()(map, type, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, one,
                                CU_TENSOR_MAP_INTERLEAVE_NONE, swz, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);  // out-of-bounds elements read as zero

@@ -9,7 +9,6 @@
 #include "cpu/mxfp4_fold.h"
 #include "cuda/moe.h"
 #include "cuda/mxfp4_fold.h"
-#include "cuda/mxfp4_tiles.h"
 #include "cuda/pdl.cuh"
 #include "cuda/ptx.cuh"
 #include "runtime/cuda/cuda_check.h"
@@ -483,13 +482,8 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   const int rA = kGateUp ? R0 + 2 * g : R0 + g;
   const int rB = kGateUp ? R0 + 2 * g + 1 : R0 + g + 8;
   const int64_t rowA = int64_t(e) * a.rows + rA, rowB = int64_t(e) * a.rows + rB;
-  // Tile-ordered blocks (mxfp4_tiles.h): rows rA and rB = rA + dB lie in one
-  // 64-row tile. pA: this lane's 16 bytes of row rA in the tile's first stage;
-  // chunk c (4 sub-blocks) is in stage c / 2 while c < cfull, else in the tails.
-  constexpr int dB = kGateUp ? 1 : 8;
-  const Mx4Row mA = mx4_row(rA, a.rows, a.nsub);
-  const uint8_t* pA = a.blocks + int64_t(e) * a.rows * a.nsub * 16 + mA.full + t * 16;
-  const int stg = mA.stage, cfull = mA.nfull / 4, ttail = int(mA.tail - mA.full);
+  const uint8_t* bA = a.blocks + rowA * a.nsub * 16;
+  const uint8_t* bB = a.blocks + rowB * a.nsub * 16;
   const uint8_t* sA = a.scales + rowA * a.nsub;
   const uint8_t* sB = a.scales + rowB * a.nsub;
   const int nchunk = a.kpad / 128, k8 = a.kpad / 8, NT = a.ntok;
@@ -506,10 +500,8 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   auto load = [&](int c, uint4& wa, uint4& wb, int& sa, int& sb) {
     const int sub = c * 4 + t;
     if (sub < a.nsub) {
-      const bool f = c < cfull;
-      const int off = f ? (c >> 1) * stg + (c & 1) * 64 : ttail + (c - cfull) * 64;
-      wa = ptx::ldg_nc_v4(pA + off);
-      wb = ptx::ldg_nc_v4(pA + off + dB * (f ? 128 : (a.nsub - 4 * cfull) * 16));
+      wa = ptx::ldg_nc_v4(bA + sub * 16);
+      wb = ptx::ldg_nc_v4(bB + sub * 16);
       sa = sA[sub];
       sb = sB[sub];
     } else {
@@ -984,18 +976,6 @@ __device__ __forceinline__ void w8_store_pass(const W4Args& a, float (&acc)[4], 
   }
 }
 
-// K stage j (64 rows x 128 bytes) of the 64-row tile starting at row (of the
-// whole stack) from tile-ordered blocks (mxfp4_tiles.h): one contiguous piece
-// through the 4D map of the full stages, or the rows' tails through the 3D
-// map of the tails (the box past them reads zeros). Full box bytes either way.
-__device__ __forceinline__ void w8_weights(uint32_t dst, const CUtensorMap* full, const CUtensorMap* tail, uint32_t bar,
-                                           int nsub, int j, int row) {
-  if (j < nsub / kMx4StageSubs)
-    ptx::tma_4d(dst, full, bar, 0, 0, j, row / kMx4TileRows);
-  else
-    ptx::tma_3d(dst, tail, bar, 0, 0, row / kMx4TileRows);
-}
-
 // kLo: two E4M3 terms a token (x / scale = hi + lo, lo the E4M3 rounding of
 // the remainder: ~8 significant bits, as BF16), staged as MMA columns 2i and
 // 2i + 1 of token i under the same scale and summed in the epilogue; 4 tokens
@@ -1005,7 +985,7 @@ __device__ __forceinline__ void w8_weights(uint32_t dst, const CUtensorMap* full
 // (routing, activation staging, the scales' copy) serves them all.
 template <bool kGateUp, int kKS, bool kPdl, bool kLo, int kTPW>
 __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
-    w8_kernel(const W4Args a, const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap wtail) {
+    w8_kernel(const W4Args a, const __grid_constant__ CUtensorMap wmap) {
 #ifdef DZ_MOE_SM90A
   static_assert(kTPW == 1 || kKS == 1, "several tiles a warpgroup only without a K split");
   constexpr int kTiles = kW8Consumers / kKS;              // row tiles side by side (one a warpgroup, or one shared)
@@ -1076,8 +1056,8 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
             const int st = n % kW8Stages, ph = (n / kW8Stages) & 1;
             ptx::mbar_wait(empty(w, st), ph ^ 1);
             ptx::mbar_arrive_expect_tx(full(w, st), kW8StageBytes);
-            w8_weights(base + (w * kW8Stages + st) * kW8StageBytes, &wmap, &wtail, full(w, st), a.nsub, s_begin(w) + j,
-                       e * a.rows + tile0(w, q));
+            ptx::tma_2d(base + (w * kW8Stages + st) * kW8StageBytes, &wmap, full(w, st), (s_begin(w) + j) * 128,
+                        e * a.rows + tile0(w, q));
             if (img && n + 1 == first_fill) {
               if (kPdl && !kGateUp) pdl_wait();  // the image kernel's output
               copy_image(0);
@@ -1265,7 +1245,7 @@ __host__ __device__ inline W8sSmem w8s_smem(int nsub, int passes) {
 
 template <bool kGateUp, bool kPdl, bool kLo, int kP>
 __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
-    w8s_kernel(const W4Args a, const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap wtail) {
+    w8s_kernel(const W4Args a, const __grid_constant__ CUtensorMap wmap) {
 #ifdef DZ_MOE_SM90A
   constexpr int kPass = kLo ? kW4Tokens / 2 : kW4Tokens;  // tokens an image
   constexpr int kGroup = kP * kPass;                      // tokens a read of the weights
@@ -1315,7 +1295,7 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
         const int st = n % S, g = n / nst, j = n % nst, nc = min(2, nch - 2 * j);
         const int act = passes(g) * nc * (kW8ActStage + (kFixed ? 0 : kW8XsStage)) / 2;
         ptx::mbar_arrive_expect_tx(full(w, st), uint32_t(kW8StageBytes + act));
-        w8_weights(wbox(w, st), &wmap, &wtail, full(w, st), a.nsub, j, e * a.rows + tile0(w));
+        ptx::tma_2d(wbox(w, st), &wmap, full(w, st), j * 128, e * a.rows + tile0(w));
       };
       auto acts = [&](int n) {
         const int st = n % S, g = n / nst, j = n % nst, nc = min(2, nch - 2 * j);
@@ -1869,31 +1849,6 @@ struct MoeLayer::Impl {
     return rows % 64 == 0 && a.nsub % 2 == 0 && w8_fits && aligned16(a.blocks) && aligned16(a.scales);
   }
 
-  // The W4A8 kernels' tensor maps of tile-ordered blocks (w8_weights): the
-  // full stages [tiles][stage][64][128] and the tails [tiles][64][tail bytes]
-  // (a map that is never read stands in for a missing part).
-  void w8_maps(const W4Args& a, int rows, const char* what, CUtensorMap& full, CUtensorMap& tail) const {
-    const int nf = a.nsub / kMx4StageSubs, tb = a.nsub % kMx4StageSubs * 16;
-    const cuuint64_t tiles = cuuint64_t(s.n_experts) * rows / kMx4TileRows,
-                     tile = cuuint64_t(kMx4TileRows) * a.nsub * 16;
-    if (nf > 0) {
-      const cuuint64_t dims[4] = {kW8Row, kMx4TileRows, cuuint64_t(nf), tiles};
-      const cuuint64_t strides[3] = {kW8Row, cuuint64_t(kMx4TileRows) * kW8Row, tile};
-      const cuuint32_t box[4] = {kW8Row, kMx4TileRows, 1, 1};
-      encode_tensor_map(&full, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, a.blocks, dims, strides, box,
-                        CU_TENSOR_MAP_SWIZZLE_128B, what);
-    }
-    if (tb > 0) {
-      const cuuint64_t dims[3] = {cuuint64_t(tb), kMx4TileRows, tiles};
-      const cuuint64_t strides[2] = {cuuint64_t(tb), tile};
-      const cuuint32_t box[3] = {kW8Row, kMx4TileRows, 1};
-      encode_tensor_map(&tail, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.blocks + int64_t(nf) * kMx4TileRows * kW8Row, dims,
-                        strides, box, CU_TENSOR_MAP_SWIZZLE_128B, what);
-    }
-    if (nf == 0) full = tail;
-    if (tb == 0) tail = full;
-  }
-
   static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
   // Whether the combine can take 8 values a thread (16-byte loads and stores).
   bool vec8(const void* y, const void* bias, const float* out) const {
@@ -1908,8 +1863,12 @@ struct MoeLayer::Impl {
   void launch_w4(int ks, int ks8, bool pdl, bool w4a8, int tiles, int passes, int rows, unsigned max_active,
                  cudaStream_t st, W4Args a, int img_slots, bool img_written = false) {
     if (w4a8 && w8(rows, a)) {  // two warpgroups a block: two 64-row tiles, or one split over K
-      CUtensorMap map, tail;
-      w8_maps(a, rows, G ? "MoE gate_up blocks" : "MoE down blocks", map, tail);
+      CUtensorMap map;
+      const cuuint64_t dims[2] = {cuuint64_t(a.nsub) * 16, cuuint64_t(s.n_experts) * rows};
+      const cuuint64_t strides[1] = {cuuint64_t(a.nsub) * 16};
+      const cuuint32_t box[2] = {kW8Row, 64};
+      encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.blocks, dims, strides, box,
+                        CU_TENSOR_MAP_SWIZZLE_128B, G ? "MoE gate_up blocks" : "MoE down blocks");
       if (ks8 == 2) tiles = 1;
       const bool lo = opt.fused_w4a8_terms == 2;
       // (One token's gate_up converts its input itself.)
@@ -1924,13 +1883,13 @@ struct MoeLayer::Impl {
       if (passes > 0 && ks8 == 1 && a.img) {  // activations streamed by stage, passes a read of the weights
         const dim3 grid(unsigned((rows + 64 * kW8Consumers - 1) / (64 * kW8Consumers)), max_active);
         launch(pdl ? w8s_fn<G, true>(lo, passes) : w8s_fn<G, false>(lo, passes), grid, dim3(kW8Threads),
-               size_t(w8s_smem(a.nsub, passes).total), st, pdl, a, map, tail);
+               size_t(w8s_smem(a.nsub, passes).total), st, pdl, a, map);
         return;
       }
       const int per_block = w8_rows_per_block(ks8, tiles);
       const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
       launch(pdl ? w8_fn<G, true>(ks8, lo, tiles) : w8_fn<G, false>(ks8, lo, tiles), grid, dim3(kW8Threads),
-             size_t(w8_smem(a.nsub, a.kpad, tiles).total), st, pdl, a, map, tail);
+             size_t(w8_smem(a.nsub, a.kpad, tiles).total), st, pdl, a, map);
       return;
     }
     const int per_block = 16 * (8 / ks), ntile = a.ntok > kW4Tokens ? 2 : 1;

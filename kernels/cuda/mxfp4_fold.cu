@@ -4,7 +4,6 @@
 
 #include "cuda/mxfp4_fold.cuh"
 #include "cuda/mxfp4_fold.h"
-#include "cuda/mxfp4_tiles.h"
 #include "cuda/ptx.cuh"
 #include "runtime/cuda/cuda_check.h"
 
@@ -38,9 +37,9 @@ __global__ void __launch_bounds__(kFoldThreads) fold_kernel(FoldArgs a) {
   if (idx < total) {
     const int r = int(idx / a.ngroups), g = int(idx % a.ngroups);
     const int64_t e = a.ids[slot];
-    const uint8_t* gb = a.blocks + mx4_offset(e, r, g * 4, a.rows, a.nsub);
+    const uint8_t* bl = a.blocks + (e * a.rows + r) * int64_t(a.nsub) * 16;
     const uint8_t* sc = a.scales + (e * a.rows + r) * int64_t(a.nsub);
-    const GroupIn G = load_group(gb, sc, g, a.nsub);
+    const GroupIn G = load_group(bl, sc, g, a.nsub);
     a.out_scales[int64_t(slot) * total + int64_t(g) * a.rows + r] =
         fold_group(G, stage + threadIdx.x * 8, threadIdx.x & 7);
   }
@@ -54,17 +53,15 @@ __global__ void __launch_bounds__(kFoldThreads) fold_kernel(FoldArgs a) {
 }
 
 // stats: [groups, lossy, zero, max_spread, nan_scales]
-__global__ void __launch_bounds__(256)
-    fold_check_kernel(const uint8_t* blocks, const uint8_t* scales, int64_t rows, int64_t expert_rows, int nsub,
-                      int ngroups, unsigned long long* stats) {
+__global__ void __launch_bounds__(256) fold_check_kernel(const uint8_t* blocks, const uint8_t* scales, int64_t rows,
+                                                         int nsub, int ngroups, unsigned long long* stats) {
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   unsigned long long lossy = 0, zero = 0, nan = 0, groups = 0;
   int spread = 0;
   if (idx < rows * ngroups) {
     const int64_t r = idx % rows;
     const int g = int(idx / rows);
-    const GroupIn G = load_group(blocks + mx4_offset(r / expert_rows, r % expert_rows, g * 4, expert_rows, nsub),
-                                 scales + r * nsub, g, nsub);
+    const GroupIn G = load_group(blocks + r * nsub * 16, scales + r * nsub, g, nsub);
     const int smax = group_smax(G);
     groups = 1;
     if (smax < 0) zero = 1;
@@ -89,58 +86,7 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// One 64-row tile of an expert from the checkpoint's row order (src) into the
-// tile order (dst; mxfp4_tiles.h): the tile's bytes keep their range. kSmem:
-// src == dst, the tile read into shared memory first (in place).
-template <bool kSmem>
-__global__ void __launch_bounds__(256) tile_order_kernel(const uint8_t* src, uint8_t* dst, int64_t rows, int nsub) {
-  extern __shared__ uint4 tile_sm[];
-  const int64_t t0 = int64_t(blockIdx.x) * kMx4TileRows, e = blockIdx.y;
-  const int rt = int(rows - t0 < kMx4TileRows ? rows - t0 : kMx4TileRows), n16 = rt * nsub;
-  const int64_t tile = (e * rows + t0) * nsub * 16;  // the same in both orders
-  const uint4* in = reinterpret_cast<const uint4*>(src + tile);
-  if (kSmem) {
-    for (int p = threadIdx.x; p < n16; p += blockDim.x) tile_sm[p] = in[p];
-    __syncthreads();
-    in = tile_sm;
-  }
-  uint8_t* out = dst + tile - t0 * nsub * 16;  // row offsets below count from the expert
-  for (int p = threadIdx.x; p < n16; p += blockDim.x) {
-    const int ri = p / nsub, sb = p % nsub;
-    *reinterpret_cast<uint4*>(out + mx4_row(t0 + ri, rows, nsub).sub(sb)) = in[p];
-  }
-}
-
 }  // namespace
-
-void mxfp4_to_tile_order(uint8_t* blocks, int64_t n_experts, int64_t rows, int64_t k, cudaStream_t s) {
-  check(k % 32 == 0 && rows > 0 && n_experts > 0 && (reinterpret_cast<uintptr_t>(blocks) & 15) == 0,
-        DZ_ERR_INVALID_ARGUMENT, "mxfp4_to_tile_order: bad shape or unaligned blocks");
-  const int nsub = int(k / 32);
-  const size_t tile_bytes = size_t(kMx4TileRows) * nsub * 16;
-  const unsigned tiles = unsigned((rows + kMx4TileRows - 1) / kMx4TileRows);
-  int dev = 0, smem_max = 0;
-  DZ_CUDA_CHECK(cudaGetDevice(&dev));
-  DZ_CUDA_CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  if (tile_bytes <= size_t(smem_max)) {  // in place, a tile at a time (gpt-oss: 90 KB)
-    DZ_CUDA_CHECK(
-        cudaFuncSetAttribute(tile_order_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(tile_bytes)));
-    tile_order_kernel<true><<<dim3(tiles, unsigned(n_experts)), 256, tile_bytes, s>>>(blocks, blocks, rows, nsub);
-    DZ_CUDA_LAUNCH_CHECK();
-    return;
-  }
-  // Longer rows: each expert through a copy (load time only: outside the pool).
-  const size_t expert_bytes = size_t(rows) * nsub * 16;
-  uint8_t* tmp = nullptr;
-  DZ_CUDA_CHECK(cudaMallocAsync(&tmp, expert_bytes, s));
-  for (int64_t e = 0; e < n_experts; ++e) {
-    uint8_t* b = blocks + e * int64_t(expert_bytes);
-    DZ_CUDA_CHECK(cudaMemcpyAsync(tmp, b, expert_bytes, cudaMemcpyDeviceToDevice, s));
-    tile_order_kernel<false><<<dim3(tiles, 1), 256, 0, s>>>(tmp, b, rows, nsub);
-    DZ_CUDA_LAUNCH_CHECK();
-  }
-  DZ_CUDA_CHECK(cudaFreeAsync(tmp, s));
-}
 
 void mxfp4_fold_experts(const Mxfp4Stack& w, const int* ids, int n, const Fp8Slots& out, cudaStream_t s) {
   check(w.k % 32 == 0 && w.rows > 0, DZ_ERR_INVALID_ARGUMENT, "mxfp4_fold_experts: bad shape");
@@ -170,7 +116,7 @@ cpu::FoldStats mxfp4_fold_check_device(const Mxfp4Stack& w, int n_experts, uint6
   const int nsub = int(w.k / 32), ngroups = int(cpu::fold_kpad(w.k) / 128);
   const int64_t rows = w.rows * n_experts;  // experts are consecutive rows
   const int64_t work = rows * ngroups;
-  fold_check_kernel<<<unsigned((work + 255) / 256), 256, 0, s>>>(w.blocks, w.scales, rows, w.rows, nsub, ngroups, d);
+  fold_check_kernel<<<unsigned((work + 255) / 256), 256, 0, s>>>(w.blocks, w.scales, rows, nsub, ngroups, d);
   DZ_CUDA_LAUNCH_CHECK();
   unsigned long long h[5];
   DZ_CUDA_CHECK(cudaMemcpyAsync(h, d, sizeof h, cudaMemcpyDeviceToHost, s));

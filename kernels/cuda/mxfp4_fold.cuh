@@ -41,22 +41,20 @@ __device__ __forceinline__ uint2 fold_word(uint32_t w, uint32_t lo, uint32_t hi)
 }
 
 // The 4 sub-blocks (32 elements each) of one group and their E8M0 scales;
-// sub-blocks past the row's end read as zero. gb: the group's first sub-block
-// (a group's 4 lie side by side in the tile order too: mxfp4_tiles.h), sc: the
-// row's scales.
+// sub-blocks past the row's end read as zero.
 struct GroupIn {
   uint4 w[4];
   int s[4];
 };
 
 // Loads only: the caller may issue them early and fold later.
-__device__ __forceinline__ GroupIn load_group(const uint8_t* gb, const uint8_t* sc, int g, int nsub) {
+__device__ __forceinline__ GroupIn load_group(const uint8_t* bl, const uint8_t* sc, int g, int nsub) {
   GroupIn G;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int sb = g * 4 + j;
     if (sb < nsub) {
-      G.w[j] = __ldg(reinterpret_cast<const uint4*>(gb + j * 16));  // L1 keeps the sector's other half
+      G.w[j] = __ldg(reinterpret_cast<const uint4*>(bl + sb * 16));  // L1 keeps the sector's other half
       G.s[j] = sc[sb];
     } else {
       G.w[j] = make_uint4(0, 0, 0, 0);

@@ -11,8 +11,7 @@
 namespace dz::cuda {
 
 // A stack of same-shaped MXFP4 matrices on the device: expert e's blocks at
-// blocks + e * rows * k/2 in the tile order (mxfp4_tiles.h), scales at
-// scales + e * rows * k/32 in the checkpoint's order.
+// blocks + e * rows * k/2, scales at scales + e * rows * k/32.
 struct Mxfp4Stack {
   const uint8_t* blocks = nullptr;
   const uint8_t* scales = nullptr;
@@ -25,12 +24,6 @@ struct Fp8Slots {
   uint8_t* fp8 = nullptr;
   float* scales = nullptr;
 };
-
-// Reorders an uploaded stack's blocks (n_experts x rows x k/2 bytes, the
-// checkpoint's row order, 16-byte aligned) into the tile order every device
-// reader expects, in place (stream-ordered; a scratch copy of one expert when
-// a 64-row tile does not fit in shared memory). Load time only.
-void mxfp4_to_tile_order(uint8_t* blocks, int64_t n_experts, int64_t rows, int64_t k, cudaStream_t s);
 
 // Fold experts ids[0..n) into slots 0..n (ids on the host). A 0xFF scale
 // yields a NaN block scale (the load-time check rejects such checkpoints).

@@ -37,7 +37,6 @@ uint64_t gpt_oss_cuda_graph_replays() { return 0; }
 #include "cuda/embed.h"
 #include "cuda/logits.h"
 #include "cuda/moe.h"
-#include "cuda/mxfp4_fold.h"
 #include "cuda/norm.h"
 #include "cuda/rope.h"
 #include "cuda/router.h"
@@ -450,17 +449,12 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
     d.w1s = upload(L.gate_up.scales, L.gate_up.scale_bytes(E), "gate_up scales");
     d.w2b = upload(L.down.blocks, L.down.block_bytes(E), "down blocks");
     d.w2s = upload(L.down.scales, L.down.scale_bytes(E), "down scales");
-    // The experts' device order, on the legacy stream the copies above ran on
-    // (a pageable copy may return before its DMA lands); synchronized below.
-    cuda::mxfp4_to_tile_order(d.w1b.get(), E, 2 * I, H, nullptr);
-    cuda::mxfp4_to_tile_order(d.w2b.get(), E, H, I, nullptr);
     std::vector<uint16_t> b1(L.gate_up_bias.size()), b2(L.down_bias.size());
     for (size_t i = 0; i < b1.size(); ++i) b1[i] = f32_to_bf16(L.gate_up_bias[i]);  // BF16 in the checkpoint: exact
     for (size_t i = 0; i < b2.size(); ++i) b2[i] = f32_to_bf16(L.down_bias[i]);
     d.b1 = upload(b1.data(), b1.size(), "gate_up bias");
     d.b2 = upload(b2.data(), b2.size(), "down bias");
   }
-  DZ_CUDA_CHECK(cudaStreamSynchronize(nullptr));
   auto& pool = ctx_->pool();
   const size_t MR = size_t(max_rows_);
   x_ = DeviceArray<float>(pool, MR * H, "x");

@@ -148,17 +148,6 @@ int bench_moe(const Args& a) {
     fill_random_u8(w2s.get(), w2s.size(), 14, 118, 122, st);
     fill_random_bf16(b1.get(), b1.size(), 15, 0.05f, st);
     fill_random_bf16(b2.get(), b2.size(), 16, 0.05f, st);
-    if (!dump.empty()) {  // the checkpoint's order, for the peers
-      DZ_CUDA_CHECK(cudaStreamSynchronize(st));
-      write_bin(dump + "/w1_blocks.bin", w1b.get(), w1b.size());
-      write_bin(dump + "/w1_scales.bin", w1s.get(), w1s.size());
-      write_bin(dump + "/w2_blocks.bin", w2b.get(), w2b.size());
-      write_bin(dump + "/w2_scales.bin", w2s.get(), w2s.size());
-      write_bin(dump + "/b1.bin", b1.get(), b1.size());
-      write_bin(dump + "/b2.bin", b2.get(), b2.size());
-    }
-    mxfp4_to_tile_order(w1b.get(), E, 2 * I, H, st);  // the device order, as a model load leaves it
-    mxfp4_to_tile_order(w2b.get(), E, H, I, st);
     const MoeWeights W{w1b.get(), w1s.get(), b1.get(), w2b.get(), w2s.get(), b2.get()};
     const size_t expert_fp4_bytes = (size_t(2) * I * H + size_t(H) * I) / 2 + (size_t(2) * I * H + size_t(H) * I) / 32;
 
@@ -297,6 +286,14 @@ int bench_moe(const Args& a) {
                                        std::to_string(kSets) + " routing sets rotated; fused path as CUDA graphs"},
                         {"components", comp},
                         {"results", nlohmann::json::array()}};
+    if (!dump.empty()) {
+      write_bin(dump + "/w1_blocks.bin", w1b.get(), w1b.size());
+      write_bin(dump + "/w1_scales.bin", w1s.get(), w1s.size());
+      write_bin(dump + "/w2_blocks.bin", w2b.get(), w2b.size());
+      write_bin(dump + "/w2_scales.bin", w2s.get(), w2s.size());
+      write_bin(dump + "/b1.bin", b1.get(), b1.size());
+      write_bin(dump + "/b2.bin", b2.get(), b2.size());
+    }
 
     std::mt19937 rng(1234);
     std::uniform_int_distribution<int> pick(0, E - 1);
