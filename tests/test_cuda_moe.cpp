@@ -587,6 +587,16 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
         }
         layer.options().fused_w4a8_passes = 0;
       }
+      if (terms == 2)  // down waiting for its own expert's gate_up blocks, not the whole grid: the same bits
+        for (int ps : {-1, 4}) {
+          layer.options().fused_w4a8_passes = ps;
+          layer.options().fused_w4a8_expert_wait = false;
+          const auto grid = run(false);
+          layer.options().fused_w4a8_expert_wait = true;
+          INFO("down waits by expert, passes a read " << ps);
+          CHECK(std::memcmp(run(false).data(), grid.data(), grid.size() * sizeof(float)) == 0);
+          CHECK(std::memcmp(run(true).data(), grid.data(), grid.size() * sizeof(float)) == 0);
+        }
       CHECK(layer.take_error() == 0);
     }
   }

@@ -319,6 +319,10 @@ struct W4Args {
   // projection's images (next_img_bytes each, kpad = out_ld; w8_down_put).
   uint8_t* next_img;
   int next_img_bytes;
+  // W4A8 projections chained through down's images (w8_count_done): gate_up
+  // (nonzero) counts its blocks done by expert; down waits for this many of
+  // its expert's instead of the whole gate_up grid. 0: off.
+  int expert_wait;
   const int* ids;
   const float* x;
   int *inv, *err;
@@ -694,7 +698,7 @@ __host__ __device__ inline W8Smem w8_smem(int nsub, int kpad, int tiles) {
   L.xs = o, o += kpad / 128 * kW4Tokens * 4;
   L.ts = o, o += kW4Tokens * 4;
   L.red = o, o += 128 * 16;
-  L.bar = o, o += (2 * kW8Consumers * stages + kW8Consumers + 2) * 8;
+  L.bar = o, o += (2 * kW8Consumers * stages + kW8Consumers + 3) * 8;
   L.total = o + 1024;
   return L;
 }
@@ -976,6 +980,40 @@ __device__ __forceinline__ void w8_store_pass(const W4Args& a, float (&acc)[4], 
   }
 }
 
+// Down beside gate_up's last wave (W4Args::expert_wait): each gate_up block
+// counts itself done in its expert's active entry (its fourth int, zeroed by
+// the routing) once its consumer threads have arrived on a barrier after
+// their stores; down's producers wait for their expert's count instead of the
+// whole gate_up grid (griddepcontrol.wait), so the experts gate_up finishes
+// first go on to down while its last blocks run. (Down's blocks launch only
+// once every gate_up block has started: its launch trigger comes first thing,
+// so a waiting block never holds up one it waits for.) The consumers arrive
+// whether counting or not: a branch or a warp barrier after their MMA loop
+// made ptxas serialize the streamed kernels' MMAs.
+__device__ __forceinline__ int* w8_done(const W4Args& a) { return const_cast<int*>(&a.active[blockIdx.y].w); }
+// A producer thread: the block's consumers done (their arrivals on done_bar: release), then the count.
+__device__ __forceinline__ void w8_count_done(const W4Args& a, uint32_t done_bar) {
+  ptx::mbar_wait(done_bar, 0);  // (acquire: the release below is cumulative over the consumers' stores)
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(w8_done(a)) : "memory");
+}
+__device__ __forceinline__ void w8_wait_done(const W4Args& a) {
+  int v;
+  for (;;) {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(w8_done(a)) : "memory");
+    if (v >= a.expert_wait) break;
+    __nanosleep(64);
+  }
+  asm volatile("fence.proxy.async.global;" ::: "memory");  // gate_up's generic writes -> the copy engine's reads
+}
+// Down's producer before reading gate_up's outputs: its expert's count, or the whole grid.
+template <bool kPdl>
+__device__ __forceinline__ void w8_wait_gate_up(const W4Args& a) {
+  if (a.expert_wait)
+    w8_wait_done(a);
+  else if (kPdl)
+    pdl_wait();
+}
+
 // kLo: two E4M3 terms a token (x / scale = hi + lo, lo the E4M3 rounding of
 // the remainder: ~8 significant bits, as BF16), staged as MMA columns 2i and
 // 2i + 1 of token i under the same scale and summed in the epilogue; 4 tokens
@@ -1003,12 +1041,13 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
   auto sbar = [&](int w) { return bar0 + 8 * (2 * kW8Consumers * kW8Stages + w); };
   // A pass's activation image in shared memory (a.img), and every consumer warp done with it.
   const uint32_t abar = bar0 + 8 * (2 * kW8Consumers * kW8Stages + kW8Consumers), aempty = abar + 8;
+  const uint32_t done_bar = abar + 16;  // every consumer thread past its stores
   if (tid == 0) {
     for (int w = 0; w < kW8Consumers; ++w) {
       for (int st = 0; st < kW8Stages; ++st) ptx::mbar_init(full(w, st), 1), ptx::mbar_init(empty(w, st), 4);
       ptx::mbar_init(sbar(w), 1);
     }
-    ptx::mbar_init(abar, 1), ptx::mbar_init(aempty, 4 * kW8Consumers);
+    ptx::mbar_init(abar, 1), ptx::mbar_init(aempty, 4 * kW8Consumers), ptx::mbar_init(done_bar, 128 * kW8Consumers);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -1059,13 +1098,14 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
             ptx::tma_2d(base + (w * kW8Stages + st) * kW8StageBytes, &wmap, full(w, st), (s_begin(w) + j) * 128,
                         e * a.rows + tile0(w, q));
             if (img && n + 1 == first_fill) {
-              if (kPdl && !kGateUp) pdl_wait();  // the image kernel's output
+              if (!kGateUp) w8_wait_gate_up<kPdl>(a);  // the images: gate_up's epilogue or the image kernel
               copy_image(0);
             }
           }
       }
     }
     if (kPdl) pdl_trigger();
+    if (kGateUp && a.expert_wait && tid == 128 * kW8Consumers) w8_count_done(a, done_bar);
     return;
   }
 
@@ -1076,8 +1116,11 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
   const uint32_t desc_lo = w8_desc_lo(base + L.act);
   const uint32_t xs0 = base + L.xs;
   float4* const red = reinterpret_cast<float4*>(sm + L.red);
-  if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();  // the SwiGLU rows
-  __shared__ int s_row[kW4Tokens];                  // this pass's activation rows (act_row)
+  if (kPdl && !kGateUp) {  // the SwiGLU rows (through images: the producer's wait)
+    if (!a.expert_wait) pdl_wait();
+    pdl_trigger();
+  }
+  __shared__ int s_row[kW4Tokens];  // this pass's activation rows (act_row)
   int n = 0;
   for (int base_t = 0; base_t < cnt; base_t += kPass) {
     const int m = min(kPass, cnt - base_t);
@@ -1205,6 +1248,7 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
       if (lane == 0) ptx::mbar_arrive(aempty);
     }
   }
+  if (kGateUp) ptx::mbar_arrive(done_bar);
 #endif
 }
 
@@ -1238,7 +1282,7 @@ __host__ __device__ inline W8sSmem w8s_smem(int nsub, int passes) {
   L.act = o, o += kW8Consumers * S * passes * kW8ActStage;
   L.xs = o, o += kW8Consumers * S * passes * kW8XsStage;
   L.sc = o, o += kW8Consumers * ((64 * nsub + 15) / 16 * 16);
-  L.bar = o, o += (3 * kW8Consumers * S + kW8Consumers) * 8;
+  L.bar = o, o += (3 * kW8Consumers * S + kW8Consumers + 1) * 8;
   L.total = o + 1024;
   return L;
 }
@@ -1262,6 +1306,7 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
   auto wempty = [&](int w, int st) { return bar0 + 8 * ((kW8Consumers + w) * S + st); };
   auto aempty = [&](int w, int st) { return bar0 + 8 * ((2 * kW8Consumers + w) * S + st); };
   auto sbar = [&](int w) { return bar0 + 8 * (3 * kW8Consumers * S + w); };
+  const uint32_t done_bar = bar0 + 8 * (3 * kW8Consumers * S + kW8Consumers);  // the tiles' consumers past their stores
   auto wbox = [&](int w, int st) { return base + L.w + (w * S + st) * kW8StageBytes; };
   auto abox = [&](int w, int st, int p) { return base + L.act + ((w * S + st) * kP + p) * kW8ActStage; };
   auto xbox = [&](int w, int st, int p) { return base + L.xs + ((w * S + st) * kP + p) * kW8XsStage; };
@@ -1271,6 +1316,8 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
         ptx::mbar_init(full(w, st), 1), ptx::mbar_init(wempty(w, st), 4), ptx::mbar_init(aempty(w, st), 4);
       ptx::mbar_init(sbar(w), 1);
     }
+    const int tiles = min(kW8Consumers, (a.rows - int(blockIdx.x) * kW8Consumers * 64 + 63) / 64);
+    ptx::mbar_init(done_bar, 128 * tiles);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -1308,7 +1355,7 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
       };
       const int total = groups * nst, first = min(S, total);
       for (int n = 0; n < first; ++n) weights(n);
-      if (kPdl && !kGateUp) pdl_wait();  // down's images: gate_up's epilogue
+      if (!kGateUp) w8_wait_gate_up<kPdl>(a);  // down's images: gate_up's epilogue
       for (int n = 0; n < first; ++n) acts(n);
       for (int n = S; n < total; ++n) {
         const uint32_t ph = ((n / S) & 1) ^ 1;
@@ -1319,13 +1366,14 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
       }
     }
     if (kPdl) pdl_trigger();
+    if (kGateUp && a.expert_wait && tid == 128 * kW8Consumers) w8_count_done(a, done_bar);
     return;
   }
 
   // Consumers.
   if (kPdl && !kGateUp) pdl_trigger();  // (their inputs come through the producers)
   const int T0 = tile0(wg);
-  if (T0 >= a.rows) return;
+  if (T0 >= a.rows) return;  // (not among done_bar's arrivals)
   const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int rA = kGateUp ? 16 * warp + 2 * g : 16 * warp + g, rB = kGateUp ? rA + 1 : rA + 8;  // tile rows
   const uint32_t scA = base + L.sc + wg * sc_bytes + rA * a.nsub, scB = base + L.sc + wg * sc_bytes + rB * a.nsub;
@@ -1392,6 +1440,7 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
                                   [&](int, int tok) { return ts[tok]; });
     }
   }
+  if (kGateUp) ptx::mbar_arrive(done_bar);
 #endif
 }
 
@@ -1828,8 +1877,13 @@ struct MoeLayer::Impl {
     // Both projections on the W4A8 kernels with two terms: gate_up writes down's images.
     const bool chained = images && w4a8 && opt.fused_w4a8_terms == 2 && w8(2 * I, a) && w8(H, d);
     if (chained) a.next_img = w8_img_down.get(), a.next_img_bytes = w8_image_bytes(d.kpad);
+    // Chained: down's experts wait for their own gate_up blocks, not the whole grid (w8_count_done).
+    const bool expert_wait = chained && pdl && opt.fused_w4a8_expert_wait && !a.direct;
+    a.expert_wait = expert_wait ? 1 : 0;
     const int passes = w8_passes(T);
-    launch_w4<true>(ks, ks8, pdl, w4a8, tiles, passes, 2 * I, max_active, st, a, images ? T * s.topk : 0);
+    const unsigned gu_blocks =
+        launch_w4<true>(ks, ks8, pdl, w4a8, tiles, passes, 2 * I, max_active, st, a, images ? T * s.topk : 0);
+    d.expert_wait = expert_wait ? int(gu_blocks) : 0;
     launch_w4<false>(ks, ks8, pdl, w4a8, tiles, passes, H, max_active, st, d, images ? T * s.topk : 0, chained);
     const bool v8 = vec8(y32.get(), nullptr, out);
     const auto comb = v8 ? (pdl ? combine_kernel<float, false, true, true> : combine_kernel<float, false, false, true>)
@@ -1860,8 +1914,9 @@ struct MoeLayer::Impl {
   // img_slots: the routed slots whose activations go through images (0: staged in the kernel);
   // img_written: the previous kernel wrote them (down's, by gate_up).
   // passes: > 0, the streamed W4A8 kernel with that many passes a read of the weights (where images run).
-  void launch_w4(int ks, int ks8, bool pdl, bool w4a8, int tiles, int passes, int rows, unsigned max_active,
-                 cudaStream_t st, W4Args a, int img_slots, bool img_written = false) {
+  // Returns the W4A8 grid's blocks an expert (each counts itself done: w8_count_done; 0: the W4A16 kernels ran).
+  unsigned launch_w4(int ks, int ks8, bool pdl, bool w4a8, int tiles, int passes, int rows, unsigned max_active,
+                     cudaStream_t st, W4Args a, int img_slots, bool img_written = false) {
     if (w4a8 && w8(rows, a)) {  // two warpgroups a block: two 64-row tiles, or one split over K
       CUtensorMap map;
       const cuuint64_t dims[2] = {cuuint64_t(a.nsub) * 16, cuuint64_t(s.n_experts) * rows};
@@ -1884,18 +1939,19 @@ struct MoeLayer::Impl {
         const dim3 grid(unsigned((rows + 64 * kW8Consumers - 1) / (64 * kW8Consumers)), max_active);
         launch(pdl ? w8s_fn<G, true>(lo, passes) : w8s_fn<G, false>(lo, passes), grid, dim3(kW8Threads),
                size_t(w8s_smem(a.nsub, passes).total), st, pdl, a, map);
-        return;
+        return grid.x;
       }
       const int per_block = w8_rows_per_block(ks8, tiles);
       const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
       launch(pdl ? w8_fn<G, true>(ks8, lo, tiles) : w8_fn<G, false>(ks8, lo, tiles), grid, dim3(kW8Threads),
              size_t(w8_smem(a.nsub, a.kpad, tiles).total), st, pdl, a, map);
-      return;
+      return grid.x;
     }
     const int per_block = 16 * (8 / ks), ntile = a.ntok > kW4Tokens ? 2 : 1;
     const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
     const size_t smem = size_t(a.ntok) * a.kpad * 2;
     launch(pdl ? w4_fn<G, true>(ks, ntile) : w4_fn<G, false>(ks, ntile), grid, dim3(kW4Threads), smem, st, pdl, a);
+    return 0;
   }
 
   // The W4A8 kernels' K split (1 or 2 warpgroups a tile) for T tokens: 2 only

@@ -109,6 +109,11 @@ struct MoeOptions {
   // 145.7 / 577 / 916 us; 32 experts 16 tokens 141.6 vs 171.2. One token's
   // gate_up still converts its input itself (no routing launch to follow).
   bool fused_w4a8_images = true;
+  // W4A8 projections chained through down's images (two terms, programmatic
+  // dependent launches): down's blocks wait for their own expert's gate_up
+  // blocks (a count in the routing's active list) instead of the whole gate_up
+  // grid, so down runs beside gate_up's last wave.
+  bool fused_w4a8_expert_wait = true;
   // 64-row tiles each W4A8 warpgroup streams in turn without a K split: with
   // 2 its copy ring runs on from one tile into the next (3 stages instead of
   // 4) and a block's setup serves twice the rows, but half the blocks leave

@@ -441,6 +441,26 @@ int bench_moe(const Args& a) {
         }
       }
       const double ms_fused = time_fused(0, false, true, 0, true);
+      // AUTO with down waiting for the whole gate_up grid instead of its own
+      // experts' blocks (where both run on chained W4A8 kernels), then AUTO
+      // again: the two in alternation, and whether they give the same bits.
+      double wait_diff = -1;
+      if (T <= 4096) {
+        layer.options().fused_w4a8_expert_wait = false;
+        variants["auto_grid_wait"] = time_fused(0, false, true, 0, true);
+        variants["auto_again"] = time_fused(0, false, true, 0, true);
+        std::vector<float> h[2];
+        for (int ew : {0, 1}) {
+          layer.options().fused_w4a8_expert_wait = ew == 1;
+          layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
+          ctx.sync();
+          h[ew].resize(size_t(T) * H);
+          DZ_CUDA_CHECK(cudaMemcpy(h[ew].data(), out_f.get(), h[ew].size() * 4, cudaMemcpyDeviceToHost));
+        }
+        layer.options() = opt;
+        wait_diff = 0;
+        for (size_t i = 0; i < h[0].size(); ++i) wait_diff = std::max(wait_diff, double(std::fabs(h[0][i] - h[1][i])));
+      }
       // The FP8 path with each GEMM implementation listed (the first is
       // ms_fp8), timed in alternation (one call of each per round, after
       // warm calls of each) so that clock drift over the run, e.g. after the
@@ -538,6 +558,7 @@ int bench_moe(const Args& a) {
           {"fused_variants_ms", variants},
           {"w4a8_images_vs_staged_max_abs", images_diff},
           {"w4a8_streamed_vs_images_max_abs", stream_diff},
+          {"expert_wait_vs_grid_wait_max_abs", wait_diff},
           {"fp8_gemm_ms", gemm_ms},
           {"fp8_gemm_diff_vs_first", gemm_diff},
       };
