@@ -371,6 +371,22 @@ int bench_moe(const Args& a) {
         return ms;
       };
       nlohmann::json variants = nlohmann::json::object();
+      // The fused path's output for routing set 0 with options set by set(o),
+      // and the largest difference between two such outputs.
+      auto fused_out = [&](auto set) {
+        set(layer.options());
+        layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
+        ctx.sync();
+        std::vector<float> h(size_t(T) * H);
+        DZ_CUDA_CHECK(cudaMemcpy(h.data(), out_f.get(), h.size() * 4, cudaMemcpyDeviceToHost));
+        layer.options() = opt;
+        return h;
+      };
+      auto max_abs = [](const std::vector<float>& u, const std::vector<float>& v) {
+        double m = 0;
+        for (size_t i = 0; i < u.size(); ++i) m = std::max(m, double(std::fabs(u[i] - v[i])));
+        return m;
+      };
       double images_diff = -1;  // W4A8 with activation images vs staged in the blocks (max abs; -1: not run)
       double stream_diff = -1;  // W4A8 streamed activations vs whole images (max abs; -1: not run)
       if (T <= 4096) {
@@ -398,25 +414,19 @@ int bench_moe(const Args& a) {
           }
         // The streamed kernels against the whole-image ones (two terms, one tile a warpgroup): max abs, 0 = same bits.
         if (Fp8GroupedGemm::supported() && T <= 512) {
-          std::vector<float> h0(size_t(T) * H), hv(h0.size());
+          auto streamed = [&](int ps) {
+            return fused_out([&](MoeOptions& o) {
+              o.fused_w4a8 = true, o.fused_w4a8_terms = 2, o.fused_w4a8_tiles = 1, o.fused_k_split = 1;
+              o.fused_w4a8_max_tokens_per_expert = 1e9, o.fused_w4a8_min_slots = 0, o.fused_w4a8_passes = ps;
+            });
+          };
+          const std::vector<float> h0 = streamed(-1);
           stream_diff = 0;
-          for (int ps : {-1, 1, 2, 4}) {
-            MoeOptions& o = layer.options();
-            o.fused_w4a8 = true, o.fused_w4a8_terms = 2, o.fused_w4a8_tiles = 1, o.fused_k_split = 1;
-            o.fused_w4a8_max_tokens_per_expert = 1e9, o.fused_w4a8_min_slots = 0, o.fused_w4a8_passes = ps;
-            layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
-            ctx.sync();
-            DZ_CUDA_CHECK(cudaMemcpy((ps < 0 ? h0 : hv).data(), out_f.get(), h0.size() * 4, cudaMemcpyDeviceToHost));
-            layer.options() = opt;
-            if (ps > 0)
-              for (size_t i = 0; i < h0.size(); ++i)
-                stream_diff = std::max(stream_diff, double(std::fabs(h0[i] - hv[i])));
-          }
+          for (int ps : {1, 2, 4}) stream_diff = std::max(stream_diff, max_abs(h0, streamed(ps)));
         }
         // Two terms with each block staging its activations itself (no image kernels), and
         // whether both ways give the same bits (routing set 0, each K split / tiles variant).
         if (Fp8GroupedGemm::supported() && T <= 512) {
-          std::vector<float> hi(size_t(T) * H), hs(hi.size());
           images_diff = 0;
           for (int ks : {1, 4})
             for (int tl : {1, 2}) {
@@ -424,42 +434,29 @@ int bench_moe(const Args& a) {
               const std::string name = "w4a8x2_ks" + std::to_string(ks) + (tl == 2 ? "_t2" : "") + "_pdl_staged";
               layer.options().fused_w4a8_images = false;
               variants[name] = time_fused(ks, true, true, 2, false, tl);
-              for (bool images : {true, false}) {
-                MoeOptions& o = layer.options();
-                o.fused_w4a8 = true, o.fused_w4a8_terms = 2, o.fused_w4a8_tiles = tl, o.fused_k_split = ks;
-                o.fused_w4a8_max_tokens_per_expert = 1e9, o.fused_w4a8_min_slots = 0, o.fused_w4a8_images = images;
-                o.fused_w4a8_passes = -1, o.fused_w4a8_stream_above = 1e9;
-                layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
-                ctx.sync();
-                DZ_CUDA_CHECK(
-                    cudaMemcpy((images ? hi : hs).data(), out_f.get(), hi.size() * 4, cudaMemcpyDeviceToHost));
-              }
-              layer.options() = opt;
-              for (size_t i = 0; i < hi.size(); ++i)
-                images_diff = std::max(images_diff, double(std::fabs(hi[i] - hs[i])));
+              auto staged = [&](bool images) {
+                return fused_out([&](MoeOptions& o) {
+                  o.fused_w4a8 = true, o.fused_w4a8_terms = 2, o.fused_w4a8_tiles = tl, o.fused_k_split = ks;
+                  o.fused_w4a8_max_tokens_per_expert = 1e9, o.fused_w4a8_min_slots = 0, o.fused_w4a8_images = images;
+                  o.fused_w4a8_passes = -1, o.fused_w4a8_stream_above = 1e9;
+                });
+              };
+              images_diff = std::max(images_diff, max_abs(staged(true), staged(false)));
             }
         }
       }
       const double ms_fused = time_fused(0, false, true, 0, true);
       // AUTO with down waiting for the whole gate_up grid instead of its own
-      // experts' blocks (where both run on chained W4A8 kernels), then AUTO
-      // again: the two in alternation, and whether they give the same bits.
+      // experts' blocks (where both run on chained W4A8 kernels), between
+      // AUTO above and AUTO again (the drift over the three), and whether the
+      // two waits give the same bits.
       double wait_diff = -1;
       if (T <= 4096) {
         layer.options().fused_w4a8_expert_wait = false;
         variants["auto_grid_wait"] = time_fused(0, false, true, 0, true);
         variants["auto_again"] = time_fused(0, false, true, 0, true);
-        std::vector<float> h[2];
-        for (int ew : {0, 1}) {
-          layer.options().fused_w4a8_expert_wait = ew == 1;
-          layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
-          ctx.sync();
-          h[ew].resize(size_t(T) * H);
-          DZ_CUDA_CHECK(cudaMemcpy(h[ew].data(), out_f.get(), h[ew].size() * 4, cudaMemcpyDeviceToHost));
-        }
-        layer.options() = opt;
-        wait_diff = 0;
-        for (size_t i = 0; i < h[0].size(); ++i) wait_diff = std::max(wait_diff, double(std::fabs(h[0][i] - h[1][i])));
+        wait_diff =
+            max_abs(fused_out([](MoeOptions& o) { o.fused_w4a8_expert_wait = false; }), fused_out([](MoeOptions&) {}));
       }
       // The FP8 path with each GEMM implementation listed (the first is
       // ms_fp8), timed in alternation (one call of each per round, after
