@@ -926,25 +926,20 @@ __device__ __forceinline__ void w8_mma4_pair(const uint32_t (&af)[4][4], uint32_
 template <bool kFixed>
 __device__ __forceinline__ void w8_fold(float (&q)[4][4], const float (&fA)[4], const float (&fB)[4], uint32_t xs_addr,
                                         float (&acc)[4]) {
+  // kFixed (down: one fixed scale, in the epilogue): straight into acc; else
+  // into partial sums p, then times the activation scales.
+  float p[4] = {0.f, 0.f, 0.f, 0.f};
+  float(&dst)[4] = kFixed ? acc : p;
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[b][i])::"memory");
+    dst[0] += q[b][0] * fA[b], dst[1] += q[b][1] * fA[b];
+    dst[2] += q[b][2] * fB[b], dst[3] += q[b][3] * fB[b];
+  }
   if (!kFixed) {
-    float pA[2] = {0.f, 0.f}, pB[2] = {0.f, 0.f};
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[b][i])::"memory");
-      pA[0] += q[b][0] * fA[b], pA[1] += q[b][1] * fA[b];
-      pB[0] += q[b][2] * fB[b], pB[1] += q[b][3] * fB[b];
-    }
     const float x0 = __uint_as_float(lds32(xs_addr)), x1 = __uint_as_float(lds32(xs_addr + 4));
-    acc[0] += pA[0] * x0, acc[1] += pA[1] * x1, acc[2] += pB[0] * x0, acc[3] += pB[1] * x1;
-  } else {  // down: one fixed scale, in the epilogue
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(q[b][i])::"memory");
-      acc[0] += q[b][0] * fA[b], acc[1] += q[b][1] * fA[b];
-      acc[2] += q[b][2] * fB[b], acc[3] += q[b][3] * fB[b];
-    }
+    acc[0] += p[0] * x0, acc[1] += p[1] * x1, acc[2] += p[2] * x0, acc[3] += p[3] * x1;
   }
 }
 #endif
