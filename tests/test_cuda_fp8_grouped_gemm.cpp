@@ -384,6 +384,81 @@ TEST_CASE("CUDA grouped FP8 GEMM matches float64 and cuBLASLt per group", "[cuda
     b = a4, b.experts = bad.data();
     CHECK_THROWS_AS(gg.run(b, ctx.stream()), Error);
   }
+  SECTION("weight scales by 64-row groups: the same bits as 1x128, FP8 weights and folding inside") {
+    // Each row's group-folded FP8 values are its 1x128 values times a power of
+    // two, so the tensor cores' sums and the promoted results are the same
+    // numbers. n = 320: five row groups, a partial n tile in both tile widths.
+    const int E = 4, n = 320, K = 2880, kpad = int(cpu::fold_kpad(K)), nkb = kpad / 128;
+    const std::vector<int> experts{2, 0, 3, 2}, sizes{70, 1, 200, 9};
+    Problem p = make_problem(sizes, n, kpad, 2, rng);
+    std::vector<uint8_t> blocks(size_t(E) * n * K / 2), scales(size_t(E) * n * K / 32);
+    std::uniform_int_distribution<int> byte(0, 255), sc(112, 126);  // spreads <= 14: every group exact
+    for (auto& b : blocks) b = uint8_t(byte(rng));
+    for (auto& v : scales) v = uint8_t(sc(rng));
+    for (size_t i = 0; i < scales.size(); i += 11) {
+      for (int j = 0; j < 16; ++j) blocks[i * 16 + size_t(j)] = (i & 1) ? 0x88 : 0x00;  // +-0 sub-blocks
+      scales[i] = 250;                                                                  // not the group's scale
+    }
+    Buf<uint8_t> db(blocks), ds(scales), dg(size_t(E) * (n / 64) * nkb);
+    const cpu::FoldStats fs = mxfp4_group_table(Mxfp4Stack{db.p, ds.p, n, K}, E, dg.p, ctx.stream());
+    REQUIRE(fs.lossy_groups == 0);
+    const Mxfp4Stack rows{db.p, ds.p, n, K}, grp{db.p, ds.p, n, K, dg.p};
+    const int64_t per = int64_t(n) * kpad;
+    Buf<uint8_t> q(size_t(per) * experts.size()), qg(size_t(per) * experts.size());
+    Buf<float> qs(size_t(fold_scale_count(rows)) * experts.size()), qgs(size_t(fold_scale_count(grp)) * experts.size());
+    mxfp4_fold_experts(rows, experts.data(), int(experts.size()), Fp8Slots{q.p, qs.p}, ctx.stream());
+    mxfp4_fold_experts(grp, experts.data(), int(experts.size()), Fp8Slots{qg.p, qgs.p}, ctx.stream());
+    auto run = [&](auto set) {
+      Device dv(p);
+      Fp8GroupedArgs a = dv.args(p);
+      set(a);
+      gg.run(a, ctx.stream());
+      ctx.sync();
+      return dv.d.get();
+    };
+    const auto want =
+        run([&](Fp8GroupedArgs& a) { a.w = q.p, a.w_stride = per, a.ws = qs.p, a.ws_stride = fold_scale_count(rows); });
+    CHECK(int64_t(std::count(want.begin(), want.end(), kSentinel)) < int64_t(want.size()));
+    // The 1x128 output against float64 on the folded operands (as the other sections do).
+    {
+      Problem pr = p;
+      pr.w = q.get(), pr.ws = qs.get(), pr.w_stride = per, pr.ws_stride = fold_scale_count(rows);
+      Device dv(pr);
+      gg.run(dv.args(pr), ctx.stream());
+      ctx.sync();
+      check_problem(pr, dv, ctx, [&](int g) {
+        std::vector<int> r;
+        for (int i = g % 5; i < pr.cnt[size_t(g)]; i += 13) r.push_back(i);
+        r.push_back(pr.cnt[size_t(g)] - 1);
+        return r;
+      });
+    }
+    auto differ = [&](const std::vector<uint16_t>& got) {
+      int64_t d = 0;
+      for (size_t i = 0; i < got.size(); ++i) d += got[i] != want[i];
+      return d;
+    };
+    const auto fp8_grp = run([&](Fp8GroupedArgs& a) {
+      a.w = qg.p, a.w_stride = per, a.ws = qgs.p, a.ws_stride = fold_scale_count(grp), a.ws_row_group = 64;
+    });
+    INFO("FP8 weights by groups: " << differ(fp8_grp) << " of " << fp8_grp.size() << " elements differ");
+    CHECK(differ(fp8_grp) == 0);
+    for (int blocks_n : {0, 3}) {
+      const auto w4_grp = run([&](Fp8GroupedArgs& a) {
+        a.w = nullptr, a.ws = nullptr, a.w4 = grp, a.experts = experts.data(), a.w4_experts = E;
+        a.max_blocks = blocks_n;
+      });
+      INFO("MXFP4 weights folded inside by groups, " << blocks_n << " blocks: " << differ(w4_grp) << " differ");
+      CHECK(differ(w4_grp) == 0);
+    }
+    // Group scales need n % 64 == 0, and only 1 or 64 rows a scale.
+    Device dv(p);
+    Fp8GroupedArgs a = dv.args(p);
+    a.w = qg.p, a.w_stride = per, a.ws = qgs.p, a.ws_stride = fold_scale_count(grp), a.ws_row_group = 32;
+    CHECK_THROWS_AS(gg.run(a, ctx.stream()), Error);
+    a.ws_row_group = 64, a.n = 304;
+    CHECK_THROWS_AS(gg.run(a, ctx.stream()), Error);
+  }
   SECTION("argument errors") {
     const Problem p = make_problem({4, 4}, 64, 256, 0, rng);
     Device dv(p);

@@ -130,6 +130,71 @@ TEST_CASE("CUDA MXFP4 -> FP8 folding is bit-exact with the CPU reference", "[cud
 #endif
 }
 
+TEST_CASE("CUDA MXFP4 -> FP8 folding by 64-row groups: table, bytes and scales bit-exact with the CPU", "[cuda]") {
+  if (!have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  std::mt19937 rng(2025);
+  // (rows, k, scale range): exact groups, gpt-oss-120b's K, and spreads past 14 (lossy groups).
+  struct Case {
+    int64_t rows, k;
+    int lo, hi;
+  } cases[] = {{128, 320, 110, 124}, {64, 2880, 100, 110}, {192, 256, 0, 254}};
+  for (const auto& c : cases) {
+    INFO("rows " << c.rows << " k " << c.k << " scales " << c.lo << ".." << c.hi);
+    const int E = 3;
+    Mx m = random_mx(E, c.rows, c.k, rng, c.lo, c.hi);
+    std::uniform_int_distribution<int64_t> pick(0, int64_t(m.scales.size()) - 1);
+    for (int i = 0; i < int(m.scales.size() / 8); ++i) {  // zero sub-blocks, some with large scales
+      const int64_t sb = pick(rng);
+      for (int j = 0; j < 16; ++j) m.blocks[size_t(sb * 16 + j)] = (i & 1) ? 0x88 : 0x00;
+      m.scales[size_t(sb)] = uint8_t(i % 3 == 0 ? 254 : c.lo);
+    }
+    // One whole 64-row group of expert 1 zero in its first K group.
+    const int64_t nsub = c.k / 32;
+    for (int64_t r = 0; r < 64; ++r)
+      for (int j = 0; j < 4 && j < nsub; ++j) std::memset(&m.blocks[size_t(((c.rows + r) * nsub + j) * 16)], 0, 16);
+    const int64_t kpad = cpu::fold_kpad(c.k), ng = kpad / 128, rg = c.rows / 64;
+    Dev<uint8_t> db(m.blocks), ds(m.scales), dg(size_t(E * rg * ng));
+    cudaStream_t st = nullptr;
+    const cpu::FoldStats dev = mxfp4_group_table(Mxfp4Stack{db.p, ds.p, c.rows, c.k}, E, dg.p, st);
+    cpu::FoldStats cpu_st;
+    for (int e = 0; e < E; ++e) cpu_st.merge(cpu::mxfp4_fold_check(m.view(e), 64));
+    CHECK(dev.groups == cpu_st.groups);
+    CHECK(dev.lossy_groups == cpu_st.lossy_groups);
+    CHECK(dev.zero_groups == cpu_st.zero_groups);
+    CHECK(dev.zero_groups >= 1);
+    CHECK(dev.max_spread == cpu_st.max_spread);
+    if (c.hi - c.lo <= 14) CHECK(dev.lossy_groups == 0);
+    if (c.hi - c.lo > 14) CHECK(dev.lossy_groups > 0);
+    // The folds with the table against the CPU fold by 64-row groups (lossy groups too: the same rule).
+    const int64_t per = c.rows * kpad, per_s = rg * ng;
+    Dev<uint8_t> q(size_t(2 * per));
+    Dev<float> qs(size_t(2 * per_s));
+    const int ids[2] = {1, 2};
+    const Mxfp4Stack stack{db.p, ds.p, c.rows, c.k, dg.p};
+    CHECK(fold_scale_count(stack) == per_s);
+    mxfp4_fold_experts(stack, ids, 2, Fp8Slots{q.p, qs.p}, st);
+    DZ_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto gq = q.get();
+    const auto gs = qs.get();
+    for (int slot = 0; slot < 2; ++slot) {
+      std::vector<uint8_t> rq(static_cast<size_t>(per));
+      std::vector<float> rs(static_cast<size_t>(per_s));
+      cpu::mxfp4_fold(m.view(ids[slot]), 64, rq.data(), rs.data(), nullptr);
+      size_t bad_q = 0, bad_s = 0;
+      for (int64_t i = 0; i < per; ++i) bad_q += gq[size_t(slot * per + i)] != rq[size_t(i)];
+      for (int64_t i = 0; i < per_s; ++i) bad_s += std::memcmp(&gs[size_t(slot * per_s + i)], &rs[size_t(i)], 4) != 0;
+      INFO("slot " << slot << " (expert " << ids[slot] << ")");
+      CHECK(bad_q == 0);
+      CHECK(bad_s == 0);
+    }
+  }
+  // Rows that do not split into groups of 64 are refused.
+  Dev<uint8_t> b(size_t(96 * 64 / 2)), sc(size_t(96 * 2)), t(16);
+  CHECK_THROWS_AS(mxfp4_group_table(Mxfp4Stack{b.p, sc.p, 96, 64}, 1, t.p, nullptr), Error);
+#endif
+}
+
 TEST_CASE("CUDA FP8 1x128 GEMM through cuBLASLt matches float64", "[cuda]") {
   if (!have_gpu()) return;
 #ifdef DZ_WITH_CUDA

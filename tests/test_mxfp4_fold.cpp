@@ -81,6 +81,51 @@ TEST_CASE("MXFP4 fold is exact when the spread is at most 14 and counts lossy gr
   }
 }
 
+TEST_CASE("MXFP4 fold by 64-row groups: exact within a spread of 14 over the group, lossy groups counted", "[mxfp4]") {
+  std::mt19937 rng(11);
+  for (int spread : {0, 9, 14, 15, 24}) {
+    INFO("scale spread " << spread);
+    Mat m = random_mat(128, 320, rng, 100, 100 + spread);
+    for (int i = 0; i < 16; ++i) m.blocks[16 * 7 + i] = (i & 1) ? 0x80 : 0x08;  // a -0 sub-block with a huge scale
+    m.scales[7] = 250;
+    const int64_t kpad = fold_kpad(m.k), rg = m.rows / 64;
+    std::vector<uint8_t> q(size_t(m.rows * kpad)), q1(q.size());
+    std::vector<float> sc(size_t(rg * kpad / 128)), sc1(size_t(m.rows * kpad / 128));
+    FoldStats st, st1;
+    mxfp4_fold(m.view(), 64, q.data(), sc.data(), &st);
+    mxfp4_fold_1x128(m.view(), q1.data(), sc1.data(), &st1);
+    CHECK(st.groups == uint64_t(rg * 3));
+    size_t inexact = 0, pow2 = 0;
+    for (int64_t r = 0; r < m.rows; ++r)
+      for (int64_t c = 0; c < kpad; ++c) {
+        const double v = e4m3_to_double(q[size_t(r * kpad + c)]);
+        const double got = v * sc[size_t((c / 128) * rg + r / 64)];
+        const double want = c < m.k ? mxfp4_value(m.view(), r, c) : 0.0;
+        inexact += got != want;
+        // Each row's group-folded value is its 1x128 value times a power of two of the row's group.
+        const double v1 = e4m3_to_double(q1[size_t(r * kpad + c)]);
+        const double ratio = double(sc1[size_t((c / 128) * m.rows + r)]) / sc[size_t((c / 128) * rg + r / 64)];
+        pow2 += v1 != 0 && v * 1.0 != v1 * ratio;
+      }
+    const FoldStats chk = mxfp4_fold_check(m.view(), 64);
+    CHECK(chk.lossy_groups == st.lossy_groups);
+    CHECK(chk.max_spread == st.max_spread);
+    CHECK(st.max_spread >= st1.max_spread);
+    if (spread <= 14) {
+      CHECK(inexact == 0);
+      CHECK(pow2 == 0);
+      CHECK(st.lossy_groups == 0);
+    } else {
+      CHECK(st.lossy_groups > 0);
+      CHECK(inexact > 0);
+    }
+  }
+  Mat m = random_mat(96, 128, rng, 120, 121);
+  std::vector<uint8_t> q(size_t(96 * 128));
+  std::vector<float> sc(2);
+  CHECK_THROWS_AS(mxfp4_fold(m.view(), 64, q.data(), sc.data(), nullptr), Error);  // 96 rows: not whole groups
+}
+
 TEST_CASE("MXFP4 fold: zero groups get scale 1, scale byte 0 is 2^-127, 0xFF is refused", "[mxfp4]") {
   Mat m{std::vector<uint8_t>(2 * 64 / 2, 0), std::vector<uint8_t>(2 * 2, 0), 2, 64};
   m.blocks[0] = 0x21;  // row 0, sub-block 0: elements 0.5 and 1.0 at scale byte 0

@@ -1,6 +1,7 @@
 #include "cpu/mxfp4_fold.h"
 
 #include <cmath>
+#include <vector>
 
 #include "common/error.h"
 
@@ -77,47 +78,78 @@ Group read_group(const Mxfp4View& w, int64_t r, int64_t g) {
   return G;
 }
 
-void account(const Group& G, FoldStats& st) {
+// The fold group of rows [r0, r0 + n) and K group g: its rows' groups and
+// the largest scale among all their nonzero sub-blocks.
+struct RowsGroup {
+  std::vector<Group> rows;
+  int smax = 133;
+  bool any = false;
+};
+
+RowsGroup read_rows_group(const Mxfp4View& w, int64_t r0, int n, int64_t g) {
+  RowsGroup R;
+  int m = -1;
+  for (int i = 0; i < n; ++i) {
+    R.rows.push_back(read_group(w, r0 + i, g));
+    if (R.rows.back().any && R.rows.back().smax > m) m = R.rows.back().smax;
+  }
+  R.any = m >= 0;
+  if (R.any) R.smax = m;
+  return R;
+}
+
+void account(const RowsGroup& R, FoldStats& st) {
   ++st.groups;
-  if (!G.any) {
+  if (!R.any) {
     ++st.zero_groups;
     return;
   }
   int spread = 0;
-  for (int j = 0; j < 4; ++j)
-    if (G.nz[j] && G.smax - G.s[j] > spread) spread = G.smax - G.s[j];
+  for (const Group& G : R.rows)
+    for (int j = 0; j < 4; ++j)
+      if (G.nz[j] && R.smax - G.s[j] > spread) spread = R.smax - G.s[j];
   if (spread > st.max_spread) st.max_spread = spread;
   if (spread > 14) ++st.lossy_groups;
 }
 
+void check_row_group(const Mxfp4View& w, int row_group) {
+  check(row_group >= 1 && w.rows % row_group == 0, DZ_ERR_INVALID_ARGUMENT, "MXFP4 tensor ", w.name, ": ", w.rows,
+        " rows do not split into fold groups of ", row_group);
+}
+
 }  // namespace
 
-void mxfp4_fold_1x128(const Mxfp4View& w, uint8_t* fp8, float* scales, FoldStats* stats) {
+void mxfp4_fold(const Mxfp4View& w, int row_group, uint8_t* fp8, float* scales, FoldStats* stats) {
   check_shape(w);
-  const int64_t nsub = w.k / 32, kpad = fold_kpad(w.k), ng = kpad / 128;
+  check_row_group(w, row_group);
+  const int64_t nsub = w.k / 32, kpad = fold_kpad(w.k), ng = kpad / 128, nrg = w.rows / row_group;
   // table[d][code]: E2M1 * 2^(6-d) as E4M3, d = 0..31 (d >= 20 is all zeros).
   uint8_t table[32][16];
   for (int d = 0; d < 32; ++d)
     for (int c = 0; c < 16; ++c) table[d][c] = e4m3_from_double(double(kE2M1[c]) * std::ldexp(1.0, 6 - d));
   FoldStats st;
-  for (int64_t r = 0; r < w.rows; ++r) {
+  for (int64_t rg = 0; rg < nrg; ++rg) {
     for (int64_t g = 0; g < ng; ++g) {
-      const Group G = read_group(w, r, g);
-      account(G, st);
-      scales[g * w.rows + r] = float(std::ldexp(1.0, G.smax - 133));
-      uint8_t* out = fp8 + r * kpad + g * 128;
-      for (int j = 0; j < 4; ++j) {
-        const int64_t sb = g * 4 + j;
-        if (sb >= nsub) {
-          for (int i = 0; i < 32; ++i) out[j * 32 + i] = 0;
-          continue;
-        }
-        int d = G.smax - G.s[j];
-        d = d < 0 ? 0 : (d > 31 ? 31 : d);  // d < 0 only for all-zero sub-blocks
-        const uint8_t* b = w.blocks + (r * nsub + sb) * 16;
-        for (int i = 0; i < 16; ++i) {
-          out[j * 32 + 2 * i] = table[d][b[i] & 15];
-          out[j * 32 + 2 * i + 1] = table[d][b[i] >> 4];
+      const RowsGroup R = read_rows_group(w, rg * row_group, row_group, g);
+      account(R, st);
+      scales[g * nrg + rg] = float(std::ldexp(1.0, R.smax - 133));
+      for (int i = 0; i < row_group; ++i) {
+        const int64_t r = rg * row_group + i;
+        const Group& G = R.rows[size_t(i)];
+        uint8_t* out = fp8 + r * kpad + g * 128;
+        for (int j = 0; j < 4; ++j) {
+          const int64_t sb = g * 4 + j;
+          if (sb >= nsub) {
+            for (int q = 0; q < 32; ++q) out[j * 32 + q] = 0;
+            continue;
+          }
+          int d = R.smax - G.s[j];
+          d = d < 0 ? 0 : (d > 31 ? 31 : d);  // d < 0 only for all-zero sub-blocks
+          const uint8_t* b = w.blocks + (r * nsub + sb) * 16;
+          for (int q = 0; q < 16; ++q) {
+            out[j * 32 + 2 * q] = table[d][b[q] & 15];
+            out[j * 32 + 2 * q + 1] = table[d][b[q] >> 4];
+          }
         }
       }
     }
@@ -125,12 +157,17 @@ void mxfp4_fold_1x128(const Mxfp4View& w, uint8_t* fp8, float* scales, FoldStats
   if (stats) stats->merge(st);
 }
 
-FoldStats mxfp4_fold_check(const Mxfp4View& w) {
+void mxfp4_fold_1x128(const Mxfp4View& w, uint8_t* fp8, float* scales, FoldStats* stats) {
+  mxfp4_fold(w, 1, fp8, scales, stats);
+}
+
+FoldStats mxfp4_fold_check(const Mxfp4View& w, int row_group) {
   check_shape(w);
+  check_row_group(w, row_group);
   const int64_t ng = fold_kpad(w.k) / 128;
   FoldStats st;
-  for (int64_t r = 0; r < w.rows; ++r)
-    for (int64_t g = 0; g < ng; ++g) account(read_group(w, r, g), st);
+  for (int64_t r = 0; r < w.rows; r += row_group)
+    for (int64_t g = 0; g < ng; ++g) account(read_rows_group(w, r, row_group, g), st);
   return st;
 }
 

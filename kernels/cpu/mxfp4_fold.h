@@ -8,7 +8,9 @@
 // s_max-s_i <= 14 for every nonzero sub-block; groups past that are "lossy"
 // (counted, never silently assumed exact). A group with no nonzero value gets
 // scale 1. The sign of zero is kept (nibble 8 -> 0x80). Scale byte 0xFF (NaN)
-// is an error.
+// is an error. mxfp4_fold takes the same rule over groups of several rows (64 x
+// 128 on the GPU where every such group is exact: one scale per 64 columns of a
+// GEMM).
 //
 // This is the CPU reference; kernels/cuda/mxfp4_fold.cu must match it bit for bit.
 #pragma once
@@ -58,8 +60,14 @@ struct Mxfp4View {
 // 0xFF scale. stats may be null.
 void mxfp4_fold_1x128(const Mxfp4View& w, uint8_t* fp8, float* scales, FoldStats* stats);
 
-// Spread check only (what a load reports): counts lossy groups; throws on 0xFF.
-FoldStats mxfp4_fold_check(const Mxfp4View& w);
+// The same rule over fold groups of row_group rows x 128 (rows % row_group ==
+// 0): s_max over all their nonzero sub-blocks, scales [kpad/128][rows /
+// row_group]. row_group 1 is mxfp4_fold_1x128.
+void mxfp4_fold(const Mxfp4View& w, int row_group, uint8_t* fp8, float* scales, FoldStats* stats);
+
+// Spread check only (what a load reports): counts lossy groups of row_group
+// rows x 128; throws on 0xFF.
+FoldStats mxfp4_fold_check(const Mxfp4View& w, int row_group = 1);
 
 // Exact value of element (row, col).
 double mxfp4_value(const Mxfp4View& w, int64_t row, int64_t col);

@@ -90,6 +90,11 @@ struct Params {
   int* sched;  // FP8 weights: [next tile, blocks done], zero at launch and again when the last block is done
   const uint8_t *w4_blocks, *w4_scales;  // MXFP4 weights: stacks [E][n][nsub][16], [E][n][nsub]
   int nsub;
+  // Weight scales of 64-row groups (kG): FP8 weights' wsg_g [k/128][n/64] at
+  // wsg + g * wsg_stride (floats); MXFP4 weights' group table [E][n/64][k/128].
+  const float* wsg;
+  int64_t wsg_stride;
+  const uint8_t* w4_gmax;
   int expert[kMaxGroups];  // MXFP4 weights: group -> index in the stacks
   int off[kMaxGroups];
   int m[kMaxGroups];
@@ -222,7 +227,10 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[96], uint64_t da, uint64_t
 // bytes, written in the copy engine's 128B swizzle) and its block scale, its
 // next stage's row arriving meanwhile by asynchronous copy; X still comes by
 // bulk tensor copy. Consumers are warpgroups 2 and 3 then.
-template <bool kDebug, bool kW4>
+// kG: one weight scale per 64 columns and K block (fold groups of 64 rows):
+// the promotion multiplies each accumulator by a row scale times its
+// column group's scale, formed once per group instead of once per column.
+template <bool kDebug, bool kW4, bool kG>
 __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_kernel(const __grid_constant__ Params p) {
 #ifdef DZ_GG_SM90A
   using L = Smem<kW4>;
@@ -290,14 +298,16 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     };
     Cursor ci, cc;                               // the copies', the folding's
     const uint8_t *bl = nullptr, *sc = nullptr;  // the copies' row of W (blocks, scales)
+    const uint8_t* gm = nullptr;                 // kG: its row group's line of the group table
     bool rok = false;
     int row = 0;  // the folding's first X row
     start(ci, pw);
     start(cc, pw);
     // The copy's own stage (one group, empty past the end) and its scale bytes
     // (plain loads into a register ring, first used kW4Bufs own stages later).
-    auto issue = [&](int buf, uint32_t& scv) {
+    auto issue = [&](int buf, uint32_t& scv, int& gmv) {
       scv = 0;
+      gmv = 133;
       if (ci.gs < total) {
         int g, mt, nt;
         if (moved(ci, g, mt, nt)) {
@@ -306,7 +316,10 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
           const int64_t er = int64_t(p.expert[g]) * p.n + (rok ? wr : 0);
           bl = p.w4_blocks + er * p.nsub * 16;
           sc = p.w4_scales + er * p.nsub;
+          if constexpr (kG) gm = p.w4_gmax + (er / kFoldRowGroup) * p.nkb;  // n % 64 == 0: er / 64 is the row group
         }
+        if constexpr (kG)
+          if (rok) gmv = gm[ci.kb];
         const uint8_t* dst = w4t + buf * kW4TileBytes;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -320,8 +333,9 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
       next(ci);
     };
     uint32_t scr[kW4Bufs];
+    int gmr[kW4Bufs];
 #pragma unroll
-    for (int r = 0; r < kW4Bufs; ++r) issue(r, scr[r]);
+    for (int r = 0; r < kW4Bufs; ++r) issue(r, scr[r], gmr[r]);
     while (cc.gs < total) {
 #pragma unroll
       for (int r = 0; r < kW4Bufs; ++r) {
@@ -336,11 +350,12 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
           G.w[q] = *reinterpret_cast<const uint4*>(buf + piece(q));
           G.s[q] = int((scr[r] >> (8 * q)) & 0xFFu);
         }
+        const int smax = kG ? gmr[r] : fold_smax(group_smax(G));
         // The next copies overwrite the buffer: their addresses take a data
         // dependency on what was just read, so they issue after the reads land.
         int bi = r;
         asm volatile("" : "+r"(bi) : "r"(G.w[0].x ^ G.w[1].y ^ G.w[2].z ^ G.w[3].w));
-        issue(bi, scr[r]);
+        issue(bi, scr[r], gmr[r]);
         const int stage = cc.gs % kS;
         const uint32_t phase = uint32_t(cc.gs / kS) & 1u;
         mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);
@@ -349,7 +364,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
           tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), cc.kb * kBK, row);
         }
         sSp[stage * kBN<true> + tid] =
-            fold_group(G, reinterpret_cast<uint4*>(sBp + stage * kBBytes<true> + tid * kBK), tid & 7);
+            fold_group_at(G, smax, reinterpret_cast<uint4*>(sBp + stage * kBBytes<true> + tid * kBK), tid & 7);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
         mbar_arrive(full(stage));
         next(cc);
@@ -361,7 +376,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     if (threadIdx.x == 0) {
       prefetch_map(&p.xmap);
       prefetch_map(&p.wmap);
-      prefetch_map(&p.smap);
+      if constexpr (!kG) prefetch_map(&p.smap);
       int stage = 0;
       uint32_t phase = 0;
       // Tiles in order from a global counter (a block that starts late, behind
@@ -381,10 +396,10 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
         const int row = p.off[g] + mt * kBM, n0 = nt * kBN<false>;
         for (int kb = 0; kb < p.nkb; ++kb) {
           if (kb > 0) mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);
-          mbar_arrive_expect_tx(full(stage), kTxBytes);
+          mbar_arrive_expect_tx(full(stage), kG ? kTxBytes - kSBytes<false> : kTxBytes);
           tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), kb * kBK, row);
           tma_3d(sB + uint32_t(stage * kBBytes<false>), &p.wmap, full(stage), kb * kBK, n0, g);
-          tma_3d(sS + uint32_t(stage * kSBytes<false>), &p.smap, full(stage), n0, kb, g);
+          if constexpr (!kG) tma_3d(sS + uint32_t(stage * kSBytes<false>), &p.smap, full(stage), n0, kb, g);
           if (++stage == kS) stage = 0, phase ^= 1u;
         }
       }
@@ -426,6 +441,9 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
       // warpgroup holds rows 16w..16w+15, lane/4 and lane/4 + 8).
       const int r0 = mt * kBM + cw * 64 + warp * 16 + (lane >> 2), r1 = r0 + 8;
       const float* xsg = p.xs + int64_t(p.nkb) * off;
+      constexpr int NG = BN / kFoldRowGroup;  // kG: column groups of the tile
+      const int ngc = p.n / kFoldRowGroup;
+      const float* wsg = kW4 ? nullptr : p.wsg + g * p.wsg_stride + n0 / kFoldRowGroup;
 #pragma unroll
       for (int i = 0; i < NR; ++i) acc[i] = 0.f;
       // A warpgroup whose 64 rows all lie past the group (a group's last m
@@ -447,6 +465,12 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
         // the MMA hides their latency; rows past the group read nothing.
         const float x0 = r0 < m ? __ldg(xsg + int64_t(kb) * m + r0) : 0.f;
         const float x1 = r1 < m ? __ldg(xsg + int64_t(kb) * m + r1) : 0.f;
+        float wq[kG ? NG : 1];
+        if constexpr (kG && !kW4) {
+#pragma unroll
+          for (int q = 0; q < NG; ++q)  // a partial last n tile: its groups past n repeat the last
+            wq[q] = __ldg(wsg + int64_t(kb) * ngc + min(q, ngc - 1 - n0 / kFoldRowGroup));
+        }
         mbar_wait<kDebug>(full(stage), phase, "full", stage);
         __syncwarp();  // the warp leaves the spin together: wgmma is .aligned
         const uint64_t da = smem_desc(sA + uint32_t(stage * kABytes + cw * 64 * kBK));
@@ -461,7 +485,21 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
         fence_regs(part);
         // Promotion: acc += part * xs[row] * ws[col]. Columns of register
         // quad j: 8j + 2 (lane % 4) + {0, 1}; registers 4j+2, 4j+3 are row + 8.
-        if (wlive) {
+        if (kG && wlive) {
+#pragma unroll
+          for (int q = 0; q < NG; ++q) {
+            // MXFP4 weights: every row of a group got the group's scale from its producer thread.
+            const float w = kW4 ? s_scales[stage * BN + q * kFoldRowGroup] : wq[q];
+            const float s0 = x0 * w, s1 = x1 * w;
+#pragma unroll
+            for (int j = q * 8; j < q * 8 + 8; ++j) {  // register quad j: columns 8j..8j+7
+              acc[4 * j + 0] = fmaf(part[4 * j + 0], s0, acc[4 * j + 0]);
+              acc[4 * j + 1] = fmaf(part[4 * j + 1], s0, acc[4 * j + 1]);
+              acc[4 * j + 2] = fmaf(part[4 * j + 2], s1, acc[4 * j + 2]);
+              acc[4 * j + 3] = fmaf(part[4 * j + 3], s1, acc[4 * j + 3]);
+            }
+          }
+        } else if (wlive) {
           const float2* sc = reinterpret_cast<const float2*>(s_scales + stage * BN);
 #pragma unroll
           for (int j = 0; j < BN / 8; ++j) {
@@ -568,9 +606,11 @@ Fp8GroupedGemm::Fp8GroupedGemm() {
   int dev = 0;
   DZ_CUDA_CHECK(cudaGetDevice(&dev));
   DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm_, cudaDevAttrMultiProcessorCount, dev));
-  for (auto k : {fp8_grouped_kernel<false, false>, fp8_grouped_kernel<true, false>})
+  for (auto k : {fp8_grouped_kernel<false, false, false>, fp8_grouped_kernel<true, false, false>,
+                 fp8_grouped_kernel<false, false, true>, fp8_grouped_kernel<true, false, true>})
     DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<false>::bytes));
-  for (auto k : {fp8_grouped_kernel<false, true>, fp8_grouped_kernel<true, true>})
+  for (auto k : {fp8_grouped_kernel<false, true, false>, fp8_grouped_kernel<true, true, false>,
+                 fp8_grouped_kernel<false, true, true>, fp8_grouped_kernel<true, true, true>})
     DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<true>::bytes));
   DZ_CUDA_CHECK(cudaMalloc(&sched_, 2 * sizeof(int)));
   DZ_CUDA_CHECK(cudaMemset(sched_, 0, 2 * sizeof(int)));
@@ -588,6 +628,11 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
             a.rows_total < (int64_t(1) << 31),
         DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: groups=", a.groups, " rows_total=", a.rows_total);
   const bool w4 = a.w4.blocks != nullptr;
+  const bool grp = w4 ? a.w4.gmax != nullptr : a.ws_row_group == kFoldRowGroup;
+  check(w4 || a.ws_row_group == 1 || a.ws_row_group == kFoldRowGroup, DZ_ERR_INVALID_ARGUMENT,
+        "fp8_grouped_gemm: ws_row_group ", a.ws_row_group, " (1 or 64)");
+  check(!grp || a.n % kFoldRowGroup == 0, DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: n=", a.n,
+        " with weight scales of 64-row groups (n must be a multiple of 64)");
   const int bn = w4 ? kBN<true> : kBN<false>, nkb = a.k / kBK, ntiles = (a.n + bn - 1) / bn;
   for (int g = 0; g < a.groups; ++g)
     check(a.counts[g] >= 0 && a.offsets[g] >= 0 && int64_t(a.offsets[g]) + a.counts[g] <= a.rows_total,
@@ -598,9 +643,12 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
   if (rows_used == 0) return;
   check(a.x && a.xs && a.d && (w4 ? a.w4.scales != nullptr : a.w && a.ws), DZ_ERR_INVALID_ARGUMENT,
         "fp8_grouped_gemm: null pointer");
-  check(aligned(a.x, 16) && aligned(a.d, 16) && aligned(a.xs, 4) && (w4 || (aligned(a.w, 16) && aligned(a.ws, 16))),
-        DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: X, W, W scales and D must be 16-byte aligned, X scales 4-byte");
-  const int64_t w_bytes = int64_t(a.n) * a.k, ws_floats = int64_t(nkb) * a.n;
+  // W scales of 64-row groups are plain loads (4-byte aligned); 1x128 ones come by tensor copy.
+  check(aligned(a.x, 16) && aligned(a.d, 16) && aligned(a.xs, 4) &&
+            (w4 || (aligned(a.w, 16) && aligned(a.ws, grp ? 4 : 16))),
+        DZ_ERR_INVALID_ARGUMENT,
+        "fp8_grouped_gemm: X, W, W scales (1x128) and D must be 16-byte aligned, X scales 4-byte");
+  const int64_t w_bytes = int64_t(a.n) * a.k, ws_floats = int64_t(nkb) * (grp ? a.n / kFoldRowGroup : a.n);
   const int64_t w_stride = a.groups > 1 ? a.w_stride : w_bytes, ws_stride = a.groups > 1 ? a.ws_stride : ws_floats;
   if (w4) {
     check(aligned(a.w4.blocks, 16) && a.w4.rows == a.n && a.w4.k % 32 == 0 && a.w4.k > a.k - kBK && a.w4.k <= a.k &&
@@ -611,9 +659,10 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
       check(a.experts[g] >= 0 && a.experts[g] < a.w4_experts, DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: group ", g,
             " names expert ", a.experts[g], " of ", a.w4_experts);
   } else {
-    check(w_stride >= w_bytes && w_stride % 16 == 0 && ws_stride >= ws_floats && ws_stride % 4 == 0,
+    check(w_stride >= w_bytes && w_stride % 16 == 0 && ws_stride >= ws_floats && (grp || ws_stride % 4 == 0),
           DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: group strides w=", a.w_stride,
-          " bytes (>= n*k, multiple of 16), ws=", a.ws_stride, " floats (>= k/128*n, multiple of 4)");
+          " bytes (>= n*k, multiple of 16), ws=", a.ws_stride,
+          grp ? " floats (>= k/128*n/64)" : " floats (>= k/128*n, multiple of 4)");
   }
 
   Params p{};
@@ -629,6 +678,8 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
   p.n = a.n;
   p.nkb = nkb;
   p.w4_blocks = a.w4.blocks, p.w4_scales = a.w4.scales, p.nsub = int(a.w4.k / 32);
+  p.w4_gmax = a.w4.gmax;
+  p.wsg_stride = ws_stride;
   for (int g0 = 0; g0 < a.groups; g0 += kMaxGroups) {
     const int G = std::min(kMaxGroups, a.groups - g0);
     if (!w4) {
@@ -638,7 +689,8 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
       encode_tensor_map(&p.wmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w + w_stride * g0, dims, strides, box,
                         CU_TENSOR_MAP_SWIZZLE_128B, "W");
     }
-    if (!w4) {
+    if (!w4 && grp) p.wsg = a.ws + ws_stride * g0;
+    if (!w4 && !grp) {
       const cuuint64_t dims[3] = {cuuint64_t(a.n), cuuint64_t(nkb), cuuint64_t(G)};
       const cuuint64_t strides[2] = {cuuint64_t(a.n) * 4, cuuint64_t(ws_stride) * 4};
       const cuuint32_t box[3] = {kBN<false>, 1, 1};
@@ -659,8 +711,13 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     if (tiles == 0) continue;
     const int blocks = a.max_blocks > 0 ? std::min(a.max_blocks, n_sm_) : n_sm_;
     const dim3 grid(unsigned(std::min(tiles, blocks))), block(w4 ? kThreadsW4 : kThreads);
-    const auto kernel = w4 ? (debug_ ? fp8_grouped_kernel<true, true> : fp8_grouped_kernel<false, true>)
-                           : (debug_ ? fp8_grouped_kernel<true, false> : fp8_grouped_kernel<false, false>);
+    // [debug][w4][grp]
+    static void (*const kernels[2][2][2])(Params) = {
+        {{fp8_grouped_kernel<false, false, false>, fp8_grouped_kernel<false, false, true>},
+         {fp8_grouped_kernel<false, true, false>, fp8_grouped_kernel<false, true, true>}},
+        {{fp8_grouped_kernel<true, false, false>, fp8_grouped_kernel<true, false, true>},
+         {fp8_grouped_kernel<true, true, false>, fp8_grouped_kernel<true, true, true>}}};
+    const auto kernel = kernels[debug_][w4][grp];
     kernel<<<grid, block, w4 ? Smem<true>::bytes : Smem<false>::bytes, s>>>(p);
     DZ_CUDA_LAUNCH_CHECK();
     if (debug_) {

@@ -10,7 +10,8 @@
 // with, as Fp8Gemm (fp8_gemm.h) takes them per group:
 //   X   fp8 [rows_total][k] (row-major, K contiguous),
 //   xs  float: group g's block of nkb * m_g floats at xs + nkb * off_g, laid out [kb][m_g],
-//   W_g fp8 [n][k] at w + g * w_stride (bytes), ws_g float [k/128][n] at ws + g * ws_stride (floats),
+//   W_g fp8 [n][k] at w + g * w_stride (bytes), ws_g float [k/128][n] at ws + g * ws_stride (floats)
+//       (or [k/128][n/64], one scale a 64-row group: ws_row_group 64; then ws_g[kb][c/64] above),
 //   D   bf16 [rows_total][n].
 // With MXFP4 weights (Fp8GroupedArgs::w4) W_g and ws_g are the folded expert,
 // made by the kernel's producer warps on the fly.
@@ -33,8 +34,9 @@ struct Fp8GroupedArgs {
   int64_t rows_total = 0;        // rows of X and D (no group reaches past it)
   const uint8_t* w = nullptr;    // group 0's [n][k]
   int64_t w_stride = 0;          // bytes between groups' W (multiple of 16)
-  const float* ws = nullptr;     // group 0's [k/128][n]
-  int64_t ws_stride = 0;         // floats between groups' W scales (multiple of 4)
+  const float* ws = nullptr;     // group 0's [k/128][n], or [k/128][n/64] with ws_row_group 64
+  int64_t ws_stride = 0;         // floats between groups' W scales (1x128: a multiple of 4)
+  int ws_row_group = 1;          // W rows sharing a scale: 1 (1x128) or 64 (mxfp4_fold_experts with a group table)
   void* d = nullptr;             // bf16 [rows_total][n]
   int n = 0, k = 0;              // n % 16 == 0, k % 128 == 0
   const int* offsets = nullptr;  // host: offsets[g], first row of group g
@@ -44,7 +46,8 @@ struct Fp8GroupedArgs {
   // MXFP4 weights instead of W/ws (sm_90a): group g uses expert experts[g] of
   // the stack w4 (rows == n, K == w4.k padded to k), folded to E4M3 with 1x128
   // scales inside the kernel exactly as mxfp4_fold_experts would (the same
-  // bytes reach the tensor cores), without an FP8 copy in memory.
+  // bytes reach the tensor cores), without an FP8 copy in memory; by 64-row
+  // groups where w4.gmax is given.
   Mxfp4Stack w4{};
   const int* experts = nullptr;  // host: [groups]
   int w4_experts = 0;            // experts in the stack (bounds check)

@@ -2054,15 +2054,19 @@ struct MoeLayer::Impl {
     std::vector<int> act_e;
     for (int e = 0; e < E; ++e)
       if (hc[e]) act_e.push_back(e);
-    const size_t w1_fp8 = size_t(2 * I) * kph, w2_fp8 = size_t(H) * kpi;
-    const size_t w1_sc = size_t(2 * I) * (kph / 128), w2_sc = size_t(H) * (kpi / 128);
-    // The workspace holds tiles of tile_cap experts (options changed later cannot grow it).
-    const int tile = std::max(1, std::min(opt.tile_experts, tile_cap));
-    const Mxfp4Stack W1{w.w1_blocks, w.w1_scales, 2 * I, H}, W2{w.w2_blocks, w.w2_scales, H, I};
     check(opt.fp8_gemm >= 0 && opt.fp8_gemm <= 2, DZ_ERR_INVALID_ARGUMENT, "fp8_gemm must be 0 (auto), 1 or 2");
     // Auto: the grouped kernel where it runs, folding inside up to
     // fp8_grouped_max_tokens_per_expert, on the workspace tiles above.
     const bool grouped = opt.fp8_gemm == 2 || (opt.fp8_gemm == 0 && Fp8GroupedGemm::supported());
+    // Fold groups of 64 rows where the weights come with exact group tables
+    // (the grouped kernel only: cuBLASLt's scale modes are 1x128 and 128x128).
+    const bool grp = grouped && opt.fp8_group_scales && w.w1_gmax && w.w2_gmax;
+    const Mxfp4Stack W1{w.w1_blocks, w.w1_scales, 2 * I, H, grp ? w.w1_gmax : nullptr},
+        W2{w.w2_blocks, w.w2_scales, H, I, grp ? w.w2_gmax : nullptr};
+    const size_t w1_fp8 = size_t(2 * I) * kph, w2_fp8 = size_t(H) * kpi;
+    const size_t w1_sc = size_t(fold_scale_count(W1)), w2_sc = size_t(fold_scale_count(W2));
+    // The workspace holds tiles of tile_cap experts (options changed later cannot grow it).
+    const int tile = std::max(1, std::min(opt.tile_experts, tile_cap));
     const bool fold_in =
         opt.fp8_fold_in_gemm && (opt.fp8_gemm == 2 || double(T) * s.topk / E <= opt.fp8_grouped_max_tokens_per_expert);
     if (grouped && fold_in && !act_e.empty()) {
@@ -2091,6 +2095,7 @@ struct MoeLayer::Impl {
         Fp8GroupedArgs g1, g2;
         g1.w = f1, g1.w_stride = int64_t(w1_fp8), g1.ws = s1, g1.ws_stride = int64_t(w1_sc);
         g2.w = f2, g2.w_stride = int64_t(w2_fp8), g2.ws = s2, g2.ws_stride = int64_t(w2_sc);
+        g1.ws_row_group = g2.ws_row_group = grp ? kFoldRowGroup : 1;
         grouped_gemms(act_e.data() + t0, n, ho, rows_total, g1, g2, w.b1, st);
         DZ_CUDA_CHECK(cudaEventRecord(ev_free[buf], st));
         continue;

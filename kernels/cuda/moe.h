@@ -34,6 +34,10 @@ struct MoeWeights {
   const uint16_t* b1 = nullptr;  // bf16 [E][2I]
   const uint8_t *w2_blocks = nullptr, *w2_scales = nullptr;
   const uint16_t* b2 = nullptr;  // bf16 [E][H]
+  // Optional group tables (mxfp4_group_table), given only where every 64-row
+  // fold group of the projection is exact: the FP8 path's grouped GEMMs then
+  // fold by 64-row groups (MoeOptions::fp8_group_scales).
+  const uint8_t *w1_gmax = nullptr, *w2_gmax = nullptr;
 };
 
 enum class MoePath { kAuto = 0, kFused = 1, kFp8 = 2 };
@@ -188,6 +192,12 @@ struct MoeOptions {
   // 4.45 ms vs 2.70 / 3.51 / 4.85 ms folding first (cuBLASLt: 3.34 / 3.82 / 5.13).
   // Auto (fp8_gemm 0) folds inside only up to fp8_grouped_max_tokens_per_expert.
   bool fp8_fold_in_gemm = true;
+  // The FP8 path's grouped GEMMs take one weight scale per 64 rows and K
+  // block where the weights carry exact group tables (MoeWeights::w1_gmax):
+  // the same products in the tensor cores (each row's FP8 values a power of
+  // two apart from its 1x128 fold), and a promotion of one FFMA an
+  // accumulator instead of an FMUL and an FFMA.
+  bool fp8_group_scales = true;
 };
 
 class MoeLayer {

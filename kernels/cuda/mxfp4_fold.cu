@@ -18,6 +18,7 @@ struct FoldArgs {
   const uint8_t* scales;
   uint8_t* out;
   float* out_scales;
+  const uint8_t* gmax;  // group table or null (by rows)
   int rows, nsub, ngroups;
   int ids[kMaxIds];
 };
@@ -40,8 +41,15 @@ __global__ void __launch_bounds__(kFoldThreads) fold_kernel(FoldArgs a) {
     const uint8_t* bl = a.blocks + (e * a.rows + r) * int64_t(a.nsub) * 16;
     const uint8_t* sc = a.scales + (e * a.rows + r) * int64_t(a.nsub);
     const GroupIn G = load_group(bl, sc, g, a.nsub);
-    a.out_scales[int64_t(slot) * total + int64_t(g) * a.rows + r] =
-        fold_group(G, stage + threadIdx.x * 8, threadIdx.x & 7);
+    if (a.gmax) {
+      const int rg = a.rows / kFoldRowGroup;
+      const int smax = a.gmax[(e * rg + r / kFoldRowGroup) * a.ngroups + g];
+      const float bs = fold_group_at(G, smax, stage + threadIdx.x * 8, threadIdx.x & 7);
+      if (r % kFoldRowGroup == 0) a.out_scales[(int64_t(slot) * a.ngroups + g) * rg + r / kFoldRowGroup] = bs;
+    } else {
+      a.out_scales[int64_t(slot) * total + int64_t(g) * a.rows + r] =
+          fold_group(G, stage + threadIdx.x * 8, threadIdx.x & 7);
+    }
   }
   __syncthreads();
   const int64_t n16 = (total - idx0 < kFoldThreads ? total - idx0 : int64_t(kFoldThreads)) * 8;
@@ -86,10 +94,47 @@ __global__ void __launch_bounds__(256) fold_check_kernel(const uint8_t* blocks, 
   }
 }
 
+// One block per 64-row x 128 fold group (grid: K groups x row groups of all
+// experts), a thread per row. stats: [lossy, zero, max_spread].
+__global__ void __launch_bounds__(kFoldRowGroup)
+    group_table_kernel(const uint8_t* blocks, const uint8_t* scales, int nsub, uint8_t* gmax,
+                       unsigned long long* stats) {
+  __shared__ int part[kFoldRowGroup / 32];
+  const int g = int(blockIdx.x), lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
+  const int64_t r = int64_t(blockIdx.y) * kFoldRowGroup + threadIdx.x;
+  const GroupIn G = load_group(blocks + r * nsub * 16, scales + r * nsub, g, nsub);
+  auto block_max = [&](int v) {
+    for (int o = 16; o; o >>= 1) v = max(v, __shfl_xor_sync(~0u, v, o));
+    __syncthreads();  // part[] is free again
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    v = part[0];
+    for (int w = 1; w < kFoldRowGroup / 32; ++w) v = max(v, part[w]);
+    return v;
+  };
+  const int m = block_max(group_smax(G));
+  int spread = 0;
+  for (int j = 0; j < 4; ++j)
+    if (sub_nonzero(G.w[j])) spread = max(spread, m - G.s[j]);
+  spread = block_max(spread);
+  if (threadIdx.x == 0) {
+    gmax[int64_t(blockIdx.y) * gridDim.x + g] = uint8_t(fold_smax(m));
+    if (spread > 14) atomicAdd(&stats[0], 1ull);
+    if (m < 0) atomicAdd(&stats[1], 1ull);
+    if (unsigned(spread) > *reinterpret_cast<volatile unsigned long long*>(&stats[2]))
+      atomicMax(&stats[2], (unsigned long long)spread);
+  }
+}
+
 }  // namespace
 
+int64_t fold_scale_count(const Mxfp4Stack& w) {
+  return (w.gmax ? w.rows / kFoldRowGroup : w.rows) * (cpu::fold_kpad(w.k) / 128);
+}
+
 void mxfp4_fold_experts(const Mxfp4Stack& w, const int* ids, int n, const Fp8Slots& out, cudaStream_t s) {
-  check(w.k % 32 == 0 && w.rows > 0, DZ_ERR_INVALID_ARGUMENT, "mxfp4_fold_experts: bad shape");
+  check(w.k % 32 == 0 && w.rows > 0 && (!w.gmax || w.rows % kFoldRowGroup == 0), DZ_ERR_INVALID_ARGUMENT,
+        "mxfp4_fold_experts: bad shape ", w.rows, " x ", w.k, w.gmax ? " (groups of 64 rows)" : "");
   const int nsub = int(w.k / 32), ngroups = int(cpu::fold_kpad(w.k) / 128);
   for (int base = 0; base < n; base += kMaxIds) {
     FoldArgs a{};
@@ -97,7 +142,8 @@ void mxfp4_fold_experts(const Mxfp4Stack& w, const int* ids, int n, const Fp8Slo
     a.blocks = w.blocks;
     a.scales = w.scales;
     a.out = out.fp8 + int64_t(base) * w.rows * ngroups * 128;
-    a.out_scales = out.scales + int64_t(base) * w.rows * ngroups;
+    a.out_scales = out.scales + int64_t(base) * fold_scale_count(w);
+    a.gmax = w.gmax;
     a.rows = int(w.rows);
     a.nsub = nsub;
     a.ngroups = ngroups;
@@ -128,6 +174,30 @@ cpu::FoldStats mxfp4_fold_check_device(const Mxfp4Stack& w, int n_experts, uint6
   st.zero_groups = h[2];
   st.max_spread = int(h[3]);
   if (nan_scales) *nan_scales = h[4];
+  return st;
+}
+
+cpu::FoldStats mxfp4_group_table(const Mxfp4Stack& w, int n_experts, uint8_t* gmax, cudaStream_t s) {
+  check(w.k % 32 == 0 && w.rows > 0 && w.rows % kFoldRowGroup == 0 && n_experts > 0 && gmax, DZ_ERR_INVALID_ARGUMENT,
+        "mxfp4_group_table: ", w.rows, " rows x ", w.k, " (rows must be a multiple of 64), ", n_experts, " experts");
+  const int nsub = int(w.k / 32), ngroups = int(cpu::fold_kpad(w.k) / 128);
+  const int64_t rgroups = w.rows / kFoldRowGroup * n_experts;
+  check(rgroups <= 65535, DZ_ERR_INVALID_ARGUMENT, "mxfp4_group_table: ", rgroups, " row groups (at most 65535)");
+  unsigned long long* d = nullptr;
+  DZ_CUDA_CHECK(cudaMallocAsync(&d, 3 * sizeof(unsigned long long), s));  // load time only
+  DZ_CUDA_CHECK(cudaMemsetAsync(d, 0, 3 * sizeof(unsigned long long), s));
+  group_table_kernel<<<dim3(unsigned(ngroups), unsigned(rgroups)), kFoldRowGroup, 0, s>>>(w.blocks, w.scales, nsub,
+                                                                                          gmax, d);
+  DZ_CUDA_LAUNCH_CHECK();
+  unsigned long long h[3];
+  DZ_CUDA_CHECK(cudaMemcpyAsync(h, d, sizeof h, cudaMemcpyDeviceToHost, s));
+  DZ_CUDA_CHECK(cudaFreeAsync(d, s));
+  DZ_CUDA_CHECK(cudaStreamSynchronize(s));
+  cpu::FoldStats st;
+  st.groups = uint64_t(rgroups) * ngroups;
+  st.lossy_groups = h[0];
+  st.zero_groups = h[1];
+  st.max_spread = int(h[2]);
   return st;
 }
 

@@ -75,11 +75,16 @@ __device__ __forceinline__ int group_smax(const GroupIn& G) {
   return smax;
 }
 
-// Fold G: its 128 E4M3 bytes go to dst as 8 16-byte pieces, piece c at
-// dst[c ^ sw] (sw: this row's 128-byte swizzle, 0 for none); returns the
-// group's FP8 block scale (NaN for a 0xFF scale byte).
-__device__ __forceinline__ float fold_group(const GroupIn& G, uint4* dst, int sw) {
-  const int m = group_smax(G), smax = m < 0 ? 133 : m;
+// The scale byte a fold group is placed under: its largest nonzero
+// sub-block's, or 133 (block scale 1) when every sub-block is zero.
+__device__ __forceinline__ int fold_smax(int m) { return m < 0 ? 133 : m; }
+
+// Fold G under the scale byte smax (>= every nonzero sub-block's: a row's own
+// fold_smax, or its 64-row group's from mxfp4_group_table): its 128 E4M3
+// bytes go to dst as 8 16-byte pieces, piece c at dst[c ^ sw] (sw: this row's
+// 128-byte swizzle, 0 for none); returns the FP8 block scale (NaN for a 0xFF
+// scale byte).
+__device__ __forceinline__ float fold_group_at(const GroupIn& G, int smax, uint4* dst, int sw) {
   bool nan = false;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -93,6 +98,11 @@ __device__ __forceinline__ float fold_group(const GroupIn& G, uint4* dst, int sw
     dst[(j * 2 + 1) ^ sw] = make_uint4(p2.x, p2.y, p3.x, p3.y);
   }
   return nan ? __int_as_float(0x7fc00000) : ldexpf(1.f, smax - 133);
+}
+
+// Fold G under its own largest scale (the 1x128 rule).
+__device__ __forceinline__ float fold_group(const GroupIn& G, uint4* dst, int sw) {
+  return fold_group_at(G, fold_smax(group_smax(G)), dst, sw);
 }
 
 }  // namespace dz::cuda

@@ -31,6 +31,7 @@ uint64_t gpt_oss_cuda_graph_replays() { return 0; }
 #include "common/host_alloc.h"
 #include "common/log.h"
 #include "cpu/mxfp4.h"
+#include "cpu/mxfp4_fold.h"
 #include "cuda/attention.h"
 #include "cuda/bf16_gemm.h"
 #include "cuda/bf16_gemv.h"
@@ -132,6 +133,7 @@ struct DevLayer {
   DeviceArray<uint16_t> qkv_w, o_w, router_w;
   DeviceArray<float> qkv_b, o_b, router_b, in_norm, post_norm, sinks;
   DeviceArray<uint8_t> w1b, w1s, w2b, w2s;
+  DeviceArray<uint8_t> w1g, w2g;  // fold group tables where all 64-row groups are exact (else empty)
   DeviceArray<uint16_t> b1, b2;
 };
 
@@ -286,6 +288,7 @@ class GptOssCuda final : public Family, private GptOssDesc {
   }
   // BF16 rows of the given matrices stacked (checkpoint BF16 copied as is).
   DeviceArray<uint16_t> upload_bf16(std::initializer_list<const cpu::WeightRef*> ws, const char* what);
+  void check_folding(int64_t E, int64_t H, int64_t I);
 
   int dev_ = 0;
   cuda::MoePath path_ = cuda::MoePath::kAuto;
@@ -455,6 +458,7 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
     d.b1 = upload(b1.data(), b1.size(), "gate_up bias");
     d.b2 = upload(b2.data(), b2.size(), "down bias");
   }
+  check_folding(E, H, I);
   auto& pool = ctx_->pool();
   const size_t MR = size_t(max_rows_);
   x_ = DeviceArray<float>(pool, MR * H, "x");
@@ -487,6 +491,46 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   DZ_CUDA_CHECK(cudaDeviceSynchronize());
   log_info("gpt_oss on ", ctx_->describe(), ": ", device_bytes_ >> 20, " MiB of weights on the device (checkpoint ",
            weights >> 20, " MiB)");
+}
+
+// The spread check of the experts' FP4 -> FP8 folding, on the device at load:
+// lossy 1x128 groups are counted and reported, never assumed away; each
+// projection whose 64-row x 128 groups all fold exactly keeps its group table
+// (mxfp4_group_table) for the FP8 path's grouped GEMMs.
+void GptOssCuda::check_folding(int64_t E, int64_t H, int64_t I) {
+  cudaStream_t s = ctx_->stream();
+  cpu::FoldStats by_row, by_group;
+  int grouped = 0, projections = 0;
+  size_t table_bytes = 0;
+  for (int li = 0; li < n_layers_; ++li) {
+    DevLayer& d = dl_[size_t(li)];
+    const struct {
+      const DeviceArray<uint8_t>& b;
+      const DeviceArray<uint8_t>& sc;
+      int64_t rows, k;
+      DeviceArray<uint8_t>& table;
+    } projs[2] = {{d.w1b, d.w1s, 2 * I, H, d.w1g}, {d.w2b, d.w2s, H, I, d.w2g}};
+    for (const auto& pr : projs) {
+      const cuda::Mxfp4Stack st{pr.b.get(), pr.sc.get(), pr.rows, pr.k};
+      by_row.merge(cuda::mxfp4_fold_check_device(st, int(E), nullptr, s));
+      ++projections;
+      if (pr.rows % cuda::kFoldRowGroup != 0 || E * pr.rows / cuda::kFoldRowGroup > 65535) continue;
+      DeviceArray<uint8_t> t(ctx_->pool(), size_t(E * pr.rows / cuda::kFoldRowGroup * (cpu::fold_kpad(pr.k) / 128)),
+                             "fold group table");
+      const cpu::FoldStats g = cuda::mxfp4_group_table(st, int(E), t.get(), s);
+      by_group.merge(g);
+      if (g.lossy_groups == 0) {
+        table_bytes += t.size();
+        pr.table = std::move(t);
+        ++grouped;
+      }
+    }
+  }
+  log_info("expert folding: ", by_row.groups, " groups of 1x128, ", by_row.lossy_groups, " lossy (max spread ",
+           by_row.max_spread, by_row.lossy_groups ? ": FP8 folding is not exact there" : ", exact", "); ",
+           by_group.groups, " of 64x128, ", by_group.lossy_groups, " lossy (max spread ", by_group.max_spread,
+           "): ", grouped, " of ", projections, " projections fold by 64-row groups (", table_bytes >> 10,
+           " KiB of tables)");
 }
 
 GptOssCuda::~GptOssCuda() {
@@ -834,6 +878,8 @@ void GptOssCuda::enqueue(const PassArgs& p, const ForwardOptions* abort_between)
     mw.w2_blocks = L.w2b.get();
     mw.w2_scales = L.w2s.get();
     mw.b2 = L.b2.get();
+    mw.w1_gmax = L.w1g.get();
+    mw.w2_gmax = L.w2g.get();
     const bool exact = !fp8_experts_ && (li < exact_moe_layers_ || li >= n_layers_ - exact_moe_layers_);
     const cuda::MoePath lp = path_ == cuda::MoePath::kAuto && exact ? cuda::MoePath::kFused : path_;
     moe_->options().fused_w4a8 = auto_w4a8_ && !exact;                    // exact layers: fp16 activations

@@ -39,7 +39,7 @@ const char* kUsage =
     "usage: dz bench moe [--tokens 1,8,64,128,256,384,512,1024,2048,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
     "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
     "                    [--no-components] [--w4a8]\n"
-    "                    [--fp8-gemm auto|cublaslt|grouped|grouped_ws|LIST] [--grouped-blocks N]\n"
+    "                    [--fp8-gemm auto|cublaslt|grouped|grouped_ws[_rows]|LIST] [--grouped-blocks N]\n"
     "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
     "MXFP4 MoE layer on the GPU: fused (W4A8 / W4A16 kernels) vs FP8 (fold + FP8 GEMMs) paths, JSON results.\n"
     "--w4a8: the fused path's default with the W4A8 kernels on (as DZ_EXPERTS_FP8); either way both\n"
@@ -48,7 +48,9 @@ const char* kUsage =
     "MXFP4 experts itself; grouped_ws: on experts folded into the FP8 workspace first) or auto\n"
     "(the library's default: grouped, folding inside up to 256 tokens per expert and on the\n"
     "workspace above); of a comma list the first is fp8_ms, every one listed is timed in\n"
-    "alternation (fp8_gemm_ms) and its output compared with the first's.\n"
+    "alternation (fp8_gemm_ms) and its output compared with the first's. A _rows suffix\n"
+    "(auto_rows, grouped_rows, grouped_ws_rows): weight scales per row (1x128) instead of per\n"
+    "64-row group, which the grouped kernel takes where every 64-row group folds exactly.\n"
     "--grouped-blocks: persistent blocks of the grouped GEMM (default 0: one per SM).\n";
 
 }  // namespace
@@ -108,8 +110,11 @@ int bench_moe(const Args& a) {
     std::string item;
     while (std::getline(ss, item, ',')) {
       if (item.empty()) continue;
-      if (item != "auto" && item != "cublaslt" && item != "grouped" && item != "grouped_ws") {
-        std::fprintf(stderr, "dz bench moe: --fp8-gemm takes auto, cublaslt, grouped and/or grouped_ws, not '%s'\n",
+      if (item != "auto" && item != "cublaslt" && item != "grouped" && item != "grouped_ws" && item != "auto_rows" &&
+          item != "grouped_rows" && item != "grouped_ws_rows") {
+        std::fprintf(stderr,
+                     "dz bench moe: --fp8-gemm takes auto, cublaslt, grouped and/or grouped_ws (the last three with "
+                     "or without _rows), not '%s'\n",
                      item.c_str());
         return 2;
       }
@@ -118,7 +123,11 @@ int bench_moe(const Args& a) {
     if (fp8_gemms.empty()) fp8_gemms.push_back("cublaslt");
   }
   // grouped_ws: the grouped GEMMs on experts folded into the FP8 workspace first.
-  auto set_gemm = [](MoeOptions& o, const std::string& g) {
+  // _rows: 1x128 weight scales even where the 64-row groups fold exactly.
+  auto set_gemm = [](MoeOptions& o, std::string g) {
+    const size_t rows = g.rfind("_rows");
+    o.fp8_group_scales = rows == std::string::npos;
+    if (!o.fp8_group_scales) g.resize(rows);
     o.fp8_gemm = g == "grouped" || g == "grouped_ws" ? 2 : g == "cublaslt" ? 1 : 0;
     o.fp8_fold_in_gemm = g != "grouped_ws";
   };
@@ -148,13 +157,21 @@ int bench_moe(const Args& a) {
     fill_random_u8(w2s.get(), w2s.size(), 14, 118, 122, st);
     fill_random_bf16(b1.get(), b1.size(), 15, 0.05f, st);
     fill_random_bf16(b2.get(), b2.size(), 16, 0.05f, st);
-    const MoeWeights W{w1b.get(), w1s.get(), b1.get(), w2b.get(), w2s.get(), b2.get()};
     const size_t expert_fp4_bytes = (size_t(2) * I * H + size_t(H) * I) / 2 + (size_t(2) * I * H + size_t(H) * I) / 32;
 
-    // Load-time spread check (what a model load reports).
+    // Load-time spread check (what a model load reports), and the 64-row
+    // group tables, given to the layer where every group folds exactly.
     uint64_t nan1 = 0, nan2 = 0;
     cpu::FoldStats fs = mxfp4_fold_check_device(Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, E, &nan1, st);
     fs.merge(mxfp4_fold_check_device(Mxfp4Stack{w2b.get(), w2s.get(), H, I}, E, &nan2, st));
+    const int64_t kph0 = cpu::fold_kpad(H), kpi0 = cpu::fold_kpad(I);
+    DeviceArray<uint8_t> w1g(P, size_t(E) * (2 * I / kFoldRowGroup) * (kph0 / 128), "w1 group table"),
+        w2g(P, size_t(E) * (H / kFoldRowGroup) * (kpi0 / 128), "w2 group table");
+    cpu::FoldStats fs64 = mxfp4_group_table(Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, E, w1g.get(), st);
+    fs64.merge(mxfp4_group_table(Mxfp4Stack{w2b.get(), w2s.get(), H, I}, E, w2g.get(), st));
+    const bool groups_exact = fs64.lossy_groups == 0;
+    MoeWeights W{w1b.get(), w1s.get(), b1.get(), w2b.get(), w2s.get(), b2.get()};
+    if (groups_exact) W.w1_gmax = w1g.get(), W.w2_gmax = w2g.get();
 
     // Components: folding throughput, and one FP8 GEMM (N = 2I, K = H padded) per M.
     nlohmann::json comp;
@@ -186,6 +203,12 @@ int bench_moe(const Args& a) {
       comp["fold_experts"] = n_ex;
       comp["fold_ms"] = ms / 5;
       comp["fold_bytes_per_s"] = fold_bytes / (ms / 5 * 1e-3);
+      // The same experts folded by 64-row groups (the grouped kernel's other scale layout).
+      DeviceArray<uint8_t> f1g(P, groups_exact ? f1.size() : 1, "fold1 groups");
+      DeviceArray<float> s1g(P, size_t(n_ex) * (2 * I / kFoldRowGroup) * (kph / 128), "fold1 group s");
+      if (groups_exact)
+        mxfp4_fold_experts(Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H, w1g.get()}, idl.data(), n_ex,
+                           Fp8Slots{f1g.get(), s1g.get()}, st);
       Fp8Gemm gemm(ctx);
       const int max_m = 2048;
       DeviceArray<uint8_t> xq(P, size_t(max_m) * kph, "gemm x");
@@ -230,28 +253,38 @@ int bench_moe(const Args& a) {
         fill_random_u8(xg.get(), xg.size(), 79, 0, 0x7E, st);
         fill_random_f32(xgs.get(), xgs.size(), 80, 1.f, st);
         nlohmann::json gj = nlohmann::json::array();
-        for (int m : {64, 128, 512, 2048}) {
-          std::vector<int> off(static_cast<size_t>(n_ex)), cnt(static_cast<size_t>(n_ex), m);
-          for (int i = 0; i < n_ex; ++i) off[size_t(i)] = i * m;
-          Fp8GroupedArgs ga;
-          ga.x = xg.get(), ga.xs = xgs.get(), ga.rows_total = int64_t(n_ex) * m, ga.w = f1.get();
-          ga.w_stride = int64_t(2 * I) * kph, ga.ws = s1.get(), ga.ws_stride = int64_t(2 * I) * (kph / 128);
-          ga.d = dg.get(), ga.n = 2 * I, ga.k = int(kph), ga.offsets = off.data(), ga.counts = cnt.data();
-          ga.groups = n_ex;
-          gg.run(ga, st);
-          ctx.sync();
-          const int calls = 10;
-          DZ_CUDA_CHECK(cudaEventRecord(e0, st));
-          for (int i = 0; i < calls; ++i) gg.run(ga, st);
-          DZ_CUDA_CHECK(cudaEventRecord(e1, st));
-          DZ_CUDA_CHECK(cudaEventSynchronize(e1));
-          DZ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-          const double per = ms / calls, tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
-          gj.push_back(
-              {{"groups", n_ex}, {"m", m}, {"n", 2 * I}, {"k", kph}, {"gpu_ms_per_call", per}, {"tflops", tf}});
-          std::fprintf(stderr, "grouped gemm %d x m=%5d n=%d k=%ld: %.4f ms/call %.0f TFLOP/s\n", n_ex, m, 2 * I,
-                       long(kph), per, tf);
-        }
+        for (int m : {64, 128, 512, 2048})
+          for (int grp = 0; grp < (groups_exact ? 2 : 1); ++grp) {
+            std::vector<int> off(static_cast<size_t>(n_ex)), cnt(static_cast<size_t>(n_ex), m);
+            for (int i = 0; i < n_ex; ++i) off[size_t(i)] = i * m;
+            Fp8GroupedArgs ga;
+            ga.x = xg.get(), ga.xs = xgs.get(), ga.rows_total = int64_t(n_ex) * m, ga.w = f1.get();
+            ga.w_stride = int64_t(2 * I) * kph, ga.ws = s1.get(), ga.ws_stride = int64_t(2 * I) * (kph / 128);
+            ga.d = dg.get(), ga.n = 2 * I, ga.k = int(kph), ga.offsets = off.data(), ga.counts = cnt.data();
+            ga.groups = n_ex;
+            if (grp)
+              ga.w = f1g.get(), ga.ws = s1g.get(), ga.ws_stride = int64_t(2 * I / kFoldRowGroup) * (kph / 128),
+              ga.ws_row_group = kFoldRowGroup;
+            gg.run(ga, st);
+            ctx.sync();
+            const int calls = 10;
+            DZ_CUDA_CHECK(cudaEventRecord(e0, st));
+            for (int i = 0; i < calls; ++i) gg.run(ga, st);
+            DZ_CUDA_CHECK(cudaEventRecord(e1, st));
+            DZ_CUDA_CHECK(cudaEventSynchronize(e1));
+            DZ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+            const double per = ms / calls, tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
+            const char* scales = grp ? "64x128" : "1x128";
+            gj.push_back({{"groups", n_ex},
+                          {"m", m},
+                          {"n", 2 * I},
+                          {"k", kph},
+                          {"weight_scales", scales},
+                          {"gpu_ms_per_call", per},
+                          {"tflops", tf}});
+            std::fprintf(stderr, "grouped gemm %d x m=%5d n=%d k=%ld, %s weight scales: %.4f ms/call %.0f TFLOP/s\n",
+                         n_ex, m, 2 * I, long(kph), scales, per, tf);
+          }
         comp["grouped_gemm"] = gj;
       }
       std::fprintf(stderr, "fold %d experts: %.3f ms, %.2f TB/s (read+write)\n", n_ex, comp["fold_ms"].get<double>(),
@@ -282,6 +315,12 @@ int bench_moe(const Args& a) {
                           {"zero_groups", fs.zero_groups},
                           {"max_spread", fs.max_spread},
                           {"nan_scales", nan1 + nan2}}},
+                        {"fold_check_64x128",
+                         {{"groups", fs64.groups},
+                          {"lossy_groups", fs64.lossy_groups},
+                          {"zero_groups", fs64.zero_groups},
+                          {"max_spread", fs64.max_spread},
+                          {"group_scales_used", groups_exact}}},
                         {"timing", "median of CUDA-event times, L2 flushed (256 MiB read) before each call, " +
                                        std::to_string(kSets) + " routing sets rotated; fused path as CUDA graphs"},
                         {"components", comp},
@@ -481,7 +520,8 @@ int bench_moe(const Args& a) {
           samples[v].push_back(timer.median_ms(1, 0, [&](int) { fp8_call(v, i, out_8.get()); }));
       layer.options() = opt;
       const double ms_fp8 = median(samples[0]);
-      nlohmann::json gemm_ms = nlohmann::json::object(), gemm_diff = nlohmann::json::object();
+      nlohmann::json gemm_ms = nlohmann::json::object(), gemm_diff = nlohmann::json::object(),
+                     gemm_max_abs = nlohmann::json::object();
       gemm_ms[fp8_gemms[0]] = ms_fp8;
       if (nv > 1) {
         DeviceArray<float> out_v(P, size_t(T) * H, "out fp8 variant");
@@ -495,6 +535,9 @@ int bench_moe(const Args& a) {
           ctx.sync();
           DZ_CUDA_CHECK(cudaMemcpy(hv.data(), out_v.get(), hv.size() * 4, cudaMemcpyDeviceToHost));
           gemm_diff[fp8_gemms[v]] = diff_metric(h0, hv);
+          double mx = 0;
+          for (size_t q = 0; q < h0.size(); ++q) mx = std::max(mx, double(std::fabs(h0[q] - hv[q])));
+          gemm_max_abs[fp8_gemms[v]] = mx;
         }
         layer.options() = opt;
       }
@@ -558,6 +601,7 @@ int bench_moe(const Args& a) {
           {"expert_wait_vs_grid_wait_max_abs", wait_diff},
           {"fp8_gemm_ms", gemm_ms},
           {"fp8_gemm_diff_vs_first", gemm_diff},
+          {"fp8_gemm_max_abs_vs_first", gemm_max_abs},
       };
       j["results"].push_back(row);
       std::fprintf(stderr, "moe T=%6d  fused %9.3f ms  fp8 %9.3f ms  (hbm %.0f%%, fp8 %.0f TFLOP/s)  diff %.2e\n", T,
