@@ -182,9 +182,12 @@ struct MoeOptions {
   // 4.45 vs 5.13 ms for cuBLASLt); at 512, once the kernel's FP8-weight tiles
   // were 128 x 192 (2026-12-02-h200-run87.md, run 89: timed in
   // alternation), on the workspace 6.62 ms vs 7.24 folding inside and 6.75
-  // for cuBLASLt (16384 tokens).
+  // for cuBLASLt (16384 tokens). With 64-row weight scales (fp8_group_scales,
+  // run 137, 2026-12-04-h200-run135.md), folding inside vs on the workspace at
+  // 128 / 160 / 192 / 224 / 256 tokens an expert: 2.15 / 3.31 / 3.21 / 3.41 /
+  // 4.07 ms vs 2.78 / 3.21 / 3.29 / 3.53 / 3.86: they cross near 240.
   int fp8_gemm = 0;
-  double fp8_grouped_max_tokens_per_expert = 256.0;
+  double fp8_grouped_max_tokens_per_expert = 224.0;
   // Grouped FP8 GEMMs fold the MXFP4 experts inside the kernel (its producer
   // warps write the FP8 tiles to shared memory) instead of a folding pass into
   // the FP8 workspace first; the same FP8 bytes and scales either way. H200,

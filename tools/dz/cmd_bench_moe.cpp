@@ -46,7 +46,7 @@ const char* kUsage =
     "kernel families are timed as variants at every size.\n"
     "--fp8-gemm: the FP8 path's GEMMs, per-expert cuBLASLt, our grouped kernel (folding the\n"
     "MXFP4 experts itself; grouped_ws: on experts folded into the FP8 workspace first) or auto\n"
-    "(the library's default: grouped, folding inside up to 256 tokens per expert and on the\n"
+    "(the library's default: grouped, folding inside up to 224 tokens per expert and on the\n"
     "workspace above); of a comma list the first is fp8_ms, every one listed is timed in\n"
     "alternation (fp8_gemm_ms) and its output compared with the first's. A _rows suffix\n"
     "(auto_rows, grouped_rows, grouped_ws_rows): weight scales per row (1x128) instead of per\n"
