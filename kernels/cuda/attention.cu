@@ -213,11 +213,9 @@ __device__ __forceinline__ uint32_t v_ldsm_off(int lane, int row) {
 // accumulator layout (s[n][2 rr + e]: row g + 8 rr, key 8 n + 2 t + e): with
 // `masked`, keys kk row rr may not see (!see(rr, kk)) drop out; then one max
 // and rescale of m, l and acc for all of them, s turned into probabilities.
-// softmax_probs: the same without acc, whose rescale factor for rows g and
-// g + 8 it leaves in f (for a caller whose acc is still being written).
-template <int NS, typename See>
-__device__ __forceinline__ void softmax_probs(float (&s)[NS][4], float (&m)[2], float (&l)[2], float (&f)[2],
-                                              bool masked, See see) {
+template <int NS, int NT, typename See>
+__device__ __forceinline__ void softmax_update(float (&s)[NS][4], float (&m)[2], float (&l)[2], float (&acc)[NT][4],
+                                               bool masked, See see) {
   const int t = threadIdx.x & 3;
   if (masked)
 #pragma unroll
@@ -235,7 +233,7 @@ __device__ __forceinline__ void softmax_probs(float (&s)[NS][4], float (&m)[2], 
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float nm = fmaxf(m[rr], mx), base = nm == -INFINITY ? 0.f : nm;  // nothing seen yet: all terms 0
-    f[rr] = exp2f(m[rr] - base);
+    const float f = exp2f(m[rr] - base);
     m[rr] = nm;
     float sum = 0.f;
 #pragma unroll
@@ -245,20 +243,10 @@ __device__ __forceinline__ void softmax_probs(float (&s)[NS][4], float (&m)[2], 
 #pragma unroll
     for (int n = 0; n < NS; n += 2)  // pairs of tiles: the sum order of the 16-key form, (s0 pair) + (s1 pair)
       sum += (s[n][2 * rr] + s[n][2 * rr + 1]) + (s[n + 1][2 * rr] + s[n + 1][2 * rr + 1]);
-    l[rr] = l[rr] * f[rr] + sum;
-  }
-}
-template <int NT>
-__device__ __forceinline__ void rescale_acc(float (&acc)[NT][4], const float (&f)[2]) {
+    l[rr] = l[rr] * f + sum;
 #pragma unroll
-  for (int nd = 0; nd < NT; ++nd) acc[nd][0] *= f[0], acc[nd][1] *= f[0], acc[nd][2] *= f[1], acc[nd][3] *= f[1];
-}
-template <int NS, int NT, typename See>
-__device__ __forceinline__ void softmax_update(float (&s)[NS][4], float (&m)[2], float (&l)[2], float (&acc)[NT][4],
-                                               bool masked, See see) {
-  float f[2];
-  softmax_probs(s, m, l, f, masked, see);
-  rescale_acc(acc, f);
+    for (int nd = 0; nd < NT; ++nd) acc[nd][2 * rr] *= f, acc[nd][2 * rr + 1] *= f;
+  }
 }
 
 // NK 16-key tiles of K and V (shared memory, rows of D + 8 bf16, tile u at
@@ -675,7 +663,7 @@ __global__ void __launch_bounds__(kPreThreads, D == 128 ? 1 : 2)
 // registers across the loop was overwritten by later values (H200, against
 // float64: 0.01-0.02 with two terms, 2-6 with one, instead of 2e-5).
 constexpr int kWgKeys = 64;                  // keys a stage and a softmax update
-constexpr int kWgStages = 4;                 // K/V stages: the two in use (S of k + 1, P V of k) and two ahead
+constexpr int kWgStages = 3;                 // K/V stages in flight
 constexpr uint32_t kWgTile = kWgKeys * 128;  // one K (or V) stage, or one Q term of a warpgroup: 64 rows x 128 B
 
 // Descriptor of a 64-row x 128-byte tile with the 128-byte swizzle (rows
@@ -791,28 +779,27 @@ __global__ void __launch_bounds__(kPreThreads, kTerms == 1 ? 2 : 1)
     }
     ptx::cp_async_commit();
   };
-  // Stage k's copies landed for every thread, and every warpgroup is past its
-  // wait for P V of stage k - 2 (the iteration before), whose slot the copy
-  // issued here refills; then S of stage k is issued.
-  auto arrive = [&](int k) {
-    ptx::cp_async_wait<kWgStages - 3>();                           // groups through stage k
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async and Q writes -> wgmma's reads
-    __syncthreads();
-    issue(k - 2 + kWgStages);
-  };
 #pragma unroll
-  for (int st = 0; st < kWgStages - 2; ++st) issue(st);
+  for (int st = 0; st < kWgStages - 1; ++st) issue(st);
 
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, f[2];
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   float o[32];  // (as on: 8 column tiles x 4, the accumulator layout softmax_update takes)
 #pragma unroll
   for (int i = 0; i < 32; ++i) o[i] = 0.f;
   float(&on)[8][4] = *reinterpret_cast<float(*)[8][4]>(&o);
-  float s[32];  // S of the stage in flight, then its probabilities
-  float(&sn)[8][4] = *reinterpret_cast<float(*)[8][4]>(&s);
-  uint32_t ph[4][4], pl[4][4];  // the probabilities of the stage whose P V runs
-  auto scores = [&](int k) {    // S = Q K^T of stage k: 64 rows x 64 keys (issued, not waited for)
-    const uint64_t dk = wg_desc_sw128(ring + uint32_t(k % kWgStages) * 2 * kWgTile);
+  for (int k = 0; k < ntiles; ++k) {
+    ptx::cp_async_wait<kWgStages - 2>();
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async and Q writes -> wgmma's reads
+    __syncthreads();  // stage k landed for every thread; stage k - 1 read by every warpgroup
+    issue(k + kWgStages - 1);
+    const int h0 = klo + k * kWgKeys;
+    if (!gactive || h0 > gpos_max || h0 + kWgKeys - 1 < glo_min) continue;  // no row of the warpgroup sees these
+    const bool masked = !(h0 >= glo_max && h0 + kWgKeys - 1 <= gpos_min);
+    const uint32_t stage = ring + uint32_t(k % kWgStages) * 2 * kWgTile;
+    const uint64_t dk = wg_desc_sw128(stage), dv = wg_desc_sw128(stage + kWgTile);
+    // S = Q K^T: 64 rows x 64 keys.
+    float s[32];
+    float(&sn)[8][4] = *reinterpret_cast<float(*)[8][4]>(&s);
     wg_fence_regs(s);
     ptx::wgmma_fence();
 #pragma unroll
@@ -820,29 +807,20 @@ __global__ void __launch_bounds__(kPreThreads, kTerms == 1 ? 2 : 1)
       wgmma_ss_m64n64k16(s, dq + 2 * ks, dk + 2 * ks, ks);
       if (kTerms == 2) wgmma_ss_m64n64k16(s, dq + (kWgTile >> 4) + 2 * ks, dk + 2 * ks, 1);
     }
-    ptx::wgmma_commit();  // (s is next touched after a wait, behind its own fence)
-  };
-  // Stage k's scores (complete) into probabilities; no row of the warpgroup
-  // may see some of its keys unless it lies inside [glo_max, gpos_min].
-  auto probs = [&](int k) {
-    const int h0 = klo + k * kWgKeys;
+    ptx::wgmma_commit();
     wg_fence_regs(s);
-    softmax_probs(sn, m, l, f, !(h0 >= glo_max && h0 + kWgKeys - 1 <= gpos_min), [&](int rr, int kk) {
+    ptx::wgmma_wait0();
+    wg_fence_regs(s);
+    softmax_update(sn, m, l, on, masked, [&](int rr, int kk) {
       const int j = h0 + kk;
       return j >= rlo[rr] && j <= rpos[rr];
     });
-  };
-  // The probabilities in s as the A fragments of P V (16-key step u: a0 row
-  // g keys 16u + 2t, a1 row g + 8, a2 / a3 keys + 8), once the last P V is done.
-  auto split = [&] {
+    // O += P V; A fragment of 16-key step u: a0 row g keys 16u + 2t, a1 row g + 8, a2 / a3 keys + 8.
+    uint32_t ph[4][4], pl[4][4];
 #pragma unroll
     for (int u = 0; u < 4; ++u)
 #pragma unroll
       for (int i = 0; i < 4; ++i) split_bf16(s[8 * u + 2 * i], s[8 * u + 2 * i + 1], ph[u][i], pl[u][i]);
-  };
-  // O += P V of stage k; issued, not waited for.
-  auto pv = [&](int k) {
-    const uint64_t dv = wg_desc_sw128(ring + uint32_t(k % kWgStages) * 2 * kWgTile + kWgTile);
     wg_fence_regs(ph);
     if (kTerms == 2) wg_fence_regs(pl);
     wg_fence_regs(o);
@@ -852,37 +830,8 @@ __global__ void __launch_bounds__(kPreThreads, kTerms == 1 ? 2 : 1)
       wgmma_rs_m64n64k16_tb(o, ph[u], dv + uint64_t(u) * (2048 >> 4));
       if (kTerms == 2) wgmma_rs_m64n64k16_tb(o, pl[u], dv + uint64_t(u) * (2048 >> 4));
     }
-    ptx::wgmma_commit();  // (o likewise)
-  };
-  // Software pipelined (as FlashAttention-3 within a warpgroup): S of stage
-  // k + 1 and P V of stage k go to the tensor cores together, and the
-  // softmax of k + 1 runs while P V of k does; o is rescaled for k + 1 once
-  // that P V is done. A warpgroup with no rows of the tile only keeps the
-  // ring's barriers. Stages none of its rows see are masked whole (their
-  // probabilities 0) rather than skipped, so the pipeline keeps one shape.
-  if (ntiles > 0) {
-    arrive(0);
-    if (gactive) {
-      scores(0);
-      ptx::wgmma_wait0();
-      probs(0);  // o is 0: its factor is moot
-      split();
-    }
-  }
-  for (int k = 0; k + 1 < ntiles; ++k) {
-    arrive(k + 1);
-    if (!gactive) continue;
-    scores(k + 1);
-    pv(k);
-    ptx::wgmma_wait1();  // S of k + 1 (P V of k may still run)
-    probs(k + 1);
-    ptx::wgmma_wait0();
+    ptx::wgmma_commit();
     wg_fence_regs(o);
-    rescale_acc(on, f);
-    split();
-  }
-  if (ntiles > 0 && gactive) {
-    pv(ntiles - 1);
     ptx::wgmma_wait0();
     wg_fence_regs(o);
   }
