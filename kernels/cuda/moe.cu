@@ -1960,13 +1960,13 @@ struct MoeLayer::Impl {
   // Row tiles a W4A8 warpgroup streams (MoeOptions::fused_w4a8_tiles = 0):
   // 2 from one to 1.5 tokens an expert on average, or below one once the
   // gate_up grid of two-tile blocks (256 rows, two blocks an SM) still fills
-  // three waves with the experts T tokens reach under uniform routing; else 1.
+  // 1.5 waves with the experts T tokens reach under uniform routing; else 1.
   int w8_tiles(int T) const {
     const int E = s.n_experts;
     const double tpe = double(T) * s.topk / E;
     if (tpe >= 1.0) return tpe < 1.5 ? 2 : 1;
     const double reached = E * (1.0 - std::pow(1.0 - double(s.topk) / E, double(T)));
-    return reached * std::ceil(2.0 * s.intermediate / w8_rows_per_block(1, 2)) >= 3.0 * kW8BlocksPerSm * n_sms ? 2 : 1;
+    return reached * std::ceil(2.0 * s.intermediate / w8_rows_per_block(1, 2)) >= 1.5 * kW8BlocksPerSm * n_sms ? 2 : 1;
   }
 
   // The W4A8 kernels' activations as images (W4Args::img) for T tokens.

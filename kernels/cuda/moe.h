@@ -125,8 +125,13 @@ struct MoeOptions {
   // 2 its copy ring runs on from one tile into the next (3 stages instead of
   // 4) and a block's setup serves twice the rows, but half the blocks leave
   // a longer last wave; 0 (auto): 2 from one to 1.5 tokens an expert on
-  // average, or below one once the two-tile blocks still fill three waves of
-  // the GPU with the experts the tokens reach (uniform routing), else 1. With
+  // average, or below one once the two-tile blocks still fill 1.5 waves of
+  // the GPU with the experts the tokens reach (uniform routing), else 1.
+  // Since down waits for its own experts (fused_w4a8_expert_wait) rather than
+  // gate_up's last wave, two tiles pay from fewer blocks: 120b shapes 4 / 6 /
+  // 8 tokens (345 / 500 / 660 two-tile gate_up blocks, 264 a wave) 80.4 /
+  // 108.0 / 131.6 us with one tile vs 88.5 / 103.2 / 124.9 with two (H200,
+  // 2026-12-04-h200-run135.md: run 140, three runs; three waves before). With
   // activation images (run 105), one vs two tiles: 120b shapes 8 / 64 / 128
   // tokens 139.5 / 462 / 683 vs 147.3 / 468 / 692 us, 32 experts 8 / 16 / 32
   // tokens 104.5 / 141.6 / 194.8 vs 99.0 / 164.7 / 218.6. Before, H200 (2026-12-01-h200-run19.md), two terms, one vs
