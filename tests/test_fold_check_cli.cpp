@@ -32,6 +32,7 @@ TEST_CASE("dz info --fold-check reports lossy 1x128 groups and refuses NaN scale
   CHECK(rc == 0);
   CHECK_THAT(out, Catch::Contains("4 groups of 1x128, 1 lossy") && Catch::Contains("max spread 15"));
   CHECK_THAT(out, Catch::Contains("gate_up_proj_blocks: 1 of 4 groups"));
+  CHECK_THAT(out, Catch::Contains("0 of 1 tensors fold by 64-row groups"));  // 2 rows: no 64-row groups
 
   scales[5] = 0xFF;
   auto dir2 = temp_dir("foldcheck-nan");

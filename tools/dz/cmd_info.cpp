@@ -119,8 +119,8 @@ int cmd_info(const Args& a) {
       for (const auto& [name, t] : ws.all()) std::printf("  %s\n", t->describe().c_str());
     if (has_flag(a, "--fold-check")) {
       // Each *_blocks [..., rows, K/32, 16] with its *_scales [..., rows, K/32].
-      cpu::FoldStats all;
-      int n = 0;
+      cpu::FoldStats all, by64;
+      int n = 0, exact64 = 0;
       for (const auto& [name, t] : ws.all()) {
         if (!is_fp4_blocks(name)) continue;
         const std::string sname = name.substr(0, name.size() - 7) + "_scales";
@@ -137,11 +137,21 @@ int cmd_info(const Args& a) {
         if (st.lossy_groups)
           std::printf("  fold lossy:  %s: %llu of %llu groups (max spread %d)\n", name.c_str(),
                       (unsigned long long)st.lossy_groups, (unsigned long long)st.groups, st.max_spread);
+        // The GPU's FP8 path folds a projection by 64-row groups where all of them are exact.
+        if (t->dim(-3) % 64 == 0) {
+          const cpu::FoldStats g = cpu::mxfp4_fold_check({t->data, sc->data, t->numel() / (k / 2), k, name}, 64);
+          by64.merge(g);
+          exact64 += g.lossy_groups == 0;
+        }
       }
       std::printf("fold check:   %d MXFP4 tensors, %llu groups of 1x128, %llu lossy, %llu all-zero, max spread %d%s\n",
                   n, (unsigned long long)all.groups, (unsigned long long)all.lossy_groups,
                   (unsigned long long)all.zero_groups, all.max_spread,
                   all.lossy_groups ? " (FP8 folding is not exact for these)" : " (FP8 folding exact)");
+      std::printf(
+          "              %llu groups of 64x128, %llu lossy, max spread %d: %d of %d tensors fold by 64-row "
+          "groups on the GPU\n",
+          (unsigned long long)by64.groups, (unsigned long long)by64.lossy_groups, by64.max_spread, exact64, n);
     }
     std::printf("devices:      %s\n", runtime_devices_summary().c_str());
     std::printf("validation:   OK (%.3f s)\n", secs);
