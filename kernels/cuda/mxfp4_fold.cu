@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(256) fold_check_kernel(const uint8_t* blocks, 
 }
 
 // One block per 64-row x 128 fold group (grid: K groups x row groups of all
-// experts), a thread per row. stats: [lossy, zero, max_spread].
+// experts), a thread per row. stats as fold_check_kernel's (groups counted on the host).
 __global__ void __launch_bounds__(kFoldRowGroup)
     group_table_kernel(const uint8_t* blocks, const uint8_t* scales, int nsub, uint8_t* gmax,
                        unsigned long long* stats) {
@@ -119,11 +119,33 @@ __global__ void __launch_bounds__(kFoldRowGroup)
   spread = block_max(spread);
   if (threadIdx.x == 0) {
     gmax[int64_t(blockIdx.y) * gridDim.x + g] = uint8_t(fold_smax(m));
-    if (spread > 14) atomicAdd(&stats[0], 1ull);
-    if (m < 0) atomicAdd(&stats[1], 1ull);
-    if (unsigned(spread) > *reinterpret_cast<volatile unsigned long long*>(&stats[2]))
-      atomicMax(&stats[2], (unsigned long long)spread);
+    if (spread > 14) atomicAdd(&stats[1], 1ull);
+    if (m < 0) atomicAdd(&stats[2], 1ull);
+    if (unsigned(spread) > *reinterpret_cast<volatile unsigned long long*>(&stats[3]))
+      atomicMax(&stats[3], (unsigned long long)spread);
   }
+}
+
+// A load-time check's counters [groups, lossy, zero, max_spread, nan_scales]:
+// zeroed on the device, filled by launch(counters) on s, read back (synchronizes).
+template <typename Launch>
+cpu::FoldStats run_check(cudaStream_t s, uint64_t* nan_scales, Launch launch) {
+  unsigned long long* d = nullptr;
+  DZ_CUDA_CHECK(cudaMallocAsync(&d, 5 * sizeof(unsigned long long), s));  // load time only
+  DZ_CUDA_CHECK(cudaMemsetAsync(d, 0, 5 * sizeof(unsigned long long), s));
+  launch(d);
+  DZ_CUDA_LAUNCH_CHECK();
+  unsigned long long h[5];
+  DZ_CUDA_CHECK(cudaMemcpyAsync(h, d, sizeof h, cudaMemcpyDeviceToHost, s));
+  DZ_CUDA_CHECK(cudaFreeAsync(d, s));
+  DZ_CUDA_CHECK(cudaStreamSynchronize(s));
+  cpu::FoldStats st;
+  st.groups = h[0];
+  st.lossy_groups = h[1];
+  st.zero_groups = h[2];
+  st.max_spread = int(h[3]);
+  if (nan_scales) *nan_scales = h[4];
+  return st;
 }
 
 }  // namespace
@@ -156,25 +178,12 @@ void mxfp4_fold_experts(const Mxfp4Stack& w, const int* ids, int n, const Fp8Slo
 }
 
 cpu::FoldStats mxfp4_fold_check_device(const Mxfp4Stack& w, int n_experts, uint64_t* nan_scales, cudaStream_t s) {
-  unsigned long long* d = nullptr;
-  DZ_CUDA_CHECK(cudaMallocAsync(&d, 5 * sizeof(unsigned long long), s));  // load time only
-  DZ_CUDA_CHECK(cudaMemsetAsync(d, 0, 5 * sizeof(unsigned long long), s));
   const int nsub = int(w.k / 32), ngroups = int(cpu::fold_kpad(w.k) / 128);
   const int64_t rows = w.rows * n_experts;  // experts are consecutive rows
   const int64_t work = rows * ngroups;
-  fold_check_kernel<<<unsigned((work + 255) / 256), 256, 0, s>>>(w.blocks, w.scales, rows, nsub, ngroups, d);
-  DZ_CUDA_LAUNCH_CHECK();
-  unsigned long long h[5];
-  DZ_CUDA_CHECK(cudaMemcpyAsync(h, d, sizeof h, cudaMemcpyDeviceToHost, s));
-  DZ_CUDA_CHECK(cudaFreeAsync(d, s));
-  DZ_CUDA_CHECK(cudaStreamSynchronize(s));
-  cpu::FoldStats st;
-  st.groups = h[0];
-  st.lossy_groups = h[1];
-  st.zero_groups = h[2];
-  st.max_spread = int(h[3]);
-  if (nan_scales) *nan_scales = h[4];
-  return st;
+  return run_check(s, nan_scales, [&](unsigned long long* d) {
+    fold_check_kernel<<<unsigned((work + 255) / 256), 256, 0, s>>>(w.blocks, w.scales, rows, nsub, ngroups, d);
+  });
 }
 
 cpu::FoldStats mxfp4_group_table(const Mxfp4Stack& w, int n_experts, uint8_t* gmax, cudaStream_t s) {
@@ -183,21 +192,11 @@ cpu::FoldStats mxfp4_group_table(const Mxfp4Stack& w, int n_experts, uint8_t* gm
   const int nsub = int(w.k / 32), ngroups = int(cpu::fold_kpad(w.k) / 128);
   const int64_t rgroups = w.rows / kFoldRowGroup * n_experts;
   check(rgroups <= 65535, DZ_ERR_INVALID_ARGUMENT, "mxfp4_group_table: ", rgroups, " row groups (at most 65535)");
-  unsigned long long* d = nullptr;
-  DZ_CUDA_CHECK(cudaMallocAsync(&d, 3 * sizeof(unsigned long long), s));  // load time only
-  DZ_CUDA_CHECK(cudaMemsetAsync(d, 0, 3 * sizeof(unsigned long long), s));
-  group_table_kernel<<<dim3(unsigned(ngroups), unsigned(rgroups)), kFoldRowGroup, 0, s>>>(w.blocks, w.scales, nsub,
-                                                                                          gmax, d);
-  DZ_CUDA_LAUNCH_CHECK();
-  unsigned long long h[3];
-  DZ_CUDA_CHECK(cudaMemcpyAsync(h, d, sizeof h, cudaMemcpyDeviceToHost, s));
-  DZ_CUDA_CHECK(cudaFreeAsync(d, s));
-  DZ_CUDA_CHECK(cudaStreamSynchronize(s));
-  cpu::FoldStats st;
+  cpu::FoldStats st = run_check(s, nullptr, [&](unsigned long long* d) {
+    group_table_kernel<<<dim3(unsigned(ngroups), unsigned(rgroups)), kFoldRowGroup, 0, s>>>(w.blocks, w.scales, nsub,
+                                                                                            gmax, d);
+  });
   st.groups = uint64_t(rgroups) * ngroups;
-  st.lossy_groups = h[0];
-  st.zero_groups = h[1];
-  st.max_spread = int(h[2]);
   return st;
 }
 
