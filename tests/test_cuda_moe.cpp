@@ -414,16 +414,21 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
       const cpu::FoldStats f1 = mxfp4_group_table(Mxfp4Stack{w1b.p, w1s.p, 2 * c.I, c.H}, c.E, g1.p, ctx.stream());
       const cpu::FoldStats f2 = mxfp4_group_table(Mxfp4Stack{w2b.p, w2s.p, c.H, c.I}, c.E, g2.p, ctx.stream());
       REQUIRE(f1.lossy_groups + f2.lossy_groups == 0);
-      MoeWeights wg = w;
-      wg.w1_gmax = g1.p, wg.w2_gmax = g2.p;
-      for (double tpe : {tpe_max, 0.0}) {
-        INFO("group scales, " << (tpe > 0 ? "folding inside" : "on the workspace"));
-        layer.options().fp8_grouped_max_tokens_per_expert = tpe;
-        DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
-        layer.forward(wg, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
-        ctx.sync();
-        CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
-      }
+      for (int which = 1; which <= 3; ++which)  // gate_up's table, down's, both
+        for (double tpe : {tpe_max, 0.0}) {
+          INFO("group scales for " << (which == 3   ? "both projections"
+                                       : which == 1 ? "gate_up"
+                                                    : "down")
+                                   << ", " << (tpe > 0 ? "folding inside" : "on the workspace"));
+          MoeWeights wg = w;
+          if (which & 1) wg.w1_gmax = g1.p;
+          if (which & 2) wg.w2_gmax = g2.p;
+          layer.options().fp8_grouped_max_tokens_per_expert = tpe;
+          DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
+          layer.forward(wg, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
+          ctx.sync();
+          CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
+        }
       layer.options().fp8_grouped_max_tokens_per_expert = tpe_max;
     } else {
       WARN("grouped FP8 GEMM not supported here (needs sm_90 and an sm_90a build): FP8 grouped path not tested");

@@ -1736,7 +1736,8 @@ struct MoeLayer::Impl {
     const size_t per_expert_sc = size_t(2 * I) * (kph / 128) + size_t(H) * (kpi / 128);
     // Two tiles in flight: fold the next while the GEMMs use this one.
     ws_fp8 = DeviceArray<uint8_t>(P, 2 * tile_cap * per_expert_fp8, "FP8 expert workspace");
-    ws_scales = DeviceArray<float>(P, 2 * tile_cap * per_expert_sc, "FP8 expert workspace scales");
+    ws_scales =
+        DeviceArray<float>(P, 2 * (tile_cap * per_expert_sc + 8), "FP8 expert workspace scales");  // +8: alignment
     DZ_CUDA_CHECK(cudaMemsetAsync(err.get(), 0, sizeof(int), ctx.stream()));
     // gate_up's epilogue never writes down's sub-blocks past I (kpi > I): zeros.
     DZ_CUDA_CHECK(cudaMemsetAsync(w8_img_down.get(), 0, w8_img_down.bytes(), ctx.stream()));
@@ -2058,9 +2059,10 @@ struct MoeLayer::Impl {
     // Auto: the grouped kernel where it runs, folding inside up to
     // fp8_grouped_max_tokens_per_expert, on the workspace tiles above.
     const bool grouped = opt.fp8_gemm == 2 || (opt.fp8_gemm == 0 && Fp8GroupedGemm::supported());
-    // Fold groups of 64 rows where the weights come with exact group tables
-    // (the grouped kernel only: cuBLASLt's scale modes are 1x128 and 128x128).
-    const bool grp = grouped && opt.fp8_group_scales && w.w1_gmax && w.w2_gmax;
+    // Fold groups of 64 rows for each projection whose weights come with an
+    // exact group table (the grouped kernel only: cuBLASLt's scale modes are
+    // 1x128 and 128x128).
+    const bool grp = grouped && opt.fp8_group_scales;
     const Mxfp4Stack W1{w.w1_blocks, w.w1_scales, 2 * I, H, grp ? w.w1_gmax : nullptr},
         W2{w.w2_blocks, w.w2_scales, H, I, grp ? w.w2_gmax : nullptr};
     const size_t w1_fp8 = size_t(2 * I) * kph, w2_fp8 = size_t(H) * kpi;
@@ -2084,8 +2086,11 @@ struct MoeLayer::Impl {
       const int buf = int(ti % 2);
       uint8_t* f1 = ws_fp8.get() + size_t(buf) * tile * (w1_fp8 + w2_fp8);
       uint8_t* f2 = f1 + size_t(tile) * w1_fp8;
-      float* s1 = ws_scales.get() + size_t(buf) * tile * (w1_sc + w2_sc);
-      float* s2 = s1 + size_t(tile) * w1_sc;
+      // Each projection's scales start 16-byte aligned (1x128 ones go by tensor
+      // copy; a tile of 64-row group scales need not fill whole 16 bytes).
+      const size_t sc1 = (size_t(tile) * w1_sc + 3) / 4 * 4, sc2 = (size_t(tile) * w2_sc + 3) / 4 * 4;
+      float* s1 = ws_scales.get() + size_t(buf) * (sc1 + sc2);
+      float* s2 = s1 + sc1;
       DZ_CUDA_CHECK(cudaStreamWaitEvent(aux, ev_free[buf], 0));
       mxfp4_fold_experts(W1, act_e.data() + t0, n, Fp8Slots{f1, s1}, aux);
       mxfp4_fold_experts(W2, act_e.data() + t0, n, Fp8Slots{f2, s2}, aux);
@@ -2095,7 +2100,8 @@ struct MoeLayer::Impl {
         Fp8GroupedArgs g1, g2;
         g1.w = f1, g1.w_stride = int64_t(w1_fp8), g1.ws = s1, g1.ws_stride = int64_t(w1_sc);
         g2.w = f2, g2.w_stride = int64_t(w2_fp8), g2.ws = s2, g2.ws_stride = int64_t(w2_sc);
-        g1.ws_row_group = g2.ws_row_group = grp ? kFoldRowGroup : 1;
+        g1.ws_row_group = W1.gmax ? kFoldRowGroup : 1;
+        g2.ws_row_group = W2.gmax ? kFoldRowGroup : 1;
         grouped_gemms(act_e.data() + t0, n, ho, rows_total, g1, g2, w.b1, st);
         DZ_CUDA_CHECK(cudaEventRecord(ev_free[buf], st));
         continue;

@@ -34,9 +34,9 @@ struct MoeWeights {
   const uint16_t* b1 = nullptr;  // bf16 [E][2I]
   const uint8_t *w2_blocks = nullptr, *w2_scales = nullptr;
   const uint16_t* b2 = nullptr;  // bf16 [E][H]
-  // Optional group tables (mxfp4_group_table), given only where every 64-row
-  // fold group of the projection is exact: the FP8 path's grouped GEMMs then
-  // fold by 64-row groups (MoeOptions::fp8_group_scales).
+  // Optional group tables (mxfp4_group_table), each given only where every
+  // 64-row fold group of its projection is exact: the FP8 path's grouped GEMMs
+  // then fold that projection by 64-row groups (MoeOptions::fp8_group_scales).
   const uint8_t *w1_gmax = nullptr, *w2_gmax = nullptr;
 };
 
