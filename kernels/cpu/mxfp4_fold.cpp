@@ -79,23 +79,23 @@ Group read_group(const Mxfp4View& w, int64_t r, int64_t g) {
 }
 
 // The fold group of rows [r0, r0 + n) and K group g: its rows' groups and
-// the largest scale among all their nonzero sub-blocks.
+// the largest scale among all their nonzero sub-blocks (R is reused from
+// group to group: no allocation once its rows have grown).
 struct RowsGroup {
   std::vector<Group> rows;
   int smax = 133;
   bool any = false;
 };
 
-RowsGroup read_rows_group(const Mxfp4View& w, int64_t r0, int n, int64_t g) {
-  RowsGroup R;
+void read_rows_group(const Mxfp4View& w, int64_t r0, int n, int64_t g, RowsGroup& R) {
+  R.rows.clear();
   int m = -1;
   for (int i = 0; i < n; ++i) {
     R.rows.push_back(read_group(w, r0 + i, g));
     if (R.rows.back().any && R.rows.back().smax > m) m = R.rows.back().smax;
   }
   R.any = m >= 0;
-  if (R.any) R.smax = m;
-  return R;
+  R.smax = R.any ? m : 133;
 }
 
 void account(const RowsGroup& R, FoldStats& st) {
@@ -128,9 +128,10 @@ void mxfp4_fold(const Mxfp4View& w, int row_group, uint8_t* fp8, float* scales, 
   for (int d = 0; d < 32; ++d)
     for (int c = 0; c < 16; ++c) table[d][c] = e4m3_from_double(double(kE2M1[c]) * std::ldexp(1.0, 6 - d));
   FoldStats st;
+  RowsGroup R;
   for (int64_t rg = 0; rg < nrg; ++rg) {
     for (int64_t g = 0; g < ng; ++g) {
-      const RowsGroup R = read_rows_group(w, rg * row_group, row_group, g);
+      read_rows_group(w, rg * row_group, row_group, g, R);
       account(R, st);
       scales[g * nrg + rg] = float(std::ldexp(1.0, R.smax - 133));
       for (int i = 0; i < row_group; ++i) {
@@ -166,8 +167,12 @@ FoldStats mxfp4_fold_check(const Mxfp4View& w, int row_group) {
   check_row_group(w, row_group);
   const int64_t ng = fold_kpad(w.k) / 128;
   FoldStats st;
+  RowsGroup R;
   for (int64_t r = 0; r < w.rows; r += row_group)
-    for (int64_t g = 0; g < ng; ++g) account(read_rows_group(w, r, row_group, g), st);
+    for (int64_t g = 0; g < ng; ++g) {
+      read_rows_group(w, r, row_group, g, R);
+      account(R, st);
+    }
   return st;
 }
 

@@ -540,6 +540,13 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
 #endif
 }
 
+// Every instantiation: [checking][MXFP4 weights][64-row weight scales].
+void (*const kKernels[2][2][2])(Params) = {
+    {{fp8_grouped_kernel<false, false, false>, fp8_grouped_kernel<false, false, true>},
+     {fp8_grouped_kernel<false, true, false>, fp8_grouped_kernel<false, true, true>}},
+    {{fp8_grouped_kernel<true, false, false>, fp8_grouped_kernel<true, false, true>},
+     {fp8_grouped_kernel<true, true, false>, fp8_grouped_kernel<true, true, true>}}};
+
 // Whether the kernels of this build carry the sm_90a body (read on the device:
 // a build for another target runs there through its PTX without it).
 __global__ void probe_kernel(int* out) {
@@ -606,12 +613,11 @@ Fp8GroupedGemm::Fp8GroupedGemm() {
   int dev = 0;
   DZ_CUDA_CHECK(cudaGetDevice(&dev));
   DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm_, cudaDevAttrMultiProcessorCount, dev));
-  for (auto k : {fp8_grouped_kernel<false, false, false>, fp8_grouped_kernel<true, false, false>,
-                 fp8_grouped_kernel<false, false, true>, fp8_grouped_kernel<true, false, true>})
-    DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<false>::bytes));
-  for (auto k : {fp8_grouped_kernel<false, true, false>, fp8_grouped_kernel<true, true, false>,
-                 fp8_grouped_kernel<false, true, true>, fp8_grouped_kernel<true, true, true>})
-    DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<true>::bytes));
+  for (int d = 0; d < 2; ++d)
+    for (int w4 = 0; w4 < 2; ++w4)
+      for (int g = 0; g < 2; ++g)
+        DZ_CUDA_CHECK(cudaFuncSetAttribute(kKernels[d][w4][g], cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           w4 ? Smem<true>::bytes : Smem<false>::bytes));
   DZ_CUDA_CHECK(cudaMalloc(&sched_, 2 * sizeof(int)));
   DZ_CUDA_CHECK(cudaMemset(sched_, 0, 2 * sizeof(int)));
 }
@@ -711,13 +717,7 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     if (tiles == 0) continue;
     const int blocks = a.max_blocks > 0 ? std::min(a.max_blocks, n_sm_) : n_sm_;
     const dim3 grid(unsigned(std::min(tiles, blocks))), block(w4 ? kThreadsW4 : kThreads);
-    // [debug][w4][grp]
-    static void (*const kernels[2][2][2])(Params) = {
-        {{fp8_grouped_kernel<false, false, false>, fp8_grouped_kernel<false, false, true>},
-         {fp8_grouped_kernel<false, true, false>, fp8_grouped_kernel<false, true, true>}},
-        {{fp8_grouped_kernel<true, false, false>, fp8_grouped_kernel<true, false, true>},
-         {fp8_grouped_kernel<true, true, false>, fp8_grouped_kernel<true, true, true>}}};
-    const auto kernel = kernels[debug_][w4][grp];
+    const auto kernel = kKernels[debug_][w4][grp];
     kernel<<<grid, block, w4 ? Smem<true>::bytes : Smem<false>::bytes, s>>>(p);
     DZ_CUDA_LAUNCH_CHECK();
     if (debug_) {
