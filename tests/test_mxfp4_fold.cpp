@@ -107,9 +107,15 @@ TEST_CASE("MXFP4 fold by 64-row groups: exact within a spread of 14 over the gro
         const double ratio = double(sc1[size_t((c / 128) * m.rows + r)]) / sc[size_t((c / 128) * rg + r / 64)];
         pow2 += v1 != 0 && v * 1.0 != v1 * ratio;
       }
-    const FoldStats chk = mxfp4_fold_check(m.view(), 64);
+    FoldStats rows;
+    const FoldStats chk = mxfp4_fold_check(m.view(), 64, &rows);
     CHECK(chk.lossy_groups == st.lossy_groups);
     CHECK(chk.max_spread == st.max_spread);
+    // The 1x128 check from the same read equals the 1x128 fold's own.
+    CHECK(rows.groups == st1.groups);
+    CHECK(rows.lossy_groups == st1.lossy_groups);
+    CHECK(rows.zero_groups == st1.zero_groups);
+    CHECK(rows.max_spread == st1.max_spread);
     CHECK(st.max_spread >= st1.max_spread);
     if (spread <= 14) {
       CHECK(inexact == 0);

@@ -98,19 +98,21 @@ void read_rows_group(const Mxfp4View& w, int64_t r0, int n, int64_t g, RowsGroup
   R.smax = R.any ? m : 133;
 }
 
-void account(const RowsGroup& R, FoldStats& st) {
+// One fold group of n rows' groups under scale byte smax (any: a nonzero value in them).
+void account(const Group* rows, int n, int smax, bool any, FoldStats& st) {
   ++st.groups;
-  if (!R.any) {
+  if (!any) {
     ++st.zero_groups;
     return;
   }
   int spread = 0;
-  for (const Group& G : R.rows)
+  for (int i = 0; i < n; ++i)
     for (int j = 0; j < 4; ++j)
-      if (G.nz[j] && R.smax - G.s[j] > spread) spread = R.smax - G.s[j];
+      if (rows[i].nz[j] && smax - rows[i].s[j] > spread) spread = smax - rows[i].s[j];
   if (spread > st.max_spread) st.max_spread = spread;
   if (spread > 14) ++st.lossy_groups;
 }
+void account(const RowsGroup& R, FoldStats& st) { account(R.rows.data(), int(R.rows.size()), R.smax, R.any, st); }
 
 void check_row_group(const Mxfp4View& w, int row_group) {
   check(row_group >= 1 && w.rows % row_group == 0, DZ_ERR_INVALID_ARGUMENT, "MXFP4 tensor ", w.name, ": ", w.rows,
@@ -162,17 +164,20 @@ void mxfp4_fold_1x128(const Mxfp4View& w, uint8_t* fp8, float* scales, FoldStats
   mxfp4_fold(w, 1, fp8, scales, stats);
 }
 
-FoldStats mxfp4_fold_check(const Mxfp4View& w, int row_group) {
+FoldStats mxfp4_fold_check(const Mxfp4View& w, int row_group, FoldStats* by_row) {
   check_shape(w);
   check_row_group(w, row_group);
   const int64_t ng = fold_kpad(w.k) / 128;
-  FoldStats st;
+  FoldStats st, rows;
   RowsGroup R;
   for (int64_t r = 0; r < w.rows; r += row_group)
     for (int64_t g = 0; g < ng; ++g) {
       read_rows_group(w, r, row_group, g, R);
       account(R, st);
+      if (by_row)
+        for (const Group& G : R.rows) account(&G, 1, G.smax, G.any, rows);
     }
+  if (by_row) by_row->merge(rows);
   return st;
 }
 

@@ -66,8 +66,9 @@ void mxfp4_fold_1x128(const Mxfp4View& w, uint8_t* fp8, float* scales, FoldStats
 void mxfp4_fold(const Mxfp4View& w, int row_group, uint8_t* fp8, float* scales, FoldStats* stats);
 
 // Spread check only (what a load reports): counts lossy groups of row_group
-// rows x 128; throws on 0xFF.
-FoldStats mxfp4_fold_check(const Mxfp4View& w, int row_group = 1);
+// rows x 128; throws on 0xFF. by_row (optional): the 1x128 check of the same
+// rows merged into it, from the same read.
+FoldStats mxfp4_fold_check(const Mxfp4View& w, int row_group = 1, FoldStats* by_row = nullptr);
 
 // Exact value of element (row, col).
 double mxfp4_value(const Mxfp4View& w, int64_t row, int64_t col);

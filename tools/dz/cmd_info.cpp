@@ -131,18 +131,22 @@ int cmd_info(const Args& a) {
               DZ_ERR_FORMAT, "MXFP4 tensor ", name,
               ": expected U8 [..., rows, K/32, 16] with scales [..., rows, K/32]");
         const int64_t k = t->dim(-2) * 32;
-        const cpu::FoldStats st = cpu::mxfp4_fold_check({t->data, sc->data, t->numel() / (k / 2), k, name});
+        const cpu::Mxfp4View view{t->data, sc->data, t->numel() / (k / 2), k, name};
+        // The 1x128 check, and (one read for both) the 64-row groups the GPU's
+        // FP8 path folds a projection by where all of them are exact.
+        cpu::FoldStats st;
+        if (t->dim(-3) % 64 == 0) {
+          const cpu::FoldStats g = cpu::mxfp4_fold_check(view, 64, &st);
+          by64.merge(g);
+          exact64 += g.lossy_groups == 0;
+        } else {
+          st = cpu::mxfp4_fold_check(view);
+        }
         all.merge(st);
         ++n;
         if (st.lossy_groups)
           std::printf("  fold lossy:  %s: %llu of %llu groups (max spread %d)\n", name.c_str(),
                       (unsigned long long)st.lossy_groups, (unsigned long long)st.groups, st.max_spread);
-        // The GPU's FP8 path folds a projection by 64-row groups where all of them are exact.
-        if (t->dim(-3) % 64 == 0) {
-          const cpu::FoldStats g = cpu::mxfp4_fold_check({t->data, sc->data, t->numel() / (k / 2), k, name}, 64);
-          by64.merge(g);
-          exact64 += g.lossy_groups == 0;
-        }
       }
       std::printf("fold check:   %d MXFP4 tensors, %llu groups of 1x128, %llu lossy, %llu all-zero, max spread %d%s\n",
                   n, (unsigned long long)all.groups, (unsigned long long)all.lossy_groups,
