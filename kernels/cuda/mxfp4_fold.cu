@@ -186,18 +186,33 @@ cpu::FoldStats mxfp4_fold_check_device(const Mxfp4Stack& w, int n_experts, uint6
   });
 }
 
+// Row groups of n_experts experts the table kernel covers (one grid row each).
+constexpr int64_t kMaxRowGroups = 65535;
+
 cpu::FoldStats mxfp4_group_table(const Mxfp4Stack& w, int n_experts, uint8_t* gmax, cudaStream_t s) {
   check(w.k % 32 == 0 && w.rows > 0 && w.rows % kFoldRowGroup == 0 && n_experts > 0 && gmax, DZ_ERR_INVALID_ARGUMENT,
         "mxfp4_group_table: ", w.rows, " rows x ", w.k, " (rows must be a multiple of 64), ", n_experts, " experts");
   const int nsub = int(w.k / 32), ngroups = int(cpu::fold_kpad(w.k) / 128);
   const int64_t rgroups = w.rows / kFoldRowGroup * n_experts;
-  check(rgroups <= 65535, DZ_ERR_INVALID_ARGUMENT, "mxfp4_group_table: ", rgroups, " row groups (at most 65535)");
+  check(rgroups <= kMaxRowGroups, DZ_ERR_INVALID_ARGUMENT, "mxfp4_group_table: ", rgroups, " row groups (at most ",
+        kMaxRowGroups, ")");
   cpu::FoldStats st = run_check(s, nullptr, [&](unsigned long long* d) {
     group_table_kernel<<<dim3(unsigned(ngroups), unsigned(rgroups)), kFoldRowGroup, 0, s>>>(w.blocks, w.scales, nsub,
                                                                                             gmax, d);
   });
   st.groups = uint64_t(rgroups) * ngroups;
   return st;
+}
+
+DeviceArray<uint8_t> mxfp4_exact_group_table(DevicePool& pool, const Mxfp4Stack& w, int n_experts,
+                                             cpu::FoldStats* stats, cudaStream_t s) {
+  if (w.rows % kFoldRowGroup != 0 || w.rows / kFoldRowGroup * n_experts > kMaxRowGroups) return {};
+  DeviceArray<uint8_t> t(pool, size_t(w.rows / kFoldRowGroup * n_experts * (cpu::fold_kpad(w.k) / 128)),
+                         "fold group table");
+  const cpu::FoldStats g = mxfp4_group_table(w, n_experts, t.get(), s);
+  if (stats) stats->merge(g);
+  if (g.lossy_groups != 0) return {};
+  return t;
 }
 
 }  // namespace dz::cuda

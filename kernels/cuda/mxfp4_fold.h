@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "cpu/mxfp4_fold.h"
+#include "runtime/cuda/context.h"
 
 namespace dz::cuda {
 
@@ -50,6 +51,13 @@ void mxfp4_fold_experts(const Mxfp4Stack& w, const int* ids, int n, const Fp8Slo
 // device. Returns the spread check of those groups (lossy: a nonzero
 // sub-block more than 14 binades under its group's scale; synchronizes).
 cpu::FoldStats mxfp4_group_table(const Mxfp4Stack& w, int n_experts, uint8_t* gmax, cudaStream_t s);
+
+// The group table of n_experts experts in a new pool array, kept only where
+// the shape has 64-row groups the table kernel can cover and every group folds
+// exactly; otherwise an empty array (fold by rows). stats (optional): the
+// groups' check merged in where it ran. Synchronizes s.
+DeviceArray<uint8_t> mxfp4_exact_group_table(DevicePool& pool, const Mxfp4Stack& w, int n_experts,
+                                             cpu::FoldStats* stats, cudaStream_t s);
 
 // Spread check of n_experts experts on the device; returns the stats and the
 // number of 0xFF scale bytes (synchronizes the stream).

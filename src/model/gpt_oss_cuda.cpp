@@ -514,16 +514,8 @@ void GptOssCuda::check_folding(int64_t E, int64_t H, int64_t I) {
       const cuda::Mxfp4Stack st{pr.b.get(), pr.sc.get(), pr.rows, pr.k};
       by_row.merge(cuda::mxfp4_fold_check_device(st, int(E), nullptr, s));
       ++projections;
-      if (pr.rows % cuda::kFoldRowGroup != 0 || E * pr.rows / cuda::kFoldRowGroup > 65535) continue;
-      DeviceArray<uint8_t> t(ctx_->pool(), size_t(E * pr.rows / cuda::kFoldRowGroup * (cpu::fold_kpad(pr.k) / 128)),
-                             "fold group table");
-      const cpu::FoldStats g = cuda::mxfp4_group_table(st, int(E), t.get(), s);
-      by_group.merge(g);
-      if (g.lossy_groups == 0) {
-        table_bytes += t.size();
-        pr.table = std::move(t);
-        ++grouped;
-      }
+      pr.table = cuda::mxfp4_exact_group_table(ctx_->pool(), st, int(E), &by_group, s);
+      if (pr.table.get()) table_bytes += pr.table.size(), ++grouped;
     }
   }
   log_info("expert folding: ", by_row.groups, " groups of 1x128, ", by_row.lossy_groups, " lossy (max spread ",

@@ -165,17 +165,11 @@ int bench_moe(const Args& a) {
     cpu::FoldStats fs = mxfp4_fold_check_device(Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, E, &nan1, st);
     fs.merge(mxfp4_fold_check_device(Mxfp4Stack{w2b.get(), w2s.get(), H, I}, E, &nan2, st));
     cpu::FoldStats fs64;
-    auto group_table = [&](const Mxfp4Stack& m, DeviceArray<uint8_t>& t) -> const uint8_t* {
-      if (m.rows % kFoldRowGroup) return nullptr;  // no 64-row groups in this shape
-      t = DeviceArray<uint8_t>(P, size_t(E * m.rows / kFoldRowGroup * (cpu::fold_kpad(m.k) / 128)), "group table");
-      const cpu::FoldStats g = mxfp4_group_table(m, E, t.get(), st);
-      fs64.merge(g);
-      return g.lossy_groups == 0 ? t.get() : nullptr;
-    };
-    DeviceArray<uint8_t> w1g, w2g;
+    const DeviceArray<uint8_t> w1g =
+                                   mxfp4_exact_group_table(P, Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, E, &fs64, st),
+                               w2g = mxfp4_exact_group_table(P, Mxfp4Stack{w2b.get(), w2s.get(), H, I}, E, &fs64, st);
     MoeWeights W{w1b.get(), w1s.get(), b1.get(), w2b.get(), w2s.get(), b2.get()};
-    W.w1_gmax = group_table(Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, w1g);
-    W.w2_gmax = group_table(Mxfp4Stack{w2b.get(), w2s.get(), H, I}, w2g);
+    W.w1_gmax = w1g.get(), W.w2_gmax = w2g.get();
     const bool groups_exact = W.w1_gmax != nullptr;  // gate_up's, for the components below
 
     // Components: folding throughput, and one FP8 GEMM (N = 2I, K = H padded) per M.
