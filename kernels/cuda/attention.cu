@@ -36,6 +36,35 @@ __device__ __forceinline__ const __nv_bfloat16* key_row(const AttnBatch& a, cons
                                                 int64_t(j % a.page_tokens) * (2 * a.n_kv_heads * a.head_dim) * 2);
 }
 
+// A prefill thread's keys in the K/V ring: keys key0 + i * kStride (i < N) of
+// each stage of kKeys keys, as (page of the sequence's table, token in the
+// page), moved on a stage at a time. key_row's division by the page size
+// (~20 instructions a key and stage) happens once, at the first stage.
+template <int N, int kStride, int kKeys>
+struct RingKeys {
+  int key0, page[N], slot[N], step_pages, step_slots;
+  __device__ RingKeys(const AttnBatch& a, int j0, int key0_) : key0(key0_) {
+    step_pages = kKeys / a.page_tokens, step_slots = kKeys - step_pages * a.page_tokens;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int j = j0 + key0 + i * kStride;
+      page[i] = j / a.page_tokens, slot[i] = j - page[i] * a.page_tokens;
+    }
+  }
+  // Key i's K row at the current stage (all KV heads; V at + n_kv_heads * head_dim).
+  __device__ const __nv_bfloat16* row(const AttnBatch& a, const int32_t* pt, int i) const {
+    return reinterpret_cast<const __nv_bfloat16*>(a.kv + int64_t(pt[page[i]]) * a.page_bytes +
+                                                  int64_t(slot[i]) * (2 * a.n_kv_heads * a.head_dim) * 2);
+  }
+  __device__ void next(const AttnBatch& a) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      slot[i] += step_slots, page[i] += step_pages;
+      if (slot[i] >= a.page_tokens) slot[i] -= a.page_tokens, ++page[i];
+    }
+  }
+};
+
 // One block (4 warps) per (row, head); lane holds D/32 dims; each warp takes
 // groups of 4 keys (4 independent dot products in flight), then the warps'
 // partial softmax states are merged.
@@ -225,6 +254,7 @@ __device__ __forceinline__ void softmax_update(float (&s)[NS][4], float (&m)[2],
 #pragma unroll
         for (int e = 0; e < 2; ++e)
           if (!see(rr, 8 * n + 2 * t + e)) s[n][2 * rr + e] = -INFINITY;
+  float f[2];
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
     float mx = fmaxf(s[0][2 * rr], s[0][2 * rr + 1]);
@@ -233,20 +263,23 @@ __device__ __forceinline__ void softmax_update(float (&s)[NS][4], float (&m)[2],
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float nm = fmaxf(m[rr], mx), base = nm == -INFINITY ? 0.f : nm;  // nothing seen yet: all terms 0
-    const float f = exp2f(m[rr] - base);
+    f[rr] = ptx::ex2_ftz(m[rr] - base);
     m[rr] = nm;
     float sum = 0.f;
 #pragma unroll
     for (int n = 0; n < NS; ++n)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) s[n][2 * rr + e] = exp2f(s[n][2 * rr + e] - base);
+      for (int e = 0; e < 2; ++e) s[n][2 * rr + e] = ptx::ex2_ftz(s[n][2 * rr + e] - base);
 #pragma unroll
     for (int n = 0; n < NS; n += 2)  // pairs of tiles: the sum order of the 16-key form, (s0 pair) + (s1 pair)
       sum += (s[n][2 * rr] + s[n][2 * rr + 1]) + (s[n + 1][2 * rr] + s[n + 1][2 * rr + 1]);
-    l[rr] = l[rr] * f + sum;
-#pragma unroll
-    for (int nd = 0; nd < NT; ++nd) acc[nd][2 * rr] *= f, acc[nd][2 * rr + 1] *= f;
+    l[rr] = l[rr] * f[rr] + sum;
   }
+  // Once a row's maximum settles (most updates of a long prompt) f is exactly
+  // 1: a warp whose rows all kept theirs skips the rescale (same bits).
+  if (__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f))
+#pragma unroll
+    for (int nd = 0; nd < NT; ++nd) acc[nd][0] *= f[0], acc[nd][1] *= f[0], acc[nd][2] *= f[1], acc[nd][3] *= f[1];
 }
 
 // NK 16-key tiles of K and V (shared memory, rows of D + 8 bf16, tile u at
@@ -605,18 +638,25 @@ __global__ void __launch_bounds__(kPreThreads, D == 128 ? 1 : 2)
   extern __shared__ __align__(16) uint8_t smem[];
   const uint32_t ring = ptx::smem_u32(smem);
   const int ntiles = (khi - klo + kPreKeys) / kPreKeys;
+  // This thread's 16-byte piece q8 of keys key0 + i * (kPreThreads / PD) of every stage.
+  constexpr int PD = D / 8;
+  const int q8 = threadIdx.x % PD;
+  RingKeys<kPreKeys * PD / kPreThreads, kPreThreads / PD, kPreKeys> rk(a, klo, threadIdx.x / PD);
   auto issue = [&](int k) {  // stage k's K and V (keys past khi: zeros), one commit group
     if (k < ntiles) {
       const int j0 = klo + k * kPreKeys;
       const uint32_t stage = ring + uint32_t(k % kPreStages) * 2 * TB;
-      for (int e = threadIdx.x; e < kPreKeys * D / 8; e += kPreThreads) {
-        const int key = e / (D / 8), q8 = e % (D / 8), j = j0 + key;
-        const bool ok = j <= khi;
-        const __nv_bfloat16* kr = key_row(a, pt, ok ? j : khi) + kvh * D + q8 * 8;
+#pragma unroll
+      for (int i = 0; i < kPreKeys * PD / kPreThreads; ++i) {
+        const int key = rk.key0 + i * (kPreThreads / PD);
+        const bool ok = j0 + key <= khi;
+        const __nv_bfloat16* kr =
+            ok ? rk.row(a, pt, i) + kvh * D + q8 * 8 : reinterpret_cast<const __nv_bfloat16*>(a.kv);
         const uint32_t dst = stage + uint32_t(key * ROW + q8 * 8) * 2;
         ptx::cp_async16_zfill(dst, kr, ok ? 16 : 0);
-        ptx::cp_async16_zfill(dst + TB, kr + KVD, ok ? 16 : 0);
+        ptx::cp_async16_zfill(dst + TB, kr + (ok ? KVD : 0), ok ? 16 : 0);
       }
+      rk.next(a);
     }
     ptx::cp_async_commit();
   };
@@ -723,10 +763,12 @@ __device__ __forceinline__ void wg_fence_regs(uint32_t (&a)[N][4]) {
 }
 #endif
 
-// kTerms: queries and probabilities as two bf16 terms (2) or one (1).
+// kTerms: queries and probabilities as two bf16 terms (2) or one (1). Two
+// blocks an SM either way (two terms fit 128 registers without spills since
+// the ring's keys stopped dividing by the page size: one block an SM at 141
+// registers before; H200, one layer at 16,384 tokens 13.9 -> 9.9 ms).
 template <int kTerms>
-__global__ void __launch_bounds__(kPreThreads, kTerms == 1 ? 2 : 1)
-    prefill_wg_kernel(AttnBatch a, const AttnTile* __restrict__ tiles) {
+__global__ void __launch_bounds__(kPreThreads, 2) prefill_wg_kernel(AttnBatch a, const AttnTile* __restrict__ tiles) {
 #ifdef DZ_ATTN_SM90A
   constexpr int D = 64, KS = D / 16;
   const AttnTile tile = tiles[blockIdx.x];
@@ -764,18 +806,24 @@ __global__ void __launch_bounds__(kPreThreads, kTerms == 1 ? 2 : 1)
   const uint64_t dq = wg_desc_sw128(qs);
 
   const int ntiles = (khi - klo + kWgKeys) / kWgKeys;
+  // This thread's 16-byte piece c of keys key0 and key0 + 32 of every stage.
+  const int c = threadIdx.x & 7;
+  RingKeys<kWgKeys * 8 / kPreThreads, kPreThreads / 8, kWgKeys> rk(a, klo, threadIdx.x >> 3);
   auto issue = [&](int k) {  // stage k's K and V rows (keys past khi: zeros), swizzled, one commit group
     if (k < ntiles) {
       const int j0 = klo + k * kWgKeys;
       const uint32_t stage = ring + uint32_t(k % kWgStages) * 2 * kWgTile;
-      for (int e = threadIdx.x; e < kWgKeys * 8; e += kPreThreads) {
-        const int key = e >> 3, c = e & 7, j = j0 + key;
-        const bool ok = j <= khi;
-        const __nv_bfloat16* kr = key_row(a, pt, ok ? j : khi) + kvh * D + c * 8;
+#pragma unroll
+      for (int i = 0; i < kWgKeys * 8 / kPreThreads; ++i) {
+        const int key = rk.key0 + i * (kPreThreads / 8);
+        const bool ok = j0 + key <= khi;
+        const __nv_bfloat16* kr =
+            ok ? rk.row(a, pt, i) + kvh * D + c * 8 : reinterpret_cast<const __nv_bfloat16*>(a.kv);
         const uint32_t dst = stage + uint32_t(key * 128 + ((c ^ (key & 7)) << 4));
         ptx::cp_async16_zfill(dst, kr, ok ? 16 : 0);
-        ptx::cp_async16_zfill(dst + kWgTile, kr + KVD, ok ? 16 : 0);
+        ptx::cp_async16_zfill(dst + kWgTile, kr + (ok ? KVD : 0), ok ? 16 : 0);
       }
+      rk.next(a);
     }
     ptx::cp_async_commit();
   };
