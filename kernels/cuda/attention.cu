@@ -200,11 +200,13 @@ __device__ __forceinline__ size_t partial_off(int i, int h, int c, int n_heads, 
 // x0, x1 as two bf16 pairs, hi (rounded) + lo (the remainder, rounded): ~16
 // significant bits, so bf16 MMAs on fp32 queries and probabilities lose next
 // to nothing; only K and V are bf16 themselves.
+// hi's halves read back as floats by a shift and a mask (__bfloat1622float2
+// took two byte permutes and two multiplies for the same values).
 __device__ __forceinline__ void split_bf16(float x0, float x1, uint32_t& hi, uint32_t& lo) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-  const float2 hf = __bfloat1622float2(h);
-  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
   hi = reinterpret_cast<const uint32_t&>(h);
+  const float h0 = __uint_as_float(hi << 16), h1 = __uint_as_float(hi & 0xFFFF0000u);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - h0, x1 - h1);
   lo = reinterpret_cast<const uint32_t&>(l);
 }
 
@@ -713,8 +715,12 @@ constexpr uint32_t kWgTile = kWgKeys * 128;  // one K (or V) stage, or one Q ter
 // ((8,8,m),(8,k)):((1,8,LBO),(64,SBO)) in 16-byte units, so SBO = 1024 B
 // between 8-key groups and LBO (between 64-wide N blocks) unused with N =
 // 64; a 16-key K step is 16 rows, 2048 B.
-__device__ __forceinline__ uint64_t wg_desc_sw128(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+// Kept as its low word (start address and LBO): a step within a tile adds to
+// the 14-bit address field, which never carries (shared memory < 256 KB), so
+// the kernel adds 32-bit offsets and wg_desc completes the word at each MMA.
+__device__ __forceinline__ uint32_t wg_desc_lo(uint32_t addr) { return ((addr & 0x3FFFF) >> 4) | (1u << 16); }
+__device__ __forceinline__ uint64_t wg_desc(uint32_t lo) {
+  return uint64_t(lo) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 // Byte offset of (row r, bf16 column k) in such a tile.
 __device__ __forceinline__ uint32_t sw128_off(int r, int k) {
@@ -772,7 +778,11 @@ __global__ void __launch_bounds__(kPreThreads, 2) prefill_wg_kernel(AttnBatch a,
 #ifdef DZ_ATTN_SM90A
   constexpr int D = 64, KS = D / 16;
   const AttnTile tile = tiles[blockIdx.x];
-  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3, wg = warp >> 2;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  // The warpgroup as a value the compiler knows is the same in every lane:
+  // what derives from it (the MMA descriptors, the stage bounds) then lives in
+  // uniform registers, not copied into them before each MMA.
+  const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);
   const PrefillRows pr = prefill_rows(a, tile, warp, g);
   const int TPW = pr.TPW, kvh = pr.kvh, pos0 = pr.pos0, klo = pr.klo, khi = pr.khi;
   const int32_t* pt = pr.pt;
@@ -803,7 +813,7 @@ __global__ void __launch_bounds__(kPreThreads, 2) prefill_wg_kernel(AttnBatch a,
         if (kTerms == 2) asm volatile("st.shared.b32 [%0], %1;" ::"r"(qs + kWgTile + off), "r"(ql[ks][i]) : "memory");
       }
   }  // (made visible to the MMAs by the loop's first proxy fence and barrier)
-  const uint64_t dq = wg_desc_sw128(qs);
+  const uint32_t dq = wg_desc_lo(qs);
 
   const int ntiles = (khi - klo + kWgKeys) / kWgKeys;
   // This thread's 16-byte piece c of keys key0 and key0 + 32 of every stage.
@@ -844,7 +854,7 @@ __global__ void __launch_bounds__(kPreThreads, 2) prefill_wg_kernel(AttnBatch a,
     if (!gactive || h0 > gpos_max || h0 + kWgKeys - 1 < glo_min) continue;  // no row of the warpgroup sees these
     const bool masked = !(h0 >= glo_max && h0 + kWgKeys - 1 <= gpos_min);
     const uint32_t stage = ring + uint32_t(k % kWgStages) * 2 * kWgTile;
-    const uint64_t dk = wg_desc_sw128(stage), dv = wg_desc_sw128(stage + kWgTile);
+    const uint32_t dk = wg_desc_lo(stage), dv = wg_desc_lo(stage + kWgTile);
     // S = Q K^T: 64 rows x 64 keys.
     float s[32];
     float(&sn)[8][4] = *reinterpret_cast<float(*)[8][4]>(&s);
@@ -852,8 +862,8 @@ __global__ void __launch_bounds__(kPreThreads, 2) prefill_wg_kernel(AttnBatch a,
     ptx::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
-      wgmma_ss_m64n64k16(s, dq + 2 * ks, dk + 2 * ks, ks);
-      if (kTerms == 2) wgmma_ss_m64n64k16(s, dq + (kWgTile >> 4) + 2 * ks, dk + 2 * ks, 1);
+      wgmma_ss_m64n64k16(s, wg_desc(dq + 2 * ks), wg_desc(dk + 2 * ks), ks);
+      if (kTerms == 2) wgmma_ss_m64n64k16(s, wg_desc(dq + (kWgTile >> 4) + 2 * ks), wg_desc(dk + 2 * ks), 1);
     }
     ptx::wgmma_commit();
     wg_fence_regs(s);
@@ -875,8 +885,8 @@ __global__ void __launch_bounds__(kPreThreads, 2) prefill_wg_kernel(AttnBatch a,
     ptx::wgmma_fence();
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      wgmma_rs_m64n64k16_tb(o, ph[u], dv + uint64_t(u) * (2048 >> 4));
-      if (kTerms == 2) wgmma_rs_m64n64k16_tb(o, pl[u], dv + uint64_t(u) * (2048 >> 4));
+      wgmma_rs_m64n64k16_tb(o, ph[u], wg_desc(dv + u * (2048 >> 4)));
+      if (kTerms == 2) wgmma_rs_m64n64k16_tb(o, pl[u], wg_desc(dv + u * (2048 >> 4)));
     }
     ptx::wgmma_commit();
     wg_fence_regs(o);
