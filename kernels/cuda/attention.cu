@@ -715,13 +715,7 @@ constexpr uint32_t kWgTile = kWgKeys * 128;  // one K (or V) stage, or one Q ter
 // ((8,8,m),(8,k)):((1,8,LBO),(64,SBO)) in 16-byte units, so SBO = 1024 B
 // between 8-key groups and LBO (between 64-wide N blocks) unused with N =
 // 64; a 16-key K step is 16 rows, 2048 B.
-// Kept as its low word (start address and LBO): a step within a tile adds to
-// the 14-bit address field, which never carries (shared memory < 256 KB), so
-// the kernel adds 32-bit offsets and wg_desc completes the word at each MMA.
-__device__ __forceinline__ uint32_t wg_desc_lo(uint32_t addr) { return ((addr & 0x3FFFF) >> 4) | (1u << 16); }
-__device__ __forceinline__ uint64_t wg_desc(uint32_t lo) {
-  return uint64_t(lo) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
+// (ptx::sw128_desc_lo / sw128_desc build it.)
 // Byte offset of (row r, bf16 column k) in such a tile.
 __device__ __forceinline__ uint32_t sw128_off(int r, int k) {
   return uint32_t(r * 128 + ((((k >> 3) ^ (r & 7))) << 4) + (k & 7) * 2);
@@ -813,7 +807,7 @@ __global__ void __launch_bounds__(kPreThreads, 2) prefill_wg_kernel(AttnBatch a,
         if (kTerms == 2) asm volatile("st.shared.b32 [%0], %1;" ::"r"(qs + kWgTile + off), "r"(ql[ks][i]) : "memory");
       }
   }  // (made visible to the MMAs by the loop's first proxy fence and barrier)
-  const uint32_t dq = wg_desc_lo(qs);
+  const uint32_t dq = ptx::sw128_desc_lo(qs);
 
   const int ntiles = (khi - klo + kWgKeys) / kWgKeys;
   // This thread's 16-byte piece c of keys key0 and key0 + 32 of every stage.
@@ -854,7 +848,7 @@ __global__ void __launch_bounds__(kPreThreads, 2) prefill_wg_kernel(AttnBatch a,
     if (!gactive || h0 > gpos_max || h0 + kWgKeys - 1 < glo_min) continue;  // no row of the warpgroup sees these
     const bool masked = !(h0 >= glo_max && h0 + kWgKeys - 1 <= gpos_min);
     const uint32_t stage = ring + uint32_t(k % kWgStages) * 2 * kWgTile;
-    const uint32_t dk = wg_desc_lo(stage), dv = wg_desc_lo(stage + kWgTile);
+    const uint32_t dk = ptx::sw128_desc_lo(stage), dv = ptx::sw128_desc_lo(stage + kWgTile);
     // S = Q K^T: 64 rows x 64 keys.
     float s[32];
     float(&sn)[8][4] = *reinterpret_cast<float(*)[8][4]>(&s);
@@ -862,8 +856,9 @@ __global__ void __launch_bounds__(kPreThreads, 2) prefill_wg_kernel(AttnBatch a,
     ptx::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
-      wgmma_ss_m64n64k16(s, wg_desc(dq + 2 * ks), wg_desc(dk + 2 * ks), ks);
-      if (kTerms == 2) wgmma_ss_m64n64k16(s, wg_desc(dq + (kWgTile >> 4) + 2 * ks), wg_desc(dk + 2 * ks), 1);
+      wgmma_ss_m64n64k16(s, ptx::sw128_desc(dq + 2 * ks), ptx::sw128_desc(dk + 2 * ks), ks);
+      if (kTerms == 2)
+        wgmma_ss_m64n64k16(s, ptx::sw128_desc(dq + (kWgTile >> 4) + 2 * ks), ptx::sw128_desc(dk + 2 * ks), 1);
     }
     ptx::wgmma_commit();
     wg_fence_regs(s);
@@ -885,8 +880,8 @@ __global__ void __launch_bounds__(kPreThreads, 2) prefill_wg_kernel(AttnBatch a,
     ptx::wgmma_fence();
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      wgmma_rs_m64n64k16_tb(o, ph[u], wg_desc(dv + u * (2048 >> 4)));
-      if (kTerms == 2) wgmma_rs_m64n64k16_tb(o, pl[u], wg_desc(dv + u * (2048 >> 4)));
+      wgmma_rs_m64n64k16_tb(o, ph[u], ptx::sw128_desc(dv + u * (2048 >> 4)));
+      if (kTerms == 2) wgmma_rs_m64n64k16_tb(o, pl[u], ptx::sw128_desc(dv + u * (2048 >> 4)));
     }
     ptx::wgmma_commit();
     wg_fence_regs(o);

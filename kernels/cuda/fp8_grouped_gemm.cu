@@ -161,15 +161,9 @@ __device__ __forceinline__ void prefetch_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
-// Shared-memory matrix descriptor of a K-major operand tile written by the
-// copy engine with the 128-byte swizzle: rows of 128 bytes, 8-row groups 1024
-// bytes apart (stride byte offset), leading byte offset unused for this
-// layout (1 by convention), swizzle mode 1 = 128B in bits 62-63. The tile base
-// is 1024-aligned so the base-offset field stays 0; a K step of 32 bytes
-// inside the swizzle row adds 2 to the start address (16-byte units).
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
+// Operand tiles written by the copy engine with the 128-byte swizzle:
+// ptx::sw128_desc; a K step of 32 bytes inside the swizzle row adds 2 to the
+// start address (16-byte units).
 
 using ptx::wgmma_commit;
 using ptx::wgmma_fence;
@@ -418,7 +412,9 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     else
       asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     const int ct = int(threadIdx.x) - 128 * kProducerWgs;
-    const int cw = ct >> 7, warp = (ct >> 5) & 3, lane = ct & 31;
+    // The consumer warpgroup as a value the compiler knows is the same in
+    // every lane: the descriptors derived from it stay in uniform registers.
+    const int cw = __shfl_sync(0xffffffffu, ct >> 7, 0), warp = (ct >> 5) & 3, lane = ct & 31;
     constexpr int BN = kBN<kW4>, NR = BN / 2;  // tile columns, accumulators a thread
     float acc[NR], part[NR];
 #pragma unroll
@@ -473,12 +469,13 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
         }
         mbar_wait<kDebug>(full(stage), phase, "full", stage);
         __syncwarp();  // the warp leaves the spin together: wgmma is .aligned
-        const uint64_t da = smem_desc(sA + uint32_t(stage * kABytes + cw * 64 * kBK));
-        const uint64_t db = smem_desc(sB + uint32_t(stage * kBBytes<kW4>));
+        const uint32_t da = ptx::sw128_desc_lo(sA + uint32_t(stage * kABytes + cw * 64 * kBK));
+        const uint32_t db = ptx::sw128_desc_lo(sB + uint32_t(stage * kBBytes<kW4>));
         wgmma_fence();
         fence_regs(part);
 #pragma unroll
-        for (int kk = 0; kk < kBK / 32; ++kk) wgmma_tile(part, da + 2 * kk, db + 2 * kk, kk);
+        for (int kk = 0; kk < kBK / 32; ++kk)
+          wgmma_tile(part, ptx::sw128_desc(da + 2 * kk), ptx::sw128_desc(db + 2 * kk), kk);
         wgmma_commit();
         fence_regs(part);
         wgmma_wait0();

@@ -1029,7 +1029,9 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
       reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(w8_raw) + 1023) & ~uintptr_t(1023));
   const W8Smem L = w8_smem(a.nsub, a.kpad, kTPW);
   const uint32_t base = ptx::smem_u32(sm);
-  const int tid = threadIdx.x, wg = tid >> 7;
+  // wg broadcast from lane 0: the compiler then knows it is warp-uniform, and
+  // the MMA descriptors derived from it stay in uniform registers.
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
   const uint32_t bar0 = base + L.bar;  // full[w][s], empty[w][s], scales[w]
   auto full = [&](int w, int st) { return bar0 + 8 * (w * kW8Stages + st); };
   auto empty = [&](int w, int st) { return bar0 + 8 * ((kW8Consumers + w) * kW8Stages + st); };
@@ -1295,7 +1297,9 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
       reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(w8_raw) + 1023) & ~uintptr_t(1023));
   const W8sSmem L = w8s_smem(a.nsub, kP);
   const uint32_t base = ptx::smem_u32(sm);
-  const int tid = threadIdx.x, wg = tid >> 7;
+  // wg broadcast from lane 0: the compiler then knows it is warp-uniform, and
+  // the MMA descriptors derived from it stay in uniform registers.
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
   const uint32_t bar0 = base + L.bar;  // full[w][s], wempty[w][s], aempty[w][s], scales[w]
   auto full = [&](int w, int st) { return bar0 + 8 * (w * S + st); };
   auto wempty = [&](int w, int st) { return bar0 + 8 * ((kW8Consumers + w) * S + st); };

@@ -111,6 +111,18 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 
 // wgmma (sm_90a): order register/shared writes before the next MMAs, close a
 // group of issued MMAs, wait until none is in flight.
+// wgmma shared-memory descriptor of a K-major tile stored with the 128-byte
+// swizzle (rows of 128 bytes, 8-row groups 1024 bytes apart: the stride
+// byte offset; base 1024-aligned, so the base-offset field stays 0; leading
+// byte offset 1 by convention; swizzle mode 1 in bits 62-63), as its low word
+// (start address in 16-byte units | LBO) and whole. Steps inside a tile add
+// to the low word's 14-bit address field, which never carries (shared memory
+// is under 256 KB): 32-bit adds, where 64-bit ones cost a carry chain and
+// moves before each MMA.
+__device__ __forceinline__ uint32_t sw128_desc_lo(uint32_t addr) { return ((addr & 0x3FFFF) >> 4) | (1u << 16); }
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
+  return uint64_t(lo) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
