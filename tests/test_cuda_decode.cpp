@@ -54,8 +54,8 @@ struct AttnCase {
   int q_stride = 0;
   int64_t page_bytes = 0;
 
-  AttnCase(int nh, int nkv, int d, std::vector<int> positions, std::vector<int> items, uint32_t seed)
-      : n_heads(nh), n_kv(nkv), D(d), pos(std::move(positions)), item(std::move(items)) {
+  AttnCase(int nh, int nkv, int d, std::vector<int> positions, std::vector<int> items, uint32_t seed, int page = 16)
+      : n_heads(nh), n_kv(nkv), D(d), page_tokens(page), pos(std::move(positions)), item(std::move(items)) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> nd(0.f, 1.f);
     const int n_items = *std::max_element(item.begin(), item.end()) + 1;
@@ -369,43 +369,50 @@ TEST_CASE("prefill attention (tensor cores): float64 reference over ragged tiles
     std::vector<int> pos, item;
     for (int p = 0; p < 150; ++p) pos.push_back(p), item.push_back(0);
     for (int p = 700; p < 764; ++p) pos.push_back(p), item.push_back(1);
-    const AttnCase c(sh.nh, sh.nkv, sh.D, pos, item, uint32_t(sh.D * 5 + sh.nh));
-    DeviceCase dc(ctx, c);
-    const int R = int(pos.size()), tr = dz::cuda::attention_tile_rows(sh.nh, sh.nkv);
-    std::vector<dz::cuda::AttnTile> tiles;
-    for (int r0 = 0; r0 < R;) {  // tiles of at most tr consecutive rows of one sequence (the last of each ragged)
-      int n = 1;
-      while (n < tr && r0 + n < R && item[size_t(r0 + n)] == item[size_t(r0)]) ++n;
-      tiles.push_back({r0, n});
-      r0 += n;
-    }
-    // Two terms (fp32-like) and one (bf16 queries and probabilities); the wgmma kernel (sm_90a, D = 64) and
-    // the mma.sync one.
-    for (const int terms : {2, 1})
-      for (const bool wgmma : {true, false})
-        for (const int window : {0, 100}) {
-          const std::vector<float> got = dc.prefill(window, tiles, terms, wgmma);
-          double e = 0, amax = 0;
-          int er = 0, eh = 0, ed = 0;  // where the largest error is
-          for (int r = 0; r < R; ++r)
-            for (int h = 0; h < sh.nh; ++h) {
-              const std::vector<double> ref = c.reference(r, h, window);
-              for (int d = 0; d < sh.D; ++d) {
-                const double g = got[size_t(r) * sh.nh * sh.D + size_t(h * sh.D + d)];
-                amax = std::max(amax, std::fabs(ref[size_t(d)]));
-                const double ed_ = std::isfinite(g) ? std::fabs(g - ref[size_t(d)]) : 1e30;
-                if (ed_ > e) e = ed_, er = r, eh = h, ed = d;
+    // The kernels step each thread's keys a stage (64 keys) at a time through the page table: pages of 16
+    // tokens (4 a stage), and for the gpt-oss grouping also 24 (a stage ends mid-page) and 100 (longer than a
+    // stage), two terms.
+    const std::vector<int> pages = sh.nh == 16 && sh.D == 64 ? std::vector<int>{16, 24, 100} : std::vector<int>{16};
+    for (const int page : pages) {
+      const AttnCase c(sh.nh, sh.nkv, sh.D, pos, item, uint32_t(sh.D * 5 + sh.nh), page);
+      DeviceCase dc(ctx, c);
+      const int R = int(pos.size()), tr = dz::cuda::attention_tile_rows(sh.nh, sh.nkv);
+      std::vector<dz::cuda::AttnTile> tiles;
+      for (int r0 = 0; r0 < R;) {  // tiles of at most tr consecutive rows of one sequence (the last of each ragged)
+        int n = 1;
+        while (n < tr && r0 + n < R && item[size_t(r0 + n)] == item[size_t(r0)]) ++n;
+        tiles.push_back({r0, n});
+        r0 += n;
+      }
+      // Two terms (fp32-like) and one (bf16 queries and probabilities); the wgmma kernel (sm_90a, D = 64) and
+      // the mma.sync one.
+      for (const int terms : {2, 1})
+        for (const bool wgmma : {true, false})
+          for (const int window : {0, 100}) {
+            if (page != 16 && terms != 2) continue;
+            const std::vector<float> got = dc.prefill(window, tiles, terms, wgmma);
+            double e = 0, amax = 0;
+            int er = 0, eh = 0, ed = 0;  // where the largest error is
+            for (int r = 0; r < R; ++r)
+              for (int h = 0; h < sh.nh; ++h) {
+                const std::vector<double> ref = c.reference(r, h, window);
+                for (int d = 0; d < sh.D; ++d) {
+                  const double g = got[size_t(r) * sh.nh * sh.D + size_t(h * sh.D + d)];
+                  amax = std::max(amax, std::fabs(ref[size_t(d)]));
+                  const double ed_ = std::isfinite(g) ? std::fabs(g - ref[size_t(d)]) : 1e30;
+                  if (ed_ > e) e = ed_, er = r, eh = h, ed = d;
+                }
               }
-            }
-          std::printf(
-              "prefill attention heads %d/%d D %d window %d (%d rows a tile), %d term%s%s: max error %.3g "
-              "(max |out| %.3g) at row %d (position %d), head %d, dim %d\n",
-              sh.nh, sh.nkv, sh.D, window, tr, terms, terms == 2 ? "s" : "", wgmma ? "" : ", mma.sync", e, amax, er,
-              pos[size_t(er)], eh, ed);
-          // One term: bf16 rounding of the queries (scores off by ~2^-9 of their size) and probabilities;
-          // measured up to 2.8e-3 of max |out| on an H200.
-          CHECK(e < (terms == 2 ? 2e-5 : 1e-2) * std::max(1.0, amax));
-        }
+            std::printf(
+                "prefill attention heads %d/%d D %d window %d (%d rows a tile, %d-token pages), %d term%s%s: max error "
+                "%.3g (max |out| %.3g) at row %d (position %d), head %d, dim %d\n",
+                sh.nh, sh.nkv, sh.D, window, tr, page, terms, terms == 2 ? "s" : "", wgmma ? "" : ", mma.sync", e, amax,
+                er, pos[size_t(er)], eh, ed);
+            // One term: bf16 rounding of the queries (scores off by ~2^-9 of their size) and probabilities;
+            // measured up to 2.8e-3 of max |out| on an H200.
+            CHECK(e < (terms == 2 ? 2e-5 : 1e-2) * std::max(1.0, amax));
+          }
+    }
   }
 }
 
