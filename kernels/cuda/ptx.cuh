@@ -13,7 +13,7 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 }
 
 // 2^x as one MUFU.EX2: subnormal results flush to zero (exp2f's
-// ex2.approx.f32 scales around the MUFU for them, four instructions).
+// ex2.approx.f32 keeps them, with more instructions around the MUFU).
 __device__ __forceinline__ float ex2_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -109,8 +109,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   }
 }
 
-// wgmma (sm_90a): order register/shared writes before the next MMAs, close a
-// group of issued MMAs, wait until none is in flight.
 // wgmma shared-memory descriptor of a K-major tile stored with the 128-byte
 // swizzle (rows of 128 bytes, 8-row groups 1024 bytes apart: the stride
 // byte offset; base 1024-aligned, so the base-offset field stays 0; leading
@@ -123,6 +121,9 @@ __device__ __forceinline__ uint32_t sw128_desc_lo(uint32_t addr) { return ((addr
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
   return uint64_t(lo) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
+
+// wgmma (sm_90a): order register/shared writes before the next MMAs, close a
+// group of issued MMAs, wait until none is in flight.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
