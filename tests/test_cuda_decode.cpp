@@ -279,77 +279,84 @@ TEST_CASE("split-K decode attention: float64 reference, unsplit kernel, grid ind
   // G = 8 (gpt-oss: MMA rows 8-15 idle), G = 2, G = 12 (rows 12-15 idle), G = 20 (two head groups, the second
   // partial).
   for (const Shape sh : {Shape{16, 2, 64}, Shape{4, 2, 32}, Shape{24, 2, 128}, Shape{40, 2, 64}}) {
-    // Rows of two sequences; long contexts, page and chunk boundaries, a single key.
-    const AttnCase c(sh.nh, sh.nkv, sh.D, {4999, 0, 63, 64, 2048, 4095, 1000}, {0, 1, 1, 0, 0, 1, 1},
-                     uint32_t(sh.D * 7 + sh.nh));
-    DeviceCase dc(ctx, c);
-    const int R = int(c.pos.size());
-    std::vector<int32_t> all(static_cast<size_t>(R));
-    std::iota(all.begin(), all.end(), 0);
-    for (const int window : {0, 128, 1000}) {
-      // Reference once per window.
-      std::vector<std::vector<double>> ref(size_t(R * sh.nh));
-      double amax = 0;
-      for (int r = 0; r < R; ++r)
-        for (int h = 0; h < sh.nh; ++h) {
-          ref[size_t(r * sh.nh + h)] = c.reference(r, h, window);
-          for (double x : ref[size_t(r * sh.nh + h)]) amax = std::max(amax, std::fabs(x));
-        }
-      auto max_err = [&](const std::vector<float>& got) {
-        double e = 0;
+    // Each warp's keys move 64 at a time through the page table: pages of 16 tokens, and for the gpt-oss grouping
+    // also 24 and 100 (two policies).
+    const std::vector<int> pages = sh.nh == 16 && sh.D == 64 ? std::vector<int>{16, 24, 100} : std::vector<int>{16};
+    for (const int page : pages) {
+      // Rows of two sequences; long contexts, page and chunk boundaries, a single key.
+      const AttnCase c(sh.nh, sh.nkv, sh.D, {4999, 0, 63, 64, 2048, 4095, 1000}, {0, 1, 1, 0, 0, 1, 1},
+                       uint32_t(sh.D * 7 + sh.nh), page);
+      DeviceCase dc(ctx, c);
+      const int R = int(c.pos.size());
+      std::vector<int32_t> all(static_cast<size_t>(R));
+      std::iota(all.begin(), all.end(), 0);
+      for (const int window : {0, 128, 1000}) {
+        // Reference once per window.
+        std::vector<std::vector<double>> ref(size_t(R * sh.nh));
+        double amax = 0;
         for (int r = 0; r < R; ++r)
-          for (int h = 0; h < sh.nh; ++h)
-            for (int d = 0; d < sh.D; ++d) {
-              const double g = got[size_t(r) * sh.nh * sh.D + size_t(h * sh.D + d)];
-              e = std::max(e, std::isfinite(g) ? std::fabs(g - ref[size_t(r * sh.nh + h)][size_t(d)]) : 1e30);
-            }
-        return e;
-      };
-      const std::vector<float> un = dc.unsplit(window);
-      const double e_un = max_err(un);
-      INFO("heads " << sh.nh << "/" << sh.nkv << " D " << sh.D << " window " << window << ": unsplit max error " << e_un
-                    << " (max |out| " << amax << ")");
-      CHECK(e_un < 2e-5 * std::max(1.0, amax));
-      struct Pol {
-        int min_chunk, base_splits, max_splits;
-      };
-      // The library's default, chunks growing with the length from 32 keys,
-      // and fixed-size chunks (base_splits >= max_splits).
-      const dz::cuda::DecodeSplitPolicy def;
-      for (const Pol pol : {Pol{def.min_chunk, def.base_splits, def.max_splits}, Pol{32, 2, 64}, Pol{64, 64, 64},
-                            Pol{32, 1024, 1024}, Pol{32, 8, 8}, Pol{256, 4, 4}, Pol{512, 64, 64}}) {
-        dz::cuda::DecodeSplitPolicy p;
-        p.min_chunk = pol.min_chunk;
-        p.base_splits = pol.base_splits;
-        p.max_splits = pol.max_splits;
-        int need = 1;
-        for (int r = 0; r < R; ++r) {
-          const int len = c.pos[size_t(r)] + 1 - (window > 0 ? std::max(0, c.pos[size_t(r)] - window + 1) : 0);
-          need = std::max(need, dz::cuda::decode_chunks(len, p, p.max_splits));
-          CHECK(dz::cuda::decode_chunks(len, p, p.max_splits) <= p.max_splits);
-        }
-        // The exact grid, a larger one (blocks past each row's chunks exit), a
-        // too-small one (chunks grow: still correct), and partials for 3 rows
-        // at a time (several launches).
-        for (const int splits : {need, 2 * need + 3, std::max(1, need / 3)}) {
-          for (const size_t prow : {size_t(R), size_t(3)}) {
-            const std::vector<float> got = dc.split(window, all, splits, p, prow);
-            const double e = max_err(got);
-            double vs_un = 0;
-            for (size_t k = 0; k < got.size(); ++k) vs_un = std::max(vs_un, double(std::fabs(got[k] - un[k])));
-            INFO("policy " << p.min_chunk << ":" << p.base_splits << ":" << p.max_splits << ", grid " << splits
-                           << " (need " << need << "), partial rows " << prow << ": max error " << e << ", vs unsplit "
-                           << vs_un);
-            CHECK(e < 2e-5 * std::max(1.0, amax));
-            CHECK(vs_un < 4e-5 * std::max(1.0, amax));
+          for (int h = 0; h < sh.nh; ++h) {
+            ref[size_t(r * sh.nh + h)] = c.reference(r, h, window);
+            for (double x : ref[size_t(r * sh.nh + h)]) amax = std::max(amax, std::fabs(x));
           }
-        }
-        // A row's output does not depend on the other rows or on the grid (>= need): bitwise.
-        const std::vector<float> full = dc.split(window, all, need, p, size_t(R));
-        for (const int r : {0, 3, 6}) {
-          const std::vector<float> alone = dc.split(window, {r}, 2 * need, p, 1);
-          const size_t n = size_t(sh.nh * sh.D);
-          CHECK(std::memcmp(alone.data() + size_t(r) * n, full.data() + size_t(r) * n, n * 4) == 0);
+        auto max_err = [&](const std::vector<float>& got) {
+          double e = 0;
+          for (int r = 0; r < R; ++r)
+            for (int h = 0; h < sh.nh; ++h)
+              for (int d = 0; d < sh.D; ++d) {
+                const double g = got[size_t(r) * sh.nh * sh.D + size_t(h * sh.D + d)];
+                e = std::max(e, std::isfinite(g) ? std::fabs(g - ref[size_t(r * sh.nh + h)][size_t(d)]) : 1e30);
+              }
+          return e;
+        };
+        const std::vector<float> un = dc.unsplit(window);
+        const double e_un = max_err(un);
+        INFO("heads " << sh.nh << "/" << sh.nkv << " D " << sh.D << ", " << page << "-token pages, window " << window
+                      << ": unsplit max error " << e_un << " (max |out| " << amax << ")");
+        CHECK(e_un < 2e-5 * std::max(1.0, amax));
+        struct Pol {
+          int min_chunk, base_splits, max_splits;
+        };
+        // The library's default, chunks growing with the length from 32 keys,
+        // and fixed-size chunks (base_splits >= max_splits).
+        const dz::cuda::DecodeSplitPolicy def;
+        int n_pol = 0;
+        for (const Pol pol : {Pol{def.min_chunk, def.base_splits, def.max_splits}, Pol{32, 2, 64}, Pol{64, 64, 64},
+                              Pol{32, 1024, 1024}, Pol{32, 8, 8}, Pol{256, 4, 4}, Pol{512, 64, 64}}) {
+          if (page != 16 && n_pol++ >= 2) break;
+          dz::cuda::DecodeSplitPolicy p;
+          p.min_chunk = pol.min_chunk;
+          p.base_splits = pol.base_splits;
+          p.max_splits = pol.max_splits;
+          int need = 1;
+          for (int r = 0; r < R; ++r) {
+            const int len = c.pos[size_t(r)] + 1 - (window > 0 ? std::max(0, c.pos[size_t(r)] - window + 1) : 0);
+            need = std::max(need, dz::cuda::decode_chunks(len, p, p.max_splits));
+            CHECK(dz::cuda::decode_chunks(len, p, p.max_splits) <= p.max_splits);
+          }
+          // The exact grid, a larger one (blocks past each row's chunks exit), a
+          // too-small one (chunks grow: still correct), and partials for 3 rows
+          // at a time (several launches).
+          for (const int splits : {need, 2 * need + 3, std::max(1, need / 3)}) {
+            for (const size_t prow : {size_t(R), size_t(3)}) {
+              const std::vector<float> got = dc.split(window, all, splits, p, prow);
+              const double e = max_err(got);
+              double vs_un = 0;
+              for (size_t k = 0; k < got.size(); ++k) vs_un = std::max(vs_un, double(std::fabs(got[k] - un[k])));
+              INFO("policy " << p.min_chunk << ":" << p.base_splits << ":" << p.max_splits << ", grid " << splits
+                             << " (need " << need << "), partial rows " << prow << ": max error " << e
+                             << ", vs unsplit " << vs_un);
+              CHECK(e < 2e-5 * std::max(1.0, amax));
+              CHECK(vs_un < 4e-5 * std::max(1.0, amax));
+            }
+          }
+          // A row's output does not depend on the other rows or on the grid (>= need): bitwise.
+          const std::vector<float> full = dc.split(window, all, need, p, size_t(R));
+          for (const int r : {0, 3, 6}) {
+            const std::vector<float> alone = dc.split(window, {r}, 2 * need, p, 1);
+            const size_t n = size_t(sh.nh * sh.D);
+            CHECK(std::memcmp(alone.data() + size_t(r) * n, full.data() + size_t(r) * n, n * 4) == 0);
+          }
         }
       }
     }
