@@ -29,11 +29,15 @@ __device__ __forceinline__ float sink_finish(float m, float l, float sink) {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// Token j's K row (all KV heads, bf16; its V row follows at + n_kv_heads * head_dim).
-__device__ __forceinline__ const __nv_bfloat16* key_row(const AttnBatch& a, const int32_t* pt, int j) {
-  const int64_t page = pt[j / a.page_tokens];
+// The K row (all KV heads, bf16; the V row follows at + n_kv_heads * head_dim)
+// of token `slot` of storage page `page`.
+__device__ __forceinline__ const __nv_bfloat16* page_row(const AttnBatch& a, int64_t page, int slot) {
   return reinterpret_cast<const __nv_bfloat16*>(a.kv + page * a.page_bytes +
-                                                int64_t(j % a.page_tokens) * (2 * a.n_kv_heads * a.head_dim) * 2);
+                                                int64_t(slot) * (2 * a.n_kv_heads * a.head_dim) * 2);
+}
+// Token j's K row, through the sequence's page table pt.
+__device__ __forceinline__ const __nv_bfloat16* key_row(const AttnBatch& a, const int32_t* pt, int j) {
+  return page_row(a, pt[j / a.page_tokens], j % a.page_tokens);
 }
 
 // A prefill thread's keys in the K/V ring: keys key0 + i * kStride (i < N) of
@@ -53,8 +57,7 @@ struct RingKeys {
   }
   // Key i's K row at the current stage (all KV heads; V at + n_kv_heads * head_dim).
   __device__ const __nv_bfloat16* row(const AttnBatch& a, const int32_t* pt, int i) const {
-    return reinterpret_cast<const __nv_bfloat16*>(a.kv + int64_t(pt[page[i]]) * a.page_bytes +
-                                                  int64_t(slot[i]) * (2 * a.n_kv_heads * a.head_dim) * 2);
+    return page_row(a, pt[page[i]], slot[i]);
   }
   __device__ void next(const AttnBatch& a) {
 #pragma unroll
