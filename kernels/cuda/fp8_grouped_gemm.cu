@@ -96,10 +96,16 @@ static_assert(kBK == 128, "one 1x128 scale block per stage, one 128-byte swizzle
 static_assert(kABytes % 1024 == 0 && kBBytes<false> % 1024 == 0 && kBBytes<true> % 1024 == 0,
               "stages keep the 1024-byte period of the 128B swizzle");
 static_assert(kBM == 64 * kConsumers, "each consumer warpgroup owns 64 rows (wgmma m64)");
-// FP8 weights: the producer warpgroup (one copy thread, kFoldWarps folding
-// warps) and the consumers' registers after setmaxnreg.
-constexpr int kProducerRegs = 56, kConsumerRegs = 224;
-static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kThreads * 168,
+// FP8 weights: the producer warpgroup's and the consumers' registers after
+// setmaxnreg; with folding beside (kF) its kFoldWarps folding warps take 16
+// more a thread from the consumers. (A kernel without them keeps the
+// consumers' 232: launches that fold nothing run it.)
+template <bool kF>
+constexpr int kProducerRegs = kF ? 56 : 40;
+template <bool kF>
+constexpr int kConsumerRegs = kF ? 224 : 232;
+static_assert(128 * kProducerRegs<true> + 128 * kConsumers * kConsumerRegs<true> <= kThreads * 168 &&
+                  128 * kProducerRegs<false> + 128 * kConsumers * kConsumerRegs<false> <= kThreads * 168,
               "setmaxnreg budget (see the kernel)");
 [[maybe_unused]] constexpr int kW4FullArrivals = 128;  // every producer thread, after its row of the W tile
 
@@ -377,7 +383,7 @@ __device__ __forceinline__ void fold_beside(const Params& p, const uint8_t* ring
 // kG: one weight scale per 64 columns and K block (fold groups of 64 rows):
 // the promotion multiplies each accumulator by a row scale times its
 // column group's scale, formed once per group instead of once per column.
-template <bool kDebug, bool kW4, bool kG>
+template <bool kDebug, bool kW4, bool kG, bool kF = false>
 __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_kernel(const __grid_constant__ Params p) {
 #ifdef DZ_GG_SM90A
   using L = Smem<kW4>;
@@ -520,8 +526,8 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     }
     ptx::cp_async_wait<0>();
   } else if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs) : "memory");
-    if (const int fw = int(threadIdx.x) / 32 - 1; fw >= 0 && p.f_units > 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs<kF>) : "memory");
+    if (const int fw = int(threadIdx.x) / 32 - 1; kF && fw >= 0) {
       fold_beside(p, smem_raw + (base - raw) + L::offW4 + fw * kFoldBufs * kFoldBufBytes,
                   int(blockIdx.x) * kFoldWarps + fw, int(gridDim.x) * kFoldWarps, int(threadIdx.x) & 31);
     } else if (threadIdx.x == 0) {
@@ -567,7 +573,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     if constexpr (kW4)
       asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kW4ConsumerRegs) : "memory");
     else
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs) : "memory");
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs<kF>) : "memory");
     const int ct = int(threadIdx.x) - 128 * kProducerWgs;
     // The consumer warpgroup as a value the compiler knows is the same in
     // every lane: the descriptors derived from it stay in uniform registers.
@@ -694,12 +700,16 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
 #endif
 }
 
-// Every instantiation: [checking][MXFP4 weights][64-row weight scales].
+// Every instantiation: [checking][MXFP4 weights][64-row weight scales], and
+// the FP8-weight ones folding beside: [checking][64-row weight scales].
 void (*const kKernels[2][2][2])(Params) = {
     {{fp8_grouped_kernel<false, false, false>, fp8_grouped_kernel<false, false, true>},
      {fp8_grouped_kernel<false, true, false>, fp8_grouped_kernel<false, true, true>}},
     {{fp8_grouped_kernel<true, false, false>, fp8_grouped_kernel<true, false, true>},
      {fp8_grouped_kernel<true, true, false>, fp8_grouped_kernel<true, true, true>}}};
+void (*const kFoldKernels[2][2])(Params) = {
+    {fp8_grouped_kernel<false, false, false, true>, fp8_grouped_kernel<false, false, true, true>},
+    {fp8_grouped_kernel<true, false, false, true>, fp8_grouped_kernel<true, false, true, true>}};
 
 // Whether the kernels of this build carry the sm_90a body (read on the device:
 // a build for another target runs there through its PTX without it).
@@ -772,6 +782,10 @@ Fp8GroupedGemm::Fp8GroupedGemm() {
       for (int g = 0; g < 2; ++g)
         DZ_CUDA_CHECK(cudaFuncSetAttribute(kKernels[d][w4][g], cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            w4 ? Smem<true>::bytes : Smem<false>::bytes));
+  for (int d = 0; d < 2; ++d)
+    for (int g = 0; g < 2; ++g)
+      DZ_CUDA_CHECK(
+          cudaFuncSetAttribute(kFoldKernels[d][g], cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<false>::bytes));
   DZ_CUDA_CHECK(cudaMalloc(&sched_, 2 * sizeof(int)));
   DZ_CUDA_CHECK(cudaMemset(sched_, 0, 2 * sizeof(int)));
 }
@@ -908,7 +922,7 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     }
     const int blocks = a.max_blocks > 0 ? std::min(a.max_blocks, n_sm_) : n_sm_;
     const dim3 grid(unsigned(std::min(tiles, blocks))), block(w4 ? kThreadsW4 : kThreads);
-    const auto kernel = kKernels[debug_][w4][grp];
+    const auto kernel = p.f_units > 0 ? kFoldKernels[debug_][grp] : kKernels[debug_][w4][grp];
     kernel<<<grid, block, w4 ? Smem<true>::bytes : Smem<false>::bytes, s>>>(p);
     DZ_CUDA_LAUNCH_CHECK();
     if (debug_) {
