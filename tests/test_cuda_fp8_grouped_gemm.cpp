@@ -11,7 +11,6 @@
 #include <cstring>
 #include <random>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -459,97 +458,6 @@ TEST_CASE("CUDA grouped FP8 GEMM matches float64 and cuBLASLt per group", "[cuda
     CHECK_THROWS_AS(gg.run(a, ctx.stream()), Error);
     a.ws_row_group = 64, a.n = 304;
     CHECK_THROWS_AS(gg.run(a, ctx.stream()), Error);
-  }
-  SECTION("MXFP4 experts folded beside the GEMM: the folding kernel's bytes, the GEMM's bits unchanged") {
-    // The GEMM on FP8 weights (n = 208, k = 384, ragged groups); beside it
-    // experts of a stack folded out of order, one twice: by rows (scales
-    // spread past the exact range, zero sub-blocks, a 0xFF scale: NaN) and by
-    // 64-row groups; K = 2880 (a partial last group), 256 and 3200 (over the
-    // kernel's buffer: the folding kernel runs after the GEMM). Every output
-    // byte poisoned first; with one, three and every block; and with no rows
-    // to multiply.
-    const Problem p = make_problem({70, 1, 0, 130, 9}, 208, 384, 2, rng);
-    Device dv0(p);
-    gg.run(dv0.args(p), ctx.stream());
-    ctx.sync();
-    const auto want_d = dv0.d.get();
-    // 16 experts: the scale bytes and group tables fill whole 16 bytes, which
-    // the kernel's folding warps need (K = 3200 tests the fallback).
-    const std::vector<int> fids{4, 15, 3, 0, 2, 4};
-    const int E = 16, fn = int(fids.size());
-    for (const auto [frows, fk, by_group] : {std::tuple{320, 2880, false}, std::tuple{320, 2880, true},
-                                             std::tuple{128, 256, true}, std::tuple{64, 3200, false}}) {
-      INFO("folding beside: " << frows << " x " << fk << (by_group ? ", 64-row groups" : ", 1x128"));
-      const int64_t kpad = cpu::fold_kpad(fk), nkb = kpad / 128;
-      std::vector<uint8_t> blocks(size_t(E) * frows * fk / 2), scales(size_t(E) * frows * fk / 32);
-      std::uniform_int_distribution<int> byte(0, 255), sc(by_group ? 112 : 100, by_group ? 126 : 140);
-      for (auto& b : blocks) b = uint8_t(byte(rng));
-      for (auto& v : scales) v = uint8_t(sc(rng));
-      for (size_t i = 0; i < scales.size(); i += 13)
-        for (int j = 0; j < 16; ++j) blocks[i * 16 + size_t(j)] = (i & 1) ? 0x88 : 0x00;  // +-0 sub-blocks
-      if (!by_group) scales[scales.size() / 3] = 255;
-      Buf<uint8_t> db(blocks), ds(scales), dg(size_t(E) * (frows / 64) * size_t(nkb));
-      Mxfp4Stack st{db.p, ds.p, frows, fk};
-      if (by_group) {
-        REQUIRE(mxfp4_group_table(st, E, dg.p, ctx.stream()).lossy_groups == 0);
-        st.gmax = dg.p;
-      }
-      const int64_t per = int64_t(frows) * kpad, per_s = fold_scale_count(st);
-      Buf<uint8_t> want_q(size_t(per) * fids.size());
-      Buf<float> want_s(size_t(per_s) * fids.size());
-      mxfp4_fold_experts(st, fids.data(), fn, Fp8Slots{want_q.p, want_s.p}, ctx.stream());
-      ctx.sync();
-      const auto wq = want_q.get();
-      const auto wsc = want_s.get();
-      const std::vector<int> none(p.cnt.size(), 0);
-      for (int blocks_n : {0, 1, 3, -1}) {
-        INFO("blocks " << blocks_n << (blocks_n < 0 ? " (no rows to multiply)" : ""));
-        Device dv(p);
-        Fp8GroupedArgs a = dv.args(p);
-        a.max_blocks = std::max(blocks_n, 0);
-        if (blocks_n < 0) a.counts = none.data();
-        Buf<uint8_t> fq(size_t(per) * fids.size());
-        Buf<float> fs(size_t(per_s) * fids.size());
-        DZ_CUDA_CHECK(cudaMemset(fq.p, 0x7F, fq.n));  // poison: every byte must be written
-        DZ_CUDA_CHECK(cudaMemset(fs.p, 0x7F, fs.n * sizeof(float)));
-        a.fold_w = st, a.fold_ids = fids.data(), a.fold_n = fn, a.fold_w_experts = E;
-        a.fold_out = Fp8Slots{fq.p, fs.p};
-        gg.run(a, ctx.stream());
-        ctx.sync();
-        if (blocks_n >= 0) {
-          const auto got = dv.d.get();
-          int64_t diff = 0;
-          for (size_t i = 0; i < got.size(); ++i) diff += got[i] != want_d[i];
-          INFO(diff << " GEMM output elements differ");
-          CHECK(diff == 0);
-        }
-        const auto gq = fq.get();
-        const auto gs = fs.get();
-        int64_t bad_q = 0, bad_s = 0;
-        for (size_t i = 0; i < gq.size(); ++i) bad_q += gq[i] != wq[i];
-        for (size_t i = 0; i < gs.size(); ++i) bad_s += std::memcmp(&gs[i], &wsc[i], 4) != 0;
-        INFO(bad_q << " folded bytes and " << bad_s << " scales differ from the folding kernel's");
-        CHECK(bad_q == 0);
-        CHECK(bad_s == 0);
-      }
-    }
-    // Bad folding arguments: MXFP4 weights in the GEMM too, an expert out of
-    // range, too many experts.
-    std::vector<uint8_t> blocks(size_t(E) * 64 * 256 / 2, 0x11), scales(size_t(E) * 64 * 256 / 32, 127);
-    Buf<uint8_t> db(blocks), ds(scales), fq(size_t(64) * 256 * fids.size());
-    Buf<float> fs(size_t(64) * 2 * fids.size());
-    Device dv(p);
-    Fp8GroupedArgs a = dv.args(p);
-    a.fold_w = Mxfp4Stack{db.p, ds.p, 64, 256}, a.fold_ids = fids.data(), a.fold_n = fn, a.fold_w_experts = E;
-    a.fold_out = Fp8Slots{fq.p, fs.p};
-    Fp8GroupedArgs b = a;
-    b.fold_w_experts = 4;
-    CHECK_THROWS_AS(gg.run(b, ctx.stream()), Error);
-    const std::vector<int> many(size_t(kFoldBesideMaxExperts) + 1, 0);
-    b = a, b.fold_ids = many.data(), b.fold_n = int(many.size());
-    CHECK_THROWS_AS(gg.run(b, ctx.stream()), Error);
-    b = a, b.w = nullptr, b.ws = nullptr, b.w4 = b.fold_w, b.w4.rows = p.n, b.experts = fids.data(), b.w4_experts = E;
-    CHECK_THROWS_AS(gg.run(b, ctx.stream()), Error);
   }
   SECTION("argument errors") {
     const Problem p = make_problem({4, 4}, 64, 256, 0, rng);

@@ -392,21 +392,12 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
       ctx.sync();
       CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
       // Folding into the FP8 workspace first (tiles of 3 experts) instead of
-      // inside the GEMMs: the same FP8 operands, so the same bits; each tile
-      // after the first folded beside the previous tile's GEMMs, or every
-      // tile by the folding kernel on the aux stream.
+      // inside the GEMMs: the same FP8 operands, so the same bits.
       layer.options().fp8_fold_in_gemm = false;
-      layer.options().fp8_fold_beside_min_tokens_per_expert = 0;
-      for (bool beside : {true, false}) {
-        INFO("folding beside the GEMMs: " << beside);
-        layer.options().fp8_fold_beside_gemm = beside;
-        DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
-        layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
-        ctx.sync();
-        CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
-      }
-      layer.options().fp8_fold_beside_gemm = true;
-      layer.options().fp8_fold_beside_min_tokens_per_expert = MoeOptions{}.fp8_fold_beside_min_tokens_per_expert;
+      DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
+      layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
+      ctx.sync();
+      CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
       layer.options().fp8_fold_in_gemm = true;
       layer.options().fp8_gemm = 0;
       // Auto above fp8_grouped_max_tokens_per_expert: the same kernels on the workspace.

@@ -5,7 +5,6 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "cpu/mxfp4_fold.h"
 #include "cuda/fp8_grouped_gemm.h"
 #include "cuda/mxfp4_fold.cuh"
 #include "cuda/ptx.cuh"
@@ -58,22 +57,6 @@ static_assert(128 * kW4Producers * kW4ProducerRegs + 128 * kConsumers * kW4Consu
 constexpr int kW4Stages = 6, kW4Bufs = 1;
 constexpr int kW4TileBytes = kBN<true> * 64;
 
-// FP8 weights: warps 1-3 of the producer warpgroup, idle otherwise, fold
-// MXFP4 experts for a later launch beside the GEMM (Fp8GroupedArgs::fold_*),
-// a row at a time: asynchronous copies bring each row's blocks, scale bytes
-// and (64-row groups) table line into one of the warp's kFoldBufs buffers,
-// so its registers hold no loads in flight, and the folded row leaves by
-// 16-byte stores that a warp makes 512 contiguous bytes. The scale bytes and
-// the table line come as the 16-byte aligned spans around them (the host
-// checks that no span passes its array's end).
-constexpr int kFoldWarps = 3, kFoldBufs = 4;
-constexpr int kFoldBlkBytes = 1536;               // a row's blocks: K <= 3072
-constexpr int kFoldMaxNsub = kFoldBlkBytes / 16;  // its scale bytes: a span of at most 128 bytes
-constexpr int kFoldBufBytes = kFoldBlkBytes + 128 + 128;
-static_assert(
-    kFoldRowGroup == 64,
-    "the folding warps find a row's group as er >> 6");  // blocks, scales' span, table line's span (<= 24 + 30)
-
 // Shared memory of a kernel with S stages: X tiles, W tiles, W scales, the
 // full and empty barriers, each stage's tile (FP8 weights), then (kW4) the
 // MXFP4 tiles.
@@ -82,10 +65,8 @@ struct Smem {
   static constexpr int S = kW4 ? kW4Stages : kStages;
   static constexpr int offB = S * kABytes, offS = offB + S * kBBytes<kW4>, offBar = offS + S * kSBytes<kW4>;
   static constexpr int offTile = offBar + 2 * S * 8, offW4 = (offTile + 4 * S + 127) / 128 * 128;
-  // FP8 weights: the folding warps' buffers (at offW4 too).
   static constexpr int bytes =
-      (kW4 ? offW4 + kW4Producers * kW4Bufs * kW4TileBytes : offW4 + kFoldWarps * kFoldBufs * kFoldBufBytes) +
-      1024;  // +1024: base aligned up
+      (kW4 ? offW4 + kW4Producers * kW4Bufs * kW4TileBytes : offTile + 4 * S) + 1024;  // +1024: base aligned up
   static_assert(offS % 128 == 0 && kSBytes<kW4> % 128 == 0, "bulk copy destinations");
   static_assert(bytes <= 227 * 1024, "shared memory of one sm_90 block");
 };
@@ -96,17 +77,7 @@ static_assert(kBK == 128, "one 1x128 scale block per stage, one 128-byte swizzle
 static_assert(kABytes % 1024 == 0 && kBBytes<false> % 1024 == 0 && kBBytes<true> % 1024 == 0,
               "stages keep the 1024-byte period of the 128B swizzle");
 static_assert(kBM == 64 * kConsumers, "each consumer warpgroup owns 64 rows (wgmma m64)");
-// FP8 weights: the producer warpgroup's and the consumers' registers after
-// setmaxnreg; with folding beside (kF) its kFoldWarps folding warps take 16
-// more a thread from the consumers. (A kernel without them keeps the
-// consumers' 232: launches that fold nothing run it.)
-template <bool kF>
-constexpr int kProducerRegs = kF ? 56 : 40;
-template <bool kF>
-constexpr int kConsumerRegs = kF ? 224 : 232;
-static_assert(128 * kProducerRegs<true> + 128 * kConsumers * kConsumerRegs<true> <= kThreads * 168 &&
-                  128 * kProducerRegs<false> + 128 * kConsumers * kConsumerRegs<false> <= kThreads * 168,
-              "setmaxnreg budget (see the kernel)");
+static_assert(128 * 40 + 128 * kConsumers * 232 <= kThreads * 168, "setmaxnreg budget (see the kernel)");
 [[maybe_unused]] constexpr int kW4FullArrivals = 128;  // every producer thread, after its row of the W tile
 
 struct Params {
@@ -128,15 +99,6 @@ struct Params {
   int off[kMaxGroups];
   int m[kMaxGroups];
   int tile_start[kMaxGroups + 1];  // prefix sums of ceil(m/kBM) * ceil(n/kBN)
-  // FP8 weights, folding beside the GEMM: f_units rows (experts f_ids of
-  // f_rows rows each, expert-major) of the stack f_blocks, f_scales and
-  // (f_gmax) group table, into f_out / f_out_scales as mxfp4_fold_experts
-  // writes them.
-  const uint8_t *f_blocks, *f_scales, *f_gmax;
-  uint8_t* f_out;
-  float* f_out_scales;
-  int f_rows, f_nsub, f_ngroups, f_units;
-  int f_ids[kFoldBesideMaxExperts];
 };
 static_assert(sizeof(Params) <= 4096, "kernel parameters");
 
@@ -248,127 +210,6 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[96], uint64_t da, uint64_t
 }
 #undef DZ_GG_ACC8
 #undef DZ_GG_R64
-
-// Folding warp gw of tw (a row every tw from gw): lane l takes sub-blocks l,
-// l + 32 and l + 64 of each row (16 bytes in, 32 out each) as three
-// independent chains without branches, so one warp keeps its scheduler
-// busy; the 4 lanes of a 128-wide group find its largest nonzero scale by
-// shuffles (or read its row group's from the table line), and the group's
-// first lane writes the block scale. The bytes of fold_group_at.
-__device__ __forceinline__ void fold_beside(const Params& p, const uint8_t* ring, int gw, int tw, int lane) {
-  constexpr int J = kFoldMaxNsub / 32;  // sub-blocks a lane and row
-  const int rows = p.f_rows, nsub = p.f_nsub, ng = p.f_ngroups, nout = ng * 4;
-  const bool by_group = p.f_gmax != nullptr;
-  const int mine = p.f_units > gw ? (p.f_units - gw + tw - 1) / tw : 0;
-  const uint32_t ring_s = smem_u32(ring);
-  // Rows as (slot, row) cursors stepped by tw (no division a row).
-  struct Row {
-    int slot, r;
-  };
-  const auto step = [&](Row& c) {
-    for (c.r += tw; c.r >= rows; c.r -= rows) ++c.slot;
-  };
-  const auto expert_row = [&](const Row& c) { return int64_t(p.f_ids[c.slot]) * rows + c.r; };
-  Row ci{gw / rows, gw % rows};  // the copies' next row
-  int next = 0;
-  // Every lane: its sub-blocks of this warp's row `next` (zeros past K) and
-  // a 4-byte piece of the 16-byte aligned spans around the row's scale bytes
-  // and table line, into buffer next % kFoldBufs by asynchronous copies (one
-  // group a row; the LSU's, not the copy engine's queue behind the GEMM's
-  // tiles).
-  const auto issue = [&] {
-    if (next < mine) {
-      const int64_t er = expert_row(ci), sa = er * nsub, ga = (er >> 6) * ng;  // kFoldRowGroup rows a group
-      const int64_t sa0 = sa & ~int64_t(15), ga0 = ga & ~int64_t(15);
-      const int ssp = int(((sa + nsub + 15) & ~int64_t(15)) - sa0), gsp = int(((ga + ng + 15) & ~int64_t(15)) - ga0);
-      const uint32_t buf = ring_s + uint32_t((next % kFoldBufs) * kFoldBufBytes);
-      const uint8_t* bl = p.f_blocks + sa * 16;
-#pragma unroll
-      for (int j = 0; j < kFoldMaxNsub / 32; ++j) {
-        const int sb = j * 32 + lane;
-        ptx::cp_async16_zfill(buf + uint32_t(sb * 16), sb < nsub ? bl + sb * 16 : bl, sb < nsub ? 16u : 0u);
-      }
-      if (lane * 4 < ssp) ptx::cp_async4(buf + kFoldBlkBytes + uint32_t(lane * 4), p.f_scales + sa0 + lane * 4);
-      if (by_group && lane * 4 < gsp)
-        ptx::cp_async4(buf + kFoldBlkBytes + 128 + uint32_t(lane * 4), p.f_gmax + ga0 + lane * 4);
-      ++next;
-      step(ci);
-    }
-    ptx::cp_async_commit();  // (empty past the end: the waits count groups)
-  };
-  for (int i = 0; i < kFoldBufs; ++i) issue();
-  Row c{gw / rows, gw % rows};
-  for (int i = 0; i < mine; ++i, step(c)) {
-    const uint8_t* buf = ring + (i % kFoldBufs) * kFoldBufBytes;
-    ptx::cp_async_wait<kFoldBufs - 1>();  // this lane's copies of row i
-    __syncwarp();                         // and every lane's
-    const int64_t er = expert_row(c);
-    const uint8_t* sc = buf + kFoldBlkBytes + ((er * nsub) & 15);             // its scale bytes
-    const uint8_t* gm = buf + kFoldBlkBytes + 128 + (((er >> 6) * ng) & 15);  // its table line
-    uint4* out = reinterpret_cast<uint4*>(p.f_out + (int64_t(c.slot) * rows + c.r) * (int64_t(ng) * 128));
-    // A lane's sub-block's group scale (its row group's, or the 4 lanes'
-    // largest nonzero).
-    const auto group_scale = [&](int sb, const uint4& w, int sr) {
-      if (by_group) return int(gm[sb >> 2]);
-      int m = sub_nonzero(w) ? sr : -1;
-      m = max(m, __shfl_xor_sync(~0u, m, 1));
-      m = max(m, __shfl_xor_sync(~0u, m, 2));
-      return fold_smax(m);
-    };
-    uint4 w[J];
-    int d[J];
-    bool slow = false;
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      const int sb = j * 32 + lane;
-      w[j] = *reinterpret_cast<const uint4*>(buf + sb * 16);  // zero past K
-      const int sr = sc[sb];                                  // another row's past K
-      const int smax = group_scale(sb, w[j], sr);             // every lane: shuffles
-      d[j] = sb < nsub ? min(max(smax - sr, 0), 31) : 0;      // past K: zeros under any table
-      slow |= d[j] > 11;
-    }
-    // Tables by subtraction (fold_lut's common case) unless some group
-    // spreads past 11 binades (then fold_lut's conversions, rarely).
-    const bool any_slow = __any_sync(~0u, slow);
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      const int sb = j * 32 + lane;
-      uint32_t lo, hi;
-      if (!any_slow) {
-        lo = 0x6C686000u - uint32_t(d[j] * 8) * 0x01010100u;
-        hi = 0x7C787470u - uint32_t(d[j] * 8) * 0x01010101u;
-      } else {
-        fold_lut(d[j], lo, hi);
-      }
-      const uint2 a0 = fold_word(w[j].x, lo, hi), a1 = fold_word(w[j].y, lo, hi);
-      const uint2 a2 = fold_word(w[j].z, lo, hi), a3 = fold_word(w[j].w, lo, hi);
-      if (sb < nout) {
-        out[2 * sb] = make_uint4(a0.x, a0.y, a1.x, a1.y);
-        out[2 * sb + 1] = make_uint4(a2.x, a2.y, a3.x, a3.y);
-      }
-    }
-    // Block scales: 2^(smax - 133) by its bits (subnormal below smax 7), as
-    // ldexpf gives it; NaN where a sub-block's scale byte is 0xFF.
-    if (!by_group || c.r % kFoldRowGroup == 0) {
-      const int64_t scs = by_group ? rows / kFoldRowGroup : rows;
-      float* scl = p.f_out_scales + int64_t(c.slot) * ng * scs + (by_group ? c.r / kFoldRowGroup : c.r);
-#pragma unroll
-      for (int j = 0; j < J; ++j) {
-        const int sb = j * 32 + lane, sr = sc[sb], smax = group_scale(sb, w[j], sr);
-        const bool nan = __ballot_sync(~0u, sb < nsub && sr == 255) >> (lane & ~3) & 0xFu;
-        if ((sb & 3) == 0 && sb < nout)
-          scl[(sb >> 2) * scs] =
-              nan ? __int_as_float(0x7fc00000) : __int_as_float(smax >= 7 ? (smax - 6) << 23 : 1 << (smax + 16));
-      }
-    }
-    // Every lane has read the buffer before the copy engine refills it (reads
-    // before asynchronous writes need no proxy fence, as a pipeline's consumer
-    // releasing a stage).
-    __syncwarp();
-    issue();
-  }
-  ptx::cp_async_wait<0>();
-}
 #endif  // DZ_GG_SM90A
 
 // Persistent: with FP8 weights blocks take tiles in order from p.sched, with
@@ -383,7 +224,7 @@ __device__ __forceinline__ void fold_beside(const Params& p, const uint8_t* ring
 // kG: one weight scale per 64 columns and K block (fold groups of 64 rows):
 // the promotion multiplies each accumulator by a row scale times its
 // column group's scale, formed once per group instead of once per column.
-template <bool kDebug, bool kW4, bool kG, bool kF = false>
+template <bool kDebug, bool kW4, bool kG>
 __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_kernel(const __grid_constant__ Params p) {
 #ifdef DZ_GG_SM90A
   using L = Smem<kW4>;
@@ -410,9 +251,8 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
   __syncthreads();
 
   // Registers: 384 threads enter with the launch-bounds cap of 168; the
-  // producer warpgroup gives back down to 56 (its folding warps need them)
-  // and the consumers take up to 224, which is the same total (128 x 56 +
-  // 256 x 224 = 384 x 168), so the increase
+  // producer gives back down to 40 and the consumers take up to 232, which
+  // is the same total (128 x 40 + 256 x 232 = 384 x 168), so the increase
   // never waits on registers that are not there. kW4: 512 threads enter with
   // 128; the two producer warpgroups go down to 72 and the consumers up to 184,
   // the same total again (see kW4LaunchRegs).
@@ -526,11 +366,8 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     }
     ptx::cp_async_wait<0>();
   } else if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs<kF>) : "memory");
-    if (const int fw = int(threadIdx.x) / 32 - 1; kF && fw >= 0) {
-      fold_beside(p, smem_raw + (base - raw) + L::offW4 + fw * kFoldBufs * kFoldBufBytes,
-                  int(blockIdx.x) * kFoldWarps + fw, int(gridDim.x) * kFoldWarps, int(threadIdx.x) & 31);
-    } else if (threadIdx.x == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (threadIdx.x == 0) {
       prefetch_map(&p.xmap);
       prefetch_map(&p.wmap);
       if constexpr (!kG) prefetch_map(&p.smap);
@@ -573,7 +410,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     if constexpr (kW4)
       asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kW4ConsumerRegs) : "memory");
     else
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs<kF>) : "memory");
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     const int ct = int(threadIdx.x) - 128 * kProducerWgs;
     // The consumer warpgroup as a value the compiler knows is the same in
     // every lane: the descriptors derived from it stay in uniform registers.
@@ -700,16 +537,12 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
 #endif
 }
 
-// Every instantiation: [checking][MXFP4 weights][64-row weight scales], and
-// the FP8-weight ones folding beside: [checking][64-row weight scales].
+// Every instantiation: [checking][MXFP4 weights][64-row weight scales].
 void (*const kKernels[2][2][2])(Params) = {
     {{fp8_grouped_kernel<false, false, false>, fp8_grouped_kernel<false, false, true>},
      {fp8_grouped_kernel<false, true, false>, fp8_grouped_kernel<false, true, true>}},
     {{fp8_grouped_kernel<true, false, false>, fp8_grouped_kernel<true, false, true>},
      {fp8_grouped_kernel<true, true, false>, fp8_grouped_kernel<true, true, true>}}};
-void (*const kFoldKernels[2][2])(Params) = {
-    {fp8_grouped_kernel<false, false, false, true>, fp8_grouped_kernel<false, false, true, true>},
-    {fp8_grouped_kernel<true, false, false, true>, fp8_grouped_kernel<true, false, true, true>}};
 
 // Whether the kernels of this build carry the sm_90a body (read on the device:
 // a build for another target runs there through its PTX without it).
@@ -782,10 +615,6 @@ Fp8GroupedGemm::Fp8GroupedGemm() {
       for (int g = 0; g < 2; ++g)
         DZ_CUDA_CHECK(cudaFuncSetAttribute(kKernels[d][w4][g], cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            w4 ? Smem<true>::bytes : Smem<false>::bytes));
-  for (int d = 0; d < 2; ++d)
-    for (int g = 0; g < 2; ++g)
-      DZ_CUDA_CHECK(
-          cudaFuncSetAttribute(kFoldKernels[d][g], cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<false>::bytes));
   DZ_CUDA_CHECK(cudaMalloc(&sched_, 2 * sizeof(int)));
   DZ_CUDA_CHECK(cudaMemset(sched_, 0, 2 * sizeof(int)));
 }
@@ -812,37 +641,9 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     check(a.counts[g] >= 0 && a.offsets[g] >= 0 && int64_t(a.offsets[g]) + a.counts[g] <= a.rows_total,
           DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: group ", g, " rows [", a.offsets[g], ", ",
           int64_t(a.offsets[g]) + a.counts[g], ") outside the ", a.rows_total, " rows of X and D");
-  // The folding beside the GEMM: checked here, done by the first launch, or
-  // by the folding kernel after the GEMM where the kernel cannot.
-  const int fold_n = a.fold_n;
-  const Mxfp4Stack& f = a.fold_w;
-  if (fold_n > 0) {
-    check(!w4, DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: folding beside the GEMM needs FP8 weights");
-    check(fold_n <= kFoldBesideMaxExperts && a.fold_ids && f.blocks && f.scales && f.rows > 0 && f.k > 0 &&
-              f.k % 32 == 0 && (!f.gmax || f.rows % kFoldRowGroup == 0) && a.fold_out.fp8 && a.fold_out.scales,
-          DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: folding beside the GEMM of ", fold_n, " experts (at most ",
-          kFoldBesideMaxExperts, ") of ", f.rows, " x ", f.k,
-          " MXFP4 (K a multiple of 32, rows of 64 with a group table; stack, ids and output given)");
-    for (int i = 0; i < fold_n; ++i)
-      check(a.fold_ids[i] >= 0 && a.fold_ids[i] < a.fold_w_experts, DZ_ERR_INVALID_ARGUMENT,
-            "fp8_grouped_gemm: folding beside the GEMM names expert ", a.fold_ids[i], " of ", a.fold_w_experts);
-  }
-  const int64_t f_nsub = f.k / 32, f_ng = cpu::fold_kpad(f.k) / 128;
-  bool fold_pending = fold_n > 0;
-  // The kernel's folding warps take rows of K <= 3072 (a buffer) from 16-byte
-  // aligned arrays whose scale bytes and table fill whole 16 bytes (the spans
-  // around a row's stay inside).
-  const int64_t f_sc_bytes = int64_t(a.fold_w_experts) * f.rows * f_nsub,
-                f_gm_bytes = f.gmax ? int64_t(a.fold_w_experts) * (f.rows / kFoldRowGroup) * f_ng : 0;
-  const bool fold_in_kernel = fold_pending && f_nsub <= kFoldMaxNsub && aligned(f.blocks, 16) &&
-                              aligned(f.scales, 16) && f_sc_bytes % 16 == 0 && aligned(f.gmax, 16) &&
-                              f_gm_bytes % 16 == 0 && aligned(a.fold_out.fp8, 16);
-  auto fold_rest = [&] {
-    if (fold_pending) mxfp4_fold_experts(f, a.fold_ids, fold_n, a.fold_out, s);
-  };
   int64_t rows_used = 0;
   for (int g = 0; g < a.groups; ++g) rows_used += a.counts[g];
-  if (rows_used == 0) return fold_rest();
+  if (rows_used == 0) return;
   check(a.x && a.xs && a.d && (w4 ? a.w4.scales != nullptr : a.w && a.ws), DZ_ERR_INVALID_ARGUMENT,
         "fp8_grouped_gemm: null pointer");
   // W scales of 64-row groups are plain loads (4-byte aligned); 1x128 ones come by tensor copy.
@@ -911,18 +712,9 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     p.tile_start[G] = tiles;
     p.tiles_total = tiles;
     if (tiles == 0) continue;
-    p.f_units = 0;
-    if (fold_pending && fold_in_kernel) {
-      p.f_blocks = f.blocks, p.f_scales = f.scales, p.f_gmax = f.gmax;
-      p.f_out = a.fold_out.fp8, p.f_out_scales = a.fold_out.scales;
-      p.f_rows = int(f.rows), p.f_nsub = int(f_nsub), p.f_ngroups = int(f_ng);
-      p.f_units = fold_n * int(f.rows);
-      for (int i = 0; i < fold_n; ++i) p.f_ids[i] = a.fold_ids[i];
-      fold_pending = false;
-    }
     const int blocks = a.max_blocks > 0 ? std::min(a.max_blocks, n_sm_) : n_sm_;
     const dim3 grid(unsigned(std::min(tiles, blocks))), block(w4 ? kThreadsW4 : kThreads);
-    const auto kernel = p.f_units > 0 ? kFoldKernels[debug_][grp] : kKernels[debug_][w4][grp];
+    const auto kernel = kKernels[debug_][w4][grp];
     kernel<<<grid, block, w4 ? Smem<true>::bytes : Smem<false>::bytes, s>>>(p);
     DZ_CUDA_LAUNCH_CHECK();
     if (debug_) {
@@ -931,7 +723,6 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
       if (cap == cudaStreamCaptureStatusNone) DZ_CUDA_CHECK(cudaStreamSynchronize(s));
     }
   }
-  fold_rest();
 }
 
 }  // namespace dz::cuda

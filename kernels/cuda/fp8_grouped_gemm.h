@@ -28,8 +28,6 @@
 
 namespace dz::cuda {
 
-inline constexpr int kFoldBesideMaxExperts = 32;  // Fp8GroupedArgs::fold_n at most
-
 struct Fp8GroupedArgs {
   const uint8_t* x = nullptr;    // [rows_total][k]
   const float* xs = nullptr;     // group blocks as above
@@ -53,19 +51,6 @@ struct Fp8GroupedArgs {
   Mxfp4Stack w4{};
   const int* experts = nullptr;  // host: [groups]
   int w4_experts = 0;            // experts in the stack (bounds check)
-  // FP8 weights: also fold MXFP4 experts fold_ids[0..fold_n) (host, fold_n <=
-  // kFoldBesideMaxExperts) of the stack fold_w (fold_w_experts experts) into
-  // fold_out, the bytes and scales mxfp4_fold_experts writes, in the same
-  // launch: idle warps of each block's producer warpgroup do it while the
-  // tensor cores run (a block takes its SM's registers and nearly all of its
-  // shared memory, so a folding kernel on another stream finds no room). Where
-  // the kernel cannot (K over 3072, no rows to multiply) the folding kernel
-  // runs after it on the same stream. fold_out must not overlap anything this
-  // GEMM reads or writes.
-  Mxfp4Stack fold_w{};
-  const int* fold_ids = nullptr;
-  int fold_n = 0, fold_w_experts = 0;
-  Fp8Slots fold_out{};
 };
 
 // A tensor map (TMA descriptor) through the driver's encoder, reached via the

@@ -2085,47 +2085,25 @@ struct MoeLayer::Impl {
       grouped_gemms(act_e.data(), int(act_e.size()), ho, rows_total, g1, g2, w.b1, st);
       act_e.clear();  // nothing left for the workspace tiles below
     }
-    // Tile ti's FP8 weights and scales in workspace buffer ti % 2; each
-    // projection's scales start 16-byte aligned (1x128 ones go by tensor copy;
-    // a tile of 64-row group scales need not fill whole 16 bytes).
-    const size_t sc1 = (size_t(tile) * w1_sc + 3) / 4 * 4, sc2 = (size_t(tile) * w2_sc + 3) / 4 * 4;
-    auto slots = [&](size_t ti, Fp8Slots& o1, Fp8Slots& o2) {
-      const size_t buf = ti % 2;
-      o1.fp8 = ws_fp8.get() + buf * tile * (w1_fp8 + w2_fp8), o2.fp8 = o1.fp8 + size_t(tile) * w1_fp8;
-      o1.scales = ws_scales.get() + buf * (sc1 + sc2), o2.scales = o1.scales + sc1;
-    };
-    // The grouped kernel folds the next tile beside its GEMMs (the first tile
-    // ahead of them); else every tile is folded on the aux stream.
-    const bool beside = grouped && opt.fp8_fold_beside_gemm && tile <= kFoldBesideMaxExperts &&
-                        double(T) * s.topk / E >= opt.fp8_fold_beside_min_tokens_per_expert;
     for (size_t t0 = 0, ti = 0; t0 < act_e.size(); t0 += tile, ++ti) {
       const int n = int(std::min<size_t>(tile, act_e.size() - t0));
       const int buf = int(ti % 2);
-      Fp8Slots o1, o2;
-      slots(ti, o1, o2);
-      uint8_t *f1 = o1.fp8, *f2 = o2.fp8;
-      float *s1 = o1.scales, *s2 = o2.scales;
-      if (!beside || ti == 0) {
-        DZ_CUDA_CHECK(cudaStreamWaitEvent(aux, ev_free[buf], 0));
-        mxfp4_fold_experts(W1, act_e.data() + t0, n, o1, aux);
-        mxfp4_fold_experts(W2, act_e.data() + t0, n, o2, aux);
-        DZ_CUDA_CHECK(cudaEventRecord(ev_ready[buf], aux));
-        DZ_CUDA_CHECK(cudaStreamWaitEvent(st, ev_ready[buf], 0));
-      }
+      uint8_t* f1 = ws_fp8.get() + size_t(buf) * tile * (w1_fp8 + w2_fp8);
+      uint8_t* f2 = f1 + size_t(tile) * w1_fp8;
+      // Each projection's scales start 16-byte aligned (1x128 ones go by tensor
+      // copy; a tile of 64-row group scales need not fill whole 16 bytes).
+      const size_t sc1 = (size_t(tile) * w1_sc + 3) / 4 * 4, sc2 = (size_t(tile) * w2_sc + 3) / 4 * 4;
+      float* s1 = ws_scales.get() + size_t(buf) * (sc1 + sc2);
+      float* s2 = s1 + sc1;
+      DZ_CUDA_CHECK(cudaStreamWaitEvent(aux, ev_free[buf], 0));
+      mxfp4_fold_experts(W1, act_e.data() + t0, n, Fp8Slots{f1, s1}, aux);
+      mxfp4_fold_experts(W2, act_e.data() + t0, n, Fp8Slots{f2, s2}, aux);
+      DZ_CUDA_CHECK(cudaEventRecord(ev_ready[buf], aux));
+      DZ_CUDA_CHECK(cudaStreamWaitEvent(st, ev_ready[buf], 0));
       if (grouped) {
         Fp8GroupedArgs g1, g2;
         g1.w = f1, g1.w_stride = int64_t(w1_fp8), g1.ws = s1, g1.ws_stride = int64_t(w1_sc);
         g2.w = f2, g2.w_stride = int64_t(w2_fp8), g2.ws = s2, g2.ws_stride = int64_t(w2_sc);
-        if (beside && t0 + tile < act_e.size()) {
-          // The next tile into the other buffer, whose last readers (tile ti - 1's GEMMs) ran before on st.
-          Fp8Slots n1, n2;
-          slots(ti + 1, n1, n2);
-          g1.fold_w = W1, g2.fold_w = W2;
-          g1.fold_ids = g2.fold_ids = act_e.data() + t0 + tile;
-          g1.fold_n = g2.fold_n = int(std::min<size_t>(tile, act_e.size() - t0 - tile));
-          g1.fold_w_experts = g2.fold_w_experts = E;
-          g1.fold_out = n1, g2.fold_out = n2;
-        }
         g1.ws_row_group = W1.gmax ? kFoldRowGroup : 1;
         g2.ws_row_group = W2.gmax ? kFoldRowGroup : 1;
         grouped_gemms(act_e.data() + t0, n, ho, rows_total, g1, g2, w.b1, st);

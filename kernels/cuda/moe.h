@@ -200,18 +200,6 @@ struct MoeOptions {
   // 4.45 ms vs 2.70 / 3.51 / 4.85 ms folding first (cuBLASLt: 3.34 / 3.82 / 5.13).
   // Auto (fp8_gemm 0) folds inside only up to fp8_grouped_max_tokens_per_expert.
   bool fp8_fold_in_gemm = true;
-  // On the workspace with the grouped kernel, from
-  // fp8_fold_beside_min_tokens_per_expert: each tile's GEMMs fold the next
-  // tile's experts in their blocks' idle producer warps (three a block)
-  // instead of a folding kernel on the aux stream, which finds no room beside
-  // the GEMM's blocks; the first tile is folded ahead. The same bytes. The
-  // three warps fold a tile of 16 experts in about the time its GEMMs take at
-  // ~512 tokens an expert: H200 (2026-12-04-h200-run203), beside vs apart,
-  // gpt-oss-120b shapes 256 / 512 tokens an expert (8192 / 16384 tokens)
-  // 4.36 / 5.87 vs 3.71 / 5.82 ms; gpt-oss-20b shapes 1024 / 2048 (8192 /
-  // 16384 tokens) 2.30 / 4.21 vs 2.53 / 4.47 ms.
-  bool fp8_fold_beside_gemm = true;
-  double fp8_fold_beside_min_tokens_per_expert = 768.0;
   // The FP8 path's grouped GEMMs take one weight scale per 64 rows and K
   // block where the weights carry exact group tables (MoeWeights::w1_gmax):
   // the same products in the tensor cores (each row's FP8 values a power of

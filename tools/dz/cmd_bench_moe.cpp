@@ -13,7 +13,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -40,8 +39,7 @@ const char* kUsage =
     "usage: dz bench moe [--tokens 1,8,64,128,256,384,512,1024,2048,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
     "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
     "                    [--no-components] [--w4a8]\n"
-    "                    [--fp8-gemm auto|cublaslt|grouped|grouped_ws[_rows][_apart|_beside]|LIST] [--grouped-blocks "
-    "N]\n"
+    "                    [--fp8-gemm auto|cublaslt|grouped|grouped_ws[_rows]|LIST] [--grouped-blocks N]\n"
     "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
     "MXFP4 MoE layer on the GPU: fused (W4A8 / W4A16 kernels) vs FP8 (fold + FP8 GEMMs) paths, JSON results.\n"
     "--w4a8: the fused path's default with the W4A8 kernels on (as DZ_EXPERTS_FP8); either way both\n"
@@ -52,10 +50,7 @@ const char* kUsage =
     "workspace above); of a comma list the first is fp8_ms, every one listed is timed in\n"
     "alternation (fp8_gemm_ms) and its output compared with the first's. A _rows suffix\n"
     "(auto_rows, grouped_rows, grouped_ws_rows): weight scales per row (1x128) instead of per\n"
-    "64-row group, which the grouped kernel takes where every 64-row group folds exactly. An\n"
-    "_apart suffix after either (auto_apart, grouped_ws_rows_apart): the workspace's tiles folded\n"
-    "by the folding kernel on another stream, not beside the previous tile's GEMMs (which auto\n"
-    "does from 768 tokens an expert); _beside: beside them at every size.\n"
+    "64-row group, which the grouped kernel takes where every 64-row group folds exactly.\n"
     "--grouped-blocks: persistent blocks of the grouped GEMM (default 0: one per SM).\n";
 
 }  // namespace
@@ -115,13 +110,11 @@ int bench_moe(const Args& a) {
     std::string item;
     while (std::getline(ss, item, ',')) {
       if (item.empty()) continue;
-      std::string base = item;
-      for (const char* suffix : {"_apart", "_beside", "_rows"})
-        if (base.size() > std::strlen(suffix) && base.ends_with(suffix)) base.resize(base.size() - std::strlen(suffix));
-      if (base != "auto" && base != "cublaslt" && base != "grouped" && base != "grouped_ws") {
+      if (item != "auto" && item != "cublaslt" && item != "grouped" && item != "grouped_ws" && item != "auto_rows" &&
+          item != "grouped_rows" && item != "grouped_ws_rows") {
         std::fprintf(stderr,
                      "dz bench moe: --fp8-gemm takes auto, cublaslt, grouped and/or grouped_ws (the last three with "
-                     "or without _rows, then _apart), not '%s'\n",
+                     "or without _rows), not '%s'\n",
                      item.c_str());
         return 2;
       }
@@ -131,16 +124,7 @@ int bench_moe(const Args& a) {
   }
   // grouped_ws: the grouped GEMMs on experts folded into the FP8 workspace first.
   // _rows: 1x128 weight scales even where the 64-row groups fold exactly.
-  // _apart: the workspace's tiles folded by the folding kernel on the aux
-  // stream, not beside the previous tile's GEMMs; _beside: beside them at
-  // every size (auto: from fp8_fold_beside_min_tokens_per_expert).
   auto set_gemm = [](MoeOptions& o, std::string g) {
-    const size_t apart = g.rfind("_apart"), beside = g.rfind("_beside");
-    o.fp8_fold_beside_gemm = apart == std::string::npos;
-    o.fp8_fold_beside_min_tokens_per_expert =
-        beside != std::string::npos ? 0.0 : MoeOptions{}.fp8_fold_beside_min_tokens_per_expert;
-    if (apart != std::string::npos) g.resize(apart);
-    if (beside != std::string::npos) g.resize(beside);
     const size_t rows = g.rfind("_rows");
     o.fp8_group_scales = rows == std::string::npos;
     if (!o.fp8_group_scales) g.resize(rows);

@@ -100,7 +100,7 @@ DUMP=$(mktemp -d /tmp/dz_moe_dump.XXXX)
 [ $? -ne 0 ] && { echo "dz bench moe FAILED"; status=1; }
 
 step "dz bench moe at gpt-oss-20b shapes (32 experts): the fused/FP8 crossover the model meets"
-"$DZ" bench moe --experts 32 --tokens 1,8,64,96,128,160,512,4096,16384 --fp8-gemm auto,auto_apart --no-components --out "$OUTDIR/bench_moe_e32.json" \
+"$DZ" bench moe --experts 32 --tokens 1,8,64,96,128,160,512,4096 --no-components --out "$OUTDIR/bench_moe_e32.json" \
   2>"$OUTDIR/bench_moe_e32.log" >/dev/null || { echo "dz bench moe --experts 32 FAILED"; status=1; }
 grep -E "^moe T=" "$OUTDIR/bench_moe_e32.log"
 
@@ -109,7 +109,7 @@ step "dz bench moe, FP8 path with cuBLASLt GEMMs on one stream (for comparison)"
   >/dev/null || status=1
 
 step "dz bench moe, FP8 path: grouped GEMM kernel (folding in the kernel, or into the workspace first) vs per-expert cuBLASLt"
-"$DZ" bench moe --tokens 512,1024,2048,4096,8192,16384 --fp8-gemm grouped,grouped_ws,grouped_ws_beside,cublaslt --reps 8 --out "$OUTDIR/bench_moe_grouped.json" \
+"$DZ" bench moe --tokens 512,1024,2048,4096,8192,16384 --fp8-gemm grouped,grouped_ws,cublaslt --reps 8 --out "$OUTDIR/bench_moe_grouped.json" \
   2>"$OUTDIR/bench_moe_grouped.log" >/dev/null || { echo "dz bench moe --fp8-gemm grouped FAILED"; status=1; }
 grep -E "^(grouped gemm|moe T=)" "$OUTDIR/bench_moe_grouped.log"
 
