@@ -66,6 +66,24 @@ struct RingKeys {
       if (slot[i] >= a.page_tokens) slot[i] -= a.page_tokens, ++page[i];
     }
   }
+  // The current stage (first key j0): this thread's 16-byte piece at element
+  // col of each of its keys' K rows to dst(key) and of the V row (kvd
+  // elements on) to dst(key) + v_off, by asynchronous copies, zeros for keys
+  // past khi; then on to the next stage. The kernels differ only in dst.
+  template <typename Dst>
+  __device__ void copy_stage(const AttnBatch& a, const int32_t* pt, int j0, int khi, int col, int kvd, uint32_t v_off,
+                             Dst dst) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int key = key0 + i * kStride;
+      const bool ok = j0 + key <= khi;
+      const __nv_bfloat16* kr = ok ? row(a, pt, i) + col : reinterpret_cast<const __nv_bfloat16*>(a.kv);
+      const uint32_t d = dst(key);
+      ptx::cp_async16_zfill(d, kr, ok ? 16 : 0);
+      ptx::cp_async16_zfill(d + v_off, kr + (ok ? kvd : 0), ok ? 16 : 0);
+    }
+    next(a);
+  }
 };
 
 // One block (4 warps) per (row, head); lane holds D/32 dims; each warp takes
@@ -649,19 +667,9 @@ __global__ void __launch_bounds__(kPreThreads, D == 128 ? 1 : 2)
   RingKeys<kPreKeys * PD / kPreThreads, kPreThreads / PD, kPreKeys> rk(a, klo, threadIdx.x / PD);
   auto issue = [&](int k) {  // stage k's K and V (keys past khi: zeros), one commit group
     if (k < ntiles) {
-      const int j0 = klo + k * kPreKeys;
       const uint32_t stage = ring + uint32_t(k % kPreStages) * 2 * TB;
-#pragma unroll
-      for (int i = 0; i < kPreKeys * PD / kPreThreads; ++i) {
-        const int key = rk.key0 + i * (kPreThreads / PD);
-        const bool ok = j0 + key <= khi;
-        const __nv_bfloat16* kr =
-            ok ? rk.row(a, pt, i) + kvh * D + q8 * 8 : reinterpret_cast<const __nv_bfloat16*>(a.kv);
-        const uint32_t dst = stage + uint32_t(key * ROW + q8 * 8) * 2;
-        ptx::cp_async16_zfill(dst, kr, ok ? 16 : 0);
-        ptx::cp_async16_zfill(dst + TB, kr + (ok ? KVD : 0), ok ? 16 : 0);
-      }
-      rk.next(a);
+      rk.copy_stage(a, pt, klo + k * kPreKeys, khi, kvh * D + q8 * 8, KVD, TB,
+                    [&](int key) { return stage + uint32_t(key * ROW + q8 * 8) * 2; });
     }
     ptx::cp_async_commit();
   };
@@ -818,19 +826,9 @@ __global__ void __launch_bounds__(kPreThreads, 2) prefill_wg_kernel(AttnBatch a,
   RingKeys<kWgKeys * 8 / kPreThreads, kPreThreads / 8, kWgKeys> rk(a, klo, threadIdx.x >> 3);
   auto issue = [&](int k) {  // stage k's K and V rows (keys past khi: zeros), swizzled, one commit group
     if (k < ntiles) {
-      const int j0 = klo + k * kWgKeys;
       const uint32_t stage = ring + uint32_t(k % kWgStages) * 2 * kWgTile;
-#pragma unroll
-      for (int i = 0; i < kWgKeys * 8 / kPreThreads; ++i) {
-        const int key = rk.key0 + i * (kPreThreads / 8);
-        const bool ok = j0 + key <= khi;
-        const __nv_bfloat16* kr =
-            ok ? rk.row(a, pt, i) + kvh * D + c * 8 : reinterpret_cast<const __nv_bfloat16*>(a.kv);
-        const uint32_t dst = stage + uint32_t(key * 128 + ((c ^ (key & 7)) << 4));
-        ptx::cp_async16_zfill(dst, kr, ok ? 16 : 0);
-        ptx::cp_async16_zfill(dst + kWgTile, kr + (ok ? KVD : 0), ok ? 16 : 0);
-      }
-      rk.next(a);
+      rk.copy_stage(a, pt, klo + k * kWgKeys, khi, kvh * D + c * 8, KVD, kWgTile,
+                    [&](int key) { return stage + uint32_t(key * 128 + ((c ^ (key & 7)) << 4)); });
     }
     ptx::cp_async_commit();
   };
