@@ -112,7 +112,9 @@ typedef void (*dz_log_fn)(dz_log_level level, const char *message, void *user);
 DZ_API dz_status dz_log_set(dz_log_fn fn, void *user, dz_log_level min_level);
 
 /* Progress of long work (loading): done of total units; return nonzero to
- * cancel (the call then fails with DZ_ERR_CANCELLED). */
+ * cancel (the call then fails with DZ_ERR_CANCELLED). dz_model_open's
+ * stages: "validate shards" (shards checked), then on CUDA "upload weights"
+ * (bytes copied to the device; ends with done == total). */
 typedef int (*dz_progress_fn)(const char *stage, uint64_t done, uint64_t total,
                               void *user);
 /* Polled between layers and micro-batches on every backend; return nonzero to

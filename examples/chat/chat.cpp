@@ -113,6 +113,7 @@ class Chat {
     dz_model_params mp;
     dz_model_params_init(&mp);
     mp.device = o.device == "cuda" ? DZ_DEVICE_CUDA : o.device == "auto" ? DZ_DEVICE_AUTO : DZ_DEVICE_CPU;
+    show_load_progress(&mp);
     ok(dz_model_open(o.model.c_str(), &mp, &model_), "open model");
     ok(dz_model_tokenizer(model_, &tok_), "tokenizer");
     ok(dz_kv_arena_create(model_, nullptr, &arena_), "KV arena");

@@ -44,6 +44,7 @@ uint64_t gpt_oss_cuda_graph_replays() { return 0; }
 #include "cuda/sampling.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
+#include "runtime/cuda/upload.h"
 #include "runtime/device.h"
 #include "runtime/parallel.h"
 
@@ -279,9 +280,17 @@ class GptOssCuda final : public Family, private GptOssDesc {
   template <typename T>
   DeviceArray<T> upload(const T* p, size_t n, const char* what) {
     DeviceArray<T> d(ctx_->pool(), n, what);
-    if (n) DZ_CUDA_CHECK(cudaMemcpy(d.get(), p, n * sizeof(T), cudaMemcpyHostToDevice));
+    copy_up(d.get(), p, n * sizeof(T));
     device_bytes_ += n * sizeof(T);
     return d;
+  }
+  // At load through the pipelined uploader (its copies complete by its finish()).
+  void copy_up(void* dst, const void* src, size_t bytes) {
+    if (!bytes) return;
+    if (up_)
+      up_->copy(dst, src, bytes);
+    else
+      DZ_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
   }
   DeviceArray<float> upload_f32(const std::vector<float>& v, const char* what) {
     return upload(v.data(), v.size(), what);
@@ -322,6 +331,7 @@ class GptOssCuda final : public Family, private GptOssDesc {
   cudaEvent_t stage_ev_ = nullptr;         // after the last upload from stage_: rewrite only once it completed
   int* err_host_ = nullptr;                // pinned copy of the MoE error flag
   std::unique_ptr<ThreadPool> copy_pool_;  // host copies of many logits rows (batched decode: 51 MB at B = 64)
+  std::unique_ptr<cuda::Uploader> up_;     // the weights' copies, while loading
   std::vector<Graph> graphs_;
   uint64_t graph_tick_ = 0;
   bool graphs_broken_ = false;  // a capture failed: eager from then on (logged)
@@ -338,7 +348,7 @@ DeviceArray<uint16_t> GptOssCuda::upload_bf16(std::initializer_list<const cpu::W
   for (const cpu::WeightRef* w : ws) {
     const size_t e = size_t(w->rows * w->cols);
     if (w->kind == cpu::WeightKind::BF16) {
-      DZ_CUDA_CHECK(cudaMemcpy(d.get() + off, w->data, e * 2, cudaMemcpyHostToDevice));
+      copy_up(d.get() + off, w->data, e * 2);
     } else {
       row.resize(size_t(w->cols));
       conv.resize(e);
@@ -346,7 +356,7 @@ DeviceArray<uint16_t> GptOssCuda::upload_bf16(std::initializer_list<const cpu::W
         w->decode_row(r, row.data());
         for (int64_t c = 0; c < w->cols; ++c) conv[size_t(r * w->cols + c)] = f32_to_bf16(row[size_t(c)]);
       }
-      DZ_CUDA_CHECK(cudaMemcpy(d.get() + off, conv.data(), e * 2, cudaMemcpyHostToDevice));
+      copy_up(d.get() + off, conv.data(), e * 2);
     }
     off += e;
   }
@@ -426,6 +436,13 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   // Applied per layer in enqueue (exact layers keep fp16 activations).
   auto_w4a8_ = moe_->options().fused_w4a8 && path_ == cuda::MoePath::kAuto;
 
+  // Weights through pinned staging buffers (host threads copy, the copy
+  // engine uploads), reported as "upload weights" to params.progress against
+  // the checkpoint's bytes (norms and biases grow to fp32 on the way: done
+  // stays below total until the one final report).
+  up_ = std::make_unique<cuda::Uploader>(weights, [&params](uint64_t done, uint64_t total) {
+    return params.progress && params.progress("upload weights", std::min(done, total - 1), total, params.progress_user);
+  });
   embed_d_ = upload_bf16({&embed_}, "embed_tokens");
   lm_head_d_ = lm_head_.data == embed_.data ? DeviceArray<uint16_t>() : upload_bf16({&lm_head_}, "lm_head");
   final_norm_d_ = upload_f32(final_norm_, "model.norm");
@@ -458,6 +475,10 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
     d.b1 = upload(b1.data(), b1.size(), "gate_up bias");
     d.b2 = upload(b2.data(), b2.size(), "down bias");
   }
+  up_->finish();
+  up_.reset();
+  if (params.progress && params.progress("upload weights", weights, weights, params.progress_user))
+    fail(DZ_ERR_CANCELLED, src, ": open cancelled by the progress callback");
   check_folding(E, H, I);
   auto& pool = ctx_->pool();
   const size_t MR = size_t(max_rows_);

@@ -1,5 +1,5 @@
 // dz bench model: the whole gpt-oss model through the normal loader and the
-// session API. --make-random DIR writes a gpt-oss-20b-shaped checkpoint in the
+// session API. --make-random DIR writes a gpt-oss-20b- or 120b-shaped checkpoint in the
 // published layout (sharded safetensors, MXFP4 experts with a realistic scale
 // spread, BF16 elsewhere; multithreaded generation) and benchmarks it; --model
 // DIR benchmarks an existing one. Reports load time, device bytes, prefill
@@ -37,12 +37,15 @@ using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 const char* kUsage =
-    "usage: dz bench model (--make-random DIR | --model DIR) [--device cuda|cpu|auto] [--prefill N]\n"
+    "usage: dz bench model (--make-random DIR [--shape 20b|120b] | --model DIR) [--device cuda|cpu|auto]\n"
+    "                      [--prefill N]\n"
     "                      [--prefill-chunk N] [--ctx N] [--steps N] [--batch N] [--experts auto|native|fp8]\n"
     "                      [--attention precise|bf16] [--pass-tokens N]\n"
     "                      [--out FILE.json]\n"
-    "  --make-random DIR  write a gpt-oss-20b-shaped random checkpoint (~13 GB) into DIR first\n"
-    "  --layers N         layers of the random checkpoint (default 24)\n"
+    "  --make-random DIR  write a random checkpoint of gpt-oss's published layout into DIR first\n"
+    "  --shape S          its shape: 20b (32 experts, 24 layers, 13.8 GB; default) or 120b (128 experts,\n"
+    "                     36 layers, 65.2 GB)\n"
+    "  --layers N         layers of the random checkpoint (default: the shape's)\n"
     "  --prefill N        prefill tokens (default 4096)\n"
     "  --prefill-chunk N  tokens a prefill pass (dz_session_params.prefill_chunk; default 0: the library's)\n"
     "  --ctx N            short context before the decode steps (default 128)\n"
@@ -111,8 +114,9 @@ void fill(const TensorSpec& t, size_t off, size_t n, uint8_t* out) {
   }
 }
 
-void write_checkpoint(const std::string& dir, int layers) {
-  const int64_t H = 2880, I = 2880, E = 32, NH = 64, NKV = 8, D = 64, V = 201088, G = H / 32;
+// gpt-oss-20b and -120b differ only in experts (32 / 128) and layers (24 / 36).
+void write_checkpoint(const std::string& dir, int64_t E, int layers) {
+  const int64_t H = 2880, I = 2880, NH = 64, NKV = 8, D = 64, V = 201088, G = H / 32;
   fs::create_directories(dir);
   json cfg = {{"architectures", {"GptOssForCausalLM"}},
               {"model_type", "gpt_oss"},
@@ -224,7 +228,7 @@ void write_checkpoint(const std::string& dir, int layers) {
     }
     total += base + off;
   }
-  std::atomic<size_t> next{0};
+  std::atomic<size_t> next{0}, done_bytes{0};
   std::atomic<bool> bad{false};
   std::vector<std::thread> th;
   const unsigned nt = std::max(1u, std::thread::hardware_concurrency());
@@ -235,8 +239,19 @@ void write_checkpoint(const std::string& dir, int layers) {
         const Piece& p = pieces[i];
         fill(*p.t, p.off, p.len, buf.data());
         if (::pwrite(p.fd, buf.data(), p.len, off_t(p.file_off)) != ssize_t(p.len)) bad = true;
+        done_bytes += p.len;
       }
     });
+  // Progress every 5 s: a 120b-shaped checkpoint is 65 GB.
+  const auto t0 = std::chrono::steady_clock::now();
+  for (size_t shown = 0; next.load() < pieces.size() && !bad;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const size_t s = size_t(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 5);
+    if (s > shown) {
+      shown = s;
+      std::fprintf(stderr, "writing %s: %.1f of %.1f GB\n", dir.c_str(), done_bytes.load() / 1e9, total / 1e9);
+    }
+  }
   for (auto& t : th) t.join();
   for (int fd : fds) ::close(fd);
   check(!bad, DZ_ERR_IO, "writing the random checkpoint into ", dir, " failed (disk full?)");
@@ -257,10 +272,11 @@ int bench_model(const Args& a) {
     std::printf("%s", kUsage);
     return 0;
   }
-  reject_unknown(a,
-                 {"--make-random", "--model", "--device", "--prefill", "--prefill-chunk", "--ctx", "--long-ctx",
-                  "--steps", "--batch", "--out", "--layers", "--no-eager", "--experts", "--attention", "--pass-tokens"},
-                 "bench model");
+  reject_unknown(
+      a,
+      {"--make-random", "--model", "--device", "--prefill", "--prefill-chunk", "--ctx", "--long-ctx", "--steps",
+       "--batch", "--out", "--layers", "--no-eager", "--experts", "--attention", "--pass-tokens", "--shape"},
+      "bench model");
   try {
     const std::string mk = flag_value(a, "--make-random"), dir = mk.empty() ? flag_value(a, "--model") : mk;
     if (dir.empty()) {
@@ -273,14 +289,22 @@ int bench_model(const Args& a) {
     const bool eager = !has_flag(a, "--no-eager");
     json r = bench_meta();
     r["bench"] = "model";
+    const std::string shape = flag_value(a, "--shape", "20b");
+    if (shape != "20b" && shape != "120b") {
+      std::fprintf(stderr, "dz bench model: --shape takes 20b or 120b, not '%s'\n", shape.c_str());
+      return 2;
+    }
     if (!mk.empty()) {
+      const bool big = shape == "120b";
       const auto t0 = Clock::now();
-      write_checkpoint(mk, std::stoi(flag_value(a, "--layers", "24")));
+      write_checkpoint(mk, big ? 128 : 32, std::stoi(flag_value(a, "--layers", big ? "36" : "24")));
+      r["random_shape"] = shape;
       r["write_random_s"] = secs(t0);
       std::fprintf(stderr, "wrote %s in %.1f s\n", mk.c_str(), secs(t0));
     }
     dz_model_params mp;
     dz_model_params_init(&mp);
+    show_load_progress(&mp);
     const std::string dev = flag_value(a, "--device", "cuda");
     mp.device = dev == "cpu" ? DZ_DEVICE_CPU : dev == "auto" ? DZ_DEVICE_AUTO : DZ_DEVICE_CUDA;
     const std::string ex = flag_value(a, "--experts", "auto");
@@ -361,7 +385,8 @@ int bench_model(const Args& a) {
     dz_session_params sp;
     dz_session_params_init(&sp);
     sp.prefill_chunk = uint32_t(std::stoul(flag_value(a, "--prefill-chunk", "0")));
-    std::vector<int32_t> prompt(size_t(std::max(prefill, ctx_max)) + size_t(batch));
+    // The first-token runs read 32 tokens from offsets 0..5.
+    std::vector<int32_t> prompt(size_t(std::max({prefill, ctx_max, 32 + 6})) + size_t(batch));
     for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t(mix(i) % uint64_t(info.n_vocab));
 
     // Prefill (one pass of `prefill` tokens): first call warms up, median of 3.

@@ -1,7 +1,12 @@
 #include "model_args.h"
 
+#include <unistd.h>
+
 #include <cerrno>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 
 namespace dz::cli {
@@ -51,6 +56,29 @@ bool parse_tokens(const std::string& s, std::vector<int32_t>* out, std::string* 
   return true;
 }
 
+namespace {
+
+int print_progress(const char* stage, uint64_t done, uint64_t total, void*) {
+  using Clock = std::chrono::steady_clock;
+  static Clock::time_point start, last;
+  const auto now = Clock::now();
+  if (start == Clock::time_point()) start = now;
+  const double t = std::chrono::duration<double>(now - start).count();
+  const bool tty = isatty(2) != 0, end = done >= total;
+  if (t < 1.0 || (!end && std::chrono::duration<double>(now - last).count() < (tty ? 0.2 : 5.0))) return 0;
+  last = now;
+  const bool gb = std::strcmp(stage, "upload weights") == 0;  // bytes; "validate shards": shards
+  std::fprintf(stderr, "%sloading: %s %.*f of %.*f%s (%.0f%%, %.1f s)%s", tty ? "\r" : "", stage, gb ? 1 : 0,
+               gb ? double(done) / 1e9 : double(done), gb ? 1 : 0, gb ? double(total) / 1e9 : double(total),
+               gb ? " GB" : "", total ? 100.0 * double(done) / double(total) : 100.0, t, tty && !end ? "" : "\n");
+  std::fflush(stderr);
+  return 0;
+}
+
+}  // namespace
+
+void show_load_progress(dz_model_params* params) { params->progress = print_progress; }
+
 std::vector<std::string> with_model_options(std::vector<std::string> own) {
   for (const char* f : {"--device", "--threads", "--attention", "--pass-tokens"}) own.emplace_back(f);
   return own;
@@ -77,6 +105,7 @@ bool parse_model_options(const Args& a, dz_model_params* p, std::string* err) {
     return false;
   }
   p->n_threads = int(n);
+  show_load_progress(p);
   return parse_attention(flag_value(a, "--attention", "auto"), p, err) &&
          parse_pass_tokens(flag_value(a, "--pass-tokens", "0"), p, err);
 }

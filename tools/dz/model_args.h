@@ -27,6 +27,9 @@ bool parse_pass_tokens(const std::string& v, dz_model_params* params, std::strin
 // tiny DeepSeek-V3.2 (MLA + DSA + MXFP4 MoE) trained by tools/train/train_dsv32.py.
 extern const char* const kDefaultModel;
 std::string default_model();
+// params->progress: a line on stderr for loads that take over a second
+// (redrawn on a terminal, else every 5 s), silent for quick ones.
+void show_load_progress(dz_model_params* params);
 // "  --device D    ..." lines for --help texts.
 extern const char* const kModelOptionsHelp;
 

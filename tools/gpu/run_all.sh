@@ -12,9 +12,11 @@
 #                     Catch2 v3, so the results under bench/results were made this way)
 #   DZ_DEPS=DIR       extra prefix (include/, lib/, lib/pkgconfig) with the build dependencies
 #   DZ_BENCH_TOKENS   token counts for dz bench moe (default 1,8,64,128,256,384,512,1024,2048,4096,16384)
-#   DZ_GPU_STEPS      which steps to run (default "tests moe peers patterns attention sampling model profile"; profile
-#                     needs model, patterns a prebuilt dram_pattern)
+#   DZ_GPU_STEPS      which steps to run (default "tests moe peers patterns attention sampling model profile model120b";
+#                     profile needs model, patterns a prebuilt dram_pattern)
 #   DZ_MODEL_DIR      where dz bench model writes its random gpt-oss-20b checkpoint (default /tmp/dz_gptoss20b_random)
+#   DZ_MODEL120_DIR   where it writes the random gpt-oss-120b checkpoint (65.2 GB; default: dz_gptoss120b_random in
+#                     the first of /dev/shm, /tmp with room for it, else the step is skipped)
 # NCCL, where a benchmark needs it, comes from PyTorch's nvidia Python packages.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -80,7 +82,7 @@ bench_with_peer() {
   fi
 }
 
-STEPS=" ${DZ_GPU_STEPS:-tests moe peers patterns attention sampling model profile} "
+STEPS=" ${DZ_GPU_STEPS:-tests moe peers patterns attention sampling model profile model120b} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 if want tests; then
@@ -179,6 +181,32 @@ elif want profile; then
 fi
 rm -rf "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}"
 fi
+if want model120b; then
+M120=${DZ_MODEL120_DIR:-}
+if [ -z "$M120" ]; then
+  for d in /dev/shm /tmp; do
+    avail=$(df -B1 --output=avail "$d" 2>/dev/null | tail -1)
+    if [ -n "$avail" ] && [ "$avail" -gt 67000000000 ]; then M120=$d/dz_gptoss120b_random; break; fi
+  done
+fi
+if [ -z "$M120" ]; then
+  step "dz bench model at gpt-oss-120b shapes skipped: neither /dev/shm nor /tmp has 67 GB free (set DZ_MODEL120_DIR)"
+  df -h /dev/shm /tmp
+else
+  step "dz bench model (random gpt-oss-120b-shaped checkpoint: 128 experts, 36 layers, written to $M120)"
+  "$DZ" bench model --make-random "$M120" --shape 120b --no-eager --out "$OUTDIR/bench_model_120b.json" \
+    >"$OUTDIR/bench_model_120b.log" 2>&1 || { echo "dz bench model --shape 120b FAILED"; status=1; }
+  grep -E "^(wrote|loaded|prefill|first token|decode|dz bench)" "$OUTDIR/bench_model_120b.log"
+  if python3 -c "import torch" 2>/dev/null && [ -f "$M120/config.json" ]; then
+    step "per-kernel GPU time of eager decode steps at gpt-oss-120b shapes (tools/gpu/profile_decode.py)"
+    DAYZERO_LIB=$LIBDZ python3 tools/gpu/profile_decode.py "$M120" --batch 1 --json "$OUTDIR/profile_decode_120b_b1.json" \
+      >"$OUTDIR/profile_decode_120b_b1.log" 2>&1 || { echo "profile (120b, batch 1) FAILED"; status=1; }
+    head -24 "$OUTDIR/profile_decode_120b_b1.log"
+  fi
+  rm -rf "$M120"
+fi
+fi
+
 step "done (status $status); results in $OUTDIR"
 ls -la "$OUTDIR"
 exit $status

@@ -1,0 +1,54 @@
+// Host -> device copies of a model's weights at load, pipelined: helper
+// threads copy the (memory-mapped, pageable) source into pinned staging
+// buffers while the copy engine moves the previous buffer to the device. A
+// plain cudaMemcpy from pageable memory runs on one thread at ~6.5 GB/s on an
+// H200 host (a 65 GB gpt-oss-120b checkpoint: 10.4 s).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+namespace dz {
+class ThreadPool;
+}
+
+namespace dz::cuda {
+
+class Uploader {
+ public:
+  // progress(done, total) after each staged piece; returning true cancels
+  // (copy then throws DZ_ERR_CANCELLED). total: the bytes the caller will
+  // copy (for the progress report only). threads <= 0: the host's cores, up
+  // to 16. staging: bytes of each of the kBuffers pinned buffers.
+  using Progress = std::function<bool(uint64_t done, uint64_t total)>;
+  static constexpr int kBuffers = 4;
+  explicit Uploader(uint64_t total, Progress progress = {}, int threads = 0, size_t staging = size_t(64) << 20);
+  ~Uploader();  // waits for the copies in flight
+  Uploader(const Uploader&) = delete;
+  Uploader& operator=(const Uploader&) = delete;
+
+  // Copies bytes from host src to device dst. Returns once src may be
+  // released (its bytes are staged); the device copy completes by finish().
+  void copy(void* dst, const void* src, size_t bytes);
+  // Waits until every copy has reached the device.
+  void finish();
+  uint64_t done() const { return done_; }
+
+ private:
+  void next_buffer();
+  void release() noexcept;
+
+  uint64_t total_, done_ = 0;
+  Progress progress_;
+  std::unique_ptr<ThreadPool> pool_;
+  size_t cap_, fill_ = 0;
+  int cur_ = 0;
+  uint8_t* buf_[kBuffers] = {};
+  cudaEvent_t ev_[kBuffers] = {};
+  cudaStream_t stream_ = nullptr;
+};
+
+}  // namespace dz::cuda
