@@ -441,13 +441,20 @@ int bench_model(const Args& a) {
     // many without (DZ_CUDA_GRAPHS=0) on the same sessions (context + steps + 2).
     struct Timing {
       double graphs_ms = 0, eager_ms = 0, generate_ms = 0, logits_ms = 0, sampled_ms = 0;
+      double context_s = 0;  // the sessions' prompts, one append each (a long one: time to first token)
     };
     auto decode = [&](int b, int context) {
       std::vector<dz_session*> ss(static_cast<size_t>(b));
+      Timing tm;
+      const auto c0 = Clock::now();
       for (size_t i = 0; i < ss.size(); ++i) {
         ok(dz_session_create(arena, &sp, &ss[i]), "dz_session_create");
         ok(dz_session_append(ss[i], prompt.data() + i, size_t(context), DZ_LOGITS_LAST), "prefill");
       }
+      tm.context_s = secs(c0);
+      if (context >= 16384)
+        std::fprintf(stderr, "context: %d x %d tokens appended in %.2f s (%.0f tokens/s)\n", b, context, tm.context_s,
+                     double(b) * context / tm.context_s);
       std::vector<int32_t> tok(static_cast<size_t>(b));
       auto run = [&](bool graphs) {
         if (graphs)
@@ -485,7 +492,6 @@ int bench_model(const Args& a) {
         }
         return median(t) * 1e3;
       };
-      Timing tm;
       tm.graphs_ms = run(true);
       tm.generate_ms = run_generate(false);
       tm.logits_ms = run_generate(true);
@@ -526,7 +532,8 @@ int bench_model(const Args& a) {
                   {"generate_ms_per_step", tm.generate_ms},
                   {"generate_tokens_per_s", b / tm.generate_ms * 1e3},
                   {"with_logits_read_ms_per_step", tm.logits_ms},
-                  {"sampled_ms_per_step", tm.sampled_ms}};
+                  {"sampled_ms_per_step", tm.sampled_ms},
+                  {"context_append_s", tm.context_s}};
         if (eager) e["eager_ms_per_step"] = tm.eager_ms, e["eager_tokens_per_s"] = b / tm.eager_ms * 1e3;
         std::fprintf(
             stderr,

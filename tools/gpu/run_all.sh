@@ -197,6 +197,13 @@ else
   "$DZ" bench model --make-random "$M120" --shape 120b --no-eager --out "$OUTDIR/bench_model_120b.json" \
     >"$OUTDIR/bench_model_120b.log" 2>&1 || { echo "dz bench model --shape 120b FAILED"; status=1; }
   grep -E "^(wrote|loaded|prefill|first token|decode|dz bench)" "$OUTDIR/bench_model_120b.log"
+  step "gpt-oss-120b shapes, one session at 131,072 tokens of context: the prompt in passes of 16384 tokens, then 65536"
+  for pt in 16384 65536; do
+    "$DZ" bench model --model "$M120" --prefill 4096 --ctx 131072 --long-ctx 0 --batch 1 --steps 8 --no-eager \
+      --pass-tokens $pt --out "$OUTDIR/bench_model_120b_ctx131072_pass$pt.json" \
+      >"$OUTDIR/bench_model_120b_ctx131072_pass$pt.log" 2>&1 || { echo "dz bench model (120b, 131072, $pt) FAILED"; status=1; }
+    grep -E "^(loaded|context|decode|dz bench)" "$OUTDIR/bench_model_120b_ctx131072_pass$pt.log"
+  done
   if python3 -c "import torch" 2>/dev/null && [ -f "$M120/config.json" ]; then
     step "per-kernel GPU time of eager decode steps at gpt-oss-120b shapes (tools/gpu/profile_decode.py)"
     DAYZERO_LIB=$LIBDZ python3 tools/gpu/profile_decode.py "$M120" --batch 1 --json "$OUTDIR/profile_decode_120b_b1.json" \
