@@ -139,11 +139,14 @@ TEST_CASE("gpt-oss on the GPU: dz_model_open reports the weight upload and stops
       REQUIRE(st == DZ_OK);
       CHECK(seen.done.back() == seen.total.back());
       uint64_t prev = 0;
+      int ends = 0;  // reports of the whole upload: the last one only
       for (size_t i = 0; i < seen.stages.size(); ++i)
         if (seen.stages[i] == "upload weights") {
           CHECK(seen.done[i] >= prev);
           prev = seen.done[i];
+          ends += seen.done[i] == seen.total[i];
         }
+      CHECK(ends == 1);
       dz_model_free(m);
     }
   }

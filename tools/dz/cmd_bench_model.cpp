@@ -46,6 +46,7 @@ const char* kUsage =
     "  --shape S          its shape: 20b (32 experts, 24 layers, 13.8 GB; default) or 120b (128 experts,\n"
     "                     36 layers, 65.2 GB)\n"
     "  --layers N         layers of the random checkpoint (default: the shape's)\n"
+    "  --write-only       write it and exit (no benchmark)\n"
     "  --prefill N        prefill tokens (default 4096)\n"
     "  --prefill-chunk N  tokens a prefill pass (dz_session_params.prefill_chunk; default 0: the library's)\n"
     "  --ctx N            short context before the decode steps (default 128)\n"
@@ -272,11 +273,11 @@ int bench_model(const Args& a) {
     std::printf("%s", kUsage);
     return 0;
   }
-  reject_unknown(
-      a,
-      {"--make-random", "--model", "--device", "--prefill", "--prefill-chunk", "--ctx", "--long-ctx", "--steps",
-       "--batch", "--out", "--layers", "--no-eager", "--experts", "--attention", "--pass-tokens", "--shape"},
-      "bench model");
+  reject_unknown(a,
+                 {"--make-random", "--model", "--device", "--prefill", "--prefill-chunk", "--ctx", "--long-ctx",
+                  "--steps", "--batch", "--out", "--layers", "--no-eager", "--experts", "--attention", "--pass-tokens",
+                  "--shape", "--write-only"},
+                 "bench model");
   try {
     const std::string mk = flag_value(a, "--make-random"), dir = mk.empty() ? flag_value(a, "--model") : mk;
     if (dir.empty()) {
@@ -301,6 +302,7 @@ int bench_model(const Args& a) {
       r["random_shape"] = shape;
       r["write_random_s"] = secs(t0);
       std::fprintf(stderr, "wrote %s in %.1f s\n", mk.c_str(), secs(t0));
+      if (has_flag(a, "--write-only")) return 0;
     }
     dz_model_params mp;
     dz_model_params_init(&mp);

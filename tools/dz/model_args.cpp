@@ -18,7 +18,9 @@ const char* const kModelOptionsHelp =
     "                 (dz_attention_precision)\n"
     "  --pass-tokens N\n"
     "                 CUDA: tokens one device pass holds, 256..65536 (default 0: 16384); device\n"
-    "                 scratch grows with it (dz_model_params.pass_tokens)\n";
+    "                 scratch grows with it (dz_model_params.pass_tokens)\n"
+    "  --activations A  auto (default), f32 or bf16: the CPU backend rounds the products' inputs as\n"
+    "                 the CUDA backend does with bf16 (dz_activation_precision)\n";
 
 const char* const kDefaultModel = "models/dayzero-tiny";
 
@@ -80,7 +82,7 @@ int print_progress(const char* stage, uint64_t done, uint64_t total, void*) {
 void show_load_progress(dz_model_params* params) { params->progress = print_progress; }
 
 std::vector<std::string> with_model_options(std::vector<std::string> own) {
-  for (const char* f : {"--device", "--threads", "--attention", "--pass-tokens"}) own.emplace_back(f);
+  for (const char* f : {"--device", "--threads", "--attention", "--pass-tokens", "--activations"}) own.emplace_back(f);
   return own;
 }
 
@@ -105,6 +107,13 @@ bool parse_model_options(const Args& a, dz_model_params* p, std::string* err) {
     return false;
   }
   p->n_threads = int(n);
+  const std::string act = flag_value(a, "--activations", "auto");
+  if (act == "auto" || act == "f32" || act == "bf16") {
+    p->activations = act == "f32" ? DZ_ACTIVATIONS_F32 : act == "bf16" ? DZ_ACTIVATIONS_BF16 : DZ_ACTIVATIONS_AUTO;
+  } else {
+    *err = "--activations '" + act + "' (expected auto, f32 or bf16)";
+    return false;
+  }
   show_load_progress(p);
   return parse_attention(flag_value(a, "--attention", "auto"), p, err) &&
          parse_pass_tokens(flag_value(a, "--pass-tokens", "0"), p, err);
