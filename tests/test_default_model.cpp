@@ -142,6 +142,29 @@ TEST_CASE("dz chat --prompt answers with the default model", "[deepseek]") {
   CHECK(out.rfind(expected, 0) == 0);
 }
 
+TEST_CASE("dz chat --ctx bounds the conversation's tokens", "[deepseek][cli]") {
+  // Reference prompt 0 is the chat template rendered for 'Tell me a fortune.': P tokens; its greedy reply
+  // runs past 5 tokens without a stop token.
+  dz::SafetensorsFile f(kRef);
+  const std::vector<int32_t> prompt = ints(f.tensors().at("prompt.0")), greedy = ints(f.tensors().at("greedy.0"));
+  REQUIRE(greedy.size() > 5);
+  const long P = long(prompt.size());
+  const std::string base = "cd '" + std::string(DZ_SOURCE_DIR) + "' && env -u DZ_MODEL '" + DZ_TOOL +
+                           "' chat --prompt 'Tell me a fortune.' --no-color --max-new 100 --ctx ";
+  // Room for 5 reply tokens: the reply stops there and says why.
+  const auto [rc, out] = dz::test::run_cmd(base + std::to_string(P + 5));
+  INFO("output: " << out);
+  CHECK(rc == 0);
+  CHECK(out.find("5 tok in") != std::string::npos);
+  CHECK(out.find(", hit --ctx | context " + std::to_string(P + 5) + " tok") != std::string::npos);
+  // No room for a reply: a clear error, no crash.
+  const auto [rc_full, full] = dz::test::run_cmd(base + std::to_string(P));
+  INFO("output: " << full);
+  CHECK(rc_full == 1);
+  CHECK(full.find("fills --ctx " + std::to_string(P)) != std::string::npos);
+  CHECK(dz::test::run_cmd(base + "-1").first == 2);
+}
+
 TEST_CASE("dz generate opens the default model and stops after a stop token", "[deepseek][cli]") {
   dz::SafetensorsFile f(kRef);
   const std::vector<int32_t> prompt = ints(f.tensors().at("prompt.0"));

@@ -82,9 +82,12 @@ ojson assistant_message(const std::string& text) {
   return m;
 }
 
+constexpr int64_t kDefaultCtx = 32768;  // --ctx's largest default (the arena is allocated up front)
+
 struct Options {
   std::string model, system, prompt, device = "cpu", template_options;
   int max_new = 512;
+  int64_t ctx = 0;  // KV capacity in tokens; 0: the model's context, at most kDefaultCtx
   dz_sampler_params sampler{};
   bool color = false, verbose = false;
 };
@@ -100,6 +103,8 @@ void usage() {
       "  --system TEXT      system prompt\n"
       "  --prompt TEXT      one-shot: answer this message and exit (no interaction)\n"
       "  --max-new N        most tokens per reply (default 512)\n"
+      "  --ctx N            tokens the conversation may hold: the KV arena's size (default: the model's\n"
+      "                     context length, at most 32768)\n"
       "  --temperature T    0 = greedy (default); --top-k K (0 = off), --top-p P (1 = off), --seed S\n"
       "  --options JSON     extra chat-template variables, e.g. '{\"reasoning_effort\": \"low\"}'\n"
       "  --device D         cpu (default), cuda or auto\n"
@@ -116,7 +121,16 @@ class Chat {
     show_load_progress(&mp);
     ok(dz_model_open(o.model.c_str(), &mp, &model_), "open model");
     ok(dz_model_tokenizer(model_, &tok_), "tokenizer");
-    ok(dz_kv_arena_create(model_, nullptr, &arena_), "KV arena");
+    // The arena holds the whole conversation: --ctx tokens in pages of 64.
+    dz_model_info info;
+    dz_model_info_init(&info);
+    ok(dz_model_get_info(model_, &info), "model info");
+    ctx_ = o.ctx > 0 ? o.ctx : std::min<int64_t>(info.max_context > 0 ? info.max_context : kDefaultCtx, kDefaultCtx);
+    dz_kv_arena_params ap;
+    dz_kv_arena_params_init(&ap);
+    ap.page_tokens = 64;
+    ap.capacity_pages = uint64_t(ctx_ + 63) / 64 + 1;  // + 1: the page a truncated turn may still hold
+    ok(dz_kv_arena_create(model_, &ap, &arena_), "KV arena");
     dz_session_params sp;
     dz_session_params_init(&sp);
     sp.sampler = o.sampler;
@@ -152,6 +166,9 @@ class Chat {
       in_kv_.resize(common);
     }
     const size_t n_new = ids.size() - common;
+    if (int64_t(ids.size()) >= ctx_)
+      throw ChatError{"the conversation (" + std::to_string(ids.size()) + " tokens) fills --ctx " +
+                      std::to_string(ctx_) + ": /reset, or start with a larger --ctx"};
     if (o_.verbose)
       std::fprintf(stderr, "[prompt %zu tokens: %zu reused from the session, %zu prefilled]\n", ids.size(), common,
                    n_new);
@@ -165,7 +182,7 @@ class Chat {
     std::string reply;
     int n_gen = 0;
     try {
-      for (; n_gen < o_.max_new; ++n_gen) {
+      for (; n_gen < o_.max_new && int64_t(in_kv_.size()) < ctx_; ++n_gen) {
         int32_t t = 0;
         ok(dz_session_sample(session_, &t), "sample");
         if (std::find(stops_.begin(), stops_.end(), t) != stops_.end()) break;
@@ -199,11 +216,13 @@ class Chat {
     ok(dz_kv_arena_get_stats(arena_, &kv), "KV stats");
     std::fprintf(stderr,
                  "[prefill %zu tok in %.2f s (%.1f tok/s) | %d tok in %.2f s (%.1f tok/s)%s | context %zu tok, KV %llu "
-                 "of %llu pages (%.1f of %.0f MiB)]\n",
+                 "of %llu pages (%.1f of %.1f MiB)]\n",
                  n_new, pf, pf > 0 ? double(n_new) / pf : 0.0, n_gen, dc, dc > 0 ? double(n_gen) / dc : 0.0,
-                 n_gen >= o_.max_new ? ", hit --max-new" : "", in_kv_.size(), (unsigned long long)kv.pages_used,
-                 (unsigned long long)kv.pages_total, double(kv.pages_used * kv.page_bytes) / 1048576.0,
-                 double(kv.bytes_total) / 1048576.0);
+                 n_gen >= o_.max_new              ? ", hit --max-new"
+                 : int64_t(in_kv_.size()) >= ctx_ ? ", hit --ctx"
+                                                  : "",
+                 in_kv_.size(), (unsigned long long)kv.pages_used, (unsigned long long)kv.pages_total,
+                 double(kv.pages_used * kv.page_bytes) / 1048576.0, double(kv.bytes_total) / 1048576.0);
     messages_.push_back(assistant_message(reply));
   }
 
@@ -213,6 +232,7 @@ class Chat {
   const dz_tokenizer* tok_ = nullptr;
   dz_kv_arena* arena_ = nullptr;
   dz_session* session_ = nullptr;
+  int64_t ctx_ = 0;
   std::vector<int32_t> stops_, in_kv_;
   ojson messages_;
 
@@ -241,8 +261,8 @@ int cmd_chat(const Args& a) {
     return 0;
   }
   reject_unknown(a,
-                 {"--model", "--system", "--prompt", "--max-new", "--device", "--temperature", "--top-k", "--top-p",
-                  "--seed", "--options", "--no-color", "--verbose"},
+                 {"--model", "--system", "--prompt", "--max-new", "--ctx", "--device", "--temperature", "--top-k",
+                  "--top-p", "--seed", "--options", "--no-color", "--verbose"},
                  "chat");
   Options o;
   o.model = flag_value(a, "--model", default_model());
@@ -255,12 +275,18 @@ int cmd_chat(const Args& a) {
   dz_sampler_params_init(&o.sampler);
   try {
     o.max_new = std::stoi(flag_value(a, "--max-new", "512"));
+    o.ctx = std::stoll(flag_value(a, "--ctx", "0"));
     o.sampler.temperature = std::stof(flag_value(a, "--temperature", "0"));
     o.sampler.top_k = std::stoi(flag_value(a, "--top-k", "0"));
     o.sampler.top_p = std::stof(flag_value(a, "--top-p", "1"));
     o.sampler.seed = std::stoull(flag_value(a, "--seed", "0"));
   } catch (const std::exception&) {
     std::fprintf(stderr, "dz chat: a numeric flag has a value that is not a number\n");
+    return 2;
+  }
+  if (o.ctx < 0) {
+    std::fprintf(stderr, "dz chat: --ctx takes a token count (0: the model's context, at most %lld)\n",
+                 (long long)kDefaultCtx);
     return 2;
   }
   if (o.device != "cpu" && o.device != "cuda" && o.device != "auto") {
