@@ -440,9 +440,14 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   // engine uploads), reported as "upload weights" to params.progress against
   // the checkpoint's bytes (norms and biases grow to fp32 on the way: done
   // stays below total until the one final report).
-  up_ = std::make_unique<cuda::Uploader>(weights, [&params](uint64_t done, uint64_t total) {
-    return params.progress && params.progress("upload weights", std::min(done, total - 1), total, params.progress_user);
-  });
+  try {
+    up_ = std::make_unique<cuda::Uploader>(weights, [&params](uint64_t done, uint64_t total) {
+      return params.progress &&
+             params.progress("upload weights", std::min(done, total - 1), total, params.progress_user);
+    });
+  } catch (const Error& e) {  // no pinned staging (a memlock limit, say): plain copies, slower
+    log_warn("gpt_oss: weights uploaded without pinned staging buffers (", e.what(), ")");
+  }
   embed_d_ = upload_bf16({&embed_}, "embed_tokens");
   lm_head_d_ = lm_head_.data == embed_.data ? DeviceArray<uint16_t>() : upload_bf16({&lm_head_}, "lm_head");
   final_norm_d_ = upload_f32(final_norm_, "model.norm");
@@ -475,7 +480,7 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
     d.b1 = upload(b1.data(), b1.size(), "gate_up bias");
     d.b2 = upload(b2.data(), b2.size(), "down bias");
   }
-  up_->finish();
+  if (up_) up_->finish();
   up_.reset();
   if (params.progress && params.progress("upload weights", weights, weights, params.progress_user))
     fail(DZ_ERR_CANCELLED, src, ": open cancelled by the progress callback");
