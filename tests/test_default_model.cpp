@@ -149,8 +149,9 @@ TEST_CASE("dz chat --ctx bounds the conversation's tokens", "[deepseek][cli]") {
   const std::vector<int32_t> prompt = ints(f.tensors().at("prompt.0")), greedy = ints(f.tensors().at("greedy.0"));
   REQUIRE(greedy.size() > 5);
   const long P = long(prompt.size());
-  const std::string base = "cd '" + std::string(DZ_SOURCE_DIR) + "' && env -u DZ_MODEL '" + DZ_TOOL +
-                           "' chat --prompt 'Tell me a fortune.' --no-color --max-new 100 --ctx ";
+  const std::string cd = "cd '" + std::string(DZ_SOURCE_DIR) + "' && ",
+                    chat = "env -u DZ_MODEL '" + std::string(DZ_TOOL) + "' chat --no-color ",
+                    base = cd + chat + "--prompt 'Tell me a fortune.' --max-new 100 --ctx ";
   // Room for 5 reply tokens: the reply stops there and says why.
   const auto [rc, out] = dz::test::run_cmd(base + std::to_string(P + 5));
   INFO("output: " << out);
@@ -163,6 +164,13 @@ TEST_CASE("dz chat --ctx bounds the conversation's tokens", "[deepseek][cli]") {
   CHECK(rc_full == 1);
   CHECK(full.find("fills --ctx " + std::to_string(P)) != std::string::npos);
   CHECK(dz::test::run_cmd(base + "-1").first == 2);
+  // Interactive: the turn that would fill it is refused, the conversation carries on with the next one.
+  const auto [rc_i, inter] = dz::test::run_cmd(cd + "printf 'Tell me a fortune.\\nHi\\n' | " + chat +
+                                               "--max-new 4 --ctx " + std::to_string(P));
+  INFO("output: " << inter);
+  CHECK(rc_i == 0);
+  CHECK(inter.find("fills --ctx") != std::string::npos);
+  CHECK(inter.find("4 tok in") != std::string::npos);
 }
 
 TEST_CASE("dz generate opens the default model and stops after a stop token", "[deepseek][cli]") {

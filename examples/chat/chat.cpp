@@ -30,6 +30,7 @@ using ojson = nlohmann::ordered_json;
 
 struct ChatError {
   std::string msg;
+  bool turn_only = false;  // the turn was refused, the conversation stands (interactive: carry on)
 };
 
 void ok(dz_status s, const char* what) {
@@ -158,6 +159,12 @@ class Chat {
   void turn(const std::string& user) {
     messages_.push_back({{"role", "user"}, {"content", user}});
     const std::vector<int32_t> ids = tokenize(tok_, render(tok_, messages_, o_.template_options));
+    if (int64_t(ids.size()) >= ctx_) {
+      messages_.erase(messages_.size() - 1);  // not answered: the conversation stays as it was
+      throw ChatError{"the conversation (" + std::to_string(ids.size()) + " tokens) fills --ctx " +
+                          std::to_string(ctx_) + ": /reset, or start with a larger --ctx",
+                      true};
+    }
     size_t common = 0;
     while (common < in_kv_.size() && common < ids.size() && in_kv_[common] == ids[common]) ++common;
     if (common == ids.size() && common > 0) --common;  // recompute the last token's logits
@@ -166,9 +173,6 @@ class Chat {
       in_kv_.resize(common);
     }
     const size_t n_new = ids.size() - common;
-    if (int64_t(ids.size()) >= ctx_)
-      throw ChatError{"the conversation (" + std::to_string(ids.size()) + " tokens) fills --ctx " +
-                      std::to_string(ctx_) + ": /reset, or start with a larger --ctx"};
     if (o_.verbose)
       std::fprintf(stderr, "[prompt %zu tokens: %zu reused from the session, %zu prefilled]\n", ids.size(), common,
                    n_new);
@@ -314,7 +318,12 @@ int cmd_chat(const Args& a) {
         std::fprintf(stderr, "[conversation reset]\n");
         continue;
       }
-      chat.turn(line);
+      try {
+        chat.turn(line);
+      } catch (const ChatError& e) {
+        if (!e.turn_only) throw;
+        std::fprintf(stderr, "dz chat: %s\n", e.msg.c_str());
+      }
     }
     return 0;
   } catch (const ChatError& e) {
