@@ -115,6 +115,8 @@ void fill(const TensorSpec& t, size_t off, size_t n, uint8_t* out) {
   }
 }
 
+double secs(Clock::time_point a) { return std::chrono::duration<double>(Clock::now() - a).count(); }
+
 // gpt-oss-20b and -120b differ only in experts (32 / 128) and layers (24 / 36).
 void write_checkpoint(const std::string& dir, int64_t E, int layers) {
   const int64_t H = 2880, I = 2880, NH = 64, NKV = 8, D = 64, V = 201088, G = H / 32;
@@ -244,10 +246,10 @@ void write_checkpoint(const std::string& dir, int64_t E, int layers) {
       }
     });
   // Progress every 5 s: a 120b-shaped checkpoint is 65 GB.
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = Clock::now();
   for (size_t shown = 0; next.load() < pieces.size() && !bad;) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    const size_t s = size_t(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 5);
+    const size_t s = size_t(secs(t0) / 5);
     if (s > shown) {
       shown = s;
       std::fprintf(stderr, "writing %s: %.1f of %.1f GB\n", dir.c_str(), done_bytes.load() / 1e9, total / 1e9);
@@ -259,8 +261,6 @@ void write_checkpoint(const std::string& dir, int64_t E, int layers) {
   json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
   std::ofstream(dir + "/model.safetensors.index.json") << index.dump(1);
 }
-
-double secs(Clock::time_point a) { return std::chrono::duration<double>(Clock::now() - a).count(); }
 
 void ok(dz_status s, const char* what) {
   if (s != DZ_OK) fail(s, what, ": ", dz_last_error());
