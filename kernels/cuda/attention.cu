@@ -758,20 +758,7 @@ __device__ __forceinline__ void wgmma_rs_m64n64k16_tb(float (&d)[32], const uint
 }
 #undef DZ_WG_R32
 #undef DZ_WG_ACC32
-// Accumulators: no access moves across the chain's issue or its wait.
-template <int N>
-__device__ __forceinline__ void wg_fence_regs(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-// A fragments: computed before wgmma.fence, none of it sunk past it.
-template <int N>
-__device__ __forceinline__ void wg_fence_regs(uint32_t (&a)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
-}
+using ptx::fence_regs;
 #endif
 
 // kTerms: queries and probabilities as two bf16 terms (2) or one (1). Two
@@ -853,7 +840,7 @@ __global__ void __launch_bounds__(kPreThreads, 2) prefill_wg_kernel(AttnBatch a,
     // S = Q K^T: 64 rows x 64 keys.
     float s[32];
     float(&sn)[8][4] = *reinterpret_cast<float(*)[8][4]>(&s);
-    wg_fence_regs(s);
+    fence_regs(s);
     ptx::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
@@ -862,9 +849,9 @@ __global__ void __launch_bounds__(kPreThreads, 2) prefill_wg_kernel(AttnBatch a,
         wgmma_ss_m64n64k16(s, ptx::sw128_desc(dq + (kWgTile >> 4) + 2 * ks), ptx::sw128_desc(dk + 2 * ks), 1);
     }
     ptx::wgmma_commit();
-    wg_fence_regs(s);
+    fence_regs(s);
     ptx::wgmma_wait0();
-    wg_fence_regs(s);
+    fence_regs(s);
     softmax_update(sn, m, l, on, masked, [&](int rr, int kk) {
       const int j = h0 + kk;
       return j >= rlo[rr] && j <= rpos[rr];
@@ -875,9 +862,9 @@ __global__ void __launch_bounds__(kPreThreads, 2) prefill_wg_kernel(AttnBatch a,
     for (int u = 0; u < 4; ++u)
 #pragma unroll
       for (int i = 0; i < 4; ++i) split_bf16(s[8 * u + 2 * i], s[8 * u + 2 * i + 1], ph[u][i], pl[u][i]);
-    wg_fence_regs(ph);
-    if (kTerms == 2) wg_fence_regs(pl);
-    wg_fence_regs(o);
+    fence_regs(ph);
+    if (kTerms == 2) fence_regs(pl);
+    fence_regs(o);
     ptx::wgmma_fence();
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
@@ -885,9 +872,9 @@ __global__ void __launch_bounds__(kPreThreads, 2) prefill_wg_kernel(AttnBatch a,
       if (kTerms == 2) wgmma_rs_m64n64k16_tb(o, pl[u], ptx::sw128_desc(dv + u * (2048 >> 4)));
     }
     ptx::wgmma_commit();
-    wg_fence_regs(o);
+    fence_regs(o);
     ptx::wgmma_wait0();
-    wg_fence_regs(o);
+    fence_regs(o);
   }
   ptx::cp_async_wait<0>();
   prefill_store<D>(a, pr, m, l, [&](int nd, int i) { return o[4 * nd + i]; });

@@ -126,28 +126,7 @@ using ptx::mbar_init;
 using ptx::mbar_try_wait;
 using ptx::smem_u32;
 
-__device__ __forceinline__ uint64_t global_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-// Wait for the phase of the given parity to complete. The checking kernel
-// gives up after 10 s (a wrong transaction count or a lost arrival would hang).
-template <bool kDebug>
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, const char* what, int stage) {
-  if constexpr (!kDebug) {
-    ptx::mbar_wait(bar, parity);
-  } else {
-    const uint64_t t0 = global_ns();
-    while (!mbar_try_wait(bar, parity)) {
-      if (global_ns() - t0 > 10000000000ull) {
-        printf("fp8_grouped_gemm: block %d thread %d timed out on the %s barrier of stage %d (parity %u)\n",
-               int(blockIdx.x), int(threadIdx.x), what, stage, parity);
-        __trap();
-      }
-    }
-  }
-}
+using ptx::mbar_wait_checked;
 
 using ptx::tma_2d;
 __device__ __forceinline__ void tma_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
@@ -169,12 +148,7 @@ using ptx::wgmma_commit;
 using ptx::wgmma_fence;
 using ptx::wgmma_wait0;
 
-// Keeps the compiler from moving accesses of d across the asynchronous MMA.
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
+using ptx::fence_regs;
 
 // The accumulator operands of an MMA: registers %0..%63 in its asm string,
 // and d[b..b+7] as eight of its in/out operands.
@@ -352,7 +326,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
         issue(bi, scr[r], gmr[r]);
         const int stage = cc.gs % kS;
         const uint32_t phase = uint32_t(cc.gs / kS) & 1u;
-        mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);
+        mbar_wait_checked<kDebug>(empty(stage), phase ^ 1u, "empty", stage);
         if (tid == 0) {
           ptx::mbar_expect_tx(full(stage), kABytes);
           tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), cc.kb * kBK, row);
@@ -379,7 +353,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
       for (;;) {
         int t = atomicAdd(p.sched, 1);
         if (t >= p.tiles_total) t = -1;
-        mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);  // a fresh barrier passes parity 1
+        mbar_wait_checked<kDebug>(empty(stage), phase ^ 1u, "empty", stage);  // a fresh barrier passes parity 1
         s_tile[stage] = t;
         if (t < 0) {
           mbar_arrive(full(stage));
@@ -389,7 +363,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
         find_tile(p, t, g, mt, nt);
         const int row = p.off[g] + mt * kBM, n0 = nt * kBN<false>;
         for (int kb = 0; kb < p.nkb; ++kb) {
-          if (kb > 0) mbar_wait<kDebug>(empty(stage), phase ^ 1u, "empty", stage);
+          if (kb > 0) mbar_wait_checked<kDebug>(empty(stage), phase ^ 1u, "empty", stage);
           mbar_arrive_expect_tx(full(stage), kG ? kTxBytes - kSBytes<false> : kTxBytes);
           tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), kb * kBK, row);
           tma_3d(sB + uint32_t(stage * kBBytes<false>), &p.wmap, full(stage), kb * kBK, n0, g);
@@ -425,7 +399,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
     // put in the ring's next stage (-1: none left).
     auto next_tile = [&](int t) {
       if constexpr (kW4) return t + int(gridDim.x) < p.tiles_total ? t + int(gridDim.x) : -1;
-      mbar_wait<kDebug>(full(stage), phase, "full", stage);
+      mbar_wait_checked<kDebug>(full(stage), phase, "full", stage);
       return int(s_tile[stage]);
     };
     for (int t = kW4 ? (int(blockIdx.x) < p.tiles_total ? int(blockIdx.x) : -1) : next_tile(0); t >= 0;
@@ -447,7 +421,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
       // waits for each stage, so its arrival is for that stage's phase.
       if (mt * kBM + cw * 64 >= m) {
         for (int kb = 0; kb < p.nkb; ++kb) {
-          mbar_wait<kDebug>(full(stage), phase, "full", stage);
+          mbar_wait_checked<kDebug>(full(stage), phase, "full", stage);
           __syncwarp();
           if (lane == 0) mbar_arrive(empty(stage));
           if (++stage == kS) stage = 0, phase ^= 1u;
@@ -467,7 +441,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
           for (int q = 0; q < NG; ++q)  // a partial last n tile: its groups past n repeat the last
             wq[q] = __ldg(wsg + int64_t(kb) * ngc + min(q, ngc - 1 - n0 / kFoldRowGroup));
         }
-        mbar_wait<kDebug>(full(stage), phase, "full", stage);
+        mbar_wait_checked<kDebug>(full(stage), phase, "full", stage);
         __syncwarp();  // the warp leaves the spin together: wgmma is .aligned
         const uint32_t da = ptx::sw128_desc_lo(sA + uint32_t(stage * kABytes + cw * 64 * kBK));
         const uint32_t db = ptx::sw128_desc_lo(sB + uint32_t(stage * kBBytes<kW4>));

@@ -1,6 +1,7 @@
 // Small inline-PTX helpers shared by the CUDA kernels (device code only).
 #pragma once
 #include <cstdint>
+#include <cstdio>
 
 namespace dz::cuda::ptx {
 
@@ -107,6 +108,47 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   while (!mbar_try_wait(bar, parity)) {
   }
+}
+
+// Wait for the phase of the given parity; the checking form (kDebug) gives up
+// after 10 s with a message naming the kernel, barrier and stage, and traps (a
+// wrong transaction count or a lost arrival would otherwise hang).
+template <bool kDebug>
+__device__ __forceinline__ void mbar_wait_checked(uint32_t bar, uint32_t parity, const char* what, int stage,
+                                                  const char* kernel = "fp8_grouped_gemm") {
+  if constexpr (!kDebug) {
+    mbar_wait(bar, parity);
+  } else {
+    auto now = [] {
+      uint64_t t;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+      return t;
+    };
+    const uint64_t t0 = now();
+    while (!mbar_try_wait(bar, parity)) {
+      if (now() - t0 > 10000000000ull) {
+        printf("%s: block %d thread %d timed out on the %s barrier of stage %d (parity %u)\n", kernel, int(blockIdx.x),
+               int(threadIdx.x), what, stage, parity);
+        __trap();
+      }
+    }
+  }
+}
+
+// Keeps the compiler from moving accesses of wgmma operands held in registers
+// across an asynchronous MMA's issue or its wait: accumulators, and A
+// fragments (computed before wgmma.fence, none of it sunk past it).
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(uint32_t (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
 }
 
 // wgmma shared-memory descriptor of a K-major tile stored with the 128-byte
