@@ -1,7 +1,8 @@
-// GPU tests of the grouped FP8 1x128 GEMM (cuda/fp8_grouped_gemm.h) ([cuda];
-// they skip with a message where no CUDA device is present): random exact fp8
-// operands and block scales against a float64 reference and against the
-// cuBLASLt Fp8Gemm per group, rows outside the groups untouched, argument
+// GPU tests of the grouped FP8 1x128 GEMM (cuda/fp8_grouped_gemm.h) and the
+// grouped GEMM with MXFP4 weights decoded in registers (cuda/mxfp4_gemm.h)
+// ([cuda]; they skip with a message where no CUDA device is present): random
+// exact fp8 operands and block scales against a float64 reference and against
+// the cuBLASLt Fp8Gemm per group, rows outside the groups untouched, argument
 // errors, and a throughput line at gpt-oss-120b sizes.
 #include <algorithm>
 #include <catch2/catch.hpp>
@@ -21,6 +22,7 @@
 #include "cuda/fp8_gemm.h"
 #include "cuda/fp8_grouped_gemm.h"
 #include "cuda/mxfp4_fold.h"
+#include "cuda/mxfp4_gemm.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 #include "support/device_buffer.h"
@@ -68,12 +70,13 @@ const std::vector<double>& e4m3_table() {
   return t;
 }
 
-Problem make_problem(const std::vector<int>& sizes, int n, int k, int gap, std::mt19937& rng) {
+// align: each group starts at a multiple of that many rows.
+Problem make_problem(const std::vector<int>& sizes, int n, int k, int gap, std::mt19937& rng, int align = 1) {
   Problem p;
   p.n = n, p.k = k, p.nkb = k / 128, p.G = int(sizes.size());
   int64_t r = 0;
   for (int m : sizes) {
-    r += gap;
+    r = (r + gap + align - 1) / align * align;
     p.off.push_back(int(r));
     p.cnt.push_back(m);
     r += m;
@@ -483,6 +486,180 @@ TEST_CASE("CUDA grouped FP8 GEMM matches float64 and cuBLASLt per group", "[cuda
     a = dv.args(p), a.counts = zero.data();
     gg.run(a, ctx.stream());  // nothing to do: no launch, no error
     ctx.sync();
+  }
+#endif
+}
+
+TEST_CASE("CUDA MXFP4 GEMM (weights decoded in registers) matches float64 and the grouped FP8 GEMM", "[cuda]") {
+  if (!dz::test::have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  if (!Mxfp4Gemm::supported()) {
+    WARN("the MXFP4 GEMM needs an sm_90 device and an sm_90a build: skipped");
+    return;
+  }
+  Context ctx(dz::test::pool_options(size_t(1) << 30));
+  Fp8GroupedGemm gg;
+  Mxfp4Gemm mg;
+  std::mt19937 rng(11);
+  // n = 320: row tiles of 128, 128 and 64 (the last tile's second warpgroup
+  // has no rows); K = 2880 (a last K block of 64 real elements) and 256;
+  // ragged groups around every tile width, an empty one, one row, an expert twice.
+  const std::pair<int, int> shapes[] = {{320, 2880}, {256, 256}};
+  SECTION("random problems") for (auto [n, K] : shapes) {
+    const int E = 4, kpad = int(cpu::fold_kpad(K)), nkb = kpad / 128, ng = n / 64;
+    const std::vector<int> experts{2, 0, 3, 2, 1, 1}, sizes{70, 1, 0, 161, 129, 300};
+    INFO("n " << n << " K " << K);
+    Problem p = make_problem(sizes, n, kpad, 3, rng, 4);  // groups 4-row aligned, 1-3 rows apart
+    std::vector<uint8_t> blocks(size_t(E) * n * K / 2), scales(size_t(E) * n * K / 32);
+    std::uniform_int_distribution<int> byte(0, 255), sc(112, 126);  // spreads <= 14: every 64-row group exact
+    for (auto& b : blocks) b = uint8_t(byte(rng));
+    for (auto& v : scales) v = uint8_t(sc(rng));
+    for (size_t i = 0; i < scales.size(); i += 11)
+      for (int j = 0; j < 16; ++j) blocks[i * 16 + size_t(j)] = (i & 1) ? 0x88 : 0x00;  // +-0 sub-blocks
+    Buf<uint8_t> db(blocks), ds(scales), dg(size_t(E) * ng * nkb);
+    const Mxfp4Stack stack{db.p, ds.p, n, K, dg.p};
+    REQUIRE(mxfp4_group_table(Mxfp4Stack{db.p, ds.p, n, K}, E, dg.p, ctx.stream()).lossy_groups == 0);
+    // The folded experts (the folding kernel's bytes, tested against the CPU elsewhere): float64 and the FP8 GEMM.
+    const int64_t per = int64_t(n) * kpad, per_s = fold_scale_count(stack);
+    Buf<uint8_t> q(size_t(per) * experts.size());
+    Buf<float> qs(size_t(per_s) * experts.size());
+    mxfp4_fold_experts(stack, experts.data(), int(experts.size()), Fp8Slots{q.p, qs.p}, ctx.stream());
+    ctx.sync();
+    const auto hq = q.get();
+    const auto hqs = qs.get();
+    Device dv(p);
+    Fp8GroupedArgs fa = dv.args(p);
+    fa.w = q.p, fa.w_stride = per, fa.ws = qs.p, fa.ws_stride = per_s, fa.ws_row_group = 64;
+    gg.run(fa, ctx.stream());
+    ctx.sync();
+    const auto fp8_out = dv.d.get();
+    // X in register order, its scales [kb][xs_ld] by row (rows outside the groups: random too).
+    const int64_t xs_ld = (p.rows_total + 3) / 4 * 4 + 4;
+    std::vector<uint8_t> xr(p.x.size());
+    for (int64_t r = 0; r < p.rows_total; ++r)
+      for (int b = 0; b < kpad / 32; ++b)
+        for (int j = 0; j < 8; ++j)
+          std::memcpy(&xr[size_t(r * kpad + b * 32 + j * 4)],
+                      &p.x[size_t(r * kpad + b * 32 + mxfp4_gemm_x_group(j) * 4)], 4);
+    std::vector<float> xs2(size_t(nkb * xs_ld), 3.f);
+    for (int g = 0; g < p.G; ++g)
+      for (int r = 0; r < p.cnt[size_t(g)]; ++r)
+        for (int kb = 0; kb < nkb; ++kb)
+          xs2[size_t(kb * xs_ld + p.off[size_t(g)] + r)] =
+              p.xs[size_t(int64_t(nkb) * p.off[size_t(g)] + int64_t(kb) * p.cnt[size_t(g)] + r)];
+    Buf<uint8_t> dx(xr);
+    Buf<float> dxs(xs2);
+    auto run = [&](int tile, int blocks_n) {
+      Buf<uint16_t> d(size_t(p.rows_total * n));
+      std::vector<uint16_t> fill(d.n, kSentinel);
+      DZ_CUDA_CHECK(cudaMemcpy(d.p, fill.data(), d.n * 2, cudaMemcpyHostToDevice));
+      Buf<uint16_t>::settle();
+      Mxfp4GemmArgs a;
+      a.x = dx.p, a.xs = dxs.p, a.xs_ld = xs_ld, a.rows_total = p.rows_total, a.w = stack;
+      a.experts = experts.data(), a.w_experts = E, a.d = d.p, a.n = n, a.k = kpad;
+      a.offsets = p.off.data(), a.counts = p.cnt.data(), a.groups = p.G;
+      a.max_blocks = blocks_n, a.tile_tokens = tile;
+      mg.run(a, ctx.stream());
+      ctx.sync();
+      return d.get();
+    };
+    const auto first = run(0, 0);
+    INFO("auto tile tokens " << mg.last_tile_tokens());
+    for (int tile : {64, 128, 160}) {
+      INFO("tile tokens " << tile);
+      const auto got = run(tile, tile == 128 ? 3 : 0);
+      // Rows outside every group keep the sentinel.
+      int64_t touched = 0;
+      std::vector<char> in_group(size_t(p.rows_total), 0);
+      for (int g = 0; g < p.G; ++g)
+        for (int r = 0; r < p.cnt[size_t(g)]; ++r) in_group[size_t(p.off[size_t(g)] + r)] = 1;
+      for (int64_t r = 0; r < p.rows_total; ++r)
+        if (!in_group[size_t(r)])
+          for (int c = 0; c < n; ++c) touched += got[size_t(r * n + c)] != kSentinel;
+      CHECK(touched == 0);
+      // float64 on the folded operands: every row of small groups, sampled rows of the large.
+      const double* lut = e4m3_table().data();
+      for (int g = 0; g < p.G; ++g) {
+        const int m = p.cnt[size_t(g)], off = p.off[size_t(g)];
+        int64_t bad = 0, bad_fp8 = 0;
+        std::string first_bad;
+        double dot = 0, gg2 = 0, rr = 0;
+        for (int r = 0; r<m; r += m> 80 ? 7 : 1) {
+          std::vector<double> ref(static_cast<size_t>(n));
+          double rmax = 0;
+          for (int c = 0; c < n; ++c) {
+            const uint8_t* xrow = p.x.data() + int64_t(off + r) * kpad;
+            const uint8_t* wrow = hq.data() + g * per + int64_t(c) * kpad;
+            double acc = 0;
+            for (int kb = 0; kb < nkb; ++kb) {
+              double s0 = 0;
+              for (int i = kb * 128; i < kb * 128 + 128; ++i) s0 += lut[xrow[i]] * lut[wrow[i]];
+              acc += s0 * double(p.xs[size_t(int64_t(nkb) * off + int64_t(kb) * m + r)]) *
+                     double(hqs[size_t(g * per_s + int64_t(kb) * ng + c / 64)]);
+            }
+            ref[size_t(c)] = acc, rmax = std::max(rmax, std::fabs(acc));
+          }
+          for (int c = 0; c < n; ++c) {
+            const size_t i = size_t(int64_t(off + r) * n + c);
+            const double v = bf16_to_double(got[i]), e = std::fabs(v - ref[size_t(c)]);
+            dot += v * ref[size_t(c)], gg2 += v * v, rr += ref[size_t(c)] * ref[size_t(c)];
+            if (!(e <= 5e-3 * std::fabs(ref[size_t(c)]) + 1e-3 * rmax)) {
+              if (bad++ == 0) {
+                char buf[200];
+                std::snprintf(buf, sizeof buf, "group %d row %d col %d: got %.6g ref %.6g (row max %.6g)", g, r, c, v,
+                              ref[size_t(c)], rmax);
+                first_bad = buf;
+              }
+            }
+            const double f = bf16_to_double(fp8_out[i]);
+            bad_fp8 += !(std::fabs(v - f) <= 1e-2 * std::fabs(f) + 2e-3 * rmax);
+          }
+        }
+        INFO("group " << g << " (" << m << " rows): " << bad << " bad vs float64, first: " << first_bad << "; "
+                      << bad_fp8 << " beyond bf16 rounding of the grouped FP8 GEMM");
+        CHECK(bad == 0);
+        CHECK(bad_fp8 == 0);
+        if (m > 0) CHECK(dot / std::sqrt(gg2 * rr) >= 0.9999);
+      }
+      // Deterministic for a tile width, whatever the blocks.
+      CHECK(std::memcmp(got.data(), run(tile, 1).data(), got.size() * 2) == 0);
+    }
+    CHECK(int64_t(std::count(first.begin(), first.end(), kSentinel)) < int64_t(first.size()));
+  }
+  SECTION("argument errors") {
+    const int n = 128, K = 256, E = 2;
+    Buf<uint8_t> db(size_t(E) * n * K / 2), ds(size_t(E) * n * K / 32), dg(size_t(E) * 2 * 2), dx(size_t(8) * K);
+    Buf<float> dxs(size_t(2) * 8);
+    Buf<uint16_t> d(size_t(8) * n);
+    const std::vector<int> experts{1}, off{0}, cnt{8};
+    Mxfp4GemmArgs a;
+    a.x = dx.p, a.xs = dxs.p, a.xs_ld = 8, a.rows_total = 8, a.w = Mxfp4Stack{db.p, ds.p, n, K, dg.p};
+    a.experts = experts.data(), a.w_experts = E, a.d = d.p, a.n = n, a.k = K;
+    a.offsets = off.data(), a.counts = cnt.data(), a.groups = 1;
+    auto b = a;
+    b.w.gmax = nullptr;  // no group table
+    CHECK_THROWS_AS(mg.run(b, ctx.stream()), Error);
+    b = a, b.tile_tokens = 96;
+    CHECK_THROWS_AS(mg.run(b, ctx.stream()), Error);
+    b = a, b.xs_ld = 6;
+    CHECK_THROWS_AS(mg.run(b, ctx.stream()), Error);
+    const std::vector<int> bad_e{2};
+    b = a, b.experts = bad_e.data();
+    CHECK_THROWS_AS(mg.run(b, ctx.stream()), Error);
+    b = a, b.n = 96, b.w.rows = 96;
+    CHECK_THROWS_AS(mg.run(b, ctx.stream()), Error);
+    b = a, b.w.k = 224;  // K not a multiple of 64
+    CHECK_THROWS_AS(mg.run(b, ctx.stream()), Error);
+    const std::vector<int> off2{2};  // a group not 4-row aligned (with rows to spare)
+    b = a, b.offsets = off2.data(), b.rows_total = 10, b.xs_ld = 12;
+    CHECK_THROWS_AS(mg.run(b, ctx.stream()), Error);
+    try {
+      b = a, b.tile_tokens = 96;
+      mg.run(b, ctx.stream());
+    } catch (const Error& e) {
+      CHECK(e.status() == DZ_ERR_INVALID_ARGUMENT);
+      CHECK(std::string(e.what()).find("tile_tokens") != std::string::npos);
+    }
   }
 #endif
 }

@@ -19,6 +19,7 @@
 #include "cuda/fp8_grouped_gemm.h"
 #include "cuda/moe.h"
 #include "cuda/mxfp4_fold.h"
+#include "cuda/mxfp4_gemm.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 #include "support/device_buffer.h"
@@ -414,6 +415,7 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
       const cpu::FoldStats f1 = mxfp4_group_table(Mxfp4Stack{w1b.p, w1s.p, 2 * c.I, c.H}, c.E, g1.p, ctx.stream());
       const cpu::FoldStats f2 = mxfp4_group_table(Mxfp4Stack{w2b.p, w2s.p, c.H, c.I}, c.E, g2.p, ctx.stream());
       REQUIRE(f1.lossy_groups + f2.lossy_groups == 0);
+      layer.options().fp8_mxfp4_gemm = -1;      // the grouped kernels (below: the MXFP4 GEMM)
       for (int which = 1; which <= 3; ++which)  // gate_up's table, down's, both
         for (double tpe : {tpe_max, 0.0}) {
           INFO("group scales for " << (which == 3   ? "both projections"
@@ -430,6 +432,32 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
           CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
         }
       layer.options().fp8_grouped_max_tokens_per_expert = tpe_max;
+      layer.options().fp8_mxfp4_gemm = 1;
+      // Both tables: the MXFP4 GEMM (weights decoded in registers; the same
+      // folded products, summed in another order): the reference, the grouped
+      // path's output to rounding, deterministic, every tile width.
+      if (Mxfp4Gemm::supported()) {
+        MoeWeights wg = w;
+        wg.w1_gmax = g1.p, wg.w2_gmax = g2.p;
+        std::vector<float> first;
+        for (int tile : {0, 64, 128, 160}) {
+          layer.options().fp8_mxfp4_tile_tokens = tile;
+          DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
+          layer.forward(wg, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
+          ctx.sync();
+          const auto mg = out.get();
+          const double dm = finite_diff(mg, ref), dg = diff_metric(std::vector<double>(mg.begin(), mg.end()),
+                                                                   std::vector<double>(got.begin(), got.end()));
+          INFO("MXFP4 GEMM, tile tokens " << tile << ": diff " << dm << ", vs the grouped FP8 path " << dg);
+          CHECK(dm < 1e-2);
+          CHECK(dg < 1e-4);
+          layer.forward(wg, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
+          ctx.sync();
+          CHECK(std::memcmp(out.get().data(), mg.data(), mg.size() * sizeof(float)) == 0);
+        }
+        layer.options().fp8_mxfp4_tile_tokens = 0;
+        layer.options().fp8_mxfp4_gemm = 0;
+      }
     } else {
       WARN("grouped FP8 GEMM not supported here (needs sm_90 and an sm_90a build): FP8 grouped path not tested");
     }

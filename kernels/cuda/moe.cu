@@ -9,6 +9,7 @@
 #include "cpu/mxfp4_fold.h"
 #include "cuda/moe.h"
 #include "cuda/mxfp4_fold.h"
+#include "cuda/mxfp4_gemm.h"
 #include "cuda/pdl.cuh"
 #include "cuda/ptx.cuh"
 #include "runtime/cuda/cuda_check.h"
@@ -1452,11 +1453,14 @@ auto w8s_fn(bool lo, int passes) {
 }
 
 // Block kb of sorted row r of expert segment [off, off + mp): q [rows][nkb * 128],
-// the segment's scales [kb][mp] from qs + nkb * off (the layout the FP8 GEMMs take).
+// the segment's scales [kb][mp] from qs + nkb * off (the layout the FP8 GEMMs
+// take), or with xs_ld > 0 as Mxfp4Gemm takes them: each sub-block's words in
+// register order, the scales [kb][xs_ld] by row.
 __device__ __forceinline__ void store_1x128(uint32_t word, float sc, int lane, int r, int kb, int nkb, int off, int mp,
-                                            uint8_t* q, float* qs) {
-  reinterpret_cast<uint32_t*>(q + int64_t(r) * nkb * 128)[kb * 32 + lane] = word;
-  if (lane == 0) qs[int64_t(nkb) * off + int64_t(kb) * mp + (r - off)] = sc;
+                                            uint8_t* q, float* qs, int64_t xs_ld) {
+  const int w = xs_ld ? (lane & ~7) | mxfp4_gemm_x_word(lane & 7) : lane;
+  reinterpret_cast<uint32_t*>(q + int64_t(r) * nkb * 128)[kb * 32 + w] = word;
+  if (lane == 0) qs[xs_ld ? int64_t(kb) * xs_ld + r : int64_t(nkb) * off + int64_t(kb) * mp + (r - off)] = sc;
 }
 
 constexpr int kMaxTopk = 8;  // routed slots of a token held in registers (combine)
@@ -1467,14 +1471,15 @@ constexpr int kMaxTopk = 8;  // routed slots of a token held in registers (combi
 // expert e's pad rows (zero, scale 1).
 constexpr int kGatherBlocks = 4;
 __global__ void gather_quant_kernel(const float* x, int T, int H, int nkb, int topk, int E, const int* inv,
-                                    const int* ids, const int* counts, const int* offsets, uint8_t* q, float* qs) {
+                                    const int* ids, const int* counts, const int* offsets, uint8_t* q, float* qs,
+                                    int64_t xs_ld) {
   const int warp = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
   const int G = (nkb + kGatherBlocks - 1) / kGatherBlocks;
   if (warp >= T * G + E) return;
   if (warp >= T * G) {
     const int e = warp - T * G, off = offsets[e], mp = offsets[e + 1] - off;
     for (int r = off + counts[e]; r < off + mp; ++r)
-      for (int kb = 0; kb < nkb; ++kb) store_1x128(0u, 1.f, lane, r, kb, nkb, off, mp, q, qs);
+      for (int kb = 0; kb < nkb; ++kb) store_1x128(0u, 1.f, lane, r, kb, nkb, off, mp, q, qs, xs_ld);
     return;
   }
   const int t = warp % T, kb0 = warp / T * kGatherBlocks;
@@ -1501,7 +1506,7 @@ __global__ void gather_quant_kernel(const float* x, int T, int H, int nkb, int t
     const int e = ids[t * topk + k], off = offsets[e], mp = offsets[e + 1] - off;
 #pragma unroll
     for (int u = 0; u < kGatherBlocks; ++u)
-      if (kb0 + u < nkb) store_1x128(word[u], sc[u], lane, p, kb0 + u, nkb, off, mp, q, qs);
+      if (kb0 + u < nkb) store_1x128(word[u], sc[u], lane, p, kb0 + u, nkb, off, mp, q, qs, xs_ld);
   }
 }
 // Blocks of 256 threads for T tokens and E experts' pad rows.
@@ -1516,8 +1521,8 @@ unsigned gather_quant_blocks(int T, int nkb, int E) {
 // latency-bound at ~2 TB/s; a warp per whole row left one expert's launch short of warps).
 constexpr int kSwigluBlocks = 4;
 __global__ void swiglu_quant_kernel(const __nv_bfloat16* d1, int I, int nkb, const uint16_t* b1, const int* sorted,
-                                    const int* row_expert, const int* offsets, int r0, int nrows, uint8_t* q,
-                                    float* qs) {
+                                    const int* row_expert, const int* offsets, int r0, int nrows, uint8_t* q, float* qs,
+                                    int64_t xs_ld) {
   const int warp = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
   const int groups = (nkb + kSwigluBlocks - 1) / kSwigluBlocks;
   if (warp >= nrows * groups) return;
@@ -1554,7 +1559,7 @@ __global__ void swiglu_quant_kernel(const __nv_bfloat16* d1, int I, int nkb, con
     }
     float sc;
     const uint32_t word = quant_1x128(v, sc);
-    store_1x128(word, sc, lane, r, kb, nkb, off, mp, q, qs);
+    store_1x128(word, sc, lane, r, kb, nkb, off, mp, q, qs, xs_ld);
   }
 }
 // Blocks of 256 threads for nrows rows.
@@ -1663,12 +1668,13 @@ struct MoeLayer::Impl {
   MoeShape s;
   MoeOptions opt;
   int max_tokens;
-  int64_t kph, kpi, rows_cap;
+  int64_t kph, kpi, rows_cap, xs_ld;
   // FP8 path: experts of a tile spread over gemm_streams streams, each with
   // its own cuBLASLt workspace and plans.
   std::vector<cudaStream_t> gs;
   Fp8Gemm gemm;          // one plan cache; a workspace slice per stream
   Fp8GroupedGemm ggemm;  // MoeOptions::fp8_gemm
+  Mxfp4Gemm mgemm;       // MoeOptions::fp8_mxfp4_gemm
   DeviceArray<uint8_t> gemm_ws;
   static constexpr size_t kGemmWs = size_t(32) << 20;
   cudaEvent_t ev_fork{};
@@ -1724,9 +1730,10 @@ struct MoeLayer::Impl {
     act16 = DeviceArray<__half>(P, size_t(rows_cap) * kpi, "moe fp16 activations");
     y32 = DeviceArray<float>(P, size_t(rows_cap) * H, "moe expert outputs");
     a1 = DeviceArray<uint8_t>(P, size_t(rows_cap) * kph, "moe fp8 input");
-    a1s = DeviceArray<float>(P, size_t(rows_cap) * (kph / 128), "moe fp8 input scales");
+    xs_ld = (rows_cap + 3) / 4 * 4;  // Mxfp4Gemm's scale layout [kb][xs_ld] (the others need rows_cap a block)
+    a1s = DeviceArray<float>(P, size_t(xs_ld) * (kph / 128), "moe fp8 input scales");
     a2 = DeviceArray<uint8_t>(P, size_t(rows_cap) * kpi, "moe fp8 activations");
-    a2s = DeviceArray<float>(P, size_t(rows_cap) * (kpi / 128), "moe fp8 activation scales");
+    a2s = DeviceArray<float>(P, size_t(xs_ld) * (kpi / 128), "moe fp8 activation scales");
     d1 = DeviceArray<__nv_bfloat16>(P, size_t(rows_cap) * 2 * I, "moe gate_up output");
     d2 = DeviceArray<__nv_bfloat16>(P, size_t(rows_cap) * H, "moe down output");
     // The W4A8 kernels' activation images: one a pass of 4 sorted rows (two
@@ -2034,10 +2041,43 @@ struct MoeLayer::Impl {
     g1.x = a1.get(), g1.xs = a1s.get(), g1.d = d1.get(), g1.n = 2 * I, g1.k = int(kph);
     ggemm.run(g1, st);
     swiglu_quant_kernel<<<swiglu_quant_blocks(nrows, nkb_i), 256, 0, st>>>(
-        d1.get(), I, nkb_i, b1, sorted.get(), row_expert.get(), offsets.get(), r0, nrows, a2.get(), a2s.get());
+        d1.get(), I, nkb_i, b1, sorted.get(), row_expert.get(), offsets.get(), r0, nrows, a2.get(), a2s.get(), 0);
     DZ_CUDA_LAUNCH_CHECK();
     g2.x = a2.get(), g2.xs = a2s.get(), g2.d = d2.get(), g2.n = H, g2.k = int(kpi);
     ggemm.run(g2, st);
+  }
+
+  // Whether the FP8 path's GEMMs for T tokens run as Mxfp4Gemm (the experts
+  // decoded in the MMA's registers; MoeOptions::fp8_mxfp4_gemm): both
+  // projections need exact group tables and K a multiple of 64.
+  bool mxfp4_gemm_runs(const MoeWeights& w, int T) const {
+    const double tpe = double(T) * s.topk / s.n_experts;
+    const bool want = opt.fp8_mxfp4_gemm > 0 || (opt.fp8_mxfp4_gemm == 0 && tpe > opt.fp8_mxfp4_min_tokens_per_expert &&
+                                                 tpe <= opt.fp8_mxfp4_max_tokens_per_expert);
+    return want && opt.fp8_gemm != 1 && w.w1_gmax && w.w2_gmax && s.hidden % 64 == 0 && s.intermediate % 64 == 0 &&
+           Mxfp4Gemm::supported();
+  }
+
+  // Experts e[0..n) (their sorted rows consecutive, X already quantized in
+  // Mxfp4Gemm's layout): GEMM1, SwiGLU + 1x128 quantization, GEMM2 on st.
+  void mxfp4_gemms(const MoeWeights& w, const int* e, int n, const int* ho, int rows_total, cudaStream_t st) {
+    const int E = s.n_experts, H = s.hidden, I = s.intermediate, nkb_i = int(kpi / 128);
+    std::vector<int> goff(static_cast<size_t>(n)), gcnt(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) goff[size_t(i)] = ho[e[i]], gcnt[size_t(i)] = ho[e[i] + 1] - ho[e[i]];
+    const int r0 = goff[0], nrows = goff[size_t(n - 1)] + gcnt[size_t(n - 1)] - r0;
+    Mxfp4GemmArgs g;
+    g.xs_ld = xs_ld, g.rows_total = rows_total, g.experts = e, g.w_experts = E;
+    g.offsets = goff.data(), g.counts = gcnt.data(), g.groups = n;
+    g.max_blocks = opt.fp8_grouped_blocks, g.tile_tokens = opt.fp8_mxfp4_tile_tokens;
+    g.x = a1.get(), g.xs = a1s.get(), g.d = d1.get(), g.n = 2 * I, g.k = int(kph);
+    g.w = Mxfp4Stack{w.w1_blocks, w.w1_scales, 2 * I, H, w.w1_gmax};
+    mgemm.run(g, st);
+    swiglu_quant_kernel<<<swiglu_quant_blocks(nrows, nkb_i), 256, 0, st>>>(
+        d1.get(), I, nkb_i, w.b1, sorted.get(), row_expert.get(), offsets.get(), r0, nrows, a2.get(), a2s.get(), xs_ld);
+    DZ_CUDA_LAUNCH_CHECK();
+    g.x = a2.get(), g.xs = a2s.get(), g.d = d2.get(), g.n = H, g.k = int(kpi);
+    g.w = Mxfp4Stack{w.w2_blocks, w.w2_scales, H, I, w.w2_gmax};
+    mgemm.run(g, st);
   }
 
   void fp8(const MoeWeights& w, const float* x, const int* ids, const float* gw, int T, float* out, int accumulate) {
@@ -2051,14 +2091,20 @@ struct MoeLayer::Impl {
     const int* ho = h_counts + E;
     const int rows_total = ho[E];
     const int nkb_h = int(kph / 128), nkb_i = int(kpi / 128);
+    const bool regs = mxfp4_gemm_runs(w, T);
     {
-      gather_quant_kernel<<<gather_quant_blocks(T, nkb_h, E), 256, 0, st>>>(
-          x, T, H, nkb_h, s.topk, E, inv.get(), ids, counts.get(), offsets.get(), a1.get(), a1s.get());
+      gather_quant_kernel<<<gather_quant_blocks(T, nkb_h, E), 256, 0, st>>>(x, T, H, nkb_h, s.topk, E, inv.get(), ids,
+                                                                            counts.get(), offsets.get(), a1.get(),
+                                                                            a1s.get(), regs ? xs_ld : 0);
       DZ_CUDA_LAUNCH_CHECK();
     }
     std::vector<int> act_e;
     for (int e = 0; e < E; ++e)
       if (hc[e]) act_e.push_back(e);
+    if (regs && !act_e.empty()) {
+      mxfp4_gemms(w, act_e.data(), int(act_e.size()), ho, rows_total, st);
+      act_e.clear();  // nothing left for the paths below
+    }
     check(opt.fp8_gemm >= 0 && opt.fp8_gemm <= 2, DZ_ERR_INVALID_ARGUMENT, "fp8_gemm must be 0 (auto), 1 or 2");
     // Auto: the grouped kernel where it runs, folding inside up to
     // fp8_grouped_max_tokens_per_expert, on the workspace tiles above.
@@ -2122,7 +2168,7 @@ struct MoeLayer::Impl {
         gemm.run(a1.get() + size_t(off) * kph, a1s.get() + size_t(nkb_h) * off, f1 + i * w1_fp8, s1 + i * w1_sc,
                  d1.get() + size_t(off) * 2 * I, mp, 2 * I, int(kph), q, wsp, kGemmWs);
         swiglu_quant_kernel<<<swiglu_quant_blocks(mp, nkb_i), 256, 0, q>>>(
-            d1.get(), I, nkb_i, w.b1, sorted.get(), row_expert.get(), offsets.get(), off, mp, a2.get(), a2s.get());
+            d1.get(), I, nkb_i, w.b1, sorted.get(), row_expert.get(), offsets.get(), off, mp, a2.get(), a2s.get(), 0);
         DZ_CUDA_LAUNCH_CHECK();
         gemm.run(a2.get() + size_t(off) * kpi, a2s.get() + size_t(nkb_i) * off, f2 + i * w2_fp8, s2 + i * w2_sc,
                  d2.get() + size_t(off) * H, mp, H, int(kpi), q, wsp, kGemmWs);

@@ -12,10 +12,16 @@ namespace dz::cuda {
 
 // Magnitude bytes of E2M1 codes 0..7 times 2^(6-d) as E4M3 (hardware RNE
 // conversion; the CPU reference builds its table in double precision).
+// d <= 11 (kFoldLutNormal): every nonzero entry stays an E4M3 normal, so
+// subtracting d from its exponent is exact, as the conversion.
+constexpr int kFoldLutNormal = 11;
+__device__ __forceinline__ void fold_lut_normal(int d, uint32_t& lo, uint32_t& hi) {
+  lo = 0x6C686000u - uint32_t(d * 8) * 0x01010100u;
+  hi = 0x7C787470u - uint32_t(d * 8) * 0x01010101u;
+}
 __device__ __forceinline__ void fold_lut(int d, uint32_t& lo, uint32_t& hi) {
-  if (d <= 11) {  // every nonzero entry stays an E4M3 normal: subtract d from its exponent (exact, as the conversion)
-    lo = 0x6C686000u - uint32_t(d * 8) * 0x01010100u;
-    hi = 0x7C787470u - uint32_t(d * 8) * 0x01010101u;
+  if (d <= kFoldLutNormal) {
+    fold_lut_normal(d, lo, hi);
     return;
   }
   const float f = ldexpf(1.f, 6 - d);

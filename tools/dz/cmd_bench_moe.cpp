@@ -28,6 +28,7 @@
 #include "cuda/fp8_grouped_gemm.h"
 #include "cuda/moe.h"
 #include "cuda/mxfp4_fold.h"
+#include "cuda/mxfp4_gemm.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 #endif
@@ -39,15 +40,19 @@ const char* kUsage =
     "usage: dz bench moe [--tokens 1,8,64,128,256,384,512,1024,2048,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
     "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
     "                    [--no-components] [--w4a8]\n"
-    "                    [--fp8-gemm auto|cublaslt|grouped|grouped_ws[_rows]|LIST] [--grouped-blocks N]\n"
+    "                    [--fp8-gemm auto|auto_fold|mxfp4|auto_tN|cublaslt|grouped|grouped_ws[_rows]|LIST]\n"
+    "                    [--grouped-blocks N]\n"
     "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
     "MXFP4 MoE layer on the GPU: fused (W4A8 / W4A16 kernels) vs FP8 (fold + FP8 GEMMs) paths, JSON results.\n"
     "--w4a8: the fused path's default with the W4A8 kernels on (as DZ_EXPERTS_FP8); either way both\n"
     "kernel families are timed as variants at every size.\n"
     "--fp8-gemm: the FP8 path's GEMMs, per-expert cuBLASLt, our grouped kernel (folding the\n"
     "MXFP4 experts itself; grouped_ws: on experts folded into the FP8 workspace first) or auto\n"
-    "(the library's default: grouped, folding inside up to 224 tokens per expert and on the\n"
-    "workspace above); of a comma list the first is fp8_ms, every one listed is timed in\n"
+    "(the library's default: from 100 to 256 tokens per expert the MXFP4 GEMM, weights decoded\n"
+    "in the MMA's registers, where both projections fold exactly by 64-row groups; otherwise\n"
+    "grouped, folding inside up to 224 tokens per expert and on the workspace above; auto_fold:\n"
+    "never the MXFP4 GEMM; mxfp4: it at every size, auto_t64|t128|t160: with that many tokens a\n"
+    "tile); of a comma list the first is fp8_ms, every one listed is timed in\n"
     "alternation (fp8_gemm_ms) and its output compared with the first's. A _rows suffix\n"
     "(auto_rows, grouped_rows, grouped_ws_rows): weight scales per row (1x128) instead of per\n"
     "64-row group, which the grouped kernel takes where every 64-row group folds exactly.\n"
@@ -110,11 +115,13 @@ int bench_moe(const Args& a) {
     std::string item;
     while (std::getline(ss, item, ',')) {
       if (item.empty()) continue;
-      if (item != "auto" && item != "cublaslt" && item != "grouped" && item != "grouped_ws" && item != "auto_rows" &&
-          item != "grouped_rows" && item != "grouped_ws_rows") {
+      static const char* const known[] = {"auto",      "cublaslt",     "grouped",         "grouped_ws",
+                                          "auto_rows", "grouped_rows", "grouped_ws_rows", "auto_fold",
+                                          "mxfp4",     "auto_t64",     "auto_t128",       "auto_t160"};
+      if (std::find(std::begin(known), std::end(known), item) == std::end(known)) {
         std::fprintf(stderr,
-                     "dz bench moe: --fp8-gemm takes auto, cublaslt, grouped and/or grouped_ws (the last three with "
-                     "or without _rows), not '%s'\n",
+                     "dz bench moe: --fp8-gemm takes auto, auto_fold, auto_t64|t128|t160, cublaslt, grouped and/or "
+                     "grouped_ws (the last three with or without _rows), not '%s'\n",
                      item.c_str());
         return 2;
       }
@@ -124,12 +131,17 @@ int bench_moe(const Args& a) {
   }
   // grouped_ws: the grouped GEMMs on experts folded into the FP8 workspace first.
   // _rows: 1x128 weight scales even where the 64-row groups fold exactly.
+  // auto_fold: auto without the MXFP4 GEMM (folding into shared memory or the
+  // workspace as before it); mxfp4: the MXFP4 GEMM at every size; auto_tN:
+  // that with N tokens a tile.
   auto set_gemm = [](MoeOptions& o, std::string g) {
     const size_t rows = g.rfind("_rows");
     o.fp8_group_scales = rows == std::string::npos;
     if (!o.fp8_group_scales) g.resize(rows);
     o.fp8_gemm = g == "grouped" || g == "grouped_ws" ? 2 : g == "cublaslt" ? 1 : 0;
     o.fp8_fold_in_gemm = g != "grouped_ws";
+    o.fp8_mxfp4_gemm = g == "auto_fold" ? -1 : g.rfind("auto_t", 0) == 0 || g == "mxfp4" ? 1 : 0;
+    o.fp8_mxfp4_tile_tokens = g.rfind("auto_t", 0) == 0 ? std::stoi(g.substr(6)) : 0;
   };
   set_gemm(opt, fp8_gemms[0]);
   opt.fp8_grouped_blocks = int_flag("--grouped-blocks", opt.fp8_grouped_blocks);
@@ -285,6 +297,42 @@ int bench_moe(const Args& a) {
                          n_ex, m, 2 * I, long(kph), scales, per, tf);
           }
         comp["grouped_gemm"] = gj;
+        // The MXFP4 GEMM on the same experts' MXFP4 bytes (X bytes as they are: the
+        // order of K inside a sub-block changes no timing), every tile width.
+        if (Mxfp4Gemm::supported() && groups_exact) {
+          Mxfp4Gemm mg;
+          nlohmann::json mj = nlohmann::json::array();
+          for (int m : {64, 128, 512, 2048})
+            for (int tile : {0, 64, 128, 160}) {
+              std::vector<int> off(static_cast<size_t>(n_ex)), cnt(static_cast<size_t>(n_ex), m);
+              for (int i = 0; i < n_ex; ++i) off[size_t(i)] = i * m;
+              Mxfp4GemmArgs ma;
+              ma.x = xg.get(), ma.xs = xgs.get(), ma.xs_ld = (int64_t(n_ex) * m + 3) / 4 * 4;
+              ma.rows_total = int64_t(n_ex) * m, ma.w = Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H, w1g.get()};
+              ma.experts = idl.data(), ma.w_experts = E, ma.d = dg.get(), ma.n = 2 * I, ma.k = int(kph);
+              ma.offsets = off.data(), ma.counts = cnt.data(), ma.groups = n_ex, ma.tile_tokens = tile;
+              mg.run(ma, st);
+              ctx.sync();
+              const int calls = 10;
+              DZ_CUDA_CHECK(cudaEventRecord(e0, st));
+              for (int i = 0; i < calls; ++i) mg.run(ma, st);
+              DZ_CUDA_CHECK(cudaEventRecord(e1, st));
+              DZ_CUDA_CHECK(cudaEventSynchronize(e1));
+              DZ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+              const double per = ms / calls, tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
+              mj.push_back({{"groups", n_ex},
+                            {"m", m},
+                            {"n", 2 * I},
+                            {"k", kph},
+                            {"tile_tokens", mg.last_tile_tokens()},
+                            {"auto", tile == 0},
+                            {"gpu_ms_per_call", per},
+                            {"tflops", tf}});
+              std::fprintf(stderr, "mxfp4 gemm %d x m=%5d n=%d k=%ld, %s%d tokens a tile: %.4f ms/call %.0f TFLOP/s\n",
+                           n_ex, m, 2 * I, long(kph), tile ? "" : "auto: ", mg.last_tile_tokens(), per, tf);
+            }
+          comp["mxfp4_gemm"] = mj;
+        }
       }
       std::fprintf(stderr, "fold %d experts: %.3f ms, %.2f TB/s (read+write)\n", n_ex, comp["fold_ms"].get<double>(),
                    comp["fold_bytes_per_s"].get<double>() / 1e12);

@@ -1,0 +1,512 @@
+#include <cuda.h>  // CUtensorMap and its enums only (the encoder: encode_tensor_map)
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+
+#include "cuda/fp8_grouped_gemm.h"  // encode_tensor_map
+#include "cuda/mxfp4_fold.cuh"
+#include "cuda/mxfp4_gemm.h"
+#include "cuda/ptx.cuh"
+#include "runtime/cuda/cuda_check.h"
+
+// wgmma and setmaxnreg exist only in the sm_90a target; elsewhere the kernel
+// body traps and the host refuses to launch it (Mxfp4Gemm::supported).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DZ_MG_SM90A 1
+#endif
+
+namespace dz::cuda {
+namespace {
+
+constexpr int kRows = 128;         // weight rows a block tile: two consumer warpgroups of 64
+constexpr int kBK = 128;           // K a stage: one scale block, four MXFP4 sub-blocks
+constexpr int kThreads = 384;      // a producer warpgroup (one thread issues the copies), two consumers
+constexpr int kWBox = 64 * 64;     // a consumer's MXFP4 stage: 64 rows x 64 bytes
+constexpr int kMaxGroups = 128;    // per launch; more groups are split over launches
+constexpr int kEmptyArrivals = 8;  // one per consumer warp
+
+// Shared memory of a kernel with BN tokens a tile: per stage the X tile (BN
+// rows x 128 bytes, 128-byte swizzle), both consumers' MXFP4 boxes (64-byte
+// swizzle) and the X scales (BN floats); then the barriers. As many stages as
+// fit in ~200 KB, at most 8.
+template <int BN>
+struct Smem {
+  static constexpr int xBytes = BN * kBK, stageBytes = xBytes + 2 * kWBox + BN * 4;
+  static constexpr int S = std::min(8, 200 * 1024 / stageBytes);
+  static constexpr int offW = S * xBytes, offXs = offW + S * 2 * kWBox, offBar = offXs + S * BN * 4;
+  static constexpr int bytes = offBar + 2 * S * 8 + 1024;  // +1024: base aligned up
+  static_assert(xBytes % 1024 == 0 && offW % 1024 == 0 && kWBox % 1024 == 0 && offXs % 16 == 0, "alignment");
+  static_assert(bytes <= 227 * 1024, "shared memory of one sm_90 block");
+};
+
+struct Params {
+  CUtensorMap xmap;   // X [rows_total][k] u8, box BN x 128, 128B swizzle
+  CUtensorMap xsmap;  // xs [nkb][xs_ld] f32, box 1 x BN
+  CUtensorMap wmap;   // MXFP4 blocks [E * n][K / 2] u8, box 64 x 64, 64B swizzle
+  __nv_bfloat16* d;
+  const uint8_t* scales;  // E8M0 [E * n][nsub]
+  const uint8_t* gmax;    // group table [E][n / 64][nkb]
+  int n, nkb, nsub, groups, tiles_total;
+  int expert[kMaxGroups];
+  int off[kMaxGroups];
+  int m[kMaxGroups];
+  int tile_start[kMaxGroups + 1];  // prefix sums of ceil(n / kRows) * ceil(m / BN)
+};
+static_assert(sizeof(Params) <= 4096, "kernel parameters");
+
+#ifdef DZ_MG_SM90A
+// Tile t -> group, row tile, token tile; a group's token tiles of one row tile
+// are consecutive (blocks side by side share the weight rows through L2).
+template <int BN>
+__device__ __forceinline__ void find_tile(const Params& p, int t, int& g, int& rt, int& tt) {
+  int lo = 0, hi = p.groups - 1;  // the last group whose first tile is <= t (empty groups are skipped)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (p.tile_start[mid] <= t)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  g = lo;
+  const int local = t - p.tile_start[g], ttiles = (p.m[g] + BN - 1) / BN;
+  rt = local / ttiles;
+  tt = local - rt * ttiles;
+}
+
+// d (64 x 64 fp32, wgmma layout) = [d +] A(64 x 32, registers) B(64 x 32, shared)^T, E4M3.
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, "
+      "%35}, %36, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+// d (64 x 128 fp32, wgmma layout) = [d +] A(64 x 32, registers) B(128 x 32, shared)^T, E4M3.
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
+      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, "
+      "%57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+// d (64 x 160 fp32, wgmma layout) = [d +] A(64 x 32, registers) B(160 x 32, shared)^T, E4M3.
+__device__ __forceinline__ void wgmma_rs(float (&d)[80], const uint32_t (&a)[4], uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %85, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n160k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
+      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, "
+      "%57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, "
+      "%79}, {%80, %81, %82, %83}, %84, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
+        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
+        "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+#endif  // DZ_MG_SM90A
+
+// The kernel: persistent, block b takes tiles b, b + grid, ... Warpgroup 0
+// is the producer (one thread issues each stage's copies: the X tile, its
+// scales, both consumers' MXFP4 boxes); warpgroups 1 and 2 each own 64
+// weight rows of the tile. A consumer thread holds rows g and g + 8 of its
+// warp's 16 (g = lane / 4) and word t = lane % 4 of each sub-block: it folds
+// those words to E4M3 under the 64-row group's scale byte (fold_word: the
+// folding kernel's bytes) straight into its A fragments, whose k order is the
+// one X is stored in. Each K block's four MMAs go into part, which is then
+// added to acc times the weight group's and each token's scale.
+template <int BN>
+__global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_constant__ Params p) {
+#ifdef DZ_MG_SM90A
+  using L = Smem<BN>;
+  constexpr int kS = L::S;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = ptx::smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  uint8_t* const gbase = smem_raw + (base - raw);
+  const uint32_t sX = base, sW = base + L::offW, sXs = base + L::offXs, bars = base + L::offBar;
+  auto full = [&](int s) { return bars + 8u * uint32_t(s); };
+  auto empty = [&](int s) { return bars + 8u * uint32_t(kS + s); };
+  auto wait = [](uint32_t bar, uint32_t parity) { ptx::mbar_wait(bar, parity); };
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kS; ++s) {
+      ptx::mbar_init(full(s), 1);  // the producer's arrive.expect_tx; the copies complete the bytes
+      ptx::mbar_init(empty(s), kEmptyArrivals);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  // Registers: 384 threads enter with the launch-bounds cap of 168; the
+  // producer gives back down to 40 and the consumers take 232: the same total.
+  const int wg = int(threadIdx.x) / 128;
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (threadIdx.x == 0) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xmap)) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xsmap)) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.wmap)) : "memory");
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
+        int g, rt, tt;
+        find_tile<BN>(p, t, g, rt, tt);
+        const int xrow = p.off[g] + tt * BN, wrow = p.expert[g] * p.n + rt * kRows;
+        const bool live1 = rt * kRows + 64 < p.n;  // the second consumer's rows exist
+        const uint32_t tx = uint32_t(BN * kBK + BN * 4 + (live1 ? 2 : 1) * kWBox);
+        for (int kb = 0; kb < p.nkb; ++kb) {
+          wait(empty(stage), phase ^ 1u);  // a fresh barrier passes parity 1
+          ptx::mbar_arrive_expect_tx(full(stage), tx);
+          ptx::tma_2d(sX + uint32_t(stage * L::xBytes), &p.xmap, full(stage), kb * kBK, xrow);
+          ptx::tma_2d(sXs + uint32_t(stage * BN * 4), &p.xsmap, full(stage), xrow, kb);
+          const uint32_t w0 = sW + uint32_t(stage * 2 * kWBox);
+          ptx::tma_2d(w0, &p.wmap, full(stage), kb * 64, wrow);
+          if (live1) ptx::tma_2d(w0 + kWBox, &p.wmap, full(stage), kb * 64, wrow + 64);
+          if (++stage == kS) stage = 0, phase ^= 1u;
+        }
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  const int ct = int(threadIdx.x) - 128;
+  // The consumer warpgroup as a value the compiler knows is the same in every
+  // lane: the descriptors derived from it stay in uniform registers.
+  const int cw = __shfl_sync(0xffffffffu, ct >> 7, 0), warp = (ct >> 5) & 3, lane = ct & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int rA = warp * 16 + g, swz = (rA >> 1) & 3;  // local row (and rA + 8), its 64-byte swizzle
+  constexpr int NR = BN / 2;                          // accumulators a thread
+  float acc[NR], part[NR];
+#pragma unroll
+  for (int i = 0; i < NR; ++i) part[i] = 0.f;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int tile = int(blockIdx.x); tile < p.tiles_total; tile += int(gridDim.x)) {
+    int gi, rt, tt;
+    find_tile<BN>(p, tile, gi, rt, tt);
+    const int m = p.m[gi], off = p.off[gi], e = p.expert[gi];
+    const int wr0 = rt * kRows + cw * 64;  // this warpgroup's first weight row
+    if (wr0 >= p.n) {                      // past the last row: keep the ring's count only
+      for (int kb = 0; kb < p.nkb; ++kb) {
+        wait(full(stage), phase);
+        __syncwarp();
+        if (lane == 0) ptx::mbar_arrive(empty(stage));
+        if (++stage == kS) stage = 0, phase ^= 1u;
+      }
+      continue;
+    }
+    const int64_t rowA = int64_t(e) * p.n + wr0 + rA;
+    // E8M0 scales as 16-bit pairs (nsub is even): rows A and B, sub-blocks
+    // 4kb..4kb+3. A last K block's pair past nsub reads the one before it: its
+    // words came as zeros (the copy's bounds), which fold to zero under any scale.
+    const uint16_t* scA = reinterpret_cast<const uint16_t*>(p.scales + rowA * p.nsub);
+    const uint16_t* scB = scA + 4 * p.nsub;
+    const uint8_t* gm = p.gmax + (int64_t(e) * (p.n / 64) + wr0 / 64) * p.nkb;
+    const int last_pair = p.nsub / 2 - 1;
+    // Loaded a K block ahead of the decoding that uses them, combined only there.
+    struct Raw {
+      uint32_t a0, a1, b0, b1;
+      int g;
+    };
+    auto load_raw = [&](int kb, Raw& r) {
+      const int i0 = 2 * kb, i1 = min(2 * kb + 1, last_pair);
+      r.a0 = __ldg(scA + i0), r.a1 = __ldg(scA + i1), r.b0 = __ldg(scB + i0), r.b1 = __ldg(scB + i1);
+      r.g = __ldg(gm + kb);
+    };
+    // Stage st's words of this thread folded into A fragments: each sub-block
+    // s is one k32 MMA (rows A and B, k 4t.. from the word's first four
+    // elements, 16 + 4t.. from its last four).
+    auto decode = [&](int st, const Raw& r, uint32_t(&a)[4][4]) {
+      const uint8_t* wt = gbase + L::offW + st * 2 * kWBox + cw * kWBox;
+      uint32_t wa[4], wb[4];
+      int da[4], db[4], dmax = 0;
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const int o = rA * 64 + ((s ^ swz) << 4) + 4 * t;
+        wa[s] = *reinterpret_cast<const uint32_t*>(wt + o);
+        wb[s] = *reinterpret_cast<const uint32_t*>(wt + o + 8 * 64);
+        const uint32_t sa = s < 2 ? r.a0 >> (8 * s) : r.a1 >> (8 * (s - 2));
+        const uint32_t sb = s < 2 ? r.b0 >> (8 * s) : r.b1 >> (8 * (s - 2));
+        da[s] = min(max(r.g - int(sa & 0xFFu), 0), 31), db[s] = min(max(r.g - int(sb & 0xFFu), 0), 31);
+        dmax = max(dmax, max(da[s], db[s]));
+      }
+      if (dmax <= kFoldLutNormal) {  // the usual case: every table by exponent arithmetic
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          uint32_t lo, hi;
+          fold_lut_normal(da[s], lo, hi);
+          const uint2 fa = fold_word(wa[s], lo, hi);
+          fold_lut_normal(db[s], lo, hi);
+          const uint2 fb = fold_word(wb[s], lo, hi);
+          a[s][0] = fa.x, a[s][1] = fb.x, a[s][2] = fa.y, a[s][3] = fb.y;
+        }
+      } else {
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          uint32_t lo, hi;
+          fold_lut(da[s], lo, hi);
+          const uint2 fa = fold_word(wa[s], lo, hi);
+          fold_lut(db[s], lo, hi);
+          const uint2 fb = fold_word(wb[s], lo, hi);
+          a[s][0] = fa.x, a[s][1] = fb.x, a[s][2] = fa.y, a[s][3] = fb.y;
+        }
+      }
+    };
+#pragma unroll
+    for (int i = 0; i < NR; ++i) acc[i] = 0.f;
+    uint32_t a0[4][4], a1[4][4];
+    Raw rn, rs;
+    load_raw(0, rs);
+    if (p.nkb > 1) load_raw(1, rn);
+    wait(full(stage), phase);
+    __syncwarp();
+    decode(stage, rs, a0);
+    int gx = rs.g;  // the K block in flight's group scale byte
+    // One K block: its MMAs on a (decoded), then, while they run, the next
+    // stage's words into an (the next scales' loads go out behind them); then
+    // the promotion and the stage's release.
+    auto step = [&](int kb, uint32_t(&a)[4][4], uint32_t(&an)[4][4]) {
+      const uint32_t dsc = ptx::sw128_desc_lo(sX + uint32_t(stage * L::xBytes));
+      ptx::fence_regs(a);
+      ptx::wgmma_fence();
+      ptx::fence_regs(part);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs(part, a[kk], ptx::sw128_desc(dsc + 2 * kk), kk);
+      ptx::wgmma_commit();
+      const int st = stage, gcur = gx;
+      if (++stage == kS) stage = 0, phase ^= 1u;
+      if (kb + 1 < p.nkb) {
+        wait(full(stage), phase);
+        __syncwarp();
+        decode(stage, rn, an);
+        gx = rn.g;
+        if (kb + 2 < p.nkb) load_raw(kb + 2, rn);
+      }
+      ptx::wgmma_wait0();
+      ptx::fence_regs(part);
+      ptx::fence_regs(a);  // the MMAs read a until here: the next stage's decoding went elsewhere
+      // Promotion: acc += part * ws * xs[token]. Columns of register quad j:
+      // tokens 8j + 2t + {0, 1}; registers 4j+2, 4j+3 are row + 8. ws =
+      // 2^(gcur - 133) by its bits (a normal float from scale byte 7 up).
+      const float ws = gcur >= 7 ? __int_as_float((gcur - 6) << 23) : ldexpf(1.f, gcur - 133);
+      const float2* xsv = reinterpret_cast<const float2*>(gbase + L::offXs + st * BN * 4);
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const float2 x = xsv[4 * j + t];
+        const float c0 = ws * x.x, c1 = ws * x.y;
+        acc[4 * j + 0] = fmaf(part[4 * j + 0], c0, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(part[4 * j + 1], c1, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(part[4 * j + 2], c0, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(part[4 * j + 3], c1, acc[4 * j + 3]);
+      }
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(empty(st));
+    };
+    for (int kb = 0; kb < p.nkb; kb += 2) {  // two steps a turn: the fragment arrays stay in registers
+      step(kb, a0, a1);
+      if (kb + 1 < p.nkb) step(kb + 1, a1, a0);
+    }
+    // Epilogue: D rows are tokens, columns weight rows. Lanes g and g ^ 1 hold
+    // neighbouring weight rows: an even g stores both rows' values of its
+    // first token as one bf16 pair, an odd g those of its second.
+    const bool odd = g & 1;
+    const int col = wr0 + rA - (odd ? 1 : 0);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const float s0 = odd ? acc[4 * j + 0] : acc[4 * j + 1];
+      const float s1 = odd ? acc[4 * j + 2] : acc[4 * j + 3];
+      const float r0 = __shfl_xor_sync(0xffffffffu, s0, 4), r1 = __shfl_xor_sync(0xffffffffu, s1, 4);
+      const int tok = tt * BN + 8 * j + 2 * t + (odd ? 1 : 0);
+      if (tok < m) {
+        __nv_bfloat16* row = p.d + (int64_t(off) + tok) * p.n + col;
+        *reinterpret_cast<__nv_bfloat162*>(row) =
+            odd ? __floats2bfloat162_rn(r0, acc[4 * j + 1]) : __floats2bfloat162_rn(acc[4 * j + 0], r0);
+        *reinterpret_cast<__nv_bfloat162*>(row + 8) =
+            odd ? __floats2bfloat162_rn(r1, acc[4 * j + 3]) : __floats2bfloat162_rn(acc[4 * j + 2], r1);
+      }
+    }
+  }
+#else
+  if (threadIdx.x == 0 && blockIdx.x == 0) printf("mxfp4_gemm: kernel built without sm_90a\n");
+  __trap();
+#endif
+}
+
+// The tile sizes and their instantiations.
+constexpr int kTileTokens[3] = {64, 128, 160};
+void (*const kKernels[3])(Params) = {mxfp4_gemm_kernel<64>, mxfp4_gemm_kernel<128>, mxfp4_gemm_kernel<160>};
+constexpr int kSmemBytes[3] = {Smem<64>::bytes, Smem<128>::bytes, Smem<160>::bytes};
+
+__global__ void probe_kernel(int* out) {
+#ifdef DZ_MG_SM90A
+  *out = 1;
+#else
+  *out = 0;
+#endif
+}
+
+bool aligned(const void* q, uintptr_t a) { return (reinterpret_cast<uintptr_t>(q) & (a - 1)) == 0; }
+
+}  // namespace
+
+bool Mxfp4Gemm::supported() {
+  static const bool ok = [] {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return false;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major != 9)
+      return false;
+    int* d = nullptr;
+    int h = 0;
+    if (cudaMalloc(&d, sizeof(int)) != cudaSuccess) return false;
+    probe_kernel<<<1, 1>>>(d);
+    const bool run =
+        cudaGetLastError() == cudaSuccess && cudaMemcpy(&h, d, sizeof h, cudaMemcpyDeviceToHost) == cudaSuccess;
+    cudaFree(d);
+    return run && h == 1;
+  }();
+  return ok;
+}
+
+// The tile whose padded work is least: each group's token tiles, each costing
+// its tokens plus a fixed share (the weight decoding and the K loop's own
+// work, as many tokens' MMAs: kTileFixed). H200, 16 experts x 64 / 128 / 160
+// tokens in tiles of as many: 0.111 / 0.139 / 0.155 ms, a line of ~194
+// tokens' worth per tile plus one per token (2026-12-04-h200-run218.md).
+int Mxfp4Gemm::pick_tile_tokens(const int* counts, int groups) {
+  constexpr int64_t kTileFixed = 192;
+  int best = kTileTokens[0];
+  int64_t best_cost = -1;
+  for (int bn : kTileTokens) {
+    int64_t cost = 0;
+    for (int gi = 0; gi < groups; ++gi) cost += (int64_t(counts[gi]) + bn - 1) / bn * (bn + kTileFixed);
+    if (best_cost < 0 || cost < best_cost) best = bn, best_cost = cost;
+  }
+  return best;
+}
+
+Mxfp4Gemm::Mxfp4Gemm() {
+  const char* e = std::getenv("DZ_FP8_GROUPED_DEBUG");
+  debug_ = e && e[0] == '1';
+  if (!supported()) return;  // run() says why
+  int dev = 0;
+  DZ_CUDA_CHECK(cudaGetDevice(&dev));
+  DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm_, cudaDevAttrMultiProcessorCount, dev));
+  for (int i = 0; i < 3; ++i)
+    DZ_CUDA_CHECK(cudaFuncSetAttribute(kKernels[i], cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes[i]));
+}
+
+void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
+  check(supported(), DZ_ERR_UNSUPPORTED, "mxfp4_gemm needs an sm_90 device and a build with sm_90a");
+  check(a.n > 0 && a.n % 64 == 0 && a.k > 0 && a.k % kBK == 0, DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: n=", a.n,
+        " k=", a.k, " (n must be a multiple of 64, k of 128)");
+  check(a.groups >= 0 && (a.groups == 0 || (a.offsets && a.counts && a.experts)) && a.rows_total >= 0 &&
+            a.rows_total < (int64_t(1) << 31),
+        DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: groups=", a.groups, " rows_total=", a.rows_total);
+  check(a.w.blocks && a.w.scales && a.w.gmax, DZ_ERR_INVALID_ARGUMENT,
+        "mxfp4_gemm: the MXFP4 stack needs blocks, scales and a group table (gmax)");
+  check(a.w.rows == a.n && a.w.k % 64 == 0 && a.w.k > a.k - kBK && a.w.k <= a.k, DZ_ERR_INVALID_ARGUMENT,
+        "mxfp4_gemm: MXFP4 weights of ", a.w.rows, " x ", a.w.k, " for n=", a.n, " k=", a.k,
+        " (rows must equal n, K a multiple of 64 that pads to k)");
+  check(a.w_experts > 0, DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: w_experts=", a.w_experts);
+  for (int gi = 0; gi < a.groups; ++gi) {
+    check(a.counts[gi] >= 0 && a.offsets[gi] >= 0 && int64_t(a.offsets[gi]) + a.counts[gi] <= a.rows_total,
+          DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: group ", gi, " rows [", a.offsets[gi], ", ",
+          int64_t(a.offsets[gi]) + a.counts[gi], ") outside the ", a.rows_total, " rows of X and D");
+    check(a.experts[gi] >= 0 && a.experts[gi] < a.w_experts, DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: group ", gi,
+          " names expert ", a.experts[gi], " of ", a.w_experts);
+    // A tile's X scales come by tensor copy, whose first element must be 16-byte aligned.
+    check(a.counts[gi] == 0 || a.offsets[gi] % 4 == 0, DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: group ", gi,
+          " starts at row ", a.offsets[gi], " (groups must start at a multiple of 4 rows)");
+  }
+  int64_t rows_used = 0;
+  for (int gi = 0; gi < a.groups; ++gi) rows_used += a.counts[gi];
+  if (rows_used == 0) return;
+  check(a.x && a.xs && a.d, DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: null pointer");
+  check(a.xs_ld >= a.rows_total && a.xs_ld % 4 == 0, DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: xs_ld=", a.xs_ld,
+        " (at least rows_total ", a.rows_total, ", a multiple of 4)");
+  check(aligned(a.x, 16) && aligned(a.xs, 16) && aligned(a.d, 4) && aligned(a.w.blocks, 16) && aligned(a.w.scales, 2),
+        DZ_ERR_INVALID_ARGUMENT,
+        "mxfp4_gemm: X, its scales and the MXFP4 blocks must be 16-byte aligned, D 4-byte, the E8M0 scales 2-byte");
+  const int bn = a.tile_tokens ? a.tile_tokens : pick_tile_tokens(a.counts, a.groups);
+  int ti = -1;
+  for (int i = 0; i < 3; ++i)
+    if (kTileTokens[i] == bn) ti = i;
+  check(ti >= 0, DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: tile_tokens=", a.tile_tokens, " (0, 64, 128 or 160)");
+  last_bn_ = bn;
+  const int nkb = a.k / kBK;
+
+  Params p{};
+  {
+    const cuuint64_t dims[2] = {cuuint64_t(a.k), cuuint64_t(a.rows_total)}, strides[1] = {cuuint64_t(a.k)};
+    const cuuint32_t box[2] = {kBK, cuuint32_t(bn)};
+    encode_tensor_map(&p.xmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.x, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B,
+                      "X");
+  }
+  {
+    const cuuint64_t dims[2] = {cuuint64_t(a.xs_ld), cuuint64_t(nkb)}, strides[1] = {cuuint64_t(a.xs_ld) * 4};
+    const cuuint32_t box[2] = {cuuint32_t(bn), 1};
+    encode_tensor_map(&p.xsmap, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, a.xs, dims, strides, box,
+                      CU_TENSOR_MAP_SWIZZLE_NONE, "X scales");
+  }
+  {
+    const cuuint64_t row_bytes = cuuint64_t(a.w.k / 2);
+    const cuuint64_t dims[2] = {row_bytes, cuuint64_t(a.w_experts) * cuuint64_t(a.n)}, strides[1] = {row_bytes};
+    const cuuint32_t box[2] = {64, 64};
+    encode_tensor_map(&p.wmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.w.blocks, dims, strides, box,
+                      CU_TENSOR_MAP_SWIZZLE_64B, "MXFP4 blocks");
+  }
+  p.d = static_cast<__nv_bfloat16*>(a.d);
+  p.scales = a.w.scales, p.gmax = a.w.gmax;
+  p.n = a.n, p.nkb = nkb, p.nsub = int(a.w.k / 32);
+  const int row_tiles = (a.n + kRows - 1) / kRows;
+  for (int g0 = 0; g0 < a.groups; g0 += kMaxGroups) {
+    const int G = std::min(kMaxGroups, a.groups - g0);
+    p.groups = G;
+    int tiles = 0;
+    for (int gi = 0; gi < G; ++gi) {
+      p.off[gi] = a.offsets[g0 + gi];
+      p.expert[gi] = a.experts[g0 + gi];
+      p.m[gi] = a.counts[g0 + gi];
+      p.tile_start[gi] = tiles;
+      tiles += (p.m[gi] + bn - 1) / bn * row_tiles;
+    }
+    p.tile_start[G] = tiles;
+    p.tiles_total = tiles;
+    if (tiles == 0) continue;
+    const int blocks = a.max_blocks > 0 ? std::min(a.max_blocks, n_sm_) : n_sm_;
+    kKernels[ti]<<<dim3(unsigned(std::min(tiles, blocks))), dim3(kThreads), kSmemBytes[ti], s>>>(p);
+    DZ_CUDA_LAUNCH_CHECK();
+    if (debug_) {
+      cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+      DZ_CUDA_CHECK(cudaStreamIsCapturing(s, &cap));
+      if (cap == cudaStreamCaptureStatusNone) DZ_CUDA_CHECK(cudaStreamSynchronize(s));
+    }
+  }
+}
+
+}  // namespace dz::cuda

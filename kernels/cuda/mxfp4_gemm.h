@@ -1,0 +1,77 @@
+// Grouped GEMM of E4M3 activations with MXFP4 expert weights decoded in the
+// tensor cores' registers (sm_90a): the weights are the MMA's A operand
+// (wgmma m64nNk32 with A from registers), each consumer thread decoding its
+// fragment of a 64-row weight tile straight from the MXFP4 bytes the copy
+// engine brought (no FP8 copy of W in shared or global memory); the tokens
+// are the MMA's N (64, 128 or 160 a tile), brought by the copy engine.
+//
+// For each group g (rows [off_g, off_g + m_g) of X and D), expert e = experts[g]:
+//   D[off_g + r][c] (bf16) = sum_kb xs[kb][off_g + r] * ws_e(c / 64, kb) *
+//                            sum_{k in kb} X[off_g + r][k] * W_e[c][k]
+// where W_e / ws_e is the expert folded to E4M3 by 64-row groups (the group
+// table Mxfp4Stack::gmax: the bytes mxfp4_fold_experts writes), every 128-wide
+// K block accumulated in fp32 on its own and then added, scaled.
+//
+// X is E4M3 [rows_total][k] with the 4-byte words of each 32-element
+// sub-block in register order (mxfp4_gemm_x_word): word j of the sub-block
+// holds its elements 4 * mxfp4_gemm_x_group(j) .. + 3, so that a thread's
+// decoded weight word meets its activations in the MMA's k order. The X
+// scales are [k/128][xs_ld] floats by row of X (xs_ld >= rows_total, a
+// multiple of 4). D is bf16 [rows_total][n]; rows outside the groups are not
+// written.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/mxfp4_fold.h"
+
+namespace dz::cuda {
+
+// Where element group i (elements 4i..4i+3) of a 32-element sub-block is
+// stored in X (word index inside the sub-block): the even groups first, then
+// the odd ones (a thread's weight word t holds elements 8t..8t+7, which the
+// MMA takes as k 4t..4t+3 and 16 + 4t..16 + 4t + 3).
+__host__ __device__ constexpr int mxfp4_gemm_x_word(int i) { return (i >> 1) | ((i & 1) << 2); }
+// The inverse: the element group stored in word j.
+__host__ __device__ constexpr int mxfp4_gemm_x_group(int j) { return j < 4 ? 2 * j : 2 * (j - 4) + 1; }
+
+struct Mxfp4GemmArgs {
+  const uint8_t* x = nullptr;  // E4M3 [rows_total][k], register order (above)
+  const float* xs = nullptr;   // [k/128][xs_ld]
+  int64_t xs_ld = 0;
+  int64_t rows_total = 0;
+  Mxfp4Stack w{};                // rows == n, K (w.k) a multiple of 64 padding to k; gmax required
+  const int* experts = nullptr;  // host: [groups]
+  int w_experts = 0;             // experts in the stack (bounds check)
+  void* d = nullptr;             // bf16 [rows_total][n]
+  int n = 0, k = 0;              // n % 64 == 0, k % 128 == 0
+  const int* offsets = nullptr;  // host: offsets[g], first row of group g (a multiple of 4)
+  const int* counts = nullptr;   // host: counts[g] = m_g
+  int groups = 0;
+  int max_blocks = 0;   // persistent blocks (0: one per SM)
+  int tile_tokens = 0;  // tokens a tile: 64, 128 or 160; 0 picks the one with the least padded work
+};
+
+// Calls on one instance must be ordered (one stream, or synchronized).
+class Mxfp4Gemm {
+ public:
+  Mxfp4Gemm();
+  Mxfp4Gemm(const Mxfp4Gemm&) = delete;
+  Mxfp4Gemm& operator=(const Mxfp4Gemm&) = delete;
+  // Enqueue on s. Arguments are validated on the host (DZ_ERR_INVALID_ARGUMENT);
+  // DZ_ERR_UNSUPPORTED where the device is not sm_90 or the build lacks sm_90a.
+  // DZ_FP8_GROUPED_DEBUG=1: a sync after each launch, so faults surface at the call.
+  void run(const Mxfp4GemmArgs& a, cudaStream_t s);
+  static bool supported();  // this build and device can run the kernel
+  // The tokens a tile run() would take for these group sizes (tile_tokens 0).
+  static int pick_tile_tokens(const int* counts, int groups);
+  int last_tile_tokens() const { return last_bn_; }
+
+ private:
+  int n_sm_ = 0;
+  bool debug_ = false;
+  int last_bn_ = 0;
+};
+
+}  // namespace dz::cuda
