@@ -5,7 +5,9 @@
 //   FP8 path (many tokens per expert): fold the routed experts into one FP8
 //     workspace (tiles, double-buffered on a second stream) -> per-expert
 //     cuBLASLt FP8 GEMMs with 1x128 scales (or one grouped GEMM launch per
-//     projection and tile: MoeOptions::fp8_gemm) -> SwiGLU -> down GEMMs,
+//     projection and tile: MoeOptions::fp8_gemm; the grouped kernel folding
+//     inside itself, or Mxfp4Gemm folding in the MMA's registers:
+//     fp8_mxfp4_gemm) -> SwiGLU -> down GEMMs,
 //   -> weighted combine.
 // gpt-oss semantics: gate/up rows interleaved (gate = row 2j, up = row 2j+1),
 // gate = min(gate, 7), up = clamp(up, -7, 7), a = (up + 1) * gate * sigmoid(1.702 gate).

@@ -394,9 +394,9 @@ bool Mxfp4Gemm::supported() {
 
 // The tile whose padded work is least: each group's token tiles, each costing
 // its tokens plus a fixed share (the weight decoding and the K loop's own
-// work, as many tokens' MMAs: kTileFixed). H200, 16 experts x 64 / 128 / 160
-// tokens in tiles of as many: 0.111 / 0.139 / 0.155 ms, a line of ~194
-// tokens' worth per tile plus one per token (2026-12-04-h200-run218.md).
+// work, as many tokens' MMAs: kTileFixed). H200, 16 experts x 64 tokens in
+// tiles of 64: 0.111 ms; x 128 in tiles of 128 / 160: 0.139 / 0.155 ms: ~194
+// tokens' worth a tile plus one per token (2026-12-04-h200-run218.md).
 int Mxfp4Gemm::pick_tile_tokens(const int* counts, int groups) {
   constexpr int64_t kTileFixed = 192;
   int best = kTileTokens[0];
