@@ -733,31 +733,21 @@ __device__ __forceinline__ uint32_t sw128_off(int r, int k) {
 }
 
 #ifdef DZ_ATTN_SM90A
-#define DZ_WG_R32                                                                                             \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
-  "%23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define DZ_WG_ACC32(d)                                                                                        \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
-      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),  \
-      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), \
-      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 // d (64 x 64 fp32) [+]= A (64 x 16 bf16, shared, K-major) B (16 x 64 bf16, shared, K-major).
 __device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
-      " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" DZ_WG_R32 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : DZ_WG_ACC32(d)
+      " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" DZ_WGMMA_R32 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : DZ_WGMMA_ACC32(d)
       : "l"(da), "l"(db), "r"(accumulate));
 }
 // d (64 x 64 fp32) += A (64 x 16 bf16, registers) B (16 x 64 bf16, shared, MN-major).
 __device__ __forceinline__ void wgmma_rs_m64n64k16_tb(float (&d)[32], const uint32_t (&a)[4], uint64_t db) {
-  asm volatile(" wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" DZ_WG_R32
+  asm volatile(" wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" DZ_WGMMA_R32
                "}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
-               : DZ_WG_ACC32(d)
+               : DZ_WGMMA_ACC32(d)
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
-#undef DZ_WG_R32
-#undef DZ_WG_ACC32
 using ptx::fence_regs;
 #endif
 

@@ -106,15 +106,7 @@ static_assert(sizeof(Params) <= 4096, "kernel parameters");
 // Tile t -> group, m tile, n tile. Within a group the m tiles of one n tile are
 // consecutive, so blocks running side by side share W tiles through L2.
 __device__ __forceinline__ void find_tile(const Params& p, int t, int& g, int& mt, int& nt) {
-  int lo = 0, hi = p.groups - 1;  // the last group whose first tile is <= t (empty groups are skipped)
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (p.tile_start[mid] <= t)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  g = lo;
+  g = ptx::group_of_tile(p.tile_start, p.groups, t);
   const int local = t - p.tile_start[g], mtiles = (p.m[g] + kBM - 1) / kBM;
   nt = local / mtiles;
   mt = local - nt * mtiles;
@@ -150,24 +142,13 @@ using ptx::wgmma_wait0;
 
 using ptx::fence_regs;
 
-// The accumulator operands of an MMA: registers %0..%63 in its asm string,
-// and d[b..b+7] as eight of its in/out operands.
-#define DZ_GG_R64                                                                                        \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
-  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, " \
-  "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, " \
-  "%62, %63"
-#define DZ_GG_ACC8(b)                                                                                         \
-  "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), "+f"(d[b + 5]), "+f"(d[b + 6]), \
-      "+f"(d[b + 7])
-
 // d (64 x 128 fp32, wgmma register layout) = [d +] A(64 x 32) B(128 x 32)^T, both e4m3 from shared memory.
 __device__ __forceinline__ void wgmma_tile(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-      " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" DZ_GG_R64 "}, %64, %65, p, 1, 1;\n}\n"
-      : DZ_GG_ACC8(0), DZ_GG_ACC8(8), DZ_GG_ACC8(16), DZ_GG_ACC8(24), DZ_GG_ACC8(32), DZ_GG_ACC8(40), DZ_GG_ACC8(48),
-        DZ_GG_ACC8(56)
+      " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" DZ_WGMMA_R64 "}, %64, %65, p, 1, 1;\n}\n"
+      : DZ_WGMMA_ACC8(d, 0), DZ_WGMMA_ACC8(d, 8), DZ_WGMMA_ACC8(d, 16), DZ_WGMMA_ACC8(d, 24), DZ_WGMMA_ACC8(d, 32),
+        DZ_WGMMA_ACC8(d, 40), DZ_WGMMA_ACC8(d, 48), DZ_WGMMA_ACC8(d, 56)
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
@@ -175,15 +156,14 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[64], uint64_t da, uint64_t
 __device__ __forceinline__ void wgmma_tile(float (&d)[96], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %98, 0;\n"
-      " wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {" DZ_GG_R64
+      " wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {" DZ_WGMMA_R64
       ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, %96, %97, p, 1, 1;\n}\n"
-      : DZ_GG_ACC8(0), DZ_GG_ACC8(8), DZ_GG_ACC8(16), DZ_GG_ACC8(24), DZ_GG_ACC8(32), DZ_GG_ACC8(40), DZ_GG_ACC8(48),
-        DZ_GG_ACC8(56), DZ_GG_ACC8(64), DZ_GG_ACC8(72), DZ_GG_ACC8(80), DZ_GG_ACC8(88)
+      : DZ_WGMMA_ACC8(d, 0), DZ_WGMMA_ACC8(d, 8), DZ_WGMMA_ACC8(d, 16), DZ_WGMMA_ACC8(d, 24), DZ_WGMMA_ACC8(d, 32),
+        DZ_WGMMA_ACC8(d, 40), DZ_WGMMA_ACC8(d, 48), DZ_WGMMA_ACC8(d, 56), DZ_WGMMA_ACC8(d, 64), DZ_WGMMA_ACC8(d, 72),
+        DZ_WGMMA_ACC8(d, 80), DZ_WGMMA_ACC8(d, 88)
       : "l"(da), "l"(db), "r"(accumulate));
 }
-#undef DZ_GG_ACC8
-#undef DZ_GG_R64
 #endif  // DZ_GG_SM90A
 
 // Persistent: with FP8 weights blocks take tiles in order from p.sched, with

@@ -61,70 +61,35 @@ static_assert(sizeof(Params) <= 4096, "kernel parameters");
 // are consecutive (blocks side by side share the weight rows through L2).
 template <int BN>
 __device__ __forceinline__ void find_tile(const Params& p, int t, int& g, int& rt, int& tt) {
-  int lo = 0, hi = p.groups - 1;  // the last group whose first tile is <= t (empty groups are skipped)
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (p.tile_start[mid] <= t)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  g = lo;
+  g = ptx::group_of_tile(p.tile_start, p.groups, t);
   const int local = t - p.tile_start[g], ttiles = (p.m[g] + BN - 1) / BN;
   rt = local / ttiles;
   tt = local - rt * ttiles;
 }
 
-// d (64 x 64 fp32, wgmma layout) = [d +] A(64 x 32, registers) B(64 x 32, shared)^T, E4M3.
+// d (64 x N fp32, wgmma layout) = [d +] A(64 x 32, registers) B(N x 32, shared)^T, E4M3; N = 64, 128, 160.
 __device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int accumulate) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
-      " wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, "
-      "%35}, %36, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      " wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {" DZ_WGMMA_R32
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      : DZ_WGMMA_ACC32(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
-// d (64 x 128 fp32, wgmma layout) = [d +] A(64 x 32, registers) B(128 x 32, shared)^T, E4M3.
 __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int accumulate) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
-      " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
-      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, "
-      "%57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" DZ_WGMMA_R64
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : DZ_WGMMA_ACC64(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
-// d (64 x 160 fp32, wgmma layout) = [d +] A(64 x 32, registers) B(160 x 32, shared)^T, E4M3.
 __device__ __forceinline__ void wgmma_rs(float (&d)[80], const uint32_t (&a)[4], uint64_t db, int accumulate) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %85, 0;\n"
-      " wgmma.mma_async.sync.aligned.m64n160k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
-      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, "
-      "%57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, "
-      "%79}, {%80, %81, %82, %83}, %84, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
-        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
-        "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
+      " wgmma.mma_async.sync.aligned.m64n160k32.f32.e4m3.e4m3 {" DZ_WGMMA_R64 ", " DZ_WGMMA_R64_79
+      "}, {%80, %81, %82, %83}, %84, p, 1, 1;\n}\n"
+      : DZ_WGMMA_ACC64(d), DZ_WGMMA_ACC8(d, 64), DZ_WGMMA_ACC8(d, 72)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
 #endif  // DZ_MG_SM90A
@@ -362,35 +327,13 @@ constexpr int kTileTokens[3] = {64, 128, 160};
 void (*const kKernels[3])(Params) = {mxfp4_gemm_kernel<64>, mxfp4_gemm_kernel<128>, mxfp4_gemm_kernel<160>};
 constexpr int kSmemBytes[3] = {Smem<64>::bytes, Smem<128>::bytes, Smem<160>::bytes};
 
-__global__ void probe_kernel(int* out) {
-#ifdef DZ_MG_SM90A
-  *out = 1;
-#else
-  *out = 0;
-#endif
-}
-
 bool aligned(const void* q, uintptr_t a) { return (reinterpret_cast<uintptr_t>(q) & (a - 1)) == 0; }
 
 }  // namespace
 
-bool Mxfp4Gemm::supported() {
-  static const bool ok = [] {
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return false;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major != 9)
-      return false;
-    int* d = nullptr;
-    int h = 0;
-    if (cudaMalloc(&d, sizeof(int)) != cudaSuccess) return false;
-    probe_kernel<<<1, 1>>>(d);
-    const bool run =
-        cudaGetLastError() == cudaSuccess && cudaMemcpy(&h, d, sizeof h, cudaMemcpyDeviceToHost) == cudaSuccess;
-    cudaFree(d);
-    return run && h == 1;
-  }();
-  return ok;
-}
+// The same build and device test as the grouped FP8 GEMM's: both kernels come
+// from one compilation for sm_90a and need an sm_90 device.
+bool Mxfp4Gemm::supported() { return Fp8GroupedGemm::supported(); }
 
 // The tile whose padded work is least: each group's token tiles, each costing
 // its tokens plus a fixed share (the weight decoding and the K loop's own

@@ -164,6 +164,39 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
   return uint64_t(lo) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
+// wgmma accumulator operands: registers %0..%31 / %0..%63 / %64..%79 in an
+// asm string, and d[b..b+7] as eight of its in/out operands.
+#define DZ_WGMMA_R32                                                                                          \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define DZ_WGMMA_R64                                                                             \
+  DZ_WGMMA_R32                                                                                   \
+  ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, " \
+  "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define DZ_WGMMA_R64_79 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
+#define DZ_WGMMA_ACC8(d, b)                                                                                   \
+  "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), "+f"(d[b + 5]), "+f"(d[b + 6]), \
+      "+f"(d[b + 7])
+#define DZ_WGMMA_ACC32(d) DZ_WGMMA_ACC8(d, 0), DZ_WGMMA_ACC8(d, 8), DZ_WGMMA_ACC8(d, 16), DZ_WGMMA_ACC8(d, 24)
+#define DZ_WGMMA_ACC64(d) \
+  DZ_WGMMA_ACC32(d), DZ_WGMMA_ACC8(d, 32), DZ_WGMMA_ACC8(d, 40), DZ_WGMMA_ACC8(d, 48), DZ_WGMMA_ACC8(d, 56)
+
+// Persistent grouped kernels: the group whose tiles hold tile t, given each
+// group's first tile (tile_start[0..groups), non-decreasing; empty groups
+// share their successor's start and are skipped: the last group starting at
+// or before t).
+__device__ __forceinline__ int group_of_tile(const int* tile_start, int groups, int t) {
+  int lo = 0, hi = groups - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (tile_start[mid] <= t)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
 // wgmma (sm_90a): order register/shared writes before the next MMAs, close a
 // group of issued MMAs, wait until none is in flight.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
