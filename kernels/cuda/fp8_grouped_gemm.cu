@@ -106,7 +106,7 @@ static_assert(sizeof(Params) <= 4096, "kernel parameters");
 // Tile t -> group, m tile, n tile. Within a group the m tiles of one n tile are
 // consecutive, so blocks running side by side share W tiles through L2.
 __device__ __forceinline__ void find_tile(const Params& p, int t, int& g, int& mt, int& nt) {
-  g = ptx::group_of_tile(p.tile_start, p.groups, t);
+  g = ptx::segment_of(p.tile_start, p.groups, t);
   const int local = t - p.tile_start[g], mtiles = (p.m[g] + kBM - 1) / kBM;
   nt = local / mtiles;
   mt = local - nt * mtiles;
@@ -557,13 +557,28 @@ bool Fp8GroupedGemm::supported() {
   return ok;
 }
 
-Fp8GroupedGemm::Fp8GroupedGemm() {
+bool grouped_gemm_debug() {
   const char* e = std::getenv("DZ_FP8_GROUPED_DEBUG");
-  debug_ = e && e[0] == '1';
-  if (!supported()) return;  // run() says why
-  int dev = 0;
+  return e && e[0] == '1';
+}
+
+void grouped_gemm_sync(cudaStream_t s) {
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  DZ_CUDA_CHECK(cudaStreamIsCapturing(s, &cap));
+  if (cap == cudaStreamCaptureStatusNone) DZ_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+int current_device_sms() {
+  int dev = 0, n = 0;
   DZ_CUDA_CHECK(cudaGetDevice(&dev));
-  DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm_, cudaDevAttrMultiProcessorCount, dev));
+  DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+
+Fp8GroupedGemm::Fp8GroupedGemm() {
+  debug_ = grouped_gemm_debug();
+  if (!supported()) return;  // run() says why
+  n_sm_ = current_device_sms();
   for (int d = 0; d < 2; ++d)
     for (int w4 = 0; w4 < 2; ++w4)
       for (int g = 0; g < 2; ++g)
@@ -671,11 +686,7 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     const auto kernel = kKernels[debug_][w4][grp];
     kernel<<<grid, block, w4 ? Smem<true>::bytes : Smem<false>::bytes, s>>>(p);
     DZ_CUDA_LAUNCH_CHECK();
-    if (debug_) {
-      cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-      DZ_CUDA_CHECK(cudaStreamIsCapturing(s, &cap));
-      if (cap == cudaStreamCaptureStatusNone) DZ_CUDA_CHECK(cudaStreamSynchronize(s));
-    }
+    if (debug_) grouped_gemm_sync(s);
   }
 }
 

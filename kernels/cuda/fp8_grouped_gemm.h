@@ -59,6 +59,14 @@ struct Fp8GroupedArgs {
 void encode_tensor_map(CUtensorMap* map, CUtensorMapDataType type, int rank, const void* base, const cuuint64_t* dims,
                        const cuuint64_t* strides, const cuuint32_t* box, CUtensorMapSwizzle swz, const char* what);
 
+// DZ_FP8_GROUPED_DEBUG=1 in the environment: the grouped GEMMs' checking mode
+// (Fp8GroupedGemm, Mxfp4Gemm).
+bool grouped_gemm_debug();
+// In that mode, after each launch: synchronize s (unless it is capturing), so faults surface at the call.
+void grouped_gemm_sync(cudaStream_t s);
+// Streaming multiprocessors of the current device.
+int current_device_sms();
+
 // Calls on one instance must be ordered (one stream, or synchronized): with
 // FP8 weights its blocks take tiles from the instance's device counter, which
 // each launch's last block resets.

@@ -103,19 +103,12 @@ __device__ void route_offsets(const int* cnt, int E, int* off, int* offsets, int
   }
 }
 
-// Rows r0, r0 + stride, ... below off[E]: expert of each row (binary search); pad rows -> -1.
+// Rows r0, r0 + stride, ... below off[E]: expert of each row; pad rows -> -1.
 __device__ void route_rows(const int* off, const int* cnt, int E, int r0, int stride, int* row_expert, int* sorted) {
   for (int r = r0; r < off[E]; r += stride) {
-    int lo = 0, hi = E - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (off[mid] <= r)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    row_expert[r] = lo;
-    if (r - off[lo] >= cnt[lo]) sorted[r] = -1;
+    const int e = ptx::segment_of(off, E, r);
+    row_expert[r] = e;
+    if (r - off[e] >= cnt[e]) sorted[r] = -1;
   }
 }
 

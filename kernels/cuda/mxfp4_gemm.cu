@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 
 #include "cuda/fp8_grouped_gemm.h"  // encode_tensor_map
 #include "cuda/mxfp4_fold.cuh"
@@ -61,7 +60,7 @@ static_assert(sizeof(Params) <= 4096, "kernel parameters");
 // are consecutive (blocks side by side share the weight rows through L2).
 template <int BN>
 __device__ __forceinline__ void find_tile(const Params& p, int t, int& g, int& rt, int& tt) {
-  g = ptx::group_of_tile(p.tile_start, p.groups, t);
+  g = ptx::segment_of(p.tile_start, p.groups, t);
   const int local = t - p.tile_start[g], ttiles = (p.m[g] + BN - 1) / BN;
   rt = local / ttiles;
   tt = local - rt * ttiles;
@@ -353,12 +352,9 @@ int Mxfp4Gemm::pick_tile_tokens(const int* counts, int groups) {
 }
 
 Mxfp4Gemm::Mxfp4Gemm() {
-  const char* e = std::getenv("DZ_FP8_GROUPED_DEBUG");
-  debug_ = e && e[0] == '1';
+  debug_ = grouped_gemm_debug();
   if (!supported()) return;  // run() says why
-  int dev = 0;
-  DZ_CUDA_CHECK(cudaGetDevice(&dev));
-  DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm_, cudaDevAttrMultiProcessorCount, dev));
+  n_sm_ = current_device_sms();
   for (int i = 0; i < 3; ++i)
     DZ_CUDA_CHECK(cudaFuncSetAttribute(kKernels[i], cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes[i]));
 }
@@ -444,11 +440,7 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
     const int blocks = a.max_blocks > 0 ? std::min(a.max_blocks, n_sm_) : n_sm_;
     kKernels[ti]<<<dim3(unsigned(std::min(tiles, blocks))), dim3(kThreads), kSmemBytes[ti], s>>>(p);
     DZ_CUDA_LAUNCH_CHECK();
-    if (debug_) {
-      cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-      DZ_CUDA_CHECK(cudaStreamIsCapturing(s, &cap));
-      if (cap == cudaStreamCaptureStatusNone) DZ_CUDA_CHECK(cudaStreamSynchronize(s));
-    }
+    if (debug_) grouped_gemm_sync(s);
   }
 }
 

@@ -181,15 +181,14 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
 #define DZ_WGMMA_ACC64(d) \
   DZ_WGMMA_ACC32(d), DZ_WGMMA_ACC8(d, 32), DZ_WGMMA_ACC8(d, 40), DZ_WGMMA_ACC8(d, 48), DZ_WGMMA_ACC8(d, 56)
 
-// Persistent grouped kernels: the group whose tiles hold tile t, given each
-// group's first tile (tile_start[0..groups), non-decreasing; empty groups
-// share their successor's start and are skipped: the last group starting at
-// or before t).
-__device__ __forceinline__ int group_of_tile(const int* tile_start, int groups, int t) {
-  int lo = 0, hi = groups - 1;
+// The segment holding x: the last i with starts[i] <= x, for n segments with
+// non-decreasing starts (empty segments share their successor's start and
+// are skipped). Grouped kernels' tiles by group, sorted rows by expert.
+__device__ __forceinline__ int segment_of(const int* starts, int n, int x) {
+  int lo = 0, hi = n - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (tile_start[mid] <= t)
+    if (starts[mid] <= x)
       lo = mid;
     else
       hi = mid - 1;
