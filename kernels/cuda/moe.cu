@@ -2018,25 +2018,42 @@ struct MoeLayer::Impl {
     launch_maybe_pdl(pdl, k, grid, block, smem, st, args...);
   }
 
-  // Experts e[0..n) (their sorted rows consecutive): GEMM1 over all of them,
-  // SwiGLU + 1x128 quantization of those rows, GEMM2, one grouped launch per
-  // projection on st. g1 / g2 carry only the weights of the two projections.
+  // Experts e[0..n) (their sorted rows consecutive) as GEMM groups: each
+  // one's first sorted row and rows, and the rows they span from r0.
+  struct ExpertGroups {
+    std::vector<int> off, cnt;
+    int r0 = 0, nrows = 0;
+  };
+  static ExpertGroups expert_groups(const int* e, int n, const int* ho) {
+    ExpertGroups g;
+    for (int i = 0; i < n; ++i) g.off.push_back(ho[e[i]]), g.cnt.push_back(ho[e[i] + 1] - ho[e[i]]);
+    g.r0 = g.off[0], g.nrows = g.off.back() + g.cnt.back() - g.r0;
+    return g;
+  }
+  // Between the projections: SwiGLU + 1x128 quantization of sorted rows [r0,
+  // r0 + nrows) of d1 into a2 (ld > 0: Mxfp4Gemm's layout, store_1x128).
+  void swiglu_between(int r0, int nrows, const uint16_t* b1, int64_t ld, cudaStream_t st) {
+    const int nkb_i = int(kpi / 128);
+    swiglu_quant_kernel<<<swiglu_quant_blocks(nrows, nkb_i), 256, 0, st>>>(
+        d1.get(), s.intermediate, nkb_i, b1, sorted.get(), row_expert.get(), offsets.get(), r0, nrows, a2.get(),
+        a2s.get(), ld);
+    DZ_CUDA_LAUNCH_CHECK();
+  }
+
+  // Experts e[0..n): GEMM1 over all of them, SwiGLU + 1x128 quantization of
+  // those rows, GEMM2, one grouped launch per projection on st. g1 / g2 carry
+  // only the weights of the two projections.
   void grouped_gemms(const int* e, int n, const int* ho, int rows_total, Fp8GroupedArgs g1, Fp8GroupedArgs g2,
                      const uint16_t* b1, cudaStream_t st) {
-    const int H = s.hidden, I = s.intermediate, nkb_i = int(kpi / 128);
-    std::vector<int> goff(static_cast<size_t>(n)), gcnt(static_cast<size_t>(n));
-    for (int i = 0; i < n; ++i) goff[size_t(i)] = ho[e[i]], gcnt[size_t(i)] = ho[e[i] + 1] - ho[e[i]];
-    const int r0 = goff[0], nrows = goff[size_t(n - 1)] + gcnt[size_t(n - 1)] - r0;
+    const ExpertGroups eg = expert_groups(e, n, ho);
     for (Fp8GroupedArgs* g : {&g1, &g2}) {
-      g->rows_total = rows_total, g->offsets = goff.data(), g->counts = gcnt.data(), g->groups = n;
+      g->rows_total = rows_total, g->offsets = eg.off.data(), g->counts = eg.cnt.data(), g->groups = n;
       g->max_blocks = opt.fp8_grouped_blocks;
     }
-    g1.x = a1.get(), g1.xs = a1s.get(), g1.d = d1.get(), g1.n = 2 * I, g1.k = int(kph);
+    g1.x = a1.get(), g1.xs = a1s.get(), g1.d = d1.get(), g1.n = 2 * s.intermediate, g1.k = int(kph);
     ggemm.run(g1, st);
-    swiglu_quant_kernel<<<swiglu_quant_blocks(nrows, nkb_i), 256, 0, st>>>(
-        d1.get(), I, nkb_i, b1, sorted.get(), row_expert.get(), offsets.get(), r0, nrows, a2.get(), a2s.get(), 0);
-    DZ_CUDA_LAUNCH_CHECK();
-    g2.x = a2.get(), g2.xs = a2s.get(), g2.d = d2.get(), g2.n = H, g2.k = int(kpi);
+    swiglu_between(eg.r0, eg.nrows, b1, 0, st);
+    g2.x = a2.get(), g2.xs = a2s.get(), g2.d = d2.get(), g2.n = s.hidden, g2.k = int(kpi);
     ggemm.run(g2, st);
   }
 
@@ -2051,29 +2068,25 @@ struct MoeLayer::Impl {
            Mxfp4Gemm::supported();
   }
 
-  // Experts e[0..n) (their sorted rows consecutive, X already quantized in
-  // Mxfp4Gemm's layout): GEMM1, SwiGLU + 1x128 quantization, GEMM2 on st.
+  // The same with Mxfp4Gemm (X already quantized in its layout).
   void mxfp4_gemms(const MoeWeights& w, const int* e, int n, const int* ho, int rows_total, cudaStream_t st) {
-    const int E = s.n_experts, H = s.hidden, I = s.intermediate, nkb_i = int(kpi / 128);
-    std::vector<int> goff(static_cast<size_t>(n)), gcnt(static_cast<size_t>(n));
-    for (int i = 0; i < n; ++i) goff[size_t(i)] = ho[e[i]], gcnt[size_t(i)] = ho[e[i] + 1] - ho[e[i]];
-    const int r0 = goff[0], nrows = goff[size_t(n - 1)] + gcnt[size_t(n - 1)] - r0;
+    const int H = s.hidden, I = s.intermediate;
+    const ExpertGroups eg = expert_groups(e, n, ho);
     Mxfp4GemmArgs g;
-    g.xs_ld = xs_ld, g.rows_total = rows_total, g.experts = e, g.w_experts = E;
-    g.offsets = goff.data(), g.counts = gcnt.data(), g.groups = n;
+    g.xs_ld = xs_ld, g.rows_total = rows_total, g.experts = e, g.w_experts = s.n_experts;
+    g.offsets = eg.off.data(), g.counts = eg.cnt.data(), g.groups = n;
     g.max_blocks = opt.fp8_grouped_blocks, g.tile_tokens = opt.fp8_mxfp4_tile_tokens;
     g.x = a1.get(), g.xs = a1s.get(), g.d = d1.get(), g.n = 2 * I, g.k = int(kph);
     g.w = Mxfp4Stack{w.w1_blocks, w.w1_scales, 2 * I, H, w.w1_gmax};
     mgemm.run(g, st);
-    swiglu_quant_kernel<<<swiglu_quant_blocks(nrows, nkb_i), 256, 0, st>>>(
-        d1.get(), I, nkb_i, w.b1, sorted.get(), row_expert.get(), offsets.get(), r0, nrows, a2.get(), a2s.get(), xs_ld);
-    DZ_CUDA_LAUNCH_CHECK();
+    swiglu_between(eg.r0, eg.nrows, w.b1, xs_ld, st);
     g.x = a2.get(), g.xs = a2s.get(), g.d = d2.get(), g.n = H, g.k = int(kpi);
     g.w = Mxfp4Stack{w.w2_blocks, w.w2_scales, H, I, w.w2_gmax};
     mgemm.run(g, st);
   }
 
   void fp8(const MoeWeights& w, const float* x, const int* ids, const float* gw, int T, float* out, int accumulate) {
+    check(opt.fp8_gemm >= 0 && opt.fp8_gemm <= 2, DZ_ERR_INVALID_ARGUMENT, "fp8_gemm must be 0 (auto), 1 or 2");
     cudaStream_t st = ctx.stream(), aux = ctx.aux_stream();
     const int E = s.n_experts, H = s.hidden, I = s.intermediate;
     DZ_CUDA_CHECK(cudaMemcpyAsync(h_counts, counts.get(), sizeof(int) * E, cudaMemcpyDeviceToHost, st));
@@ -2098,7 +2111,6 @@ struct MoeLayer::Impl {
       mxfp4_gemms(w, act_e.data(), int(act_e.size()), ho, rows_total, st);
       act_e.clear();  // nothing left for the paths below
     }
-    check(opt.fp8_gemm >= 0 && opt.fp8_gemm <= 2, DZ_ERR_INVALID_ARGUMENT, "fp8_gemm must be 0 (auto), 1 or 2");
     // Auto: the grouped kernel where it runs, folding inside up to
     // fp8_grouped_max_tokens_per_expert, on the workspace tiles above.
     const bool grouped = opt.fp8_gemm == 2 || (opt.fp8_gemm == 0 && Fp8GroupedGemm::supported());
@@ -2160,9 +2172,7 @@ struct MoeLayer::Impl {
         uint8_t* wsp = gemm_ws.get() + size_t(i % S) * kGemmWs;
         gemm.run(a1.get() + size_t(off) * kph, a1s.get() + size_t(nkb_h) * off, f1 + i * w1_fp8, s1 + i * w1_sc,
                  d1.get() + size_t(off) * 2 * I, mp, 2 * I, int(kph), q, wsp, kGemmWs);
-        swiglu_quant_kernel<<<swiglu_quant_blocks(mp, nkb_i), 256, 0, q>>>(
-            d1.get(), I, nkb_i, w.b1, sorted.get(), row_expert.get(), offsets.get(), off, mp, a2.get(), a2s.get(), 0);
-        DZ_CUDA_LAUNCH_CHECK();
+        swiglu_between(off, mp, w.b1, 0, q);
         gemm.run(a2.get() + size_t(off) * kpi, a2s.get() + size_t(nkb_i) * off, f2 + i * w2_fp8, s2 + i * w2_sc,
                  d2.get() + size_t(off) * H, mp, H, int(kpi), q, wsp, kGemmWs);
       }
