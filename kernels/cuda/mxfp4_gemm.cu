@@ -25,17 +25,20 @@ constexpr int kThreads = 384;      // a producer warpgroup (one thread issues th
 constexpr int kWBox = 64 * 64;     // a consumer's MXFP4 stage: 64 rows x 64 bytes
 constexpr int kMaxGroups = 128;    // per launch; more groups are split over launches
 constexpr int kEmptyArrivals = 8;  // one per consumer warp
+constexpr int kScaleWarps = 3;     // the producer warpgroup's warps 1..3 (scale products)
 
 // Shared memory of a kernel with BN tokens a tile: per stage the X tile (BN
 // rows x 128 bytes, 128-byte swizzle), both consumers' MXFP4 boxes (64-byte
-// swizzle) and the X scales (BN floats); then the barriers. As many stages as
-// fit in ~200 KB, at most 8.
+// swizzle), the X scales (BN floats) and each consumer's products of its
+// weight group's scale and the X scales (2 x BN floats); then the barriers
+// (full, empty, products ready). As many stages as fit in ~210 KB, at most 8.
 template <int BN>
 struct Smem {
-  static constexpr int xBytes = BN * kBK, stageBytes = xBytes + 2 * kWBox + BN * 4;
-  static constexpr int S = std::min(8, 200 * 1024 / stageBytes);
-  static constexpr int offW = S * xBytes, offXs = offW + S * 2 * kWBox, offBar = offXs + S * BN * 4;
-  static constexpr int bytes = offBar + 2 * S * 8 + 1024;  // +1024: base aligned up
+  static constexpr int xBytes = BN * kBK, stageBytes = xBytes + 2 * kWBox + 3 * BN * 4;
+  static constexpr int S = std::min(8, 210 * 1024 / stageBytes);
+  static constexpr int offW = S * xBytes, offXs = offW + S * 2 * kWBox, offC = offXs + S * BN * 4;
+  static constexpr int offBar = offC + S * 2 * BN * 4;
+  static constexpr int bytes = offBar + 3 * S * 8 + 1024;  // +1024: base aligned up
   static_assert(xBytes % 1024 == 0 && offW % 1024 == 0 && kWBox % 1024 == 0 && offXs % 16 == 0, "alignment");
   static_assert(bytes <= 227 * 1024, "shared memory of one sm_90 block");
 };
@@ -95,13 +98,14 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[80], const uint32_t (&a)[4],
 
 // The kernel: persistent, block b takes tiles b, b + grid, ... Warpgroup 0
 // is the producer (one thread issues each stage's copies: the X tile, its
-// scales, both consumers' MXFP4 boxes); warpgroups 1 and 2 each own 64
+// scales, both consumers' MXFP4 boxes; warps 1..3 multiply the X scales by
+// each consumer's weight group scale); warpgroups 1 and 2 each own 64
 // weight rows of the tile. A consumer thread holds rows g and g + 8 of its
 // warp's 16 (g = lane / 4) and word t = lane % 4 of each sub-block: it folds
 // those words to E4M3 under the 64-row group's scale byte (fold_word: the
 // folding kernel's bytes) straight into its A fragments, whose k order is the
 // one X is stored in. Each K block's four MMAs go into part, which is then
-// added to acc times the weight group's and each token's scale.
+// added to acc times those products (one FFMA an accumulator).
 template <int BN>
 __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_constant__ Params p) {
 #ifdef DZ_MG_SM90A
@@ -114,12 +118,14 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
   const uint32_t sX = base, sW = base + L::offW, sXs = base + L::offXs, bars = base + L::offBar;
   auto full = [&](int s) { return bars + 8u * uint32_t(s); };
   auto empty = [&](int s) { return bars + 8u * uint32_t(kS + s); };
+  auto cready = [&](int s) { return bars + 8u * uint32_t(2 * kS + s); };
   auto wait = [](uint32_t bar, uint32_t parity) { ptx::mbar_wait(bar, parity); };
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kS; ++s) {
       ptx::mbar_init(full(s), 1);  // the producer's arrive.expect_tx; the copies complete the bytes
       ptx::mbar_init(empty(s), kEmptyArrivals);
+      ptx::mbar_init(cready(s), kScaleWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -151,6 +157,32 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
           const uint32_t w0 = sW + uint32_t(stage * 2 * kWBox);
           ptx::tma_2d(w0, &p.wmap, full(stage), kb * 64, wrow);
           if (live1) ptx::tma_2d(w0 + kWBox, &p.wmap, full(stage), kb * 64, wrow + 64);
+          if (++stage == kS) stage = 0, phase ^= 1u;
+        }
+      }
+    } else if (threadIdx.x >= 32) {
+      // Warps 1..3: once a stage's X scales land, each consumer's products c =
+      // ws * xs of its 64-row group's scale (2^(byte - 133)) and every token's
+      // scale, so the consumers' promotion is one FFMA an accumulator.
+      const int i = int(threadIdx.x) - 32;
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
+        int g, rt, tt;
+        find_tile<BN>(p, t, g, rt, tt);
+        const int live = rt * kRows + 64 < p.n ? 2 : 1;
+        const uint8_t* gm = p.gmax + (int64_t(p.expert[g]) * (p.n / 64) + rt * 2) * p.nkb;
+        for (int kb = 0; kb < p.nkb; ++kb) {
+          wait(full(stage), phase);
+          const float* xs = reinterpret_cast<const float*>(gbase + L::offXs + stage * BN * 4);
+          float* c = reinterpret_cast<float*>(gbase + L::offC + stage * 2 * BN * 4);
+          for (int w = 0; w < live; ++w) {
+            const int gx = gm[w * p.nkb + kb];
+            const float ws = gx >= 7 ? __int_as_float((gx - 6) << 23) : ldexpf(1.f, gx - 133);
+            for (int j = i; j < BN; j += 32 * kScaleWarps) c[w * BN + j] = ws * xs[j];
+          }
+          __syncwarp();
+          if ((i & 31) == 0) ptx::mbar_arrive(cready(stage));
           if (++stage == kS) stage = 0, phase ^= 1u;
         }
       }
@@ -250,7 +282,6 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     wait(full(stage), phase);
     __syncwarp();
     decode(stage, rs, a0);
-    int gx = rs.g;  // the K block in flight's group scale byte
     // One K block: its MMAs on a (decoded), then, while they run, the next
     // stage's words into an (the next scales' loads go out behind them); then
     // the promotion and the stage's release.
@@ -262,31 +293,29 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) wgmma_rs(part, a[kk], ptx::sw128_desc(dsc + 2 * kk), kk);
       ptx::wgmma_commit();
-      const int st = stage, gcur = gx;
+      const int st = stage;
+      const uint32_t cphase = phase;
       if (++stage == kS) stage = 0, phase ^= 1u;
       if (kb + 1 < p.nkb) {
         wait(full(stage), phase);
         __syncwarp();
         decode(stage, rn, an);
-        gx = rn.g;
         if (kb + 2 < p.nkb) load_raw(kb + 2, rn);
       }
       ptx::wgmma_wait0();
       ptx::fence_regs(part);
       ptx::fence_regs(a);  // the MMAs read a until here: the next stage's decoding went elsewhere
-      // Promotion: acc += part * ws * xs[token]. Columns of register quad j:
-      // tokens 8j + 2t + {0, 1}; registers 4j+2, 4j+3 are row + 8. ws =
-      // 2^(gcur - 133) by its bits (a normal float from scale byte 7 up).
-      const float ws = gcur >= 7 ? __int_as_float((gcur - 6) << 23) : ldexpf(1.f, gcur - 133);
-      const float2* xsv = reinterpret_cast<const float2*>(gbase + L::offXs + st * BN * 4);
+      // Promotion: acc += part * c[token] (c = ws * xs, the scale warps'). Columns
+      // of register quad j: tokens 8j + 2t + {0, 1}; registers 4j+2, 4j+3 are row + 8.
+      wait(cready(st), cphase);
+      const float2* cv = reinterpret_cast<const float2*>(gbase + L::offC + (st * 2 + cw) * BN * 4);
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
-        const float2 x = xsv[4 * j + t];
-        const float c0 = ws * x.x, c1 = ws * x.y;
-        acc[4 * j + 0] = fmaf(part[4 * j + 0], c0, acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(part[4 * j + 1], c1, acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(part[4 * j + 2], c0, acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(part[4 * j + 3], c1, acc[4 * j + 3]);
+        const float2 c = cv[4 * j + t];
+        acc[4 * j + 0] = fmaf(part[4 * j + 0], c.x, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(part[4 * j + 1], c.y, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(part[4 * j + 2], c.x, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(part[4 * j + 3], c.y, acc[4 * j + 3]);
       }
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(empty(st));
