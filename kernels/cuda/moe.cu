@@ -2062,8 +2062,9 @@ struct MoeLayer::Impl {
   // projections need exact group tables and K a multiple of 64.
   bool mxfp4_gemm_runs(const MoeWeights& w, int T) const {
     const double tpe = double(T) * s.topk / s.n_experts;
-    const bool want = opt.fp8_mxfp4_gemm > 0 || (opt.fp8_mxfp4_gemm == 0 && tpe > opt.fp8_mxfp4_min_tokens_per_expert &&
-                                                 tpe <= opt.fp8_mxfp4_max_tokens_per_expert);
+    const bool skip = tpe > opt.fp8_mxfp4_skip_above && tpe <= opt.fp8_mxfp4_skip_upto;
+    const bool want =
+        opt.fp8_mxfp4_gemm > 0 || (opt.fp8_mxfp4_gemm == 0 && tpe <= opt.fp8_mxfp4_max_tokens_per_expert && !skip);
     return want && opt.fp8_gemm != 1 && w.w1_gmax && w.w2_gmax && s.hidden % 64 == 0 && s.intermediate % 64 == 0 &&
            Mxfp4Gemm::supported();
   }

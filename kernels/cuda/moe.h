@@ -213,21 +213,24 @@ struct MoeOptions {
   // not 1: the weights are the MMA's A operand, each consumer thread folding
   // its MXFP4 words to E4M3 in registers (the folding kernel's bytes), the
   // tokens its N; no FP8 workspace, no folding pass, no refold of a W tile in
-  // shared memory for each 128-row M tile. 1: always; -1: never; 0 (auto):
-  // from fp8_mxfp4_min_tokens_per_expert (exclusive) to
-  // fp8_mxfp4_max_tokens_per_expert, where it beat the grouped kernels.
-  // H200, gpt-oss-120b shapes (bench/results/2026-12-04-h200-run218.md, runs
-  // 220-224), MXFP4 GEMM vs the grouped kernels: 2048 / 3072 / 4096 / 6144 /
-  // 8192 / 12288 / 16384 tokens (16 ... 512 an expert) 1.50 / 1.54-1.56 /
-  // 1.70-1.78 / 3.04-3.06 / 3.54-3.72 / 5.44-5.55 / 6.95-7.77 ms vs 1.36-1.37 /
-  // 1.50-1.51 / 2.07-2.09 / 3.03-3.12 / 3.70-3.73 / 4.69-4.70 / 5.44-5.94:
-  // its consumers' folding and promotion are issue-bound at two warps a
-  // scheduler (~420 instructions a warp and K block), so it pays where the
-  // grouped kernel refolds ragged second M tiles. fp8_mxfp4_tile_tokens: 64,
-  // 128 or 160 tokens a tile (0: the one with the least padded work).
+  // shared memory for each 128-row M tile. 1: always; -1: never; 0 (auto): up
+  // to fp8_mxfp4_max_tokens_per_expert, except from above
+  // fp8_mxfp4_skip_above up to fp8_mxfp4_skip_upto tokens an expert, where
+  // the grouped kernel's one full 128-row M tile an expert is ahead.
+  // H200 (bench/results/2026-12-04-h200-run218.md, run 231), MXFP4 GEMM vs the
+  // grouped kernels, gpt-oss-120b shapes: 1024 / 2048 / 4096 / 16384 tokens
+  // (32 / 64 / 128 / 512 an expert) 1.115 / 1.488 / 1.709 / 7.039 ms vs 1.206
+  // / 1.430 / 2.054 / 5.699 (run 230: 3072 / 8192 / 12288 tokens 1.457 /
+  // 3.563 / 5.304 vs 1.506 / 3.746 / 4.706); gpt-oss-20b shapes (32 experts):
+  // 512 / 1024 / 2048 / 4096 tokens (64 / 128 / 256 / 512) 0.403 / 0.479 /
+  // 0.886 / 1.639 vs 0.392 / 0.582 / 0.957 / 1.405. Its consumers' folding
+  // and promotion are issue-bound at two warps a scheduler, so beyond 256
+  // tokens an expert the grouped kernel on experts folded once into the
+  // workspace wins. fp8_mxfp4_tile_tokens: 64, 128 or 160 tokens a tile (0:
+  // the one with the least padded work).
   int fp8_mxfp4_gemm = 0;
-  double fp8_mxfp4_min_tokens_per_expert = 100.0;
   double fp8_mxfp4_max_tokens_per_expert = 256.0;
+  double fp8_mxfp4_skip_above = 48.0, fp8_mxfp4_skip_upto = 80.0;
   int fp8_mxfp4_tile_tokens = 0;
 };
 
