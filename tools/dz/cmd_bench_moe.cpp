@@ -197,23 +197,29 @@ int bench_moe(const Args& a) {
       cudaEvent_t e0, e1;
       DZ_CUDA_CHECK(cudaEventCreate(&e0));
       DZ_CUDA_CHECK(cudaEventCreate(&e1));
+      // GPU ms a call of fn over calls back-to-back calls, after one warm call.
+      auto ms_per_call = [&](int calls, auto&& fn) {
+        fn();
+        ctx.sync();
+        DZ_CUDA_CHECK(cudaEventRecord(e0, st));
+        for (int i = 0; i < calls; ++i) fn();
+        DZ_CUDA_CHECK(cudaEventRecord(e1, st));
+        DZ_CUDA_CHECK(cudaEventSynchronize(e1));
+        float t = 0;
+        DZ_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+        return double(t) / calls;
+      };
       auto fold = [&] {
         mxfp4_fold_experts(Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, idl.data(), n_ex, Fp8Slots{f1.get(), s1.get()},
                            st);
         mxfp4_fold_experts(Mxfp4Stack{w2b.get(), w2s.get(), H, I}, idl.data(), n_ex, Fp8Slots{f2.get(), s2.get()}, st);
       };
-      fold();
-      DZ_CUDA_CHECK(cudaEventRecord(e0, st));
-      for (int r = 0; r < 5; ++r) fold();
-      DZ_CUDA_CHECK(cudaEventRecord(e1, st));
-      DZ_CUDA_CHECK(cudaEventSynchronize(e1));
-      float ms = 0;
-      DZ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      const double fold_ms = ms_per_call(5, fold);
       const double fold_bytes =
           double(n_ex) * expert_fp4_bytes + double(f1.bytes() + f2.bytes() + s1.bytes() + s2.bytes());
       comp["fold_experts"] = n_ex;
-      comp["fold_ms"] = ms / 5;
-      comp["fold_bytes_per_s"] = fold_bytes / (ms / 5 * 1e-3);
+      comp["fold_ms"] = fold_ms;
+      comp["fold_bytes_per_s"] = fold_bytes / (fold_ms * 1e-3);
       // The same experts folded by 64-row groups (the grouped kernel's other scale layout).
       DeviceArray<uint8_t> f1g(P, groups_exact ? f1.size() : 1, "fold1 groups");
       DeviceArray<float> s1g(P, size_t(n_ex) * (2 * I / kFoldRowGroup) * (kph / 128), "fold1 group s");
@@ -243,6 +249,7 @@ int bench_moe(const Args& a) {
         const double host = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
         DZ_CUDA_CHECK(cudaEventRecord(e1, st));
         DZ_CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
         DZ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
         const double per = ms / calls;
         gl.push_back({{"m", m},
@@ -276,15 +283,8 @@ int bench_moe(const Args& a) {
             if (grp)
               ga.w = f1g.get(), ga.ws = s1g.get(), ga.ws_stride = int64_t(2 * I / kFoldRowGroup) * (kph / 128),
               ga.ws_row_group = kFoldRowGroup;
-            gg.run(ga, st);
-            ctx.sync();
-            const int calls = 10;
-            DZ_CUDA_CHECK(cudaEventRecord(e0, st));
-            for (int i = 0; i < calls; ++i) gg.run(ga, st);
-            DZ_CUDA_CHECK(cudaEventRecord(e1, st));
-            DZ_CUDA_CHECK(cudaEventSynchronize(e1));
-            DZ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-            const double per = ms / calls, tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
+            const double per = ms_per_call(10, [&] { gg.run(ga, st); }),
+                         tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
             const char* scales = grp ? "64x128" : "1x128";
             gj.push_back({{"groups", n_ex},
                           {"m", m},
@@ -311,15 +311,8 @@ int bench_moe(const Args& a) {
               ma.rows_total = int64_t(n_ex) * m, ma.w = Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H, w1g.get()};
               ma.experts = idl.data(), ma.w_experts = E, ma.d = dg.get(), ma.n = 2 * I, ma.k = int(kph);
               ma.offsets = off.data(), ma.counts = cnt.data(), ma.groups = n_ex, ma.tile_tokens = tile;
-              mg.run(ma, st);
-              ctx.sync();
-              const int calls = 10;
-              DZ_CUDA_CHECK(cudaEventRecord(e0, st));
-              for (int i = 0; i < calls; ++i) mg.run(ma, st);
-              DZ_CUDA_CHECK(cudaEventRecord(e1, st));
-              DZ_CUDA_CHECK(cudaEventSynchronize(e1));
-              DZ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-              const double per = ms / calls, tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
+              const double per = ms_per_call(10, [&] { mg.run(ma, st); }),
+                           tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
               mj.push_back({{"groups", n_ex},
                             {"m", m},
                             {"n", 2 * I},
