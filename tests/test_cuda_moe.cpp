@@ -18,7 +18,6 @@
 #include "cuda/fp8_gemm.h"
 #include "cuda/fp8_grouped_gemm.h"
 #include "cuda/moe.h"
-#include "cuda/moe_one_token.h"
 #include "cuda/mxfp4_fold.h"
 #include "cuda/mxfp4_gemm.h"
 #include "runtime/cuda/context.h"
@@ -466,7 +465,6 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
     for (int ks : {1, 4, 8})
       for (bool pdl : {false, true}) {
         INFO("fused variant ks " << ks << " pdl " << pdl);
-        layer.options().fused_one_token_stream = false;  // (its own test below)
         layer.options().fused_k_split = ks;
         layer.options().pdl = pdl;
         DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
@@ -488,7 +486,6 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
     // One token reads the router's ids directly (no routing launch): the same bits as through the routing kernel.
     if (T == 1) {
       layer.options() = w4a16_options();
-      layer.options().fused_one_token_stream = false;
       layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFused);
       ctx.sync();
       const auto direct = out.get();
@@ -527,146 +524,6 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
     if (b.T == 3) {
       CHECK_THROWS_AS(layer.forward(MoeWeights{}, x.p, ids.p, gw.p, c.T, out.p), Error);
       CHECK_THROWS_AS(layer.forward(w, x.p, ids.p, gw.p, 5, out.p), Error);  // more tokens than the scratch holds
-    }
-  }
-#endif
-}
-
-TEST_CASE("CUDA MoE layer: one token on the streaming kernels matches float64 and the per-projection kernels",
-          "[cuda]") {
-  if (!have_gpu()) return;
-#ifdef DZ_WITH_CUDA
-  if (!moe_one_token_fits(4, 320, 192)) {
-    WARN("one-token streaming kernels not supported here (need sm_90 and an sm_90a build): not tested");
-    return;
-  }
-  Context ctx(small_ctx());
-  std::mt19937 rng(23);
-  struct Case {
-    int E, topk, H, I;
-    int s_lo, s_hi;                                 // scale bytes: a wide range spreads the sub-blocks over 34 binades
-    float x_spread;                                 // inputs times 10^U(-x_spread, x_spread) per 32-element sub-block
-  } cases[] = {{8, 4, 320, 192, 118, 124, 0.f},     // one sub-block a lane, idle lanes
-               {16, 4, 2880, 2880, 118, 124, 0.f},  // gpt-oss's H and I: three a lane, the last partly
-               {12, 8, 1024, 2048, 96, 130, 4.f},   // topk 8, two a lane, extreme scales and inputs
-               {6, 1, 64, 3072, 118, 124, 2.f}};    // one slot, 96 sub-blocks (the most), H of 2 sub-blocks
-  for (const Case& cs : cases) {
-    MoeCase c = make_moe(cs.E, cs.topk, cs.H, cs.I, 1, rng, cs.s_lo, cs.s_hi);
-    std::uniform_real_distribution<float> ud(-cs.x_spread, cs.x_spread);
-    for (int sb = 0; sb < cs.H / 32; ++sb) {
-      const float f = std::pow(10.f, ud(rng));
-      for (int i = 0; i < 32; ++i) c.x[size_t(sb * 32 + i)] *= f;
-    }
-    INFO("E " << c.E << " topk " << c.topk << " H " << c.H << " I " << c.I << " scales " << cs.s_lo << ".." << cs.s_hi
-              << " input spread 10^" << cs.x_spread);
-    REQUIRE(moe_one_token_fits(c.topk, c.H, c.I));
-    MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, 4, w4a16_options());
-    Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
-    Dev<uint16_t> b1(c.b1), b2(c.b2);
-    Dev<float> x(c.x), gw(c.gw), out(size_t(c.H));
-    Dev<int> ids(c.ids);
-    const MoeWeights w{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p};
-    const auto ref = moe_ref(c);
-    auto run = [&](bool stream, bool pdl, bool graph, bool accumulate = false) {
-      layer.options().fused_one_token_stream = stream;
-      layer.options().pdl = pdl;
-      if (!accumulate) DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));  // poison
-      if (!graph) {
-        layer.forward(w, x.p, ids.p, gw.p, 1, out.p, MoePath::kFused, accumulate);
-      } else {
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        DZ_CUDA_CHECK(cudaStreamBeginCapture(ctx.stream(), cudaStreamCaptureModeThreadLocal));
-        layer.forward(w, x.p, ids.p, gw.p, 1, out.p, MoePath::kFused, accumulate);
-        DZ_CUDA_CHECK(cudaStreamEndCapture(ctx.stream(), &g));
-        DZ_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-        DZ_CUDA_CHECK(cudaGraphLaunch(ge, ctx.stream()));
-        ctx.sync();
-        cudaGraphExecDestroy(ge);
-        cudaGraphDestroy(g);
-      }
-      ctx.sync();
-      return out.get();
-    };
-    const auto w4 = run(false, true, false);
-    const auto got = run(true, true, false);
-    const double d = finite_diff(got, ref), d_w4 = finite_diff(w4, ref);
-    const double d_pp =
-        diff_metric(std::vector<double>(got.begin(), got.end()), std::vector<double>(w4.begin(), w4.end()));
-    INFO("diff vs float64 " << d << " (per-projection kernels " << d_w4 << "), vs the per-projection kernels " << d_pp);
-    CHECK(d < 2e-4);  // fp16 activations, exact weights, fp16 sums of 32 products
-    CHECK(d_pp < 1e-4);
-    // The same bits again, without PDL, and replayed from a CUDA graph.
-    for (bool pdl : {false, true}) {
-      INFO("pdl " << pdl);
-      CHECK(std::memcmp(run(true, pdl, false).data(), got.data(), got.size() * sizeof(float)) == 0);
-      CHECK(std::memcmp(run(true, pdl, true).data(), got.data(), got.size() * sizeof(float)) == 0);
-    }
-    // Another input right after (the kernels' slot counts are back at zero: down waits for this call's gate_up).
-    {
-      MoeCase c2 = c;
-      for (float& v : c2.x) v = -0.5f * v + 0.25f;
-      Dev<float> x2(c2.x);
-      layer.options().fused_one_token_stream = true;
-      for (int rep = 0; rep < 2; ++rep) {
-        layer.forward(w, (rep ? x : x2).p, ids.p, gw.p, 1, out.p, MoePath::kFused);
-        ctx.sync();
-        const auto g2 = out.get();
-        INFO("second input, repeat " << rep);
-        if (rep) {
-          CHECK(std::memcmp(g2.data(), got.data(), got.size() * sizeof(float)) == 0);
-        } else {
-          const auto r2 = moe_ref(c2);
-          const double d2 = finite_diff(g2, r2);
-          layer.options().fused_one_token_stream = false;
-          layer.forward(w, x2.p, ids.p, gw.p, 1, out.p, MoePath::kFused);
-          ctx.sync();
-          const auto w2o = out.get();
-          const double d2w = finite_diff(w2o, r2);
-          layer.options().fused_one_token_stream = true;
-          layer.options().pdl = false;
-          layer.forward(w, x2.p, ids.p, gw.p, 1, out.p, MoePath::kFused);
-          ctx.sync();
-          const double d2n = finite_diff(out.get(), r2);
-          layer.options().pdl = true;
-          std::vector<double> reps;
-          for (int q = 0; q < 6; ++q) {
-            layer.forward(w, x2.p, ids.p, gw.p, 1, out.p, MoePath::kFused);
-            ctx.sync();
-            reps.push_back(finite_diff(out.get(), r2));
-          }
-          INFO("diff vs float64 " << d2 << ", the per-projection kernels " << d2w << ", no PDL " << d2n << ", again "
-                                  << reps[0] << " " << reps[1] << " " << reps[2] << " " << reps[3] << " " << reps[4]
-                                  << " " << reps[5]);
-          CHECK(d2 < 2e-4);
-        }
-      }
-    }
-    // accumulate: out += the layer (the residual), on top of random values.
-    std::vector<float> base(size_t(c.H));
-    std::normal_distribution<float> nd(0.f, 1.f);
-    for (float& v : base) v = nd(rng);
-    DZ_CUDA_CHECK(cudaMemcpy(out.p, base.data(), base.size() * sizeof(float), cudaMemcpyHostToDevice));
-    const auto acc = run(true, true, false, true);
-    double worst = 0;
-    for (size_t i = 0; i < acc.size(); ++i)
-      worst = std::max(
-          worst, std::fabs(double(acc[i]) - (double(base[i]) + double(got[i]))) / (1.0 + std::fabs(double(got[i]))));
-    CHECK(worst < 1e-6);
-    CHECK(layer.take_error() == 0);
-    // A slot naming an expert out of range is flagged and counts 0; the others still count.
-    if (c.topk > 1) {
-      std::vector<int> bad = c.ids;
-      bad[1] = c.E + 5;
-      DZ_CUDA_CHECK(cudaMemcpy(ids.p, bad.data(), bad.size() * sizeof(int), cudaMemcpyHostToDevice));
-      const auto gb = run(true, true, false);
-      CHECK(layer.take_error() == 1);
-      MoeCase c2 = c;
-      c2.gw[1] = 0.f;
-      const double db = finite_diff(gb, moe_ref(c2));
-      INFO("bad id: diff vs float64 without the slot " << db);
-      CHECK(db < 2e-4);
-      DZ_CUDA_CHECK(cudaMemcpy(ids.p, c.ids.data(), c.ids.size() * sizeof(int), cudaMemcpyHostToDevice));
     }
   }
 #endif

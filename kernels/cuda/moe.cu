@@ -8,8 +8,6 @@
 
 #include "cpu/mxfp4_fold.h"
 #include "cuda/moe.h"
-#include "cuda/moe_one_token.h"
-#include "cuda/moe_w4.cuh"
 #include "cuda/mxfp4_fold.h"
 #include "cuda/mxfp4_gemm.h"
 #include "cuda/pdl.cuh"
@@ -36,6 +34,23 @@ constexpr int kW4Tokens = 8;         // tokens per MMA tile (n = 8)
 constexpr int kW4MaxTokens = 16;     // tokens per weight pass of the per-projection kernels (two tiles)
 constexpr int kRouteConvertsX = 16;  // the routing block converts the input up to this many tokens
 constexpr int kW8ImageTokens = 512;  // tokens a call whose W4A8 activations are prepared as images
+
+__device__ __forceinline__ float bf16_to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
+
+// 2^(s-127) for an E8M0 byte s in 0..254 (s = 0 is the fp32 subnormal 2^-127).
+__device__ __forceinline__ float e8m0_to_float(int s) {
+  return s == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(uint32_t(s) << 23);
+}
+
+// gpt-oss's clamped SwiGLU. The fast division (~2 ulp; 0 once the
+// denominator passes 2^126, where the quotient underflows anyway) keeps the
+// FP8 path's SwiGLU + quantization pass off the instruction limit.
+constexpr float kSwigluLimit = 7.f;
+__device__ __forceinline__ float swiglu(float gate, float up) {
+  gate = fminf(gate, kSwigluLimit);
+  up = fminf(fmaxf(up, -kSwigluLimit), kSwigluLimit);
+  return (up + 1.f) * __fdividef(gate, 1.f + __expf(-1.702f * gate));
+}
 
 // ------------------------------------------------------------------ routing
 // Counting sort of the T*topk slots by expert; active[i] = {expert, first row,
@@ -313,6 +328,25 @@ struct W4Args {
 __device__ __forceinline__ uint32_t w4_fold_scale(int d) {
   const uint32_t h = d <= 28 ? uint32_t(29 - d) << 10 : d <= 38 ? 1u << (38 - d) : 0u;
   return h | (h << 16);
+}
+
+// Nibbles j and j + 4 of w as fp16 pairs (low, high half), p[j] for j =
+// 0..3: E2M1 bits placed at fp16 bits 15 and 11..9 are the code's value *
+// 2^-14 exactly (the 0.5 code lands on the subnormal 2^-15), no table. By way
+// of bytes: the even nibbles' fp16 high bytes in E, the odd ones' in O, then
+// spread to half words: 11 instructions a word (15 placing each pair with its
+// own shifts, before run 84).
+__device__ __forceinline__ void w4_pairs(uint32_t w, uint32_t (&p)[4]) {
+  const uint32_t E = ((w << 1) & 0x0E0E0E0Eu) | ((w << 4) & 0x80808080u);
+  const uint32_t O = ((w >> 3) & 0x0E0E0E0Eu) | (w & 0x80808080u);
+  p[0] = ptx::prmt(E, 0u, 0x2404), p[2] = E & 0xFF00FF00u;
+  p[1] = ptx::prmt(O, 0u, 0x2404), p[3] = O & 0xFF00FF00u;
+}
+
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
 }
 
 // An 8-element fp16 activation piece x0..x7 in the order of the weight pairs:
@@ -1640,7 +1674,6 @@ struct MoeLayer::Impl {
   std::vector<cudaEvent_t> ev_join;
   // routing
   DeviceArray<int> counts, offsets, sorted, row_expert, inv, active, n_active, err, route_part;
-  DeviceArray<int> one_sync;  // the one-token kernels' slot counts (zero between calls)
   // fused path
   DeviceArray<__half> xh, act16;
   DeviceArray<float> xs, y32;
@@ -1652,7 +1685,6 @@ struct MoeLayer::Impl {
   DeviceArray<uint8_t> ws_fp8;
   DeviceArray<float> ws_scales;
   bool w8_fits = false;                      // the W4A8 kernels can run here (device, build, shared memory)
-  bool one_fits = false;                     // the one-token streaming kernels take this shape here
   int n_sms = 132;                           // multiprocessors of the device
   int tile_cap = 0;                          // experts per workspace tile it was sized for
   DeviceArray<uint8_t> w8_img, w8_img_down;  // W4A8 images: gate_up's, and down's (written by gate_up)
@@ -1684,7 +1716,6 @@ struct MoeLayer::Impl {
     active = DeviceArray<int>(P, 4 * size_t(E), "moe active experts");
     n_active = DeviceArray<int>(P, 1, "moe active count");
     err = DeviceArray<int>(P, 1, "moe error flag");
-    one_sync = DeviceArray<int>(P, kMoeOneTokenSync, "moe one-token slot counts");
     route_part = DeviceArray<int>(P, size_t(std::max<int64_t>(1, (slots + kRouteChunk - 1) / kRouteChunk)) * E,
                                   "moe routing chunk counts");
     xh = DeviceArray<__half>(P, size_t(maxT) * kph, "moe fp16 input");
@@ -1712,7 +1743,6 @@ struct MoeLayer::Impl {
     ws_scales =
         DeviceArray<float>(P, 2 * (tile_cap * per_expert_sc + 8), "FP8 expert workspace scales");  // +8: alignment
     DZ_CUDA_CHECK(cudaMemsetAsync(err.get(), 0, sizeof(int), ctx.stream()));
-    DZ_CUDA_CHECK(cudaMemsetAsync(one_sync.get(), 0, one_sync.bytes(), ctx.stream()));
     // gate_up's epilogue never writes down's sub-blocks past I (kpi > I): zeros.
     DZ_CUDA_CHECK(cudaMemsetAsync(w8_img_down.get(), 0, w8_img_down.bytes(), ctx.stream()));
     // Padding columns of the fp16 activations are never written by the kernels.
@@ -1746,7 +1776,6 @@ struct MoeLayer::Impl {
     DZ_CUDA_CHECK(cudaGetDevice(&dev));
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     w8_fits = Fp8GroupedGemm::supported() && smem8 <= optin;
-    one_fits = moe_one_token_fits(s.topk, H, I);
     DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev));
     if (w8_fits) {
       for (int ks : {1, 2})
@@ -1806,16 +1835,6 @@ struct MoeLayer::Impl {
   void fused(const MoeWeights& w, const float* x, const int* ids, const float* gw, int T, float* out, int accumulate) {
     cudaStream_t st = ctx.stream();
     const int E = s.n_experts, H = s.hidden, I = s.intermediate;
-    if (stream_one(T, w, x)) {
-      MoeOneTokenArgs o;
-      o.w1_blocks = w.w1_blocks, o.w1_scales = w.w1_scales, o.b1 = w.b1;
-      o.w2_blocks = w.w2_blocks, o.w2_scales = w.w2_scales, o.b2 = w.b2;
-      o.ids = ids, o.gw = gw, o.x = x, o.out = out, o.accumulate = accumulate;
-      o.act = act16.get(), o.act_ld = int(kpi), o.err = err.get(), o.sync = one_sync.get();
-      o.n_experts = E, o.topk = s.topk, o.hidden = H, o.intermediate = I;
-      moe_one_token(o, st, opt.pdl && pdl_enabled());
-      return;
-    }
     if (T > kRouteConvertsX) {
       x_to_half_kernel<<<T, 256, 0, st>>>(x, H, int(kph), xh.get(), xs.get());
       DZ_CUDA_LAUNCH_CHECK();
@@ -1872,12 +1891,6 @@ struct MoeLayer::Impl {
     launch(comb, v8 ? combine_grid(T, H, 8, 128) : combine_grid(T, H), dim3(v8 ? 128 : 256), 0, st, pdl,
            (const float*)y32.get(), (const int*)inv.get(), ids, gw, s.topk, (const uint16_t*)nullptr, H, out,
            accumulate);
-  }
-
-  // One token on the streaming kernels (moe_one_token.h): no routing launch either.
-  bool stream_one(int T, const MoeWeights& w, const float* x) const {
-    return T == 1 && opt.fused_one_token_stream && one_fits && aligned16(x) && aligned16(w.w1_blocks) &&
-           aligned16(w.w2_blocks) && aligned16(w.w2_scales);
   }
 
   // One token, per-projection kernels: no routing launch (see MoeOptions);
@@ -2204,7 +2217,7 @@ void MoeLayer::forward(const MoeWeights& w, const float* x, const int* ids, cons
   check(x && ids && gw && out && w.w1_blocks && w.w1_scales && w.b1 && w.w2_blocks && w.w2_scales && w.b2,
         DZ_ERR_INVALID_ARGUMENT, "MoeLayer::forward: null pointer");
   if (path == MoePath::kAuto) path = choose(T);
-  if (!(path == MoePath::kFused && (p_->direct(T) || p_->stream_one(T, w, x))))
+  if (!(path == MoePath::kFused && p_->direct(T)))
     p_->route(ids, T, path == MoePath::kFused && T <= kRouteConvertsX ? x : nullptr);
   if (path == MoePath::kFused)
     p_->fused(w, x, ids, gw, T, out, accumulate ? 1 : 0);

@@ -67,11 +67,6 @@ struct MoeOptions {
   // One token on the per-projection fused kernels: they read the router's ids
   // themselves and gate_up converts the input (no routing launch).
   bool fused_one_token_direct = true;
-  // One token on the two streaming kernels of moe_one_token.h (every SM streams
-  // gate_up while down's blocks bulk-copy their slices beside it; down also forms
-  // the weighted sum) where the shape and device allow; false: the
-  // per-projection kernels above.
-  bool fused_one_token_stream = true;
   // W4A8 fused kernels: E4M3 activations (1x128 scales, as the FP8 path) on
   // FP8 wgmma, the weights streamed into shared memory by the copy engine, for
   // tokens * topk / n_experts <= fused_w4a8_max_tokens_per_expert and more

@@ -425,7 +425,6 @@ int bench_moe(const Args& a) {
           layer.options().fused_w4a8_passes = w4a8_passes;
           layer.options().fused_w4a8_stream_above = 1e9;  // W4A8 staged (no images) at any size
           layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
-          layer.options().fused_one_token_stream = false;  // the per-projection kernels' variants
           layer.options().fused_w4a8 = w4a8_terms > 0;
           layer.options().fused_w4a8_terms = std::max(1, w4a8_terms);
           layer.options().fused_w4a8_tiles = w4a8_tiles;
@@ -475,13 +474,7 @@ int bench_moe(const Args& a) {
           for (bool pdl : {false, true})
             if (ks != 8 || (T <= 64 && pdl))
               variants["ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] = time_fused(ks, pdl);
-        if (T == 1) {
-          variants["ks4_pdl_routing_kernel"] = time_fused(4, true, false);  // one token, routed
-          for (bool pdl : {false, true}) {                                  // the streaming kernels (moe_one_token.h)
-            layer.options().fused_one_token_stream = true, layer.options().pdl = pdl;
-            variants[std::string("one_token_stream") + (pdl ? "_pdl" : "")] = time_fused(0, pdl, true, 0, true);
-          }
-        }
+        if (T == 1) variants["ks4_pdl_routing_kernel"] = time_fused(4, true, false);  // one token, routed
         if (T >= 8) {  // 16 token slots a pass (two MMA token tiles) whatever the tokens per expert
           layer.options().fused_two_token_tiles_above = 0.0;  // kept by time_fused, which then restores opt
           variants["ks1_pdl_16slots"] = time_fused(1, true);
