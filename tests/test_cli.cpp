@@ -44,7 +44,16 @@ TEST_CASE("dz --help lists commands and every command has --help", "[cli]") {
     INFO(cmd << ": " << pout);
     CHECK(prc == 2);
     CHECK_THAT(pout, Catch::Contains("--pass-tokens '100'"));
+    // A device no backend has (bench model once took any word for cuda).
+    auto [drc, dout] = run_cmd(std::string(DZ_TOOL) + cmd + " --device gpu");
+    CHECK(drc == 2);
+    CHECK_THAT(dout, Catch::Contains("--device 'gpu'"));
   }
+  // A checkpoint that is not there: the library's message once, the command's name once.
+  auto [mrc, mout] = run_cmd(std::string(DZ_TOOL) + " bench model --model /nonexistent/dz-model --device cpu");
+  CHECK(mrc != 0);
+  CHECK_THAT(mout, Catch::Contains("dz bench model: dz_model_open: /nonexistent/dz-model"));
+  CHECK(mout.find("dz_model_open: dz_model_open") == std::string::npos);
 }
 
 TEST_CASE("dz info describes a sharded checkpoint and flags corruption", "[cli]") {

@@ -40,7 +40,7 @@ const char* kUsage =
     "usage: dz bench model (--make-random DIR [--shape 20b|120b] | --model DIR) [--device cuda|cpu|auto]\n"
     "                      [--prefill N]\n"
     "                      [--prefill-chunk N] [--ctx N] [--steps N] [--batch N] [--experts auto|native|fp8]\n"
-    "                      [--attention precise|bf16] [--pass-tokens N]\n"
+    "                      [--attention precise|bf16|auto] [--pass-tokens N] [--threads N] [--activations A]\n"
     "                      [--out FILE.json]\n"
     "  --make-random DIR  write a random checkpoint of gpt-oss's published layout into DIR first\n"
     "  --shape S          its shape: 20b (32 experts, 24 layers, 13.8 GB; default) or 120b (128 experts,\n"
@@ -56,7 +56,9 @@ const char* kUsage =
     "  --no-eager         skip the decode runs without CUDA graphs (DZ_CUDA_GRAPHS=0)\n"
     "  --experts MODE     expert precision (dz_expert_precision; default auto; fp8: E4M3 arithmetic)\n"
     "  --attention P      prefill attention products (dz_attention_precision; default precise)\n"
-    "  --pass-tokens N    tokens one device pass holds (dz_model_params.pass_tokens; default 0: 16384)\n";
+    "  --pass-tokens N    tokens one device pass holds (dz_model_params.pass_tokens; default 0: 16384)\n"
+    "  --threads N, --activations A\n"
+    "                     the CPU backend's threads and activation rounding (as for dz generate)\n";
 
 uint64_t mix(uint64_t x) {  // splitmix64
   x += 0x9e3779b97f4a7c15ull;
@@ -262,8 +264,12 @@ void write_checkpoint(const std::string& dir, int64_t E, int layers) {
   std::ofstream(dir + "/model.safetensors.index.json") << index.dump(1);
 }
 
+// The library's message names the call already; what only when it has none.
 void ok(dz_status s, const char* what) {
-  if (s != DZ_OK) fail(s, what, ": ", dz_last_error());
+  if (s == DZ_OK) return;
+  const char* m = dz_last_error();
+  if (m && *m) fail(s, m);
+  fail(s, what, " failed (status ", int(s), ")");
 }
 
 }  // namespace
@@ -273,11 +279,11 @@ int bench_model(const Args& a) {
     std::printf("%s", kUsage);
     return 0;
   }
-  reject_unknown(a,
-                 {"--make-random", "--model", "--device", "--prefill", "--prefill-chunk", "--ctx", "--long-ctx",
-                  "--steps", "--batch", "--out", "--layers", "--no-eager", "--experts", "--attention", "--pass-tokens",
-                  "--shape", "--write-only"},
-                 "bench model");
+  reject_unknown(
+      a,
+      with_model_options({"--make-random", "--model", "--prefill", "--prefill-chunk", "--ctx", "--long-ctx", "--steps",
+                          "--batch", "--out", "--layers", "--no-eager", "--experts", "--shape", "--write-only"}),
+      "bench model");
   try {
     const std::string mk = flag_value(a, "--make-random"), dir = mk.empty() ? flag_value(a, "--model") : mk;
     if (dir.empty()) {
@@ -305,10 +311,12 @@ int bench_model(const Args& a) {
       if (has_flag(a, "--write-only")) return 0;
     }
     dz_model_params mp;
-    dz_model_params_init(&mp);
-    show_load_progress(&mp);
-    const std::string dev = flag_value(a, "--device", "cuda");
-    mp.device = dev == "cpu" ? DZ_DEVICE_CPU : dev == "auto" ? DZ_DEVICE_AUTO : DZ_DEVICE_CUDA;
+    std::string err;
+    const ModelOptionDefaults defaults{"cuda", "precise"};
+    if (!parse_model_options(a, &mp, &err, defaults)) {
+      std::fprintf(stderr, "dz bench model: %s\n", err.c_str());
+      return 2;
+    }
     const std::string ex = flag_value(a, "--experts", "auto");
     if (ex != "auto" && ex != "native" && ex != "fp8") {
       std::fprintf(stderr, "dz bench model: --experts takes auto, native or fp8, not '%s'\n", ex.c_str());
@@ -316,17 +324,7 @@ int bench_model(const Args& a) {
     }
     mp.experts = ex == "fp8" ? DZ_EXPERTS_FP8 : ex == "native" ? DZ_EXPERTS_NATIVE : DZ_EXPERTS_AUTO;
     r["experts"] = ex;
-    std::string err;
-    const std::string at = flag_value(a, "--attention", "precise");
-    if (!parse_attention(at, &mp, &err)) {
-      std::fprintf(stderr, "dz bench model: %s\n", err.c_str());
-      return 2;
-    }
-    r["attention"] = at;
-    if (!parse_pass_tokens(flag_value(a, "--pass-tokens", "0"), &mp, &err)) {
-      std::fprintf(stderr, "dz bench model: %s\n", err.c_str());
-      return 2;
-    }
+    r["attention"] = flag_value(a, "--attention", defaults.attention);
     r["pass_tokens"] = mp.pass_tokens;
     dz_model* m = nullptr;
     auto t0 = Clock::now();

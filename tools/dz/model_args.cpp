@@ -86,9 +86,9 @@ std::vector<std::string> with_model_options(std::vector<std::string> own) {
   return own;
 }
 
-bool parse_model_options(const Args& a, dz_model_params* p, std::string* err) {
+bool parse_model_options(const Args& a, dz_model_params* p, std::string* err, const ModelOptionDefaults& defaults) {
   dz_model_params_init(p);
-  const std::string dev = flag_value(a, "--device", "cpu");
+  const std::string dev = flag_value(a, "--device", defaults.device);
   if (dev == "cpu")
     p->device = DZ_DEVICE_CPU;
   else if (dev == "cuda")
@@ -115,7 +115,7 @@ bool parse_model_options(const Args& a, dz_model_params* p, std::string* err) {
     return false;
   }
   show_load_progress(p);
-  return parse_attention(flag_value(a, "--attention", "auto"), p, err) &&
+  return parse_attention(flag_value(a, "--attention", defaults.attention), p, err) &&
          parse_pass_tokens(flag_value(a, "--pass-tokens", "0"), p, err);
 }
 

@@ -12,9 +12,16 @@ namespace dz::cli {
 
 // "1,2,3" -> ids; false (with a message in *err) on anything else.
 bool parse_tokens(const std::string& s, std::vector<int32_t>* out, std::string* err);
-// --device cpu|cuda|auto, --threads N, --attention precise|bf16|auto and
-// --pass-tokens N into params; false with *err.
-bool parse_model_options(const Args& a, dz_model_params* params, std::string* err);
+// --device cpu|cuda|auto, --threads N, --activations auto|f32|bf16,
+// --attention precise|bf16|auto and --pass-tokens N into params; false with
+// *err. Absent --device / --attention take the given defaults (a benchmark's
+// differ from the CLI's).
+struct ModelOptionDefaults {
+  const char* device = "cpu";
+  const char* attention = "auto";
+};
+bool parse_model_options(const Args& a, dz_model_params* params, std::string* err,
+                         const ModelOptionDefaults& defaults = {});
 // own + the flags parse_model_options reads: the known list for reject_unknown.
 std::vector<std::string> with_model_options(std::vector<std::string> own);
 // precise|bf16|auto into params->attention; false with *err.
