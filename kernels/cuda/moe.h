@@ -99,7 +99,9 @@ struct MoeOptions {
   // One token: since down's images come from gate_up (run 112) the W4A8
   // kernels (two terms, K split 2) win the layer alone, 32.3 vs W4A16 34.5 us
   // (run 113), but lose the gpt-oss-20b decode step they sit in: 2.010-2.053
-  // vs 1.928-1.954 ms, four alternating pairs (2026-12-03-h200-run119.md).
+  // vs 1.928-1.954 ms, four alternating pairs (2026-12-03-h200-run119.md);
+  // again on today's kernels (run 306, 2026-12-04-h200-run300.md): 2.010 /
+  // 2.036 vs 1.912 / 1.912 ms a step at batch 1 (32.3 vs 35.0 us alone).
   bool fused_w4a8 = true;
   double fused_w4a8_max_tokens_per_expert = 16.0;
   int fused_w4a8_min_slots = 4;
