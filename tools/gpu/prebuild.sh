@@ -18,8 +18,11 @@ cp -P build-gpu/libdayzero.so* "$DIR"/  # the Python binding (tools/gpu/profile_
 # The HBM access-pattern probe (tools/bench/dram_pattern.cu; driver API for its tensor maps).
 nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Ikernels tools/bench/dram_pattern.cu \
   -L/usr/local/cuda/lib64/stubs -lcuda -o "$DIR"/dram_pattern
+# One token's expert bytes through two dependent launches with no arithmetic (tools/bench/one_token_stream.cu).
+nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Ikernels tools/bench/one_token_stream.cu \
+  -o "$DIR"/one_token_stream
 # Symbol tables are not needed there (a sixth of the bytes to copy).
-strip "$DIR"/dz "$DIR"/dz_tests
+strip "$DIR"/dz "$DIR"/dz_tests "$DIR"/one_token_stream
 strip --strip-unneeded "$DIR"/libdayzero.so.*.*
 # Shared libraries that a CUDA image may not have (everything else is static or system).
 for lib in $(ldd build-gpu/dz build-gpu/tests/dz_tests | awk '/pcre2/ {print $3}' | sort -u); do cp -L "$lib" "$DIR"/; done

@@ -13,7 +13,7 @@
 #   DZ_DEPS=DIR       extra prefix (include/, lib/, lib/pkgconfig) with the build dependencies
 #   DZ_BENCH_TOKENS   token counts for dz bench moe (default 1,8,64,128,256,384,512,1024,2048,4096,16384)
 #   DZ_GPU_STEPS      which steps to run (default "tests moe peers patterns attention sampling model profile model120b";
-#                     profile needs model, patterns a prebuilt dram_pattern)
+#                     profile needs model, patterns a prebuilt dram_pattern and one_token_stream)
 #   DZ_MODEL_DIR      where dz bench model writes its random gpt-oss-20b checkpoint (default /tmp/dz_gptoss20b_random)
 #   DZ_TOKENIZER_DIR  gpt-oss's tokenizer.json + tokenizer_config.json for the dz chat smoke test (default: the
 #                     cache of tools/fetch_tokenizers.sh)
@@ -46,6 +46,7 @@ if [ -n "${DZ_PREBUILT:-}" ]; then
   TESTS=$BIN/dz_tests
   LIBDZ=$BIN/libdayzero.so
   DRAM_PATTERN=$BIN/dram_pattern
+  ONE_TOKEN_STREAM=$BIN/one_token_stream
   # CLI tests call dz at the path they were built with (build/dz or build-gpu/dz of the source tree).
   for d in build build-gpu; do [ -e $d/dz ] || { mkdir -p $d && ln -s "$BIN/dz" $d/dz; }; done
 else
@@ -69,6 +70,9 @@ else
   DRAM_PATTERN=build-gpu/dram_pattern
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Ikernels tools/bench/dram_pattern.cu -lcuda -o "$DRAM_PATTERN" ||
     echo "tools/bench/dram_pattern.cu did not build (the patterns step is skipped)"
+  ONE_TOKEN_STREAM=build-gpu/one_token_stream
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Ikernels tools/bench/one_token_stream.cu -o "$ONE_TOKEN_STREAM" ||
+    echo "tools/bench/one_token_stream.cu did not build (skipped in the patterns step)"
 fi
 
 # dz bench NAME into OUTDIR/bench_NAME.{json,log} (its lines that start with NAME
@@ -136,6 +140,10 @@ step "HBM access patterns of the W4A8 decode kernels' weight stream (tools/bench
 for shape in "30 5760 1440 4" "30 2880 1440 4" "4 5760 1440 4" "4 2880 1440 4"; do
   "$DRAM_PATTERN" $shape
 done | tee "$OUTDIR/dram_pattern.jsonl" | grep variant
+if [ -x "$ONE_TOKEN_STREAM" ]; then
+  step "one token's expert bytes through two dependent launches, no arithmetic (tools/bench/one_token_stream.cu)"
+  "$ONE_TOKEN_STREAM" | tee "$OUTDIR/one_token_stream.txt"
+fi
 fi
 
 if want attention; then

@@ -1,0 +1,248 @@
+// How fast one token's expert bytes can stream through two dependent launches
+// (gate_up, then down as its programmatic dependent, in a CUDA graph: the shape
+// of the one-token MoE kernels), with no arithmetic at all. gpt-oss-120b: 4
+// experts x (gate_up 5760 rows + down 2880 rows) x 1440 bytes, 53 MB a token.
+//   plain        grid-stride 16-byte loads in both launches (dz bench moe's plain read)
+//   ring S x C   gate_up: one block an SM, a producer thread bulk-copying the block's contiguous share in
+//                chunks of C bytes into a ring of S stages, 8 consumer warps touching each chunk and releasing it;
+//                down: one block an SM beside it, bulk-copying its whole slice (1/SMs of down's bytes) into
+//                shared memory before it waits for gate_up (griddepcontrol.wait), then touching it
+//   ring S x C, down after   the same with down's copy issued only after its wait
+// The sets of bytes rotate so that a call does not find the last one's in L2.
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Ikernels tools/bench/one_token_stream.cu -o
+//   one_token_stream
+//   ./one_token_stream [reps=200]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "cuda/ptx.cuh"
+
+#define CK(x)                                                                                 \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+using namespace dz::cuda::ptx;
+
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+__global__ void plain_kernel(const uint4* p, size_t n, unsigned* sink) {
+  pdl_wait(), pdl_trigger();
+  unsigned acc = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 v = ldg_nc_v4(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9E3779B9u) *sink = acc;  // (keeps the loads)
+}
+
+constexpr int kConsumers = 8, kRingThreads = 32 * (kConsumers + 1);
+
+// This block's contiguous share [b0, b1) of bytes (16-byte aligned).
+__device__ __forceinline__ void share(size_t bytes, size_t& b0, size_t& b1) {
+  const size_t units = bytes / 16;
+  b0 = units * blockIdx.x / gridDim.x * 16, b1 = units * (blockIdx.x + 1) / gridDim.x * 16;
+}
+
+__global__ void __launch_bounds__(kRingThreads, 1)
+    ring_kernel(const uint8_t* base, size_t bytes, int stages, int chunk, int interleave, unsigned* sink) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ __align__(8) uint64_t bars[16];
+  pdl_wait(), pdl_trigger();
+  size_t b0, b1;
+  share(bytes, b0, b1);
+  // interleave: chunk i of block b is the buffer's chunk i * blocks + b (the blocks' copies in flight at one
+  // time lie side by side, as a grid-stride read's do), else the block's contiguous share.
+  const size_t all_chunks = (bytes + chunk - 1) / chunk;
+  const int n_chunks =
+      interleave ? int((all_chunks - blockIdx.x + gridDim.x - 1) / gridDim.x) : int((b1 - b0 + chunk - 1) / chunk);
+  auto chunk_at = [&](int i, uint32_t& n) {
+    const size_t o = interleave ? (size_t(i) * gridDim.x + blockIdx.x) * chunk : b0 + size_t(i) * chunk;
+    const size_t end = interleave ? bytes : b1;
+    n = uint32_t(end - o < size_t(chunk) ? end - o : size_t(chunk));
+    return o;
+  };
+  const uint32_t full0 = smem_u32(bars), empty0 = full0 + 8 * stages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) mbar_init(full0 + 8 * s, 1), mbar_init(empty0 + 8 * s, kConsumers);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp == kConsumers) {
+    if (lane == 0)
+      for (int i = 0; i < n_chunks; ++i) {
+        const int s = i % stages;
+        const uint32_t ph = uint32_t(i / stages) & 1u;
+        mbar_wait(empty0 + 8 * s, ph ^ 1u);
+        uint32_t n;
+        const size_t o = chunk_at(i, n);
+        mbar_arrive_expect_tx(full0 + 8 * s, n);
+        bulk_g2s(smem_u32(smem + size_t(s) * chunk), base + o, n, full0 + 8 * s);
+      }
+    return;
+  }
+  unsigned acc = 0;
+  for (int i = 0; i < n_chunks; ++i) {
+    const int s = i % stages;
+    mbar_wait(full0 + 8 * s, uint32_t(i / stages) & 1u);
+    acc ^= reinterpret_cast<const unsigned*>(smem + size_t(s) * chunk)[(warp * 32 + lane) * 4];
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty0 + 8 * s);
+  }
+  if (acc == 0x9E3779B9u) *sink = acc;
+}
+
+// down's slice into shared memory in pieces of up to 64 KB, before (or after) its wait for gate_up.
+__global__ void __launch_bounds__(256, 1) slice_kernel(const uint8_t* base, size_t bytes, int after, unsigned* sink) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ __align__(8) uint64_t bar;
+  size_t b0, b1;
+  share(bytes, b0, b1);
+  const uint32_t b = smem_u32(&bar);
+  if (threadIdx.x == 0) {
+    mbar_init(b, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  auto issue = [&] {
+    if (threadIdx.x != 0) return;
+    mbar_arrive_expect_tx(b, uint32_t(b1 - b0));
+    for (size_t o = 0; o < b1 - b0; o += 65536)
+      bulk_g2s(smem_u32(smem + o), base + b0 + o, uint32_t(b1 - b0 - o < 65536 ? b1 - b0 - o : 65536), b);
+  };
+  if (!after) issue();
+  pdl_wait(), pdl_trigger();
+  if (after) issue();
+  mbar_wait(b, 0);
+  unsigned acc = 0;
+  for (size_t o = threadIdx.x * 16; o < b1 - b0; o += 256 * 16) acc ^= *reinterpret_cast<const unsigned*>(smem + o);
+  if (acc == 0x9E3779B9u) *sink = acc;
+}
+
+template <typename... P, typename... A>
+void launch(void (*k)(P...), int grid, int block, size_t smem, cudaStream_t s, A... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(grid), cfg.blockDim = dim3(block), cfg.dynamicSmemBytes = smem, cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr, cfg.numAttrs = 1;
+  CK(cudaLaunchKernelEx(&cfg, k, P(args)...));
+}
+
+int main(int argc, char** argv) {
+  const int reps = argc > 1 ? std::atoi(argv[1]) : 200;
+  constexpr int kSets = 6, kTopk = 4, kRowBytes = 1440, kUpRows = 5760, kDownRows = 2880;
+  const size_t up = size_t(kTopk) * kUpRows * kRowBytes, down = size_t(kTopk) * kDownRows * kRowBytes;
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  std::vector<uint8_t*> ups(kSets), downs(kSets);
+  for (int i = 0; i < kSets; ++i) {  // a set: gate_up's bytes, then down's
+    CK(cudaMalloc(&ups[i], up + down));
+    CK(cudaMemset(ups[i], i + 1, up + down));
+    downs[i] = ups[i] + up;
+  }
+  unsigned* sink;
+  CK(cudaMalloc(&sink, 4));
+  const size_t slice = (down / 16 + sms - 1) / sms * 16;
+  CK(cudaFuncSetAttribute(slice_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(slice)));
+  CK(cudaFuncSetAttribute(ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 << 10));
+  CK(cudaFuncSetAttribute(ring_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  auto time = [&](const char* name, auto body) {
+    std::vector<cudaGraphExec_t> g(kSets);
+    for (int i = 0; i < kSets; ++i) {
+      cudaGraph_t gr;
+      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      body(i);
+      CK(cudaStreamEndCapture(st, &gr));
+      CK(cudaGraphInstantiate(&g[i], gr, 0));
+      CK(cudaGraphDestroy(gr));
+    }
+    for (int i = 0; i < 2 * kSets; ++i) CK(cudaGraphLaunch(g[i % kSets], st));
+    CK(cudaEventRecord(e0, st));
+    for (int i = 0; i < reps; ++i) CK(cudaGraphLaunch(g[i % kSets], st));
+    CK(cudaEventRecord(e1, st));
+    CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    const double us = 1e3 * ms / reps;
+    std::printf("%-44s %7.2f us  %5.1f%% of 4.27 TB/s on %.1f MB\n", name, us,
+                100.0 * (up + down) / (us * 1e-6) / 4.27e12, (up + down) / 1e6);
+    for (auto x : g) CK(cudaGraphExecDestroy(x));
+  };
+  time("plain, one launch", [&](int i) {
+    launch(plain_kernel, 2112, 256, 0, st, reinterpret_cast<const uint4*>(ups[i]), (up + down) / 16, sink);
+  });
+  time("plain, gate_up then down", [&](int i) {
+    launch(plain_kernel, 2112, 256, 0, st, reinterpret_cast<const uint4*>(ups[i]), up / 16, sink);
+    launch(plain_kernel, 2112, 256, 0, st, reinterpret_cast<const uint4*>(downs[i]), down / 16, sink);
+  });
+  // Down's slices in more, smaller blocks (residency beside gate_up's ring blocks).
+  for (int per_sm : {2, 4}) {
+    const int grid = per_sm * sms;
+    const size_t sl = (down / 16 + grid - 1) / grid * 16;
+    for (int after : {0, 1}) {
+      char name[96];
+      std::snprintf(name, sizeof name, "ring 3 x 16 KB, down in %d blocks of %zu KB %s", grid, sl / 1024,
+                    after ? "after" : "before");
+      time(name, [&](int i) {
+        launch(ring_kernel, sms, kRingThreads, size_t(3 * 16384), st, (const uint8_t*)ups[i], up, 3, 16384, 0, sink);
+        launch(slice_kernel, grid, 256, sl, st, (const uint8_t*)downs[i], down, after, sink);
+      });
+    }
+  }
+  const int rings[][2] = {{2, 32768}, {4, 16384}, {6, 12288}, {3, 16384}};
+  for (auto r : rings) {
+    const size_t ring = size_t(r[0]) * r[1];
+    for (int after : {0, 1}) {
+      char name[96];
+      std::snprintf(name, sizeof name, "ring %d x %d KB, down's slice %s", r[0], r[1] / 1024,
+                    after ? "after its wait" : "before its wait");
+      time(name, [&](int i) {
+        launch(ring_kernel, sms, kRingThreads, ring, st, (const uint8_t*)ups[i], up, r[0], r[1], 0, sink);
+        launch(slice_kernel, sms, 256, slice, st, (const uint8_t*)downs[i], down, after, sink);
+      });
+    }
+    char name[96];
+    std::snprintf(name, sizeof name, "ring %d x %d KB, gate_up alone", r[0], r[1] / 1024);
+    time(name, [&](int i) {
+      launch(ring_kernel, sms, kRingThreads, ring, st, (const uint8_t*)ups[i], up, r[0], r[1], 0, sink);
+    });
+  }
+  for (int chunk : {4096, 8192, 16384})
+    for (int stages : {4, 8}) {
+      char name[96];
+      std::snprintf(name, sizeof name, "ring %d x %d KB interleaved, gate_up alone", stages, chunk / 1024);
+      time(name, [&](int i) {
+        launch(ring_kernel, sms, kRingThreads, size_t(stages) * chunk, st, (const uint8_t*)ups[i], up, stages, chunk, 1,
+               sink);
+      });
+      std::snprintf(name, sizeof name, "ring %d x %d KB interleaved, then down", stages, chunk / 1024);
+      time(name, [&](int i) {
+        launch(ring_kernel, sms, kRingThreads, size_t(stages) * chunk, st, (const uint8_t*)ups[i], up, stages, chunk, 1,
+               sink);
+        launch(slice_kernel, sms, 256, slice, st, (const uint8_t*)downs[i], down, 0, sink);
+      });
+    }
+  time("down's slices alone",
+       [&](int i) { launch(slice_kernel, sms, 256, slice, st, (const uint8_t*)downs[i], down, 0, sink); });
+  std::printf("(down's slice: %zu KB a block; %d SMs)\n", slice / 1024, sms);
+  return 0;
+}
