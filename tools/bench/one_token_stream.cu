@@ -8,6 +8,8 @@
 //                down: one block an SM beside it, bulk-copying its whole slice (1/SMs of down's bytes) into
 //                shared memory before it waits for gate_up (griddepcontrol.wait), then touching it
 //   ring S x C, down after   the same with down's copy issued only after its wait
+//   one launch   both projections in one kernel, a grid-wide barrier between them (fused_kernel); down's
+//                chunks through the ring after gate_up's, or down's slice copied whole at the start
 // The sets of bytes rotate so that a call does not find the last one's in L2.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Ikernels tools/bench/one_token_stream.cu -o
@@ -95,6 +97,84 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   }
   unsigned acc = 0;
   for (int i = 0; i < n_chunks; ++i) {
+    const int s = i % stages;
+    mbar_wait(full0 + 8 * s, uint32_t(i / stages) & 1u);
+    acc ^= reinterpret_cast<const unsigned*>(smem + size_t(s) * chunk)[(warp * 32 + lane) * 4];
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty0 + 8 * s);
+  }
+  if (acc == 0x9E3779B9u) *sink = acc;
+}
+
+// Both projections in one launch (one block an SM): gate_up's chunks dealt round the blocks through the
+// ring, then down's the same way; the consumers wait at a grid-wide barrier (every block done with gate_up,
+// as down's activations would need) before their first down chunk, while the producer keeps filling the ring
+// with down's chunks. sync: {arrivals, generation}, zero before the first launch.
+__global__ void __launch_bounds__(kRingThreads, 1)
+    fused_kernel(const uint8_t* up, size_t up_bytes, const uint8_t* down, size_t down_bytes, int stages, int chunk,
+                 int slice, unsigned* sync, unsigned* sink) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ __align__(8) uint64_t bars[16];
+  pdl_wait(), pdl_trigger();
+  const size_t up_chunks = (up_bytes + chunk - 1) / chunk, down_chunks = (down_bytes + chunk - 1) / chunk;
+  const int n_up = int((up_chunks - blockIdx.x + gridDim.x - 1) / gridDim.x);
+  // slice: down's contiguous share bulk-copied whole into shared memory behind the ring at the start
+  // (read after the barrier), instead of down's chunks through the ring.
+  const int n_down = slice ? 0 : int((down_chunks - blockIdx.x + gridDim.x - 1) / gridDim.x);
+  size_t d0, d1;
+  share(down_bytes, d0, d1);
+  __shared__ __align__(8) uint64_t sbar;
+  const uint32_t full0 = smem_u32(bars), empty0 = full0 + 8 * stages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) mbar_init(full0 + 8 * s, 1), mbar_init(empty0 + 8 * s, kConsumers);
+    mbar_init(smem_u32(&sbar), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __shared__ unsigned gen0;
+  if (threadIdx.x == 32) gen0 = *reinterpret_cast<volatile unsigned*>(sync + 1);
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  uint8_t* const sl = smem + size_t(stages) * chunk;
+  if (warp == kConsumers) {
+    if (lane == 0 && slice) {
+      mbar_arrive_expect_tx(smem_u32(&sbar), uint32_t(d1 - d0));
+      for (size_t o = 0; o < d1 - d0; o += 65536)
+        bulk_g2s(smem_u32(sl + o), down + d0 + o, uint32_t(d1 - d0 - o < 65536 ? d1 - d0 - o : 65536), smem_u32(&sbar));
+    }
+    if (lane == 0)
+      for (int i = 0; i < n_up + n_down; ++i) {
+        const int s = i % stages;
+        mbar_wait(empty0 + 8 * s, (uint32_t(i / stages) & 1u) ^ 1u);
+        const bool u = i < n_up;
+        const size_t total = u ? up_bytes : down_bytes, o = (size_t(u ? i : i - n_up) * gridDim.x + blockIdx.x) * chunk;
+        const uint32_t n = uint32_t(total - o < size_t(chunk) ? total - o : size_t(chunk));
+        mbar_arrive_expect_tx(full0 + 8 * s, n);
+        bulk_g2s(smem_u32(smem + size_t(s) * chunk), (u ? up : down) + o, n, full0 + 8 * s);
+      }
+    return;
+  }
+  unsigned acc = 0;
+  for (int i = 0; i <= n_up + n_down; ++i) {
+    if (i == n_up) {  // gate_up done here: the grid-wide barrier before down
+      asm volatile("bar.sync 1, %0;" ::"r"(32 * kConsumers) : "memory");
+      if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(sync, 1u) == gridDim.x - 1) {
+          sync[0] = 0;
+          __threadfence();
+          atomicAdd(sync + 1, 1u);
+        } else {
+          while (*reinterpret_cast<volatile unsigned*>(sync + 1) == gen0) __nanosleep(32);
+        }
+      }
+      asm volatile("bar.sync 1, %0;" ::"r"(32 * kConsumers) : "memory");
+      if (slice) {
+        mbar_wait(smem_u32(&sbar), 0);
+        for (size_t o = (warp * 32 + lane) * 16; o < d1 - d0; o += 32 * kConsumers * 16)
+          acc ^= *reinterpret_cast<const unsigned*>(sl + o);
+      }
+    }
+    if (i == n_up + n_down) break;
     const int s = i % stages;
     mbar_wait(full0 + 8 * s, uint32_t(i / stages) & 1u);
     acc ^= reinterpret_cast<const unsigned*>(smem + size_t(s) * chunk)[(warp * 32 + lane) * 4];
@@ -241,6 +321,28 @@ int main(int argc, char** argv) {
         launch(slice_kernel, sms, 256, slice, st, (const uint8_t*)downs[i], down, 0, sink);
       });
     }
+  unsigned* sync;
+  CK(cudaMalloc(&sync, 8));
+  CK(cudaMemset(sync, 0, 8));
+  CK(cudaFuncSetAttribute(fused_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 220 << 10));
+  for (int chunk : {8192, 16384, 32768})
+    for (int stages : {4, 8}) {
+      if (size_t(stages) * chunk > (200u << 10)) continue;
+      char name[96];
+      std::snprintf(name, sizeof name, "one launch, ring %d x %d KB, barrier before down", stages, chunk / 1024);
+      time(name, [&](int i) {
+        launch(fused_kernel, sms, kRingThreads, size_t(stages) * chunk, st, (const uint8_t*)ups[i], up,
+               (const uint8_t*)downs[i], down, stages, chunk, 0, sync, sink);
+      });
+    }
+  for (int chunk : {8192, 16384}) {  // down's slice (122 KB) beside a ring of 4
+    char name[96];
+    std::snprintf(name, sizeof name, "one launch, ring 4 x %d KB, down's slice copied at the start", chunk / 1024);
+    time(name, [&](int i) {
+      launch(fused_kernel, sms, kRingThreads, size_t(4) * chunk + slice, st, (const uint8_t*)ups[i], up,
+             (const uint8_t*)downs[i], down, 4, chunk, 1, sync, sink);
+    });
+  }
   time("down's slices alone",
        [&](int i) { launch(slice_kernel, sms, 256, slice, st, (const uint8_t*)downs[i], down, 0, sink); });
   std::printf("(down's slice: %zu KB a block; %d SMs)\n", slice / 1024, sms);
