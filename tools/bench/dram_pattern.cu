@@ -20,15 +20,7 @@
 #include <vector>
 
 #include "cuda/ptx.cuh"
-
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "probe.cuh"
 
 constexpr int kStageBytes = 64 * 128;
 constexpr int kMaxStages = 8;

@@ -24,15 +24,7 @@
 #include <vector>
 
 #include "cuda/ptx.cuh"
-
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "probe.cuh"
 
 using namespace dz::cuda::ptx;
 
@@ -55,6 +47,17 @@ constexpr int kConsumers = 8, kRingThreads = 32 * (kConsumers + 1);
 __device__ __forceinline__ void share(size_t bytes, size_t& b0, size_t& b1) {
   const size_t units = bytes / 16;
   b0 = units * blockIdx.x / gridDim.x * 16, b1 = units * (blockIdx.x + 1) / gridDim.x * 16;
+}
+
+// A consumer warp's turn at ring chunk i: wait for it, touch a word a lane, release it.
+__device__ __forceinline__ unsigned consume(const uint8_t* smem, uint32_t full0, uint32_t empty0, int stages, int chunk,
+                                            int i) {
+  const int s = i % stages, lane = threadIdx.x % 32;
+  mbar_wait(full0 + 8 * s, uint32_t(i / stages) & 1u);
+  const unsigned v = reinterpret_cast<const unsigned*>(smem + size_t(s) * chunk)[threadIdx.x * 4];
+  __syncwarp();
+  if (lane == 0) mbar_arrive(empty0 + 8 * s);
+  return v;
 }
 
 __global__ void __launch_bounds__(kRingThreads, 1)
@@ -96,13 +99,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
     return;
   }
   unsigned acc = 0;
-  for (int i = 0; i < n_chunks; ++i) {
-    const int s = i % stages;
-    mbar_wait(full0 + 8 * s, uint32_t(i / stages) & 1u);
-    acc ^= reinterpret_cast<const unsigned*>(smem + size_t(s) * chunk)[(warp * 32 + lane) * 4];
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty0 + 8 * s);
-  }
+  for (int i = 0; i < n_chunks; ++i) acc ^= consume(smem, full0, empty0, stages, chunk, i);
   if (acc == 0x9E3779B9u) *sink = acc;
 }
 
@@ -175,11 +172,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
       }
     }
     if (i == n_up + n_down) break;
-    const int s = i % stages;
-    mbar_wait(full0 + 8 * s, uint32_t(i / stages) & 1u);
-    acc ^= reinterpret_cast<const unsigned*>(smem + size_t(s) * chunk)[(warp * 32 + lane) * 4];
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty0 + 8 * s);
+    acc ^= consume(smem, full0, empty0, stages, chunk, i);
   }
   if (acc == 0x9E3779B9u) *sink = acc;
 }
