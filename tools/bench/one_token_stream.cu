@@ -2,7 +2,8 @@
 // (gate_up, then down as its programmatic dependent, in a CUDA graph: the shape
 // of the one-token MoE kernels), with no arithmetic at all. gpt-oss-120b: 4
 // experts x (gate_up 5760 rows + down 2880 rows) x 1440 bytes, 53 MB a token.
-//   plain        grid-stride 16-byte loads in both launches (dz bench moe's plain read)
+//   plain        grid-stride 16-byte loads in both launches (dz bench moe's plain read), in one launch for
+//                all the bytes, or in one launch with a grid-wide barrier between the projections
 //   ring S x C   gate_up: one block an SM, a producer thread bulk-copying the block's contiguous share in
 //                chunks of C bytes into a ring of S stages, 8 consumer warps touching each chunk and releasing it;
 //                down: one block an SM beside it, bulk-copying its whole slice (1/SMs of down's bytes) into
@@ -39,6 +40,38 @@ __global__ void plain_kernel(const uint4* p, size_t n, unsigned* sink) {
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
   if (acc == 0x9E3779B9u) *sink = acc;  // (keeps the loads)
+}
+
+// Both projections' bytes in one launch of plain loads, a grid-wide barrier between them (every block
+// resident: 8 blocks of 256 threads an SM). sync: {arrivals, generation}, zero before the first launch.
+__global__ void __launch_bounds__(256) plain_barrier_kernel(const uint4* up, size_t n_up, const uint4* down,
+                                                            size_t n_down, unsigned* sync, unsigned* sink) {
+  pdl_wait(), pdl_trigger();
+  __shared__ unsigned gen0;
+  if (threadIdx.x == 0) gen0 = *reinterpret_cast<volatile unsigned*>(sync + 1);
+  unsigned acc = 0;
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n_up; i += stride) {
+    const uint4 v = ldg_nc_v4(up + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(sync, 1u) == gridDim.x - 1) {
+      sync[0] = 0;
+      __threadfence();
+      atomicAdd(sync + 1, 1u);
+    } else {
+      while (*reinterpret_cast<volatile unsigned*>(sync + 1) == gen0) __nanosleep(32);
+    }
+  }
+  __syncthreads();
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n_down; i += stride) {
+    const uint4 v = ldg_nc_v4(down + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9E3779B9u) *sink = acc;
 }
 
 constexpr int kConsumers = 8, kRingThreads = 32 * (kConsumers + 1);
@@ -328,6 +361,13 @@ int main(int argc, char** argv) {
                (const uint8_t*)downs[i], down, stages, chunk, 0, sync, sink);
       });
     }
+  unsigned* sync2;
+  CK(cudaMalloc(&sync2, 8));
+  CK(cudaMemset(sync2, 0, 8));
+  time("plain, one launch, grid-wide barrier between", [&](int i) {
+    launch(plain_barrier_kernel, 8 * sms, 256, 0, st, reinterpret_cast<const uint4*>(ups[i]), up / 16,
+           reinterpret_cast<const uint4*>(downs[i]), down / 16, sync2, sink);
+  });
   for (int chunk : {8192, 16384}) {  // down's slice (122 KB) beside a ring of 4
     char name[96];
     std::snprintf(name, sizeof name, "one launch, ring 4 x %d KB, down's slice copied at the start", chunk / 1024);
