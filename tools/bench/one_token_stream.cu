@@ -42,6 +42,19 @@ __global__ void plain_kernel(const uint4* p, size_t n, unsigned* sink) {
   if (acc == 0x9E3779B9u) *sink = acc;  // (keeps the loads)
 }
 
+// One thread a block at a grid-wide barrier (every block resident): sync = {arrivals, generation}; the last
+// to arrive zeroes the arrivals and moves the generation on, the others wait for it to move past gen0.
+__device__ __forceinline__ void grid_arrive_wait(unsigned* sync, unsigned gen0) {
+  __threadfence();
+  if (atomicAdd(sync, 1u) == gridDim.x - 1) {
+    sync[0] = 0;
+    __threadfence();
+    atomicAdd(sync + 1, 1u);
+  } else {
+    while (*reinterpret_cast<volatile unsigned*>(sync + 1) == gen0) __nanosleep(32);
+  }
+}
+
 // Both projections' bytes in one launch of plain loads, a grid-wide barrier between them (every block
 // resident: 8 blocks of 256 threads an SM). sync: {arrivals, generation}, zero before the first launch.
 __global__ void __launch_bounds__(256) plain_barrier_kernel(const uint4* up, size_t n_up, const uint4* down,
@@ -56,16 +69,7 @@ __global__ void __launch_bounds__(256) plain_barrier_kernel(const uint4* up, siz
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(sync, 1u) == gridDim.x - 1) {
-      sync[0] = 0;
-      __threadfence();
-      atomicAdd(sync + 1, 1u);
-    } else {
-      while (*reinterpret_cast<volatile unsigned*>(sync + 1) == gen0) __nanosleep(32);
-    }
-  }
+  if (threadIdx.x == 0) grid_arrive_wait(sync, gen0);
   __syncthreads();
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n_down; i += stride) {
     const uint4 v = ldg_nc_v4(down + i);
@@ -187,16 +191,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   for (int i = 0; i <= n_up + n_down; ++i) {
     if (i == n_up) {  // gate_up done here: the grid-wide barrier before down
       asm volatile("bar.sync 1, %0;" ::"r"(32 * kConsumers) : "memory");
-      if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(sync, 1u) == gridDim.x - 1) {
-          sync[0] = 0;
-          __threadfence();
-          atomicAdd(sync + 1, 1u);
-        } else {
-          while (*reinterpret_cast<volatile unsigned*>(sync + 1) == gen0) __nanosleep(32);
-        }
-      }
+      if (threadIdx.x == 0) grid_arrive_wait(sync, gen0);
       asm volatile("bar.sync 1, %0;" ::"r"(32 * kConsumers) : "memory");
       if (slice) {
         mbar_wait(smem_u32(&sbar), 0);
