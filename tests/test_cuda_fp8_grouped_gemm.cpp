@@ -285,15 +285,17 @@ TEST_CASE("CUDA grouped FP8 GEMM matches float64 and cuBLASLt per group", "[cuda
       // Deterministic, and a second call over the same output writes the same
       // bits; so do calls with two blocks and with one (each block takes many
       // tiles from the counter the launches before reset).
+      // The narrow tiles (128 columns) too: the same products, the same bits.
       const auto first = dv.d.get();
-      for (int blocks : {0, 2, 1}) {
-        auto a = dv.args(p);
-        a.max_blocks = blocks;
-        gg.run(a, ctx.stream());
-        ctx.sync();
-        INFO("blocks " << blocks);
-        CHECK(std::memcmp(first.data(), dv.d.get().data(), first.size() * 2) == 0);
-      }
+      for (int tile_n : {192, 128})
+        for (int blocks : {0, 2, 1}) {
+          auto a = dv.args(p);
+          a.max_blocks = blocks, a.tile_n = tile_n;
+          gg.run(a, ctx.stream());
+          ctx.sync();
+          INFO("blocks " << blocks << ", " << tile_n << " columns a tile");
+          CHECK(std::memcmp(first.data(), dv.d.get().data(), first.size() * 2) == 0);
+        }
     }
   }
   SECTION("gpt-oss-120b gate_up shape: 8 groups of 512 rows, n = 5760, k = 2944") {
@@ -309,6 +311,14 @@ TEST_CASE("CUDA grouped FP8 GEMM matches float64 and cuBLASLt per group", "[cuda
       r.push_back(511);
       return r;
     });
+    // 128 columns a tile: the same bits.
+    const auto wide = dv.d.get();
+    auto a = dv.args(p);
+    a.tile_n = 128;
+    DZ_CUDA_CHECK(cudaMemset(dv.d.p, 0xFF, wide.size() * 2));
+    gg.run(a, ctx.stream());
+    ctx.sync();
+    CHECK(std::memcmp(wide.data(), dv.d.get().data(), wide.size() * 2) == 0);
   }
   SECTION("more than 128 groups (split launches), single-row groups") {
     std::vector<int> sizes(150);
@@ -441,11 +451,15 @@ TEST_CASE("CUDA grouped FP8 GEMM matches float64 and cuBLASLt per group", "[cuda
       for (size_t i = 0; i < got.size(); ++i) d += got[i] != want[i];
       return d;
     };
-    const auto fp8_grp = run([&](Fp8GroupedArgs& a) {
-      a.w = qg.p, a.w_stride = per, a.ws = qgs.p, a.ws_stride = fold_scale_count(grp), a.ws_row_group = 64;
-    });
-    INFO("FP8 weights by groups: " << differ(fp8_grp) << " of " << fp8_grp.size() << " elements differ");
-    CHECK(differ(fp8_grp) == 0);
+    for (int tile_n : {192, 128}) {
+      const auto fp8_grp = run([&](Fp8GroupedArgs& a) {
+        a.w = qg.p, a.w_stride = per, a.ws = qgs.p, a.ws_stride = fold_scale_count(grp), a.ws_row_group = 64;
+        a.tile_n = tile_n;
+      });
+      INFO("FP8 weights by groups, " << tile_n << " columns a tile: " << differ(fp8_grp) << " of " << fp8_grp.size()
+                                     << " elements differ");
+      CHECK(differ(fp8_grp) == 0);
+    }
     for (int blocks_n : {0, 3}) {
       const auto w4_grp = run([&](Fp8GroupedArgs& a) {
         a.w = nullptr, a.ws = nullptr, a.w4 = grp, a.experts = experts.data(), a.w4_experts = E;
@@ -475,6 +489,8 @@ TEST_CASE("CUDA grouped FP8 GEMM matches float64 and cuBLASLt per group", "[cuda
     a = dv.args(p), a.rows_total = 7;  // group 1 ends at row 8
     CHECK_THROWS_AS(gg.run(a, ctx.stream()), Error);
     a = dv.args(p), a.x = dv.x.p + 8;
+    CHECK_THROWS_AS(gg.run(a, ctx.stream()), Error);
+    a = dv.args(p), a.tile_n = 64;  // 192 or 128 only
     CHECK_THROWS_AS(gg.run(a, ctx.stream()), Error);
     try {
       a = dv.args(p), a.k = 200;

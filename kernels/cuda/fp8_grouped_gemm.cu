@@ -24,19 +24,32 @@ constexpr int kBK = 128;  // K per stage: one scale block, one 128-byte swizzle 
 // Columns of a block tile (the wgmma n): 192 with FP8 weights (gpt-oss's 5760
 // and 2880 are 30 and 15 of them; a K block's fixed cost in a consumer, its
 // barrier, descriptors and scale loads, serves 1.5x the MMAs of n128), 128 with
-// MXFP4 weights (one producer thread folds each W tile row).
-template <bool kW4>
-constexpr int kBN = kW4 ? 128 : 192;
+// MXFP4 weights (one producer thread folds each W tile row) and in the FP8
+// kernel's narrow form (kN128: 128 registers a thread at launch and 164 KB of
+// shared memory, so that a block of the folding kernel fits on each SM beside
+// it and the next workspace tile is folded while this one's GEMMs run).
+template <bool kW4, bool kN128 = false>
+constexpr int kBN = kW4 || kN128 ? 128 : 192;
 constexpr int kStages = 5;  // FP8 weights: stages of the copy-engine ring
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kABytes = kBM * kBK;
-template <bool kW4>
-constexpr int kBBytes = kBN<kW4>* kBK;
-template <bool kW4>
-constexpr int kSBytes = kBN<kW4> * 4;
-[[maybe_unused]] constexpr int kTxBytes =
-    kABytes + kBBytes<false> + kSBytes<false>;  // full boxes: the copy engine counts zero-filled bytes too
+template <bool kW4, bool kN128 = false>
+constexpr int kBBytes = kBN<kW4, kN128>* kBK;
+template <bool kW4, bool kN128 = false>
+constexpr int kSBytes = kBN<kW4, kN128> * 4;
+template <bool kN128>
+constexpr int kTxBytes = kABytes + kBBytes<false, kN128> +
+                         kSBytes<false, kN128>;  // full boxes: the copy engine counts zero-filled bytes too
+// The narrow form's registers: launch bounds of 512 threads cap them at 128
+// (ptxas gave 128 under a cap of 136 too); the producer gives back down to 40
+// and the consumers take 168 (64 accumulators and 64 partial sums: no spills),
+// the same total. Beside it: 65536 - 384 x 128 = 16,384 registers, more than
+// a folding block's 256 x 48.
+constexpr int kNarrowBound = 512, kNarrowLaunchRegs = 128, kNarrowConsumerRegs = 168;
+static_assert((65536 / kNarrowBound) / 8 * 8 == kNarrowLaunchRegs, "narrow launch registers");
+static_assert(128 * 40 + 128 * kConsumers * kNarrowConsumerRegs <= kThreads * kNarrowLaunchRegs,
+              "setmaxnreg budget (narrow)");
 // Two producer warpgroups take turns by stage (one warp per scheduler cannot
 // fold a stage in the time the tensor cores take for it).
 constexpr int kW4Producers = 2, kThreadsW4 = 128 * (kW4Producers + kConsumers);
@@ -60,14 +73,15 @@ constexpr int kW4TileBytes = kBN<true> * 64;
 // Shared memory of a kernel with S stages: X tiles, W tiles, W scales, the
 // full and empty barriers, each stage's tile (FP8 weights), then (kW4) the
 // MXFP4 tiles.
-template <bool kW4>
+template <bool kW4, bool kN128 = false>
 struct Smem {
   static constexpr int S = kW4 ? kW4Stages : kStages;
-  static constexpr int offB = S * kABytes, offS = offB + S * kBBytes<kW4>, offBar = offS + S * kSBytes<kW4>;
+  static constexpr int offB = S * kABytes, offS = offB + S * kBBytes<kW4, kN128>,
+                       offBar = offS + S * kSBytes<kW4, kN128>;
   static constexpr int offTile = offBar + 2 * S * 8, offW4 = (offTile + 4 * S + 127) / 128 * 128;
   static constexpr int bytes =
       (kW4 ? offW4 + kW4Producers * kW4Bufs * kW4TileBytes : offTile + 4 * S) + 1024;  // +1024: base aligned up
-  static_assert(offS % 128 == 0 && kSBytes<kW4> % 128 == 0, "bulk copy destinations");
+  static_assert(offS % 128 == 0 && kSBytes<kW4, kN128> % 128 == 0, "bulk copy destinations");
   static_assert(bytes <= 227 * 1024, "shared memory of one sm_90 block");
 };
 constexpr int kMaxGroups = 128;                                  // per launch; more groups are split over launches
@@ -178,10 +192,14 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[96], uint64_t da, uint64_t
 // kG: one weight scale per 64 columns and K block (fold groups of 64 rows):
 // the promotion multiplies each accumulator by a row scale times its
 // column group's scale, formed once per group instead of once per column.
-template <bool kDebug, bool kW4, bool kG>
-__global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_kernel(const __grid_constant__ Params p) {
+template <bool kDebug, bool kW4, bool kG, bool kN128>
+__global__ void __launch_bounds__(kW4     ? kThreadsW4
+                                  : kN128 ? kNarrowBound
+                                          : kThreads,
+                                  1) fp8_grouped_kernel(const __grid_constant__ Params p) {
 #ifdef DZ_GG_SM90A
-  using L = Smem<kW4>;
+  static_assert(!(kW4 && kN128), "MXFP4 weights: 128 columns already");
+  using L = Smem<kW4, kN128>;
   constexpr int kS = L::S;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
@@ -341,13 +359,13 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
         }
         int g, mt, nt;
         find_tile(p, t, g, mt, nt);
-        const int row = p.off[g] + mt * kBM, n0 = nt * kBN<false>;
+        const int row = p.off[g] + mt * kBM, n0 = nt * kBN<false, kN128>;
         for (int kb = 0; kb < p.nkb; ++kb) {
           if (kb > 0) mbar_wait_checked<kDebug>(empty(stage), phase ^ 1u, "empty", stage);
-          mbar_arrive_expect_tx(full(stage), kG ? kTxBytes - kSBytes<false> : kTxBytes);
+          mbar_arrive_expect_tx(full(stage), kG ? kTxBytes<kN128> - kSBytes<false, kN128> : kTxBytes<kN128>);
           tma_2d(sA + uint32_t(stage * kABytes), &p.xmap, full(stage), kb * kBK, row);
-          tma_3d(sB + uint32_t(stage * kBBytes<false>), &p.wmap, full(stage), kb * kBK, n0, g);
-          if constexpr (!kG) tma_3d(sS + uint32_t(stage * kSBytes<false>), &p.smap, full(stage), n0, kb, g);
+          tma_3d(sB + uint32_t(stage * kBBytes<false, kN128>), &p.wmap, full(stage), kb * kBK, n0, g);
+          if constexpr (!kG) tma_3d(sS + uint32_t(stage * kSBytes<false, kN128>), &p.smap, full(stage), n0, kb, g);
           if (++stage == kS) stage = 0, phase ^= 1u;
         }
       }
@@ -363,13 +381,15 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
   } else {
     if constexpr (kW4)
       asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kW4ConsumerRegs) : "memory");
+    else if constexpr (kN128)
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kNarrowConsumerRegs) : "memory");
     else
       asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     const int ct = int(threadIdx.x) - 128 * kProducerWgs;
     // The consumer warpgroup as a value the compiler knows is the same in
     // every lane: the descriptors derived from it stay in uniform registers.
     const int cw = __shfl_sync(0xffffffffu, ct >> 7, 0), warp = (ct >> 5) & 3, lane = ct & 31;
-    constexpr int BN = kBN<kW4>, NR = BN / 2;  // tile columns, accumulators a thread
+    constexpr int BN = kBN<kW4, kN128>, NR = BN / 2;  // tile columns, accumulators a thread
     float acc[NR], part[NR];
 #pragma unroll
     for (int i = 0; i < NR; ++i) part[i] = 0.f;
@@ -424,7 +444,7 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
         mbar_wait_checked<kDebug>(full(stage), phase, "full", stage);
         __syncwarp();  // the warp leaves the spin together: wgmma is .aligned
         const uint32_t da = ptx::sw128_desc_lo(sA + uint32_t(stage * kABytes + cw * 64 * kBK));
-        const uint32_t db = ptx::sw128_desc_lo(sB + uint32_t(stage * kBBytes<kW4>));
+        const uint32_t db = ptx::sw128_desc_lo(sB + uint32_t(stage * kBBytes<kW4, kN128>));
         wgmma_fence();
         fence_regs(part);
 #pragma unroll
@@ -491,12 +511,15 @@ __global__ void __launch_bounds__(kW4 ? kThreadsW4 : kThreads, 1) fp8_grouped_ke
 #endif
 }
 
-// Every instantiation: [checking][MXFP4 weights][64-row weight scales].
-void (*const kKernels[2][2][2])(Params) = {
-    {{fp8_grouped_kernel<false, false, false>, fp8_grouped_kernel<false, false, true>},
-     {fp8_grouped_kernel<false, true, false>, fp8_grouped_kernel<false, true, true>}},
-    {{fp8_grouped_kernel<true, false, false>, fp8_grouped_kernel<true, false, true>},
-     {fp8_grouped_kernel<true, true, false>, fp8_grouped_kernel<true, true, true>}}};
+// Every instantiation: [checking][kind][64-row weight scales], the kinds FP8
+// weights (192 columns), MXFP4 weights, FP8 weights narrow (128 columns).
+#define DZ_GG_KINDS(d, g) \
+  fp8_grouped_kernel<d, false, g, false>, fp8_grouped_kernel<d, true, g, false>, fp8_grouped_kernel<d, false, g, true>
+void (*const kKernels[2][2][3])(Params) = {{{DZ_GG_KINDS(false, false)}, {DZ_GG_KINDS(false, true)}},
+                                           {{DZ_GG_KINDS(true, false)}, {DZ_GG_KINDS(true, true)}}};
+#undef DZ_GG_KINDS
+const int kKindThreads[3] = {kThreads, kThreadsW4, kThreads};
+const int kKindSmem[3] = {Smem<false>::bytes, Smem<true>::bytes, Smem<false, true>::bytes};
 
 // Whether the kernels of this build carry the sm_90a body (read on the device:
 // a build for another target runs there through its PTX without it).
@@ -580,10 +603,17 @@ Fp8GroupedGemm::Fp8GroupedGemm() {
   if (!supported()) return;  // run() says why
   n_sm_ = current_device_sms();
   for (int d = 0; d < 2; ++d)
-    for (int w4 = 0; w4 < 2; ++w4)
-      for (int g = 0; g < 2; ++g)
-        DZ_CUDA_CHECK(cudaFuncSetAttribute(kKernels[d][w4][g], cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           w4 ? Smem<true>::bytes : Smem<false>::bytes));
+    for (int g = 0; g < 2; ++g)
+      for (int kind = 0; kind < 3; ++kind) {
+        DZ_CUDA_CHECK(
+            cudaFuncSetAttribute(kKernels[d][g][kind], cudaFuncAttributeMaxDynamicSharedMemorySize, kKindSmem[kind]));
+        // The narrow form asks for all of an SM's shared memory as such (not
+        // the next carveout above its own 164 KB, 196 KB, which would leave too
+        // little for the folding block beside it).
+        if (kind == 2)
+          DZ_CUDA_CHECK(cudaFuncSetAttribute(kKernels[d][g][kind], cudaFuncAttributePreferredSharedMemoryCarveout,
+                                             cudaSharedmemCarveoutMaxShared));
+      }
   DZ_CUDA_CHECK(cudaMalloc(&sched_, 2 * sizeof(int)));
   DZ_CUDA_CHECK(cudaMemset(sched_, 0, 2 * sizeof(int)));
 }
@@ -605,7 +635,10 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
         "fp8_grouped_gemm: ws_row_group ", a.ws_row_group, " (1 or 64)");
   check(!grp || a.n % kFoldRowGroup == 0, DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: n=", a.n,
         " with weight scales of 64-row groups (n must be a multiple of 64)");
-  const int bn = w4 ? kBN<true> : kBN<false>, nkb = a.k / kBK, ntiles = (a.n + bn - 1) / bn;
+  check(w4 || a.tile_n == 192 || a.tile_n == 128, DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: tile_n ", a.tile_n,
+        " (192 or 128)");
+  const int kind = w4 ? 1 : a.tile_n == 128 ? 2 : 0;
+  const int bn = kind == 0 ? kBN<false> : 128, nkb = a.k / kBK, ntiles = (a.n + bn - 1) / bn;
   for (int g = 0; g < a.groups; ++g)
     check(a.counts[g] >= 0 && a.offsets[g] >= 0 && int64_t(a.offsets[g]) + a.counts[g] <= a.rows_total,
           DZ_ERR_INVALID_ARGUMENT, "fp8_grouped_gemm: group ", g, " rows [", a.offsets[g], ", ",
@@ -657,7 +690,7 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     if (!w4) {
       const cuuint64_t dims[3] = {cuuint64_t(a.k), cuuint64_t(a.n), cuuint64_t(G)};
       const cuuint64_t strides[2] = {cuuint64_t(a.k), cuuint64_t(w_stride)};
-      const cuuint32_t box[3] = {kBK, kBN<false>, 1};
+      const cuuint32_t box[3] = {kBK, cuuint32_t(bn), 1};
       encode_tensor_map(&p.wmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w + w_stride * g0, dims, strides, box,
                         CU_TENSOR_MAP_SWIZZLE_128B, "W");
     }
@@ -665,7 +698,7 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     if (!w4 && !grp) {
       const cuuint64_t dims[3] = {cuuint64_t(a.n), cuuint64_t(nkb), cuuint64_t(G)};
       const cuuint64_t strides[2] = {cuuint64_t(a.n) * 4, cuuint64_t(ws_stride) * 4};
-      const cuuint32_t box[3] = {kBN<false>, 1, 1};
+      const cuuint32_t box[3] = {cuuint32_t(bn), 1, 1};
       encode_tensor_map(&p.smap, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, a.ws + ws_stride * g0, dims, strides, box,
                         CU_TENSOR_MAP_SWIZZLE_NONE, "W scales");
     }
@@ -682,9 +715,8 @@ void Fp8GroupedGemm::run(const Fp8GroupedArgs& a, cudaStream_t s) {
     p.tiles_total = tiles;
     if (tiles == 0) continue;
     const int blocks = a.max_blocks > 0 ? std::min(a.max_blocks, n_sm_) : n_sm_;
-    const dim3 grid(unsigned(std::min(tiles, blocks))), block(w4 ? kThreadsW4 : kThreads);
-    const auto kernel = kKernels[debug_][w4][grp];
-    kernel<<<grid, block, w4 ? Smem<true>::bytes : Smem<false>::bytes, s>>>(p);
+    const dim3 grid(unsigned(std::min(tiles, blocks))), block{unsigned(kKindThreads[kind])};
+    kKernels[debug_][grp][kind]<<<grid, block, kKindSmem[kind], s>>>(p);
     DZ_CUDA_LAUNCH_CHECK();
     if (debug_) grouped_gemm_sync(s);
   }

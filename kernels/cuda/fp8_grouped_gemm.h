@@ -1,7 +1,8 @@
 // Grouped FP8 E4M3 GEMM with 1x128 block scales on both operands, our own
 // Hopper kernel (sm_90a: wgmma fed by bulk tensor copies through an mbarrier
 // ring; one producer warpgroup, two consumer warpgroups of 64 rows each, tile
-// 128 x 192 (128 x 128 with MXFP4 weights), one 128-wide K block per stage).
+// 128 x 192 (128 x 128 with MXFP4 weights, or on request), one 128-wide K block
+// per stage).
 // One persistent launch covers every group; its blocks take tiles in order
 // from a counter, so blocks that start late take fewer.
 //
@@ -43,6 +44,11 @@ struct Fp8GroupedArgs {
   const int* counts = nullptr;   // host: counts[g] = m_g
   int groups = 0;
   int max_blocks = 0;  // persistent blocks (0: one per SM); fewer leave SMs to concurrent kernels
+  // FP8 weights: tile columns, 192 or 128. 128 runs a narrower block (128
+  // registers a thread, 164 KB of shared memory) beside which one block of the
+  // folding kernel (mxfp4_fold_experts) fits on every SM: the next experts
+  // fold while these multiply. MXFP4 weights: always 128.
+  int tile_n = 192;
   // MXFP4 weights instead of W/ws (sm_90a): group g uses expert experts[g] of
   // the stack w4 (rows == n, K == w4.k padded to k), folded to E4M3 with 1x128
   // scales inside the kernel exactly as mxfp4_fold_experts would (the same

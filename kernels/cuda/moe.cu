@@ -2154,6 +2154,8 @@ struct MoeLayer::Impl {
       DZ_CUDA_CHECK(cudaStreamWaitEvent(st, ev_ready[buf], 0));
       if (grouped) {
         Fp8GroupedArgs g1, g2;
+        const bool folds_beside = t0 + size_t(tile) < act_e.size();  // the next tile folds during these GEMMs
+        g1.tile_n = g2.tile_n = opt.fp8_ws_tile_n > 0 ? opt.fp8_ws_tile_n : folds_beside ? 128 : 192;
         g1.w = f1, g1.w_stride = int64_t(w1_fp8), g1.ws = s1, g1.ws_stride = int64_t(w1_sc);
         g2.w = f2, g2.w_stride = int64_t(w2_fp8), g2.ws = s2, g2.ws_stride = int64_t(w2_sc);
         g1.ws_row_group = W1.gmax ? kFoldRowGroup : 1;

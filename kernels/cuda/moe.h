@@ -204,6 +204,11 @@ struct MoeOptions {
   // 4.45 ms vs 2.70 / 3.51 / 4.85 ms folding first (cuBLASLt: 3.34 / 3.82 / 5.13).
   // Auto (fp8_gemm 0) folds inside only up to fp8_grouped_max_tokens_per_expert.
   bool fp8_fold_in_gemm = true;
+  // Tile columns of the grouped kernel on the FP8 workspace (Fp8GroupedArgs::
+  // tile_n): 192 or 128; 0 (auto): 128 for each workspace tile whose GEMMs
+  // run while the next tile folds on the aux stream (the narrow block leaves
+  // every SM room for a folding block beside it), 192 for the last tile.
+  int fp8_ws_tile_n = 0;
   // The FP8 path's grouped GEMMs take one weight scale per 64 rows and K
   // block where the weights carry exact group tables (MoeWeights::w1_gmax):
   // the same products in the tensor cores (each row's FP8 values a power of

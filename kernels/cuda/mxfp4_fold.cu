@@ -158,6 +158,11 @@ void mxfp4_fold_experts(const Mxfp4Stack& w, const int* ids, int n, const Fp8Slo
   check(w.k % 32 == 0 && w.rows > 0 && (!w.gmax || w.rows % kFoldRowGroup == 0), DZ_ERR_INVALID_ARGUMENT,
         "mxfp4_fold_experts: bad shape ", w.rows, " x ", w.k, w.gmax ? " (groups of 64 rows)" : "");
   const int nsub = int(w.k / 32), ngroups = int(cpu::fold_kpad(w.k) / 128);
+  // The whole carveout as shared memory, as the grouped GEMM's narrow form
+  // asks: an SM configured for one can take the other's blocks beside it.
+  static const cudaError_t carveout =
+      cudaFuncSetAttribute(fold_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+  DZ_CUDA_CHECK(carveout);
   for (int base = 0; base < n; base += kMaxIds) {
     FoldArgs a{};
     const int cnt = std::min(kMaxIds, n - base);

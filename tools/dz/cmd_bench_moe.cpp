@@ -40,7 +40,7 @@ const char* kUsage =
     "usage: dz bench moe [--tokens 1,8,64,128,256,384,512,1024,2048,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
     "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
     "                    [--no-components] [--w4a8]\n"
-    "                    [--fp8-gemm auto|auto_fold|mxfp4|auto_tN|cublaslt|grouped|grouped_ws[_rows]|LIST]\n"
+    "                    [--fp8-gemm auto|auto_fold|mxfp4|auto_tN|auto_nN|cublaslt|grouped|grouped_ws[_rows]|LIST]\n"
     "                    [--grouped-blocks N]\n"
     "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
     "MXFP4 MoE layer on the GPU: fused (W4A8 / W4A16 kernels) vs FP8 (fold + FP8 GEMMs) paths, JSON results.\n"
@@ -52,7 +52,9 @@ const char* kUsage =
     "weights decoded in the MMA's registers, where both projections fold exactly by 64-row groups;\n"
     "otherwise grouped, folding inside up to 224 tokens per expert and on the workspace above; auto_fold:\n"
     "never the MXFP4 GEMM; mxfp4: it at every size, auto_t64|t128|t160: with that many tokens a\n"
-    "tile); of a comma list the first is fp8_ms, every one listed is timed in\n"
+    "tile; auto_n128|n192: the grouped kernel on the FP8 workspace with tiles that many columns wide,\n"
+    "where auto takes 128 while the next workspace tile folds beside and 192 for the last);\n"
+    "of a comma list the first is fp8_ms, every one listed is timed in\n"
     "alternation (fp8_gemm_ms) and its output compared with the first's. A _rows suffix\n"
     "(auto_rows, grouped_rows, grouped_ws_rows): weight scales per row (1x128) instead of per\n"
     "64-row group, which the grouped kernel takes where every 64-row group folds exactly.\n"
@@ -115,12 +117,13 @@ int bench_moe(const Args& a) {
     std::string item;
     while (std::getline(ss, item, ',')) {
       if (item.empty()) continue;
-      static const char* const known[] = {"auto",      "cublaslt",     "grouped",         "grouped_ws",
-                                          "auto_rows", "grouped_rows", "grouped_ws_rows", "auto_fold",
-                                          "mxfp4",     "auto_t64",     "auto_t128",       "auto_t160"};
+      static const char* const known[] = {"auto",         "cublaslt",        "grouped",   "grouped_ws", "auto_rows",
+                                          "grouped_rows", "grouped_ws_rows", "auto_fold", "mxfp4",      "auto_t64",
+                                          "auto_t128",    "auto_t160",       "auto_n128", "auto_n192"};
       if (std::find(std::begin(known), std::end(known), item) == std::end(known)) {
         std::fprintf(stderr,
-                     "dz bench moe: --fp8-gemm takes auto, auto_fold, auto_t64|t128|t160, cublaslt, grouped and/or "
+                     "dz bench moe: --fp8-gemm takes auto, auto_fold, auto_t64|t128|t160, auto_n128|n192, cublaslt, "
+                     "grouped and/or "
                      "grouped_ws (the last three with or without _rows), not '%s'\n",
                      item.c_str());
         return 2;
@@ -142,6 +145,7 @@ int bench_moe(const Args& a) {
     o.fp8_fold_in_gemm = g != "grouped_ws";
     o.fp8_mxfp4_gemm = g == "auto_fold" ? -1 : g.rfind("auto_t", 0) == 0 || g == "mxfp4" ? 1 : 0;
     o.fp8_mxfp4_tile_tokens = g.rfind("auto_t", 0) == 0 ? std::stoi(g.substr(6)) : 0;
+    o.fp8_ws_tile_n = g.rfind("auto_n", 0) == 0 ? std::stoi(g.substr(6)) : 0;
   };
   set_gemm(opt, fp8_gemms[0]);
   opt.fp8_grouped_blocks = int_flag("--grouped-blocks", opt.fp8_grouped_blocks);
@@ -209,12 +213,12 @@ int bench_moe(const Args& a) {
         DZ_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
         return double(t) / calls;
       };
-      auto fold = [&] {
+      auto fold_on = [&](cudaStream_t q) {
         mxfp4_fold_experts(Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, idl.data(), n_ex, Fp8Slots{f1.get(), s1.get()},
-                           st);
-        mxfp4_fold_experts(Mxfp4Stack{w2b.get(), w2s.get(), H, I}, idl.data(), n_ex, Fp8Slots{f2.get(), s2.get()}, st);
+                           q);
+        mxfp4_fold_experts(Mxfp4Stack{w2b.get(), w2s.get(), H, I}, idl.data(), n_ex, Fp8Slots{f2.get(), s2.get()}, q);
       };
-      const double fold_ms = ms_per_call(5, fold);
+      const double fold_ms = ms_per_call(5, [&] { fold_on(st); });
       const double fold_bytes =
           double(n_ex) * expert_fp4_bytes + double(f1.bytes() + f2.bytes() + s1.bytes() + s2.bytes());
       comp["fold_experts"] = n_ex;
@@ -272,31 +276,80 @@ int bench_moe(const Args& a) {
         fill_random_f32(xgs.get(), xgs.size(), 80, 1.f, st);
         nlohmann::json gj = nlohmann::json::array();
         for (int m : {64, 128, 512, 2048})
-          for (int grp = 0; grp < (groups_exact ? 2 : 1); ++grp) {
-            std::vector<int> off(static_cast<size_t>(n_ex)), cnt(static_cast<size_t>(n_ex), m);
-            for (int i = 0; i < n_ex; ++i) off[size_t(i)] = i * m;
+          for (int grp = 0; grp < (groups_exact ? 2 : 1); ++grp)
+            for (int tile_n : {192, 128}) {
+              std::vector<int> off(static_cast<size_t>(n_ex)), cnt(static_cast<size_t>(n_ex), m);
+              for (int i = 0; i < n_ex; ++i) off[size_t(i)] = i * m;
+              Fp8GroupedArgs ga;
+              ga.x = xg.get(), ga.xs = xgs.get(), ga.rows_total = int64_t(n_ex) * m, ga.w = f1.get();
+              ga.w_stride = int64_t(2 * I) * kph, ga.ws = s1.get(), ga.ws_stride = int64_t(2 * I) * (kph / 128);
+              ga.d = dg.get(), ga.n = 2 * I, ga.k = int(kph), ga.offsets = off.data(), ga.counts = cnt.data();
+              ga.groups = n_ex, ga.tile_n = tile_n;
+              if (grp)
+                ga.w = f1g.get(), ga.ws = s1g.get(), ga.ws_stride = int64_t(2 * I / kFoldRowGroup) * (kph / 128),
+                ga.ws_row_group = kFoldRowGroup;
+              const double per = ms_per_call(10, [&] { gg.run(ga, st); }),
+                           tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
+              const char* scales = grp ? "64x128" : "1x128";
+              gj.push_back({{"groups", n_ex},
+                            {"m", m},
+                            {"n", 2 * I},
+                            {"k", kph},
+                            {"weight_scales", scales},
+                            {"tile_n", tile_n},
+                            {"gpu_ms_per_call", per},
+                            {"tflops", tf}});
+              std::fprintf(stderr,
+                           "grouped gemm %d x m=%5d n=%d k=%ld, %s weight scales, %d columns a tile: %.4f ms/call %.0f "
+                           "TFLOP/s\n",
+                           n_ex, m, 2 * I, long(kph), scales, tile_n, per, tf);
+            }
+        comp["grouped_gemm"] = gj;
+        // The workspace path's overlap: the GEMM over 16 x 512 rows (64-row
+        // scales) while the folding kernel folds 16 other experts' both
+        // projections on the aux stream (lowest priority), each tile width.
+        if (groups_exact) {
+          cudaStream_t aux = ctx.aux_stream();
+          cudaEvent_t fork, join;
+          DZ_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+          DZ_CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+          nlohmann::json bj = nlohmann::json::array();
+          const int m = 512;
+          std::vector<int> off(static_cast<size_t>(n_ex)), cnt(static_cast<size_t>(n_ex), m);
+          for (int i = 0; i < n_ex; ++i) off[size_t(i)] = i * m;
+          for (int tile_n : {192, 128}) {
             Fp8GroupedArgs ga;
-            ga.x = xg.get(), ga.xs = xgs.get(), ga.rows_total = int64_t(n_ex) * m, ga.w = f1.get();
-            ga.w_stride = int64_t(2 * I) * kph, ga.ws = s1.get(), ga.ws_stride = int64_t(2 * I) * (kph / 128);
+            ga.x = xg.get(), ga.xs = xgs.get(), ga.rows_total = int64_t(n_ex) * m, ga.w = f1g.get();
+            ga.w_stride = int64_t(2 * I) * kph, ga.ws = s1g.get();
+            ga.ws_stride = int64_t(2 * I / kFoldRowGroup) * (kph / 128), ga.ws_row_group = kFoldRowGroup;
             ga.d = dg.get(), ga.n = 2 * I, ga.k = int(kph), ga.offsets = off.data(), ga.counts = cnt.data();
-            ga.groups = n_ex;
-            if (grp)
-              ga.w = f1g.get(), ga.ws = s1g.get(), ga.ws_stride = int64_t(2 * I / kFoldRowGroup) * (kph / 128),
-              ga.ws_row_group = kFoldRowGroup;
-            const double per = ms_per_call(10, [&] { gg.run(ga, st); }),
-                         tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
-            const char* scales = grp ? "64x128" : "1x128";
-            gj.push_back({{"groups", n_ex},
+            ga.groups = n_ex, ga.tile_n = tile_n;
+            const double alone = ms_per_call(10, [&] { gg.run(ga, st); });
+            const double both = ms_per_call(5, [&] {
+              DZ_CUDA_CHECK(cudaEventRecord(fork, st));
+              DZ_CUDA_CHECK(cudaStreamWaitEvent(aux, fork, 0));
+              fold_on(aux);
+              gg.run(ga, st);
+              DZ_CUDA_CHECK(cudaEventRecord(join, aux));
+              DZ_CUDA_CHECK(cudaStreamWaitEvent(st, join, 0));
+            });
+            bj.push_back({{"groups", n_ex},
                           {"m", m},
                           {"n", 2 * I},
-                          {"k", kph},
-                          {"weight_scales", scales},
-                          {"gpu_ms_per_call", per},
-                          {"tflops", tf}});
-            std::fprintf(stderr, "grouped gemm %d x m=%5d n=%d k=%ld, %s weight scales: %.4f ms/call %.0f TFLOP/s\n",
-                         n_ex, m, 2 * I, long(kph), scales, per, tf);
+                          {"tile_n", tile_n},
+                          {"gemm_ms", alone},
+                          {"fold_ms", fold_ms},
+                          {"together_ms", both},
+                          {"hidden_fraction_of_fold", (alone + fold_ms - both) / fold_ms}});
+            std::fprintf(stderr,
+                         "grouped gemm %d x m=%d, %d columns, beside folding %d experts: %.4f ms (gemm alone %.4f, "
+                         "fold alone %.4f: %.0f%% of the fold hidden)\n",
+                         n_ex, m, tile_n, n_ex, both, alone, fold_ms, 100.0 * (alone + fold_ms - both) / fold_ms);
           }
-        comp["grouped_gemm"] = gj;
+          comp["grouped_gemm_beside_fold"] = bj;
+          DZ_CUDA_CHECK(cudaEventDestroy(fork));
+          DZ_CUDA_CHECK(cudaEventDestroy(join));
+        }
         // The MXFP4 GEMM on the same experts' MXFP4 bytes (X bytes as they are: the
         // order of K inside a sub-block changes no timing), every tile width.
         if (Mxfp4Gemm::supported() && groups_exact) {
