@@ -394,10 +394,10 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
       CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
       // Folding into the FP8 workspace first (tiles of 3 experts) instead of
       // inside the GEMMs: the same FP8 operands, so the same bits.
-      // Every tile width there (auto: 128 columns while the next tile folds
-      // beside, 192 for the last), and each forced.
+      // Both tile widths there (128: the narrow GEMMs beside the next tile's
+      // folding, the last tile at 192).
       layer.options().fp8_fold_in_gemm = false;
-      for (int tile_n : {0, 128, 192}) {
+      for (int tile_n : {128, 192}) {
         layer.options().fp8_ws_tile_n = tile_n;
         DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
         layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
@@ -405,7 +405,7 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
         INFO("workspace tiles " << tile_n << " columns wide");
         CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
       }
-      layer.options().fp8_ws_tile_n = 0;
+      layer.options().fp8_ws_tile_n = MoeOptions{}.fp8_ws_tile_n;
       layer.options().fp8_fold_in_gemm = true;
       layer.options().fp8_gemm = 0;
       // Auto above fp8_grouped_max_tokens_per_expert: the same kernels on the workspace.

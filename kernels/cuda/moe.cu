@@ -2125,6 +2125,8 @@ struct MoeLayer::Impl {
     const size_t w1_sc = size_t(fold_scale_count(W1)), w2_sc = size_t(fold_scale_count(W2));
     // The workspace holds tiles of tile_cap experts (options changed later cannot grow it).
     const int tile = std::max(1, std::min(opt.tile_experts, tile_cap));
+    check(opt.fp8_ws_tile_n == 128 || opt.fp8_ws_tile_n == 192, DZ_ERR_INVALID_ARGUMENT, "fp8_ws_tile_n ",
+          opt.fp8_ws_tile_n, " (128 or 192)");
     const bool fold_in =
         opt.fp8_fold_in_gemm && (opt.fp8_gemm == 2 || double(T) * s.topk / E <= opt.fp8_grouped_max_tokens_per_expert);
     if (grouped && fold_in && !act_e.empty()) {
@@ -2155,7 +2157,7 @@ struct MoeLayer::Impl {
       if (grouped) {
         Fp8GroupedArgs g1, g2;
         const bool folds_beside = t0 + size_t(tile) < act_e.size();  // the next tile folds during these GEMMs
-        g1.tile_n = g2.tile_n = opt.fp8_ws_tile_n > 0 ? opt.fp8_ws_tile_n : folds_beside ? 128 : 192;
+        g1.tile_n = g2.tile_n = opt.fp8_ws_tile_n == 128 && folds_beside ? 128 : 192;
         g1.w = f1, g1.w_stride = int64_t(w1_fp8), g1.ws = s1, g1.ws_stride = int64_t(w1_sc);
         g2.w = f2, g2.w_stride = int64_t(w2_fp8), g2.ws = s2, g2.ws_stride = int64_t(w2_sc);
         g1.ws_row_group = W1.gmax ? kFoldRowGroup : 1;

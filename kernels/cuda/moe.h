@@ -205,10 +205,12 @@ struct MoeOptions {
   // Auto (fp8_gemm 0) folds inside only up to fp8_grouped_max_tokens_per_expert.
   bool fp8_fold_in_gemm = true;
   // Tile columns of the grouped kernel on the FP8 workspace (Fp8GroupedArgs::
-  // tile_n): 192 or 128; 0 (auto): 128 for each workspace tile whose GEMMs
-  // run while the next tile folds on the aux stream (the narrow block leaves
-  // every SM room for a folding block beside it), 192 for the last tile.
-  int fp8_ws_tile_n = 0;
+  // tile_n): 192, or 128 for every workspace tile but the last, whose GEMMs
+  // then run in the narrow block that leaves each SM room for a block of the
+  // folding kernel, so the next tile folds beside them instead of between
+  // them. The same bits either way; 128 is not yet timed on a GPU (the
+  // layer benchmark's auto_n128 variant is the measure: docs/cuda-moe.md).
+  int fp8_ws_tile_n = 192;
   // The FP8 path's grouped GEMMs take one weight scale per 64 rows and K
   // block where the weights carry exact group tables (MoeWeights::w1_gmax):
   // the same products in the tensor cores (each row's FP8 values a power of

@@ -52,8 +52,8 @@ const char* kUsage =
     "weights decoded in the MMA's registers, where both projections fold exactly by 64-row groups;\n"
     "otherwise grouped, folding inside up to 224 tokens per expert and on the workspace above; auto_fold:\n"
     "never the MXFP4 GEMM; mxfp4: it at every size, auto_t64|t128|t160: with that many tokens a\n"
-    "tile; auto_n128|n192: the grouped kernel on the FP8 workspace with tiles that many columns wide,\n"
-    "where auto takes 128 while the next workspace tile folds beside and 192 for the last);\n"
+    "tile; auto_n128|n192: the grouped kernel on the FP8 workspace with tiles that many columns wide\n"
+    "(n128: the narrow block, the next workspace tile folding beside it; the last tile at 192));\n"
     "of a comma list the first is fp8_ms, every one listed is timed in\n"
     "alternation (fp8_gemm_ms) and its output compared with the first's. A _rows suffix\n"
     "(auto_rows, grouped_rows, grouped_ws_rows): weight scales per row (1x128) instead of per\n"
@@ -145,7 +145,7 @@ int bench_moe(const Args& a) {
     o.fp8_fold_in_gemm = g != "grouped_ws";
     o.fp8_mxfp4_gemm = g == "auto_fold" ? -1 : g.rfind("auto_t", 0) == 0 || g == "mxfp4" ? 1 : 0;
     o.fp8_mxfp4_tile_tokens = g.rfind("auto_t", 0) == 0 ? std::stoi(g.substr(6)) : 0;
-    o.fp8_ws_tile_n = g.rfind("auto_n", 0) == 0 ? std::stoi(g.substr(6)) : 0;
+    o.fp8_ws_tile_n = g.rfind("auto_n", 0) == 0 ? std::stoi(g.substr(6)) : MoeOptions{}.fp8_ws_tile_n;
   };
   set_gemm(opt, fp8_gemms[0]);
   opt.fp8_grouped_blocks = int_flag("--grouped-blocks", opt.fp8_grouped_blocks);
