@@ -274,20 +274,26 @@ int bench_moe(const Args& a) {
         DeviceArray<uint16_t> dg(P, size_t(n_ex) * max_m * 2 * I, "grouped d");
         fill_random_u8(xg.get(), xg.size(), 79, 0, 0x7E, st);
         fill_random_f32(xgs.get(), xgs.size(), 80, 1.f, st);
+        // gate_up over the n_ex folded experts, m rows each (off, cnt: the
+        // groups' rows, kept alive by the caller); grp: 64-row weight scales.
+        std::vector<int> off(static_cast<size_t>(n_ex)), cnt(static_cast<size_t>(n_ex));
+        auto grouped_args = [&](int m, bool grp, int tile_n) {
+          for (int i = 0; i < n_ex; ++i) off[size_t(i)] = i * m, cnt[size_t(i)] = m;
+          Fp8GroupedArgs ga;
+          ga.x = xg.get(), ga.xs = xgs.get(), ga.rows_total = int64_t(n_ex) * m, ga.w = f1.get();
+          ga.w_stride = int64_t(2 * I) * kph, ga.ws = s1.get(), ga.ws_stride = int64_t(2 * I) * (kph / 128);
+          ga.d = dg.get(), ga.n = 2 * I, ga.k = int(kph), ga.offsets = off.data(), ga.counts = cnt.data();
+          ga.groups = n_ex, ga.tile_n = tile_n;
+          if (grp)
+            ga.w = f1g.get(), ga.ws = s1g.get(), ga.ws_stride = int64_t(2 * I / kFoldRowGroup) * (kph / 128),
+            ga.ws_row_group = kFoldRowGroup;
+          return ga;
+        };
         nlohmann::json gj = nlohmann::json::array();
         for (int m : {64, 128, 512, 2048})
           for (int grp = 0; grp < (groups_exact ? 2 : 1); ++grp)
             for (int tile_n : {192, 128}) {
-              std::vector<int> off(static_cast<size_t>(n_ex)), cnt(static_cast<size_t>(n_ex), m);
-              for (int i = 0; i < n_ex; ++i) off[size_t(i)] = i * m;
-              Fp8GroupedArgs ga;
-              ga.x = xg.get(), ga.xs = xgs.get(), ga.rows_total = int64_t(n_ex) * m, ga.w = f1.get();
-              ga.w_stride = int64_t(2 * I) * kph, ga.ws = s1.get(), ga.ws_stride = int64_t(2 * I) * (kph / 128);
-              ga.d = dg.get(), ga.n = 2 * I, ga.k = int(kph), ga.offsets = off.data(), ga.counts = cnt.data();
-              ga.groups = n_ex, ga.tile_n = tile_n;
-              if (grp)
-                ga.w = f1g.get(), ga.ws = s1g.get(), ga.ws_stride = int64_t(2 * I / kFoldRowGroup) * (kph / 128),
-                ga.ws_row_group = kFoldRowGroup;
+              const Fp8GroupedArgs ga = grouped_args(m, grp != 0, tile_n);
               const double per = ms_per_call(10, [&] { gg.run(ga, st); }),
                            tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
               const char* scales = grp ? "64x128" : "1x128";
@@ -315,15 +321,8 @@ int bench_moe(const Args& a) {
           DZ_CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
           nlohmann::json bj = nlohmann::json::array();
           const int m = 512;
-          std::vector<int> off(static_cast<size_t>(n_ex)), cnt(static_cast<size_t>(n_ex), m);
-          for (int i = 0; i < n_ex; ++i) off[size_t(i)] = i * m;
           for (int tile_n : {192, 128}) {
-            Fp8GroupedArgs ga;
-            ga.x = xg.get(), ga.xs = xgs.get(), ga.rows_total = int64_t(n_ex) * m, ga.w = f1g.get();
-            ga.w_stride = int64_t(2 * I) * kph, ga.ws = s1g.get();
-            ga.ws_stride = int64_t(2 * I / kFoldRowGroup) * (kph / 128), ga.ws_row_group = kFoldRowGroup;
-            ga.d = dg.get(), ga.n = 2 * I, ga.k = int(kph), ga.offsets = off.data(), ga.counts = cnt.data();
-            ga.groups = n_ex, ga.tile_n = tile_n;
+            const Fp8GroupedArgs ga = grouped_args(m, true, tile_n);
             const double alone = ms_per_call(10, [&] { gg.run(ga, st); });
             const double both = ms_per_call(5, [&] {
               DZ_CUDA_CHECK(cudaEventRecord(fork, st));
