@@ -258,6 +258,22 @@ void check_problem(const Problem& p, const Device& dv, Context& ctx, RowsOf rows
 }  // namespace
 #endif
 
+TEST_CASE("CUDA grouped FP8 GEMM: the narrow form leaves an SM room for a folding block", "[cuda]") {
+  if (!dz::test::have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  if (!grouped_runs_here()) return;
+  // The resources the compiled kernels take (a register count a compiler
+  // raises would silently put the folding back between the GEMMs).
+  const FoldBlockResources f = mxfp4_fold_block_resources();
+  INFO("folding block: " << f.threads << " threads x " << f.regs_per_thread << " registers, " << f.static_smem
+                         << " bytes of shared memory");
+  CHECK(f.threads == 256);
+  CHECK(f.regs_per_thread <= 64);
+  CHECK(f.static_smem <= 48 * 1024);
+  CHECK(Fp8GroupedGemm::narrow_leaves_room_for_fold());
+#endif
+}
+
 TEST_CASE("CUDA grouped FP8 GEMM matches float64 and cuBLASLt per group", "[cuda]") {
   if (!dz::test::have_gpu()) return;
 #ifdef DZ_WITH_CUDA

@@ -580,6 +580,23 @@ bool Fp8GroupedGemm::supported() {
   return ok;
 }
 
+bool Fp8GroupedGemm::narrow_leaves_room_for_fold() {
+  if (!supported()) return false;
+  cudaFuncAttributes ga{};
+  DZ_CUDA_CHECK(cudaFuncGetAttributes(&ga, kKernels[0][1][2]));  // the narrow form, 64-row scales (the MoE layer's)
+  const FoldBlockResources f = mxfp4_fold_block_resources();
+  int dev = 0, regs = 0, smem = 0, reserved = 0, threads = 0;
+  DZ_CUDA_CHECK(cudaGetDevice(&dev));
+  DZ_CUDA_CHECK(cudaDeviceGetAttribute(&regs, cudaDevAttrMaxRegistersPerMultiprocessor, dev));
+  DZ_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  DZ_CUDA_CHECK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev));
+  DZ_CUDA_CHECK(cudaDeviceGetAttribute(&threads, cudaDevAttrMaxThreadsPerMultiProcessor, dev));
+  auto warp_regs = [](int per_thread) { return int64_t(per_thread * 32 + 255) / 256 * 256; };  // 256-register units
+  const int64_t need_regs = kThreads / 32 * warp_regs(ga.numRegs) + f.threads / 32 * warp_regs(f.regs_per_thread);
+  const int64_t need_smem = int64_t(kKindSmem[2]) + int64_t(ga.sharedSizeBytes) + int64_t(f.static_smem) + 2 * reserved;
+  return need_regs <= regs && need_smem <= smem && kThreads + f.threads <= threads;
+}
+
 bool grouped_gemm_debug() {
   const char* e = std::getenv("DZ_FP8_GROUPED_DEBUG");
   return e && e[0] == '1';

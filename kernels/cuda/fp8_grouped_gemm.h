@@ -89,6 +89,11 @@ class Fp8GroupedGemm {
   // each launch so faults surface at the call.
   void run(const Fp8GroupedArgs& a, cudaStream_t s);
   static bool supported();  // this build and device can run the kernel
+  // Whether a block of the folding kernel (mxfp4_fold_experts) fits on an SM
+  // of the current device beside one of the narrow form's (tile_n 128):
+  // registers (allocated by warps), shared memory and threads, from the
+  // compiled kernels' attributes. False where the kernel is not supported.
+  static bool narrow_leaves_room_for_fold();
 
  private:
   int n_sm_ = 0;

@@ -208,7 +208,8 @@ struct MoeOptions {
   // tile_n): 192, or 128 for every workspace tile but the last, whose GEMMs
   // then run in the narrow block that leaves each SM room for a block of the
   // folding kernel, so the next tile folds beside them instead of between
-  // them. The same bits either way; 128 is not yet timed on a GPU (the
+  // them (where this device has the room: Fp8GroupedGemm::
+  // narrow_leaves_room_for_fold). The same bits either way; 128 is not yet timed on a GPU (the
   // layer benchmark's auto_n128 variant is the measure: docs/cuda-moe.md).
   int fp8_ws_tile_n = 192;
   // The FP8 path's grouped GEMMs take one weight scale per 64 rows and K

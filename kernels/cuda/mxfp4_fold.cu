@@ -150,6 +150,14 @@ cpu::FoldStats run_check(cudaStream_t s, uint64_t* nan_scales, Launch launch) {
 
 }  // namespace
 
+FoldBlockResources mxfp4_fold_block_resources() {
+  cudaFuncAttributes fa{};
+  DZ_CUDA_CHECK(cudaFuncGetAttributes(&fa, fold_kernel));
+  FoldBlockResources r;
+  r.threads = kFoldThreads, r.regs_per_thread = fa.numRegs, r.static_smem = fa.sharedSizeBytes;
+  return r;
+}
+
 int64_t fold_scale_count(const Mxfp4Stack& w) {
   return (w.gmax ? w.rows / kFoldRowGroup : w.rows) * (cpu::fold_kpad(w.k) / 128);
 }

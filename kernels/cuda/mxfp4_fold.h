@@ -44,6 +44,13 @@ struct Fp8Slots {
 // Fold experts ids[0..n) into slots 0..n (ids on the host). A 0xFF scale
 // yields a NaN block scale (the load-time check rejects such checkpoints).
 void mxfp4_fold_experts(const Mxfp4Stack& w, const int* ids, int n, const Fp8Slots& out, cudaStream_t s);
+// What one block of mxfp4_fold_experts' kernel takes on an SM, as this build
+// compiled it (for kernels that leave room for it beside them).
+struct FoldBlockResources {
+  int threads = 0, regs_per_thread = 0;
+  size_t static_smem = 0;
+};
+FoldBlockResources mxfp4_fold_block_resources();
 
 // The group table of n_experts experts (w.gmax ignored; rows % 64 == 0): for
 // each 64-row x 128 fold group the largest scale byte among its nonzero

@@ -398,6 +398,7 @@ int bench_moe(const Args& a) {
                         {"fp8_workspace_bytes", layer.fp8_workspace_bytes()},
                         {"scratch_bytes", layer.scratch_bytes()},
                         {"tile_experts", opt.tile_experts},
+                        {"narrow_gemm_leaves_room_for_fold", Fp8GroupedGemm::narrow_leaves_room_for_fold()},
                         {"gemm_streams", opt.gemm_streams},
                         {"fp8_gemm", fp8_gemms},
                         {"fp8_grouped_blocks", opt.fp8_grouped_blocks},
