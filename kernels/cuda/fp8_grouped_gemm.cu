@@ -511,7 +511,7 @@ __global__ void __launch_bounds__(kW4     ? kThreadsW4
 #endif
 }
 
-// Every instantiation: [checking][kind][64-row weight scales], the kinds FP8
+// Every instantiation: [checking][64-row weight scales][kind], the kinds FP8
 // weights (192 columns), MXFP4 weights, FP8 weights narrow (128 columns).
 #define DZ_GG_KINDS(d, g) \
   fp8_grouped_kernel<d, false, g, false>, fp8_grouped_kernel<d, true, g, false>, fp8_grouped_kernel<d, false, g, true>
