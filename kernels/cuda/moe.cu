@@ -1668,8 +1668,12 @@ struct MoeLayer::Impl {
   Fp8Gemm gemm;          // one plan cache; a workspace slice per stream
   Fp8GroupedGemm ggemm;  // MoeOptions::fp8_gemm
   // MoeOptions::fp8_ws_tile_n = 128 takes effect only where a folding block
-  // fits beside the narrow GEMM block on this device.
-  const bool narrow_fold_fits = Fp8GroupedGemm::narrow_leaves_room_for_fold();
+  // fits beside the narrow GEMM block on this device (asked once, when first wanted).
+  int narrow_fold_fits = -1;
+  bool narrow_fits() {
+    if (narrow_fold_fits < 0) narrow_fold_fits = Fp8GroupedGemm::narrow_leaves_room_for_fold() ? 1 : 0;
+    return narrow_fold_fits == 1;
+  }
   Mxfp4Gemm mgemm;  // MoeOptions::fp8_mxfp4_gemm
   DeviceArray<uint8_t> gemm_ws;
   static constexpr size_t kGemmWs = size_t(32) << 20;
@@ -2160,7 +2164,7 @@ struct MoeLayer::Impl {
       if (grouped) {
         Fp8GroupedArgs g1, g2;
         const bool folds_beside = t0 + size_t(tile) < act_e.size();  // the next tile folds during these GEMMs
-        g1.tile_n = g2.tile_n = opt.fp8_ws_tile_n == 128 && folds_beside && narrow_fold_fits ? 128 : 192;
+        g1.tile_n = g2.tile_n = opt.fp8_ws_tile_n == 128 && folds_beside && narrow_fits() ? 128 : 192;
         g1.w = f1, g1.w_stride = int64_t(w1_fp8), g1.ws = s1, g1.ws_stride = int64_t(w1_sc);
         g2.w = f2, g2.w_stride = int64_t(w2_fp8), g2.ws = s2, g2.ws_stride = int64_t(w2_sc);
         g1.ws_row_group = W1.gmax ? kFoldRowGroup : 1;
