@@ -2,6 +2,7 @@
 // errors name the file and field.
 #pragma once
 
+#include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -31,6 +32,12 @@ class Config {
   template <typename T>
   T get_or(const std::string& key, T fallback) const {
     return has(key) ? get<T>(key) : fallback;
+  }
+  // An integer field that must lie in 1 .. 2^31 - 1 (a size or count).
+  int64_t get_positive_int(const std::string& key) const {
+    const int64_t v = get<int64_t>(key);
+    check(v > 0 && v <= (int64_t(1) << 31) - 1, DZ_ERR_FORMAT, source_, ": ", key, " = ", v, " must be positive");
+    return v;
   }
 
  private:

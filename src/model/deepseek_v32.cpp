@@ -124,26 +124,21 @@ DeepseekV32::DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_mode
         "deepseek_v32: the CPU backend decodes weights in checkpoint precision only (DZ_EXPERTS_AUTO or "
         "DZ_EXPERTS_NATIVE), not dz_expert_precision ",
         int(params.experts));
-  auto pos_int = [&](const char* key) {
-    const int64_t v = cfg.get<int64_t>(key);
-    check(v > 0 && v <= (int64_t(1) << 31) - 1, DZ_ERR_FORMAT, src, ": ", key, " = ", v, " must be positive");
-    return v;
-  };
-  n_vocab_ = int32_t(pos_int("vocab_size"));
-  hidden_ = pos_int("hidden_size");
-  n_layers_ = int32_t(pos_int("num_hidden_layers"));
+  n_vocab_ = int32_t(cfg.get_positive_int("vocab_size"));
+  hidden_ = cfg.get_positive_int("hidden_size");
+  n_layers_ = int32_t(cfg.get_positive_int("num_hidden_layers"));
   check(cfg.has("q_lora_rank"), DZ_ERR_UNSUPPORTED, src,
         ": q_lora_rank is null; deepseek_v32 needs the low-rank query (the indexer reads it)");
-  q_lora_ = pos_int("q_lora_rank");
-  mla_.n_heads = int(pos_int("num_attention_heads"));
-  mla_.rank = int(pos_int("kv_lora_rank"));
-  mla_.nope = int(pos_int("qk_nope_head_dim"));
-  mla_.rope = int(pos_int("qk_rope_head_dim"));
-  mla_.v = int(pos_int("v_head_dim"));
+  q_lora_ = cfg.get_positive_int("q_lora_rank");
+  mla_.n_heads = int(cfg.get_positive_int("num_attention_heads"));
+  mla_.rank = int(cfg.get_positive_int("kv_lora_rank"));
+  mla_.nope = int(cfg.get_positive_int("qk_nope_head_dim"));
+  mla_.rope = int(cfg.get_positive_int("qk_rope_head_dim"));
+  mla_.v = int(cfg.get_positive_int("v_head_dim"));
   check(mla_.rope % 2 == 0, DZ_ERR_FORMAT, src, ": qk_rope_head_dim ", mla_.rope, " must be even");
-  idx_.n_heads = int(pos_int("index_n_heads"));
-  idx_.head_dim = int(pos_int("index_head_dim"));
-  idx_.topk = int(pos_int("index_topk"));
+  idx_.n_heads = int(cfg.get_positive_int("index_n_heads"));
+  idx_.head_dim = int(cfg.get_positive_int("index_head_dim"));
+  idx_.topk = int(cfg.get_positive_int("index_topk"));
   check(idx_.head_dim >= mla_.rope, DZ_ERR_FORMAT, src, ": index_head_dim ", idx_.head_dim,
         " is smaller than qk_rope_head_dim ", mla_.rope);
   idx_.mode = params.indexer == DZ_INDEXER_FP8 ? cpu::IndexerMode::Fp8 : cpu::IndexerMode::Exact;
@@ -193,10 +188,10 @@ DeepseekV32::DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_mode
   int64_t moe_inter = 0;
   if (any_moe) {
     check(E > 0, DZ_ERR_FORMAT, src, ": n_routed_experts must be positive for MoE layers");
-    n_active_ = int32_t(pos_int("num_experts_per_tok"));
+    n_active_ = int32_t(cfg.get_positive_int("num_experts_per_tok"));
     n_group_ = int32_t(cfg.get_or<int64_t>("n_group", 1));
     topk_group_ = int32_t(cfg.get_or<int64_t>("topk_group", 1));
-    moe_inter = pos_int("moe_intermediate_size");
+    moe_inter = cfg.get_positive_int("moe_intermediate_size");
     check(n_group_ > 0 && E % n_group_ == 0, DZ_ERR_FORMAT, src, ": n_group ", n_group_,
           " must divide n_routed_experts ", E);
     check(topk_group_ > 0 && topk_group_ <= n_group_, DZ_ERR_FORMAT, src, ": topk_group ", topk_group_,
@@ -248,7 +243,7 @@ DeepseekV32::DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_mode
     };
     l.moe = kind == "sparse";
     if (!l.moe) {
-      l.dense = load_mlp(p + "mlp", pos_int("intermediate_size"));
+      l.dense = load_mlp(p + "mlp", cfg.get_positive_int("intermediate_size"));
       continue;
     }
     l.router = linear_weight(ws, p + "mlp.gate", E, H);

@@ -245,20 +245,16 @@ cpu::WeightRef GptOssMxfp4::expert(int e) const {
 
 GptOssDesc::GptOssDesc(const Config& cfg, const WeightStore& ws) {
   const std::string& src = cfg.source();
-  auto pos_int = [&](const char* key) {
-    const int64_t v = cfg.get<int64_t>(key);
-    check(v > 0 && v <= (int64_t(1) << 31) - 1, DZ_ERR_FORMAT, src, ": ", key, " = ", v, " must be positive");
-    return v;
-  };
-  n_vocab_ = int32_t(pos_int("vocab_size"));
-  hidden_ = pos_int("hidden_size");
-  inter_ = pos_int("intermediate_size");
-  n_layers_ = int32_t(pos_int("num_hidden_layers"));
-  n_heads_ = int32_t(pos_int("num_attention_heads"));
-  n_kv_heads_ = cfg.has("num_key_value_heads") ? int32_t(pos_int("num_key_value_heads")) : n_heads_;
-  head_dim_ = cfg.has("head_dim") ? int32_t(pos_int("head_dim")) : int32_t(hidden_ / n_heads_);
-  n_experts_ = int32_t(pos_int("num_local_experts"));
-  n_active_ = int32_t(cfg.has("num_experts_per_tok") ? pos_int("num_experts_per_tok") : pos_int("experts_per_token"));
+  n_vocab_ = int32_t(cfg.get_positive_int("vocab_size"));
+  hidden_ = cfg.get_positive_int("hidden_size");
+  inter_ = cfg.get_positive_int("intermediate_size");
+  n_layers_ = int32_t(cfg.get_positive_int("num_hidden_layers"));
+  n_heads_ = int32_t(cfg.get_positive_int("num_attention_heads"));
+  n_kv_heads_ = cfg.has("num_key_value_heads") ? int32_t(cfg.get_positive_int("num_key_value_heads")) : n_heads_;
+  head_dim_ = cfg.has("head_dim") ? int32_t(cfg.get_positive_int("head_dim")) : int32_t(hidden_ / n_heads_);
+  n_experts_ = int32_t(cfg.get_positive_int("num_local_experts"));
+  n_active_ = int32_t(cfg.has("num_experts_per_tok") ? cfg.get_positive_int("num_experts_per_tok")
+                                                     : cfg.get_positive_int("experts_per_token"));
   max_context_ = cfg.get_or<int64_t>("max_position_embeddings", 131072);
   eps_ = float(cfg.get_or<double>("rms_norm_eps", 1e-5));
   check(n_heads_ % n_kv_heads_ == 0, DZ_ERR_FORMAT, src, ": num_attention_heads ", n_heads_,
