@@ -8,6 +8,7 @@
 #include "common/error.h"
 #include "common/host_alloc.h"
 #include "cpu/fp8.h"
+#include "cpu/matmul.h"
 #include "cpu/topk.h"
 
 namespace dz::cpu {
@@ -15,14 +16,6 @@ namespace dz::cpu {
 namespace {
 bool pow2(int n) { return n > 0 && (n & (n - 1)) == 0; }
 
-double dot(const float* a, const float* b, int n) {
-  double s[4] = {0, 0, 0, 0};
-  int i = 0;
-  for (; i + 4 <= n; i += 4)
-    for (int j = 0; j < 4; ++j) s[j] += double(a[i + j]) * double(b[i + j]);
-  for (; i < n; ++i) s[0] += double(a[i]) * double(b[i]);
-  return (s[0] + s[1]) + (s[2] + s[3]);
-}
 }  // namespace
 
 int indexer_scale_block(const IndexerConfig& c) { return std::min(c.head_dim, 128); }
@@ -138,11 +131,11 @@ void indexer_select(const IndexerConfig& c, const float* q, const float* w, int6
               if (fp8) {
                 double d = 0;
                 for (int b = 0; b < nb; ++b)
-                  d += dot(qi + h * D + b * blk, k + b * blk, blk) * double(qs[size_t((int64_t(i) * H + h) * nb + b)]) *
-                       double(ks[size_t(j * nb + b)]);
+                  d += dot_f64(qi + h * D + b * blk, k + b * blk, blk) *
+                       double(qs[size_t((int64_t(i) * H + h) * nb + b)]) * double(ks[size_t(j * nb + b)]);
                 logit = float(d) * d_scale;
               } else {
-                logit = float(dot(qi + h * D, k, D)) * d_scale;
+                logit = float(dot_f64(qi + h * D, k, D)) * d_scale;
               }
               if (logit > 0) acc += double(wi[h]) * double(logit);
             }

@@ -6,18 +6,11 @@
 #include <vector>
 
 #include "common/host_alloc.h"
+#include "cpu/matmul.h"
 
 namespace dz::cpu {
 
 namespace {
-double dot(const float* a, const float* b, int n) {
-  double s[4] = {0, 0, 0, 0};
-  int i = 0;
-  for (; i + 4 <= n; i += 4)
-    for (int j = 0; j < 4; ++j) s[j] += double(a[i + j]) * double(b[i + j]);
-  for (; i < n; ++i) s[0] += double(a[i]) * double(b[i]);
-  return (s[0] + s[1]) + (s[2] + s[3]);
-}
 
 // p[j] = softmax(s)[j] in place (fp64); n > 0.
 void softmax(double* s, int64_t n) {
@@ -54,7 +47,7 @@ int64_t mla_decode(const MlaDims& d, const float* q, const float* w_kv_b, const 
       for (int r = 0; r < R; ++r) qtf[size_t(r)] = float(qt[size_t(r)]);
       for (int64_t j = 0; j < n; ++j) {
         const float* c = rows[size_t(j)];
-        s[size_t(j)] = double(float(dot(qtf.data(), c, R) + dot(qh + d.nope, c + R, d.rope)) * d.scale);
+        s[size_t(j)] = double(float(dot_f64(qtf.data(), c, R) + dot_f64(qh + d.nope, c + R, d.rope)) * d.scale);
       }
       float* oh = out + h * size_t(d.v);
       if (n == 0) {
@@ -102,7 +95,7 @@ int64_t mla_prefill(const MlaDims& d, const float* q, int64_t n_q, const float* 
       for (size_t u = u0; u < u1; ++u) {
         const float* c = latent.row_f32(uni[u]);
         float* e = expanded.data() + u * row_floats;
-        for (size_t o = 0; o < row_floats; ++o) e[o] = float(dot(w_kv_b + o * size_t(R), c, R));
+        for (size_t o = 0; o < row_floats; ++o) e[o] = float(dot_f64(w_kv_b + o * size_t(R), c, R));
       }
     });
     parallel_for(pool, size_t(nq) * size_t(H), 2, [&](size_t t0, size_t t1) {
@@ -119,7 +112,7 @@ int64_t mla_prefill(const MlaDims& d, const float* q, int64_t n_q, const float* 
           const int64_t u = std::lower_bound(uni.begin(), uni.end(), pos) - uni.begin();
           const float* kn = expanded.data() + size_t(u) * row_floats + size_t(h) * size_t(hr);
           const float* kr = latent.row_f32(pos) + R;
-          s[size_t(n)] = double(float(dot(qh, kn, d.nope) + dot(qh + d.nope, kr, d.rope)) * d.scale);
+          s[size_t(n)] = double(float(dot_f64(qh, kn, d.nope) + dot_f64(qh + d.nope, kr, d.rope)) * d.scale);
           at[size_t(n++)] = u;
         }
         float* oh = out + (i * H + h) * d.v;
