@@ -885,13 +885,17 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
   return v;
 }
-// Sub-block scales 4c..4c+3 of a row (at addr, in shared memory) as floats:
-// two 16-bit loads (nsub is even); an E8M0 byte s is the float with exponent
-// field s (s = 0, 2^-127, reads as 0).
-__device__ __forceinline__ void w8_sub_scales(uint32_t addr, float (&f)[4]) {
-  const uint32_t v01 = lds16(addr), v23 = lds16(addr + 2);
+// Four E8M0 scale bytes as floats, bytes 0-1 in the low half of v01, 2-3 in
+// that of v23 (bits above are ignored): an E8M0 byte s is the float with
+// exponent field s (s = 0, 2^-127, reads as 0).
+__device__ __forceinline__ void w8_scales_of(uint32_t v01, uint32_t v23, float (&f)[4]) {
   f[0] = __uint_as_float((v01 << 23) & 0x7F800000u), f[1] = __uint_as_float((v01 << 15) & 0x7F800000u);
   f[2] = __uint_as_float((v23 << 23) & 0x7F800000u), f[3] = __uint_as_float((v23 << 15) & 0x7F800000u);
+}
+// Sub-block scales 4c..4c+3 of a row (at addr, in shared memory) as floats:
+// two 16-bit loads (nsub is even).
+__device__ __forceinline__ void w8_sub_scales(uint32_t addr, float (&f)[4]) {
+  w8_scales_of(lds16(addr), lds16(addr + 2), f);
 }
 
 // This lane's words of rows rA / rB of a ring stage's box (64 rows x 128
@@ -904,9 +908,10 @@ __device__ __forceinline__ void w8_box_words(uint32_t box, int rA, int rB, int t
   for (int u = 0; u < 8; ++u) wa[u] = lds32(pa + 16 * (u ^ (rA & 7))), wb[u] = lds32(pb + 16 * (u ^ (rB & 7)));
 }
 
-// The MMA fragments of chunk cc of a stage's words: sub-block b's even and
-// odd nibbles of rows A and B as E4M3.
-__device__ __forceinline__ void w8_fragments(const uint32_t (&wa)[8], const uint32_t (&wb)[8], int cc,
+// The MMA fragments of chunk cc of a lane's words (a ring stage's 8, or one
+// chunk's 4): sub-block b's even and odd nibbles of rows A and B as E4M3.
+template <int N>
+__device__ __forceinline__ void w8_fragments(const uint32_t (&wa)[N], const uint32_t (&wb)[N], int cc,
                                              uint32_t (&af)[4][4]) {
 #pragma unroll
   for (int b = 0; b < 4; ++b) {
@@ -1568,17 +1573,9 @@ __global__ void __launch_bounds__(128 * kKS, 4 / kKS) w8p_kernel(const W4Args a)
       for (int p = 0; p < kW8PRing; ++p) {
         const int j = j0 + p, c = j < nloc ? ks + j * kKS : ks;
         uint32_t af[4][4];
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          af[b][0] = e2m1_even_to_e4m3(ring[p].wa[b]), af[b][1] = e2m1_even_to_e4m3(ring[p].wb[b]);
-          af[b][2] = e2m1_odd_to_e4m3(ring[p].wa[b]), af[b][3] = e2m1_odd_to_e4m3(ring[p].wb[b]);
-        }
+        w8_fragments(ring[p].wa, ring[p].wb, 0, af);
         float fA[4], fB[4];
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {  // an E8M0 byte s is the float with exponent field s (0: zero)
-          fA[b] = __uint_as_float(((ring[p].sa >> (8 * b)) & 0xFFu) << 23);
-          fB[b] = __uint_as_float(((ring[p].sb >> (8 * b)) & 0xFFu) << 23);
-        }
+        w8_scales_of(ring[p].sa, ring[p].sa >> 16, fA), w8_scales_of(ring[p].sb, ring[p].sb >> 16, fB);
         // The slot refills now (its words are in af): kW8PRing chunks ahead.
         load(j + kW8PRing, ring[p]);
         float q[4][4];
