@@ -482,17 +482,16 @@ TEST_CASE("MLA: absorbed decode and expanded prefill equal the definition over s
 #include "kv/arena.h"
 #include "loader/safetensors.h"
 #include "model/deepseek_v32.h"
+#include "support/family_fixture.h"
 
 namespace {
 
 const std::string kData = DZ_TEST_DATA;
-
-struct Reference {
-  std::vector<int32_t> prompt;
-  std::vector<float> logits;  // [T, vocab]
-  std::vector<int32_t> greedy;
-  std::vector<float> margin;
-};
+using dz::test::argmax;
+using dz::test::cosine;
+using dz::test::Reference;
+using Model = dz::test::FixtureModel;
+using Runner = dz::test::Runner;
 
 struct Fixture {
   std::vector<Reference> refs;
@@ -504,91 +503,16 @@ const Fixture& fixture(const std::string& name) {
   static std::map<std::string, Fixture> cache;
   auto it = cache.find(name);
   if (it != cache.end()) return it->second;
-  dz::SafetensorsFile f(kData + "/" + name + "/reference.safetensors");
-  const auto& ts = f.tensors();
-  auto ints = [](const dz::TensorView& t) {
-    std::vector<int32_t> v(static_cast<size_t>(t.numel()));
-    for (size_t k = 0; k < v.size(); ++k) {
-      if (t.dtype == dz::DType::I64) {
-        int64_t x;
-        std::memcpy(&x, t.data + 8 * k, 8);
-        v[k] = int32_t(x);
-      } else {
-        std::memcpy(&v[k], t.data + 4 * k, 4);
-      }
-    }
-    return v;
-  };
-  auto floats = [](const dz::TensorView& t) {
-    std::vector<float> v(static_cast<size_t>(t.numel()));
-    std::memcpy(v.data(), t.data, t.nbytes);
-    return v;
-  };
+  const dz::test::FamilyFixture& f = dz::test::family_fixture(name);
   Fixture fx;
-  for (int i = 0; ts.count("prompt." + std::to_string(i)); ++i) {
-    const std::string s = std::to_string(i);
-    fx.refs.push_back({ints(ts.at("prompt." + s)), floats(ts.at("logits." + s)), ints(ts.at("greedy." + s)),
-                       floats(ts.at("margin." + s))});
-  }
+  fx.refs = f.refs;
   fx.topk_prompt = int(fx.refs.size()) - 1;
-  for (int l = 0; ts.count("topk." + std::to_string(fx.topk_prompt) + "." + std::to_string(l)); ++l)
-    fx.topk[l] = ints(ts.at("topk." + std::to_string(fx.topk_prompt) + "." + std::to_string(l)));
+  for (int l = 0; f.ints.count("topk." + std::to_string(fx.topk_prompt) + "." + std::to_string(l)); ++l)
+    fx.topk[l] = f.ints.at("topk." + std::to_string(fx.topk_prompt) + "." + std::to_string(l));
   return cache[name] = std::move(fx);
 }
 
-struct Model {
-  dz_model* m = nullptr;
-  explicit Model(const std::string& name, dz_indexer_mode mode = DZ_INDEXER_EXACT) {
-    dz_model_params p;
-    dz_model_params_init(&p);
-    p.n_threads = 2;
-    p.indexer = mode;
-    const dz_status st = dz_model_open((kData + "/" + name).c_str(), &p, &m);
-    INFO(dz_last_error());
-    REQUIRE(st == DZ_OK);
-  }
-  ~Model() { dz_model_free(m); }
-  dz::Family& family() const { return *m->family; }
-  int32_t vocab() const { return m->family->n_vocab(); }
-};
-
-// One sequence driven through Family::forward on its own arena.
-struct Runner {
-  const Model& model;
-  dz::kv::Arena arena;
-  std::vector<std::unique_ptr<dz::kv::Sequence>> seqs;
-  uint64_t tokens_read = 0;
-  explicit Runner(const Model& m, uint32_t page_tokens = 16, uint64_t pages = 256)
-      : model(m), arena(m.family().kv_layout(page_tokens), dz::kv::ArenaConfig{pages, 4, false}) {}
-  dz::kv::Sequence& seq(size_t i = 0) {
-    while (seqs.size() <= i) seqs.push_back(std::make_unique<dz::kv::Sequence>(arena));
-    return *seqs[i];
-  }
-  // Append tokens to sequence i; logits of every new token (or the last).
-  std::vector<float> append(const std::vector<int32_t>& toks, bool all = true, size_t i = 0) {
-    dz::kv::Sequence& s = seq(i);
-    s.reserve(toks.size());
-    std::vector<float> logits((all ? toks.size() : 1) * size_t(model.vocab()));
-    dz::ForwardItem it;
-    it.seq = &s;
-    it.tokens = toks;
-    it.all_logits = all;
-    it.logits = logits.data();
-    dz::ForwardOptions opt;
-    opt.attention_tokens_read = &tokens_read;
-    model.family().forward({&it, 1}, opt);
-    s.commit(toks);
-    return logits;
-  }
-};
-
-double cosine(const float* a, const float* b, size_t n) {
-  double ab = 0, aa = 0, bb = 0;
-  for (size_t i = 0; i < n; ++i) ab += double(a[i]) * b[i], aa += double(a[i]) * a[i], bb += double(b[i]) * b[i];
-  return ab / std::sqrt(aa * bb);
-}
-
-int32_t argmax(const float* v, size_t n) { return int32_t(std::max_element(v, v + n) - v); }
+void fp8_indexer(dz_model_params& p) { p.indexer = DZ_INDEXER_FP8; }
 
 std::vector<int32_t> head(const std::vector<int32_t>& v, size_t n) { return {v.begin(), v.begin() + ptrdiff_t(n)}; }
 
@@ -758,7 +682,7 @@ TEST_CASE("deepseek_v32: a ragged batch computes what each sequence computes alo
 TEST_CASE("deepseek_v32: FP8 indexer mode (Hadamard + E4M3 key cache) against exact mode", "[deepseek]") {
   for (const char* name : {"deepseek_v32_bf16", "deepseek_v32_fp8"}) {
     const Fixture& fx = fixture(name);
-    Model exact(name), fp8(name, DZ_INDEXER_FP8);
+    Model exact(name), fp8(name, fp8_indexer);
     const size_t V = size_t(exact.vocab());
     const int K = 16;
     // The FP8 key cache is smaller: 64 E4M3 bytes + one fp32 scale instead of 64 fp32 per token per layer.

@@ -22,9 +22,9 @@
 #include "cpu/indexer.h"
 #include "cpu/matmul.h"
 #include "cpu/mla.h"
-#include "cpu/moe.h"
 #include "cpu/norm.h"
 #include "cpu/rope.h"
+#include "model/moe_ffn.h"
 #include "model/rope_config.h"
 #include "model/weights.h"
 #include "runtime/parallel.h"
@@ -35,19 +35,6 @@ namespace {
 
 using cpu::WeightRef;
 
-uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ull) {
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
-const float* or_null(const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); }
-
-// A SwiGLU feed-forward block (gate, up, down).
-struct Mlp {
-  WeightRef gate, up, down;
-  int64_t inter = 0;
-};
-
 struct Layer {
   std::vector<float> in_norm, post_norm;
   // MLA
@@ -57,12 +44,7 @@ struct Layer {
   // Indexer
   WeightRef idx_wq, idx_wk, idx_wproj;
   std::vector<float> idx_knorm_w, idx_knorm_b;
-  // Feed-forward: dense, or routed experts + shared experts.
-  bool moe = false;
-  Mlp dense, shared;
-  WeightRef router;
-  std::vector<float> router_bias;  // e_score_correction_bias
-  std::vector<Mlp> experts;
+  Ffn ffn;  // dense, or routed experts + shared experts
 };
 
 class DeepseekV32 final : public Family {
@@ -76,8 +58,8 @@ class DeepseekV32 final : public Family {
     info.hidden_size = int32_t(hidden_);
     info.n_heads = mla_.n_heads;
     info.n_kv_heads = 1;  // one latent shared by every head
-    info.n_experts = n_experts_;
-    info.n_experts_active = n_active_;
+    info.n_experts = routing_.n_experts;
+    info.n_experts_active = routing_.n_active;
     info.max_context = max_context_;
   }
   int32_t n_vocab() const override { return n_vocab_; }
@@ -96,12 +78,11 @@ class DeepseekV32 final : public Family {
   // Per token per layer: [c_kv | k_rope] fp32, then the indexer key.
   size_t latent_bytes() const { return cpu::mla_latent_bytes(mla_); }
   size_t token_bytes() const { return latent_bytes() + cpu::indexer_key_bytes(idx_); }
-  void mlp(const Mlp& m, const float* x, int64_t rows, float* y) const;
 
-  int32_t n_vocab_ = 0, n_layers_ = 0, n_experts_ = 0, n_active_ = 0, n_group_ = 1, topk_group_ = 1;
+  int32_t n_vocab_ = 0, n_layers_ = 0;
   int64_t hidden_ = 0, q_lora_ = 0, max_context_ = 0;
-  bool norm_topk_ = true;
-  float routed_scale_ = 1, eps_ = 1e-6f;
+  MoeRouting routing_;
+  float eps_ = 1e-6f;
   cpu::MlaDims mla_;
   cpu::IndexerConfig idx_;
   cpu::IndexerBudget idx_budget_;
@@ -174,7 +155,7 @@ DeepseekV32::DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_mode
 
   // MoE shape and the dense/sparse pattern.
   const int64_t E = cfg.get_or<int64_t>("n_routed_experts", 0);
-  n_experts_ = int32_t(E);
+  routing_.n_experts = int32_t(E);
   std::vector<std::string> kinds;
   if (cfg.has("mlp_layer_types")) {
     kinds = cfg.get<std::vector<std::string>>("mlp_layer_types");
@@ -188,18 +169,13 @@ DeepseekV32::DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_mode
   int64_t moe_inter = 0;
   if (any_moe) {
     check(E > 0, DZ_ERR_FORMAT, src, ": n_routed_experts must be positive for MoE layers");
-    n_active_ = int32_t(cfg.get_positive_int("num_experts_per_tok"));
-    n_group_ = int32_t(cfg.get_or<int64_t>("n_group", 1));
-    topk_group_ = int32_t(cfg.get_or<int64_t>("topk_group", 1));
+    routing_.n_active = int32_t(cfg.get_positive_int("num_experts_per_tok"));
+    routing_.n_group = int32_t(cfg.get_or<int64_t>("n_group", 1));
+    routing_.topk_group = int32_t(cfg.get_or<int64_t>("topk_group", 1));
     moe_inter = cfg.get_positive_int("moe_intermediate_size");
-    check(n_group_ > 0 && E % n_group_ == 0, DZ_ERR_FORMAT, src, ": n_group ", n_group_,
-          " must divide n_routed_experts ", E);
-    check(topk_group_ > 0 && topk_group_ <= n_group_, DZ_ERR_FORMAT, src, ": topk_group ", topk_group_,
-          " must be in [1, n_group = ", n_group_, "]");
-    check(n_active_ <= topk_group_ * (E / n_group_), DZ_ERR_FORMAT, src, ": num_experts_per_tok ", n_active_,
-          " exceeds the experts of topk_group groups (", topk_group_ * (E / n_group_), ")");
-    norm_topk_ = cfg.get_or<bool>("norm_topk_prob", true);
-    routed_scale_ = float(cfg.get_or<double>("routed_scaling_factor", 1.0));
+    validate_routing(routing_, src);
+    routing_.norm = cfg.get_or<bool>("norm_topk_prob", true);
+    routing_.scale = float(cfg.get_or<double>("routed_scaling_factor", 1.0));
   }
   const int64_t n_shared = cfg.get_or<int64_t>("n_shared_experts", 0);
   const bool bias = cfg.get_or<bool>("attention_bias", false);
@@ -238,36 +214,24 @@ DeepseekV32::DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_mode
     check(kind == "dense" || kind == "sparse", DZ_ERR_FORMAT, src, ": mlp_layer_types[", i, "] = '", kind,
           "' (expected dense or sparse)");
     auto load_mlp = [&](const std::string& m, int64_t inter) {
-      return Mlp{linear_weight(ws, m + ".gate_proj", inter, H), linear_weight(ws, m + ".up_proj", inter, H),
-                 linear_weight(ws, m + ".down_proj", H, inter), inter};
+      return load_swiglu(ws, m + ".gate_proj", m + ".up_proj", m + ".down_proj", inter, H);
     };
-    l.moe = kind == "sparse";
-    if (!l.moe) {
-      l.dense = load_mlp(p + "mlp", cfg.get_positive_int("intermediate_size"));
+    l.ffn.moe = kind == "sparse";
+    if (!l.ffn.moe) {
+      l.ffn.dense = load_mlp(p + "mlp", cfg.get_positive_int("intermediate_size"));
       continue;
     }
-    l.router = linear_weight(ws, p + "mlp.gate", E, H);
-    l.router_bias = vector_f32(ws, p + "mlp.gate.e_score_correction_bias", {E});
-    l.experts.reserve(size_t(E));
-    for (int64_t e = 0; e < E; ++e) l.experts.push_back(load_mlp(p + "mlp.experts." + std::to_string(e), moe_inter));
-    if (n_shared > 0) l.shared = load_mlp(p + "mlp.shared_experts", moe_inter * n_shared);
+    l.ffn.router = linear_weight(ws, p + "mlp.gate", E, H);
+    l.ffn.router_bias = vector_f32(ws, p + "mlp.gate.e_score_correction_bias", {E});
+    l.ffn.experts.reserve(size_t(E));
+    for (int64_t e = 0; e < E; ++e)
+      l.ffn.experts.push_back(load_mlp(p + "mlp.experts." + std::to_string(e), moe_inter));
+    if (n_shared > 0) l.ffn.shared = load_mlp(p + "mlp.shared_experts", moe_inter * n_shared);
   }
   model_key_ = fnv1a(cfg.json().dump(), fnv1a(std::string("deepseek_v32 kv: f32 c_kv|k_rope + indexer key v1 mode ") +
                                               std::to_string(int(idx_.mode)) + std::to_string(idx_.pow2_scales) + " " +
                                               std::to_string(ws.total_bytes())));
   pool_ = std::make_unique<ThreadPool>(params.n_threads);
-}
-
-// SwiGLU through the MoE kernel as a single expert of weight 1 (exact: 0 + y * 1).
-void DeepseekV32::mlp(const Mlp& m, const float* x, int64_t rows, float* y) const {
-  std::vector<int32_t> idx(static_cast<size_t>(rows), 0);
-  std::vector<float> one(static_cast<size_t>(rows), 1.0f);
-  cpu::moe_forward(
-      x, rows, hidden_, m.inter, idx.data(), one.data(), 1, 1,
-      [&](int) {
-        return cpu::ExpertWeights{m.up, nullptr, m.down, nullptr, m.gate};
-      },
-      cpu::Glu{}, y, pool_.get());
 }
 
 void DeepseekV32::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
@@ -282,10 +246,9 @@ void DeepseekV32::forward(std::span<ForwardItem> batch, const ForwardOptions& op
 
   HostBuffer<float> x(size_t(R * H)), xn(size_t(R * H)), cq(size_t(R * q_lora_)), q(size_t(R * NH * QD)),
       kva(size_t(R * KVA)), iq(size_t(R * IH * ID)), ik(size_t(R * ID)), iw(size_t(R * IH)), att(size_t(R * OD)),
-      tmp(size_t(R * H)), tmp2(size_t(R * H)), cs(size_t(R * half)), sn(size_t(R * half)),
+      tmp(size_t(R * H)), cs(size_t(R * half)), sn(size_t(R * half)),
       kvb(size_t(NH * (mla_.nope + mla_.v) * mla_.rank));
-  HostBuffer<float> router(n_experts_ > 0 ? size_t(R * n_experts_) : 1), route_w(size_t(R * std::max(1, n_active_)));
-  HostBuffer<int32_t> route_i(size_t(R * std::max(1, n_active_))), sel(size_t(R * K));
+  HostBuffer<int32_t> sel(size_t(R * K));
   for (int64_t r = 0; r < R; ++r) {
     const ForwardItem& it = batch[rows[size_t(r)].item];
     embed_.decode_row(it.tokens[size_t(rows[size_t(r)].pos - int64_t(it.seq->length()))], x.data() + r * H);
@@ -355,26 +318,7 @@ void DeepseekV32::forward(std::span<ForwardItem> batch, const ForwardOptions& op
     for (int64_t i = 0; i < R * H; ++i) x[size_t(i)] += tmp[size_t(i)];
 
     cpu::rms_norm(x.data(), R, H, L.post_norm.data(), eps_, xn.data());
-    if (!L.moe) {
-      mlp(L.dense, xn.data(), R, tmp.data());
-    } else {
-      cpu::matmul(xn.data(), R, L.router, nullptr, router.data(), pool);
-      for (int64_t r = 0; r < R; ++r)
-        cpu::router_sigmoid_grouped(router.data() + r * n_experts_, L.router_bias.data(), n_experts_, n_group_,
-                                    topk_group_, n_active_, norm_topk_, routed_scale_, route_i.data() + r * n_active_,
-                                    route_w.data() + r * n_active_);
-      cpu::moe_forward(
-          xn.data(), R, H, L.experts[0].inter, route_i.data(), route_w.data(), n_active_, n_experts_,
-          [&](int e) {
-            const Mlp& m = L.experts[size_t(e)];
-            return cpu::ExpertWeights{m.up, nullptr, m.down, nullptr, m.gate};
-          },
-          cpu::Glu{}, tmp.data(), pool);
-      if (L.shared.inter) {
-        mlp(L.shared, xn.data(), R, tmp2.data());
-        for (int64_t i = 0; i < R * H; ++i) tmp[size_t(i)] += tmp2[size_t(i)];
-      }
-    }
+    ffn_forward(L.ffn, routing_, H, xn.data(), R, tmp.data(), pool);
     for (int64_t i = 0; i < R * H; ++i) x[size_t(i)] += tmp[size_t(i)];
   }
   if (opt.abort && opt.abort(opt.abort_user)) fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");

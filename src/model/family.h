@@ -125,6 +125,12 @@ using FamilyFactory = std::unique_ptr<Family> (*)(const Config& config, const We
                                                   const dz_model_params& params);
 
 // nullptr when the model_type is not served by this build.
+// FNV-1a, for the model keys (kv::Layout::model_key) that salt prefix-cache hashes.
+inline uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ull) {
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
 FamilyFactory find_family(const std::string& model_type);
 std::vector<std::string> family_names();
 

@@ -53,13 +53,6 @@ GptOssMxfp4 mxfp4_experts(const WeightStore& ws, const std::string& prefix, int6
   return {b.data, s.data, rows, cols};
 }
 
-const float* or_null(const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); }
-
-uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ull) {
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
 class GptOss final : public Family, private GptOssDesc {
  public:
   GptOss(const Config& cfg, const WeightStore& ws, const dz_model_params& params);

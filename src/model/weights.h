@@ -24,4 +24,7 @@ cpu::WeightRef linear_weight(const WeightStore& ws, const std::string& base, int
 // A float vector (F32/BF16/F16) of the given shape, decoded to fp32.
 std::vector<float> vector_f32(const WeightStore& ws, const std::string& name, const std::vector<int64_t>& shape);
 
+// An optional vector's data, or null when it is empty (an absent bias).
+inline const float* or_null(const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); }
+
 }  // namespace dz

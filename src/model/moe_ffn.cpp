@@ -1,0 +1,58 @@
+#include "model/moe_ffn.h"
+
+#include "common/error.h"
+#include "common/host_alloc.h"
+#include "cpu/moe.h"
+#include "model/weights.h"
+
+namespace dz {
+
+namespace {
+cpu::ExpertWeights expert_of(const SwiGlu& m) { return cpu::ExpertWeights{m.up, nullptr, m.down, nullptr, m.gate}; }
+
+// SwiGLU through the MoE kernel as a single expert of weight 1 (exact: 0 + y * 1).
+void swiglu_forward(const SwiGlu& m, int64_t hidden, const float* x, int64_t rows, float* y, ThreadPool* pool) {
+  std::vector<int32_t> idx(size_t(rows), 0);
+  std::vector<float> one(size_t(rows), 1.0f);
+  cpu::moe_forward(
+      x, rows, hidden, m.inter, idx.data(), one.data(), 1, 1, [&](int) { return expert_of(m); }, cpu::Glu{}, y, pool);
+}
+}  // namespace
+
+SwiGlu load_swiglu(const WeightStore& ws, const std::string& gate, const std::string& up, const std::string& down,
+                   int64_t inter, int64_t hidden) {
+  return SwiGlu{linear_weight(ws, gate, inter, hidden), linear_weight(ws, up, inter, hidden),
+                linear_weight(ws, down, hidden, inter), inter};
+}
+
+void validate_routing(const MoeRouting& r, const std::string& src) {
+  const int E = r.n_experts;
+  check(r.n_group > 0 && E % r.n_group == 0, DZ_ERR_FORMAT, src,
+        ": the expert groups (n_group / num_expert_group = ", r.n_group, ") must divide the routed experts (", E, ")");
+  check(r.topk_group > 0 && r.topk_group <= r.n_group, DZ_ERR_FORMAT, src, ": topk_group ", r.topk_group,
+        " must be in [1, groups = ", r.n_group, "]");
+  check(r.n_active <= r.topk_group * (E / r.n_group), DZ_ERR_FORMAT, src, ": ", r.n_active,
+        " experts per token exceed the experts of topk_group groups (", r.topk_group * (E / r.n_group), ")");
+}
+
+void ffn_forward(const Ffn& f, const MoeRouting& r, int64_t hidden, const float* x, int64_t rows, float* y,
+                 ThreadPool* pool) {
+  if (!f.moe) return swiglu_forward(f.dense, hidden, x, rows, y, pool);
+  const size_t R = size_t(rows), E = size_t(r.n_experts), k = size_t(r.n_active);
+  HostBuffer<float> logits(R * E), weights(R * k);
+  HostBuffer<int32_t> idx(R * k);
+  cpu::matmul(x, rows, f.router, nullptr, logits.data(), pool);
+  for (size_t i = 0; i < R; ++i)
+    cpu::router_sigmoid_grouped(logits.data() + i * E, f.router_bias.data(), r.n_experts, r.n_group, r.topk_group,
+                                r.n_active, r.norm, r.scale, idx.data() + i * k, weights.data() + i * k);
+  cpu::moe_forward(
+      x, rows, hidden, f.experts[0].inter, idx.data(), weights.data(), r.n_active, r.n_experts,
+      [&](int e) { return expert_of(f.experts[size_t(e)]); }, cpu::Glu{}, y, pool);
+  if (f.shared.inter) {
+    HostBuffer<float> s(R * size_t(hidden));
+    swiglu_forward(f.shared, hidden, x, rows, s.data(), pool);
+    for (size_t i = 0; i < R * size_t(hidden); ++i) y[i] += s[i];
+  }
+}
+
+}  // namespace dz

@@ -1,0 +1,51 @@
+// The feed-forward block of the DeepSeek-V3 lineage (deepseek_v32,
+// kimi_linear): a dense SwiGLU MLP, or routed SwiGLU experts under sigmoid
+// group-limited routing ("noaux_tc": choice = sigmoid + e_score_correction_bias,
+// weights = the chosen sigmoids, normalised, times routed_scaling_factor) plus
+// always-on shared experts. Families differ only in tensor names and config
+// field names, so each loads its own weights into these structs.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cpu/matmul.h"
+#include "loader/safetensors.h"
+#include "runtime/parallel.h"
+
+namespace dz {
+
+struct SwiGlu {
+  cpu::WeightRef gate, up, down;
+  int64_t inter = 0;  // 0: absent
+};
+
+struct MoeRouting {
+  int n_experts = 0, n_active = 0, n_group = 1, topk_group = 1;
+  bool norm = true;
+  float scale = 1;
+};
+
+struct Ffn {
+  bool moe = false;
+  SwiGlu dense;                    // !moe
+  SwiGlu shared;                   // moe: shared experts (inter 0 = none)
+  cpu::WeightRef router;           // [n_experts, hidden]
+  std::vector<float> router_bias;  // e_score_correction_bias
+  std::vector<SwiGlu> experts;
+};
+
+// [inter x hidden] gate and up, [hidden x inter] down, by full tensor base names.
+SwiGlu load_swiglu(const WeightStore& ws, const std::string& gate, const std::string& up, const std::string& down,
+                   int64_t inter, int64_t hidden);
+
+// Checks a routing config read from `src` (messages name it); n_experts and
+// n_active must already be positive.
+void validate_routing(const MoeRouting& r, const std::string& src);
+
+// y[rows x hidden] = FFN(x) for one layer.
+void ffn_forward(const Ffn& f, const MoeRouting& r, int64_t hidden, const float* x, int64_t rows, float* y,
+                 ThreadPool* pool);
+
+}  // namespace dz

@@ -1,0 +1,140 @@
+// Whole-model fixtures of the CPU families (tests/data/<name>/, made by the
+// scripts in tools/reference/): reference prompts, logits, greedy tokens and
+// margins, and the other tensors a fixture's reference.safetensors holds; a
+// model opened through the C API; one or more sequences driven straight
+// through Family::forward on their own arena.
+#pragma once
+
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "api/handles.h"
+#include "dayzero.h"
+#include "kv/arena.h"
+#include "loader/safetensors.h"
+#include "model/family.h"
+
+namespace dz::test {
+
+inline const std::string kFixtureData = DZ_TEST_DATA;
+
+struct Reference {
+  std::vector<int32_t> prompt;
+  std::vector<float> logits;  // [T, vocab]
+  std::vector<int32_t> greedy;
+  std::vector<float> margin;
+};
+
+// I32/I64 tensor values as int32.
+inline std::vector<int32_t> tensor_ints(const TensorView& t) {
+  std::vector<int32_t> v(static_cast<size_t>(t.numel()));
+  for (size_t k = 0; k < v.size(); ++k) {
+    if (t.dtype == DType::I64) {
+      int64_t x;
+      std::memcpy(&x, t.data + 8 * k, 8);
+      v[k] = int32_t(x);
+    } else {
+      std::memcpy(&v[k], t.data + 4 * k, 4);
+    }
+  }
+  return v;
+}
+inline std::vector<float> tensor_floats(const TensorView& t) {
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  std::memcpy(v.data(), t.data, t.nbytes);
+  return v;
+}
+
+struct FamilyFixture {
+  std::vector<Reference> refs;                       // prompt.i, logits.i, greedy.i, margin.i
+  std::map<std::string, std::vector<float>> floats;  // every other F32 tensor by name
+  std::map<std::string, std::vector<int32_t>> ints;  // every other integer tensor by name
+};
+
+// Read once per name and kept for the test run.
+inline const FamilyFixture& family_fixture(const std::string& name) {
+  static std::map<std::string, FamilyFixture> cache;
+  auto it = cache.find(name);
+  if (it != cache.end()) return it->second;
+  SafetensorsFile f(kFixtureData + "/" + name + "/reference.safetensors");
+  const auto& ts = f.tensors();
+  FamilyFixture fx;
+  for (int i = 0; ts.count("prompt." + std::to_string(i)); ++i) {
+    const std::string s = std::to_string(i);
+    fx.refs.push_back({tensor_ints(ts.at("prompt." + s)), tensor_floats(ts.at("logits." + s)),
+                       tensor_ints(ts.at("greedy." + s)), tensor_floats(ts.at("margin." + s))});
+  }
+  for (const auto& [n, t] : ts) {
+    if (n.rfind("prompt.", 0) == 0 || n.rfind("logits.", 0) == 0 || n.rfind("greedy.", 0) == 0 ||
+        n.rfind("margin.", 0) == 0)
+      continue;
+    if (t.dtype == DType::F32)
+      fx.floats[n] = tensor_floats(t);
+    else
+      fx.ints[n] = tensor_ints(t);
+  }
+  return cache[name] = std::move(fx);
+}
+
+struct FixtureModel {
+  dz_model* m = nullptr;
+  // tweak adjusts the parameters (after dz_model_params_init, 2 threads).
+  explicit FixtureModel(const std::string& name, void (*tweak)(dz_model_params&) = nullptr) {
+    dz_model_params p;
+    dz_model_params_init(&p);
+    p.n_threads = 2;
+    if (tweak) tweak(p);
+    const dz_status st = dz_model_open((kFixtureData + "/" + name).c_str(), &p, &m);
+    INFO(dz_last_error());
+    REQUIRE(st == DZ_OK);
+  }
+  ~FixtureModel() { dz_model_free(m); }
+  Family& family() const { return *m->family; }
+  int32_t vocab() const { return m->family->n_vocab(); }
+};
+
+// Sequences driven through Family::forward on their own arena (prefix cache off).
+struct Runner {
+  const FixtureModel& model;
+  kv::Arena arena;
+  std::vector<std::unique_ptr<kv::Sequence>> seqs;
+  uint64_t tokens_read = 0;
+  explicit Runner(const FixtureModel& m, uint32_t page_tokens = 16, uint64_t pages = 256)
+      : model(m), arena(m.family().kv_layout(page_tokens), kv::ArenaConfig{pages, 4, false}) {}
+  kv::Sequence& seq(size_t i = 0) {
+    while (seqs.size() <= i) seqs.push_back(std::make_unique<kv::Sequence>(arena));
+    return *seqs[i];
+  }
+  // Append tokens to sequence i; logits of every new token (or the last).
+  std::vector<float> append(const std::vector<int32_t>& toks, bool all = true, size_t i = 0) {
+    kv::Sequence& s = seq(i);
+    s.reserve(toks.size());
+    std::vector<float> logits((all ? toks.size() : 1) * size_t(model.vocab()));
+    ForwardItem it;
+    it.seq = &s;
+    it.tokens = toks;
+    it.all_logits = all;
+    it.logits = logits.data();
+    ForwardOptions opt;
+    opt.attention_tokens_read = &tokens_read;
+    model.family().forward({&it, 1}, opt);
+    s.commit(toks);
+    return logits;
+  }
+};
+
+inline double cosine(const float* a, const float* b, size_t n) {
+  double ab = 0, aa = 0, bb = 0;
+  for (size_t i = 0; i < n; ++i) ab += double(a[i]) * b[i], aa += double(a[i]) * a[i], bb += double(b[i]) * b[i];
+  return ab / std::sqrt(aa * bb);
+}
+
+inline int32_t argmax(const float* v, size_t n) { return int32_t(std::max_element(v, v + n) - v); }
+
+}  // namespace dz::test
