@@ -49,6 +49,15 @@ void restore(dz::kv::Sequence& seq, size_t n) noexcept {
   }
 }
 
+// Record tokens the model has computed; where they end a page of a model with
+// recurrent state, keep the state as of that boundary for prefix reuse (a no-op
+// without state or with the prefix cache off).
+void commit_tokens(dz::kv::Sequence& seq, std::span<const int32_t> ids) {
+  seq.commit(ids);
+  if (seq.arena().layout().state_slot_bytes && seq.length() % seq.arena().page_tokens() == 0)
+    seq.snapshot_state(seq.length());
+}
+
 // The sessions of one batched step: non-null, distinct, one arena.
 void check_batch(dz_session* const* sessions, size_t n) {
   dz::need(sessions, "sessions");
@@ -133,7 +142,7 @@ void decode_batch(dz_session* const* sessions, const int32_t* tokens, size_t n) 
     opt.abort = &BatchAbort::poll;
     opt.abort_user = &abort;
     family.forward(items, opt);
-    for (size_t i = 0; i < n; ++i) sessions[i]->seq->commit(std::span<const int32_t>(tokens + i, 1));
+    for (size_t i = 0; i < n; ++i) commit_tokens(*sessions[i]->seq, std::span<const int32_t>(tokens + i, 1));
   } catch (...) {
     for (size_t i = 0; i < reserved; ++i) restore(*sessions[i]->seq, sessions[i]->seq->length());
     throw;
@@ -354,6 +363,13 @@ DZ_API dz_status dz_session_append(dz_session* session, const int32_t* tokens, s
     std::vector<float> logits(dev ? 0 : all ? n * v : v);
     int32_t argmax = -1;
     const size_t start = seq.length();
+    // A recurrent state cannot be rewound by dropping pages: keep a copy to
+    // put back if a chunk fails after others were committed.
+    const size_t state_bytes = seq.arena().layout().state_slot_bytes;
+    std::vector<uint8_t> saved_state;
+    if (state_bytes && !seq.arena().storage().on_device())
+      saved_state.assign(seq.state_ptr(), seq.state_ptr() + state_bytes);
+    const size_t page = seq.arena().page_tokens();
     size_t done = 0;
     size_t reused = 0;
     uint64_t read = 0;
@@ -369,7 +385,10 @@ DZ_API dz_status dz_session_append(dz_session* session, const int32_t* tokens, s
       opt.attention_tokens_read = &read;
       const size_t chunk = session->params.prefill_chunk ? session->params.prefill_chunk : family.prefill_chunk();
       while (done < n) {
-        const size_t c = std::min<size_t>(chunk, n - done);
+        size_t c = std::min<size_t>(chunk, n - done);
+        // With recurrent state, a chunk that crosses a page boundary ends on the
+        // last one it reaches, where the state is kept for prefix reuse.
+        if (state_bytes && (seq.length() + c) % page < c) c -= (seq.length() + c) % page;
         seq.reserve(c);
         dz::ForwardItem it;
         it.seq = &seq;
@@ -382,11 +401,19 @@ DZ_API dz_status dz_session_append(dz_session* session, const int32_t* tokens, s
           it.logits = all ? logits.data() + done * v : logits.data();
         }
         family.forward(std::span<dz::ForwardItem>(&it, 1), opt);
-        seq.commit(it.tokens);
+        commit_tokens(seq, it.tokens);
         done += c;
       }
     } catch (...) {
-      restore(seq, start);
+      if (!saved_state.empty() && seq.length() != start) {
+        try {
+          seq.rewind(start, saved_state.data());
+        } catch (const std::exception& e) {
+          dz::log_warn("could not restore a session after a failed call: ", e.what());
+        }
+      } else {
+        restore(seq, start);
+      }
       throw;
     }
     if (dev) {

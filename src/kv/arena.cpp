@@ -459,6 +459,17 @@ struct Arena::Impl {
     }
   }
 
+  void rewind(Sequence& s, size_t n, const uint8_t* state) {
+    if (!has_state() || a.storage_->on_device())
+      fail(DZ_ERR_UNSUPPORTED, "KV sequence: rewind with a saved state needs host state slots");
+    if (n > s.tokens_.size())
+      fail(DZ_ERR_INVALID_ARGUMENT, "KV sequence: rewind to ", n, " tokens but it holds ", s.tokens_.size());
+    release_tail(s, pages_for(n));
+    s.tokens_.resize(n);
+    s.reserved_ = 0;
+    std::memcpy(a.storage_->data() + slot_off(s.state_slot_), state, a.layout_.state_slot_bytes);
+  }
+
   void snapshot_state(Sequence& s, size_t pos) {
     if (!has_state() || !a.cfg_.prefix_cache) return;
     if (pos != s.tokens_.size() || pos == 0 || pos % P)
@@ -750,6 +761,11 @@ std::unique_ptr<Sequence> Sequence::fork() const {
 uint8_t* Sequence::state_ptr() {
   if (state_slot_ < 0) return nullptr;
   return arena_->storage_->data() + arena_->impl_->slot_off(state_slot_);
+}
+
+void Sequence::rewind(size_t n, const uint8_t* state) {
+  std::lock_guard lk(arena_->mu_);
+  arena_->impl_->rewind(*this, n, state);
 }
 
 void Sequence::snapshot_state(size_t pos) {

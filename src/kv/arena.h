@@ -172,6 +172,12 @@ class Sequence {
   // recurrent state, n must be length(), 0, or a page boundary with a state
   // snapshot (else DZ_ERR_UNSUPPORTED, sequence unchanged).
   void truncate(size_t n);
+  // Keep the first n tokens (n <= length()), drop reserved room, and set the
+  // recurrent state to `state` (state_slot_bytes of host memory: the state
+  // after those n tokens, which the caller saved). Puts a hybrid model's
+  // sequence back after a failed multi-chunk prefill, where truncate() would
+  // need a snapshot. DZ_ERR_UNSUPPORTED for device storage or no state.
+  void rewind(size_t n, const uint8_t* state);
   // A new sequence sharing this one's pages (copy on write) and a copy of its
   // state; reserved room is not shared.
   std::unique_ptr<Sequence> fork() const;

@@ -6,12 +6,14 @@
 namespace dz {
 
 std::unique_ptr<Family> make_gpt_oss(const Config&, const WeightStore&, const dz_model_params&);
+std::unique_ptr<Family> make_kimi_linear(const Config&, const WeightStore&, const dz_model_params&);
 
 namespace {
 // One line per family; keep sorted.
 const std::pair<const char*, FamilyFactory> kFamilies[] = {
     {"deepseek_v32", make_deepseek_v32},
     {"gpt_oss", make_gpt_oss},
+    {"kimi_linear", make_kimi_linear},
 };
 }  // namespace
 
