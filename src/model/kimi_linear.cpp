@@ -235,8 +235,15 @@ KimiLinear::KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_
       }
       l.f_a = linear_weight(ws, a + "f_a_proj", D, H);
       l.f_b = linear_weight(ws, a + "f_b_proj", P, D);
-      l.dt_bias = vector_f32(ws, a + "dt_bias", {P});
-      l.a_log = vector_f32(ws, a + "A_log", {1, 1, kda_.n_heads, 1});
+      l.dt_bias = vector_f32(
+          ws, a + "dt_bias",  // [P], or [H, D] in other exports
+          ws.get(a + "dt_bias").shape.size() == 2 ? std::vector<int64_t>{kda_.n_heads, D} : std::vector<int64_t>{P});
+      // A_log: [1, 1, H, 1] in Moonshot's checkpoints, [H, 1] or [H] in other exports.
+      const size_t a_rank = ws.get(a + "A_log").shape.size();
+      l.a_log = vector_f32(ws, a + "A_log",
+                           a_rank == 4   ? std::vector<int64_t>{1, 1, kda_.n_heads, 1}
+                           : a_rank == 2 ? std::vector<int64_t>{kda_.n_heads, 1}
+                                         : std::vector<int64_t>{kda_.n_heads});
       l.b = linear_weight(ws, a + "b_proj", kda_.n_heads, H);
       l.g_a = linear_weight(ws, a + "g_a_proj", D, H);
       l.g_b = linear_weight(ws, a + "g_b_proj", P, D);
