@@ -307,8 +307,12 @@ typedef struct dz_kv_arena_params {
   size_t struct_size;
   uint32_t page_tokens;    /* tokens per page, 0 = the model's choice (64) */
   uint64_t capacity_pages; /* if nonzero, the capacity */
-  uint64_t capacity_bytes; /* else this many bytes (0 = 256 MiB) */
-  uint32_t max_sessions;   /* recurrent-state slots (0 = 64) */
+  uint64_t capacity_bytes; /* else this many bytes, recurrent state included
+                              (0 = 256 MiB of pages, plus the state slots) */
+  uint32_t max_sessions;   /* models with recurrent state (hybrid linear
+                              attention): sessions at once, each a state
+                              slot, and as many state snapshots kept at page
+                              boundaries for prefix reuse (0 = 64) */
   int prefix_cache;        /* nonzero (default): reuse full pages by hash */
 } dz_kv_arena_params;
 
@@ -338,6 +342,9 @@ typedef struct dz_kv_stats {
   uint64_t evictions;
   uint32_t state_slots_total; /* recurrent-state slots */
   uint32_t state_slots_used;
+  uint64_t state_bytes;       /* one session's recurrent state (0: none) */
+  uint32_t state_snapshots_total; /* states kept at page boundaries */
+  uint32_t state_snapshots_used;  /* for prefix reuse (LRU) */
 } dz_kv_stats;
 
 DZ_API void dz_kv_stats_init_sized(dz_kv_stats *stats, size_t struct_size);

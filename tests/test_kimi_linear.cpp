@@ -346,6 +346,15 @@ TEST_CASE("kimi_linear through the C API: prefix reuse restores snapshots, fork,
   for (size_t k = 0; k < V; ++k) diff = std::max(diff, double(std::fabs(got[k] - want[k])));
   INFO("reused prefix: max |logit diff| " << diff);
   CHECK(diff < 1e-5);
+  // The arena accounts for the state: one slot per session, snapshots at the chunk ends 32 ... 144.
+  dz_kv_stats ks;
+  dz_kv_stats_init(&ks);
+  REQUIRE(dz_kv_arena_get_stats(arena, &ks) == DZ_OK);
+  CHECK(ks.state_bytes == 3 * fixture_dims().state_floats() * sizeof(float));
+  CHECK(ks.state_slots_used == 3);
+  CHECK(ks.state_snapshots_total == 64);
+  CHECK(ks.state_snapshots_used == 5);
+  CHECK(ks.bytes_total >= (1 + 64 + 64) * ks.state_bytes + ks.pages_total * ks.page_bytes);
   // The state cannot be rewound to a position without a snapshot; to one with a snapshot it can.
   size_t len = 0;
   CHECK(dz_session_truncate(b, 100) == DZ_ERR_UNSUPPORTED);

@@ -240,10 +240,15 @@ DZ_API dz_status dz_kv_arena_create(dz_model* model, const dz_kv_arena_params* p
     dz::kv::ArenaConfig cfg;
     cfg.max_state_slots = p.max_sessions ? p.max_sessions : 64;
     cfg.prefix_cache = p.prefix_cache != 0;
-    const uint64_t bytes = p.capacity_bytes ? p.capacity_bytes : kDefaultArenaBytes;
+    // Recurrent-state slots and their snapshots (hybrid models) come on top of the default page budget.
+    const uint64_t state_bytes = layout.state_slot_bytes ? dz::kv::Arena::storage_bytes(layout, cfg) : 0;
+    const uint64_t bytes = p.capacity_bytes ? p.capacity_bytes : kDefaultArenaBytes + state_bytes;
     cfg.capacity_pages = p.capacity_pages ? p.capacity_pages : dz::kv::Arena::pages_for_bytes(layout, cfg, bytes);
     dz::check(cfg.capacity_pages > 0, DZ_ERR_INVALID_ARGUMENT, "params->capacity_bytes ", bytes,
-              " holds no KV page of ", dz::kv::Arena::page_bytes_for(layout), " bytes (", page_tokens, " tokens)");
+              " holds no KV page of ", dz::kv::Arena::page_bytes_for(layout), " bytes (", page_tokens, " tokens)",
+              state_bytes ? dz::cat(" beside the ", state_bytes, " bytes of recurrent state for ", cfg.max_state_slots,
+                                    " sessions (params->max_sessions) and as many prefix snapshots")
+                          : std::string());
     auto a = std::make_unique<dz_kv_arena>();
     a->model = model;
     a->arena = std::make_unique<dz::kv::Arena>(std::move(layout), cfg, model->family->kv_storage());

@@ -573,6 +573,9 @@ dz_kv_stats Arena::stats() const {
   s.evictions = impl_->evictions;
   s.state_slots_total = cfg_.max_state_slots;
   s.state_slots_used = uint32_t(cfg_.max_state_slots - impl_->free_slots.size());
+  s.state_bytes = layout_.state_slot_bytes;
+  s.state_snapshots_total = uint32_t(impl_->snaps.size());
+  s.state_snapshots_used = uint32_t(impl_->snap_index.size());
   s.bytes_metadata = metadata_bytes_locked();
   return s;
 }

@@ -296,6 +296,8 @@ type ArenaStats struct {
 	BytesTotal, BytesMetadata, TokensRequested, TokensReused uint64
 	Evictions                                                uint64
 	StateSlotsTotal, StateSlotsUsed                          uint32
+	StateBytes                                               uint64 // one session's recurrent state
+	StateSnapshotsTotal, StateSnapshotsUsed                  uint32
 }
 
 // Stats reports the arena's pages, bytes and prefix-cache use.
@@ -312,5 +314,6 @@ func (a *Arena) Stats() (ArenaStats, error) {
 	return ArenaStats{uint32(s.page_tokens), uint64(s.page_bytes), uint64(s.pages_total), uint64(s.pages_used),
 		uint64(s.pages_cached), uint64(s.pages_free), uint64(s.bytes_total), uint64(s.bytes_metadata),
 		uint64(s.tokens_requested), uint64(s.tokens_reused), uint64(s.evictions), uint32(s.state_slots_total),
-		uint32(s.state_slots_used)}, nil
+		uint32(s.state_slots_used), uint64(s.state_bytes), uint32(s.state_snapshots_total),
+		uint32(s.state_snapshots_used)}, nil
 }

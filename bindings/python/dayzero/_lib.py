@@ -60,7 +60,8 @@ class dz_kv_stats(ctypes.Structure):
                 ("pages_total", c_uint64), ("pages_used", c_uint64), ("pages_cached", c_uint64),
                 ("pages_free", c_uint64), ("bytes_total", c_uint64), ("bytes_metadata", c_uint64),
                 ("tokens_requested", c_uint64), ("tokens_reused", c_uint64), ("evictions", c_uint64),
-                ("state_slots_total", c_uint32), ("state_slots_used", c_uint32)]
+                ("state_slots_total", c_uint32), ("state_slots_used", c_uint32), ("state_bytes", c_uint64),
+                ("state_snapshots_total", c_uint32), ("state_snapshots_used", c_uint32)]
 
 
 class dz_sampler_params(ctypes.Structure):

@@ -152,6 +152,9 @@ pub struct dz_kv_stats {
     pub evictions: u64,
     pub state_slots_total: u32,
     pub state_slots_used: u32,
+    pub state_bytes: u64,
+    pub state_snapshots_total: u32,
+    pub state_snapshots_used: u32,
 }
 
 #[repr(C)]

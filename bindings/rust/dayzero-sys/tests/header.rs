@@ -410,7 +410,7 @@ fn struct_sizes_match_the_library() {
         dz_kv_stats,
         dz_kv_stats_init,
         dz_kv_stats_init_sized,
-        state_slots_used
+        state_snapshots_used
     );
     size_check!(
         dz_sampler_params,
