@@ -12,7 +12,8 @@
 #                     Catch2 v3, so the results under bench/results were made this way)
 #   DZ_DEPS=DIR       extra prefix (include/, lib/, lib/pkgconfig) with the build dependencies
 #   DZ_BENCH_TOKENS   token counts for dz bench moe (default 1,8,64,128,256,384,512,1024,2048,4096,16384)
-#   DZ_GPU_STEPS      which steps to run (default "tests moe peers patterns attention sampling model profile model120b";
+#   DZ_GPU_STEPS      which steps to run (default "tests moe peers patterns attention sampling model profile model120b
+#                     references";
 #                     profile needs model, patterns a prebuilt dram_pattern and one_token_stream)
 #   DZ_MODEL_DIR      where dz bench model writes its random gpt-oss-20b checkpoint (default /tmp/dz_gptoss20b_random)
 #   DZ_TOKENIZER_DIR  gpt-oss's tokenizer.json + tokenizer_config.json for the dz chat smoke test (default: the
@@ -88,7 +89,7 @@ bench_with_peer() {
   fi
 }
 
-STEPS=" ${DZ_GPU_STEPS:-tests moe peers patterns attention sampling model profile model120b} "
+STEPS=" ${DZ_GPU_STEPS:-tests moe peers patterns attention sampling model profile model120b references} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 if want tests; then
@@ -259,6 +260,16 @@ else
     --json "$OUTDIR/logits_120b_l4_cpu_f32_vs_bf16.json" || true
   rm -rf "$M120" /tmp/dz_logits120b_*.npy
 fi
+fi
+
+if want references; then
+  # The Kimi Linear fixture's float64 numpy reference against the installed transformers (CPU, float32): the
+  # tests hold the CPU backend to the numpy reference, this says whether transformers computes the same model.
+  step "Kimi Linear: the tiny fixture's numpy reference against transformers (tools/reference/kimi_linear_fixtures.py)"
+  python3 tools/reference/kimi_linear_fixtures.py --out "$OUTDIR/kimi_linear_transformers" --transformers \
+    >"$OUTDIR/kimi_linear_transformers.log" 2>&1 || echo "the transformers comparison did not run (see the log)"
+  grep -E "^transformers|loading info" "$OUTDIR/kimi_linear_transformers.log"
+  rm -f "$OUTDIR"/kimi_linear_transformers/model-*.safetensors
 fi
 
 step "done (status $status); results in $OUTDIR"

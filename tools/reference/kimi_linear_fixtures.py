@@ -557,11 +557,15 @@ def self_check(out, stored, W, prompts, ref):
 def run_transformers(out, prompts, ref, device):
     import torch
     import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32,
-                                                              attn_implementation="eager")
+    model, loading = transformers.AutoModelForCausalLM.from_pretrained(
+        out, torch_dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     model = model.to(device).eval()
+    # Tensors transformers did not map (a layout it renames differently) leave random weights: say so.
+    loading = {k: sorted(str(x) for x in v)[:20] for k, v in loading.items() if v}
+    if loading:
+        print(f"transformers loading info (names it did not map): {loading}")
     res, hf = {"transformers": transformers.__version__, "torch": torch.__version__, "device": device,
-               "max_abs_diff": [], "worst_cosine": []}, {}
+               "loading_info": loading, "max_abs_diff": [], "worst_cosine": []}, {}
     with torch.no_grad():
         for i, pr in enumerate(prompts):
             ids = torch.tensor(np.asarray(pr)[None], dtype=torch.long, device=device)
