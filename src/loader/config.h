@@ -3,8 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <type_traits>
 
 #include "common/error.h"
 
@@ -23,6 +25,18 @@ class Config {
   template <typename T>
   T get(const std::string& key) const {
     check(j_.contains(key) && !j_[key].is_null(), DZ_ERR_FORMAT, source_, ": missing field \"", key, "\"");
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+      // json would truncate 2.5 and convert 1e300 with undefined behaviour: integers only, in range.
+      const nlohmann::json& v = j_[key];
+      const bool fits =
+          v.is_number_unsigned() ? v.get<uint64_t>() <= uint64_t(std::numeric_limits<T>::max())
+          : v.is_number_integer()
+              ? v.get<int64_t>() >= int64_t(std::numeric_limits<T>::min()) &&
+                    (v.get<int64_t>() < 0 || uint64_t(v.get<int64_t>()) <= uint64_t(std::numeric_limits<T>::max()))
+              : false;
+      check(fits, DZ_ERR_FORMAT, source_, ": field \"", key, "\" = ", v.dump(), " is not an integer",
+            v.is_number_integer() ? " in range" : "");
+    }
     try {
       return j_[key].get<T>();
     } catch (const std::exception&) {
@@ -38,6 +52,9 @@ class Config {
     const int64_t v = get<int64_t>(key);
     check(v > 0 && v <= (int64_t(1) << 31) - 1, DZ_ERR_FORMAT, source_, ": ", key, " = ", v, " must be positive");
     return v;
+  }
+  int64_t get_positive_int_or(const std::string& key, int64_t fallback) const {
+    return has(key) ? get_positive_int(key) : fallback;
   }
 
  private:

@@ -135,7 +135,7 @@ DeepseekV32::DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_mode
             " (128x128 FP8 blocks are supported)");
   }
   cpu::indexer_validate(idx_);
-  max_context_ = cfg.get_or<int64_t>("max_position_embeddings", 163840);
+  max_context_ = cfg.get_positive_int_or("max_position_embeddings", 163840);
   eps_ = float(cfg.get_or<double>("rms_norm_eps", 1e-6));
   check(eps_ > 0, DZ_ERR_FORMAT, src, ": rms_norm_eps must be positive");
   const std::string act = cfg.get_or<std::string>("hidden_act", "silu");
@@ -178,6 +178,7 @@ DeepseekV32::DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_mode
     routing_.scale = float(cfg.get_or<double>("routed_scaling_factor", 1.0));
   }
   const int64_t n_shared = cfg.get_or<int64_t>("n_shared_experts", 0);
+  check(n_shared >= 0, DZ_ERR_FORMAT, src, ": n_shared_experts ", n_shared, " must not be negative");
   const bool bias = cfg.get_or<bool>("attention_bias", false);
   const bool tied = cfg.get_or<bool>("tie_word_embeddings", false);
 

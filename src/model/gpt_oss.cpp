@@ -248,7 +248,7 @@ GptOssDesc::GptOssDesc(const Config& cfg, const WeightStore& ws) {
   n_experts_ = int32_t(cfg.get_positive_int("num_local_experts"));
   n_active_ = int32_t(cfg.has("num_experts_per_tok") ? cfg.get_positive_int("num_experts_per_tok")
                                                      : cfg.get_positive_int("experts_per_token"));
-  max_context_ = cfg.get_or<int64_t>("max_position_embeddings", 131072);
+  max_context_ = cfg.get_positive_int_or("max_position_embeddings", 131072);
   eps_ = float(cfg.get_or<double>("rms_norm_eps", 1e-5));
   check(n_heads_ % n_kv_heads_ == 0, DZ_ERR_FORMAT, src, ": num_attention_heads ", n_heads_,
         " is not a multiple of num_key_value_heads ", n_kv_heads_);

@@ -124,7 +124,8 @@ KimiLinear::KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_
   n_layers_ = int32_t(cfg.get_positive_int("num_hidden_layers"));
   eps_ = float(cfg.get_or<double>("rms_norm_eps", 1e-5));
   check(eps_ > 0, DZ_ERR_FORMAT, src, ": rms_norm_eps must be positive");
-  max_context_ = first_of<int64_t>(cfg, {"model_max_length", "max_position_embeddings"}, 1048576);
+  max_context_ = cfg.has("model_max_length") ? cfg.get_positive_int("model_max_length")
+                                             : cfg.get_positive_int_or("max_position_embeddings", 1048576);
   const std::string act = cfg.get_or<std::string>("hidden_act", "silu");
   check(act == "silu", DZ_ERR_UNSUPPORTED, src, ": hidden_act '", act, "' (kimi_linear uses silu)");
 

@@ -14,6 +14,9 @@ cpu::RopeParams rope_params_from_config(const Config& cfg, int head_dim, double 
   const auto& j = cfg.json();
   const char* where = "rope_parameters";
   nlohmann::json rp = nlohmann::json::object();
+  for (const char* k : {"rope_parameters", "rope_scaling"})
+    check(!j.contains(k) || j[k].is_null() || j[k].is_object(), DZ_ERR_FORMAT, cfg.source(), ": ", k,
+          " is not an object");
   if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
     rp = j["rope_parameters"];
   } else if (j.contains("rope_scaling") && j["rope_scaling"].is_object()) {
@@ -30,7 +33,8 @@ cpu::RopeParams rope_params_from_config(const Config& cfg, int head_dim, double 
   check(p.base > 1, DZ_ERR_FORMAT, cfg.source(), ": rope_theta ", p.base, " must be > 1");
   std::string type = "default";
   for (const char* k : {"rope_type", "type"})
-    if (rp.contains(k) && rp[k].is_string()) {
+    if (rp.contains(k) && !rp[k].is_null()) {
+      check(rp[k].is_string(), DZ_ERR_FORMAT, cfg.source(), ": ", where, ".", k, " is not a string");
       type = rp[k].get<std::string>();
       break;
     }
@@ -49,6 +53,8 @@ cpu::RopeParams rope_params_from_config(const Config& cfg, int head_dim, double 
   if (p.beta_fast == 0) p.beta_fast = 32;
   p.beta_slow = num_or(rp, "beta_slow", 0, cfg, where);
   if (p.beta_slow == 0) p.beta_slow = 1;
+  check(p.beta_fast > 0 && p.beta_slow > 0, DZ_ERR_FORMAT, cfg.source(), ": ", where, ".beta_fast ", p.beta_fast,
+        " and beta_slow ", p.beta_slow, " must be positive");
   p.attention_factor = num_or(rp, "attention_factor", 0, cfg, where);
   p.mscale = num_or(rp, "mscale", 0, cfg, where);
   p.mscale_all_dim = num_or(rp, "mscale_all_dim", 0, cfg, where);
