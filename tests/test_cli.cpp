@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 #include <cstdio>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "support/run_cmd.h"
@@ -54,6 +55,22 @@ TEST_CASE("dz --help lists commands and every command has --help", "[cli]") {
   CHECK(mrc != 0);
   CHECK_THAT(mout, Catch::Contains("dz bench model: dz_model_open: /nonexistent/dz-model"));
   CHECK(mout.find("dz_model_open: dz_model_open") == std::string::npos);
+}
+
+TEST_CASE("dz bench kda: the recurrent and chunked forms agree, JSON with a time a token", "[cli][kimi]") {
+  auto [rc, out] = run_cmd(std::string(DZ_TOOL) +
+                           " bench kda --heads 2 --head-dim 16 --tokens 150 --chunks 0,7,16,64 --reps 1 2>/dev/null");
+  INFO(out);
+  REQUIRE(rc == 0);
+  const auto j = nlohmann::json::parse(out.substr(out.find('{')));
+  CHECK(j["bench"] == "kda");
+  CHECK(j.contains("commit"));
+  REQUIRE(j["results"].size() == 4);
+  for (const auto& r : j["results"]) {
+    CHECK(r["us_per_token"].get<double>() > 0);
+    CHECK(r["max_abs_diff_vs_first"].get<double>() < 1e-5);
+  }
+  CHECK(run_cmd(std::string(DZ_TOOL) + " bench kda --heads 0").first != 0);
 }
 
 TEST_CASE("dz info describes a sharded checkpoint and flags corruption", "[cli]") {

@@ -109,7 +109,7 @@ TEST_CASE("KDA: chunked and recurrent forms equal a float64 recurrence, across c
     REQUIRE(scale > 0.1);  // the outputs are not vanishing
     // Split points so calls start mid-chunk and continue a nonzero state.
     for (const std::vector<int64_t>& cuts : std::vector<std::vector<int64_t>>{{203}, {1, 64, 138}, {100, 1, 1, 101}}) {
-      for (int chunk : {64, 7, 1, 0}) {  // 0: the recurrent form
+      for (int chunk : {64, 16, 7, 1, 0}) {  // 0: the recurrent form
         dz::ThreadPool pool(2);
         std::vector<float> S(SS, 0.f), out(ref.size());
         int64_t t0 = 0;

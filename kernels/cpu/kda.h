@@ -4,8 +4,10 @@
 //   S' = Diag(exp(g_t)) S;  S = S' + beta_t k_t (v_t - S'^T k_t)^T;  o_t = S^T q_t
 // where q_t and k_t are L2-normalised (q also scaled by d_k^-0.5 by the
 // caller's kda_prepare), g_t <= 0 per channel and beta_t in (0, 1).
-//  - kda_recurrent: the definition, token by token (decode).
-//  - kda_chunked: the same function over chunks of 64 tokens (prefill): within
+//  - kda_recurrent: the definition, token by token (the CPU's decode and
+//    prefill: cheaper there, see `dz bench kda`).
+//  - kda_chunked: the same function over chunks (the prefill formulation of
+//    tensor-core kernels, and the reference for them): within
 //    a chunk the new values u solve (I + L) U = Diag(beta)(V - (e^G o K) S0)
 //    by forward substitution (G the in-chunk cumulative log-decay), outputs are
 //    (e^G o Q) S0 plus decayed in-chunk attention over U, and the state moves

@@ -16,6 +16,7 @@ struct Bench {
 const Bench kBenches[] = {
     {"", nullptr, ""},  // rows: {"kv", bench_kv, "..."},
     {"attention", bench_attention, "split-K decode attention on the GPU over a paged bf16 KV cache"},
+    {"kda", bench_kda, "Kimi Delta Attention on the CPU: recurrent and chunked forms, time a token"},
     {"kv", bench_kv, "KV arena bookkeeping: allocate/append/free, fork, prefix lookups, 1M-token memory"},
     {"model", bench_model, "whole gpt-oss model: load, prefill, decode (random 20b-shaped checkpoint)"},
     {"moe", bench_moe, "MXFP4 MoE layer on the GPU (fused W4A16 vs FP8 paths)"},

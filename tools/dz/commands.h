@@ -23,6 +23,7 @@ int bench_moe(const Args& args);
 int bench_attention(const Args& args);
 int bench_kv(const Args& args);
 int bench_tokenize(const Args& args);
+int bench_kda(const Args& args);
 int bench_model(const Args& args);
 int bench_sampling(const Args& args);
 
