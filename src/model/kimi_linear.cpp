@@ -316,9 +316,9 @@ void KimiLinear::kda_layer(const Layer& L, std::span<ForwardItem> batch, const B
     cpu::kda_prepare(kda_, n, c, c + P, 3 * P, gb, P, L.a_log.data(), L.dt_bias.data(), bb);
     float* S = st + kda_.conv_floats();
     // Token by token for prefill too: on the CPU the recurrence's D^2 work a token beats the chunked form's
-    // C x D exponentials a token (dz bench kda at the 48B model's 32 x 128 heads, 512 tokens, one thread: 630 us
-    // a token a layer against 872 in chunks of 16 and 1697 in chunks of 64). The chunked form, the GPU's
-    // formulation, is held equal to it by the tests.
+    // C x D exponentials a token (bench/results/kda-2026-12-05-cpu.json, dz bench kda at the 48B model's
+    // 32 x 128 heads, 512 tokens, one thread: 491 us a token a layer against 582 in chunks of 16 and 1092 in
+    // chunks of 64). The chunked form, the GPU's formulation, is held equal to it by the tests.
     cpu::kda_recurrent(kda_, c, c + P, c + 2 * P, 3 * P, gb, P, bb, n, S, out.data() + r0 * P, pool);
   }
   // The output gate reuses g's buffer.
