@@ -538,12 +538,7 @@ TEST_CASE("deepseek_v32 matches transformers: logits, indexer selections, greedy
         dz::deepseek_v32_set_trace(model.family(), &trace);
         const std::vector<float> logits = run.append(ref.prompt);
         dz::deepseek_v32_set_trace(model.family(), nullptr);
-        double worst = 1, max_diff = 0;
-        for (size_t t = 0; t < T; ++t) {
-          worst = std::min(worst, cosine(logits.data() + t * V, ref.logits.data() + t * V, V));
-          for (size_t v = 0; v < V; ++v)
-            max_diff = std::max(max_diff, double(std::fabs(logits[t * V + v] - ref.logits[t * V + v])));
-        }
+        const auto [worst, max_diff] = dz::test::compare_logits(logits.data(), ref.logits.data(), T, V);
         INFO(name << " prompt " << i << " (T=" << T << "): worst cosine " << worst << ", max |diff| " << max_diff);
         CHECK(worst >= 0.99999);
         CHECK(max_diff < 1e-3);
@@ -562,12 +557,8 @@ TEST_CASE("deepseek_v32 matches transformers: logits, indexer selections, greedy
           }
         }
         // Greedy continuation: each step decodes one token (absorbed MLA).
-        std::vector<int32_t> greedy;
-        std::vector<float> last(logits.end() - ptrdiff_t(V), logits.end());
-        for (size_t s = 0; s < ref.greedy.size(); ++s) {
-          greedy.push_back(argmax(last.data(), V));
-          last = run.append({greedy.back()}, false);
-        }
+        const std::vector<int32_t> greedy =
+            dz::test::greedy_decode(run, {logits.end() - ptrdiff_t(V), logits.end()}, ref.greedy.size());
         INFO("smallest reference margin " << *std::min_element(ref.margin.begin(), ref.margin.end()));
         CHECK(greedy == ref.greedy);
       }

@@ -193,12 +193,7 @@ TEST_CASE("kimi_linear matches a float64 reference: logits, KDA states, greedy d
     const size_t T = ref.prompt.size();
     Runner run(model);
     const std::vector<float> logits = run.append(ref.prompt);
-    double worst = 1, max_diff = 0;
-    for (size_t t = 0; t < T; ++t) {
-      worst = std::min(worst, cosine(logits.data() + t * V, ref.logits.data() + t * V, V));
-      for (size_t v = 0; v < V; ++v)
-        max_diff = std::max(max_diff, double(std::fabs(logits[t * V + v] - ref.logits[t * V + v])));
-    }
+    const auto [worst, max_diff] = dz::test::compare_logits(logits.data(), ref.logits.data(), T, V);
     // The arena's state slot after the prompt: each KDA layer's convolution history and S.
     double state_diff = 0;
     for (int j = 0; j < 3; ++j) {
@@ -220,13 +215,9 @@ TEST_CASE("kimi_linear matches a float64 reference: logits, KDA states, greedy d
     worst_all = std::min(worst_all, worst);
     diff_all = std::max(diff_all, max_diff);
     state_all = std::max(state_all, state_diff);
-    // Greedy continuation: each step one token through the recurrent form and one MLA query.
-    std::vector<int32_t> greedy;
-    std::vector<float> last(logits.end() - ptrdiff_t(V), logits.end());
-    for (size_t s = 0; s < ref.greedy.size(); ++s) {
-      greedy.push_back(argmax(last.data(), V));
-      last = run.append({greedy.back()}, false);
-    }
+    // Greedy continuation: each step one token through the recurrence and one MLA query.
+    const std::vector<int32_t> greedy =
+        dz::test::greedy_decode(run, {logits.end() - ptrdiff_t(V), logits.end()}, ref.greedy.size());
     INFO("smallest reference margin " << *std::min_element(ref.margin.begin(), ref.margin.end()));
     CHECK(greedy == ref.greedy);
   }

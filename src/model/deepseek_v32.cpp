@@ -24,6 +24,7 @@
 #include "cpu/mla.h"
 #include "cpu/norm.h"
 #include "cpu/rope.h"
+#include "model/lm_ends.h"
 #include "model/moe_ffn.h"
 #include "model/rope_config.h"
 #include "model/weights.h"
@@ -87,8 +88,7 @@ class DeepseekV32 final : public Family {
   cpu::IndexerConfig idx_;
   cpu::IndexerBudget idx_budget_;
   cpu::RopeFreqs rope_;
-  WeightRef embed_, lm_head_;
-  std::vector<float> final_norm_;
+  LmEnds ends_;
   std::vector<Layer> layers_;
   uint64_t model_key_ = 0;
   const DsaTrace* trace_ = nullptr;
@@ -97,14 +97,7 @@ class DeepseekV32 final : public Family {
 
 DeepseekV32::DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
   const std::string& src = cfg.source();
-  check(params.device != DZ_DEVICE_CUDA, DZ_ERR_UNSUPPORTED,
-        "deepseek_v32: the CUDA backend is not available in this build yet; use DZ_DEVICE_CPU");
-  check(params.activations != DZ_ACTIVATIONS_BF16, DZ_ERR_UNSUPPORTED,
-        "deepseek_v32: DZ_ACTIVATIONS_BF16 (CPU rounding as a GPU backend) is not implemented for this family");
-  check(params.experts == DZ_EXPERTS_AUTO || params.experts == DZ_EXPERTS_NATIVE, DZ_ERR_UNSUPPORTED,
-        "deepseek_v32: the CPU backend decodes weights in checkpoint precision only (DZ_EXPERTS_AUTO or "
-        "DZ_EXPERTS_NATIVE), not dz_expert_precision ",
-        int(params.experts));
+  check_cpu_family_params(params, "deepseek_v32");
   n_vocab_ = int32_t(cfg.get_positive_int("vocab_size"));
   hidden_ = cfg.get_positive_int("hidden_size");
   n_layers_ = int32_t(cfg.get_positive_int("num_hidden_layers"));
@@ -183,10 +176,7 @@ DeepseekV32::DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_mode
   const bool tied = cfg.get_or<bool>("tie_word_embeddings", false);
 
   const int64_t H = hidden_, NH = mla_.n_heads, QD = mla_.nope + mla_.rope;
-  embed_ = linear_weight(ws, "model.embed_tokens", n_vocab_, H);
-  check(embed_.kind != cpu::WeightKind::MXFP4, DZ_ERR_UNSUPPORTED, "model.embed_tokens: MXFP4 embeddings");
-  lm_head_ = tied ? embed_ : linear_weight(ws, "lm_head", n_vocab_, H);
-  final_norm_ = vector_f32(ws, "model.norm.weight", {H});
+  ends_.load(ws, n_vocab_, H, tied);
   layers_.resize(size_t(n_layers_));
   for (int i = 0; i < n_layers_; ++i) {
     Layer& l = layers_[size_t(i)];
@@ -250,17 +240,15 @@ void DeepseekV32::forward(std::span<ForwardItem> batch, const ForwardOptions& op
       tmp(size_t(R * H)), cs(size_t(R * half)), sn(size_t(R * half)),
       kvb(size_t(NH * (mla_.nope + mla_.v) * mla_.rank));
   HostBuffer<int32_t> sel(size_t(R * K));
-  for (int64_t r = 0; r < R; ++r) {
-    const ForwardItem& it = batch[rows[size_t(r)].item];
-    embed_.decode_row(it.tokens[size_t(rows[size_t(r)].pos - int64_t(it.seq->length()))], x.data() + r * H);
+  ends_.embed_rows(batch, flat, H, x.data());
+  for (int64_t r = 0; r < R; ++r)
     cpu::rope_cos_sin(rope_, rows[size_t(r)].pos, cs.data() + r * half, sn.data() + r * half);
-  }
   // Per item: the layer's page base addresses (the page table as row pointers).
   std::vector<std::vector<const uint8_t*>> page_base(batch.size());
   uint64_t tokens_read = 0;
 
   for (int li = 0; li < n_layers_; ++li) {
-    if (opt.abort && opt.abort(opt.abort_user)) fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
+    opt.poll_abort();
     const Layer& L = layers_[size_t(li)];
     cpu::rms_norm(x.data(), R, H, L.in_norm.data(), eps_, xn.data());
     // Queries: c_q = RMSNorm(q_a(x)), q = q_b(c_q), RoPE (interleaved) on each head's rope part.
@@ -322,13 +310,9 @@ void DeepseekV32::forward(std::span<ForwardItem> batch, const ForwardOptions& op
     ffn_forward(L.ffn, routing_, H, xn.data(), R, tmp.data(), pool);
     for (int64_t i = 0; i < R * H; ++i) x[size_t(i)] += tmp[size_t(i)];
   }
-  if (opt.abort && opt.abort(opt.abort_user)) fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
+  opt.poll_abort();
 
-  for (size_t b = 0; b < batch.size(); ++b) {
-    const auto [r0, nr] = flat.logit_rows(batch, b);
-    cpu::rms_norm(x.data() + r0 * H, nr, H, final_norm_.data(), eps_, xn.data());
-    cpu::matmul(xn.data(), nr, lm_head_, nullptr, batch[b].logits, pool);
-  }
+  ends_.logits(batch, flat, x.data(), H, eps_, xn.data(), pool);
   if (opt.attention_tokens_read) *opt.attention_tokens_read += tokens_read;
 }
 

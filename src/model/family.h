@@ -71,6 +71,11 @@ struct ForwardOptions {
   dz_abort_fn abort = nullptr;  // polled between layers; throw DZ_ERR_CANCELLED when it says stop
   void* abort_user = nullptr;
   uint64_t* attention_tokens_read = nullptr;  // optional counter: KV tokens read by attention ops
+
+  // Throws DZ_ERR_CANCELLED when the abort callback says stop.
+  void poll_abort() const {
+    if (abort && abort(abort_user)) fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
+  }
 };
 
 // A session's logits rows in a family's device memory (two rows: the last
@@ -125,6 +130,19 @@ using FamilyFactory = std::unique_ptr<Family> (*)(const Config& config, const We
                                                   const dz_model_params& params);
 
 // nullptr when the model_type is not served by this build.
+// The parameters a CPU-only family accepts: the CPU device, fp32 activations
+// and weights decoded in checkpoint precision. `family` names it in messages.
+inline void check_cpu_family_params(const dz_model_params& p, const char* family) {
+  check(p.device != DZ_DEVICE_CUDA, DZ_ERR_UNSUPPORTED, family,
+        ": the CUDA backend is not available in this build yet; use DZ_DEVICE_CPU");
+  check(p.activations != DZ_ACTIVATIONS_BF16, DZ_ERR_UNSUPPORTED, family,
+        ": DZ_ACTIVATIONS_BF16 (CPU rounding as a GPU backend) is not implemented for this family");
+  check(p.experts == DZ_EXPERTS_AUTO || p.experts == DZ_EXPERTS_NATIVE, DZ_ERR_UNSUPPORTED, family,
+        ": the CPU backend decodes weights in checkpoint precision only (DZ_EXPERTS_AUTO or DZ_EXPERTS_NATIVE), "
+        "not dz_expert_precision ",
+        int(p.experts));
+}
+
 // FNV-1a, for the model keys (kv::Layout::model_key) that salt prefix-cache hashes.
 inline uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ull) {
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;

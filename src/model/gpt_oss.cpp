@@ -130,7 +130,7 @@ void GptOss::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
   uint64_t tokens_read = 0;
 
   for (int li = 0; li < n_layers_; ++li) {
-    if (opt.abort && opt.abort(opt.abort_user)) fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
+    opt.poll_abort();
     const GptOssLayer& L = layers_[size_t(li)];
     cpu::rms_norm(x.data(), R, H, L.in_norm.data(), eps_, xn.data());
     round_bf16(xn.data(), R * H);
@@ -212,7 +212,7 @@ void GptOss::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
         glu, tmp.data(), pool);
     for (int64_t i = 0; i < R * H; ++i) x[size_t(i)] += tmp[size_t(i)];
   }
-  if (opt.abort && opt.abort(opt.abort_user)) fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
+  opt.poll_abort();
 
   // Final norm and lm_head over the rows whose logits are wanted.
   for (size_t b = 0; b < batch.size(); ++b) {

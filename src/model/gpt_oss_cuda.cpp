@@ -810,7 +810,7 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
     }
   }
   if (exec) {
-    if (opt.abort && opt.abort(opt.abort_user)) fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
+    opt.poll_abort();
     DZ_CUDA_CHECK(cudaGraphLaunch(exec, s));
     g_graph_replays.fetch_add(1, std::memory_order_relaxed);
   } else {

@@ -32,6 +32,7 @@
 #include "cpu/mla.h"
 #include "cpu/norm.h"
 #include "model/family.h"
+#include "model/lm_ends.h"
 #include "model/moe_ffn.h"
 #include "model/weights.h"
 #include "runtime/parallel.h"
@@ -103,8 +104,7 @@ class KimiLinear final : public Family {
   cpu::MlaDims mla_;
   MoeRouting routing_;
   size_t state_floats_ = 0;
-  WeightRef embed_, lm_head_;
-  std::vector<float> final_norm_;
+  LmEnds ends_;
   std::vector<Layer> layers_;
   uint64_t model_key_ = 0;
   std::unique_ptr<ThreadPool> pool_;
@@ -112,14 +112,7 @@ class KimiLinear final : public Family {
 
 KimiLinear::KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
   const std::string& src = cfg.source();
-  check(params.device != DZ_DEVICE_CUDA, DZ_ERR_UNSUPPORTED,
-        "kimi_linear: the CUDA backend is not available in this build yet; use DZ_DEVICE_CPU");
-  check(params.activations != DZ_ACTIVATIONS_BF16, DZ_ERR_UNSUPPORTED,
-        "kimi_linear: DZ_ACTIVATIONS_BF16 (CPU rounding as a GPU backend) is not implemented for this family");
-  check(params.experts == DZ_EXPERTS_AUTO || params.experts == DZ_EXPERTS_NATIVE, DZ_ERR_UNSUPPORTED,
-        "kimi_linear: the CPU backend decodes weights in checkpoint precision only (DZ_EXPERTS_AUTO or "
-        "DZ_EXPERTS_NATIVE), not dz_expert_precision ",
-        int(params.experts));
+  check_cpu_family_params(params, "kimi_linear");
   n_vocab_ = int32_t(cfg.get_positive_int("vocab_size"));
   hidden_ = cfg.get_positive_int("hidden_size");
   n_layers_ = int32_t(cfg.get_positive_int("num_hidden_layers"));
@@ -216,10 +209,7 @@ KimiLinear::KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_
 
   const int64_t H = hidden_, P = kda_.proj(), D = kda_.head_dim, K = kda_.conv_kernel, NH = mla_.n_heads;
   const int64_t QD = mla_.nope + mla_.rope;
-  embed_ = linear_weight(ws, "model.embed_tokens", n_vocab_, H);
-  check(embed_.kind != cpu::WeightKind::MXFP4, DZ_ERR_UNSUPPORTED, "model.embed_tokens: MXFP4 embeddings");
-  lm_head_ = cfg.get_or<bool>("tie_word_embeddings", false) ? embed_ : linear_weight(ws, "lm_head", n_vocab_, H);
-  final_norm_ = vector_f32(ws, "model.norm.weight", {H});
+  ends_.load(ws, n_vocab_, H, cfg.get_or<bool>("tie_word_embeddings", false));
   layers_.resize(size_t(n_layers_));
   for (int i = 0; i < n_layers_; ++i) {
     Layer& l = layers_[size_t(i)];
@@ -391,13 +381,10 @@ void KimiLinear::forward(std::span<ForwardItem> batch, const ForwardOptions& opt
     }
   }
   HostBuffer<float> x(size_t(R * H)), xn(size_t(R * H)), tmp(size_t(R * H));
-  for (int64_t r = 0; r < R; ++r) {
-    const ForwardItem& it = batch[flat.rows[size_t(r)].item];
-    embed_.decode_row(it.tokens[size_t(flat.rows[size_t(r)].pos - int64_t(it.seq->length()))], x.data() + r * H);
-  }
+  ends_.embed_rows(batch, flat, H, x.data());
   uint64_t tokens_read = 0;
   for (int li = 0; li < n_layers_; ++li) {
-    if (opt.abort && opt.abort(opt.abort_user)) fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
+    opt.poll_abort();
     const Layer& L = layers_[size_t(li)];
     cpu::rms_norm(x.data(), R, H, L.in_norm.data(), eps_, xn.data());
     if (L.kda)
@@ -409,12 +396,8 @@ void KimiLinear::forward(std::span<ForwardItem> batch, const ForwardOptions& opt
     ffn_forward(L.ffn, routing_, H, xn.data(), R, tmp.data(), pool);
     for (int64_t i = 0; i < R * H; ++i) x[size_t(i)] += tmp[size_t(i)];
   }
-  if (opt.abort && opt.abort(opt.abort_user)) fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
-  for (size_t b = 0; b < batch.size(); ++b) {
-    const auto [r0, nr] = flat.logit_rows(batch, b);
-    cpu::rms_norm(x.data() + r0 * H, nr, H, final_norm_.data(), eps_, xn.data());
-    cpu::matmul(xn.data(), nr, lm_head_, nullptr, batch[b].logits, pool);
-  }
+  opt.poll_abort();
+  ends_.logits(batch, flat, x.data(), H, eps_, xn.data(), pool);
   for (size_t b = 0; b < batch.size(); ++b)
     if (state_floats_) std::memcpy(batch[b].seq->state_ptr(), states[b].data(), state_floats_ * sizeof(float));
   if (opt.attention_tokens_read) *opt.attention_tokens_read += tokens_read;

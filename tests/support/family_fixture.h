@@ -137,4 +137,29 @@ inline double cosine(const float* a, const float* b, size_t n) {
 
 inline int32_t argmax(const float* v, size_t n) { return int32_t(std::max_element(v, v + n) - v); }
 
+// Worst per-row cosine and largest |difference| of two [rows x n] logits blocks.
+struct LogitsDiff {
+  double worst_cosine = 1, max_abs = 0;
+};
+inline LogitsDiff compare_logits(const float* a, const float* b, size_t rows, size_t n) {
+  LogitsDiff d;
+  for (size_t r = 0; r < rows; ++r) {
+    d.worst_cosine = std::min(d.worst_cosine, cosine(a + r * n, b + r * n, n));
+    for (size_t i = 0; i < n; ++i) d.max_abs = std::max(d.max_abs, double(std::fabs(a[r * n + i] - b[r * n + i])));
+  }
+  return d;
+}
+
+// Greedy continuation of sequence 0 from its last logits row: steps tokens, each
+// decoded as one new token.
+inline std::vector<int32_t> greedy_decode(Runner& run, std::vector<float> last, size_t steps) {
+  std::vector<int32_t> toks;
+  const size_t V = last.size();
+  for (size_t s = 0; s < steps; ++s) {
+    toks.push_back(argmax(last.data(), V));
+    last = run.append({toks.back()}, false);
+  }
+  return toks;
+}
+
 }  // namespace dz::test
