@@ -39,11 +39,16 @@ void check_tokens(const dz_session* s, const int32_t* tokens, size_t n) {
               " is outside the vocabulary [0, ", v, ")");
 }
 
-// Put a sequence back to length n after a failed call, keeping the original error.
-void restore(dz::kv::Sequence& seq, size_t n) noexcept {
+// Put a sequence back to length n after a failed call, keeping the original
+// error. saved_state: the recurrent state as of n (empty without one), which
+// a rewind needs once later chunks have been committed.
+void restore(dz::kv::Sequence& seq, size_t n, const std::vector<uint8_t>& saved_state = {}) noexcept {
   try {
     seq.rollback();
-    if (seq.length() != n) seq.truncate(n);
+    if (seq.length() != n && !saved_state.empty())
+      seq.rewind(n, saved_state.data());
+    else if (seq.length() != n)
+      seq.truncate(n);
   } catch (const std::exception& e) {
     dz::log_warn("could not restore a session after a failed call: ", e.what());
   }
@@ -410,15 +415,7 @@ DZ_API dz_status dz_session_append(dz_session* session, const int32_t* tokens, s
         done += c;
       }
     } catch (...) {
-      if (!saved_state.empty() && seq.length() != start) {
-        try {
-          seq.rewind(start, saved_state.data());
-        } catch (const std::exception& e) {
-          dz::log_warn("could not restore a session after a failed call: ", e.what());
-        }
-      } else {
-        restore(seq, start);
-      }
+      restore(seq, start, saved_state);
       throw;
     }
     if (dev) {
