@@ -413,6 +413,7 @@ TEST_CASE("kimi_linear: bad checkpoints fail with clear errors", "[kimi]") {
   };
   const std::vector<Case> cases = {
       {"RoPE in MLA", [](nlohmann::json& c) { c["mla_use_nope"] = false; }, DZ_ERR_UNSUPPORTED, "mla_use_nope"},
+      {"a low-rank query", [](nlohmann::json& c) { c["q_lora_rank"] = 16; }, DZ_ERR_UNSUPPORTED, "q_lora_rank"},
       {"a layer listed twice",
        [](nlohmann::json& c) {
          c["linear_attn_config"]["full_attn_layers"] = {2, 3};
@@ -441,6 +442,36 @@ TEST_CASE("kimi_linear: bad checkpoints fail with clear errors", "[kimi]") {
     const auto [st, msg] = open_with(base);
     INFO(msg);
     REQUIRE(st == DZ_OK);
+  }
+  {
+    // The same model under transformers' and DeepSeek's field names: layer_types instead of the 1-based
+    // lists, flat linear-attention sizes, the MoE fields' other spellings.
+    nlohmann::json c = base;
+    const auto lac = c["linear_attn_config"];
+    c.erase("linear_attn_config");
+    c["layer_types"] = {"linear_attention", "linear_attention", "full_attention", "linear_attention"};
+    c["linear_num_heads"] = lac["num_heads"];
+    c["linear_head_dim"] = lac["head_dim"];
+    c["linear_conv_kernel_dim"] = lac["short_conv_kernel_size"];
+    for (const auto& [from, to] :
+         std::vector<std::pair<std::string, std::string>>{{"num_experts", "num_local_experts"},
+                                                          {"num_experts_per_token", "num_experts_per_tok"},
+                                                          {"num_shared_experts", "n_shared_experts"},
+                                                          {"moe_renormalize", "norm_topk_prob"},
+                                                          {"num_expert_group", "n_group"},
+                                                          {"model_max_length", "max_position_embeddings"}}) {
+      c[to] = c[from];
+      c.erase(from);
+    }
+    std::ofstream(dir / "config.json") << c.dump();
+    const Reference& ref = dz::test::family_fixture(kName).refs[1];
+    FixtureModel renamed(dir.string());
+    Runner run(renamed);
+    const std::vector<float> logits = run.append(ref.prompt);
+    const auto d =
+        dz::test::compare_logits(logits.data(), ref.logits.data(), ref.prompt.size(), size_t(renamed.vocab()));
+    INFO("other field names: max |logit diff| " << d.max_abs);
+    CHECK(d.max_abs < 1e-3);
   }
   for (const Case& k : cases) {
     nlohmann::json cfg = base;

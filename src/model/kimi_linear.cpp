@@ -12,7 +12,7 @@
 //    form on the CPU; the chunked form is tested equal to it).
 //  - MLA layers (full attention): no RoPE anywhere (mla_use_nope); the cache
 //    keeps c_kv = RMSNorm(kv_a(x)[:rank]) and the shared, unrotated k_pe; q
-//    from q_proj directly (or q_a/q_b when q_lora_rank is set); softmax scale
+//    from q_proj directly (no q LoRA); softmax scale
 //    (nope + rope)^-0.5; every token attends to all positions up to its own
 //    through the absorbed form of cpu/mla.h.
 //  - FFN: a dense SwiGLU for the first first_k_dense_replace layers, then
@@ -51,9 +51,9 @@ struct Layer {
   std::vector<float> conv_w;  // [3P x K]: q, k, v channels
   std::vector<float> a_log, dt_bias, o_norm;
   size_t state_off = 0;  // floats into a sequence's state slot
-  // MLA (q also serves when q_lora_rank is unset)
-  WeightRef q_a, q_b, kv_a, kv_b;
-  std::vector<float> q_a_norm, kv_a_norm;
+  // MLA (q also serves)
+  WeightRef kv_a, kv_b;
+  std::vector<float> kv_a_norm;
   Ffn ffn;
 };
 
@@ -98,7 +98,7 @@ class KimiLinear final : public Family {
                  uint64_t& tokens_read);
 
   int32_t n_vocab_ = 0, n_layers_ = 0;
-  int64_t hidden_ = 0, q_lora_ = 0, max_context_ = 0;
+  int64_t hidden_ = 0, max_context_ = 0;
   float eps_ = 1e-5f;
   cpu::KdaDims kda_;
   cpu::MlaDims mla_;
@@ -173,7 +173,9 @@ KimiLinear::KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_
   check(cfg.get_or<bool>("mla_use_nope", mla_.rope == 0), DZ_ERR_UNSUPPORTED, src,
         ": mla_use_nope is false: kimi_linear MLA layers with RoPE are not implemented (Kimi Linear uses none)");
   mla_.scale = float(1.0 / std::sqrt(double(mla_.nope + mla_.rope)));
-  q_lora_ = cfg.has("q_lora_rank") ? cfg.get_positive_int("q_lora_rank") : 0;
+  check(!cfg.has("q_lora_rank"), DZ_ERR_UNSUPPORTED, src,
+        ": q_lora_rank is set: kimi_linear MLA layers with a low-rank query are not implemented (Kimi Linear "
+        "projects q directly)");
 
   // MoE: Moonshot's field names first, then the DeepSeek/transformers ones.
   routing_.n_experts = int32_t(first_of<int64_t>(cfg, {"num_experts", "num_local_experts", "n_routed_experts"}, 0));
@@ -227,15 +229,8 @@ KimiLinear::KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_
       }
       l.f_a = linear_weight(ws, a + "f_a_proj", D, H);
       l.f_b = linear_weight(ws, a + "f_b_proj", P, D);
-      l.dt_bias = vector_f32(
-          ws, a + "dt_bias",  // [P], or [H, D] in other exports
-          ws.get(a + "dt_bias").shape.size() == 2 ? std::vector<int64_t>{kda_.n_heads, D} : std::vector<int64_t>{P});
-      // A_log: [1, 1, H, 1] in Moonshot's checkpoints, [H, 1] or [H] in other exports.
-      const size_t a_rank = ws.get(a + "A_log").shape.size();
-      l.a_log = vector_f32(ws, a + "A_log",
-                           a_rank == 4   ? std::vector<int64_t>{1, 1, kda_.n_heads, 1}
-                           : a_rank == 2 ? std::vector<int64_t>{kda_.n_heads, 1}
-                                         : std::vector<int64_t>{kda_.n_heads});
+      l.dt_bias = vector_f32(ws, a + "dt_bias", {P});
+      l.a_log = vector_f32(ws, a + "A_log", {1, 1, kda_.n_heads, 1});
       l.b = linear_weight(ws, a + "b_proj", kda_.n_heads, H);
       l.g_a = linear_weight(ws, a + "g_a_proj", D, H);
       l.g_b = linear_weight(ws, a + "g_b_proj", P, D);
@@ -244,13 +239,7 @@ KimiLinear::KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_
       l.state_off = state_floats_;
       state_floats_ += kda_.state_floats();
     } else {
-      if (q_lora_) {
-        l.q_a = linear_weight(ws, a + "q_a_proj", q_lora_, H);
-        l.q_a_norm = vector_f32(ws, a + "q_a_layernorm.weight", {q_lora_});
-        l.q_b = linear_weight(ws, a + "q_b_proj", NH * QD, q_lora_);
-      } else {
-        l.q = linear_weight(ws, a + "q_proj", NH * QD, H);
-      }
+      l.q = linear_weight(ws, a + "q_proj", NH * QD, H);
       l.kv_a = linear_weight(ws, a + "kv_a_proj_with_mqa", mla_.rank + mla_.rope, H);
       l.kv_a_norm = vector_f32(ws, a + "kv_a_layernorm.weight", {mla_.rank});
       l.kv_b = linear_weight(ws, a + "kv_b_proj", NH * (mla_.nope + mla_.v), mla_.rank);
@@ -325,14 +314,7 @@ void KimiLinear::mla_layer(const Layer& L, int li, std::span<ForwardItem> batch,
   ThreadPool* pool = pool_.get();
   HostBuffer<float> q(size_t(R * NH * QD)), kva(size_t(R * KVA)), att(size_t(R * OD)),
       kvb(size_t(NH * (mla_.nope + mla_.v) * mla_.rank));
-  if (q_lora_) {
-    HostBuffer<float> cq(size_t(R * q_lora_));
-    cpu::matmul(xn, R, L.q_a, nullptr, cq.data(), pool);
-    cpu::rms_norm(cq.data(), R, q_lora_, L.q_a_norm.data(), eps_, cq.data());
-    cpu::matmul(cq.data(), R, L.q_b, nullptr, q.data(), pool);
-  } else {
-    cpu::matmul(xn, R, L.q, nullptr, q.data(), pool);
-  }
+  cpu::matmul(xn, R, L.q, nullptr, q.data(), pool);
   cpu::matmul(xn, R, L.kv_a, nullptr, kva.data(), pool);
   for (int64_t r = 0; r < R; ++r) {
     float* lat = kva.data() + r * KVA;

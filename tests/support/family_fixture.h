@@ -84,13 +84,15 @@ inline const FamilyFixture& family_fixture(const std::string& name) {
 
 struct FixtureModel {
   dz_model* m = nullptr;
-  // tweak adjusts the parameters (after dz_model_params_init, 2 threads).
+  // name: a fixture folder, or an absolute path. tweak adjusts the parameters
+  // (after dz_model_params_init, 2 threads).
   explicit FixtureModel(const std::string& name, void (*tweak)(dz_model_params&) = nullptr) {
     dz_model_params p;
     dz_model_params_init(&p);
     p.n_threads = 2;
     if (tweak) tweak(p);
-    const dz_status st = dz_model_open((kFixtureData + "/" + name).c_str(), &p, &m);
+    const std::string dir = name.rfind('/', 0) == 0 ? name : kFixtureData + "/" + name;
+    const dz_status st = dz_model_open(dir.c_str(), &p, &m);
     INFO(dz_last_error());
     REQUIRE(st == DZ_OK);
   }
