@@ -1,8 +1,11 @@
-// Mutated checkpoints of every CPU family (config.json fields set to wrong
-// values or removed, safetensors headers with random bytes changed, files cut
-// short): dz_model_open must either refuse with a status and a message or
-// load a model that then runs (or refuses) a short generation through the C
-// API, never crash. Runs under AddressSanitizer/UBSan too ([loader]).
+// Mutated inputs from untrusted model folders, never a crash:
+//  - checkpoints of every CPU family (config.json fields set to wrong values or
+//    removed, safetensors headers with random bytes changed, files cut short):
+//    dz_model_open refuses with a status and a message, or loads a model that
+//    then runs (or refuses) a short generation through the C API;
+//  - the default model's tokenizer.json fields and chat template: refused with a
+//    message, or encode, decode and render work or say what is wrong.
+// Runs under AddressSanitizer/UBSan too ([loader], [tokenizer]).
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
@@ -11,12 +14,17 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <iterator>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "common/error.h"
 #include "dayzero.h"
+#include "tokenizer/tokenizer.h"
 
 namespace fs = std::filesystem;
 
@@ -175,4 +183,145 @@ TEST_CASE("fuzz: safetensors headers with random bytes changed, and files cut sh
       CHECK(out.refused > 0);
     }
   }
+}
+
+TEST_CASE("fuzz: tokenizer.json fields and chat templates mutated", "[tokenizer][fuzz]") {
+  const fs::path src = fs::path(DZ_SOURCE_DIR) / "models" / "dayzero-tiny";
+  const fs::path dir = fs::temp_directory_path() / ("dz-fuzz-tok-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  auto read = [](const fs::path& p) {
+    std::ifstream f(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  };
+  const nlohmann::json tok = nlohmann::json::parse(read(src / "tokenizer.json"));
+  const nlohmann::json cfg = nlohmann::json::parse(read(src / "tokenizer_config.json"));
+  const std::string text = "Tell me a fortune.\n  Ünïcödé 123 <|eos|> \xff\xfe tabs\t and   spaces";
+  const char* messages = R"([{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}])";
+  int refused = 0, loaded = 0, templates_refused = 0;
+  // Loads dir's tokenizer; if it loads, encodes, decodes and renders the chat template.
+  auto exercise = [&](const std::string& what) {
+    INFO(what);
+    std::unique_ptr<dz::Tokenizer> t;
+    try {
+      t = dz::Tokenizer::open((dir / "tokenizer.json").string());
+    } catch (const dz::Error& e) {
+      CHECK(std::strlen(e.what()) > 0);
+      ++refused;
+      return;
+    }
+    ++loaded;
+    try {
+      const std::vector<int32_t> ids = t->encode(text);
+      (void)t->decode(ids);
+    } catch (const dz::Error& e) {
+      CHECK(std::strlen(e.what()) > 0);
+    }
+    try {
+      (void)t->apply_chat_template(messages, "{}", true);
+    } catch (const dz::Error& e) {
+      CHECK(std::strlen(e.what()) > 0);
+      ++templates_refused;
+    }
+  };
+  std::ofstream(dir / "tokenizer_config.json") << cfg.dump();
+  // Every field of the tokenizer (objects two levels down, the first entries of arrays) set wrong or removed.
+  std::vector<nlohmann::json::json_pointer> fields;
+  std::function<void(const nlohmann::json&, const nlohmann::json::json_pointer&, int)> walk =
+      [&](const nlohmann::json& j, const nlohmann::json::json_pointer& at, int depth) {
+        if (depth > 3) return;
+        if (j.is_object()) {
+          int n = 0;
+          for (auto it = j.begin(); it != j.end() && n < 12; ++it, ++n) {
+            fields.push_back(at / it.key());
+            walk(*it, at / it.key(), depth + 1);
+          }
+        } else if (j.is_array()) {
+          for (size_t i = 0; i < std::min<size_t>(j.size(), 2); ++i) {
+            fields.push_back(at / i);
+            walk(j[i], at / i, depth + 1);
+          }
+        }
+      };
+  walk(tok, nlohmann::json::json_pointer(), 0);
+  for (const auto& f : fields) {
+    for (const nlohmann::json& v : bad_values()) {
+      nlohmann::json t = tok;
+      t[f] = v;
+      std::ofstream(dir / "tokenizer.json") << t.dump();
+      exercise(f.to_string() + " = " + v.dump());
+    }
+    nlohmann::json t = tok;
+    nlohmann::json& parent = t[f.parent_pointer()];
+    if (parent.is_array())
+      parent.erase(size_t(0));
+    else
+      parent.erase(f.back());
+    std::ofstream(dir / "tokenizer.json") << t.dump();
+    exercise("without " + f.to_string());
+  }
+  // The chat template with pieces cut out, repeated or replaced by template syntax.
+  std::ofstream(dir / "tokenizer.json") << tok.dump();
+  // Two seeds: the default model's short template and gpt-oss's long one (macros, filters, loops, namespaces).
+  const std::string templates[] = {cfg["chat_template"].get<std::string>(),
+                                   read(fs::path(DZ_TEST_DATA) / "tokenizer" / "gpt_oss_chat_template.jinja")};
+  // DZ_FUZZ_ITERS / DZ_FUZZ_SEED: a longer hunt than CI's 400 mutations.
+  const int iters = std::getenv("DZ_FUZZ_ITERS") ? std::atoi(std::getenv("DZ_FUZZ_ITERS")) : 400;
+  std::mt19937_64 rng(std::getenv("DZ_FUZZ_SEED") ? std::strtoull(std::getenv("DZ_FUZZ_SEED"), nullptr, 10) : 17);
+  const char* pieces[] = {"{%",
+                          "%}",
+                          "{{",
+                          "}}",
+                          "{#",
+                          "(",
+                          ")",
+                          "[",
+                          "]",
+                          "|",
+                          "'",
+                          "\"",
+                          " if ",
+                          " for ",
+                          " endfor ",
+                          " endif ",
+                          " in ",
+                          "messages",
+                          "loop.index",
+                          "~",
+                          "*",
+                          "-",
+                          "set x = ",
+                          "macro m() %}{{ m() }}{% endmacro",
+                          "range(999999999)",
+                          "x.y.z",
+                          "none",
+                          "0/0"};
+  for (int i = 0; i < iters; ++i) {
+    std::string t = templates[i % 2];
+    for (int m = 1 + int(rng() % 3); m > 0; --m) {
+      const size_t at = size_t(rng() % t.size()), len = size_t(rng() % 8);
+      switch (rng() % 3) {
+        case 0:
+          t.erase(at, len);
+          break;
+        case 1:
+          t.insert(at, t.substr(at, len));
+          break;
+        default:
+          t.insert(at, pieces[rng() % std::size(pieces)]);
+          break;
+      }
+    }
+    nlohmann::json c = cfg;
+    c["chat_template"] = t;
+    // Cut UTF-8 sequences are written as U+FFFD (JSON cannot hold them).
+    std::ofstream(dir / "tokenizer_config.json") << c.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    exercise("template " + c["chat_template"].dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+  }
+  WARN("tokenizer: " << fields.size() << " fields mutated and " << iters << " templates: " << refused
+                     << " refused at open, " << loaded << " loaded (" << templates_refused
+                     << " of them refused to render)");
+  CHECK(refused > 0);
+  CHECK(templates_refused > 0);
+  fs::remove_all(dir);
 }

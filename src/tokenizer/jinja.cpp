@@ -1385,6 +1385,7 @@ class Parser {
           break;
         }
         expect_op("]");
+        if (!slice && !idx[0]) syntax(line_, "empty subscript '[]'");
         if (slice) {
           auto s = make(Expr::kSlice);
           s->a.push_back(std::move(e));
