@@ -553,6 +553,24 @@ TEST_CASE("broken chat templates fail at render time with the line, tokenizing s
     INFO(t);
     CHECK_THROWS_AS(dz::jinja::Template(t).render(vars), dz::Error);
   }
+  // Values that would overflow the stack of the functions that walk them: deep input, deep or cyclic values
+  // built by a template. A hundred levels are fine.
+  const std::string deep_input = std::string(100000, '[') + std::string(100000, ']');
+  CHECK_THROWS_WITH(dz::jinja::Template("{{ x }}").render(nlohmann::ordered_json::parse("{\"x\": " + deep_input + "}")),
+                    Catch::Contains("nested more than 256"));
+  const std::string ok_input = std::string(100, '[') + std::string(100, ']');
+  CHECK(dz::jinja::Template("{{ x | length }}").render(nlohmann::ordered_json::parse("{\"x\": " + ok_input + "}")) ==
+        "1");
+  CHECK_THROWS_WITH(dz::jinja::Template("{% set ns = namespace(x=none) %}{% for i in range(100000) %}"
+                                        "{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x }}")
+                        .render(vars),
+                    Catch::Contains("nested more than 256"));
+  CHECK_THROWS_WITH(dz::jinja::Template("{% set ns = namespace(x=none) %}{% for i in range(100000) %}"
+                                        "{% set ns.x = {'a': ns.x} %}{% endfor %}{{ ns.x }}")
+                        .render(vars),
+                    Catch::Contains("nested more than 256"));
+  CHECK_THROWS_WITH(dz::jinja::Template("{% set ns = namespace(x=none) %}{% set ns.x = [ns] %}{{ ns }}").render(vars),
+                    Catch::Contains("cannot contain itself"));
   // a model whose template is broken still opens and tokenizes; apply reports the template's problem
   auto d = dz::test::temp_dir("badtpl");
   std::ofstream(d / "tiktoken.model") << "YQ== 0\nYg== 1\nYWI= 2\n";

@@ -22,8 +22,15 @@ struct Dict;
 struct Args;
 using Fn = std::function<Value(Interp&, Args&)>;
 
+// Lists and dicts nest at most this deep, and never contain themselves: the
+// functions that walk values (printing, comparison, tojson, destruction)
+// recurse, and a hostile template or messages array must not overflow the stack.
+constexpr uint32_t kMaxNesting = 256;
+[[noreturn]] void error(const std::string& msg);
+
 struct Value {
   enum Kind : uint8_t { kUndef, kNone, kBool, kInt, kFloat, kStr, kList, kDict, kFunc, kNs } k = kUndef;
+  uint32_t depth = 0;  // kList: 1 + its deepest element (lists do not change once made)
   bool b = false;
   int64_t i = 0;
   double f = 0;
@@ -66,12 +73,7 @@ struct Value {
     v.s = std::make_shared<const std::string>(std::move(x));
     return v;
   }
-  static Value list(List x = {}) {
-    Value v;
-    v.k = kList;
-    v.l = std::make_shared<List>(std::move(x));
-    return v;
-  }
+  static Value list(List x = {});
   static Value dict();
   static Value func(Fn f) {
     Value v;
@@ -79,24 +81,42 @@ struct Value {
     v.fn = std::make_shared<Fn>(std::move(f));
     return v;
   }
+  uint32_t nesting() const;  // 0 for scalars
   bool undefined() const { return k == kUndef; }
   bool is_num() const { return k == kInt || k == kFloat || k == kBool; }
   const std::string& sv() const { return *s; }
   double num() const { return k == kFloat ? f : k == kBool ? double(b) : double(i); }
 };
 
+// True when v is d or holds it at any depth.
+bool reaches(const Value& v, const Dict* d);
+
 struct Dict {
   std::vector<std::pair<std::string, Value>> items;
+  uint32_t depth = 1;  // 1 + the deepest value ever set (never lowered)
   Value* find(std::string_view key) {
     for (auto& kv : items)
       if (kv.first == key) return &kv.second;
     return nullptr;
   }
   void set(const std::string& key, Value v) {
+    if (v.nesting() && reaches(v, this)) error("a dict cannot contain itself ('" + key + "')");
+    deepen(v);
     if (Value* p = find(key))
       *p = std::move(v);
     else
       items.emplace_back(key, std::move(v));
+  }
+  // A key known to be new (a JSON object's).
+  void add(std::string key, Value v) {
+    deepen(v);
+    items.emplace_back(std::move(key), std::move(v));
+  }
+
+ private:
+  void deepen(const Value& v) {
+    depth = std::max(depth, 1 + v.nesting());
+    if (depth > kMaxNesting) error("values nested more than " + std::to_string(kMaxNesting) + " levels");
   }
 };
 
@@ -105,6 +125,29 @@ Value Value::dict() {
   v.k = kDict;
   v.d = std::make_shared<Dict>();
   return v;
+}
+
+Value Value::list(List x) {
+  Value v;
+  v.k = kList;
+  for (const Value& e : x) v.depth = std::max(v.depth, e.nesting());
+  if (++v.depth > kMaxNesting) error("values nested more than " + std::to_string(kMaxNesting) + " levels");
+  v.l = std::make_shared<List>(std::move(x));
+  return v;
+}
+
+uint32_t Value::nesting() const { return k == kList ? depth : (k == kDict || k == kNs) ? d->depth : 0; }
+
+bool reaches(const Value& v, const Dict* d) {
+  if (v.k == Value::kDict || v.k == Value::kNs) {
+    if (v.d.get() == d) return true;
+    for (const auto& kv : v.d->items)
+      if (kv.second.nesting() && reaches(kv.second, d)) return true;
+  } else if (v.k == Value::kList) {
+    for (const Value& e : *v.l)
+      if (e.nesting() && reaches(e, d)) return true;
+  }
+  return false;
 }
 
 struct Args {
@@ -120,7 +163,8 @@ struct Args {
 
 [[noreturn]] void error(const std::string& msg) { fail(DZ_ERR_INVALID_ARGUMENT, "chat template: ", msg); }
 
-Value from_json(const nlohmann::ordered_json& j) {
+Value from_json(const nlohmann::ordered_json& j, uint32_t depth = 0) {
+  if (depth >= kMaxNesting) error("input nested more than " + std::to_string(kMaxNesting) + " levels");
   switch (j.type()) {
     case nlohmann::ordered_json::value_t::null:
       return Value::none();
@@ -138,12 +182,12 @@ Value from_json(const nlohmann::ordered_json& j) {
       return Value::str(j.get<std::string>());
     case nlohmann::ordered_json::value_t::array: {
       List l;
-      for (const auto& x : j) l.push_back(from_json(x));
+      for (const auto& x : j) l.push_back(from_json(x, depth + 1));
       return Value::list(std::move(l));
     }
     case nlohmann::ordered_json::value_t::object: {
       Value v = Value::dict();
-      for (auto it = j.begin(); it != j.end(); ++it) v.d->items.emplace_back(it.key(), from_json(it.value()));
+      for (auto it = j.begin(); it != j.end(); ++it) v.d->add(it.key(), from_json(it.value(), depth + 1));
       return v;
     }
     default:
