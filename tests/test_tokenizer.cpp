@@ -452,6 +452,16 @@ TEST_CASE("broken tokenizer files fail with a clear error", "[tokenizer]") {
   expect("tokenizer.json",
          R"({"pre_tokenizer": {"type": "Metaspace"}, "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})",
          DZ_ERR_UNSUPPORTED, "Metaspace");
+  {
+    // Sequences nested 100,000 deep (each level's path in the message once grew the stack and the memory).
+    std::string deep;
+    for (int i = 0; i < 100000; ++i) deep += R"({"type": "Sequence", "pretokenizers": [)";
+    deep += R"({"type": "ByteLevel", "add_prefix_space": false, "use_regex": true})";
+    for (int i = 0; i < 100000; ++i) deep += "]}";
+    expect("tokenizer.json",
+           R"({"pre_tokenizer": )" + deep + R"(, "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})",
+           DZ_ERR_FORMAT, "nested more than 16");
+  }
   expect("tiktoken.model", "YQ== 0\n!!!! 1\n", DZ_ERR_FORMAT, ":2: invalid base64");
   expect("tiktoken.model", "YQ== zero\n", DZ_ERR_FORMAT, "rank must be");
   expect("tiktoken.model", "YQ== 0\nYQ== 1\n", DZ_ERR_FORMAT, "appears twice");

@@ -379,13 +379,18 @@ std::unique_ptr<Tokenizer> Tokenizer::open_dir(const std::string& dir) {
 
 namespace {
 
-void add_pretok(const json& j, const std::string& where, std::vector<StepPtr>& steps, bool& byte_level) {
+// Sequences inside sequences: a few levels in practice, bounded so a hostile file cannot exhaust the stack.
+constexpr int kMaxSequenceDepth = 16;
+
+void add_pretok(const json& j, const std::string& where, std::vector<StepPtr>& steps, bool& byte_level, int depth = 0) {
   const std::string type = get_string(j, "type", where);
   if (type == "Sequence") {
+    if (depth >= kMaxSequenceDepth)
+      fail(DZ_ERR_FORMAT, where, ": Sequences nested more than ", kMaxSequenceDepth, " deep");
     const json* list = member(j, "pretokenizers");
     if (!list || !list->is_array()) fail(DZ_ERR_FORMAT, where, ".pretokenizers must be an array");
     for (size_t i = 0; i < list->size(); ++i)
-      add_pretok((*list)[i], cat(where, ".pretokenizers[", i, "]"), steps, byte_level);
+      add_pretok((*list)[i], cat(where, ".pretokenizers[", i, "]"), steps, byte_level, depth + 1);
   } else if (type == "Split") {
     auto s = std::make_unique<Tokenizer::Step>();
     const json* p = member(j, "pattern");
@@ -431,12 +436,15 @@ void add_pretok(const json& j, const std::string& where, std::vector<StepPtr>& s
   }
 }
 
-void add_normalizer(const json& j, const std::string& where, std::vector<StepPtr>& steps) {
+void add_normalizer(const json& j, const std::string& where, std::vector<StepPtr>& steps, int depth = 0) {
   const std::string type = get_string(j, "type", where);
   if (type == "Sequence") {
+    if (depth >= kMaxSequenceDepth)
+      fail(DZ_ERR_FORMAT, where, ": Sequences nested more than ", kMaxSequenceDepth, " deep");
     const json* list = member(j, "normalizers");
     if (!list || !list->is_array()) fail(DZ_ERR_FORMAT, where, ".normalizers must be an array");
-    for (size_t i = 0; i < list->size(); ++i) add_normalizer((*list)[i], cat(where, ".normalizers[", i, "]"), steps);
+    for (size_t i = 0; i < list->size(); ++i)
+      add_normalizer((*list)[i], cat(where, ".normalizers[", i, "]"), steps, depth + 1);
   } else if (type == "Replace") {
     auto s = std::make_unique<Tokenizer::Step>();
     s->kind = Tokenizer::Step::kReplace;
