@@ -581,6 +581,20 @@ TEST_CASE("broken chat templates fail at render time with the line, tokenizing s
                     Catch::Contains("nested more than 256"));
   CHECK_THROWS_WITH(dz::jinja::Template("{% set ns = namespace(x=none) %}{% set ns.x = [ns] %}{{ ns }}").render(vars),
                     Catch::Contains("cannot contain itself"));
+  // Integer overflow, huge strings and lists are errors, not undefined behaviour or the host's memory; the
+  // same operations within range give Python's answers.
+  for (const char* t :
+       {"{{ 9223372036854775807 + 1 }}", "{{ -9223372036854775807 - 2 }}", "{{ (-9223372036854775807 - 1) // -1 }}",
+        "{{ (-9223372036854775807 - 1) % -1 }}", "{{ 2 ** 64 }}", "{{ 3 ** 1000000000000 }}",
+        "{{ -(-9223372036854775807 - 1) }}", "{{ (-9223372036854775807 - 1) | abs }}", "{{ 1e300 | int }}",
+        "{{ 'ab' * 1000000000000 }}", "{{ [1, 2] * 1000000000000 }}",
+        "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+        "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}"}) {
+    INFO(t);
+    CHECK_THROWS_AS(dz::jinja::Template(t).render(vars), dz::Error);
+  }
+  CHECK(dz::jinja::Template("{{ 2 ** 62 }} {{ 7 // -2 }} {{ -7 % 3 }} {{ 'ab' * 3 }} {{ 2.7 | int }} {{ -5 | abs }}")
+            .render(vars) == "4611686018427387904 -4 2 ababab 2 5");
   // a model whose template is broken still opens and tokenizes; apply reports the template's problem
   auto d = dz::test::temp_dir("badtpl");
   std::ofstream(d / "tiktoken.model") << "YQ== 0\nYg== 1\nYWI= 2\n";

@@ -27,6 +27,13 @@ using Fn = std::function<Value(Interp&, Args&)>;
 // recurse, and a hostile template or messages array must not overflow the stack.
 constexpr uint32_t kMaxNesting = 256;
 [[noreturn]] void error(const std::string& msg);
+// Strings, lists and the output stay below this many bytes or elements: a
+// template that doubles a string in a loop gets an error, not the host's memory.
+constexpr size_t kMaxSize = size_t(1) << 28;
+void check_size(size_t n) {
+  if (n > kMaxSize)
+    error("a string, list or output beyond " + std::to_string(kMaxSize >> 20) + " Mi characters or items");
+}
 
 struct Value {
   enum Kind : uint8_t { kUndef, kNone, kBool, kInt, kFloat, kStr, kList, kDict, kFunc, kNs } k = kUndef;
@@ -1734,26 +1741,51 @@ Value Interp::getitem(const Value& obj, const Value& key) {
   return Value::undef(to_str(key));
 }
 
+// 64-bit integer arithmetic that says so instead of overflowing (Python's
+// ints would grow; no chat template needs that).
+int64_t int_op(char op, int64_t a, int64_t b) {
+  int64_t r = 0;
+  const bool overflow = op == '+'   ? __builtin_add_overflow(a, b, &r)
+                        : op == '-' ? __builtin_sub_overflow(a, b, &r)
+                                    : __builtin_mul_overflow(a, b, &r);
+  if (overflow) error("integer overflow");
+  return r;
+}
+
+// int(x) of a float: truncation, an error where no int64 holds it (NaN, inf, beyond 2^63).
+int64_t float_to_int(double x) {
+  if (!(x >= -9223372036854775808.0 && x < 9223372036854775808.0)) error("cannot convert " + py_float(x) + " to int");
+  return int64_t(x);
+}
+
 Value Interp::binop(const std::string& op, const Value& a, const Value& b) {
-  if (op == "~") return Value::str(to_str(a) + to_str(b));
+  if (op == "~") {
+    std::string l = to_str(a), r = to_str(b);
+    check_size(l.size() + r.size());
+    return Value::str(l + r);
+  }
   if (a.undefined()) undefined_error(a);
   if (b.undefined()) undefined_error(b);
   const bool ints = (a.k == Value::kInt || a.k == Value::kBool) && (b.k == Value::kInt || b.k == Value::kBool);
   auto iv = [](const Value& v) { return v.k == Value::kBool ? int64_t(v.b) : v.i; };
   if (op == "+") {
-    if (a.k == Value::kStr && b.k == Value::kStr) return Value::str(a.sv() + b.sv());
+    if (a.k == Value::kStr && b.k == Value::kStr) {
+      check_size(a.sv().size() + b.sv().size());
+      return Value::str(a.sv() + b.sv());
+    }
     if (a.k == Value::kList && b.k == Value::kList) {
+      check_size(a.l->size() + b.l->size());
       List l = *a.l;
       l.insert(l.end(), b.l->begin(), b.l->end());
       return Value::list(l);
     }
-    if (ints) return Value::integer(iv(a) + iv(b));
+    if (ints) return Value::integer(int_op('+', iv(a), iv(b)));
     if (a.is_num() && b.is_num()) return Value::real(a.num() + b.num());
   } else if (op == "-") {
-    if (ints) return Value::integer(iv(a) - iv(b));
+    if (ints) return Value::integer(int_op('-', iv(a), iv(b)));
     if (a.is_num() && b.is_num()) return Value::real(a.num() - b.num());
   } else if (op == "*") {
-    if (ints) return Value::integer(iv(a) * iv(b));
+    if (ints) return Value::integer(int_op('*', iv(a), iv(b)));
     if (a.is_num() && b.is_num()) return Value::real(a.num() * b.num());
     const Value* s = a.k == Value::kStr || a.k == Value::kList   ? &a
                      : b.k == Value::kStr || b.k == Value::kList ? &b
@@ -1761,6 +1793,8 @@ Value Interp::binop(const std::string& op, const Value& a, const Value& b) {
     const Value* n = s == &a ? &b : &a;
     if (s && (n->k == Value::kInt || n->k == Value::kBool)) {
       const int64_t times = std::max<int64_t>(0, iv(*n));
+      const size_t each = s->k == Value::kStr ? s->sv().size() : s->l->size();
+      if (each && uint64_t(times) > kMaxSize / each) check_size(kMaxSize + 1);
       if (s->k == Value::kStr) {
         std::string r;
         for (int64_t i = 0; i < times; ++i) r += s->sv();
@@ -1778,6 +1812,7 @@ Value Interp::binop(const std::string& op, const Value& a, const Value& b) {
   } else if (op == "//" || op == "%") {
     if (ints) {
       if (iv(b) == 0) error("integer division or modulo by zero");
+      if (iv(b) == -1 && iv(a) == INT64_MIN) error("integer overflow");
       int64_t q = iv(a) / iv(b), r = iv(a) % iv(b);
       if (r != 0 && ((r < 0) != (iv(b) < 0))) {
         --q;
@@ -1792,8 +1827,13 @@ Value Interp::binop(const std::string& op, const Value& a, const Value& b) {
     }
   } else if (op == "**") {
     if (ints && iv(b) >= 0) {
-      int64_t r = 1;
-      for (int64_t i = 0; i < iv(b); ++i) r *= iv(a);
+      // By squaring: 64 steps at most, and an overflow is an error.
+      int64_t base = iv(a), e = iv(b), r = 1;
+      while (e > 0) {
+        if (e & 1) r = int_op('*', r, base);
+        e >>= 1;
+        if (e) base = int_op('*', base, base);
+      }
       return Value::integer(r);
     }
     if (a.is_num() && b.is_num()) return Value::real(std::pow(a.num(), b.num()));
@@ -1893,7 +1933,7 @@ Value Interp::eval(const Expr& e) {
               "'");
       }
       if (e.k == Expr::kPos) return v;
-      return v.k == Value::kFloat ? Value::real(-v.f) : Value::integer(-(v.k == Value::kBool ? int64_t(v.b) : v.i));
+      return v.k == Value::kFloat ? Value::real(-v.f) : Value::integer(int_op('-', 0, v.k == Value::kBool ? v.b : v.i));
     }
     case Expr::kNot:
       return Value::boolean(!truthy(eval(*e.a[0])));
@@ -2030,14 +2070,14 @@ Value Interp::filter(const std::string& name, Value v, Args& a, int line) {
   if (name == "int") {
     if (v.k == Value::kInt) return v;
     if (v.k == Value::kBool) return Value::integer(v.b);
-    if (v.k == Value::kFloat) return Value::integer(int64_t(v.f));
+    if (v.k == Value::kFloat) return Value::integer(float_to_int(v.f));
     if (v.k == Value::kStr) {
       char* end = nullptr;
       const std::string t = strip(v.sv(), Value::none(), true, true);
       const long long x = std::strtoll(t.c_str(), &end, 10);
       if (end && *end == '\0' && !t.empty()) return Value::integer(x);
       const double d = std::strtod(t.c_str(), &end);
-      if (end && *end == '\0' && !t.empty()) return Value::integer(int64_t(d));
+      if (end && *end == '\0' && !t.empty()) return Value::integer(float_to_int(d));
     }
     return a.get(0, "default", Value::integer(0));
   }
@@ -2053,7 +2093,10 @@ Value Interp::filter(const std::string& name, Value v, Args& a, int line) {
   }
   if (name == "abs") {
     if (v.k == Value::kFloat) return Value::real(std::fabs(v.f));
-    if (v.is_num()) return Value::integer(std::llabs(v.k == Value::kBool ? v.b : v.i));
+    if (v.is_num()) {
+      const int64_t x = v.k == Value::kBool ? v.b : v.i;
+      return Value::integer(x < 0 ? int_op('-', 0, x) : x);
+    }
     error("abs of a non-number");
   }
   if (name == "round") {
@@ -2261,9 +2304,11 @@ Flow Interp::exec1(const Stmt& s, std::string& out) {
   switch (s.k) {
     case Stmt::kText:
       out += s.text;
+      check_size(out.size());
       return Flow::kNormal;
     case Stmt::kOut:
       out += to_str(eval(*s.e));
+      check_size(out.size());
       return Flow::kNormal;
     case Stmt::kIf:
       for (const auto& [cond, body] : s.branches)
