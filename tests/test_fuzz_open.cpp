@@ -268,34 +268,12 @@ TEST_CASE("fuzz: tokenizer.json fields and chat templates mutated", "[tokenizer]
   // DZ_FUZZ_ITERS / DZ_FUZZ_SEED: a longer hunt than CI's 400 mutations.
   const int iters = std::getenv("DZ_FUZZ_ITERS") ? std::atoi(std::getenv("DZ_FUZZ_ITERS")) : 400;
   std::mt19937_64 rng(std::getenv("DZ_FUZZ_SEED") ? std::strtoull(std::getenv("DZ_FUZZ_SEED"), nullptr, 10) : 17);
-  const char* pieces[] = {"{%",
-                          "%}",
-                          "{{",
-                          "}}",
-                          "{#",
-                          "(",
-                          ")",
-                          "[",
-                          "]",
-                          "|",
-                          "'",
-                          "\"",
-                          " if ",
-                          " for ",
-                          " endfor ",
-                          " endif ",
-                          " in ",
-                          "messages",
-                          "loop.index",
-                          "~",
-                          "*",
-                          "-",
-                          "set x = ",
-                          "macro m() %}{{ m() }}{% endmacro",
-                          "range(999999999)",
-                          "x.y.z",
-                          "none",
-                          "0/0"};
+  // clang-format off
+  const char* pieces[] = {"{%", "%}", "{{", "}}", "{#", "(", ")", "[", "]", "|", "'", "\"", " if ", " for ",
+                          " endfor ", " endif ", " in ", "messages", "loop.index", "~", "*", "-", "set x = ",
+                          "macro m() %}{{ m() }}{% endmacro", "range(999999999)", "x.y.z", "none", "0/0",
+                          "9223372036854775807", "**", "//", "%", "1e308", "|int", "|abs", "[::-1]", "[]", "{}", "."};
+  // clang-format on
   for (int i = 0; i < iters; ++i) {
     std::string t = templates[i % 2];
     for (int m = 1 + int(rng() % 3); m > 0; --m) {
