@@ -106,6 +106,25 @@ std::vector<nlohmann::json> bad_values() {
           -0.5, 2.5, nullptr, "x", nlohmann::json::array(), nlohmann::json::object(), true};
 }
 
+// fn(copy of base with one field set to a bad value, or removed, "what was done") for every field.
+void for_each_mutation(const nlohmann::json& base, const std::vector<nlohmann::json::json_pointer>& fields,
+                       const std::function<void(const nlohmann::json&, const std::string&)>& fn) {
+  for (const auto& f : fields) {
+    for (const nlohmann::json& v : bad_values()) {
+      nlohmann::json c = base;
+      c[f] = v;
+      fn(c, f.to_string() + " = " + v.dump());
+    }
+    nlohmann::json c = base;
+    nlohmann::json& parent = c[f.parent_pointer()];
+    if (parent.is_array())
+      parent.erase(size_t(0));
+    else
+      parent.erase(f.back());
+    fn(c, "without " + f.to_string());
+  }
+}
+
 }  // namespace
 
 TEST_CASE("fuzz: config.json fields set to wrong values or removed, every family", "[loader][fuzz]") {
@@ -123,22 +142,10 @@ TEST_CASE("fuzz: config.json fields set to wrong values or removed, every family
           for (auto jt = it->begin(); jt != it->end(); ++jt) fields.emplace_back("/" + it.key() + "/" + jt.key());
         if (it->is_array() && !it->empty()) fields.emplace_back("/" + it.key() + "/0");
       }
-      for (const auto& f : fields) {
-        for (const nlohmann::json& v : bad_values()) {
-          nlohmann::json c = base;
-          c[f] = v;
-          sc.write("config.json", c.dump());
-          open_and_run(sc.dir, f.to_string() + " = " + v.dump(), out);
-        }
-        nlohmann::json c = base;
-        nlohmann::json& parent = c[f.parent_pointer()];
-        if (parent.is_array())
-          parent.erase(size_t(0));
-        else
-          parent.erase(f.back());
+      for_each_mutation(base, fields, [&](const nlohmann::json& c, const std::string& what) {
         sc.write("config.json", c.dump());
-        open_and_run(sc.dir, "without " + f.to_string(), out);
-      }
+        open_and_run(sc.dir, what, out);
+      });
       WARN(name << ": " << fields.size() << " config fields mutated: " << out.refused << " refused at open, " << out.ran
                 << " loaded and ran, " << out.run_refused << " loaded and refused to run");
       CHECK(out.refused > 0);
@@ -244,22 +251,10 @@ TEST_CASE("fuzz: tokenizer.json fields and chat templates mutated", "[tokenizer]
         }
       };
   walk(tok, nlohmann::json::json_pointer(), 0);
-  for (const auto& f : fields) {
-    for (const nlohmann::json& v : bad_values()) {
-      nlohmann::json t = tok;
-      t[f] = v;
-      std::ofstream(dir / "tokenizer.json") << t.dump();
-      exercise(f.to_string() + " = " + v.dump());
-    }
-    nlohmann::json t = tok;
-    nlohmann::json& parent = t[f.parent_pointer()];
-    if (parent.is_array())
-      parent.erase(size_t(0));
-    else
-      parent.erase(f.back());
+  for_each_mutation(tok, fields, [&](const nlohmann::json& t, const std::string& what) {
     std::ofstream(dir / "tokenizer.json") << t.dump();
-    exercise("without " + f.to_string());
-  }
+    exercise(what);
+  });
   // The chat template with pieces cut out, repeated or replaced by template syntax.
   std::ofstream(dir / "tokenizer.json") << tok.dump();
   // Two seeds: the default model's short template and gpt-oss's long one (macros, filters, loops, namespaces).

@@ -129,7 +129,6 @@ class Family {
 using FamilyFactory = std::unique_ptr<Family> (*)(const Config& config, const WeightStore& weights,
                                                   const dz_model_params& params);
 
-// nullptr when the model_type is not served by this build.
 // The parameters a CPU-only family accepts: the CPU device, fp32 activations
 // and weights decoded in checkpoint precision. `family` names it in messages.
 inline void check_cpu_family_params(const dz_model_params& p, const char* family) {
@@ -149,6 +148,7 @@ inline uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ull)
   return h;
 }
 
+// nullptr when the model_type is not served by this build.
 FamilyFactory find_family(const std::string& model_type);
 std::vector<std::string> family_names();
 
