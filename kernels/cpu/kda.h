@@ -27,7 +27,7 @@ struct KdaDims {
   int n_heads = 0;
   int head_dim = 0;     // d_k = d_v
   int conv_kernel = 4;  // short convolution width
-  int proj() const { return n_heads * head_dim; }
+  int64_t proj() const { return int64_t(n_heads) * head_dim; }
   // Floats of one sequence's state for one layer: the short convolutions'
   // history ((kernel - 1) rows of [q | k | v] inputs, oldest first), then S.
   size_t conv_floats() const { return size_t(conv_kernel - 1) * 3 * size_t(proj()); }

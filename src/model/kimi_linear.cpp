@@ -162,6 +162,8 @@ KimiLinear::KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_
   kda_.n_heads = lac_int("num_heads", "linear_num_heads", 32);
   kda_.head_dim = lac_int("head_dim", "linear_head_dim", 128);
   kda_.conv_kernel = lac_int("short_conv_kernel_size", "linear_conv_kernel_dim", 4);
+  check(kda_.proj() <= (int64_t(1) << 20), DZ_ERR_FORMAT, src, ": linear attention heads x head_dim = ", kda_.proj(),
+        " is implausibly large");
 
   // MLA without RoPE.
   mla_.n_heads = int(cfg.get_positive_int("num_attention_heads"));

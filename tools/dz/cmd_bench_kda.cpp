@@ -35,8 +35,9 @@ int bench_kda(const Args& a) {
   const int threads = std::stoi(flag_value(a, "--threads", "0"));
   const std::vector<int> chunks = parse_int_list(flag_value(a, "--chunks", "0,16,32,64"));
   try {
-    check(d.n_heads > 0 && d.head_dim > 0 && n > 0, DZ_ERR_INVALID_ARGUMENT,
-          "--heads, --head-dim and --tokens must be positive");
+    check(d.n_heads > 0 && d.head_dim > 0 && n > 0 && d.proj() <= (1 << 20) && n <= (1 << 20), DZ_ERR_INVALID_ARGUMENT,
+          "--heads, --head-dim and --tokens must be positive (heads x head-dim and tokens at "
+          "most 2^20)");
     const size_t P = size_t(d.proj());
     std::vector<float> q(size_t(n) * P), k(q.size()), v(q.size()), g(q.size()), beta(size_t(n * d.n_heads));
     std::mt19937_64 rng(1);
