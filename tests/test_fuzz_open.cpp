@@ -44,6 +44,8 @@ void open_and_run(const fs::path& dir, const std::string& what, Outcome& out) {
   p.device = DZ_DEVICE_CPU;
   p.n_threads = 1;
   dz_model* m = nullptr;
+  if (const char* v = std::getenv("DZ_FUZZ_VERBOSE"); v && std::string(v) == "2")
+    std::fprintf(stderr, "try: %s\n", what.c_str());
   const dz_status st = dz_model_open(dir.c_str(), &p, &m);
   INFO(what << ": " << dz_last_error());
   if (st != DZ_OK) {
@@ -187,6 +189,74 @@ TEST_CASE("fuzz: safetensors headers with random bytes changed, and files cut sh
       }
       WARN(name << ": " << out.refused << " refused at open, " << out.ran << " loaded and ran, " << out.run_refused
                 << " loaded and refused to run");
+      CHECK(out.refused > 0);
+    }
+  }
+}
+
+TEST_CASE("fuzz: safetensors header entries with wrong dtypes, shapes and data offsets", "[loader][fuzz]") {
+  // The header parsed and rewritten (its length prefix too), so every mutation reaches the loader's checks
+  // of what the header says rather than its JSON parser.
+  for (const char* name : {"gpt_oss_tiny", "deepseek_v32_fp8", "kimi_linear_bf16"}) {
+    SECTION(name) {
+      Scratch sc(name);
+      const std::string file = fs::exists(sc.src / "model-00001-of-00002.safetensors")
+                                   ? "model-00001-of-00002.safetensors"
+                                   : "model-00001-of-00003.safetensors";
+      const std::string bytes = sc.read(file);
+      uint64_t hlen = 0;
+      std::memcpy(&hlen, bytes.data(), 8);
+      const nlohmann::ordered_json header = nlohmann::ordered_json::parse(bytes.substr(8, hlen));
+      const std::string data = bytes.substr(8 + hlen);
+      const int64_t total = int64_t(data.size());
+      auto write = [&](const nlohmann::ordered_json& h) {
+        const std::string j = h.dump();
+        const uint64_t n = j.size();
+        std::string b(8, '\0');
+        std::memcpy(b.data(), &n, 8);
+        sc.write(file, b + j + data);
+      };
+      const std::vector<nlohmann::ordered_json> dtypes = {"F64", "I8", "BOOL", "F8_E5M2", "U8", "XYZ", 5, nullptr};
+      const std::vector<nlohmann::ordered_json> shapes = {
+          nlohmann::ordered_json::array(),      {-1}, {int64_t(1) << 40},          {0},
+          {int64_t(1) << 31, int64_t(1) << 31}, "x",  {1, 2, 3, 4, 5, 6, 7, 8, 9}, {2.5}};
+      Outcome out;
+      int tensors = 0;
+      for (auto it = header.begin(); it != header.end() && tensors < 6; ++it) {
+        if (it.key() == "__metadata__") continue;
+        ++tensors;
+        const auto off = it.value()["data_offsets"];
+        const int64_t a = off[0].get<int64_t>(), b = off[1].get<int64_t>();
+        const std::vector<nlohmann::ordered_json> offsets = {{0, 0},
+                                                             {b, a},
+                                                             {a, total + 1},
+                                                             {-1, b - a - 1},
+                                                             {a, a + 1},
+                                                             {a, b, b},
+                                                             "x",
+                                                             nullptr,
+                                                             {total + 8, total + 16},
+                                                             {int64_t(1) << 62, (int64_t(1) << 62) + (b - a)},
+                                                             {0, b - a}};
+        auto mutate = [&](const char* field, const std::vector<nlohmann::ordered_json>& values) {
+          for (const auto& v : values) {
+            nlohmann::ordered_json h = header;
+            h[it.key()][field] = v;
+            write(h);
+            open_and_run(sc.dir, it.key() + "." + field + " = " + v.dump(), out);
+          }
+          nlohmann::ordered_json h = header;
+          h[it.key()].erase(field);
+          write(h);
+          open_and_run(sc.dir, it.key() + " without " + field, out);
+        };
+        mutate("dtype", dtypes);
+        mutate("shape", shapes);
+        mutate("data_offsets", offsets);
+      }
+      sc.restore(file);
+      WARN(name << ": " << tensors << " header entries mutated: " << out.refused << " refused at open, " << out.ran
+                << " loaded and ran, " << out.run_refused << " loaded and refused to run");
       CHECK(out.refused > 0);
     }
   }

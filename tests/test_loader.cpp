@@ -222,3 +222,21 @@ TEST_CASE("dz_model_open reports errors through the C API", "[loader][api]") {
   CHECK_THAT(dz_last_error(), Catch::Contains("struct_size"));
   fs::remove_all(dir);
 }
+
+TEST_CASE("a header not padded to 8 bytes: misaligned tensors are copied, values intact", "[loader]") {
+  const fs::path dir = temp_dir("unpadded");
+  const float want[3] = {1.5f, -2.25f, 3.0e-8f};
+  std::string header = R"({"x":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}})";
+  while ((8 + header.size()) % 4 != 1) header += ' ';  // the data starts 1 byte past a 4-byte boundary
+  const uint64_t n = header.size();
+  std::string bytes(8, '\0');
+  std::memcpy(bytes.data(), &n, 8);
+  bytes += header + std::string(reinterpret_cast<const char*>(want), 12);
+  std::ofstream(dir / "m.safetensors", std::ios::binary) << bytes;
+  SafetensorsFile f((dir / "m.safetensors").string());
+  const TensorView& t = f.tensors().at("x");
+  CHECK(reinterpret_cast<uintptr_t>(t.data) % 4 == 0);
+  float got[3];
+  std::memcpy(got, t.data, 12);
+  CHECK(std::memcmp(got, want, 12) == 0);
+}

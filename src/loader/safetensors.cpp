@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/log.h"
 
 namespace dz {
 
@@ -162,6 +163,20 @@ SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
       check(ranges[i].b >= ranges[i - 1].e, DZ_ERR_FORMAT, path_, ": tensors '", *ranges[i - 1].name, "' and '",
             *ranges[i].name, "' overlap (bytes ", ranges[i].b, " < ", ranges[i - 1].e, ")");
     }
+    // Writers pad the header so every tensor starts aligned to its element size; where one does not (an old or
+    // hand-made file), reading its elements in place would be misaligned loads: copy those tensors instead.
+    size_t copied = 0, copied_bytes = 0;
+    for (auto& [name, t] : tensors_) {
+      if (t.nbytes == 0 || reinterpret_cast<uintptr_t>(t.data) % dtype_size(t.dtype) == 0) continue;
+      auto& buf = copies_.emplace_back((t.nbytes + 7) / 8);
+      std::memcpy(buf.data(), t.data, t.nbytes);
+      t.data = reinterpret_cast<const uint8_t*>(buf.data());
+      ++copied, copied_bytes += t.nbytes;
+    }
+    if (copied)
+      log_warn(path_, ": ", copied, " tensors (", copied_bytes,
+               " bytes) are not aligned to their element size in the file (header not padded to 8 bytes?); "
+               "they were copied into memory");
   } catch (...) {
     ::munmap(map_, size_);
     map_ = nullptr;

@@ -23,7 +23,7 @@ struct TensorView {
   std::string name;
   DType dtype = DType::F32;
   std::vector<int64_t> shape;
-  const uint8_t* data = nullptr;  // into the shard's mapping
+  const uint8_t* data = nullptr;  // into the shard's mapping (a copy where the file misaligns it)
   size_t nbytes = 0;
   const std::string* file = nullptr;  // shard path, for messages
 
@@ -52,6 +52,7 @@ class SafetensorsFile {
   size_t size_ = 0;
   std::map<std::string, TensorView> tensors_;
   std::map<std::string, std::string> metadata_;
+  std::vector<std::vector<uint64_t>> copies_;  // tensors the file does not align (8-byte aligned storage)
 };
 
 // All tensors of a model directory: model.safetensors, or the shards named by
