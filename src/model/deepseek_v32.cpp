@@ -149,16 +149,8 @@ DeepseekV32::DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_mode
   // MoE shape and the dense/sparse pattern.
   const int64_t E = cfg.get_or<int64_t>("n_routed_experts", 0);
   routing_.n_experts = int32_t(E);
-  std::vector<std::string> kinds;
-  if (cfg.has("mlp_layer_types")) {
-    kinds = cfg.get<std::vector<std::string>>("mlp_layer_types");
-    check(kinds.size() == size_t(n_layers_), DZ_ERR_FORMAT, src, ": mlp_layer_types has ", kinds.size(),
-          " entries for ", n_layers_, " layers");
-  } else {
-    const int64_t dense = std::min<int64_t>(cfg.get_or<int64_t>("first_k_dense_replace", 3), n_layers_);
-    for (int i = 0; i < n_layers_; ++i) kinds.push_back(i < dense ? "dense" : "sparse");
-  }
-  const bool any_moe = std::count(kinds.begin(), kinds.end(), "sparse") > 0;
+  const std::vector<bool> moe = moe_layers(cfg, n_layers_, 3);
+  const bool any_moe = std::count(moe.begin(), moe.end(), true) > 0;
   int64_t moe_inter = 0;
   if (any_moe) {
     check(E > 0, DZ_ERR_FORMAT, src, ": n_routed_experts must be positive for MoE layers");
@@ -201,13 +193,10 @@ DeepseekV32::DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_mode
     l.idx_wproj = linear_weight(ws, ix + "weights_proj", idx_.n_heads, H);
     l.idx_knorm_w = vector_f32(ws, ix + "k_norm.weight", {idx_.head_dim});
     l.idx_knorm_b = vector_f32(ws, ix + "k_norm.bias", {idx_.head_dim});
-    const std::string& kind = kinds[size_t(i)];
-    check(kind == "dense" || kind == "sparse", DZ_ERR_FORMAT, src, ": mlp_layer_types[", i, "] = '", kind,
-          "' (expected dense or sparse)");
     auto load_mlp = [&](const std::string& m, int64_t inter) {
       return load_swiglu(ws, m + ".gate_proj", m + ".up_proj", m + ".down_proj", inter, H);
     };
-    l.ffn.moe = kind == "sparse";
+    l.ffn.moe = moe[size_t(i)];
     if (!l.ffn.moe) {
       l.ffn.dense = load_mlp(p + "mlp", cfg.get_positive_int("intermediate_size"));
       continue;

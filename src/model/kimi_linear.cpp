@@ -181,19 +181,11 @@ KimiLinear::KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_
 
   // MoE: Moonshot's field names first, then the DeepSeek/transformers ones.
   routing_.n_experts = int32_t(first_of<int64_t>(cfg, {"num_experts", "num_local_experts", "n_routed_experts"}, 0));
-  std::vector<std::string> ffn_kinds;
-  if (cfg.has("mlp_layer_types")) {
-    ffn_kinds = cfg.get<std::vector<std::string>>("mlp_layer_types");
-    check(ffn_kinds.size() == size_t(n_layers_), DZ_ERR_FORMAT, src, ": mlp_layer_types has ", ffn_kinds.size(),
-          " entries for ", n_layers_, " layers");
-  } else {
-    check(cfg.get_or<int64_t>("moe_layer_freq", 1) == 1, DZ_ERR_UNSUPPORTED, src,
-          ": moe_layer_freq other than 1 (every layer after the dense ones is MoE)");
-    const int64_t dense = std::clamp<int64_t>(cfg.get_or<int64_t>("first_k_dense_replace", 1), 0, n_layers_);
-    for (int i = 0; i < n_layers_; ++i) ffn_kinds.push_back(i < dense ? "dense" : "sparse");
-  }
+  check(cfg.has("mlp_layer_types") || cfg.get_or<int64_t>("moe_layer_freq", 1) == 1, DZ_ERR_UNSUPPORTED, src,
+        ": moe_layer_freq other than 1 (every layer after the dense ones is MoE)");
+  const std::vector<bool> moe = moe_layers(cfg, n_layers_, 1);
   int64_t moe_inter = 0, n_shared = 0;
-  if (std::count(ffn_kinds.begin(), ffn_kinds.end(), "sparse") > 0) {
+  if (std::count(moe.begin(), moe.end(), true) > 0) {
     check(routing_.n_experts > 0, DZ_ERR_FORMAT, src, ": num_experts must be positive for MoE layers");
     routing_.n_active = int32_t(first_of<int64_t>(cfg, {"num_experts_per_token", "num_experts_per_tok"}, 0));
     check(routing_.n_active > 0, DZ_ERR_FORMAT, src, ": num_experts_per_token must be positive");
@@ -247,10 +239,7 @@ KimiLinear::KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_
       l.kv_b = linear_weight(ws, a + "kv_b_proj", NH * (mla_.nope + mla_.v), mla_.rank);
       l.o = linear_weight(ws, a + "o_proj", H, NH * mla_.v);
     }
-    const std::string& fk = ffn_kinds[size_t(i)];
-    check(fk == "dense" || fk == "sparse", DZ_ERR_FORMAT, src, ": mlp_layer_types[", i, "] = '", fk,
-          "' (expected dense or sparse)");
-    l.ffn.moe = fk == "sparse";
+    l.ffn.moe = moe[size_t(i)];
     if (!l.ffn.moe) {
       const std::string m = p + "mlp.";
       l.ffn.dense = load_swiglu(ws, m + "gate_proj", m + "up_proj", m + "down_proj",

@@ -1,5 +1,7 @@
 #include "model/moe_ffn.h"
 
+#include <algorithm>
+
 #include "common/error.h"
 #include "common/host_alloc.h"
 #include "cpu/moe.h"
@@ -23,6 +25,24 @@ SwiGlu load_swiglu(const WeightStore& ws, const std::string& gate, const std::st
                    int64_t inter, int64_t hidden) {
   return SwiGlu{linear_weight(ws, gate, inter, hidden), linear_weight(ws, up, inter, hidden),
                 linear_weight(ws, down, hidden, inter), inter};
+}
+
+std::vector<bool> moe_layers(const Config& cfg, int n_layers, int64_t default_dense) {
+  std::vector<bool> moe(static_cast<size_t>(n_layers));
+  if (cfg.has("mlp_layer_types")) {
+    const auto kinds = cfg.get<std::vector<std::string>>("mlp_layer_types");
+    check(kinds.size() == size_t(n_layers), DZ_ERR_FORMAT, cfg.source(), ": mlp_layer_types has ", kinds.size(),
+          " entries for ", n_layers, " layers");
+    for (size_t i = 0; i < kinds.size(); ++i) {
+      check(kinds[i] == "dense" || kinds[i] == "sparse", DZ_ERR_FORMAT, cfg.source(), ": mlp_layer_types[", i, "] = '",
+            kinds[i], "' (expected dense or sparse)");
+      moe[i] = kinds[i] == "sparse";
+    }
+  } else {
+    const int64_t dense = std::clamp<int64_t>(cfg.get_or<int64_t>("first_k_dense_replace", default_dense), 0, n_layers);
+    for (int i = 0; i < n_layers; ++i) moe[size_t(i)] = i >= dense;
+  }
+  return moe;
 }
 
 void validate_routing(const MoeRouting& r, const std::string& src) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cpu/matmul.h"
+#include "loader/config.h"
 #include "loader/safetensors.h"
 #include "runtime/parallel.h"
 
@@ -39,6 +40,10 @@ struct Ffn {
 // [inter x hidden] gate and up, [hidden x inter] down, by full tensor base names.
 SwiGlu load_swiglu(const WeightStore& ws, const std::string& gate, const std::string& up, const std::string& down,
                    int64_t inter, int64_t hidden);
+
+// Which layers are MoE: config mlp_layer_types ("dense" / "sparse" per layer),
+// else all but the first first_k_dense_replace (default_dense when absent).
+std::vector<bool> moe_layers(const Config& cfg, int n_layers, int64_t default_dense);
 
 // Checks a routing config read from `src` (messages name it); n_experts and
 // n_active must already be positive.
