@@ -37,7 +37,11 @@ float fp8_quantize_block(const float* v, int64_t n, bool pow2, uint8_t* out) {
   float amax = 0;
   for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(v[i]));
   float scale = amax > 0 ? amax / kE4M3Max : 1.0f;
-  if (pow2 && amax > 0) scale = std::exp2(std::ceil(std::log2(scale)));
+  if (pow2 && amax > 0) {  // the power of two at or above the scale, exactly (log2 may round a near one down)
+    int e;
+    const float f = std::frexp(scale, &e);  // scale = f 2^e, f in [0.5, 1)
+    scale = std::ldexp(1.0f, f == 0.5f ? e - 1 : e);
+  }
   // Divide (as DeepSeek's act_quant does) rather than multiply by a rounded reciprocal.
   for (int64_t i = 0; i < n; ++i) out[i] = f32_to_e4m3(v[i] / scale);
   return scale;

@@ -16,6 +16,7 @@ struct Bench {
 const Bench kBenches[] = {
     {"", nullptr, ""},  // rows: {"kv", bench_kv, "..."},
     {"attention", bench_attention, "split-K decode attention on the GPU over a paged bf16 KV cache"},
+    {"indexer", bench_indexer, "DSA lightning indexer on the GPU: FP8 scores + top-k, decode and prefill"},
     {"kda", bench_kda, "Kimi Delta Attention on the CPU: recurrent and chunked forms, time a token"},
     {"kv", bench_kv, "KV arena bookkeeping: allocate/append/free, fork, prefix lookups, 1M-token memory"},
     {"model", bench_model, "whole gpt-oss model: load, prefill, decode (random 20b-shaped checkpoint)"},

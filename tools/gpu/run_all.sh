@@ -12,7 +12,7 @@
 #                     Catch2 v3, so the results under bench/results were made this way)
 #   DZ_DEPS=DIR       extra prefix (include/, lib/, lib/pkgconfig) with the build dependencies
 #   DZ_BENCH_TOKENS   token counts for dz bench moe (default 1,8,64,128,256,384,512,1024,2048,4096,16384)
-#   DZ_GPU_STEPS      which steps to run (default "tests moe peers patterns attention sampling model profile model120b
+#   DZ_GPU_STEPS      which steps to run (default "tests moe peers patterns attention indexer sampling model profile model120b
 #                     references";
 #                     profile needs model, patterns a prebuilt dram_pattern and one_token_stream)
 #   DZ_MODEL_DIR      where dz bench model writes its random gpt-oss-20b checkpoint (default /tmp/dz_gptoss20b_random)
@@ -89,7 +89,7 @@ bench_with_peer() {
   fi
 }
 
-STEPS=" ${DZ_GPU_STEPS:-tests moe peers patterns attention sampling model profile model120b references} "
+STEPS=" ${DZ_GPU_STEPS:-tests moe peers patterns attention indexer sampling model profile model120b references} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 if want tests; then
@@ -150,6 +150,11 @@ fi
 if want attention; then
 step "dz bench attention (split-K decode over paged bf16 KV, gpt-oss-20b heads) and its PyTorch peer"
 bench_with_peer attention
+fi
+
+if want indexer; then
+step "dz bench indexer (DSA lightning indexer, V3.2 shapes: FP8 scores + top-k) and its PyTorch peer"
+bench_with_peer indexer
 fi
 
 if want sampling; then
