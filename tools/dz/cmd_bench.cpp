@@ -19,6 +19,7 @@ const Bench kBenches[] = {
     {"indexer", bench_indexer, "DSA lightning indexer on the GPU: FP8 scores + top-k, decode and prefill"},
     {"kda", bench_kda, "Kimi Delta Attention on the CPU: recurrent and chunked forms, time a token"},
     {"kv", bench_kv, "KV arena bookkeeping: allocate/append/free, fork, prefix lookups, 1M-token memory"},
+    {"mla", bench_mla, "sparse MLA decode on the GPU over paged bf16 latents (DSA's selected positions)"},
     {"model", bench_model, "whole gpt-oss model: load, prefill, decode (random 20b-shaped checkpoint)"},
     {"moe", bench_moe, "MXFP4 MoE layer on the GPU (fused W4A16 vs FP8 paths)"},
     {"sampling", bench_sampling, "temperature / top-k / top-p sampling of logits rows on the GPU"},

@@ -26,6 +26,7 @@ int bench_tokenize(const Args& args);
 int bench_kda(const Args& args);
 int bench_model(const Args& args);
 int bench_indexer(const Args& args);
+int bench_mla(const Args& args);
 int bench_sampling(const Args& args);
 
 // Small argument helpers shared by the subcommands.

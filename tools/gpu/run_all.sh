@@ -155,6 +155,8 @@ fi
 if want indexer; then
 step "dz bench indexer (DSA lightning indexer, V3.2 shapes: FP8 scores + top-k) and its PyTorch peer"
 bench_with_peer indexer
+step "dz bench mla (sparse MLA decode over the selected positions, V3.2 shapes) and its PyTorch peer"
+bench_with_peer mla
 fi
 
 if want sampling; then
