@@ -12,20 +12,102 @@
 #include "commands.h"
 #include "common/error.h"
 #include "cpu/kda.h"
+#include "runtime/device.h"
+
+#ifdef DZ_WITH_CUDA
+#include "bench_cuda.h"
+#include "cuda/kda.h"
+#include "runtime/cuda/context.h"
+#include "runtime/cuda/cuda_check.h"
+#endif
 
 namespace dz::cli {
+
+namespace {
+#ifdef DZ_WITH_CUDA
+// The GPU recurrence: a decode step (one token) of each batch, each sequence
+// its own state, and the CPU's n tokens once (outputs compared); median of
+// CUDA-event times with the L2 flushed, state bytes in and out against HBM.
+nlohmann::json bench_kda_gpu(const cpu::KdaDims& d, int64_t n, const std::vector<float>& q, const std::vector<float>& k,
+                             const std::vector<float>& v, const std::vector<float>& g, const std::vector<float>& beta,
+                             const std::vector<float>& cpu_out, const std::vector<int>& batches, int reps,
+                             double bw_ceiling) {
+  using namespace dz::cuda;
+  const size_t P = size_t(d.proj()), SS = size_t(d.n_heads) * d.head_dim * d.head_dim;
+  int max_b = 1;
+  for (int b : batches) max_b = std::max(max_b, b);
+  ContextOptions co;
+  co.pool_bytes = SS * 4 * size_t(max_b) + q.size() * 4 * 5 + size_t(max_b) * P * 4 * 5 + (size_t(320) << 20);
+  Context ctx(co);
+  cudaStream_t st = ctx.stream();
+  DevicePool& pool = ctx.pool();
+  const size_t rows = std::max(size_t(n), size_t(max_b));
+  DeviceArray<float> dq(pool, rows * P, "q"), dk(pool, rows * P, "k"), dv(pool, rows * P, "v"), dg(pool, rows * P, "g");
+  DeviceArray<float> dbeta(pool, rows * size_t(d.n_heads), "beta"), dout(pool, rows * P, "out");
+  DeviceArray<float> dstate(pool, SS * size_t(max_b), "states");
+  DeviceArray<float*> dptr(pool, size_t(max_b), "state slots");
+  // Row i of every input is token i % n of the CPU's inputs.
+  auto upload = [&](DeviceArray<float>& dst, const std::vector<float>& src, size_t w) {
+    std::vector<float> h(rows * w);
+    for (size_t i = 0; i < rows; ++i) std::copy_n(src.data() + (i % size_t(n)) * w, w, h.data() + i * w);
+    DZ_CUDA_CHECK(cudaMemcpy(dst.get(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+  };
+  upload(dq, q, P), upload(dk, k, P), upload(dv, v, P), upload(dg, g, P), upload(dbeta, beta, size_t(d.n_heads));
+  std::vector<float*> hp(static_cast<size_t>(max_b));
+  for (int b = 0; b < max_b; ++b) hp[size_t(b)] = dstate.get() + size_t(b) * SS;
+  DZ_CUDA_CHECK(cudaMemcpy(dptr.get(), hp.data(), hp.size() * sizeof(float*), cudaMemcpyHostToDevice));
+  KdaRecurrent x;
+  x.n_heads = d.n_heads, x.head_dim = d.head_dim, x.q = dq.get(), x.k = dk.get(), x.v = dv.get(), x.g = dg.get();
+  x.ld = int64_t(P), x.beta = dbeta.get(), x.state = dptr.get(), x.out = dout.get();
+  // The CPU's sequence on the GPU, from a zero state.
+  DZ_CUDA_CHECK(cudaMemsetAsync(dstate.get(), 0, SS * 4, st));
+  x.batch = 1, x.n = n;
+  kda_recurrent(x, st);
+  std::vector<float> out(size_t(n) * P);
+  DZ_CUDA_CHECK(cudaMemcpyAsync(out.data(), dout.get(), out.size() * 4, cudaMemcpyDeviceToHost, st));
+  ctx.sync();
+  double diff = 0, mag = 0;
+  for (size_t i = 0; i < out.size(); ++i)
+    diff = std::max(diff, double(std::fabs(out[i] - cpu_out[i]))), mag = std::max(mag, double(std::fabs(cpu_out[i])));
+  nlohmann::json r = {{"gpu", ctx.describe()}, {"max_abs_diff_vs_cpu", diff}, {"max_abs_cpu_output", mag}};
+  std::fprintf(stderr, "  GPU recurrence over the %lld tokens: max abs diff vs the CPU %.2e (outputs up to %.2e)\n",
+               (long long)n, diff, mag);
+  GpuTimer timer(ctx);
+  nlohmann::json steps = nlohmann::json::array();
+  for (int B : batches) {
+    x.batch = B, x.n = 1;
+    const double ms = timer.median_ms(reps, 2, [&](int) { kda_recurrent(x, st); });
+    const double bytes = 2.0 * double(SS) * 4 * B;
+    std::fprintf(stderr, "  GPU decode step B=%3d: %8.2f us a layer, states %.0f GB/s (%.1f%% of HBM)\n", B, ms * 1e3,
+                 bytes / (ms * 1e-3) / 1e9, 100 * bytes / (ms * 1e-3) / bw_ceiling);
+    steps.push_back({{"batch", B},
+                     {"us", ms * 1e3},
+                     {"state_bytes", bytes},
+                     {"gb_per_s", bytes / (ms * 1e-3) / 1e9},
+                     {"hbm_fraction", bytes / (ms * 1e-3) / bw_ceiling}});
+  }
+  r["decode_steps"] = steps;
+  return r;
+}
+#endif
+}  // namespace
 
 int bench_kda(const Args& a) {
   if (has_flag(a, "--help") || has_flag(a, "-h")) {
     std::printf(
         "usage: dz bench kda [--heads 32] [--head-dim 128] [--tokens 512] [--chunks 0,16,32,64] [--threads N]\n"
-        "                    [--reps 3] [--out FILE.json]\n\n"
+        "                    [--reps 3] [--gpu-batch 1,64] [--bw-ceiling 4.27e12] [--out FILE.json]\n\n"
         "One KDA layer's recurrence over --tokens tokens of random inputs (L2-normalised q and k, decays\n"
         "exp(g) spread over (0.007, 0.99), beta in (0, 1)), as the recurrent form (chunk 0) and the chunked form\n"
-        "at each chunk size; best of --reps. Defaults: Kimi-Linear-48B's 32 heads x 128, all cores.\n");
+        "at each chunk size; best of --reps. Defaults: Kimi-Linear-48B's 32 heads x 128, all cores.\n"
+        "With a GPU: the CUDA recurrence over the same tokens (compared with the CPU's outputs) and one\n"
+        "decode step for each --gpu-batch (every sequence its own state), state bytes against HBM.\n");
     return 0;
   }
-  reject_unknown(a, {"--heads", "--head-dim", "--tokens", "--chunks", "--threads", "--reps", "--out"}, "bench kda");
+  reject_unknown(
+      a,
+      {"--heads", "--head-dim", "--tokens", "--chunks", "--threads", "--reps", "--gpu-batch", "--bw-ceiling", "--out"},
+      "bench kda");
   // Numbers are parsed here: a word where one belongs ends in dz's usage message (status 2).
   cpu::KdaDims d;
   d.n_heads = std::stoi(flag_value(a, "--heads", "32"));
@@ -91,6 +173,15 @@ int bench_kda(const Args& a) {
                       {"max_abs_diff_vs_first", diff}});
     }
     j["results"] = rows;
+#ifdef DZ_WITH_CUDA
+    if (dz::cuda_device_count() > 0) {
+      std::vector<float> cpu_out(q.size()), S(size_t(d.n_heads) * d.head_dim * d.head_dim, 0.f);
+      cpu::kda_recurrent(d, q.data(), k.data(), v.data(), int64_t(P), g.data(), int64_t(P), beta.data(), n, S.data(),
+                         cpu_out.data(), &pool);
+      j["cuda"] = bench_kda_gpu(d, n, q, k, v, g, beta, cpu_out, parse_int_list(flag_value(a, "--gpu-batch", "1,64")),
+                                std::max(reps, 10), std::stod(flag_value(a, "--bw-ceiling", "4.27e12")));
+    }
+#endif
     bench_emit(j, flag_value(a, "--out"));
     return 0;
   } catch (const std::exception& e) {
