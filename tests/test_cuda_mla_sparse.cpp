@@ -18,27 +18,13 @@
 #include "cuda/mla_sparse.h"
 #include "runtime/cuda/context.h"
 #include "support/device_buffer.h"
+#include "support/safetensors_writer.h"
+
+using dz::test::bf16_to_double;
+using dz::test::f32_to_bf16;
 #endif
 
 #include "support/gpu.h"
-
-#ifdef DZ_WITH_CUDA
-namespace {
-
-uint16_t to_bf16(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-float from_bf16(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
-
-}  // namespace
-#endif
 
 TEST_CASE("CUDA sparse MLA decode matches float64 attention over the selected positions", "[cuda][dsa]") {
   if (!dz::test::have_gpu()) return;
@@ -65,7 +51,7 @@ TEST_CASE("CUDA sparse MLA decode matches float64 attention over the selected po
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), rng);
     std::vector<uint16_t> arena(size_t(P) * pt * stride / 2);
-    for (auto& v : arena) v = to_bf16(nd(rng) * 4.f);  // other fields: noise, never read as latents
+    for (auto& v : arena) v = f32_to_bf16(nd(rng) * 4.f);  // other fields: noise, never read as latents
     auto latent = [&](int b, int64_t p) {
       return arena.data() +
              (size_t(perm[size_t(b * pages_each + int(p / pt))]) * pt * stride + size_t(p % pt) * stride + offset) / 2;
@@ -73,10 +59,10 @@ TEST_CASE("CUDA sparse MLA decode matches float64 attention over the selected po
     for (int b = 0; b < c.batch; ++b)
       for (int64_t p = 0; p < c.ctx_len; ++p) {
         uint16_t* l = latent(b, p);
-        for (int d = 0; d < D; ++d) l[d] = to_bf16(nd(rng));
+        for (int d = 0; d < D; ++d) l[d] = f32_to_bf16(nd(rng));
       }
     std::vector<uint16_t> q(size_t(c.batch) * c.heads * D);
-    for (auto& v : q) v = to_bf16(nd(rng) * 0.5f);
+    for (auto& v : q) v = f32_to_bf16(nd(rng) * 0.5f);
     // Selections: distinct positions mostly, some -1, some repeated.
     std::vector<int32_t> sel(size_t(c.batch) * c.topk);
     std::uniform_int_distribution<int> kind(0, 15), any(0, c.ctx_len - 1);
@@ -125,7 +111,7 @@ TEST_CASE("CUDA sparse MLA decode matches float64 attention over the selected po
           if (pos < 0) continue;
           const uint16_t* l = latent(b, pos);
           double dot = 0;
-          for (int d = 0; d < D; ++d) dot += double(from_bf16(qh[d])) * double(from_bf16(l[d]));
+          for (int d = 0; d < D; ++d) dot += double(bf16_to_double(qh[d])) * double(bf16_to_double(l[d]));
           s.push_back(dot * a.scale), rows.push_back(l);
         }
         const float* g = out.data() + (size_t(b) * c.heads + h) * R;
@@ -140,7 +126,7 @@ TEST_CASE("CUDA sparse MLA decode matches float64 attention over the selected po
         for (int d = 0; d < R; ++d) {
           double ref = 0, mag = 0;
           for (size_t j = 0; j < rows.size(); ++j) {
-            const double v = from_bf16(rows[j][d]);
+            const double v = bf16_to_double(rows[j][d]);
             ref += p[j] * v, mag += p[j] * std::fabs(v);
           }
           ref /= sum, mag /= sum;
@@ -176,9 +162,9 @@ TEST_CASE("CUDA sparse MLA decode through the absorbed weights matches the CPU b
   md.scale = float(1.0 / std::sqrt(double(nope + Rr)));
   // Latents (bf16 values, the CPU's fp32 records hold the same numbers), kv_b_proj, a query, a selection.
   std::vector<uint16_t> lat16(size_t(L) * D);
-  for (auto& v : lat16) v = to_bf16(nd(rng));
+  for (auto& v : lat16) v = f32_to_bf16(nd(rng));
   std::vector<float> lat32(lat16.size());
-  for (size_t i = 0; i < lat16.size(); ++i) lat32[i] = from_bf16(lat16[i]);
+  for (size_t i = 0; i < lat16.size(); ++i) lat32[i] = float(bf16_to_double(lat16[i]));
   std::vector<float> wkvb(size_t(H) * (nope + vdim) * R), qf(size_t(H) * (nope + Rr));
   for (auto& v : wkvb) v = nd(rng) * 0.05f;
   for (auto& v : qf) v = nd(rng);
@@ -197,9 +183,9 @@ TEST_CASE("CUDA sparse MLA decode through the absorbed weights matches the CPU b
       double acc = 0;
       for (int i = 0; i < nope; ++i)
         acc += double(qf[size_t(h) * (nope + Rr) + i]) * wkvb[(size_t(h) * (nope + vdim) + i) * R + r];
-      qa[size_t(h) * D + r] = to_bf16(float(acc));
+      qa[size_t(h) * D + r] = f32_to_bf16(float(acc));
     }
-    for (int i = 0; i < Rr; ++i) qa[size_t(h) * D + R + i] = to_bf16(qf[size_t(h) * (nope + Rr) + nope + i]);
+    for (int i = 0; i < Rr; ++i) qa[size_t(h) * D + R + i] = f32_to_bf16(qf[size_t(h) * (nope + Rr) + nope + i]);
   }
   test::DeviceBuffer<uint16_t> dlat(lat16), dq(qa);
   test::DeviceBuffer<int32_t> dsel(sel);
