@@ -1458,155 +1458,6 @@ auto w8s_fn(bool lo, int passes) {
   return lo ? w8s_kernel<kGateUp, kPdl, true, 1> : w8s_kernel<kGateUp, kPdl, false, 1>;
 }
 
-// ------------------------------- fused W4A8 on plain loads (sm_90a; opt-in)
-// The W4A8 kernels' arithmetic (two E4M3 terms a token; E2M1 -> E4M3 in
-// registers; wgmma m64n8k32 with the weights from registers, one MMA per
-// sub-block with its scale on the fp32 partial sums) on the W4A16 kernels'
-// stream: no copy-engine ring or producer warp. Each lane loads its words
-// straight from global memory (word t of each sub-block of rows A and B: a
-// quad reads 16 contiguous bytes), kW8PRing chunks ahead in registers, and
-// kKS warpgroups split a 64-row tile's K range (chunks ks, ks + kKS, ...:
-// every row streams front to back). For one or a few tokens an expert, where
-// the W4A16 kernels (K split 4) are issue-bound at ~310 warp instructions a
-// KB of FP4 and the W4A8 kernels' ring of boxes streams at half a plain
-// read's speed (docs/cuda-moe.md); these take ~100 a KB. Not yet run on a GPU
-// (MoeOptions::fused_w4a8_plain).
-constexpr int kW8PRing = 3;
-constexpr int kW8PPass = kW4Tokens / 2;  // two terms: 4 tokens a pass
-struct W8PSmem {
-  int act, xs, red, total;
-};
-__host__ __device__ inline W8PSmem w8p_smem(int kpad, int ks) {
-  W8PSmem L{};
-  int o = 0;
-  L.act = o, o += w8_act_bytes(kpad);
-  L.xs = o, o += kpad / 128 * kW4Tokens * 4;
-  L.red = o, o += (ks - 1) * 128 * 16;
-  L.total = o + 128;  // base aligned up
-  return L;
-}
-
-template <bool kGateUp, int kKS, bool kPdl>
-__global__ void __launch_bounds__(128 * kKS, 4 / kKS) w8p_kernel(const W4Args a) {
-#ifdef DZ_MOE_SM90A
-  constexpr bool kFixed = w8_fixed(kGateUp, true);  // down: one fixed activation scale
-  extern __shared__ unsigned char w8p_raw[];
-  unsigned char* const sm =
-      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(w8p_raw) + 127) & ~uintptr_t(127));
-  const W8PSmem L = w8p_smem(a.kpad, kKS);
-  const uint32_t base = ptx::smem_u32(sm);
-  if (kPdl && kGateUp) pdl_wait(), pdl_trigger();  // routing outputs; the down kernel may start its weight loads
-  int4 info;
-  if (!w4_item<kGateUp, kPdl>(a, info)) return;
-  const int e = info.x, seg = info.y, cnt = info.z;
-  // The warpgroup (its K slice) broadcast from lane 0: warp-uniform for the compiler.
-  const int tid = threadIdx.x, ks = __shfl_sync(0xffffffffu, tid >> 7, 0);
-  const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int T0 = int(blockIdx.x) * 64;
-  const int rA = kGateUp ? 16 * warp + 2 * g : 16 * warp + g, rB = kGateUp ? rA + 1 : rA + 8;  // tile rows
-  const int64_t rowA = int64_t(e) * a.rows + T0 + rA, rowB = int64_t(e) * a.rows + T0 + rB;
-  const uint8_t* const bA = a.blocks + rowA * a.nsub * 16 + 4 * t;
-  const uint8_t* const bB = a.blocks + rowB * a.nsub * 16 + 4 * t;
-  const uint8_t* const sA = a.scales + rowA * a.nsub;
-  const uint8_t* const sB = a.scales + rowB * a.nsub;
-  const int nch = a.kpad / 128;
-  const int nloc = (nch - ks + kKS - 1) / kKS;  // this slice's chunks: ks, ks + kKS, ...
-  // Ring steps: whole rounds of kW8PRing, so that no MMA sits behind a branch
-  // (ptxas would serialize them); a step past the slice has zero weights and
-  // scales and reads chunk ks's activations: exact zeros, added.
-  const int nsteps = (nloc + kW8PRing - 1) / kW8PRing * kW8PRing;
-  // A chunk's words (word t of its sub-blocks 4c..4c+3, rows A and B) and
-  // scale bytes (rows A and B, 4 a row): nsub is even, so each pair of scale
-  // bytes is one aligned 16-bit load.
-  struct Chunk {
-    uint32_t wa[4], wb[4], sa, sb;
-  };
-  auto load = [&](int j, Chunk& k) {
-    const int c = ks + j * kKS;
-    const bool in = j < nloc;
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int sub = 4 * c + u;
-      const bool ok = in && sub < a.nsub;
-      k.wa[u] = ok ? __ldg(reinterpret_cast<const unsigned int*>(bA + sub * 16)) : 0u;
-      k.wb[u] = ok ? __ldg(reinterpret_cast<const unsigned int*>(bB + sub * 16)) : 0u;
-    }
-    k.sa = k.sb = 0;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      if (in && 4 * c + 2 * h < a.nsub) {
-        k.sa |= uint32_t(__ldg(reinterpret_cast<const unsigned short*>(sA + 4 * c + 2 * h))) << (16 * h);
-        k.sb |= uint32_t(__ldg(reinterpret_cast<const unsigned short*>(sB + 4 * c + 2 * h))) << (16 * h);
-      }
-  };
-  Chunk ring[kW8PRing];
-  auto prefetch = [&] {
-#pragma unroll
-    for (int p = 0; p < kW8PRing; ++p) load(p, ring[p]);
-  };
-  // The first weight loads go out before the activations are staged (and, for
-  // down, before waiting for gate_up).
-  prefetch();
-  bool ready = true;
-  if (kPdl && !kGateUp) pdl_wait(), pdl_trigger();
-
-  const uint32_t desc_lo = w8_desc_lo(base + L.act), xs0 = base + L.xs;
-  float biasA = 0.f, biasB = 0.f;
-  if (ks == 0) biasA = bf16_to_float(a.bias[rowA]), biasB = bf16_to_float(a.bias[rowB]);
-  __shared__ int s_row[kW8PPass];
-  for (int base_t = 0; base_t < cnt; base_t += kW8PPass) {
-    const int m = min(kW8PPass, cnt - base_t);
-    if (!(kGateUp && a.direct) && tid < m) s_row[tid] = act_row<kGateUp>(a, seg + base_t + tid);
-    __syncthreads();  // the previous pass's activations and reductions are read; s_row written
-    w8_stage_pass<kGateUp, true, 4 * kKS>(a, m, nch, s_row, tid >> 5, lane, sm + L.act,
-                                          reinterpret_cast<float*>(sm + L.xs));
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
-    float tok_scale = 1.f;  // gate_up from fp16 rows: this lane's token's input scale (MMA columns 2t, 2t + 1)
-    if (kGateUp && !a.direct && ks == 0 && t < m) tok_scale = a.act_scale[s_row[t]];
-    __syncthreads();
-
-    if (!ready) prefetch();
-    ready = false;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int j0 = 0; j0 < nsteps; j0 += kW8PRing) {
-#pragma unroll
-      for (int p = 0; p < kW8PRing; ++p) {
-        const int j = j0 + p, c = j < nloc ? ks + j * kKS : ks;
-        uint32_t af[4][4];
-        w8_fragments(ring[p].wa, ring[p].wb, 0, af);
-        float fA[4], fB[4];
-        w8_scales_of(ring[p].sa, ring[p].sa >> 16, fA), w8_scales_of(ring[p].sb, ring[p].sb >> 16, fB);
-        // The slot refills now (its words are in af): kW8PRing chunks ahead.
-        load(j + kW8PRing, ring[p]);
-        float q[4][4];
-        w8_mma4(af, desc_lo + uint32_t(4 * c * (kW8SubBytes >> 4)), q);
-        w8_fold<kFixed>(q, fA, fB, xs0 + (c * kW4Tokens + 2 * t) * 4, acc);
-      }
-    }
-    if (kKS > 1) {  // the K slices' sums, in a fixed order: deterministic
-      float4* const red = reinterpret_cast<float4*>(sm + L.red);
-      if (ks > 0) red[(ks - 1) * 128 + (tid & 127)] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-      __syncthreads();
-      if (ks == 0)
-#pragma unroll
-        for (int i = 0; i < kKS - 1; ++i) {
-          const float4 v = red[i * 128 + tid];
-          acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
-        }
-    }
-    if (ks == 0)
-      w8_store_pass<kGateUp, true>(a, acc, seg + base_t, m, 0, T0, rA, rB, t, biasA, biasB,
-                                   [&](int, int) { return tok_scale; });
-  }
-#endif
-}
-
-// The plain-load W4A8 kernel for a K split of 2 or 4 warpgroups.
-template <bool kGateUp, bool kPdl>
-auto w8p_fn(int ks) {
-  return ks == 4 ? w8p_kernel<kGateUp, 4, kPdl> : w8p_kernel<kGateUp, 2, kPdl>;
-}
-
 // Block kb of sorted row r of expert segment [off, off + mp): q [rows][nkb * 128],
 // the segment's scales [kb][mp] from qs + nkb * off (the layout the FP8 GEMMs
 // take), or with xs_ld > 0 as Mxfp4Gemm takes them: each sub-block's words in
@@ -1953,12 +1804,6 @@ struct MoeLayer::Impl {
             for (auto k : {w8_fn<true, false>(ks, lo, tiles), w8_fn<true, true>(ks, lo, tiles),
                            w8_fn<false, false>(ks, lo, tiles), w8_fn<false, true>(ks, lo, tiles)})
               DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem8));
-      for (int ks : {2, 4}) {
-        const int smem_p = std::max(w8p_smem(int(kph), ks).total, w8p_smem(int(kpi), ks).total);
-        for (auto k :
-             {w8p_fn<true, false>(ks), w8p_fn<true, true>(ks), w8p_fn<false, false>(ks), w8p_fn<false, true>(ks)})
-          DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_p));
-      }
       for (int ps : {1, 2, 4}) {
         const int smem_s = std::max(w8s_smem(H / 32, ps).total, w8s_smem(I / 32, ps).total);
         w8s_fits[ps == 4 ? 2 : ps - 1] = smem_s <= optin;
@@ -2050,10 +1895,7 @@ struct MoeLayer::Impl {
     d.rows = H, d.nsub = I / 32, d.kpad = int(kpi);
     d.out_y = y32.get();
     // Both projections on the W4A8 kernels with two terms: gate_up writes down's images.
-    check(opt.fused_w4a8_plain == 0 || opt.fused_w4a8_plain == 2 || opt.fused_w4a8_plain == 4, DZ_ERR_INVALID_ARGUMENT,
-          "fused_w4a8_plain must be 0, 2 or 4, not ", opt.fused_w4a8_plain);
-    const bool chained =
-        opt.fused_w4a8_plain == 0 && images && w4a8 && opt.fused_w4a8_terms == 2 && w8(2 * I, a) && w8(H, d);
+    const bool chained = images && w4a8 && opt.fused_w4a8_terms == 2 && w8(2 * I, a) && w8(H, d);
     if (chained) a.next_img = w8_img_down.get(), a.next_img_bytes = w8_image_bytes(d.kpad);
     // Chained: down's experts wait for their own gate_up blocks, not the whole grid (w8_count_done).
     const bool expert_wait = chained && pdl && opt.fused_w4a8_expert_wait && !a.direct;
@@ -2095,13 +1937,6 @@ struct MoeLayer::Impl {
   // Returns the W4A8 grid's blocks an expert (each counts itself done: w8_count_done; 0: the W4A16 kernels ran).
   unsigned launch_w4(int ks, int ks8, bool pdl, bool w4a8, int tiles, int passes, int rows, unsigned max_active,
                      cudaStream_t st, W4Args a, int img_slots, bool img_written = false) {
-    if (opt.fused_w4a8_plain > 0 && w8(rows, a)) {  // each block one 64-row tile, its K split over warpgroups
-      const int ksp = opt.fused_w4a8_plain;
-      a.img = nullptr, a.next_img = nullptr, a.expert_wait = 0;  // activations staged in every block
-      launch(pdl ? w8p_fn<G, true>(ksp) : w8p_fn<G, false>(ksp), dim3(unsigned(rows / 64), max_active), dim3(128 * ksp),
-             size_t(w8p_smem(a.kpad, ksp).total), st, pdl, a);
-      return 0;
-    }
     if (w4a8 && w8(rows, a)) {  // two warpgroups a block: two 64-row tiles, or one split over K
       CUtensorMap map;
       const cuuint64_t dims[2] = {cuuint64_t(a.nsub) * 16, cuuint64_t(s.n_experts) * rows};

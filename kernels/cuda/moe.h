@@ -125,13 +125,6 @@ struct MoeOptions {
   // experts 64 / 96 / 128 tokens 202.7 / 244.6 / 302.6 vs 210.9 / 259.9 /
   // 320.5 us; 120b shapes within the noise.
   bool fused_w4a8_expert_wait = true;
-  // The fused path's projections on the plain-load W4A8 kernel (moe.cu,
-  // w8p_kernel: two E4M3 terms, the weights loaded straight into registers by
-  // the MMA lanes, no copy-engine ring), whatever the other fused options say:
-  // 0 off, 2 or 4 warpgroups splitting each 64-row tile's K range. Meant for
-  // one or a few tokens an expert; built and tested against float64, not yet
-  // timed on a GPU (docs/cuda-moe.md), hence off.
-  int fused_w4a8_plain = 0;
   // 64-row tiles each W4A8 warpgroup streams in turn without a K split: with
   // 2 its copy ring runs on from one tile into the next (3 stages instead of
   // 4) and a block's setup serves twice the rows, but half the blocks leave
@@ -216,8 +209,10 @@ struct MoeOptions {
   // then run in the narrow block that leaves each SM room for a block of the
   // folding kernel, so the next tile folds beside them instead of between
   // them (where this device has the room: Fp8GroupedGemm::
-  // narrow_leaves_room_for_fold). The same bits either way; 128 is not yet timed on a GPU (the
-  // layer benchmark's auto_n128 variant is the measure: docs/cuda-moe.md).
+  // narrow_leaves_room_for_fold). The same bits either way. Measured slower
+  // (run 312: the narrow GEMM loses 24% of its speed, which eats what the
+  // hidden folding saves; 16384 tokens 6.16 vs 5.75 ms): kept as the
+  // benchmark's auto_n128 variant and off (docs/cuda-moe.md).
   int fp8_ws_tile_n = 192;
   // The FP8 path's grouped GEMMs take one weight scale per 64 rows and K
   // block where the weights carry exact group tables (MoeWeights::w1_gmax):

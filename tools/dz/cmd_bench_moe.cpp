@@ -473,9 +473,8 @@ int bench_moe(const Args& a) {
       // launch on/off); the default options are what "fused_ms" reports.
       // W4A8 variants run at every size; defaults: the options as given.
       auto time_fused = [&](int ks, bool pdl, bool direct = true, int w4a8_terms = 0, bool defaults = false,
-                            int w4a8_tiles = 0, int w4a8_passes = -1, int w4a8_plain = 0) {
+                            int w4a8_tiles = 0, int w4a8_passes = -1) {
         if (!defaults) {
-          layer.options().fused_w4a8_plain = w4a8_plain;
           layer.options().fused_w4a8_passes = w4a8_passes;
           layer.options().fused_w4a8_stream_above = 1e9;  // W4A8 staged (no images) at any size
           layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
@@ -545,10 +544,6 @@ int bench_moe(const Args& a) {
             for (int ps : {1, 2, 4})
               variants[name + "_s" + std::to_string(ps) + "_pdl"] = time_fused(1, true, true, terms, false, 1, ps);
           }
-        // The plain-load W4A8 kernel (two terms), its K split over 2 or 4 warpgroups, up to 8 tokens an expert.
-        if (Fp8GroupedGemm::supported() && double(T) * K / E <= 8)
-          for (int kp : {2, 4})
-            variants["w4a8x2_plain_ks" + std::to_string(kp) + "_pdl"] = time_fused(0, true, true, 2, false, 0, -1, kp);
         // The streamed kernels against the whole-image ones (two terms, one tile a warpgroup): max abs, 0 = same bits.
         if (Fp8GroupedGemm::supported() && T <= 512) {
           auto streamed = [&](int ps) {
