@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "cuda/dsa_indexer.h"
+#include "cuda/ptx.cuh"
 #include "runtime/cuda/cuda_check.h"
 
 namespace dz::cuda {
@@ -180,11 +181,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) score_kernel(const ScoreArgs
 
 // ------------------------------------------------------------ selection
 // A score as an unsigned key, larger first; +0 and -0 one value; NaN 0 (never selected).
-__device__ __forceinline__ uint32_t order_key(float x) {
-  if (x != x) return 0u;
-  const uint32_t b = __float_as_uint(x == 0.f ? 0.f : x);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
+__device__ __forceinline__ uint32_t order_key(float x) { return x != x ? 0u : ptx::float_order(x); }
 
 struct Counts {
   int gt, eq;

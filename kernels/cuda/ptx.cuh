@@ -21,6 +21,14 @@ __device__ __forceinline__ float ex2_ftz(float x) {
   return y;
 }
 
+// A float as an unsigned integer of the same order (larger floats larger
+// keys), +0 and -0 one value: radix selections compare these. NaN maps
+// somewhere; callers that meet NaN deal with it first.
+__device__ __forceinline__ uint32_t float_order(float x) {
+  const uint32_t b = __float_as_uint(x == 0.f ? 0.f : x);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
 __device__ __forceinline__ uint4 ldg_nc_v4(const void* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"

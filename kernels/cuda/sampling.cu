@@ -5,6 +5,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "common/error.h"
+#include "cuda/ptx.cuh"
 #include "cuda/sampling.h"
 #include "runtime/cuda/cuda_check.h"
 
@@ -34,9 +35,7 @@ using Scan = cub::BlockScan<unsigned long long, kThreads>;
 // The candidates' order as one integer, larger first: the logit's bits made
 // monotone (+0 and -0 one value), then the index reversed (lower first on ties).
 __device__ __forceinline__ uint64_t order_of(float l, int i) {
-  const uint32_t b = __float_as_uint(l == 0.f ? 0.f : l);
-  const uint32_t key = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-  return (uint64_t(key) << kIdxBits) | uint32_t((1 << kIdxBits) - 1 - i);
+  return (uint64_t(ptx::float_order(l)) << kIdxBits) | uint32_t((1 << kIdxBits) - 1 - i);
 }
 
 // exp((l - mx) / T) in units of 2^-38, k = log2(e) / T; exactly kOne at the
