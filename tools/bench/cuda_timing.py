@@ -28,3 +28,10 @@ def peer_setup(dz_json):
     g = torch.Generator(device=dev)
     g.manual_seed(0)
     return dz, dev, flush, g
+
+
+def peer_write(path, bench, results):
+    """A peer's results as JSON: its name, the PyTorch version and device, one row per dayzero row."""
+    with open(path, "w") as f:
+        json.dump({"bench": bench, "torch": torch.__version__, "device": torch.cuda.get_device_name(),
+                   "results": results}, f, indent=1)

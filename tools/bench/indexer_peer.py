@@ -11,11 +11,10 @@ torch.topk (k = 2048). Prefill runs in the same query blocks as dayzero (bounded
 Timing: CUDA events, L2 flushed (256 MiB) before each call, median.
 """
 import argparse
-import json
 
 import torch
 
-from cuda_timing import peer_setup, timed
+from cuda_timing import peer_setup, peer_write, timed
 
 
 def indexer(q, w, k, topk, q_pos=None):
@@ -65,8 +64,7 @@ def main():
               f"({r['speedup']:.1f}x)", flush=True)
         del k, q, w
         torch.cuda.empty_cache()
-    json.dump({"bench": "indexer_peer", "torch": torch.__version__, "device": torch.cuda.get_device_name(),
-               "results": res}, open(args.out, "w"), indent=1)
+    peer_write(args.out, "indexer_peer", res)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,10 @@ deepseek_v32 masks a dense score matrix instead, slower still). Timing: CUDA eve
 (256 MiB) before each call, median.
 """
 import argparse
-import json
 
 import torch
 
-from cuda_timing import peer_setup, timed
+from cuda_timing import peer_setup, peer_write, timed
 
 
 def sparse_mla(q, lat, sel, scale):
@@ -47,8 +46,7 @@ def main():
               f"({r['speedup']:.1f}x)", flush=True)
         del lat, q, sel
         torch.cuda.empty_cache()
-    json.dump({"bench": "mla_peer", "torch": torch.__version__, "device": torch.cuda.get_device_name(),
-               "results": res}, open(args.out, "w"), indent=1)
+    peer_write(args.out, "mla_peer", res)
 
 
 if __name__ == "__main__":

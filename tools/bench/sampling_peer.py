@@ -10,11 +10,10 @@ mask, then torch.multinomial over the softmax (one token a row). Timing: CUDA ev
 (256 MiB) before each call, median.
 """
 import argparse
-import json
 
 import torch
 
-from cuda_timing import peer_setup, timed
+from cuda_timing import peer_setup, peer_write, timed
 
 
 def sample(logits, temperature, top_k, top_p):
@@ -49,8 +48,7 @@ def main():
         res.append(r)
         print(f"sampling spread {r['spread']} {r['sampler']:<11} B={B:3d}: torch {ms * 1e3:8.1f} us, "
               f"dayzero {row['us']:8.1f} us ({r['speedup']:.1f}x)", flush=True)
-    json.dump({"bench": "sampling_peer", "torch": torch.__version__, "device": torch.cuda.get_device_name(),
-               "results": res}, open(args.out, "w"), indent=1)
+    peer_write(args.out, "sampling_peer", res)
 
 
 if __name__ == "__main__":
