@@ -59,12 +59,11 @@ __device__ float hadamard_quantize(float x, int D, float inv_sqrt_d, bool pow2, 
 
 // Queries [nq, H, D] -> q8 [nq, H, D] and qw [nq, H] = w H^-0.5 D^-0.5 qs:
 // every positive factor of a head's logit but the key's scale. Block (i, h).
-__global__ void encode_queries_kernel(const float* q, const float* w, int H, int D, float inv_sqrt_d, float h_scale,
-                                      bool pow2, uint8_t* q8, float* qw) {
+__global__ void encode_queries_kernel(const float* q, const float* w, int D, float inv_sqrt_d, float h_scale, bool pow2,
+                                      uint8_t* q8, float* qw) {
   const int64_t ih = blockIdx.x;
   const float s = hadamard_quantize(q[ih * D + threadIdx.x], D, inv_sqrt_d, pow2, q8 + ih * D);
   if (threadIdx.x == 0) qw[ih] = w[ih] * h_scale * inv_sqrt_d * s;
-  (void)H;
 }
 
 __global__ void encode_keys_kernel(const float* k, int D, float inv_sqrt_d, bool pow2, const int64_t* pos,
@@ -321,7 +320,7 @@ void indexer_select(const IndexerQueries& a, void* scratch, size_t scratch_bytes
   const int64_t ld = std::max<int64_t>(1, a.max_visible);
   for (int64_t q0 = 0; q0 < a.n_q; q0 += qb) {
     const int64_t nq = std::min(qb, a.n_q - q0);
-    encode_queries_kernel<<<unsigned(nq * H), unsigned(D), 0, st>>>(a.q + q0 * H * D, a.w + q0 * H, H, D, inv_sqrt_d,
+    encode_queries_kernel<<<unsigned(nq * H), unsigned(D), 0, st>>>(a.q + q0 * H * D, a.w + q0 * H, D, inv_sqrt_d,
                                                                     h_scale, a.pow2_scales, sc.q8, sc.qw);
     DZ_CUDA_LAUNCH_CHECK();
     float* scores = a.scores ? a.scores + q0 * ld : sc.scores;
