@@ -157,6 +157,10 @@ step "dz bench indexer (DSA lightning indexer, V3.2 shapes: FP8 scores + top-k) 
 bench_with_peer indexer
 step "dz bench mla (sparse MLA decode over the selected positions, V3.2 shapes) and its PyTorch peer"
 bench_with_peer mla
+step "dz bench kda (Kimi Linear's KDA: the CPU forms and the GPU recurrence, a decode step at batch 1 and 64)"
+"$DZ" bench kda --tokens 64 --chunks 0,16 --out "$OUTDIR/bench_kda.json" 2>"$OUTDIR/bench_kda.log" >/dev/null ||
+  { echo "dz bench kda FAILED"; status=1; }
+grep -E "GPU" "$OUTDIR/bench_kda.log"
 fi
 
 if want sampling; then
