@@ -114,6 +114,50 @@ TEST_CASE("matmul over F32, BF16, F16 and MXFP4 weights matches float64", "[kern
   }
 }
 
+TEST_CASE("fp64 dot products: the vector kernels and matmul give dot_f64's bits", "[kernels]") {
+  std::mt19937 rng(17);
+  std::uniform_int_distribution<int> ex(-140, 120);
+  // Values over most of fp32's range, subnormals and zeros included: products stay exact in fp64.
+  auto wide = [&](size_t n) {
+    std::vector<float> v = randn(n, rng);
+    for (size_t i = 0; i < n; ++i) v[i] = i % 11 == 5 ? 0.f : std::ldexp(v[i], i % 3 ? ex(rng) / 8 : ex(rng));
+    return v;
+  };
+  for (int64_t n : {1, 7, 8, 13, 64, 96, 128, 200}) {
+    const int m = 5;
+    const auto a = wide(size_t(m * n)), b = wide(size_t(4 * n));
+    std::vector<double> ad(a.begin(), a.end()), bd(b.begin(), b.end());
+    const double* bp[4] = {bd.data(), bd.data() + n, bd.data() + 2 * n, bd.data() + 3 * n};
+    std::vector<double> fast(size_t(4 * m)), portable(size_t(4 * m));
+    dot_rows4_f64(ad.data(), m, n, bp, n, fast.data());
+    dot_rows4_f64_portable(ad.data(), m, n, bp, n, portable.data());
+    for (int r = 0; r < m; ++r)
+      for (int j = 0; j < 4; ++j) {
+        const double want = dot_f64(a.data() + r * n, b.data() + j * n, n);
+        INFO("n " << n << " row " << r << " vector " << j);
+        CHECK(std::memcmp(&fast[size_t(4 * r + j)], &want, 8) == 0);
+        CHECK(std::memcmp(&portable[size_t(4 * r + j)], &want, 8) == 0);
+      }
+  }
+  // matmul: float(dot_f64(x, w) + bias) bit for bit, for few rows (decode), many (past one block of 64) and ragged
+  // tiles.
+  const int64_t N = 37, K = 96;
+  const auto w = wide(size_t(N * K)), bias = randn(size_t(N), rng);
+  const WeightRef wr{WeightKind::F32, reinterpret_cast<const uint8_t*>(w.data()), nullptr, N, K};
+  dz::ThreadPool pool(3);
+  for (int64_t M : {1, 3, 5, 70}) {
+    const auto x = randn(size_t(M * K), rng);
+    std::vector<float> y(size_t(M * N));
+    matmul(x.data(), M, wr, bias.data(), y.data(), &pool);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t c = 0; c < N; ++c) {
+        const float want = float(dot_f64(x.data() + r * K, w.data() + c * K, K) + double(bias[size_t(c)]));
+        INFO("rows " << M << " y[" << r << "][" << c << "]");
+        CHECK(std::memcmp(&y[size_t(r * N + c)], &want, 4) == 0);
+      }
+  }
+}
+
 TEST_CASE("rms_norm matches float64", "[kernels]") {
   std::mt19937 rng(5);
   const int64_t R = 3, D = 64;

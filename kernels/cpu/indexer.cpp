@@ -71,16 +71,20 @@ void indexer_select(const IndexerConfig& c, const float* q, const float* w, int6
   const int64_t qblock = std::max<int64_t>(1, std::min(budget.query_block, n_q));
   const float d_scale = float(1.0 / std::sqrt(double(D)));
   const float h_scale = float(1.0 / std::sqrt(double(H)));
+  // A query's keys split over up to this many tasks (decode: one query, every thread), each with its own
+  // running top-k, merged at the end (the selection does not depend on the order of the offers).
+  const int max_parts = pool ? pool->size() : 1;
 
-  // Scratch, sized once: one block of prepared queries, one chunk of keys
-  // (Exact: row pointers; Fp8: E4M3 values as floats plus scales) and the
-  // block's running top-k heaps.
+  // Scratch, sized once: one block of prepared queries (fp32 while rotated and
+  // quantised, then fp64), one chunk of keys as fp64 (Fp8: the E4M3 values,
+  // plus their scales) and the block's running top-k heaps. Every value is
+  // converted exactly, so the fp64 dot products are those of the fp32 values.
   HostBuffer<float> qb{size_t(qblock * H * D)}, wb{size_t(qblock * H)}, qs{fp8 ? size_t(qblock * H * nb) : 1};
-  HostBuffer<float> kv{fp8 ? size_t(chunk * D) : 1}, ks{fp8 ? size_t(chunk * nb) : 1};
-  HostBuffer<const float*> kp{size_t(chunk)};
-  std::vector<RunningTopK> heaps(size_t(qblock), RunningTopK{K});
-  const size_t scratch = qb.size() * 4 + wb.size() * 4 + qs.size() * 4 + kv.size() * 4 + ks.size() * 4 +
-                         kp.size() * sizeof(void*) + size_t(qblock) * size_t(K) * 8;
+  HostBuffer<double> qd{size_t(qblock * H * D)}, kd{size_t(chunk * D)};
+  HostBuffer<float> ks{fp8 ? size_t(chunk * nb) : 1};
+  std::vector<RunningTopK> heaps(size_t(qblock * max_parts), RunningTopK{K});
+  const size_t scratch = qb.size() * 4 + wb.size() * 4 + qs.size() * 4 + qd.size() * 8 + kd.size() * 8 + ks.size() * 4 +
+                         heaps.size() * size_t(K) * 8;
   if (stats) stats->peak_scratch_bytes = std::max(stats->peak_scratch_bytes, scratch);
   uint64_t scored = 0;
 
@@ -90,7 +94,7 @@ void indexer_select(const IndexerConfig& c, const float* q, const float* w, int6
     std::vector<uint8_t> q8(static_cast<size_t>(blk));
     for (int64_t i = 0; i < nq; ++i) {
       reach = std::max(reach, n_visible[q0 + i]);
-      heaps[size_t(i)].reset(K);
+      for (int p = 0; p < max_parts; ++p) heaps[size_t(i * max_parts + p)].reset(K);
       float* qi = qb.data() + i * H * D;
       std::memcpy(qi, q + (q0 + i) * H * D, size_t(H * D) * sizeof(float));
       for (int h = 0; h < H; ++h) {
@@ -104,48 +108,69 @@ void indexer_select(const IndexerConfig& c, const float* q, const float* w, int6
           for (int j = 0; j < blk; ++j) v[b * blk + j] = e4m3_to_f32(q8[size_t(j)]);
         }
       }
+      for (int64_t d = 0; d < H * D; ++d) qd[size_t(i * H * D + d)] = double(qi[d]);
     }
     for (int64_t s0 = 0; s0 < reach; s0 += chunk) {
       const int64_t ns = std::min(chunk, reach - s0);
-      if (fp8) {
-        for (int64_t j = 0; j < ns; ++j) {
-          const uint8_t* r = keys.row(s0 + j);
-          for (int d = 0; d < D; ++d) kv[size_t(j * D + d)] = e4m3_to_f32(r[d]);
-          std::memcpy(ks.data() + j * nb, r + D, size_t(nb) * sizeof(float));
-          kp[size_t(j)] = kv.data() + j * D;
+      parallel_for(pool, size_t(ns), 64, [&](size_t j0, size_t j1) {
+        for (size_t j = j0; j < j1; ++j) {
+          double* kj = kd.data() + j * size_t(D);
+          if (fp8) {
+            const uint8_t* r = keys.row(s0 + int64_t(j));
+            for (int d = 0; d < D; ++d) kj[d] = double(e4m3_to_f32(r[d]));
+            std::memcpy(ks.data() + j * size_t(nb), r + D, size_t(nb) * sizeof(float));
+          } else {
+            const float* r = keys.row_f32(s0 + int64_t(j));
+            for (int d = 0; d < D; ++d) kj[d] = double(r[d]);
+          }
         }
-      } else {
-        for (int64_t j = 0; j < ns; ++j) kp[size_t(j)] = keys.row_f32(s0 + j);
-      }
-      parallel_for(pool, size_t(nq), 1, [&](size_t i0, size_t i1) {
-        for (size_t i = i0; i < i1; ++i) {
-          const int64_t vis = std::min(ns, n_visible[q0 + int64_t(i)] - s0);
-          const float* qi = qb.data() + int64_t(i) * H * D;
-          const float* wi = wb.data() + int64_t(i) * H;
-          RunningTopK& heap = heaps[i];
-          for (int64_t j = 0; j < vis; ++j) {
-            const float* k = kp[size_t(j)];
-            double acc = 0;
-            for (int h = 0; h < H; ++h) {
-              float logit;
-              if (fp8) {
-                double d = 0;
-                for (int b = 0; b < nb; ++b)
-                  d += dot_f64(qi + h * D + b * blk, k + b * blk, blk) *
-                       double(qs[size_t((int64_t(i) * H + h) * nb + b)]) * double(ks[size_t(j * nb + b)]);
-                logit = float(d) * d_scale;
-              } else {
-                logit = float(dot_f64(qi + h * D, k, D)) * d_scale;
+      });
+      // Tasks (query, part of its visible keys); parts only while queries are fewer than threads.
+      const int parts = int(std::clamp<int64_t>(max_parts / nq, 1, std::max<int64_t>(1, ns / 256)));
+      parallel_for(pool, size_t(nq * parts), 1, [&](size_t t0, size_t t1) {
+        std::vector<double> dot(size_t(H) * 4), d(fp8 ? size_t(H) * 4 : 0);  // [head][key]
+        for (size_t t = t0; t < t1; ++t) {
+          const int64_t i = int64_t(t) / parts, p = int64_t(t) % parts;
+          const int64_t vis = std::max<int64_t>(0, std::min(ns, n_visible[q0 + i] - s0));
+          const double* qi = qd.data() + i * H * D;
+          const float* wi = wb.data() + i * H;
+          RunningTopK& heap = heaps[size_t(i * max_parts + p)];
+          for (int64_t j = vis * p / parts, j_end = vis * (p + 1) / parts; j < j_end; j += 4) {
+            const int nk = int(std::min<int64_t>(4, j_end - j));
+            const double* kk[4];
+            for (int m = 0; m < 4; ++m) kk[m] = kd.data() + (j + std::min(m, nk - 1)) * D;  // repeats ignored
+            if (fp8) {
+              std::fill(d.begin(), d.end(), 0.0);
+              for (int b = 0; b < nb; ++b) {
+                const double* kb[4] = {kk[0] + b * blk, kk[1] + b * blk, kk[2] + b * blk, kk[3] + b * blk};
+                dot_rows4_f64(qi + b * blk, H, D, kb, blk, dot.data());
+                for (int h = 0; h < H; ++h) {
+                  const double qsc = double(qs[size_t((i * H + h) * nb + b)]);
+                  for (int m = 0; m < nk; ++m)
+                    d[size_t(4 * h + m)] += dot[size_t(4 * h + m)] * qsc * double(ks[size_t((j + m) * nb + b)]);
+                }
               }
-              if (logit > 0) acc += double(wi[h]) * double(logit);
+            } else {
+              dot_rows4_f64(qi, H, D, kk, D, dot.data());
             }
-            heap.push(float(acc), int32_t(s0 + j));
+            const double* dd = fp8 ? d.data() : dot.data();
+            double acc[4] = {0, 0, 0, 0};
+            for (int h = 0; h < H; ++h)
+              for (int m = 0; m < nk; ++m) {
+                const float logit = float(dd[4 * h + m]) * d_scale;
+                if (logit > 0) acc[m] += double(wi[h]) * double(logit);
+              }
+            for (int m = 0; m < nk; ++m) heap.push(float(acc[m]), int32_t(s0 + j + m));
           }
         }
       });
       for (int64_t i = 0; i < nq; ++i) scored += uint64_t(std::max<int64_t>(0, std::min(ns, n_visible[q0 + i] - s0)));
     }
-    for (int64_t i = 0; i < nq; ++i) heaps[size_t(i)].finish(out + (q0 + i) * K);
+    for (int64_t i = 0; i < nq; ++i) {
+      RunningTopK& heap = heaps[size_t(i * max_parts)];
+      for (int p = 1; p < max_parts; ++p) heap.merge(heaps[size_t(i * max_parts + p)]);
+      heap.finish(out + (q0 + i) * K);
+    }
   }
   if (stats) stats->keys_scored += scored;
 }

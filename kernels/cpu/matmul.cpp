@@ -6,6 +6,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 #include "cpu/fp8.h"
 #include "cpu/mxfp4.h"
 
@@ -138,6 +142,83 @@ double dot_f64(const float* a, const float* b, int64_t n) {
   return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
 }
 
+namespace {
+
+// The eight partial sums of dot_f64 after the vector part, its tail and its combine.
+double finish_dot(double (&s)[8], const double* a, const double* b, int64_t i, int64_t n) {
+  for (; i < n; ++i) s[0] += a[i] * b[i];
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// One row against four vectors: partial sums 0-3 and 4-7 of each in two registers.
+__attribute__((target("avx2,fma"))) inline void dot_row4_avx2(const double* a, const double* const b[4], int64_t n,
+                                                              double* out) {
+  __m256d lo[4], hi[4];
+  for (int j = 0; j < 4; ++j) lo[j] = hi[j] = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256d a0 = _mm256_loadu_pd(a + i), a1 = _mm256_loadu_pd(a + i + 4);
+    for (int j = 0; j < 4; ++j) {
+      lo[j] = _mm256_fmadd_pd(a0, _mm256_loadu_pd(b[j] + i), lo[j]);
+      hi[j] = _mm256_fmadd_pd(a1, _mm256_loadu_pd(b[j] + i + 4), hi[j]);
+    }
+  }
+  if (i < n) {  // a tail: the scalar order
+    for (int j = 0; j < 4; ++j) {
+      double s[8];
+      _mm256_storeu_pd(s, lo[j]);
+      _mm256_storeu_pd(s + 4, hi[j]);
+      out[j] = finish_dot(s, a, b[j], i, n);
+    }
+    return;
+  }
+  // ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) for the four at once: hadd gives
+  // [s0+s1, s4+s5, s2+s3, s6+s7]; adding its halves, then the two lanes, keeps that order.
+  __m256d h[4];
+  for (int j = 0; j < 4; ++j) {
+    h[j] = _mm256_hadd_pd(lo[j], hi[j]);
+    h[j] = _mm256_add_pd(h[j], _mm256_permute2f128_pd(h[j], h[j], 1));  // [A+C, B+D, ...]
+  }
+  const __m256d x01 = _mm256_hadd_pd(h[0], h[1]), x23 = _mm256_hadd_pd(h[2], h[3]);  // [r0, r1, r0, r1], [r2, r3, ...]
+  _mm256_storeu_pd(out, _mm256_permute2f128_pd(x01, x23, 0x20));                     // [r0, r1, r2, r3]
+}
+
+__attribute__((target("avx2,fma"))) void dot_rows4_avx2(const double* a, int m, int64_t lda, const double* const b[4],
+                                                        int64_t n, double* out) {
+  for (int r = 0; r < m; ++r) dot_row4_avx2(a + r * lda, b, n, out + 4 * r);
+}
+
+using DotRows4 = void (*)(const double*, int, int64_t, const double* const*, int64_t, double*);
+DotRows4 pick_dot_rows4() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? dot_rows4_avx2 : dot_rows4_f64_portable;
+}
+#endif
+
+}  // namespace
+
+void dot_rows4_f64_portable(const double* a, int m, int64_t lda, const double* const b[4], int64_t n, double* out) {
+  for (int r = 0; r < m; ++r) {
+    const double* ar = a + r * lda;
+    double s[4][8] = {};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      for (int j = 0; j < 4; ++j)
+        for (int l = 0; l < 8; ++l) s[j][l] += ar[i + l] * b[j][i + l];
+    for (int j = 0; j < 4; ++j) out[4 * r + j] = finish_dot(s[j], ar, b[j], i, n);
+  }
+}
+
+void dot_rows4_f64(const double* a, int m, int64_t lda, const double* const b[4], int64_t n, double* out) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const DotRows4 f = pick_dot_rows4();
+  f(a, m, lda, b, n, out);
+#else
+  dot_rows4_f64_portable(a, m, lda, b, n, out);
+#endif
+}
+
 void matmul(const float* x, int64_t n_rows, const WeightRef& w, const float* bias, float* y, ThreadPool* pool) {
   if (n_rows <= 0 || w.rows <= 0) return;
   const int64_t K = w.cols, N = w.rows;
@@ -147,19 +228,39 @@ void matmul(const float* x, int64_t n_rows, const WeightRef& w, const float* bia
   const size_t tiles = size_t((N + kTileN - 1) / kTileN);
   // At least ~64K multiply-adds per task so scheduling overhead stays small.
   const size_t grain = size_t(std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, kTileN * K * n_rows)));
+  // Both operands as double (exact), four dot products a call: each y equals
+  // float(dot_f64(x row, w row) + bias) bit for bit (dot_rows4_f64).
   parallel_for(pool, tiles, grain, [&](size_t t0, size_t t1) {
     std::vector<float> tile(static_cast<size_t>(kTileN * K));
+    std::vector<double> td(static_cast<size_t>(kTileN * K)), xd(static_cast<size_t>(kBlockM * K));
+    double dots[kTileN * 4];
     for (size_t t = t0; t < t1; ++t) {
       const int64_t n0 = int64_t(t) * kTileN, nn = std::min(kTileN, N - n0);
       for (int64_t i = 0; i < nn; ++i) w.decode_row(n0 + i, tile.data() + i * K);
+      for (int64_t e = 0; e < nn * K; ++e) td[size_t(e)] = double(tile[size_t(e)]);
       for (int64_t m0 = 0; m0 < n_rows; m0 += kBlockM) {
-        const int64_t m1 = std::min(n_rows, m0 + kBlockM);
-        for (int64_t m = m0; m < m1; ++m) {
-          const float* xr = x + m * K;
-          float* yr = y + m * N + n0;
-          for (int64_t i = 0; i < nn; ++i) {
-            const double b = bias ? double(bias[n0 + i]) : 0.0;
-            yr[i] = float(dot_f64(xr, tile.data() + i * K, K) + b);
+        const int64_t mm = std::min(kBlockM, n_rows - m0);
+        for (int64_t e = 0; e < mm * K; ++e) xd[size_t(e)] = double(x[m0 * K + e]);
+        auto put = [&](int64_t m, int64_t i, double d) {
+          y[m * N + n0 + i] = float(d + (bias ? double(bias[n0 + i]) : 0.0));
+        };
+        if (mm >= 4) {  // the tile's rows against four activation rows at a time
+          for (int64_t m = 0; m < mm; m += 4) {
+            const int nk = int(std::min<int64_t>(4, mm - m));
+            const double* xr[4];
+            for (int j = 0; j < 4; ++j) xr[j] = xd.data() + (m + std::min(j, nk - 1)) * K;
+            dot_rows4_f64(td.data(), int(nn), K, xr, K, dots);
+            for (int64_t i = 0; i < nn; ++i)
+              for (int j = 0; j < nk; ++j) put(m0 + m + j, i, dots[4 * i + j]);
+          }
+        } else {  // a few rows (decode): each against four tile rows at a time
+          for (int64_t i = 0; i < nn; i += 4) {
+            const int nk = int(std::min<int64_t>(4, nn - i));
+            const double* wr[4];
+            for (int j = 0; j < 4; ++j) wr[j] = td.data() + (i + std::min(j, nk - 1)) * K;
+            dot_rows4_f64(xd.data(), int(mm), K, wr, K, dots);
+            for (int64_t m = 0; m < mm; ++m)
+              for (int j = 0; j < nk; ++j) put(m0 + m, i + j, dots[4 * m + j]);
           }
         }
       }

@@ -39,6 +39,13 @@ void to_f32(WeightKind kind, const uint8_t* src, int64_t n, float* out);
 
 // fp64-accumulated dot product of two fp32 vectors.
 double dot_f64(const float* a, const float* b, int64_t n);
+// dot_f64 of m vectors (a + r * lda, r < m) with four (b[0..3]), on values
+// already converted to double (exactly): out[4 r + j] equals dot_f64 of the
+// fp32 originals of a_r and b[j] bit for bit (exact products, the same eight
+// partial sums and combine order, so fused multiply-adds round as its separate
+// adds did). AVX2 + FMA where the CPU has them, else dot_rows4_f64_portable.
+void dot_rows4_f64(const double* a, int m, int64_t lda, const double* const b[4], int64_t n, double* out);
+void dot_rows4_f64_portable(const double* a, int m, int64_t lda, const double* const b[4], int64_t n, double* out);
 
 // y[m, n] = sum_k x[m, k] w[n, k] + bias[n] for m < n_rows; x has w.cols
 // columns, y has w.rows columns; bias may be null. Work is split over output

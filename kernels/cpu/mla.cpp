@@ -80,6 +80,7 @@ int64_t mla_prefill(const MlaDims& d, const float* q, int64_t n_q, const float* 
   int64_t attended = 0;
   std::vector<int32_t> uni;
   HostBuffer<float> expanded;
+  HostBuffer<double> latent_d;
   for (int64_t q0 = 0; q0 < n_q; q0 += blockq) {
     const int64_t nq = std::min(blockq, n_q - q0);
     // The union of this block's selected positions, expanded once.
@@ -91,11 +92,29 @@ int64_t mla_prefill(const MlaDims& d, const float* q, int64_t n_q, const float* 
     const int64_t nu = int64_t(uni.size());
     const size_t row_floats = size_t(H) * size_t(hr);  // per position: per head [k_nope | v]
     if (expanded.size() < size_t(nu) * row_floats) expanded = HostBuffer<float>(size_t(nu) * row_floats);
-    parallel_for(pool, size_t(nu), 4, [&](size_t u0, size_t u1) {
+    // e[o] = dot_f64(W_kv_b row o, c) for every position of the union: the latents and a block of
+    // weight rows converted to double once (exactly), then four positions at a time (the same bits).
+    if (latent_d.size() < size_t(nu) * size_t(R)) latent_d = HostBuffer<double>(size_t(nu) * size_t(R));
+    parallel_for(pool, size_t(nu), 16, [&](size_t u0, size_t u1) {
       for (size_t u = u0; u < u1; ++u) {
         const float* c = latent.row_f32(uni[u]);
-        float* e = expanded.data() + u * row_floats;
-        for (size_t o = 0; o < row_floats; ++o) e[o] = float(dot_f64(w_kv_b + o * size_t(R), c, R));
+        for (int r = 0; r < R; ++r) latent_d[u * size_t(R) + size_t(r)] = double(c[r]);
+      }
+    });
+    constexpr size_t kRows = 32;
+    parallel_for(pool, (row_floats + kRows - 1) / kRows, 1, [&](size_t b0, size_t b1) {
+      std::vector<double> wd(kRows * size_t(R)), dots(kRows * 4);
+      for (size_t b = b0; b < b1; ++b) {
+        const size_t o0 = b * kRows, mo = std::min(kRows, row_floats - o0);
+        for (size_t x = 0; x < mo * size_t(R); ++x) wd[x] = double(w_kv_b[o0 * size_t(R) + x]);
+        for (int64_t u = 0; u < nu; u += 4) {
+          const int nk = int(std::min<int64_t>(4, nu - u));
+          const double* c4[4];
+          for (int m = 0; m < 4; ++m) c4[m] = latent_d.data() + size_t(u + std::min(m, nk - 1)) * size_t(R);
+          dot_rows4_f64(wd.data(), int(mo), R, c4, R, dots.data());
+          for (size_t r = 0; r < mo; ++r)
+            for (int m = 0; m < nk; ++m) expanded[size_t(u + m) * row_floats + o0 + r] = float(dots[4 * r + size_t(m)]);
+        }
       }
     });
     parallel_for(pool, size_t(nq) * size_t(H), 2, [&](size_t t0, size_t t1) {

@@ -21,6 +21,11 @@ class RunningTopK {
     if (int(heap_.size()) < k_) return insert(score, index);
     if (better(score, index, heap_[0].score, heap_[0].index)) replace_top(score, index);
   }
+  // Offer every entry another selection holds (the selection of the union:
+  // the rules above pick one set whatever the order of the offers).
+  void merge(const RunningTopK& other) {
+    for (const Entry& e : other.heap_) push(e.score, e.index);
+  }
   // Smallest score still selected (-inf while fewer than k are held).
   float threshold() const;
   // Write k entries: the selected indices in ascending order, then -1 for the
