@@ -2,9 +2,10 @@
 // session API. --make-random DIR writes a gpt-oss-20b- or 120b-shaped checkpoint in the
 // published layout (sharded safetensors, MXFP4 experts with a realistic scale
 // spread, BF16 elsewhere; multithreaded generation) and benchmarks it; --model
-// DIR benchmarks an existing one. Reports load time, device bytes, prefill
-// tokens/s, decode ms/token at batch 1 and tokens/s at batch 64, each next to
-// the HBM floor (bytes the step must read / 4.27e12 B/s).
+// DIR benchmarks an existing one (any family, on either backend). Reports load
+// time, device bytes, prefill tokens/s, decode ms/token at batch 1 and
+// tokens/s at batch 64; gpt-oss on the GPU each next to the HBM floor (bytes
+// the step must read / 4.27e12 B/s).
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -345,9 +346,11 @@ int bench_model(const Args& a) {
     // Attention shape from config.json (not in dz_model_info): head_dim, and
     // which layers slide over how many keys (they read at most `window` keys).
     double head_dim = 64, window = 0, n_sliding = 0;
+    std::string model_type;
     try {
       std::ifstream cf(dir + "/config.json");
       const json cj = json::parse(cf);
+      model_type = cj.value("model_type", std::string());
       head_dim = cj.value("head_dim", 64.0);
       window = cj.value("sliding_window", 0.0);
       if (cj.contains("layer_types"))
@@ -365,6 +368,8 @@ int bench_model(const Args& a) {
     const double dense = 2 * (Hd * (QD + 2 * KVD) + QD * Hd + E * Hd);
     const double expert = (2 * Hd * Hd) * (0.5 + 1.0 / 32) + (Hd * Hd) * (0.5 + 1.0 / 32) + 2 * 3 * Hd;
     const double lm = 2.0 * info.n_vocab * Hd, kv_layer_tok = 2 * KVD * 2, kv_tok = L * kv_layer_tok;
+    // The HBM floor is a GPU figure of gpt-oss's byte counts; other runs report none.
+    const bool with_floor = info.device == DZ_DEVICE_CUDA && model_type == "gpt_oss";
     auto floor_ms = [&](double b, double ctx_tokens) {
       const double used = E * (1 - std::pow(1 - K / E, b));
       const double slide = window > 0 ? std::min(ctx_tokens, window) : ctx_tokens;
@@ -379,7 +384,7 @@ int bench_model(const Args& a) {
     const int ctx_max = std::max(ctx, long_ctx);
     const uint64_t kv_tokens =
         uint64_t(prefill) * 2 + uint64_t(batch + 1) * uint64_t(ctx_max + 5 * (steps + 2) + 64) + 1024;
-    ap.capacity_bytes = uint64_t(double(kv_tokens) * kv_tok * 1.1);
+    ap.capacity_pages = kv_tokens * 11 / 10 / ap.page_tokens + uint64_t(batch) + 8;  // any family's page size
     dz_kv_arena* arena = nullptr;
     ok(dz_kv_arena_create(m, &ap, &arena), "dz_kv_arena_create");
     dz_session_params sp;
@@ -526,37 +531,37 @@ int bench_model(const Args& a) {
                   {"ctx", c},
                   {"graphs_ms_per_step", tm.graphs_ms},
                   {"graphs_tokens_per_s", b / tm.graphs_ms * 1e3},
-                  {"floor_ms", fl},
-                  {"floor_tokens_per_s", b / fl * 1e3},
-                  {"graphs_over_floor", tm.graphs_ms / fl},
                   {"generate_ms_per_step", tm.generate_ms},
                   {"generate_tokens_per_s", b / tm.generate_ms * 1e3},
                   {"with_logits_read_ms_per_step", tm.logits_ms},
                   {"sampled_ms_per_step", tm.sampled_ms},
                   {"context_append_s", tm.context_s}};
+        if (with_floor)
+          e["floor_ms"] = fl, e["floor_tokens_per_s"] = b / fl * 1e3, e["graphs_over_floor"] = tm.graphs_ms / fl;
         if (eager) e["eager_ms_per_step"] = tm.eager_ms, e["eager_tokens_per_s"] = b / tm.eager_ms * 1e3;
         std::fprintf(
             stderr,
-            "decode batch %d ctx %d: %.3f ms/step with CUDA graphs (%.0f tokens/s), %s%.3f eager; with greedy "
+            "decode batch %d ctx %d: %.3f ms/step%s (%.0f tokens/s), %s%.3f eager; with greedy "
             "sampling (dz_generate_step) %.3f ms/step (%.0f tokens/s), reading every logits row %.3f, sampling at "
-            "temperature 0.8 / top_p 0.95 %.3f; floor %.3f ms\n",
-            b, c, tm.graphs_ms, b / tm.graphs_ms * 1e3, eager ? "" : "(skipped) ", tm.eager_ms, tm.generate_ms,
-            b / tm.generate_ms * 1e3, tm.logits_ms, tm.sampled_ms, fl);
+            "temperature 0.8 / top_p 0.95 %.3f%s\n",
+            b, c, tm.graphs_ms, info.device == DZ_DEVICE_CUDA ? " with CUDA graphs" : "", b / tm.graphs_ms * 1e3,
+            eager ? "" : "(skipped) ", tm.eager_ms, tm.generate_ms, b / tm.generate_ms * 1e3, tm.logits_ms,
+            tm.sampled_ms, with_floor ? ("; floor " + std::to_string(fl) + " ms").c_str() : "");
         runs.push_back(e);
         if (b == 1 && c == ctx)
-          r["decode_batch1"] = {
-              {"ctx", c}, {"ms_per_token", tm.graphs_ms}, {"generate_ms_per_token", tm.generate_ms}, {"floor_ms", fl}};
-        if (b == 1 && c == long_ctx)
-          r["decode_batch1_long"] = {{"ctx", c}, {"ms_per_token", tm.graphs_ms}, {"floor_ms", fl}};
+          r["decode_batch1"] = {{"ctx", c}, {"ms_per_token", tm.graphs_ms}, {"generate_ms_per_token", tm.generate_ms}};
+        if (b == 1 && c == long_ctx) r["decode_batch1_long"] = {{"ctx", c}, {"ms_per_token", tm.graphs_ms}};
+        if (with_floor && b == 1 && (c == ctx || c == long_ctx))
+          r[c == ctx ? "decode_batch1" : "decode_batch1_long"]["floor_ms"] = fl;
         if (b == batch && b != 1 && c == ctx)
           r["decode_batched"] = {{"batch", b},
                                  {"ctx", c},
                                  {"ms_per_step", tm.graphs_ms},
                                  {"tokens_per_s", b / tm.graphs_ms * 1e3},
                                  {"generate_ms_per_step", tm.generate_ms},
-                                 {"generate_tokens_per_s", b / tm.generate_ms * 1e3},
-                                 {"floor_ms", fl},
-                                 {"floor_tokens_per_s", b / fl * 1e3}};
+                                 {"generate_tokens_per_s", b / tm.generate_ms * 1e3}};
+        if (with_floor && b == batch && b != 1 && c == ctx)
+          r["decode_batched"]["floor_ms"] = fl, r["decode_batched"]["floor_tokens_per_s"] = b / fl * 1e3;
       }
     r["decode"] = runs;
     r["note"] =
