@@ -128,15 +128,20 @@ TEST_CASE("fp64 dot products: the vector kernels and matmul give dot_f64's bits"
     const auto a = wide(size_t(m * n)), b = wide(size_t(4 * n));
     std::vector<double> ad(a.begin(), a.end()), bd(b.begin(), b.end());
     const double* bp[4] = {bd.data(), bd.data() + n, bd.data() + 2 * n, bd.data() + 3 * n};
-    std::vector<double> fast(size_t(4 * m)), portable(size_t(4 * m));
-    dot_rows4_f64(ad.data(), m, n, bp, n, fast.data());
-    dot_rows4_f64_portable(ad.data(), m, n, bp, n, portable.data());
+    const float* bf[4] = {b.data(), b.data() + n, b.data() + 2 * n, b.data() + 3 * n};
+    // The vector kernels (where the CPU has them) and the portable ones, on double and on float vectors.
+    std::vector<std::vector<double>> got(4, std::vector<double>(size_t(4 * m)));
+    dot_rows4_f64(ad.data(), m, n, bp, n, got[0].data());
+    dot_rows4_f64_portable(ad.data(), m, n, bp, n, got[1].data());
+    dot_rows4_f64(ad.data(), m, n, bf, n, got[2].data());
+    dot_rows4_f64_portable(ad.data(), m, n, bf, n, got[3].data());
     for (int r = 0; r < m; ++r)
       for (int j = 0; j < 4; ++j) {
         const double want = dot_f64(a.data() + r * n, b.data() + j * n, n);
-        INFO("n " << n << " row " << r << " vector " << j);
-        CHECK(std::memcmp(&fast[size_t(4 * r + j)], &want, 8) == 0);
-        CHECK(std::memcmp(&portable[size_t(4 * r + j)], &want, 8) == 0);
+        for (int form = 0; form < 4; ++form) {
+          INFO("n " << n << " row " << r << " vector " << j << " form " << form);
+          CHECK(std::memcmp(&got[size_t(form)][size_t(4 * r + j)], &want, 8) == 0);
+        }
       }
   }
   // matmul: float(dot_f64(x, w) + bias) bit for bit, for few rows (decode), many (past one block of 64) and ragged
@@ -145,7 +150,7 @@ TEST_CASE("fp64 dot products: the vector kernels and matmul give dot_f64's bits"
   const auto w = wide(size_t(N * K)), bias = randn(size_t(N), rng);
   const WeightRef wr{WeightKind::F32, reinterpret_cast<const uint8_t*>(w.data()), nullptr, N, K};
   dz::ThreadPool pool(3);
-  for (int64_t M : {1, 3, 5, 70}) {
+  for (int64_t M : {1, 3, 4, 5, 64, 70, 130}) {
     const auto x = randn(size_t(M * K), rng);
     std::vector<float> y(size_t(M * N));
     matmul(x.data(), M, wr, bias.data(), y.data(), &pool);

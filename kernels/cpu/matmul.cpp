@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -145,14 +146,32 @@ double dot_f64(const float* a, const float* b, int64_t n) {
 namespace {
 
 // The eight partial sums of dot_f64 after the vector part, its tail and its combine.
-double finish_dot(double (&s)[8], const double* a, const double* b, int64_t i, int64_t n) {
-  for (; i < n; ++i) s[0] += a[i] * b[i];
+template <class B>
+double finish_dot(double (&s)[8], const double* a, const B* b, int64_t i, int64_t n) {
+  for (; i < n; ++i) s[0] += a[i] * double(b[i]);
   return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
 }
 
+template <class B>
+void dot_rows4_portable(const double* a, int m, int64_t lda, const B* const b[4], int64_t n, double* out) {
+  for (int r = 0; r < m; ++r) {
+    const double* ar = a + r * lda;
+    double s[4][8] = {};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      for (int j = 0; j < 4; ++j)
+        for (int l = 0; l < 8; ++l) s[j][l] += ar[i + l] * double(b[j][i + l]);
+    for (int j = 0; j < 4; ++j) out[4 * r + j] = finish_dot(s[j], ar, b[j], i, n);
+  }
+}
+
 #if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2,fma"))) inline __m256d load4(const double* p) { return _mm256_loadu_pd(p); }
+__attribute__((target("avx2,fma"))) inline __m256d load4(const float* p) { return _mm256_cvtps_pd(_mm_loadu_ps(p)); }
+
 // One row against four vectors: partial sums 0-3 and 4-7 of each in two registers.
-__attribute__((target("avx2,fma"))) inline void dot_row4_avx2(const double* a, const double* const b[4], int64_t n,
+template <class B>
+__attribute__((target("avx2,fma"))) inline void dot_row4_avx2(const double* a, const B* const b[4], int64_t n,
                                                               double* out) {
   __m256d lo[4], hi[4];
   for (int j = 0; j < 4; ++j) lo[j] = hi[j] = _mm256_setzero_pd();
@@ -160,8 +179,8 @@ __attribute__((target("avx2,fma"))) inline void dot_row4_avx2(const double* a, c
   for (; i + 8 <= n; i += 8) {
     const __m256d a0 = _mm256_loadu_pd(a + i), a1 = _mm256_loadu_pd(a + i + 4);
     for (int j = 0; j < 4; ++j) {
-      lo[j] = _mm256_fmadd_pd(a0, _mm256_loadu_pd(b[j] + i), lo[j]);
-      hi[j] = _mm256_fmadd_pd(a1, _mm256_loadu_pd(b[j] + i + 4), hi[j]);
+      lo[j] = _mm256_fmadd_pd(a0, load4(b[j] + i), lo[j]);
+      hi[j] = _mm256_fmadd_pd(a1, load4(b[j] + i + 4), hi[j]);
     }
   }
   if (i < n) {  // a tail: the scalar order
@@ -184,39 +203,40 @@ __attribute__((target("avx2,fma"))) inline void dot_row4_avx2(const double* a, c
   _mm256_storeu_pd(out, _mm256_permute2f128_pd(x01, x23, 0x20));                     // [r0, r1, r2, r3]
 }
 
-__attribute__((target("avx2,fma"))) void dot_rows4_avx2(const double* a, int m, int64_t lda, const double* const b[4],
+template <class B>
+__attribute__((target("avx2,fma"))) void dot_rows4_avx2(const double* a, int m, int64_t lda, const B* const b[4],
                                                         int64_t n, double* out) {
   for (int r = 0; r < m; ++r) dot_row4_avx2(a + r * lda, b, n, out + 4 * r);
 }
 
-using DotRows4 = void (*)(const double*, int, int64_t, const double* const*, int64_t, double*);
-DotRows4 pick_dot_rows4() {
+bool have_avx2_fma() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? dot_rows4_avx2 : dot_rows4_f64_portable;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 #endif
+
+template <class B>
+void dot_rows4(const double* a, int m, int64_t lda, const B* const b[4], int64_t n, double* out) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool vector = have_avx2_fma();
+  if (vector) return dot_rows4_avx2(a, m, lda, b, n, out);
+#endif
+  dot_rows4_portable(a, m, lda, b, n, out);
+}
 
 }  // namespace
 
-void dot_rows4_f64_portable(const double* a, int m, int64_t lda, const double* const b[4], int64_t n, double* out) {
-  for (int r = 0; r < m; ++r) {
-    const double* ar = a + r * lda;
-    double s[4][8] = {};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-      for (int j = 0; j < 4; ++j)
-        for (int l = 0; l < 8; ++l) s[j][l] += ar[i + l] * b[j][i + l];
-    for (int j = 0; j < 4; ++j) out[4 * r + j] = finish_dot(s[j], ar, b[j], i, n);
-  }
-}
-
 void dot_rows4_f64(const double* a, int m, int64_t lda, const double* const b[4], int64_t n, double* out) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const DotRows4 f = pick_dot_rows4();
-  f(a, m, lda, b, n, out);
-#else
-  dot_rows4_f64_portable(a, m, lda, b, n, out);
-#endif
+  dot_rows4(a, m, lda, b, n, out);
+}
+void dot_rows4_f64(const double* a, int m, int64_t lda, const float* const b[4], int64_t n, double* out) {
+  dot_rows4(a, m, lda, b, n, out);
+}
+void dot_rows4_f64_portable(const double* a, int m, int64_t lda, const double* const b[4], int64_t n, double* out) {
+  dot_rows4_portable(a, m, lda, b, n, out);
+}
+void dot_rows4_f64_portable(const double* a, int m, int64_t lda, const float* const b[4], int64_t n, double* out) {
+  dot_rows4_portable(a, m, lda, b, n, out);
 }
 
 void matmul(const float* x, int64_t n_rows, const WeightRef& w, const float* bias, float* y, ThreadPool* pool) {
@@ -228,37 +248,43 @@ void matmul(const float* x, int64_t n_rows, const WeightRef& w, const float* bia
   const size_t tiles = size_t((N + kTileN - 1) / kTileN);
   // At least ~64K multiply-adds per task so scheduling overhead stays small.
   const size_t grain = size_t(std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, kTileN * K * n_rows)));
-  // Both operands as double (exact), four dot products a call: each y equals
+  // Four dot products a call on exactly converted operands: each y equals
   // float(dot_f64(x row, w row) + bias) bit for bit (dot_rows4_f64).
   parallel_for(pool, tiles, grain, [&](size_t t0, size_t t1) {
-    std::vector<float> tile(static_cast<size_t>(kTileN * K));
-    std::vector<double> td(static_cast<size_t>(kTileN * K)), xd(static_cast<size_t>(kBlockM * K));
+    const int64_t xm = std::min(kBlockM, n_rows);
+    std::unique_ptr<float[]> tile(new float[size_t(kTileN * K)]);
+    std::unique_ptr<double[]> td(new double[size_t(kTileN * K)]), xd(new double[size_t(xm * K)]);
     double dots[kTileN * 4];
+    auto convert_x = [&](int64_t m0, int64_t mm) {
+      for (int64_t e = 0; e < mm * K; ++e) xd[size_t(e)] = double(x[m0 * K + e]);
+    };
+    if (n_rows <= kBlockM) convert_x(0, n_rows);  // one block of rows: converted once for every tile
     for (size_t t = t0; t < t1; ++t) {
       const int64_t n0 = int64_t(t) * kTileN, nn = std::min(kTileN, N - n0);
-      for (int64_t i = 0; i < nn; ++i) w.decode_row(n0 + i, tile.data() + i * K);
-      for (int64_t e = 0; e < nn * K; ++e) td[size_t(e)] = double(tile[size_t(e)]);
+      for (int64_t i = 0; i < nn; ++i) w.decode_row(n0 + i, tile.get() + i * K);
+      if (n_rows >= 4)
+        for (int64_t e = 0; e < nn * K; ++e) td[size_t(e)] = double(tile[size_t(e)]);
       for (int64_t m0 = 0; m0 < n_rows; m0 += kBlockM) {
         const int64_t mm = std::min(kBlockM, n_rows - m0);
-        for (int64_t e = 0; e < mm * K; ++e) xd[size_t(e)] = double(x[m0 * K + e]);
+        if (n_rows > kBlockM) convert_x(m0, mm);
         auto put = [&](int64_t m, int64_t i, double d) {
           y[m * N + n0 + i] = float(d + (bias ? double(bias[n0 + i]) : 0.0));
         };
-        if (mm >= 4) {  // the tile's rows against four activation rows at a time
+        if (n_rows >= 4) {  // the tile's rows against four activation rows at a time
           for (int64_t m = 0; m < mm; m += 4) {
             const int nk = int(std::min<int64_t>(4, mm - m));
             const double* xr[4];
-            for (int j = 0; j < 4; ++j) xr[j] = xd.data() + (m + std::min(j, nk - 1)) * K;
-            dot_rows4_f64(td.data(), int(nn), K, xr, K, dots);
+            for (int j = 0; j < 4; ++j) xr[j] = xd.get() + (m + std::min(j, nk - 1)) * K;
+            dot_rows4_f64(td.get(), int(nn), K, xr, K, dots);
             for (int64_t i = 0; i < nn; ++i)
               for (int j = 0; j < nk; ++j) put(m0 + m + j, i, dots[4 * i + j]);
           }
-        } else {  // a few rows (decode): each against four tile rows at a time
+        } else {  // a few rows (decode): each against four tile rows at a time, the weights converted in the loads
           for (int64_t i = 0; i < nn; i += 4) {
             const int nk = int(std::min<int64_t>(4, nn - i));
-            const double* wr[4];
-            for (int j = 0; j < 4; ++j) wr[j] = td.data() + (i + std::min(j, nk - 1)) * K;
-            dot_rows4_f64(xd.data(), int(mm), K, wr, K, dots);
+            const float* wr[4];
+            for (int j = 0; j < 4; ++j) wr[j] = tile.get() + (i + std::min(j, nk - 1)) * K;
+            dot_rows4_f64(xd.get(), int(mm), K, wr, K, dots);
             for (int64_t m = 0; m < mm; ++m)
               for (int j = 0; j < nk; ++j) put(m0 + m, i + j, dots[4 * m + j]);
           }

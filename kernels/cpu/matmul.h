@@ -44,8 +44,11 @@ double dot_f64(const float* a, const float* b, int64_t n);
 // fp32 originals of a_r and b[j] bit for bit (exact products, the same eight
 // partial sums and combine order, so fused multiply-adds round as its separate
 // adds did). AVX2 + FMA where the CPU has them, else dot_rows4_f64_portable.
+// The float forms convert b in their loads (for vectors used once).
 void dot_rows4_f64(const double* a, int m, int64_t lda, const double* const b[4], int64_t n, double* out);
+void dot_rows4_f64(const double* a, int m, int64_t lda, const float* const b[4], int64_t n, double* out);
 void dot_rows4_f64_portable(const double* a, int m, int64_t lda, const double* const b[4], int64_t n, double* out);
+void dot_rows4_f64_portable(const double* a, int m, int64_t lda, const float* const b[4], int64_t n, double* out);
 
 // y[m, n] = sum_k x[m, k] w[n, k] + bias[n] for m < n_rows; x has w.cols
 // columns, y has w.rows columns; bias may be null. Work is split over output
