@@ -5,6 +5,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 #include "common/error.h"
 #include "common/host_alloc.h"
 #include "cpu/fp8.h"
@@ -15,6 +19,40 @@ namespace dz::cpu {
 
 namespace {
 bool pow2(int n) { return n > 0 && (n & (n - 1)) == 0; }
+
+// For four keys: acc[m] += w[h] * logit where logit = float(dot[4 h + m]) * d_scale > 0, over the heads in order.
+void accumulate_heads_portable(const double* dot, const float* w, int H, float d_scale, double* acc) {
+  for (int h = 0; h < H; ++h)
+    for (int m = 0; m < 4; ++m) {
+      const float logit = float(dot[4 * h + m]) * d_scale;
+      if (logit > 0) acc[m] += double(w[h]) * double(logit);
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// The same operations on the four keys at once (exact products, one rounding an add: the same bits).
+__attribute__((target("avx2,fma"))) void accumulate_heads_avx2(const double* dot, const float* w, int H, float d_scale,
+                                                               double* acc) {
+  __m256d a = _mm256_loadu_pd(acc);
+  const __m128 ds = _mm_set1_ps(d_scale);
+  for (int h = 0; h < H; ++h) {
+    const __m128 logit = _mm_mul_ps(_mm256_cvtpd_ps(_mm256_loadu_pd(dot + 4 * h)), ds);
+    const __m256d pos =
+        _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm_castps_si128(_mm_cmpgt_ps(logit, _mm_setzero_ps()))));
+    const __m256d sum = _mm256_add_pd(a, _mm256_mul_pd(_mm256_set1_pd(double(w[h])), _mm256_cvtps_pd(logit)));
+    a = _mm256_blendv_pd(a, sum, pos);
+  }
+  _mm256_storeu_pd(acc, a);
+}
+#endif
+
+void accumulate_heads(const double* dot, const float* w, int H, float d_scale, double* acc) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool vector = cpu_has_avx2_fma();
+  if (vector) return accumulate_heads_avx2(dot, w, H, d_scale, acc);
+#endif
+  accumulate_heads_portable(dot, w, H, d_scale, acc);
+}
 
 }  // namespace
 
@@ -153,13 +191,8 @@ void indexer_select(const IndexerConfig& c, const float* q, const float* w, int6
             } else {
               dot_rows4_f64(qi, H, D, kk, D, dot.data());
             }
-            const double* dd = fp8 ? d.data() : dot.data();
             double acc[4] = {0, 0, 0, 0};
-            for (int h = 0; h < H; ++h)
-              for (int m = 0; m < nk; ++m) {
-                const float logit = float(dd[4 * h + m]) * d_scale;
-                if (logit > 0) acc[m] += double(wi[h]) * double(logit);
-              }
+            accumulate_heads(fp8 ? d.data() : dot.data(), wi, H, d_scale, acc);
             for (int m = 0; m < nk; ++m) heap.push(float(acc[m]), int32_t(s0 + j + m));
           }
         }

@@ -209,22 +209,27 @@ __attribute__((target("avx2,fma"))) void dot_rows4_avx2(const double* a, int m, 
   for (int r = 0; r < m; ++r) dot_row4_avx2(a + r * lda, b, n, out + 4 * r);
 }
 
-bool have_avx2_fma() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
 #endif
 
 template <class B>
 void dot_rows4(const double* a, int m, int64_t lda, const B* const b[4], int64_t n, double* out) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  static const bool vector = have_avx2_fma();
+  static const bool vector = cpu_has_avx2_fma();
   if (vector) return dot_rows4_avx2(a, m, lda, b, n, out);
 #endif
   dot_rows4_portable(a, m, lda, b, n, out);
 }
 
 }  // namespace
+
+bool cpu_has_avx2_fma() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
 
 void dot_rows4_f64(const double* a, int m, int64_t lda, const double* const b[4], int64_t n, double* out) {
   dot_rows4(a, m, lda, b, n, out);

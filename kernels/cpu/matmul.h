@@ -49,6 +49,8 @@ void dot_rows4_f64(const double* a, int m, int64_t lda, const double* const b[4]
 void dot_rows4_f64(const double* a, int m, int64_t lda, const float* const b[4], int64_t n, double* out);
 void dot_rows4_f64_portable(const double* a, int m, int64_t lda, const double* const b[4], int64_t n, double* out);
 void dot_rows4_f64_portable(const double* a, int m, int64_t lda, const float* const b[4], int64_t n, double* out);
+// x86-64 with AVX2 and FMA (the vector forms above run there).
+bool cpu_has_avx2_fma();
 
 // y[m, n] = sum_k x[m, k] w[n, k] + bias[n] for m < n_rows; x has w.cols
 // columns, y has w.rows columns; bias may be null. Work is split over output
