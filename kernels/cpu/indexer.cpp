@@ -174,9 +174,8 @@ void indexer_select(const IndexerConfig& c, const float* q, const float* w, int6
           const float* wi = wb.data() + i * H;
           RunningTopK& heap = heaps[size_t(i * max_parts + p)];
           for (int64_t j = vis * p / parts, j_end = vis * (p + 1) / parts; j < j_end; j += 4) {
-            const int nk = int(std::min<int64_t>(4, j_end - j));
             const double* kk[4];
-            for (int m = 0; m < 4; ++m) kk[m] = kd.data() + (j + std::min(m, nk - 1)) * D;  // repeats ignored
+            const int nk = four_rows<double>(kd.data(), j, j_end, D, kk);
             if (fp8) {
               std::fill(d.begin(), d.end(), 0.0);
               for (int b = 0; b < nb; ++b) {

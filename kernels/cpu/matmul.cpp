@@ -277,18 +277,16 @@ void matmul(const float* x, int64_t n_rows, const WeightRef& w, const float* bia
         };
         if (n_rows >= 4) {  // the tile's rows against four activation rows at a time
           for (int64_t m = 0; m < mm; m += 4) {
-            const int nk = int(std::min<int64_t>(4, mm - m));
             const double* xr[4];
-            for (int j = 0; j < 4; ++j) xr[j] = xd.get() + (m + std::min(j, nk - 1)) * K;
+            const int nk = four_rows<double>(xd.get(), m, mm, K, xr);
             dot_rows4_f64(td.get(), int(nn), K, xr, K, dots);
             for (int64_t i = 0; i < nn; ++i)
               for (int j = 0; j < nk; ++j) put(m0 + m + j, i, dots[4 * i + j]);
           }
         } else {  // a few rows (decode): each against four tile rows at a time, the weights converted in the loads
           for (int64_t i = 0; i < nn; i += 4) {
-            const int nk = int(std::min<int64_t>(4, nn - i));
             const float* wr[4];
-            for (int j = 0; j < 4; ++j) wr[j] = tile.get() + (i + std::min(j, nk - 1)) * K;
+            const int nk = four_rows<float>(tile.get(), i, nn, K, wr);
             dot_rows4_f64(xd.get(), int(mm), K, wr, K, dots);
             for (int64_t m = 0; m < mm; ++m)
               for (int j = 0; j < nk; ++j) put(m0 + m, i + j, dots[4 * m + j]);

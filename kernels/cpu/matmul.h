@@ -49,6 +49,15 @@ void dot_rows4_f64(const double* a, int m, int64_t lda, const double* const b[4]
 void dot_rows4_f64(const double* a, int m, int64_t lda, const float* const b[4], int64_t n, double* out);
 void dot_rows4_f64_portable(const double* a, int m, int64_t lda, const double* const b[4], int64_t n, double* out);
 void dot_rows4_f64_portable(const double* a, int m, int64_t lda, const float* const b[4], int64_t n, double* out);
+// The four vectors of one dot_rows4_f64 call: rows first .. first + 3 of
+// base (stride elements apart), the last real one repeated past `end`.
+// Returns how many are real, min(4, end - first).
+template <class T>
+int four_rows(const T* base, int64_t first, int64_t end, int64_t stride, const T* (&rows)[4]) {
+  const int n = int(end - first < 4 ? end - first : 4);
+  for (int j = 0; j < 4; ++j) rows[j] = base + (first + (j < n ? j : n - 1)) * stride;
+  return n;
+}
 // x86-64 with AVX2 and FMA (the vector forms above run there).
 bool cpu_has_avx2_fma();
 

@@ -108,9 +108,8 @@ int64_t mla_prefill(const MlaDims& d, const float* q, int64_t n_q, const float* 
         const size_t o0 = b * kRows, mo = std::min(kRows, row_floats - o0);
         for (size_t x = 0; x < mo * size_t(R); ++x) wd[x] = double(w_kv_b[o0 * size_t(R) + x]);
         for (int64_t u = 0; u < nu; u += 4) {
-          const int nk = int(std::min<int64_t>(4, nu - u));
           const double* c4[4];
-          for (int m = 0; m < 4; ++m) c4[m] = latent_d.data() + size_t(u + std::min(m, nk - 1)) * size_t(R);
+          const int nk = four_rows<double>(latent_d.data(), u, nu, R, c4);
           dot_rows4_f64(wd.data(), int(mo), R, c4, R, dots.data());
           for (size_t r = 0; r < mo; ++r)
             for (int m = 0; m < nk; ++m) expanded[size_t(u + m) * row_floats + o0 + r] = float(dots[4 * r + size_t(m)]);
