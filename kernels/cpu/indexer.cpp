@@ -109,9 +109,10 @@ void indexer_select(const IndexerConfig& c, const float* q, const float* w, int6
   const int64_t qblock = std::max<int64_t>(1, std::min(budget.query_block, n_q));
   const float d_scale = float(1.0 / std::sqrt(double(D)));
   const float h_scale = float(1.0 / std::sqrt(double(H)));
-  // A query's keys split over up to this many tasks (decode: one query, every thread), each with its own
-  // running top-k, merged at the end (the selection does not depend on the order of the offers).
-  const int max_parts = pool ? pool->size() : 1;
+  // While a block has fewer queries than threads (decode), each query's keys are split over parts, each
+  // part with its own running top-k, merged at the end (the selection does not depend on the order of the
+  // offers): a block never holds more than max(qblock, threads) heaps.
+  const int threads = pool ? pool->size() : 1;
 
   // Scratch, sized once: one block of prepared queries (fp32 while rotated and
   // quantised, then fp64), one chunk of keys as fp64 (Fp8: the E4M3 values,
@@ -120,7 +121,7 @@ void indexer_select(const IndexerConfig& c, const float* q, const float* w, int6
   HostBuffer<float> qb{size_t(qblock * H * D)}, wb{size_t(qblock * H)}, qs{fp8 ? size_t(qblock * H * nb) : 1};
   HostBuffer<double> qd{size_t(qblock * H * D)}, kd{size_t(chunk * D)};
   HostBuffer<float> ks{fp8 ? size_t(chunk * nb) : 1};
-  std::vector<RunningTopK> heaps(size_t(qblock * max_parts), RunningTopK{K});
+  std::vector<RunningTopK> heaps(size_t(std::max<int64_t>(qblock, threads)), RunningTopK{K});
   const size_t scratch = qb.size() * 4 + wb.size() * 4 + qs.size() * 4 + qd.size() * 8 + kd.size() * 8 + ks.size() * 4 +
                          heaps.size() * size_t(K) * 8;
   if (stats) stats->peak_scratch_bytes = std::max(stats->peak_scratch_bytes, scratch);
@@ -129,10 +130,11 @@ void indexer_select(const IndexerConfig& c, const float* q, const float* w, int6
   for (int64_t q0 = 0; q0 < n_q; q0 += qblock) {
     const int64_t nq = std::min(qblock, n_q - q0);
     int64_t reach = 0;
+    for (int64_t i = 0; i < nq; ++i) reach = std::max(reach, n_visible[q0 + i]);
+    const int parts = int(std::clamp<int64_t>(threads / nq, 1, std::max<int64_t>(1, std::min(chunk, reach) / 256)));
+    for (int64_t h = 0; h < nq * parts; ++h) heaps[size_t(h)].reset(K);
     std::vector<uint8_t> q8(static_cast<size_t>(blk));
     for (int64_t i = 0; i < nq; ++i) {
-      reach = std::max(reach, n_visible[q0 + i]);
-      for (int p = 0; p < max_parts; ++p) heaps[size_t(i * max_parts + p)].reset(K);
       float* qi = qb.data() + i * H * D;
       std::memcpy(qi, q + (q0 + i) * H * D, size_t(H * D) * sizeof(float));
       for (int h = 0; h < H; ++h) {
@@ -163,8 +165,7 @@ void indexer_select(const IndexerConfig& c, const float* q, const float* w, int6
           }
         }
       });
-      // Tasks (query, part of its visible keys); parts only while queries are fewer than threads.
-      const int parts = int(std::clamp<int64_t>(max_parts / nq, 1, std::max<int64_t>(1, ns / 256)));
+      // Tasks: (query, part of its visible keys).
       parallel_for(pool, size_t(nq * parts), 1, [&](size_t t0, size_t t1) {
         std::vector<double> dot(size_t(H) * 4), d(fp8 ? size_t(H) * 4 : 0);  // [head][key]
         for (size_t t = t0; t < t1; ++t) {
@@ -172,7 +173,7 @@ void indexer_select(const IndexerConfig& c, const float* q, const float* w, int6
           const int64_t vis = std::max<int64_t>(0, std::min(ns, n_visible[q0 + i] - s0));
           const double* qi = qd.data() + i * H * D;
           const float* wi = wb.data() + i * H;
-          RunningTopK& heap = heaps[size_t(i * max_parts + p)];
+          RunningTopK& heap = heaps[size_t(i * parts + p)];
           for (int64_t j = vis * p / parts, j_end = vis * (p + 1) / parts; j < j_end; j += 4) {
             const double* kk[4];
             const int nk = four_rows<double>(kd.data(), j, j_end, D, kk);
@@ -199,8 +200,8 @@ void indexer_select(const IndexerConfig& c, const float* q, const float* w, int6
       for (int64_t i = 0; i < nq; ++i) scored += uint64_t(std::max<int64_t>(0, std::min(ns, n_visible[q0 + i] - s0)));
     }
     for (int64_t i = 0; i < nq; ++i) {
-      RunningTopK& heap = heaps[size_t(i * max_parts)];
-      for (int p = 1; p < max_parts; ++p) heap.merge(heaps[size_t(i * max_parts + p)]);
+      RunningTopK& heap = heaps[size_t(i * parts)];
+      for (int p = 1; p < parts; ++p) heap.merge(heaps[size_t(i * parts + p)]);
       heap.finish(out + (q0 + i) * K);
     }
   }
