@@ -367,7 +367,7 @@ int bench_model(const Args& a) {
     const double QD = head_dim * info.n_heads, KVD = head_dim * info.n_kv_heads;
     const double dense = 2 * (Hd * (QD + 2 * KVD) + QD * Hd + E * Hd);
     const double expert = (2 * Hd * Hd) * (0.5 + 1.0 / 32) + (Hd * Hd) * (0.5 + 1.0 / 32) + 2 * 3 * Hd;
-    const double lm = 2.0 * info.n_vocab * Hd, kv_layer_tok = 2 * KVD * 2, kv_tok = L * kv_layer_tok;
+    const double lm = 2.0 * info.n_vocab * Hd, kv_layer_tok = 2 * KVD * 2;
     // The HBM floor is a GPU figure of gpt-oss's byte counts; other runs report none.
     const bool with_floor = info.device == DZ_DEVICE_CUDA && model_type == "gpt_oss";
     auto floor_ms = [&](double b, double ctx_tokens) {
