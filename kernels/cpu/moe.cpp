@@ -66,6 +66,30 @@ void router_sigmoid_grouped(const float* logits, const float* bias, int n_expert
   }
 }
 
+void router_sqrt_softplus(const float* logits, const float* bias, int n_experts, int k, const int32_t* fixed,
+                          float scaling, int32_t* idx, float* weights) {
+  std::vector<float> s(static_cast<size_t>(n_experts)), choice(static_cast<size_t>(n_experts));
+  for (int e = 0; e < n_experts; ++e) {
+    // torch's softplus: x itself above 20.
+    const double x = logits[e];
+    s[size_t(e)] = float(std::sqrt(x > 20 ? x : std::log1p(std::exp(x))));
+    choice[size_t(e)] = s[size_t(e)] + (bias ? bias[e] : 0.0f);
+  }
+  if (fixed) {
+    std::copy_n(fixed, k, idx);
+  } else {
+    std::vector<int32_t> cand(static_cast<size_t>(n_experts));
+    std::iota(cand.begin(), cand.end(), 0);
+    std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), [&](int32_t a, int32_t b) {
+      return choice[size_t(a)] > choice[size_t(b)] || (choice[size_t(a)] == choice[size_t(b)] && a < b);
+    });
+    std::copy_n(cand.begin(), k, idx);
+  }
+  float sum = 0;
+  for (int j = 0; j < k; ++j) sum += (weights[j] = s[size_t(idx[j])]);
+  for (int j = 0; j < k; ++j) weights[j] = weights[j] / (sum + 1e-20f) * scaling;
+}
+
 void glu(const Glu& g, const float* h, int64_t inter, float* out) {
   switch (g.kind) {
     case Glu::Kind::SwiGLU:
@@ -80,6 +104,12 @@ void glu(const Glu& g, const float* h, int64_t inter, float* out) {
         const float up = std::clamp(h[2 * i + 1], -g.limit, g.limit);
         const float sig = float(1.0 / (1.0 + std::exp(-double(gate * g.alpha))));
         out[i] = (up + 1.0f) * (gate * sig);
+      }
+      break;
+    case Glu::Kind::ClampedSwiGLU:
+      for (int64_t i = 0; i < inter; ++i) {
+        const float a = std::min(h[i], g.limit);
+        out[i] = float(double(a) / (1.0 + std::exp(-double(a)))) * std::clamp(h[inter + i], -g.limit, g.limit);
       }
       break;
   }

@@ -23,11 +23,19 @@ void router_topk_softmax(const float* logits, int n_experts, int k, int32_t* idx
 void router_sigmoid_grouped(const float* logits, const float* bias, int n_experts, int n_group, int topk_group, int k,
                             bool norm, float scaling, int32_t* idx, float* weights);
 
+// DeepSeek-V4 routing: s = sqrt(softplus(logits)); the k best of s + bias
+// (bias may be null; ties: lower index first), or the k experts `fixed`
+// names (hash-routed layers: a token-id table chooses). Weights are the
+// chosen s divided by their sum (+1e-20), times scaling.
+void router_sqrt_softplus(const float* logits, const float* bias, int n_experts, int k, const int32_t* fixed,
+                          float scaling, int32_t* idx, float* weights);
+
 struct Glu {
   enum class Kind {
-    SwiGLU,      // h = [gate | up]: silu(gate) * up
-    ClampedOss,  // gpt-oss: gate = h[0::2], up = h[1::2]; gate <= limit, |up| <= limit;
-                 // (up + 1) * gate * sigmoid(alpha * gate)
+    SwiGLU,         // h = [gate | up]: silu(gate) * up
+    ClampedOss,     // gpt-oss: gate = h[0::2], up = h[1::2]; gate <= limit, |up| <= limit;
+                    // (up + 1) * gate * sigmoid(alpha * gate)
+    ClampedSwiGLU,  // DeepSeek-V4: h = [gate | up]; silu(min(gate, limit)) * clamp(up, -limit, limit)
   };
   Kind kind = Kind::SwiGLU;
   float alpha = 1.702f;

@@ -12,12 +12,19 @@ namespace dz {
 namespace {
 cpu::ExpertWeights expert_of(const SwiGlu& m) { return cpu::ExpertWeights{m.up, nullptr, m.down, nullptr, m.gate}; }
 
+cpu::Glu glu_of(const MoeRouting& r) {
+  cpu::Glu g;
+  if (r.swiglu_limit > 0) g.kind = cpu::Glu::Kind::ClampedSwiGLU, g.limit = r.swiglu_limit;
+  return g;
+}
+
 // SwiGLU through the MoE kernel as a single expert of weight 1 (exact: 0 + y * 1).
-void swiglu_forward(const SwiGlu& m, int64_t hidden, const float* x, int64_t rows, float* y, ThreadPool* pool) {
+void swiglu_forward(const SwiGlu& m, const cpu::Glu& g, int64_t hidden, const float* x, int64_t rows, float* y,
+                    ThreadPool* pool) {
   std::vector<int32_t> idx(size_t(rows), 0);
   std::vector<float> one(size_t(rows), 1.0f);
   cpu::moe_forward(
-      x, rows, hidden, m.inter, idx.data(), one.data(), 1, 1, [&](int) { return expert_of(m); }, cpu::Glu{}, y, pool);
+      x, rows, hidden, m.inter, idx.data(), one.data(), 1, 1, [&](int) { return expert_of(m); }, g, y, pool);
 }
 }  // namespace
 
@@ -56,21 +63,29 @@ void validate_routing(const MoeRouting& r, const std::string& src) {
 }
 
 void ffn_forward(const Ffn& f, const MoeRouting& r, int64_t hidden, const float* x, int64_t rows, float* y,
-                 ThreadPool* pool) {
-  if (!f.moe) return swiglu_forward(f.dense, hidden, x, rows, y, pool);
+                 ThreadPool* pool, const int32_t* tokens) {
+  const cpu::Glu g = glu_of(r);
+  if (!f.moe) return swiglu_forward(f.dense, g, hidden, x, rows, y, pool);
   const size_t R = size_t(rows), E = size_t(r.n_experts), k = size_t(r.n_active);
   HostBuffer<float> logits(R * E), weights(R * k);
   HostBuffer<int32_t> idx(R * k);
   cpu::matmul(x, rows, f.router, nullptr, logits.data(), pool);
-  for (size_t i = 0; i < R; ++i)
-    cpu::router_sigmoid_grouped(logits.data() + i * E, f.router_bias.data(), r.n_experts, r.n_group, r.topk_group,
-                                r.n_active, r.norm, r.scale, idx.data() + i * k, weights.data() + i * k);
+  check(f.hash.empty() || tokens, DZ_ERR_INTERNAL, "ffn_forward: a hash-routed layer needs the token ids");
+  for (size_t i = 0; i < R; ++i) {
+    if (r.score == MoeRouting::Score::SqrtSoftplus)
+      cpu::router_sqrt_softplus(logits.data() + i * E, or_null(f.router_bias), r.n_experts, r.n_active,
+                                f.hash.empty() ? nullptr : f.hash.data() + size_t(tokens[i]) * k, r.scale,
+                                idx.data() + i * k, weights.data() + i * k);
+    else
+      cpu::router_sigmoid_grouped(logits.data() + i * E, f.router_bias.data(), r.n_experts, r.n_group, r.topk_group,
+                                  r.n_active, r.norm, r.scale, idx.data() + i * k, weights.data() + i * k);
+  }
   cpu::moe_forward(
       x, rows, hidden, f.experts[0].inter, idx.data(), weights.data(), r.n_active, r.n_experts,
-      [&](int e) { return expert_of(f.experts[size_t(e)]); }, cpu::Glu{}, y, pool);
+      [&](int e) { return expert_of(f.experts[size_t(e)]); }, g, y, pool);
   if (f.shared.inter) {
     HostBuffer<float> s(R * size_t(hidden));
-    swiglu_forward(f.shared, hidden, x, rows, s.data(), pool);
+    swiglu_forward(f.shared, g, hidden, x, rows, s.data(), pool);
     for (size_t i = 0; i < R * size_t(hidden); ++i) y[i] += s[i];
   }
 }

@@ -5,6 +5,7 @@
 
 namespace dz {
 
+std::unique_ptr<Family> make_deepseek_v4(const Config&, const WeightStore&, const dz_model_params&);
 std::unique_ptr<Family> make_gpt_oss(const Config&, const WeightStore&, const dz_model_params&);
 std::unique_ptr<Family> make_kimi_linear(const Config&, const WeightStore&, const dz_model_params&);
 
@@ -12,6 +13,7 @@ namespace {
 // One line per family; keep sorted.
 const std::pair<const char*, FamilyFactory> kFamilies[] = {
     {"deepseek_v32", make_deepseek_v32},
+    {"deepseek_v4", make_deepseek_v4},
     {"gpt_oss", make_gpt_oss},
     {"kimi_linear", make_kimi_linear},
 };

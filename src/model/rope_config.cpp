@@ -3,7 +3,7 @@
 namespace dz {
 
 namespace {
-double num_or(const nlohmann::json& o, const char* key, double fallback, const Config& cfg, const char* where) {
+double num_or(const nlohmann::json& o, const char* key, double fallback, const Config& cfg, const std::string& where) {
   if (!o.contains(key) || o[key].is_null()) return fallback;
   check(o[key].is_number(), DZ_ERR_FORMAT, cfg.source(), ": ", where, ".", key, " is not a number");
   return o[key].get<double>();
@@ -23,6 +23,13 @@ cpu::RopeParams rope_params_from_config(const Config& cfg, int head_dim, double 
     rp = j["rope_scaling"];
     where = "rope_scaling";
   }
+  return rope_params_from_object(cfg, rp, where, head_dim, default_theta);
+}
+
+cpu::RopeParams rope_params_from_object(const Config& cfg, const nlohmann::json& rp, const std::string& where,
+                                        int head_dim, double default_theta) {
+  const auto& j = cfg.json();
+  check(rp.is_object(), DZ_ERR_FORMAT, cfg.source(), ": ", where, " is not an object");
   cpu::RopeParams p;
   p.base = num_or(rp, "rope_theta", num_or(j, "rope_theta", default_theta, cfg, "config"), cfg, where);
   const double partial =

@@ -93,6 +93,19 @@ cpu::WeightRef linear_weight(const WeightStore& ws, const std::string& base, int
   return w;
 }
 
+cpu::WeightRef float_matrix(const WeightStore& ws, const std::string& name, const std::vector<int64_t>& shape) {
+  const TensorView& t = ws.get(name);
+  cpu::WeightRef w;
+  check(float_kind(t.dtype, &w.kind), DZ_ERR_FORMAT, "tensor ", name, ": dtype ", dtype_name(t.dtype),
+        " is not supported here (expected BF16, F16 or F32; in ", where(t), ")");
+  check(!shape.empty(), DZ_ERR_INTERNAL, "float_matrix: empty shape for ", name);
+  check_shape(t, shape);
+  w.cols = shape.back();
+  w.rows = t.numel() / w.cols;
+  w.data = t.data;
+  return w;
+}
+
 std::vector<float> vector_f32(const WeightStore& ws, const std::string& name, const std::vector<int64_t>& shape) {
   const TensorView& t = ws.get(name);
   cpu::WeightKind k;

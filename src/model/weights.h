@@ -21,6 +21,11 @@ void check_shape(const TensorView& t, const std::vector<int64_t>& shape);
 // 0xFF MXFP4 scale byte).
 cpu::WeightRef linear_weight(const WeightStore& ws, const std::string& base, int64_t rows, int64_t cols);
 
+// The F32/BF16/F16 tensor `name` (exact name) of the given shape, viewed as
+// [product of the leading dims x last dim]: stacked expert weights
+// ([experts, rows, cols], sliced with row_slice) or a bare parameter matrix.
+cpu::WeightRef float_matrix(const WeightStore& ws, const std::string& name, const std::vector<int64_t>& shape);
+
 // A float vector (F32/BF16/F16) of the given shape, decoded to fp32.
 std::vector<float> vector_f32(const WeightStore& ws, const std::string& name, const std::vector<int64_t>& shape);
 

@@ -1,0 +1,644 @@
+// DeepSeek-V4 (model_type deepseek_v4) on the CPU backend, computed as
+// transformers' DeepseekV4ForCausalLM defines it:
+//  - mHC residuals: hc_mult streams per token, collapsed before and expanded
+//    after each sublayer (cpu/hyper_connection.h), collapsed by hc_head at the end.
+//  - Attention: low-rank q (q_a, RMSNorm, q_b, per-head unweighted RMSNorm),
+//    one shared KV head with K = V (kv_proj, RMSNorm), RoPE on the trailing
+//    rotary channels in interleaved pairs, a sink logit per head, the output's
+//    rotary channels rotated back by the query's angle, and the grouped
+//    low-rank output projection (o_a per head group, then o_b).
+//    Every query sees its last sliding_window tokens, and per layer type:
+//      sliding_attention              nothing more ("main" RoPE);
+//      compressed_sparse_attention    (CSA) the compressed entries of every 4
+//        tokens (overlapping windows of 8) that a lightning indexer over its
+//        own compressed keys picks (top index_topk; "compress" RoPE);
+//      heavily_compressed_attention   (HCA) every compressed entry of every
+//        128 tokens.
+//    An entry w covers tokens up to (w + 1) * m - 1 and is visible from there on.
+//  - MoE: sqrt(softplus) router scores; the first layers (hash_moe) route by a
+//    token-id table, the rest by score + bias; SwiGLU clamped at
+//    swiglu_limit in routed and shared experts.
+// Cache: a sequence's state slot holds, per layer, its sliding window (a ring
+// of K=V vectors) and the open compressor pools (cpu/compress.h); pages hold
+// only the compressed entries, spread over the m token slots they stand for
+// (ceil(entry bytes / m) bytes a token). Sliding layers cache nothing per token.
+// A forward pass works on copies of the states and writes them back only when
+// every layer has run, so a failed pass leaves a sequence as it was.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common/host_alloc.h"
+#include "cpu/attention.h"
+#include "cpu/compress.h"
+#include "cpu/hyper_connection.h"
+#include "cpu/matmul.h"
+#include "cpu/norm.h"
+#include "cpu/rope.h"
+#include "cpu/topk.h"
+#include "model/family.h"
+#include "model/lm_ends.h"
+#include "model/moe_ffn.h"
+#include "model/rope_config.h"
+#include "model/weights.h"
+#include "runtime/parallel.h"
+
+namespace dz {
+
+namespace {
+
+using cpu::WeightRef;
+
+enum class Attn { Sliding, Csa, Hca };
+
+// One compressed series: the attention's entries, or the CSA indexer's keys.
+struct Compressor {
+  WeightRef kv, gate;       // [S * dim, hidden]; S = 2 for CSA's overlapping windows ([Ca | Cb])
+  std::vector<float> bias;  // position_bias [rate, S * dim]
+  std::vector<float> norm;  // [dim]
+  int64_t dim = 0;
+  bool overlap = false;
+  size_t state_off = 0;  // floats: the open entry's pool, then (overlap) the next entry's
+  int64_t series() const { return overlap ? 2 : 1; }
+  size_t state_floats() const { return size_t(series() * cpu::pool_floats(dim)); }
+};
+
+struct Hc {
+  WeightRef fn;  // [(2 + n) * n or n, n * hidden]
+  std::vector<float> base, scale;
+};
+
+struct Layer {
+  Attn kind = Attn::Sliding;
+  int64_t rate = 0;  // compression rate (CSA / HCA)
+  std::vector<float> in_norm, post_norm, q_a_norm, kv_norm, sinks;
+  WeightRef q_a, q_b, kv, o_a, o_b;
+  Hc attn_hc, ffn_hc;
+  Compressor comp, icomp;     // icomp: the indexer's (CSA)
+  WeightRef iq_b, iweights;   // indexer queries [heads * dim, q_lora], head weights [heads, hidden]
+  size_t ring_off = 0;        // floats into the state: the window [sliding_window x head_dim]
+  size_t entry_floats = 0;    // per compressed entry in the pages: attention entry (+ indexer key)
+  size_t token_bytes = 0;     // page bytes per token
+  Ffn ffn;
+};
+
+// Entries are tiny next to a token's activations, so a pass keeps the visible
+// ones of each sequence in one contiguous buffer (read from the pages once).
+struct Entries {
+  std::vector<float> attn, index;  // [n x head_dim], [n x index_head_dim]
+  int64_t n = 0;
+};
+
+class DeepseekV4 final : public Family {
+ public:
+  DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_params& params);
+
+  void fill_info(dz_model_info& info) const override {
+    info.device = DZ_DEVICE_CPU;
+    info.n_layers = n_layers_;
+    info.n_vocab = n_vocab_;
+    info.hidden_size = int32_t(hidden_);
+    info.n_heads = int32_t(n_heads_);
+    info.n_kv_heads = 1;
+    info.n_experts = routing_.n_experts;
+    info.n_experts_active = routing_.n_active;
+    info.max_context = max_context_;
+  }
+  int32_t n_vocab() const override { return n_vocab_; }
+  kv::Layout kv_layout(uint32_t page_tokens) const override {
+    kv::Layout l;
+    l.page_tokens = page_tokens;
+    for (const Layer& L : layers_) l.layer_token_bytes.push_back(L.token_bytes);
+    l.state_slot_bytes = state_floats_ * sizeof(float);
+    l.model_key = model_key_;
+    return l;
+  }
+  void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
+
+ private:
+  void attention(const Layer& L, int li, std::span<ForwardItem> batch, const BatchRows& flat, const float* xn,
+                 std::vector<std::vector<float>>& states, float* y, uint64_t& tokens_read);
+  // Pool one token's compressor projections (kv, gate: S * dim each) at
+  // position pos; when that closes a window, write the finished entry
+  // (normalised, rotated) to out and return true.
+  bool compress_token(const Compressor& c, int64_t rate, float* state, const float* kv, const float* gate, int64_t pos,
+                      float* out) const;
+  // Rotate n_vec vectors (stride apart) whose rotary channels start at x by
+  // the angles of position pos (inverse: backwards).
+  void rotate(const cpu::RopeFreqs& f, int64_t pos, float* x, int n_vec, int64_t stride, bool inverse) const;
+  const cpu::RopeFreqs& rope_of(const Layer& L) const { return L.kind == Attn::Sliding ? rope_main_ : rope_comp_; }
+
+  int32_t n_vocab_ = 0, n_layers_ = 0;
+  int64_t hidden_ = 0, max_context_ = 0, n_heads_ = 0, head_dim_ = 0, q_lora_ = 0, window_ = 0;
+  int64_t o_groups_ = 0, o_rank_ = 0, idx_heads_ = 0, idx_dim_ = 0, idx_topk_ = 0, rope_dim_ = 0;
+  float eps_ = 1e-6f;
+  cpu::HcDims hc_;
+  cpu::RopeFreqs rope_main_, rope_comp_;
+  MoeRouting routing_;
+  LmEnds ends_;
+  Hc head_hc_;
+  std::vector<Layer> layers_;
+  size_t state_floats_ = 0;
+  uint64_t model_key_ = 0;
+  std::unique_ptr<ThreadPool> pool_;
+};
+
+// The first present key of several alternative spellings, else fallback.
+template <typename T>
+T first_of(const Config& cfg, std::initializer_list<const char*> keys, T fallback) {
+  for (const char* k : keys)
+    if (cfg.has(k)) return cfg.get<T>(k);
+  return fallback;
+}
+
+DeepseekV4::DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
+  const std::string& src = cfg.source();
+  const auto& j = cfg.json();
+  check_cpu_family_params(params, "deepseek_v4");
+  n_vocab_ = int32_t(cfg.get_positive_int("vocab_size"));
+  hidden_ = cfg.get_positive_int("hidden_size");
+  n_layers_ = int32_t(cfg.get_positive_int("num_hidden_layers"));
+  n_heads_ = cfg.get_positive_int("num_attention_heads");
+  head_dim_ = cfg.get_positive_int_or("head_dim", 512);
+  q_lora_ = cfg.get_positive_int("q_lora_rank");
+  check(cfg.get_or<int64_t>("num_key_value_heads", 1) == 1, DZ_ERR_UNSUPPORTED, src,
+        ": num_key_value_heads must be 1 (deepseek_v4 shares one K=V head)");
+  window_ = cfg.get_positive_int_or("sliding_window", 128);
+  o_groups_ = cfg.get_positive_int_or("o_groups", 8);
+  o_rank_ = cfg.get_positive_int_or("o_lora_rank", 1024);
+  check(n_heads_ % o_groups_ == 0, DZ_ERR_FORMAT, src, ": o_groups ", o_groups_, " does not divide the ", n_heads_,
+        " heads");
+  idx_heads_ = cfg.get_positive_int_or("index_n_heads", 64);
+  idx_dim_ = cfg.get_positive_int_or("index_head_dim", 128);
+  idx_topk_ = cfg.get_positive_int_or("index_topk", 512);
+  eps_ = float(cfg.get_or<double>("rms_norm_eps", 1e-6));
+  check(eps_ > 0, DZ_ERR_FORMAT, src, ": rms_norm_eps must be positive");
+  max_context_ = cfg.get_positive_int_or("max_position_embeddings", 1048576);
+  const std::string act = cfg.get_or<std::string>("hidden_act", "silu");
+  check(act == "silu", DZ_ERR_UNSUPPORTED, src, ": hidden_act '", act, "' (deepseek_v4 uses silu)");
+
+  // Hyper-connections.
+  hc_.n = int(cfg.get_positive_int_or("hc_mult", 4));
+  hc_.hidden = hidden_;
+  hc_.sinkhorn_iters = int(cfg.get_positive_int_or("hc_sinkhorn_iters", 20));
+  hc_.hc_eps = float(cfg.get_or<double>("hc_eps", 1e-6));
+  check(hc_.n <= 64, DZ_ERR_FORMAT, src, ": hc_mult ", hc_.n, " is implausibly large");
+
+  // Layer types: layer_types, else the checkpoint's per-layer compress_ratios (0 / 4 / 128).
+  int64_t rate_csa = 4, rate_hca = 128;
+  if (cfg.has("compress_rates")) {
+    const auto& cr = j["compress_rates"];
+    check(cr.is_object(), DZ_ERR_FORMAT, src, ": compress_rates must be an object");
+    for (const auto& [k, v] : cr.items()) {
+      check(v.is_number_integer() && v.get<int64_t>() > 0, DZ_ERR_FORMAT, src, ": compress_rates.", k,
+            " must be a positive integer");
+      if (k == "compressed_sparse_attention") rate_csa = v.get<int64_t>();
+      if (k == "heavily_compressed_attention") rate_hca = v.get<int64_t>();
+    }
+  }
+  rate_csa = cfg.get_or<int64_t>("compress_rate_csa", rate_csa);
+  rate_hca = cfg.get_or<int64_t>("compress_rate_hca", rate_hca);
+  check(rate_csa > 0 && rate_hca > 0 && rate_csa <= 65536 && rate_hca <= 65536, DZ_ERR_FORMAT, src,
+        ": compression rates must be in [1, 65536]");
+  std::vector<Attn> kinds(static_cast<size_t>(n_layers_), Attn::Hca);
+  if (cfg.has("layer_types")) {
+    const auto types = cfg.get<std::vector<std::string>>("layer_types");
+    check(types.size() >= size_t(n_layers_), DZ_ERR_FORMAT, src, ": layer_types has ", types.size(), " entries for ",
+          n_layers_, " layers");
+    for (int i = 0; i < n_layers_; ++i) {
+      const std::string& t = types[size_t(i)];
+      check(t == "sliding_attention" || t == "compressed_sparse_attention" || t == "heavily_compressed_attention",
+            DZ_ERR_FORMAT, src, ": layer_types[", i, "] = '", t,
+            "' (expected sliding_attention, compressed_sparse_attention or heavily_compressed_attention)");
+      kinds[size_t(i)] = t == "sliding_attention" ? Attn::Sliding
+                         : t == "compressed_sparse_attention" ? Attn::Csa
+                                                              : Attn::Hca;
+    }
+  } else if (cfg.has("compress_ratios")) {
+    const auto ratios = cfg.get<std::vector<int64_t>>("compress_ratios");
+    check(ratios.size() >= size_t(n_layers_), DZ_ERR_FORMAT, src, ": compress_ratios has ", ratios.size(),
+          " entries for ", n_layers_, " layers");
+    for (int i = 0; i < n_layers_; ++i) {
+      const int64_t r = ratios[size_t(i)];
+      check(r == 0 || r == 4 || r == 128, DZ_ERR_FORMAT, src, ": compress_ratios[", i, "] = ", r,
+            " (expected 0 sliding, 4 CSA or 128 HCA)");
+      kinds[size_t(i)] = r == 0 ? Attn::Sliding : r == 4 ? Attn::Csa : Attn::Hca;
+    }
+  } else {  // transformers' default: two HCA layers, then CSA and HCA alternating
+    for (int i = 2; i < n_layers_; ++i) kinds[size_t(i)] = (i - 2) % 2 ? Attn::Csa : Attn::Hca;
+  }
+
+  // RoPE: "main" for sliding layers, "compress" (usually YaRN) for the others.
+  double partial = 64.0 / 512.0;
+  if (cfg.has("partial_rotary_factor"))
+    partial = cfg.get<double>("partial_rotary_factor");
+  else if (cfg.has("qk_rope_head_dim"))
+    partial = double(cfg.get_positive_int("qk_rope_head_dim")) / double(head_dim_);
+  const double theta = cfg.get_or<double>("rope_theta", 10000.0);
+  const double comp_theta = cfg.get_or<double>("compress_rope_theta", 160000.0);
+  nlohmann::json main_rp, comp_rp;
+  const nlohmann::json rp = j.contains("rope_parameters") && j["rope_parameters"].is_object() ? j["rope_parameters"]
+                            : j.contains("rope_scaling") && j["rope_scaling"].is_object()   ? j["rope_scaling"]
+                                                                                             : nlohmann::json::object();
+  if (rp.contains("main") && rp["main"].is_object() && rp.contains("compress") && rp["compress"].is_object()) {
+    main_rp = rp["main"], comp_rp = rp["compress"];
+  } else {  // a flat form: the YaRN fields (if any) belong to the compressed layers
+    main_rp = {{"rope_type", "default"}, {"rope_theta", theta}};
+    comp_rp = nlohmann::json::object();
+    for (const auto& [k, v] : rp.items())
+      if (k != "main" && k != "compress") comp_rp[k] = v;
+    comp_rp["rope_theta"] = comp_theta;
+    const std::string t = comp_rp.value("rope_type", comp_rp.value("type", std::string("default")));
+    if (t == "yarn" && !comp_rp.contains("attention_factor")) comp_rp["attention_factor"] = 1.0;
+  }
+  for (nlohmann::json* o : {&main_rp, &comp_rp})
+    if (!o->contains("partial_rotary_factor")) (*o)["partial_rotary_factor"] = partial;
+  const cpu::RopeParams pm = rope_params_from_object(cfg, main_rp, "rope_parameters.main", int(head_dim_), theta);
+  const cpu::RopeParams pc = rope_params_from_object(cfg, comp_rp, "rope_parameters.compress", int(head_dim_), comp_theta);
+  check(pm.dim == pc.dim, DZ_ERR_UNSUPPORTED, src, ": the main and compress rotary dimensions differ (", pm.dim, ", ",
+        pc.dim, ")");
+  rope_dim_ = pm.dim;
+  check(rope_dim_ <= head_dim_ && rope_dim_ <= idx_dim_, DZ_ERR_FORMAT, src, ": the rotary dimension ", rope_dim_,
+        " exceeds head_dim ", head_dim_, " or index_head_dim ", idx_dim_);
+  rope_main_ = cpu::rope_freqs(pm);
+  rope_comp_ = cpu::rope_freqs(pc);
+
+  // MoE.
+  routing_.score = MoeRouting::Score::SqrtSoftplus;
+  const std::string score = cfg.get_or<std::string>("scoring_func", "sqrtsoftplus");
+  check(score == "sqrtsoftplus", DZ_ERR_UNSUPPORTED, src, ": scoring_func '", score,
+        "' (deepseek_v4 uses sqrtsoftplus)");
+  routing_.n_experts = int(first_of<int64_t>(cfg, {"n_routed_experts", "num_local_experts"}, 0));
+  routing_.n_active = int(cfg.get_or<int64_t>("num_experts_per_tok", 0));
+  check(routing_.n_experts > 0 && routing_.n_active > 0 && routing_.n_active <= routing_.n_experts, DZ_ERR_FORMAT, src,
+        ": n_routed_experts (", routing_.n_experts, ") and num_experts_per_tok (", routing_.n_active,
+        ") must be positive, the second at most the first");
+  routing_.scale = float(cfg.get_or<double>("routed_scaling_factor", 1.5));
+  routing_.swiglu_limit = float(cfg.get_or<double>("swiglu_limit", 0.0));
+  check(routing_.swiglu_limit >= 0, DZ_ERR_FORMAT, src, ": swiglu_limit must not be negative");
+  std::vector<bool> hashed(static_cast<size_t>(n_layers_));
+  if (cfg.has("mlp_layer_types")) {
+    const auto t = cfg.get<std::vector<std::string>>("mlp_layer_types");
+    check(t.size() >= size_t(n_layers_), DZ_ERR_FORMAT, src, ": mlp_layer_types has ", t.size(), " entries for ",
+          n_layers_, " layers");
+    for (int i = 0; i < n_layers_; ++i) {
+      check(t[size_t(i)] == "hash_moe" || t[size_t(i)] == "moe", DZ_ERR_FORMAT, src, ": mlp_layer_types[", i, "] = '",
+            t[size_t(i)], "' (expected hash_moe or moe)");
+      hashed[size_t(i)] = t[size_t(i)] == "hash_moe";
+    }
+  } else {
+    const int64_t n_hash = cfg.get_or<int64_t>("num_hash_layers", 3);
+    for (int i = 0; i < n_layers_; ++i) hashed[size_t(i)] = i < n_hash;
+  }
+  const int64_t inter = cfg.get_positive_int("moe_intermediate_size");
+
+  // Weights.
+  const int64_t H = hidden_, D = head_dim_, NH = n_heads_, QL = q_lora_, G = o_groups_, NHC = hc_.n;
+  ends_.load(ws, n_vocab_, H, cfg.get_or<bool>("tie_word_embeddings", false));
+  auto load_hc = [&](const std::string& p, int64_t outs, bool head) {
+    Hc h;
+    h.fn = float_matrix(ws, p + (head ? "hc_fn" : "fn"), {outs, NHC * H});
+    h.base = vector_f32(ws, p + (head ? "hc_base" : "base"), {outs});
+    h.scale = vector_f32(ws, p + (head ? "hc_scale" : "scale"), {head ? 1 : 3});
+    return h;
+  };
+  head_hc_ = load_hc("model.hc_head.", NHC, true);
+  auto load_comp = [&](const std::string& p, int64_t dim, bool overlap, int64_t rate) {
+    Compressor c;
+    c.dim = dim, c.overlap = overlap;
+    c.kv = linear_weight(ws, p + "kv_proj", c.series() * dim, H);
+    c.gate = linear_weight(ws, p + "gate_proj", c.series() * dim, H);
+    c.bias = vector_f32(ws, p + "position_bias", {rate, c.series() * dim});
+    c.norm = vector_f32(ws, p + "kv_norm.weight", {dim});
+    c.state_off = state_floats_;
+    state_floats_ += c.state_floats();
+    return c;
+  };
+  layers_.resize(size_t(n_layers_));
+  for (int i = 0; i < n_layers_; ++i) {
+    Layer& l = layers_[size_t(i)];
+    const std::string p = "model.layers." + std::to_string(i) + ".", a = p + "self_attn.";
+    l.kind = kinds[size_t(i)];
+    l.in_norm = vector_f32(ws, p + "input_layernorm.weight", {H});
+    l.post_norm = vector_f32(ws, p + "post_attention_layernorm.weight", {H});
+    l.attn_hc = load_hc(p + "attn_hc.", (2 + NHC) * NHC, false);
+    l.ffn_hc = load_hc(p + "ffn_hc.", (2 + NHC) * NHC, false);
+    l.q_a = linear_weight(ws, a + "q_a_proj", QL, H);
+    l.q_a_norm = vector_f32(ws, a + "q_a_norm.weight", {QL});
+    l.q_b = linear_weight(ws, a + "q_b_proj", NH * D, QL);
+    l.kv = linear_weight(ws, a + "kv_proj", D, H);
+    l.kv_norm = vector_f32(ws, a + "kv_norm.weight", {D});
+    l.o_a = linear_weight(ws, a + "o_a_proj", G * o_rank_, NH * D / G);
+    l.o_b = linear_weight(ws, a + "o_b_proj", H, G * o_rank_);
+    l.sinks = vector_f32(ws, a + "sinks", {NH});
+    l.ring_off = state_floats_;
+    state_floats_ += size_t(window_ * D);
+    if (l.kind != Attn::Sliding) {
+      l.rate = l.kind == Attn::Csa ? rate_csa : rate_hca;
+      const std::string c = a + "compressor.";
+      l.comp = load_comp(c, D, l.kind == Attn::Csa, l.rate);
+      l.entry_floats = size_t(D);
+      if (l.kind == Attn::Csa) {
+        l.icomp = load_comp(c + "indexer.", idx_dim_, true, l.rate);
+        l.iq_b = linear_weight(ws, c + "indexer.q_b_proj", idx_heads_ * idx_dim_, QL);
+        l.iweights = linear_weight(ws, c + "indexer.scorer.weights_proj", idx_heads_, H);
+        l.entry_floats += size_t(idx_dim_);
+      }
+      l.token_bytes = (l.entry_floats * sizeof(float) + size_t(l.rate) - 1) / size_t(l.rate);
+    }
+    // MoE: fused [experts, 2 * inter, hidden] gate|up and [experts, hidden, inter] down.
+    const std::string m = p + "mlp.";
+    const int64_t E = routing_.n_experts, K = routing_.n_active;
+    l.ffn.moe = true;
+    l.ffn.router = linear_weight(ws, m + "gate", E, H);
+    if (hashed[size_t(i)]) {
+      const TensorView& t = ws.get(m + "gate.tid2eid");
+      check(t.dtype == DType::I64 || t.dtype == DType::I32, DZ_ERR_FORMAT, "tensor ", t.name, ": dtype ",
+            dtype_name(t.dtype), " (expected I64 or I32)");
+      check_shape(t, {int64_t(n_vocab_), K});
+      l.ffn.hash.resize(size_t(t.numel()));
+      for (size_t k = 0; k < l.ffn.hash.size(); ++k) {
+        int64_t v = 0;
+        if (t.dtype == DType::I64)
+          std::memcpy(&v, t.data + 8 * k, 8);
+        else {
+          int32_t v32;
+          std::memcpy(&v32, t.data + 4 * k, 4);
+          v = v32;
+        }
+        check(v >= 0 && v < E, DZ_ERR_FORMAT, "tensor ", t.name, ": expert ", v, " for token ", int64_t(k) / K,
+              " is outside [0, ", E, ")");
+        l.ffn.hash[k] = int32_t(v);
+      }
+    } else {
+      l.ffn.router_bias = vector_f32(ws, m + "gate.e_score_correction_bias", {E});
+    }
+    const WeightRef gu = float_matrix(ws, m + "experts.gate_up_proj", {E, 2 * inter, H});
+    const WeightRef dn = float_matrix(ws, m + "experts.down_proj", {E, H, inter});
+    for (int64_t e = 0; e < E; ++e)
+      l.ffn.experts.push_back(SwiGlu{gu.row_slice(e * 2 * inter, inter), gu.row_slice(e * 2 * inter + inter, inter),
+                                     dn.row_slice(e * H, H), inter});
+    const std::string s = m + "shared_experts.";
+    if (cfg.get_or<int64_t>("n_shared_experts", 1) > 0)
+      l.ffn.shared = load_swiglu(ws, s + "gate_proj", s + "up_proj", s + "down_proj", inter, H);
+  }
+  model_key_ = fnv1a(cfg.json().dump(), fnv1a("deepseek_v4 kv: f32 entries|index keys per m tokens; state f32 "
+                                              "window ring, softmax pools v1 " +
+                                              std::to_string(ws.total_bytes())));
+  pool_ = std::make_unique<ThreadPool>(params.n_threads);
+}
+
+void DeepseekV4::rotate(const cpu::RopeFreqs& f, int64_t pos, float* x, int n_vec, int64_t stride,
+                        bool inverse) const {
+  const int half = int(rope_dim_ / 2);
+  float cos[256], sin[256];
+  check(half <= 256, DZ_ERR_INTERNAL, "deepseek_v4: rotary dimension above 512");
+  cpu::rope_cos_sin(f, pos, cos, sin);
+  if (inverse)
+    for (int i = 0; i < half; ++i) sin[i] = -sin[i];
+  cpu::rope_interleaved(x, n_vec, stride, half, cos, sin);
+}
+
+bool DeepseekV4::compress_token(const Compressor& c, int64_t rate, float* state, const float* kv, const float* gate,
+                                int64_t pos, float* out) const {
+  const int64_t D = c.dim, slot = pos % rate, P = cpu::pool_floats(D);
+  const float* bias = c.bias.data() + slot * c.series() * D;
+  float* open = state + c.state_off;
+  if (c.overlap) {
+    // Cb (second half) joins the entry of this window, Ca (first half) the next one's.
+    cpu::pool_push(open, D, kv + D, gate + D, bias + D);
+    cpu::pool_push(open + P, D, kv, gate, bias);
+  } else {
+    cpu::pool_push(open, D, kv, gate, bias);
+  }
+  if ((pos + 1) % rate != 0) return false;
+  cpu::pool_result(open, D, out);
+  if (c.overlap) {
+    std::memcpy(open, open + P, size_t(P) * sizeof(float));
+    cpu::pool_clear(open + P, D);
+  } else {
+    cpu::pool_clear(open, D);
+  }
+  cpu::rms_norm(out, 1, D, c.norm.data(), eps_, out);
+  // Rotated at the window's first position.
+  rotate(rope_comp_, pos + 1 - rate, out + D - rope_dim_, 1, D, false);
+  return true;
+}
+
+void DeepseekV4::attention(const Layer& L, int li, std::span<ForwardItem> batch, const BatchRows& flat,
+                           const float* xn, std::vector<std::vector<float>>& states, float* y, uint64_t& tokens_read) {
+  const int64_t R = int64_t(flat.rows.size()), H = hidden_, D = head_dim_, NH = n_heads_, QL = q_lora_;
+  const int64_t G = o_groups_, GW = NH * D / G, RD = rope_dim_, W = window_;
+  const int64_t ID = idx_dim_, IH = idx_heads_;
+  ThreadPool* pool = pool_.get();
+  const cpu::RopeFreqs& rope = rope_of(L);
+  HostBuffer<float> qres(size_t(R * QL)), q(size_t(R * NH * D)), kv(size_t(R * D)), out(size_t(R * NH * D));
+  cpu::matmul(xn, R, L.q_a, nullptr, qres.data(), pool);
+  cpu::rms_norm(qres.data(), R, QL, L.q_a_norm.data(), eps_, qres.data());
+  cpu::matmul(qres.data(), R, L.q_b, nullptr, q.data(), pool);
+  cpu::rms_norm(q.data(), R * NH, D, nullptr, eps_, q.data());
+  cpu::matmul(xn, R, L.kv, nullptr, kv.data(), pool);
+  cpu::rms_norm(kv.data(), R, D, L.kv_norm.data(), eps_, kv.data());
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t pos = flat.rows[size_t(r)].pos;
+    rotate(rope, pos, q.data() + r * NH * D + D - RD, int(NH), D, false);
+    rotate(rope, pos, kv.data() + r * D + D - RD, 1, D, false);
+  }
+  // Compressor projections (and the indexer's queries and head weights).
+  const Compressor &C = L.comp, &IC = L.icomp;
+  const bool csa = L.kind == Attn::Csa, compressed = L.kind != Attn::Sliding;
+  const int64_t CS = compressed ? C.series() * D : 0, ICS = csa ? IC.series() * ID : 0;
+  HostBuffer<float> ckv(size_t(R * CS)), cg(size_t(R * CS)), ikv(size_t(R * ICS)), ig(size_t(R * ICS)),
+      iq(size_t(csa ? R * IH * ID : 0)), iw(size_t(csa ? R * IH : 0));
+  if (compressed) {
+    cpu::matmul(xn, R, C.kv, nullptr, ckv.data(), pool);
+    cpu::matmul(xn, R, C.gate, nullptr, cg.data(), pool);
+  }
+  if (csa) {
+    cpu::matmul(xn, R, IC.kv, nullptr, ikv.data(), pool);
+    cpu::matmul(xn, R, IC.gate, nullptr, ig.data(), pool);
+    cpu::matmul(qres.data(), R, L.iq_b, nullptr, iq.data(), pool);
+    cpu::matmul(xn, R, L.iweights, nullptr, iw.data(), pool);
+    const float w_scale = float(1.0 / std::sqrt(double(IH)));
+    for (int64_t r = 0; r < R; ++r) {
+      rotate(rope_comp_, flat.rows[size_t(r)].pos, iq.data() + r * IH * ID + ID - RD, int(IH), ID, false);
+      for (int64_t h = 0; h < IH; ++h) iw[size_t(r * IH + h)] *= w_scale;
+    }
+  }
+
+  const float scale = float(1.0 / std::sqrt(double(D)));
+  const float iscale = float(1.0 / std::sqrt(double(ID)));
+  const size_t EB = L.entry_floats * sizeof(float);
+  std::vector<float> entry(L.entry_floats), scores;
+  std::vector<int32_t> picked(static_cast<size_t>(idx_topk_));
+  std::vector<const float*> keys;
+  for (size_t b = 0; b < batch.size(); ++b) {
+    kv::Sequence& seq = *batch[b].seq;
+    kv::Arena& arena = seq.arena();
+    float* st = states[b].data();
+    float* ring = st + L.ring_off;
+    const int64_t r0 = flat.first_row[b], n = int64_t(batch[b].tokens.size()), start = int64_t(seq.length());
+    // Entries written by earlier passes, gathered once: entry w's bytes sit in
+    // the token slots of positions w * rate .. w * rate + rate - 1.
+    Entries ent;
+    auto entry_io = [&](int64_t w, uint8_t* bytes, bool write) {
+      for (int64_t s = 0; s < L.rate; ++s) {
+        const size_t off = size_t(s) * L.token_bytes;
+        if (off >= EB) break;
+        const size_t len = std::min(L.token_bytes, EB - off);
+        const size_t p = size_t(w * L.rate + s);
+        uint8_t* slot = arena.token_ptr(seq.page_of(p), uint32_t(li), seq.slot_of(p));
+        if (write)
+          std::memcpy(slot, bytes + off, len);
+        else
+          std::memcpy(bytes + off, slot, len);
+      }
+    };
+    auto append = [&](const float* e) {
+      ent.attn.insert(ent.attn.end(), e, e + D);
+      if (csa) ent.index.insert(ent.index.end(), e + D, e + D + ID);
+      ++ent.n;
+    };
+    if (compressed)
+      for (int64_t w = 0; w < start / L.rate; ++w) {
+        entry_io(w, reinterpret_cast<uint8_t*>(entry.data()), false);
+        append(entry.data());
+      }
+    uint64_t read = 0;
+    for (int64_t r = r0; r < r0 + n; ++r) {
+      const int64_t pos = flat.rows[size_t(r)].pos;
+      std::memcpy(ring + (pos % W) * D, kv.data() + r * D, size_t(D) * sizeof(float));
+      if (compressed) {
+        const bool closed = compress_token(C, L.rate, st, ckv.data() + r * CS, cg.data() + r * CS, pos, entry.data());
+        if (csa) {
+          const bool iclosed =
+              compress_token(IC, L.rate, st, ikv.data() + r * ICS, ig.data() + r * ICS, pos, entry.data() + D);
+          check(closed == iclosed, DZ_ERR_INTERNAL, "deepseek_v4: compressor windows out of step");
+        }
+        if (closed) {
+          entry_io(ent.n, reinterpret_cast<uint8_t*>(entry.data()), true);
+          append(entry.data());
+        }
+      }
+      // Keys: the window (oldest first), then the visible or picked entries.
+      keys.clear();
+      for (int64_t p = std::max<int64_t>(0, pos - W + 1); p <= pos; ++p) keys.push_back(ring + (p % W) * D);
+      if (L.kind == Attn::Hca) {
+        for (int64_t w = 0; w < ent.n; ++w) keys.push_back(ent.attn.data() + w * D);
+      } else if (csa && ent.n > 0) {
+        scores.assign(size_t(ent.n), 0.0f);
+        const float* qi = iq.data() + r * IH * ID;
+        const float* wi = iw.data() + r * IH;
+        for (int64_t w = 0; w < ent.n; ++w) {
+          const float* k = ent.index.data() + w * ID;
+          double s = 0;
+          for (int64_t h = 0; h < IH; ++h) {
+            const double d = cpu::dot_f64(qi + h * ID, k, ID);
+            if (d > 0) s += double(wi[h]) * (float(d) * iscale);
+          }
+          scores[size_t(w)] = float(s);
+        }
+        const int k = int(std::min<int64_t>(idx_topk_, ent.n));
+        const int got = cpu::topk_row(scores.data(), ent.n, k, picked.data());
+        for (int j = 0; j < got; ++j) keys.push_back(ent.attn.data() + int64_t(picked[size_t(j)]) * D);
+      }
+      read += keys.size();
+      float* o = out.data() + r * NH * D;
+      const float* qr = q.data() + r * NH * D;
+      pool->parallel_for(size_t(NH), 1, [&](size_t h0, size_t h1) {
+        std::vector<double> scratch;
+        for (size_t h = h0; h < h1; ++h)
+          cpu::attend(qr + int64_t(h) * D, keys.data(), keys.data(), int64_t(keys.size()), 0, int(D), scale,
+                      L.sinks.data() + h, o + int64_t(h) * D, scratch);
+      });
+      rotate(rope, pos, o + D - RD, int(NH), D, true);
+    }
+    tokens_read += read;
+    if (batch[b].attention_tokens_read) *batch[b].attention_tokens_read += read;
+  }
+  // Grouped output projection: heads [g * NH/G, (g + 1) * NH/G) through o_a's rows [g * rank, (g + 1) * rank).
+  HostBuffer<float> grp(size_t(R * GW)), mid(size_t(R * G * o_rank_)), part(size_t(R * o_rank_));
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t r = 0; r < R; ++r)
+      std::memcpy(grp.data() + r * GW, out.data() + r * NH * D + g * GW, size_t(GW) * sizeof(float));
+    cpu::matmul(grp.data(), R, L.o_a.row_slice(g * o_rank_, o_rank_), nullptr, part.data(), pool);
+    for (int64_t r = 0; r < R; ++r)
+      std::memcpy(mid.data() + r * G * o_rank_ + g * o_rank_, part.data() + r * o_rank_,
+                  size_t(o_rank_) * sizeof(float));
+  }
+  cpu::matmul(mid.data(), R, L.o_b, nullptr, y, pool);
+  (void)H;
+}
+
+void DeepseekV4::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
+  const int64_t H = hidden_, NHC = hc_.n, MIX = (2 + NHC) * NHC;
+  const BatchRows flat = flatten_batch(batch, n_vocab_, "deepseek_v4");
+  const int64_t R = int64_t(flat.rows.size());
+  ThreadPool* pool = pool_.get();
+  std::vector<std::vector<float>> states(batch.size());
+  for (size_t b = 0; b < batch.size(); ++b) {
+    const uint8_t* st = batch[b].seq->state_ptr();
+    check(st != nullptr, DZ_ERR_INTERNAL, "deepseek_v4 forward: the sequence's arena has no state slot");
+    states[b].assign(reinterpret_cast<const float*>(st), reinterpret_cast<const float*>(st) + state_floats_);
+  }
+  std::vector<int32_t> tokens(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    const ForwardItem& it = batch[flat.rows[size_t(r)].item];
+    tokens[size_t(r)] = it.tokens[size_t(flat.rows[size_t(r)].pos - int64_t(it.seq->length()))];
+  }
+  // Streams x [R x n x H], every stream starting as the embedding.
+  HostBuffer<float> x(size_t(R * NHC * H)), normed(size_t(R * NHC * H)), col(size_t(R * H)), xn(size_t(R * H)),
+      y(size_t(R * H)), mix(size_t(R * MIX)), w(size_t(R * (2 * NHC + NHC * NHC)));
+  ends_.embed_rows(batch, flat, H, col.data());
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < NHC; ++j) std::memcpy(x.data() + (r * NHC + j) * H, col.data() + r * H, size_t(H) * 4);
+  // The streams' mix logits and weights, then their collapse into col.
+  auto hc_pre = [&](const Hc& hc) {
+    cpu::rms_norm(x.data(), R, NHC * H, nullptr, eps_, normed.data());
+    cpu::matmul(normed.data(), R, hc.fn, nullptr, mix.data(), pool);
+    for (int64_t r = 0; r < R; ++r) {
+      float* wr = w.data() + r * (2 * NHC + NHC * NHC);
+      cpu::hc_weights(hc_, mix.data() + r * MIX, hc.base.data(), hc.scale.data(), wr, wr + NHC, wr + 2 * NHC);
+      cpu::hc_collapse(hc_, x.data() + r * NHC * H, wr, col.data() + r * H);
+    }
+  };
+  auto hc_post = [&] {
+    for (int64_t r = 0; r < R; ++r) {
+      const float* wr = w.data() + r * (2 * NHC + NHC * NHC);
+      cpu::hc_expand(hc_, x.data() + r * NHC * H, y.data() + r * H, wr + NHC, wr + 2 * NHC);
+    }
+  };
+  uint64_t tokens_read = 0;
+  for (int li = 0; li < n_layers_; ++li) {
+    opt.poll_abort();
+    const Layer& L = layers_[size_t(li)];
+    hc_pre(L.attn_hc);
+    cpu::rms_norm(col.data(), R, H, L.in_norm.data(), eps_, xn.data());
+    attention(L, li, batch, flat, xn.data(), states, y.data(), tokens_read);
+    hc_post();
+    hc_pre(L.ffn_hc);
+    cpu::rms_norm(col.data(), R, H, L.post_norm.data(), eps_, xn.data());
+    ffn_forward(L.ffn, routing_, H, xn.data(), R, y.data(), pool, tokens.data());
+    hc_post();
+  }
+  opt.poll_abort();
+  cpu::rms_norm(x.data(), R, NHC * H, nullptr, eps_, normed.data());
+  cpu::matmul(normed.data(), R, head_hc_.fn, nullptr, mix.data(), pool);
+  for (int64_t r = 0; r < R; ++r) {
+    float hw[64];
+    cpu::hc_head_weights(hc_, mix.data() + r * NHC, head_hc_.base.data(), head_hc_.scale[0], hw);
+    cpu::hc_collapse(hc_, x.data() + r * NHC * H, hw, col.data() + r * H);
+  }
+  ends_.logits(batch, flat, col.data(), H, eps_, xn.data(), pool);
+  for (size_t b = 0; b < batch.size(); ++b)
+    std::memcpy(batch[b].seq->state_ptr(), states[b].data(), state_floats_ * sizeof(float));
+  if (opt.attention_tokens_read) *opt.attention_tokens_read += tokens_read;
+}
+
+}  // namespace
+
+std::unique_ptr<Family> make_deepseek_v4(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
+  return std::make_unique<DeepseekV4>(cfg, ws, params);
+}
+
+}  // namespace dz

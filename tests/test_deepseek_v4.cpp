@@ -1,0 +1,431 @@
+// DeepSeek-V4 on the CPU backend: its operators (mHC mixing weights, the
+// streaming softmax pool of the KV compressors, sqrt-softplus and hash
+// routing, the clamped SwiGLU) against float64 definitions written here, and
+// the whole model against an independent float64 numpy implementation
+// (tests/data/deepseek_v4_tiny, made by tools/reference/deepseek_v4_fixtures.py:
+// full-sequence compression and masks, naive attention): logits, greedy
+// decode, prefill in pieces, ragged batches, prefix reuse through state
+// snapshots, failed calls that must leave a session as it was, bad configs.
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+#include "cpu/compress.h"
+#include "cpu/hyper_connection.h"
+#include "cpu/moe.h"
+#include "support/family_fixture.h"
+
+namespace {
+
+using dz::test::cosine;
+using dz::test::FixtureModel;
+using dz::test::Reference;
+using dz::test::Runner;
+const char* kName = "deepseek_v4_tiny";
+
+std::vector<float> randn(size_t n, std::mt19937& rng, float scale = 1) {
+  std::normal_distribution<float> nd(0, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+
+double sigmoid(double x) { return 1 / (1 + std::exp(-x)); }
+
+}  // namespace
+
+TEST_CASE("mHC: mixing weights, collapse and expand equal their float64 definitions", "[deepseek_v4]") {
+  std::mt19937 rng(41);
+  for (int n : {1, 2, 4, 6}) {
+    dz::cpu::HcDims d;
+    d.n = n;
+    d.hidden = 37;
+    d.sinkhorn_iters = 20;
+    d.hc_eps = 1e-6f;
+    const int M = (2 + n) * n;
+    for (int trial = 0; trial < 20; ++trial) {
+      const std::vector<float> mix = randn(size_t(M), rng, 3), base = randn(size_t(M), rng), scale = randn(3, rng);
+      std::vector<float> pre(static_cast<size_t>(n)), post(static_cast<size_t>(n)), comb(static_cast<size_t>(n * n));
+      dz::cpu::hc_weights(d, mix.data(), base.data(), scale.data(), pre.data(), post.data(), comb.data());
+      // float64: softmax rows + eps, columns once, then (rows, columns) 19 times.
+      std::vector<double> c(size_t(n * n));
+      for (int j = 0; j < n; ++j) {
+        double mx = -1e300, s = 0;
+        for (int k = 0; k < n; ++k)
+          mx = std::max(mx, c[size_t(j * n + k)] = double(mix[size_t(2 * n + j * n + k)]) * scale[2] +
+                                                   base[size_t(2 * n + j * n + k)]);
+        for (int k = 0; k < n; ++k) s += std::exp(c[size_t(j * n + k)] - mx);
+        for (int k = 0; k < n; ++k) c[size_t(j * n + k)] = std::exp(c[size_t(j * n + k)] - mx) / s + 1e-6;
+      }
+      for (int it = 0; it < 20; ++it) {
+        if (it > 0)
+          for (int j = 0; j < n; ++j) {
+            double s = 0;
+            for (int k = 0; k < n; ++k) s += c[size_t(j * n + k)];
+            for (int k = 0; k < n; ++k) c[size_t(j * n + k)] /= s + 1e-6;
+          }
+        for (int k = 0; k < n; ++k) {
+          double s = 0;
+          for (int j = 0; j < n; ++j) s += c[size_t(j * n + k)];
+          for (int j = 0; j < n; ++j) c[size_t(j * n + k)] /= s + 1e-6;
+        }
+      }
+      double err = 0, col_err = 0, row_err = 0;
+      for (int j = 0; j < n; ++j) {
+        err = std::max(err, std::fabs(pre[size_t(j)] - (sigmoid(double(mix[size_t(j)]) * scale[0] + base[size_t(j)]) +
+                                                        1e-6)));
+        err = std::max(err, std::fabs(post[size_t(j)] - 2 * sigmoid(double(mix[size_t(n + j)]) * scale[1] +
+                                                                    base[size_t(n + j)])));
+        double rs = 0, cs = 0;
+        for (int k = 0; k < n; ++k) {
+          err = std::max(err, std::fabs(comb[size_t(j * n + k)] - c[size_t(j * n + k)]));
+          rs += comb[size_t(j * n + k)], cs += comb[size_t(k * n + j)];
+        }
+        row_err = std::max(row_err, std::fabs(rs - 1)), col_err = std::max(col_err, std::fabs(cs - 1));
+      }
+      INFO("n " << n << ": max |diff| " << err << ", row sums off by " << row_err << ", columns by " << col_err);
+      CHECK(err < 1e-6);
+      CHECK(col_err < 1e-5);  // the last step normalises columns
+      CHECK(row_err < 0.1);  // rows converge (Sinkhorn-Knopp; 20 steps leave a few % on peaked logits)
+      // Collapse and expand.
+      const std::vector<float> x = randn(size_t(n * d.hidden), rng), y = randn(size_t(d.hidden), rng);
+      std::vector<float> out(size_t(d.hidden)), xe = x;
+      dz::cpu::hc_collapse(d, x.data(), pre.data(), out.data());
+      dz::cpu::hc_expand(d, xe.data(), y.data(), post.data(), comb.data());
+      double cerr = 0;
+      for (int64_t h = 0; h < d.hidden; ++h) {
+        double s = 0;
+        for (int j = 0; j < n; ++j) s += double(pre[size_t(j)]) * x[size_t(j * d.hidden + h)];
+        cerr = std::max(cerr, std::fabs(out[size_t(h)] - s));
+        for (int k = 0; k < n; ++k) {
+          double e = double(post[size_t(k)]) * y[size_t(h)];
+          for (int j = 0; j < n; ++j) e += double(comb[size_t(j * n + k)]) * x[size_t(j * d.hidden + h)];
+          cerr = std::max(cerr, std::fabs(xe[size_t(k * d.hidden + h)] - e));
+        }
+      }
+      CHECK(cerr < 1e-5);
+    }
+  }
+}
+
+TEST_CASE("compressor pool: streaming softmax equals the batch softmax over the window", "[deepseek_v4]") {
+  std::mt19937 rng(7);
+  const int64_t D = 19;
+  for (int64_t m : {1, 4, 8, 128}) {
+    for (float spread : {0.5f, 5.0f, 60.0f}) {  // 60: logits far apart, the running max moves often
+      const std::vector<float> v = randn(size_t(m * D), rng), g = randn(size_t(m * D), rng, spread),
+                               bias = randn(size_t(m * D), rng);
+      std::vector<float> pool(size_t(dz::cpu::pool_floats(D)), 0.0f), out(static_cast<size_t>(D));
+      dz::cpu::pool_result(pool.data(), D, out.data());
+      CHECK(std::all_of(out.begin(), out.end(), [](float x) { return x == 0; }));  // empty
+      for (int64_t s = 0; s < m; ++s)
+        dz::cpu::pool_push(pool.data(), D, v.data() + s * D, g.data() + s * D, bias.data() + s * D);
+      dz::cpu::pool_result(pool.data(), D, out.data());
+      double err = 0;
+      for (int64_t c = 0; c < D; ++c) {
+        double mx = -1e300, z = 0, acc = 0;
+        for (int64_t s = 0; s < m; ++s) mx = std::max(mx, double(g[size_t(s * D + c)]) + bias[size_t(s * D + c)]);
+        for (int64_t s = 0; s < m; ++s) {
+          const double e = std::exp(double(g[size_t(s * D + c)]) + bias[size_t(s * D + c)] - mx);
+          z += e, acc += e * v[size_t(s * D + c)];
+        }
+        err = std::max(err, std::fabs(out[size_t(c)] - acc / z));
+      }
+      INFO("window " << m << ", logit spread " << spread << ": max |diff| " << err);
+      CHECK(err < 2e-5);
+      dz::cpu::pool_clear(pool.data(), D);
+      CHECK(std::all_of(pool.begin(), pool.end(), [](float x) { return x == 0; }));
+    }
+  }
+}
+
+TEST_CASE("sqrt-softplus routing (scored and hashed) and the clamped SwiGLU match their definitions",
+          "[deepseek_v4]") {
+  std::mt19937 rng(3);
+  const int E = 16, k = 4;
+  for (int trial = 0; trial < 50; ++trial) {
+    std::vector<float> logits = randn(E, rng, 4), bias = randn(E, rng, 0.3f);
+    logits[0] = 30;  // softplus's linear branch
+    std::vector<int32_t> idx(k), want(E);
+    std::vector<float> w(k);
+    dz::cpu::router_sqrt_softplus(logits.data(), bias.data(), E, k, nullptr, 1.5f, idx.data(), w.data());
+    std::vector<double> s(E);
+    for (int e = 0; e < E; ++e) s[size_t(e)] = std::sqrt(std::log1p(std::exp(double(logits[size_t(e)]))));
+    for (int e = 0; e < E; ++e) want[size_t(e)] = e;
+    std::sort(want.begin(), want.end(), [&](int a, int b) { return s[size_t(a)] + bias[size_t(a)] > s[size_t(b)] + bias[size_t(b)]; });
+    std::vector<int32_t> got = idx;
+    std::sort(got.begin(), got.end());
+    std::vector<int32_t> top(want.begin(), want.begin() + k);
+    std::sort(top.begin(), top.end());
+    CHECK(got == top);
+    double sum = 0;
+    for (int j = 0; j < k; ++j) sum += s[size_t(idx[size_t(j)])];
+    for (int j = 0; j < k; ++j) CHECK(w[size_t(j)] == Approx(s[size_t(idx[size_t(j)])] / sum * 1.5).epsilon(1e-6));
+    // Hashed: the table's experts, weighted the same way.
+    const int32_t fixed[k] = {5, 1, 9, 2};
+    dz::cpu::router_sqrt_softplus(logits.data(), nullptr, E, k, fixed, 1.0f, idx.data(), w.data());
+    sum = 0;
+    for (int j = 0; j < k; ++j) sum += s[size_t(fixed[j])];
+    for (int j = 0; j < k; ++j) {
+      CHECK(idx[size_t(j)] == fixed[j]);
+      CHECK(w[size_t(j)] == Approx(s[size_t(fixed[j])] / sum).epsilon(1e-6));
+    }
+  }
+  dz::cpu::Glu g;
+  g.kind = dz::cpu::Glu::Kind::ClampedSwiGLU;
+  g.limit = 1.25f;
+  const int64_t I = 64;
+  const std::vector<float> h = randn(size_t(2 * I), rng, 2);
+  std::vector<float> out(static_cast<size_t>(I));
+  dz::cpu::glu(g, h.data(), I, out.data());
+  int clamped = 0;
+  for (int64_t i = 0; i < I; ++i) {
+    const double a = std::min(double(h[size_t(i)]), 1.25), u = std::clamp(double(h[size_t(I + i)]), -1.25, 1.25);
+    clamped += h[size_t(i)] > 1.25 || std::fabs(h[size_t(I + i)]) > 1.25;
+    CHECK(out[size_t(i)] == Approx(a * sigmoid(a) * u).margin(1e-6));
+  }
+  CHECK(clamped > 0);
+}
+
+TEST_CASE("deepseek_v4 matches a float64 reference: logits and greedy decode", "[deepseek_v4]") {
+  const auto& fx = dz::test::family_fixture(kName);
+  FixtureModel model(kName);
+  const size_t V = size_t(model.vocab());
+  REQUIRE(fx.refs.size() == 3);
+  double worst_all = 1, diff_all = 0;
+  for (size_t i = 0; i < fx.refs.size(); ++i) {
+    const Reference& ref = fx.refs[i];
+    const size_t T = ref.prompt.size();
+    Runner run(model);
+    const std::vector<float> logits = run.append(ref.prompt);
+    const auto [worst, max_diff] = dz::test::compare_logits(logits.data(), ref.logits.data(), T, V);
+    INFO("prompt " << i << " (T=" << T << "): worst cosine " << worst << ", max |diff| " << max_diff);
+    CHECK(worst >= 0.99999);
+    CHECK(max_diff < 1e-3);
+    worst_all = std::min(worst_all, worst);
+    diff_all = std::max(diff_all, max_diff);
+    const std::vector<int32_t> greedy =
+        dz::test::greedy_decode(run, {logits.end() - ptrdiff_t(V), logits.end()}, ref.greedy.size());
+    INFO("smallest reference margin " << *std::min_element(ref.margin.begin(), ref.margin.end()));
+    CHECK(greedy == ref.greedy);
+  }
+  WARN("deepseek_v4: worst per-position logits cosine " << worst_all << ", max |logit diff| " << diff_all
+                                                        << " against the float64 reference");
+}
+
+TEST_CASE("deepseek_v4: prefill in any pieces, then decode, equals one full prefill", "[deepseek_v4]") {
+  FixtureModel model(kName);
+  const Reference& ref = dz::test::family_fixture(kName).refs[2];
+  const size_t V = size_t(model.vocab()), T = ref.prompt.size();
+  for (uint32_t page : {16u, 5u}) {  // 5: entries straddle pages
+    Runner full(model, page, 512);
+    const std::vector<float> want = full.append(ref.prompt);
+    for (const std::vector<size_t>& cuts :
+         std::vector<std::vector<size_t>>{{1, 149}, {64, 64, 22}, {17, 1, 1, 100, 31}, {3, 5, 7, 11, 13, 111}}) {
+      Runner run(model, page, 512);
+      size_t t0 = 0;
+      double diff = 0;
+      for (size_t len : cuts) {
+        const std::vector<int32_t> part(ref.prompt.begin() + ptrdiff_t(t0),
+                                        ref.prompt.begin() + ptrdiff_t(t0 + len));
+        const std::vector<float> got = run.append(part);
+        for (size_t k = 0; k < got.size(); ++k) diff = std::max(diff, double(std::fabs(got[k] - want[t0 * V + k])));
+        t0 += len;
+      }
+      REQUIRE(t0 == T);
+      INFO("page " << page << ", " << cuts.size() << " pieces: max |logit diff| " << diff);
+      CHECK(diff < 1e-4);
+    }
+  }
+}
+
+TEST_CASE("deepseek_v4: a ragged batch computes what each sequence computes alone", "[deepseek_v4]") {
+  FixtureModel model(kName);
+  const auto& refs = dz::test::family_fixture(kName).refs;
+  const size_t V = size_t(model.vocab());
+  const std::vector<size_t> lens = {5, 31, 70};
+  const std::vector<int32_t> more = {7, 9, 11, 200, 3};
+  std::vector<std::vector<float>> alone;
+  for (size_t b = 0; b < lens.size(); ++b) {
+    Runner r(model);
+    const std::vector<int32_t>& p = refs[b].prompt;
+    r.append({p.begin(), p.begin() + ptrdiff_t(std::min(lens[b], p.size()))});
+    alone.push_back(r.append(more));
+  }
+  Runner r(model);
+  for (size_t b = 0; b < lens.size(); ++b) {
+    const std::vector<int32_t>& p = refs[b].prompt;
+    r.append({p.begin(), p.begin() + ptrdiff_t(std::min(lens[b], p.size()))}, false, b);
+  }
+  std::vector<dz::ForwardItem> items(lens.size());
+  std::vector<std::vector<float>> got(lens.size(), std::vector<float>(more.size() * V));
+  for (size_t b = 0; b < lens.size(); ++b) {
+    r.seq(b).reserve(more.size());
+    items[b].seq = &r.seq(b);
+    items[b].tokens = more;
+    items[b].all_logits = true;
+    items[b].logits = got[b].data();
+  }
+  model.family().forward(items, {});
+  for (size_t b = 0; b < lens.size(); ++b) {
+    r.seq(b).commit(more);
+    double diff = 0;
+    for (size_t k = 0; k < more.size() * V; ++k) diff = std::max(diff, double(std::fabs(got[b][k] - alone[b][k])));
+    INFO("sequence " << b << ": max |diff| " << diff);
+    CHECK(diff < 1e-5);
+  }
+}
+
+TEST_CASE("deepseek_v4 through the C API: prefix reuse restores snapshots, fork, failed calls change nothing",
+          "[deepseek_v4]") {
+  FixtureModel model(kName);
+  const Reference& ref = dz::test::family_fixture(kName).refs[2];
+  const size_t V = size_t(model.vocab()), T = ref.prompt.size();
+  dz_kv_arena_params ap;
+  dz_kv_arena_params_init(&ap);
+  ap.page_tokens = 16;
+  ap.capacity_bytes = 16u << 20;
+  dz_kv_arena* arena = nullptr;
+  REQUIRE(dz_kv_arena_create(model.m, &ap, &arena) == DZ_OK);
+  dz_session_params sp;
+  dz_session_params_init(&sp);
+  sp.prefill_chunk = 40;
+  auto last_logits = [&](dz_session* s) {
+    const float* l;
+    size_t rows, nv;
+    REQUIRE(dz_session_logits(s, &l, &rows, &nv) == DZ_OK);
+    return std::vector<float>(l + (rows - 1) * nv, l + rows * nv);
+  };
+  auto max_diff = [&](const std::vector<float>& a, const std::vector<float>& b) {
+    double d = 0;
+    for (size_t k = 0; k < V; ++k) d = std::max(d, double(std::fabs(a[k] - b[k])));
+    return d;
+  };
+  dz_session *a = nullptr, *b = nullptr, *f = nullptr;
+  REQUIRE(dz_session_create(arena, &sp, &a) == DZ_OK);
+  REQUIRE(dz_session_append(a, ref.prompt.data(), T, DZ_LOGITS_LAST) == DZ_OK);
+  const std::vector<float> want = last_logits(a);
+  CHECK(cosine(want.data(), ref.logits.data() + (T - 1) * V, V) >= 0.99999);
+  std::vector<int32_t> greedy(4);
+  REQUIRE(dz_session_fork(a, &f) == DZ_OK);
+  for (int32_t& t : greedy) REQUIRE(dz_generate_step(&f, 1, &t) == DZ_OK);
+  CHECK(std::equal(greedy.begin(), greedy.end(), ref.greedy.begin()));
+  // Same prompt again: the cached pages and the state snapshot at 144 are adopted.
+  REQUIRE(dz_session_create(arena, &sp, &b) == DZ_OK);
+  REQUIRE(dz_session_append(b, ref.prompt.data(), T, DZ_LOGITS_LAST) == DZ_OK);
+  dz_session_stats st;
+  dz_session_stats_init(&st);
+  REQUIRE(dz_session_get_stats(b, &st) == DZ_OK);
+  CHECK(st.tokens_reused == 144);
+  const std::vector<float> got = last_logits(b);
+  INFO("reused prefix: max |logit diff| " << max_diff(got, want));
+  CHECK(max_diff(got, want) < 1e-5);
+  // The state slot holds the windows and the open compressor pools: 4 layers x 8 x 32 (windows), 2 CSA layers x
+  // (2 x 3 x 32 + 2 x 3 x 16), 1 HCA layer x 3 x 32 floats.
+  dz_kv_stats ks;
+  dz_kv_stats_init(&ks);
+  REQUIRE(dz_kv_arena_get_stats(arena, &ks) == DZ_OK);
+  CHECK(ks.state_bytes == (4 * 8 * 32 + 2 * (6 * 32 + 6 * 16) + 3 * 32) * sizeof(float));
+  // Rewind to a snapshot, and a position without one.
+  CHECK(dz_session_truncate(b, 100) == DZ_ERR_UNSUPPORTED);
+  REQUIRE(dz_session_truncate(b, 96) == DZ_OK);
+  REQUIRE(dz_session_append(b, ref.prompt.data() + 96, T - 96, DZ_LOGITS_LAST) == DZ_OK);
+  CHECK(max_diff(last_logits(b), want) < 1e-5);
+  // A prefill cancelled after a committed chunk leaves the session as it was.
+  struct Count {
+    int polls = 0;
+  } count;
+  dz_session_params cancel = sp;
+  cancel.abort = [](void* u) -> int { return ++static_cast<Count*>(u)->polls > 7; };
+  cancel.abort_user = &count;
+  dz_session* c = nullptr;
+  REQUIRE(dz_session_create(arena, &cancel, &c) == DZ_OK);
+  const std::vector<int32_t> other(ref.prompt.rbegin(), ref.prompt.rend());
+  REQUIRE(dz_session_append(c, other.data(), 20, DZ_LOGITS_LAST) == DZ_OK);
+  count.polls = 0;
+  CHECK(dz_session_append(c, other.data() + 20, 100, DZ_LOGITS_LAST) == DZ_ERR_CANCELLED);
+  size_t len = 0;
+  REQUIRE(dz_session_length(c, &len) == DZ_OK);
+  CHECK(len == 20);
+  count.polls = -1000;
+  REQUIRE(dz_session_append(c, other.data() + 20, 100, DZ_LOGITS_LAST) == DZ_OK);
+  Runner plain(model);
+  const std::vector<float> direct = plain.append({other.begin(), other.begin() + 120}, false);
+  INFO("after a cancelled prefill: max |logit diff| " << max_diff(last_logits(c), direct));
+  CHECK(max_diff(last_logits(c), direct) < 1e-5);
+  for (dz_session* s : {a, b, c, f}) dz_session_free(s);
+  dz_kv_arena_free(arena);
+}
+
+TEST_CASE("deepseek_v4: bad checkpoints fail with clear errors", "[deepseek_v4]") {
+  namespace fs = std::filesystem;
+  const fs::path src = fs::path(dz::test::kFixtureData) / kName;
+  const fs::path dir = fs::temp_directory_path() / ("dz-test-dsv4-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  for (const auto& e : fs::directory_iterator(src))
+    if (e.path().filename() != "config.json") fs::create_symlink(e.path(), dir / e.path().filename());
+  nlohmann::json base;
+  std::ifstream(src / "config.json") >> base;
+  auto open_with = [&](const nlohmann::json& cfg) {
+    std::ofstream(dir / "config.json") << cfg.dump();
+    dz_model_params p;
+    dz_model_params_init(&p);
+    dz_model* m = nullptr;
+    const dz_status st = dz_model_open(dir.c_str(), &p, &m);
+    dz_model_free(m);
+    return std::pair{st, std::string(dz_last_error())};
+  };
+  struct Case {
+    const char* what;
+    std::function<void(nlohmann::json&)> edit;
+    dz_status status;
+    const char* says;
+  };
+  const std::vector<Case> cases = {
+      {"an unknown layer type", [](nlohmann::json& c) { c["layer_types"][1] = "full_attention"; }, DZ_ERR_FORMAT,
+       "layer_types[1]"},
+      {"an unknown MoE layer type", [](nlohmann::json& c) { c["mlp_layer_types"][0] = "dense"; }, DZ_ERR_FORMAT,
+       "mlp_layer_types[0]"},
+      {"another router score", [](nlohmann::json& c) { c["scoring_func"] = "softmax"; }, DZ_ERR_UNSUPPORTED,
+       "scoring_func"},
+      {"several KV heads", [](nlohmann::json& c) { c["num_key_value_heads"] = 2; }, DZ_ERR_UNSUPPORTED,
+       "num_key_value_heads"},
+      {"o_groups not dividing the heads", [](nlohmann::json& c) { c["o_groups"] = 3; }, DZ_ERR_FORMAT, "o_groups"},
+      {"a rotary dimension above the indexer's", [](nlohmann::json& c) { c["partial_rotary_factor"] = 1.0; },
+       DZ_ERR_FORMAT, "rotary"},
+      {"a shape that disagrees with the tensors", [](nlohmann::json& c) { c["q_lora_rank"] = 48; }, DZ_ERR_FORMAT,
+       "q_a_proj"},
+      {"a hash layer where the checkpoint has a scored router",
+       [](nlohmann::json& c) { c["mlp_layer_types"][2] = "hash_moe"; }, DZ_ERR_NOT_FOUND, "tid2eid"},
+  };
+  for (const Case& c : cases) {
+    nlohmann::json cfg = base;
+    c.edit(cfg);
+    const auto [st, msg] = open_with(cfg);
+    INFO(c.what << ": " << msg);
+    CHECK(st == c.status);
+    CHECK(msg.find(c.says) != std::string::npos);
+  }
+  // The checkpoint's own spellings: compress_ratios and num_hash_layers open the same model.
+  nlohmann::json legacy = base;
+  legacy.erase("layer_types");
+  legacy.erase("mlp_layer_types");
+  legacy.erase("compress_rates");
+  legacy["compress_ratios"] = {0, 4, 128, 4};
+  legacy["num_hash_layers"] = 2;
+  legacy["compress_rate_hca"] = 16;  // where the fixture's HCA rate differs from 128
+  // compress_ratios name rates 4 and 128 only: 128 marks the HCA layer, compress_rate_hca sets its rate.
+  const auto [st, msg] = open_with(legacy);
+  INFO(msg);
+  CHECK(st == DZ_OK);
+  fs::remove_all(dir);
+}
