@@ -341,9 +341,10 @@ TEST_CASE("deepseek_v4 through the C API: prefix reuse restores snapshots, fork,
   CHECK(max_diff(last_logits(b), want) < 1e-5);
   // A prefill cancelled after a committed chunk leaves the session as it was.
   struct Count {
-    int polls = 0;
+    int polls = -1000;
   } count;
   dz_session_params cancel = sp;
+  // A forward polls once per layer and once before the logits: 5 polls, so the second chunk is cancelled.
   cancel.abort = [](void* u) -> int { return ++static_cast<Count*>(u)->polls > 7; };
   cancel.abort_user = &count;
   dz_session* c = nullptr;
@@ -400,8 +401,14 @@ TEST_CASE("deepseek_v4: bad checkpoints fail with clear errors", "[deepseek_v4]"
       {"several KV heads", [](nlohmann::json& c) { c["num_key_value_heads"] = 2; }, DZ_ERR_UNSUPPORTED,
        "num_key_value_heads"},
       {"o_groups not dividing the heads", [](nlohmann::json& c) { c["o_groups"] = 3; }, DZ_ERR_FORMAT, "o_groups"},
-      {"a rotary dimension above the indexer's", [](nlohmann::json& c) { c["partial_rotary_factor"] = 1.0; },
-       DZ_ERR_FORMAT, "rotary"},
+      {"a rotary dimension above the indexer's",
+       [](nlohmann::json& c) {
+         for (const char* k : {"main", "compress"}) c["rope_parameters"][k]["partial_rotary_factor"] = 0.75;
+       },
+       DZ_ERR_FORMAT, "exceeds head_dim 32 or index_head_dim 16"},
+      {"rotary dimensions that differ by layer type",
+       [](nlohmann::json& c) { c["rope_parameters"]["main"]["partial_rotary_factor"] = 0.5; }, DZ_ERR_UNSUPPORTED,
+       "rotary dimensions differ"},
       {"a shape that disagrees with the tensors", [](nlohmann::json& c) { c["q_lora_rank"] = 48; }, DZ_ERR_FORMAT,
        "q_a_proj"},
       {"a hash layer where the checkpoint has a scored router",

@@ -33,6 +33,17 @@ void fp8_block_decode_row(const uint8_t* q, const float* scale_inv, int64_t n, i
   }
 }
 
+void fp8_block_e8m0_decode_row(const uint8_t* q, const uint8_t* scale, int64_t n, int64_t cols, float* out) {
+  const int64_t kb = (cols + kFp8WeightBlock - 1) / kFp8WeightBlock;
+  const uint8_t* row = q + size_t(n) * size_t(cols);
+  const uint8_t* s = scale + size_t(n / kFp8WeightBlock) * size_t(kb);
+  for (int64_t b = 0; b < kb; ++b) {
+    const float sc = std::ldexp(1.0f, int(s[b]) - 127);
+    const int64_t k0 = b * kFp8WeightBlock, k1 = k0 + kFp8WeightBlock < cols ? k0 + kFp8WeightBlock : cols;
+    for (int64_t k = k0; k < k1; ++k) out[k] = kE4M3[row[k]] * sc;
+  }
+}
+
 float fp8_quantize_block(const float* v, int64_t n, bool pow2, uint8_t* out) {
   float amax = 0;
   for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(v[i]));

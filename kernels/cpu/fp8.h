@@ -21,6 +21,8 @@ inline bool e4m3_is_nan(uint8_t b) { return (b & 0x7F) == 0x7F; }
 
 // Decode row n (cols values) of a block-scaled FP8 weight of `cols` columns.
 void fp8_block_decode_row(const uint8_t* q, const float* scale_inv, int64_t n, int64_t cols, float* out);
+// The same with E8M0 scale bytes (scale 2^(b - 127)), as DeepSeek-V4 ships its FP8 weights.
+void fp8_block_e8m0_decode_row(const uint8_t* q, const uint8_t* scale, int64_t n, int64_t cols, float* out);
 
 // Quantise v[0..n) to E4M3 with one scale (the caller's block): scale =
 // amax / 448, or the next power of two at or above it when pow2; an all-zero

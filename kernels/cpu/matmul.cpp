@@ -85,6 +85,7 @@ void to_f32(WeightKind kind, const uint8_t* src, int64_t n, float* out) {
       return;
     case WeightKind::MXFP4:
     case WeightKind::FP8_BLOCK:
+    case WeightKind::FP8_BLOCK_E8M0:
       break;
   }
   std::abort();  // MXFP4 / FP8 vectors are decoded through WeightRef
@@ -107,6 +108,9 @@ void WeightRef::decode_row(int64_t n, float* out) const {
     case WeightKind::FP8_BLOCK:
       fp8_block_decode_row(data, reinterpret_cast<const float*>(scales), row0 + n, cols, out);
       return;
+    case WeightKind::FP8_BLOCK_E8M0:
+      fp8_block_e8m0_decode_row(data, scales, row0 + n, cols, out);
+      return;
   }
 }
 
@@ -126,6 +130,7 @@ WeightRef WeightRef::row_slice(int64_t r0, int64_t n) const {
       r.scales += size_t(r0) * size_t(cols / kMxfp4Group);
       break;
     case WeightKind::FP8_BLOCK:
+    case WeightKind::FP8_BLOCK_E8M0:
       r.row0 += r0;
       break;
   }

@@ -10,14 +10,16 @@
 
 namespace dz::cpu {
 
-// FP8_BLOCK: E4M3 bytes with F32 scale_inv per 128x128 block (cpu/fp8.h).
-enum class WeightKind : uint8_t { F32, BF16, F16, MXFP4, FP8_BLOCK };
+// FP8_BLOCK: E4M3 bytes with F32 scale_inv per 128x128 block (cpu/fp8.h);
+// FP8_BLOCK_E8M0: the same with power-of-two E8M0 scale bytes (DeepSeek-V4).
+enum class WeightKind : uint8_t { F32, BF16, F16, MXFP4, FP8_BLOCK, FP8_BLOCK_E8M0 };
 
 // A [rows x cols] weight matrix in place (usually an mmap'd checkpoint tensor).
 struct WeightRef {
   WeightKind kind = WeightKind::F32;
   const uint8_t* data = nullptr;    // MXFP4: blocks, cols/2 bytes per row
   const uint8_t* scales = nullptr;  // MXFP4: cols/32 bytes per row; FP8_BLOCK: F32 [ceil(rows0/128), ceil(cols/128)]
+                                    // (FP8_BLOCK_E8M0: one byte each)
   int64_t rows = 0, cols = 0;
   int64_t row0 = 0;  // FP8_BLOCK: first row within the scaled matrix (block rows are absolute)
 

@@ -29,6 +29,7 @@ constexpr DTypeInfo kDTypes[] = {
     {"F32", DType::F32, 4},         {"F16", DType::F16, 2}, {"BF16", DType::BF16, 2}, {"F8_E4M3", DType::F8_E4M3, 1},
     {"F8_E5M2", DType::F8_E5M2, 1}, {"U8", DType::U8, 1},   {"I8", DType::I8, 1},     {"I16", DType::I16, 2},
     {"I32", DType::I32, 4},         {"I64", DType::I64, 8}, {"BOOL", DType::BOOL, 1}, {"F64", DType::F64, 8},
+    {"F8_E8M0", DType::F8_E8M0, 1},
 };
 // A header larger than this is refused before it is read (real checkpoints
 // have headers of a few MB).

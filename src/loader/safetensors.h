@@ -13,7 +13,8 @@
 
 namespace dz {
 
-enum class DType : uint8_t { F32, F16, BF16, F8_E4M3, F8_E5M2, U8, I8, I16, I32, I64, BOOL, F64 };
+// F8_E8M0: power-of-two scale bytes (2^(b - 127), 0xFF NaN).
+enum class DType : uint8_t { F32, F16, BF16, F8_E4M3, F8_E5M2, U8, I8, I16, I32, I64, BOOL, F64, F8_E8M0 };
 
 const char* dtype_name(DType t);
 size_t dtype_size(DType t);

@@ -89,6 +89,70 @@ struct Entries {
   int64_t n = 0;
 };
 
+// Tensor names: transformers' layout (model.layers.N.self_attn.q_a_proj) or
+// DeepSeek's own, as the released checkpoints ship (layers.N.attn.wq_a, one
+// tensor per expert). Asked for by the transformers name.
+class Names {
+ public:
+  explicit Names(const WeightStore& ws) : native_(ws.has("embed.weight") && !ws.has("model.embed_tokens.weight")) {}
+  bool native() const { return native_; }
+  // Layer i's tensor (or linear weight base) `hf`, a name below model.layers.i.
+  std::string layer(int i, const std::string& hf) const {
+    if (!native_) return "model.layers." + std::to_string(i) + "." + hf;
+    return "layers." + std::to_string(i) + "." + rename(hf, kLayer);
+  }
+  std::string top(const std::string& hf) const { return native_ ? rename(hf, kTop) : hf; }
+
+ private:
+  using Table = std::initializer_list<std::pair<const char*, const char*>>;
+  // First match wins: a name equal to the key, or starting with key + ".".
+  static std::string rename(const std::string& hf, const Table& table) {
+    for (const auto& [from, to] : table) {
+      const size_t n = std::strlen(from);
+      if (hf.compare(0, n, from) == 0 && (hf.size() == n || hf[n] == '.')) return to + hf.substr(n);
+    }
+    fail(DZ_ERR_INTERNAL, "deepseek_v4: no checkpoint name for ", hf);
+  }
+  static constexpr Table kTop = {{"model.embed_tokens", "embed"},     {"lm_head", "head"},
+                                 {"model.norm", "norm"},              {"model.hc_head.hc_fn", "hc_head_fn"},
+                                 {"model.hc_head.hc_base", "hc_head_base"}, {"model.hc_head.hc_scale", "hc_head_scale"}};
+  static constexpr Table kLayer = {
+      {"self_attn.compressor.indexer.position_bias", "attn.indexer.compressor.ape"},
+      {"self_attn.compressor.indexer.kv_proj", "attn.indexer.compressor.wkv"},
+      {"self_attn.compressor.indexer.gate_proj", "attn.indexer.compressor.wgate"},
+      {"self_attn.compressor.indexer.kv_norm", "attn.indexer.compressor.norm"},
+      {"self_attn.compressor.indexer.q_b_proj", "attn.indexer.wq_b"},
+      {"self_attn.compressor.indexer.scorer.weights_proj", "attn.indexer.weights_proj"},
+      {"self_attn.compressor.position_bias", "attn.compressor.ape"},
+      {"self_attn.compressor.kv_proj", "attn.compressor.wkv"},
+      {"self_attn.compressor.gate_proj", "attn.compressor.wgate"},
+      {"self_attn.compressor.kv_norm", "attn.compressor.norm"},
+      {"self_attn.sinks", "attn.attn_sink"},
+      {"self_attn.q_a_proj", "attn.wq_a"},
+      {"self_attn.q_b_proj", "attn.wq_b"},
+      {"self_attn.q_a_norm", "attn.q_norm"},
+      {"self_attn.kv_proj", "attn.wkv"},
+      {"self_attn.kv_norm", "attn.kv_norm"},
+      {"self_attn.o_a_proj", "attn.wo_a"},
+      {"self_attn.o_b_proj", "attn.wo_b"},
+      {"input_layernorm", "attn_norm"},
+      {"post_attention_layernorm", "ffn_norm"},
+      {"attn_hc.fn", "hc_attn_fn"},
+      {"attn_hc.base", "hc_attn_base"},
+      {"attn_hc.scale", "hc_attn_scale"},
+      {"ffn_hc.fn", "hc_ffn_fn"},
+      {"ffn_hc.base", "hc_ffn_base"},
+      {"ffn_hc.scale", "hc_ffn_scale"},
+      {"mlp.gate.e_score_correction_bias", "ffn.gate.bias"},
+      {"mlp.gate.tid2eid", "ffn.gate.tid2eid"},
+      {"mlp.gate", "ffn.gate"},
+      {"mlp.shared_experts.gate_proj", "ffn.shared_experts.w1"},
+      {"mlp.shared_experts.up_proj", "ffn.shared_experts.w3"},
+      {"mlp.shared_experts.down_proj", "ffn.shared_experts.w2"},
+  };
+  bool native_;
+};
+
 class DeepseekV4 final : public Family {
  public:
   DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_params& params);
@@ -293,75 +357,78 @@ DeepseekV4::DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_
   const int64_t inter = cfg.get_positive_int("moe_intermediate_size");
 
   // Weights.
+  const Names names(ws);
   const int64_t H = hidden_, D = head_dim_, NH = n_heads_, QL = q_lora_, G = o_groups_, NHC = hc_.n;
-  ends_.load(ws, n_vocab_, H, cfg.get_or<bool>("tie_word_embeddings", false));
-  auto load_hc = [&](const std::string& p, int64_t outs, bool head) {
+  ends_.load(ws, n_vocab_, H, cfg.get_or<bool>("tie_word_embeddings", false), names.top("model.embed_tokens"),
+             names.top("lm_head"), names.top("model.norm.weight"));
+  auto load_hc = [&](const std::string& fn, const std::string& base, const std::string& scale, int64_t outs,
+                     int64_t n_scale) {
     Hc h;
-    h.fn = float_matrix(ws, p + (head ? "hc_fn" : "fn"), {outs, NHC * H});
-    h.base = vector_f32(ws, p + (head ? "hc_base" : "base"), {outs});
-    h.scale = vector_f32(ws, p + (head ? "hc_scale" : "scale"), {head ? 1 : 3});
+    h.fn = float_matrix(ws, fn, {outs, NHC * H});
+    h.base = vector_f32(ws, base, {outs});
+    h.scale = vector_f32(ws, scale, {n_scale});
     return h;
   };
-  head_hc_ = load_hc("model.hc_head.", NHC, true);
-  auto load_comp = [&](const std::string& p, int64_t dim, bool overlap, int64_t rate) {
-    Compressor c;
-    c.dim = dim, c.overlap = overlap;
-    c.kv = linear_weight(ws, p + "kv_proj", c.series() * dim, H);
-    c.gate = linear_weight(ws, p + "gate_proj", c.series() * dim, H);
-    c.bias = vector_f32(ws, p + "position_bias", {rate, c.series() * dim});
-    c.norm = vector_f32(ws, p + "kv_norm.weight", {dim});
-    c.state_off = state_floats_;
-    state_floats_ += c.state_floats();
-    return c;
-  };
+  head_hc_ = load_hc(names.top("model.hc_head.hc_fn"), names.top("model.hc_head.hc_base"),
+                     names.top("model.hc_head.hc_scale"), NHC, 1);
   layers_.resize(size_t(n_layers_));
   for (int i = 0; i < n_layers_; ++i) {
     Layer& l = layers_[size_t(i)];
-    const std::string p = "model.layers." + std::to_string(i) + ".", a = p + "self_attn.";
+    auto n = [&](const std::string& hf) { return names.layer(i, hf); };
+    auto load_comp = [&](const std::string& p, int64_t dim, bool overlap, int64_t rate) {
+      Compressor c;
+      c.dim = dim, c.overlap = overlap;
+      c.kv = linear_weight(ws, n(p + "kv_proj"), c.series() * dim, H);
+      c.gate = linear_weight(ws, n(p + "gate_proj"), c.series() * dim, H);
+      c.bias = vector_f32(ws, n(p + "position_bias"), {rate, c.series() * dim});
+      c.norm = vector_f32(ws, n(p + "kv_norm.weight"), {dim});
+      c.state_off = state_floats_;
+      state_floats_ += c.state_floats();
+      return c;
+    };
     l.kind = kinds[size_t(i)];
-    l.in_norm = vector_f32(ws, p + "input_layernorm.weight", {H});
-    l.post_norm = vector_f32(ws, p + "post_attention_layernorm.weight", {H});
-    l.attn_hc = load_hc(p + "attn_hc.", (2 + NHC) * NHC, false);
-    l.ffn_hc = load_hc(p + "ffn_hc.", (2 + NHC) * NHC, false);
-    l.q_a = linear_weight(ws, a + "q_a_proj", QL, H);
-    l.q_a_norm = vector_f32(ws, a + "q_a_norm.weight", {QL});
-    l.q_b = linear_weight(ws, a + "q_b_proj", NH * D, QL);
-    l.kv = linear_weight(ws, a + "kv_proj", D, H);
-    l.kv_norm = vector_f32(ws, a + "kv_norm.weight", {D});
-    l.o_a = linear_weight(ws, a + "o_a_proj", G * o_rank_, NH * D / G);
-    l.o_b = linear_weight(ws, a + "o_b_proj", H, G * o_rank_);
-    l.sinks = vector_f32(ws, a + "sinks", {NH});
+    l.in_norm = vector_f32(ws, n("input_layernorm.weight"), {H});
+    l.post_norm = vector_f32(ws, n("post_attention_layernorm.weight"), {H});
+    for (const char* hc : {"attn_hc.", "ffn_hc."})
+      (hc[0] == 'a' ? l.attn_hc : l.ffn_hc) = load_hc(n(std::string(hc) + "fn"), n(std::string(hc) + "base"),
+                                                      n(std::string(hc) + "scale"), (2 + NHC) * NHC, 3);
+    l.q_a = linear_weight(ws, n("self_attn.q_a_proj"), QL, H);
+    l.q_a_norm = vector_f32(ws, n("self_attn.q_a_norm.weight"), {QL});
+    l.q_b = linear_weight(ws, n("self_attn.q_b_proj"), NH * D, QL);
+    l.kv = linear_weight(ws, n("self_attn.kv_proj"), D, H);
+    l.kv_norm = vector_f32(ws, n("self_attn.kv_norm.weight"), {D});
+    l.o_a = linear_weight(ws, n("self_attn.o_a_proj"), G * o_rank_, NH * D / G);
+    l.o_b = linear_weight(ws, n("self_attn.o_b_proj"), H, G * o_rank_);
+    l.sinks = vector_f32(ws, n("self_attn.sinks"), {NH});
     l.ring_off = state_floats_;
     state_floats_ += size_t(window_ * D);
     if (l.kind != Attn::Sliding) {
       l.rate = l.kind == Attn::Csa ? rate_csa : rate_hca;
-      const std::string c = a + "compressor.";
-      l.comp = load_comp(c, D, l.kind == Attn::Csa, l.rate);
+      l.comp = load_comp("self_attn.compressor.", D, l.kind == Attn::Csa, l.rate);
       l.entry_floats = size_t(D);
       if (l.kind == Attn::Csa) {
-        l.icomp = load_comp(c + "indexer.", idx_dim_, true, l.rate);
-        l.iq_b = linear_weight(ws, c + "indexer.q_b_proj", idx_heads_ * idx_dim_, QL);
-        l.iweights = linear_weight(ws, c + "indexer.scorer.weights_proj", idx_heads_, H);
+        l.icomp = load_comp("self_attn.compressor.indexer.", idx_dim_, true, l.rate);
+        l.iq_b = linear_weight(ws, n("self_attn.compressor.indexer.q_b_proj"), idx_heads_ * idx_dim_, QL);
+        l.iweights = linear_weight(ws, n("self_attn.compressor.indexer.scorer.weights_proj"), idx_heads_, H);
         l.entry_floats += size_t(idx_dim_);
       }
       l.token_bytes = (l.entry_floats * sizeof(float) + size_t(l.rate) - 1) / size_t(l.rate);
     }
-    // MoE: fused [experts, 2 * inter, hidden] gate|up and [experts, hidden, inter] down.
-    const std::string m = p + "mlp.";
+    // MoE.
     const int64_t E = routing_.n_experts, K = routing_.n_active;
     l.ffn.moe = true;
-    l.ffn.router = linear_weight(ws, m + "gate", E, H);
+    l.ffn.router = linear_weight(ws, n("mlp.gate"), E, H);
     if (hashed[size_t(i)]) {
-      const TensorView& t = ws.get(m + "gate.tid2eid");
+      const TensorView& t = ws.get(n("mlp.gate.tid2eid"));
       check(t.dtype == DType::I64 || t.dtype == DType::I32, DZ_ERR_FORMAT, "tensor ", t.name, ": dtype ",
             dtype_name(t.dtype), " (expected I64 or I32)");
       check_shape(t, {int64_t(n_vocab_), K});
       l.ffn.hash.resize(size_t(t.numel()));
       for (size_t k = 0; k < l.ffn.hash.size(); ++k) {
         int64_t v = 0;
-        if (t.dtype == DType::I64)
+        if (t.dtype == DType::I64) {
           std::memcpy(&v, t.data + 8 * k, 8);
-        else {
+        } else {
           int32_t v32;
           std::memcpy(&v32, t.data + 4 * k, 4);
           v = v32;
@@ -371,16 +438,23 @@ DeepseekV4::DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_
         l.ffn.hash[k] = int32_t(v);
       }
     } else {
-      l.ffn.router_bias = vector_f32(ws, m + "gate.e_score_correction_bias", {E});
+      l.ffn.router_bias = vector_f32(ws, n("mlp.gate.e_score_correction_bias"), {E});
     }
-    const WeightRef gu = float_matrix(ws, m + "experts.gate_up_proj", {E, 2 * inter, H});
-    const WeightRef dn = float_matrix(ws, m + "experts.down_proj", {E, H, inter});
-    for (int64_t e = 0; e < E; ++e)
-      l.ffn.experts.push_back(SwiGlu{gu.row_slice(e * 2 * inter, inter), gu.row_slice(e * 2 * inter + inter, inter),
-                                     dn.row_slice(e * H, H), inter});
-    const std::string s = m + "shared_experts.";
+    if (names.native()) {  // one tensor per expert and projection: w1 gate, w3 up, w2 down
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string x = "layers." + std::to_string(i) + ".ffn.experts." + std::to_string(e) + ".";
+        l.ffn.experts.push_back(load_swiglu(ws, x + "w1", x + "w3", x + "w2", inter, H));
+      }
+    } else {  // transformers stacks them: [experts, 2 * inter, hidden] gate | up, [experts, hidden, inter] down
+      const WeightRef gu = float_matrix(ws, n("mlp.experts.gate_up_proj"), {E, 2 * inter, H});
+      const WeightRef dn = float_matrix(ws, n("mlp.experts.down_proj"), {E, H, inter});
+      for (int64_t e = 0; e < E; ++e)
+        l.ffn.experts.push_back(SwiGlu{gu.row_slice(e * 2 * inter, inter), gu.row_slice(e * 2 * inter + inter, inter),
+                                       dn.row_slice(e * H, H), inter});
+    }
     if (cfg.get_or<int64_t>("n_shared_experts", 1) > 0)
-      l.ffn.shared = load_swiglu(ws, s + "gate_proj", s + "up_proj", s + "down_proj", inter, H);
+      l.ffn.shared = load_swiglu(ws, n("mlp.shared_experts.gate_proj"), n("mlp.shared_experts.up_proj"),
+                                 n("mlp.shared_experts.down_proj"), inter, H);
   }
   model_key_ = fnv1a(cfg.json().dump(), fnv1a("deepseek_v4 kv: f32 entries|index keys per m tokens; state f32 "
                                               "window ring, softmax pools v1 " +

@@ -5,11 +5,12 @@
 
 namespace dz {
 
-void LmEnds::load(const WeightStore& ws, int64_t vocab, int64_t hidden, bool tied) {
-  embed = linear_weight(ws, "model.embed_tokens", vocab, hidden);
-  check(embed.kind != cpu::WeightKind::MXFP4, DZ_ERR_UNSUPPORTED, "model.embed_tokens: MXFP4 embeddings");
-  lm_head = tied ? embed : linear_weight(ws, "lm_head", vocab, hidden);
-  final_norm = vector_f32(ws, "model.norm.weight", {hidden});
+void LmEnds::load(const WeightStore& ws, int64_t vocab, int64_t hidden, bool tied, const std::string& embed_base,
+                  const std::string& head_base, const std::string& norm_name) {
+  embed = linear_weight(ws, embed_base, vocab, hidden);
+  check(embed.kind != cpu::WeightKind::MXFP4, DZ_ERR_UNSUPPORTED, embed_base, ": MXFP4 embeddings");
+  lm_head = tied ? embed : linear_weight(ws, head_base, vocab, hidden);
+  final_norm = vector_f32(ws, norm_name, {hidden});
 }
 
 void LmEnds::embed_rows(std::span<const ForwardItem> batch, const BatchRows& flat, int64_t hidden, float* x) const {

@@ -65,16 +65,45 @@ cpu::WeightRef linear_weight(const WeightStore& ws, const std::string& base, int
     return w;
   }
   const TensorView& t = ws.get(wn);
+  // DeepSeek's own layout names a weight's scales base + ".scale": E8M0 bytes per 128x128 block of an FP8
+  // weight, per 32 columns of an FP4 one (two E2M1 values a byte, the first in the low nibble, as MXFP4).
+  const std::string sc = base + ".scale";
+  if ((t.dtype == DType::I8 || t.dtype == DType::U8) && ws.has(sc)) {
+    const TensorView& s = ws.get(sc);
+    check(s.dtype == DType::F8_E8M0 || s.dtype == DType::U8, DZ_ERR_FORMAT, "tensor ", sc, ": dtype ",
+          dtype_name(s.dtype), " (expected F8_E8M0 or U8 scales for the FP4 weight ", wn, "; in ", where(s), ")");
+    check(cols % cpu::kMxfp4Group == 0, DZ_ERR_FORMAT, "tensor ", wn, ": ", cols,
+          " input features are not a multiple of the FP4 group (32)");
+    check_shape(t, {rows, cols / 2});
+    check_shape(s, {rows, cols / cpu::kMxfp4Group});
+    const size_t bad = cpu::find_e8m0_nan(s.data, s.nbytes);
+    check(bad == SIZE_MAX, DZ_ERR_FORMAT, "tensor ", sc, ": scale byte 0xFF (E8M0 NaN) at [",
+          int64_t(bad) / (cols / cpu::kMxfp4Group), ", ", int64_t(bad) % (cols / cpu::kMxfp4Group), "] (in ", where(s),
+          "); the checkpoint is corrupt");
+    w.kind = cpu::WeightKind::MXFP4;
+    w.data = t.data;
+    w.scales = s.data;
+    return w;
+  }
   if (t.dtype == DType::F8_E4M3) {
     check_shape(t, {rows, cols});
-    const std::string sn = base + ".weight_scale_inv";
+    const std::string sn = ws.has(base + ".weight_scale_inv") || !ws.has(sc) ? base + ".weight_scale_inv" : sc;
     check(ws.has(sn), DZ_ERR_FORMAT, "tensor ", wn, " is F8_E4M3 but its block scales ", sn, " are missing (in ",
           where(t), ")");
     const TensorView& s = ws.get(sn);
-    check(s.dtype == DType::F32, DZ_ERR_UNSUPPORTED, "tensor ", sn, ": dtype ", dtype_name(s.dtype),
-          " (F32 128x128 block scales are supported; in ", where(s), ")");
     const int64_t B = cpu::kFp8WeightBlock;
     check_shape(s, {(rows + B - 1) / B, (cols + B - 1) / B});
+    w.data = t.data;
+    w.scales = s.data;
+    if (s.dtype == DType::F8_E8M0 || (s.dtype == DType::U8 && sn == sc)) {
+      const size_t bad = cpu::find_e8m0_nan(s.data, s.nbytes);
+      check(bad == SIZE_MAX, DZ_ERR_FORMAT, "tensor ", sn, ": scale byte 0xFF (E8M0 NaN) at [", int64_t(bad) / s.dim(1),
+            ", ", int64_t(bad) % s.dim(1), "] (in ", where(s), "); the checkpoint is corrupt");
+      w.kind = cpu::WeightKind::FP8_BLOCK_E8M0;
+      return w;
+    }
+    check(s.dtype == DType::F32, DZ_ERR_UNSUPPORTED, "tensor ", sn, ": dtype ", dtype_name(s.dtype),
+          " (F32 or E8M0 128x128 block scales are supported; in ", where(s), ")");
     for (int64_t i = 0; i < s.numel(); ++i) {
       float v;
       std::memcpy(&v, s.data + 4 * i, 4);
@@ -82,8 +111,6 @@ cpu::WeightRef linear_weight(const WeightStore& ws, const std::string& base, int
             i % s.dim(1), "] is not a positive finite number (in ", where(s), ")");
     }
     w.kind = cpu::WeightKind::FP8_BLOCK;
-    w.data = t.data;
-    w.scales = s.data;
     return w;
   }
   check(float_kind(t.dtype, &w.kind), DZ_ERR_FORMAT, "tensor ", wn, ": dtype ", dtype_name(t.dtype),

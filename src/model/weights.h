@@ -17,8 +17,10 @@ void check_shape(const TensorView& t, const std::vector<int64_t>& shape);
 
 // The [rows x cols] linear weight `base` + ".weight" (F32, BF16, F16, or F8_E4M3
 // with base + ".weight_scale_inv"), or MXFP4 base + ".weight_blocks" /
-// ".weight_scales". Scales are validated (finite and positive FP8 scales, no
-// 0xFF MXFP4 scale byte).
+// ".weight_scales", or DeepSeek's own layout: F8_E4M3 or packed FP4 (I8/U8
+// [rows, cols / 2]) with E8M0 scales base + ".scale" (per 128x128 block /
+// per 32 columns). Scales are validated (finite and positive FP8 scales, no
+// 0xFF E8M0 scale byte).
 cpu::WeightRef linear_weight(const WeightStore& ws, const std::string& base, int64_t rows, int64_t cols);
 
 // The F32/BF16/F16 tensor `name` (exact name) of the given shape, viewed as
