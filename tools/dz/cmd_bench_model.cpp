@@ -387,6 +387,18 @@ int bench_model(const Args& a) {
     ap.capacity_pages = kv_tokens * 11 / 10 / ap.page_tokens + uint64_t(batch) + 8;  // any family's page size
     dz_kv_arena* arena = nullptr;
     ok(dz_kv_arena_create(m, &ap, &arena), "dz_kv_arena_create");
+    {  // What a session costs in cache: bytes per token in the pages, plus its fixed state (recurrent layers,
+       // sliding windows, open compressor windows).
+      dz_kv_stats ks;
+      dz_kv_stats_init(&ks);
+      ok(dz_kv_arena_get_stats(arena, &ks), "dz_kv_arena_get_stats");
+      r["kv"] = {{"page_tokens", ks.page_tokens},
+                 {"page_bytes", ks.page_bytes},
+                 {"bytes_per_token", double(ks.page_bytes) / ks.page_tokens},
+                 {"state_bytes_per_session", ks.state_bytes}};
+      std::fprintf(stderr, "KV cache: %.1f bytes a token + %.1f KiB state a session\n",
+                   double(ks.page_bytes) / ks.page_tokens, ks.state_bytes / 1024.0);
+    }
     dz_session_params sp;
     dz_session_params_init(&sp);
     sp.prefill_chunk = uint32_t(std::stoul(flag_value(a, "--prefill-chunk", "0")));

@@ -281,6 +281,12 @@ if want references; then
     >"$OUTDIR/kimi_linear_transformers.log" 2>&1 || echo "the transformers comparison did not run (see the log)"
   grep -E "^transformers|loading info" "$OUTDIR/kimi_linear_transformers.log"
   rm -f "$OUTDIR"/kimi_linear_transformers/model-*.safetensors
+  # The same for DeepSeek-V4: full recompute and transformers' own cached decode against our numpy reference.
+  step "DeepSeek-V4: the tiny fixture's numpy reference against transformers (tools/reference/deepseek_v4_fixtures.py)"
+  python3 tools/reference/deepseek_v4_fixtures.py --out "$OUTDIR/deepseek_v4_transformers" --transformers \
+    >"$OUTDIR/deepseek_v4_transformers.log" 2>&1 || echo "the transformers comparison did not run (see the log)"
+  grep -E "^transformers|loading info|missing|unexpected" "$OUTDIR/deepseek_v4_transformers.log"
+  rm -f "$OUTDIR"/deepseek_v4_transformers/model-*.safetensors
 fi
 
 step "done (status $status); results in $OUTDIR"
