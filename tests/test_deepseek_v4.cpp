@@ -369,31 +369,8 @@ TEST_CASE("deepseek_v4 through the C API: prefix reuse restores snapshots, fork,
 }
 
 TEST_CASE("deepseek_v4: bad checkpoints fail with clear errors", "[deepseek_v4]") {
-  namespace fs = std::filesystem;
-  const fs::path src = fs::path(dz::test::kFixtureData) / kName;
-  const fs::path dir = fs::temp_directory_path() / ("dz-test-dsv4-" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  for (const auto& e : fs::directory_iterator(src))
-    if (e.path().filename() != "config.json") fs::create_symlink(e.path(), dir / e.path().filename());
-  nlohmann::json base;
-  std::ifstream(src / "config.json") >> base;
-  auto open_with = [&](const nlohmann::json& cfg) {
-    std::ofstream(dir / "config.json") << cfg.dump();
-    dz_model_params p;
-    dz_model_params_init(&p);
-    dz_model* m = nullptr;
-    const dz_status st = dz_model_open(dir.c_str(), &p, &m);
-    dz_model_free(m);
-    return std::pair{st, std::string(dz_last_error())};
-  };
-  struct Case {
-    const char* what;
-    std::function<void(nlohmann::json&)> edit;
-    dz_status status;
-    const char* says;
-  };
-  const std::vector<Case> cases = {
+  const dz::test::ConfigProbe probe(kName);
+  const std::vector<dz::test::ConfigProbe::Case> cases = {
       {"an unknown layer type", [](nlohmann::json& c) { c["layer_types"][1] = "full_attention"; }, DZ_ERR_FORMAT,
        "layer_types[1]"},
       {"an unknown MoE layer type", [](nlohmann::json& c) { c["mlp_layer_types"][0] = "dense"; }, DZ_ERR_FORMAT,
@@ -416,16 +393,9 @@ TEST_CASE("deepseek_v4: bad checkpoints fail with clear errors", "[deepseek_v4]"
       {"a hash layer where the checkpoint has a scored router",
        [](nlohmann::json& c) { c["mlp_layer_types"][2] = "hash_moe"; }, DZ_ERR_NOT_FOUND, "tid2eid"},
   };
-  for (const Case& c : cases) {
-    nlohmann::json cfg = base;
-    c.edit(cfg);
-    const auto [st, msg] = open_with(cfg);
-    INFO(c.what << ": " << msg);
-    CHECK(st == c.status);
-    CHECK(msg.find(c.says) != std::string::npos);
-  }
+  probe.check_cases(cases);
   // The checkpoint's own spellings: compress_ratios and num_hash_layers open the same model.
-  nlohmann::json legacy = base;
+  nlohmann::json legacy = probe.base;
   legacy.erase("layer_types");
   legacy.erase("mlp_layer_types");
   legacy.erase("compress_rates");
@@ -433,10 +403,27 @@ TEST_CASE("deepseek_v4: bad checkpoints fail with clear errors", "[deepseek_v4]"
   legacy["num_hash_layers"] = 2;
   legacy["compress_rate_hca"] = 16;  // where the fixture's HCA rate differs from 128
   // compress_ratios name rates 4 and 128 only: 128 marks the HCA layer, compress_rate_hca sets its rate.
-  const auto [st, msg] = open_with(legacy);
+  // The rope fields flat, as DeepSeek's config.json has them: rope_theta for sliding layers, compress_rope_theta
+  // and rope_scaling (YaRN) for the compressed ones.
+  const nlohmann::json comp = legacy["rope_parameters"]["compress"];
+  legacy.erase("rope_parameters");
+  legacy["rope_scaling"] = {{"type", "yarn"},
+                            {"factor", comp["factor"]},
+                            {"original_max_position_embeddings", comp["original_max_position_embeddings"]},
+                            {"beta_fast", comp["beta_fast"]},
+                            {"beta_slow", comp["beta_slow"]}};
+  legacy["qk_rope_head_dim"] = 8;
+  legacy.erase("partial_rotary_factor");
+  const auto [st, msg] = probe.open(legacy);
   INFO(msg);
-  CHECK(st == DZ_OK);
-  fs::remove_all(dir);
+  REQUIRE(st == DZ_OK);
+  const Reference& ref = dz::test::family_fixture(kName).refs[1];
+  FixtureModel renamed(probe.dir.string());
+  Runner run(renamed);
+  const std::vector<float> logits = run.append(ref.prompt);
+  const auto d = dz::test::compare_logits(logits.data(), ref.logits.data(), ref.prompt.size(), size_t(renamed.vocab()));
+  INFO("DeepSeek's config fields: max |logit diff| " << d.max_abs);
+  CHECK(d.max_abs < 1e-3);
 }
 
 namespace {

@@ -387,31 +387,9 @@ TEST_CASE("kimi_linear through the C API: prefix reuse restores snapshots, fork,
 }
 
 TEST_CASE("kimi_linear: bad checkpoints fail with clear errors", "[kimi]") {
-  namespace fs = std::filesystem;
-  const fs::path src = fs::path(dz::test::kFixtureData) / kName;
-  const fs::path dir = fs::temp_directory_path() / ("dz-test-kimi-" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  for (const auto& e : fs::directory_iterator(src))
-    if (e.path().filename() != "config.json") fs::create_symlink(e.path(), dir / e.path().filename());
-  nlohmann::json base;
-  std::ifstream(src / "config.json") >> base;
-  auto open_with = [&](const nlohmann::json& cfg) {
-    std::ofstream(dir / "config.json") << cfg.dump();
-    dz_model_params p;
-    dz_model_params_init(&p);
-    dz_model* m = nullptr;
-    const dz_status st = dz_model_open(dir.c_str(), &p, &m);
-    dz_model_free(m);
-    return std::pair{st, std::string(dz_last_error())};
-  };
-  struct Case {
-    const char* what;
-    std::function<void(nlohmann::json&)> edit;
-    dz_status status;
-    const char* says;
-  };
-  const std::vector<Case> cases = {
+  const dz::test::ConfigProbe probe(kName);
+  const nlohmann::json& base = probe.base;
+  const std::vector<dz::test::ConfigProbe::Case> cases = {
       {"RoPE in MLA", [](nlohmann::json& c) { c["mla_use_nope"] = false; }, DZ_ERR_UNSUPPORTED, "mla_use_nope"},
       {"a low-rank query", [](nlohmann::json& c) { c["q_lora_rank"] = 16; }, DZ_ERR_UNSUPPORTED, "q_lora_rank"},
       {"a layer listed twice",
@@ -439,7 +417,7 @@ TEST_CASE("kimi_linear: bad checkpoints fail with clear errors", "[kimi]") {
        "softmax"},
   };
   {
-    const auto [st, msg] = open_with(base);
+    const auto [st, msg] = probe.open(base);
     INFO(msg);
     REQUIRE(st == DZ_OK);
   }
@@ -463,9 +441,9 @@ TEST_CASE("kimi_linear: bad checkpoints fail with clear errors", "[kimi]") {
       c[to] = c[from];
       c.erase(from);
     }
-    std::ofstream(dir / "config.json") << c.dump();
+    std::ofstream(probe.dir / "config.json") << c.dump();
     const Reference& ref = dz::test::family_fixture(kName).refs[1];
-    FixtureModel renamed(dir.string());
+    FixtureModel renamed(probe.dir.string());
     Runner run(renamed);
     const std::vector<float> logits = run.append(ref.prompt);
     const auto d =
@@ -473,13 +451,5 @@ TEST_CASE("kimi_linear: bad checkpoints fail with clear errors", "[kimi]") {
     INFO("other field names: max |logit diff| " << d.max_abs);
     CHECK(d.max_abs < 1e-3);
   }
-  for (const Case& k : cases) {
-    nlohmann::json cfg = base;
-    k.edit(cfg);
-    const auto [st, msg] = open_with(cfg);
-    INFO(k.what << ": " << msg);
-    CHECK(st == k.status);
-    CHECK(msg.find(k.says) != std::string::npos);
-  }
-  fs::remove_all(dir);
+  probe.check_cases(cases);
 }

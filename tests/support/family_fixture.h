@@ -9,9 +9,15 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <memory>
 #include <string>
+#include <unistd.h>
+#include <utility>
 #include <vector>
 
 #include "api/handles.h"
@@ -151,6 +157,52 @@ inline LogitsDiff compare_logits(const float* a, const float* b, size_t rows, si
   }
   return d;
 }
+
+// A fixture's weights opened under configs a test edits: a temporary folder
+// linking every file but config.json, which each open() writes afresh.
+struct ConfigProbe {
+  std::filesystem::path dir;
+  nlohmann::json base;  // the fixture's own config
+  explicit ConfigProbe(const std::string& fixture) {
+    namespace fs = std::filesystem;
+    const fs::path src = fs::path(kFixtureData) / fixture;
+    dir = fs::temp_directory_path() / ("dz-test-" + fixture + "-" + std::to_string(::getpid()));
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    for (const auto& e : fs::directory_iterator(src))
+      if (e.path().filename() != "config.json") fs::create_symlink(e.path(), dir / e.path().filename());
+    std::ifstream(src / "config.json") >> base;
+  }
+  ~ConfigProbe() { std::filesystem::remove_all(dir); }
+  // dz_model_open under cfg: its status and dz_last_error().
+  std::pair<dz_status, std::string> open(const nlohmann::json& cfg) const {
+    std::ofstream(dir / "config.json") << cfg.dump();
+    dz_model_params p;
+    dz_model_params_init(&p);
+    dz_model* m = nullptr;
+    const dz_status st = dz_model_open(dir.c_str(), &p, &m);
+    dz_model_free(m);
+    return {st, std::string(dz_last_error())};
+  }
+  // Each case edits the fixture's config; opening must fail with its status
+  // and a message containing `says`.
+  struct Case {
+    const char* what;
+    std::function<void(nlohmann::json&)> edit;
+    dz_status status;
+    const char* says;
+  };
+  void check_cases(const std::vector<Case>& cases) const {
+    for (const Case& c : cases) {
+      nlohmann::json cfg = base;
+      c.edit(cfg);
+      const auto [st, msg] = open(cfg);
+      INFO(c.what << ": " << msg);
+      CHECK(st == c.status);
+      CHECK(msg.find(c.says) != std::string::npos);
+    }
+  }
+};
 
 // Greedy continuation of sequence 0 from its last logits row: steps tokens, each
 // decoded as one new token.
