@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <deque>
 
 #include "common/host_alloc.h"
 #include "cpu/attention.h"
@@ -82,16 +83,15 @@ struct Layer {
   Ffn ffn;
 };
 
-// Entries are tiny next to a token's activations, so a pass keeps the visible
-// ones of each sequence in one contiguous buffer (read from the pages once).
+// The compressed entries a sequence's queries see in a pass: pointers into the
+// pages where an entry lies whole in one page at float alignment (page size a
+// multiple of the rate), else into copies gathered from the pages.
 struct Entries {
-  std::vector<float> attn, index;  // [n x head_dim], [n x index_head_dim]
-  int64_t n = 0;
+  std::vector<const float*> attn, index;  // [n] entry, indexer key (CSA)
+  std::deque<std::vector<float>> copies;
+  int64_t n() const { return int64_t(attn.size()); }
 };
 
-// Tensor names: transformers' layout (model.layers.N.self_attn.q_a_proj) or
-// DeepSeek's own, as the released checkpoints ship (layers.N.attn.wq_a, one
-// tensor per expert). Asked for by the transformers name.
 class Names {
  public:
   explicit Names(const WeightStore& ws) : native_(ws.has("embed.weight") && !ws.has("model.embed_tokens.weight")) {}
@@ -501,7 +501,7 @@ bool DeepseekV4::compress_token(const Compressor& c, int64_t rate, float* state,
 
 void DeepseekV4::attention(const Layer& L, int li, std::span<ForwardItem> batch, const BatchRows& flat,
                            const float* xn, std::vector<std::vector<float>>& states, float* y, uint64_t& tokens_read) {
-  const int64_t R = int64_t(flat.rows.size()), H = hidden_, D = head_dim_, NH = n_heads_, QL = q_lora_;
+  const int64_t R = int64_t(flat.rows.size()), D = head_dim_, NH = n_heads_, QL = q_lora_;
   const int64_t G = o_groups_, GW = NH * D / G, RD = rope_dim_, W = window_;
   const int64_t ID = idx_dim_, IH = idx_heads_;
   ThreadPool* pool = pool_.get();
@@ -543,18 +543,18 @@ void DeepseekV4::attention(const Layer& L, int li, std::span<ForwardItem> batch,
   const float scale = float(1.0 / std::sqrt(double(D)));
   const float iscale = float(1.0 / std::sqrt(double(ID)));
   const size_t EB = L.entry_floats * sizeof(float);
-  std::vector<float> entry(L.entry_floats), scores;
-  std::vector<int32_t> picked(static_cast<size_t>(idx_topk_));
-  std::vector<const float*> keys;
+  std::vector<float> entry(L.entry_floats);
+  // 1. The compressors, token by token (cheap): entries a window closes go to the pages; visible[r] counts the
+  //    entries row r sees.
+  std::vector<Entries> ents(batch.size());
+  std::vector<int64_t> visible(static_cast<size_t>(R));
   for (size_t b = 0; b < batch.size(); ++b) {
     kv::Sequence& seq = *batch[b].seq;
     kv::Arena& arena = seq.arena();
     float* st = states[b].data();
-    float* ring = st + L.ring_off;
     const int64_t r0 = flat.first_row[b], n = int64_t(batch[b].tokens.size()), start = int64_t(seq.length());
-    // Entries written by earlier passes, gathered once: entry w's bytes sit in
-    // the token slots of positions w * rate .. w * rate + rate - 1.
-    Entries ent;
+    Entries& ent = ents[b];
+    // Entry w's bytes sit in the token slots of positions w * rate .. w * rate + rate - 1.
     auto entry_io = [&](int64_t w, uint8_t* bytes, bool write) {
       for (int64_t s = 0; s < L.rate; ++s) {
         const size_t off = size_t(s) * L.token_bytes;
@@ -568,20 +568,25 @@ void DeepseekV4::attention(const Layer& L, int li, std::span<ForwardItem> batch,
           std::memcpy(bytes + off, slot, len);
       }
     };
-    auto append = [&](const float* e) {
-      ent.attn.insert(ent.attn.end(), e, e + D);
-      if (csa) ent.index.insert(ent.index.end(), e + D, e + D + ID);
-      ++ent.n;
+    const bool in_place = arena.page_tokens() % uint32_t(std::max<int64_t>(L.rate, 1)) == 0 &&
+                          L.token_bytes % sizeof(float) == 0;
+    auto add = [&](int64_t w) {  // entry w, already in the pages
+      const float* e;
+      if (in_place) {
+        const size_t p = size_t(w * L.rate);
+        e = reinterpret_cast<const float*>(arena.token_ptr(seq.page_of(p), uint32_t(li), seq.slot_of(p)));
+      } else {
+        std::vector<float>& c = ent.copies.emplace_back(L.entry_floats);
+        entry_io(w, reinterpret_cast<uint8_t*>(c.data()), false);
+        e = c.data();
+      }
+      ent.attn.push_back(e);
+      if (csa) ent.index.push_back(e + D);
     };
     if (compressed)
-      for (int64_t w = 0; w < start / L.rate; ++w) {
-        entry_io(w, reinterpret_cast<uint8_t*>(entry.data()), false);
-        append(entry.data());
-      }
-    uint64_t read = 0;
-    for (int64_t r = r0; r < r0 + n; ++r) {
-      const int64_t pos = flat.rows[size_t(r)].pos;
-      std::memcpy(ring + (pos % W) * D, kv.data() + r * D, size_t(D) * sizeof(float));
+      for (int64_t w = 0; w < start / L.rate; ++w) add(w);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = r0 + i, pos = start + i;
       if (compressed) {
         const bool closed = compress_token(C, L.rate, st, ckv.data() + r * CS, cg.data() + r * CS, pos, entry.data());
         if (csa) {
@@ -590,43 +595,93 @@ void DeepseekV4::attention(const Layer& L, int li, std::span<ForwardItem> batch,
           check(closed == iclosed, DZ_ERR_INTERNAL, "deepseek_v4: compressor windows out of step");
         }
         if (closed) {
-          entry_io(ent.n, reinterpret_cast<uint8_t*>(entry.data()), true);
-          append(entry.data());
+          entry_io(ent.n(), reinterpret_cast<uint8_t*>(entry.data()), true);
+          add(ent.n());
         }
       }
-      // Keys: the window (oldest first), then the visible or picked entries.
-      keys.clear();
-      for (int64_t p = std::max<int64_t>(0, pos - W + 1); p <= pos; ++p) keys.push_back(ring + (p % W) * D);
-      if (L.kind == Attn::Hca) {
-        for (int64_t w = 0; w < ent.n; ++w) keys.push_back(ent.attn.data() + w * D);
-      } else if (csa && ent.n > 0) {
-        scores.assign(size_t(ent.n), 0.0f);
-        const float* qi = iq.data() + r * IH * ID;
-        const float* wi = iw.data() + r * IH;
-        for (int64_t w = 0; w < ent.n; ++w) {
-          const float* k = ent.index.data() + w * ID;
+      visible[size_t(r)] = ent.n();
+    }
+  }
+  // 2. Attention of every row: its window (this pass's K=V rows, older ones from its sequence's ring, not
+  //    updated yet), then its visible entries (HCA) or those the indexer picks among them (CSA). Rows run in
+  //    parallel; fewer rows than threads (decode) spread their indexer scores and heads over the threads.
+  //    Below kParallelWork multiply-adds a thread, waking the threads costs more than it saves.
+  constexpr int64_t kParallelWork = int64_t(1) << 16;
+  const bool row_parallel = R >= pool->size();
+  std::vector<uint64_t> keys_read(static_cast<size_t>(R));
+  auto run_row = [&](int64_t r, std::vector<double>& scratch, std::vector<float>& sc, std::vector<int32_t>& pick,
+                     std::vector<const float*>& keys) {
+    const size_t b = flat.rows[size_t(r)].item;
+    const Entries& ent = ents[b];
+    const float* ring = states[b].data() + L.ring_off;
+    const int64_t pos = flat.rows[size_t(r)].pos, start = int64_t(batch[b].seq->length()), r0 = flat.first_row[b];
+    const int64_t nv = visible[size_t(r)];
+    keys.clear();
+    for (int64_t p = std::max<int64_t>(0, pos - W + 1); p <= pos; ++p)
+      keys.push_back(p >= start ? kv.data() + (r0 + p - start) * D : ring + (p % W) * D);
+    if (L.kind == Attn::Hca) {
+      keys.insert(keys.end(), ent.attn.begin(), ent.attn.begin() + nv);
+    } else if (csa && nv > 0) {
+      sc.resize(size_t(nv));
+      const float* qi = iq.data() + r * IH * ID;
+      const float* wi = iw.data() + r * IH;
+      auto score = [&](size_t w0, size_t w1) {
+        for (size_t w = w0; w < w1; ++w) {
           double s = 0;
           for (int64_t h = 0; h < IH; ++h) {
-            const double d = cpu::dot_f64(qi + h * ID, k, ID);
+            const double d = cpu::dot_f64(qi + h * ID, ent.index[w], ID);
             if (d > 0) s += double(wi[h]) * (float(d) * iscale);
           }
-          scores[size_t(w)] = float(s);
+          sc[w] = float(s);
         }
-        const int k = int(std::min<int64_t>(idx_topk_, ent.n));
-        const int got = cpu::topk_row(scores.data(), ent.n, k, picked.data());
-        for (int j = 0; j < got; ++j) keys.push_back(ent.attn.data() + int64_t(picked[size_t(j)]) * D);
-      }
-      read += keys.size();
-      float* o = out.data() + r * NH * D;
-      const float* qr = q.data() + r * NH * D;
-      pool->parallel_for(size_t(NH), 1, [&](size_t h0, size_t h1) {
-        std::vector<double> scratch;
-        for (size_t h = h0; h < h1; ++h)
-          cpu::attend(qr + int64_t(h) * D, keys.data(), keys.data(), int64_t(keys.size()), 0, int(D), scale,
-                      L.sinks.data() + h, o + int64_t(h) * D, scratch);
-      });
-      rotate(rope, pos, o + D - RD, int(NH), D, true);
+      };
+      if (row_parallel)
+        score(0, size_t(nv));
+      else
+        pool->parallel_for(size_t(nv), size_t(std::max<int64_t>(64, kParallelWork / (IH * ID))), score);
+      const int k = int(std::min<int64_t>(idx_topk_, nv));
+      pick.resize(size_t(k));
+      const int got = cpu::topk_row(sc.data(), nv, k, pick.data());
+      for (int j = 0; j < got; ++j) keys.push_back(ent.attn[size_t(pick[size_t(j)])]);
     }
+    keys_read[size_t(r)] = keys.size();
+    float* o = out.data() + r * NH * D;
+    const float* qr = q.data() + r * NH * D;
+    auto heads = [&](size_t h0, size_t h1, std::vector<double>& scr) {
+      for (size_t h = h0; h < h1; ++h)
+        cpu::attend(qr + int64_t(h) * D, keys.data(), keys.data(), int64_t(keys.size()), 0, int(D), scale,
+                    L.sinks.data() + h, o + int64_t(h) * D, scr);
+    };
+    if (row_parallel) {
+      heads(0, size_t(NH), scratch);
+    } else {
+      const int64_t grain = std::max<int64_t>(1, kParallelWork / (int64_t(keys.size()) * D));
+      pool->parallel_for(size_t(NH), size_t(grain), [&](size_t h0, size_t h1) {
+        std::vector<double> scr;
+        heads(h0, h1, scr);
+      });
+    }
+    rotate(rope, pos, o + D - RD, int(NH), D, true);
+  };
+  auto rows = [&](size_t r_begin, size_t r_end) {
+    std::vector<double> scratch;
+    std::vector<float> sc;
+    std::vector<int32_t> pick;
+    std::vector<const float*> keys;
+    for (size_t r = r_begin; r < r_end; ++r) run_row(int64_t(r), scratch, sc, pick, keys);
+  };
+  if (row_parallel)
+    pool->parallel_for(size_t(R), 1, rows);
+  else
+    rows(0, size_t(R));
+  // 3. Each ring keeps its sequence's last W positions; the reads are counted.
+  for (size_t b = 0; b < batch.size(); ++b) {
+    float* ring = states[b].data() + L.ring_off;
+    const int64_t r0 = flat.first_row[b], n = int64_t(batch[b].tokens.size()), start = int64_t(batch[b].seq->length());
+    for (int64_t p = std::max(start, start + n - W); p < start + n; ++p)
+      std::memcpy(ring + (p % W) * D, kv.data() + (r0 + p - start) * D, size_t(D) * sizeof(float));
+    uint64_t read = 0;
+    for (int64_t r = r0; r < r0 + n; ++r) read += keys_read[size_t(r)];
     tokens_read += read;
     if (batch[b].attention_tokens_read) *batch[b].attention_tokens_read += read;
   }
@@ -641,7 +696,6 @@ void DeepseekV4::attention(const Layer& L, int li, std::span<ForwardItem> batch,
                   size_t(o_rank_) * sizeof(float));
   }
   cpu::matmul(mid.data(), R, L.o_b, nullptr, y, pool);
-  (void)H;
 }
 
 void DeepseekV4::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
