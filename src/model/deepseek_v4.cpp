@@ -52,6 +52,8 @@ using cpu::WeightRef;
 
 enum class Attn { Sliding, Csa, Hca };
 
+constexpr int64_t kMaxIndexHeads = 1024;
+
 // One compressed series: the attention's entries, or the CSA indexer's keys.
 struct Compressor {
   WeightRef kv, gate;       // [S * dim, hidden]; S = 2 for CSA's overlapping windows ([Ca | Cb])
@@ -235,6 +237,8 @@ DeepseekV4::DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_
   idx_heads_ = cfg.get_positive_int_or("index_n_heads", 64);
   idx_dim_ = cfg.get_positive_int_or("index_head_dim", 128);
   idx_topk_ = cfg.get_positive_int_or("index_topk", 512);
+  check(idx_heads_ <= kMaxIndexHeads, DZ_ERR_UNSUPPORTED, src, ": index_n_heads ", idx_heads_, " (at most ",
+        kMaxIndexHeads, ")");
   eps_ = float(cfg.get_or<double>("rms_norm_eps", 1e-6));
   check(eps_ > 0, DZ_ERR_FORMAT, src, ": rms_norm_eps must be positive");
   max_context_ = cfg.get_positive_int_or("max_position_embeddings", 1048576);
@@ -609,8 +613,8 @@ void DeepseekV4::attention(const Layer& L, int li, std::span<ForwardItem> batch,
   constexpr int64_t kParallelWork = int64_t(1) << 16;
   const bool row_parallel = R >= pool->size();
   std::vector<uint64_t> keys_read(static_cast<size_t>(R));
-  auto run_row = [&](int64_t r, std::vector<double>& scratch, std::vector<float>& sc, std::vector<int32_t>& pick,
-                     std::vector<const float*>& keys) {
+  auto run_row = [&](int64_t r, std::vector<double>& scratch, std::vector<double>& qd, std::vector<float>& sc,
+                     std::vector<int32_t>& pick, std::vector<const float*>& keys) {
     const size_t b = flat.rows[size_t(r)].item;
     const Entries& ent = ents[b];
     const float* ring = states[b].data() + L.ring_off;
@@ -625,14 +629,20 @@ void DeepseekV4::attention(const Layer& L, int li, std::span<ForwardItem> batch,
       sc.resize(size_t(nv));
       const float* qi = iq.data() + r * IH * ID;
       const float* wi = iw.data() + r * IH;
+      qd.assign(qi, qi + IH * ID);  // exact; dot_rows4_f64 then equals dot_f64 bit for bit
       auto score = [&](size_t w0, size_t w1) {
-        for (size_t w = w0; w < w1; ++w) {
-          double s = 0;
-          for (int64_t h = 0; h < IH; ++h) {
-            const double d = cpu::dot_f64(qi + h * ID, ent.index[w], ID);
-            if (d > 0) s += double(wi[h]) * (float(d) * iscale);
+        double d[4 * kMaxIndexHeads];
+        for (size_t w = w0; w < w1; w += 4) {  // every head's dot products with four keys at once
+          const float* k4[4];
+          const int m = int(std::min<size_t>(4, w1 - w));
+          for (int j = 0; j < 4; ++j) k4[j] = ent.index[w + size_t(std::min(j, m - 1))];
+          cpu::dot_rows4_f64(qd.data(), int(IH), ID, k4, ID, d);
+          for (int j = 0; j < m; ++j) {
+            double s = 0;
+            for (int64_t h = 0; h < IH; ++h)
+              if (d[4 * h + j] > 0) s += double(wi[h]) * (float(d[4 * h + j]) * iscale);
+            sc[w + size_t(j)] = float(s);
           }
-          sc[w] = float(s);
         }
       };
       if (row_parallel)
@@ -664,11 +674,11 @@ void DeepseekV4::attention(const Layer& L, int li, std::span<ForwardItem> batch,
     rotate(rope, pos, o + D - RD, int(NH), D, true);
   };
   auto rows = [&](size_t r_begin, size_t r_end) {
-    std::vector<double> scratch;
+    std::vector<double> scratch, qd;
     std::vector<float> sc;
     std::vector<int32_t> pick;
     std::vector<const float*> keys;
-    for (size_t r = r_begin; r < r_end; ++r) run_row(int64_t(r), scratch, sc, pick, keys);
+    for (size_t r = r_begin; r < r_end; ++r) run_row(int64_t(r), scratch, qd, sc, pick, keys);
   };
   if (row_parallel)
     pool->parallel_for(size_t(R), 1, rows);
