@@ -6,6 +6,8 @@
 // full-sequence compression and masks, naive attention): logits, greedy
 // decode, prefill in pieces, ragged batches, prefix reuse through state
 // snapshots, failed calls that must leave a session as it was, bad configs.
+#include <unistd.h>
+
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -16,7 +18,6 @@
 #include <map>
 #include <random>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 #include "cpu/compress.h"
@@ -62,8 +63,8 @@ TEST_CASE("mHC: mixing weights, collapse and expand equal their float64 definiti
       for (int j = 0; j < n; ++j) {
         double mx = -1e300, s = 0;
         for (int k = 0; k < n; ++k)
-          mx = std::max(mx, c[size_t(j * n + k)] = double(mix[size_t(2 * n + j * n + k)]) * scale[2] +
-                                                   base[size_t(2 * n + j * n + k)]);
+          mx = std::max(mx, c[size_t(j * n + k)] =
+                                double(mix[size_t(2 * n + j * n + k)]) * scale[2] + base[size_t(2 * n + j * n + k)]);
         for (int k = 0; k < n; ++k) s += std::exp(c[size_t(j * n + k)] - mx);
         for (int k = 0; k < n; ++k) c[size_t(j * n + k)] = std::exp(c[size_t(j * n + k)] - mx) / s + 1e-6;
       }
@@ -82,10 +83,10 @@ TEST_CASE("mHC: mixing weights, collapse and expand equal their float64 definiti
       }
       double err = 0, col_err = 0, row_err = 0;
       for (int j = 0; j < n; ++j) {
-        err = std::max(err, std::fabs(pre[size_t(j)] - (sigmoid(double(mix[size_t(j)]) * scale[0] + base[size_t(j)]) +
-                                                        1e-6)));
-        err = std::max(err, std::fabs(post[size_t(j)] - 2 * sigmoid(double(mix[size_t(n + j)]) * scale[1] +
-                                                                    base[size_t(n + j)])));
+        err = std::max(
+            err, std::fabs(pre[size_t(j)] - (sigmoid(double(mix[size_t(j)]) * scale[0] + base[size_t(j)]) + 1e-6)));
+        err = std::max(
+            err, std::fabs(post[size_t(j)] - 2 * sigmoid(double(mix[size_t(n + j)]) * scale[1] + base[size_t(n + j)])));
         double rs = 0, cs = 0;
         for (int k = 0; k < n; ++k) {
           err = std::max(err, std::fabs(comb[size_t(j * n + k)] - c[size_t(j * n + k)]));
@@ -96,7 +97,7 @@ TEST_CASE("mHC: mixing weights, collapse and expand equal their float64 definiti
       INFO("n " << n << ": max |diff| " << err << ", row sums off by " << row_err << ", columns by " << col_err);
       CHECK(err < 1e-6);
       CHECK(col_err < 1e-5);  // the last step normalises columns
-      CHECK(row_err < 0.1);  // rows converge (Sinkhorn-Knopp; 20 steps leave a few % on peaked logits)
+      CHECK(row_err < 0.1);   // rows converge (Sinkhorn-Knopp; 20 steps leave a few % on peaked logits)
       // Collapse and expand.
       const std::vector<float> x = randn(size_t(n * d.hidden), rng), y = randn(size_t(d.hidden), rng);
       std::vector<float> out(size_t(d.hidden)), xe = x;
@@ -149,8 +150,7 @@ TEST_CASE("compressor pool: streaming softmax equals the batch softmax over the 
   }
 }
 
-TEST_CASE("sqrt-softplus routing (scored and hashed) and the clamped SwiGLU match their definitions",
-          "[deepseek_v4]") {
+TEST_CASE("sqrt-softplus routing (scored and hashed) and the clamped SwiGLU match their definitions", "[deepseek_v4]") {
   std::mt19937 rng(3);
   const int E = 16, k = 4;
   for (int trial = 0; trial < 50; ++trial) {
@@ -162,7 +162,8 @@ TEST_CASE("sqrt-softplus routing (scored and hashed) and the clamped SwiGLU matc
     std::vector<double> s(E);
     for (int e = 0; e < E; ++e) s[size_t(e)] = std::sqrt(std::log1p(std::exp(double(logits[size_t(e)]))));
     for (int e = 0; e < E; ++e) want[size_t(e)] = e;
-    std::sort(want.begin(), want.end(), [&](int a, int b) { return s[size_t(a)] + bias[size_t(a)] > s[size_t(b)] + bias[size_t(b)]; });
+    std::sort(want.begin(), want.end(),
+              [&](int a, int b) { return s[size_t(a)] + bias[size_t(a)] > s[size_t(b)] + bias[size_t(b)]; });
     std::vector<int32_t> got = idx;
     std::sort(got.begin(), got.end());
     std::vector<int32_t> top(want.begin(), want.begin() + k);
@@ -236,8 +237,7 @@ TEST_CASE("deepseek_v4: prefill in any pieces, then decode, equals one full pref
       size_t t0 = 0;
       double diff = 0;
       for (size_t len : cuts) {
-        const std::vector<int32_t> part(ref.prompt.begin() + ptrdiff_t(t0),
-                                        ref.prompt.begin() + ptrdiff_t(t0 + len));
+        const std::vector<int32_t> part(ref.prompt.begin() + ptrdiff_t(t0), ref.prompt.begin() + ptrdiff_t(t0 + len));
         const std::vector<float> got = run.append(part);
         for (size_t k = 0; k < got.size(); ++k) diff = std::max(diff, double(std::fabs(got[k] - want[t0 * V + k])));
         t0 += len;
@@ -495,7 +495,8 @@ std::pair<dz::test::RawTensor, dz::test::RawTensor> quantize_fp8(const std::stri
     for (int64_t bj = 0; bj < cb; ++bj) {
       float amax = 0;
       for (int64_t r = bi * B; r < std::min(rows, (bi + 1) * B); ++r)
-        for (int64_t c = bj * B; c < std::min(cols, (bj + 1) * B); ++c) amax = std::max(amax, std::fabs(w[size_t(r * cols + c)]));
+        for (int64_t c = bj * B; c < std::min(cols, (bj + 1) * B); ++c)
+          amax = std::max(amax, std::fabs(w[size_t(r * cols + c)]));
       const int e = amax > 0 ? int(std::ceil(std::log2(amax / 448.0f))) : 0;
       s.bytes[size_t(bi * cb + bj)] = uint8_t(e + 127);
       const float scale = std::ldexp(1.0f, e);
@@ -534,9 +535,9 @@ std::pair<dz::test::RawTensor, dz::test::RawTensor> quantize_fp4(const std::stri
 // DeepSeek's name for a transformers name of the fixture (experts aside).
 std::string native_name(const std::string& hf) {
   static const std::pair<const char*, const char*> top[] = {
-      {"model.embed_tokens.weight", "embed.weight"},   {"lm_head.weight", "head.weight"},
-      {"model.norm.weight", "norm.weight"},            {"model.hc_head.hc_fn", "hc_head_fn"},
-      {"model.hc_head.hc_base", "hc_head_base"},       {"model.hc_head.hc_scale", "hc_head_scale"}};
+      {"model.embed_tokens.weight", "embed.weight"}, {"lm_head.weight", "head.weight"},
+      {"model.norm.weight", "norm.weight"},          {"model.hc_head.hc_fn", "hc_head_fn"},
+      {"model.hc_head.hc_base", "hc_head_base"},     {"model.hc_head.hc_scale", "hc_head_scale"}};
   for (const auto& [a, b] : top)
     if (hf == a) return b;
   static const std::pair<const char*, const char*> layer[] = {
@@ -612,7 +613,8 @@ TEST_CASE("deepseek_v4 from DeepSeek's own checkpoint layout: names, per-expert 
         const bool up = name.find("gate_up_proj") != std::string::npos;
         const std::vector<float> w = as_f32(t);
         std::vector<float> twin_w(w.size());
-        const std::string layer = name.substr(std::strlen("model.layers."), name.find(".mlp") - std::strlen("model.layers."));
+        const std::string layer =
+            name.substr(std::strlen("model.layers."), name.find(".mlp") - std::strlen("model.layers."));
         const int64_t rows = up ? 2 * I : H, cols = up ? H : I;
         for (int64_t e = 0; e < E; ++e) {
           const std::string base = "layers." + layer + ".ffn.experts." + std::to_string(e) + ".";
@@ -637,8 +639,8 @@ TEST_CASE("deepseek_v4 from DeepSeek's own checkpoint layout: names, per-expert 
       const std::string nn = native_name(name);
       if (fp8) {
         std::vector<float> deq;
-        auto [q, s] = quantize_fp8(nn.substr(0, nn.size() - std::strlen(".weight")), t.shape[0], t.shape[1], as_f32(t),
-                                   deq);
+        auto [q, s] =
+            quantize_fp8(nn.substr(0, nn.size() - std::strlen(".weight")), t.shape[0], t.shape[1], as_f32(t), deq);
         native.push_back(q), native.push_back(s);
         twin.push_back(f32_tensor(name, t.shape, deq));
       } else {
@@ -651,8 +653,8 @@ TEST_CASE("deepseek_v4 from DeepSeek's own checkpoint layout: names, per-expert 
     const fs::path tmp = fs::temp_directory_path() / ("dz-test-dsv4-native-" + std::to_string(::getpid()));
     const std::vector<float> a = run(tmp / "native", native), b = run(tmp / "twin", twin);
     const auto [worst, diff] = dz::test::compare_logits(a.data(), b.data(), T, V);
-    INFO((quantised ? "FP8/FP4" : "BF16") << " native layout against its transformers-layout twin: worst cosine "
-                                           << worst << ", max |diff| " << diff);
+    INFO((quantised ? "FP8/FP4" : "BF16")
+         << " native layout against its transformers-layout twin: worst cosine " << worst << ", max |diff| " << diff);
     CHECK(diff < 1e-5);
     if (!quantised) {  // the same values: the same logits as the fixture, and its reference
       const auto [w2, d2] = dz::test::compare_logits(a.data(), ref.logits.data(), T, V);

@@ -77,11 +77,11 @@ struct Layer {
   std::vector<float> in_norm, post_norm, q_a_norm, kv_norm, sinks;
   WeightRef q_a, q_b, kv, o_a, o_b;
   Hc attn_hc, ffn_hc;
-  Compressor comp, icomp;     // icomp: the indexer's (CSA)
-  WeightRef iq_b, iweights;   // indexer queries [heads * dim, q_lora], head weights [heads, hidden]
-  size_t ring_off = 0;        // floats into the state: the window [sliding_window x head_dim]
-  size_t entry_floats = 0;    // per compressed entry in the pages: attention entry (+ indexer key)
-  size_t token_bytes = 0;     // page bytes per token
+  Compressor comp, icomp;    // icomp: the indexer's (CSA)
+  WeightRef iq_b, iweights;  // indexer queries [heads * dim, q_lora], head weights [heads, hidden]
+  size_t ring_off = 0;       // floats into the state: the window [sliding_window x head_dim]
+  size_t entry_floats = 0;   // per compressed entry in the pages: attention entry (+ indexer key)
+  size_t token_bytes = 0;    // page bytes per token
   Ffn ffn;
 };
 
@@ -115,9 +115,12 @@ class Names {
     }
     fail(DZ_ERR_INTERNAL, "deepseek_v4: no checkpoint name for ", hf);
   }
-  static constexpr Table kTop = {{"model.embed_tokens", "embed"},     {"lm_head", "head"},
-                                 {"model.norm", "norm"},              {"model.hc_head.hc_fn", "hc_head_fn"},
-                                 {"model.hc_head.hc_base", "hc_head_base"}, {"model.hc_head.hc_scale", "hc_head_scale"}};
+  static constexpr Table kTop = {{"model.embed_tokens", "embed"},
+                                 {"lm_head", "head"},
+                                 {"model.norm", "norm"},
+                                 {"model.hc_head.hc_fn", "hc_head_fn"},
+                                 {"model.hc_head.hc_base", "hc_head_base"},
+                                 {"model.hc_head.hc_scale", "hc_head_scale"}};
   static constexpr Table kLayer = {
       {"self_attn.compressor.indexer.position_bias", "attn.indexer.compressor.ape"},
       {"self_attn.compressor.indexer.kv_proj", "attn.indexer.compressor.wkv"},
@@ -278,7 +281,7 @@ DeepseekV4::DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_
       check(t == "sliding_attention" || t == "compressed_sparse_attention" || t == "heavily_compressed_attention",
             DZ_ERR_FORMAT, src, ": layer_types[", i, "] = '", t,
             "' (expected sliding_attention, compressed_sparse_attention or heavily_compressed_attention)");
-      kinds[size_t(i)] = t == "sliding_attention" ? Attn::Sliding
+      kinds[size_t(i)] = t == "sliding_attention"             ? Attn::Sliding
                          : t == "compressed_sparse_attention" ? Attn::Csa
                                                               : Attn::Hca;
     }
@@ -306,8 +309,8 @@ DeepseekV4::DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_
   const double comp_theta = cfg.get_or<double>("compress_rope_theta", 160000.0);
   nlohmann::json main_rp, comp_rp;
   const nlohmann::json rp = j.contains("rope_parameters") && j["rope_parameters"].is_object() ? j["rope_parameters"]
-                            : j.contains("rope_scaling") && j["rope_scaling"].is_object()   ? j["rope_scaling"]
-                                                                                             : nlohmann::json::object();
+                            : j.contains("rope_scaling") && j["rope_scaling"].is_object()     ? j["rope_scaling"]
+                                                                                          : nlohmann::json::object();
   if (rp.contains("main") && rp["main"].is_object() && rp.contains("compress") && rp["compress"].is_object()) {
     main_rp = rp["main"], comp_rp = rp["compress"];
   } else {  // a flat form: the YaRN fields (if any) belong to the compressed layers
@@ -322,7 +325,8 @@ DeepseekV4::DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_
   for (nlohmann::json* o : {&main_rp, &comp_rp})
     if (!o->contains("partial_rotary_factor")) (*o)["partial_rotary_factor"] = partial;
   const cpu::RopeParams pm = rope_params_from_object(cfg, main_rp, "rope_parameters.main", int(head_dim_), theta);
-  const cpu::RopeParams pc = rope_params_from_object(cfg, comp_rp, "rope_parameters.compress", int(head_dim_), comp_theta);
+  const cpu::RopeParams pc =
+      rope_params_from_object(cfg, comp_rp, "rope_parameters.compress", int(head_dim_), comp_theta);
   check(pm.dim == pc.dim, DZ_ERR_UNSUPPORTED, src, ": the main and compress rotary dimensions differ (", pm.dim, ", ",
         pc.dim, ")");
   rope_dim_ = pm.dim;
@@ -466,8 +470,7 @@ DeepseekV4::DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_
   pool_ = std::make_unique<ThreadPool>(params.n_threads);
 }
 
-void DeepseekV4::rotate(const cpu::RopeFreqs& f, int64_t pos, float* x, int n_vec, int64_t stride,
-                        bool inverse) const {
+void DeepseekV4::rotate(const cpu::RopeFreqs& f, int64_t pos, float* x, int n_vec, int64_t stride, bool inverse) const {
   const int half = int(rope_dim_ / 2);
   float cos[256], sin[256];
   check(half <= 256, DZ_ERR_INTERNAL, "deepseek_v4: rotary dimension above 512");
@@ -503,8 +506,8 @@ bool DeepseekV4::compress_token(const Compressor& c, int64_t rate, float* state,
   return true;
 }
 
-void DeepseekV4::attention(const Layer& L, int li, std::span<ForwardItem> batch, const BatchRows& flat,
-                           const float* xn, std::vector<std::vector<float>>& states, float* y, uint64_t& tokens_read) {
+void DeepseekV4::attention(const Layer& L, int li, std::span<ForwardItem> batch, const BatchRows& flat, const float* xn,
+                           std::vector<std::vector<float>>& states, float* y, uint64_t& tokens_read) {
   const int64_t R = int64_t(flat.rows.size()), D = head_dim_, NH = n_heads_, QL = q_lora_;
   const int64_t G = o_groups_, GW = NH * D / G, RD = rope_dim_, W = window_;
   const int64_t ID = idx_dim_, IH = idx_heads_;
@@ -572,8 +575,8 @@ void DeepseekV4::attention(const Layer& L, int li, std::span<ForwardItem> batch,
           std::memcpy(bytes + off, slot, len);
       }
     };
-    const bool in_place = arena.page_tokens() % uint32_t(std::max<int64_t>(L.rate, 1)) == 0 &&
-                          L.token_bytes % sizeof(float) == 0;
+    const bool in_place =
+        arena.page_tokens() % uint32_t(std::max<int64_t>(L.rate, 1)) == 0 && L.token_bytes % sizeof(float) == 0;
     auto add = [&](int64_t w) {  // entry w, already in the pages
       const float* e;
       if (in_place) {

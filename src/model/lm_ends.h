@@ -19,8 +19,9 @@ struct LmEnds {
 
   // model.embed_tokens, model.norm and lm_head (the embedding itself when tied),
   // or the same under other names (linear bases; norm is the full name).
-  void load(const WeightStore& ws, int64_t vocab, int64_t hidden, bool tied, const std::string& embed_base = "model.embed_tokens",
-            const std::string& head_base = "lm_head", const std::string& norm_name = "model.norm.weight");
+  void load(const WeightStore& ws, int64_t vocab, int64_t hidden, bool tied,
+            const std::string& embed_base = "model.embed_tokens", const std::string& head_base = "lm_head",
+            const std::string& norm_name = "model.norm.weight");
   // x[r] = the embedding of each flattened row's token ([rows x hidden]).
   void embed_rows(std::span<const ForwardItem> batch, const BatchRows& flat, int64_t hidden, float* x) const;
   // Each item's logits rows from the residual stream x ([rows x hidden]); xn is

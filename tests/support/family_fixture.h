@@ -5,6 +5,8 @@
 // through Family::forward on their own arena.
 #pragma once
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -13,10 +15,9 @@
 #include <fstream>
 #include <functional>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
-#include <unistd.h>
 #include <utility>
 #include <vector>
 
