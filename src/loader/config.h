@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -46,6 +47,13 @@ class Config {
   template <typename T>
   T get_or(const std::string& key, T fallback) const {
     return has(key) ? get<T>(key) : fallback;
+  }
+  // The first present field of several spellings of one setting (a checkpoint's own, transformers'), else fallback.
+  template <typename T>
+  T get_first_or(std::initializer_list<const char*> keys, T fallback) const {
+    for (const char* k : keys)
+      if (has(k)) return get<T>(k);
+    return fallback;
   }
   // An integer field that must lie in 1 .. 2^31 - 1 (a size or count).
   int64_t get_positive_int(const std::string& key) const {

@@ -212,14 +212,6 @@ class DeepseekV4 final : public Family {
   std::unique_ptr<ThreadPool> pool_;
 };
 
-// The first present key of several alternative spellings, else fallback.
-template <typename T>
-T first_of(const Config& cfg, std::initializer_list<const char*> keys, T fallback) {
-  for (const char* k : keys)
-    if (cfg.has(k)) return cfg.get<T>(k);
-  return fallback;
-}
-
 DeepseekV4::DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
   const std::string& src = cfg.source();
   const auto& j = cfg.json();
@@ -340,7 +332,7 @@ DeepseekV4::DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_
   const std::string score = cfg.get_or<std::string>("scoring_func", "sqrtsoftplus");
   check(score == "sqrtsoftplus", DZ_ERR_UNSUPPORTED, src, ": scoring_func '", score,
         "' (deepseek_v4 uses sqrtsoftplus)");
-  routing_.n_experts = int(first_of<int64_t>(cfg, {"n_routed_experts", "num_local_experts"}, 0));
+  routing_.n_experts = int(cfg.get_first_or<int64_t>({"n_routed_experts", "num_local_experts"}, 0));
   routing_.n_active = int(cfg.get_or<int64_t>("num_experts_per_tok", 0));
   check(routing_.n_experts > 0 && routing_.n_active > 0 && routing_.n_active <= routing_.n_experts, DZ_ERR_FORMAT, src,
         ": n_routed_experts (", routing_.n_experts, ") and num_experts_per_tok (", routing_.n_active,

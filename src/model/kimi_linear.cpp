@@ -57,14 +57,6 @@ struct Layer {
   Ffn ffn;
 };
 
-// The first of several alternative config fields that is present.
-template <typename T>
-T first_of(const Config& cfg, std::initializer_list<const char*> keys, T fallback) {
-  for (const char* k : keys)
-    if (cfg.has(k)) return cfg.get<T>(k);
-  return fallback;
-}
-
 class KimiLinear final : public Family {
  public:
   KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_params& params);
@@ -180,26 +172,26 @@ KimiLinear::KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_
         "projects q directly)");
 
   // MoE: Moonshot's field names first, then the DeepSeek/transformers ones.
-  routing_.n_experts = int32_t(first_of<int64_t>(cfg, {"num_experts", "num_local_experts", "n_routed_experts"}, 0));
+  routing_.n_experts = int32_t(cfg.get_first_or<int64_t>({"num_experts", "num_local_experts", "n_routed_experts"}, 0));
   check(cfg.has("mlp_layer_types") || cfg.get_or<int64_t>("moe_layer_freq", 1) == 1, DZ_ERR_UNSUPPORTED, src,
         ": moe_layer_freq other than 1 (every layer after the dense ones is MoE)");
   const std::vector<bool> moe = moe_layers(cfg, n_layers_, 1);
   int64_t moe_inter = 0, n_shared = 0;
   if (std::count(moe.begin(), moe.end(), true) > 0) {
     check(routing_.n_experts > 0, DZ_ERR_FORMAT, src, ": num_experts must be positive for MoE layers");
-    routing_.n_active = int32_t(first_of<int64_t>(cfg, {"num_experts_per_token", "num_experts_per_tok"}, 0));
+    routing_.n_active = int32_t(cfg.get_first_or<int64_t>({"num_experts_per_token", "num_experts_per_tok"}, 0));
     check(routing_.n_active > 0, DZ_ERR_FORMAT, src, ": num_experts_per_token must be positive");
     const std::string fn = cfg.get_or<std::string>("moe_router_activation_func", "sigmoid");
     check(fn == "sigmoid", DZ_ERR_UNSUPPORTED, src, ": moe_router_activation_func '", fn, "' (sigmoid is supported)");
     if (cfg.get_or<bool>("use_grouped_topk", true)) {
-      routing_.n_group = int32_t(first_of<int64_t>(cfg, {"num_expert_group", "n_group"}, 1));
+      routing_.n_group = int32_t(cfg.get_first_or<int64_t>({"num_expert_group", "n_group"}, 1));
       routing_.topk_group = int32_t(cfg.get_or<int64_t>("topk_group", 1));
     }
     validate_routing(routing_, src);
-    routing_.norm = first_of<bool>(cfg, {"moe_renormalize", "norm_topk_prob"}, true);
+    routing_.norm = cfg.get_first_or<bool>({"moe_renormalize", "norm_topk_prob"}, true);
     routing_.scale = float(cfg.get_or<double>("routed_scaling_factor", 1.0));
     moe_inter = cfg.get_positive_int("moe_intermediate_size");
-    n_shared = first_of<int64_t>(cfg, {"num_shared_experts", "n_shared_experts"}, 0);
+    n_shared = cfg.get_first_or<int64_t>({"num_shared_experts", "n_shared_experts"}, 0);
     check(n_shared >= 0, DZ_ERR_FORMAT, src, ": num_shared_experts must not be negative");
   }
 
@@ -243,7 +235,7 @@ KimiLinear::KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_
     if (!l.ffn.moe) {
       const std::string m = p + "mlp.";
       l.ffn.dense = load_swiglu(ws, m + "gate_proj", m + "up_proj", m + "down_proj",
-                                first_of<int64_t>(cfg, {"dense_ffn_hidden", "intermediate_size"}, 0), H);
+                                cfg.get_first_or<int64_t>({"dense_ffn_hidden", "intermediate_size"}, 0), H);
       continue;
     }
     const std::string m = p + "block_sparse_moe.";

@@ -45,7 +45,8 @@ import time
 
 import numpy as np
 
-from safetensors_np import from_bf16_bits, read_safetensors, to_bf16_bits, write_safetensors  # this folder
+from np_fixture import (from_bf16_bits, lin, read_safetensors, sigmoid, silu, softplus, store,  # this folder
+                        top2_margin, write_model, write_safetensors)
 
 CONFIG = {
     "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "torch_dtype": "bfloat16",
@@ -167,32 +168,17 @@ def make_weights(rng):
             x = rng.normal(-1.5, 1.5, shape)
         else:
             raise ValueError(kind)
-        x32 = x.astype(np.float32)
-        if dt == "BF16":
-            bits = to_bf16_bits(x32)
-            stored[name] = ("BF16", bits)
-            W[name] = from_bf16_bits(bits).astype(np.float64)
-        else:
-            stored[name] = ("F32", x32)
-            W[name] = x32.astype(np.float64)
-        order.append(name)
+        store(name, x, dt, stored, W, order)
     return stored, W, order
 
 
 # ----------------------------------------------------------------------------------------------------------
 # float64 model
 
-def sigmoid(x):
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
-def silu(x):
-    return x * sigmoid(x)
 
 
-def softplus(x):
-    return np.maximum(x, 0.0) + np.log1p(np.exp(-np.abs(x)))
 
 
 def rmsnorm(x, w, eps=EPS):
@@ -203,8 +189,6 @@ def l2norm(x, eps=1e-6):
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def lin(x, w):
-    return x @ w.T
 
 
 def swiglu(x, wg, wu, wd):
@@ -399,9 +383,6 @@ def forward(ids, W, alt=False):
     return logits, kda_out, stats
 
 
-def top2_margin(row):
-    a = np.sort(row)
-    return float(a[-1] - a[-2])
 
 
 def greedy(prompt, W, alt=False):
@@ -421,27 +402,6 @@ def greedy(prompt, W, alt=False):
 
 
 # ----------------------------------------------------------------------------------------------------------
-
-def write_model(out, stored, order):
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(CONFIG, f, indent=2)
-        f.write("\n")
-    sizes = [stored[n][1].nbytes for n in order]
-    total, acc, shard_of = sum(sizes), 0, {}
-    for n, sz in zip(order, sizes):          # contiguous split in creation order, about equal halves
-        shard_of[n] = min(N_SHARDS - 1, acc * N_SHARDS // total)
-        acc += sz
-    files = [f"model-{i + 1:05d}-of-{N_SHARDS:05d}.safetensors" for i in range(N_SHARDS)]
-    for i, fn in enumerate(files):
-        write_safetensors(os.path.join(out, fn), {n: stored[n] for n in order if shard_of[n] == i},
-                          {"format": "pt"})
-    index = {"metadata": {"total_size": total},
-             "weight_map": {n: files[shard_of[n]] for n in sorted(order)}}
-    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-        json.dump(index, f, indent=2)
-        f.write("\n")
-    return files
-
 
 def self_check(out, stored, W, prompts, ref):
     print("self-check:")
@@ -541,7 +501,7 @@ def main():
 
     rng = np.random.default_rng(args.seed)
     stored, W, order = make_weights(rng)
-    files = write_model(args.out, stored, order)
+    files = write_model(args.out, CONFIG, stored, order, N_SHARDS)
 
     prompts, ref, min_margin, all_gaps, decays, draws = [], {}, [], [], [], []
     for i, n in enumerate(LENGTHS):
