@@ -52,7 +52,7 @@ using cpu::WeightRef;
 
 enum class Attn { Sliding, Csa, Hca };
 
-constexpr int64_t kMaxIndexHeads = 1024;
+constexpr int64_t kMaxIndexHeads = 1024, kMaxRopeDim = 512;
 
 // One compressed series: the attention's entries, or the CSA indexer's keys.
 struct Compressor {
@@ -245,7 +245,7 @@ DeepseekV4::DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_
   hc_.hidden = hidden_;
   hc_.sinkhorn_iters = int(cfg.get_positive_int_or("hc_sinkhorn_iters", 20));
   hc_.hc_eps = float(cfg.get_or<double>("hc_eps", 1e-6));
-  check(hc_.n <= 64, DZ_ERR_FORMAT, src, ": hc_mult ", hc_.n, " is implausibly large");
+  check(hc_.n <= 64, DZ_ERR_UNSUPPORTED, src, ": hc_mult ", hc_.n, " (at most 64 streams)");
 
   // Layer types: layer_types, else the checkpoint's per-layer compress_ratios (0 / 4 / 128).
   int64_t rate_csa = 4, rate_hca = 128;
@@ -322,6 +322,8 @@ DeepseekV4::DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_
   check(pm.dim == pc.dim, DZ_ERR_UNSUPPORTED, src, ": the main and compress rotary dimensions differ (", pm.dim, ", ",
         pc.dim, ")");
   rope_dim_ = pm.dim;
+  check(rope_dim_ <= kMaxRopeDim, DZ_ERR_UNSUPPORTED, src, ": rotary dimension ", rope_dim_, " (at most ", kMaxRopeDim,
+        ")");
   check(rope_dim_ <= head_dim_ && rope_dim_ <= idx_dim_, DZ_ERR_FORMAT, src, ": the rotary dimension ", rope_dim_,
         " exceeds head_dim ", head_dim_, " or index_head_dim ", idx_dim_);
   rope_main_ = cpu::rope_freqs(pm);
@@ -464,8 +466,7 @@ DeepseekV4::DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_
 
 void DeepseekV4::rotate(const cpu::RopeFreqs& f, int64_t pos, float* x, int n_vec, int64_t stride, bool inverse) const {
   const int half = int(rope_dim_ / 2);
-  float cos[256], sin[256];
-  check(half <= 256, DZ_ERR_INTERNAL, "deepseek_v4: rotary dimension above 512");
+  float cos[kMaxRopeDim / 2], sin[kMaxRopeDim / 2];
   cpu::rope_cos_sin(f, pos, cos, sin);
   if (inverse)
     for (int i = 0; i < half; ++i) sin[i] = -sin[i];
@@ -758,7 +759,7 @@ void DeepseekV4::forward(std::span<ForwardItem> batch, const ForwardOptions& opt
   cpu::rms_norm(x.data(), R, NHC * H, nullptr, eps_, normed.data());
   cpu::matmul(normed.data(), R, head_hc_.fn, nullptr, mix.data(), pool);
   for (int64_t r = 0; r < R; ++r) {
-    float hw[64];
+    float* hw = w.data() + r * NHC;
     cpu::hc_head_weights(hc_, mix.data() + r * NHC, head_hc_.base.data(), head_hc_.scale[0], hw);
     cpu::hc_collapse(hc_, x.data() + r * NHC * H, hw, col.data() + r * H);
   }
