@@ -10,6 +10,7 @@
 #include "commands.h"
 #include "common/error.h"
 #include "cpu/mxfp4_fold.h"
+#include "kv/arena.h"
 #include "loader/config.h"
 #include "loader/safetensors.h"
 #include "model/family.h"
@@ -156,6 +157,25 @@ int cmd_info(const Args& a) {
           "              %llu groups of 64x128, %llu lossy, max spread %d: %d of %d tensors fold by 64-row "
           "groups on the GPU\n",
           (unsigned long long)by64.groups, (unsigned long long)by64.lossy_groups, by64.max_spread, exact64, n);
+    }
+    if (FamilyFactory make = find_family(arch)) {
+      // What a session costs in the KV arena (the CPU layout, fp32; pages of 64 tokens). Describing the files
+      // does not need the model to open, so a failure here is reported, not fatal.
+      try {
+        dz_model_params mp;
+        dz_model_params_init(&mp);
+        mp.device = DZ_DEVICE_CPU;
+        mp.n_threads = 1;
+        const kv::Layout layout = make(cfg, ws, mp)->kv_layout(64);
+        const double per_token = double(kv::Arena::page_bytes_for(layout)) / layout.page_tokens;
+        std::printf("kv cache:     %s a token (CPU layout, pages of 64), %s a million tokens",
+                    human_bytes(per_token).c_str(), human_bytes(per_token * 1048576.0).c_str());
+        if (layout.state_slot_bytes)
+          std::printf(", + %s state a session", human_bytes(double(layout.state_slot_bytes)).c_str());
+        std::printf("\n");
+      } catch (const Error& e) {
+        std::printf("kv cache:     unknown (the model does not open: %s)\n", e.what());
+      }
     }
     std::printf("devices:      %s\n", runtime_devices_summary().c_str());
     std::printf("validation:   OK (%.3f s)\n", secs);
