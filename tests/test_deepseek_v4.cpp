@@ -300,17 +300,8 @@ TEST_CASE("deepseek_v4 through the C API: prefix reuse restores snapshots, fork,
   dz_session_params sp;
   dz_session_params_init(&sp);
   sp.prefill_chunk = 40;
-  auto last_logits = [&](dz_session* s) {
-    const float* l;
-    size_t rows, nv;
-    REQUIRE(dz_session_logits(s, &l, &rows, &nv) == DZ_OK);
-    return std::vector<float>(l + (rows - 1) * nv, l + rows * nv);
-  };
-  auto max_diff = [&](const std::vector<float>& a, const std::vector<float>& b) {
-    double d = 0;
-    for (size_t k = 0; k < V; ++k) d = std::max(d, double(std::fabs(a[k] - b[k])));
-    return d;
-  };
+  using dz::test::max_abs_diff;
+  const auto last_logits = dz::test::session_last_logits;
   dz_session *a = nullptr, *b = nullptr, *f = nullptr;
   REQUIRE(dz_session_create(arena, &sp, &a) == DZ_OK);
   REQUIRE(dz_session_append(a, ref.prompt.data(), T, DZ_LOGITS_LAST) == DZ_OK);
@@ -328,8 +319,8 @@ TEST_CASE("deepseek_v4 through the C API: prefix reuse restores snapshots, fork,
   REQUIRE(dz_session_get_stats(b, &st) == DZ_OK);
   CHECK(st.tokens_reused == 144);
   const std::vector<float> got = last_logits(b);
-  INFO("reused prefix: max |logit diff| " << max_diff(got, want));
-  CHECK(max_diff(got, want) < 1e-5);
+  INFO("reused prefix: max |logit diff| " << max_abs_diff(got, want));
+  CHECK(max_abs_diff(got, want) < 1e-5);
   // The state slot holds the windows and the open compressor pools: 4 layers x 8 x 32 (windows), 2 CSA layers x
   // (2 x 3 x 32 + 2 x 3 x 16), 1 HCA layer x 3 x 32 floats.
   dz_kv_stats ks;
@@ -340,7 +331,7 @@ TEST_CASE("deepseek_v4 through the C API: prefix reuse restores snapshots, fork,
   CHECK(dz_session_truncate(b, 100) == DZ_ERR_UNSUPPORTED);
   REQUIRE(dz_session_truncate(b, 96) == DZ_OK);
   REQUIRE(dz_session_append(b, ref.prompt.data() + 96, T - 96, DZ_LOGITS_LAST) == DZ_OK);
-  CHECK(max_diff(last_logits(b), want) < 1e-5);
+  CHECK(max_abs_diff(last_logits(b), want) < 1e-5);
   // A prefill cancelled after a committed chunk leaves the session as it was.
   struct Count {
     int polls = -1000;
@@ -362,8 +353,8 @@ TEST_CASE("deepseek_v4 through the C API: prefix reuse restores snapshots, fork,
   REQUIRE(dz_session_append(c, other.data() + 20, 100, DZ_LOGITS_LAST) == DZ_OK);
   Runner plain(model);
   const std::vector<float> direct = plain.append({other.begin(), other.begin() + 120}, false);
-  INFO("after a cancelled prefill: max |logit diff| " << max_diff(last_logits(c), direct));
-  CHECK(max_diff(last_logits(c), direct) < 1e-5);
+  INFO("after a cancelled prefill: max |logit diff| " << max_abs_diff(last_logits(c), direct));
+  CHECK(max_abs_diff(last_logits(c), direct) < 1e-5);
   for (dz_session* s : {a, b, c, f}) dz_session_free(s);
   dz_kv_arena_free(arena);
 }

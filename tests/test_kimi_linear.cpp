@@ -308,12 +308,8 @@ TEST_CASE("kimi_linear through the C API: prefix reuse restores snapshots, fork,
   dz_session_params sp;
   dz_session_params_init(&sp);
   sp.prefill_chunk = 40;  // not a multiple of the page: chunks are cut at page boundaries
-  auto last_logits = [&](dz_session* s) {
-    const float* l;
-    size_t rows, nv;
-    REQUIRE(dz_session_logits(s, &l, &rows, &nv) == DZ_OK);
-    return std::vector<float>(l + (rows - 1) * nv, l + rows * nv);
-  };
+  using dz::test::max_abs_diff;
+  const auto last_logits = dz::test::session_last_logits;
   dz_session *a = nullptr, *b = nullptr, *f = nullptr;
   REQUIRE(dz_session_create(arena, &sp, &a) == DZ_OK);
   REQUIRE(dz_session_append(a, ref.prompt.data(), T, DZ_LOGITS_LAST) == DZ_OK);
@@ -333,10 +329,8 @@ TEST_CASE("kimi_linear through the C API: prefix reuse restores snapshots, fork,
   REQUIRE(dz_session_get_stats(b, &st) == DZ_OK);
   CHECK(st.tokens_reused == 144);
   const std::vector<float> got = last_logits(b);
-  double diff = 0;
-  for (size_t k = 0; k < V; ++k) diff = std::max(diff, double(std::fabs(got[k] - want[k])));
-  INFO("reused prefix: max |logit diff| " << diff);
-  CHECK(diff < 1e-5);
+  INFO("reused prefix: max |logit diff| " << max_abs_diff(got, want));
+  CHECK(max_abs_diff(got, want) < 1e-5);
   // The arena accounts for the state: one slot per session, snapshots at the chunk ends 32 ... 144.
   dz_kv_stats ks;
   dz_kv_stats_init(&ks);
@@ -354,10 +348,7 @@ TEST_CASE("kimi_linear through the C API: prefix reuse restores snapshots, fork,
   CHECK(len == T);
   REQUIRE(dz_session_truncate(b, 96) == DZ_OK);
   REQUIRE(dz_session_append(b, ref.prompt.data() + 96, T - 96, DZ_LOGITS_LAST) == DZ_OK);
-  const std::vector<float> again = last_logits(b);
-  diff = 0;
-  for (size_t k = 0; k < V; ++k) diff = std::max(diff, double(std::fabs(again[k] - want[k])));
-  CHECK(diff < 1e-5);
+  CHECK(max_abs_diff(last_logits(b), want) < 1e-5);
   // A prefill cancelled after some chunks were committed leaves the session (state included) as it was.
   struct Count {
     int polls = 0;
@@ -375,13 +366,10 @@ TEST_CASE("kimi_linear through the C API: prefix reuse restores snapshots, fork,
   CHECK(len == 20);
   count.polls = -1000;
   REQUIRE(dz_session_append(c, other.data() + 20, 100, DZ_LOGITS_LAST) == DZ_OK);
-  const std::vector<float> resumed = last_logits(c);
   Runner plain(model);
   const std::vector<float> direct = plain.append({other.begin(), other.begin() + 120}, false);
-  diff = 0;
-  for (size_t k = 0; k < V; ++k) diff = std::max(diff, double(std::fabs(resumed[k] - direct[k])));
-  INFO("after a cancelled prefill: max |logit diff| " << diff);
-  CHECK(diff < 1e-5);
+  INFO("after a cancelled prefill: max |logit diff| " << max_abs_diff(last_logits(c), direct));
+  CHECK(max_abs_diff(last_logits(c), direct) < 1e-5);
   for (dz_session* s : {a, b, c, f}) dz_session_free(s);
   dz_kv_arena_free(arena);
 }

@@ -205,6 +205,21 @@ struct ConfigProbe {
   }
 };
 
+// The last logits row a session holds (dz_session_logits).
+inline std::vector<float> session_last_logits(dz_session* s) {
+  const float* l = nullptr;
+  size_t rows = 0, nv = 0;
+  REQUIRE(dz_session_logits(s, &l, &rows, &nv) == DZ_OK);
+  return std::vector<float>(l + (rows - 1) * nv, l + rows * nv);
+}
+
+inline double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double d = 0;
+  for (size_t k = 0; k < a.size(); ++k) d = std::max(d, double(std::fabs(a[k] - b[k])));
+  return d;
+}
+
 // Greedy continuation of sequence 0 from its last logits row: steps tokens, each
 // decoded as one new token.
 inline std::vector<int32_t> greedy_decode(Runner& run, std::vector<float> last, size_t steps) {
