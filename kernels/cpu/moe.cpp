@@ -90,12 +90,15 @@ void router_sqrt_softplus(const float* logits, const float* bias, int n_experts,
   for (int j = 0; j < k; ++j) weights[j] = weights[j] / (sum + 1e-20f) * scaling;
 }
 
+namespace {
+float silu(float a) { return float(double(a) / (1.0 + std::exp(-double(a)))); }
+}  // namespace
+
 void glu(const Glu& g, const float* h, int64_t inter, float* out) {
   switch (g.kind) {
     case Glu::Kind::SwiGLU:
       for (int64_t i = 0; i < inter; ++i) {
-        const float a = h[i];
-        out[i] = float(double(a) / (1.0 + std::exp(-double(a)))) * h[inter + i];
+        out[i] = silu(h[i]) * h[inter + i];
       }
       break;
     case Glu::Kind::ClampedOss:
@@ -108,8 +111,7 @@ void glu(const Glu& g, const float* h, int64_t inter, float* out) {
       break;
     case Glu::Kind::ClampedSwiGLU:
       for (int64_t i = 0; i < inter; ++i) {
-        const float a = std::min(h[i], g.limit);
-        out[i] = float(double(a) / (1.0 + std::exp(-double(a)))) * std::clamp(h[inter + i], -g.limit, g.limit);
+        out[i] = silu(std::min(h[i], g.limit)) * std::clamp(h[inter + i], -g.limit, g.limit);
       }
       break;
   }

@@ -27,6 +27,13 @@ bool float_kind(DType d, cpu::WeightKind* k) {
       return false;
   }
 }
+// Refuses an E8M0 scale tensor (2-D, row-major) holding the NaN byte 0xFF, naming its position.
+void check_e8m0_scales(const TensorView& s) {
+  const size_t bad = cpu::find_e8m0_nan(s.data, s.nbytes);
+  const int64_t cols = s.dim(1);
+  check(bad == SIZE_MAX, DZ_ERR_FORMAT, "tensor ", s.name, ": scale byte 0xFF (E8M0 NaN) at [", int64_t(bad) / cols,
+        ", ", int64_t(bad) % cols, "] (in ", where(s), "); the checkpoint is corrupt");
+}
 }  // namespace
 
 std::string shape_str(const std::vector<int64_t>& s) {
@@ -56,9 +63,7 @@ cpu::WeightRef linear_weight(const WeightStore& ws, const std::string& base, int
     const int64_t groups = cols / cpu::kMxfp4Group;
     check_shape(b, {rows, groups, cpu::kMxfp4GroupBytes});
     check_shape(s, {rows, groups});
-    const size_t bad = cpu::find_e8m0_nan(s.data, s.nbytes);
-    check(bad == SIZE_MAX, DZ_ERR_FORMAT, "tensor ", s.name, ": scale byte 0xFF (E8M0 NaN) at [", int64_t(bad) / groups,
-          ", ", int64_t(bad) % groups, "] (in ", where(s), "); the checkpoint is corrupt");
+    check_e8m0_scales(s);
     w.kind = cpu::WeightKind::MXFP4;
     w.data = b.data;
     w.scales = s.data;
@@ -76,10 +81,7 @@ cpu::WeightRef linear_weight(const WeightStore& ws, const std::string& base, int
           " input features are not a multiple of the FP4 group (32)");
     check_shape(t, {rows, cols / 2});
     check_shape(s, {rows, cols / cpu::kMxfp4Group});
-    const size_t bad = cpu::find_e8m0_nan(s.data, s.nbytes);
-    check(bad == SIZE_MAX, DZ_ERR_FORMAT, "tensor ", sc, ": scale byte 0xFF (E8M0 NaN) at [",
-          int64_t(bad) / (cols / cpu::kMxfp4Group), ", ", int64_t(bad) % (cols / cpu::kMxfp4Group), "] (in ", where(s),
-          "); the checkpoint is corrupt");
+    check_e8m0_scales(s);
     w.kind = cpu::WeightKind::MXFP4;
     w.data = t.data;
     w.scales = s.data;
@@ -96,9 +98,7 @@ cpu::WeightRef linear_weight(const WeightStore& ws, const std::string& base, int
     w.data = t.data;
     w.scales = s.data;
     if (s.dtype == DType::F8_E8M0 || (s.dtype == DType::U8 && sn == sc)) {
-      const size_t bad = cpu::find_e8m0_nan(s.data, s.nbytes);
-      check(bad == SIZE_MAX, DZ_ERR_FORMAT, "tensor ", sn, ": scale byte 0xFF (E8M0 NaN) at [", int64_t(bad) / s.dim(1),
-            ", ", int64_t(bad) % s.dim(1), "] (in ", where(s), "); the checkpoint is corrupt");
+      check_e8m0_scales(s);
       w.kind = cpu::WeightKind::FP8_BLOCK_E8M0;
       return w;
     }
