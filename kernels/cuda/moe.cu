@@ -320,7 +320,23 @@ struct W4Args {
   const int* ids;
   const float* x;
   int *inv, *err;
+  // L2 prefetch (MoeOptions::fused_l2_prefetch), gate_up only: pf_blocks /
+  // pf_scales, the next projection's weights (expert 0; pf_bytes /
+  // pf_scale_bytes an expert), of which block x takes its share for its
+  // expert; pf_own: also its own rows (1), or (2, one token) blocks of the
+  // first half of the slots also those of the same block of the second half.
+  const uint8_t *pf_blocks, *pf_scales;
+  int64_t pf_bytes, pf_scale_bytes;
+  int pf_own;
 };
+
+// Block x's share of [p, p + n) (16-byte pieces) into L2 by one thread.
+__device__ __forceinline__ void l2_prefetch_share(const uint8_t* p, int64_t n, unsigned x, unsigned nx) {
+  const int64_t pieces = n / 16, per = (pieces + nx - 1) / nx;
+  int64_t b = int64_t(x) * per * 16;
+  const int64_t end = min(n / 16 * 16, b + per * 16);
+  for (; b < end; b += 32768) ptx::bulk_prefetch_l2(p + b, uint32_t(end - b < 32768 ? end - b : 32768));
+}
 
 // The fold of a sub-block d binades under its chunk's largest scale, 2^(14 -
 // d) as a half2: times a code from w4_pairs it is E2M1 * 2^-d, exact down to
@@ -485,6 +501,28 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   const uint8_t* sA = a.scales + rowA * a.nsub;
   const uint8_t* sB = a.scales + rowB * a.nsub;
   const int nchunk = a.kpad / 128, k8 = a.kpad / 8, NT = a.ntok;
+  if (kGateUp && threadIdx.x == 0) {
+    // This block's rows of expert ee (contiguous).
+    auto own = [&](int ee) {
+      const int64_t r0 = int64_t(ee) * a.rows + blockIdx.x * kRows, nr = min(kRows, a.rows - int(blockIdx.x) * kRows);
+      l2_prefetch_share(a.blocks + r0 * a.nsub * 16, nr * a.nsub * 16, 0, 1);
+    };
+    const unsigned half = (gridDim.y + 1) / 2;
+    if (a.pf_own == 2 && a.direct) {  // the first half of the slots also for the same block of the second half
+      if (blockIdx.y < half) {
+        own(e);
+        const unsigned y2 = blockIdx.y + half;
+        const int e2 = y2 < gridDim.y ? a.ids[y2] : -1;
+        if (e2 >= 0 && e2 < a.n_experts) own(e2);
+      }
+    } else if (a.pf_own) {
+      own(e);
+    }
+    if (a.pf_blocks) {  // the next projection's weights of expert e: this block's share
+      l2_prefetch_share(a.pf_blocks + e * a.pf_bytes, a.pf_bytes, blockIdx.x, gridDim.x);
+      if (a.pf_scales) l2_prefetch_share(a.pf_scales + e * a.pf_scale_bytes, a.pf_scale_bytes, blockIdx.x, gridDim.x);
+    }
+  }
   // K slice ks: chunks ks, ks + kKS, ... (the slices' warps read neighbouring
   // chunks at each ring step: every row streams front to back).
   const int nloc = (nchunk - ks + kKS - 1) / kKS;
@@ -1897,6 +1935,15 @@ struct MoeLayer::Impl {
     // Both projections on the W4A8 kernels with two terms: gate_up writes down's images.
     const bool chained = images && w4a8 && opt.fused_w4a8_terms == 2 && w8(2 * I, a) && w8(H, d);
     if (chained) a.next_img = w8_img_down.get(), a.next_img_bytes = w8_image_bytes(d.kpad);
+    // Down's weights of the active experts into L2 during gate_up, where they fit.
+    const int64_t pf_bytes = int64_t(H) * d.nsub * 16, pf_scale_bytes = int64_t(H) * d.nsub;
+    if (opt.fused_l2_prefetch > 0 && aligned16(w.w2_blocks) &&
+        double(max_active) * double(pf_bytes + pf_scale_bytes) <= opt.fused_l2_prefetch_max_bytes) {
+      a.pf_blocks = w.w2_blocks, a.pf_bytes = pf_bytes;
+      if (aligned16(w.w2_scales) && pf_scale_bytes % 16 == 0)
+        a.pf_scales = w.w2_scales, a.pf_scale_bytes = pf_scale_bytes;
+    }
+    a.pf_own = std::max(0, std::min(2, opt.fused_l2_prefetch - 1));
     // Chained: down's experts wait for their own gate_up blocks, not the whole grid (w8_count_done).
     const bool expert_wait = chained && pdl && opt.fused_w4a8_expert_wait && !a.direct;
     a.expert_wait = expert_wait ? 1 : 0;
