@@ -1083,6 +1083,19 @@ __device__ __forceinline__ void w8_wait_gate_up(const W4Args& a) {
     pdl_wait();
 }
 
+// The W4A8 gate_up's L2 prefetch (W4Args::pf_*), by a producer lane: the
+// 64 rows of expert e from row r0 (all of K), or (r0 < 0) the block's share
+// of down's weights for expert e.
+__device__ __forceinline__ void w8_l2_prefetch(const W4Args& a, int e, int r0) {
+  if (r0 >= 0) {
+    const int nr = min(64, a.rows - r0);
+    if (nr > 0) l2_prefetch_share(a.blocks + (int64_t(e) * a.rows + r0) * a.nsub * 16, int64_t(nr) * a.nsub * 16, 0, 1);
+    return;
+  }
+  l2_prefetch_share(a.pf_blocks + e * a.pf_bytes, a.pf_bytes, blockIdx.x, gridDim.x);
+  if (a.pf_scales) l2_prefetch_share(a.pf_scales + e * a.pf_scale_bytes, a.pf_scale_bytes, blockIdx.x, gridDim.x);
+}
+
 // kLo: two E4M3 terms a token (x / scale = hi + lo, lo the E4M3 rounding of
 // the remainder: ~8 significant bits, as BF16), staged as MMA columns 2i and
 // 2i + 1 of token i under the same scale and summed in the epilogue; 4 tokens
@@ -1144,6 +1157,9 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
     const int w = (tid >> 5) & (kW8Consumers - 1);
     if ((tid & 31) == 0 && s_len(w) > 0) {
       const int nt = ntiles(w);
+      if (kGateUp && a.pf_own && s_begin(w) == 0)  // the ring's rows (the warp with the first K slice)
+        for (int q = 0; q < nt; ++q) w8_l2_prefetch(a, e, tile0(w, q));
+      if (kGateUp && a.pf_blocks && w == 0) w8_l2_prefetch(a, e, -1);
       ptx::mbar_arrive_expect_tx(sbar(w), uint32_t(nt * 64 * a.nsub));
       for (int q = 0; q < nt; ++q)
         ptx::bulk_g2s(base + sc_at(w, q), a.scales + (int64_t(e) * a.rows + tile0(w, q)) * a.nsub,

@@ -535,6 +535,12 @@ int bench_moe(const Args& a) {
           if (T > 64) break;
           layer.options().fused_l2_prefetch = pf;  // kept by time_fused, which then restores opt
           variants["ks4_pdl_l2pf" + std::to_string(pf)] = time_fused(4, true);
+          if (pf > 0 && Fp8GroupedGemm::supported()) {
+            layer.options().fused_l2_prefetch = pf;
+            variants["w4a8x2_ks4_pdl_l2pf" + std::to_string(pf)] = time_fused(4, true, true, 2, false, 1);
+            layer.options().fused_l2_prefetch = pf;
+            variants["auto_l2pf" + std::to_string(pf)] = time_fused(0, false, true, 0, true);
+          }
         }
         if (T >= 8) {  // 16 token slots a pass (two MMA token tiles) whatever the tokens per expert
           layer.options().fused_two_token_tiles_above = 0.0;  // kept by time_fused, which then restores opt
