@@ -288,75 +288,15 @@ TEST_CASE("deepseek_v4: a ragged batch computes what each sequence computes alon
 
 TEST_CASE("deepseek_v4 through the C API: prefix reuse restores snapshots, fork, failed calls change nothing",
           "[deepseek_v4]") {
-  FixtureModel model(kName);
-  const Reference& ref = dz::test::family_fixture(kName).refs[2];
-  const size_t V = size_t(model.vocab()), T = ref.prompt.size();
-  dz_kv_arena_params ap;
-  dz_kv_arena_params_init(&ap);
-  ap.page_tokens = 16;
-  ap.capacity_bytes = 16u << 20;
-  dz_kv_arena* arena = nullptr;
-  REQUIRE(dz_kv_arena_create(model.m, &ap, &arena) == DZ_OK);
-  dz_session_params sp;
-  dz_session_params_init(&sp);
-  sp.prefill_chunk = 40;
-  using dz::test::max_abs_diff;
-  const auto last_logits = dz::test::session_last_logits;
-  dz_session *a = nullptr, *b = nullptr, *f = nullptr;
-  REQUIRE(dz_session_create(arena, &sp, &a) == DZ_OK);
-  REQUIRE(dz_session_append(a, ref.prompt.data(), T, DZ_LOGITS_LAST) == DZ_OK);
-  const std::vector<float> want = last_logits(a);
-  CHECK(cosine(want.data(), ref.logits.data() + (T - 1) * V, V) >= 0.99999);
-  std::vector<int32_t> greedy(4);
-  REQUIRE(dz_session_fork(a, &f) == DZ_OK);
-  for (int32_t& t : greedy) REQUIRE(dz_generate_step(&f, 1, &t) == DZ_OK);
-  CHECK(std::equal(greedy.begin(), greedy.end(), ref.greedy.begin()));
-  // Same prompt again: the cached pages and the state snapshot at 144 are adopted.
-  REQUIRE(dz_session_create(arena, &sp, &b) == DZ_OK);
-  REQUIRE(dz_session_append(b, ref.prompt.data(), T, DZ_LOGITS_LAST) == DZ_OK);
-  dz_session_stats st;
-  dz_session_stats_init(&st);
-  REQUIRE(dz_session_get_stats(b, &st) == DZ_OK);
-  CHECK(st.tokens_reused == 144);
-  const std::vector<float> got = last_logits(b);
-  INFO("reused prefix: max |logit diff| " << max_abs_diff(got, want));
-  CHECK(max_abs_diff(got, want) < 1e-5);
-  // The state slot holds the windows and the open compressor pools: 4 layers x 8 x 32 (windows), 2 CSA layers x
-  // (2 x 3 x 32 + 2 x 3 x 16), 1 HCA layer x 3 x 32 floats.
-  dz_kv_stats ks;
-  dz_kv_stats_init(&ks);
-  REQUIRE(dz_kv_arena_get_stats(arena, &ks) == DZ_OK);
-  CHECK(ks.state_bytes == (4 * 8 * 32 + 2 * (6 * 32 + 6 * 16) + 3 * 32) * sizeof(float));
-  // Rewind to a snapshot, and a position without one.
-  CHECK(dz_session_truncate(b, 100) == DZ_ERR_UNSUPPORTED);
-  REQUIRE(dz_session_truncate(b, 96) == DZ_OK);
-  REQUIRE(dz_session_append(b, ref.prompt.data() + 96, T - 96, DZ_LOGITS_LAST) == DZ_OK);
-  CHECK(max_abs_diff(last_logits(b), want) < 1e-5);
-  // A prefill cancelled after a committed chunk leaves the session as it was.
-  struct Count {
-    int polls = -1000;
-  } count;
-  dz_session_params cancel = sp;
-  // A forward polls once per layer and once before the logits: 5 polls, so the second chunk is cancelled.
-  cancel.abort = [](void* u) -> int { return ++static_cast<Count*>(u)->polls > 7; };
-  cancel.abort_user = &count;
-  dz_session* c = nullptr;
-  REQUIRE(dz_session_create(arena, &cancel, &c) == DZ_OK);
-  const std::vector<int32_t> other(ref.prompt.rbegin(), ref.prompt.rend());
-  REQUIRE(dz_session_append(c, other.data(), 20, DZ_LOGITS_LAST) == DZ_OK);
-  count.polls = 0;
-  CHECK(dz_session_append(c, other.data() + 20, 100, DZ_LOGITS_LAST) == DZ_ERR_CANCELLED);
-  size_t len = 0;
-  REQUIRE(dz_session_length(c, &len) == DZ_OK);
-  CHECK(len == 20);
-  count.polls = -1000;
-  REQUIRE(dz_session_append(c, other.data() + 20, 100, DZ_LOGITS_LAST) == DZ_OK);
-  Runner plain(model);
-  const std::vector<float> direct = plain.append({other.begin(), other.begin() + 120}, false);
-  INFO("after a cancelled prefill: max |logit diff| " << max_abs_diff(last_logits(c), direct));
-  CHECK(max_abs_diff(last_logits(c), direct) < 1e-5);
-  for (dz_session* s : {a, b, c, f}) dz_session_free(s);
-  dz_kv_arena_free(arena);
+  dz::test::hybrid_session_scenario(kName, 16u << 20, [](dz_kv_arena* arena) {
+    // The state slot holds the windows and the open compressor pools: 4 layers x 8 x 32 (windows), 2 CSA layers x
+    // (2 x 3 x 32 + 2 x 3 x 16), 1 HCA layer x 3 x 32 floats.
+    dz_kv_stats ks;
+    dz_kv_stats_init(&ks);
+    REQUIRE(dz_kv_arena_get_stats(arena, &ks) == DZ_OK);
+    CHECK(ks.state_bytes == (4 * 8 * 32 + 2 * (6 * 32 + 6 * 16) + 3 * 32) * sizeof(float));
+    CHECK(ks.state_slots_used == 3);
+  });
 }
 
 TEST_CASE("deepseek_v4: bad checkpoints fail with clear errors", "[deepseek_v4]") {

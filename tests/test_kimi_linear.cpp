@@ -296,82 +296,17 @@ TEST_CASE("kimi_linear: a ragged batch computes what each sequence computes alon
 
 TEST_CASE("kimi_linear through the C API: prefix reuse restores snapshots, fork, failed calls change nothing",
           "[kimi]") {
-  FixtureModel model(kName);
-  const Reference& ref = dz::test::family_fixture(kName).refs[2];
-  const size_t V = size_t(model.vocab()), T = ref.prompt.size();
-  dz_kv_arena_params ap;
-  dz_kv_arena_params_init(&ap);
-  ap.page_tokens = 16;
-  ap.capacity_bytes = 64u << 20;
-  dz_kv_arena* arena = nullptr;
-  REQUIRE(dz_kv_arena_create(model.m, &ap, &arena) == DZ_OK);
-  dz_session_params sp;
-  dz_session_params_init(&sp);
-  sp.prefill_chunk = 40;  // not a multiple of the page: chunks are cut at page boundaries
-  using dz::test::max_abs_diff;
-  const auto last_logits = dz::test::session_last_logits;
-  dz_session *a = nullptr, *b = nullptr, *f = nullptr;
-  REQUIRE(dz_session_create(arena, &sp, &a) == DZ_OK);
-  REQUIRE(dz_session_append(a, ref.prompt.data(), T, DZ_LOGITS_LAST) == DZ_OK);
-  const std::vector<float> want = last_logits(a);
-  CHECK(cosine(want.data(), ref.logits.data() + (T - 1) * V, V) >= 0.99999);
-  // Greedy through dz_generate_step equals the reference.
-  std::vector<int32_t> greedy(4);
-  REQUIRE(dz_session_fork(a, &f) == DZ_OK);
-  for (int32_t& t : greedy) REQUIRE(dz_generate_step(&f, 1, &t) == DZ_OK);
-  CHECK(std::equal(greedy.begin(), greedy.end(), ref.greedy.begin()));
-  // A second session with the same prompt adopts the cached pages and the state snapshot at 144 (prefill
-  // chunks of 40 are cut at 32, 64, 96, 128 and 144).
-  REQUIRE(dz_session_create(arena, &sp, &b) == DZ_OK);
-  REQUIRE(dz_session_append(b, ref.prompt.data(), T, DZ_LOGITS_LAST) == DZ_OK);
-  dz_session_stats st;
-  dz_session_stats_init(&st);
-  REQUIRE(dz_session_get_stats(b, &st) == DZ_OK);
-  CHECK(st.tokens_reused == 144);
-  const std::vector<float> got = last_logits(b);
-  INFO("reused prefix: max |logit diff| " << max_abs_diff(got, want));
-  CHECK(max_abs_diff(got, want) < 1e-5);
-  // The arena accounts for the state: one slot per session, snapshots at the chunk ends 32 ... 144.
-  dz_kv_stats ks;
-  dz_kv_stats_init(&ks);
-  REQUIRE(dz_kv_arena_get_stats(arena, &ks) == DZ_OK);
-  CHECK(ks.state_bytes == 3 * fixture_dims().state_floats() * sizeof(float));
-  CHECK(ks.state_slots_used == 3);
-  CHECK(ks.state_snapshots_total == 64);
-  CHECK(ks.state_snapshots_used == 5);
-  CHECK(ks.bytes_total >= (1 + 64 + 64) * ks.state_bytes + ks.pages_total * ks.page_bytes);
-  // The state cannot be rewound to a position without a snapshot; to one with a snapshot it can.
-  size_t len = 0;
-  CHECK(dz_session_truncate(b, 100) == DZ_ERR_UNSUPPORTED);
-  CHECK(std::string(dz_last_error()).find("recurrent state") != std::string::npos);
-  REQUIRE(dz_session_length(b, &len) == DZ_OK);
-  CHECK(len == T);
-  REQUIRE(dz_session_truncate(b, 96) == DZ_OK);
-  REQUIRE(dz_session_append(b, ref.prompt.data() + 96, T - 96, DZ_LOGITS_LAST) == DZ_OK);
-  CHECK(max_abs_diff(last_logits(b), want) < 1e-5);
-  // A prefill cancelled after some chunks were committed leaves the session (state included) as it was.
-  struct Count {
-    int polls = 0;
-  } count;
-  dz_session_params cancel = sp;
-  cancel.abort = [](void* u) -> int { return ++static_cast<Count*>(u)->polls > 12; };  // past the first chunk
-  cancel.abort_user = &count;
-  dz_session* c = nullptr;
-  REQUIRE(dz_session_create(arena, &cancel, &c) == DZ_OK);
-  const std::vector<int32_t> other(ref.prompt.rbegin(), ref.prompt.rend());
-  REQUIRE(dz_session_append(c, other.data(), 20, DZ_LOGITS_LAST) == DZ_OK);  // 2 x 5 polls
-  count.polls = 0;
-  CHECK(dz_session_append(c, other.data() + 20, 100, DZ_LOGITS_LAST) == DZ_ERR_CANCELLED);
-  REQUIRE(dz_session_length(c, &len) == DZ_OK);
-  CHECK(len == 20);
-  count.polls = -1000;
-  REQUIRE(dz_session_append(c, other.data() + 20, 100, DZ_LOGITS_LAST) == DZ_OK);
-  Runner plain(model);
-  const std::vector<float> direct = plain.append({other.begin(), other.begin() + 120}, false);
-  INFO("after a cancelled prefill: max |logit diff| " << max_abs_diff(last_logits(c), direct));
-  CHECK(max_abs_diff(last_logits(c), direct) < 1e-5);
-  for (dz_session* s : {a, b, c, f}) dz_session_free(s);
-  dz_kv_arena_free(arena);
+  dz::test::hybrid_session_scenario(kName, 64u << 20, [](dz_kv_arena* arena) {
+    // One state slot per session, snapshots at the chunk ends 32 ... 144.
+    dz_kv_stats ks;
+    dz_kv_stats_init(&ks);
+    REQUIRE(dz_kv_arena_get_stats(arena, &ks) == DZ_OK);
+    CHECK(ks.state_bytes == 3 * fixture_dims().state_floats() * sizeof(float));
+    CHECK(ks.state_slots_used == 3);
+    CHECK(ks.state_snapshots_total == 64);
+    CHECK(ks.state_snapshots_used == 5);
+    CHECK(ks.bytes_total >= (1 + 64 + 64) * ks.state_bytes + ks.pages_total * ks.page_bytes);
+  });
 }
 
 TEST_CASE("kimi_linear: bad checkpoints fail with clear errors", "[kimi]") {

@@ -220,6 +220,85 @@ inline double max_abs_diff(const std::vector<float>& a, const std::vector<float>
   return d;
 }
 
+// The hybrid families' (recurrent or windowed state beside the pages) C API
+// scenario on fixture `name`'s third prompt (144+ tokens), in an arena of
+// `capacity` bytes with 16-token pages and prefill chunks of 40:
+//  - logits and greedy tokens through sessions equal the reference;
+//  - a second session with the same prompt adopts the cached pages and the
+//    state snapshot at 144 (chunks are cut at page boundaries: 32, 64, ...,
+//    144) and computes the same logits;
+//  - truncation works to a position with a snapshot (96), not elsewhere (100),
+//    and the failed call changes nothing;
+//  - a prefill cancelled after a committed chunk leaves the session as it was.
+// check_arena(arena) checks the family's state accounting with 3 sessions live.
+inline void hybrid_session_scenario(const std::string& name, size_t capacity,
+                                    const std::function<void(dz_kv_arena*)>& check_arena) {
+  FixtureModel model(name);
+  const Reference& ref = family_fixture(name).refs[2];
+  const size_t V = size_t(model.vocab()), T = ref.prompt.size();
+  REQUIRE(T > 144);
+  dz_kv_arena_params ap;
+  dz_kv_arena_params_init(&ap);
+  ap.page_tokens = 16;
+  ap.capacity_bytes = capacity;
+  dz_kv_arena* arena = nullptr;
+  REQUIRE(dz_kv_arena_create(model.m, &ap, &arena) == DZ_OK);
+  dz_session_params sp;
+  dz_session_params_init(&sp);
+  sp.prefill_chunk = 40;  // not a multiple of the page: chunks are cut at page boundaries
+  dz_session *a = nullptr, *b = nullptr, *f = nullptr;
+  REQUIRE(dz_session_create(arena, &sp, &a) == DZ_OK);
+  REQUIRE(dz_session_append(a, ref.prompt.data(), T, DZ_LOGITS_LAST) == DZ_OK);
+  const std::vector<float> want = session_last_logits(a);
+  CHECK(cosine(want.data(), ref.logits.data() + (T - 1) * V, V) >= 0.99999);
+  std::vector<int32_t> greedy(4);
+  REQUIRE(dz_session_fork(a, &f) == DZ_OK);
+  for (int32_t& t : greedy) REQUIRE(dz_generate_step(&f, 1, &t) == DZ_OK);
+  CHECK(std::equal(greedy.begin(), greedy.end(), ref.greedy.begin()));
+  REQUIRE(dz_session_create(arena, &sp, &b) == DZ_OK);
+  REQUIRE(dz_session_append(b, ref.prompt.data(), T, DZ_LOGITS_LAST) == DZ_OK);
+  dz_session_stats st;
+  dz_session_stats_init(&st);
+  REQUIRE(dz_session_get_stats(b, &st) == DZ_OK);
+  CHECK(st.tokens_reused == 144);
+  const std::vector<float> got = session_last_logits(b);
+  INFO("reused prefix: max |logit diff| " << max_abs_diff(got, want));
+  CHECK(max_abs_diff(got, want) < 1e-5);
+  check_arena(arena);
+  size_t len = 0;
+  CHECK(dz_session_truncate(b, 100) == DZ_ERR_UNSUPPORTED);
+  CHECK(std::string(dz_last_error()).find("state") != std::string::npos);
+  REQUIRE(dz_session_length(b, &len) == DZ_OK);
+  CHECK(len == T);
+  REQUIRE(dz_session_truncate(b, 96) == DZ_OK);
+  REQUIRE(dz_session_append(b, ref.prompt.data() + 96, T - 96, DZ_LOGITS_LAST) == DZ_OK);
+  CHECK(max_abs_diff(session_last_logits(b), want) < 1e-5);
+  struct Count {
+    int polls = -1000;
+  } count;
+  dz_session_params cancel = sp;
+  // A forward polls once per layer and once before the logits (5 polls with the
+  // fixtures' 4 layers): the second append's second chunk is cancelled.
+  cancel.abort = [](void* u) -> int { return ++static_cast<Count*>(u)->polls > 7; };
+  cancel.abort_user = &count;
+  dz_session* c = nullptr;
+  REQUIRE(dz_session_create(arena, &cancel, &c) == DZ_OK);
+  const std::vector<int32_t> other(ref.prompt.rbegin(), ref.prompt.rend());
+  REQUIRE(dz_session_append(c, other.data(), 20, DZ_LOGITS_LAST) == DZ_OK);
+  count.polls = 0;
+  CHECK(dz_session_append(c, other.data() + 20, 100, DZ_LOGITS_LAST) == DZ_ERR_CANCELLED);
+  REQUIRE(dz_session_length(c, &len) == DZ_OK);
+  CHECK(len == 20);
+  count.polls = -1000;
+  REQUIRE(dz_session_append(c, other.data() + 20, 100, DZ_LOGITS_LAST) == DZ_OK);
+  Runner plain(model);
+  const std::vector<float> direct = plain.append({other.begin(), other.begin() + 120}, false);
+  INFO("after a cancelled prefill: max |logit diff| " << max_abs_diff(session_last_logits(c), direct));
+  CHECK(max_abs_diff(session_last_logits(c), direct) < 1e-5);
+  for (dz_session* s : {a, b, c, f}) dz_session_free(s);
+  dz_kv_arena_free(arena);
+}
+
 // Greedy continuation of sequence 0 from its last logits row: steps tokens, each
 // decoded as one new token.
 inline std::vector<int32_t> greedy_decode(Runner& run, std::vector<float> last, size_t steps) {
