@@ -337,6 +337,16 @@ __device__ __forceinline__ void l2_prefetch_share(const uint8_t* p, int64_t n, u
   const int64_t end = min(n / 16 * 16, b + per * 16);
   for (; b < end; b += 32768) ptx::bulk_prefetch_l2(p + b, uint32_t(end - b < 32768 ? end - b : 32768));
 }
+// Rows [r0, r0 + nr) of expert e's weights (contiguous, every K) into L2.
+__device__ __forceinline__ void l2_prefetch_rows(const W4Args& a, int e, int r0, int nr) {
+  nr = min(nr, a.rows - r0);
+  if (nr > 0) l2_prefetch_share(a.blocks + (int64_t(e) * a.rows + r0) * a.nsub * 16, int64_t(nr) * a.nsub * 16, 0, 1);
+}
+// This block's share of the next projection's weights of expert e into L2.
+__device__ __forceinline__ void l2_prefetch_next(const W4Args& a, int e) {
+  l2_prefetch_share(a.pf_blocks + e * a.pf_bytes, a.pf_bytes, blockIdx.x, gridDim.x);
+  if (a.pf_scales) l2_prefetch_share(a.pf_scales + e * a.pf_scale_bytes, a.pf_scale_bytes, blockIdx.x, gridDim.x);
+}
 
 // The fold of a sub-block d binades under its chunk's largest scale, 2^(14 -
 // d) as a half2: times a code from w4_pairs it is E2M1 * 2^-d, exact down to
@@ -502,26 +512,19 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   const uint8_t* sB = a.scales + rowB * a.nsub;
   const int nchunk = a.kpad / 128, k8 = a.kpad / 8, NT = a.ntok;
   if (kGateUp && threadIdx.x == 0) {
-    // This block's rows of expert ee (contiguous).
-    auto own = [&](int ee) {
-      const int64_t r0 = int64_t(ee) * a.rows + blockIdx.x * kRows, nr = min(kRows, a.rows - int(blockIdx.x) * kRows);
-      l2_prefetch_share(a.blocks + r0 * a.nsub * 16, nr * a.nsub * 16, 0, 1);
-    };
+    const int r0 = int(blockIdx.x) * kRows;
     const unsigned half = (gridDim.y + 1) / 2;
     if (a.pf_own == 2 && a.direct) {  // the first half of the slots also for the same block of the second half
       if (blockIdx.y < half) {
-        own(e);
+        l2_prefetch_rows(a, e, r0, kRows);
         const unsigned y2 = blockIdx.y + half;
         const int e2 = y2 < gridDim.y ? a.ids[y2] : -1;
-        if (e2 >= 0 && e2 < a.n_experts) own(e2);
+        if (e2 >= 0 && e2 < a.n_experts) l2_prefetch_rows(a, e2, r0, kRows);
       }
     } else if (a.pf_own) {
-      own(e);
+      l2_prefetch_rows(a, e, r0, kRows);
     }
-    if (a.pf_blocks) {  // the next projection's weights of expert e: this block's share
-      l2_prefetch_share(a.pf_blocks + e * a.pf_bytes, a.pf_bytes, blockIdx.x, gridDim.x);
-      if (a.pf_scales) l2_prefetch_share(a.pf_scales + e * a.pf_scale_bytes, a.pf_scale_bytes, blockIdx.x, gridDim.x);
-    }
+    if (a.pf_blocks) l2_prefetch_next(a, e);
   }
   // K slice ks: chunks ks, ks + kKS, ... (the slices' warps read neighbouring
   // chunks at each ring step: every row streams front to back).
@@ -1083,19 +1086,6 @@ __device__ __forceinline__ void w8_wait_gate_up(const W4Args& a) {
     pdl_wait();
 }
 
-// The W4A8 gate_up's L2 prefetch (W4Args::pf_*), by a producer lane: the
-// 64 rows of expert e from row r0 (all of K), or (r0 < 0) the block's share
-// of down's weights for expert e.
-__device__ __forceinline__ void w8_l2_prefetch(const W4Args& a, int e, int r0) {
-  if (r0 >= 0) {
-    const int nr = min(64, a.rows - r0);
-    if (nr > 0) l2_prefetch_share(a.blocks + (int64_t(e) * a.rows + r0) * a.nsub * 16, int64_t(nr) * a.nsub * 16, 0, 1);
-    return;
-  }
-  l2_prefetch_share(a.pf_blocks + e * a.pf_bytes, a.pf_bytes, blockIdx.x, gridDim.x);
-  if (a.pf_scales) l2_prefetch_share(a.pf_scales + e * a.pf_scale_bytes, a.pf_scale_bytes, blockIdx.x, gridDim.x);
-}
-
 // kLo: two E4M3 terms a token (x / scale = hi + lo, lo the E4M3 rounding of
 // the remainder: ~8 significant bits, as BF16), staged as MMA columns 2i and
 // 2i + 1 of token i under the same scale and summed in the epilogue; 4 tokens
@@ -1157,9 +1147,10 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
     const int w = (tid >> 5) & (kW8Consumers - 1);
     if ((tid & 31) == 0 && s_len(w) > 0) {
       const int nt = ntiles(w);
-      if (kGateUp && a.pf_own && s_begin(w) == 0)  // the ring's rows (the warp with the first K slice)
-        for (int q = 0; q < nt; ++q) w8_l2_prefetch(a, e, tile0(w, q));
-      if (kGateUp && a.pf_blocks && w == 0) w8_l2_prefetch(a, e, -1);
+      // L2 prefetch (W4Args::pf_*): the ring's rows (by the warp with the first K slice), down's share (ring 0).
+      if (kGateUp && a.pf_own && s_begin(w) == 0)
+        for (int q = 0; q < nt; ++q) l2_prefetch_rows(a, e, tile0(w, q), 64);
+      if (kGateUp && a.pf_blocks && w == 0) l2_prefetch_next(a, e);
       ptx::mbar_arrive_expect_tx(sbar(w), uint32_t(nt * 64 * a.nsub));
       for (int q = 0; q < nt; ++q)
         ptx::bulk_g2s(base + sc_at(w, q), a.scales + (int64_t(e) * a.rows + tile0(w, q)) * a.nsub,

@@ -125,7 +125,7 @@ struct MoeOptions {
   // experts 64 / 96 / 128 tokens 202.7 / 244.6 / 302.6 vs 210.9 / 259.9 /
   // 320.5 us; 120b shapes within the noise.
   bool fused_w4a8_expert_wait = true;
-  // L2 prefetch on the W4A16 fused path: 1: gate_up's blocks prefetch down's
+  // L2 prefetch on the fused path (W4A16 and W4A8): 1: gate_up's blocks prefetch down's
   // weights of their expert into L2 (each block a share, by bulk prefetch),
   // so down reads them from L2 instead of HBM, when the active experts' down
   // weights fit fused_l2_prefetch_max_bytes; 2: also each gate_up block's own

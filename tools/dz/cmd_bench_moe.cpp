@@ -532,7 +532,7 @@ int bench_moe(const Args& a) {
         // they fit), with each gate_up block's own rows (l2pf2), and
         // at one token the second half's rows too (l2pf3).
         for (int pf : {0, 1, 2, 3}) {
-          if (T > 64) break;
+          if (T > 64) continue;
           layer.options().fused_l2_prefetch = pf;  // kept by time_fused, which then restores opt
           variants["ks4_pdl_l2pf" + std::to_string(pf)] = time_fused(4, true);
           if (pf > 0 && Fp8GroupedGemm::supported()) {
