@@ -320,33 +320,7 @@ struct W4Args {
   const int* ids;
   const float* x;
   int *inv, *err;
-  // L2 prefetch (MoeOptions::fused_l2_prefetch), gate_up only: pf_blocks /
-  // pf_scales, the next projection's weights (expert 0; pf_bytes /
-  // pf_scale_bytes an expert), of which block x takes its share for its
-  // expert; pf_own: also its own rows (1), or (2, one token) blocks of the
-  // first half of the slots also those of the same block of the second half.
-  const uint8_t *pf_blocks, *pf_scales;
-  int64_t pf_bytes, pf_scale_bytes;
-  int pf_own;
 };
-
-// Block x's share of [p, p + n) (16-byte pieces) into L2 by one thread.
-__device__ __forceinline__ void l2_prefetch_share(const uint8_t* p, int64_t n, unsigned x, unsigned nx) {
-  const int64_t pieces = n / 16, per = (pieces + nx - 1) / nx;
-  int64_t b = int64_t(x) * per * 16;
-  const int64_t end = min(n / 16 * 16, b + per * 16);
-  for (; b < end; b += 32768) ptx::bulk_prefetch_l2(p + b, uint32_t(end - b < 32768 ? end - b : 32768));
-}
-// Rows [r0, r0 + nr) of expert e's weights (contiguous, every K) into L2.
-__device__ __forceinline__ void l2_prefetch_rows(const W4Args& a, int e, int r0, int nr) {
-  nr = min(nr, a.rows - r0);
-  if (nr > 0) l2_prefetch_share(a.blocks + (int64_t(e) * a.rows + r0) * a.nsub * 16, int64_t(nr) * a.nsub * 16, 0, 1);
-}
-// This block's share of the next projection's weights of expert e into L2.
-__device__ __forceinline__ void l2_prefetch_next(const W4Args& a, int e) {
-  l2_prefetch_share(a.pf_blocks + e * a.pf_bytes, a.pf_bytes, blockIdx.x, gridDim.x);
-  if (a.pf_scales) l2_prefetch_share(a.pf_scales + e * a.pf_scale_bytes, a.pf_scale_bytes, blockIdx.x, gridDim.x);
-}
 
 // The fold of a sub-block d binades under its chunk's largest scale, 2^(14 -
 // d) as a half2: times a code from w4_pairs it is E2M1 * 2^-d, exact down to
@@ -511,21 +485,6 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
   const uint8_t* sA = a.scales + rowA * a.nsub;
   const uint8_t* sB = a.scales + rowB * a.nsub;
   const int nchunk = a.kpad / 128, k8 = a.kpad / 8, NT = a.ntok;
-  if (kGateUp && threadIdx.x == 0) {
-    const int r0 = int(blockIdx.x) * kRows;
-    const unsigned half = (gridDim.y + 1) / 2;
-    if (a.pf_own == 2 && a.direct) {  // the first half of the slots also for the same block of the second half
-      if (blockIdx.y < half) {
-        l2_prefetch_rows(a, e, r0, kRows);
-        const unsigned y2 = blockIdx.y + half;
-        const int e2 = y2 < gridDim.y ? a.ids[y2] : -1;
-        if (e2 >= 0 && e2 < a.n_experts) l2_prefetch_rows(a, e2, r0, kRows);
-      }
-    } else if (a.pf_own) {
-      l2_prefetch_rows(a, e, r0, kRows);
-    }
-    if (a.pf_blocks) l2_prefetch_next(a, e);
-  }
   // K slice ks: chunks ks, ks + kKS, ... (the slices' warps read neighbouring
   // chunks at each ring step: every row streams front to back).
   const int nloc = (nchunk - ks + kKS - 1) / kKS;
@@ -1147,10 +1106,6 @@ __global__ void __launch_bounds__(kW8Threads, kW8BlocksPerSm)
     const int w = (tid >> 5) & (kW8Consumers - 1);
     if ((tid & 31) == 0 && s_len(w) > 0) {
       const int nt = ntiles(w);
-      // L2 prefetch (W4Args::pf_*): the ring's rows (by the warp with the first K slice), down's share (ring 0).
-      if (kGateUp && a.pf_own && s_begin(w) == 0)
-        for (int q = 0; q < nt; ++q) l2_prefetch_rows(a, e, tile0(w, q), 64);
-      if (kGateUp && a.pf_blocks && w == 0) l2_prefetch_next(a, e);
       ptx::mbar_arrive_expect_tx(sbar(w), uint32_t(nt * 64 * a.nsub));
       for (int q = 0; q < nt; ++q)
         ptx::bulk_g2s(base + sc_at(w, q), a.scales + (int64_t(e) * a.rows + tile0(w, q)) * a.nsub,
@@ -1942,15 +1897,6 @@ struct MoeLayer::Impl {
     // Both projections on the W4A8 kernels with two terms: gate_up writes down's images.
     const bool chained = images && w4a8 && opt.fused_w4a8_terms == 2 && w8(2 * I, a) && w8(H, d);
     if (chained) a.next_img = w8_img_down.get(), a.next_img_bytes = w8_image_bytes(d.kpad);
-    // Down's weights of the active experts into L2 during gate_up, where they fit.
-    const int64_t pf_bytes = int64_t(H) * d.nsub * 16, pf_scale_bytes = int64_t(H) * d.nsub;
-    if (opt.fused_l2_prefetch > 0 && aligned16(w.w2_blocks) &&
-        double(max_active) * double(pf_bytes + pf_scale_bytes) <= opt.fused_l2_prefetch_max_bytes) {
-      a.pf_blocks = w.w2_blocks, a.pf_bytes = pf_bytes;
-      if (aligned16(w.w2_scales) && pf_scale_bytes % 16 == 0)
-        a.pf_scales = w.w2_scales, a.pf_scale_bytes = pf_scale_bytes;
-    }
-    a.pf_own = std::max(0, std::min(2, opt.fused_l2_prefetch - 1));
     // Chained: down's experts wait for their own gate_up blocks, not the whole grid (w8_count_done).
     const bool expert_wait = chained && pdl && opt.fused_w4a8_expert_wait && !a.direct;
     a.expert_wait = expert_wait ? 1 : 0;

@@ -125,14 +125,6 @@ struct MoeOptions {
   // experts 64 / 96 / 128 tokens 202.7 / 244.6 / 302.6 vs 210.9 / 259.9 /
   // 320.5 us; 120b shapes within the noise.
   bool fused_w4a8_expert_wait = true;
-  // L2 prefetch on the fused path (W4A16 and W4A8): 1: gate_up's blocks prefetch down's
-  // weights of their expert into L2 (each block a share, by bulk prefetch),
-  // so down reads them from L2 instead of HBM, when the active experts' down
-  // weights fit fused_l2_prefetch_max_bytes; 2: also each gate_up block's own
-  // rows, ahead of its register ring; 3 (one token): blocks of the first
-  // half of the slots fetch those of the second half's too. 0: off.
-  int fused_l2_prefetch = 0;
-  double fused_l2_prefetch_max_bytes = 24e6;
   // 64-row tiles each W4A8 warpgroup streams in turn without a K split: with
   // 2 its copy ring runs on from one tile into the next (3 stages instead of
   // 4) and a block's setup serves twice the rows, but half the blocks leave

@@ -528,20 +528,6 @@ int bench_moe(const Args& a) {
             if (ks != 8 || (T <= 64 && pdl))
               variants["ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] = time_fused(ks, pdl);
         if (T == 1) variants["ks4_pdl_routing_kernel"] = time_fused(4, true, false);  // one token, routed
-        // L2 prefetch of down's weights during gate_up off (l2pf0), on (l2pf1, where
-        // they fit), with each gate_up block's own rows (l2pf2), and
-        // at one token the second half's rows too (l2pf3).
-        for (int pf : {0, 1, 2, 3}) {
-          if (T > 64) continue;
-          layer.options().fused_l2_prefetch = pf;  // kept by time_fused, which then restores opt
-          variants["ks4_pdl_l2pf" + std::to_string(pf)] = time_fused(4, true);
-          if (pf > 0 && Fp8GroupedGemm::supported()) {
-            layer.options().fused_l2_prefetch = pf;
-            variants["w4a8x2_ks4_pdl_l2pf" + std::to_string(pf)] = time_fused(4, true, true, 2, false, 1);
-            layer.options().fused_l2_prefetch = pf;
-            variants["auto_l2pf" + std::to_string(pf)] = time_fused(0, false, true, 0, true);
-          }
-        }
         if (T >= 8) {  // 16 token slots a pass (two MMA token tiles) whatever the tokens per expert
           layer.options().fused_two_token_tiles_above = 0.0;  // kept by time_fused, which then restores opt
           variants["ks1_pdl_16slots"] = time_fused(1, true);
@@ -590,14 +576,6 @@ int bench_moe(const Args& a) {
               images_diff = std::max(images_diff, max_abs(staged(true), staged(false)));
             }
         }
-      }
-      // Whether the L2 prefetch leaves the bits alone (routing set 0; max abs, 0 = same bits).
-      double l2pf_diff = -1;
-      if (T <= 64) {
-        const std::vector<float> h0 = fused_out([](MoeOptions& o) { o.fused_l2_prefetch = 0; });
-        l2pf_diff = std::max(max_abs(h0, fused_out([](MoeOptions& o) { o.fused_l2_prefetch = 1; })),
-                             std::max(max_abs(h0, fused_out([](MoeOptions& o) { o.fused_l2_prefetch = 2; })),
-                                      max_abs(h0, fused_out([](MoeOptions& o) { o.fused_l2_prefetch = 3; }))));
       }
       const double ms_fused = time_fused(0, false, true, 0, true);
       // AUTO with down waiting for the whole gate_up grid instead of its own
@@ -711,7 +689,6 @@ int bench_moe(const Args& a) {
           {"fused_vs_plain_read", or_null(ms_read > 0, ms_read / ms_fused)},
           {"fp8_host_ms", median(host)},
           {"fused_variants_ms", variants},
-          {"l2_prefetch_vs_off_max_abs", l2pf_diff},
           {"w4a8_images_vs_staged_max_abs", images_diff},
           {"w4a8_streamed_vs_images_max_abs", stream_diff},
           {"expert_wait_vs_grid_wait_max_abs", wait_diff},
