@@ -224,6 +224,32 @@ TEST_CASE("deepseek_v4 matches a float64 reference: logits and greedy decode", "
                                                         << " against the float64 reference");
 }
 
+// The fixture also holds transformers 5.17's DeepseekV4ForCausalLM logits (float32, CPU) on the same weights
+// (tools/reference/deepseek_v4_fixtures.py --transformers, run on the GPU machine, where transformers is).
+TEST_CASE("deepseek_v4 matches transformers' DeepseekV4ForCausalLM logits", "[deepseek_v4]") {
+  const auto& fx = dz::test::family_fixture(kName);
+  FixtureModel model(kName);
+  const size_t V = size_t(model.vocab());
+  double diff_all = 0;
+  for (size_t i = 0; i < fx.refs.size(); ++i) {
+    const auto it = fx.floats.find("hf_logits." + std::to_string(i));
+    REQUIRE(it != fx.floats.end());
+    const std::vector<float>& hf = it->second;
+    const Reference& ref = fx.refs[i];
+    const size_t T = ref.prompt.size();
+    REQUIRE(hf.size() == T * V);
+    Runner run(model);
+    const std::vector<float> logits = run.append(ref.prompt);
+    const auto [worst, max_diff] = dz::test::compare_logits(logits.data(), hf.data(), T, V);
+    INFO("prompt " << i << " (T=" << T << "): worst cosine " << worst << ", max |diff| " << max_diff);
+    CHECK(worst >= 0.99999);
+    CHECK(max_diff < 5e-5);
+    for (size_t t = 0; t < T; ++t) CHECK(dz::test::argmax(&logits[t * V], V) == dz::test::argmax(&hf[t * V], V));
+    diff_all = std::max(diff_all, max_diff);
+  }
+  WARN("deepseek_v4: max |logit diff| " << diff_all << " against transformers 5.17");
+}
+
 TEST_CASE("deepseek_v4: prefill in any pieces, then decode, equals one full prefill", "[deepseek_v4]") {
   FixtureModel model(kName);
   const Reference& ref = dz::test::family_fixture(kName).refs[2];
