@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -252,6 +253,85 @@ TEST_CASE("CUDA DSA indexer: scores match float64, selections match the CPU inde
     }
     WARN("H " << c.H << " D " << c.D << " k " << c.k << ": " << nq << " queries, worst score error " << worst
               << " of its bound, " << near_tie_swaps << " near-tie swaps of " << ties_resolved << " selected");
+  }
+#endif
+}
+
+TEST_CASE("CUDA DSA top-k: exact against a sort on adversarial rows", "[cuda][dsa]") {
+  if (!dz::test::have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  using namespace dz;
+  cuda::Context ctx(test::pool_options(size_t(16) << 20));
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  // One row of n scores of a kind.
+  auto make_row = [&](int kind, int64_t n) {
+    std::vector<float> r(static_cast<size_t>(n));
+    std::uniform_int_distribution<int> small(0, 2), pick(0, 99);
+    for (auto& v : r) {
+      switch (kind) {
+        case 0: v = nd(rng); break;                                // both signs
+        case 1: v = std::fabs(nd(rng)) * std::exp2(float(pick(rng) % 12)); break;  // one sign, spread exponents
+        case 2: v = float(small(rng)); break;                      // huge exact ties at the threshold
+        case 3: v = 0.75f; break;                                  // every score equal
+        case 4: {                                                  // NaN, infinities, signed zeros among normals
+          const int p = pick(rng);
+          v = p < 10 ? nan : p < 12 ? inf : p < 14 ? -inf : p < 20 ? 0.f : p < 26 ? -0.f : nd(rng);
+          break;
+        }
+        case 5: v = pick(rng) < 97 ? nan : nd(rng); break;         // fewer valid scores than k
+        default: v = 1e-3f * float(small(rng)) + 1e-9f * nd(rng);  // close values: a deep threshold
+      }
+    }
+    return r;
+  };
+  struct Batch {
+    int k;
+    std::vector<int64_t> n;  // each row's visible count
+    int64_t max_visible;
+    std::vector<int> kinds;
+  };
+  const std::vector<Batch> batches = {
+      {2048, {65536}, 65536, {0}},                      // decode at 64K: a cluster of blocks, keys in shared memory
+      {2048, {65536, 65536, 40000}, 65536, {1, 2, 4}},  // a few rows
+      {2048, {500000}, 500000, {6}},                    // past shared memory: passes read the scores again
+      {512, {3000, 512, 513, 511, 0, 1, 5000}, 4000, {0, 3, 2, 1, 0, 4, 5}},  // around k; rows past max_visible
+      {64, std::vector<int64_t>(150, 2000), 2000, {0, 1, 2, 3, 4, 5, 6}},    // a prefill-like batch, one block a row
+      {2048, std::vector<int64_t>(40, 20000), 20000, {1, 6, 2}},             // clusters of two blocks
+      {100, std::vector<int64_t>(10, 6000), 6000, {4, 6, 0}},                // clusters of two 256-thread blocks
+  };
+  for (const Batch& bt : batches) {
+    const int64_t nq = int64_t(bt.n.size()), ld = bt.max_visible + 3;
+    INFO("k " << bt.k << " rows " << nq << " max_visible " << bt.max_visible);
+    std::vector<float> scores(size_t(nq * ld), 123.f);  // past a row's visible part: ignored
+    for (int64_t i = 0; i < nq; ++i) {
+      const auto r = make_row(bt.kinds[size_t(i) % bt.kinds.size()], std::min(bt.n[size_t(i)], bt.max_visible));
+      std::copy(r.begin(), r.end(), scores.begin() + i * ld);
+    }
+    test::DeviceBuffer<float> ds(scores);
+    test::DeviceBuffer<int64_t> dn(bt.n);
+    test::DeviceBuffer<int32_t> dout(size_t(nq) * bt.k);
+    cuda::indexer_topk(ds.p, ld, nq, dn.p, bt.max_visible, bt.k, dout.p, ctx.stream());
+    ctx.sync();
+    const auto got = dout.get();
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t n = std::min(bt.n[size_t(i)], bt.max_visible);
+      const float* r = scores.data() + i * ld;
+      std::vector<int32_t> idx;
+      for (int64_t j = 0; j < n; ++j)
+        if (!std::isnan(r[j])) idx.push_back(int32_t(j));
+      const size_t take = std::min(idx.size(), size_t(bt.k));
+      std::partial_sort(idx.begin(), idx.begin() + std::ptrdiff_t(take), idx.end(), [&](int32_t x, int32_t y) {
+        return r[x] > r[y] || (r[x] == r[y] && x < y);  // -0 == +0: one value, the lower position first
+      });
+      idx.resize(take);
+      std::sort(idx.begin(), idx.end());
+      idx.resize(size_t(bt.k), -1);
+      const std::vector<int32_t> g(got.begin() + i * bt.k, got.begin() + (i + 1) * bt.k);
+      INFO("row " << i << " n " << n);
+      REQUIRE(g == idx);
+    }
   }
 #endif
 }

@@ -1,3 +1,4 @@
+#include <cooperative_groups.h>
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -13,12 +14,16 @@ namespace dz::cuda {
 
 namespace {
 
+namespace cg = cooperative_groups;
+
 constexpr int kMaxD = 128;
 constexpr int kScoreWarps = 4;
 constexpr int kKeysPerWarp = 32;  // four MMA column groups of 8 keys
 constexpr int kTileKeys = kScoreWarps * kKeysPerWarp;
 constexpr int kQueryGroup = 4;  // queries a score block takes in turn (prefill: the keys stay in L1)
-constexpr int kSelectThreads = 512;
+constexpr int kSelectDigitBits = 11, kSelectBins = 1 << kSelectDigitBits;
+// Keys a selection block keeps in shared memory (192 KB) beside its ~13 KB of static arrays.
+constexpr int64_t kSelectMaxSmemKeys = 48 * 1024;
 
 // ------------------------------------------------------------ encoding
 // One vector of D values (D threads): the Hadamard butterflies in the CPU's
@@ -182,91 +187,267 @@ __global__ void __launch_bounds__(kScoreWarps * 32) score_kernel(const ScoreArgs
 // A score as an unsigned key, larger first; +0 and -0 one value; NaN 0 (never selected).
 __device__ __forceinline__ uint32_t order_key(float x) { return x != x ? 0u : ptx::float_order(x); }
 
-struct Counts {
-  int gt, eq;
-};
-struct CountsSum {
-  __device__ Counts operator()(const Counts& x, const Counts& y) const { return {x.gt + y.gt, x.eq + y.eq}; }
-};
-using SelectScan = cub::BlockScan<Counts, kSelectThreads>;
+// The top w bits of a key (w = 0: none, every key alike).
+__device__ __forceinline__ uint32_t top_bits(uint32_t u, int w) { return w == 0 ? 0u : u >> (32 - w); }
 
-// One block a query: the k-th largest key by four 8-bit radix passes, then
-// the selection in position order (so ascending): every key above it and the
-// first `need` equal to it.
-__global__ void __launch_bounds__(kSelectThreads)
-    select_kernel(const float* scores, int64_t ld, int64_t q0, const int64_t* n_visible, int64_t max_visible, int k,
-                  int32_t* out) {
-  __shared__ int hist[256];
-  __shared__ uint32_t s_prefix;
-  __shared__ int s_remaining;
-  __shared__ typename SelectScan::TempStorage scan;
-  __shared__ Counts s_carry;
-  const int64_t i = blockIdx.x;
-  const float* row = scores + i * ld;
-  const int64_t n = min(n_visible[q0 + i], max_visible);
-  int32_t* o = out + (q0 + i) * int64_t(k);
-  const int tid = threadIdx.x;
-  if (n <= k) {  // everything visible, in order (NaN scores dropped as the CPU does)
-    if (tid == 0) s_carry = {0, 0};
-    __syncthreads();
-    for (int64_t base = 0; base < n; base += kSelectThreads) {
-      const int64_t s = base + tid;
-      const int keep = s < n && order_key(row[s]) != 0u;
-      Counts c{keep, 0}, pre, tot;
-      SelectScan(scan).ExclusiveScan(c, pre, Counts{0, 0}, CountsSum(), tot);
-      if (keep) o[s_carry.gt + pre.gt] = int32_t(s);
-      __syncthreads();
-      if (tid == 0) s_carry.gt += tot.gt;
-      __syncthreads();
+__device__ __forceinline__ uint32_t lanemask_lt() {
+  uint32_t m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+struct SelectArgs {
+  const float* scores;
+  int64_t ld, q0;
+  const int64_t* n_visible;
+  int64_t max_visible;
+  int k;
+  int32_t* out;
+  int64_t smem_keys;  // keys a block keeps in shared memory (0: its passes read the scores again)
+};
+
+// What a block shows the other blocks of its cluster.
+struct SelectShared {
+  uint32_t lo, hi;
+  int valid, gt, eq;
+};
+
+// One cluster of C blocks a query (C = 1 for large batches), each block a
+// contiguous chunk of the row, kept as keys in its shared memory when it fits.
+// The k-th largest key is found digit by digit, as few digits as the row
+// needs: a first pass finds the range of the keys, whose common leading bits
+// need no pass; then 11-bit digits (2048 bins, so the bins a row's exponents
+// fill stay many and the shared-memory atomics rarely meet), each block's
+// histogram read by every block of the cluster, stopping early when the
+// threshold's bin is kept whole. The threshold is then "the top w bits above
+// tw, or equal to it for the first `need` such keys in position order". Two
+// more passes write the selection in position order (ascending): each warp a
+// contiguous piece of its block's chunk, counted and placed with ballots.
+// (Until 2026-12-05: one 512-thread block a query, four 8-bit passes from the
+// top byte, which for scores of one sign put every key in two or three bins,
+// and a block scan every 512 positions: 152 us for 65,536 scores.)
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
+  constexpr int kWarps = kThreads / 32, kUnroll = 8, kPer = kSelectBins / kThreads;  // bins a thread searches
+  static_assert(kSelectBins % kThreads == 0, "bins split evenly");
+  using BinScan = cub::BlockScan<int, kThreads>;
+  extern __shared__ uint32_t keys_s[];
+  __shared__ int hist[kSelectBins];
+  __shared__ typename BinScan::TempStorage scan;
+  __shared__ uint32_t s_lo[kWarps], s_hi[kWarps];
+  __shared__ int s_valid[kWarps], s_gt[kWarps], s_eq[kWarps];
+  __shared__ SelectShared mine;
+  __shared__ int s_digit, s_above, s_bin;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int C = int(cluster.num_blocks()), rank = int(cluster.block_rank());
+  const int64_t i = blockIdx.y;
+  const float* row = a.scores + i * a.ld;
+  const int64_t n = min(a.n_visible[a.q0 + i], a.max_visible);
+  int32_t* o = a.out + (a.q0 + i) * int64_t(a.k);
+  const int k = a.k, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // This block's chunk [p0, p0 + m): a multiple of 32 positions but the last.
+  const int64_t per_block = ((n + C - 1) / C + 31) / 32 * 32;
+  const int64_t p0 = min(n, rank * per_block), m = min(n, p0 + per_block) - p0;
+  const bool in_smem = m <= a.smem_keys;
+  const float* chunk = row + p0;
+  auto key = [&](int64_t j) { return in_smem ? keys_s[j] : order_key(__ldg(chunk + j)); };
+  // Every block of the cluster, in rank order.
+  auto other = [&](int q) -> const SelectShared& { return *cluster.map_shared_rank(&mine, q); };
+
+  // Pass 1: the keys (into shared memory), the range of those not NaN and how many they are.
+  uint32_t lo = ~0u, hi = 0u, valid = 0u;
+  for (int64_t b = tid; b < m; b += int64_t(kThreads) * kUnroll) {
+    uint32_t u[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t s = b + int64_t(j) * kThreads;
+      u[j] = s < m ? order_key(__ldg(chunk + s)) : 0u;
     }
-    for (int64_t j = s_carry.gt + tid; j < k; j += kSelectThreads) o[j] = -1;
-    return;
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t s = b + int64_t(j) * kThreads;
+      if (in_smem && s < m) keys_s[s] = u[j];
+      if (u[j]) lo = min(lo, u[j]), hi = max(hi, u[j]), ++valid;
+    }
   }
-  if (tid == 0) s_prefix = 0u, s_remaining = k;
-  for (int pass = 0; pass < 4; ++pass) {
-    const int shift = 24 - 8 * pass;
-    const uint32_t hi_mask = pass == 0 ? 0u : ~0u << (32 - 8 * pass);
-    for (int b = tid; b < 256; b += kSelectThreads) hist[b] = 0;
-    __syncthreads();
-    const uint32_t prefix = s_prefix;
-    for (int64_t s = tid; s < n; s += kSelectThreads) {
-      const uint32_t u = order_key(row[s]);
-      if ((u & hi_mask) == prefix) atomicAdd(&hist[(u >> shift) & 255], 1);
-    }
-    __syncthreads();
-    if (tid < 32) {  // the digit whose bin holds the remaining k-th key, from the top
-      int rem = s_remaining;
-      int acc = 0, digit = 0;
-      for (int b = 255; b >= 0; --b) {
-        if (acc + hist[b] >= rem) {
-          digit = b;
-          break;
-        }
-        acc += hist[b];
-      }
-      if (tid == 0) s_prefix = prefix | (uint32_t(digit) << shift), s_remaining = rem - acc;
-    }
-    __syncthreads();
-  }
-  const uint32_t T = s_prefix;
-  const int need = T == 0u ? 0 : s_remaining;  // keys equal to T to keep (none when T is the NaN key)
-  if (tid == 0) s_carry = {0, 0};
+  lo = __reduce_min_sync(0xffffffffu, lo);
+  hi = __reduce_max_sync(0xffffffffu, hi);
+  valid = __reduce_add_sync(0xffffffffu, valid);
+  if (lane == 0) s_lo[warp] = lo, s_hi[warp] = hi, s_valid[warp] = int(valid);
   __syncthreads();
-  for (int64_t base = 0; base < n; base += kSelectThreads) {
-    const int64_t s = base + tid;
-    const uint32_t u = s < n ? order_key(row[s]) : 0u;
-    const Counts c{u > T && u != 0u, u == T && T != 0u};
-    Counts pre, tot;
-    SelectScan(scan).ExclusiveScan(c, pre, Counts{0, 0}, CountsSum(), tot);
-    const Counts carry = s_carry;
-    const int eq_before = carry.eq + pre.eq;
-    if (c.gt || (c.eq && eq_before < need)) o[carry.gt + pre.gt + min(eq_before, need)] = int32_t(s);
-    __syncthreads();
-    if (tid == 0) s_carry = {carry.gt + tot.gt, carry.eq + tot.eq};
-    __syncthreads();
+  if (tid == 0) {
+    SelectShared v{~0u, 0u, 0, 0, 0};
+    for (int j = 0; j < kWarps; ++j) v.lo = min(v.lo, s_lo[j]), v.hi = max(v.hi, s_hi[j]), v.valid += s_valid[j];
+    mine = v;
   }
-  const int taken = s_carry.gt + min(s_carry.eq, need);
-  for (int64_t j = taken + tid; j < k; j += kSelectThreads) o[j] = -1;
+  cluster.sync();
+  int nvalid = 0;
+  lo = ~0u, hi = 0u;
+  for (int q = 0; q < C; ++q) {
+    const SelectShared& v = other(q);
+    lo = min(lo, v.lo), hi = max(hi, v.hi), nvalid += v.valid;
+  }
+
+  int w = 0, need = nvalid;  // no more valid keys than k: every one (all alike at width 0)
+  uint32_t tw = 0u;
+  if (nvalid > k) {
+    w = lo == hi ? 32 : __clz(lo ^ hi);  // bits every valid key shares
+    uint32_t prefix = w == 0 ? 0u : hi & (~0u << (32 - w));
+    int rem = k;
+    while (w < 32) {
+      const int bits = min(kSelectDigitBits, 32 - w), shift = 32 - w - bits, nb = 1 << bits;
+      for (int b = tid; b < nb; b += kThreads) hist[b] = 0;
+      __syncthreads();
+      const uint32_t pw = top_bits(prefix, w), dmask = uint32_t(nb - 1);
+      for (int64_t b = tid; b < m; b += int64_t(kThreads) * kUnroll) {
+        uint32_t u[kUnroll];
+#pragma unroll
+        for (int j = 0; j < kUnroll; ++j) {
+          const int64_t s = b + int64_t(j) * kThreads;
+          u[j] = s < m ? key(s) : 0u;
+        }
+#pragma unroll
+        for (int j = 0; j < kUnroll; ++j)
+          if (u[j] && top_bits(u[j], w) == pw) atomicAdd(&hist[(u[j] >> shift) & dmask], 1);
+      }
+      cluster.sync();  // every block's histogram complete
+      // The digit whose bin holds the rem-th key from the top: thread t sums
+      // the cluster's counts of kPer bins from nb - 1 - kPer t down, an
+      // exclusive scan gives the keys above them.
+      int c[kPer], sum = 0;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int b = nb - 1 - kPer * tid - j;
+        c[j] = 0;
+        if (b >= 0)
+          for (int q = 0; q < C; ++q) c[j] += *cluster.map_shared_rank(&hist[b], q);
+        sum += c[j];
+      }
+      int before;
+      BinScan(scan).ExclusiveSum(sum, before);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        if (before < rem && before + c[j] >= rem) s_digit = nb - 1 - kPer * tid - j, s_above = before, s_bin = c[j];
+        before += c[j];
+      }
+      cluster.sync();  // the digit found; every read of the histograms done before the next round clears them
+      prefix |= uint32_t(s_digit) << shift;
+      rem -= s_above;
+      w += bits;
+      if (s_bin == rem) break;  // the bin is kept whole: no need to tell its keys apart
+    }
+    tw = top_bits(prefix, w);
+    need = rem;
+  }
+
+  // Passes 2 and 3: warp pieces (multiples of 32 positions) of the chunk, counted, then placed in order.
+  const int64_t per = ((m + kWarps - 1) / kWarps + 31) / 32 * 32;
+  const int64_t c0 = min(m, int64_t(warp) * per), c1 = min(m, c0 + per);
+  auto classify = [&](uint32_t u, bool& gt, bool& eq) {
+    const uint32_t h = top_bits(u, w);
+    gt = u != 0u && h > tw;
+    eq = u != 0u && h == tw;
+  };
+  int ngt = 0, neq = 0;
+  for (int64_t b = c0; b < c1; b += 32 * kUnroll) {
+    uint32_t u[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t s = b + 32 * j + lane;
+      u[j] = s < c1 ? key(s) : 0u;
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      bool gt, eq;
+      classify(u[j], gt, eq);
+      ngt += __popc(__ballot_sync(0xffffffffu, gt));
+      neq += __popc(__ballot_sync(0xffffffffu, eq));
+    }
+  }
+  if (lane == 0) s_gt[warp] = ngt, s_eq[warp] = neq;
+  __syncthreads();
+  if (tid == 0) {
+    int g = 0, e = 0;
+    for (int j = 0; j < kWarps; ++j) g += s_gt[j], e += s_eq[j];
+    mine.gt = g, mine.eq = e;
+  }
+  cluster.sync();
+  int gt_before = 0, eq_before = 0, gt_all = 0, eq_all = 0;
+  for (int q = 0; q < C; ++q) {
+    const SelectShared& v = other(q);
+    if (q < rank) gt_before += v.gt, eq_before += v.eq;
+    gt_all += v.gt, eq_all += v.eq;
+  }
+  for (int j = 0; j < warp; ++j) gt_before += s_gt[j], eq_before += s_eq[j];
+  const uint32_t lt = lanemask_lt();
+  for (int64_t b = c0; b < c1; b += 32 * kUnroll) {
+    uint32_t u[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t s = b + 32 * j + lane;
+      u[j] = s < c1 ? key(s) : 0u;
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      bool gt, eq;
+      classify(u[j], gt, eq);
+      const uint32_t gm = __ballot_sync(0xffffffffu, gt), em = __ballot_sync(0xffffffffu, eq);
+      const int eb = eq_before + __popc(em & lt);
+      if (gt || (eq && eb < need)) o[gt_before + __popc(gm & lt) + min(eb, need)] = int32_t(p0 + b + 32 * j + lane);
+      gt_before += __popc(gm);
+      eq_before += __popc(em);
+    }
+  }
+  const int taken = gt_all + min(eq_all, need);
+  for (int64_t j = taken + int64_t(rank) * kThreads + tid; j < k; j += int64_t(C) * kThreads) o[j] = -1;
+  cluster.sync();  // no block leaves while another may read its shared memory
+}
+
+// Blocks a query and threads a block for a batch of nq queries seeing up to
+// max_visible positions: a cluster of up to 8 blocks while the queries leave
+// SMs idle, 1024 threads for long rows and 256 for short ones.
+struct SelectShape {
+  int cluster, threads;
+  int64_t smem_keys;
+};
+SelectShape select_shape(int64_t nq, int64_t max_visible) {
+  SelectShape sh{};
+  sh.cluster = nq <= 16 ? 8 : nq <= 32 ? 4 : nq <= 66 ? 2 : 1;
+  while (sh.cluster > 1 && max_visible <= int64_t(sh.cluster / 2) * 4096) sh.cluster /= 2;  // a few thousand keys a block at least
+  const int64_t per_block = ((max_visible + sh.cluster - 1) / sh.cluster + 31) / 32 * 32;
+  sh.threads = per_block >= 8192 ? 1024 : 256;
+  sh.smem_keys = per_block <= kSelectMaxSmemKeys ? per_block : 0;
+  return sh;
+}
+
+template <int kThreads>
+void launch_select(const SelectArgs& a, int64_t nq, const SelectShape& sh, cudaStream_t s) {
+  static const bool sized = [] {
+    DZ_CUDA_CHECK(cudaFuncSetAttribute(select_kernel<kThreads>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(kSelectMaxSmemKeys * sizeof(uint32_t))));
+    return true;
+  }();
+  (void)sized;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(sh.cluster), unsigned(nq));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = size_t(sh.smem_keys) * sizeof(uint32_t);
+  cfg.stream = s;
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = unsigned(sh.cluster), attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  DZ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, select_kernel<kThreads>, a));
+}
+
+void select_rows(const float* scores, int64_t ld, int64_t q0, int64_t nq, const int64_t* n_visible,
+                 int64_t max_visible, int k, int32_t* out, cudaStream_t st) {
+  const SelectShape sh = select_shape(nq, max_visible);
+  for (int64_t r0 = 0; r0 < nq; r0 += 65535) {  // the grid's y extent
+    const SelectArgs sa{scores + r0 * ld, ld, q0 + r0, n_visible, max_visible, k, out, sh.smem_keys};
+    (sh.threads == 1024 ? launch_select<1024> : launch_select<256>)(sa, std::min<int64_t>(65535, nq - r0), sh, st);
+  }
 }
 
 size_t align256(size_t b) { return (b + 255) / 256 * 256; }
@@ -331,9 +512,18 @@ void indexer_select(const IndexerQueries& a, void* scratch, size_t scratch_bytes
       score_kernel<<<grid, kScoreWarps * 32, 0, st>>>(s);
       DZ_CUDA_LAUNCH_CHECK();
     }
-    select_kernel<<<unsigned(nq), kSelectThreads, 0, st>>>(scores, ld, q0, a.n_visible, a.max_visible, a.topk, a.out);
-    DZ_CUDA_LAUNCH_CHECK();
+    select_rows(scores, ld, q0, nq, a.n_visible, a.max_visible, a.topk, a.out, st);
   }
+}
+
+void indexer_topk(const float* scores, int64_t ld, int64_t n_q, const int64_t* n_visible, int64_t max_visible, int k,
+                  int32_t* out, cudaStream_t s) {
+  check(k > 0 && n_q >= 0 && max_visible >= 0 && ld >= std::max<int64_t>(1, max_visible), DZ_ERR_INVALID_ARGUMENT,
+        "CUDA top-k: k ", k, ", ", n_q, " rows of ", max_visible, " scores, ", ld, " apart");
+  if (n_q == 0) return;
+  check(scores != nullptr || max_visible == 0, DZ_ERR_INVALID_ARGUMENT, "CUDA top-k: no scores");
+  check(n_visible != nullptr && out != nullptr, DZ_ERR_INVALID_ARGUMENT, "CUDA top-k: null pointer");
+  select_rows(scores, ld, 0, n_q, n_visible, max_visible, k, out, s);
 }
 
 void indexer_encode_keys(int head_dim, bool pow2_scales, const float* k, int64_t n, const int64_t* pos,

@@ -56,6 +56,14 @@ size_t indexer_scratch_bytes(const IndexerQueries& a, int64_t query_block);
 // indexer_scratch_bytes(a, query_block) bytes. Stream-ordered; no host sync.
 void indexer_select(const IndexerQueries& a, void* scratch, size_t scratch_bytes, int64_t query_block, cudaStream_t s);
 
+// The selection alone, on scores already computed: for each of n_q rows
+// (row i at scores + i * ld, its first min(n_visible[i], max_visible) values;
+// n_visible a device array), the top-k positions exactly as indexer_select
+// keeps them (higher score first, the lower position on ties, NaN never),
+// ascending and -1-padded into out [n_q, k]. Stream-ordered.
+void indexer_topk(const float* scores, int64_t ld, int64_t n_q, const int64_t* n_visible, int64_t max_visible, int k,
+                  int32_t* out, cudaStream_t s);
+
 // Encode n keys (fp32 [n, D], normalised and roped) into their records:
 // key i at position pos[i] of the sequence whose page table is `pages`
 // (all device pointers). The same bytes as cpu::indexer_encode_key.

@@ -32,7 +32,8 @@ const char* kUsage =
     "top-k): decode, a batch of sequences of --decode-ctx cached tokens with one query each; prefill,\n"
     "one prompt of --prefill tokens scoring its causal prefix, --query-block queries at a time.\n"
     "Reports time, FP8 TFLOP/s of the scores (2 x heads x head_dim a query-key pair) and the key bytes'\n"
-    "HBM rate, each as a fraction of the ceilings, beside DeepGEMM + torch.topk's published H200 times.\n";
+    "HBM rate, each as a fraction of the ceilings, beside DeepGEMM + torch.topk's published H200 times;\n"
+    "decode also times the top-k alone on the scores it computed.\n";
 
 // Published H200 times of DeepGEMM's indexer kernels + torch.topk (V3.2 shapes), for the JSON.
 double anchor_ms(bool prefill, int64_t ctx, int batch) {
@@ -81,6 +82,10 @@ int bench_indexer(const Args& a) {
       max_keys = std::max<int64_t>(max_keys, p), max_q = std::max<int64_t>(max_q, p),
       max_vis = std::max<int64_t>(max_vis, p);
     const int64_t max_pages = max_keys / pt + int64_t(batches.size() + 2);
+    // Decode's scores, kept to time the top-k alone on them.
+    int64_t dec_scores = 0;
+    for (int c : dctx)
+      for (int b : batches) dec_scores = std::max(dec_scores, int64_t(c) * b);
     IndexerQueries probe;
     probe.n_heads = H, probe.head_dim = D, probe.topk = K, probe.n_q = max_q, probe.max_visible = max_vis;
     probe.keys = {pt, stride, 0};
@@ -88,7 +93,7 @@ int bench_indexer(const Args& a) {
     const size_t scratch_bytes = indexer_scratch_bytes(probe, qblock);
     ContextOptions co;
     co.pool_bytes = size_t(max_pages) * pt * stride + size_t(max_keys) * D * 4 + size_t(max_q) * (H * D + H) * 4 +
-                    size_t(max_q) * K * 4 + scratch_bytes + size_t(max_q) * 24 + size_t(max_pages) * 8 +
+                    size_t(max_q) * K * 4 + scratch_bytes + size_t(max_q) * 24 + size_t(max_pages) * 8 + size_t(dec_scores) * 4 +
                     (size_t(384) << 20);
     Context ctx(co);
     cudaStream_t st = ctx.stream();
@@ -103,6 +108,7 @@ int bench_indexer(const Args& a) {
     DeviceArray<const uint8_t* const*> qpages(P, size_t(max_q), "query page tables");
     DeviceArray<int64_t> vis(P, size_t(max_q), "visible");
     DeviceArray<int64_t> pos(P, size_t(max_keys), "positions");
+    DeviceArray<float> dscores(P, size_t(std::max<int64_t>(1, dec_scores)), "decode scores");
     GpuTimer timer(ctx);
     fill_random_f32(kf.get(), kf.size(), 41, 1.f, st);
     fill_random_f32(q.get(), q.size(), 42, 1.f, st);
@@ -147,6 +153,16 @@ int bench_indexer(const Args& a) {
       x.n_visible = vis.get(), x.max_visible = keys_each, x.keys = {pt, stride, 0}, x.out = out.get();
       const double ms =
           timer.median_ms(reps, 2, [&](int) { indexer_select(x, scratch.get(), scratch.size(), qblock, st); });
+      // Decode: the top-k alone, on the scores of one more call.
+      double topk_ms = 0;
+      if (!prefill) {
+        IndexerQueries y = x;
+        y.scores = dscores.get();
+        indexer_select(y, scratch.get(), scratch.size(), qblock, st);
+        topk_ms = timer.median_ms(reps, 2, [&](int) {
+          indexer_topk(dscores.get(), keys_each, nq, vis.get(), keys_each, K, out.get(), st);
+        });
+      }
       // Work: (query, key) pairs scored; key bytes each query's scoring reads (once per query block in prefill).
       double pairs = 0;
       for (int64_t v : hv) pairs += double(v);
@@ -166,12 +182,14 @@ int bench_indexer(const Args& a) {
                           {"key_gb_per_s", gbs},
                           {"hbm_fraction", key_bytes / (ms * 1e-3) / bw_ceiling}};
       if (anchor > 0) r["anchor_us"] = anchor * 1e3, r["vs_anchor"] = anchor / ms;
+      if (topk_ms > 0) r["topk_us"] = topk_ms * 1e3;
       j["results"].push_back(r);
       std::fprintf(stderr,
                    "indexer %-7s B=%3d ctx %6lld: %9.1f us, %6.1f TFLOP/s (%.1f%% of FP8 peak), keys %.0f GB/s (%.1f%% "
-                   "of HBM)%s\n",
+                   "of HBM)%s%s\n",
                    mode, B, (long long)keys_each, ms * 1e3, tflops, 100 * flops / (ms * 1e-3) / fp8_ceiling, gbs,
                    100 * key_bytes / (ms * 1e-3) / bw_ceiling,
+                   topk_ms > 0 ? (", top-k alone " + std::to_string(topk_ms * 1e3) + " us").c_str() : "",
                    anchor > 0 ? (", DeepGEMM + torch.topk " + std::to_string(anchor * 1e3) + " us").c_str() : "");
     };
     for (int c : dctx)
