@@ -53,6 +53,8 @@ TEST_CASE("CUDA DSA indexer: scores match float64, selections match the CPU inde
       {64, 128, 2048, true, {3000}, 200},                   // prefill, power-of-two scales
       {16, 64, 64, false, {700, 40}, 0},                    // small heads; a sequence shorter than k
       {32, 32, 16, true, {333}, 333},                       // the whole prompt, every query causal
+      {128, 64, 128, false, {1500, 77}, 0},                 // 128 heads: two runs of 64 a key run
+      {80, 128, 256, false, {1100}, 0},                     // 80 heads: a run of 64, then one of 16
   };
   std::mt19937 rng(7);
   for (const Case& c : cases) {

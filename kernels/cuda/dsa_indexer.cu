@@ -18,9 +18,6 @@ namespace cg = cooperative_groups;
 
 constexpr int kMaxD = 128;
 constexpr int kScoreWarps = 4;
-constexpr int kKeysPerWarp = 32;  // four MMA column groups of 8 keys
-constexpr int kTileKeys = kScoreWarps * kKeysPerWarp;
-constexpr int kQueryGroup = 4;  // queries a score block takes in turn (prefill: the keys stay in L1)
 constexpr int kSelectDigitBits = 11, kSelectBins = 1 << kSelectDigitBits;
 // Keys a selection block keeps in shared memory (192 KB) beside its ~13 KB of static arrays.
 constexpr int64_t kSelectMaxSmemKeys = 48 * 1024;
@@ -101,85 +98,110 @@ struct ScoreArgs {
   float* scores;  // [nq, ld]
   int64_t ld;
   int H, D;
+  int keys_per_warp;  // a multiple of 8
 };
 
-// Block (key tile, query group): each warp 32 keys, MMA rows 16 heads, MMA
-// columns 8 keys, K = D in steps of 32. A fragments are the queries' E4M3
-// bytes, B the keys', straight from memory (4-byte loads; a quad reads 16
-// contiguous bytes of a key).
+// Block (key run, query): each warp scores a contiguous run of its query's
+// keys, 8 at a time (the MMA's n), against up to 16 kMT heads whose query
+// fragments stay in registers for the whole run (more heads: runs of 16 kMT,
+// each adding to the scores). MMA rows 16 heads, K = D in steps of 32; B
+// fragments are the keys' E4M3 bytes straight from their records (4-byte
+// loads: a quad reads 16 contiguous bytes of a key), two groups of 8 keys in
+// flight ahead of the MMAs. (Until 2026-12-05 each warp took 32 keys and
+// loaded the query's fragments again for every 16 heads and every 32 keys:
+// 713 us for 64 queries of 65,536 keys.)
+template <int kMT>
 __global__ void __launch_bounds__(kScoreWarps * 32) score_kernel(const ScoreArgs a) {
+  constexpr int kAhead = 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int64_t s0 = int64_t(blockIdx.x) * kTileKeys + warp * kKeysPerWarp;
+  const int64_t i = blockIdx.y;
+  const int64_t vis = min(a.n_visible[a.q0 + i], a.max_visible);
+  const int64_t s_begin = (int64_t(blockIdx.x) * kScoreWarps + warp) * a.keys_per_warp;
+  if (s_begin >= vis) return;  // uniform over the warp
+  const int64_t s_end = min(vis, s_begin + a.keys_per_warp);
+  const uint8_t* const* pages = a.pages[a.q0 + i];
   const int nks = a.D / 32;
-  for (int qi = 0; qi < kQueryGroup; ++qi) {
-    const int64_t i = int64_t(blockIdx.y) * kQueryGroup + qi;
-    if (i >= a.nq) break;
-    const int64_t vis = min(a.n_visible[a.q0 + i], a.max_visible);
-    if (int64_t(blockIdx.x) * kTileKeys >= vis) continue;  // uniform over the block
-    if (s0 >= vis) continue;                               // uniform over the warp
-    const uint8_t* const* pages = a.pages[a.q0 + i];
-    // This lane's keys: column g of each group of 8, bytes 4t.. and 16 + 4t.. of every 32.
-    uint32_t kb[4][4][2];
+  const IndexerKeys& K = a.keys;
+  // This lane's key of each group (column g) walks the pages by a cursor: no division a group.
+  uint32_t cp = 0, cj = 0;
+  auto start_keys = [&]() {
+    cp = uint32_t((s_begin + g) / K.page_tokens), cj = uint32_t((s_begin + g) % K.page_tokens);
+  };
+  // The next group's fragments (bytes 4t.. and 16 + 4t.. of every 32 of key g) and key g's scale.
+  auto load_keys = [&](int64_t s0, uint32_t (&kb)[4][2], float& ksc) {
+    const uint8_t* rec = s0 + g < s_end ? pages[cp] + size_t(cj) * K.stride + K.offset : nullptr;
 #pragma unroll
-    for (int ng = 0; ng < 4; ++ng) {
-      const int64_t s = s0 + 8 * ng + g;
-      const uint8_t* rec = nullptr;
-      if (s < vis) rec = pages[s / a.keys.page_tokens] + (s % a.keys.page_tokens) * a.keys.stride + a.keys.offset;
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        const bool ok = rec && ks < nks;
-        kb[ng][ks][0] = ok ? __ldg(reinterpret_cast<const uint32_t*>(rec + 32 * ks + 4 * t)) : 0u;
-        kb[ng][ks][1] = ok ? __ldg(reinterpret_cast<const uint32_t*>(rec + 32 * ks + 16 + 4 * t)) : 0u;
-      }
+    for (int ks = 0; ks < 4; ++ks) {
+      const bool ok = rec && ks < nks;
+      kb[ks][0] = ok ? __ldg(reinterpret_cast<const uint32_t*>(rec + 32 * ks + 4 * t)) : 0u;
+      kb[ks][1] = ok ? __ldg(reinterpret_cast<const uint32_t*>(rec + 32 * ks + 16 + 4 * t)) : 0u;
     }
-    float part[4][2] = {};
-    const uint8_t* qrow = a.q8 + i * a.H * a.D;
-    const float* qw = a.qw + i * a.H;
-    for (int m0 = 0; m0 < a.H; m0 += 16) {
-      uint32_t qa[4][4];
+    ksc = rec ? __ldg(reinterpret_cast<const float*>(rec + a.D)) : 0.f;
+    for (cj += 8; cj >= K.page_tokens; cj -= K.page_tokens) ++cp;
+  };
+  const uint8_t* qrow = a.q8 + i * a.H * a.D;
+  float* out = a.scores + i * a.ld;
+  for (int h0 = 0; h0 < a.H; h0 += 16 * kMT) {
+    uint32_t qa[kMT][4][4];
+    float w0[kMT], w1[kMT];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      const int h = h0 + 16 * mt;
+      const bool hv = h < a.H;
+      w0[mt] = hv ? a.qw[i * a.H + h + g] : 0.f;
+      w1[mt] = hv ? a.qw[i * a.H + h + g + 8] : 0.f;
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
-        const bool ok = ks < nks;
-        const uint8_t* r0 = qrow + int64_t(m0 + g) * a.D + 32 * ks + 4 * t;
+        const bool ok = hv && ks < nks;
+        const uint8_t* r0 = qrow + int64_t(h + g) * a.D + 32 * ks + 4 * t;
         const uint8_t* r1 = r0 + 8 * a.D;
-        qa[ks][0] = ok ? __ldg(reinterpret_cast<const uint32_t*>(r0)) : 0u;
-        qa[ks][1] = ok ? __ldg(reinterpret_cast<const uint32_t*>(r1)) : 0u;
-        qa[ks][2] = ok ? __ldg(reinterpret_cast<const uint32_t*>(r0 + 16)) : 0u;
-        qa[ks][3] = ok ? __ldg(reinterpret_cast<const uint32_t*>(r1 + 16)) : 0u;
-      }
-      const float w0 = qw[m0 + g], w1 = qw[m0 + g + 8];
-#pragma unroll
-      for (int ng = 0; ng < 4; ++ng) {
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks)
-          if (ks < nks) mma_e4m3(c, qa[ks], kb[ng][ks][0], kb[ng][ks][1]);
-        // c: heads m0 + g (0, 1) and m0 + g + 8 (2, 3); keys 2t, 2t + 1 of the group.
-        part[ng][0] += w0 * fmaxf(c[0], 0.f) + w1 * fmaxf(c[2], 0.f);
-        part[ng][1] += w0 * fmaxf(c[1], 0.f) + w1 * fmaxf(c[3], 0.f);
+        qa[mt][ks][0] = ok ? __ldg(reinterpret_cast<const uint32_t*>(r0)) : 0u;
+        qa[mt][ks][1] = ok ? __ldg(reinterpret_cast<const uint32_t*>(r1)) : 0u;
+        qa[mt][ks][2] = ok ? __ldg(reinterpret_cast<const uint32_t*>(r0 + 16)) : 0u;
+        qa[mt][ks][3] = ok ? __ldg(reinterpret_cast<const uint32_t*>(r1 + 16)) : 0u;
       }
     }
-    // Sum over the heads held by the 8 lanes of each t; lanes 0-3 write.
+    uint32_t kb[kAhead + 1][4][2];
+    float ksc[kAhead + 1];
+    start_keys();
 #pragma unroll
-    for (int ng = 0; ng < 4; ++ng)
+    for (int r = 0; r < kAhead; ++r) load_keys(s_begin + 8 * r, kb[r], ksc[r]);
+    for (int64_t s0 = s_begin; s0 < s_end; s0 += 8 * (kAhead + 1)) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        float v = part[ng][j];
-        v += __shfl_xor_sync(0xffffffffu, v, 4);
-        v += __shfl_xor_sync(0xffffffffu, v, 8);
-        v += __shfl_xor_sync(0xffffffffu, v, 16);
-        part[ng][j] = v;
-      }
-    if (g == 0)
+      for (int r = 0; r <= kAhead; ++r) {
+        const int64_t sg = s0 + 8 * r;  // this group; its fragments are kb[r]
+        if (sg >= s_end) break;
+        load_keys(sg + 8 * kAhead, kb[(r + kAhead) % (kAhead + 1)], ksc[(r + kAhead) % (kAhead + 1)]);
+        float p0 = 0.f, p1 = 0.f;
 #pragma unroll
-      for (int ng = 0; ng < 4; ++ng)
+        for (int mt = 0; mt < kMT; ++mt) {
+          float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int64_t s = s0 + 8 * ng + 2 * t + j;
-          if (s >= vis) continue;
-          const uint8_t* rec = pages[s / a.keys.page_tokens] + (s % a.keys.page_tokens) * a.keys.stride + a.keys.offset;
-          a.scores[i * a.ld + s] = *reinterpret_cast<const float*>(rec + a.D) * part[ng][j];
+          for (int ks = 0; ks < 4; ++ks)
+            if (ks < nks) mma_e4m3(c, qa[mt][ks], kb[r][ks][0], kb[r][ks][1]);
+          // c: heads h + g (0, 1) and h + g + 8 (2, 3); keys 2t, 2t + 1 of the group.
+          p0 += w0[mt] * fmaxf(c[0], 0.f) + w1[mt] * fmaxf(c[2], 0.f);
+          p1 += w0[mt] * fmaxf(c[1], 0.f) + w1[mt] * fmaxf(c[3], 0.f);
         }
+        // Sum over the heads held by the 8 lanes of each t; lanes 0-3 write.
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {
+          p0 += __shfl_xor_sync(0xffffffffu, p0, o);
+          p1 += __shfl_xor_sync(0xffffffffu, p1, o);
+        }
+        // Keys 2t and 2t + 1's scales, from the lanes that loaded them (g = 2t + j, t = 0).
+        const float sc0 = __shfl_sync(0xffffffffu, ksc[r], 8 * t), sc1 = __shfl_sync(0xffffffffu, ksc[r], 8 * t + 4);
+        if (g == 0) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int64_t s = sg + 2 * t + j;
+            if (s >= s_end) continue;
+            const float v = (j ? sc1 : sc0) * (j ? p1 : p0);
+            out[s] = h0 == 0 ? v : out[s] + v;
+          }
+        }
+      }
+    }
   }
 }
 
@@ -452,6 +474,11 @@ void select_rows(const float* scores, int64_t ld, int64_t q0, int64_t nq, const 
 
 size_t align256(size_t b) { return (b + 255) / 256 * 256; }
 
+// Queries scored at a time: the grid's y extent bounds a block of them.
+int64_t query_block_of(const IndexerQueries& a, int64_t query_block) {
+  return std::max<int64_t>(1, std::min({query_block, a.n_q, int64_t(65535)}));
+}
+
 struct Scratch {
   uint8_t* q8;
   float* qw;
@@ -482,7 +509,7 @@ void indexer_validate(const IndexerQueries& a) {
 }
 
 size_t indexer_scratch_bytes(const IndexerQueries& a, int64_t query_block) {
-  const int64_t qb = std::max<int64_t>(1, std::min(query_block, a.n_q));
+  const int64_t qb = query_block_of(a, query_block);
   size_t b = align256(size_t(qb) * a.n_heads * a.head_dim) + align256(size_t(qb) * a.n_heads * sizeof(float));
   if (!a.scores) b += align256(size_t(qb) * size_t(std::max<int64_t>(1, a.max_visible)) * sizeof(float));
   return b;
@@ -492,7 +519,7 @@ void indexer_select(const IndexerQueries& a, void* scratch, size_t scratch_bytes
                     cudaStream_t st) {
   indexer_validate(a);
   if (a.n_q == 0) return;
-  const int64_t qb = std::max<int64_t>(1, std::min(query_block, a.n_q));
+  const int64_t qb = query_block_of(a, query_block);
   check(scratch_bytes >= indexer_scratch_bytes(a, qb), DZ_ERR_INVALID_ARGUMENT, "CUDA indexer: scratch of ",
         scratch_bytes, " bytes, needs ", indexer_scratch_bytes(a, qb));
   const Scratch sc = carve(a, qb, scratch);
@@ -506,10 +533,16 @@ void indexer_select(const IndexerQueries& a, void* scratch, size_t scratch_bytes
     DZ_CUDA_LAUNCH_CHECK();
     float* scores = a.scores ? a.scores + q0 * ld : sc.scores;
     if (a.max_visible > 0) {
-      ScoreArgs s{sc.q8, sc.qw, q0, nq, a.pages, a.n_visible, a.max_visible, a.keys, scores, ld, H, D};
-      const dim3 grid(unsigned((a.max_visible + kTileKeys - 1) / kTileKeys),
-                      unsigned((nq + kQueryGroup - 1) / kQueryGroup));
-      score_kernel<<<grid, kScoreWarps * 32, 0, st>>>(s);
+      // Runs of 64 keys a warp while the queries leave SMs idle, 256 once they fill the GPU.
+      const int kpw = nq * a.max_visible >= (int64_t(1) << 22) ? 256 : 64;
+      const ScoreArgs s{sc.q8, sc.qw, q0, nq, a.pages, a.n_visible, a.max_visible, a.keys, scores, ld, H, D, kpw};
+      const dim3 grid(unsigned((a.max_visible + kScoreWarps * kpw - 1) / (kScoreWarps * kpw)), unsigned(nq));
+      switch (std::min(H, 64) / 16) {
+        case 1: score_kernel<1><<<grid, kScoreWarps * 32, 0, st>>>(s); break;
+        case 2: score_kernel<2><<<grid, kScoreWarps * 32, 0, st>>>(s); break;
+        case 3: score_kernel<3><<<grid, kScoreWarps * 32, 0, st>>>(s); break;
+        default: score_kernel<4><<<grid, kScoreWarps * 32, 0, st>>>(s); break;
+      }
       DZ_CUDA_LAUNCH_CHECK();
     }
     select_rows(scores, ld, q0, nq, a.n_visible, a.max_visible, a.topk, a.out, st);
