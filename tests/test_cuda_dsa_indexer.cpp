@@ -55,6 +55,7 @@ TEST_CASE("CUDA DSA indexer: scores match float64, selections match the CPU inde
       {32, 32, 16, true, {333}, 333},                       // the whole prompt, every query causal
       {128, 64, 128, false, {1500, 77}, 0},                 // 128 heads: two runs of 64 a key run
       {80, 128, 256, false, {1100}, 0},                     // 80 heads: a run of 64, then one of 16
+      {64, 128, 256, false, {1000}, 1000},                  // a whole prompt: partial key tiles and query chunks
   };
   std::mt19937 rng(7);
   for (const Case& c : cases) {
@@ -151,6 +152,7 @@ TEST_CASE("CUDA DSA indexer: scores match float64, selections match the CPU inde
     a.n_heads = c.H, a.head_dim = c.D, a.topk = c.k, a.pow2_scales = c.pow2, a.n_q = nq;
     a.q = dq.p, a.w = dw.p, a.pages = dqp.p, a.n_visible = dvis.p, a.max_visible = maxv, a.keys = ik;
     a.out = dout.p, a.scores = dscores.p;
+    a.same_pages = c.prefill > 0;  // one prompt: the tensor-core scores at 64 heads of 128
     const int64_t qblock = 48;  // several query blocks in the prefill cases
     test::DeviceBuffer<uint8_t> scratch(cuda::indexer_scratch_bytes(a, qblock));
     cuda::indexer_select(a, scratch.p, scratch.n, qblock, ctx.stream());

@@ -1,4 +1,5 @@
 #include <cooperative_groups.h>
+#include <cuda.h>  // CUtensorMap (encoded through the runtime)
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 
 #include "common/error.h"
 #include "cuda/dsa_indexer.h"
+#include "cuda/fp8_grouped_gemm.h"  // encode_tensor_map, and the sm_90a probe
 #include "cuda/ptx.cuh"
 #include "runtime/cuda/cuda_check.h"
 
@@ -203,6 +205,161 @@ __global__ void __launch_bounds__(kScoreWarps * 32) score_kernel(const ScoreArgs
       }
     }
   }
+}
+
+// ------------------------------------------------------------ scoring, one prompt (wgmma)
+// Queries that share one page table (a prompt's prefill) share its keys: a
+// block holds a tile of 128 keys in shared memory and scores a chunk of
+// queries against it, one query a stage, on the tensor cores as
+// wgmma m64n64k32 with the keys as A (64 a consumer warpgroup) and the
+// query's 64 heads as B (N), both E4M3 and K-major (D = 128: one 128-byte
+// swizzled row). The accumulators of a key row hold its 64 heads over a quad
+// of lanes, so ReLU, the head weights and the sum over heads take 32 FMAs a
+// thread and two shuffles, not a reduction across warps. Warpgroup 0 loads the
+// key tile, then one of its threads brings each query's heads (a tensor copy)
+// and weights (a bulk copy) through a ring of stages.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DZ_IDX_SM90A 1
+#endif
+
+constexpr int kWgKeys = 128, kWgHeads = 64, kWgD = 128, kWgStages = 6, kWgChunk = 64;
+constexpr int kWgQBytes = kWgHeads * kWgD, kWgWBytes = kWgHeads * 4;
+struct WgSmem {
+  static constexpr int offA = 0, offQ = kWgKeys * kWgD, offW = offQ + kWgStages * kWgQBytes,
+                       offScale = offW + kWgStages * kWgWBytes, offBar = offScale + kWgKeys * 4,
+                       bytes = offBar + 2 * kWgStages * 8 + 1024;  // +1024: base aligned up
+};
+
+struct WgArgs {
+  CUtensorMap qmap;  // q8 of the query block: [nq * 64 rows][128] u8, box 128 x 64, 128B swizzle
+  const float* qw;   // [nq, 64]
+  int64_t q0, nq;
+  const uint8_t* const* const* pages;  // per query; one table for all (IndexerQueries::same_pages)
+  const int64_t* n_visible;
+  int64_t max_visible;
+  IndexerKeys keys;
+  float* scores;
+  int64_t ld;
+};
+
+#ifdef DZ_IDX_SM90A
+// d (64 x 64 fp32, wgmma layout) = A(64 x 32) B(64 x 32)^T, e4m3 from shared memory.
+__device__ __forceinline__ void wgmma_64x64(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {" DZ_WGMMA_R32 "}, %32, %33, p, 1, 1;\n}\n"
+      : DZ_WGMMA_ACC32(d)
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+#endif
+
+__global__ void __launch_bounds__(384, 1) score_wgmma_kernel(const __grid_constant__ WgArgs a) {
+#ifdef DZ_IDX_SM90A
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = ptx::smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  uint8_t* const sm = smem_raw + (base - raw);
+  float* const kscale = reinterpret_cast<float*>(sm + WgSmem::offScale);
+  const float* const sw = reinterpret_cast<const float*>(sm + WgSmem::offW);
+  const uint32_t bars = base + WgSmem::offBar;
+  auto full = [&](int st) { return bars + 8u * uint32_t(st); };
+  auto empty = [&](int st) { return bars + 8u * uint32_t(kWgStages + st); };
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int64_t k0 = int64_t(blockIdx.x) * kWgKeys, i0 = int64_t(blockIdx.y) * kWgChunk;
+  const int64_t i1 = min(a.nq, i0 + kWgChunk);
+  auto vis = [&](int64_t i) { return min(a.n_visible[a.q0 + i], a.max_visible); };
+  // Keys the chunk's queries see at most: the tile's keys past it are zeros.
+  int64_t vmax = 0;
+  for (int64_t i = i0; i < i1; ++i) vmax = max(vmax, vis(i));
+  if (vmax <= k0) return;  // uniform: no query of the chunk sees the tile
+  if (tid == 0) {
+    for (int st = 0; st < kWgStages; ++st) ptx::mbar_init(full(st), 1), ptx::mbar_init(empty(st), 8);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // The key tile, a warp a key: its 32 words into the 128-byte swizzled row, and its scale.
+  const IndexerKeys& K = a.keys;
+  const uint8_t* const* const pages = a.pages[a.q0 + i0];
+  for (int r = tid >> 5; r < kWgKeys; r += 384 / 32) {
+    const int64_t s = k0 + r;
+    const int p = tid & 31;
+    uint32_t v = 0u;
+    float sc = 0.f;
+    if (s < vmax) {
+      const uint8_t* rec = pages[s / K.page_tokens] + (s % K.page_tokens) * K.stride + K.offset;
+      v = __ldg(reinterpret_cast<const uint32_t*>(rec) + p);
+      if (p == 0) sc = __ldg(reinterpret_cast<const float*>(rec + kWgD));
+    }
+    *reinterpret_cast<uint32_t*>(sm + WgSmem::offA + r * 128 + (((p >> 2) ^ (r & 7)) << 4) + (p & 3) * 4) = v;
+    if (p == 0) kscale[r] = sc;
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
+  __syncthreads();
+  auto sees = [&](int64_t i) { return vis(i) > k0; };
+  if (wg == 0) {
+    if (tid == 0) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&a.qmap)) : "memory");
+      int st = 0;
+      uint32_t ph = 0;
+      for (int64_t i = i0; i < i1; ++i) {
+        if (!sees(i)) continue;
+        ptx::mbar_wait(empty(st), ph ^ 1u);
+        ptx::mbar_arrive_expect_tx(full(st), kWgQBytes + kWgWBytes);
+        ptx::tma_2d(base + WgSmem::offQ + uint32_t(st * kWgQBytes), &a.qmap, full(st), 0, int(i * kWgHeads));
+        ptx::bulk_g2s(base + WgSmem::offW + uint32_t(st * kWgWBytes), a.qw + i * kWgHeads, kWgWBytes, full(st));
+        if (++st == kWgStages) st = 0, ph ^= 1u;
+      }
+    }
+    return;
+  }
+  // Consumers: warpgroup cw multiplies keys 64 cw.. of the tile; a thread's
+  // rows are keys 16 w + g and + 8, its columns heads 8 j + 2 t and + 1.
+  const int cw = __shfl_sync(0xffffffffu, wg - 1, 0), warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2,
+            t = lane & 3;
+  const int rk0 = cw * 64 + warp * 16 + g, rk1 = rk0 + 8;
+  const uint32_t da = ptx::sw128_desc_lo(base + WgSmem::offA + uint32_t(cw * 64 * kWgD));
+  const float ks0 = kscale[rk0], ks1 = kscale[rk1];
+  int st = 0;
+  uint32_t ph = 0;
+  float acc[32];
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t v = vis(i);
+    if (v <= k0) continue;
+    ptx::mbar_wait(full(st), ph);
+    __syncwarp();
+    const uint32_t db = ptx::sw128_desc_lo(base + WgSmem::offQ + uint32_t(st * kWgQBytes));
+    ptx::wgmma_fence();
+    ptx::fence_regs(acc);
+#pragma unroll
+    for (int kk = 0; kk < kWgD / 32; ++kk) wgmma_64x64(acc, ptx::sw128_desc(da + 2 * kk), ptx::sw128_desc(db + 2 * kk), kk);
+    ptx::wgmma_commit();
+    ptx::fence_regs(acc);
+    ptx::wgmma_wait0();
+    ptx::fence_regs(acc);
+    const float* w = sw + st * kWgHeads;
+    float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 wj = *reinterpret_cast<const float2*>(w + 8 * j + 2 * t);
+      p0 += wj.x * fmaxf(acc[4 * j + 0], 0.f) + wj.y * fmaxf(acc[4 * j + 1], 0.f);
+      p1 += wj.x * fmaxf(acc[4 * j + 2], 0.f) + wj.y * fmaxf(acc[4 * j + 3], 0.f);
+    }
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(empty(st));
+    if (++st == kWgStages) st = 0, ph ^= 1u;
+    p0 += __shfl_xor_sync(0xffffffffu, p0, 1);
+    p1 += __shfl_xor_sync(0xffffffffu, p1, 1);
+    p0 += __shfl_xor_sync(0xffffffffu, p0, 2);
+    p1 += __shfl_xor_sync(0xffffffffu, p1, 2);
+    if (t == 0) {
+      float* out = a.scores + i * a.ld + k0;
+      if (k0 + rk0 < v) out[rk0] = ks0 * p0;
+      if (k0 + rk1 < v) out[rk1] = ks1 * p1;
+    }
+  }
+#else
+  if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0) printf("dsa indexer: kernel built without sm_90a\n");
+  __trap();
+#endif
 }
 
 // ------------------------------------------------------------ selection
@@ -526,6 +683,16 @@ void indexer_select(const IndexerQueries& a, void* scratch, size_t scratch_bytes
   const int H = a.n_heads, D = a.head_dim;
   const float inv_sqrt_d = float(1.0 / std::sqrt(double(D))), h_scale = float(1.0 / std::sqrt(double(H)));
   const int64_t ld = std::max<int64_t>(1, a.max_visible);
+  // One prompt's queries at V3.2's shape share key tiles on the tensor cores (sm_90a).
+  const bool wgmma = a.same_pages && H == kWgHeads && D == kWgD && Fp8GroupedGemm::supported();
+  if (wgmma) {
+    static const bool sized = [] {
+      DZ_CUDA_CHECK(
+          cudaFuncSetAttribute(score_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WgSmem::bytes));
+      return true;
+    }();
+    (void)sized;
+  }
   for (int64_t q0 = 0; q0 < a.n_q; q0 += qb) {
     const int64_t nq = std::min(qb, a.n_q - q0);
     encode_queries_kernel<<<unsigned(nq * H), unsigned(D), 0, st>>>(a.q + q0 * H * D, a.w + q0 * H, D, inv_sqrt_d,
@@ -533,15 +700,27 @@ void indexer_select(const IndexerQueries& a, void* scratch, size_t scratch_bytes
     DZ_CUDA_LAUNCH_CHECK();
     float* scores = a.scores ? a.scores + q0 * ld : sc.scores;
     if (a.max_visible > 0) {
-      // Runs of 64 keys a warp while the queries leave SMs idle, 256 once they fill the GPU.
-      const int kpw = nq * a.max_visible >= (int64_t(1) << 22) ? 256 : 64;
-      const ScoreArgs s{sc.q8, sc.qw, q0, nq, a.pages, a.n_visible, a.max_visible, a.keys, scores, ld, H, D, kpw};
-      const dim3 grid(unsigned((a.max_visible + kScoreWarps * kpw - 1) / (kScoreWarps * kpw)), unsigned(nq));
-      switch (std::min(H, 64) / 16) {
-        case 1: score_kernel<1><<<grid, kScoreWarps * 32, 0, st>>>(s); break;
-        case 2: score_kernel<2><<<grid, kScoreWarps * 32, 0, st>>>(s); break;
-        case 3: score_kernel<3><<<grid, kScoreWarps * 32, 0, st>>>(s); break;
-        default: score_kernel<4><<<grid, kScoreWarps * 32, 0, st>>>(s); break;
+      if (wgmma) {
+        WgArgs w{};
+        const cuuint64_t dims[2] = {cuuint64_t(kWgD), cuuint64_t(nq * kWgHeads)}, strides[1] = {cuuint64_t(kWgD)};
+        const cuuint32_t box[2] = {kWgD, kWgHeads};
+        encode_tensor_map(&w.qmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, sc.q8, dims, strides, box,
+                          CU_TENSOR_MAP_SWIZZLE_128B, "indexer queries");
+        w.qw = sc.qw, w.q0 = q0, w.nq = nq, w.pages = a.pages, w.n_visible = a.n_visible;
+        w.max_visible = a.max_visible, w.keys = a.keys, w.scores = scores, w.ld = ld;
+        const dim3 grid(unsigned((a.max_visible + kWgKeys - 1) / kWgKeys), unsigned((nq + kWgChunk - 1) / kWgChunk));
+        score_wgmma_kernel<<<grid, 384, WgSmem::bytes, st>>>(w);
+      } else {
+        // Runs of 64 keys a warp while the queries leave SMs idle, 256 once they fill the GPU.
+        const int kpw = nq * a.max_visible >= (int64_t(1) << 22) ? 256 : 64;
+        const ScoreArgs s{sc.q8, sc.qw, q0, nq, a.pages, a.n_visible, a.max_visible, a.keys, scores, ld, H, D, kpw};
+        const dim3 grid(unsigned((a.max_visible + kScoreWarps * kpw - 1) / (kScoreWarps * kpw)), unsigned(nq));
+        switch (std::min(H, 64) / 16) {
+          case 1: score_kernel<1><<<grid, kScoreWarps * 32, 0, st>>>(s); break;
+          case 2: score_kernel<2><<<grid, kScoreWarps * 32, 0, st>>>(s); break;
+          case 3: score_kernel<3><<<grid, kScoreWarps * 32, 0, st>>>(s); break;
+          default: score_kernel<4><<<grid, kScoreWarps * 32, 0, st>>>(s); break;
+        }
       }
       DZ_CUDA_LAUNCH_CHECK();
     }

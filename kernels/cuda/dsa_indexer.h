@@ -39,6 +39,9 @@ struct IndexerQueries {
   const uint8_t* const* const* pages = nullptr;
   const int64_t* n_visible = nullptr;
   int64_t max_visible = 0;  // host: no query sees more (sizes the grid and the scratch)
+  // Every query reads the same page table (one prompt's prefill): at 64 heads
+  // of 128 the scores then share key tiles across queries on the tensor cores.
+  bool same_pages = false;
   IndexerKeys keys;
   int32_t* out = nullptr;   // [n_q, topk] device: ascending positions, -1-padded
   float* scores = nullptr;  // optional [n_q, max_visible] device: each query's scores (tests, traces)

@@ -151,6 +151,7 @@ int bench_indexer(const Args& a) {
       IndexerQueries x;
       x.n_heads = H, x.head_dim = D, x.topk = K, x.n_q = nq, x.q = q.get(), x.w = w.get(), x.pages = qpages.get();
       x.n_visible = vis.get(), x.max_visible = keys_each, x.keys = {pt, stride, 0}, x.out = out.get();
+      x.same_pages = prefill;
       const double ms =
           timer.median_ms(reps, 2, [&](int) { indexer_select(x, scratch.get(), scratch.size(), qblock, st); });
       // Decode: the top-k alone, on the scores of one more call.
