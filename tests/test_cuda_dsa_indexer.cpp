@@ -265,7 +265,7 @@ TEST_CASE("CUDA DSA top-k: exact against a sort on adversarial rows", "[cuda][ds
   if (!dz::test::have_gpu()) return;
 #ifdef DZ_WITH_CUDA
   using namespace dz;
-  cuda::Context ctx(test::pool_options(size_t(16) << 20));
+  cuda::Context ctx(test::pool_options(size_t(96) << 20));  // the context's cuBLASLt workspace included
   std::mt19937 rng(11);
   std::normal_distribution<float> nd(0.f, 1.f);
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();

@@ -23,6 +23,7 @@ constexpr int kScoreWarps = 4;
 constexpr int kSelectDigitBits = 11, kSelectBins = 1 << kSelectDigitBits;
 // Keys a selection block keeps in shared memory (192 KB) beside its ~13 KB of static arrays.
 constexpr int64_t kSelectMaxSmemKeys = 48 * 1024;
+constexpr int kSelectMaxCluster = 8;
 
 // ------------------------------------------------------------ encoding
 // One vector of D values (D threads): the Hadamard butterflies in the CPU's
@@ -215,14 +216,15 @@ __global__ void __launch_bounds__(kScoreWarps * 32) score_kernel(const ScoreArgs
 // query's 64 heads as B (N), both E4M3 and K-major (D = 128: one 128-byte
 // swizzled row). The accumulators of a key row hold its 64 heads over a quad
 // of lanes, so ReLU, the head weights and the sum over heads take 32 FMAs a
-// thread and two shuffles, not a reduction across warps. Warpgroup 0 loads the
-// key tile, then one of its threads brings each query's heads (a tensor copy)
-// and weights (a bulk copy) through a ring of stages.
+// thread and two shuffles, not a reduction across warps. The block loads the
+// key tile, then one thread of its last warp brings each query's heads (a
+// tensor copy) and weights (a bulk copy) through a ring of stages.
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define DZ_IDX_SM90A 1
 #endif
 
 constexpr int kWgKeys = 128, kWgHeads = 64, kWgD = 128, kWgStages = 6, kWgChunk = 64;
+constexpr int kWgThreads = 2 * 128 + 32;  // two consumer warpgroups, then the producer warp
 constexpr int kWgQBytes = kWgHeads * kWgD, kWgWBytes = kWgHeads * 4;
 struct WgSmem {
   static constexpr int offA = 0, offQ = kWgKeys * kWgD, offW = offQ + kWgStages * kWgQBytes,
@@ -253,7 +255,7 @@ __device__ __forceinline__ void wgmma_64x64(float (&d)[32], uint64_t da, uint64_
 }
 #endif
 
-__global__ void __launch_bounds__(384, 1) score_wgmma_kernel(const __grid_constant__ WgArgs a) {
+__global__ void __launch_bounds__(kWgThreads, 2) score_wgmma_kernel(const __grid_constant__ WgArgs a) {
 #ifdef DZ_IDX_SM90A
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = ptx::smem_u32(smem_raw);
@@ -266,20 +268,28 @@ __global__ void __launch_bounds__(384, 1) score_wgmma_kernel(const __grid_consta
   auto empty = [&](int st) { return bars + 8u * uint32_t(kWgStages + st); };
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t k0 = int64_t(blockIdx.x) * kWgKeys, i0 = int64_t(blockIdx.y) * kWgChunk;
-  const int64_t i1 = min(a.nq, i0 + kWgChunk);
-  auto vis = [&](int64_t i) { return min(a.n_visible[a.q0 + i], a.max_visible); };
-  // Keys the chunk's queries see at most: the tile's keys past it are zeros.
-  int64_t vmax = 0;
-  for (int64_t i = i0; i < i1; ++i) vmax = max(vmax, vis(i));
+  const int nc = int(min(a.nq - i0, int64_t(kWgChunk)));
+  // The chunk's visible counts, and the queries that see any key of the tile, in order.
+  __shared__ int64_t s_vis[kWgChunk];
+  __shared__ int s_list[kWgChunk];
+  __shared__ int s_seen;
+  if (tid < kWgChunk) s_vis[tid] = tid < nc ? min(a.n_visible[a.q0 + i0 + tid], a.max_visible) : 0;
+  __syncthreads();
+  int64_t vmax = 0;  // keys the chunk sees at most: the tile's keys past it are zeros
+  for (int j = 0; j < nc; ++j) vmax = max(vmax, s_vis[j]);
   if (vmax <= k0) return;  // uniform: no query of the chunk sees the tile
   if (tid == 0) {
+    int n = 0;
+    for (int j = 0; j < nc; ++j)
+      if (s_vis[j] > k0) s_list[n++] = j;
+    s_seen = n;
     for (int st = 0; st < kWgStages; ++st) ptx::mbar_init(full(st), 1), ptx::mbar_init(empty(st), 8);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // The key tile, a warp a key: its 32 words into the 128-byte swizzled row, and its scale.
   const IndexerKeys& K = a.keys;
   const uint8_t* const* const pages = a.pages[a.q0 + i0];
-  for (int r = tid >> 5; r < kWgKeys; r += 384 / 32) {
+  for (int r = tid >> 5; r < kWgKeys; r += kWgThreads / 32) {
     const int64_t s = k0 + r;
     const int p = tid & 31;
     uint32_t v = 0u;
@@ -294,67 +304,84 @@ __global__ void __launch_bounds__(384, 1) score_wgmma_kernel(const __grid_consta
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
   __syncthreads();
-  auto sees = [&](int64_t i) { return vis(i) > k0; };
-  if (wg == 0) {
-    if (tid == 0) {
+  const int seen = s_seen;
+  if (wg == 2) {
+    if (tid == 256) {
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&a.qmap)) : "memory");
-      int st = 0;
-      uint32_t ph = 0;
-      for (int64_t i = i0; i < i1; ++i) {
-        if (!sees(i)) continue;
-        ptx::mbar_wait(empty(st), ph ^ 1u);
+      for (int n = 0; n < seen; ++n) {
+        const int st = n % kWgStages;
+        const int64_t i = i0 + s_list[n];
+        ptx::mbar_wait(empty(st), ((n / kWgStages) & 1) ^ 1u);
         ptx::mbar_arrive_expect_tx(full(st), kWgQBytes + kWgWBytes);
         ptx::tma_2d(base + WgSmem::offQ + uint32_t(st * kWgQBytes), &a.qmap, full(st), 0, int(i * kWgHeads));
         ptx::bulk_g2s(base + WgSmem::offW + uint32_t(st * kWgWBytes), a.qw + i * kWgHeads, kWgWBytes, full(st));
-        if (++st == kWgStages) st = 0, ph ^= 1u;
       }
     }
     return;
   }
   // Consumers: warpgroup cw multiplies keys 64 cw.. of the tile; a thread's
-  // rows are keys 16 w + g and + 8, its columns heads 8 j + 2 t and + 1.
-  const int cw = __shfl_sync(0xffffffffu, wg - 1, 0), warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2,
+  // rows are keys 16 w + g and + 8, its columns heads 8 j + 2 t and + 1. The
+  // next query's MMAs are issued before this one's epilogue (two accumulator sets).
+  const int cw = __shfl_sync(0xffffffffu, wg, 0), warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2,
             t = lane & 3;
   const int rk0 = cw * 64 + warp * 16 + g, rk1 = rk0 + 8;
   const uint32_t da = ptx::sw128_desc_lo(base + WgSmem::offA + uint32_t(cw * 64 * kWgD));
   const float ks0 = kscale[rk0], ks1 = kscale[rk1];
-  int st = 0;
-  uint32_t ph = 0;
-  float acc[32];
-  for (int64_t i = i0; i < i1; ++i) {
-    const int64_t v = vis(i);
-    if (v <= k0) continue;
-    ptx::mbar_wait(full(st), ph);
+  float acc[2][32];
+  auto issue = [&](int n, float (&d)[32]) {
+    const int st = n % kWgStages;
+    ptx::mbar_wait(full(st), (n / kWgStages) & 1);
     __syncwarp();
     const uint32_t db = ptx::sw128_desc_lo(base + WgSmem::offQ + uint32_t(st * kWgQBytes));
     ptx::wgmma_fence();
-    ptx::fence_regs(acc);
+    ptx::fence_regs(d);
 #pragma unroll
-    for (int kk = 0; kk < kWgD / 32; ++kk) wgmma_64x64(acc, ptx::sw128_desc(da + 2 * kk), ptx::sw128_desc(db + 2 * kk), kk);
+    for (int kk = 0; kk < kWgD / 32; ++kk) wgmma_64x64(d, ptx::sw128_desc(da + 2 * kk), ptx::sw128_desc(db + 2 * kk), kk);
     ptx::wgmma_commit();
-    ptx::fence_regs(acc);
-    ptx::wgmma_wait0();
-    ptx::fence_regs(acc);
+    ptx::fence_regs(d);
+  };
+  auto finish = [&](int n, float (&d)[32]) {
+    const int st = n % kWgStages;
     const float* w = sw + st * kWgHeads;
     float p0 = 0.f, p1 = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float2 wj = *reinterpret_cast<const float2*>(w + 8 * j + 2 * t);
-      p0 += wj.x * fmaxf(acc[4 * j + 0], 0.f) + wj.y * fmaxf(acc[4 * j + 1], 0.f);
-      p1 += wj.x * fmaxf(acc[4 * j + 2], 0.f) + wj.y * fmaxf(acc[4 * j + 3], 0.f);
+      p0 += wj.x * fmaxf(d[4 * j + 0], 0.f) + wj.y * fmaxf(d[4 * j + 1], 0.f);
+      p1 += wj.x * fmaxf(d[4 * j + 2], 0.f) + wj.y * fmaxf(d[4 * j + 3], 0.f);
     }
     __syncwarp();
     if (lane == 0) ptx::mbar_arrive(empty(st));
-    if (++st == kWgStages) st = 0, ph ^= 1u;
     p0 += __shfl_xor_sync(0xffffffffu, p0, 1);
     p1 += __shfl_xor_sync(0xffffffffu, p1, 1);
     p0 += __shfl_xor_sync(0xffffffffu, p0, 2);
     p1 += __shfl_xor_sync(0xffffffffu, p1, 2);
     if (t == 0) {
+      const int64_t i = i0 + s_list[n], v = s_vis[s_list[n]];
       float* out = a.scores + i * a.ld + k0;
       if (k0 + rk0 < v) out[rk0] = ks0 * p0;
       if (k0 + rk1 < v) out[rk1] = ks1 * p1;
     }
+  };
+  if (seen > 0) issue(0, acc[0]);
+  for (int n = 0; n < seen; n += 2) {
+    if (n + 1 < seen) {
+      issue(n + 1, acc[1]);
+      ptx::wgmma_wait<1>();
+    } else {
+      ptx::wgmma_wait<0>();
+    }
+    ptx::fence_regs(acc[0]);
+    finish(n, acc[0]);
+    if (n + 1 >= seen) break;
+    if (n + 2 < seen) {
+      issue(n + 2, acc[0]);
+      ptx::wgmma_wait<1>();
+    } else {
+      ptx::wgmma_wait<0>();
+    }
+    ptx::fence_regs(acc[1]);
+    finish(n + 1, acc[1]);
   }
 #else
   if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0) printf("dsa indexer: kernel built without sm_90a\n");
@@ -498,8 +525,13 @@ __global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
       for (int j = 0; j < kPer; ++j) {
         const int b = nb - 1 - kPer * tid - j;
         c[j] = 0;
-        if (b >= 0)
-          for (int q = 0; q < C; ++q) c[j] += *cluster.map_shared_rank(&hist[b], q);
+        if (b >= 0) {
+          int v[kSelectMaxCluster];  // every block's count loaded before any is added
+#pragma unroll
+          for (int q = 0; q < kSelectMaxCluster; ++q) v[q] = q < C ? *cluster.map_shared_rank(&hist[b], q) : 0;
+#pragma unroll
+          for (int q = 0; q < kSelectMaxCluster; ++q) c[j] += v[q];
+        }
         sum += c[j];
       }
       int before;
@@ -591,7 +623,7 @@ struct SelectShape {
 };
 SelectShape select_shape(int64_t nq, int64_t max_visible) {
   SelectShape sh{};
-  sh.cluster = nq <= 16 ? 8 : nq <= 32 ? 4 : nq <= 66 ? 2 : 1;
+  sh.cluster = nq <= 16 ? kSelectMaxCluster : nq <= 32 ? 4 : nq <= 66 ? 2 : 1;
   while (sh.cluster > 1 && max_visible <= int64_t(sh.cluster / 2) * 4096) sh.cluster /= 2;  // a few thousand keys a block at least
   const int64_t per_block = ((max_visible + sh.cluster - 1) / sh.cluster + 31) / 32 * 32;
   sh.threads = per_block >= 8192 ? 1024 : 256;
@@ -709,7 +741,7 @@ void indexer_select(const IndexerQueries& a, void* scratch, size_t scratch_bytes
         w.qw = sc.qw, w.q0 = q0, w.nq = nq, w.pages = a.pages, w.n_visible = a.n_visible;
         w.max_visible = a.max_visible, w.keys = a.keys, w.scores = scores, w.ld = ld;
         const dim3 grid(unsigned((a.max_visible + kWgKeys - 1) / kWgKeys), unsigned((nq + kWgChunk - 1) / kWgChunk));
-        score_wgmma_kernel<<<grid, 384, WgSmem::bytes, st>>>(w);
+        score_wgmma_kernel<<<grid, kWgThreads, WgSmem::bytes, st>>>(w);
       } else {
         // Runs of 64 keys a warp while the queries leave SMs idle, 256 once they fill the GPU.
         const int kpw = nq * a.max_visible >= (int64_t(1) << 22) ? 256 : 64;

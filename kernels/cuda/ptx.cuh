@@ -209,6 +209,11 @@ __device__ __forceinline__ int segment_of(const int* starts, int n, int x) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// ... until at most N groups are in flight.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
 
 // Tensor copy (TMA) of a 2D box at coordinates (c0, c1) into this CTA's shared
 // memory, completing on an mbarrier (map: a __grid_constant__ parameter or global).
