@@ -242,6 +242,7 @@ struct WgArgs {
   IndexerKeys keys;
   float* scores;
   int64_t ld;
+  int run_tiles;  // decode: key tiles a block
 };
 
 #ifdef DZ_IDX_SM90A
@@ -253,7 +254,62 @@ __device__ __forceinline__ void wgmma_64x64(float (&d)[32], uint64_t da, uint64_
       : DZ_WGMMA_ACC32(d)
       : "l"(da), "l"(db), "r"(accumulate));
 }
+
+// d = the 64 keys at descriptor da (low word) against the 64 heads at db, K = 128: four MMAs, one group.
+__device__ __forceinline__ void wg_scores(float (&d)[32], uint32_t da, uint32_t db) {
+  ptx::wgmma_fence();
+  ptx::fence_regs(d);
+#pragma unroll
+  for (int kk = 0; kk < kWgD / 32; ++kk) wgmma_64x64(d, ptx::sw128_desc(da + 2 * kk), ptx::sw128_desc(db + 2 * kk), kk);
+  ptx::wgmma_commit();
+  ptx::fence_regs(d);
+}
+
+// A thread's two key rows (16 w + g and + 8) summed over the 64 heads: ReLU
+// and the head weights w on its columns 8 j + 2 t and + 1, then over the quad.
+__device__ __forceinline__ void wg_head_sum(const float (&d)[32], const float* w, int t, float& p0, float& p1) {
+  p0 = 0.f, p1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float2 wj = *reinterpret_cast<const float2*>(w + 8 * j + 2 * t);
+    p0 += wj.x * fmaxf(d[4 * j + 0], 0.f) + wj.y * fmaxf(d[4 * j + 1], 0.f);
+    p1 += wj.x * fmaxf(d[4 * j + 2], 0.f) + wj.y * fmaxf(d[4 * j + 3], 0.f);
+  }
+  p0 += __shfl_xor_sync(0xffffffffu, p0, 1);
+  p1 += __shfl_xor_sync(0xffffffffu, p1, 1);
+  p0 += __shfl_xor_sync(0xffffffffu, p0, 2);
+  p1 += __shfl_xor_sync(0xffffffffu, p1, 2);
+}
+
+// count MMA groups through two accumulator sets: group n + 1 is issued
+// before group n's epilogue, so the tensor cores run under it.
+template <class Issue, class Finish>
+__device__ __forceinline__ void wg_pipeline(int count, float (&acc)[2][32], Issue& issue, Finish& finish) {
+  if (count > 0) issue(0, acc[0]);
+  for (int n = 0; n < count; n += 2) {
+    if (n + 1 < count) {
+      issue(n + 1, acc[1]);
+      ptx::wgmma_wait<1>();
+    } else {
+      ptx::wgmma_wait<0>();
+    }
+    ptx::fence_regs(acc[0]);
+    finish(n, acc[0]);
+    if (n + 1 >= count) break;
+    if (n + 2 < count) {
+      issue(n + 2, acc[0]);
+      ptx::wgmma_wait<1>();
+    } else {
+      ptx::wgmma_wait<0>();
+    }
+    ptx::fence_regs(acc[1]);
+    finish(n + 1, acc[1]);
+  }
+}
 #endif
+
+// Word p (4 bytes) of key r in a K-major tile of 128-byte rows with the 128-byte swizzle.
+__host__ __device__ constexpr int wg_key_word(int r, int p) { return r * 128 + (((p >> 2) ^ (r & 7)) << 4) + (p & 3) * 4; }
 
 __global__ void __launch_bounds__(kWgThreads, 2) score_wgmma_kernel(const __grid_constant__ WgArgs a) {
 #ifdef DZ_IDX_SM90A
@@ -299,7 +355,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) score_wgmma_kernel(const __grid
       v = __ldg(reinterpret_cast<const uint32_t*>(rec) + p);
       if (p == 0) sc = __ldg(reinterpret_cast<const float*>(rec + kWgD));
     }
-    *reinterpret_cast<uint32_t*>(sm + WgSmem::offA + r * 128 + (((p >> 2) ^ (r & 7)) << 4) + (p & 3) * 4) = v;
+    *reinterpret_cast<uint32_t*>(sm + WgSmem::offA + wg_key_word(r, p)) = v;
     if (p == 0) kscale[r] = sc;
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
@@ -332,30 +388,14 @@ __global__ void __launch_bounds__(kWgThreads, 2) score_wgmma_kernel(const __grid
     const int st = n % kWgStages;
     ptx::mbar_wait(full(st), (n / kWgStages) & 1);
     __syncwarp();
-    const uint32_t db = ptx::sw128_desc_lo(base + WgSmem::offQ + uint32_t(st * kWgQBytes));
-    ptx::wgmma_fence();
-    ptx::fence_regs(d);
-#pragma unroll
-    for (int kk = 0; kk < kWgD / 32; ++kk) wgmma_64x64(d, ptx::sw128_desc(da + 2 * kk), ptx::sw128_desc(db + 2 * kk), kk);
-    ptx::wgmma_commit();
-    ptx::fence_regs(d);
+    wg_scores(d, da, ptx::sw128_desc_lo(base + WgSmem::offQ + uint32_t(st * kWgQBytes)));
   };
   auto finish = [&](int n, float (&d)[32]) {
     const int st = n % kWgStages;
-    const float* w = sw + st * kWgHeads;
-    float p0 = 0.f, p1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float2 wj = *reinterpret_cast<const float2*>(w + 8 * j + 2 * t);
-      p0 += wj.x * fmaxf(d[4 * j + 0], 0.f) + wj.y * fmaxf(d[4 * j + 1], 0.f);
-      p1 += wj.x * fmaxf(d[4 * j + 2], 0.f) + wj.y * fmaxf(d[4 * j + 3], 0.f);
-    }
+    float p0, p1;
+    wg_head_sum(d, sw + st * kWgHeads, t, p0, p1);
     __syncwarp();
     if (lane == 0) ptx::mbar_arrive(empty(st));
-    p0 += __shfl_xor_sync(0xffffffffu, p0, 1);
-    p1 += __shfl_xor_sync(0xffffffffu, p1, 1);
-    p0 += __shfl_xor_sync(0xffffffffu, p0, 2);
-    p1 += __shfl_xor_sync(0xffffffffu, p1, 2);
     if (t == 0) {
       const int64_t i = i0 + s_list[n], v = s_vis[s_list[n]];
       float* out = a.scores + i * a.ld + k0;
@@ -363,26 +403,115 @@ __global__ void __launch_bounds__(kWgThreads, 2) score_wgmma_kernel(const __grid
       if (k0 + rk1 < v) out[rk1] = ks1 * p1;
     }
   };
-  if (seen > 0) issue(0, acc[0]);
-  for (int n = 0; n < seen; n += 2) {
-    if (n + 1 < seen) {
-      issue(n + 1, acc[1]);
-      ptx::wgmma_wait<1>();
-    } else {
-      ptx::wgmma_wait<0>();
-    }
-    ptx::fence_regs(acc[0]);
-    finish(n, acc[0]);
-    if (n + 1 >= seen) break;
-    if (n + 2 < seen) {
-      issue(n + 2, acc[0]);
-      ptx::wgmma_wait<1>();
-    } else {
-      ptx::wgmma_wait<0>();
-    }
-    ptx::fence_regs(acc[1]);
-    finish(n + 1, acc[1]);
+  wg_pipeline(seen, acc, issue, finish);
+#else
+  if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0) printf("dsa indexer: kernel built without sm_90a\n");
+  __trap();
+#endif
+}
+
+// Decode: every query its own sequence. A block takes one query (its heads
+// and weights brought once) and a run of its keys, 128 a stage: the producer
+// warp's lanes copy each key's 32 words into the stage (4-byte asynchronous
+// copies, through the page table by a cursor), and the two consumer
+// warpgroups score them as the prefill kernel does, on wgmma instead of
+// mma.sync (whose E4M3 form ran at ~120 TFLOP/s on an H100: the bound of the
+// kernel above at batch 64).
+constexpr int kWdStages = 4, kWdLag = 2;  // key tiles in the ring; copy groups in flight before a stage is handed over
+struct WdSmem {
+  static constexpr int offQ = 0, offW = kWgQBytes, offA = 9 * 1024, offScale = offA + kWdStages * kWgKeys * kWgD,
+                       offBar = offScale + kWdStages * kWgKeys * 4,
+                       bytes = offBar + (2 * kWdStages + 1) * 8 + 1024;  // +1024: base aligned up
+  static_assert(offW + kWgWBytes <= offA && offA % 1024 == 0, "decode stages");
+};
+
+__global__ void __launch_bounds__(kWgThreads, 2) score_wgmma_decode_kernel(const __grid_constant__ WgArgs a) {
+#ifdef DZ_IDX_SM90A
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = ptx::smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  uint8_t* const sm = smem_raw + (base - raw);
+  const uint32_t bars = base + WdSmem::offBar, qbar = bars + 16u * kWdStages;
+  auto full = [&](int st) { return bars + 8u * uint32_t(st); };
+  auto empty = [&](int st) { return bars + 8u * uint32_t(kWdStages + st); };
+  const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
+  const int64_t i = blockIdx.y;
+  const int64_t v = min(a.n_visible[a.q0 + i], a.max_visible);
+  const int64_t kb0 = int64_t(blockIdx.x) * a.run_tiles * kWgKeys;
+  if (kb0 >= v) return;  // uniform
+  const int ntiles = int(min(int64_t(a.run_tiles), (v - kb0 + kWgKeys - 1) / kWgKeys));
+  if (tid == 0) {
+    for (int st = 0; st < kWdStages; ++st) ptx::mbar_init(full(st), 32), ptx::mbar_init(empty(st), 8);
+    ptx::mbar_init(qbar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  __syncthreads();
+  if (wg == 2) {
+    if (lane == 0) {
+      ptx::mbar_arrive_expect_tx(qbar, kWgQBytes + kWgWBytes);
+      ptx::tma_2d(base + WdSmem::offQ, &a.qmap, qbar, 0, int(i * kWgHeads));
+      ptx::bulk_g2s(base + WdSmem::offW, a.qw + i * kWgHeads, kWgWBytes, qbar);
+    }
+    // Lane p copies word p of every key (and lane 0 its scale); the cursor walks the pages.
+    const IndexerKeys& K = a.keys;
+    const uint8_t* const* pages = a.pages[a.q0 + i];
+    uint32_t cp = uint32_t(kb0 / K.page_tokens), cj = uint32_t(kb0 % K.page_tokens);
+    auto hand_over = [&](int n) {  // stage n's copies have landed: generic writes -> wgmma's reads
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      ptx::mbar_arrive(full(n % kWdStages));
+    };
+    for (int n = 0; n < ntiles; ++n) {
+      const int st = n % kWdStages;
+      ptx::mbar_wait(empty(st), ((n / kWdStages) & 1) ^ 1u);
+      const uint32_t dA = base + WdSmem::offA + uint32_t(st * kWgKeys * kWgD);
+      const uint32_t dS = base + WdSmem::offScale + uint32_t(st * kWgKeys * 4);
+      for (int r = 0; r < kWgKeys; ++r) {
+        const int64_t s = kb0 + int64_t(n) * kWgKeys + r;
+        const bool ok = s < v;
+        const uint8_t* rec = ok ? pages[cp] + size_t(cj) * K.stride + K.offset
+                                : reinterpret_cast<const uint8_t*>(a.qw);  // any valid address: nothing read
+        ptx::cp_async4_zfill(dA + uint32_t(wg_key_word(r, lane)), rec + 4 * lane, ok ? 4u : 0u);
+        if (lane == 0) ptx::cp_async4_zfill(dS + uint32_t(4 * r), rec + kWgD, ok ? 4u : 0u);
+        if (++cj == K.page_tokens) cj = 0, ++cp;
+      }
+      ptx::cp_async_commit();
+      if (n >= kWdLag - 1) {
+        ptx::cp_async_wait<kWdLag - 1>();
+        hand_over(n - (kWdLag - 1));
+      }
+    }
+    ptx::cp_async_wait<0>();
+    for (int n = max(0, ntiles - (kWdLag - 1)); n < ntiles; ++n) hand_over(n);
+    return;
+  }
+  const int cw = __shfl_sync(0xffffffffu, wg, 0), warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
+  const int rk0 = cw * 64 + warp * 16 + g, rk1 = rk0 + 8;
+  const uint32_t db = ptx::sw128_desc_lo(base + WdSmem::offQ);
+  const float* const w = reinterpret_cast<const float*>(sm + WdSmem::offW);
+  float* const out = a.scores + i * a.ld + kb0;
+  ptx::mbar_wait(qbar, 0);
+  float acc[2][32];
+  auto issue = [&](int n, float (&d)[32]) {
+    const int st = n % kWdStages;
+    ptx::mbar_wait(full(st), (n / kWdStages) & 1);
+    __syncwarp();
+    wg_scores(d, ptx::sw128_desc_lo(base + WdSmem::offA + uint32_t(st * kWgKeys * kWgD + cw * 64 * kWgD)), db);
+  };
+  auto finish = [&](int n, float (&d)[32]) {
+    const int st = n % kWdStages;
+    const float* ks = reinterpret_cast<const float*>(sm + WdSmem::offScale) + st * kWgKeys;
+    const float ks0 = ks[rk0], ks1 = ks[rk1];
+    float p0, p1;
+    wg_head_sum(d, w, t, p0, p1);
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(empty(st));
+    if (t == 0) {
+      const int64_t r0 = int64_t(n) * kWgKeys + rk0, r1 = int64_t(n) * kWgKeys + rk1;
+      if (kb0 + r0 < v) out[r0] = ks0 * p0;
+      if (kb0 + r1 < v) out[r1] = ks1 * p1;
+    }
+  };
+  wg_pipeline(ntiles, acc, issue, finish);
 #else
   if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0) printf("dsa indexer: kernel built without sm_90a\n");
   __trap();
@@ -716,11 +845,14 @@ void indexer_select(const IndexerQueries& a, void* scratch, size_t scratch_bytes
   const float inv_sqrt_d = float(1.0 / std::sqrt(double(D))), h_scale = float(1.0 / std::sqrt(double(H)));
   const int64_t ld = std::max<int64_t>(1, a.max_visible);
   // One prompt's queries at V3.2's shape share key tiles on the tensor cores (sm_90a).
-  const bool wgmma = a.same_pages && H == kWgHeads && D == kWgD && Fp8GroupedGemm::supported();
+  // Every query its own page table (decode): wgmma too, a block a query and a run of its keys.
+  const bool wgmma = H == kWgHeads && D == kWgD && Fp8GroupedGemm::supported();
   if (wgmma) {
     static const bool sized = [] {
       DZ_CUDA_CHECK(
           cudaFuncSetAttribute(score_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WgSmem::bytes));
+      DZ_CUDA_CHECK(cudaFuncSetAttribute(score_wgmma_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         WdSmem::bytes));
       return true;
     }();
     (void)sized;
@@ -740,8 +872,16 @@ void indexer_select(const IndexerQueries& a, void* scratch, size_t scratch_bytes
                           CU_TENSOR_MAP_SWIZZLE_128B, "indexer queries");
         w.qw = sc.qw, w.q0 = q0, w.nq = nq, w.pages = a.pages, w.n_visible = a.n_visible;
         w.max_visible = a.max_visible, w.keys = a.keys, w.scores = scores, w.ld = ld;
-        const dim3 grid(unsigned((a.max_visible + kWgKeys - 1) / kWgKeys), unsigned((nq + kWgChunk - 1) / kWgChunk));
-        score_wgmma_kernel<<<grid, kWgThreads, WgSmem::bytes, st>>>(w);
+        const int64_t tiles = (a.max_visible + kWgKeys - 1) / kWgKeys;
+        if (a.same_pages) {
+          const dim3 grid(unsigned(tiles), unsigned((nq + kWgChunk - 1) / kWgChunk));
+          score_wgmma_kernel<<<grid, kWgThreads, WgSmem::bytes, st>>>(w);
+        } else {
+          // Runs of one tile while the queries leave SMs idle, up to 16 once they fill the GPU twice.
+          w.run_tiles = int(std::clamp<int64_t>(nq * tiles / 264, 1, 16));
+          const dim3 grid(unsigned((tiles + w.run_tiles - 1) / w.run_tiles), unsigned(nq));
+          score_wgmma_decode_kernel<<<grid, kWgThreads, WdSmem::bytes, st>>>(w);
+        }
       } else {
         // Runs of 64 keys a warp while the queries leave SMs idle, 256 once they fill the GPU.
         const int kpw = nq * a.max_visible >= (int64_t(1) << 22) ? 256 : 64;
