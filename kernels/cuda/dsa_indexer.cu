@@ -104,15 +104,18 @@ struct ScoreArgs {
   int keys_per_warp;  // a multiple of 8
 };
 
-// Block (key run, query): each warp scores a contiguous run of its query's
-// keys, 8 at a time (the MMA's n), against up to 16 kMT heads whose query
-// fragments stay in registers for the whole run (more heads: runs of 16 kMT,
-// each adding to the scores). MMA rows 16 heads, K = D in steps of 32; B
-// fragments are the keys' E4M3 bytes straight from their records (4-byte
-// loads: a quad reads 16 contiguous bytes of a key), two groups of 8 keys in
-// flight ahead of the MMAs. (Until 2026-12-05 each warp took 32 keys and
-// loaded the query's fragments again for every 16 heads and every 32 keys:
-// 713 us for 64 queries of 65,536 keys.)
+// Decode (queries of several sequences) and shapes other than V3.2's: block
+// (key run, query), each warp a contiguous run of its query's keys, 8 at a
+// time (the MMA's n), against up to 16 kMT heads whose query fragments stay in
+// registers for the whole run (more heads: runs of 16 kMT, each adding to the
+// scores). MMA rows 16 heads, K = D in steps of 32; B fragments are the keys'
+// E4M3 bytes straight from their records (4-byte loads: a quad reads 16
+// contiguous bytes of a key), two groups of 8 keys in flight ahead of the
+// MMAs. Bound by the rate of E4M3 mma.sync (~120 TFLOP/s on an H100 at batch
+// 64); a wgmma form fed by a producer warp's 4-byte copies (records of 132
+// bytes allow no wider ones) was slower, 882 against 572 us for 64 queries of
+// 65,536 keys (2026-12-05). (Before that day each warp took 32 keys and loaded
+// the query's fragments again for every 16 heads and every 32 keys.)
 template <int kMT>
 __global__ void __launch_bounds__(kScoreWarps * 32) score_kernel(const ScoreArgs a) {
   constexpr int kAhead = 2;
@@ -242,7 +245,6 @@ struct WgArgs {
   IndexerKeys keys;
   float* scores;
   int64_t ld;
-  int run_tiles;  // decode: key tiles a block
 };
 
 #ifdef DZ_IDX_SM90A
@@ -410,114 +412,6 @@ __global__ void __launch_bounds__(kWgThreads, 2) score_wgmma_kernel(const __grid
 #endif
 }
 
-// Decode: every query its own sequence. A block takes one query (its heads
-// and weights brought once) and a run of its keys, 128 a stage: the producer
-// warp's lanes copy each key's 32 words into the stage (4-byte asynchronous
-// copies, through the page table by a cursor), and the two consumer
-// warpgroups score them as the prefill kernel does, on wgmma instead of
-// mma.sync (whose E4M3 form ran at ~120 TFLOP/s on an H100: the bound of the
-// kernel above at batch 64).
-constexpr int kWdStages = 4, kWdLag = 2;  // key tiles in the ring; copy groups in flight before a stage is handed over
-struct WdSmem {
-  static constexpr int offQ = 0, offW = kWgQBytes, offA = 9 * 1024, offScale = offA + kWdStages * kWgKeys * kWgD,
-                       offBar = offScale + kWdStages * kWgKeys * 4,
-                       bytes = offBar + (2 * kWdStages + 1) * 8 + 1024;  // +1024: base aligned up
-  static_assert(offW + kWgWBytes <= offA && offA % 1024 == 0, "decode stages");
-};
-
-__global__ void __launch_bounds__(kWgThreads, 2) score_wgmma_decode_kernel(const __grid_constant__ WgArgs a) {
-#ifdef DZ_IDX_SM90A
-  extern __shared__ uint8_t smem_raw[];
-  const uint32_t raw = ptx::smem_u32(smem_raw);
-  const uint32_t base = (raw + 1023u) & ~1023u;
-  uint8_t* const sm = smem_raw + (base - raw);
-  const uint32_t bars = base + WdSmem::offBar, qbar = bars + 16u * kWdStages;
-  auto full = [&](int st) { return bars + 8u * uint32_t(st); };
-  auto empty = [&](int st) { return bars + 8u * uint32_t(kWdStages + st); };
-  const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
-  const int64_t i = blockIdx.y;
-  const int64_t v = min(a.n_visible[a.q0 + i], a.max_visible);
-  const int64_t kb0 = int64_t(blockIdx.x) * a.run_tiles * kWgKeys;
-  if (kb0 >= v) return;  // uniform
-  const int ntiles = int(min(int64_t(a.run_tiles), (v - kb0 + kWgKeys - 1) / kWgKeys));
-  if (tid == 0) {
-    for (int st = 0; st < kWdStages; ++st) ptx::mbar_init(full(st), 32), ptx::mbar_init(empty(st), 8);
-    ptx::mbar_init(qbar, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  if (wg == 2) {
-    if (lane == 0) {
-      ptx::mbar_arrive_expect_tx(qbar, kWgQBytes + kWgWBytes);
-      ptx::tma_2d(base + WdSmem::offQ, &a.qmap, qbar, 0, int(i * kWgHeads));
-      ptx::bulk_g2s(base + WdSmem::offW, a.qw + i * kWgHeads, kWgWBytes, qbar);
-    }
-    // Lane p copies word p of every key (and lane 0 its scale); the cursor walks the pages.
-    const IndexerKeys& K = a.keys;
-    const uint8_t* const* pages = a.pages[a.q0 + i];
-    uint32_t cp = uint32_t(kb0 / K.page_tokens), cj = uint32_t(kb0 % K.page_tokens);
-    auto hand_over = [&](int n) {  // stage n's copies have landed: generic writes -> wgmma's reads
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      ptx::mbar_arrive(full(n % kWdStages));
-    };
-    for (int n = 0; n < ntiles; ++n) {
-      const int st = n % kWdStages;
-      ptx::mbar_wait(empty(st), ((n / kWdStages) & 1) ^ 1u);
-      const uint32_t dA = base + WdSmem::offA + uint32_t(st * kWgKeys * kWgD);
-      const uint32_t dS = base + WdSmem::offScale + uint32_t(st * kWgKeys * 4);
-      for (int r = 0; r < kWgKeys; ++r) {
-        const int64_t s = kb0 + int64_t(n) * kWgKeys + r;
-        const bool ok = s < v;
-        const uint8_t* rec = ok ? pages[cp] + size_t(cj) * K.stride + K.offset
-                                : reinterpret_cast<const uint8_t*>(a.qw);  // any valid address: nothing read
-        ptx::cp_async4_zfill(dA + uint32_t(wg_key_word(r, lane)), rec + 4 * lane, ok ? 4u : 0u);
-        if (lane == 0) ptx::cp_async4_zfill(dS + uint32_t(4 * r), rec + kWgD, ok ? 4u : 0u);
-        if (++cj == K.page_tokens) cj = 0, ++cp;
-      }
-      ptx::cp_async_commit();
-      if (n >= kWdLag - 1) {
-        ptx::cp_async_wait<kWdLag - 1>();
-        hand_over(n - (kWdLag - 1));
-      }
-    }
-    ptx::cp_async_wait<0>();
-    for (int n = max(0, ntiles - (kWdLag - 1)); n < ntiles; ++n) hand_over(n);
-    return;
-  }
-  const int cw = __shfl_sync(0xffffffffu, wg, 0), warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
-  const int rk0 = cw * 64 + warp * 16 + g, rk1 = rk0 + 8;
-  const uint32_t db = ptx::sw128_desc_lo(base + WdSmem::offQ);
-  const float* const w = reinterpret_cast<const float*>(sm + WdSmem::offW);
-  float* const out = a.scores + i * a.ld + kb0;
-  ptx::mbar_wait(qbar, 0);
-  float acc[2][32];
-  auto issue = [&](int n, float (&d)[32]) {
-    const int st = n % kWdStages;
-    ptx::mbar_wait(full(st), (n / kWdStages) & 1);
-    __syncwarp();
-    wg_scores(d, ptx::sw128_desc_lo(base + WdSmem::offA + uint32_t(st * kWgKeys * kWgD + cw * 64 * kWgD)), db);
-  };
-  auto finish = [&](int n, float (&d)[32]) {
-    const int st = n % kWdStages;
-    const float* ks = reinterpret_cast<const float*>(sm + WdSmem::offScale) + st * kWgKeys;
-    const float ks0 = ks[rk0], ks1 = ks[rk1];
-    float p0, p1;
-    wg_head_sum(d, w, t, p0, p1);
-    __syncwarp();
-    if (lane == 0) ptx::mbar_arrive(empty(st));
-    if (t == 0) {
-      const int64_t r0 = int64_t(n) * kWgKeys + rk0, r1 = int64_t(n) * kWgKeys + rk1;
-      if (kb0 + r0 < v) out[r0] = ks0 * p0;
-      if (kb0 + r1 < v) out[r1] = ks1 * p1;
-    }
-  };
-  wg_pipeline(ntiles, acc, issue, finish);
-#else
-  if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0) printf("dsa indexer: kernel built without sm_90a\n");
-  __trap();
-#endif
-}
-
 // ------------------------------------------------------------ selection
 // A score as an unsigned key, larger first; +0 and -0 one value; NaN 0 (never selected).
 __device__ __forceinline__ uint32_t order_key(float x) { return x != x ? 0u : ptx::float_order(x); }
@@ -562,7 +456,7 @@ struct SelectShared {
 // top byte, which for scores of one sign put every key in two or three bins,
 // and a block scan every 512 positions: 152 us for 65,536 scores.)
 template <int kThreads>
-__global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) select_kernel(const SelectArgs a) {
   constexpr int kWarps = kThreads / 32, kUnroll = 8, kPer = kSelectBins / kThreads;  // bins a thread searches
   static_assert(kSelectBins % kThreads == 0, "bins split evenly");
   using BinScan = cub::BlockScan<int, kThreads>;
@@ -570,7 +464,8 @@ __global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
   __shared__ int hist[kSelectBins];
   __shared__ typename BinScan::TempStorage scan;
   __shared__ uint32_t s_lo[kWarps], s_hi[kWarps];
-  __shared__ int s_valid[kWarps], s_gt[kWarps], s_eq[kWarps];
+  __shared__ int s_valid[kWarps], s_gt[32], s_eq[32];
+  __shared__ int s_all_eq;
   __shared__ SelectShared mine;
   __shared__ int s_digit, s_above, s_bin;
   cg::cluster_group cluster = cg::this_cluster();
@@ -610,18 +505,28 @@ __global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
   valid = __reduce_add_sync(0xffffffffu, valid);
   if (lane == 0) s_lo[warp] = lo, s_hi[warp] = hi, s_valid[warp] = int(valid);
   __syncthreads();
-  if (tid == 0) {
-    SelectShared v{~0u, 0u, 0, 0, 0};
-    for (int j = 0; j < kWarps; ++j) v.lo = min(v.lo, s_lo[j]), v.hi = max(v.hi, s_hi[j]), v.valid += s_valid[j];
-    mine = v;
+  // Warp 0 combines the warps', then the cluster's blocks' (one each a lane), for every thread.
+  if (warp == 0) {
+    lo = lane < kWarps ? s_lo[lane] : ~0u, hi = lane < kWarps ? s_hi[lane] : 0u;
+    valid = lane < kWarps ? uint32_t(s_valid[lane]) : 0u;
+    lo = __reduce_min_sync(0xffffffffu, lo), hi = __reduce_max_sync(0xffffffffu, hi);
+    valid = __reduce_add_sync(0xffffffffu, valid);
+    if (lane == 0) mine = {lo, hi, int(valid), 0, 0};
   }
   cluster.sync();
-  int nvalid = 0;
-  lo = ~0u, hi = 0u;
-  for (int q = 0; q < C; ++q) {
-    const SelectShared& v = other(q);
-    lo = min(lo, v.lo), hi = max(hi, v.hi), nvalid += v.valid;
+  if (warp == 0) {
+    lo = ~0u, hi = 0u, valid = 0u;
+    if (lane < C) {
+      const SelectShared& v = other(lane);
+      lo = v.lo, hi = v.hi, valid = uint32_t(v.valid);
+    }
+    lo = __reduce_min_sync(0xffffffffu, lo), hi = __reduce_max_sync(0xffffffffu, hi);
+    valid = __reduce_add_sync(0xffffffffu, valid);
+    if (lane == 0) s_lo[0] = lo, s_hi[0] = hi, s_valid[0] = int(valid);
   }
+  __syncthreads();
+  lo = s_lo[0], hi = s_hi[0];
+  const int nvalid = s_valid[0];
 
   int w = 0, need = nvalid;  // no more valid keys than k: every one (all alike at width 0)
   uint32_t tw = 0u;
@@ -706,19 +611,33 @@ __global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
   }
   if (lane == 0) s_gt[warp] = ngt, s_eq[warp] = neq;
   __syncthreads();
-  if (tid == 0) {
-    int g = 0, e = 0;
-    for (int j = 0; j < kWarps; ++j) g += s_gt[j], e += s_eq[j];
-    mine.gt = g, mine.eq = e;
+  // Warp 0: this block's totals for the cluster, then each warp's place: the
+  // blocks before this one, then the warps before it (exclusive scans by shuffles).
+  if (warp == 0) {
+    int g = lane < kWarps ? s_gt[lane] : 0, e = lane < kWarps ? s_eq[lane] : 0;
+    const int gw = g, ew = e;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int gn = __shfl_up_sync(0xffffffffu, g, o), en = __shfl_up_sync(0xffffffffu, e, o);
+      if (lane >= o) g += gn, e += en;
+    }
+    if (lane == 31) mine.gt = g, mine.eq = e;
+    s_gt[lane] = g - gw, s_eq[lane] = e - ew;  // lanes past kWarps: unused (s_gt holds 32)
   }
   cluster.sync();
-  int gt_before = 0, eq_before = 0, gt_all = 0, eq_all = 0;
-  for (int q = 0; q < C; ++q) {
-    const SelectShared& v = other(q);
-    if (q < rank) gt_before += v.gt, eq_before += v.eq;
-    gt_all += v.gt, eq_all += v.eq;
+  if (warp == 0) {
+    int vg = 0, ve = 0;
+    if (lane < C) {
+      const SelectShared& v = other(lane);
+      vg = v.gt, ve = v.eq;
+    }
+    const int gb = __reduce_add_sync(0xffffffffu, lane < rank ? vg : 0);
+    const int eb = __reduce_add_sync(0xffffffffu, lane < rank ? ve : 0);
+    const int ga = __reduce_add_sync(0xffffffffu, vg), ea = __reduce_add_sync(0xffffffffu, ve);
+    if (lane == 0) s_digit = gb, s_above = eb, s_bin = ga, s_all_eq = ea;
   }
-  for (int j = 0; j < warp; ++j) gt_before += s_gt[j], eq_before += s_eq[j];
+  __syncthreads();
+  int gt_before = s_digit + s_gt[warp], eq_before = s_above + s_eq[warp];
+  const int gt_all = s_bin, eq_all = s_all_eq;
   const uint32_t lt = lanemask_lt();
   for (int64_t b = c0; b < c1; b += 32 * kUnroll) {
     uint32_t u[kUnroll];
@@ -755,7 +674,7 @@ SelectShape select_shape(int64_t nq, int64_t max_visible) {
   sh.cluster = nq <= 16 ? kSelectMaxCluster : nq <= 32 ? 4 : nq <= 66 ? 2 : 1;
   while (sh.cluster > 1 && max_visible <= int64_t(sh.cluster / 2) * 4096) sh.cluster /= 2;  // a few thousand keys a block at least
   const int64_t per_block = ((max_visible + sh.cluster - 1) / sh.cluster + 31) / 32 * 32;
-  sh.threads = per_block >= 8192 ? 1024 : 256;
+  sh.threads = per_block >= 16384 ? 1024 : 256;  // a block's fixed work a round is per thread
   sh.smem_keys = per_block <= kSelectMaxSmemKeys ? per_block : 0;
   return sh;
 }
@@ -845,14 +764,12 @@ void indexer_select(const IndexerQueries& a, void* scratch, size_t scratch_bytes
   const float inv_sqrt_d = float(1.0 / std::sqrt(double(D))), h_scale = float(1.0 / std::sqrt(double(H)));
   const int64_t ld = std::max<int64_t>(1, a.max_visible);
   // One prompt's queries at V3.2's shape share key tiles on the tensor cores (sm_90a).
-  // Every query its own page table (decode): wgmma too, a block a query and a run of its keys.
-  const bool wgmma = H == kWgHeads && D == kWgD && Fp8GroupedGemm::supported();
+  // One prompt's queries at V3.2's shape share key tiles on the tensor cores (sm_90a).
+  const bool wgmma = a.same_pages && H == kWgHeads && D == kWgD && Fp8GroupedGemm::supported();
   if (wgmma) {
     static const bool sized = [] {
       DZ_CUDA_CHECK(
           cudaFuncSetAttribute(score_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WgSmem::bytes));
-      DZ_CUDA_CHECK(cudaFuncSetAttribute(score_wgmma_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         WdSmem::bytes));
       return true;
     }();
     (void)sized;
@@ -872,16 +789,8 @@ void indexer_select(const IndexerQueries& a, void* scratch, size_t scratch_bytes
                           CU_TENSOR_MAP_SWIZZLE_128B, "indexer queries");
         w.qw = sc.qw, w.q0 = q0, w.nq = nq, w.pages = a.pages, w.n_visible = a.n_visible;
         w.max_visible = a.max_visible, w.keys = a.keys, w.scores = scores, w.ld = ld;
-        const int64_t tiles = (a.max_visible + kWgKeys - 1) / kWgKeys;
-        if (a.same_pages) {
-          const dim3 grid(unsigned(tiles), unsigned((nq + kWgChunk - 1) / kWgChunk));
-          score_wgmma_kernel<<<grid, kWgThreads, WgSmem::bytes, st>>>(w);
-        } else {
-          // Runs of one tile while the queries leave SMs idle, up to 16 once they fill the GPU twice.
-          w.run_tiles = int(std::clamp<int64_t>(nq * tiles / 264, 1, 16));
-          const dim3 grid(unsigned((tiles + w.run_tiles - 1) / w.run_tiles), unsigned(nq));
-          score_wgmma_decode_kernel<<<grid, kWgThreads, WdSmem::bytes, st>>>(w);
-        }
+        const dim3 grid(unsigned((a.max_visible + kWgKeys - 1) / kWgKeys), unsigned((nq + kWgChunk - 1) / kWgChunk));
+        score_wgmma_kernel<<<grid, kWgThreads, WgSmem::bytes, st>>>(w);
       } else {
         // Runs of 64 keys a warp while the queries leave SMs idle, 256 once they fill the GPU.
         const int kpw = nq * a.max_visible >= (int64_t(1) << 22) ? 256 : 64;
