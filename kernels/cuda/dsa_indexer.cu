@@ -18,7 +18,6 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kMaxD = 128;
 constexpr int kScoreWarps = 4;
 constexpr int kSelectDigitBits = 11, kSelectBins = 1 << kSelectDigitBits;
 // Keys a selection block keeps in shared memory (192 KB) beside its ~13 KB of static arrays.
@@ -26,57 +25,77 @@ constexpr int64_t kSelectMaxSmemKeys = 48 * 1024;
 constexpr int kSelectMaxCluster = 8;
 
 // ------------------------------------------------------------ encoding
-// One vector of D values (D threads): the Hadamard butterflies in the CPU's
-// order (the same floats), the 1/sqrt(D) factor, then E4M3 under one scale
-// amax / 448 (rounded up to a power of two when pow2), as
-// cpu::fp8_quantize_block. Returns the scale (every thread).
-__device__ float hadamard_quantize(float x, int D, float inv_sqrt_d, bool pow2, uint8_t* out) {
-  __shared__ float v[kMaxD];
-  __shared__ float wmax[kMaxD / 32];
-  const int d = threadIdx.x;
-  v[d] = x;
-  __syncthreads();
+// One vector of D values a warp, lane l holding values l E .. l E + E - 1
+// (E = D / 32): the Hadamard butterflies in the CPU's order (the same floats:
+// a butterfly's two lanes form a + b and a - b from the same a and b), the
+// 1/sqrt(D) factor, then E4M3 under one scale amax / 448 (rounded up to a
+// power of two when pow2), as cpu::fp8_quantize_block. Returns the scale
+// (every lane). (A block a vector with a barrier a butterfly until 2026-12-05.)
+template <int E>
+__device__ float hadamard_quantize(const float* x, float inv_sqrt_d, bool pow2, uint8_t* out) {
+  constexpr int D = 32 * E;
+  const int lane = threadIdx.x & 31;
+  float v[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) v[e] = x[lane * E + e];
+#pragma unroll
   for (int h = 1; h < D; h *= 2) {
-    float a = 0.f, b = 0.f;
-    const bool lead = (d & h) == 0;
-    if (lead) a = v[d], b = v[d + h];
-    __syncthreads();
-    if (lead) v[d] = a + b, v[d + h] = a - b;
-    __syncthreads();
+    if (h < E) {
+#pragma unroll
+      for (int e = 0; e < E; ++e)
+        if ((e & h) == 0) {
+          const float a = v[e], b = v[e + h];
+          v[e] = a + b, v[e + h] = a - b;
+        }
+    } else {
+      const int ol = h / E;  // the partner lane: the same e, index d ^ h
+      const bool lead = (lane & ol) == 0;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float o = __shfl_xor_sync(0xffffffffu, v[e], ol);
+        v[e] = lead ? v[e] + o : o - v[e];
+      }
+    }
   }
-  const float r = v[d] * inv_sqrt_d;
-  float m = fabsf(r);
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if ((d & 31) == 0) wmax[d >> 5] = m;
-  __syncthreads();
-  float amax = 0.f;
-  for (int i = 0; i < D / 32; ++i) amax = fmaxf(amax, wmax[i]);
+  float m = 0.f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) v[e] *= inv_sqrt_d, m = fmaxf(m, fabsf(v[e]));
+  const float amax = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(m)));  // m >= 0: bits order
   float scale = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
   if (pow2 && amax > 0.f) {  // the power of two at or above the scale, exactly
     int e;
     const float f = frexpf(scale, &e);  // scale = f 2^e, f in [0.5, 1)
     scale = ldexpf(1.f, f == 0.5f ? e - 1 : e);
   }
-  out[d] = uint8_t(__nv_cvt_float_to_fp8(__fdiv_rn(r, scale), __NV_SATFINITE, __NV_E4M3));
-  __syncthreads();  // v and wmax are reused by the caller's next vector
+#pragma unroll
+  for (int e = 0; e < E; ++e)
+    out[lane * E + e] = uint8_t(__nv_cvt_float_to_fp8(__fdiv_rn(v[e], scale), __NV_SATFINITE, __NV_E4M3));
   return scale;
 }
+constexpr int kEncodeWarps = 8;  // vectors a block
 
 // Queries [nq, H, D] -> q8 [nq, H, D] and qw [nq, H] = w H^-0.5 D^-0.5 qs:
-// every positive factor of a head's logit but the key's scale. Block (i, h).
-__global__ void encode_queries_kernel(const float* q, const float* w, int D, float inv_sqrt_d, float h_scale, bool pow2,
-                                      uint8_t* q8, float* qw) {
-  const int64_t ih = blockIdx.x;
-  const float s = hadamard_quantize(q[ih * D + threadIdx.x], D, inv_sqrt_d, pow2, q8 + ih * D);
-  if (threadIdx.x == 0) qw[ih] = w[ih] * h_scale * inv_sqrt_d * s;
+// every positive factor of a head's logit but the key's scale. A warp a (query, head).
+template <int E>
+__global__ void __launch_bounds__(kEncodeWarps * 32)
+    encode_queries_kernel(const float* q, const float* w, int64_t n, int D, float inv_sqrt_d, float h_scale, bool pow2,
+                          uint8_t* q8, float* qw) {
+  const int64_t ih = int64_t(blockIdx.x) * kEncodeWarps + (threadIdx.x >> 5);
+  if (ih >= n) return;
+  const float s = hadamard_quantize<E>(q + ih * D, inv_sqrt_d, pow2, q8 + ih * D);
+  if ((threadIdx.x & 31) == 0) qw[ih] = w[ih] * h_scale * inv_sqrt_d * s;
 }
 
-__global__ void encode_keys_kernel(const float* k, int D, float inv_sqrt_d, bool pow2, const int64_t* pos,
-                                   uint8_t* const* pages, IndexerKeys keys) {
-  const int64_t i = blockIdx.x, p = pos[i];
+template <int E>
+__global__ void __launch_bounds__(kEncodeWarps * 32)
+    encode_keys_kernel(const float* k, int64_t n, int D, float inv_sqrt_d, bool pow2, const int64_t* pos,
+                       uint8_t* const* pages, IndexerKeys keys) {
+  const int64_t i = int64_t(blockIdx.x) * kEncodeWarps + (threadIdx.x >> 5);
+  if (i >= n) return;
+  const int64_t p = pos[i];
   uint8_t* const rec = pages[p / keys.page_tokens] + (p % keys.page_tokens) * keys.stride + keys.offset;
-  const float s = hadamard_quantize(k[i * D + threadIdx.x], D, inv_sqrt_d, pow2, rec);
-  if (threadIdx.x == 0) *reinterpret_cast<float*>(rec + D) = s;
+  const float s = hadamard_quantize<E>(k + i * D, inv_sqrt_d, pow2, rec);
+  if ((threadIdx.x & 31) == 0) *reinterpret_cast<float*>(rec + D) = s;
 }
 
 // ------------------------------------------------------------ scoring
@@ -776,8 +795,10 @@ void indexer_select(const IndexerQueries& a, void* scratch, size_t scratch_bytes
   }
   for (int64_t q0 = 0; q0 < a.n_q; q0 += qb) {
     const int64_t nq = std::min(qb, a.n_q - q0);
-    encode_queries_kernel<<<unsigned(nq * H), unsigned(D), 0, st>>>(a.q + q0 * H * D, a.w + q0 * H, D, inv_sqrt_d,
-                                                                    h_scale, a.pow2_scales, sc.q8, sc.qw);
+    const unsigned eb = unsigned((nq * H + kEncodeWarps - 1) / kEncodeWarps);
+    (D == 32 ? encode_queries_kernel<1> : D == 64 ? encode_queries_kernel<2> : encode_queries_kernel<4>)
+        <<<eb, kEncodeWarps * 32, 0, st>>>(a.q + q0 * H * D, a.w + q0 * H, nq * H, D, inv_sqrt_d, h_scale,
+                                           a.pow2_scales, sc.q8, sc.qw);
     DZ_CUDA_LAUNCH_CHECK();
     float* scores = a.scores ? a.scores + q0 * ld : sc.scores;
     if (a.max_visible > 0) {
@@ -824,8 +845,10 @@ void indexer_encode_keys(int head_dim, bool pow2_scales, const float* k, int64_t
   check(head_dim == 32 || head_dim == 64 || head_dim == 128, DZ_ERR_UNSUPPORTED,
         "CUDA indexer: index_head_dim = ", head_dim, " (32, 64 or 128)");
   if (n == 0) return;
-  encode_keys_kernel<<<unsigned(n), unsigned(head_dim), 0, st>>>(k, head_dim, float(1.0 / std::sqrt(double(head_dim))),
-                                                                 pow2_scales, pos, pages, keys);
+  (head_dim == 32   ? encode_keys_kernel<1>
+   : head_dim == 64 ? encode_keys_kernel<2>
+                    : encode_keys_kernel<4>)<<<unsigned((n + kEncodeWarps - 1) / kEncodeWarps), kEncodeWarps * 32, 0, st>>>(
+      k, n, head_dim, float(1.0 / std::sqrt(double(head_dim))), pow2_scales, pos, pages, keys);
   DZ_CUDA_LAUNCH_CHECK();
 }
 
