@@ -693,7 +693,7 @@ SelectShape select_shape(int64_t nq, int64_t max_visible) {
   sh.cluster = nq <= 16 ? kSelectMaxCluster : nq <= 32 ? 4 : nq <= 66 ? 2 : 1;
   while (sh.cluster > 1 && max_visible <= int64_t(sh.cluster / 2) * 4096) sh.cluster /= 2;  // a few thousand keys a block at least
   const int64_t per_block = ((max_visible + sh.cluster - 1) / sh.cluster + 31) / 32 * 32;
-  sh.threads = per_block >= 16384 ? 1024 : 256;  // a block's fixed work a round is per thread
+  sh.threads = per_block >= 8192 ? 1024 : 256;
   sh.smem_keys = per_block <= kSelectMaxSmemKeys ? per_block : 0;
   return sh;
 }
