@@ -153,7 +153,7 @@ TEST_CASE("CUDA DSA indexer: scores match float64, selections match the CPU inde
     a.q = dq.p, a.w = dw.p, a.pages = dqp.p, a.n_visible = dvis.p, a.max_visible = maxv, a.keys = ik;
     a.out = dout.p, a.scores = dscores.p;
     a.same_pages = c.prefill > 0;  // one prompt: the tensor-core scores at 64 heads of 128
-    const int64_t qblock = 48;  // several query blocks in the prefill cases
+    const int64_t qblock = 48;     // several query blocks in the prefill cases
     test::DeviceBuffer<uint8_t> scratch(cuda::indexer_scratch_bytes(a, qblock));
     cuda::indexer_select(a, scratch.p, scratch.n, qblock, ctx.stream());
     ctx.sync();
@@ -275,17 +275,28 @@ TEST_CASE("CUDA DSA top-k: exact against a sort on adversarial rows", "[cuda][ds
     std::uniform_int_distribution<int> small(0, 2), pick(0, 99);
     for (auto& v : r) {
       switch (kind) {
-        case 0: v = nd(rng); break;                                // both signs
-        case 1: v = std::fabs(nd(rng)) * std::exp2(float(pick(rng) % 12)); break;  // one sign, spread exponents
-        case 2: v = float(small(rng)); break;                      // huge exact ties at the threshold
-        case 3: v = 0.75f; break;                                  // every score equal
-        case 4: {                                                  // NaN, infinities, signed zeros among normals
+        case 0:
+          v = nd(rng);
+          break;  // both signs
+        case 1:
+          v = std::fabs(nd(rng)) * std::exp2(float(pick(rng) % 12));
+          break;  // one sign, spread exponents
+        case 2:
+          v = float(small(rng));
+          break;  // huge exact ties at the threshold
+        case 3:
+          v = 0.75f;
+          break;   // every score equal
+        case 4: {  // NaN, infinities, signed zeros among normals
           const int p = pick(rng);
           v = p < 10 ? nan : p < 12 ? inf : p < 14 ? -inf : p < 20 ? 0.f : p < 26 ? -0.f : nd(rng);
           break;
         }
-        case 5: v = pick(rng) < 97 ? nan : nd(rng); break;         // fewer valid scores than k
-        default: v = 1e-3f * float(small(rng)) + 1e-9f * nd(rng);  // close values: a deep threshold
+        case 5:
+          v = pick(rng) < 97 ? nan : nd(rng);
+          break;  // fewer valid scores than k
+        default:
+          v = 1e-3f * float(small(rng)) + 1e-9f * nd(rng);  // close values: a deep threshold
       }
     }
     return r;
@@ -301,9 +312,9 @@ TEST_CASE("CUDA DSA top-k: exact against a sort on adversarial rows", "[cuda][ds
       {2048, {65536, 65536, 40000}, 65536, {1, 2, 4}},  // a few rows
       {2048, {500000}, 500000, {6}},                    // past shared memory: passes read the scores again
       {512, {3000, 512, 513, 511, 0, 1, 5000}, 4000, {0, 3, 2, 1, 0, 4, 5}},  // around k; rows past max_visible
-      {64, std::vector<int64_t>(150, 2000), 2000, {0, 1, 2, 3, 4, 5, 6}},    // a prefill-like batch, one block a row
-      {2048, std::vector<int64_t>(40, 20000), 20000, {1, 6, 2}},             // clusters of two blocks
-      {100, std::vector<int64_t>(10, 6000), 6000, {4, 6, 0}},                // clusters of two 256-thread blocks
+      {64, std::vector<int64_t>(150, 2000), 2000, {0, 1, 2, 3, 4, 5, 6}},     // a prefill-like batch, one block a row
+      {2048, std::vector<int64_t>(40, 20000), 20000, {1, 6, 2}},              // clusters of two blocks
+      {100, std::vector<int64_t>(10, 6000), 6000, {4, 6, 0}},                 // clusters of two 256-thread blocks
   };
   for (const Batch& bt : batches) {
     const int64_t nq = int64_t(bt.n.size()), ld = bt.max_visible + 3;

@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) score_kernel(const ScoreArgs
     cp = uint32_t((s_begin + g) / K.page_tokens), cj = uint32_t((s_begin + g) % K.page_tokens);
   };
   // The next group's fragments (bytes 4t.. and 16 + 4t.. of every 32 of key g) and key g's scale.
-  auto load_keys = [&](int64_t s0, uint32_t (&kb)[4][2], float& ksc) {
+  auto load_keys = [&](int64_t s0, uint32_t(&kb)[4][2], float& ksc) {
     const uint8_t* rec = s0 + g < s_end ? pages[cp] + size_t(cj) * K.stride + K.offset : nullptr;
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
@@ -330,7 +330,9 @@ __device__ __forceinline__ void wg_pipeline(int count, float (&acc)[2][32], Issu
 #endif
 
 // Word p (4 bytes) of key r in a K-major tile of 128-byte rows with the 128-byte swizzle.
-__host__ __device__ constexpr int wg_key_word(int r, int p) { return r * 128 + (((p >> 2) ^ (r & 7)) << 4) + (p & 3) * 4; }
+__host__ __device__ constexpr int wg_key_word(int r, int p) {
+  return r * 128 + (((p >> 2) ^ (r & 7)) << 4) + (p & 3) * 4;
+}
 
 __global__ void __launch_bounds__(kWgThreads, 2) score_wgmma_kernel(const __grid_constant__ WgArgs a) {
 #ifdef DZ_IDX_SM90A
@@ -399,19 +401,18 @@ __global__ void __launch_bounds__(kWgThreads, 2) score_wgmma_kernel(const __grid
   // Consumers: warpgroup cw multiplies keys 64 cw.. of the tile; a thread's
   // rows are keys 16 w + g and + 8, its columns heads 8 j + 2 t and + 1. The
   // next query's MMAs are issued before this one's epilogue (two accumulator sets).
-  const int cw = __shfl_sync(0xffffffffu, wg, 0), warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2,
-            t = lane & 3;
+  const int cw = __shfl_sync(0xffffffffu, wg, 0), warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int rk0 = cw * 64 + warp * 16 + g, rk1 = rk0 + 8;
   const uint32_t da = ptx::sw128_desc_lo(base + WgSmem::offA + uint32_t(cw * 64 * kWgD));
   const float ks0 = kscale[rk0], ks1 = kscale[rk1];
   float acc[2][32];
-  auto issue = [&](int n, float (&d)[32]) {
+  auto issue = [&](int n, float(&d)[32]) {
     const int st = n % kWgStages;
     ptx::mbar_wait(full(st), (n / kWgStages) & 1);
     __syncwarp();
     wg_scores(d, da, ptx::sw128_desc_lo(base + WgSmem::offQ + uint32_t(st * kWgQBytes)));
   };
-  auto finish = [&](int n, float (&d)[32]) {
+  auto finish = [&](int n, float(&d)[32]) {
     const int st = n % kWgStages;
     float p0, p1;
     wg_head_sum(d, sw + st * kWgHeads, t, p0, p1);
@@ -691,7 +692,8 @@ struct SelectShape {
 SelectShape select_shape(int64_t nq, int64_t max_visible) {
   SelectShape sh{};
   sh.cluster = nq <= 16 ? kSelectMaxCluster : nq <= 32 ? 4 : nq <= 66 ? 2 : 1;
-  while (sh.cluster > 1 && max_visible <= int64_t(sh.cluster / 2) * 4096) sh.cluster /= 2;  // a few thousand keys a block at least
+  // A few thousand keys a block at least.
+  while (sh.cluster > 1 && max_visible <= int64_t(sh.cluster / 2) * 4096) sh.cluster /= 2;
   const int64_t per_block = ((max_visible + sh.cluster - 1) / sh.cluster + 31) / 32 * 32;
   sh.threads = per_block >= 8192 ? 1024 : 256;
   sh.smem_keys = per_block <= kSelectMaxSmemKeys ? per_block : 0;
@@ -719,8 +721,8 @@ void launch_select(const SelectArgs& a, int64_t nq, const SelectShape& sh, cudaS
   DZ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, select_kernel<kThreads>, a));
 }
 
-void select_rows(const float* scores, int64_t ld, int64_t q0, int64_t nq, const int64_t* n_visible,
-                 int64_t max_visible, int k, int32_t* out, cudaStream_t st) {
+void select_rows(const float* scores, int64_t ld, int64_t q0, int64_t nq, const int64_t* n_visible, int64_t max_visible,
+                 int k, int32_t* out, cudaStream_t st) {
   const SelectShape sh = select_shape(nq, max_visible);
   for (int64_t r0 = 0; r0 < nq; r0 += 65535) {  // the grid's y extent
     const SelectArgs sa{scores + r0 * ld, ld, q0 + r0, n_visible, max_visible, k, out, sh.smem_keys};
@@ -796,9 +798,10 @@ void indexer_select(const IndexerQueries& a, void* scratch, size_t scratch_bytes
   for (int64_t q0 = 0; q0 < a.n_q; q0 += qb) {
     const int64_t nq = std::min(qb, a.n_q - q0);
     const unsigned eb = unsigned((nq * H + kEncodeWarps - 1) / kEncodeWarps);
-    (D == 32 ? encode_queries_kernel<1> : D == 64 ? encode_queries_kernel<2> : encode_queries_kernel<4>)
-        <<<eb, kEncodeWarps * 32, 0, st>>>(a.q + q0 * H * D, a.w + q0 * H, nq * H, D, inv_sqrt_d, h_scale,
-                                           a.pow2_scales, sc.q8, sc.qw);
+    (D == 32   ? encode_queries_kernel<1>
+     : D == 64 ? encode_queries_kernel<2>
+               : encode_queries_kernel<4>)<<<eb, kEncodeWarps * 32, 0, st>>>(
+        a.q + q0 * H * D, a.w + q0 * H, nq * H, D, inv_sqrt_d, h_scale, a.pow2_scales, sc.q8, sc.qw);
     DZ_CUDA_LAUNCH_CHECK();
     float* scores = a.scores ? a.scores + q0 * ld : sc.scores;
     if (a.max_visible > 0) {
@@ -818,10 +821,18 @@ void indexer_select(const IndexerQueries& a, void* scratch, size_t scratch_bytes
         const ScoreArgs s{sc.q8, sc.qw, q0, nq, a.pages, a.n_visible, a.max_visible, a.keys, scores, ld, H, D, kpw};
         const dim3 grid(unsigned((a.max_visible + kScoreWarps * kpw - 1) / (kScoreWarps * kpw)), unsigned(nq));
         switch (std::min(H, 64) / 16) {
-          case 1: score_kernel<1><<<grid, kScoreWarps * 32, 0, st>>>(s); break;
-          case 2: score_kernel<2><<<grid, kScoreWarps * 32, 0, st>>>(s); break;
-          case 3: score_kernel<3><<<grid, kScoreWarps * 32, 0, st>>>(s); break;
-          default: score_kernel<4><<<grid, kScoreWarps * 32, 0, st>>>(s); break;
+          case 1:
+            score_kernel<1><<<grid, kScoreWarps * 32, 0, st>>>(s);
+            break;
+          case 2:
+            score_kernel<2><<<grid, kScoreWarps * 32, 0, st>>>(s);
+            break;
+          case 3:
+            score_kernel<3><<<grid, kScoreWarps * 32, 0, st>>>(s);
+            break;
+          default:
+            score_kernel<4><<<grid, kScoreWarps * 32, 0, st>>>(s);
+            break;
         }
       }
       DZ_CUDA_LAUNCH_CHECK();
@@ -845,9 +856,10 @@ void indexer_encode_keys(int head_dim, bool pow2_scales, const float* k, int64_t
   check(head_dim == 32 || head_dim == 64 || head_dim == 128, DZ_ERR_UNSUPPORTED,
         "CUDA indexer: index_head_dim = ", head_dim, " (32, 64 or 128)");
   if (n == 0) return;
-  (head_dim == 32   ? encode_keys_kernel<1>
-   : head_dim == 64 ? encode_keys_kernel<2>
-                    : encode_keys_kernel<4>)<<<unsigned((n + kEncodeWarps - 1) / kEncodeWarps), kEncodeWarps * 32, 0, st>>>(
+  (head_dim == 32 ? encode_keys_kernel<1>
+   : head_dim == 64
+       ? encode_keys_kernel<2>
+       : encode_keys_kernel<4>)<<<unsigned((n + kEncodeWarps - 1) / kEncodeWarps), kEncodeWarps * 32, 0, st>>>(
       k, n, head_dim, float(1.0 / std::sqrt(double(head_dim))), pow2_scales, pos, pages, keys);
   DZ_CUDA_LAUNCH_CHECK();
 }

@@ -2,13 +2,15 @@
 // CPU backend's FP8 mode (cpu/indexer.h): keys and queries rotated by the
 // orthonormal Hadamard transform and quantized to E4M3 with one fp32 scale a
 // vector (index_head_dim <= 128: DeepSeek-V3.2's is 128), scored on the tensor
-// cores (mma m16n8k32, E4M3 x E4M3 -> fp32),
+// cores (E4M3 x E4M3 -> fp32: wgmma over key tiles shared by a prompt's
+// queries, mma.sync for decode batches and other shapes),
 //   score(t, s) = sum_h w[t, h] H^-0.5 D^-0.5 qs[t, h] ks[s] ReLU(q8[t, h] . k8[s]),
 // then the top-k positions of each query kept by an exact radix selection
 // (higher score first, the lower position on ties, as cpu::RunningTopK), its
 // output ascending and -1-padded like the CPU's. Decode and prefill are the
-// same two launches over a batch of queries; prefill is cut into query blocks
-// that bound the score scratch.
+// same launches over a batch of queries; prefill is cut into query blocks
+// that bound the score scratch. docs/cuda-dsa.md has the kernels' design and
+// measurements.
 #pragma once
 #include <cuda_runtime.h>
 

@@ -93,8 +93,8 @@ int bench_indexer(const Args& a) {
     const size_t scratch_bytes = indexer_scratch_bytes(probe, qblock);
     ContextOptions co;
     co.pool_bytes = size_t(max_pages) * pt * stride + size_t(max_keys) * D * 4 + size_t(max_q) * (H * D + H) * 4 +
-                    size_t(max_q) * K * 4 + scratch_bytes + size_t(max_q) * 24 + size_t(max_pages) * 8 + size_t(dec_scores) * 4 +
-                    (size_t(384) << 20);
+                    size_t(max_q) * K * 4 + scratch_bytes + size_t(max_q) * 24 + size_t(max_pages) * 8 +
+                    size_t(dec_scores) * 4 + (size_t(384) << 20);
     Context ctx(co);
     cudaStream_t st = ctx.stream();
     DevicePool& P = ctx.pool();
@@ -160,9 +160,8 @@ int bench_indexer(const Args& a) {
         IndexerQueries y = x;
         y.scores = dscores.get();
         indexer_select(y, scratch.get(), scratch.size(), qblock, st);
-        topk_ms = timer.median_ms(reps, 2, [&](int) {
-          indexer_topk(dscores.get(), keys_each, nq, vis.get(), keys_each, K, out.get(), st);
-        });
+        topk_ms = timer.median_ms(
+            reps, 2, [&](int) { indexer_topk(dscores.get(), keys_each, nq, vis.get(), keys_each, K, out.get(), st); });
       }
       // Work: (query, key) pairs scored; key bytes each query's scoring reads (once per query block in prefill).
       double pairs = 0;
