@@ -613,22 +613,28 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const SelectArgs a)
     gt = u != 0u && h > tw;
     eq = u != 0u && h == tw;
   };
+  // The warp's piece in position order, 32 keys a step (kUnroll steps' loads at once): f(gt, eq, position).
+  auto each_step = [&](auto&& f) {
+    for (int64_t b = c0; b < c1; b += 32 * kUnroll) {
+      uint32_t u[kUnroll];
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        const int64_t s = b + 32 * j + lane;
+        u[j] = s < c1 ? key(s) : 0u;
+      }
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        bool gt, eq;
+        classify(u[j], gt, eq);
+        f(gt, eq, b + 32 * j + lane);
+      }
+    }
+  };
   int ngt = 0, neq = 0;
-  for (int64_t b = c0; b < c1; b += 32 * kUnroll) {
-    uint32_t u[kUnroll];
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int64_t s = b + 32 * j + lane;
-      u[j] = s < c1 ? key(s) : 0u;
-    }
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      bool gt, eq;
-      classify(u[j], gt, eq);
-      ngt += __popc(__ballot_sync(0xffffffffu, gt));
-      neq += __popc(__ballot_sync(0xffffffffu, eq));
-    }
-  }
+  each_step([&](bool gt, bool eq, int64_t) {
+    ngt += __popc(__ballot_sync(0xffffffffu, gt));
+    neq += __popc(__ballot_sync(0xffffffffu, eq));
+  });
   if (lane == 0) s_gt[warp] = ngt, s_eq[warp] = neq;
   __syncthreads();
   // Warp 0: this block's totals for the cluster, then each warp's place: the
@@ -659,24 +665,13 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const SelectArgs a)
   int gt_before = s_digit + s_gt[warp], eq_before = s_above + s_eq[warp];
   const int gt_all = s_bin, eq_all = s_all_eq;
   const uint32_t lt = lanemask_lt();
-  for (int64_t b = c0; b < c1; b += 32 * kUnroll) {
-    uint32_t u[kUnroll];
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int64_t s = b + 32 * j + lane;
-      u[j] = s < c1 ? key(s) : 0u;
-    }
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      bool gt, eq;
-      classify(u[j], gt, eq);
-      const uint32_t gm = __ballot_sync(0xffffffffu, gt), em = __ballot_sync(0xffffffffu, eq);
-      const int eb = eq_before + __popc(em & lt);
-      if (gt || (eq && eb < need)) o[gt_before + __popc(gm & lt) + min(eb, need)] = int32_t(p0 + b + 32 * j + lane);
-      gt_before += __popc(gm);
-      eq_before += __popc(em);
-    }
-  }
+  each_step([&](bool gt, bool eq, int64_t s) {
+    const uint32_t gm = __ballot_sync(0xffffffffu, gt), em = __ballot_sync(0xffffffffu, eq);
+    const int eb = eq_before + __popc(em & lt);
+    if (gt || (eq && eb < need)) o[gt_before + __popc(gm & lt) + min(eb, need)] = int32_t(p0 + s);
+    gt_before += __popc(gm);
+    eq_before += __popc(em);
+  });
   const int taken = gt_all + min(eq_all, need);
   for (int64_t j = taken + int64_t(rank) * kThreads + tid; j < k; j += int64_t(C) * kThreads) o[j] = -1;
   cluster.sync();  // no block leaves while another may read its shared memory
