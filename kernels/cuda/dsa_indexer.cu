@@ -112,7 +112,7 @@ __device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4], 
 struct ScoreArgs {
   const uint8_t* q8;  // this query block's [nq, H, D]
   const float* qw;    // [nq, H]
-  int64_t q0, nq;     // the block's first query (into pages / n_visible) and count
+  int64_t q0;         // the block's first query (into pages / n_visible); the grid's y covers its queries
   const uint8_t* const* const* pages;
   const int64_t* n_visible;
   int64_t max_visible;
@@ -813,7 +813,7 @@ void indexer_select(const IndexerQueries& a, void* scratch, size_t scratch_bytes
       } else {
         // Runs of 64 keys a warp while the queries leave SMs idle, 256 once they fill the GPU.
         const int kpw = nq * a.max_visible >= (int64_t(1) << 22) ? 256 : 64;
-        const ScoreArgs s{sc.q8, sc.qw, q0, nq, a.pages, a.n_visible, a.max_visible, a.keys, scores, ld, H, D, kpw};
+        const ScoreArgs s{sc.q8, sc.qw, q0, a.pages, a.n_visible, a.max_visible, a.keys, scores, ld, H, D, kpw};
         const dim3 grid(unsigned((a.max_visible + kScoreWarps * kpw - 1) / (kScoreWarps * kpw)), unsigned(nq));
         switch (std::min(H, 64) / 16) {
           case 1:
