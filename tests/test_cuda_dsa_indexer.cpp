@@ -275,28 +275,28 @@ TEST_CASE("CUDA DSA top-k: exact against a sort on adversarial rows", "[cuda][ds
     std::uniform_int_distribution<int> small(0, 2), pick(0, 99);
     for (auto& v : r) {
       switch (kind) {
-        case 0:
+        case 0:  // both signs
           v = nd(rng);
-          break;  // both signs
-        case 1:
+          break;
+        case 1:  // one sign, spread exponents
           v = std::fabs(nd(rng)) * std::exp2(float(pick(rng) % 12));
-          break;  // one sign, spread exponents
-        case 2:
+          break;
+        case 2:  // huge exact ties at the threshold
           v = float(small(rng));
-          break;  // huge exact ties at the threshold
-        case 3:
+          break;
+        case 3:  // every score equal
           v = 0.75f;
-          break;   // every score equal
+          break;
         case 4: {  // NaN, infinities, signed zeros among normals
           const int p = pick(rng);
           v = p < 10 ? nan : p < 12 ? inf : p < 14 ? -inf : p < 20 ? 0.f : p < 26 ? -0.f : nd(rng);
           break;
         }
-        case 5:
+        case 5:  // fewer valid scores than k
           v = pick(rng) < 97 ? nan : nd(rng);
-          break;  // fewer valid scores than k
-        default:
-          v = 1e-3f * float(small(rng)) + 1e-9f * nd(rng);  // close values: a deep threshold
+          break;
+        default:  // close values: a deep threshold
+          v = 1e-3f * float(small(rng)) + 1e-9f * nd(rng);
       }
     }
     return r;
