@@ -728,9 +728,7 @@ constexpr uint32_t kWgTile = kWgKeys * 128;  // one K (or V) stage, or one Q ter
 // 64; a 16-key K step is 16 rows, 2048 B.
 // (ptx::sw128_desc_lo / sw128_desc build it.)
 // Byte offset of (row r, bf16 column k) in such a tile.
-__device__ __forceinline__ uint32_t sw128_off(int r, int k) {
-  return uint32_t(r * 128 + ((((k >> 3) ^ (r & 7))) << 4) + (k & 7) * 2);
-}
+__device__ __forceinline__ uint32_t sw128_off(int r, int k) { return uint32_t(ptx::sw128_offset(r, 2 * k)); }
 
 #ifdef DZ_ATTN_SM90A
 // d (64 x 64 fp32) [+]= A (64 x 16 bf16, shared, K-major) B (16 x 64 bf16, shared, K-major).

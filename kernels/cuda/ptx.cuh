@@ -167,6 +167,10 @@ __device__ __forceinline__ void fence_regs(uint32_t (&a)[N][4]) {
 // to the low word's 14-bit address field, which never carries (shared memory
 // is under 256 KB): 32-bit adds, where 64-bit ones cost a carry chain and
 // moves before each MMA.
+// Byte b (< 128) of row r in such a tile: the 16-byte chunk b / 16 XOR-ed with r % 8.
+__host__ __device__ constexpr int sw128_offset(int r, int b) {
+  return r * 128 + (((b >> 4) ^ (r & 7)) << 4) + (b & 15);
+}
 __device__ __forceinline__ uint32_t sw128_desc_lo(uint32_t addr) { return ((addr & 0x3FFFF) >> 4) | (1u << 16); }
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
   return uint64_t(lo) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
