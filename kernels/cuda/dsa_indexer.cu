@@ -329,11 +329,6 @@ __device__ __forceinline__ void wg_pipeline(int count, float (&acc)[2][32], Issu
 }
 #endif
 
-// Word p (4 bytes) of key r in a K-major tile of 128-byte rows with the 128-byte swizzle.
-__host__ __device__ constexpr int wg_key_word(int r, int p) {
-  return r * 128 + (((p >> 2) ^ (r & 7)) << 4) + (p & 3) * 4;
-}
-
 __global__ void __launch_bounds__(kWgThreads, 2) score_wgmma_kernel(const __grid_constant__ WgArgs a) {
 #ifdef DZ_IDX_SM90A
   extern __shared__ uint8_t smem_raw[];
@@ -378,7 +373,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) score_wgmma_kernel(const __grid
       v = __ldg(reinterpret_cast<const uint32_t*>(rec) + p);
       if (p == 0) sc = __ldg(reinterpret_cast<const float*>(rec + kWgD));
     }
-    *reinterpret_cast<uint32_t*>(sm + WgSmem::offA + wg_key_word(r, p)) = v;
+    *reinterpret_cast<uint32_t*>(sm + WgSmem::offA + ptx::sw128_offset(r, 4 * p)) = v;
     if (p == 0) kscale[r] = sc;
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
@@ -485,7 +480,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const SelectArgs a)
   __shared__ typename BinScan::TempStorage scan;
   __shared__ uint32_t s_lo[kWarps], s_hi[kWarps];
   __shared__ int s_valid[kWarps], s_gt[32], s_eq[32];
-  __shared__ int s_all_eq;
+  __shared__ int s_gt_before, s_eq_before, s_gt_all, s_eq_all;  // this block's place in the cluster's selection
   __shared__ SelectShared mine;
   __shared__ int s_digit, s_above, s_bin;
   cg::cluster_group cluster = cg::this_cluster();
@@ -659,11 +654,11 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const SelectArgs a)
     const int gb = __reduce_add_sync(0xffffffffu, lane < rank ? vg : 0);
     const int eb = __reduce_add_sync(0xffffffffu, lane < rank ? ve : 0);
     const int ga = __reduce_add_sync(0xffffffffu, vg), ea = __reduce_add_sync(0xffffffffu, ve);
-    if (lane == 0) s_digit = gb, s_above = eb, s_bin = ga, s_all_eq = ea;
+    if (lane == 0) s_gt_before = gb, s_eq_before = eb, s_gt_all = ga, s_eq_all = ea;
   }
   __syncthreads();
-  int gt_before = s_digit + s_gt[warp], eq_before = s_above + s_eq[warp];
-  const int gt_all = s_bin, eq_all = s_all_eq;
+  int gt_before = s_gt_before + s_gt[warp], eq_before = s_eq_before + s_eq[warp];
+  const int gt_all = s_gt_all, eq_all = s_eq_all;
   const uint32_t lt = lanemask_lt();
   each_step([&](bool gt, bool eq, int64_t s) {
     const uint32_t gm = __ballot_sync(0xffffffffu, gt), em = __ballot_sync(0xffffffffu, eq);
