@@ -1,10 +1,12 @@
 // GPU tests of the decode step's small kernels ([cuda]; they skip with a
 // message where no CUDA device is present): RMSNorm (register-resident rows and
-// the strided fallback, row indirection, fp32 and bf16 outputs) and RoPE + KV
-// store (bf16 K and V, rounded to nearest) against float64 on random inputs.
+// the strided fallback, row indirection, fp32 and bf16 outputs), RoPE + KV
+// store (bf16 K and V, rounded to nearest), LayerNorm and SwiGLU (bf16 out)
+// against float64 on random inputs.
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <tuple>
@@ -124,6 +126,94 @@ TEST_CASE("CUDA RoPE + KV store matches float64", "[cuda]") {
     CHECK(worst_kv <= 1.0);
     CHECK(v_bad == 0);
     CHECK(untouched_bad == 0);
+  }
+#endif
+}
+
+TEST_CASE("CUDA layer_norm matches float64 (with and without w and b, in place and not)", "[cuda]") {
+  if (!dz::test::have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  dz::cuda::Context ctx(dz::test::pool_options(size_t(64) << 20));
+  std::mt19937 rng(33);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_real_distribution<float> ud(0.5f, 2.f);
+  const float eps = 1e-6f;
+  // 128: DeepSeek-V3.2's indexer keys; 7168: its hidden size; 8192: the largest.
+  for (int dim : {64, 128, 1000, 7168, 8192})
+    for (bool affine : {true, false})
+      for (bool in_place : {false, true}) {
+        INFO("dim " << dim << " affine " << affine << " in place " << in_place);
+        const int R = 6;
+        // Rows with an offset and a scale of their own (the two-pass variance).
+        std::vector<float> x(static_cast<size_t>(R) * dim), w(static_cast<size_t>(dim)), b(static_cast<size_t>(dim));
+        for (int r = 0; r < R; ++r) {
+          const float off = nd(rng), sc = ud(rng);
+          for (int i = 0; i < dim; ++i) x[size_t(r) * dim + i] = off + sc * nd(rng);
+        }
+        for (auto& v : w) v = 1.f + 0.2f * nd(rng);
+        for (auto& v : b) v = 0.2f * nd(rng);
+        dz::test::DeviceBuffer<float> dx(x), dw(w), db(b), dy(size_t(R) * dim);
+        dz::cuda::layer_norm(dx.p, R, dim, affine ? dw.p : nullptr, affine ? db.p : nullptr, eps,
+                             in_place ? dx.p : dy.p, ctx.stream());
+        ctx.sync();
+        const auto y = in_place ? dx.get() : dy.get();
+        if (!in_place) CHECK(dx.get() == x);  // the input stays as it was
+        // Error relative to the size of the row's terms: |w| * max(|v|, 1) + |b|
+        // (v the normalized value; the fp32 mean's rounding is absolute in v).
+        double worst = 0;
+        for (int r = 0; r < R; ++r) {
+          const float* xr = x.data() + size_t(r) * dim;
+          double mean = 0, var = 0;
+          for (int i = 0; i < dim; ++i) mean += xr[i];
+          mean /= dim;
+          for (int i = 0; i < dim; ++i) var += (xr[i] - mean) * (xr[i] - mean);
+          const double inv = 1.0 / std::sqrt(var / dim + eps);
+          for (int i = 0; i < dim; ++i) {
+            const double v = (xr[i] - mean) * inv;
+            const double wi = affine ? w[size_t(i)] : 1.0, bi = affine ? b[size_t(i)] : 0.0;
+            const double ref = wi * v + bi;
+            const double scale = std::fabs(wi) * std::max(std::fabs(v), 1.0) + std::fabs(bi);
+            worst = std::max(worst, std::fabs(y[size_t(r) * dim + i] - ref) / scale);
+          }
+        }
+        INFO("worst relative error " << worst);
+        CHECK(worst < 1e-5);
+      }
+  CHECK_THROWS(dz::cuda::layer_norm(nullptr, 1, 8193, nullptr, nullptr, eps, nullptr, ctx.stream()));
+#endif
+}
+
+TEST_CASE("CUDA silu_mul (SwiGLU to bf16) matches float64 within bf16 rounding", "[cuda]") {
+  if (!dz::test::have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  dz::cuda::Context ctx(dz::test::pool_options(size_t(64) << 20));
+  std::mt19937 rng(34);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  // bf16 bits in a monotone integer order (-0 and +0 together): ulps apart.
+  auto key = [](uint16_t v) { return v & 0x8000 ? -int(v & 0x7fff) : int(v & 0x7fff); };
+  // 18432: DeepSeek-V3's dense intermediate size; 70000 rows: more than one
+  // grid's rows (65535).
+  for (auto [R, inter] :
+       {std::tuple{5, 1}, std::tuple{7, 100}, std::tuple{3, 2048}, std::tuple{2, 18432}, std::tuple{70000, 3}}) {
+    INFO("rows " << R << " inter " << inter);
+    const int64_t ld = 2 * int64_t(inter) + 3;  // rows padded: ld is not 2 * inter
+    std::vector<float> gu(size_t(R) * size_t(ld));
+    for (size_t i = 0; i < gu.size(); ++i) gu[i] = (i % size_t(ld)) < size_t(inter) ? 3.f * nd(rng) : 2.f * nd(rng);
+    dz::test::DeviceBuffer<float> dgu(gu);
+    dz::test::DeviceBuffer<uint16_t> dout(size_t(R) * inter);
+    dz::cuda::silu_mul(dgu.p, R, inter, ld, dout.p, ctx.stream());
+    ctx.sync();
+    const auto out = dout.get();
+    int worst_ulps = 0;
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < inter; ++j) {
+        const double g = gu[size_t(r) * ld + j], u = gu[size_t(r) * ld + inter + j];
+        const double ref = g / (1.0 + std::exp(-g)) * u;
+        worst_ulps =
+            std::max(worst_ulps, std::abs(key(out[size_t(r) * inter + j]) - key(dz::test::f32_to_bf16(float(ref)))));
+      }
+    INFO("worst distance from float64 rounded to bf16: " << worst_ulps << " ulps");
+    CHECK(worst_ulps <= 1);
   }
 #endif
 }

@@ -1,6 +1,8 @@
-// GPU test of the router's top-k + softmax (cuda/router.h) against the CPU
-// backend's kernel ([cuda]; skips with a message where no CUDA device is
-// present): random logits with ties and -inf entries, many rows.
+// GPU tests of the routers (cuda/router.h) against the CPU backend's kernels
+// ([cuda]; they skip with a message where no CUDA device is present): top-k +
+// softmax on random logits with ties and -inf entries, many rows; the fused
+// decode router; DeepSeek-V3's grouped sigmoid routing, with and without ties.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
@@ -135,5 +137,67 @@ TEST_CASE("CUDA fused decode router: norm as rms_norm, logits vs float64, top-k 
       }
   CHECK_THROWS(dz::cuda::router_fused(nullptr, 5, 2880, nullptr, eps, nullptr, nullptr, 32, 4, nullptr, nullptr,
                                       nullptr, nullptr, ctx.stream()));
+#endif
+}
+
+TEST_CASE("CUDA grouped sigmoid router (DeepSeek-V3) matches the CPU backend", "[cuda]") {
+  if (!dz::test::have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  dz::cuda::Context ctx(dz::test::pool_options(size_t(64) << 20));
+  std::mt19937 rng(23);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_int_distribution<int> q(-8, 8), qb(-2, 2);
+  struct Shape {
+    int T, E, n_group, topk_group, k;
+  };
+  // Two groups of 8, DeepSeek-V3's 256 experts in 8 groups, a single group;
+  // and groups of one expert (the group score is the expert's own choice).
+  for (const Shape sh :
+       {Shape{37, 16, 2, 1, 2}, Shape{5, 256, 8, 4, 8}, Shape{64, 64, 1, 1, 6}, Shape{9, 32, 32, 5, 4}})
+    for (bool ties : {false, true})
+      for (bool with_bias : {true, false})
+        for (bool norm : {true, false})
+          for (float scaling : {1.0f, 2.5f}) {
+            const int T = sh.T, E = sh.E, k = sh.k;
+            INFO("T " << T << " E " << E << " n_group " << sh.n_group << " topk_group " << sh.topk_group << " k " << k
+                      << " ties " << ties << " bias " << with_bias << " norm " << norm << " scaling " << scaling);
+            // Ties: logits on a grid of 0.25 and biases on one of 0.125, so that
+            // equal choice values (and equal group scores) are common.
+            std::vector<float> logits(static_cast<size_t>(T) * E), bias(static_cast<size_t>(E));
+            for (auto& v : logits) v = ties ? 0.25f * float(q(rng)) : 2.f * nd(rng);
+            for (auto& v : bias) v = ties ? 0.125f * float(qb(rng)) : 0.1f * nd(rng);
+            dz::test::DeviceBuffer<float> dl(logits), db(bias), dw(size_t(T) * k);
+            dz::test::DeviceBuffer<int32_t> di(size_t(T) * k);
+            dz::cuda::router_sigmoid_grouped(dl.p, with_bias ? db.p : nullptr, T, E, sh.n_group, sh.topk_group, k, norm,
+                                             scaling, di.p, dw.p, ctx.stream());
+            ctx.sync();
+            const auto ids = di.get();
+            const auto w = dw.get();
+            int id_bad = 0, w_bits = 0;
+            double w_err = 0;
+            for (int t = 0; t < T; ++t) {
+              std::vector<int32_t> ri(static_cast<size_t>(k));
+              std::vector<float> rw(static_cast<size_t>(k));
+              dz::cpu::router_sigmoid_grouped(logits.data() + size_t(t) * E, with_bias ? bias.data() : nullptr, E,
+                                              sh.n_group, sh.topk_group, k, norm, scaling, ri.data(), rw.data());
+              for (int j = 0; j < k; ++j) {
+                id_bad += ids[size_t(t) * k + j] != ri[size_t(j)];
+                w_bits += w[size_t(t) * k + j] != rw[size_t(j)];
+                w_err = std::max(w_err, double(std::fabs(w[size_t(t) * k + j] - rw[size_t(j)])));
+              }
+            }
+            INFO("weights with other bits than the CPU's: " << w_bits << ", largest difference " << w_err);
+            CHECK(id_bad == 0);
+            CHECK(w_err < 1e-5);
+          }
+  // Shapes beyond the kernel (E > 256, k > 16) and inconsistent groups throw before any launch.
+  CHECK_THROWS(
+      dz::cuda::router_sigmoid_grouped(nullptr, nullptr, 1, 512, 8, 4, 8, true, 1.f, nullptr, nullptr, ctx.stream()));
+  CHECK_THROWS(
+      dz::cuda::router_sigmoid_grouped(nullptr, nullptr, 1, 256, 8, 4, 17, true, 1.f, nullptr, nullptr, ctx.stream()));
+  CHECK_THROWS(
+      dz::cuda::router_sigmoid_grouped(nullptr, nullptr, 1, 60, 8, 4, 8, true, 1.f, nullptr, nullptr, ctx.stream()));
+  CHECK_THROWS(
+      dz::cuda::router_sigmoid_grouped(nullptr, nullptr, 1, 16, 8, 1, 3, true, 1.f, nullptr, nullptr, ctx.stream()));
 #endif
 }

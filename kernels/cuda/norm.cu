@@ -84,6 +84,78 @@ __global__ void rms_norm_kernel(const float* __restrict__ x, const int32_t* __re
   }
 }
 
+// LayerNorm, one block per row held in registers (dim <= kLnThreads *
+// kLnPer): the mean, then the sum of squared deviations from it (two passes,
+// no cancellation in E[x^2] - mean^2), each a block sum that every thread
+// finishes in the same order. x and y may alias: each thread writes only the
+// elements it read, after both reductions.
+constexpr int kLnThreads = 256, kLnPer = 32;
+
+// Sum of v over the block (kLnThreads threads); every thread gets it. part:
+// kLnThreads / 32 floats of shared memory, reusable when this returns.
+__device__ __forceinline__ float block_sum(float v, float* part) {
+  v = rms::warp_sum(v);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float t = 0.f;
+#pragma unroll
+  for (int j = 0; j < kLnThreads / 32; ++j) t += part[j];
+  __syncthreads();
+  return t;
+}
+
+__global__ void __launch_bounds__(kLnThreads) layer_norm_kernel(const float* x, int dim, const float* __restrict__ w,
+                                                                const float* __restrict__ b, float eps, float* y) {
+  __shared__ float part[kLnThreads / 32];
+  pdl_wait();
+  pdl_trigger();
+  const float* xr = x + size_t(blockIdx.x) * dim;
+  float v[kLnPer];
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kLnPer; ++j) {
+    const int q = threadIdx.x + j * kLnThreads;
+    v[j] = q < dim ? xr[q] : 0.f;
+    sum += v[j];
+  }
+  const float mean = block_sum(sum, part) / float(dim);
+  float sq = 0.f;
+#pragma unroll
+  for (int j = 0; j < kLnPer; ++j) {
+    const int q = threadIdx.x + j * kLnThreads;
+    if (q < dim) {
+      v[j] -= mean;
+      sq += v[j] * v[j];
+    }
+  }
+  const float inv = 1.f / sqrtf(block_sum(sq, part) / float(dim) + eps);
+  float* yr = y + size_t(blockIdx.x) * dim;
+#pragma unroll
+  for (int j = 0; j < kLnPer; ++j) {
+    const int q = threadIdx.x + j * kLnThreads;
+    if (q >= dim) continue;
+    float o = v[j] * inv;
+    if (w) o *= w[q];
+    if (b) o += b[q];
+    yr[q] = o;
+  }
+}
+
+// SwiGLU: blockIdx.x a chunk of 256 columns, rows blockIdx.y + k gridDim.y.
+// silu in double, rounded to float, as cpu::glu computes it (the same bits
+// before the bf16 rounding).
+__global__ void silu_mul_kernel(const float* __restrict__ gu, int n_rows, int inter, int64_t ld,
+                                __nv_bfloat16* __restrict__ out) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= inter) return;
+  for (int r = blockIdx.y; r < n_rows; r += gridDim.y) {
+    const float* row = gu + r * ld;
+    const float g = row[j], u = row[inter + j];
+    const float sg = float(double(g) / (1.0 + exp(-double(g))));
+    out[size_t(r) * inter + j] = __float2bfloat16_rn(sg * u);
+  }
+}
+
 __global__ void add_kernel(float* __restrict__ y, const float* __restrict__ x, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     y[i] += x[i];
@@ -106,6 +178,22 @@ void rms_norm(const float* x, const int32_t* rows, int n_rows, int H, const floa
     launch_pdl(rms_norm_reg_kernel, dim3(unsigned(n_rows)), dim3(kNormThreads), 0, s, x, rows, H, w, eps, out_f32, ob);
   else
     launch_pdl(rms_norm_kernel, dim3(unsigned(n_rows)), dim3(256), 0, s, x, rows, H, w, eps, out_f32, ob);
+}
+
+void layer_norm(const float* x, int n_rows, int dim, const float* w, const float* b, float eps, float* y,
+                cudaStream_t s) {
+  check(dim > 0 && dim <= kLnThreads * kLnPer, DZ_ERR_UNSUPPORTED, "layer_norm: dim=", dim, " (at most ",
+        kLnThreads * kLnPer, ")");
+  if (n_rows <= 0) return;
+  launch_pdl(layer_norm_kernel, dim3(unsigned(n_rows)), dim3(kLnThreads), 0, s, x, dim, w, b, eps, y);
+}
+
+void silu_mul(const float* gu, int n_rows, int inter, int64_t ld, uint16_t* out_bf16, cudaStream_t s) {
+  check(inter >= 0 && ld >= 2 * int64_t(inter), DZ_ERR_INVALID_ARGUMENT, "silu_mul: inter=", inter, " ld=", ld);
+  if (n_rows <= 0 || inter == 0) return;
+  const dim3 grid(unsigned((inter + 255) / 256), unsigned(n_rows < 65535 ? n_rows : 65535));
+  silu_mul_kernel<<<grid, 256, 0, s>>>(gu, n_rows, inter, ld, reinterpret_cast<__nv_bfloat16*>(out_bf16));
+  DZ_CUDA_LAUNCH_CHECK();
 }
 
 void add_inplace(float* y, const float* x, size_t n, cudaStream_t s) {

@@ -66,6 +66,129 @@ __global__ void __launch_bounds__(32 * kRows) topk_kernel(const float* __restric
   topk_row(logits + size_t(t) * E, E, k, ids + size_t(t) * k, w + size_t(t) * k);
 }
 
+// DeepSeek-V3 grouped sigmoid routing, one warp per row: each lane holds
+// entries lane + 32 i (i < 8) of the row, as topk_row. The sigmoid runs in
+// double and is rounded to float, as the CPU backend computes it, so that
+// choice = s + bias, the group sums and the weights have its bits and the
+// picks (strict order on (value, index): lower index first on ties) are its
+// picks. NaN choices count as -inf (the CPU's order is undefined there).
+__global__ void __launch_bounds__(32 * kRows)
+    sigmoid_grouped_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int T, int E, int n_group,
+                           int topk_group, int k, bool norm, float scaling, int32_t* __restrict__ ids,
+                           float* __restrict__ weights) {
+  __shared__ float sc[kRows][256];            // choice values of the warp's row
+  __shared__ unsigned char gsel[kRows][256];  // group g among the topk_group best
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float bv[8];  // the bias does not depend on the previous kernel: loaded before the PDL wait
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int e = lane + 32 * i;
+    bv[i] = bias && e < E ? __ldg(bias + e) : 0.0f;
+  }
+  pdl_wait();
+  pdl_trigger();
+  const int t = blockIdx.x * kRows + warp;
+  if (t >= T) return;  // whole warps leave; only warp-level syncs below
+  const float* l = logits + size_t(t) * E;
+  float s[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int e = lane + 32 * i;
+    s[i] = 0.f;
+    if (e >= E) continue;
+    s[i] = float(1.0 / (1.0 + exp(-double(l[e]))));
+    const float c = s[i] + bv[i];
+    sc[warp][e] = c == c ? c : -INFINITY;
+  }
+  __syncwarp();
+  // Group scores: the sum of each group's two best choice values (the CPU's
+  // scan, so the same float sum), lane + 32 i scoring group lane + 32 i.
+  const int per = E / n_group;
+  float gs[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int g = lane + 32 * i;
+    gs[i] = -INFINITY;
+    if (g >= n_group) continue;
+    float b1 = -INFINITY, b2 = -INFINITY;
+    for (int e = g * per; e < (g + 1) * per; ++e) {
+      const float c = sc[warp][e];
+      if (c > b1)
+        b2 = b1, b1 = c;
+      else if (c > b2)
+        b2 = c;
+    }
+    const float v = per > 1 ? b1 + b2 : b1;
+    gs[i] = v == v ? v : -INFINITY;
+  }
+  // The topk_group best groups: warp argmaxes as topk_row's. Every candidate
+  // (even at -inf) beats the initial index, so each pick is a real group.
+  uint32_t gtaken = 0;
+  for (int j = 0; j < topk_group; ++j) {
+    float bestv = -INFINITY;
+    int beste = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int g = lane + 32 * i;
+      if (g < n_group && !(gtaken >> i & 1u) && (gs[i] > bestv || (gs[i] == bestv && g < beste)))
+        bestv = gs[i], beste = g;
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bestv, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, beste, o);
+      if (ov > bestv || (ov == bestv && oe < beste)) bestv = ov, beste = oe;
+    }
+    if ((beste & 31) == lane) gtaken |= 1u << (beste >> 5);
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int g = lane + 32 * i;
+    if (g < n_group) gsel[warp][g] = (gtaken >> i) & 1u;
+  }
+  __syncwarp();
+  // The k best experts of the chosen groups, best first.
+  uint32_t ok = 0;  // bit i: entry lane + 32 i in a chosen group and not yet picked
+  float v[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int e = lane + 32 * i;
+    if (e < E && gsel[warp][e / per]) ok |= 1u << i;
+    v[i] = e < E ? sc[warp][e] : -INFINITY;
+  }
+  int sel[16];
+  float sw[16];
+  for (int j = 0; j < k; ++j) {
+    float bestv = -INFINITY, bests = 0.f;
+    int beste = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int e = lane + 32 * i;
+      if ((ok >> i & 1u) && (v[i] > bestv || (v[i] == bestv && e < beste))) bestv = v[i], beste = e, bests = s[i];
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bestv, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, beste, o);
+      const float os = __shfl_xor_sync(0xffffffffu, bests, o);
+      if (ov > bestv || (ov == bestv && oe < beste)) bestv = ov, beste = oe, bests = os;
+    }
+    if ((beste & 31) == lane) ok &= ~(1u << (beste >> 5));
+    sel[j] = beste;
+    sw[j] = bests;
+  }
+  if (lane != 0) return;
+  // The weights as the CPU: s of the picks, their float sum in pick order.
+  float sum = 0.f;
+  for (int j = 0; j < k; ++j) sum += sw[j];
+  for (int j = 0; j < k; ++j) {
+    float w = sw[j];
+    if (norm) w /= sum + 1e-20f;
+    ids[size_t(t) * k + j] = sel[j];
+    weights[size_t(t) * k + j] = w * scaling;
+  }
+}
+
 // A decode step's router in one launch (up to kRouterFusedMaxRows rows): RMS
 // norm of the residual rows, the router's logits, top-k + softmax. One
 // cluster of blocks, W experts a block (a warp each, its weight row in
@@ -175,6 +298,18 @@ void router_topk_softmax(const float* logits, int T, int E, int k, int32_t* ids,
   if (T <= 0) return;
   launch_pdl(topk_kernel, dim3(unsigned((T + kRows - 1) / kRows)), dim3(32 * kRows), 0, s, logits, T, E, k, ids,
              weights);
+}
+
+void router_sigmoid_grouped(const float* logits, const float* bias, int T, int E, int n_group, int topk_group, int k,
+                            bool norm, float scaling, int32_t* ids, float* weights, cudaStream_t s) {
+  check(E <= 256 && k <= 16, DZ_ERR_UNSUPPORTED, "router_sigmoid_grouped: E=", E, " k=", k, " (E <= 256, k <= 16)");
+  check(E > 0 && n_group > 0 && E % n_group == 0 && topk_group > 0 && topk_group <= n_group && k > 0 &&
+            k <= topk_group * (E / n_group),
+        DZ_ERR_INVALID_ARGUMENT, "router_sigmoid_grouped: E=", E, " n_group=", n_group, " topk_group=", topk_group,
+        " k=", k);
+  if (T <= 0) return;
+  launch_pdl(sigmoid_grouped_kernel, dim3(unsigned((T + kRows - 1) / kRows)), dim3(32 * kRows), 0, s, logits, bias, T,
+             E, n_group, topk_group, k, norm, scaling, ids, weights);
 }
 
 bool router_fused_fits(int T, int H, int E, int k) {

@@ -1,5 +1,6 @@
-// MoE router on the device: top-k of each row's logits (ties: lower index
-// first), softmax over the k selected logits only (gpt-oss).
+// MoE routers on the device: top-k of each row's logits (ties: lower index
+// first) with a softmax over the k selected logits only (gpt-oss), and
+// DeepSeek-V3's grouped sigmoid routing.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -9,6 +10,14 @@ namespace dz::cuda {
 
 // logits [T, E] fp32 -> ids [T, k] int32, weights [T, k] fp32. E <= 256, k <= 16.
 void router_topk_softmax(const float* logits, int T, int E, int k, int32_t* ids, float* weights, cudaStream_t s);
+
+// DeepSeek-V3 "noaux_tc" routing, as cpu::router_sigmoid_grouped row by row
+// (the same ids and, bit for bit, the same weights): logits [T, E] fp32, bias
+// [E] fp32 or null -> ids [T, k] int32, weights [T, k] fp32, in pick order
+// (best first); all device pointers. E <= 256, k <= 16, E % n_group == 0,
+// topk_group <= n_group, k <= topk_group * E / n_group.
+void router_sigmoid_grouped(const float* logits, const float* bias, int T, int E, int n_group, int topk_group, int k,
+                            bool norm, float scaling, int32_t* ids, float* weights, cudaStream_t s);
 
 // A decode step's router in one launch (one cluster of blocks), for T <=
 // kRouterFusedMaxRows rows (router_fused_fits: also H % 8 == 0, H <= 3072,
