@@ -311,7 +311,10 @@ double finite_diff(const std::vector<float>& got, const std::vector<double>& ref
   CHECK(finite);
   return diff_metric(g, ref);
 }
-std::vector<double> moe_ref(const MoeCase& c) {
+// act: gpt-oss's clamped SwiGLU, or (MoeActivation::kSilu) the plain one,
+// silu(gate) * up; gate / up rows interleaved either way. Empty b1 / b2: no
+// biases (null on the device).
+std::vector<double> moe_ref(const MoeCase& c, MoeActivation act_kind = MoeActivation::kGptOss) {
   std::vector<double> out(size_t(c.T * c.H), 0.0);
   std::vector<double> act(size_t(c.I));
   for (int t = 0; t < c.T; ++t)
@@ -319,18 +322,22 @@ std::vector<double> moe_ref(const MoeCase& c) {
       const int e = c.ids[size_t(t * c.topk + k)];
       const auto v1 = c.w1.view(e), v2 = c.w2.view(e);
       for (int j = 0; j < c.I; ++j) {
-        double g = bf16_to_double(c.b1[size_t(e * 2 * c.I + 2 * j)]),
-               u = bf16_to_double(c.b1[size_t(e * 2 * c.I + 2 * j + 1)]);
+        double g = c.b1.empty() ? 0.0 : bf16_to_double(c.b1[size_t(e * 2 * c.I + 2 * j)]),
+               u = c.b1.empty() ? 0.0 : bf16_to_double(c.b1[size_t(e * 2 * c.I + 2 * j + 1)]);
         for (int h = 0; h < c.H; ++h) {
           g += cpu::mxfp4_value(v1, 2 * j, h) * c.x[size_t(t * c.H + h)];
           u += cpu::mxfp4_value(v1, 2 * j + 1, h) * c.x[size_t(t * c.H + h)];
+        }
+        if (act_kind == MoeActivation::kSilu) {
+          act[size_t(j)] = g / (1.0 + std::exp(-g)) * u;
+          continue;
         }
         g = std::min(g, 7.0);
         u = std::max(-7.0, std::min(u, 7.0));
         act[size_t(j)] = (u + 1.0) * g / (1.0 + std::exp(-1.702 * g));
       }
       for (int n = 0; n < c.H; ++n) {
-        double y = bf16_to_double(c.b2[size_t(e * c.H + n)]);
+        double y = c.b2.empty() ? 0.0 : bf16_to_double(c.b2[size_t(e * c.H + n)]);
         for (int j = 0; j < c.I; ++j) y += cpu::mxfp4_value(v2, n, j) * act[size_t(j)];
         out[size_t(t * c.H + n)] += double(c.gw[size_t(t * c.topk + k)]) * y;
       }
@@ -778,6 +785,176 @@ TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interl
     CHECK(diff_metric(std::vector<double>(got.begin(), got.end()), ref) < 2e-4);
     layer.options().fused_k_split = 3;
     CHECK_THROWS_AS(layer.forward(w, x.p, ids.p, gw.p, 16, out.p, MoePath::kFused), Error);
+  }
+#endif
+}
+
+TEST_CASE("CUDA MoE layer: the plain SwiGLU (DeepSeek) without biases, fused and FP8 paths, against float64",
+          "[cuda]") {
+  if (!have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  CHECK(MoeShape{}.act == MoeActivation::kGptOss);  // gpt-oss's layers stay as they were (the tests above)
+  Context ctx(small_ctx());
+  CHECK_THROWS_AS(MoeLayer(ctx, MoeShape{16, 2, 256, 256, MoeActivation(7)}, 4), Error);
+  std::mt19937 rng(41);
+  struct Shape {
+    int E, topk, H, I;
+  } shapes[] = {{16, 2, 256, 256},  // DeepSeek-V3.2's tiny default model
+                {16, 4, 96, 64}};   // a test fixture (K of 96: 3 sub-blocks, padded to 128)
+  for (const Shape& sh : shapes) {
+    // Tokens: the fused path (1: one token's direct kernels; 8), 15 an expert
+    // (gpt-oss would stay fused there on the streamed W4A8 kernels; the plain
+    // SwiGLU, without them, takes the FP8 path) and 20.
+    const int t15 = 15 * sh.E / sh.topk, t20 = 20 * sh.E / sh.topk;
+    // Inputs times 8 and 64: SwiGLU outputs far past gpt-oss's bound of 56
+    // that the W4A8 kernels' fixed scale assumes (they must not run), and past
+    // fp16's 65504 (the fused path stages them divided by the token's input
+    // scale squared); times 0.01: small ones.
+    for (float amp : {0.01f, 1.f, 8.f, 64.f}) {
+      MoeCase c = make_moe(sh.E, sh.topk, sh.H, sh.I, t20, rng);
+      c.b1.clear(), c.b2.clear();  // no biases: null on the device
+      for (float& v : c.x) v *= amp;
+      const auto ref = moe_ref(c, MoeActivation::kSilu);
+      MoeOptions opt;
+      opt.fused_w4a8_min_slots = 0;  // W4A8 asked for at every size (ignored for the plain SwiGLU)
+      opt.tile_experts = 3;
+      MoeLayer layer(ctx, MoeShape{sh.E, sh.topk, sh.H, sh.I, MoeActivation::kSilu}, t20, opt);
+      Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
+      Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
+      Dev<int> ids(c.ids);
+      const MoeWeights w{w1b.p, w1s.p, nullptr, w2b.p, w2s.p, nullptr};
+      for (int T : {1, 3, 8, t15, t20}) {
+        const double tpe = double(T) * sh.topk / sh.E;
+        INFO("E " << sh.E << " topk " << sh.topk << " H " << sh.H << " I " << sh.I << " T " << T << " inputs x" << amp);
+        const std::vector<double> r(ref.begin(), ref.begin() + int64_t(T) * sh.H);
+        auto run = [&](MoePath path, const MoeWeights& wt) {
+          DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));  // poison: every element must be written
+          layer.forward(wt, x.p, ids.p, gw.p, T, out.p, path);
+          ctx.sync();
+          auto got = out.get();
+          got.resize(size_t(T) * sh.H);
+          return got;
+        };
+        CHECK(layer.choose(T) == (tpe <= opt.fused_max_tokens_per_expert ? MoePath::kFused : MoePath::kFp8));
+        // Fused (W4A16 kernels: fp16 activations, exact weights), deterministic;
+        // with W4A8 off the same kernels, so the same bits.
+        const auto fused = run(MoePath::kFused, w);
+        const double d_fused = finite_diff(fused, r);
+        INFO("fused diff " << d_fused);
+        CHECK(d_fused < 2e-4);
+        CHECK(std::memcmp(run(MoePath::kFused, w).data(), fused.data(), fused.size() * sizeof(float)) == 0);
+        layer.options().fused_w4a8 = false;
+        CHECK(std::memcmp(run(MoePath::kFused, w).data(), fused.data(), fused.size() * sizeof(float)) == 0);
+        layer.options().fused_w4a8 = true;
+        // FP8 path (1x128 E4M3 activations: the SwiGLU + quantization kernel), deterministic.
+        const auto fp8 = run(MoePath::kFp8, w);
+        const double d_fp8 = finite_diff(fp8, r);
+        INFO("FP8 path diff " << d_fp8);
+        CHECK(d_fp8 < 1e-2);
+        CHECK(std::memcmp(run(MoePath::kFp8, w).data(), fp8.data(), fp8.size() * sizeof(float)) == 0);
+        const auto& chosen = layer.choose(T) == MoePath::kFused ? fused : fp8;
+        CHECK(std::memcmp(run(MoePath::kAuto, w).data(), chosen.data(), chosen.size() * sizeof(float)) == 0);
+        if (T <= 8) {  // every fused-kernel variant (K split 1 / 4 / 8, PDL off), inside a CUDA graph
+          for (int ks : {1, 4, 8})
+            for (bool pdl : {true, false}) {
+              INFO("K split " << ks << " pdl " << pdl);
+              layer.options().fused_k_split = ks, layer.options().pdl = pdl;
+              DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
+              cudaGraph_t g;
+              cudaGraphExec_t ge;
+              DZ_CUDA_CHECK(cudaStreamBeginCapture(ctx.stream(), cudaStreamCaptureModeThreadLocal));
+              layer.forward(w, x.p, ids.p, gw.p, T, out.p, MoePath::kFused);
+              DZ_CUDA_CHECK(cudaStreamEndCapture(ctx.stream(), &g));
+              DZ_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+              DZ_CUDA_CHECK(cudaGraphLaunch(ge, ctx.stream()));
+              ctx.sync();
+              cudaGraphExecDestroy(ge);
+              cudaGraphDestroy(g);
+              auto got = out.get();
+              got.resize(size_t(T) * sh.H);
+              CHECK(finite_diff(got, r) < 2e-4);
+            }
+          layer.options().fused_k_split = 0, layer.options().pdl = true;
+        }
+        if (T == 1) {  // one token through the routing kernel instead of its direct kernels: the same bits
+          layer.options().fused_one_token_direct = false;
+          CHECK(std::memcmp(run(MoePath::kFused, w).data(), fused.data(), fused.size() * sizeof(float)) == 0);
+          layer.options().fused_one_token_direct = true;
+        }
+        std::printf(
+            "MoE plain SwiGLU, no biases, E %d topk %d H %d I %d T %d inputs x%g: fused %.3g, FP8 %.3g vs float64\n",
+            sh.E, sh.topk, sh.H, sh.I, T, double(amp), d_fused, d_fp8);
+        if (T != t20) continue;
+        // The FP8 path's other GEMMs: each expert on cuBLASLt (the SwiGLU kernel
+        // per expert), and the grouped kernel on the workspace (the same bits as
+        // folding inside).
+        layer.options().fp8_gemm = 1;
+        const auto lt = run(MoePath::kFp8, w);
+        const double d_lt = finite_diff(lt, r);
+        CHECK(d_lt < 1e-2);
+        layer.options().fp8_gemm = 0;
+        if (!Fp8GroupedGemm::supported()) continue;
+        CHECK(diff_metric(std::vector<double>(lt.begin(), lt.end()), std::vector<double>(fp8.begin(), fp8.end())) <
+              1e-4);
+        layer.options().fp8_fold_in_gemm = false;
+        CHECK(std::memcmp(run(MoePath::kFp8, w).data(), fp8.data(), fp8.size() * sizeof(float)) == 0);
+        layer.options().fp8_fold_in_gemm = true;
+        // The MXFP4 GEMM (both projections' group tables; K and rows multiples of 64).
+        if (Mxfp4Gemm::supported() && sh.H % 64 == 0 && sh.I % 64 == 0) {
+          const int64_t kph = cpu::fold_kpad(sh.H), kpi = cpu::fold_kpad(sh.I);
+          Dev<uint8_t> g1(size_t(sh.E * (2 * sh.I / 64) * (kph / 128))), g2(size_t(sh.E * (sh.H / 64) * (kpi / 128)));
+          const cpu::FoldStats f1 =
+              mxfp4_group_table(Mxfp4Stack{w1b.p, w1s.p, 2 * sh.I, sh.H}, sh.E, g1.p, ctx.stream());
+          const cpu::FoldStats f2 = mxfp4_group_table(Mxfp4Stack{w2b.p, w2s.p, sh.H, sh.I}, sh.E, g2.p, ctx.stream());
+          REQUIRE(f1.lossy_groups + f2.lossy_groups == 0);
+          MoeWeights wg = w;
+          wg.w1_gmax = g1.p, wg.w2_gmax = g2.p;
+          layer.options().fp8_mxfp4_gemm = 1;
+          const auto mg = run(MoePath::kFp8, wg);
+          const double dm = finite_diff(mg, r);
+          INFO("MXFP4 GEMM diff " << dm);
+          CHECK(dm < 1e-2);
+          CHECK(diff_metric(std::vector<double>(mg.begin(), mg.end()), std::vector<double>(fp8.begin(), fp8.end())) <
+                1e-4);
+          layer.options().fp8_mxfp4_gemm = 0;
+        }
+      }
+      CHECK(layer.take_error() == 0);
+    }
+  }
+  // gpt-oss's activation without one or both biases: the projection without
+  // one runs on the W4A16 kernels (the W4A8 kernels add theirs unconditionally),
+  // the other on W4A8; the FP8 path adds none.
+  for (int which : {0, 1, 2}) {  // 0: no biases, 1: gate_up's only, 2: down's only
+    for (int T : {8, 40}) {
+      MoeCase c = make_moe(8, 4, 320, 192, T, rng);
+      INFO("gpt-oss, " << (which == 0   ? "no biases"
+                           : which == 1 ? "gate_up's bias only"
+                                        : "down's bias only")
+                       << ", T " << T);
+      if (which != 1) c.b1.clear();
+      if (which != 2) c.b2.clear();
+      const auto ref = moe_ref(c);
+      MoeOptions opt = small_options();
+      opt.fused_w4a8_min_slots = 0;
+      MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, T, opt);
+      Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
+      Dev<uint16_t> b1(std::max<size_t>(1, c.b1.size())), b2(std::max<size_t>(1, c.b2.size()));
+      if (which == 1) DZ_CUDA_CHECK(cudaMemcpy(b1.p, c.b1.data(), c.b1.size() * 2, cudaMemcpyHostToDevice));
+      if (which == 2) DZ_CUDA_CHECK(cudaMemcpy(b2.p, c.b2.data(), c.b2.size() * 2, cudaMemcpyHostToDevice));
+      Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
+      Dev<int> ids(c.ids);
+      const MoeWeights w{w1b.p, w1s.p, which == 1 ? b1.p : nullptr, w2b.p, w2s.p, which == 2 ? b2.p : nullptr};
+      for (MoePath path : {MoePath::kFused, MoePath::kFp8}) {
+        DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
+        layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, path);
+        ctx.sync();
+        const double d = finite_diff(out.get(), ref);
+        INFO((path == MoePath::kFused ? "fused" : "FP8 path") << " diff " << d);
+        CHECK(d < (path == MoePath::kFused ? 6e-4 : 1e-2));  // fused: W4A8 two terms' bound where it runs
+      }
+      CHECK(layer.take_error() == 0);
+    }
   }
 #endif
 }

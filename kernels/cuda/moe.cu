@@ -52,6 +52,17 @@ __device__ __forceinline__ float swiglu(float gate, float up) {
   return (up + 1.f) * __fdividef(gate, 1.f + __expf(-1.702f * gate));
 }
 
+// The layer's activation (MoeShape::act) of one gate/up pair: gpt-oss's
+// clamped SwiGLU above (the same bits), or with silu the plain SwiGLU,
+// silu(gate) * up, as the CPU reference's Glu::Kind::SwiGLU (precise expf and
+// division: gate / inf = -0 for gate < -88, the limit). silu is uniform (a
+// kernel argument, or a template argument: a runtime branch in the fused
+// W4A16 gate_up kernel cost the gpt-oss instances spills).
+__device__ __forceinline__ float glu(float gate, float up, bool silu) {
+  if (silu) return gate / (1.f + expf(-gate)) * up;
+  return swiglu(gate, up);
+}
+
 // ------------------------------------------------------------------ routing
 // Counting sort of the T*topk slots by expert; active[i] = {expert, first row,
 // token count, 0} of the i-th expert with tokens (one 16-byte load for a fused
@@ -290,9 +301,9 @@ __global__ void __launch_bounds__(256) x_to_half_kernel(const float* x, int H, i
 struct W4Args {
   const uint8_t* blocks;   // expert 0, [E][rows][nsub][16]
   const uint8_t* scales;   // [E][rows][nsub]
-  const uint16_t* bias;    // bf16 [E][rows]
+  const uint16_t* bias;    // bf16 [E][rows], or null (zero: W4A16 kernels only, see Impl::w8)
   const __half* act;       // gate_up: xh [T][kpad] (by token); down: act [rows_cap][kpad] (by sorted row)
-  const float* act_scale;  // gate_up: per-token scale; down: unused
+  const float* act_scale;  // per-token scale: gate_up's (direct, kSilu: written for down), down's (kSilu only)
   const int *sorted, *n_active;
   const int4* active;  // {expert, first row, tokens, 0} per active expert
   int topk, rows, nsub, kpad;
@@ -463,7 +474,12 @@ __device__ __forceinline__ bool w4_item(const W4Args& a, int4& info) {
 // latency-bound, more of them hide more.
 // (Measured on an H200 and dropped: cp.async rings in shared memory for more
 // bytes in flight, and blocks streaming several row tiles; both slower.)
-template <bool kGateUp, int kKS, int kN, bool kPdl>
+// kSilu: the plain SwiGLU (MoeActivation::kSilu; glu), else gpt-oss's. Its
+// outputs are unbounded: fp16 would overflow past 65504 (gpt-oss's are at most
+// 56), so gate_up stages each as v / s^2, s the token's input scale (a power
+// of two at least its largest |x|: v / s^2 is silu(g) * u of the scaled input,
+// bounded by the weights' row norms), and down multiplies its sums by s^2 back.
+template <bool kGateUp, int kKS, int kN, bool kPdl, bool kSilu = false>
 __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args a) {
   static_assert(kN == 1 || kKS == 1, "two token tiles only without a K split");
   constexpr int kRT = 8 / kKS, kRows = 16 * kRT, kRing = 3;
@@ -536,6 +552,8 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
             xs4[(c * 4 + ii) * 4 + tt] = w4_piece(v);
           },
           xred);
+      // The plain SwiGLU's down projection scales its rows by it (below).
+      if (kSilu && blockIdx.x == 0 && threadIdx.x == 0) const_cast<float*>(a.act_scale)[0] = x_scale;
     } else {
       for (int gi = 0; gi < m; ++gi) {
         const __half* src = a.act + int64_t(s_row[gi]) * a.kpad;
@@ -550,12 +568,18 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
 #pragma unroll
     for (int n = 0; n < kN; ++n) xsc[n][0] = xsc[n][1] = 1.f;
     if (wactive && ks == 0) {
-      biasA = bf16_to_float(a.bias[rowA]), biasB = bf16_to_float(a.bias[rowB]);
+      if (a.bias) biasA = bf16_to_float(a.bias[rowA]), biasB = bf16_to_float(a.bias[rowB]);
       if (kGateUp)
 #pragma unroll
         for (int n = 0; n < kN; ++n)
           for (int j = 0; j < 2; ++j)
             if (8 * n + 2 * t + j < m) xsc[n][j] = a.direct ? x_scale : a.act_scale[s_row[8 * n + 2 * t + j]];
+      if (!kGateUp && kSilu)  // the rows' tokens' input scales (direct: token 0's, written by gate_up)
+#pragma unroll
+        for (int n = 0; n < kN; ++n)
+          for (int j = 0; j < 2; ++j)
+            if (8 * n + 2 * t + j < m)
+              xsc[n][j] = a.act_scale[a.direct ? 0 : a.sorted[s_row[8 * n + 2 * t + j]] / a.topk];
     }
     __syncthreads();
 
@@ -594,8 +618,16 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
         if (tok >= m) continue;
         const int row = seg + base + tok;
         if (kGateUp) {
-          const float v = swiglu(acc[n][j] * xsc[n][j] + biasA, acc[n][2 + j] * xsc[n][j] + biasB);
+          float v = glu(acc[n][j] * xsc[n][j] + biasA, acc[n][2 + j] * xsc[n][j] + biasB, kSilu);
+          if (kSilu) {  // fp16 as v / x_scale^2 (exact: powers of two), not v
+            const float r = 1.f / xsc[n][j];
+            v = v * r * r;
+          }
           a.out_act[int64_t(row) * a.out_ld + (rA >> 1)] = __float2half_rn(v);
+        } else if (kSilu) {  // the activations came divided by the token's x_scale^2
+          const float s2 = xsc[n][j] * xsc[n][j];
+          a.out_y[int64_t(row) * a.rows + rA] = acc[n][j] * s2 + biasA;
+          a.out_y[int64_t(row) * a.rows + rB] = acc[n][2 + j] * s2 + biasB;
         } else {
           a.out_y[int64_t(row) * a.rows + rA] = acc[n][j] + biasA;
           a.out_y[int64_t(row) * a.rows + rB] = acc[n][2 + j] + biasB;
@@ -607,16 +639,21 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
 // The instantiated K splits of the fused kernels.
 constexpr int kW4Splits[] = {1, 4, 8};
 using W4Fn = void (*)(W4Args);
-template <bool kGateUp, bool kPdl>
+template <bool kGateUp, bool kPdl, bool kSilu>
 W4Fn w4_fn(int ks, int ntile) {
   switch (ks) {
     case 1:
-      return ntile == 2 ? w4_kernel<kGateUp, 1, 2, kPdl> : w4_kernel<kGateUp, 1, 1, kPdl>;
+      return ntile == 2 ? w4_kernel<kGateUp, 1, 2, kPdl, kSilu> : w4_kernel<kGateUp, 1, 1, kPdl, kSilu>;
     case 4:
-      return w4_kernel<kGateUp, 4, 1, kPdl>;
+      return w4_kernel<kGateUp, 4, 1, kPdl, kSilu>;
     default:
-      return w4_kernel<kGateUp, 8, 1, kPdl>;
+      return w4_kernel<kGateUp, 8, 1, kPdl, kSilu>;
   }
+}
+// The same for the layer's activation (silu: MoeActivation::kSilu).
+template <bool kGateUp, bool kPdl>
+W4Fn w4_fn(int ks, int ntile, bool silu) {
+  return silu ? w4_fn<kGateUp, kPdl, true>(ks, ntile) : w4_fn<kGateUp, kPdl, false>(ks, ntile);
 }
 
 // ---------------------------------------------------------------- FP8 path
@@ -727,7 +764,9 @@ __device__ __forceinline__ uint32_t e2m1_odd_to_e4m3(uint32_t w) {
 // (0.002) meet its subnormals sooner (kW8DownLo), and with no reduction
 // gate_up's epilogue writes down's images itself (w8_down_put): the launch
 // between the projections that quantized them took 3.8 of 134 us (H200,
-// 120b shapes, 8 tokens).
+// 120b shapes, 8 tokens). The bound is gpt-oss's only: the plain SwiGLU
+// (MoeActivation::kSilu) is unbounded, so the layer never runs the W4A8
+// kernels for it (w8_chosen).
 constexpr float kW8DownInv = 448.f / ((kSwigluLimit + 1.f) * kSwigluLimit);  // 8: a power of two
 // Down's second term is stored times 16 (the MMA column's sum divided by it
 // again): a remainder is at most half an E4M3 step of its first term (2^-4
@@ -1001,6 +1040,8 @@ __device__ __forceinline__ void w8_store_pass(const W4Args& a, float (&acc)[4], 
     const int row = row0 + tok;
     if (kGateUp) {
       const float x = ts(j, tok);
+      // gpt-oss's activation only: the layer never runs these kernels for the
+      // plain SwiGLU (w8_chosen; down's fixed scale kW8DownInv assumes its bound).
       const __half h = __float2half_rn(swiglu(acc[j] * kPost * x + biasA, acc[2 + j] * kPost * x + biasB));
       a.out_act[int64_t(row) * a.out_ld + ((T0 + rA) >> 1)] = h;
       if (kLo && a.next_img) w8_down_put(a.next_img + img * a.next_img_bytes, (T0 + rA) >> 1, tok, h);
@@ -1521,14 +1562,15 @@ unsigned gather_quant_blocks(int T, int nkb, int E) {
 }
 
 // One warp per (sorted row of [r0, r0 + nrows), kSwigluBlocks 128-column
-// blocks): D1 [rows][2I] bf16 (interleaved gate/up) + bias -> SwiGLU -> fp8
-// 1x128 [rows][kpad_i]; pad rows give zeros. A warp's 16-byte loads all go out
-// before its first block is computed (a warp per block and row was
-// latency-bound at ~2 TB/s; a warp per whole row left one expert's launch short of warps).
+// blocks): D1 [rows][2I] bf16 (interleaved gate/up) + bias (b1 null: none) ->
+// SwiGLU (glu; silu nonzero: the plain one) -> fp8 1x128 [rows][kpad_i]; pad
+// rows give zeros. A warp's 16-byte loads all go out before its first block is
+// computed (a warp per block and row was latency-bound at ~2 TB/s; a warp per
+// whole row left one expert's launch short of warps).
 constexpr int kSwigluBlocks = 4;
-__global__ void swiglu_quant_kernel(const __nv_bfloat16* d1, int I, int nkb, const uint16_t* b1, const int* sorted,
-                                    const int* row_expert, const int* offsets, int r0, int nrows, uint8_t* q, float* qs,
-                                    int64_t xs_ld) {
+__global__ void swiglu_quant_kernel(const __nv_bfloat16* d1, int I, int nkb, const uint16_t* b1, int silu,
+                                    const int* sorted, const int* row_expert, const int* offsets, int r0, int nrows,
+                                    uint8_t* q, float* qs, int64_t xs_ld) {
   const int warp = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
   const int groups = (nkb + kSwigluBlocks - 1) / kSwigluBlocks;
   if (warp >= nrows * groups) return;
@@ -1545,7 +1587,7 @@ __global__ void swiglu_quant_kernel(const __nv_bfloat16* d1, int I, int nkb, con
     // I % 4 == 0: a lane's 4 columns are all in range or all out.
     const bool in = real && kb0 + u < nkb && j0 < I;
     raw[u] = in ? *reinterpret_cast<const uint4*>(drow + 2 * j0) : make_uint4(0, 0, 0, 0);
-    bias[u] = in ? __ldg(reinterpret_cast<const uint4*>(brow + 2 * j0)) : make_uint4(0, 0, 0, 0);
+    bias[u] = in && b1 ? __ldg(reinterpret_cast<const uint4*>(brow + 2 * j0)) : make_uint4(0, 0, 0, 0);
   }
 #pragma unroll
   for (int u = 0; u < kSwigluBlocks; ++u) {
@@ -1560,7 +1602,7 @@ __global__ void swiglu_quant_kernel(const __nv_bfloat16* d1, int I, int nkb, con
       for (int i = 0; i < 4; ++i) {
         const float gate = bf16_to_float(uint16_t(w[i] & 0xFFFF)) + bf16_to_float(uint16_t(bw[i] & 0xFFFF));
         const float up = bf16_to_float(uint16_t(w[i] >> 16)) + bf16_to_float(uint16_t(bw[i] >> 16));
-        v[i] = swiglu(gate, up);
+        v[i] = glu(gate, up, silu);
       }
     }
     float sc;
@@ -1713,12 +1755,17 @@ struct MoeLayer::Impl {
   int* h_counts = nullptr;                   // pinned: counts[E], offsets[E+1]
   cudaEvent_t ev_ready[2]{}, ev_free[2]{};
 
+  // The experts' activation is the plain SwiGLU (MoeShape::act).
+  bool silu() const { return s.act == MoeActivation::kSilu; }
+
   Impl(Context& c, const MoeShape& sh, int maxT, const MoeOptions& o)
       : ctx(c), s(sh), opt(o), max_tokens(maxT), gemm(c) {
     check(s.n_experts > 0 && s.topk > 0 && s.topk <= s.n_experts && s.hidden % 32 == 0 && s.hidden % 16 == 0 &&
               s.intermediate % 32 == 0 && s.intermediate > 0 && s.hidden > 0 && maxT > 0,
           DZ_ERR_INVALID_ARGUMENT, "MoeLayer: unsupported shape E=", s.n_experts, " topk=", s.topk, " H=", s.hidden,
           " I=", s.intermediate);
+    check(s.act == MoeActivation::kGptOss || s.act == MoeActivation::kSilu, DZ_ERR_INVALID_ARGUMENT,
+          "MoeLayer: unknown activation ", int(s.act));
     check(opt.tile_experts >= 1, DZ_ERR_INVALID_ARGUMENT, "tile_experts must be >= 1");
     tile_cap = std::min(opt.tile_experts, s.n_experts);
     check(opt.gemm_streams >= 1 && opt.gemm_streams <= 16, DZ_ERR_INVALID_ARGUMENT, "gemm_streams must be 1..16");
@@ -1785,8 +1832,8 @@ struct MoeLayer::Impl {
     const int smem = int(kW4MaxTokens * std::max(kph, kpi) * 2);
     for (int ks : kW4Splits)
       for (int nt : {1, 2})
-        for (auto k : {w4_fn<true, false>(ks, nt), w4_fn<true, true>(ks, nt), w4_fn<false, false>(ks, nt),
-                       w4_fn<false, true>(ks, nt)})
+        for (auto k : {w4_fn<true, false>(ks, nt, silu()), w4_fn<true, true>(ks, nt, silu()),
+                       w4_fn<false, false>(ks, nt, silu()), w4_fn<false, true>(ks, nt, silu())})
           DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     // The W4A8 kernels: sm_90a only, and where their shared memory fits a block.
     int smem8 = 0;
@@ -1891,7 +1938,7 @@ struct MoeLayer::Impl {
     const int ks8 = w8_split(T);
     W4Args d = a;  // down
     d.blocks = w.w2_blocks, d.scales = w.w2_scales, d.bias = w.b2;
-    d.act = act16.get(), d.act_scale = nullptr;
+    d.act = act16.get(), d.act_scale = silu() ? xs.get() : nullptr;  // (the plain SwiGLU's activations are scaled)
     d.rows = H, d.nsub = I / 32, d.kpad = int(kpi);
     d.out_y = y32.get();
     // Both projections on the W4A8 kernels with two terms: gate_up writes down's images.
@@ -1918,9 +1965,11 @@ struct MoeLayer::Impl {
   bool direct(int T) const { return T == 1 && opt.fused_one_token_direct && kph / 8 <= 2 * kW4Threads; }
 
   // The W4A8 kernels can run a projection of this many rows (an sm_90a build and device, 64-row tiles, an even number
-  // of sub-blocks a row, 16-byte aligned weights for the copy engine).
+  // of sub-blocks a row, 16-byte aligned weights for the copy engine; gpt-oss's activation only, w8_chosen; a bias:
+  // they add it unconditionally, so a projection without one runs on the W4A16 kernels, which take null as zero).
   bool w8(int rows, const W4Args& a) const {
-    return rows % 64 == 0 && a.nsub % 2 == 0 && w8_fits && aligned16(a.blocks) && aligned16(a.scales);
+    return !silu() && a.bias && rows % 64 == 0 && a.nsub % 2 == 0 && w8_fits && aligned16(a.blocks) &&
+           aligned16(a.scales);
   }
 
   static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
@@ -1970,7 +2019,8 @@ struct MoeLayer::Impl {
     const int per_block = 16 * (8 / ks), ntile = a.ntok > kW4Tokens ? 2 : 1;
     const dim3 grid(unsigned((rows + per_block - 1) / per_block), max_active);
     const size_t smem = size_t(a.ntok) * a.kpad * 2;
-    launch(pdl ? w4_fn<G, true>(ks, ntile) : w4_fn<G, false>(ks, ntile), grid, dim3(kW4Threads), smem, st, pdl, a);
+    launch(pdl ? w4_fn<G, true>(ks, ntile, silu()) : w4_fn<G, false>(ks, ntile, silu()), grid, dim3(kW4Threads), smem,
+           st, pdl, a);
     return 0;
   }
 
@@ -1999,10 +2049,12 @@ struct MoeLayer::Impl {
 
   // The fused path takes the W4A8 kernels for T tokens (where a projection's
   // shape allows: w8): without images (staged in the blocks) only up to
-  // fused_w4a8_stream_above tokens an expert.
+  // fused_w4a8_stream_above tokens an expert. Never for the plain SwiGLU:
+  // down's two E4M3 terms take one fixed scale (kW8DownInv) that holds only
+  // for gpt-oss's bound of 56 (the options stay as the caller set them).
   bool w8_chosen(int T) const {
     const double tpe = double(T) * s.topk / s.n_experts;
-    return opt.fused_w4a8 && w8_fits && tpe <= opt.fused_w4a8_max_tokens_per_expert &&
+    return opt.fused_w4a8 && !silu() && w8_fits && tpe <= opt.fused_w4a8_max_tokens_per_expert &&
            (w8_images(T) || tpe <= opt.fused_w4a8_stream_above) && int64_t(T) * s.topk > opt.fused_w4a8_min_slots;
   }
 
@@ -2055,8 +2107,8 @@ struct MoeLayer::Impl {
   void swiglu_between(int r0, int nrows, const uint16_t* b1, int64_t ld, cudaStream_t st) {
     const int nkb_i = int(kpi / 128);
     swiglu_quant_kernel<<<swiglu_quant_blocks(nrows, nkb_i), 256, 0, st>>>(
-        d1.get(), s.intermediate, nkb_i, b1, sorted.get(), row_expert.get(), offsets.get(), r0, nrows, a2.get(),
-        a2s.get(), ld);
+        d1.get(), s.intermediate, nkb_i, b1, silu() ? 1 : 0, sorted.get(), row_expert.get(), offsets.get(), r0, nrows,
+        a2.get(), a2s.get(), ld);
     DZ_CUDA_LAUNCH_CHECK();
   }
 
@@ -2207,13 +2259,13 @@ struct MoeLayer::Impl {
       }
       DZ_CUDA_CHECK(cudaEventRecord(ev_free[buf], st));
     }
-    if (vec8(d2.get(), w.b2, out))
-      combine_kernel<__nv_bfloat16, true, false, true>
-          <<<combine_grid(T, H, 8, 128), 128, 0, st>>>(d2.get(), inv.get(), ids, gw, s.topk, w.b2, H, out, accumulate);
-    else
-      combine_kernel<__nv_bfloat16, true>
-          <<<combine_grid(T, H), 256, 0, st>>>(d2.get(), inv.get(), ids, gw, s.topk, w.b2, H, out, accumulate);
-    DZ_CUDA_LAUNCH_CHECK();
+    // Down's bias added here (none without w.b2).
+    const bool v8 = vec8(d2.get(), w.b2, out);
+    const auto comb =
+        w.b2 ? (v8 ? combine_kernel<__nv_bfloat16, true, false, true> : combine_kernel<__nv_bfloat16, true>)
+             : (v8 ? combine_kernel<__nv_bfloat16, false, false, true> : combine_kernel<__nv_bfloat16, false>);
+    launch(comb, v8 ? combine_grid(T, H, 8, 128) : combine_grid(T, H), dim3(v8 ? 128 : 256), 0, st, false, d2.get(),
+           inv.get(), ids, gw, s.topk, w.b2, H, out, accumulate);
     // Later calls must not refold into a buffer the aux stream may still be writing.
     DZ_CUDA_CHECK(cudaStreamWaitEvent(aux, ev_free[0], 0));
     DZ_CUDA_CHECK(cudaStreamWaitEvent(aux, ev_free[1], 0));
@@ -2238,8 +2290,9 @@ void MoeLayer::forward(const MoeWeights& w, const float* x, const int* ids, cons
                        MoePath path, bool accumulate) {
   check(T >= 1 && T <= p_->max_tokens, DZ_ERR_INVALID_ARGUMENT, "MoeLayer::forward: ", T, " tokens (scratch sized for ",
         p_->max_tokens, ")");
-  check(x && ids && gw && out && w.w1_blocks && w.w1_scales && w.b1 && w.w2_blocks && w.w2_scales && w.b2,
-        DZ_ERR_INVALID_ARGUMENT, "MoeLayer::forward: null pointer");
+  // (The biases may be null: zero.)
+  check(x && ids && gw && out && w.w1_blocks && w.w1_scales && w.w2_blocks && w.w2_scales, DZ_ERR_INVALID_ARGUMENT,
+        "MoeLayer::forward: null pointer");
   if (path == MoePath::kAuto) path = choose(T);
   if (!(path == MoePath::kFused && p_->direct(T)))
     p_->route(ids, T, path == MoePath::kFused && T <= kRouteConvertsX ? x : nullptr);

@@ -10,7 +10,9 @@
 //     fp8_mxfp4_gemm) -> SwiGLU -> down GEMMs,
 //   -> weighted combine.
 // gpt-oss semantics: gate/up rows interleaved (gate = row 2j, up = row 2j+1),
-// gate = min(gate, 7), up = clamp(up, -7, 7), a = (up + 1) * gate * sigmoid(1.702 gate).
+// gate = min(gate, 7), up = clamp(up, -7, 7), a = (up + 1) * gate * sigmoid(1.702 gate);
+// or (MoeShape::act = kSilu, DeepSeek-V3.2's experts uploaded in the same row
+// order) the plain SwiGLU a = silu(gate) * up. Biases are optional (null: zero).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -23,19 +25,36 @@
 
 namespace dz::cuda {
 
+// The experts' activation of gate_up's interleaved rows (gate = row 2j, up = row 2j + 1).
+enum class MoeActivation {
+  // gpt-oss's clamped SwiGLU: gate = min(gate, 7), up = clamp(up, -7, 7),
+  // a = (up + 1) * gate * sigmoid(1.702 gate); |a| <= 56.
+  kGptOss = 0,
+  // The plain SwiGLU (DeepSeek-V3.2): a = silu(gate) * up = gate * sigmoid(gate) * up,
+  // no clamp, unbounded. The fused path then runs the W4A16 kernels only (the
+  // W4A8 kernels' down projection takes one fixed activation scale that holds
+  // only for gpt-oss's bound: as if MoeOptions::fused_w4a8 were false), their
+  // fp16 activations divided by the token's input scale squared (fp16 would
+  // overflow past 65504), and the FP8 path above fused_max_tokens_per_expert
+  // (its 1x128 scales take any range). docs/cuda-moe.md.
+  kSilu = 1,
+};
+
 struct MoeShape {
   int n_experts = 0, topk = 0;
   int hidden = 0;        // H: input/output features (multiple of 32 and 16)
   int intermediate = 0;  // I: SwiGLU width (gate_up has 2I rows)
+  MoeActivation act = MoeActivation::kGptOss;
 };
 
 // One layer's experts on the device, checkpoint layout (MXFP4 blocks/scales,
 // BF16 biases): w1 = gate_up [E][2I][H/32][16], w2 = down [E][H][I/32][16].
+// The biases are optional: null is a zero bias (DeepSeek's experts have none).
 struct MoeWeights {
   const uint8_t *w1_blocks = nullptr, *w1_scales = nullptr;
-  const uint16_t* b1 = nullptr;  // bf16 [E][2I]
+  const uint16_t* b1 = nullptr;  // bf16 [E][2I] (interleaved as w1's rows), or null
   const uint8_t *w2_blocks = nullptr, *w2_scales = nullptr;
-  const uint16_t* b2 = nullptr;  // bf16 [E][H]
+  const uint16_t* b2 = nullptr;  // bf16 [E][H], or null
   // Optional group tables (mxfp4_group_table), each given only where every
   // 64-row fold group of its projection is exact: the FP8 path's grouped GEMMs
   // then fold that projection by 64-row groups (MoeOptions::fp8_group_scales).
@@ -102,6 +121,10 @@ struct MoeOptions {
   // vs 1.928-1.954 ms, four alternating pairs (2026-12-03-h200-run119.md);
   // again on today's kernels (run 306, 2026-12-04-h200-run300.md): 2.010 /
   // 2.036 vs 1.912 / 1.912 ms a step at batch 1 (32.3 vs 35.0 us alone).
+  // Read as false for MoeActivation::kSilu (down's fixed activation scale
+  // assumes gpt-oss's bound): the layer takes the W4A16 kernels, and with them
+  // (fused_streamed_max_tokens_per_expert needs the streamed W4A8 kernels) the
+  // FP8 path above fused_max_tokens_per_expert.
   bool fused_w4a8 = true;
   double fused_w4a8_max_tokens_per_expert = 16.0;
   int fused_w4a8_min_slots = 4;
