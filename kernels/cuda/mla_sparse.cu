@@ -228,7 +228,89 @@ Partials carve(const SparseMlaDecode& a, int splits, void* base) {
 
 int steps_of(const SparseMlaDecode& a) { return (a.topk + kStep - 1) / kStep; }
 
+constexpr int kGenWarps = 4;
+constexpr int kGenPer = kMlaGenericMaxRank / 32;  // latent values a lane holds
+constexpr int kGenRopePer = kMlaGenericMaxRope / 32;
+
+__device__ __forceinline__ float bf16_at(const __nv_bfloat16* p, int i) { return __bfloat162float(p[i]); }
+
+// Block (head, query): warp w takes selected positions w, w + 4, ...; a lane
+// holds latent columns lane + 32 i. Scores and sums in fp32.
+__global__ void __launch_bounds__(kGenWarps * 32) sparse_mla_generic_kernel(SparseMlaGeneric a) {
+  const int h = blockIdx.x, qi = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __shared__ float qs[kMlaGenericMaxRank + kMlaGenericMaxRope];
+  __shared__ float ms[kGenWarps], ls[kGenWarps];
+  __shared__ float os[kGenWarps][kMlaGenericMaxRank];
+  const int qd = a.rank + a.rope;
+  const float* q = a.q + (size_t(qi) * a.n_heads + h) * qd;
+  for (int c = threadIdx.x; c < qd; c += blockDim.x) qs[c] = q[c];
+  __syncthreads();
+  const uint8_t* const* pages = a.pages[qi];
+  const int32_t* sel = a.sel + size_t(qi) * a.topk;
+  float m = -INFINITY, l = 0.f, o[kGenPer];
+#pragma unroll
+  for (int i = 0; i < kGenPer; ++i) o[i] = 0.f;
+  for (int j = warp; j < a.topk; j += kGenWarps) {
+    const int p = sel[j];
+    if (p < 0) continue;
+    const __nv_bfloat16* rec = reinterpret_cast<const __nv_bfloat16*>(pages[p / a.page_tokens] +
+                                                                      size_t(p % a.page_tokens) * a.stride + a.offset);
+    float lat[kGenPer], dot = 0.f;
+#pragma unroll
+    for (int i = 0; i < kGenPer; ++i) {
+      const int c = lane + 32 * i;
+      lat[i] = c < a.rank ? bf16_at(rec, c) : 0.f;
+      if (c < a.rank) dot += qs[c] * lat[i];
+    }
+#pragma unroll
+    for (int i = 0; i < kGenRopePer; ++i) {
+      const int c = lane + 32 * i;
+      if (c < a.rope) dot += qs[a.rank + c] * bf16_at(rec, a.rank + c);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    const float sc = dot * a.scale, mn = fmaxf(m, sc);
+    const float alpha = expf(m - mn), pe = expf(sc - mn);  // m = -inf first: alpha = 0
+    l = l * alpha + pe;
+#pragma unroll
+    for (int i = 0; i < kGenPer; ++i) o[i] = o[i] * alpha + pe * lat[i];
+    m = mn;
+  }
+  if (lane == 0) ms[warp] = m, ls[warp] = l;
+#pragma unroll
+  for (int i = 0; i < kGenPer; ++i)
+    if (lane + 32 * i < a.rank) os[warp][lane + 32 * i] = o[i];
+  __syncthreads();
+  float mx = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kGenWarps; ++w) mx = fmaxf(mx, ms[w]);
+  float wt[kGenWarps], sum = 0.f;
+#pragma unroll
+  for (int w = 0; w < kGenWarps; ++w) sum += (wt[w] = ls[w] > 0.f ? expf(ms[w] - mx) : 0.f) * ls[w];
+  float* out = a.out + (size_t(qi) * a.n_heads + h) * a.rank;
+  for (int c = threadIdx.x; c < a.rank; c += blockDim.x) {
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kGenWarps; ++w) v += wt[w] * os[w][c];
+    out[c] = sum > 0.f ? v / sum : 0.f;
+  }
+}
+
 }  // namespace
+
+void sparse_mla_generic(const SparseMlaGeneric& a, cudaStream_t s) {
+  check(a.rank > 0 && a.rank <= kMlaGenericMaxRank && a.rope >= 0 && a.rope <= kMlaGenericMaxRope, DZ_ERR_UNSUPPORTED,
+        "CUDA sparse MLA: kv_lora_rank ", a.rank, " and qk_rope_head_dim ", a.rope, " (at most ", kMlaGenericMaxRank,
+        " and ", kMlaGenericMaxRope, ")");
+  check(
+      a.page_tokens > 0 && a.stride % 2 == 0 && a.offset % 2 == 0 && a.offset + size_t(a.rank + a.rope) * 2 <= a.stride,
+      DZ_ERR_INVALID_ARGUMENT, "CUDA sparse MLA: latent records of ", a.stride, " bytes, latent at ", a.offset);
+  check(a.topk > 0 && a.n_heads > 0 && std::isfinite(a.scale), DZ_ERR_INVALID_ARGUMENT, "CUDA sparse MLA: top-k ",
+        a.topk, ", ", a.n_heads, " heads, scale ", a.scale);
+  if (a.n_q <= 0) return;
+  sparse_mla_generic_kernel<<<dim3(unsigned(a.n_heads), unsigned(a.n_q)), kGenWarps * 32, 0, s>>>(a);
+  DZ_CUDA_LAUNCH_CHECK();
+}
 
 void sparse_mla_validate(const SparseMlaDecode& a) {
   check(a.batch >= 0 && a.n_heads > 0 && a.n_heads % 16 == 0, DZ_ERR_UNSUPPORTED, "CUDA sparse MLA: ", a.n_heads,

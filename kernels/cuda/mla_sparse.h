@@ -49,4 +49,22 @@ size_t sparse_mla_scratch_bytes(const SparseMlaDecode& a, int splits);
 // Stream-ordered; scratch of sparse_mla_scratch_bytes(a, splits) bytes.
 void sparse_mla_decode(const SparseMlaDecode& a, int splits, void* scratch, size_t scratch_bytes, cudaStream_t s);
 
+// Any latent width (rank <= 512, rope <= 128) and head count, fp32 queries:
+// one block a (query, head), its warps taking alternate selected positions
+// with an online softmax each, merged at the end. For small models and test
+// shapes; DeepSeek's 512 + 64 at 16k heads take sparse_mla_decode.
+struct SparseMlaGeneric {
+  int n_q = 0, n_heads = 0, rank = 0, rope = 0;
+  float scale = 1.f;
+  const float* q = nullptr;      // [n_q, n_heads, rank + rope] fp32 (device): W_UK^T q_nope, then q_rope
+  const int32_t* sel = nullptr;  // [n_q, topk] positions (device); negative entries are skipped
+  int topk = 0;
+  const uint8_t* const* const* pages = nullptr;  // per query its sequence's page table (device)
+  uint32_t page_tokens = 0;
+  size_t stride = 0, offset = 0;  // bf16 [c_kv | k_rope] at `offset` of each record (both even)
+  float* out = nullptr;           // [n_q, n_heads, rank] fp32 (device); zeros where nothing is selected
+};
+constexpr int kMlaGenericMaxRank = 512, kMlaGenericMaxRope = 128;
+void sparse_mla_generic(const SparseMlaGeneric& a, cudaStream_t s);
+
 }  // namespace dz::cuda
