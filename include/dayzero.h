@@ -145,8 +145,9 @@ typedef enum dz_expert_precision {
 } dz_expert_precision;
 
 typedef enum dz_indexer_mode {
-  DZ_INDEXER_EXACT = 0, /* fp32 scores, matches transformers */
-  DZ_INDEXER_FP8 = 1    /* Hadamard + E4M3 keys, one scale per 128 */
+  DZ_INDEXER_EXACT = 0, /* fp32 scores, matches transformers (CPU only) */
+  DZ_INDEXER_FP8 = 1,   /* Hadamard + E4M3 keys, one scale per 128 */
+  DZ_INDEXER_AUTO = 2   /* the backend's own: CPU EXACT, CUDA FP8 */
 } dz_indexer_mode;
 
 /* Precision of the activations entering the matrix products. The CUDA
@@ -181,7 +182,7 @@ typedef struct dz_model_params {
   int device_index;        /* CUDA ordinal, default 0 */
   int n_threads;           /* CPU threads, 0 = all cores (default) */
   dz_expert_precision experts; /* default DZ_EXPERTS_AUTO */
-  dz_indexer_mode indexer; /* default DZ_INDEXER_EXACT */
+  dz_indexer_mode indexer; /* default DZ_INDEXER_AUTO */
   int bf16_sensitive;      /* nonzero: router, lm_head, attention in BF16 on
                               CUDA (default 1) */
   dz_progress_fn progress; /* optional; called from the opening thread */

@@ -22,7 +22,7 @@ void router_topk_softmax(const float* logits, int n_experts, int k, int32_t* idx
 }
 
 void router_sigmoid_grouped(const float* logits, const float* bias, int n_experts, int n_group, int topk_group, int k,
-                            bool norm, float scaling, int32_t* idx, float* weights) {
+                            bool norm, float scaling, int32_t* idx, float* weights, float* margin) {
   const int per = n_experts / n_group;
   std::vector<float> s(static_cast<size_t>(n_experts)), choice(static_cast<size_t>(n_experts));
   for (int e = 0; e < n_experts; ++e) {
@@ -47,13 +47,22 @@ void router_sigmoid_grouped(const float* logits, const float* bias, int n_expert
   }
   std::vector<int32_t> groups(static_cast<size_t>(n_group));
   std::iota(groups.begin(), groups.end(), 0);
-  std::partial_sort(groups.begin(), groups.begin() + topk_group, groups.end(), [&](int32_t a, int32_t b) {
+  const int gsorted = margin && topk_group < n_group ? topk_group + 1 : topk_group;
+  std::partial_sort(groups.begin(), groups.begin() + gsorted, groups.end(), [&](int32_t a, int32_t b) {
     return gscore[size_t(a)] > gscore[size_t(b)] || (gscore[size_t(a)] == gscore[size_t(b)] && a < b);
   });
   std::vector<int32_t> cand;
   for (int j = 0; j < topk_group; ++j)
     for (int e = groups[size_t(j)] * per; e < (groups[size_t(j)] + 1) * per; ++e) cand.push_back(e);
-  std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), better);
+  const int esorted = margin && size_t(k) < cand.size() ? k + 1 : k;
+  std::partial_sort(cand.begin(), cand.begin() + esorted, cand.end(), better);
+  if (margin) {
+    float m = INFINITY;
+    if (gsorted > topk_group)
+      m = gscore[size_t(groups[size_t(topk_group - 1)])] - gscore[size_t(groups[size_t(topk_group)])];
+    if (esorted > k) m = std::min(m, choice[size_t(cand[size_t(k - 1)])] - choice[size_t(cand[size_t(k)])]);
+    *margin = m;
+  }
   float sum = 0;
   for (int j = 0; j < k; ++j) {
     idx[j] = cand[size_t(j)];

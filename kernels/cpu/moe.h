@@ -19,9 +19,12 @@ void router_topk_softmax(const float* logits, int n_experts, int k, int32_t* idx
 // sum of their two best choice values; the topk_group best groups stay; the k
 // best experts by choice among them are chosen (ties: lower index first).
 // Their weights are s (without the bias), divided by their sum when norm,
-// times scaling. fp32 arithmetic as transformers does it.
+// times scaling. fp32 arithmetic as transformers does it. margin (optional):
+// how far the choice is from flipping, the smaller of the last kept group's
+// score minus the next group's and the k-th chosen expert's choice value
+// minus the next candidate's (+inf where nothing is left out).
 void router_sigmoid_grouped(const float* logits, const float* bias, int n_experts, int n_group, int topk_group, int k,
-                            bool norm, float scaling, int32_t* idx, float* weights);
+                            bool norm, float scaling, int32_t* idx, float* weights, float* margin = nullptr);
 
 // DeepSeek-V4 routing: s = sqrt(softplus(logits)); the k best of s + bias
 // (bias may be null; ties: lower index first), or the k experts `fixed`

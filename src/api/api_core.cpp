@@ -68,7 +68,7 @@ DZ_API void dz_model_params_init_sized(dz_model_params* p, size_t struct_size) {
   dz::init_sized(p, struct_size, [](dz_model_params& d) {
     d.device = DZ_DEVICE_CPU;
     d.experts = DZ_EXPERTS_AUTO;
-    d.indexer = DZ_INDEXER_EXACT;
+    d.indexer = DZ_INDEXER_AUTO;
     d.bf16_sensitive = 1;
     d.activations = DZ_ACTIVATIONS_AUTO;
     d.attention = DZ_ATTENTION_AUTO;

@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "common/host_alloc.h"
+#include "common/log.h"
 #include "cpu/indexer.h"
 #include "cpu/matmul.h"
 #include "cpu/mla.h"
@@ -28,76 +29,13 @@
 #include "model/moe_ffn.h"
 #include "model/rope_config.h"
 #include "model/weights.h"
+#include "runtime/device.h"
 #include "runtime/parallel.h"
 
 namespace dz {
 
-namespace {
-
-using cpu::WeightRef;
-
-struct Layer {
-  std::vector<float> in_norm, post_norm;
-  // MLA
-  WeightRef q_a, q_b, kv_a, kv_b, o;
-  std::vector<float> q_a_bias, kv_a_bias, o_bias;  // attention_bias only
-  std::vector<float> q_a_norm, kv_a_norm;
-  // Indexer
-  WeightRef idx_wq, idx_wk, idx_wproj;
-  std::vector<float> idx_knorm_w, idx_knorm_b;
-  Ffn ffn;  // dense, or routed experts + shared experts
-};
-
-class DeepseekV32 final : public Family {
- public:
-  DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_model_params& params);
-
-  void fill_info(dz_model_info& info) const override {
-    info.device = DZ_DEVICE_CPU;
-    info.n_layers = n_layers_;
-    info.n_vocab = n_vocab_;
-    info.hidden_size = int32_t(hidden_);
-    info.n_heads = mla_.n_heads;
-    info.n_kv_heads = 1;  // one latent shared by every head
-    info.n_experts = routing_.n_experts;
-    info.n_experts_active = routing_.n_active;
-    info.max_context = max_context_;
-  }
-  int32_t n_vocab() const override { return n_vocab_; }
-  kv::Layout kv_layout(uint32_t page_tokens) const override {
-    kv::Layout l;
-    l.page_tokens = page_tokens;
-    l.layer_token_bytes.assign(size_t(n_layers_), token_bytes());
-    l.model_key = model_key_;
-    return l;
-  }
-  void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
-
-  void set_trace(const DsaTrace* t) { trace_ = t; }
-
- private:
-  // Per token per layer: [c_kv | k_rope] fp32, then the indexer key.
-  size_t latent_bytes() const { return cpu::mla_latent_bytes(mla_); }
-  size_t token_bytes() const { return latent_bytes() + cpu::indexer_key_bytes(idx_); }
-
-  int32_t n_vocab_ = 0, n_layers_ = 0;
-  int64_t hidden_ = 0, q_lora_ = 0, max_context_ = 0;
-  MoeRouting routing_;
-  float eps_ = 1e-6f;
-  cpu::MlaDims mla_;
-  cpu::IndexerConfig idx_;
-  cpu::IndexerBudget idx_budget_;
-  cpu::RopeFreqs rope_;
-  LmEnds ends_;
-  std::vector<Layer> layers_;
-  uint64_t model_key_ = 0;
-  const DsaTrace* trace_ = nullptr;
-  std::unique_ptr<ThreadPool> pool_;
-};
-
-DeepseekV32::DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
+DeepseekV32Desc::DeepseekV32Desc(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
   const std::string& src = cfg.source();
-  check_cpu_family_params(params, "deepseek_v32");
   n_vocab_ = int32_t(cfg.get_positive_int("vocab_size"));
   hidden_ = cfg.get_positive_int("hidden_size");
   n_layers_ = int32_t(cfg.get_positive_int("num_hidden_layers"));
@@ -115,9 +53,9 @@ DeepseekV32::DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_mode
   idx_.topk = int(cfg.get_positive_int("index_topk"));
   check(idx_.head_dim >= mla_.rope, DZ_ERR_FORMAT, src, ": index_head_dim ", idx_.head_dim,
         " is smaller than qk_rope_head_dim ", mla_.rope);
+  check(params.indexer == DZ_INDEXER_EXACT || params.indexer == DZ_INDEXER_FP8 || params.indexer == DZ_INDEXER_AUTO,
+        DZ_ERR_INVALID_ARGUMENT, "dz_model_params.indexer = ", int(params.indexer), " is not a dz_indexer_mode");
   idx_.mode = params.indexer == DZ_INDEXER_FP8 ? cpu::IndexerMode::Fp8 : cpu::IndexerMode::Exact;
-  check(params.indexer == DZ_INDEXER_EXACT || params.indexer == DZ_INDEXER_FP8, DZ_ERR_INVALID_ARGUMENT,
-        "dz_model_params.indexer = ", int(params.indexer), " is not a dz_indexer_mode");
   // Power-of-two indexer scales when the checkpoint quantises that way (DeepSeek's "ue8m0").
   if (cfg.has("quantization_config") && cfg.json()["quantization_config"].is_object()) {
     const auto& q = cfg.json()["quantization_config"];
@@ -171,7 +109,7 @@ DeepseekV32::DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_mode
   ends_.load(ws, n_vocab_, H, tied);
   layers_.resize(size_t(n_layers_));
   for (int i = 0; i < n_layers_; ++i) {
-    Layer& l = layers_[size_t(i)];
+    DeepseekV32Layer& l = layers_[size_t(i)];
     const std::string p = "model.layers." + std::to_string(i) + ".", a = p + "self_attn.";
     l.in_norm = vector_f32(ws, p + "input_layernorm.weight", {H});
     l.post_norm = vector_f32(ws, p + "post_attention_layernorm.weight", {H});
@@ -208,6 +146,58 @@ DeepseekV32::DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_mode
       l.ffn.experts.push_back(load_mlp(p + "mlp.experts." + std::to_string(e), moe_inter));
     if (n_shared > 0) l.ffn.shared = load_mlp(p + "mlp.shared_experts", moe_inter * n_shared);
   }
+  weights_bytes_ = ws.total_bytes();
+}
+
+void DeepseekV32Desc::fill_desc_info(dz_model_info& info) const {
+  info.n_layers = n_layers_;
+  info.n_vocab = n_vocab_;
+  info.hidden_size = int32_t(hidden_);
+  info.n_heads = mla_.n_heads;
+  info.n_kv_heads = 1;  // one latent shared by every head
+  info.n_experts = routing_.n_experts;
+  info.n_experts_active = routing_.n_active;
+  info.max_context = max_context_;
+}
+
+namespace {
+
+using cpu::WeightRef;
+
+class DeepseekV32 final : public Family, private DeepseekV32Desc {
+ public:
+  DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_model_params& params);
+
+  void fill_info(dz_model_info& info) const override {
+    fill_desc_info(info);
+    info.device = DZ_DEVICE_CPU;
+  }
+  int32_t n_vocab() const override { return n_vocab_; }
+  kv::Layout kv_layout(uint32_t page_tokens) const override {
+    kv::Layout l;
+    l.page_tokens = page_tokens;
+    l.layer_token_bytes.assign(size_t(n_layers_), token_bytes());
+    l.model_key = model_key_;
+    return l;
+  }
+  void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
+
+  void set_trace(const DsaTrace* t) { trace_ = t; }
+
+ private:
+  // Per token per layer: [c_kv | k_rope] fp32, then the indexer key.
+  size_t latent_bytes() const { return cpu::mla_latent_bytes(mla_); }
+  size_t token_bytes() const { return latent_bytes() + cpu::indexer_key_bytes(idx_); }
+
+  cpu::IndexerBudget idx_budget_;
+  uint64_t model_key_ = 0;
+  const DsaTrace* trace_ = nullptr;
+  std::unique_ptr<ThreadPool> pool_;
+};
+
+DeepseekV32::DeepseekV32(const Config& cfg, const WeightStore& ws, const dz_model_params& params)
+    : DeepseekV32Desc(cfg, ws, params) {
+  check_cpu_family_params(params, "deepseek_v32");
   model_key_ = fnv1a(cfg.json().dump(), fnv1a(std::string("deepseek_v32 kv: f32 c_kv|k_rope + indexer key v1 mode ") +
                                               std::to_string(int(idx_.mode)) + std::to_string(idx_.pow2_scales) + " " +
                                               std::to_string(ws.total_bytes())));
@@ -238,7 +228,7 @@ void DeepseekV32::forward(std::span<ForwardItem> batch, const ForwardOptions& op
 
   for (int li = 0; li < n_layers_; ++li) {
     opt.poll_abort();
-    const Layer& L = layers_[size_t(li)];
+    const DeepseekV32Layer& L = layers_[size_t(li)];
     cpu::rms_norm(x.data(), R, H, L.in_norm.data(), eps_, xn.data());
     // Queries: c_q = RMSNorm(q_a(x)), q = q_b(c_q), RoPE (interleaved) on each head's rope part.
     cpu::matmul(xn.data(), R, L.q_a, or_null(L.q_a_bias), cq.data(), pool);
@@ -296,7 +286,10 @@ void DeepseekV32::forward(std::span<ForwardItem> batch, const ForwardOptions& op
     for (int64_t i = 0; i < R * H; ++i) x[size_t(i)] += tmp[size_t(i)];
 
     cpu::rms_norm(x.data(), R, H, L.post_norm.data(), eps_, xn.data());
-    ffn_forward(L.ffn, routing_, H, xn.data(), R, tmp.data(), pool);
+    std::vector<float> margins(trace_ && trace_->on_route && L.ffn.moe ? size_t(R) : 0);
+    ffn_forward(L.ffn, routing_, H, xn.data(), R, tmp.data(), pool, nullptr,
+                margins.empty() ? nullptr : margins.data());
+    if (!margins.empty()) trace_->on_route(li, margins.data(), R);
     for (int64_t i = 0; i < R * H; ++i) x[size_t(i)] += tmp[size_t(i)];
   }
   opt.poll_abort();
@@ -308,6 +301,15 @@ void DeepseekV32::forward(std::span<ForwardItem> batch, const ForwardOptions& op
 }  // namespace
 
 std::unique_ptr<Family> make_deepseek_v32(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
+  if (params.device == DZ_DEVICE_CUDA) return make_deepseek_v32_cuda(cfg, ws, params);
+  if (params.device == DZ_DEVICE_AUTO && cuda_compiled() && cuda_device_count() > 0) {
+    try {
+      return make_deepseek_v32_cuda(cfg, ws, params);
+    } catch (const Error& e) {
+      if (e.status() == DZ_ERR_FORMAT) throw;
+      log_warn("deepseek_v32: CUDA backend unavailable (", e.what(), "); using the CPU");
+    }
+  }
   return std::make_unique<DeepseekV32>(cfg, ws, params);
 }
 

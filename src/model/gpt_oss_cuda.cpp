@@ -44,6 +44,7 @@ uint64_t gpt_oss_cuda_graph_replays() { return 0; }
 #include "cuda/sampling.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
+#include "runtime/cuda/kv_storage.h"
 #include "runtime/cuda/upload.h"
 #include "runtime/device.h"
 #include "runtime/parallel.h"
@@ -67,58 +68,6 @@ int pow2_at_least(int n) {
   while (p < n) p <<= 1;
   return p;
 }
-
-uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-// KV pages on the device: one cudaMalloc per arena (zero-filled), on the
-// device the model was opened on (one factory per ordinal: the arena takes a
-// plain function pointer).
-class DeviceStorage final : public kv::Storage {
- public:
-  DeviceStorage(int dev, size_t bytes) : dev_(dev), size_(bytes) {
-    DZ_CUDA_CHECK(cudaSetDevice(dev_));
-    const cudaError_t e = cudaMalloc(&p_, bytes ? bytes : 1);
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      fail(DZ_ERR_OUT_OF_MEMORY, "KV arena: cannot allocate ", bytes >> 20, " MiB on CUDA device ", dev_, ": ",
-           cudaGetErrorString(e));
-    }
-    DZ_CUDA_CHECK(cudaMemset(p_, 0, bytes));
-    DZ_CUDA_CHECK(cudaDeviceSynchronize());
-  }
-  ~DeviceStorage() override {
-    cudaSetDevice(dev_);
-    cudaFree(p_);
-  }
-  uint8_t* data() override { return static_cast<uint8_t*>(p_); }
-  size_t size() const override { return size_; }
-  void copy(size_t dst, size_t src, size_t bytes) override {
-    DZ_CUDA_CHECK(cudaSetDevice(dev_));
-    DZ_CUDA_CHECK(cudaDeviceSynchronize());  // no forward may still read or write these pages
-    DZ_CUDA_CHECK(cudaMemcpy(data() + dst, data() + src, bytes, cudaMemcpyDeviceToDevice));
-    DZ_CUDA_CHECK(cudaDeviceSynchronize());
-  }
-  bool on_device() const override { return true; }
-
- private:
-  int dev_;
-  void* p_ = nullptr;
-  size_t size_;
-};
-
-template <int D>
-std::unique_ptr<kv::Storage> make_device_storage(size_t bytes) {
-  return std::make_unique<DeviceStorage>(D, bytes);
-}
-using StorageFn = std::unique_ptr<kv::Storage> (*)(size_t);
-constexpr StorageFn kStorageFns[] = {make_device_storage<0>, make_device_storage<1>, make_device_storage<2>,
-                                     make_device_storage<3>, make_device_storage<4>, make_device_storage<5>,
-                                     make_device_storage<6>, make_device_storage<7>};
 
 // Rows per device pass unless dz_model_params.pass_tokens says otherwise:
 // activations and the MoE scratch are sized for it; longer batches run as
@@ -204,7 +153,7 @@ class GptOssCuda final : public Family, private GptOssDesc {
     l.model_key = config_hash_ ^ 0x6375646132ull;  // "cuda2": device pages, bf16 K|V
     return l;
   }
-  std::unique_ptr<kv::Storage> (*kv_storage() const)(size_t) override { return kStorageFns[dev_]; }
+  std::unique_ptr<kv::Storage> (*kv_storage() const)(size_t) override { return storage_fn_; }
   // A pass of up to max_rows_ rows reads (or folds) each layer's experts once:
   // fewer, larger passes read them fewer times.
   uint32_t prefill_chunk() const override { return uint32_t(max_rows_); }
@@ -300,6 +249,7 @@ class GptOssCuda final : public Family, private GptOssDesc {
   void check_folding(int64_t E, int64_t H, int64_t I);
 
   int dev_ = 0;
+  cuda::KvStorageFn storage_fn_ = nullptr;
   cuda::MoePath path_ = cuda::MoePath::kAuto;
   bool fp8_experts_ = false;  // DZ_EXPERTS_FP8
   bool auto_w4a8_ = false;    // the W4A8 kernels where the MoE layer's options choose them (AUTO, FP8)
@@ -343,22 +293,9 @@ DeviceArray<uint16_t> GptOssCuda::upload_bf16(std::initializer_list<const cpu::W
   for (const cpu::WeightRef* w : ws) n += size_t(w->rows * w->cols);
   DeviceArray<uint16_t> d(ctx_->pool(), n, what);
   size_t off = 0;
-  std::vector<float> row;
-  std::vector<uint16_t> conv;
   for (const cpu::WeightRef* w : ws) {
-    const size_t e = size_t(w->rows * w->cols);
-    if (w->kind == cpu::WeightKind::BF16) {
-      copy_up(d.get() + off, w->data, e * 2);
-    } else {
-      row.resize(size_t(w->cols));
-      conv.resize(e);
-      for (int64_t r = 0; r < w->rows; ++r) {
-        w->decode_row(r, row.data());
-        for (int64_t c = 0; c < w->cols; ++c) conv[size_t(r * w->cols + c)] = f32_to_bf16(row[size_t(c)]);
-      }
-      copy_up(d.get() + off, conv.data(), e * 2);
-    }
-    off += e;
+    cuda::upload_bf16(up_.get(), d.get() + off, *w);
+    off += size_t(w->rows * w->cols);
   }
   device_bytes_ += n * 2;
   return d;
@@ -368,8 +305,7 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
     : GptOssDesc(cfg, ws), dev_(params.device_index) {
   const std::string& src = cfg.source();
   check(cuda_device_count() > 0, DZ_ERR_DEVICE, "gpt_oss: DZ_DEVICE_CUDA requested but no CUDA device is present");
-  check(params.device_index >= 0 && params.device_index < int(std::size(kStorageFns)), DZ_ERR_INVALID_ARGUMENT,
-        "device_index ", params.device_index, " (0..", std::size(kStorageFns) - 1, ")");
+  storage_fn_ = cuda::device_kv_storage(dev_);
   check(params.bf16_sensitive != 0, DZ_ERR_UNSUPPORTED,
         "gpt_oss CUDA: bf16_sensitive = 0 (lower-precision attention/router/lm_head) is not implemented");
   check(params.activations != DZ_ACTIVATIONS_F32, DZ_ERR_UNSUPPORTED,
@@ -475,8 +411,9 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
     d.w2b = upload(L.down.blocks, L.down.block_bytes(E), "down blocks");
     d.w2s = upload(L.down.scales, L.down.scale_bytes(E), "down scales");
     std::vector<uint16_t> b1(L.gate_up_bias.size()), b2(L.down_bias.size());
-    for (size_t i = 0; i < b1.size(); ++i) b1[i] = f32_to_bf16(L.gate_up_bias[i]);  // BF16 in the checkpoint: exact
-    for (size_t i = 0; i < b2.size(); ++i) b2[i] = f32_to_bf16(L.down_bias[i]);
+    for (size_t i = 0; i < b1.size(); ++i)
+      b1[i] = cuda::f32_to_bf16(L.gate_up_bias[i]);  // BF16 in the checkpoint: exact
+    for (size_t i = 0; i < b2.size(); ++i) b2[i] = cuda::f32_to_bf16(L.down_bias[i]);
     d.b1 = upload(b1.data(), b1.size(), "gate_up bias");
     d.b2 = upload(b2.data(), b2.size(), "down bias");
   }

@@ -63,7 +63,7 @@ void validate_routing(const MoeRouting& r, const std::string& src) {
 }
 
 void ffn_forward(const Ffn& f, const MoeRouting& r, int64_t hidden, const float* x, int64_t rows, float* y,
-                 ThreadPool* pool, const int32_t* tokens) {
+                 ThreadPool* pool, const int32_t* tokens, float* route_margin) {
   const cpu::Glu g = glu_of(r);
   if (!f.moe) return swiglu_forward(f.dense, g, hidden, x, rows, y, pool);
   const size_t R = size_t(rows), E = size_t(r.n_experts), k = size_t(r.n_active);
@@ -78,7 +78,8 @@ void ffn_forward(const Ffn& f, const MoeRouting& r, int64_t hidden, const float*
                                 idx.data() + i * k, weights.data() + i * k);
     else
       cpu::router_sigmoid_grouped(logits.data() + i * E, f.router_bias.data(), r.n_experts, r.n_group, r.topk_group,
-                                  r.n_active, r.norm, r.scale, idx.data() + i * k, weights.data() + i * k);
+                                  r.n_active, r.norm, r.scale, idx.data() + i * k, weights.data() + i * k,
+                                  route_margin ? route_margin + i : nullptr);
   }
   cpu::moe_forward(
       x, rows, hidden, f.experts[0].inter, idx.data(), weights.data(), r.n_active, r.n_experts,

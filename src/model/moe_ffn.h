@@ -57,8 +57,10 @@ std::vector<bool> moe_layers(const Config& cfg, int n_layers, int64_t default_de
 void validate_routing(const MoeRouting& r, const std::string& src);
 
 // y[rows x hidden] = FFN(x) for one layer. tokens (the rows' token ids) is
-// read by hash-routed layers only.
+// read by hash-routed layers only. route_margin (optional, sigmoid-routed
+// MoE layers): each row's distance from a different choice of experts
+// (cpu::router_sigmoid_grouped's margin), for tests that compare backends.
 void ffn_forward(const Ffn& f, const MoeRouting& r, int64_t hidden, const float* x, int64_t rows, float* y,
-                 ThreadPool* pool, const int32_t* tokens = nullptr);
+                 ThreadPool* pool, const int32_t* tokens = nullptr, float* route_margin = nullptr);
 
 }  // namespace dz

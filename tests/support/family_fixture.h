@@ -161,13 +161,14 @@ inline LogitsDiff compare_logits(const float* a, const float* b, size_t rows, si
 
 // A fixture's weights opened under configs a test edits: a temporary folder
 // linking every file but config.json, which each open() writes afresh.
+// fixture: a fixture folder, or an absolute path.
 struct ConfigProbe {
   std::filesystem::path dir;
   nlohmann::json base;  // the fixture's own config
   explicit ConfigProbe(const std::string& fixture) {
     namespace fs = std::filesystem;
-    const fs::path src = fs::path(kFixtureData) / fixture;
-    dir = fs::temp_directory_path() / ("dz-test-" + fixture + "-" + std::to_string(::getpid()));
+    const fs::path src = fixture.rfind('/', 0) == 0 ? fs::path(fixture) : fs::path(kFixtureData) / fixture;
+    dir = fs::temp_directory_path() / ("dz-test-" + src.filename().string() + "-" + std::to_string(::getpid()));
     fs::remove_all(dir);
     fs::create_directories(dir);
     for (const auto& e : fs::directory_iterator(src))
@@ -175,6 +176,11 @@ struct ConfigProbe {
     std::ifstream(src / "config.json") >> base;
   }
   ~ConfigProbe() { std::filesystem::remove_all(dir); }
+  // Writes cfg as the folder's config.json; returns the folder.
+  std::string with(const nlohmann::json& cfg) const {
+    std::ofstream(dir / "config.json") << cfg.dump();
+    return dir.string();
+  }
   // dz_model_open under cfg: its status and dz_last_error().
   std::pair<dz_status, std::string> open(const nlohmann::json& cfg) const {
     std::ofstream(dir / "config.json") << cfg.dump();

@@ -20,7 +20,9 @@ const char* const kModelOptionsHelp =
     "                 CUDA: tokens one device pass holds, 256..65536 (default 0: 16384); device\n"
     "                 scratch grows with it (dz_model_params.pass_tokens)\n"
     "  --activations A  auto (default), f32 or bf16: the CPU backend rounds the products' inputs as\n"
-    "                 the CUDA backend does with bf16 (dz_activation_precision)\n";
+    "                 the CUDA backend does with bf16 (dz_activation_precision)\n"
+    "  --indexer I    auto (default: the backend's own, CPU exact, CUDA fp8), exact or fp8: the DSA\n"
+    "                 indexer's scores (dz_indexer_mode)\n";
 
 const char* const kDefaultModel = "models/dayzero-tiny";
 
@@ -82,7 +84,8 @@ int print_progress(const char* stage, uint64_t done, uint64_t total, void*) {
 void show_load_progress(dz_model_params* params) { params->progress = print_progress; }
 
 std::vector<std::string> with_model_options(std::vector<std::string> own) {
-  for (const char* f : {"--device", "--threads", "--attention", "--pass-tokens", "--activations"}) own.emplace_back(f);
+  for (const char* f : {"--device", "--threads", "--attention", "--pass-tokens", "--activations", "--indexer"})
+    own.emplace_back(f);
   return own;
 }
 
@@ -112,6 +115,13 @@ bool parse_model_options(const Args& a, dz_model_params* p, std::string* err, co
     p->activations = act == "f32" ? DZ_ACTIVATIONS_F32 : act == "bf16" ? DZ_ACTIVATIONS_BF16 : DZ_ACTIVATIONS_AUTO;
   } else {
     *err = "--activations '" + act + "' (expected auto, f32 or bf16)";
+    return false;
+  }
+  const std::string ix = flag_value(a, "--indexer", "auto");
+  if (ix == "auto" || ix == "exact" || ix == "fp8") {
+    p->indexer = ix == "exact" ? DZ_INDEXER_EXACT : ix == "fp8" ? DZ_INDEXER_FP8 : DZ_INDEXER_AUTO;
+  } else {
+    *err = "--indexer '" + ix + "' (expected auto, exact or fp8)";
     return false;
   }
   show_load_progress(p);

@@ -99,12 +99,14 @@ const (
 	ExpertsBF16   Experts = C.DZ_EXPERTS_BF16
 )
 
-// Indexer selects the sparse-attention indexer's precision.
+// Indexer selects the sparse-attention indexer's precision. Its zero value is
+// the backend's own (CPU exact, CUDA FP8), so the values differ from C's.
 type Indexer int
 
 const (
-	IndexerExact Indexer = C.DZ_INDEXER_EXACT
-	IndexerFP8   Indexer = C.DZ_INDEXER_FP8
+	IndexerAuto Indexer = iota
+	IndexerExact
+	IndexerFP8
 )
 
 // ModelOptions are dz_model_params; the zero value gives the library's defaults.
@@ -139,7 +141,14 @@ func OpenModel(dir string, opts *ModelOptions) (*Model, error) {
 		p.device_index = C.int(opts.DeviceIndex)
 		p.n_threads = C.int(opts.Threads)
 		p.experts = C.dz_expert_precision(opts.Experts)
-		p.indexer = C.dz_indexer_mode(opts.Indexer)
+		switch opts.Indexer {
+		case IndexerExact:
+			p.indexer = C.DZ_INDEXER_EXACT
+		case IndexerFP8:
+			p.indexer = C.DZ_INDEXER_FP8
+		default:
+			p.indexer = C.DZ_INDEXER_AUTO
+		}
 		if opts.NoBF16Sensitive {
 			p.bf16_sensitive = 0
 		}

@@ -59,6 +59,7 @@ class Experts(enum.IntEnum):
 class Indexer(enum.IntEnum):
     EXACT = 0
     FP8 = 1
+    AUTO = 2  # the backend's own: CPU exact, CUDA FP8
 
 
 class LogLevel(enum.IntEnum):
@@ -184,7 +185,7 @@ class Model(_Handle):
     _free = "dz_model_free"
 
     def __init__(self, path, device=Device.CPU, device_index=0, n_threads=0, experts=Experts.AUTO,
-                 indexer=Indexer.EXACT, bf16_sensitive=True, progress=None):
+                 indexer=Indexer.AUTO, bf16_sensitive=True, progress=None):
         """progress: optional fn(stage: str, done: int, total: int) -> bool; return True to cancel."""
         super().__init__()
         p = _init(_c.dz_model_params)

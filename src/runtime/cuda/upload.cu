@@ -1,7 +1,9 @@
 #include <algorithm>
 #include <cstring>
 #include <thread>
+#include <vector>
 
+#include "cpu/matmul.h"
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/cuda/upload.h"
 #include "runtime/parallel.h"
@@ -68,5 +70,31 @@ void Uploader::copy(void* dst, const void* src, size_t bytes) {
 }
 
 void Uploader::finish() { DZ_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+void upload_bf16(Uploader* up, uint16_t* dst, const cpu::WeightRef& w) {
+  const size_t n = size_t(w.rows * w.cols);
+  auto put = [&](uint16_t* d, const void* src, size_t bytes) {
+    if (!bytes) return;
+    if (up)
+      up->copy(d, src, bytes);
+    else
+      DZ_CUDA_CHECK(cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice));
+  };
+  if (w.kind == cpu::WeightKind::BF16) return put(dst, w.data, n * 2);
+  std::vector<float> row(static_cast<size_t>(w.cols));
+  std::vector<uint16_t> conv(n);
+  for (int64_t r = 0; r < w.rows; ++r) {
+    w.decode_row(r, row.data());
+    for (int64_t c = 0; c < w.cols; ++c) conv[size_t(r * w.cols + c)] = f32_to_bf16(row[size_t(c)]);
+  }
+  put(dst, conv.data(), n * 2);
+}
 
 }  // namespace dz::cuda

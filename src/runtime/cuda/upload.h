@@ -13,7 +13,10 @@
 
 namespace dz {
 class ThreadPool;
+namespace cpu {
+struct WeightRef;
 }
+}  // namespace dz
 
 namespace dz::cuda {
 
@@ -50,5 +53,13 @@ class Uploader {
   cudaEvent_t ev_[kBuffers] = {};
   cudaStream_t stream_ = nullptr;
 };
+
+// dst (device, w.rows * w.cols values) = the matrix in BF16: copied as is
+// where the checkpoint holds BF16, else decoded row by row and rounded to
+// nearest even. Through `up` where given, else plain copies.
+void upload_bf16(Uploader* up, uint16_t* dst, const cpu::WeightRef& w);
+
+// fp32 -> bf16, round to nearest even (NaN stays NaN).
+uint16_t f32_to_bf16(float f);
 
 }  // namespace dz::cuda

@@ -60,6 +60,7 @@ pub const DZ_EXPERTS_BF16: dz_expert_precision = 3;
 pub type dz_indexer_mode = c_int;
 pub const DZ_INDEXER_EXACT: dz_indexer_mode = 0;
 pub const DZ_INDEXER_FP8: dz_indexer_mode = 1;
+pub const DZ_INDEXER_AUTO: dz_indexer_mode = 2;
 
 pub type dz_activation_precision = c_int;
 pub const DZ_ACTIVATIONS_AUTO: dz_activation_precision = 0;

@@ -235,6 +235,8 @@ pub enum Experts {
 pub enum Indexer {
     Exact = 0,
     Fp8 = 1,
+    /// The backend's own: CPU exact, CUDA FP8.
+    Auto = 2,
 }
 
 /// dz_model_params. `Default` gives the library's defaults.
@@ -256,7 +258,7 @@ impl Default for ModelParams {
             device_index: 0,
             n_threads: 0,
             experts: Experts::Auto,
-            indexer: Indexer::Exact,
+            indexer: Indexer::Auto,
             bf16_sensitive: true,
         }
     }

@@ -1,0 +1,571 @@
+// DeepSeek-V3.2 on the CUDA backend: the CPU family's computation (see
+// deepseek_v32.cpp) with the DSA kernels of kernels/cuda on the device.
+//  - Cache: per token and layer one record, bf16 [c_kv | k_rope] (16-byte
+//    aligned) then the indexer key (E4M3 bytes + fp32 scale), in device pages.
+//  - Indexer: FP8 scores and the exact top-k (cuda/dsa_indexer.h); the CUDA
+//    backend has no fp32 scoring, so DZ_INDEXER_EXACT stays on the CPU.
+//  - Attention: absorbed for every query (decode and prefill): q~ = W_UK^T
+//    q_nope, sparse attention over the selected latents, W_UV after it.
+//  - Projections (attention, indexer, router, dense and shared MLPs,
+//    lm_head) are BF16 GEMMs; FP8 checkpoints' projections are decoded to
+//    BF16 at load (twice their bytes on the device).
+//  - Routed experts stay MXFP4 and run through cuda::MoeLayer with plain
+//    SwiGLU (MoeActivation::kSilu): fused W4A16 kernels for few tokens an
+//    expert, FP8 GEMMs above (DZ_EXPERTS_NATIVE: fused at every size);
+//    experts in other formats are not served on the GPU yet.
+// Eager launches (no CUDA graphs yet); logits are copied to the host.
+#include "model/deepseek_v32.h"
+
+#ifndef DZ_WITH_CUDA
+
+namespace dz {
+std::unique_ptr<Family> make_deepseek_v32_cuda(const Config&, const WeightStore&, const dz_model_params&) {
+  fail(DZ_ERR_UNSUPPORTED,
+       "deepseek_v32: this build has no CUDA backend (configure with DZ_CUDA=ON); use DZ_DEVICE_CPU");
+}
+}  // namespace dz
+
+#else
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+#include "common/log.h"
+#include "cuda/bf16_gemm.h"
+#include "cuda/dsa_indexer.h"
+#include "cuda/embed.h"
+#include "cuda/mla.h"
+#include "cuda/mla_sparse.h"
+#include "cuda/moe.h"
+#include "cuda/norm.h"
+#include "cuda/router.h"
+#include "runtime/cuda/context.h"
+#include "runtime/cuda/cuda_check.h"
+#include "runtime/cuda/kv_storage.h"
+#include "runtime/cuda/upload.h"
+#include "runtime/device.h"
+
+namespace dz {
+
+namespace {
+
+using cuda::DeviceArray;
+
+constexpr int kDefaultRows = 4096;  // rows a device pass holds unless dz_model_params.pass_tokens says otherwise
+constexpr int kLogitRows = 256;     // lm_head rows a GEMM
+constexpr size_t kIndexerScratch = size_t(256) << 20;  // bounds the indexer's score block
+
+size_t align16(size_t n) { return (n + 15) / 16 * 16; }
+
+struct DevFfn {
+  int64_t inter = 0;              // 0: none
+  DeviceArray<uint16_t> gate_up;  // [2 inter, H]: gate rows, then up rows
+  DeviceArray<uint16_t> down;     // [H, inter]
+};
+
+struct DevLayer {
+  DeviceArray<uint16_t> q_a, q_b, kv_a, kv_b, o, iwq, iwk, iwp, router;
+  DeviceArray<float> q_a_b, kv_a_b, o_b, in_norm, post_norm, q_a_norm, kv_a_norm, knorm_w, knorm_b, router_bias;
+  bool moe = false;
+  DevFfn dense, shared;
+  DeviceArray<uint8_t> w1b, w1s, w2b, w2s;  // experts, MXFP4 stacked; gate_up rows interleaved (gate 2j, up 2j + 1)
+};
+
+class DeepseekV32Cuda final : public Family, private DeepseekV32Desc {
+ public:
+  DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params);
+  ~DeepseekV32Cuda() override = default;
+
+  void fill_info(dz_model_info& info) const override {
+    fill_desc_info(info);
+    info.device = DZ_DEVICE_CUDA;
+    info.device_bytes = device_bytes_;
+  }
+  int32_t n_vocab() const override { return n_vocab_; }
+  kv::Layout kv_layout(uint32_t page_tokens) const override {
+    kv::Layout l;
+    l.page_tokens = page_tokens;
+    l.layer_token_bytes.assign(size_t(n_layers_), stride_);
+    l.model_key = model_key_;
+    return l;
+  }
+  std::unique_ptr<kv::Storage> (*kv_storage() const)(size_t) override { return storage_fn_; }
+  uint32_t prefill_chunk() const override { return uint32_t(max_rows_); }
+  void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
+
+ private:
+  struct Segment {  // one item's rows within a pass
+    int item, first, n;
+    int64_t pos0;
+  };
+  void pass(std::span<ForwardItem> batch, const BatchRows& flat, int64_t r0, int64_t r1,
+            const std::vector<int32_t>& page_ids, const std::vector<int32_t>& item_page, kv::Arena& arena,
+            const ForwardOptions& opt);
+  void ffn(const DevFfn& f, int T, cudaStream_t s);
+  DeviceArray<uint16_t> bf16(std::initializer_list<const cpu::WeightRef*> ws, const char* what);
+  DeviceArray<float> f32(const std::vector<float>& v, const char* what);
+  DeviceArray<uint8_t> bytes(const std::vector<uint8_t>& v, const char* what);
+  // At load, through the pipelined uploader where it could be set up.
+  void copy_up(void* dst, const void* src, size_t n) {
+    if (up_)
+      up_->copy(dst, src, n);
+    else
+      DZ_CUDA_CHECK(cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice));
+  }
+  // a grows to at least n elements (contents dropped).
+  template <typename T>
+  T* room(DeviceArray<T>& a, size_t n, const char* what) {
+    if (a.size() < n) {
+      a.reset();
+      a = DeviceArray<T>(ctx_->pool(), n, what);
+    }
+    return a.get();
+  }
+
+  int dev_ = 0, sms_ = 132;
+  cuda::MoePath path_ = cuda::MoePath::kAuto;
+  cuda::KvStorageFn storage_fn_ = nullptr;
+  uint64_t device_bytes_ = 0, model_key_ = 0;
+  int max_rows_ = kDefaultRows;
+  size_t lat_bytes_ = 0, stride_ = 0;  // the record: latent bf16 (padded to 16), the indexer key, padded to 16
+  int64_t moe_inter_ = 0;
+  std::unique_ptr<cuda::Context> ctx_;
+  std::unique_ptr<cuda::Bf16Gemm> gemm_;
+  std::unique_ptr<cuda::MoeLayer> moe_;
+  std::unique_ptr<cuda::Uploader> up_;
+  DeviceArray<uint16_t> embed_d_, lm_head_d_;
+  DeviceArray<float> final_norm_d_;
+  std::vector<DevLayer> dl_;
+  // Pass scratch (grown on demand).
+  DeviceArray<float> x_, xn_, cq_, q_, kva_, iq_, ik_, iw_, qa_, olat_, rlog_, gw_, h_, logits_;
+  DeviceArray<uint16_t> xb_, cqb_, att_, hb_, qab_;
+  DeviceArray<int32_t> sel_, ids_;
+  DeviceArray<uint8_t> meta_, idx_scratch_, mla_scratch_;
+  std::vector<float> logits_host_;
+  std::mutex mu_;  // one forward at a time (shared scratch)
+};
+
+DeviceArray<uint16_t> DeepseekV32Cuda::bf16(std::initializer_list<const cpu::WeightRef*> ws, const char* what) {
+  size_t n = 0;
+  for (const cpu::WeightRef* w : ws) n += size_t(w->rows * w->cols);
+  DeviceArray<uint16_t> d(ctx_->pool(), n, what);
+  size_t off = 0;
+  for (const cpu::WeightRef* w : ws) {
+    cuda::upload_bf16(up_.get(), d.get() + off, *w);
+    off += size_t(w->rows * w->cols);
+  }
+  device_bytes_ += n * 2;
+  return d;
+}
+
+DeviceArray<float> DeepseekV32Cuda::f32(const std::vector<float>& v, const char* what) {
+  if (v.empty()) return {};
+  DeviceArray<float> d(ctx_->pool(), v.size(), what);
+  copy_up(d.get(), v.data(), v.size() * 4);
+  device_bytes_ += v.size() * 4;
+  return d;
+}
+
+DeviceArray<uint8_t> DeepseekV32Cuda::bytes(const std::vector<uint8_t>& v, const char* what) {
+  DeviceArray<uint8_t> d(ctx_->pool(), v.size(), what);
+  copy_up(d.get(), v.data(), v.size());
+  device_bytes_ += v.size();
+  return d;
+}
+
+DeepseekV32Cuda::DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params)
+    : DeepseekV32Desc(cfg, ws, params), dev_(params.device_index) {
+  const std::string& src = cfg.source();
+  check(cuda_device_count() > 0, DZ_ERR_DEVICE, "deepseek_v32: DZ_DEVICE_CUDA requested but no CUDA device is present");
+  storage_fn_ = cuda::device_kv_storage(dev_);
+  check(params.indexer != DZ_INDEXER_EXACT, DZ_ERR_UNSUPPORTED,
+        "deepseek_v32 CUDA: the GPU indexer scores in FP8 (DZ_INDEXER_FP8 or AUTO); DZ_INDEXER_EXACT runs on the CPU");
+  check(params.activations != DZ_ACTIVATIONS_F32, DZ_ERR_UNSUPPORTED,
+        "deepseek_v32 CUDA: DZ_ACTIVATIONS_F32 is not implemented (the GEMMs take BF16 activations)");
+  check(params.experts == DZ_EXPERTS_AUTO || params.experts == DZ_EXPERTS_NATIVE, DZ_ERR_UNSUPPORTED,
+        "deepseek_v32 CUDA: dz_expert_precision ", int(params.experts), " (AUTO or NATIVE so far)");
+  // NATIVE: the fused MXFP4 kernels (FP16 activations) at every batch size;
+  // AUTO: FP8 GEMMs (E4M3 activations, 1x128 scales) above the fused path's threshold.
+  path_ = params.experts == DZ_EXPERTS_NATIVE ? cuda::MoePath::kFused : cuda::MoePath::kAuto;
+  check(params.bf16_sensitive != 0, DZ_ERR_UNSUPPORTED,
+        "deepseek_v32 CUDA: bf16_sensitive = 0 (lower-precision projections) is not implemented");
+  if (params.pass_tokens) max_rows_ = int(params.pass_tokens);
+  check(mla_.rank <= cuda::kMlaGenericMaxRank && mla_.rope <= cuda::kMlaGenericMaxRope, DZ_ERR_UNSUPPORTED, src,
+        ": kv_lora_rank ", mla_.rank, " / qk_rope_head_dim ", mla_.rope, " (the CUDA sparse MLA takes at most ",
+        cuda::kMlaGenericMaxRank, " / ", cuda::kMlaGenericMaxRope, ")");
+  check(routing_.n_experts == 0 || (routing_.n_experts <= 256 && routing_.n_active <= 16), DZ_ERR_UNSUPPORTED, src,
+        ": ", routing_.n_experts, " experts top-", routing_.n_active, " (CUDA router: at most 256, top-16)");
+
+  // The record: the latent, then the indexer key at a 16-byte offset.
+  lat_bytes_ = align16(size_t(mla_.rank + mla_.rope) * 2);
+  stride_ = align16(lat_bytes_ + size_t(idx_.head_dim) + 4);
+  {
+    cuda::IndexerQueries probe;
+    probe.n_heads = idx_.n_heads, probe.head_dim = idx_.head_dim, probe.topk = idx_.topk;
+    probe.keys = {64, stride_, lat_bytes_};
+    cuda::indexer_validate(probe);  // head counts and dims the GPU indexer takes
+  }
+  model_key_ = fnv1a(cfg.json().dump(), fnv1a(std::string("deepseek_v32 cuda kv: bf16 c_kv|k_rope + fp8 key v1 ") +
+                                              std::to_string(idx_.pow2_scales) + " " + std::to_string(weights_bytes_)));
+
+  // The experts must be MXFP4 (the GPU MoE layer's format).
+  for (const DeepseekV32Layer& L : layers_)
+    for (size_t e = 0; L.ffn.moe && e < L.ffn.experts.size(); ++e) {
+      const SwiGlu& x = L.ffn.experts[e];
+      check(x.gate.kind == cpu::WeightKind::MXFP4 && x.up.kind == cpu::WeightKind::MXFP4 &&
+                x.down.kind == cpu::WeightKind::MXFP4,
+            DZ_ERR_UNSUPPORTED, src, ": routed expert ", e,
+            " is not MXFP4; the CUDA backend serves deepseek_v32's experts in MXFP4 only so far (use DZ_DEVICE_CPU)");
+      moe_inter_ = x.inter;
+    }
+
+  const int64_t H = hidden_, NH = mla_.n_heads, QD = mla_.nope + mla_.rope, KVA = mla_.rank + mla_.rope;
+  const int64_t IH = idx_.n_heads, ID = idx_.head_dim, E = routing_.n_experts, K = idx_.topk;
+  int64_t inter = moe_inter_;
+  for (const DeepseekV32Layer& L : layers_) inter = std::max({inter, L.ffn.dense.inter, L.ffn.shared.inter});
+  // Scratch a row: activations and projections (fp32 and bf16), the selection, the MoE layer's per-slot scratch.
+  const int64_t KP = (std::max(H, moe_inter_) + 127) / 128 * 128;
+  const int64_t slot = 12 + 6 * H + 4 * moe_inter_ + 4 * KP + (2 * KP) / 32;
+  const int64_t row =
+      4 * (3 * H + q_lora_ + NH * QD + KVA + IH * ID + ID + IH + NH * (KVA + mla_.rank) + E + 2 * inter) +
+      2 * (H + q_lora_ + NH * mla_.v + inter + NH * KVA) + 4 * K + 64 + (E ? routing_.n_active * slot : 0);
+  const size_t weights = size_t(weights_bytes_);
+  const size_t scratch = size_t(max_rows_) * size_t(row) + size_t(kLogitRows) * size_t(n_vocab_) * 4 +
+                         2 * kIndexerScratch + (size_t(2) << 30);
+  int n = 0;
+  DZ_CUDA_CHECK(cudaGetDeviceCount(&n));
+  check(dev_ < n, DZ_ERR_INVALID_ARGUMENT, "device_index ", dev_, " but ", n, " CUDA devices are present");
+  DZ_CUDA_CHECK(cudaSetDevice(dev_));
+  DZ_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev_));
+  size_t free_b = 0, total_b = 0;
+  DZ_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  cuda::ContextOptions co;
+  co.device = dev_;
+  co.pool_bytes = std::min(weights * 2 + scratch, free_b / 10 * 9);  // x2: FP8 projections grow to BF16
+  ctx_ = std::make_unique<cuda::Context>(co);
+  gemm_ = std::make_unique<cuda::Bf16Gemm>(*ctx_);
+  if (moe_inter_ > 0) {  // some layer routes experts
+    cuda::MoeShape ms;
+    ms.n_experts = int(E);
+    ms.topk = routing_.n_active;
+    ms.hidden = int(H);
+    ms.intermediate = int(moe_inter_);
+    ms.act = cuda::MoeActivation::kSilu;
+    moe_ = std::make_unique<cuda::MoeLayer>(*ctx_, ms, max_rows_);
+  }
+
+  try {
+    up_ = std::make_unique<cuda::Uploader>(weights, [&params](uint64_t done, uint64_t total) {
+      return params.progress &&
+             params.progress("upload weights", std::min(done, total - 1), total, params.progress_user);
+    });
+  } catch (const Error& e) {  // no pinned staging (a memlock limit, say): plain copies, slower
+    log_warn("deepseek_v32: weights uploaded without pinned staging buffers (", e.what(), ")");
+  }
+  embed_d_ = bf16({&ends_.embed}, "embed_tokens");
+  if (ends_.lm_head.data != ends_.embed.data) lm_head_d_ = bf16({&ends_.lm_head}, "lm_head");
+  final_norm_d_ = f32(ends_.final_norm, "model.norm");
+  dl_.resize(size_t(n_layers_));
+  auto load_ffn = [&](const SwiGlu& m, DevFfn& d) {
+    d.inter = m.inter;
+    if (!m.inter) return;
+    d.gate_up = bf16({&m.gate, &m.up}, "mlp gate_up");
+    d.down = bf16({&m.down}, "mlp down");
+  };
+  for (int li = 0; li < n_layers_; ++li) {
+    const DeepseekV32Layer& L = layers_[size_t(li)];
+    DevLayer& d = dl_[size_t(li)];
+    d.in_norm = f32(L.in_norm, "input_layernorm");
+    d.post_norm = f32(L.post_norm, "post_attention_layernorm");
+    d.q_a = bf16({&L.q_a}, "q_a_proj");
+    d.q_b = bf16({&L.q_b}, "q_b_proj");
+    d.kv_a = bf16({&L.kv_a}, "kv_a_proj_with_mqa");
+    d.kv_b = bf16({&L.kv_b}, "kv_b_proj");
+    d.o = bf16({&L.o}, "o_proj");
+    d.q_a_b = f32(L.q_a_bias, "q_a_proj bias");
+    d.kv_a_b = f32(L.kv_a_bias, "kv_a_proj bias");
+    d.o_b = f32(L.o_bias, "o_proj bias");
+    d.q_a_norm = f32(L.q_a_norm, "q_a_layernorm");
+    d.kv_a_norm = f32(L.kv_a_norm, "kv_a_layernorm");
+    d.iwq = bf16({&L.idx_wq}, "indexer wq_b");
+    d.iwk = bf16({&L.idx_wk}, "indexer wk");
+    d.iwp = bf16({&L.idx_wproj}, "indexer weights_proj");
+    d.knorm_w = f32(L.idx_knorm_w, "indexer k_norm weight");
+    d.knorm_b = f32(L.idx_knorm_b, "indexer k_norm bias");
+    d.moe = L.ffn.moe;
+    if (!d.moe) {
+      load_ffn(L.ffn.dense, d.dense);
+      continue;
+    }
+    load_ffn(L.ffn.shared, d.shared);
+    d.router = bf16({&L.ffn.router}, "router");
+    d.router_bias = f32(L.ffn.router_bias, "e_score_correction_bias");
+    // Experts stacked in the GPU layer's layout: gate_up [E][2I] rows (gate j
+    // at 2j, up j at 2j + 1), down [E][H] rows; blocks then E8M0 scales.
+    const int64_t I = moe_inter_, rb1 = H / 2, rs1 = H / 32, rb2 = I / 2, rs2 = I / 32;
+    std::vector<uint8_t> b1(size_t(E * 2 * I * rb1)), s1(size_t(E * 2 * I * rs1)), b2(size_t(E * H * rb2)),
+        s2(size_t(E * H * rs2));
+    for (int64_t e = 0; e < E; ++e) {
+      const SwiGlu& x = L.ffn.experts[size_t(e)];
+      for (int64_t j = 0; j < I; ++j)
+        for (int u = 0; u < 2; ++u) {
+          const cpu::WeightRef& w = u ? x.up : x.gate;
+          const int64_t r = (e * I + j) * 2 + u;
+          std::memcpy(b1.data() + r * rb1, w.data + j * rb1, size_t(rb1));
+          std::memcpy(s1.data() + r * rs1, w.scales + j * rs1, size_t(rs1));
+        }
+      std::memcpy(b2.data() + e * H * rb2, x.down.data, size_t(H * rb2));
+      std::memcpy(s2.data() + e * H * rs2, x.down.scales, size_t(H * rs2));
+    }
+    d.w1b = bytes(b1, "experts gate_up blocks");
+    d.w1s = bytes(s1, "experts gate_up scales");
+    d.w2b = bytes(b2, "experts down blocks");
+    d.w2s = bytes(s2, "experts down scales");
+  }
+  if (up_) up_->finish();
+  up_.reset();
+  if (params.progress && params.progress("upload weights", weights, weights, params.progress_user))
+    fail(DZ_ERR_CANCELLED, src, ": open cancelled by the progress callback");
+  DZ_CUDA_CHECK(cudaDeviceSynchronize());
+  log_info("deepseek_v32 on ", ctx_->describe(), ": ", device_bytes_ >> 20,
+           " MiB of weights on the device (checkpoint ", weights >> 20, " MiB)");
+}
+
+void DeepseekV32Cuda::ffn(const DevFfn& f, int T, cudaStream_t s) {
+  const int H = int(hidden_), I = int(f.inter);
+  float* h = room(h_, size_t(T) * 2 * I, "mlp gate_up out");
+  uint16_t* hb = room(hb_, size_t(T) * I, "mlp act");
+  gemm_->run(xb_.get(), f.gate_up.get(), nullptr, h, T, 2 * I, H, 0.f, s);
+  cuda::silu_mul(h, T, I, int64_t(2) * I, hb, s);
+  gemm_->run(hb, f.down.get(), nullptr, x_.get(), T, H, I, 1.f, s);  // x += down(act)
+}
+
+void DeepseekV32Cuda::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
+  std::lock_guard<std::mutex> lk(mu_);
+  DZ_CUDA_CHECK(cudaSetDevice(dev_));
+  const BatchRows flat = flatten_batch(batch, n_vocab_, "deepseek_v32");
+  kv::Arena& arena = batch[0].seq->arena();
+  check(arena.storage().on_device(), DZ_ERR_INVALID_ARGUMENT,
+        "deepseek_v32 CUDA: the KV arena is in host memory (create it from this model)");
+  std::vector<int32_t> page_ids, item_page(batch.size());
+  for (size_t b = 0; b < batch.size(); ++b) {
+    check(&batch[b].seq->arena() == &arena, DZ_ERR_INTERNAL, "deepseek_v32 forward: items of different arenas");
+    item_page[b] = int32_t(page_ids.size());
+    for (kv::PageId p : batch[b].seq->pages()) page_ids.push_back(int32_t(p));
+  }
+  const int64_t R = int64_t(flat.rows.size());
+  for (int64_t r0 = 0; r0 < R; r0 += max_rows_)
+    pass(batch, flat, r0, std::min<int64_t>(R, r0 + max_rows_), page_ids, item_page, arena, opt);
+  // Positions attended: each query's selection (its visible positions, up to top-k), every layer.
+  uint64_t total = 0;
+  for (size_t b = 0; b < batch.size(); ++b) {
+    uint64_t n = 0;
+    const int64_t start = int64_t(batch[b].seq->length());
+    for (size_t t = 0; t < batch[b].tokens.size(); ++t)
+      n += uint64_t(std::min<int64_t>(start + int64_t(t) + 1, idx_.topk)) * uint64_t(n_layers_);
+    total += n;
+    if (batch[b].attention_tokens_read) *batch[b].attention_tokens_read += n;
+  }
+  if (opt.attention_tokens_read) *opt.attention_tokens_read += total;
+}
+
+void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, int64_t r0, int64_t r1,
+                           const std::vector<int32_t>& page_ids, const std::vector<int32_t>& item_page,
+                           kv::Arena& arena, const ForwardOptions& opt) {
+  const int T = int(r1 - r0), L = n_layers_, P = int(page_ids.size());
+  const int H = int(hidden_), NH = mla_.n_heads, QD = mla_.nope + mla_.rope, KVA = mla_.rank + mla_.rope;
+  const int IH = idx_.n_heads, ID = idx_.head_dim, K = idx_.topk, half = mla_.rope / 2, V = n_vocab_;
+  cudaStream_t s = ctx_->stream();
+  const size_t page_bytes = arena.page_bytes();
+
+  // Row metadata, packed into one upload (256-byte aligned parts).
+  const size_t TS = static_cast<size_t>(T);
+  std::vector<int32_t> tok(TS), row_first(TS), logit_rows;
+  std::vector<int64_t> pos(TS), vis(TS), off(TS), layer_off(static_cast<size_t>(L));
+  std::vector<float> cs(TS * half), sn(TS * half);
+  std::vector<Segment> segs;
+  std::vector<float*> logit_dst;
+  int64_t max_vis = 0;
+  for (int i = 0; i < T; ++i) {
+    const BatchRow& rw = flat.rows[size_t(r0 + i)];
+    const ForwardItem& it = batch[rw.item];
+    const kv::Sequence& seq = *it.seq;
+    const int64_t k = r0 + i - flat.first_row[rw.item];  // row within its item
+    tok[size_t(i)] = it.tokens[size_t(k)];
+    pos[size_t(i)] = rw.pos;
+    vis[size_t(i)] = rw.pos + 1;
+    max_vis = std::max(max_vis, rw.pos + 1);
+    off[size_t(i)] = int64_t(seq.page_of(size_t(rw.pos))) * int64_t(page_bytes) +
+                     int64_t(seq.slot_of(size_t(rw.pos))) * int64_t(stride_);
+    row_first[size_t(i)] = item_page[rw.item];
+    cpu::rope_cos_sin(rope_, rw.pos, cs.data() + size_t(i) * half, sn.data() + size_t(i) * half);
+    if (segs.empty() || segs.back().item != int(rw.item)) segs.push_back({int(rw.item), i, 0, rw.pos});
+    ++segs.back().n;
+    const auto [lr0, nlr] = flat.logit_rows(batch, rw.item);
+    if (r0 + i >= lr0 && r0 + i < lr0 + nlr) {
+      logit_rows.push_back(i);
+      logit_dst.push_back(it.logits + (r0 + i - lr0) * int64_t(V));
+    }
+  }
+  for (int l = 0; l < L; ++l) layer_off[size_t(l)] = int64_t(arena.layer_offset(uint32_t(l)));
+  std::vector<uint8_t> host;
+  auto put = [&host](const auto& v) {
+    const size_t o = (host.size() + 255) / 256 * 256;
+    host.resize(o + v.size() * sizeof(v[0]));
+    if (!v.empty()) std::memcpy(host.data() + o, v.data(), v.size() * sizeof(v[0]));
+    return o;
+  };
+  const size_t o_tok = put(tok), o_first = put(row_first), o_lr = put(logit_rows), o_pos = put(pos), o_vis = put(vis),
+               o_off = put(off), o_loff = put(layer_off), o_cs = put(cs), o_sn = put(sn), o_pid = put(page_ids);
+  const size_t o_tab = (host.size() + 255) / 256 * 256;
+  const size_t o_rtab = o_tab + (size_t(L) * P * 8 + 255) / 256 * 256;
+  const size_t meta_bytes = o_rtab + size_t(L) * T * 8;
+  DZ_CUDA_CHECK(cudaStreamSynchronize(s));  // the previous pass may still read the metadata
+  uint8_t* m = room(meta_, meta_bytes, "batch metadata");
+  DZ_CUDA_CHECK(cudaMemcpyAsync(m, host.data(), host.size(), cudaMemcpyHostToDevice, s));
+  auto at = [m](size_t o) { return m + o; };
+  const int32_t* d_tok = reinterpret_cast<const int32_t*>(at(o_tok));
+  const int64_t* d_pos = reinterpret_cast<const int64_t*>(at(o_pos));
+  uint8_t** tables = reinterpret_cast<uint8_t**>(at(o_tab));
+  uint8_t*** row_tables = reinterpret_cast<uint8_t***>(at(o_rtab));
+  uint8_t* kv_base = arena.storage().data();
+  cuda::paged_tables(kv_base, reinterpret_cast<const int32_t*>(at(o_pid)), P, page_bytes,
+                     reinterpret_cast<const int64_t*>(at(o_loff)), L, reinterpret_cast<const int32_t*>(at(o_first)), T,
+                     tables, row_tables, s);
+
+  float* x = room(x_, TS * H, "x");
+  float* xn = room(xn_, TS * H, "xn");
+  uint16_t* xb = room(xb_, TS * H, "x bf16");
+  float* cq = room(cq_, TS * q_lora_, "c_q");
+  uint16_t* cqb = room(cqb_, TS * q_lora_, "c_q bf16");
+  float* q = room(q_, TS * NH * QD, "q");
+  float* kva = room(kva_, TS * KVA, "kv_a");
+  float* iq = room(iq_, TS * IH * ID, "indexer q");
+  float* ik = room(ik_, TS * ID, "indexer k");
+  float* iw = room(iw_, TS * IH, "indexer w");
+  float* qa = room(qa_, TS * NH * KVA, "absorbed q");
+  float* olat = room(olat_, TS * NH * mla_.rank, "attended latent");
+  uint16_t* att = room(att_, TS * NH * mla_.v, "attention out");
+  int32_t* sel = room(sel_, TS * K, "selection");
+  const bool tensor_mla = mla_.rank == cuda::kMlaRank && mla_.rope == cuda::kMlaRope && NH % 16 == 0;
+  uint16_t* qab = tensor_mla ? room(qab_, TS * NH * KVA, "absorbed q bf16") : nullptr;
+  int32_t* ids = nullptr;
+  float *rlog = nullptr, *gw = nullptr;
+  if (moe_) {
+    ids = room(ids_, TS * routing_.n_active, "expert ids");
+    gw = room(gw_, TS * routing_.n_active, "expert weights");
+    rlog = room(rlog_, TS * routing_.n_experts, "router logits");
+  }
+
+  cuda::IndexerQueries iqa;
+  iqa.n_heads = IH, iqa.head_dim = ID, iqa.topk = K, iqa.pow2_scales = idx_.pow2_scales;
+  iqa.n_q = T, iqa.q = iq, iqa.w = iw, iqa.n_visible = reinterpret_cast<const int64_t*>(at(o_vis));
+  iqa.max_visible = max_vis, iqa.same_pages = segs.size() == 1, iqa.out = sel;
+  iqa.keys = {arena.page_tokens(), stride_, lat_bytes_};
+  const int64_t qblock = std::max<int64_t>(1, std::min<int64_t>(T, int64_t(kIndexerScratch) / (4 * max_vis)));
+  const size_t idx_bytes = cuda::indexer_scratch_bytes(iqa, qblock);
+  uint8_t* idx_scratch = room(idx_scratch_, idx_bytes, "indexer scratch");
+
+  cuda::embed_gather(embed_d_.get(), d_tok, T, H, x, s);
+  for (int li = 0; li < L; ++li) {
+    if (opt.abort && opt.abort(opt.abort_user)) {
+      cudaStreamSynchronize(s);
+      fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
+    }
+    const DevLayer& D = dl_[size_t(li)];
+    uint8_t* kv_layer = kv_base + arena.layer_offset(uint32_t(li));
+    cuda::rms_norm(x, nullptr, T, H, D.in_norm.get(), eps_, nullptr, xb, s);
+    gemm_->run(xb, D.q_a.get(), D.q_a_b.get(), cq, T, int(q_lora_), H, 0.f, s);
+    cuda::rms_norm(cq, nullptr, T, int(q_lora_), D.q_a_norm.get(), eps_, nullptr, cqb, s);
+    gemm_->run(cqb, D.q_b.get(), nullptr, q, T, NH * QD, int(q_lora_), 0.f, s);
+    gemm_->run(xb, D.kv_a.get(), D.kv_a_b.get(), kva, T, KVA, H, 0.f, s);
+    gemm_->run(cqb, D.iwq.get(), nullptr, iq, T, IH * ID, int(q_lora_), 0.f, s);
+    gemm_->run(xb, D.iwk.get(), nullptr, ik, T, ID, H, 0.f, s);
+    cuda::layer_norm(ik, T, ID, D.knorm_w.get(), D.knorm_b.get(), 1e-6f, ik, s);
+    gemm_->run(xb, D.iwp.get(), nullptr, iw, T, IH, H, 0.f, s);
+
+    cuda::MlaRopeStore rs;
+    rs.n_rows = T, rs.n_heads = NH, rs.nope = mla_.nope, rs.rope = mla_.rope, rs.rank = mla_.rank;
+    rs.cos = reinterpret_cast<const float*>(at(o_cs)), rs.sin = reinterpret_cast<const float*>(at(o_sn));
+    rs.q = q, rs.kva = kva, rs.kv_norm = D.kv_a_norm.get(), rs.eps = eps_;
+    rs.kv_layer = kv_layer, rs.row_off = reinterpret_cast<const int64_t*>(at(o_off));
+    rs.idx_heads = IH, rs.idx_dim = ID, rs.iq = iq, rs.ik = ik;
+    cuda::mla_rope_store(rs, s);
+    for (const Segment& g : segs)
+      cuda::indexer_encode_keys(ID, idx_.pow2_scales, ik + size_t(g.first) * ID, g.n, d_pos + g.first,
+                                tables + size_t(li) * P + item_page[size_t(g.item)], iqa.keys, s);
+    iqa.pages = row_tables + size_t(li) * T;
+    cuda::indexer_select(iqa, idx_scratch, idx_bytes, qblock, s);
+
+    cuda::mla_absorb_q(q, T, NH, mla_.nope, mla_.rope, mla_.v, mla_.rank, D.kv_b.get(), qa, s);
+    if (tensor_mla) {
+      cuda::to_bf16(qa, qab, TS * NH * KVA, s);
+      cuda::SparseMlaDecode a;
+      a.batch = T, a.n_heads = NH, a.scale = mla_.scale, a.q = qab, a.sel = sel, a.topk = K;
+      a.pages = row_tables + size_t(li) * T, a.page_tokens = arena.page_tokens(), a.stride = stride_, a.offset = 0;
+      a.out = olat;
+      const int splits = cuda::sparse_mla_splits(a, sms_);
+      const size_t sb = cuda::sparse_mla_scratch_bytes(a, splits);
+      cuda::sparse_mla_decode(a, splits, room(mla_scratch_, sb, "sparse MLA partials"), sb, s);
+    } else {
+      cuda::SparseMlaGeneric a;
+      a.n_q = T, a.n_heads = NH, a.rank = mla_.rank, a.rope = mla_.rope, a.scale = mla_.scale, a.q = qa, a.sel = sel;
+      a.topk = K, a.pages = row_tables + size_t(li) * T, a.page_tokens = arena.page_tokens(), a.stride = stride_;
+      a.offset = 0, a.out = olat;
+      cuda::sparse_mla_generic(a, s);
+    }
+    cuda::mla_out_proj(olat, T, NH, mla_.nope, mla_.v, mla_.rank, D.kv_b.get(), att, s);
+    gemm_->run(att, D.o.get(), D.o_b.get(), x, T, H, NH * mla_.v, 1.f, s);  // x += o_proj(att)
+
+    cuda::rms_norm(x, nullptr, T, H, D.post_norm.get(), eps_, xn, xb, s);
+    if (!D.moe) {
+      ffn(D.dense, T, s);
+      continue;
+    }
+    gemm_->run(xb, D.router.get(), nullptr, rlog, T, routing_.n_experts, H, 0.f, s);
+    cuda::router_sigmoid_grouped(rlog, D.router_bias.get(), T, routing_.n_experts, routing_.n_group,
+                                 routing_.topk_group, routing_.n_active, routing_.norm, routing_.scale, ids, gw, s);
+    cuda::MoeWeights mw;
+    mw.w1_blocks = D.w1b.get(), mw.w1_scales = D.w1s.get(), mw.w2_blocks = D.w2b.get(), mw.w2_scales = D.w2s.get();
+    moe_->forward(mw, xn, ids, gw, T, x, path_, true);  // x += experts(xn)
+    if (D.shared.inter) ffn(D.shared, T, s);
+  }
+
+  // The logit rows of this pass, kLogitRows at a time.
+  const uint16_t* lm = lm_head_d_.get() ? lm_head_d_.get() : embed_d_.get();
+  const int n_logit = int(logit_rows.size());
+  float* logits = room(logits_, size_t(std::min(n_logit, kLogitRows)) * V, "logits");
+  logits_host_.resize(size_t(std::min(n_logit, kLogitRows)) * V);
+  for (int c0 = 0; c0 < n_logit; c0 += kLogitRows) {
+    const int nc = std::min(kLogitRows, n_logit - c0);
+    cuda::rms_norm(x, reinterpret_cast<const int32_t*>(at(o_lr)) + c0, nc, H, final_norm_d_.get(), eps_, nullptr, xb,
+                   s);
+    gemm_->run(xb, lm, nullptr, logits, nc, V, H, 0.f, s);
+    DZ_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits, size_t(nc) * V * 4, cudaMemcpyDeviceToHost, s));
+    DZ_CUDA_CHECK(cudaStreamSynchronize(s));
+    for (int i = 0; i < nc; ++i)
+      std::memcpy(logit_dst[size_t(c0 + i)], logits_host_.data() + size_t(i) * V, size_t(V) * 4);
+  }
+  DZ_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (moe_) {
+    const int err = moe_->take_error();
+    check(err == 0, DZ_ERR_INTERNAL, "deepseek_v32 CUDA: an expert id was out of range");
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Family> make_deepseek_v32_cuda(const Config& cfg, const WeightStore& ws,
+                                               const dz_model_params& params) {
+  check(cuda_device_count() > 0, DZ_ERR_DEVICE,
+        "deepseek_v32: DZ_DEVICE_CUDA requested but no CUDA device is present (driver or GPU missing); use "
+        "DZ_DEVICE_CPU or DZ_DEVICE_AUTO");
+  return std::make_unique<DeepseekV32Cuda>(cfg, ws, params);
+}
+
+}  // namespace dz
+
+#endif  // DZ_WITH_CUDA
