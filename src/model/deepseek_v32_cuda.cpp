@@ -54,8 +54,8 @@ namespace {
 
 using cuda::DeviceArray;
 
-constexpr int kDefaultRows = 4096;  // rows a device pass holds unless dz_model_params.pass_tokens says otherwise
-constexpr int kLogitRows = 256;     // lm_head rows a GEMM
+constexpr int kDefaultRows = 16384;  // rows a device pass holds unless dz_model_params.pass_tokens says otherwise
+constexpr int kLogitRows = 256;      // lm_head rows a GEMM
 constexpr size_t kIndexerScratch = size_t(256) << 20;  // bounds the indexer's score block
 
 size_t align16(size_t n) { return (n + 15) / 16 * 16; }
