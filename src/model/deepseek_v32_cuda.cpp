@@ -105,16 +105,6 @@ class DeepseekV32Cuda final : public Family, private DeepseekV32Desc {
             const std::vector<int32_t>& page_ids, const std::vector<int32_t>& item_page, kv::Arena& arena,
             const ForwardOptions& opt);
   void ffn(const DevFfn& f, int T, cudaStream_t s);
-  DeviceArray<uint16_t> bf16(std::initializer_list<const cpu::WeightRef*> ws, const char* what);
-  DeviceArray<float> f32(const std::vector<float>& v, const char* what);
-  DeviceArray<uint8_t> bytes(const std::vector<uint8_t>& v, const char* what);
-  // At load, through the pipelined uploader where it could be set up.
-  void copy_up(void* dst, const void* src, size_t n) {
-    if (up_)
-      up_->copy(dst, src, n);
-    else
-      DZ_CUDA_CHECK(cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice));
-  }
   // a grows to at least n elements (contents dropped).
   template <typename T>
   T* room(DeviceArray<T>& a, size_t n, const char* what) {
@@ -135,7 +125,6 @@ class DeepseekV32Cuda final : public Family, private DeepseekV32Desc {
   std::unique_ptr<cuda::Context> ctx_;
   std::unique_ptr<cuda::Bf16Gemm> gemm_;
   std::unique_ptr<cuda::MoeLayer> moe_;
-  std::unique_ptr<cuda::Uploader> up_;
   DeviceArray<uint16_t> embed_d_, lm_head_d_;
   DeviceArray<float> final_norm_d_;
   std::vector<DevLayer> dl_;
@@ -147,34 +136,6 @@ class DeepseekV32Cuda final : public Family, private DeepseekV32Desc {
   std::vector<float> logits_host_;
   std::mutex mu_;  // one forward at a time (shared scratch)
 };
-
-DeviceArray<uint16_t> DeepseekV32Cuda::bf16(std::initializer_list<const cpu::WeightRef*> ws, const char* what) {
-  size_t n = 0;
-  for (const cpu::WeightRef* w : ws) n += size_t(w->rows * w->cols);
-  DeviceArray<uint16_t> d(ctx_->pool(), n, what);
-  size_t off = 0;
-  for (const cpu::WeightRef* w : ws) {
-    cuda::upload_bf16(up_.get(), d.get() + off, *w);
-    off += size_t(w->rows * w->cols);
-  }
-  device_bytes_ += n * 2;
-  return d;
-}
-
-DeviceArray<float> DeepseekV32Cuda::f32(const std::vector<float>& v, const char* what) {
-  if (v.empty()) return {};
-  DeviceArray<float> d(ctx_->pool(), v.size(), what);
-  copy_up(d.get(), v.data(), v.size() * 4);
-  device_bytes_ += v.size() * 4;
-  return d;
-}
-
-DeviceArray<uint8_t> DeepseekV32Cuda::bytes(const std::vector<uint8_t>& v, const char* what) {
-  DeviceArray<uint8_t> d(ctx_->pool(), v.size(), what);
-  copy_up(d.get(), v.data(), v.size());
-  device_bytes_ += v.size();
-  return d;
-}
 
 DeepseekV32Cuda::DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params)
     : DeepseekV32Desc(cfg, ws, params), dev_(params.device_index) {
@@ -257,52 +218,45 @@ DeepseekV32Cuda::DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const
     moe_ = std::make_unique<cuda::MoeLayer>(*ctx_, ms, max_rows_);
   }
 
-  try {
-    up_ = std::make_unique<cuda::Uploader>(weights, [&params](uint64_t done, uint64_t total) {
-      return params.progress &&
-             params.progress("upload weights", std::min(done, total - 1), total, params.progress_user);
-    });
-  } catch (const Error& e) {  // no pinned staging (a memlock limit, say): plain copies, slower
-    log_warn("deepseek_v32: weights uploaded without pinned staging buffers (", e.what(), ")");
-  }
-  embed_d_ = bf16({&ends_.embed}, "embed_tokens");
-  if (ends_.lm_head.data != ends_.embed.data) lm_head_d_ = bf16({&ends_.lm_head}, "lm_head");
-  final_norm_d_ = f32(ends_.final_norm, "model.norm");
+  cuda::WeightLoader ld(ctx_->pool(), weights, params, "deepseek_v32");
+  embed_d_ = ld.bf16({&ends_.embed}, "embed_tokens");
+  if (ends_.lm_head.data != ends_.embed.data) lm_head_d_ = ld.bf16({&ends_.lm_head}, "lm_head");
+  final_norm_d_ = ld.array(ends_.final_norm, "model.norm");
   dl_.resize(size_t(n_layers_));
   auto load_ffn = [&](const SwiGlu& m, DevFfn& d) {
     d.inter = m.inter;
     if (!m.inter) return;
-    d.gate_up = bf16({&m.gate, &m.up}, "mlp gate_up");
-    d.down = bf16({&m.down}, "mlp down");
+    d.gate_up = ld.bf16({&m.gate, &m.up}, "mlp gate_up");
+    d.down = ld.bf16({&m.down}, "mlp down");
   };
   for (int li = 0; li < n_layers_; ++li) {
     const DeepseekV32Layer& L = layers_[size_t(li)];
     DevLayer& d = dl_[size_t(li)];
-    d.in_norm = f32(L.in_norm, "input_layernorm");
-    d.post_norm = f32(L.post_norm, "post_attention_layernorm");
-    d.q_a = bf16({&L.q_a}, "q_a_proj");
-    d.q_b = bf16({&L.q_b}, "q_b_proj");
-    d.kv_a = bf16({&L.kv_a}, "kv_a_proj_with_mqa");
-    d.kv_b = bf16({&L.kv_b}, "kv_b_proj");
-    d.o = bf16({&L.o}, "o_proj");
-    d.q_a_b = f32(L.q_a_bias, "q_a_proj bias");
-    d.kv_a_b = f32(L.kv_a_bias, "kv_a_proj bias");
-    d.o_b = f32(L.o_bias, "o_proj bias");
-    d.q_a_norm = f32(L.q_a_norm, "q_a_layernorm");
-    d.kv_a_norm = f32(L.kv_a_norm, "kv_a_layernorm");
-    d.iwq = bf16({&L.idx_wq}, "indexer wq_b");
-    d.iwk = bf16({&L.idx_wk}, "indexer wk");
-    d.iwp = bf16({&L.idx_wproj}, "indexer weights_proj");
-    d.knorm_w = f32(L.idx_knorm_w, "indexer k_norm weight");
-    d.knorm_b = f32(L.idx_knorm_b, "indexer k_norm bias");
+    d.in_norm = ld.array(L.in_norm, "input_layernorm");
+    d.post_norm = ld.array(L.post_norm, "post_attention_layernorm");
+    d.q_a = ld.bf16({&L.q_a}, "q_a_proj");
+    d.q_b = ld.bf16({&L.q_b}, "q_b_proj");
+    d.kv_a = ld.bf16({&L.kv_a}, "kv_a_proj_with_mqa");
+    d.kv_b = ld.bf16({&L.kv_b}, "kv_b_proj");
+    d.o = ld.bf16({&L.o}, "o_proj");
+    d.q_a_b = ld.array(L.q_a_bias, "q_a_proj bias");
+    d.kv_a_b = ld.array(L.kv_a_bias, "kv_a_proj bias");
+    d.o_b = ld.array(L.o_bias, "o_proj bias");
+    d.q_a_norm = ld.array(L.q_a_norm, "q_a_layernorm");
+    d.kv_a_norm = ld.array(L.kv_a_norm, "kv_a_layernorm");
+    d.iwq = ld.bf16({&L.idx_wq}, "indexer wq_b");
+    d.iwk = ld.bf16({&L.idx_wk}, "indexer wk");
+    d.iwp = ld.bf16({&L.idx_wproj}, "indexer weights_proj");
+    d.knorm_w = ld.array(L.idx_knorm_w, "indexer k_norm weight");
+    d.knorm_b = ld.array(L.idx_knorm_b, "indexer k_norm bias");
     d.moe = L.ffn.moe;
     if (!d.moe) {
       load_ffn(L.ffn.dense, d.dense);
       continue;
     }
     load_ffn(L.ffn.shared, d.shared);
-    d.router = bf16({&L.ffn.router}, "router");
-    d.router_bias = f32(L.ffn.router_bias, "e_score_correction_bias");
+    d.router = ld.bf16({&L.ffn.router}, "router");
+    d.router_bias = ld.array(L.ffn.router_bias, "e_score_correction_bias");
     // Experts stacked in the GPU layer's layout: gate_up [E][2I] rows (gate j
     // at 2j, up j at 2j + 1), down [E][H] rows; blocks then E8M0 scales.
     const int64_t I = moe_inter_, rb1 = H / 2, rs1 = H / 32, rb2 = I / 2, rs2 = I / 32;
@@ -320,15 +274,13 @@ DeepseekV32Cuda::DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const
       std::memcpy(b2.data() + e * H * rb2, x.down.data, size_t(H * rb2));
       std::memcpy(s2.data() + e * H * rs2, x.down.scales, size_t(H * rs2));
     }
-    d.w1b = bytes(b1, "experts gate_up blocks");
-    d.w1s = bytes(s1, "experts gate_up scales");
-    d.w2b = bytes(b2, "experts down blocks");
-    d.w2s = bytes(s2, "experts down scales");
+    d.w1b = ld.array(b1, "experts gate_up blocks");
+    d.w1s = ld.array(s1, "experts gate_up scales");
+    d.w2b = ld.array(b2, "experts down blocks");
+    d.w2s = ld.array(s2, "experts down scales");
   }
-  if (up_) up_->finish();
-  up_.reset();
-  if (params.progress && params.progress("upload weights", weights, weights, params.progress_user))
-    fail(DZ_ERR_CANCELLED, src, ": open cancelled by the progress callback");
+  ld.finish(src);
+  device_bytes_ = ld.bytes();
   DZ_CUDA_CHECK(cudaDeviceSynchronize());
   log_info("deepseek_v32 on ", ctx_->describe(), ": ", device_bytes_ >> 20,
            " MiB of weights on the device (checkpoint ", weights >> 20, " MiB)");

@@ -226,26 +226,6 @@ class GptOssCuda final : public Family, private GptOssDesc {
     return path_ == cuda::MoePath::kFused ||
            (path_ == cuda::MoePath::kAuto && moe_->choose(T) == cuda::MoePath::kFused);
   }
-  template <typename T>
-  DeviceArray<T> upload(const T* p, size_t n, const char* what) {
-    DeviceArray<T> d(ctx_->pool(), n, what);
-    copy_up(d.get(), p, n * sizeof(T));
-    device_bytes_ += n * sizeof(T);
-    return d;
-  }
-  // At load through the pipelined uploader (its copies complete by its finish()).
-  void copy_up(void* dst, const void* src, size_t bytes) {
-    if (!bytes) return;
-    if (up_)
-      up_->copy(dst, src, bytes);
-    else
-      DZ_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
-  }
-  DeviceArray<float> upload_f32(const std::vector<float>& v, const char* what) {
-    return upload(v.data(), v.size(), what);
-  }
-  // BF16 rows of the given matrices stacked (checkpoint BF16 copied as is).
-  DeviceArray<uint16_t> upload_bf16(std::initializer_list<const cpu::WeightRef*> ws, const char* what);
   void check_folding(int64_t E, int64_t H, int64_t I);
 
   int dev_ = 0;
@@ -281,25 +261,11 @@ class GptOssCuda final : public Family, private GptOssDesc {
   cudaEvent_t stage_ev_ = nullptr;         // after the last upload from stage_: rewrite only once it completed
   int* err_host_ = nullptr;                // pinned copy of the MoE error flag
   std::unique_ptr<ThreadPool> copy_pool_;  // host copies of many logits rows (batched decode: 51 MB at B = 64)
-  std::unique_ptr<cuda::Uploader> up_;     // the weights' copies, while loading
   std::vector<Graph> graphs_;
   uint64_t graph_tick_ = 0;
   bool graphs_broken_ = false;  // a capture failed: eager from then on (logged)
   std::mutex mu_;               // one forward at a time (shared scratch)
 };
-
-DeviceArray<uint16_t> GptOssCuda::upload_bf16(std::initializer_list<const cpu::WeightRef*> ws, const char* what) {
-  size_t n = 0;
-  for (const cpu::WeightRef* w : ws) n += size_t(w->rows * w->cols);
-  DeviceArray<uint16_t> d(ctx_->pool(), n, what);
-  size_t off = 0;
-  for (const cpu::WeightRef* w : ws) {
-    cuda::upload_bf16(up_.get(), d.get() + off, *w);
-    off += size_t(w->rows * w->cols);
-  }
-  device_bytes_ += n * 2;
-  return d;
-}
 
 GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params)
     : GptOssDesc(cfg, ws), dev_(params.device_index) {
@@ -374,53 +340,43 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
 
   // Weights through pinned staging buffers (host threads copy, the copy
   // engine uploads), reported as "upload weights" to params.progress against
-  // the checkpoint's bytes (norms and biases grow to fp32 on the way: done
-  // stays below total until the one final report).
-  try {
-    up_ = std::make_unique<cuda::Uploader>(weights, [&params](uint64_t done, uint64_t total) {
-      return params.progress &&
-             params.progress("upload weights", std::min(done, total - 1), total, params.progress_user);
-    });
-  } catch (const Error& e) {  // no pinned staging (a memlock limit, say): plain copies, slower
-    log_warn("gpt_oss: weights uploaded without pinned staging buffers (", e.what(), ")");
-  }
-  embed_d_ = upload_bf16({&embed_}, "embed_tokens");
-  lm_head_d_ = lm_head_.data == embed_.data ? DeviceArray<uint16_t>() : upload_bf16({&lm_head_}, "lm_head");
-  final_norm_d_ = upload_f32(final_norm_, "model.norm");
+  // the checkpoint's bytes (norms and biases grow to fp32 on the way).
+  cuda::WeightLoader ld(ctx_->pool(), weights, params, "gpt_oss");
+  embed_d_ = ld.bf16({&embed_}, "embed_tokens");
+  lm_head_d_ = lm_head_.data == embed_.data ? DeviceArray<uint16_t>() : ld.bf16({&lm_head_}, "lm_head");
+  final_norm_d_ = ld.array(final_norm_, "model.norm");
   dl_.resize(size_t(n_layers_));
   for (int li = 0; li < n_layers_; ++li) {
     const GptOssLayer& L = layers_[size_t(li)];
     DevLayer& d = dl_[size_t(li)];
     d.sliding = L.sliding;
-    d.qkv_w = upload_bf16({&L.q, &L.k, &L.v}, "qkv_proj");
-    d.o_w = upload_bf16({&L.o}, "o_proj");
-    d.router_w = upload_bf16({&L.router}, "router");
+    d.qkv_w = ld.bf16({&L.q, &L.k, &L.v}, "qkv_proj");
+    d.o_w = ld.bf16({&L.o}, "o_proj");
+    d.router_w = ld.bf16({&L.router}, "router");
     if (!L.bq.empty()) {
       std::vector<float> b(L.bq);
       b.insert(b.end(), L.bk.begin(), L.bk.end());
       b.insert(b.end(), L.bv.begin(), L.bv.end());
-      d.qkv_b = upload_f32(b, "qkv bias");
-      d.o_b = upload_f32(L.bo, "o_proj bias");
+      d.qkv_b = ld.array(b, "qkv bias");
+      d.o_b = ld.array(L.bo, "o_proj bias");
     }
-    d.router_b = upload_f32(L.router_bias, "router bias");
-    d.in_norm = upload_f32(L.in_norm, "input_layernorm");
-    d.post_norm = upload_f32(L.post_norm, "post_attention_layernorm");
-    d.sinks = upload_f32(L.sinks, "sinks");
-    d.w1b = upload(L.gate_up.blocks, L.gate_up.block_bytes(E), "gate_up blocks");
-    d.w1s = upload(L.gate_up.scales, L.gate_up.scale_bytes(E), "gate_up scales");
-    d.w2b = upload(L.down.blocks, L.down.block_bytes(E), "down blocks");
-    d.w2s = upload(L.down.scales, L.down.scale_bytes(E), "down scales");
+    d.router_b = ld.array(L.router_bias, "router bias");
+    d.in_norm = ld.array(L.in_norm, "input_layernorm");
+    d.post_norm = ld.array(L.post_norm, "post_attention_layernorm");
+    d.sinks = ld.array(L.sinks, "sinks");
+    d.w1b = ld.array(L.gate_up.blocks, L.gate_up.block_bytes(E), "gate_up blocks");
+    d.w1s = ld.array(L.gate_up.scales, L.gate_up.scale_bytes(E), "gate_up scales");
+    d.w2b = ld.array(L.down.blocks, L.down.block_bytes(E), "down blocks");
+    d.w2s = ld.array(L.down.scales, L.down.scale_bytes(E), "down scales");
     std::vector<uint16_t> b1(L.gate_up_bias.size()), b2(L.down_bias.size());
     for (size_t i = 0; i < b1.size(); ++i)
       b1[i] = cuda::f32_to_bf16(L.gate_up_bias[i]);  // BF16 in the checkpoint: exact
     for (size_t i = 0; i < b2.size(); ++i) b2[i] = cuda::f32_to_bf16(L.down_bias[i]);
-    d.b1 = upload(b1.data(), b1.size(), "gate_up bias");
-    d.b2 = upload(b2.data(), b2.size(), "down bias");
+    d.b1 = ld.array(b1.data(), b1.size(), "gate_up bias");
+    d.b2 = ld.array(b2.data(), b2.size(), "down bias");
   }
-  if (up_) up_->finish();
-  up_.reset();
-  if (params.progress && params.progress("upload weights", weights, weights, params.progress_user))
-    fail(DZ_ERR_CANCELLED, src, ": open cancelled by the progress callback");
+  ld.finish(src);
+  device_bytes_ = ld.bytes();
   check_folding(E, H, I);
   auto& pool = ctx_->pool();
   const size_t MR = size_t(max_rows_);

@@ -3,6 +3,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/error.h"
+#include "common/log.h"
 #include "cpu/matmul.h"
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/cuda/upload.h"
@@ -78,23 +80,56 @@ uint16_t f32_to_bf16(float f) {
   return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-void upload_bf16(Uploader* up, uint16_t* dst, const cpu::WeightRef& w) {
-  const size_t n = size_t(w.rows * w.cols);
-  auto put = [&](uint16_t* d, const void* src, size_t bytes) {
-    if (!bytes) return;
-    if (up)
-      up->copy(d, src, bytes);
-    else
-      DZ_CUDA_CHECK(cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice));
-  };
-  if (w.kind == cpu::WeightKind::BF16) return put(dst, w.data, n * 2);
-  std::vector<float> row(static_cast<size_t>(w.cols));
-  std::vector<uint16_t> conv(n);
-  for (int64_t r = 0; r < w.rows; ++r) {
-    w.decode_row(r, row.data());
-    for (int64_t c = 0; c < w.cols; ++c) conv[size_t(r * w.cols + c)] = f32_to_bf16(row[size_t(c)]);
+WeightLoader::WeightLoader(DevicePool& pool, uint64_t total, const dz_model_params& params, const char* family)
+    : pool_(pool), total_(total), params_(params) {
+  try {
+    up_ = std::make_unique<Uploader>(total, [&params](uint64_t done, uint64_t t) {
+      return params.progress && params.progress("upload weights", std::min(done, t - 1), t, params.progress_user);
+    });
+  } catch (const Error& e) {  // no pinned staging (a memlock limit, say): plain copies, slower
+    log_warn(family, ": weights uploaded without pinned staging buffers (", e.what(), ")");
   }
-  put(dst, conv.data(), n * 2);
+}
+
+void WeightLoader::copy(void* dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  if (up_)
+    up_->copy(dst, src, bytes);
+  else
+    DZ_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+}
+
+DeviceArray<uint16_t> WeightLoader::bf16(std::initializer_list<const cpu::WeightRef*> ws, const char* what) {
+  size_t n = 0;
+  for (const cpu::WeightRef* w : ws) n += size_t(w->rows * w->cols);
+  DeviceArray<uint16_t> d(pool_, n, what);
+  uint16_t* dst = d.get();
+  std::vector<float> row;
+  std::vector<uint16_t> conv;
+  for (const cpu::WeightRef* w : ws) {
+    const size_t e = size_t(w->rows * w->cols);
+    if (w->kind == cpu::WeightKind::BF16) {
+      copy(dst, w->data, e * 2);
+    } else {
+      row.resize(size_t(w->cols));
+      conv.resize(e);
+      for (int64_t r = 0; r < w->rows; ++r) {
+        w->decode_row(r, row.data());
+        for (int64_t c = 0; c < w->cols; ++c) conv[size_t(r * w->cols + c)] = f32_to_bf16(row[size_t(c)]);
+      }
+      copy(dst, conv.data(), e * 2);
+    }
+    dst += e;
+  }
+  bytes_ += n * 2;
+  return d;
+}
+
+void WeightLoader::finish(const std::string& src) {
+  if (up_) up_->finish();
+  up_.reset();
+  if (params_.progress && params_.progress("upload weights", total_, total_, params_.progress_user))
+    fail(DZ_ERR_CANCELLED, src, ": open cancelled by the progress callback");
 }
 
 }  // namespace dz::cuda

@@ -9,7 +9,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
+#include <string>
+#include <vector>
+
+#include "dayzero.h"
+#include "runtime/cuda/context.h"
 
 namespace dz {
 class ThreadPool;
@@ -54,10 +60,42 @@ class Uploader {
   cudaStream_t stream_ = nullptr;
 };
 
-// dst (device, w.rows * w.cols values) = the matrix in BF16: copied as is
-// where the checkpoint holds BF16, else decoded row by row and rounded to
-// nearest even. Through `up` where given, else plain copies.
-void upload_bf16(Uploader* up, uint16_t* dst, const cpu::WeightRef& w);
+// A model's weights onto the device at load: pool allocations filled through
+// a pipelined Uploader (plain copies where pinned staging cannot be set up),
+// reported as "upload weights" to params.progress against `total` bytes (the
+// checkpoint's; done stays below it until finish()), which can cancel; the
+// device bytes counted. Used by one thread while a model opens.
+class WeightLoader {
+ public:
+  WeightLoader(DevicePool& pool, uint64_t total, const dz_model_params& params, const char* family);
+  // n values from host memory (n = 0: an empty array).
+  template <typename T>
+  DeviceArray<T> array(const T* p, size_t n, const char* what) {
+    if (!n) return {};
+    DeviceArray<T> d(pool_, n, what);
+    copy(d.get(), p, n * sizeof(T));
+    bytes_ += n * sizeof(T);
+    return d;
+  }
+  template <typename T>
+  DeviceArray<T> array(const std::vector<T>& v, const char* what) {
+    return array(v.data(), v.size(), what);
+  }
+  // The matrices' rows stacked in BF16: copied as is where the checkpoint
+  // holds BF16, else decoded row by row and rounded to nearest even.
+  DeviceArray<uint16_t> bf16(std::initializer_list<const cpu::WeightRef*> ws, const char* what);
+  void copy(void* dst, const void* src, size_t bytes);
+  // Waits for every copy and reports the total as done; throws
+  // DZ_ERR_CANCELLED (naming src) where the progress callback says stop.
+  void finish(const std::string& src);
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  DevicePool& pool_;
+  uint64_t total_, bytes_ = 0;
+  const dz_model_params& params_;
+  std::unique_ptr<Uploader> up_;
+};
 
 // fp32 -> bf16, round to nearest even (NaN stays NaN).
 uint16_t f32_to_bf16(float f);
