@@ -77,7 +77,6 @@ struct DevLayer {
 class DeepseekV32Cuda final : public Family, private DeepseekV32Desc {
  public:
   DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params);
-  ~DeepseekV32Cuda() override = default;
 
   void fill_info(dz_model_info& info) const override {
     fill_desc_info(info);
@@ -99,7 +98,6 @@ class DeepseekV32Cuda final : public Family, private DeepseekV32Desc {
  private:
   struct Segment {  // one item's rows within a pass
     int item, first, n;
-    int64_t pos0;
   };
   void pass(std::span<ForwardItem> batch, const BatchRows& flat, int64_t r0, int64_t r1,
             const std::vector<int32_t>& page_ids, const std::vector<int32_t>& item_page, kv::Arena& arena,
@@ -194,6 +192,22 @@ DeepseekV32Cuda::DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const
       4 * (3 * H + q_lora_ + NH * QD + KVA + IH * ID + ID + IH + NH * (KVA + mla_.rank) + E + 2 * inter) +
       2 * (H + q_lora_ + NH * mla_.v + inter + NH * KVA) + 4 * K + 64 + (E ? routing_.n_active * slot : 0);
   const size_t weights = size_t(weights_bytes_);
+  // What the weights take on the device: projections in BF16 (FP8 ones grow),
+  // experts in MXFP4 as stored, norms and biases (fp32) within the slack.
+  size_t dev_weights = size_t(64) << 20;
+  auto as_bf16 = [&](const cpu::WeightRef& w) { dev_weights += size_t(w.rows * w.cols) * 2; };
+  as_bf16(ends_.embed);
+  if (ends_.lm_head.data != ends_.embed.data) as_bf16(ends_.lm_head);
+  for (const DeepseekV32Layer& L : layers_) {
+    for (const cpu::WeightRef* w : {&L.q_a, &L.q_b, &L.kv_a, &L.kv_b, &L.o, &L.idx_wq, &L.idx_wk, &L.idx_wproj})
+      as_bf16(*w);
+    for (const SwiGlu* m : {&L.ffn.dense, &L.ffn.shared})
+      if (m->inter) as_bf16(m->gate), as_bf16(m->up), as_bf16(m->down);
+    if (!L.ffn.moe) continue;
+    as_bf16(L.ffn.router);
+    for (const SwiGlu& x : L.ffn.experts)
+      for (const cpu::WeightRef* w : {&x.gate, &x.up, &x.down}) dev_weights += size_t(w->rows * w->cols) / 32 * 17;
+  }
   const size_t scratch = size_t(max_rows_) * size_t(row) + size_t(kLogitRows) * size_t(n_vocab_) * 4 +
                          2 * kIndexerScratch + (size_t(2) << 30);
   int n = 0;
@@ -205,7 +219,7 @@ DeepseekV32Cuda::DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const
   DZ_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   cuda::ContextOptions co;
   co.device = dev_;
-  co.pool_bytes = std::min(weights * 2 + scratch, free_b / 10 * 9);  // x2: FP8 projections grow to BF16
+  co.pool_bytes = std::min(dev_weights + scratch, free_b / 10 * 9);
   ctx_ = std::make_unique<cuda::Context>(co);
   gemm_ = std::make_unique<cuda::Bf16Gemm>(*ctx_);
   if (moe_inter_ > 0) {  // some layer routes experts
@@ -354,7 +368,7 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
                      int64_t(seq.slot_of(size_t(rw.pos))) * int64_t(stride_);
     row_first[size_t(i)] = item_page[rw.item];
     cpu::rope_cos_sin(rope_, rw.pos, cs.data() + size_t(i) * half, sn.data() + size_t(i) * half);
-    if (segs.empty() || segs.back().item != int(rw.item)) segs.push_back({int(rw.item), i, 0, rw.pos});
+    if (segs.empty() || segs.back().item != int(rw.item)) segs.push_back({int(rw.item), i, 0});
     ++segs.back().n;
     const auto [lr0, nlr] = flat.logit_rows(batch, rw.item);
     if (r0 + i >= lr0 && r0 + i < lr0 + nlr) {
