@@ -311,6 +311,23 @@ double finite_diff(const std::vector<float>& got, const std::vector<double>& ref
   CHECK(finite);
   return diff_metric(g, ref);
 }
+// The fused path's forward captured as a CUDA graph and replayed once (as a
+// decode step runs it), into out (filled with NaNs first); its values.
+std::vector<float> fused_in_graph(MoeLayer& layer, const MoeWeights& w, const float* x, const int* ids, const float* gw,
+                                  int T, Dev<float>& out, Context& ctx) {
+  DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  DZ_CUDA_CHECK(cudaStreamBeginCapture(ctx.stream(), cudaStreamCaptureModeThreadLocal));
+  layer.forward(w, x, ids, gw, T, out.p, MoePath::kFused);
+  DZ_CUDA_CHECK(cudaStreamEndCapture(ctx.stream(), &g));
+  DZ_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+  DZ_CUDA_CHECK(cudaGraphLaunch(ge, ctx.stream()));
+  ctx.sync();
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  return out.get();
+}
 // act: gpt-oss's clamped SwiGLU, or (MoeActivation::kSilu) the plain one,
 // silu(gate) * up; gate / up rows interleaved either way. Empty b1 / b2: no
 // biases (null on the device).
@@ -481,18 +498,7 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
         INFO("fused variant ks " << ks << " pdl " << pdl);
         layer.options().fused_k_split = ks;
         layer.options().pdl = pdl;
-        DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        DZ_CUDA_CHECK(cudaStreamBeginCapture(ctx.stream(), cudaStreamCaptureModeThreadLocal));
-        layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFused);
-        DZ_CUDA_CHECK(cudaStreamEndCapture(ctx.stream(), &g));
-        DZ_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-        DZ_CUDA_CHECK(cudaGraphLaunch(ge, ctx.stream()));
-        ctx.sync();
-        cudaGraphExecDestroy(ge);
-        cudaGraphDestroy(g);
-        const auto got = out.get();
+        const auto got = fused_in_graph(layer, w, x.p, ids.p, gw.p, c.T, out, ctx);
         const double d = diff_metric(std::vector<double>(got.begin(), got.end()), ref);
         INFO("diff " << d);
         CHECK(d < 2e-4);
@@ -859,18 +865,7 @@ TEST_CASE("CUDA MoE layer: the plain SwiGLU (DeepSeek) without biases, fused and
             for (bool pdl : {true, false}) {
               INFO("K split " << ks << " pdl " << pdl);
               layer.options().fused_k_split = ks, layer.options().pdl = pdl;
-              DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
-              cudaGraph_t g;
-              cudaGraphExec_t ge;
-              DZ_CUDA_CHECK(cudaStreamBeginCapture(ctx.stream(), cudaStreamCaptureModeThreadLocal));
-              layer.forward(w, x.p, ids.p, gw.p, T, out.p, MoePath::kFused);
-              DZ_CUDA_CHECK(cudaStreamEndCapture(ctx.stream(), &g));
-              DZ_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-              DZ_CUDA_CHECK(cudaGraphLaunch(ge, ctx.stream()));
-              ctx.sync();
-              cudaGraphExecDestroy(ge);
-              cudaGraphDestroy(g);
-              auto got = out.get();
+              auto got = fused_in_graph(layer, w, x.p, ids.p, gw.p, T, out, ctx);
               got.resize(size_t(T) * sh.H);
               CHECK(finite_diff(got, r) < 2e-4);
             }
