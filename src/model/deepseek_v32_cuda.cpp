@@ -45,6 +45,7 @@ std::unique_ptr<Family> make_deepseek_v32_cuda(const Config&, const WeightStore&
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/cuda/kv_storage.h"
+#include "runtime/cuda/packer.h"
 #include "runtime/cuda/upload.h"
 #include "runtime/device.h"
 
@@ -377,21 +378,17 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
     }
   }
   for (int l = 0; l < L; ++l) layer_off[size_t(l)] = int64_t(arena.layer_offset(uint32_t(l)));
-  std::vector<uint8_t> host;
-  auto put = [&host](const auto& v) {
-    const size_t o = (host.size() + 255) / 256 * 256;
-    host.resize(o + v.size() * sizeof(v[0]));
-    if (!v.empty()) std::memcpy(host.data() + o, v.data(), v.size() * sizeof(v[0]));
-    return o;
-  };
-  const size_t o_tok = put(tok), o_first = put(row_first), o_lr = put(logit_rows), o_pos = put(pos), o_vis = put(vis),
-               o_off = put(off), o_loff = put(layer_off), o_cs = put(cs), o_sn = put(sn), o_pid = put(page_ids);
-  const size_t o_tab = (host.size() + 255) / 256 * 256;
+  cuda::Packer pk;
+  const size_t o_tok = pk.add(tok), o_first = pk.add(row_first), o_lr = pk.add(logit_rows), o_pos = pk.add(pos),
+               o_vis = pk.add(vis), o_off = pk.add(off), o_loff = pk.add(layer_off), o_cs = pk.add(cs),
+               o_sn = pk.add(sn), o_pid = pk.add(page_ids);
+  // The page-pointer tables follow, written on the device (paged_tables).
+  const size_t o_tab = pk.tail();
   const size_t o_rtab = o_tab + (size_t(L) * P * 8 + 255) / 256 * 256;
   const size_t meta_bytes = o_rtab + size_t(L) * T * 8;
-  DZ_CUDA_CHECK(cudaStreamSynchronize(s));  // the previous pass may still read the metadata
+  // Every pass ends synchronized (its logits reach the host), so the metadata is free to rewrite.
   uint8_t* m = room(meta_, meta_bytes, "batch metadata");
-  DZ_CUDA_CHECK(cudaMemcpyAsync(m, host.data(), host.size(), cudaMemcpyHostToDevice, s));
+  DZ_CUDA_CHECK(cudaMemcpyAsync(m, pk.bytes().data(), pk.bytes().size(), cudaMemcpyHostToDevice, s));
   auto at = [m](size_t o) { return m + o; };
   const int32_t* d_tok = reinterpret_cast<const int32_t*>(at(o_tok));
   const int64_t* d_pos = reinterpret_cast<const int64_t*>(at(o_pos));

@@ -45,6 +45,7 @@ uint64_t gpt_oss_cuda_graph_replays() { return 0; }
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/cuda/kv_storage.h"
+#include "runtime/cuda/packer.h"
 #include "runtime/cuda/upload.h"
 #include "runtime/device.h"
 #include "runtime/parallel.h"
@@ -111,28 +112,6 @@ class DevLogits final : public DeviceLogits {
   int dev_, v_;
   DeviceArray<float> rows_;
   mutable float* pinned_ = nullptr;
-};
-
-// Bytes packed into one host->device copy per pass (256-byte aligned parts,
-// in a fixed order, so that a decode batch of B rows has the same offsets
-// every step: only the page table, packed last, varies in length).
-class Packer {
- public:
-  template <typename T>
-  size_t add(const T* p, size_t n) {
-    const size_t off = (buf_.size() + 255) / 256 * 256;
-    buf_.resize(off + n * sizeof(T));
-    if (n) std::memcpy(buf_.data() + off, p, n * sizeof(T));
-    return off;
-  }
-  template <typename T>
-  size_t add(const std::vector<T>& v) {
-    return add(v.data(), v.size());
-  }
-  const std::vector<uint8_t>& bytes() const { return buf_; }
-
- private:
-  std::vector<uint8_t> buf_;
 };
 
 class GptOssCuda final : public Family, private GptOssDesc {
@@ -581,8 +560,9 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
       argmax_dst.push_back(it.device_logits ? it.argmax : nullptr);
     }
   }
-  // Fixed order (see Packer): the page table last.
-  Packer pk;
+  // A fixed order, so that a decode batch of B rows has the same offsets every
+  // step: only the page table, packed last, varies in length.
+  cuda::Packer pk;
   const size_t o_tok = pk.add(tokens), o_item = pk.add(row_item), o_pos = pk.add(row_pos), o_off = pk.add(row_off),
                o_cs = pk.add(cs), o_sn = pk.add(sn), o_dec = pk.add(dec_rows), o_lr = pk.add(logit_rows),
                o_tiles = pk.add(tiles), o_dd = pk.add(dev_dst), o_ipt = pk.add(item_pt), o_pt = pk.add(pt);
