@@ -215,3 +215,68 @@ TEST_CASE("CUDA sparse MLA decode through the absorbed weights matches the CPU b
   CHECK(cosv >= 0.9999);  // the bf16 absorbed query and bf16 probabilities against fp32/fp64 on the host
 #endif
 }
+
+// Kimi Linear's MLA layers attend to every visible position: with no selection
+// the kernels read [0, n_visible) of each row. That must be exactly the
+// explicit selection of those positions (-1 after them).
+TEST_CASE("CUDA sparse MLA's dense causal mode equals selecting every visible position", "[cuda][kimi]") {
+  if (!dz::test::have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  using namespace dz;
+  cuda::Context ctx(test::pool_options(size_t(64) << 20));
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const uint32_t pt = 16;
+  const std::vector<int64_t> vis = {1, 17, 300, 64, 129};
+  const int B = int(vis.size()), topk = 300, pages_each = (topk + pt - 1) / pt, P = pages_each * B;
+  for (const bool tensor : {true, false}) {
+    const int heads = tensor ? 32 : 3, rank = tensor ? cuda::kMlaRank : 96, rope = tensor ? cuda::kMlaRope : 32;
+    const size_t stride = (size_t(rank + rope) * 2 + 15) / 16 * 16;
+    std::vector<uint16_t> arena(size_t(P) * pt * stride / 2);
+    for (auto& v : arena) v = f32_to_bf16(nd(rng));
+    std::vector<int32_t> sel(size_t(B) * topk, -1);
+    for (int b = 0; b < B; ++b)
+      for (int j = 0; j < vis[size_t(b)]; ++j) sel[size_t(b) * topk + j] = j;
+    test::DeviceBuffer<uint16_t> dar(arena);
+    test::DeviceBuffer<int32_t> dsel(sel);
+    test::DeviceBuffer<int64_t> dvis(vis);
+    std::vector<const uint8_t*> page_ptr(static_cast<size_t>(P));
+    for (int i = 0; i < P; ++i) page_ptr[size_t(i)] = reinterpret_cast<const uint8_t*>(dar.p) + size_t(i) * pt * stride;
+    test::DeviceBuffer<const uint8_t*> dpages(page_ptr);
+    std::vector<const uint8_t* const*> tables(static_cast<size_t>(B));
+    for (int b = 0; b < B; ++b) tables[size_t(b)] = dpages.p + b * pages_each;
+    test::DeviceBuffer<const uint8_t* const*> dtables(tables);
+    test::DeviceBuffer<float> o_sel(size_t(B) * heads * rank), o_dense(o_sel.n);
+    if (tensor) {
+      std::vector<uint16_t> q(size_t(B) * heads * (rank + rope));
+      for (auto& v : q) v = f32_to_bf16(nd(rng) * 0.5f);
+      test::DeviceBuffer<uint16_t> dq(q);
+      cuda::SparseMlaDecode a;
+      a.batch = B, a.n_heads = heads, a.scale = 0.07f, a.q = dq.p, a.topk = topk, a.pages = dtables.p;
+      a.page_tokens = pt, a.stride = stride, a.offset = 0;
+      const int splits = cuda::sparse_mla_splits(a, 132);
+      test::DeviceBuffer<uint8_t> scratch(cuda::sparse_mla_scratch_bytes(a, splits));
+      a.sel = dsel.p, a.out = o_sel.p;
+      cuda::sparse_mla_decode(a, splits, scratch.p, scratch.n, ctx.stream());
+      a.sel = nullptr, a.n_visible = dvis.p, a.out = o_dense.p;
+      cuda::sparse_mla_decode(a, splits, scratch.p, scratch.n, ctx.stream());
+    } else {
+      std::vector<float> q(size_t(B) * heads * (rank + rope));
+      for (auto& v : q) v = nd(rng) * 0.3f;
+      test::DeviceBuffer<float> dq(q);
+      cuda::SparseMlaGeneric a;
+      a.n_q = B, a.n_heads = heads, a.rank = rank, a.rope = rope, a.scale = 0.1f, a.q = dq.p, a.topk = topk;
+      a.pages = dtables.p, a.page_tokens = pt, a.stride = stride, a.offset = 0;
+      a.sel = dsel.p, a.out = o_sel.p;
+      cuda::sparse_mla_generic(a, ctx.stream());
+      a.sel = nullptr, a.n_visible = dvis.p, a.out = o_dense.p;
+      cuda::sparse_mla_generic(a, ctx.stream());
+    }
+    ctx.sync();
+    const std::vector<float> x = o_sel.get(), y = o_dense.get();
+    INFO((tensor ? "tensor-core kernel" : "generic kernel"));
+    CHECK(x == y);
+    CHECK(std::any_of(x.begin(), x.end(), [](float v) { return v != 0.f; }));
+  }
+#endif
+}

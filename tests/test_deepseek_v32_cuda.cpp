@@ -287,39 +287,10 @@ TEST_CASE("deepseek_v32 on the GPU at DeepSeek's latent shape (tensor-core spars
   const int64_t H = 256, NH = 16, QL = 128, R = 512, RO = 64, NO = 128, VD = 128, IH = 64, ID = 128, V = 512;
   const int64_t I = 512, IM = 128, E = 16;
   std::mt19937 rng(32);
-  std::vector<dz::test::RawTensor> ts;
-  auto mat = [&](const std::string& n, int64_t rows, int64_t cols) {
-    dz::test::RawTensor t = dz::test::random_bf16(n, {rows, cols}, rng);
-    const float sd = 1.f / std::sqrt(float(cols));
-    for (size_t i = 0; i < t.bytes.size(); i += 2) {
-      uint16_t b;
-      std::memcpy(&b, &t.bytes[i], 2);
-      b = dz::test::f32_to_bf16(float(dz::test::bf16_to_double(b)) * sd);
-      std::memcpy(&t.bytes[i], &b, 2);
-    }
-    ts.push_back(std::move(t));
-  };
-  auto vec = [&](const std::string& n, int64_t len, float base, float sd) {
-    dz::test::RawTensor t = dz::test::random_f32(n, {len}, rng);
-    for (size_t i = 0; i < t.bytes.size(); i += 4) {
-      float f;
-      std::memcpy(&f, &t.bytes[i], 4);
-      f = base + sd * f;
-      std::memcpy(&t.bytes[i], &f, 4);
-    }
-    ts.push_back(std::move(t));
-  };
-  auto fp4 = [&](const std::string& n, int64_t rows, int64_t cols) {  // MXFP4, ~N(0, 1 / cols)
-    std::uniform_int_distribution<int> byte(0, 255), sc(119, 121);
-    dz::test::RawTensor b{
-        n + ".weight_blocks", "U8", {rows, cols / 32, 16}, std::vector<uint8_t>(size_t(rows * cols / 2))};
-    dz::test::RawTensor s{
-        n + ".weight_scales", "U8", {rows, cols / 32}, std::vector<uint8_t>(size_t(rows * cols / 32))};
-    for (auto& x : b.bytes) x = uint8_t(byte(rng));
-    for (auto& x : s.bytes) x = uint8_t(sc(rng));
-    ts.push_back(std::move(b));
-    ts.push_back(std::move(s));
-  };
+  dz::test::RandomTensors rt{rng, {}};
+  auto mat = [&](const std::string& n, int64_t rows, int64_t cols) { rt.mat(n, rows, cols); };
+  auto vec = [&](const std::string& n, int64_t len, float base, float sd) { rt.vec(n, len, base, sd); };
+  auto fp4 = [&](const std::string& n, int64_t rows, int64_t cols) { rt.fp4(n, rows, cols); };
   mat("model.embed_tokens.weight", V, H);
   mat("lm_head.weight", V, H);
   vec("model.norm.weight", H, 1.f, 0.1f);
@@ -358,7 +329,7 @@ TEST_CASE("deepseek_v32 on the GPU at DeepSeek's latent shape (tensor-core spars
     mat(p + "mlp.shared_experts.down_proj.weight", H, IM);
   }
   const fs::path dir = dz::test::temp_dir("dsv32-mla512");
-  dz::test::write_safetensors(dir / "model.safetensors", ts);
+  dz::test::write_safetensors(dir / "model.safetensors", rt.ts);
   nlohmann::json cfg;
   std::ifstream(std::string(DZ_SOURCE_DIR) + "/models/dayzero-tiny/config.json") >> cfg;
   cfg["hidden_size"] = H, cfg["num_attention_heads"] = NH, cfg["num_key_value_heads"] = NH, cfg["q_lora_rank"] = QL;

@@ -27,11 +27,11 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 // One block a row: every rotation of the row, then the latent's norm.
 __global__ void __launch_bounds__(kRopeThreads) mla_rope_store_kernel(MlaRopeStore a) {
   const int r = blockIdx.x, half = a.rope / 2;
-  const float* cs = a.cos + size_t(r) * half;
-  const float* sn = a.sin + size_t(r) * half;
-  // Queries: interleaved pairs (2i, 2i + 1) of each head's rope part.
+  const float* cs = a.cos ? a.cos + size_t(r) * half : nullptr;
+  const float* sn = a.sin ? a.sin + size_t(r) * half : nullptr;
+  // Queries: interleaved pairs (2i, 2i + 1) of each head's rope part (none without cos).
   float* q = a.q + size_t(r) * a.n_heads * (a.nope + a.rope);
-  for (int t = threadIdx.x; t < a.n_heads * half; t += kRopeThreads) {
+  for (int t = threadIdx.x; t < a.n_heads * half && a.cos; t += kRopeThreads) {
     const int h = t / half, i = t % half;
     float* v = q + size_t(h) * (a.nope + a.rope) + a.nope + 2 * i;
     const float x0 = v[0], x1 = v[1];
@@ -56,8 +56,8 @@ __global__ void __launch_bounds__(kRopeThreads) mla_rope_store_kernel(MlaRopeSto
   for (int c = threadIdx.x; c < a.rank; c += kRopeThreads) rec[c] = __float2bfloat16_rn(a.kv_norm[c] * (kv[c] * inv));
   for (int i = threadIdx.x; i < half; i += kRopeThreads) {
     const float x0 = kv[a.rank + 2 * i], x1 = kv[a.rank + 2 * i + 1];
-    rec[a.rank + 2 * i] = __float2bfloat16_rn(x0 * cs[i] - x1 * sn[i]);
-    rec[a.rank + 2 * i + 1] = __float2bfloat16_rn(x1 * cs[i] + x0 * sn[i]);
+    rec[a.rank + 2 * i] = __float2bfloat16_rn(cs ? x0 * cs[i] - x1 * sn[i] : x0);
+    rec[a.rank + 2 * i + 1] = __float2bfloat16_rn(cs ? x1 * cs[i] + x0 * sn[i] : x1);
   }
 }
 
@@ -154,6 +154,8 @@ void mla_rope_store(const MlaRopeStore& a, cudaStream_t s) {
         ", an even RoPE width)");
   check(a.idx_heads == 0 || a.idx_dim >= a.rope, DZ_ERR_UNSUPPORTED, "CUDA MLA: index_head_dim ", a.idx_dim,
         " is below the RoPE width ", a.rope);
+  check((a.cos == nullptr) == (a.sin == nullptr) && (a.cos || a.idx_heads == 0), DZ_ERR_INVALID_ARGUMENT,
+        "CUDA MLA: cos and sin must both be given (or neither, without an indexer)");
   mla_rope_store_kernel<<<a.n_rows, kRopeThreads, 0, s>>>(a);
   DZ_CUDA_CHECK(cudaGetLastError());
 }

@@ -24,7 +24,8 @@ namespace dz::cuda {
 struct MlaRopeStore {
   int n_rows = 0;
   int n_heads = 0, nope = 0, rope = 0, rank = 0;
-  const float *cos = nullptr, *sin = nullptr;  // [n_rows][rope / 2]
+  // [n_rows][rope / 2]; null: no rotation (Kimi Linear's NoPE MLA caches k_rope as projected).
+  const float *cos = nullptr, *sin = nullptr;
   float* q = nullptr;                          // [n_rows][n_heads][nope + rope], rotated in place
   const float* kva = nullptr;                  // [n_rows][rank + rope]: c_kv then k_rope, as projected
   const float* kv_norm = nullptr;              // [rank] RMSNorm weight

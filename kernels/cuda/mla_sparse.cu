@@ -64,8 +64,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   ptx::cp_async_commit();
 
   const uint8_t* const* const pages = a.pages[b];
-  const int32_t* const sel = a.sel + int64_t(b) * a.topk;
-  const int n_steps = (a.topk + kStep - 1) / kStep;
+  const int32_t* const sel = a.sel ? a.sel + int64_t(b) * a.topk : nullptr;
+  // Dense causal mode: the row's own count bounds the steps (uniform in the block).
+  const int count = sel ? a.topk : int(a.n_visible[b] < a.topk ? a.n_visible[b] : a.topk);
+  const int n_steps = (count + kStep - 1) / kStep;
   const int st0 = sp * steps_per_split, st1 = min(st0 + steps_per_split, n_steps);
   const float sl2 = a.scale * kLog2e;
   float o[16][4];
@@ -79,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = tid; i < kStep * kChunks; i += kThreads) {
       const int r = i / kChunks, c = i % kChunks;
       const int j = st * kStep + r;
-      const int p = j < a.topk ? sel[j] : -1;
+      const int p = j < count ? (sel ? sel[j] : j) : -1;
       const uint8_t* src = reinterpret_cast<const uint8_t*>(a.q);  // any valid address when nothing is read
       if (p >= 0) src = pages[p / a.page_tokens] + size_t(p % a.page_tokens) * a.stride + a.offset + c * 16;
       ptx::cp_async16_zfill(ptx::smem_u32(Ks + r * kRow + c * 8), src, p >= 0 ? 16u : 0u);
@@ -246,12 +248,13 @@ __global__ void __launch_bounds__(kGenWarps * 32) sparse_mla_generic_kernel(Spar
   for (int c = threadIdx.x; c < qd; c += blockDim.x) qs[c] = q[c];
   __syncthreads();
   const uint8_t* const* pages = a.pages[qi];
-  const int32_t* sel = a.sel + size_t(qi) * a.topk;
+  const int32_t* sel = a.sel ? a.sel + size_t(qi) * a.topk : nullptr;
+  const int count = sel ? a.topk : int(a.n_visible[qi] < a.topk ? a.n_visible[qi] : a.topk);
   float m = -INFINITY, l = 0.f, o[kGenPer];
 #pragma unroll
   for (int i = 0; i < kGenPer; ++i) o[i] = 0.f;
-  for (int j = warp; j < a.topk; j += kGenWarps) {
-    const int p = sel[j];
+  for (int j = warp; j < count; j += kGenWarps) {
+    const int p = sel ? sel[j] : j;
     if (p < 0) continue;
     const __nv_bfloat16* rec = reinterpret_cast<const __nv_bfloat16*>(pages[p / a.page_tokens] +
                                                                       size_t(p % a.page_tokens) * a.stride + a.offset);
@@ -307,6 +310,7 @@ void sparse_mla_generic(const SparseMlaGeneric& a, cudaStream_t s) {
       DZ_ERR_INVALID_ARGUMENT, "CUDA sparse MLA: latent records of ", a.stride, " bytes, latent at ", a.offset);
   check(a.topk > 0 && a.n_heads > 0 && std::isfinite(a.scale), DZ_ERR_INVALID_ARGUMENT, "CUDA sparse MLA: top-k ",
         a.topk, ", ", a.n_heads, " heads, scale ", a.scale);
+  check(a.sel || a.n_visible, DZ_ERR_INVALID_ARGUMENT, "CUDA sparse MLA: neither a selection nor visible counts");
   if (a.n_q <= 0) return;
   sparse_mla_generic_kernel<<<dim3(unsigned(a.n_heads), unsigned(a.n_q)), kGenWarps * 32, 0, s>>>(a);
   DZ_CUDA_LAUNCH_CHECK();
@@ -316,6 +320,7 @@ void sparse_mla_validate(const SparseMlaDecode& a) {
   check(a.batch >= 0 && a.n_heads > 0 && a.n_heads % 16 == 0, DZ_ERR_UNSUPPORTED, "CUDA sparse MLA: ", a.n_heads,
         " heads (a multiple of 16)");
   check(a.topk > 0, DZ_ERR_INVALID_ARGUMENT, "CUDA sparse MLA: top-k ", a.topk);
+  check(a.sel || a.n_visible, DZ_ERR_INVALID_ARGUMENT, "CUDA sparse MLA: neither a selection nor visible counts");
   check(a.page_tokens > 0 && a.stride % 16 == 0 && a.offset % 16 == 0, DZ_ERR_INVALID_ARGUMENT,
         "CUDA sparse MLA: latent records need 16-byte alignment (stride ", a.stride, ", offset ", a.offset, ")");
   check(a.offset + size_t(kD) * 2 <= a.stride, DZ_ERR_INVALID_ARGUMENT, "CUDA sparse MLA: a latent (", kD * 2,

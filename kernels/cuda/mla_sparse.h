@@ -27,9 +27,12 @@ struct SparseMlaDecode {
   // [batch, n_heads, kMlaRank + kMlaRope] bf16 (device): the absorbed query
   // (W_UK^T q_nope) then the roped q_rope.
   const uint16_t* q = nullptr;
-  // [batch, topk] positions (device); negative entries are skipped.
+  // [batch, topk] positions (device); negative entries are skipped. Null:
+  // dense causal attention (Kimi Linear's MLA layers), row b attending
+  // positions [0, n_visible[b]) and topk the largest n_visible (the loop bound).
   const int32_t* sel = nullptr;
   int topk = 0;
+  const int64_t* n_visible = nullptr;  // [batch] (device), with sel null
   // Per batch row its sequence's page table (device array of page pointers).
   const uint8_t* const* const* pages = nullptr;
   // The latent record: bf16 [c_kv (kMlaRank) | k_rope (kMlaRope)] at `offset`
@@ -59,6 +62,7 @@ struct SparseMlaGeneric {
   const float* q = nullptr;      // [n_q, n_heads, rank + rope] fp32 (device): W_UK^T q_nope, then q_rope
   const int32_t* sel = nullptr;  // [n_q, topk] positions (device); negative entries are skipped
   int topk = 0;
+  const int64_t* n_visible = nullptr;  // sel null: query i attends [0, n_visible[i]), topk >= every count
   const uint8_t* const* const* pages = nullptr;  // per query its sequence's page table (device)
   uint32_t page_tokens = 0;
   size_t stride = 0, offset = 0;  // bf16 [c_kv | k_rope] at `offset` of each record (both even)

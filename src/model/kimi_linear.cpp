@@ -31,10 +31,10 @@
 #include "cpu/matmul.h"
 #include "cpu/mla.h"
 #include "cpu/norm.h"
-#include "model/family.h"
-#include "model/lm_ends.h"
-#include "model/moe_ffn.h"
+#include "common/log.h"
+#include "model/kimi_linear.h"
 #include "model/weights.h"
+#include "runtime/device.h"
 #include "runtime/parallel.h"
 
 namespace dz {
@@ -43,40 +43,20 @@ namespace {
 
 using cpu::WeightRef;
 
-struct Layer {
-  bool kda = false;
-  std::vector<float> in_norm, post_norm;
-  // KDA
-  WeightRef q, k, v, f_a, f_b, b, g_a, g_b, o;
-  std::vector<float> conv_w;  // [3P x K]: q, k, v channels
-  std::vector<float> a_log, dt_bias, o_norm;
-  size_t state_off = 0;  // floats into a sequence's state slot
-  // MLA (q also serves)
-  WeightRef kv_a, kv_b;
-  std::vector<float> kv_a_norm;
-  Ffn ffn;
-};
 
-class KimiLinear final : public Family {
+class KimiLinear final : public Family, private KimiLinearDesc {
  public:
   KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_params& params);
 
   void fill_info(dz_model_info& info) const override {
+    fill_desc_info(info);
     info.device = DZ_DEVICE_CPU;
-    info.n_layers = n_layers_;
-    info.n_vocab = n_vocab_;
-    info.hidden_size = int32_t(hidden_);
-    info.n_heads = mla_.n_heads;
-    info.n_kv_heads = 1;  // MLA: one latent shared by every head
-    info.n_experts = routing_.n_experts;
-    info.n_experts_active = routing_.n_active;
-    info.max_context = max_context_;
   }
   int32_t n_vocab() const override { return n_vocab_; }
   kv::Layout kv_layout(uint32_t page_tokens) const override {
     kv::Layout l;
     l.page_tokens = page_tokens;
-    for (const Layer& L : layers_) l.layer_token_bytes.push_back(L.kda ? 0 : cpu::mla_latent_bytes(mla_));
+    for (const KimiLinearLayer& L : layers_) l.layer_token_bytes.push_back(L.kda ? 0 : cpu::mla_latent_bytes(mla_));
     l.state_slot_bytes = state_floats_ * sizeof(float);
     l.model_key = model_key_;
     return l;
@@ -84,27 +64,30 @@ class KimiLinear final : public Family {
   void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
 
  private:
-  void kda_layer(const Layer& L, std::span<ForwardItem> batch, const BatchRows& flat, const float* xn,
+  void kda_layer(const KimiLinearLayer& L, std::span<ForwardItem> batch, const BatchRows& flat, const float* xn,
                  std::vector<std::vector<float>>& states, float* y);
-  void mla_layer(const Layer& L, int li, std::span<ForwardItem> batch, const BatchRows& flat, const float* xn, float* y,
+  void mla_layer(const KimiLinearLayer& L, int li, std::span<ForwardItem> batch, const BatchRows& flat, const float* xn, float* y,
                  uint64_t& tokens_read);
 
-  int32_t n_vocab_ = 0, n_layers_ = 0;
-  int64_t hidden_ = 0, max_context_ = 0;
-  float eps_ = 1e-5f;
-  cpu::KdaDims kda_;
-  cpu::MlaDims mla_;
-  MoeRouting routing_;
-  size_t state_floats_ = 0;
-  LmEnds ends_;
-  std::vector<Layer> layers_;
   uint64_t model_key_ = 0;
   std::unique_ptr<ThreadPool> pool_;
 };
 
-KimiLinear::KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
+}  // namespace
+
+void KimiLinearDesc::fill_desc_info(dz_model_info& info) const {
+  info.n_layers = n_layers_;
+  info.n_vocab = n_vocab_;
+  info.hidden_size = int32_t(hidden_);
+  info.n_heads = mla_.n_heads;
+  info.n_kv_heads = 1;  // MLA: one latent shared by every head
+  info.n_experts = routing_.n_experts;
+  info.n_experts_active = routing_.n_active;
+  info.max_context = max_context_;
+}
+
+KimiLinearDesc::KimiLinearDesc(const Config& cfg, const WeightStore& ws) {
   const std::string& src = cfg.source();
-  check_cpu_family_params(params, "kimi_linear");
   n_vocab_ = int32_t(cfg.get_positive_int("vocab_size"));
   hidden_ = cfg.get_positive_int("hidden_size");
   n_layers_ = int32_t(cfg.get_positive_int("num_hidden_layers"));
@@ -200,7 +183,7 @@ KimiLinear::KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_
   ends_.load(ws, n_vocab_, H, cfg.get_or<bool>("tie_word_embeddings", false));
   layers_.resize(size_t(n_layers_));
   for (int i = 0; i < n_layers_; ++i) {
-    Layer& l = layers_[size_t(i)];
+    KimiLinearLayer& l = layers_[size_t(i)];
     const std::string p = "model.layers." + std::to_string(i) + ".", a = p + "self_attn.";
     l.in_norm = vector_f32(ws, p + "input_layernorm.weight", {H});
     l.post_norm = vector_f32(ws, p + "post_attention_layernorm.weight", {H});
@@ -250,12 +233,20 @@ KimiLinear::KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_
       l.ffn.shared = load_swiglu(ws, s + "gate_proj", s + "up_proj", s + "down_proj", moe_inter * n_shared, H);
     }
   }
+  weights_bytes_ = ws.total_bytes();
+}
+
+namespace {
+
+KimiLinear::KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_params& params)
+    : KimiLinearDesc(cfg, ws) {
+  check_cpu_family_params(params, "kimi_linear");
   model_key_ = fnv1a(cfg.json().dump(), fnv1a("kimi_linear kv: f32 c_kv|k_pe; state f32 conv|S[h][k][v] v1 " +
                                               std::to_string(ws.total_bytes())));
   pool_ = std::make_unique<ThreadPool>(params.n_threads);
 }
 
-void KimiLinear::kda_layer(const Layer& L, std::span<ForwardItem> batch, const BatchRows& flat, const float* xn,
+void KimiLinear::kda_layer(const KimiLinearLayer& L, std::span<ForwardItem> batch, const BatchRows& flat, const float* xn,
                            std::vector<std::vector<float>>& states, float* y) {
   const int64_t R = int64_t(flat.rows.size()), P = kda_.proj(), D = kda_.head_dim, NH = kda_.n_heads;
   ThreadPool* pool = pool_.get();
@@ -290,7 +281,7 @@ void KimiLinear::kda_layer(const Layer& L, std::span<ForwardItem> batch, const B
   cpu::matmul(out.data(), R, L.o, nullptr, y, pool);
 }
 
-void KimiLinear::mla_layer(const Layer& L, int li, std::span<ForwardItem> batch, const BatchRows& flat, const float* xn,
+void KimiLinear::mla_layer(const KimiLinearLayer& L, int li, std::span<ForwardItem> batch, const BatchRows& flat, const float* xn,
                            float* y, uint64_t& tokens_read) {
   const int64_t R = int64_t(flat.rows.size()), NH = mla_.n_heads, QD = mla_.nope + mla_.rope;
   const int64_t KVA = mla_.rank + mla_.rope, OD = NH * mla_.v;
@@ -350,7 +341,7 @@ void KimiLinear::forward(std::span<ForwardItem> batch, const ForwardOptions& opt
   uint64_t tokens_read = 0;
   for (int li = 0; li < n_layers_; ++li) {
     opt.poll_abort();
-    const Layer& L = layers_[size_t(li)];
+    const KimiLinearLayer& L = layers_[size_t(li)];
     cpu::rms_norm(x.data(), R, H, L.in_norm.data(), eps_, xn.data());
     if (L.kda)
       kda_layer(L, batch, flat, xn.data(), states, tmp.data());
@@ -371,6 +362,15 @@ void KimiLinear::forward(std::span<ForwardItem> batch, const ForwardOptions& opt
 }  // namespace
 
 std::unique_ptr<Family> make_kimi_linear(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
+  if (params.device == DZ_DEVICE_CUDA) return make_kimi_linear_cuda(cfg, ws, params);
+  if (params.device == DZ_DEVICE_AUTO && cuda_compiled() && cuda_device_count() > 0) {
+    try {
+      return make_kimi_linear_cuda(cfg, ws, params);
+    } catch (const Error& e) {
+      if (e.status() == DZ_ERR_FORMAT) throw;
+      log_warn("kimi_linear: CUDA backend unavailable (", e.what(), "); using the CPU");
+    }
+  }
   return std::make_unique<KimiLinear>(cfg, ws, params);
 }
 

@@ -2,6 +2,7 @@
 // deliberately corrupted ones.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -111,5 +112,44 @@ inline std::filesystem::path temp_dir(const std::string& tag) {
   std::filesystem::create_directories(p);
   return p;
 }
+
+// A random checkpoint's tensors, drawn for tests: matrices ~N(0, 1 / cols)
+// rounded to BF16 (activations keep their scale through the layers), fp32
+// vectors base + sd N(0, 1), and MXFP4 blocks with E8M0 scales near 2^-7.
+struct RandomTensors {
+  std::mt19937& rng;
+  std::vector<RawTensor> ts;
+  void mat(const std::string& name, int64_t rows, int64_t cols) {
+    RawTensor t = random_bf16(name, {rows, cols}, rng);
+    const float sd = 1.f / std::sqrt(float(cols));
+    for (size_t i = 0; i < t.bytes.size(); i += 2) {
+      uint16_t b;
+      std::memcpy(&b, &t.bytes[i], 2);
+      b = f32_to_bf16(float(bf16_to_double(b)) * sd);
+      std::memcpy(&t.bytes[i], &b, 2);
+    }
+    ts.push_back(std::move(t));
+  }
+  void vec(const std::string& name, std::vector<int64_t> shape, float base, float sd) {
+    RawTensor t = random_f32(name, std::move(shape), rng);
+    for (size_t i = 0; i < t.bytes.size(); i += 4) {
+      float f;
+      std::memcpy(&f, &t.bytes[i], 4);
+      f = base + sd * f;
+      std::memcpy(&t.bytes[i], &f, 4);
+    }
+    ts.push_back(std::move(t));
+  }
+  void vec(const std::string& name, int64_t len, float base, float sd) { vec(name, std::vector<int64_t>{len}, base, sd); }
+  void fp4(const std::string& base_name, int64_t rows, int64_t cols) {  // ~N(0, 1 / cols) in scale
+    std::uniform_int_distribution<int> byte(0, 255), sc(119, 121);
+    RawTensor b{base_name + ".weight_blocks", "U8", {rows, cols / 32, 16}, std::vector<uint8_t>(size_t(rows * cols / 2))};
+    RawTensor s{base_name + ".weight_scales", "U8", {rows, cols / 32}, std::vector<uint8_t>(size_t(rows * cols / 32))};
+    for (auto& x : b.bytes) x = uint8_t(byte(rng));
+    for (auto& x : s.bytes) x = uint8_t(sc(rng));
+    ts.push_back(std::move(b));
+    ts.push_back(std::move(s));
+  }
+};
 
 }  // namespace dz::test

@@ -100,6 +100,10 @@ void WeightLoader::copy(void* dst, const void* src, size_t bytes) {
 }
 
 DeviceArray<uint16_t> WeightLoader::bf16(std::initializer_list<const cpu::WeightRef*> ws, const char* what) {
+  return bf16(std::vector<const cpu::WeightRef*>(ws), what);
+}
+
+DeviceArray<uint16_t> WeightLoader::bf16(const std::vector<const cpu::WeightRef*>& ws, const char* what) {
   size_t n = 0;
   for (const cpu::WeightRef* w : ws) n += size_t(w->rows * w->cols);
   DeviceArray<uint16_t> d(pool_, n, what);

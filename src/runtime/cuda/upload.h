@@ -84,6 +84,7 @@ class WeightLoader {
   // The matrices' rows stacked in BF16: copied as is where the checkpoint
   // holds BF16, else decoded row by row and rounded to nearest even.
   DeviceArray<uint16_t> bf16(std::initializer_list<const cpu::WeightRef*> ws, const char* what);
+  DeviceArray<uint16_t> bf16(const std::vector<const cpu::WeightRef*>& ws, const char* what);
   void copy(void* dst, const void* src, size_t bytes);
   // Waits for every copy and reports the total as done; throws
   // DZ_ERR_CANCELLED (naming src) where the progress callback says stop.

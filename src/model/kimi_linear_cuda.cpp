@@ -1,0 +1,598 @@
+// Kimi Linear on the CUDA backend: the CPU family's computation (see
+// kimi_linear.cpp) with the kernels of kernels/cuda on the device.
+//  - KDA layers: BF16 projections, the short convolutions, the gate and
+//    decay preparation, the recurrence token by token (cuda/kda.h; prefill
+//    too, not yet the chunked tensor-core form) and the gated output norm.
+//    Each sequence's convolution history and fp32 state stay in its arena
+//    state slot on the device. A forward reads the committed state and
+//    writes a pass copy, moved into the slots only once every pass has run,
+//    so a failed or cancelled call leaves the state as it was.
+//  - MLA layers (no RoPE): the latent (RMSNorm c_kv | k_pe as projected) in
+//    a bf16 cache record; absorbed attention over every visible position
+//    (the sparse MLA kernels' dense causal mode; tensor cores at 512 + 64
+//    and heads in 16s), W_UV after it.
+//  - FFN: dense and shared MLPs as BF16 GEMMs, the sigmoid group-limited
+//    router on the device, routed experts in BF16 through cuda::Bf16Experts
+//    (one host sync a MoE layer); MXFP4 experts through cuda::MoeLayer.
+// Eager launches (no CUDA graphs yet); logits are copied to the host.
+#include "model/kimi_linear.h"
+
+#ifndef DZ_WITH_CUDA
+
+namespace dz {
+std::unique_ptr<Family> make_kimi_linear_cuda(const Config&, const WeightStore&, const dz_model_params&) {
+  fail(DZ_ERR_UNSUPPORTED,
+       "kimi_linear: this build has no CUDA backend (configure with DZ_CUDA=ON); use DZ_DEVICE_CPU");
+}
+}  // namespace dz
+
+#else
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+#include "common/log.h"
+#include "cuda/bf16_gemm.h"
+#include "cuda/embed.h"
+#include "cuda/kda.h"
+#include "cuda/mla.h"
+#include "cuda/mla_sparse.h"
+#include "cuda/moe.h"
+#include "cuda/moe_bf16.h"
+#include "cuda/norm.h"
+#include "cuda/router.h"
+#include "runtime/cuda/context.h"
+#include "runtime/cuda/cuda_check.h"
+#include "runtime/cuda/kv_storage.h"
+#include "runtime/cuda/packer.h"
+#include "runtime/cuda/upload.h"
+#include "runtime/device.h"
+
+namespace dz {
+
+namespace {
+
+using cuda::DeviceArray;
+
+constexpr int kDefaultRows = 16384;  // rows a device pass holds unless dz_model_params.pass_tokens says otherwise
+constexpr int kLogitRows = 256;      // lm_head rows a GEMM
+
+size_t align16(size_t n) { return (n + 15) / 16 * 16; }
+
+struct DevFfn {
+  int64_t inter = 0;              // 0: none
+  DeviceArray<uint16_t> gate_up;  // [2 inter, H]: gate rows, then up rows
+  DeviceArray<uint16_t> down;     // [H, inter]
+};
+
+struct DevLayer {
+  bool kda = false, moe = false;
+  DeviceArray<float> in_norm, post_norm;
+  // KDA: qkv = [q; k; v] stacked; MLA: q, kv_a, kv_b; o for both.
+  DeviceArray<uint16_t> qkv, f_a, f_b, g_a, g_b, b, q, kv_a, kv_b, o;
+  DeviceArray<float> conv_w, a_log, dt_bias, o_norm, kv_a_norm;
+  DevFfn dense, shared;
+  DeviceArray<uint16_t> router, w13, w2;  // experts in BF16: w13 [E][2I][H] (gate rows, up rows), w2 [E][H][I]
+  DeviceArray<float> router_bias;
+  DeviceArray<uint8_t> w1b, w1s, w2b, w2s;  // experts in MXFP4, gate_up rows interleaved
+};
+
+class KimiLinearCuda final : public Family, private KimiLinearDesc {
+ public:
+  KimiLinearCuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params);
+
+  void fill_info(dz_model_info& info) const override {
+    fill_desc_info(info);
+    info.device = DZ_DEVICE_CUDA;
+    info.device_bytes = device_bytes_;
+  }
+  int32_t n_vocab() const override { return n_vocab_; }
+  kv::Layout kv_layout(uint32_t page_tokens) const override {
+    kv::Layout l;
+    l.page_tokens = page_tokens;
+    for (const KimiLinearLayer& L : layers_) l.layer_token_bytes.push_back(L.kda ? 0 : stride_);
+    l.state_slot_bytes = state_floats_ * sizeof(float);
+    l.model_key = model_key_;
+    return l;
+  }
+  std::unique_ptr<kv::Storage> (*kv_storage() const)(size_t) override { return storage_fn_; }
+  uint32_t prefill_chunk() const override { return uint32_t(max_rows_); }
+  void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
+
+ private:
+  struct Segment {  // one item's rows within a pass
+    int item, first, n;
+  };
+  void pass(std::span<ForwardItem> batch, const BatchRows& flat, int64_t r0, int64_t r1,
+            const std::vector<int32_t>& page_ids, const std::vector<int32_t>& item_page, kv::Arena& arena,
+            std::vector<char>& touched, const ForwardOptions& opt);
+  void kda_layer(const DevLayer& D, const KimiLinearLayer& L, int T, int n_seg, const int32_t* seg_first,
+                 float* const* st_in, float* const* st_out, cudaStream_t s);
+  void mla_layer(const DevLayer& D, int T, const int64_t* row_off, const int64_t* n_vis, int64_t max_vis,
+                 uint8_t* kv_layer, const uint8_t* const* const* pages, uint32_t page_tokens, cudaStream_t s);
+  void ffn(const DevFfn& f, int T, cudaStream_t s);
+  template <typename T>
+  T* room(DeviceArray<T>& a, size_t n, const char* what) {
+    if (a.size() < n) {
+      a.reset();
+      a = DeviceArray<T>(ctx_->pool(), n, what);
+    }
+    return a.get();
+  }
+
+  int dev_ = 0, sms_ = 132;
+  cuda::MoePath path_ = cuda::MoePath::kAuto;
+  cuda::KvStorageFn storage_fn_ = nullptr;
+  uint64_t device_bytes_ = 0, model_key_ = 0;
+  int max_rows_ = kDefaultRows;
+  size_t stride_ = 0;  // an MLA record: bf16 [c_kv | k_pe], padded to 16 bytes
+  int n_mla_ = 0;
+  int64_t moe_inter_ = 0;
+  bool mxfp4_experts_ = false;
+  std::unique_ptr<cuda::Context> ctx_;
+  std::unique_ptr<cuda::Bf16Gemm> gemm_;
+  std::unique_ptr<cuda::MoeLayer> moe_;
+  std::unique_ptr<cuda::Bf16Experts> bf16_experts_;
+  DeviceArray<uint16_t> embed_d_, lm_head_d_;
+  DeviceArray<float> final_norm_d_;
+  std::vector<DevLayer> dl_;
+  // Pass scratch (grown on demand).
+  DeviceArray<float> x_, xn_, qkv_, conv_, fg_, g_, beta_, kout_, q_, kva_, qa_, olat_, rlog_, gw_, h_, logits_,
+      state_;
+  DeviceArray<uint16_t> xb_, fgb_, ob_, att_, hb_, qab_;
+  DeviceArray<int32_t> ids_;
+  DeviceArray<uint8_t> meta_, mla_scratch_;
+  std::vector<float> logits_host_;
+  std::mutex mu_;  // one forward at a time (shared scratch)
+};
+
+KimiLinearCuda::KimiLinearCuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params)
+    : KimiLinearDesc(cfg, ws), dev_(params.device_index) {
+  const std::string& src = cfg.source();
+  check(cuda_device_count() > 0, DZ_ERR_DEVICE, "kimi_linear: DZ_DEVICE_CUDA requested but no CUDA device is present");
+  storage_fn_ = cuda::device_kv_storage(dev_);
+  check(params.activations != DZ_ACTIVATIONS_F32, DZ_ERR_UNSUPPORTED,
+        "kimi_linear CUDA: DZ_ACTIVATIONS_F32 is not implemented (the GEMMs take BF16 activations)");
+  check(params.experts == DZ_EXPERTS_AUTO || params.experts == DZ_EXPERTS_NATIVE, DZ_ERR_UNSUPPORTED,
+        "kimi_linear CUDA: dz_expert_precision ", int(params.experts), " (AUTO or NATIVE so far)");
+  path_ = params.experts == DZ_EXPERTS_NATIVE ? cuda::MoePath::kFused : cuda::MoePath::kAuto;
+  check(params.bf16_sensitive != 0, DZ_ERR_UNSUPPORTED,
+        "kimi_linear CUDA: bf16_sensitive = 0 (lower-precision projections) is not implemented");
+  if (params.pass_tokens) max_rows_ = int(params.pass_tokens);
+  check(kda_.head_dim == 16 || kda_.head_dim == 32 || kda_.head_dim == 64 || kda_.head_dim == 128,
+        DZ_ERR_UNSUPPORTED, src, ": linear attention head_dim ", kda_.head_dim,
+        " (the CUDA KDA kernels take 16, 32, 64 or 128)");
+  check(mla_.rank <= cuda::kMlaGenericMaxRank && mla_.rope <= cuda::kMlaGenericMaxRope && mla_.rope % 2 == 0,
+        DZ_ERR_UNSUPPORTED, src, ": kv_lora_rank ", mla_.rank, " / qk_rope_head_dim ", mla_.rope,
+        " (the CUDA MLA takes at most ", cuda::kMlaGenericMaxRank, " / ", cuda::kMlaGenericMaxRope, ", even)");
+  check(routing_.n_experts == 0 || (routing_.n_experts <= 256 && routing_.n_active <= 16), DZ_ERR_UNSUPPORTED, src,
+        ": ", routing_.n_experts, " experts top-", routing_.n_active, " (CUDA router: at most 256, top-16)");
+  stride_ = align16(size_t(mla_.rank + mla_.rope) * 2);
+  for (const KimiLinearLayer& L : layers_) n_mla_ += !L.kda;
+  model_key_ = fnv1a(cfg.json().dump(), fnv1a("kimi_linear cuda kv: bf16 c_kv|k_pe; state f32 conv|S[h][k][v] v1 " +
+                                              std::to_string(weights_bytes_)));
+
+  // The experts: all BF16 (Moonshot's checkpoints) or all MXFP4.
+  int n_bf16 = 0, n_fp4 = 0;
+  for (const KimiLinearLayer& L : layers_)
+    for (const SwiGlu& x : L.ffn.experts) {
+      const bool fp4 = x.gate.kind == cpu::WeightKind::MXFP4 && x.up.kind == cpu::WeightKind::MXFP4 &&
+                       x.down.kind == cpu::WeightKind::MXFP4;
+      (fp4 ? n_fp4 : n_bf16)++;
+      moe_inter_ = x.inter;
+    }
+  check(n_bf16 == 0 || n_fp4 == 0, DZ_ERR_UNSUPPORTED, src, ": ", n_fp4, " routed experts in MXFP4 and ", n_bf16,
+        " in other formats; the CUDA backend takes one format for all");
+  mxfp4_experts_ = n_fp4 > 0;
+
+  const int64_t H = hidden_, P = kda_.proj(), D = kda_.head_dim, NHK = kda_.n_heads, NH = mla_.n_heads;
+  const int64_t QD = mla_.nope + mla_.rope, KVA = mla_.rank + mla_.rope, E = routing_.n_experts,
+                k = routing_.n_active;
+  int64_t inter = moe_inter_;
+  for (const KimiLinearLayer& L : layers_) inter = std::max({inter, L.ffn.dense.inter, L.ffn.shared.inter});
+  // Scratch a row: activations (fp32 and bf16), KDA and MLA projections, the experts' slots.
+  const int64_t KP = (std::max(H, moe_inter_) + 127) / 128 * 128;
+  const int64_t slot = mxfp4_experts_ ? 12 + 6 * H + 4 * moe_inter_ + 4 * KP + (2 * KP) / 32
+                                      : 4 + 2 * H + 8 * moe_inter_ + 2 * moe_inter_ + 4 * H;
+  const int64_t row = 4 * (2 * H + 3 * P + 3 * P + 2 * D + P + NHK + P + NH * QD + KVA + NH * (KVA + mla_.rank) + E +
+                           2 * inter) +
+                      2 * (H + 2 * D + P + NH * mla_.v + inter + NH * KVA) + 64 + (E ? k * slot : 0);
+  size_t dev_weights = size_t(64) << 20;
+  auto as_bf16 = [&](const cpu::WeightRef& w) { dev_weights += size_t(w.rows * w.cols) * 2; };
+  as_bf16(ends_.embed);
+  if (ends_.lm_head.data != ends_.embed.data) as_bf16(ends_.lm_head);
+  for (const KimiLinearLayer& L : layers_) {
+    for (const cpu::WeightRef* w : {&L.q, &L.k, &L.v, &L.f_a, &L.f_b, &L.b, &L.g_a, &L.g_b, &L.o, &L.kv_a, &L.kv_b})
+      if (w->data) as_bf16(*w);
+    for (const SwiGlu* m : {&L.ffn.dense, &L.ffn.shared})
+      if (m->inter) as_bf16(m->gate), as_bf16(m->up), as_bf16(m->down);
+    if (!L.ffn.moe) continue;
+    as_bf16(L.ffn.router);
+    for (const SwiGlu& x : L.ffn.experts)
+      for (const cpu::WeightRef* w : {&x.gate, &x.up, &x.down})
+        dev_weights += mxfp4_experts_ ? size_t(w->rows * w->cols) / 32 * 17 : size_t(w->rows * w->cols) * 2;
+  }
+  // Pass copies of the states for up to 64 sequences.
+  const size_t scratch = size_t(max_rows_) * size_t(row) + size_t(kLogitRows) * size_t(n_vocab_) * 4 +
+                         64 * state_floats_ * 4 + (size_t(1) << 30);
+  int n = 0;
+  DZ_CUDA_CHECK(cudaGetDeviceCount(&n));
+  check(dev_ < n, DZ_ERR_INVALID_ARGUMENT, "device_index ", dev_, " but ", n, " CUDA devices are present");
+  DZ_CUDA_CHECK(cudaSetDevice(dev_));
+  DZ_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev_));
+  size_t free_b = 0, total_b = 0;
+  DZ_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  cuda::ContextOptions co;
+  co.device = dev_;
+  co.pool_bytes = std::min(dev_weights + scratch, free_b / 10 * 9);
+  ctx_ = std::make_unique<cuda::Context>(co);
+  gemm_ = std::make_unique<cuda::Bf16Gemm>(*ctx_);
+  if (moe_inter_ > 0 && mxfp4_experts_) {
+    cuda::MoeShape ms;
+    ms.n_experts = int(E);
+    ms.topk = int(k);
+    ms.hidden = int(H);
+    ms.intermediate = int(moe_inter_);
+    ms.act = cuda::MoeActivation::kSilu;
+    moe_ = std::make_unique<cuda::MoeLayer>(*ctx_, ms, max_rows_);
+  } else if (moe_inter_ > 0) {
+    bf16_experts_ = std::make_unique<cuda::Bf16Experts>(*ctx_, *gemm_, int(E), int(k), int(H), int(moe_inter_));
+  }
+
+  cuda::WeightLoader ld(ctx_->pool(), weights_bytes_, params, "kimi_linear");
+  embed_d_ = ld.bf16({&ends_.embed}, "embed_tokens");
+  if (ends_.lm_head.data != ends_.embed.data) lm_head_d_ = ld.bf16({&ends_.lm_head}, "lm_head");
+  final_norm_d_ = ld.array(ends_.final_norm, "model.norm");
+  auto load_ffn = [&](const SwiGlu& m, DevFfn& d) {
+    d.inter = m.inter;
+    if (!m.inter) return;
+    d.gate_up = ld.bf16({&m.gate, &m.up}, "mlp gate_up");
+    d.down = ld.bf16({&m.down}, "mlp down");
+  };
+  dl_.resize(size_t(n_layers_));
+  for (int li = 0; li < n_layers_; ++li) {
+    const KimiLinearLayer& L = layers_[size_t(li)];
+    DevLayer& d = dl_[size_t(li)];
+    d.kda = L.kda;
+    d.in_norm = ld.array(L.in_norm, "input_layernorm");
+    d.post_norm = ld.array(L.post_norm, "post_attention_layernorm");
+    d.o = ld.bf16({&L.o}, "o_proj");
+    if (L.kda) {
+      d.qkv = ld.bf16({&L.q, &L.k, &L.v}, "q_proj/k_proj/v_proj");
+      d.f_a = ld.bf16({&L.f_a}, "f_a_proj");
+      d.g_a = ld.bf16({&L.g_a}, "g_a_proj");
+      d.f_b = ld.bf16({&L.f_b}, "f_b_proj");
+      d.g_b = ld.bf16({&L.g_b}, "g_b_proj");
+      d.b = ld.bf16({&L.b}, "b_proj");
+      d.conv_w = ld.array(L.conv_w, "short convolutions");
+      d.a_log = ld.array(L.a_log, "A_log");
+      d.dt_bias = ld.array(L.dt_bias, "dt_bias");
+      d.o_norm = ld.array(L.o_norm, "o_norm");
+    } else {
+      d.q = ld.bf16({&L.q}, "q_proj");
+      d.kv_a = ld.bf16({&L.kv_a}, "kv_a_proj_with_mqa");
+      d.kv_b = ld.bf16({&L.kv_b}, "kv_b_proj");
+      d.kv_a_norm = ld.array(L.kv_a_norm, "kv_a_layernorm");
+    }
+    d.moe = L.ffn.moe;
+    if (!d.moe) {
+      load_ffn(L.ffn.dense, d.dense);
+      continue;
+    }
+    load_ffn(L.ffn.shared, d.shared);
+    d.router = ld.bf16({&L.ffn.router}, "router");
+    d.router_bias = ld.array(L.ffn.router_bias, "e_score_correction_bias");
+    if (!mxfp4_experts_) {
+      std::vector<const cpu::WeightRef*> w13, w2;
+      for (const SwiGlu& x : L.ffn.experts) w13.push_back(&x.gate), w13.push_back(&x.up), w2.push_back(&x.down);
+      d.w13 = ld.bf16(w13, "experts w1/w3");
+      d.w2 = ld.bf16(w2, "experts w2");
+      continue;
+    }
+    // MXFP4: gate_up [E][2I] rows (gate j at 2j, up j at 2j + 1), down [E][H] rows; blocks then E8M0 scales.
+    const int64_t I = moe_inter_, rb1 = H / 2, rs1 = H / 32, rb2 = I / 2, rs2 = I / 32;
+    std::vector<uint8_t> b1(size_t(E * 2 * I * rb1)), s1(size_t(E * 2 * I * rs1)), b2(size_t(E * H * rb2)),
+        s2(size_t(E * H * rs2));
+    for (int64_t e = 0; e < E; ++e) {
+      const SwiGlu& x = L.ffn.experts[size_t(e)];
+      for (int64_t j = 0; j < I; ++j)
+        for (int u = 0; u < 2; ++u) {
+          const cpu::WeightRef& w = u ? x.up : x.gate;
+          const int64_t r = (e * I + j) * 2 + u;
+          std::memcpy(b1.data() + r * rb1, w.data + j * rb1, size_t(rb1));
+          std::memcpy(s1.data() + r * rs1, w.scales + j * rs1, size_t(rs1));
+        }
+      std::memcpy(b2.data() + e * H * rb2, x.down.data, size_t(H * rb2));
+      std::memcpy(s2.data() + e * H * rs2, x.down.scales, size_t(H * rs2));
+    }
+    d.w1b = ld.array(b1, "experts gate_up blocks");
+    d.w1s = ld.array(s1, "experts gate_up scales");
+    d.w2b = ld.array(b2, "experts down blocks");
+    d.w2s = ld.array(s2, "experts down scales");
+  }
+  ld.finish(src);
+  device_bytes_ = ld.bytes();
+  DZ_CUDA_CHECK(cudaDeviceSynchronize());
+  log_info("kimi_linear on ", ctx_->describe(), ": ", device_bytes_ >> 20, " MiB of weights on the device (checkpoint ",
+           weights_bytes_ >> 20, " MiB)");
+}
+
+void KimiLinearCuda::ffn(const DevFfn& f, int T, cudaStream_t s) {
+  const int H = int(hidden_), I = int(f.inter);
+  float* h = room(h_, size_t(T) * 2 * I, "mlp gate_up out");
+  uint16_t* hb = room(hb_, size_t(T) * I, "mlp act");
+  gemm_->run(xb_.get(), f.gate_up.get(), nullptr, h, T, 2 * I, H, 0.f, s);
+  cuda::silu_mul(h, T, I, int64_t(2) * I, hb, s);
+  gemm_->run(hb, f.down.get(), nullptr, x_.get(), T, H, I, 1.f, s);  // x += down(act)
+}
+
+void KimiLinearCuda::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
+  std::lock_guard<std::mutex> lk(mu_);
+  DZ_CUDA_CHECK(cudaSetDevice(dev_));
+  const BatchRows flat = flatten_batch(batch, n_vocab_, "kimi_linear");
+  kv::Arena& arena = batch[0].seq->arena();
+  check(arena.storage().on_device(), DZ_ERR_INVALID_ARGUMENT,
+        "kimi_linear CUDA: the KV arena is in host memory (create it from this model)");
+  std::vector<int32_t> page_ids, item_page(batch.size());
+  for (size_t b = 0; b < batch.size(); ++b) {
+    check(&batch[b].seq->arena() == &arena, DZ_ERR_INTERNAL, "kimi_linear forward: items of different arenas");
+    check(state_floats_ == 0 || batch[b].seq->state_ptr() != nullptr, DZ_ERR_INTERNAL,
+          "kimi_linear forward: the sequence's arena has no state slot");
+    item_page[b] = int32_t(page_ids.size());
+    for (kv::PageId p : batch[b].seq->pages()) page_ids.push_back(int32_t(p));
+  }
+  // Every item's state copy for this call: item b's at state_ + b * state_floats_.
+  if (state_floats_) room(state_, batch.size() * state_floats_, "KDA states (pass copies)");
+  std::vector<char> touched(batch.size(), 0);  // its copy holds this call's state so far
+  const int64_t R = int64_t(flat.rows.size());
+  for (int64_t r0 = 0; r0 < R; r0 += max_rows_)
+    pass(batch, flat, r0, std::min<int64_t>(R, r0 + max_rows_), page_ids, item_page, arena, touched, opt);
+  // Every pass ran: the copies become the sequences' states.
+  cudaStream_t s = ctx_->stream();
+  for (size_t b = 0; b < batch.size() && state_floats_; ++b)
+    if (touched[b])
+      DZ_CUDA_CHECK(cudaMemcpyAsync(batch[b].seq->state_ptr(), state_.get() + b * state_floats_, state_floats_ * 4,
+                                    cudaMemcpyDeviceToDevice, s));
+  DZ_CUDA_CHECK(cudaStreamSynchronize(s));
+  // Positions attended: every visible position, each MLA layer.
+  uint64_t total = 0;
+  for (size_t b = 0; b < batch.size(); ++b) {
+    uint64_t n = 0;
+    const uint64_t start = batch[b].seq->length();
+    for (size_t t = 0; t < batch[b].tokens.size(); ++t) n += (start + t + 1) * uint64_t(n_mla_);
+    total += n;
+    if (batch[b].attention_tokens_read) *batch[b].attention_tokens_read += n;
+  }
+  if (opt.attention_tokens_read) *opt.attention_tokens_read += total;
+}
+
+void KimiLinearCuda::kda_layer(const DevLayer& D, const KimiLinearLayer& L, int T, int n_seg,
+                               const int32_t* seg_first, float* const* st_in, float* const* st_out, cudaStream_t s) {
+  const int H = int(hidden_), P = int(kda_.proj()), HD = kda_.head_dim, NH = kda_.n_heads;
+  float* qkv = room(qkv_, size_t(T) * 3 * P, "KDA q|k|v");
+  float* conv = room(conv_, size_t(T) * 3 * P, "KDA convolved q|k|v");
+  float* fg = room(fg_, size_t(T) * 2 * HD, "KDA f_a|g_a");
+  uint16_t* fgb = room(fgb_, size_t(T) * 2 * HD, "KDA f_a|g_a bf16");
+  float* g = room(g_, size_t(T) * 2 * P, "KDA decay|gate");
+  float* beta = room(beta_, size_t(T) * NH, "KDA beta");
+  float* out = room(kout_, size_t(T) * P, "KDA out");
+  uint16_t* ob = room(ob_, size_t(T) * P, "KDA gated out");
+  const uint16_t* xb = xb_.get();
+  gemm_->run(xb, D.qkv.get(), nullptr, qkv, T, 3 * P, H, 0.f, s);
+  gemm_->run(xb, D.b.get(), nullptr, beta, T, NH, H, 0.f, s);
+  // f_a and g_a outputs as two [T, D] blocks, so each feeds its up-projection as contiguous bf16 rows.
+  gemm_->run(xb, D.f_a.get(), nullptr, fg, T, HD, H, 0.f, s);
+  gemm_->run(xb, D.g_a.get(), nullptr, fg + size_t(T) * HD, T, HD, H, 0.f, s);
+  cuda::to_bf16(fg, fgb, size_t(T) * 2 * HD, s);
+  gemm_->run(fgb, D.f_b.get(), nullptr, g, T, P, HD, 0.f, s);
+  gemm_->run(fgb + size_t(T) * HD, D.g_b.get(), nullptr, g + size_t(T) * P, T, P, HD, 0.f, s);
+  float* gate = g + size_t(T) * P;
+
+  cuda::KdaConv c;
+  c.channels = 3 * int64_t(P), c.kernel = kda_.conv_kernel, c.batch = n_seg, c.seq_first = seg_first;
+  c.x = qkv, c.ld = 3 * int64_t(P), c.w = D.conv_w.get(), c.hist_in = st_in, c.hist_out = st_out;
+  c.hist_offset = int64_t(L.state_off), c.y = conv;
+  cuda::kda_short_conv_silu(c, s);
+  cuda::kda_prepare(NH, HD, T, conv, conv + P, 3 * int64_t(P), g, P, D.a_log.get(), D.dt_bias.get(), beta, s);
+  cuda::KdaRecurrent a;
+  a.n_heads = NH, a.head_dim = HD, a.batch = n_seg, a.seq_first = seg_first;
+  a.q = conv, a.k = conv + P, a.v = conv + 2 * P, a.ld = 3 * int64_t(P), a.g = g, a.ld_g = P, a.beta = beta;
+  a.state_in = st_in, a.state = st_out, a.state_offset = int64_t(L.state_off + kda_.conv_floats()), a.out = out;
+  cuda::kda_recurrent(a, s);
+  cuda::kda_output_gate(NH, HD, T, out, gate, P, D.o_norm.get(), eps_, ob, s);
+  gemm_->run(ob, D.o.get(), nullptr, x_.get(), T, H, P, 1.f, s);  // x += o_proj(gated out)
+}
+
+void KimiLinearCuda::mla_layer(const DevLayer& D, int T, const int64_t* row_off, const int64_t* n_vis,
+                               int64_t max_vis, uint8_t* kv_layer, const uint8_t* const* const* pages,
+                               uint32_t page_tokens, cudaStream_t s) {
+  const int H = int(hidden_), NH = mla_.n_heads, QD = mla_.nope + mla_.rope, KVA = mla_.rank + mla_.rope;
+  float* q = room(q_, size_t(T) * NH * QD, "q");
+  float* kva = room(kva_, size_t(T) * KVA, "kv_a");
+  float* qa = room(qa_, size_t(T) * NH * KVA, "absorbed q");
+  float* olat = room(olat_, size_t(T) * NH * mla_.rank, "attended latent");
+  uint16_t* att = room(att_, size_t(T) * NH * mla_.v, "attention out");
+  const uint16_t* xb = xb_.get();
+  gemm_->run(xb, D.q.get(), nullptr, q, T, NH * QD, H, 0.f, s);
+  gemm_->run(xb, D.kv_a.get(), nullptr, kva, T, KVA, H, 0.f, s);
+  cuda::MlaRopeStore rs;  // no cos / sin: NoPE, k_pe cached as projected
+  rs.n_rows = T, rs.n_heads = NH, rs.nope = mla_.nope, rs.rope = mla_.rope, rs.rank = mla_.rank;
+  rs.q = q, rs.kva = kva, rs.kv_norm = D.kv_a_norm.get(), rs.eps = eps_;
+  rs.kv_layer = kv_layer, rs.row_off = row_off;
+  cuda::mla_rope_store(rs, s);
+  cuda::mla_absorb_q(q, T, NH, mla_.nope, mla_.rope, mla_.v, mla_.rank, D.kv_b.get(), qa, s);
+  const bool tensor_mla = mla_.rank == cuda::kMlaRank && mla_.rope == cuda::kMlaRope && NH % 16 == 0;
+  if (tensor_mla) {
+    uint16_t* qab = room(qab_, size_t(T) * NH * KVA, "absorbed q bf16");
+    cuda::to_bf16(qa, qab, size_t(T) * NH * KVA, s);
+    cuda::SparseMlaDecode a;
+    a.batch = T, a.n_heads = NH, a.scale = mla_.scale, a.q = qab, a.sel = nullptr, a.n_visible = n_vis;
+    a.topk = int(max_vis), a.pages = pages, a.page_tokens = page_tokens, a.stride = stride_, a.offset = 0;
+    a.out = olat;
+    const int splits = cuda::sparse_mla_splits(a, sms_);
+    const size_t sb = cuda::sparse_mla_scratch_bytes(a, splits);
+    cuda::sparse_mla_decode(a, splits, room(mla_scratch_, sb, "MLA partials"), sb, s);
+  } else {
+    cuda::SparseMlaGeneric a;
+    a.n_q = T, a.n_heads = NH, a.rank = mla_.rank, a.rope = mla_.rope, a.scale = mla_.scale, a.q = qa;
+    a.sel = nullptr, a.n_visible = n_vis, a.topk = int(max_vis), a.pages = pages, a.page_tokens = page_tokens;
+    a.stride = stride_, a.offset = 0, a.out = olat;
+    cuda::sparse_mla_generic(a, s);
+  }
+  cuda::mla_out_proj(olat, T, NH, mla_.nope, mla_.v, mla_.rank, D.kv_b.get(), att, s);
+  gemm_->run(att, D.o.get(), nullptr, x_.get(), T, H, NH * mla_.v, 1.f, s);  // x += o_proj(att)
+}
+
+void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, int64_t r0, int64_t r1,
+                          const std::vector<int32_t>& page_ids, const std::vector<int32_t>& item_page,
+                          kv::Arena& arena, std::vector<char>& touched, const ForwardOptions& opt) {
+  const int T = int(r1 - r0), L = n_layers_, P = int(page_ids.size()), H = int(hidden_), V = n_vocab_;
+  cudaStream_t s = ctx_->stream();
+  const size_t page_bytes = arena.page_bytes(), TS = size_t(T);
+
+  // Row and segment metadata, packed into one upload.
+  std::vector<int32_t> tok(TS), row_first(TS), logit_rows, seg_first;
+  std::vector<int64_t> vis(TS), off(TS), layer_off(static_cast<size_t>(L));
+  std::vector<Segment> segs;
+  std::vector<float*> logit_dst;
+  int64_t max_vis = 0;
+  for (int i = 0; i < T; ++i) {
+    const BatchRow& rw = flat.rows[size_t(r0 + i)];
+    const ForwardItem& it = batch[rw.item];
+    const kv::Sequence& seq = *it.seq;
+    tok[size_t(i)] = it.tokens[size_t(r0 + i - flat.first_row[rw.item])];
+    vis[size_t(i)] = rw.pos + 1;
+    max_vis = std::max(max_vis, rw.pos + 1);
+    off[size_t(i)] = int64_t(seq.page_of(size_t(rw.pos))) * int64_t(page_bytes) +
+                     int64_t(seq.slot_of(size_t(rw.pos))) * int64_t(stride_);
+    row_first[size_t(i)] = item_page[rw.item];
+    if (segs.empty() || segs.back().item != int(rw.item)) segs.push_back({int(rw.item), i, 0});
+    ++segs.back().n;
+    const auto [lr0, nlr] = flat.logit_rows(batch, rw.item);
+    if (r0 + i >= lr0 && r0 + i < lr0 + nlr) {
+      logit_rows.push_back(i);
+      logit_dst.push_back(it.logits + (r0 + i - lr0) * int64_t(V));
+    }
+  }
+  // Each segment's state: read from the slot (first pass of the call) or this call's copy, written to the copy.
+  std::vector<float*> st_in, st_out;
+  for (const Segment& g : segs) {
+    seg_first.push_back(g.first);
+    float* copy = state_floats_ ? state_.get() + size_t(g.item) * state_floats_ : nullptr;
+    st_in.push_back(touched[size_t(g.item)] || !copy ? copy
+                                                      : reinterpret_cast<float*>(batch[size_t(g.item)].seq->state_ptr()));
+    st_out.push_back(copy);
+    touched[size_t(g.item)] = 1;
+  }
+  seg_first.push_back(T);
+  for (int l = 0; l < L; ++l) layer_off[size_t(l)] = int64_t(arena.layer_offset(uint32_t(l)));
+  cuda::Packer pk;
+  const size_t o_tok = pk.add(tok), o_first = pk.add(row_first), o_lr = pk.add(logit_rows), o_vis = pk.add(vis),
+               o_off = pk.add(off), o_loff = pk.add(layer_off), o_pid = pk.add(page_ids), o_seg = pk.add(seg_first),
+               o_sin = pk.add(st_in), o_sout = pk.add(st_out);
+  const size_t o_tab = pk.tail();
+  const size_t o_rtab = o_tab + (size_t(L) * P * 8 + 255) / 256 * 256;
+  const size_t meta_bytes = o_rtab + size_t(L) * T * 8;
+  // Every pass ends synchronized (its logits reach the host), so the metadata is free to rewrite.
+  uint8_t* m = room(meta_, meta_bytes, "batch metadata");
+  DZ_CUDA_CHECK(cudaMemcpyAsync(m, pk.bytes().data(), pk.bytes().size(), cudaMemcpyHostToDevice, s));
+  auto at = [m](size_t o) { return m + o; };
+  uint8_t** tables = reinterpret_cast<uint8_t**>(at(o_tab));
+  uint8_t*** row_tables = reinterpret_cast<uint8_t***>(at(o_rtab));
+  uint8_t* kv_base = arena.storage().data();
+  if (n_mla_)
+    cuda::paged_tables(kv_base, reinterpret_cast<const int32_t*>(at(o_pid)), P, page_bytes,
+                       reinterpret_cast<const int64_t*>(at(o_loff)), L, reinterpret_cast<const int32_t*>(at(o_first)),
+                       T, tables, row_tables, s);
+  const int32_t* d_seg = reinterpret_cast<const int32_t*>(at(o_seg));
+  float* const* d_sin = reinterpret_cast<float* const*>(at(o_sin));
+  float* const* d_sout = reinterpret_cast<float* const*>(at(o_sout));
+
+  float* x = room(x_, TS * H, "x");
+  float* xn = room(xn_, TS * H, "xn");
+  uint16_t* xb = room(xb_, TS * H, "x bf16");
+  int32_t* ids = nullptr;
+  float *rlog = nullptr, *gw = nullptr;
+  if (moe_inter_) {
+    ids = room(ids_, TS * routing_.n_active, "expert ids");
+    gw = room(gw_, TS * routing_.n_active, "expert weights");
+    rlog = room(rlog_, TS * routing_.n_experts, "router logits");
+  }
+
+  cuda::embed_gather(embed_d_.get(), reinterpret_cast<const int32_t*>(at(o_tok)), T, H, x, s);
+  for (int li = 0; li < L; ++li) {
+    if (opt.abort && opt.abort(opt.abort_user)) {
+      cudaStreamSynchronize(s);
+      fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
+    }
+    const DevLayer& D = dl_[size_t(li)];
+    cuda::rms_norm(x, nullptr, T, H, D.in_norm.get(), eps_, nullptr, xb, s);
+    if (D.kda)
+      kda_layer(D, layers_[size_t(li)], T, int(segs.size()), d_seg, d_sin, d_sout, s);
+    else
+      mla_layer(D, T, reinterpret_cast<const int64_t*>(at(o_off)), reinterpret_cast<const int64_t*>(at(o_vis)),
+                max_vis, kv_base + arena.layer_offset(uint32_t(li)), row_tables + size_t(li) * T, arena.page_tokens(),
+                s);
+
+    cuda::rms_norm(x, nullptr, T, H, D.post_norm.get(), eps_, xn, xb, s);
+    if (!D.moe) {
+      ffn(D.dense, T, s);
+      continue;
+    }
+    gemm_->run(xb, D.router.get(), nullptr, rlog, T, routing_.n_experts, H, 0.f, s);
+    cuda::router_sigmoid_grouped(rlog, D.router_bias.get(), T, routing_.n_experts, routing_.n_group,
+                                 routing_.topk_group, routing_.n_active, routing_.norm, routing_.scale, ids, gw, s);
+    if (moe_) {
+      cuda::MoeWeights mw;
+      mw.w1_blocks = D.w1b.get(), mw.w1_scales = D.w1s.get(), mw.w2_blocks = D.w2b.get(), mw.w2_scales = D.w2s.get();
+      moe_->forward(mw, xn, ids, gw, T, x, path_, true);  // x += experts(xn)
+    } else {
+      cuda::Bf16ExpertWeights bw;
+      bw.w13 = D.w13.get(), bw.w2 = D.w2.get();
+      bf16_experts_->forward(bw, xb, ids, gw, T, x, s);  // x += experts(xb)
+    }
+    if (D.shared.inter) ffn(D.shared, T, s);
+  }
+
+  if (opt.abort && opt.abort(opt.abort_user)) {  // as the CPU family: once more before the logits
+    cudaStreamSynchronize(s);
+    fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
+  }
+  // The logit rows of this pass, kLogitRows at a time.
+  const uint16_t* lm = lm_head_d_.get() ? lm_head_d_.get() : embed_d_.get();
+  const int n_logit = int(logit_rows.size());
+  float* logits = room(logits_, size_t(std::min(n_logit, kLogitRows)) * V, "logits");
+  logits_host_.resize(size_t(std::min(n_logit, kLogitRows)) * V);
+  for (int c0 = 0; c0 < n_logit; c0 += kLogitRows) {
+    const int nc = std::min(kLogitRows, n_logit - c0);
+    cuda::rms_norm(x, reinterpret_cast<const int32_t*>(at(o_lr)) + c0, nc, H, final_norm_d_.get(), eps_, nullptr, xb,
+                   s);
+    gemm_->run(xb, lm, nullptr, logits, nc, V, H, 0.f, s);
+    DZ_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits, size_t(nc) * V * 4, cudaMemcpyDeviceToHost, s));
+    DZ_CUDA_CHECK(cudaStreamSynchronize(s));
+    for (int i = 0; i < nc; ++i)
+      std::memcpy(logit_dst[size_t(c0 + i)], logits_host_.data() + size_t(i) * V, size_t(V) * 4);
+  }
+  DZ_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (moe_) {
+    const int err = moe_->take_error();
+    check(err == 0, DZ_ERR_INTERNAL, "kimi_linear CUDA: an expert id was out of range");
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Family> make_kimi_linear_cuda(const Config& cfg, const WeightStore& ws,
+                                              const dz_model_params& params) {
+  check(cuda_device_count() > 0, DZ_ERR_DEVICE,
+        "kimi_linear: DZ_DEVICE_CUDA requested but no CUDA device is present (driver or GPU missing); use "
+        "DZ_DEVICE_CPU or DZ_DEVICE_AUTO");
+  return std::make_unique<KimiLinearCuda>(cfg, ws, params);
+}
+
+}  // namespace dz
+
+#endif  // DZ_WITH_CUDA
