@@ -1,5 +1,7 @@
 #include "cuda/moe_bf16.h"
 
+#include <cuda_bf16.h>
+
 #include <algorithm>
 
 #include "common/error.h"
@@ -35,6 +37,65 @@ __global__ void combine_kernel(const float* __restrict__ y, const int32_t* __res
   }
 }
 
+constexpr int kWarps = 8;  // warps a block in the few-slot kernels, one output row each
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// A bf16 row of n values (n % 8 == 0, 16-byte aligned) dotted with fp32 x in shared memory, one warp.
+__device__ __forceinline__ float row_dot(const uint16_t* __restrict__ w, const float* x, int n, int lane) {
+  float acc = 0.f;
+  for (int c = lane * 8; c < n; c += 256) {
+    const uint4 v = *reinterpret_cast<const uint4*>(w + c);
+    const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      acc = fmaf(__uint_as_float(u[i] << 16), x[c + 2 * i], acc);
+      acc = fmaf(__uint_as_float(u[i] & 0xffff0000u), x[c + 2 * i + 1], acc);
+    }
+  }
+  return warp_sum(acc);
+}
+
+// Block (8 rows j, slot s): act[s][j] = bf16(silu(gate_j . x) * (up_j . x)) of
+// the slot's expert, x its token's input row (silu as silu_mul's).
+__global__ void __launch_bounds__(kWarps * 32)
+    few_gate_up_kernel(const uint16_t* __restrict__ xb, const int32_t* __restrict__ ids, int k, int H, int I,
+                       const uint16_t* __restrict__ w13, uint16_t* __restrict__ act) {
+  extern __shared__ float xs[];
+  const int s = blockIdx.y, t = s / k, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int c = threadIdx.x; c < H; c += blockDim.x) xs[c] = __uint_as_float(uint32_t(xb[size_t(t) * H + c]) << 16);
+  __syncthreads();
+  const int j = blockIdx.x * kWarps + warp;
+  if (j >= I) return;
+  const uint16_t* w = w13 + size_t(ids[s]) * 2 * I * H;
+  const float g = row_dot(w + size_t(j) * H, xs, H, lane), u = row_dot(w + size_t(I + j) * H, xs, H, lane);
+  if (lane == 0) {
+    const float sg = float(double(g) / (1.0 + exp(-double(g))));
+    act[size_t(s) * I + j] = __bfloat16_as_ushort(__float2bfloat16_rn(sg * u));
+  }
+}
+
+// Block (8 rows n, token t): x[t][n] += sum_j w[t k + j] (down_{e_j} row n . act[t k + j]).
+__global__ void __launch_bounds__(kWarps * 32)
+    few_down_kernel(const uint16_t* __restrict__ act, const int32_t* __restrict__ ids, const float* __restrict__ gw,
+                    int k, int H, int I, const uint16_t* __restrict__ w2, float* __restrict__ x) {
+  extern __shared__ float as[];  // [k][I]
+  const int t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int c = threadIdx.x; c < k * I; c += blockDim.x)
+    as[c] = __uint_as_float(uint32_t(act[size_t(t) * k * I + c]) << 16);
+  __syncthreads();
+  const int n = blockIdx.x * kWarps + warp;
+  if (n >= H) return;
+  float y = 0.f;
+  for (int j = 0; j < k; ++j)
+    y = fmaf(gw[t * k + j], row_dot(w2 + (size_t(ids[t * k + j]) * H + n) * I, as + j * I, I, lane), y);
+  if (lane == 0) x[size_t(t) * H + n] += y;
+}
+
 }  // namespace
 
 void gather_rows_bf16(const uint16_t* src, const int32_t* rows, int n, int H, uint16_t* dst, cudaStream_t s) {
@@ -53,7 +114,7 @@ void moe_combine(const float* y, const int32_t* where, const float* w, int T, in
 }
 
 Bf16Experts::Bf16Experts(Context& ctx, Bf16Gemm& gemm, int n_experts, int topk, int hidden, int inter)
-    : ctx_(ctx), gemm_(gemm), E_(n_experts), k_(topk), H_(hidden), I_(inter) {
+    : ctx_(ctx), gemm_(gemm), E_(n_experts), k_(topk), H_(hidden), I_(inter), few_max_slots_(std::max(64, n_experts)) {
   check(E_ > 0 && k_ > 0 && k_ <= E_ && H_ > 0 && I_ > 0, DZ_ERR_INVALID_ARGUMENT, "BF16 experts: ", E_,
         " experts, top-", k_, ", hidden ", H_, ", intermediate ", I_);
 }
@@ -67,10 +128,33 @@ T* Bf16Experts::room(DeviceArray<T>& a, size_t n, const char* what) {
   return a.get();
 }
 
+bool Bf16Experts::few_slots(int T) const {
+  return H_ % 8 == 0 && I_ % 8 == 0 && size_t(k_) * I_ * 4 <= kFewMaxSmem && int64_t(T) * k_ <= few_max_slots_;
+}
+
 void Bf16Experts::forward(const Bf16ExpertWeights& w, const uint16_t* xb, const int32_t* ids, const float* weights,
                           int T, float* x, cudaStream_t s) {
   if (T <= 0) return;
   const size_t S = size_t(T) * size_t(k_);
+  if (few_slots(T)) {  // each slot's expert rows streamed once, no host sync
+    uint16_t* act = room(act_, S * size_t(I_), "BF16 experts: activations");
+    const size_t xs = size_t(H_) * 4, as = size_t(k_) * I_ * 4;
+    static const bool attr = [] {
+      DZ_CUDA_CHECK(cudaFuncSetAttribute(few_gate_up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(kFewMaxSmem)));
+      DZ_CUDA_CHECK(
+          cudaFuncSetAttribute(few_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kFewMaxSmem)));
+      return true;
+    }();
+    (void)attr;
+    few_gate_up_kernel<<<dim3(unsigned((I_ + kWarps - 1) / kWarps), unsigned(S)), kWarps * 32, xs, s>>>(
+        xb, ids, k_, H_, I_, w.w13, act);
+    DZ_CUDA_LAUNCH_CHECK();
+    few_down_kernel<<<dim3(unsigned((H_ + kWarps - 1) / kWarps), unsigned(T)), kWarps * 32, as, s>>>(
+        act, ids, weights, k_, H_, I_, w.w2, x);
+    DZ_CUDA_LAUNCH_CHECK();
+    return;
+  }
   ids_.resize(S);
   DZ_CUDA_CHECK(cudaMemcpyAsync(ids_.data(), ids, S * 4, cudaMemcpyDeviceToHost, s));
   DZ_CUDA_CHECK(cudaStreamSynchronize(s));

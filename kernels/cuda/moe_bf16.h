@@ -1,9 +1,13 @@
-// Routed experts held in BF16 (Kimi Linear's checkpoints) on the device:
-// the token slots sorted by expert on the host (one small copy of the
-// router's choice a layer, then a stream sync), each expert's rows gathered,
-// two BF16 GEMMs an expert with the plain SwiGLU between them, and the
-// weighted combine into the residual stream. The GEMMs read each active
-// expert once; the sync keeps this path out of CUDA graphs.
+// Routed experts held in BF16 (Kimi Linear's checkpoints) on the device, two
+// paths chosen by the number of token slots (tokens x top-k):
+//  - few slots (a decode step): two launches, no host sync. Each slot's
+//    expert rows are streamed once by warps that dot them with the token's
+//    row (gate and up rows with the SwiGLU in one kernel; down with the
+//    weighted sum of the token's k slots added into the residual stream).
+//  - many slots (prefill): the slots sorted by expert on the host (one small
+//    copy of the router's choice a layer, then a stream sync), each expert's
+//    rows gathered, two BF16 GEMMs an expert with the plain SwiGLU between
+//    them, and the weighted combine. The GEMMs read each active expert once.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -38,6 +42,11 @@ class Bf16Experts {
   // order is built on the host); throws DZ_ERR_INTERNAL for an id out of range.
   void forward(const Bf16ExpertWeights& w, const uint16_t* xb, const int32_t* ids, const float* weights, int T,
                float* x, cudaStream_t s);
+  // The few-slot path up to this many slots (also needs H, I multiples of 8
+  // and the k activation rows of a token in shared memory); 0: never.
+  void set_few_max_slots(int64_t n) { few_max_slots_ = n; }
+  bool few_slots(int T) const;
+  static constexpr size_t kFewMaxSmem = size_t(96) << 10;
 
  private:
   template <typename T>
@@ -45,6 +54,7 @@ class Bf16Experts {
   Context& ctx_;
   Bf16Gemm& gemm_;
   int E_, k_, H_, I_;
+  int64_t few_max_slots_;
   std::vector<int32_t> ids_, meta_, count_;
   DeviceArray<int32_t> meta_d_;
   DeviceArray<uint16_t> xs_, act_;

@@ -374,11 +374,16 @@ DZ_API dz_status dz_session_append(dz_session* session, const int32_t* tokens, s
     int32_t argmax = -1;
     const size_t start = seq.length();
     // A recurrent state cannot be rewound by dropping pages: keep a copy to
-    // put back if a chunk fails after others were committed.
+    // put back if a chunk fails after others were committed or a prefix was
+    // adopted (one token is one chunk and adopts nothing; a failed chunk
+    // leaves the state as it was).
     const size_t state_bytes = seq.arena().layout().state_slot_bytes;
     std::vector<uint8_t> saved_state;
-    if (state_bytes && !seq.arena().storage().on_device())
-      saved_state.assign(seq.state_ptr(), seq.state_ptr() + state_bytes);
+    if (state_bytes && n > 1) {
+      dz::kv::Storage& st = seq.arena().storage();
+      saved_state.resize(state_bytes);
+      st.read(size_t(seq.state_ptr() - st.data()), saved_state.data(), state_bytes);
+    }
     const size_t page = seq.arena().page_tokens();
     size_t done = 0;
     size_t reused = 0;

@@ -48,6 +48,14 @@ class HostStorage final : public Storage {
     check(dst + bytes <= size_ && src + bytes <= size_, DZ_ERR_INTERNAL, "KV storage copy out of range");
     std::memcpy(data_ + dst, data_ + src, bytes);
   }
+  void read(size_t off, void* dst, size_t bytes) override {
+    check(off + bytes <= size_, DZ_ERR_INTERNAL, "KV storage read out of range");
+    std::memcpy(dst, data_ + off, bytes);
+  }
+  void write(size_t off, const void* src, size_t bytes) override {
+    check(off + bytes <= size_, DZ_ERR_INTERNAL, "KV storage write out of range");
+    std::memcpy(data_ + off, src, bytes);
+  }
   bool on_device() const override { return false; }
 
  private:
@@ -460,14 +468,13 @@ struct Arena::Impl {
   }
 
   void rewind(Sequence& s, size_t n, const uint8_t* state) {
-    if (!has_state() || a.storage_->on_device())
-      fail(DZ_ERR_UNSUPPORTED, "KV sequence: rewind with a saved state needs host state slots");
+    if (!has_state()) fail(DZ_ERR_UNSUPPORTED, "KV sequence: rewind with a saved state but the layout has none");
     if (n > s.tokens_.size())
       fail(DZ_ERR_INVALID_ARGUMENT, "KV sequence: rewind to ", n, " tokens but it holds ", s.tokens_.size());
     release_tail(s, pages_for(n));
     s.tokens_.resize(n);
     s.reserved_ = 0;
-    std::memcpy(a.storage_->data() + slot_off(s.state_slot_), state, a.layout_.state_slot_bytes);
+    a.storage_->write(slot_off(s.state_slot_), state, a.layout_.state_slot_bytes);
   }
 
   void snapshot_state(Sequence& s, size_t pos) {

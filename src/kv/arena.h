@@ -55,6 +55,9 @@ class Storage {
   virtual uint8_t* data() = 0;  // host or device address of byte 0
   virtual size_t size() const = 0;
   virtual void copy(size_t dst_off, size_t src_off, size_t bytes) = 0;  // within this storage, no overlap
+  // Between host memory and this storage (after any work in flight on it).
+  virtual void read(size_t off, void* dst, size_t bytes) = 0;
+  virtual void write(size_t off, const void* src, size_t bytes) = 0;
   virtual bool on_device() const = 0;
 };
 std::unique_ptr<Storage> make_host_storage(size_t bytes);  // zero-filled OS pages, committed on first touch
@@ -176,7 +179,8 @@ class Sequence {
   // recurrent state to `state` (state_slot_bytes of host memory: the state
   // after those n tokens, which the caller saved). Puts a hybrid model's
   // sequence back after a failed multi-chunk prefill, where truncate() would
-  // need a snapshot. DZ_ERR_UNSUPPORTED for device storage or no state.
+  // need a snapshot (the state written through Storage::write, so device slots
+  // too). DZ_ERR_UNSUPPORTED without state.
   void rewind(size_t n, const uint8_t* state);
   // A new sequence sharing this one's pages (copy on write) and a copy of its
   // state; reserved room is not shared.

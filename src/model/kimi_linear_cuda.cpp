@@ -193,12 +193,12 @@ KimiLinearCuda::KimiLinearCuda(const Config& cfg, const WeightStore& ws, const d
                 k = routing_.n_active;
   int64_t inter = moe_inter_;
   for (const KimiLinearLayer& L : layers_) inter = std::max({inter, L.ffn.dense.inter, L.ffn.shared.inter});
-  // Scratch a row: activations (fp32 and bf16), KDA and MLA projections, the experts' slots.
+  // Scratch a row: activations (fp32 and bf16), KDA and MLA projections, attention partials, the experts' slots.
   const int64_t KP = (std::max(H, moe_inter_) + 127) / 128 * 128;
   const int64_t slot = mxfp4_experts_ ? 12 + 6 * H + 4 * moe_inter_ + 4 * KP + (2 * KP) / 32
                                       : 4 + 2 * H + 8 * moe_inter_ + 2 * moe_inter_ + 4 * H;
-  const int64_t row = 4 * (2 * H + 3 * P + 3 * P + 2 * D + P + NHK + P + NH * QD + KVA + NH * (KVA + mla_.rank) + E +
-                           2 * inter) +
+  const int64_t row = 4 * (2 * H + 3 * P + 3 * P + 2 * D + 2 * P + NHK + P + NH * QD + KVA +
+                           NH * (KVA + 2 * mla_.rank) + E + 2 * inter) +
                       2 * (H + 2 * D + P + NH * mla_.v + inter + NH * KVA) + 64 + (E ? k * slot : 0);
   size_t dev_weights = size_t(64) << 20;
   auto as_bf16 = [&](const cpu::WeightRef& w) { dev_weights += size_t(w.rows * w.cols) * 2; };

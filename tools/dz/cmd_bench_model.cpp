@@ -38,14 +38,15 @@ using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 const char* kUsage =
-    "usage: dz bench model (--make-random DIR [--shape 20b|120b] | --model DIR) [--device cuda|cpu|auto]\n"
+    "usage: dz bench model (--make-random DIR [--shape 20b|120b|kimi-48b] | --model DIR) [--device cuda|cpu|auto]\n"
     "                      [--prefill N]\n"
     "                      [--prefill-chunk N] [--ctx N] [--steps N] [--batch N] [--experts auto|native|fp8]\n"
     "                      [--attention precise|bf16|auto] [--pass-tokens N] [--threads N] [--activations A]\n"
     "                      [--out FILE.json]\n"
-    "  --make-random DIR  write a random checkpoint of gpt-oss's published layout into DIR first\n"
-    "  --shape S          its shape: 20b (32 experts, 24 layers, 13.8 GB; default) or 120b (128 experts,\n"
-    "                     36 layers, 65.2 GB)\n"
+    "  --make-random DIR  write a random checkpoint of a published layout into DIR first\n"
+    "  --shape S          its shape: gpt-oss 20b (32 experts, 24 layers, 13.8 GB; default) or 120b (128\n"
+    "                     experts, 36 layers, 65.2 GB), or kimi-48b (Kimi-Linear-48B-A3B: 27 layers, 98 GB\n"
+    "                     in BF16; 3.6 GB a layer, so --layers cuts it to what the disk and GPU hold)\n"
     "  --layers N         layers of the random checkpoint (default: the shape's)\n"
     "  --write-only       write it and exit (no benchmark)\n"
     "  --prefill N        prefill tokens (default 4096)\n"
@@ -119,6 +120,8 @@ void fill(const TensorSpec& t, size_t off, size_t n, uint8_t* out) {
 }
 
 double secs(Clock::time_point a) { return std::chrono::duration<double>(Clock::now() - a).count(); }
+
+void write_shards(const std::string& dir, const std::vector<std::vector<TensorSpec>>& shards);
 
 // gpt-oss-20b and -120b differ only in experts (32 / 128) and layers (24 / 36).
 void write_checkpoint(const std::string& dir, int64_t E, int layers) {
@@ -196,7 +199,110 @@ void write_checkpoint(const std::string& dir, int64_t E, int layers) {
   shards.emplace_back();
   add(shards.back(), "model.norm.weight", "BF16", {H}, one);
   add(shards.back(), "lm_head.weight", "BF16", {V, H}, w);
+  write_shards(dir, shards);
+}
 
+// Kimi-Linear-48B-A3B's published shape (hidden 2304, 256 experts of 1024
+// top-8 plus one shared, KDA heads 32 x 128, MLA 32 heads over a 512 + 64
+// latent without RoPE, every fourth layer and the last MLA; 27 layers, 98 GB
+// in BF16); `layers` cuts it short.
+void write_kimi_checkpoint(const std::string& dir, int layers) {
+  const int64_t H = 2304, I = 9216, IM = 1024, E = 256, NH = 32, R = 512, RO = 64, NO = 128, VD = 128, V = 163840;
+  const int64_t NHK = 32, D = 128, P = NHK * D, K = 4;
+  fs::create_directories(dir);
+  json kda = json::array(), full = json::array();
+  for (int i = 1; i <= layers; ++i) (i % 4 == 0 || i == layers ? full : kda).push_back(i);
+  json cfg = {{"architectures", {"KimiLinearForCausalLM"}},
+              {"model_type", "kimi_linear"},
+              {"vocab_size", V},
+              {"hidden_size", H},
+              {"intermediate_size", I},
+              {"moe_intermediate_size", IM},
+              {"num_hidden_layers", layers},
+              {"num_attention_heads", NH},
+              {"num_key_value_heads", NH},
+              {"q_lora_rank", nullptr},
+              {"kv_lora_rank", R},
+              {"qk_nope_head_dim", NO},
+              {"qk_rope_head_dim", RO},
+              {"v_head_dim", VD},
+              {"mla_use_nope", true},
+              {"num_experts", E},
+              {"num_experts_per_token", 8},
+              {"num_shared_experts", 1},
+              {"moe_renormalize", true},
+              {"moe_router_activation_func", "sigmoid"},
+              {"routed_scaling_factor", 2.446},
+              {"num_expert_group", 1},
+              {"topk_group", 1},
+              {"use_grouped_topk", true},
+              {"first_k_dense_replace", 1},
+              {"moe_layer_freq", 1},
+              {"linear_attn_config",
+               {{"kda_layers", kda}, {"full_attn_layers", full}, {"num_heads", NHK}, {"head_dim", D},
+                {"short_conv_kernel_size", K}}},
+              {"rms_norm_eps", 1e-5},
+              {"hidden_act", "silu"},
+              {"tie_word_embeddings", false},
+              {"model_max_length", 1048576}};
+  std::ofstream(dir + "/config.json") << cfg.dump(2);
+  std::vector<std::vector<TensorSpec>> shards(1);
+  uint64_t seed = 1;
+  auto add = [&](std::vector<TensorSpec>& s, std::string name, std::vector<int64_t> shape, Gen g) {
+    s.push_back({std::move(name), "BF16", std::move(shape), g, mix(seed++)});
+  };
+  const Gen w{Gen::Normal, 0.02f, 0}, one{Gen::Const, 0, 1}, zero{Gen::Const, 0, 0}, conv{Gen::Normal, 0.3f, 0};
+  add(shards[0], "model.embed_tokens.weight", {V, H}, Gen{Gen::Normal, 1.0f, 0});
+  for (int i = 0; i < layers; ++i) {
+    shards.emplace_back();
+    auto& s = shards.back();
+    const std::string p = "model.layers." + std::to_string(i) + ".", a = p + "self_attn.";
+    add(s, p + "input_layernorm.weight", {H}, one);
+    add(s, p + "post_attention_layernorm.weight", {H}, one);
+    if ((i + 1) % 4 != 0 && i + 1 != layers) {
+      for (const char* x : {"q_proj", "k_proj", "v_proj"}) add(s, a + x + ".weight", {P, H}, w);
+      for (const char* x : {"q_conv1d", "k_conv1d", "v_conv1d"}) add(s, a + x + ".weight", {P, 1, K}, conv);
+      add(s, a + "f_a_proj.weight", {D, H}, w);
+      add(s, a + "f_b_proj.weight", {P, D}, w);
+      add(s, a + "dt_bias", {P}, zero);
+      add(s, a + "A_log", {1, 1, NHK, 1}, zero);
+      add(s, a + "b_proj.weight", {NHK, H}, w);
+      add(s, a + "g_a_proj.weight", {D, H}, w);
+      add(s, a + "g_b_proj.weight", {P, D}, w);
+      add(s, a + "o_norm.weight", {D}, one);
+      add(s, a + "o_proj.weight", {H, P}, w);
+    } else {
+      add(s, a + "q_proj.weight", {NH * (NO + RO), H}, w);
+      add(s, a + "kv_a_proj_with_mqa.weight", {R + RO, H}, w);
+      add(s, a + "kv_a_layernorm.weight", {R}, one);
+      add(s, a + "kv_b_proj.weight", {NH * (NO + VD), R}, w);
+      add(s, a + "o_proj.weight", {H, NH * VD}, w);
+    }
+    if (i == 0) {
+      for (const char* x : {"gate_proj", "up_proj"}) add(s, p + "mlp." + x + ".weight", {I, H}, w);
+      add(s, p + "mlp.down_proj.weight", {H, I}, w);
+      continue;
+    }
+    const std::string m = p + "block_sparse_moe.";
+    add(s, m + "gate.weight", {E, H}, w);
+    add(s, m + "gate.e_score_correction_bias", {E}, zero);
+    for (int e = 0; e < E; ++e) {
+      const std::string x = m + "experts." + std::to_string(e) + ".";
+      add(s, x + "w1.weight", {IM, H}, w);
+      add(s, x + "w3.weight", {IM, H}, w);
+      add(s, x + "w2.weight", {H, IM}, w);
+    }
+    for (const char* x : {"gate_proj", "up_proj"}) add(s, m + "shared_experts." + x + ".weight", {IM, H}, w);
+    add(s, m + "shared_experts.down_proj.weight", {H, IM}, w);
+  }
+  shards.emplace_back();
+  add(shards.back(), "model.norm.weight", {H}, one);
+  add(shards.back(), "lm_head.weight", {V, H}, w);
+  write_shards(dir, shards);
+}
+
+// The shards' files (model-0000i-of-0000n.safetensors) and the index, filled by every core.
+void write_shards(const std::string& dir, const std::vector<std::vector<TensorSpec>>& shards) {
   const size_t n = shards.size();
   json weight_map = json::object();
   uint64_t total = 0;
@@ -298,14 +404,17 @@ int bench_model(const Args& a) {
     json r = bench_meta();
     r["bench"] = "model";
     const std::string shape = flag_value(a, "--shape", "20b");
-    if (shape != "20b" && shape != "120b") {
-      std::fprintf(stderr, "dz bench model: --shape takes 20b or 120b, not '%s'\n", shape.c_str());
+    if (shape != "20b" && shape != "120b" && shape != "kimi-48b") {
+      std::fprintf(stderr, "dz bench model: --shape takes 20b, 120b or kimi-48b, not '%s'\n", shape.c_str());
       return 2;
     }
     if (!mk.empty()) {
       const bool big = shape == "120b";
       const auto t0 = Clock::now();
-      write_checkpoint(mk, big ? 128 : 32, std::stoi(flag_value(a, "--layers", big ? "36" : "24")));
+      if (shape == "kimi-48b")
+        write_kimi_checkpoint(mk, std::stoi(flag_value(a, "--layers", "27")));
+      else
+        write_checkpoint(mk, big ? 128 : 32, std::stoi(flag_value(a, "--layers", big ? "36" : "24")));
       r["random_shape"] = shape;
       r["write_random_s"] = secs(t0);
       std::fprintf(stderr, "wrote %s in %.1f s\n", mk.c_str(), secs(t0));
@@ -346,11 +455,23 @@ int bench_model(const Args& a) {
     // Attention shape from config.json (not in dz_model_info): head_dim, and
     // which layers slide over how many keys (they read at most `window` keys).
     double head_dim = 64, window = 0, n_sliding = 0;
+    // Kimi Linear: routed expert bytes (all layers), a sequence's KDA state bytes, MLA latent bytes a token (all layers).
+    double kimi_routed = 0, kimi_expert = 0, kimi_state = 0, kimi_latent = 0;
     std::string model_type;
     try {
       std::ifstream cf(dir + "/config.json");
       const json cj = json::parse(cf);
       model_type = cj.value("model_type", std::string());
+      if (model_type == "kimi_linear") {
+        const json& lc = cj.at("linear_attn_config");
+        const double n_kda = double(lc.at("kda_layers").size()), n_mla = double(lc.at("full_attn_layers").size());
+        const double n_moe = cj.at("num_hidden_layers").get<double>() - cj.value("first_k_dense_replace", 1.0);
+        kimi_expert = 2.0 * 3 * cj.at("hidden_size").get<double>() * cj.at("moe_intermediate_size").get<double>();
+        kimi_routed = n_moe * cj.at("num_experts").get<double>() * kimi_expert;
+        const double D = lc.at("head_dim").get<double>();
+        kimi_state = n_kda * lc.at("num_heads").get<double>() * D * D * 4;
+        kimi_latent = n_mla * 2 * (cj.at("kv_lora_rank").get<double>() + cj.at("qk_rope_head_dim").get<double>());
+      }
       head_dim = cj.value("head_dim", 64.0);
       window = cj.value("sliding_window", 0.0);
       if (cj.contains("layer_types"))
@@ -368,10 +489,17 @@ int bench_model(const Args& a) {
     const double dense = 2 * (Hd * (QD + 2 * KVD) + QD * Hd + E * Hd);
     const double expert = (2 * Hd * Hd) * (0.5 + 1.0 / 32) + (Hd * Hd) * (0.5 + 1.0 / 32) + 2 * 3 * Hd;
     const double lm = 2.0 * info.n_vocab * Hd, kv_layer_tok = 2 * KVD * 2;
-    // The HBM floor is a GPU figure of gpt-oss's byte counts; other runs report none.
-    const bool with_floor = info.device == DZ_DEVICE_CUDA && model_type == "gpt_oss";
+    // The HBM floor is a GPU figure of gpt-oss's and Kimi Linear's byte counts; other runs report none.
+    const bool kimi = model_type == "kimi_linear" && kimi_expert > 0;
+    const bool with_floor = info.device == DZ_DEVICE_CUDA && (model_type == "gpt_oss" || kimi);
     auto floor_ms = [&](double b, double ctx_tokens) {
       const double used = E * (1 - std::pow(1 - K / E, b));
+      if (kimi) {  // every weight but the embedding table and the experts not in use; states read and written
+        const double n_moe = kimi_routed / (E * kimi_expert);
+        const double weights = double(info.device_bytes) - 2.0 * info.n_vocab * Hd - kimi_routed +
+                               n_moe * used * kimi_expert;
+        return (weights + b * (2 * kimi_state + ctx_tokens * kimi_latent)) / 4.27e12 * 1e3;
+      }
       const double slide = window > 0 ? std::min(ctx_tokens, window) : ctx_tokens;
       const double kv = b * kv_layer_tok * ((L - n_sliding) * ctx_tokens + n_sliding * slide);
       return (L * (dense + used * expert) + lm + kv) / 4.27e12 * 1e3;

@@ -37,6 +37,19 @@ class DeviceStorage final : public kv::Storage {
     DZ_CUDA_CHECK(cudaMemcpy(data() + dst, data() + src, bytes, cudaMemcpyDeviceToDevice));
     DZ_CUDA_CHECK(cudaDeviceSynchronize());
   }
+  void read(size_t off, void* dst, size_t bytes) override {
+    check(off + bytes <= size_, DZ_ERR_INTERNAL, "KV storage read out of range");
+    DZ_CUDA_CHECK(cudaSetDevice(dev_));
+    DZ_CUDA_CHECK(cudaDeviceSynchronize());
+    DZ_CUDA_CHECK(cudaMemcpy(dst, data() + off, bytes, cudaMemcpyDeviceToHost));
+  }
+  void write(size_t off, const void* src, size_t bytes) override {
+    check(off + bytes <= size_, DZ_ERR_INTERNAL, "KV storage write out of range");
+    DZ_CUDA_CHECK(cudaSetDevice(dev_));
+    DZ_CUDA_CHECK(cudaDeviceSynchronize());
+    DZ_CUDA_CHECK(cudaMemcpy(data() + off, src, bytes, cudaMemcpyHostToDevice));
+    DZ_CUDA_CHECK(cudaDeviceSynchronize());
+  }
   bool on_device() const override { return true; }
 
  private:
