@@ -45,6 +45,7 @@ std::unique_ptr<Family> make_deepseek_v32_cuda(const Config&, const WeightStore&
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/cuda/kv_storage.h"
+#include "runtime/cuda/logit_rows.h"
 #include "runtime/cuda/packer.h"
 #include "runtime/cuda/upload.h"
 #include "runtime/device.h"
@@ -95,6 +96,14 @@ class DeepseekV32Cuda final : public Family, private DeepseekV32Desc {
   std::unique_ptr<kv::Storage> (*kv_storage() const)(size_t) override { return storage_fn_; }
   uint32_t prefill_chunk() const override { return uint32_t(max_rows_); }
   void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
+  std::unique_ptr<DeviceLogits> make_device_logits() override {
+    return cuda::make_device_logits(ctx_->pool(), dev_, n_vocab_, "deepseek_v32");
+  }
+  bool sample_on_device(std::span<const DeviceSample> rows, int32_t* tokens) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    DZ_CUDA_CHECK(cudaSetDevice(dev_));
+    return lstage_->sample(rows, n_vocab_, tokens, ctx_->stream());
+  }
 
  private:
   struct Segment {  // one item's rows within a pass
@@ -132,7 +141,7 @@ class DeepseekV32Cuda final : public Family, private DeepseekV32Desc {
   DeviceArray<uint16_t> xb_, cqb_, att_, hb_, qab_;
   DeviceArray<int32_t> sel_, ids_;
   DeviceArray<uint8_t> meta_, idx_scratch_, mla_scratch_;
-  std::vector<float> logits_host_;
+  std::unique_ptr<cuda::LogitStaging> lstage_;  // each logit row's argmax; sample_on_device
   std::mutex mu_;  // one forward at a time (shared scratch)
 };
 
@@ -223,6 +232,7 @@ DeepseekV32Cuda::DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const
   co.pool_bytes = std::min(dev_weights + scratch, free_b / 10 * 9);
   ctx_ = std::make_unique<cuda::Context>(co);
   gemm_ = std::make_unique<cuda::Bf16Gemm>(*ctx_);
+  lstage_ = std::make_unique<cuda::LogitStaging>(ctx_->pool(), kLogitRows);
   if (moe_inter_ > 0) {  // some layer routes experts
     cuda::MoeShape ms;
     ms.n_experts = int(E);
@@ -354,7 +364,8 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
   std::vector<int64_t> pos(TS), vis(TS), off(TS), layer_off(static_cast<size_t>(L));
   std::vector<float> cs(TS * half), sn(TS * half);
   std::vector<Segment> segs;
-  std::vector<float*> logit_dst;
+  std::vector<float*> logit_dst, dev_dst;  // per logit row: its host or DeviceLogits row (the other null)
+  std::vector<int32_t*> argmax_dst;
   int64_t max_vis = 0;
   for (int i = 0; i < T; ++i) {
     const BatchRow& rw = flat.rows[size_t(r0 + i)];
@@ -374,12 +385,14 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
     const auto [lr0, nlr] = flat.logit_rows(batch, rw.item);
     if (r0 + i >= lr0 && r0 + i < lr0 + nlr) {
       logit_rows.push_back(i);
-      logit_dst.push_back(it.logits + (r0 + i - lr0) * int64_t(V));
+      logit_dst.push_back(it.logits ? it.logits + (r0 + i - lr0) * int64_t(V) : nullptr);
+      dev_dst.push_back(it.logits ? nullptr : it.device_logits);
+      argmax_dst.push_back(it.logits ? nullptr : it.argmax);
     }
   }
   for (int l = 0; l < L; ++l) layer_off[size_t(l)] = int64_t(arena.layer_offset(uint32_t(l)));
   cuda::Packer pk;
-  const size_t o_tok = pk.add(tok), o_first = pk.add(row_first), o_lr = pk.add(logit_rows), o_pos = pk.add(pos),
+  const size_t o_tok = pk.add(tok), o_first = pk.add(row_first), o_lr = pk.add(logit_rows), o_dd = pk.add(dev_dst), o_pos = pk.add(pos),
                o_vis = pk.add(vis), o_off = pk.add(off), o_loff = pk.add(layer_off), o_cs = pk.add(cs),
                o_sn = pk.add(sn), o_pid = pk.add(page_ids);
   // The page-pointer tables follow, written on the device (paged_tables).
@@ -501,16 +514,14 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
   const uint16_t* lm = lm_head_d_.get() ? lm_head_d_.get() : embed_d_.get();
   const int n_logit = int(logit_rows.size());
   float* logits = room(logits_, size_t(std::min(n_logit, kLogitRows)) * V, "logits");
-  logits_host_.resize(size_t(std::min(n_logit, kLogitRows)) * V);
   for (int c0 = 0; c0 < n_logit; c0 += kLogitRows) {
     const int nc = std::min(kLogitRows, n_logit - c0);
     cuda::rms_norm(x, reinterpret_cast<const int32_t*>(at(o_lr)) + c0, nc, H, final_norm_d_.get(), eps_, nullptr, xb,
                    s);
     gemm_->run(xb, lm, nullptr, logits, nc, V, H, 0.f, s);
-    DZ_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits, size_t(nc) * V * 4, cudaMemcpyDeviceToHost, s));
-    DZ_CUDA_CHECK(cudaStreamSynchronize(s));
-    for (int i = 0; i < nc; ++i)
-      std::memcpy(logit_dst[size_t(c0 + i)], logits_host_.data() + size_t(i) * V, size_t(V) * 4);
+    lstage_->deliver(logits, nc, V, reinterpret_cast<float* const*>(at(o_dd)) + c0,
+                     {logit_dst.begin() + c0, logit_dst.begin() + c0 + nc},
+                     {argmax_dst.begin() + c0, argmax_dst.begin() + c0 + nc}, s);
   }
   DZ_CUDA_CHECK(cudaStreamSynchronize(s));
   if (moe_) {

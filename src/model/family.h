@@ -54,7 +54,8 @@ inline BatchRows flatten_batch(std::span<const ForwardItem> batch, int32_t n_voc
   b.first_row.resize(batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
     const ForwardItem& it = batch[i];
-    check(it.seq && !it.tokens.empty() && it.logits, DZ_ERR_INTERNAL, family, " forward: malformed batch item ", i);
+    const bool out_ok = it.logits || (it.device_logits && it.argmax && !it.all_logits);
+    check(it.seq && !it.tokens.empty() && out_ok, DZ_ERR_INTERNAL, family, " forward: malformed batch item ", i);
     b.first_row[i] = int64_t(b.rows.size());
     const int64_t start = int64_t(it.seq->length());
     for (size_t t = 0; t < it.tokens.size(); ++t) {

@@ -45,6 +45,7 @@ uint64_t gpt_oss_cuda_graph_replays() { return 0; }
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/cuda/kv_storage.h"
+#include "runtime/cuda/logit_rows.h"
 #include "runtime/cuda/packer.h"
 #include "runtime/cuda/upload.h"
 #include "runtime/device.h"
@@ -88,32 +89,6 @@ struct DevLayer {
   DeviceArray<uint16_t> b1, b2;
 };
 
-// A session's two logits rows in the model's device pool.
-class DevLogits final : public DeviceLogits {
- public:
-  DevLogits(cuda::DevicePool& pool, int dev, int V)
-      : dev_(dev), v_(V), rows_(pool, size_t(2) * size_t(V), "logits rows") {}
-  ~DevLogits() override {
-    if (pinned_) cudaFreeHost(pinned_);
-  }
-  float* row(int i) override { return rows_.get() + size_t(i) * size_t(v_); }
-  // Into a pinned row of its own (allocated on the first read): read in
-  // place, no second copy into pageable memory.
-  const float* fetch(int i) const override {
-    DZ_CUDA_CHECK(cudaSetDevice(dev_));
-    const size_t bytes = size_t(v_) * 4;
-    if (!pinned_) DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_), bytes));
-    // The forward that wrote the row synchronised its stream before returning.
-    DZ_CUDA_CHECK(cudaMemcpy(pinned_, rows_.get() + size_t(i) * size_t(v_), bytes, cudaMemcpyDeviceToHost));
-    return pinned_;
-  }
-
- private:
-  int dev_, v_;
-  DeviceArray<float> rows_;
-  mutable float* pinned_ = nullptr;
-};
-
 class GptOssCuda final : public Family, private GptOssDesc {
  public:
   GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params);
@@ -138,12 +113,7 @@ class GptOssCuda final : public Family, private GptOssDesc {
   uint32_t prefill_chunk() const override { return uint32_t(max_rows_); }
   void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
   std::unique_ptr<DeviceLogits> make_device_logits() override {
-    try {
-      return std::make_unique<DevLogits>(ctx_->pool(), dev_, n_vocab_);
-    } catch (const Error& e) {
-      log_warn("gpt_oss CUDA: no device room for a session's logits rows (", e.what(), "); copying them to the host");
-      return nullptr;
-    }
+    return cuda::make_device_logits(ctx_->pool(), dev_, n_vocab_, "gpt_oss");
   }
   bool sample_on_device(std::span<const DeviceSample> rows, int32_t* tokens) override;
 
@@ -183,7 +153,7 @@ class GptOssCuda final : public Family, private GptOssDesc {
             const std::vector<int64_t>& first_row, kv::Arena& arena, const std::vector<int32_t>& pt,
             const ForwardOptions& opt);
   // Layers, then (n_logit <= kLogitRows) the final norm, lm_head, each row's
-  // argmax (into argmax_host_) and copy into its DeviceLogits row, and (if
+  // argmax (into lstage_->argmax_host()) and copy into its DeviceLogits row, and (if
   // p.host_logits) the logits' copy into logits_host_, then the MoE error flag's copy into
   // err_host_ (and its reset). No host synchronisation unless `abort_between`
   // (polls the abort callback between layers; off while capturing).
@@ -194,8 +164,8 @@ class GptOssCuda final : public Family, private GptOssDesc {
   void out_logits(const PassArgs& p, int c0, int nc) {
     if (nc <= 0) return;
     cudaStream_t s = ctx_->stream();
-    cuda::logits_argmax_copy(logits_.get(), nc, n_vocab_, p.ddst + c0, argmax_.get(), s);
-    DZ_CUDA_CHECK(cudaMemcpyAsync(argmax_host_, argmax_.get(), size_t(nc) * 4, cudaMemcpyDeviceToHost, s));
+    cuda::logits_argmax_copy(logits_.get(), nc, n_vocab_, p.ddst + c0, lstage_->argmax(), s);
+    DZ_CUDA_CHECK(cudaMemcpyAsync(lstage_->argmax_host(), lstage_->argmax(), size_t(nc) * 4, cudaMemcpyDeviceToHost, s));
     if (p.host_logits)
       DZ_CUDA_CHECK(
           cudaMemcpyAsync(logits_host_, logits_.get(), size_t(nc) * size_t(n_vocab_) * 4, cudaMemcpyDeviceToHost, s));
@@ -231,10 +201,7 @@ class GptOssCuda final : public Family, private GptOssDesc {
   DeviceArray<int32_t> att_ticket_;  // and its ticket counters (zero between launches)
   cuda::DecodeSplitPolicy split_;
   float* logits_host_ = nullptr;            // pinned [kLogitRows][V]
-  int32_t* argmax_host_ = nullptr;          // pinned [kLogitRows]: each logit row's argmax
-  DeviceArray<int32_t> argmax_;             // [kLogitRows]; also the tokens of sample_on_device
-  cuda::SampleRow* sample_host_ = nullptr;  // pinned [kLogitRows]: sample_on_device's rows, uploaded
-  DeviceArray<cuda::SampleRow> sample_rows_;
+  std::unique_ptr<cuda::LogitStaging> lstage_;  // each logit row's argmax; sample_on_device
   uint8_t* stage_ = nullptr;  // pinned staging of the metadata (uploaded with one copy)
   size_t stage_cap_ = 0;
   cudaEvent_t stage_ev_ = nullptr;         // after the last upload from stage_: rewrite only once it completed
@@ -377,10 +344,7 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   meta_ = DeviceArray<uint8_t>(pool, size_t(1) << 20, "batch metadata");
   DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&logits_host_), size_t(kLogitRows) * V * 4));
   DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&err_host_), sizeof(int)));
-  DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&argmax_host_), size_t(kLogitRows) * sizeof(int32_t)));
-  argmax_ = DeviceArray<int32_t>(pool, size_t(kLogitRows), "logits argmax");
-  DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&sample_host_), size_t(kLogitRows) * sizeof(cuda::SampleRow)));
-  sample_rows_ = DeviceArray<cuda::SampleRow>(pool, size_t(kLogitRows), "sampling rows");
+  lstage_ = std::make_unique<cuda::LogitStaging>(pool, kLogitRows);
   *err_host_ = 0;
   stage_cap_ = size_t(1) << 20;
   DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&stage_), stage_cap_));
@@ -429,32 +393,13 @@ GptOssCuda::~GptOssCuda() {
   if (stage_ev_) cudaEventDestroy(stage_ev_);
   if (stage_) cudaFreeHost(stage_);
   if (err_host_) cudaFreeHost(err_host_);
-  if (argmax_host_) cudaFreeHost(argmax_host_);
-  if (sample_host_) cudaFreeHost(sample_host_);
   if (logits_host_) cudaFreeHost(logits_host_);
 }
 
 bool GptOssCuda::sample_on_device(std::span<const DeviceSample> rows, int32_t* tokens) {
-  if (n_vocab_ > cuda::kMaxSampleVocab) return false;
   std::lock_guard<std::mutex> lk(mu_);
   DZ_CUDA_CHECK(cudaSetDevice(dev_));
-  cudaStream_t s = ctx_->stream();
-  // The staging buffers are free: every forward and every chunk here ends
-  // with its stream synchronised.
-  for (size_t c0 = 0; c0 < rows.size(); c0 += size_t(kLogitRows)) {
-    const size_t nc = std::min(rows.size() - c0, size_t(kLogitRows));
-    for (size_t i = 0; i < nc; ++i) {
-      const DeviceSample& r = rows[c0 + i];
-      sample_host_[i] = {r.logits, r.cfg.temperature, r.cfg.top_k, r.cfg.top_p, r.u, r.argmax};
-    }
-    DZ_CUDA_CHECK(
-        cudaMemcpyAsync(sample_rows_.get(), sample_host_, nc * sizeof(cuda::SampleRow), cudaMemcpyHostToDevice, s));
-    cuda::sample_rows(sample_rows_.get(), int(nc), n_vocab_, argmax_.get(), s);
-    DZ_CUDA_CHECK(cudaMemcpyAsync(argmax_host_, argmax_.get(), nc * 4, cudaMemcpyDeviceToHost, s));
-    DZ_CUDA_CHECK(cudaStreamSynchronize(s));
-    std::copy(argmax_host_, argmax_host_ + nc, tokens + c0);
-  }
-  return true;
+  return lstage_->sample(rows, n_vocab_, tokens, ctx_->stream());
 }
 
 void GptOssCuda::clear_graphs() {
@@ -692,7 +637,7 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
   DZ_CUDA_CHECK(cudaStreamSynchronize(s));
   auto copy_rows = [&](int c0, int nc) {
     for (int i = 0; i < nc; ++i)
-      if (argmax_dst[size_t(c0 + i)]) *argmax_dst[size_t(c0 + i)] = argmax_host_[i];
+      if (argmax_dst[size_t(c0 + i)]) *argmax_dst[size_t(c0 + i)] = lstage_->argmax_host()[i];
     if (!p.host_logits) return;
     const size_t grain = std::max<size_t>(1, (size_t(4) << 20) / (size_t(V) * 4));  // ~4 MB per task
     parallel_for(nc * V * 4 > (int64_t(8) << 20) ? copy_pool_.get() : nullptr, size_t(nc), grain,
