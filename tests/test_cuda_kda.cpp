@@ -166,17 +166,22 @@ TEST_CASE("CUDA KDA short convolution + SiLU matches the CPU backend's over ragg
     int64_t channels;
     std::vector<int> counts;  // some below K - 1: the history shifts only partly
     bool in_place;            // hist_in == hist_out
+    int64_t max_tokens = 0;   // > 0: the tokens split in chunks across threads
   };
   const std::vector<Case> cases = {
       {4, 300, {5, 1, 0, 2, 13}, false},
       {4, 3 * 2 * 16, {3, 2, 1, 0, 9}, true},
       {2, 200, {4, 0, 1, 6}, false},
       {2, 130, {1, 3}, true},
+      {4, 300, {40, 1, 0, 2, 33}, false, 40},
+      {4, 96, {70, 0, 17, 2}, true, 100},
+      {3, 130, {16, 17, 1}, true, 17},
   };
   for (const Case& c : cases) {
     const int batch = int(c.counts.size());
     const auto first = row_offsets(c.counts);
-    INFO("K " << c.K << " channels " << c.channels << " batch " << batch << " in place " << c.in_place);
+    INFO("K " << c.K << " channels " << c.channels << " batch " << batch << " in place " << c.in_place
+              << " max tokens " << c.max_tokens);
     const int64_t C = c.channels, ld = C + 5, off = 13;
     const size_t rows = size_t(first.back()), HS = size_t(c.K - 1) * size_t(C), SL = size_t(off) + HS + 3;
     std::vector<float> x(rows * size_t(ld)), w(size_t(C) * size_t(c.K)), y(x.size()), hin(SL * size_t(batch)),
@@ -198,7 +203,7 @@ TEST_CASE("CUDA KDA short convolution + SiLU matches the CPU backend's over ragg
     test::DeviceBuffer<float*> dout(reversed_slots<float*>(c.in_place ? dhin.p : dhout.p, batch, SL));
     cuda::KdaConv a;
     a.channels = C, a.kernel = c.K, a.batch = batch, a.seq_first = dfirst.p, a.x = dx.p, a.ld = ld, a.w = dw.p;
-    a.hist_in = din.p, a.hist_out = dout.p, a.hist_offset = off, a.y = dy.p;
+    a.hist_in = din.p, a.hist_out = dout.p, a.hist_offset = off, a.y = dy.p, a.max_tokens = c.max_tokens;
     cuda::kda_short_conv_silu(a, ctx.stream());
     ctx.sync();
     const auto gy = dy.get();

@@ -57,26 +57,32 @@ __global__ void __launch_bounds__(2 * D) kda_recurrent_kernel(const KdaRecurrent
 
 constexpr int kConvThreads = 128;
 
-// Thread (channel, sequence): the K - 1 previous inputs in registers, shifted
-// along the sequence's tokens; the new history written once at the end (so
-// in place works: each thread reads its own column before writing it). Sums in
-// the CPU's order, fp32.
+// Thread (channel, chunk of a sequence's tokens, sequence): the K - 1
+// previous inputs in registers (from the history for the first chunk, else
+// from x), shifted along the chunk's tokens. The first chunk's thread, the
+// only reader of the history, writes the new one after its reads (so in
+// place works). Sums in the CPU's order, fp32.
 template <int K>
-__global__ void __launch_bounds__(kConvThreads) short_conv_silu_kernel(const KdaConv a) {
+__global__ void __launch_bounds__(kConvThreads) short_conv_silu_kernel(const KdaConv a, int64_t chunk) {
   const int64_t c = blockIdx.x * int64_t(kConvThreads) + threadIdx.x, C = a.channels;
-  const int b = blockIdx.y;
+  const int b = blockIdx.z;
   if (c >= C) return;
   const int64_t first = a.seq_first[b], n = a.seq_first[b + 1] - first;
+  const int64_t t0 = int64_t(blockIdx.y) * chunk, t1 = t0 + chunk < n ? t0 + chunk : n;
+  if (t0 > 0 && t0 >= n) return;  // (chunk 0 of a sequence with no tokens still passes its history on)
+  const float* __restrict__ x = a.x + first * a.ld + c;
   float w[K], hist[K - 1];
 #pragma unroll
   for (int i = 0; i < K; ++i) w[i] = a.w[c * K + i];
   const float* hin = a.hist_in[b] + a.hist_offset + c;
 #pragma unroll
-  for (int i = 0; i < K - 1; ++i) hist[i] = hin[i * C];
-  const float* __restrict__ x = a.x + first * a.ld + c;
+  for (int i = 0; i < K - 1; ++i) {  // input row t0 - (K - 1) + i
+    const int64_t src = t0 - (K - 1) + i;
+    hist[i] = src >= 0 ? x[src * a.ld] : hin[(K - 1 + src) * C];
+  }
   float* __restrict__ y = a.y + first * a.ld + c;
 #pragma unroll 4
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {
     const float xt = x[t * a.ld];
     float acc = 0.f;
 #pragma unroll
@@ -87,9 +93,17 @@ __global__ void __launch_bounds__(kConvThreads) short_conv_silu_kernel(const Kda
     for (int i = 0; i < K - 2; ++i) hist[i] = hist[i + 1];
     hist[K - 2] = xt;
   }
+  if (t0 != 0) return;
+  // The new history: the last K - 1 rows of [history; x].
+  float last[K - 1];
+#pragma unroll
+  for (int i = 0; i < K - 1; ++i) {
+    const int64_t src = n - (K - 1) + i;
+    last[i] = src >= 0 ? x[src * a.ld] : hin[(K - 1 + src) * C];
+  }
   float* hout = a.hist_out[b] + a.hist_offset + c;
 #pragma unroll
-  for (int i = 0; i < K - 1; ++i) hout[i * C] = hist[i];
+  for (int i = 0; i < K - 1; ++i) hout[i * C] = last[i];
 }
 
 // The per-head kernels: a warp a (row, head), a head's D <= 256 values held 8
@@ -209,28 +223,32 @@ void kda_short_conv_silu(const KdaConv& a, cudaStream_t st) {
   check(a.seq_first && a.x && a.w && a.hist_in && a.hist_out && a.y, DZ_ERR_INVALID_ARGUMENT,
         "CUDA KDA short conv: seq_first, x, w, hist_in, hist_out and y are required");
   check(a.y != a.x, DZ_ERR_INVALID_ARGUMENT, "CUDA KDA short conv: y may not alias x");
-  const dim3 grid(unsigned((a.channels + kConvThreads - 1) / kConvThreads), unsigned(a.batch));
+  // Chunks of 16 tokens where the longest sequence is known (a decode step: one).
+  const int64_t chunk = a.max_tokens > 0 ? 16 : int64_t(1) << 40;
+  const int64_t n_chunks = a.max_tokens > 0 ? (a.max_tokens + chunk - 1) / chunk : 1;
+  check(n_chunks <= 65535, DZ_ERR_INVALID_ARGUMENT, "CUDA KDA short conv: ", a.max_tokens, " tokens a sequence");
+  const dim3 grid(unsigned((a.channels + kConvThreads - 1) / kConvThreads), unsigned(n_chunks), unsigned(a.batch));
   switch (a.kernel) {
     case 2:
-      short_conv_silu_kernel<2><<<grid, kConvThreads, 0, st>>>(a);
+      short_conv_silu_kernel<2><<<grid, kConvThreads, 0, st>>>(a, chunk);
       break;
     case 3:
-      short_conv_silu_kernel<3><<<grid, kConvThreads, 0, st>>>(a);
+      short_conv_silu_kernel<3><<<grid, kConvThreads, 0, st>>>(a, chunk);
       break;
     case 4:
-      short_conv_silu_kernel<4><<<grid, kConvThreads, 0, st>>>(a);
+      short_conv_silu_kernel<4><<<grid, kConvThreads, 0, st>>>(a, chunk);
       break;
     case 5:
-      short_conv_silu_kernel<5><<<grid, kConvThreads, 0, st>>>(a);
+      short_conv_silu_kernel<5><<<grid, kConvThreads, 0, st>>>(a, chunk);
       break;
     case 6:
-      short_conv_silu_kernel<6><<<grid, kConvThreads, 0, st>>>(a);
+      short_conv_silu_kernel<6><<<grid, kConvThreads, 0, st>>>(a, chunk);
       break;
     case 7:
-      short_conv_silu_kernel<7><<<grid, kConvThreads, 0, st>>>(a);
+      short_conv_silu_kernel<7><<<grid, kConvThreads, 0, st>>>(a, chunk);
       break;
     default:
-      short_conv_silu_kernel<8><<<grid, kConvThreads, 0, st>>>(a);
+      short_conv_silu_kernel<8><<<grid, kConvThreads, 0, st>>>(a, chunk);
       break;
   }
   DZ_CUDA_LAUNCH_CHECK();

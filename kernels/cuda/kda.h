@@ -64,6 +64,10 @@ struct KdaConv {
   float* const* hist_out = nullptr;
   int64_t hist_offset = 0;  // floats
   float* y = nullptr;       // [rows, ld] outputs (device), must not alias x
+  // The longest sequence's token count, or more (0: unknown). The tokens are
+  // independent given their K - 1 predecessors, so with it they are split in
+  // chunks across threads; without, one thread runs a sequence's channel.
+  int64_t max_tokens = 0;
 };
 void kda_short_conv_silu(const KdaConv& a, cudaStream_t s);
 

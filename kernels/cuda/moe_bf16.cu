@@ -45,55 +45,108 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// A bf16 row of n values (n % 8 == 0, 16-byte aligned) dotted with fp32 x in shared memory, one warp.
-__device__ __forceinline__ float row_dot(const uint16_t* __restrict__ w, const float* x, int n, int lane) {
-  float acc = 0.f;
-  for (int c = lane * 8; c < n; c += 256) {
-    const uint4 v = *reinterpret_cast<const uint4*>(w + c);
-    const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+// R bf16 rows of n values (n % 8 == 0, 16-byte aligned; null: skipped, 0)
+// dotted with fp32 vectors in shared memory by one warp, every row's 16-byte
+// loads in flight together (one row at a time leaves HBM idle between them).
+template <int R>
+__device__ __forceinline__ void rows_dot(const uint16_t* const (&w)[R], const float* const (&x)[R], int n, int lane,
+                                         float (&out)[R]) {
+  float acc[R];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      acc = fmaf(__uint_as_float(u[i] << 16), x[c + 2 * i], acc);
-      acc = fmaf(__uint_as_float(u[i] & 0xffff0000u), x[c + 2 * i + 1], acc);
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (int c = lane * 8; c < n; c += 256) {
+    uint4 v[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) v[r] = w[r] ? __ldg(reinterpret_cast<const uint4*>(w[r] + c)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float4 x0 = *reinterpret_cast<const float4*>(x[r] + c), x1 = *reinterpret_cast<const float4*>(x[r] + c + 4);
+      acc[r] = fmaf(__uint_as_float(v[r].x << 16), x0.x, acc[r]);
+      acc[r] = fmaf(__uint_as_float(v[r].x & 0xffff0000u), x0.y, acc[r]);
+      acc[r] = fmaf(__uint_as_float(v[r].y << 16), x0.z, acc[r]);
+      acc[r] = fmaf(__uint_as_float(v[r].y & 0xffff0000u), x0.w, acc[r]);
+      acc[r] = fmaf(__uint_as_float(v[r].z << 16), x1.x, acc[r]);
+      acc[r] = fmaf(__uint_as_float(v[r].z & 0xffff0000u), x1.y, acc[r]);
+      acc[r] = fmaf(__uint_as_float(v[r].w << 16), x1.z, acc[r]);
+      acc[r] = fmaf(__uint_as_float(v[r].w & 0xffff0000u), x1.w, acc[r]);
     }
   }
-  return warp_sum(acc);
+#pragma unroll
+  for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
 }
 
-// Block (8 rows j, slot s): act[s][j] = bf16(silu(gate_j . x) * (up_j . x)) of
-// the slot's expert, x its token's input row (silu as silu_mul's).
+constexpr int kGateRows = 2;  // gate_up: intermediate rows a warp (their gate and up rows: 4 loads in flight)
+constexpr int kDownRows = 2;  // down: output rows a warp, each over kDownSlots slots at a time
+constexpr int kDownSlots = 4;
+
+// Block (8 warps x kGateRows rows j, slot s): act[s][j] = bf16(silu(gate_j . x)
+// * (up_j . x)) of the slot's expert, x its token's input row (silu as silu_mul's).
 __global__ void __launch_bounds__(kWarps * 32)
     few_gate_up_kernel(const uint16_t* __restrict__ xb, const int32_t* __restrict__ ids, int k, int H, int I,
                        const uint16_t* __restrict__ w13, uint16_t* __restrict__ act) {
-  extern __shared__ float xs[];
+  extern __shared__ float4 smem4[];
+  float* xs = reinterpret_cast<float*>(smem4);
   const int s = blockIdx.y, t = s / k, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int c = threadIdx.x; c < H; c += blockDim.x) xs[c] = __uint_as_float(uint32_t(xb[size_t(t) * H + c]) << 16);
   __syncthreads();
-  const int j = blockIdx.x * kWarps + warp;
-  if (j >= I) return;
+  const int j0 = (blockIdx.x * kWarps + warp) * kGateRows;
+  if (j0 >= I) return;
   const uint16_t* w = w13 + size_t(ids[s]) * 2 * I * H;
-  const float g = row_dot(w + size_t(j) * H, xs, H, lane), u = row_dot(w + size_t(I + j) * H, xs, H, lane);
-  if (lane == 0) {
-    const float sg = float(double(g) / (1.0 + exp(-double(g))));
-    act[size_t(s) * I + j] = __bfloat16_as_ushort(__float2bfloat16_rn(sg * u));
+  const uint16_t* rows[2 * kGateRows];
+  const float* xv[2 * kGateRows];
+#pragma unroll
+  for (int r = 0; r < kGateRows; ++r) {
+    const bool ok = j0 + r < I;
+    rows[2 * r] = ok ? w + size_t(j0 + r) * H : nullptr;
+    rows[2 * r + 1] = ok ? w + size_t(I + j0 + r) * H : nullptr;
+    xv[2 * r] = xv[2 * r + 1] = xs;
   }
+  float d[2 * kGateRows];
+  rows_dot(rows, xv, H, lane, d);
+#pragma unroll
+  for (int r = 0; r < kGateRows; ++r)
+    if (lane == 0 && j0 + r < I) {
+      const float g = d[2 * r], u = d[2 * r + 1];
+      const float sg = float(double(g) / (1.0 + exp(-double(g))));
+      act[size_t(s) * I + j0 + r] = __bfloat16_as_ushort(__float2bfloat16_rn(sg * u));
+    }
 }
 
-// Block (8 rows n, token t): x[t][n] += sum_j w[t k + j] (down_{e_j} row n . act[t k + j]).
+// Block (8 warps x kDownRows rows n, token t): x[t][n] += sum_j w[t k + j]
+// (down_{e_j} row n . act[t k + j]), the slots kDownSlots at a time.
 __global__ void __launch_bounds__(kWarps * 32)
     few_down_kernel(const uint16_t* __restrict__ act, const int32_t* __restrict__ ids, const float* __restrict__ gw,
                     int k, int H, int I, const uint16_t* __restrict__ w2, float* __restrict__ x) {
-  extern __shared__ float as[];  // [k][I]
+  extern __shared__ float4 smem4[];
+  float* as = reinterpret_cast<float*>(smem4);  // [k][I]
   const int t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int c = threadIdx.x; c < k * I; c += blockDim.x)
     as[c] = __uint_as_float(uint32_t(act[size_t(t) * k * I + c]) << 16);
   __syncthreads();
-  const int n = blockIdx.x * kWarps + warp;
-  if (n >= H) return;
-  float y = 0.f;
-  for (int j = 0; j < k; ++j)
-    y = fmaf(gw[t * k + j], row_dot(w2 + (size_t(ids[t * k + j]) * H + n) * I, as + j * I, I, lane), y);
-  if (lane == 0) x[size_t(t) * H + n] += y;
+  const int n0 = (blockIdx.x * kWarps + warp) * kDownRows;
+  if (n0 >= H) return;
+  float y[kDownRows] = {};
+  for (int j0 = 0; j0 < k; j0 += kDownSlots) {
+    const uint16_t* rows[kDownRows * kDownSlots];
+    const float* av[kDownRows * kDownSlots];
+#pragma unroll
+    for (int r = 0; r < kDownRows * kDownSlots; ++r) {
+      const int n = n0 + r / kDownSlots, j = j0 + r % kDownSlots;
+      const bool ok = n < H && j < k;
+      rows[r] = ok ? w2 + (size_t(ids[t * k + j]) * H + n) * I : nullptr;
+      av[r] = as + (ok ? j : 0) * I;
+    }
+    float d[kDownRows * kDownSlots];
+    rows_dot(rows, av, I, lane, d);
+#pragma unroll
+    for (int r = 0; r < kDownRows * kDownSlots; ++r) {
+      const int j = j0 + r % kDownSlots;
+      if (j < k) y[r / kDownSlots] = fmaf(gw[t * k + j], d[r], y[r / kDownSlots]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kDownRows; ++r)
+    if (lane == 0 && n0 + r < H) x[size_t(t) * H + n0 + r] += y[r];
 }
 
 }  // namespace
@@ -147,10 +200,12 @@ void Bf16Experts::forward(const Bf16ExpertWeights& w, const uint16_t* xb, const 
       return true;
     }();
     (void)attr;
-    few_gate_up_kernel<<<dim3(unsigned((I_ + kWarps - 1) / kWarps), unsigned(S)), kWarps * 32, xs, s>>>(
+    few_gate_up_kernel<<<dim3(unsigned((I_ + kWarps * kGateRows - 1) / (kWarps * kGateRows)), unsigned(S)), kWarps * 32,
+                         xs, s>>>(
         xb, ids, k_, H_, I_, w.w13, act);
     DZ_CUDA_LAUNCH_CHECK();
-    few_down_kernel<<<dim3(unsigned((H_ + kWarps - 1) / kWarps), unsigned(T)), kWarps * 32, as, s>>>(
+    few_down_kernel<<<dim3(unsigned((H_ + kWarps * kDownRows - 1) / (kWarps * kDownRows)), unsigned(T)), kWarps * 32,
+                      as, s>>>(
         act, ids, weights, k_, H_, I_, w.w2, x);
     DZ_CUDA_LAUNCH_CHECK();
     return;

@@ -118,7 +118,7 @@ class KimiLinearCuda final : public Family, private KimiLinearDesc {
   void pass(std::span<ForwardItem> batch, const BatchRows& flat, int64_t r0, int64_t r1,
             const std::vector<int32_t>& page_ids, const std::vector<int32_t>& item_page, kv::Arena& arena,
             std::vector<char>& touched, const ForwardOptions& opt);
-  void kda_layer(const DevLayer& D, const KimiLinearLayer& L, int T, int n_seg, const int32_t* seg_first,
+  void kda_layer(const DevLayer& D, const KimiLinearLayer& L, int T, int n_seg, int max_seg, const int32_t* seg_first,
                  float* const* st_in, float* const* st_out, cudaStream_t s);
   void mla_layer(const DevLayer& D, int T, const int64_t* row_off, const int64_t* n_vis, int64_t max_vis,
                  uint8_t* kv_layer, const uint8_t* const* const* pages, uint32_t page_tokens, cudaStream_t s);
@@ -379,7 +379,7 @@ void KimiLinearCuda::forward(std::span<ForwardItem> batch, const ForwardOptions&
   if (opt.attention_tokens_read) *opt.attention_tokens_read += total;
 }
 
-void KimiLinearCuda::kda_layer(const DevLayer& D, const KimiLinearLayer& L, int T, int n_seg,
+void KimiLinearCuda::kda_layer(const DevLayer& D, const KimiLinearLayer& L, int T, int n_seg, int max_seg,
                                const int32_t* seg_first, float* const* st_in, float* const* st_out, cudaStream_t s) {
   const int H = int(hidden_), P = int(kda_.proj()), HD = kda_.head_dim, NH = kda_.n_heads;
   float* qkv = room(qkv_, size_t(T) * 3 * P, "KDA q|k|v");
@@ -404,7 +404,7 @@ void KimiLinearCuda::kda_layer(const DevLayer& D, const KimiLinearLayer& L, int 
   cuda::KdaConv c;
   c.channels = 3 * int64_t(P), c.kernel = kda_.conv_kernel, c.batch = n_seg, c.seq_first = seg_first;
   c.x = qkv, c.ld = 3 * int64_t(P), c.w = D.conv_w.get(), c.hist_in = st_in, c.hist_out = st_out;
-  c.hist_offset = int64_t(L.state_off), c.y = conv;
+  c.hist_offset = int64_t(L.state_off), c.y = conv, c.max_tokens = max_seg;
   cuda::kda_short_conv_silu(c, s);
   cuda::kda_prepare(NH, HD, T, conv, conv + P, 3 * int64_t(P), g, P, D.a_log.get(), D.dt_bias.get(), beta, s);
   cuda::KdaRecurrent a;
@@ -501,6 +501,8 @@ void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
     touched[size_t(g.item)] = 1;
   }
   seg_first.push_back(T);
+  int max_seg = 0;
+  for (const Segment& g : segs) max_seg = std::max(max_seg, g.n);
   for (int l = 0; l < L; ++l) layer_off[size_t(l)] = int64_t(arena.layer_offset(uint32_t(l)));
   cuda::Packer pk;
   const size_t o_tok = pk.add(tok), o_first = pk.add(row_first), o_lr = pk.add(logit_rows), o_dd = pk.add(dev_dst), o_vis = pk.add(vis),
@@ -544,7 +546,7 @@ void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
     const DevLayer& D = dl_[size_t(li)];
     cuda::rms_norm(x, nullptr, T, H, D.in_norm.get(), eps_, nullptr, xb, s);
     if (D.kda)
-      kda_layer(D, layers_[size_t(li)], T, int(segs.size()), d_seg, d_sin, d_sout, s);
+      kda_layer(D, layers_[size_t(li)], T, int(segs.size()), max_seg, d_seg, d_sin, d_sout, s);
     else
       mla_layer(D, T, reinterpret_cast<const int64_t*>(at(o_off)), reinterpret_cast<const int64_t*>(at(o_vis)),
                 max_vis, kv_base + arena.layer_offset(uint32_t(li)), row_tables + size_t(li) * T, arena.page_tokens(),
