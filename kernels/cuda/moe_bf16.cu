@@ -75,6 +75,41 @@ __device__ __forceinline__ void rows_dot(const uint16_t* const (&w)[R], const fl
   for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
 }
 
+// n bf16 values (n % 8 == 0, 16-byte aligned) into fp32 shared memory by the
+// block, 16-byte loads all issued before the first store (a load-store loop
+// of 2-byte values waits out the memory latency once per iteration).
+__device__ __forceinline__ void fill_f32(const uint16_t* __restrict__ src, int n, float* dst) {
+  constexpr int kMax = 8;  // chunks a thread holds (n <= 8 * 8 * 256 values: the largest smem fill)
+  uint4 v[kMax];
+#pragma unroll
+  for (int i = 0; i < kMax; ++i) {
+    const int c = (threadIdx.x + i * kWarps * 32) * 8;
+    if (c < n) v[i] = __ldg(reinterpret_cast<const uint4*>(src + c));
+  }
+#pragma unroll
+  for (int i = 0; i < kMax; ++i) {
+    const int c = (threadIdx.x + i * kWarps * 32) * 8;
+    if (c >= n) continue;
+    const uint32_t u[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+    float4* d = reinterpret_cast<float4*>(dst + c);
+    d[0] = make_float4(__uint_as_float(u[0] << 16), __uint_as_float(u[0] & 0xffff0000u), __uint_as_float(u[1] << 16),
+                       __uint_as_float(u[1] & 0xffff0000u));
+    d[1] = make_float4(__uint_as_float(u[2] << 16), __uint_as_float(u[2] & 0xffff0000u), __uint_as_float(u[3] << 16),
+                       __uint_as_float(u[3] & 0xffff0000u));
+  }
+  // Longer fills (past 16384 values) in further rounds.
+  for (int c0 = kMax * kWarps * 32 * 8; c0 < n; c0 += kWarps * 32 * 8) {
+    const int c = c0 + threadIdx.x * 8;
+    if (c >= n) continue;
+    const uint4 w = __ldg(reinterpret_cast<const uint4*>(src + c));
+    const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      dst[c + 2 * i] = __uint_as_float(u[i] << 16), dst[c + 2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+  }
+  __syncthreads();
+}
+
 constexpr int kGateRows = 2;  // gate_up: intermediate rows a warp (their gate and up rows: 4 loads in flight)
 constexpr int kDownRows = 2;  // down: output rows a warp, each over kDownSlots slots at a time
 constexpr int kDownSlots = 4;
@@ -87,8 +122,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
   const int s = blockIdx.y, t = s / k, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int c = threadIdx.x; c < H; c += blockDim.x) xs[c] = __uint_as_float(uint32_t(xb[size_t(t) * H + c]) << 16);
-  __syncthreads();
+  fill_f32(xb + size_t(t) * H, H, xs);
   const int j0 = (blockIdx.x * kWarps + warp) * kGateRows;
   if (j0 >= I) return;
   const uint16_t* w = w13 + size_t(ids[s]) * 2 * I * H;
@@ -120,9 +154,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   extern __shared__ float4 smem4[];
   float* as = reinterpret_cast<float*>(smem4);  // [k][I]
   const int t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int c = threadIdx.x; c < k * I; c += blockDim.x)
-    as[c] = __uint_as_float(uint32_t(act[size_t(t) * k * I + c]) << 16);
-  __syncthreads();
+  fill_f32(act + size_t(t) * k * I, k * I, as);
   const int n0 = (blockIdx.x * kWarps + warp) * kDownRows;
   if (n0 >= H) return;
   float y[kDownRows] = {};

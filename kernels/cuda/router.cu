@@ -104,12 +104,13 @@ __global__ void __launch_bounds__(32 * kRows)
   // Group scores: the sum of each group's two best choice values (the CPU's
   // scan, so the same float sum), lane + 32 i scoring group lane + 32 i.
   const int per = E / n_group;
+  const bool all_groups = topk_group >= n_group;  // every group chosen (Kimi Linear: one group): no scores needed
   float gs[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int g = lane + 32 * i;
     gs[i] = -INFINITY;
-    if (g >= n_group) continue;
+    if (g >= n_group || all_groups) continue;
     float b1 = -INFINITY, b2 = -INFINITY;
     for (int e = g * per; e < (g + 1) * per; ++e) {
       const float c = sc[warp][e];
@@ -123,8 +124,8 @@ __global__ void __launch_bounds__(32 * kRows)
   }
   // The topk_group best groups: warp argmaxes as topk_row's. Every candidate
   // (even at -inf) beats the initial index, so each pick is a real group.
-  uint32_t gtaken = 0;
-  for (int j = 0; j < topk_group; ++j) {
+  uint32_t gtaken = all_groups ? 0xffu : 0u;
+  for (int j = 0; j < topk_group && !all_groups; ++j) {
     float bestv = -INFINITY;
     int beste = 0x7fffffff;
 #pragma unroll
