@@ -1,11 +1,12 @@
-// dz bench model: the whole gpt-oss model through the normal loader and the
-// session API. --make-random DIR writes a gpt-oss-20b- or 120b-shaped checkpoint in the
-// published layout (sharded safetensors, MXFP4 experts with a realistic scale
-// spread, BF16 elsewhere; multithreaded generation) and benchmarks it; --model
-// DIR benchmarks an existing one (any family, on either backend). Reports load
+// dz bench model: a whole model through the normal loader and the session
+// API. --make-random DIR writes a gpt-oss-20b- or 120b-shaped checkpoint in
+// the published layout (sharded safetensors, MXFP4 experts with a realistic
+// scale spread, BF16 elsewhere; multithreaded generation), or a
+// Kimi-Linear-48B-shaped one (all BF16), and benchmarks it; --model DIR
+// benchmarks an existing one (any family, on either backend). Reports load
 // time, device bytes, prefill tokens/s, decode ms/token at batch 1 and
-// tokens/s at batch 64; gpt-oss on the GPU each next to the HBM floor (bytes
-// the step must read / 4.27e12 B/s).
+// tokens/s at batch 64; gpt-oss and Kimi Linear on the GPU each next to the
+// HBM floor (bytes the step must read / 4.27e12 B/s).
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -705,13 +706,16 @@ int bench_model(const Args& a) {
       }
     r["decode"] = runs;
     r["note"] =
-        "decode steps via dz_decode_batch (CUDA graphs unless DZ_CUDA_GRAPHS=0; 'eager' = without); generate = "
-        "dz_generate_step with greedy sampling (graphs); with_logits_read = dz_decode_batch then dz_session_logits on "
-        "every session; sampled = dz_generate_step at temperature 0.8, top_p 0.95. On the GPU each session's logits "
-        "row stays on the device "
-        "(its argmax computed there) until dz_session_logits reads it; on the CPU rows land in host memory. Floors "
-        "count weights (MXFP4 experts in use, BF16 dense, lm_head) "
-        "and bf16 KV read once (sliding layers: at most the window) at 4.27e12 B/s";
+        std::string("decode steps via dz_decode_batch (CUDA graphs where the family captures them, gpt_oss, unless "
+                    "DZ_CUDA_GRAPHS=0; 'eager' = without); generate = dz_generate_step with greedy sampling; "
+                    "with_logits_read = dz_decode_batch then dz_session_logits on every session; sampled = "
+                    "dz_generate_step at temperature 0.8, top_p 0.95. On the GPU each session's logits row stays on "
+                    "the device (its argmax computed there) until dz_session_logits reads it; on the CPU rows land in "
+                    "host memory. ") +
+        (kimi ? "Floors count every weight but the embedding table and the routed experts not in use (BF16), each "
+                "session's KDA state read and written once and the MLA latents read once, at 4.27e12 B/s"
+              : "Floors count weights (MXFP4 experts in use, BF16 dense, lm_head) and bf16 KV read once (sliding "
+                "layers: at most the window) at 4.27e12 B/s");
     dz_kv_arena_free(arena);
     dz_model_free(m);
     bench_emit(r, flag_value(a, "--out"));

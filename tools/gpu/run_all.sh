@@ -16,6 +16,7 @@
 #                     references";
 #                     profile needs model, patterns a prebuilt dram_pattern and one_token_stream)
 #   DZ_MODEL_DIR      where dz bench model writes its random gpt-oss-20b checkpoint (default /tmp/dz_gptoss20b_random)
+#   DZ_KIMI_DIR       where it writes its random 8-layer Kimi-Linear-48B-shaped checkpoint (default /tmp/dz_kimi48b_8layers)
 #   DZ_TOKENIZER_DIR  gpt-oss's tokenizer.json + tokenizer_config.json for the dz chat smoke test (default: the
 #                     cache of tools/fetch_tokenizers.sh)
 #   DZ_MODEL120_DIR   where it writes the random gpt-oss-120b checkpoint (65.2 GB; default: dz_gptoss120b_random in
@@ -178,6 +179,14 @@ step "dz bench model, the default model (deepseek_v32: MLA + DSA + MXFP4 experts
   --out "$OUTDIR/bench_model_dsv32_tiny.json" >"$OUTDIR/bench_model_dsv32_tiny.log" 2>&1 ||
   { echo "dz bench model (default model, cuda) FAILED"; status=1; }
 grep -E "^(prefill|decode)" "$OUTDIR/bench_model_dsv32_tiny.log"
+step "dz bench model, Kimi Linear (KDA + NoPE MLA, BF16 experts): 8 layers of Kimi-Linear-48B-A3B's shape (26 GB)"
+KIMI=${DZ_KIMI_DIR:-/tmp/dz_kimi48b_8layers}
+"$DZ" bench model --make-random "$KIMI" --shape kimi-48b --layers 8 --device cuda --prefill 4096 --long-ctx 4096 \
+  --batch 16 --steps 16 --no-eager --out "$OUTDIR/bench_model_kimi8.json" >"$OUTDIR/bench_model_kimi8.log" 2>&1 ||
+  { echo "dz bench model --shape kimi-48b FAILED"; status=1; }
+grep -E "prefill|decode batch" "$OUTDIR/bench_model_kimi8.log" | head -6
+rm -rf "$KIMI"
+
 step "dz bench model, experts in E4M3 arithmetic (DZ_EXPERTS_FP8: fused W4A8 kernels at decode)"
 "$DZ" bench model --model "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}" --experts fp8 --prefill 512 --long-ctx 0 --no-eager \
   --out "$OUTDIR/bench_model_fp8.json" >"$OUTDIR/bench_model_fp8.log" 2>&1 || { echo "dz bench model --experts fp8 FAILED"; status=1; }
