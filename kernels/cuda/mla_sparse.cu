@@ -320,7 +320,6 @@ void sparse_mla_validate(const SparseMlaDecode& a) {
   check(a.batch >= 0 && a.n_heads > 0 && a.n_heads % 16 == 0, DZ_ERR_UNSUPPORTED, "CUDA sparse MLA: ", a.n_heads,
         " heads (a multiple of 16)");
   check(a.topk > 0, DZ_ERR_INVALID_ARGUMENT, "CUDA sparse MLA: top-k ", a.topk);
-  check(a.sel || a.n_visible, DZ_ERR_INVALID_ARGUMENT, "CUDA sparse MLA: neither a selection nor visible counts");
   check(a.page_tokens > 0 && a.stride % 16 == 0 && a.offset % 16 == 0, DZ_ERR_INVALID_ARGUMENT,
         "CUDA sparse MLA: latent records need 16-byte alignment (stride ", a.stride, ", offset ", a.offset, ")");
   check(a.offset + size_t(kD) * 2 <= a.stride, DZ_ERR_INVALID_ARGUMENT, "CUDA sparse MLA: a latent (", kD * 2,
@@ -342,6 +341,7 @@ size_t sparse_mla_scratch_bytes(const SparseMlaDecode& a, int splits) {
 
 void sparse_mla_decode(const SparseMlaDecode& a, int splits, void* scratch, size_t scratch_bytes, cudaStream_t st) {
   sparse_mla_validate(a);
+  check(a.sel || a.n_visible, DZ_ERR_INVALID_ARGUMENT, "CUDA sparse MLA: neither a selection nor visible counts");
   check(splits >= 1 && splits <= steps_of(a), DZ_ERR_INVALID_ARGUMENT, "CUDA sparse MLA: ", splits, " splits of ",
         steps_of(a), " steps");
   check(scratch_bytes >= sparse_mla_scratch_bytes(a, splits), DZ_ERR_INVALID_ARGUMENT, "CUDA sparse MLA: scratch of ",
