@@ -169,19 +169,16 @@ TEST_CASE("CUDA KDA short convolution + SiLU matches the CPU backend's over ragg
     int64_t max_tokens = 0;   // > 0: the tokens split in chunks across threads
   };
   const std::vector<Case> cases = {
-      {4, 300, {5, 1, 0, 2, 13}, false},
-      {4, 3 * 2 * 16, {3, 2, 1, 0, 9}, true},
-      {2, 200, {4, 0, 1, 6}, false},
-      {2, 130, {1, 3}, true},
-      {4, 300, {40, 1, 0, 2, 33}, false, 40},
-      {4, 96, {70, 0, 17, 2}, true, 100},
+      {4, 300, {5, 1, 0, 2, 13}, false},      {4, 3 * 2 * 16, {3, 2, 1, 0, 9}, true},
+      {2, 200, {4, 0, 1, 6}, false},          {2, 130, {1, 3}, true},
+      {4, 300, {40, 1, 0, 2, 33}, false, 40}, {4, 96, {70, 0, 17, 2}, true, 100},
       {3, 130, {16, 17, 1}, true, 17},
   };
   for (const Case& c : cases) {
     const int batch = int(c.counts.size());
     const auto first = row_offsets(c.counts);
-    INFO("K " << c.K << " channels " << c.channels << " batch " << batch << " in place " << c.in_place
-              << " max tokens " << c.max_tokens);
+    INFO("K " << c.K << " channels " << c.channels << " batch " << batch << " in place " << c.in_place << " max tokens "
+              << c.max_tokens);
     const int64_t C = c.channels, ld = C + 5, off = 13;
     const size_t rows = size_t(first.back()), HS = size_t(c.K - 1) * size_t(C), SL = size_t(off) + HS + 3;
     std::vector<float> x(rows * size_t(ld)), w(size_t(C) * size_t(c.K)), y(x.size()), hin(SL * size_t(batch)),

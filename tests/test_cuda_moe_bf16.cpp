@@ -50,7 +50,8 @@ TEST_CASE("CUDA BF16 experts match float64 SwiGLU experts on both paths", "[cuda
       std::vector<int> all(size_t(c.E));
       for (int e = 0; e < c.E; ++e) all[size_t(e)] = e;
       std::shuffle(all.begin(), all.end(), rng);
-      for (int j = 0; j < c.k; ++j) ids[size_t(t) * c.k + j] = all[size_t(j)], gw[size_t(t) * c.k + j] = 0.2f + nd(rng) * 0.1f;
+      for (int j = 0; j < c.k; ++j)
+        ids[size_t(t) * c.k + j] = all[size_t(j)], gw[size_t(t) * c.k + j] = 0.2f + nd(rng) * 0.1f;
     }
     if (c.T > 1) ids[0] = ids[size_t(c.k)];  // two tokens share an expert
     for (auto& v : x0) v = nd(rng);

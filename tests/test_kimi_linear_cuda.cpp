@@ -46,10 +46,11 @@ const char* kName = "kimi_linear_bf16";
 struct Open {
   dz_model* m = nullptr;
   dz_kv_arena* arena = nullptr;
-  Open(const std::string& dir, dz_device dev, uint32_t pass_tokens = 0) {
+  Open(const std::string& dir, dz_device dev, uint32_t pass_tokens = 0, dz_expert_precision ex = DZ_EXPERTS_AUTO) {
     dz_model_params p;
     dz_model_params_init(&p);
     p.device = dev;
+    p.experts = ex;
     p.n_threads = 2;
     p.pass_tokens = pass_tokens;
     const dz_status st = dz_model_open(dir.c_str(), &p, &m);
@@ -98,7 +99,8 @@ std::vector<float> state_of(dz_session* s, bool device) {
 
 double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
   double d = 0, m = 0;
-  for (size_t i = 0; i < a.size(); ++i) d = std::max(d, double(std::fabs(a[i] - b[i]))), m = std::max(m, double(std::fabs(b[i])));
+  for (size_t i = 0; i < a.size(); ++i)
+    d = std::max(d, double(std::fabs(a[i] - b[i]))), m = std::max(m, double(std::fabs(b[i])));
   return m > 0 ? d / m : d;
 }
 
@@ -277,101 +279,115 @@ TEST_CASE("kimi_linear on the GPU: ragged batches, prefill in pieces and across 
 
 // Kimi-Linear-48B's head shapes (KDA: heads of 128; MLA: 16 heads over a 512
 // + 64 latent, which takes the tensor-core attention) in a random
-// three-layer checkpoint written here (KDA, MLA, KDA; BF16 experts, all
-// routed): the GPU against the CPU over a prefill and decode steps.
+// three-layer checkpoint written here (KDA, MLA, KDA; experts all routed, in
+// BF16 as Moonshot's, then in MXFP4: cuda::MoeLayer): the GPU against the CPU
+// over a prefill and decode steps.
 TEST_CASE("kimi_linear on the GPU at Kimi-Linear-48B's head shapes matches the CPU", "[cuda][kimi]") {
   if (!have_gpu()) return;
   namespace fs = std::filesystem;
   const int64_t H = 256, NHK = 2, D = 128, P = NHK * D, K = 4, NH = 16, R = 512, RO = 64, NO = 128, VD = 128;
   const int64_t V = 512, I = 512, IM = 128, E = 8;
-  std::mt19937 rng(48);
-  dz::test::RandomTensors rt{rng, {}};
-  rt.mat("model.embed_tokens.weight", V, H);
-  rt.mat("lm_head.weight", V, H);
-  rt.vec("model.norm.weight", H, 1.f, 0.1f);
-  for (int l = 0; l < 3; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".", a = p + "self_attn.";
-    rt.vec(p + "input_layernorm.weight", H, 1.f, 0.1f);
-    rt.vec(p + "post_attention_layernorm.weight", H, 1.f, 0.1f);
-    if (l != 1) {
-      for (const char* w : {"q_proj", "k_proj", "v_proj"}) rt.mat(a + w + ".weight", P, H);
-      for (const char* c : {"q_conv1d", "k_conv1d", "v_conv1d"}) rt.vec(a + c + ".weight", {P, 1, K}, 0.f, 0.5f);
-      rt.mat(a + "f_a_proj.weight", D, H);
-      rt.mat(a + "f_b_proj.weight", P, D);
-      rt.vec(a + "dt_bias", P, 0.f, 0.5f);
-      rt.vec(a + "A_log", {1, 1, NHK, 1}, 0.f, 0.5f);
-      rt.mat(a + "b_proj.weight", NHK, H);
-      rt.mat(a + "g_a_proj.weight", D, H);
-      rt.mat(a + "g_b_proj.weight", P, D);
-      rt.vec(a + "o_norm.weight", D, 1.f, 0.1f);
-      rt.mat(a + "o_proj.weight", H, P);
-    } else {
-      rt.mat(a + "q_proj.weight", NH * (NO + RO), H);
-      rt.mat(a + "kv_a_proj_with_mqa.weight", R + RO, H);
-      rt.vec(a + "kv_a_layernorm.weight", R, 1.f, 0.1f);
-      rt.mat(a + "kv_b_proj.weight", NH * (NO + VD), R);
-      rt.mat(a + "o_proj.weight", H, NH * VD);
+  for (const bool fp4 : {false, true}) {
+    INFO((fp4 ? "MXFP4 experts" : "BF16 experts"));
+    std::mt19937 rng(48);
+    dz::test::RandomTensors rt{rng, {}};
+    rt.mat("model.embed_tokens.weight", V, H);
+    rt.mat("lm_head.weight", V, H);
+    rt.vec("model.norm.weight", H, 1.f, 0.1f);
+    for (int l = 0; l < 3; ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".", a = p + "self_attn.";
+      rt.vec(p + "input_layernorm.weight", H, 1.f, 0.1f);
+      rt.vec(p + "post_attention_layernorm.weight", H, 1.f, 0.1f);
+      if (l != 1) {
+        for (const char* w : {"q_proj", "k_proj", "v_proj"}) rt.mat(a + w + ".weight", P, H);
+        for (const char* c : {"q_conv1d", "k_conv1d", "v_conv1d"}) rt.vec(a + c + ".weight", {P, 1, K}, 0.f, 0.5f);
+        rt.mat(a + "f_a_proj.weight", D, H);
+        rt.mat(a + "f_b_proj.weight", P, D);
+        rt.vec(a + "dt_bias", P, 0.f, 0.5f);
+        rt.vec(a + "A_log", {1, 1, NHK, 1}, 0.f, 0.5f);
+        rt.mat(a + "b_proj.weight", NHK, H);
+        rt.mat(a + "g_a_proj.weight", D, H);
+        rt.mat(a + "g_b_proj.weight", P, D);
+        rt.vec(a + "o_norm.weight", D, 1.f, 0.1f);
+        rt.mat(a + "o_proj.weight", H, P);
+      } else {
+        rt.mat(a + "q_proj.weight", NH * (NO + RO), H);
+        rt.mat(a + "kv_a_proj_with_mqa.weight", R + RO, H);
+        rt.vec(a + "kv_a_layernorm.weight", R, 1.f, 0.1f);
+        rt.mat(a + "kv_b_proj.weight", NH * (NO + VD), R);
+        rt.mat(a + "o_proj.weight", H, NH * VD);
+      }
+      if (l == 0) {
+        rt.mat(p + "mlp.gate_proj.weight", I, H);
+        rt.mat(p + "mlp.up_proj.weight", I, H);
+        rt.mat(p + "mlp.down_proj.weight", H, I);
+        continue;
+      }
+      const std::string m = p + "block_sparse_moe.";
+      rt.mat(m + "gate.weight", E, H);
+      rt.vec(m + "gate.e_score_correction_bias", E, 0.f, 0.01f);
+      for (int e = 0; e < E; ++e) {
+        const std::string x = m + "experts." + std::to_string(e) + ".";
+        if (fp4) {
+          rt.fp4(x + "w1", IM, H);
+          rt.fp4(x + "w3", IM, H);
+          rt.fp4(x + "w2", H, IM);
+        } else {
+          rt.mat(x + "w1.weight", IM, H);
+          rt.mat(x + "w3.weight", IM, H);
+          rt.mat(x + "w2.weight", H, IM);
+        }
+      }
+      rt.mat(m + "shared_experts.gate_proj.weight", IM, H);
+      rt.mat(m + "shared_experts.up_proj.weight", IM, H);
+      rt.mat(m + "shared_experts.down_proj.weight", H, IM);
     }
-    if (l == 0) {
-      rt.mat(p + "mlp.gate_proj.weight", I, H);
-      rt.mat(p + "mlp.up_proj.weight", I, H);
-      rt.mat(p + "mlp.down_proj.weight", H, I);
-      continue;
+    const fs::path dir = dz::test::temp_dir("kimi-48b-heads");
+    dz::test::write_safetensors(dir / "model.safetensors", rt.ts);
+    nlohmann::json cfg;
+    std::ifstream(std::string(DZ_TEST_DATA) + "/" + kName + "/config.json") >> cfg;
+    cfg["hidden_size"] = H, cfg["num_attention_heads"] = NH, cfg["num_key_value_heads"] = NH;
+    cfg["kv_lora_rank"] = R, cfg["qk_rope_head_dim"] = RO, cfg["qk_nope_head_dim"] = NO, cfg["v_head_dim"] = VD;
+    cfg["vocab_size"] = V, cfg["num_hidden_layers"] = 3, cfg["intermediate_size"] = I;
+    cfg["moe_intermediate_size"] = IM, cfg["num_experts"] = E, cfg["num_experts_per_token"] = E;
+    cfg["num_expert_group"] = 1, cfg["topk_group"] = 1, cfg["first_k_dense_replace"] = 1;
+    cfg["linear_attn_config"]["kda_layers"] = {1, 3};
+    cfg["linear_attn_config"]["full_attn_layers"] = {2};
+    cfg["linear_attn_config"]["num_heads"] = NHK, cfg["linear_attn_config"]["head_dim"] = D;
+    std::ofstream(dir / "config.json") << cfg.dump(2);
+    {
+      // MXFP4: the fused FP16 kernels at every size (NATIVE), the arithmetic the CPU's is held to.
+      Open gpu(dir.string(), DZ_DEVICE_CUDA, 0, fp4 ? DZ_EXPERTS_NATIVE : DZ_EXPERTS_AUTO),
+          cpu(dir.string(), DZ_DEVICE_CPU);
+      std::uniform_int_distribution<int32_t> tok(0, int32_t(V) - 1);
+      std::vector<int32_t> prompt(90);
+      for (auto& t : prompt) t = tok(rng);
+      dz_session *gs = gpu.session(), *cs = cpu.session();
+      const std::vector<float> g = append_logits(gs, prompt), h = append_logits(cs, prompt);
+      double worst = 1;
+      for (size_t t = 0; t < prompt.size(); ++t)
+        worst = std::min(worst, cosine(g.data() + t * size_t(V), h.data() + t * size_t(V), size_t(V)));
+      for (int i = 0; i < 4; ++i) {  // decode steps on the same tokens
+        const int32_t t = tok(rng);
+        const std::vector<float> a = append_logits(gs, {t}, false), b = append_logits(cs, {t}, false);
+        worst = std::min(worst, cosine(a.data(), b.data(), a.size()));
+      }
+      const double sr = rel_diff(state_of(gs, true), state_of(cs, false));
+      WARN((fp4 ? "MXFP4" : "BF16")
+           << " experts, KDA heads of 128, MLA 512 + 64 x 16 heads: GPU vs CPU worst logits cosine " << worst
+           << ", states' relative diff " << sr << " (90-token prefill, 4 decode steps)");
+      CHECK(worst >= 0.999);
+      CHECK(sr < 2e-2);
+      dz_session_free(gs);
+      dz_session_free(cs);
     }
-    const std::string m = p + "block_sparse_moe.";
-    rt.mat(m + "gate.weight", E, H);
-    rt.vec(m + "gate.e_score_correction_bias", E, 0.f, 0.01f);
-    for (int e = 0; e < E; ++e) {
-      const std::string x = m + "experts." + std::to_string(e) + ".";
-      rt.mat(x + "w1.weight", IM, H);
-      rt.mat(x + "w3.weight", IM, H);
-      rt.mat(x + "w2.weight", H, IM);
-    }
-    rt.mat(m + "shared_experts.gate_proj.weight", IM, H);
-    rt.mat(m + "shared_experts.up_proj.weight", IM, H);
-    rt.mat(m + "shared_experts.down_proj.weight", H, IM);
+    fs::remove_all(dir);
   }
-  const fs::path dir = dz::test::temp_dir("kimi-48b-heads");
-  dz::test::write_safetensors(dir / "model.safetensors", rt.ts);
-  nlohmann::json cfg;
-  std::ifstream(std::string(DZ_TEST_DATA) + "/" + kName + "/config.json") >> cfg;
-  cfg["hidden_size"] = H, cfg["num_attention_heads"] = NH, cfg["num_key_value_heads"] = NH;
-  cfg["kv_lora_rank"] = R, cfg["qk_rope_head_dim"] = RO, cfg["qk_nope_head_dim"] = NO, cfg["v_head_dim"] = VD;
-  cfg["vocab_size"] = V, cfg["num_hidden_layers"] = 3, cfg["intermediate_size"] = I;
-  cfg["moe_intermediate_size"] = IM, cfg["num_experts"] = E, cfg["num_experts_per_token"] = E;
-  cfg["num_expert_group"] = 1, cfg["topk_group"] = 1, cfg["first_k_dense_replace"] = 1;
-  cfg["linear_attn_config"]["kda_layers"] = {1, 3};
-  cfg["linear_attn_config"]["full_attn_layers"] = {2};
-  cfg["linear_attn_config"]["num_heads"] = NHK, cfg["linear_attn_config"]["head_dim"] = D;
-  std::ofstream(dir / "config.json") << cfg.dump(2);
-  {
-    Open gpu(dir.string(), DZ_DEVICE_CUDA), cpu(dir.string(), DZ_DEVICE_CPU);
-    std::uniform_int_distribution<int32_t> tok(0, int32_t(V) - 1);
-    std::vector<int32_t> prompt(90);
-    for (auto& t : prompt) t = tok(rng);
-    dz_session *gs = gpu.session(), *cs = cpu.session();
-    const std::vector<float> g = append_logits(gs, prompt), h = append_logits(cs, prompt);
-    double worst = 1;
-    for (size_t t = 0; t < prompt.size(); ++t)
-      worst = std::min(worst, cosine(g.data() + t * size_t(V), h.data() + t * size_t(V), size_t(V)));
-    for (int i = 0; i < 4; ++i) {  // decode steps on the same tokens
-      const int32_t t = tok(rng);
-      const std::vector<float> a = append_logits(gs, {t}, false), b = append_logits(cs, {t}, false);
-      worst = std::min(worst, cosine(a.data(), b.data(), a.size()));
-    }
-    const double sr = rel_diff(state_of(gs, true), state_of(cs, false));
-    WARN("KDA heads of 128, MLA 512 + 64 x 16 heads: GPU vs CPU worst logits cosine "
-         << worst << ", states' relative diff " << sr << " (90-token prefill, 4 decode steps)");
-    CHECK(worst >= 0.999);
-    CHECK(sr < 2e-2);
-    dz_session_free(gs);
-    dz_session_free(cs);
-  }
-  fs::remove_all(dir);
 }
 
-TEST_CASE("kimi_linear on the GPU through the C API: prefix reuse restores snapshots, fork, failed calls change nothing",
-          "[cuda][kimi]") {
+TEST_CASE(
+    "kimi_linear on the GPU through the C API: prefix reuse restores snapshots, fork, failed calls change nothing",
+    "[cuda][kimi]") {
   if (!have_gpu()) return;
   dz::test::hybrid_session_scenario(
       kName, 64u << 20,

@@ -26,9 +26,9 @@ struct MlaRopeStore {
   int n_heads = 0, nope = 0, rope = 0, rank = 0;
   // [n_rows][rope / 2]; null: no rotation (Kimi Linear's NoPE MLA caches k_rope as projected).
   const float *cos = nullptr, *sin = nullptr;
-  float* q = nullptr;                          // [n_rows][n_heads][nope + rope], rotated in place
-  const float* kva = nullptr;                  // [n_rows][rank + rope]: c_kv then k_rope, as projected
-  const float* kv_norm = nullptr;              // [rank] RMSNorm weight
+  float* q = nullptr;              // [n_rows][n_heads][nope + rope], rotated in place
+  const float* kva = nullptr;      // [n_rows][rank + rope]: c_kv then k_rope, as projected
+  const float* kv_norm = nullptr;  // [rank] RMSNorm weight
   float eps = 1e-6f;
   // Row r's record at kv_layer + row_off[r]: bf16 [c_kv (rank) | k_rope (rope)].
   uint8_t* kv_layer = nullptr;

@@ -62,7 +62,7 @@ struct SparseMlaGeneric {
   const float* q = nullptr;      // [n_q, n_heads, rank + rope] fp32 (device): W_UK^T q_nope, then q_rope
   const int32_t* sel = nullptr;  // [n_q, topk] positions (device); negative entries are skipped
   int topk = 0;
-  const int64_t* n_visible = nullptr;  // sel null: query i attends [0, n_visible[i]), topk >= every count
+  const int64_t* n_visible = nullptr;            // sel null: query i attends [0, n_visible[i]), topk >= every count
   const uint8_t* const* const* pages = nullptr;  // per query its sequence's page table (device)
   uint32_t page_tokens = 0;
   size_t stride = 0, offset = 0;  // bf16 [c_kv | k_rope] at `offset` of each record (both even)

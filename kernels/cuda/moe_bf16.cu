@@ -1,11 +1,10 @@
-#include "cuda/moe_bf16.h"
-
 #include <cuda_bf16.h>
 
 #include <algorithm>
 
 #include "common/error.h"
 #include "cuda/bf16_gemm.h"
+#include "cuda/moe_bf16.h"
 #include "cuda/norm.h"
 #include "runtime/cuda/cuda_check.h"
 
@@ -190,8 +189,7 @@ void gather_rows_bf16(const uint16_t* src, const int32_t* rows, int n, int H, ui
   DZ_CUDA_LAUNCH_CHECK();
 }
 
-void moe_combine(const float* y, const int32_t* where, const float* w, int T, int k, int H, float* x,
-                 cudaStream_t s) {
+void moe_combine(const float* y, const int32_t* where, const float* w, int T, int k, int H, float* x, cudaStream_t s) {
   check(H > 0 && T >= 0 && k > 0, DZ_ERR_INVALID_ARGUMENT, "moe_combine: ", T, " tokens, top-", k, ", ", H);
   if (T == 0) return;
   combine_kernel<<<unsigned(T), 256, 0, s>>>(y, where, w, k, H, x);
@@ -225,20 +223,18 @@ void Bf16Experts::forward(const Bf16ExpertWeights& w, const uint16_t* xb, const 
     uint16_t* act = room(act_, S * size_t(I_), "BF16 experts: activations");
     const size_t xs = size_t(H_) * 4, as = size_t(k_) * I_ * 4;
     static const bool attr = [] {
-      DZ_CUDA_CHECK(cudaFuncSetAttribute(few_gate_up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         int(kFewMaxSmem)));
+      DZ_CUDA_CHECK(
+          cudaFuncSetAttribute(few_gate_up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kFewMaxSmem)));
       DZ_CUDA_CHECK(
           cudaFuncSetAttribute(few_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kFewMaxSmem)));
       return true;
     }();
     (void)attr;
     few_gate_up_kernel<<<dim3(unsigned((I_ + kWarps * kGateRows - 1) / (kWarps * kGateRows)), unsigned(S)), kWarps * 32,
-                         xs, s>>>(
-        xb, ids, k_, H_, I_, w.w13, act);
+                         xs, s>>>(xb, ids, k_, H_, I_, w.w13, act);
     DZ_CUDA_LAUNCH_CHECK();
     few_down_kernel<<<dim3(unsigned((H_ + kWarps * kDownRows - 1) / (kWarps * kDownRows)), unsigned(T)), kWarps * 32,
-                      as, s>>>(
-        act, ids, weights, k_, H_, I_, w.w2, x);
+                      as, s>>>(act, ids, weights, k_, H_, I_, w.w2, x);
     DZ_CUDA_LAUNCH_CHECK();
     return;
   }
@@ -270,7 +266,8 @@ void Bf16Experts::forward(const Bf16ExpertWeights& w, const uint16_t* xb, const 
   const size_t w13 = size_t(2) * I_ * H_, w2 = size_t(H_) * I_;
   for (int e = 0; e < E_; ++e) {
     const int n = count_[size_t(e) + 1] - count_[size_t(e)], r = count_[size_t(e)];
-    if (n) gemm_.run(xs + size_t(r) * H_, w.w13 + size_t(e) * w13, nullptr, h + size_t(r) * 2 * I_, n, 2 * I_, H_, 0.f, s);
+    if (n)
+      gemm_.run(xs + size_t(r) * H_, w.w13 + size_t(e) * w13, nullptr, h + size_t(r) * 2 * I_, n, 2 * I_, H_, 0.f, s);
   }
   silu_mul(h, int(S), I_, int64_t(2) * I_, act, s);
   for (int e = 0; e < E_; ++e) {

@@ -142,7 +142,7 @@ class DeepseekV32Cuda final : public Family, private DeepseekV32Desc {
   DeviceArray<int32_t> sel_, ids_;
   DeviceArray<uint8_t> meta_, idx_scratch_, mla_scratch_;
   std::unique_ptr<cuda::LogitStaging> lstage_;  // each logit row's argmax; sample_on_device
-  std::mutex mu_;  // one forward at a time (shared scratch)
+  std::mutex mu_;                               // one forward at a time (shared scratch)
 };
 
 DeepseekV32Cuda::DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params)
@@ -392,9 +392,9 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
   }
   for (int l = 0; l < L; ++l) layer_off[size_t(l)] = int64_t(arena.layer_offset(uint32_t(l)));
   cuda::Packer pk;
-  const size_t o_tok = pk.add(tok), o_first = pk.add(row_first), o_lr = pk.add(logit_rows), o_dd = pk.add(dev_dst), o_pos = pk.add(pos),
-               o_vis = pk.add(vis), o_off = pk.add(off), o_loff = pk.add(layer_off), o_cs = pk.add(cs),
-               o_sn = pk.add(sn), o_pid = pk.add(page_ids);
+  const size_t o_tok = pk.add(tok), o_first = pk.add(row_first), o_lr = pk.add(logit_rows), o_dd = pk.add(dev_dst),
+               o_pos = pk.add(pos), o_vis = pk.add(vis), o_off = pk.add(off), o_loff = pk.add(layer_off),
+               o_cs = pk.add(cs), o_sn = pk.add(sn), o_pid = pk.add(page_ids);
   // The page-pointer tables follow, written on the device (paged_tables).
   const size_t o_tab = pk.tail();
   const size_t o_rtab = o_tab + (size_t(L) * P * 8 + 255) / 256 * 256;

@@ -165,7 +165,8 @@ class GptOssCuda final : public Family, private GptOssDesc {
     if (nc <= 0) return;
     cudaStream_t s = ctx_->stream();
     cuda::logits_argmax_copy(logits_.get(), nc, n_vocab_, p.ddst + c0, lstage_->argmax(), s);
-    DZ_CUDA_CHECK(cudaMemcpyAsync(lstage_->argmax_host(), lstage_->argmax(), size_t(nc) * 4, cudaMemcpyDeviceToHost, s));
+    DZ_CUDA_CHECK(
+        cudaMemcpyAsync(lstage_->argmax_host(), lstage_->argmax(), size_t(nc) * 4, cudaMemcpyDeviceToHost, s));
     if (p.host_logits)
       DZ_CUDA_CHECK(
           cudaMemcpyAsync(logits_host_, logits_.get(), size_t(nc) * size_t(n_vocab_) * 4, cudaMemcpyDeviceToHost, s));
@@ -200,9 +201,9 @@ class GptOssCuda final : public Family, private GptOssDesc {
   DeviceArray<float> att_part_;      // split decode attention partials
   DeviceArray<int32_t> att_ticket_;  // and its ticket counters (zero between launches)
   cuda::DecodeSplitPolicy split_;
-  float* logits_host_ = nullptr;            // pinned [kLogitRows][V]
+  float* logits_host_ = nullptr;                // pinned [kLogitRows][V]
   std::unique_ptr<cuda::LogitStaging> lstage_;  // each logit row's argmax; sample_on_device
-  uint8_t* stage_ = nullptr;  // pinned staging of the metadata (uploaded with one copy)
+  uint8_t* stage_ = nullptr;                    // pinned staging of the metadata (uploaded with one copy)
   size_t stage_cap_ = 0;
   cudaEvent_t stage_ev_ = nullptr;         // after the last upload from stage_: rewrite only once it completed
   int* err_host_ = nullptr;                // pinned copy of the MoE error flag

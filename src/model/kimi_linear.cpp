@@ -21,18 +21,19 @@
 // A forward pass updates a copy of each sequence's state and writes it back
 // only when every layer has run, so a failed or cancelled pass leaves the
 // state as it was (the caller rolls back the pages).
+#include "model/kimi_linear.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <numeric>
 
 #include "common/host_alloc.h"
+#include "common/log.h"
 #include "cpu/kda.h"
 #include "cpu/matmul.h"
 #include "cpu/mla.h"
 #include "cpu/norm.h"
-#include "common/log.h"
-#include "model/kimi_linear.h"
 #include "model/weights.h"
 #include "runtime/device.h"
 #include "runtime/parallel.h"
@@ -42,7 +43,6 @@ namespace dz {
 namespace {
 
 using cpu::WeightRef;
-
 
 class KimiLinear final : public Family, private KimiLinearDesc {
  public:
@@ -66,8 +66,8 @@ class KimiLinear final : public Family, private KimiLinearDesc {
  private:
   void kda_layer(const KimiLinearLayer& L, std::span<ForwardItem> batch, const BatchRows& flat, const float* xn,
                  std::vector<std::vector<float>>& states, float* y);
-  void mla_layer(const KimiLinearLayer& L, int li, std::span<ForwardItem> batch, const BatchRows& flat, const float* xn, float* y,
-                 uint64_t& tokens_read);
+  void mla_layer(const KimiLinearLayer& L, int li, std::span<ForwardItem> batch, const BatchRows& flat, const float* xn,
+                 float* y, uint64_t& tokens_read);
 
   uint64_t model_key_ = 0;
   std::unique_ptr<ThreadPool> pool_;
@@ -246,8 +246,8 @@ KimiLinear::KimiLinear(const Config& cfg, const WeightStore& ws, const dz_model_
   pool_ = std::make_unique<ThreadPool>(params.n_threads);
 }
 
-void KimiLinear::kda_layer(const KimiLinearLayer& L, std::span<ForwardItem> batch, const BatchRows& flat, const float* xn,
-                           std::vector<std::vector<float>>& states, float* y) {
+void KimiLinear::kda_layer(const KimiLinearLayer& L, std::span<ForwardItem> batch, const BatchRows& flat,
+                           const float* xn, std::vector<std::vector<float>>& states, float* y) {
   const int64_t R = int64_t(flat.rows.size()), P = kda_.proj(), D = kda_.head_dim, NH = kda_.n_heads;
   ThreadPool* pool = pool_.get();
   HostBuffer<float> proj(size_t(R * P)), qkv(size_t(R * 3 * P)), conv(size_t(R * 3 * P)), fa(size_t(R * D)),
@@ -281,8 +281,8 @@ void KimiLinear::kda_layer(const KimiLinearLayer& L, std::span<ForwardItem> batc
   cpu::matmul(out.data(), R, L.o, nullptr, y, pool);
 }
 
-void KimiLinear::mla_layer(const KimiLinearLayer& L, int li, std::span<ForwardItem> batch, const BatchRows& flat, const float* xn,
-                           float* y, uint64_t& tokens_read) {
+void KimiLinear::mla_layer(const KimiLinearLayer& L, int li, std::span<ForwardItem> batch, const BatchRows& flat,
+                           const float* xn, float* y, uint64_t& tokens_read) {
   const int64_t R = int64_t(flat.rows.size()), NH = mla_.n_heads, QD = mla_.nope + mla_.rope;
   const int64_t KVA = mla_.rank + mla_.rope, OD = NH * mla_.v;
   ThreadPool* pool = pool_.get();

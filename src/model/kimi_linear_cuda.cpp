@@ -149,13 +149,12 @@ class KimiLinearCuda final : public Family, private KimiLinearDesc {
   DeviceArray<float> final_norm_d_;
   std::vector<DevLayer> dl_;
   // Pass scratch (grown on demand).
-  DeviceArray<float> x_, xn_, qkv_, conv_, fg_, g_, beta_, kout_, q_, kva_, qa_, olat_, rlog_, gw_, h_, logits_,
-      state_;
+  DeviceArray<float> x_, xn_, qkv_, conv_, fg_, g_, beta_, kout_, q_, kva_, qa_, olat_, rlog_, gw_, h_, logits_, state_;
   DeviceArray<uint16_t> xb_, fgb_, ob_, att_, hb_, qab_;
   DeviceArray<int32_t> ids_;
   DeviceArray<uint8_t> meta_, mla_scratch_;
   std::unique_ptr<cuda::LogitStaging> lstage_;  // each logit row's argmax; sample_on_device
-  std::mutex mu_;  // one forward at a time (shared scratch)
+  std::mutex mu_;                               // one forward at a time (shared scratch)
 };
 
 KimiLinearCuda::KimiLinearCuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params)
@@ -171,9 +170,8 @@ KimiLinearCuda::KimiLinearCuda(const Config& cfg, const WeightStore& ws, const d
   check(params.bf16_sensitive != 0, DZ_ERR_UNSUPPORTED,
         "kimi_linear CUDA: bf16_sensitive = 0 (lower-precision projections) is not implemented");
   if (params.pass_tokens) max_rows_ = int(params.pass_tokens);
-  check(kda_.head_dim == 16 || kda_.head_dim == 32 || kda_.head_dim == 64 || kda_.head_dim == 128,
-        DZ_ERR_UNSUPPORTED, src, ": linear attention head_dim ", kda_.head_dim,
-        " (the CUDA KDA kernels take 16, 32, 64 or 128)");
+  check(kda_.head_dim == 16 || kda_.head_dim == 32 || kda_.head_dim == 64 || kda_.head_dim == 128, DZ_ERR_UNSUPPORTED,
+        src, ": linear attention head_dim ", kda_.head_dim, " (the CUDA KDA kernels take 16, 32, 64 or 128)");
   check(mla_.rank <= cuda::kMlaGenericMaxRank && mla_.rope <= cuda::kMlaGenericMaxRope && mla_.rope % 2 == 0,
         DZ_ERR_UNSUPPORTED, src, ": kv_lora_rank ", mla_.rank, " / qk_rope_head_dim ", mla_.rope,
         " (the CUDA MLA takes at most ", cuda::kMlaGenericMaxRank, " / ", cuda::kMlaGenericMaxRope, ", even)");
@@ -198,8 +196,7 @@ KimiLinearCuda::KimiLinearCuda(const Config& cfg, const WeightStore& ws, const d
   mxfp4_experts_ = n_fp4 > 0;
 
   const int64_t H = hidden_, P = kda_.proj(), D = kda_.head_dim, NHK = kda_.n_heads, NH = mla_.n_heads;
-  const int64_t QD = mla_.nope + mla_.rope, KVA = mla_.rank + mla_.rope, E = routing_.n_experts,
-                k = routing_.n_active;
+  const int64_t QD = mla_.nope + mla_.rope, KVA = mla_.rank + mla_.rope, E = routing_.n_experts, k = routing_.n_active;
   int64_t inter = moe_inter_;
   for (const KimiLinearLayer& L : layers_) inter = std::max({inter, L.ffn.dense.inter, L.ffn.shared.inter});
   // Scratch a row: activations (fp32 and bf16), KDA and MLA projections, attention partials, the experts' slots.
@@ -416,9 +413,9 @@ void KimiLinearCuda::kda_layer(const DevLayer& D, const KimiLinearLayer& L, int 
   gemm_->run(ob, D.o.get(), nullptr, x_.get(), T, H, P, 1.f, s);  // x += o_proj(gated out)
 }
 
-void KimiLinearCuda::mla_layer(const DevLayer& D, int T, const int64_t* row_off, const int64_t* n_vis,
-                               int64_t max_vis, uint8_t* kv_layer, const uint8_t* const* const* pages,
-                               uint32_t page_tokens, cudaStream_t s) {
+void KimiLinearCuda::mla_layer(const DevLayer& D, int T, const int64_t* row_off, const int64_t* n_vis, int64_t max_vis,
+                               uint8_t* kv_layer, const uint8_t* const* const* pages, uint32_t page_tokens,
+                               cudaStream_t s) {
   const int H = int(hidden_), NH = mla_.n_heads, QD = mla_.nope + mla_.rope, KVA = mla_.rank + mla_.rope;
   float* q = room(q_, size_t(T) * NH * QD, "q");
   float* kva = room(kva_, size_t(T) * KVA, "kv_a");
@@ -457,8 +454,8 @@ void KimiLinearCuda::mla_layer(const DevLayer& D, int T, const int64_t* row_off,
 }
 
 void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, int64_t r0, int64_t r1,
-                          const std::vector<int32_t>& page_ids, const std::vector<int32_t>& item_page,
-                          kv::Arena& arena, std::vector<char>& touched, const ForwardOptions& opt) {
+                          const std::vector<int32_t>& page_ids, const std::vector<int32_t>& item_page, kv::Arena& arena,
+                          std::vector<char>& touched, const ForwardOptions& opt) {
   const int T = int(r1 - r0), L = n_layers_, P = int(page_ids.size()), H = int(hidden_), V = n_vocab_;
   cudaStream_t s = ctx_->stream();
   const size_t page_bytes = arena.page_bytes(), TS = size_t(T);
@@ -495,8 +492,8 @@ void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
   for (const Segment& g : segs) {
     seg_first.push_back(g.first);
     float* copy = state_floats_ ? state_.get() + size_t(g.item) * state_floats_ : nullptr;
-    st_in.push_back(touched[size_t(g.item)] || !copy ? copy
-                                                      : reinterpret_cast<float*>(batch[size_t(g.item)].seq->state_ptr()));
+    st_in.push_back(
+        touched[size_t(g.item)] || !copy ? copy : reinterpret_cast<float*>(batch[size_t(g.item)].seq->state_ptr()));
     st_out.push_back(copy);
     touched[size_t(g.item)] = 1;
   }
@@ -505,9 +502,9 @@ void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
   for (const Segment& g : segs) max_seg = std::max(max_seg, g.n);
   for (int l = 0; l < L; ++l) layer_off[size_t(l)] = int64_t(arena.layer_offset(uint32_t(l)));
   cuda::Packer pk;
-  const size_t o_tok = pk.add(tok), o_first = pk.add(row_first), o_lr = pk.add(logit_rows), o_dd = pk.add(dev_dst), o_vis = pk.add(vis),
-               o_off = pk.add(off), o_loff = pk.add(layer_off), o_pid = pk.add(page_ids), o_seg = pk.add(seg_first),
-               o_sin = pk.add(st_in), o_sout = pk.add(st_out);
+  const size_t o_tok = pk.add(tok), o_first = pk.add(row_first), o_lr = pk.add(logit_rows), o_dd = pk.add(dev_dst),
+               o_vis = pk.add(vis), o_off = pk.add(off), o_loff = pk.add(layer_off), o_pid = pk.add(page_ids),
+               o_seg = pk.add(seg_first), o_sin = pk.add(st_in), o_sout = pk.add(st_out);
   const size_t o_tab = pk.tail();
   const size_t o_rtab = o_tab + (size_t(L) * P * 8 + 255) / 256 * 256;
   const size_t meta_bytes = o_rtab + size_t(L) * T * 8;
@@ -548,9 +545,8 @@ void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
     if (D.kda)
       kda_layer(D, layers_[size_t(li)], T, int(segs.size()), max_seg, d_seg, d_sin, d_sout, s);
     else
-      mla_layer(D, T, reinterpret_cast<const int64_t*>(at(o_off)), reinterpret_cast<const int64_t*>(at(o_vis)),
-                max_vis, kv_base + arena.layer_offset(uint32_t(li)), row_tables + size_t(li) * T, arena.page_tokens(),
-                s);
+      mla_layer(D, T, reinterpret_cast<const int64_t*>(at(o_off)), reinterpret_cast<const int64_t*>(at(o_vis)), max_vis,
+                kv_base + arena.layer_offset(uint32_t(li)), row_tables + size_t(li) * T, arena.page_tokens(), s);
 
     cuda::rms_norm(x, nullptr, T, H, D.post_norm.get(), eps_, xn, xb, s);
     if (!D.moe) {
@@ -598,8 +594,7 @@ void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
 
 }  // namespace
 
-std::unique_ptr<Family> make_kimi_linear_cuda(const Config& cfg, const WeightStore& ws,
-                                              const dz_model_params& params) {
+std::unique_ptr<Family> make_kimi_linear_cuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
   check(cuda_device_count() > 0, DZ_ERR_DEVICE,
         "kimi_linear: DZ_DEVICE_CUDA requested but no CUDA device is present (driver or GPU missing); use "
         "DZ_DEVICE_CPU or DZ_DEVICE_AUTO");

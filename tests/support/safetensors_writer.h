@@ -140,10 +140,13 @@ struct RandomTensors {
     }
     ts.push_back(std::move(t));
   }
-  void vec(const std::string& name, int64_t len, float base, float sd) { vec(name, std::vector<int64_t>{len}, base, sd); }
+  void vec(const std::string& name, int64_t len, float base, float sd) {
+    vec(name, std::vector<int64_t>{len}, base, sd);
+  }
   void fp4(const std::string& base_name, int64_t rows, int64_t cols) {  // ~N(0, 1 / cols) in scale
     std::uniform_int_distribution<int> byte(0, 255), sc(119, 121);
-    RawTensor b{base_name + ".weight_blocks", "U8", {rows, cols / 32, 16}, std::vector<uint8_t>(size_t(rows * cols / 2))};
+    RawTensor b{
+        base_name + ".weight_blocks", "U8", {rows, cols / 32, 16}, std::vector<uint8_t>(size_t(rows * cols / 2))};
     RawTensor s{base_name + ".weight_scales", "U8", {rows, cols / 32}, std::vector<uint8_t>(size_t(rows * cols / 32))};
     for (auto& x : b.bytes) x = uint8_t(byte(rng));
     for (auto& x : s.bytes) x = uint8_t(sc(rng));

@@ -240,7 +240,10 @@ void write_kimi_checkpoint(const std::string& dir, int layers) {
               {"first_k_dense_replace", 1},
               {"moe_layer_freq", 1},
               {"linear_attn_config",
-               {{"kda_layers", kda}, {"full_attn_layers", full}, {"num_heads", NHK}, {"head_dim", D},
+               {{"kda_layers", kda},
+                {"full_attn_layers", full},
+                {"num_heads", NHK},
+                {"head_dim", D},
                 {"short_conv_kernel_size", K}}},
               {"rms_norm_eps", 1e-5},
               {"hidden_act", "silu"},
@@ -456,7 +459,8 @@ int bench_model(const Args& a) {
     // Attention shape from config.json (not in dz_model_info): head_dim, and
     // which layers slide over how many keys (they read at most `window` keys).
     double head_dim = 64, window = 0, n_sliding = 0;
-    // Kimi Linear: routed expert bytes (all layers), a sequence's KDA state bytes, MLA latent bytes a token (all layers).
+    // Kimi Linear: routed expert bytes (all layers), a sequence's KDA state bytes, MLA latent bytes a token (all
+    // layers).
     double kimi_routed = 0, kimi_expert = 0, kimi_state = 0, kimi_latent = 0;
     std::string model_type;
     try {
@@ -497,8 +501,8 @@ int bench_model(const Args& a) {
       const double used = E * (1 - std::pow(1 - K / E, b));
       if (kimi) {  // every weight but the embedding table and the experts not in use; states read and written
         const double n_moe = kimi_routed / (E * kimi_expert);
-        const double weights = double(info.device_bytes) - 2.0 * info.n_vocab * Hd - kimi_routed +
-                               n_moe * used * kimi_expert;
+        const double weights =
+            double(info.device_bytes) - 2.0 * info.n_vocab * Hd - kimi_routed + n_moe * used * kimi_expert;
         return (weights + b * (2 * kimi_state + ctx_tokens * kimi_latent)) / 4.27e12 * 1e3;
       }
       const double slide = window > 0 ? std::min(ctx_tokens, window) : ctx_tokens;
@@ -706,12 +710,13 @@ int bench_model(const Args& a) {
       }
     r["decode"] = runs;
     r["note"] =
-        std::string("decode steps via dz_decode_batch (CUDA graphs where the family captures them, gpt_oss, unless "
-                    "DZ_CUDA_GRAPHS=0; 'eager' = without); generate = dz_generate_step with greedy sampling; "
-                    "with_logits_read = dz_decode_batch then dz_session_logits on every session; sampled = "
-                    "dz_generate_step at temperature 0.8, top_p 0.95. On the GPU each session's logits row stays on "
-                    "the device (its argmax computed there) until dz_session_logits reads it; on the CPU rows land in "
-                    "host memory. ") +
+        std::string(
+            "decode steps via dz_decode_batch (CUDA graphs where the family captures them, gpt_oss, unless "
+            "DZ_CUDA_GRAPHS=0; 'eager' = without); generate = dz_generate_step with greedy sampling; "
+            "with_logits_read = dz_decode_batch then dz_session_logits on every session; sampled = "
+            "dz_generate_step at temperature 0.8, top_p 0.95. On the GPU each session's logits row stays on "
+            "the device (its argmax computed there) until dz_session_logits reads it; on the CPU rows land in "
+            "host memory. ") +
         (kimi ? "Floors count every weight but the embedding table and the routed experts not in use (BF16), each "
                 "session's KDA state read and written once and the MLA latents read once, at 4.27e12 B/s"
               : "Floors count weights (MXFP4 experts in use, BF16 dense, lm_head) and bf16 KV read once (sliding "

@@ -49,9 +49,7 @@ std::unique_ptr<DeviceLogits> make_device_logits(DevicePool& pool, int dev, int 
 }
 
 LogitStaging::LogitStaging(DevicePool& pool, int rows)
-    : rows_(rows),
-      argmax_(pool, size_t(rows), "logits argmax"),
-      sample_rows_(pool, size_t(rows), "sampling rows") {
+    : rows_(rows), argmax_(pool, size_t(rows), "logits argmax"), sample_rows_(pool, size_t(rows), "sampling rows") {
   DZ_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&argmax_host_), size_t(rows) * sizeof(int32_t)));
   const cudaError_t e = cudaMallocHost(reinterpret_cast<void**>(&sample_host_), size_t(rows) * sizeof(SampleRow));
   if (e != cudaSuccess) {
@@ -89,8 +87,7 @@ bool LogitStaging::sample(std::span<const DeviceSample> rows, int V, int32_t* to
       const DeviceSample& r = rows[c0 + i];
       sample_host_[i] = {r.logits, r.cfg.temperature, r.cfg.top_k, r.cfg.top_p, r.u, r.argmax};
     }
-    DZ_CUDA_CHECK(
-        cudaMemcpyAsync(sample_rows_.get(), sample_host_, nc * sizeof(SampleRow), cudaMemcpyHostToDevice, s));
+    DZ_CUDA_CHECK(cudaMemcpyAsync(sample_rows_.get(), sample_host_, nc * sizeof(SampleRow), cudaMemcpyHostToDevice, s));
     sample_rows(sample_rows_.get(), int(nc), V, argmax_.get(), s);
     DZ_CUDA_CHECK(cudaMemcpyAsync(argmax_host_, argmax_.get(), nc * 4, cudaMemcpyDeviceToHost, s));
     DZ_CUDA_CHECK(cudaStreamSynchronize(s));

@@ -29,7 +29,7 @@ class LogitStaging {
   LogitStaging& operator=(const LogitStaging&) = delete;
 
   int rows() const { return rows_; }
-  int32_t* argmax() const { return argmax_.get(); }  // device [rows]
+  int32_t* argmax() const { return argmax_.get(); }      // device [rows]
   int32_t* argmax_host() const { return argmax_host_; }  // pinned [rows]
   // Rows [0, nc) of `logits` (device, V floats apart, nc <= rows()): each
   // row's argmax into *argmax_dst[i] and its copy into the device row
