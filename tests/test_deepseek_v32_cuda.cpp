@@ -42,54 +42,19 @@
 #include "dayzero.h"
 #include "model/deepseek_v32.h"
 #include "runtime/device.h"
+#include "support/api_model.h"
 #include "support/family_fixture.h"
 #include "support/gpu.h"
 #include "support/safetensors_writer.h"
 
 namespace {
 
+using dz::test::ApiModel;
+using dz::test::append_logits;
 using dz::test::cosine;
 using dz::test::have_gpu;
-
-struct Open {
-  dz_model* m = nullptr;
-  dz_kv_arena* arena = nullptr;
-  Open(const std::string& dir, dz_device dev, dz_indexer_mode ix, dz_expert_precision ex = DZ_EXPERTS_AUTO) {
-    dz_model_params p;
-    dz_model_params_init(&p);
-    p.device = dev;
-    p.indexer = ix;
-    p.experts = ex;
-    p.n_threads = 2;
-    const dz_status st = dz_model_open(dir.c_str(), &p, &m);
-    INFO(dz_last_error());
-    REQUIRE(st == DZ_OK);
-    dz_kv_arena_params ap;
-    dz_kv_arena_params_init(&ap);
-    ap.page_tokens = 16;  // prompts span pages
-    ap.capacity_bytes = size_t(64) << 20;
-    REQUIRE(dz_kv_arena_create(m, &ap, &arena) == DZ_OK);
-  }
-  ~Open() {
-    dz_kv_arena_free(arena);
-    dz_model_free(m);
-  }
-  dz_session* session() const {
-    dz_session* s = nullptr;
-    REQUIRE(dz_session_create(arena, nullptr, &s) == DZ_OK);
-    return s;
-  }
-};
-
-std::vector<float> all_logits(dz_session* s, const std::vector<int32_t>& prompt) {
-  INFO(dz_last_error());
-  REQUIRE(dz_session_append(s, prompt.data(), prompt.size(), DZ_LOGITS_ALL) == DZ_OK);
-  const float* l = nullptr;
-  size_t rows = 0, nv = 0;
-  REQUIRE(dz_session_logits(s, &l, &rows, &nv) == DZ_OK);
-  REQUIRE(rows == prompt.size());
-  return {l, l + rows * nv};
-}
+// The CPU backend with the GPU's indexer arithmetic.
+void fp8_indexer(dz_model_params& p) { p.indexer = DZ_INDEXER_FP8; }
 
 // Greedy steps from the session's state; the logits row before each choice.
 std::vector<int32_t> greedy(dz_session* s, size_t steps, std::vector<std::vector<float>>* rows) {
@@ -134,24 +99,10 @@ struct Case {
 }  // namespace
 
 TEST_CASE("deepseek_v32 DZ_DEVICE_CUDA without a GPU fails cleanly; with one, AUTO takes it", "[cuda]") {
-  const std::string dir = std::string(DZ_SOURCE_DIR) + "/models/dayzero-tiny";
-  dz_model_params p;
-  dz_model_params_init(&p);
-  p.device = DZ_DEVICE_AUTO;
-  dz_model* m = nullptr;
-  REQUIRE(dz_model_open(dir.c_str(), &p, &m) == DZ_OK);
-  dz_model_info info;
-  dz_model_info_init(&info);
-  REQUIRE(dz_model_get_info(m, &info) == DZ_OK);
-  const bool gpu = dz::cuda_compiled() && dz::cuda_device_count() > 0;
-  CHECK(info.device == (gpu ? DZ_DEVICE_CUDA : DZ_DEVICE_CPU));
-  dz_model_free(m);
-  m = nullptr;
-  p.device = DZ_DEVICE_CUDA;
-  p.indexer = DZ_INDEXER_EXACT;  // not on the GPU: a clear error either way
-  CHECK(dz_model_open(dir.c_str(), &p, &m) != DZ_OK);
-  CHECK(m == nullptr);
-  CHECK(std::string(dz_last_error()).find(gpu ? "DZ_INDEXER_EXACT" : "CUDA") != std::string::npos);
+  // DZ_INDEXER_EXACT is not on the GPU: a clear error either way.
+  dz::test::check_auto_and_refusal(
+      std::string(DZ_SOURCE_DIR) + "/models/dayzero-tiny", [](dz_model_params& p) { p.indexer = DZ_INDEXER_EXACT; },
+      "DZ_INDEXER_EXACT");
 }
 
 TEST_CASE("deepseek_v32 on the GPU: logits match the CPU backend and transformers; greedy decode", "[cuda]") {
@@ -176,7 +127,7 @@ TEST_CASE("deepseek_v32 on the GPU: logits match the CPU backend and transformer
           cfg["topk_group"] = cfg["n_group"];
         }
         const std::string dir = probe.with(cfg);
-        Open gpu(dir, DZ_DEVICE_CUDA, DZ_INDEXER_AUTO, vr.experts), cpu(dir, DZ_DEVICE_CPU, DZ_INDEXER_FP8);
+        ApiModel gpu(dir, DZ_DEVICE_CUDA, nullptr, vr.experts), cpu(dir, DZ_DEVICE_CPU, fp8_indexer);
         dz_model_info info;
         dz_model_info_init(&info);
         REQUIRE(dz_model_get_info(gpu.m, &info) == DZ_OK);
@@ -188,7 +139,7 @@ TEST_CASE("deepseek_v32 on the GPU: logits match the CPU backend and transformer
           const size_t T = ref.prompt.size(), V = ref.logits.size() / T;
           dz_session *gs = gpu.session(), *cs = cpu.session();
           rm.rows.assign(T, INFINITY);
-          const std::vector<float> g = all_logits(gs, ref.prompt), h = all_logits(cs, ref.prompt);
+          const std::vector<float> g = append_logits(gs, ref.prompt), h = append_logits(cs, ref.prompt);
           for (size_t t = 0; t < T; ++t) {
             const double cv = cosine(g.data() + t * V, h.data() + t * V, V);
             sum += cv, ++n;
@@ -238,7 +189,7 @@ TEST_CASE("deepseek_v32 on the GPU: logits match the CPU backend and transformer
 TEST_CASE("deepseek_v32 on the GPU: a ragged batch computes what each session computes alone", "[cuda]") {
   if (!have_gpu()) return;
   const std::string dir = std::string(DZ_SOURCE_DIR) + "/models/dayzero-tiny";
-  Open gpu(dir, DZ_DEVICE_CUDA, DZ_INDEXER_AUTO);
+  ApiModel gpu(dir, DZ_DEVICE_CUDA);
   const dz::test::FamilyFixture& fx = dz::test::family_fixture("dayzero_tiny");
   REQUIRE(fx.refs.size() >= 2);
   const std::vector<int32_t>&p0 = fx.refs[0].prompt, &p1 = fx.refs[1].prompt;
@@ -247,8 +198,8 @@ TEST_CASE("deepseek_v32 on the GPU: a ragged batch computes what each session co
   std::vector<std::vector<float>> l0, l1;
   {
     dz_session *a = gpu.session(), *b = gpu.session();
-    all_logits(a, p0);
-    all_logits(b, p1);
+    append_logits(a, p0);
+    append_logits(b, p1);
     alone0 = greedy(a, 6, &l0);
     alone1 = greedy(b, 6, &l1);
     dz_session_free(a);
@@ -344,23 +295,10 @@ TEST_CASE("deepseek_v32 on the GPU at DeepSeek's latent shape (tensor-core spars
       "model.layers.0.mlp",       "model.embed_tokens",      "lm_head"};
   std::ofstream(dir / "config.json") << cfg.dump(2);
   {
-    Open gpu(dir.string(), DZ_DEVICE_CUDA, DZ_INDEXER_AUTO, DZ_EXPERTS_NATIVE),
-        cpu(dir.string(), DZ_DEVICE_CPU, DZ_INDEXER_FP8);
-    std::uniform_int_distribution<int32_t> tok(0, int32_t(V) - 1);
-    std::vector<int32_t> prompt(90);
-    for (auto& t : prompt) t = tok(rng);
+    ApiModel gpu(dir.string(), DZ_DEVICE_CUDA, nullptr, DZ_EXPERTS_NATIVE),
+        cpu(dir.string(), DZ_DEVICE_CPU, fp8_indexer);
     dz_session *gs = gpu.session(), *cs = cpu.session();
-    const std::vector<float> g = all_logits(gs, prompt), h = all_logits(cs, prompt);
-    double worst = 1;
-    for (size_t t = 0; t < prompt.size(); ++t)
-      worst = std::min(worst, cosine(g.data() + t * size_t(V), h.data() + t * size_t(V), size_t(V)));
-    for (int i = 0; i < 4; ++i) {  // decode steps on the same tokens
-      const int32_t t = tok(rng);
-      REQUIRE(dz_session_append(gs, &t, 1, DZ_LOGITS_LAST) == DZ_OK);
-      REQUIRE(dz_session_append(cs, &t, 1, DZ_LOGITS_LAST) == DZ_OK);
-      const std::vector<float> a = dz::test::session_last_logits(gs), b = dz::test::session_last_logits(cs);
-      worst = std::min(worst, cosine(a.data(), b.data(), a.size()));
-    }
+    const double worst = dz::test::worst_cosine_prefill_decode(gs, cs, int32_t(V), 90, 4, rng);
     WARN("MLA 512 + 64 x 16 heads: GPU vs CPU worst logits cosine " << worst << " (90-token prefill, 4 decode steps)");
     CHECK(worst >= 0.999);
     dz_session_free(gs);

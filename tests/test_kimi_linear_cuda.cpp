@@ -29,6 +29,7 @@
 #include "cpu/kda.h"
 #include "dayzero.h"
 #include "runtime/device.h"
+#include "support/api_model.h"
 #include "support/family_fixture.h"
 #include "support/gpu.h"
 #include "support/safetensors_writer.h"
@@ -39,48 +40,11 @@
 
 namespace {
 
+using dz::test::ApiModel;
+using dz::test::append_logits;
 using dz::test::cosine;
 using dz::test::have_gpu;
 const char* kName = "kimi_linear_bf16";
-
-struct Open {
-  dz_model* m = nullptr;
-  dz_kv_arena* arena = nullptr;
-  Open(const std::string& dir, dz_device dev, uint32_t pass_tokens = 0, dz_expert_precision ex = DZ_EXPERTS_AUTO) {
-    dz_model_params p;
-    dz_model_params_init(&p);
-    p.device = dev;
-    p.experts = ex;
-    p.n_threads = 2;
-    p.pass_tokens = pass_tokens;
-    const dz_status st = dz_model_open(dir.c_str(), &p, &m);
-    INFO(dz_last_error());
-    REQUIRE(st == DZ_OK);
-    dz_kv_arena_params ap;
-    dz_kv_arena_params_init(&ap);
-    ap.page_tokens = 16;
-    ap.capacity_bytes = size_t(64) << 20;
-    REQUIRE(dz_kv_arena_create(m, &ap, &arena) == DZ_OK);
-  }
-  ~Open() {
-    dz_kv_arena_free(arena);
-    dz_model_free(m);
-  }
-  dz_session* session() const {
-    dz_session* s = nullptr;
-    REQUIRE(dz_session_create(arena, nullptr, &s) == DZ_OK);
-    return s;
-  }
-};
-
-std::vector<float> append_logits(dz_session* s, const std::vector<int32_t>& toks, bool all = true) {
-  INFO(dz_last_error());
-  REQUIRE(dz_session_append(s, toks.data(), toks.size(), all ? DZ_LOGITS_ALL : DZ_LOGITS_LAST) == DZ_OK);
-  const float* l = nullptr;
-  size_t rows = 0, nv = 0;
-  REQUIRE(dz_session_logits(s, &l, &rows, &nv) == DZ_OK);
-  return {l, l + rows * nv};
-}
 
 // The session's state slot (every KDA layer's conv history then S), read from wherever it lives.
 std::vector<float> state_of(dz_session* s, bool device) {
@@ -115,24 +79,10 @@ const int kKdaLayers[] = {0, 1, 3};  // the fixture's KDA layers
 }  // namespace
 
 TEST_CASE("kimi_linear DZ_DEVICE_CUDA without a GPU fails cleanly; with one, AUTO takes it", "[cuda][kimi]") {
-  const std::string dir = std::string(DZ_TEST_DATA) + "/" + kName;
-  dz_model_params p;
-  dz_model_params_init(&p);
-  p.device = DZ_DEVICE_AUTO;
-  dz_model* m = nullptr;
-  REQUIRE(dz_model_open(dir.c_str(), &p, &m) == DZ_OK);
-  dz_model_info info;
-  dz_model_info_init(&info);
-  REQUIRE(dz_model_get_info(m, &info) == DZ_OK);
-  const bool gpu = dz::cuda_compiled() && dz::cuda_device_count() > 0;
-  CHECK(info.device == (gpu ? DZ_DEVICE_CUDA : DZ_DEVICE_CPU));
-  dz_model_free(m);
-  m = nullptr;
-  p.device = DZ_DEVICE_CUDA;
-  p.activations = DZ_ACTIVATIONS_F32;  // not on the GPU: a clear error either way
-  CHECK(dz_model_open(dir.c_str(), &p, &m) != DZ_OK);
-  CHECK(m == nullptr);
-  CHECK(std::string(dz_last_error()).find(gpu ? "DZ_ACTIVATIONS_F32" : "CUDA") != std::string::npos);
+  // fp32 activations are not on the GPU: a clear error either way.
+  dz::test::check_auto_and_refusal(
+      std::string(DZ_TEST_DATA) + "/" + kName, [](dz_model_params& p) { p.activations = DZ_ACTIVATIONS_F32; },
+      "DZ_ACTIVATIONS_F32");
 }
 
 TEST_CASE("kimi_linear on the GPU: logits and KDA states match the CPU and the float64 reference", "[cuda][kimi]") {
@@ -146,7 +96,7 @@ TEST_CASE("kimi_linear on the GPU: logits and KDA states match the CPU and the f
       cfg["topk_group"] = cfg["num_expert_group"];
     }
     const std::string dir = probe.with(cfg);
-    Open gpu(dir, DZ_DEVICE_CUDA), cpu(dir, DZ_DEVICE_CPU);
+    ApiModel gpu(dir, DZ_DEVICE_CUDA), cpu(dir, DZ_DEVICE_CPU);
     dz_model_info info;
     dz_model_info_init(&info);
     REQUIRE(dz_model_get_info(gpu.m, &info) == DZ_OK);
@@ -214,14 +164,14 @@ TEST_CASE("kimi_linear on the GPU: ragged batches, prefill in pieces and across 
   const auto& refs = dz::test::family_fixture(kName).refs;
   const std::vector<int32_t>& p = refs[2].prompt;
   REQUIRE(p.size() > 100);
-  Open gpu(dir, DZ_DEVICE_CUDA);
+  ApiModel gpu(dir, DZ_DEVICE_CUDA);
   dz_session* full = gpu.session();
   const std::vector<float> want = append_logits(full, p, false);
   const std::vector<float> want_state = state_of(full, true);
   const size_t V = want.size();
   // In pieces (1 token, then chunks), and in one call split into device passes of 256 rows... of 32 here.
   for (const std::vector<size_t>& cuts : std::vector<std::vector<size_t>>{{1, 60, 1, 200}, {p.size()}}) {
-    Open small(dir, DZ_DEVICE_CUDA, cuts.size() == 1 ? 256 : 0);
+    ApiModel small(dir, DZ_DEVICE_CUDA, cuts.size() == 1 ? +[](dz_model_params& p) { p.pass_tokens = 256; } : nullptr);
     dz_session* s = small.session();
     std::vector<float> got;
     for (size_t t0 = 0, k = 0; t0 < p.size(); t0 += cuts[k++]) {
@@ -357,21 +307,10 @@ TEST_CASE("kimi_linear on the GPU at Kimi-Linear-48B's head shapes matches the C
     std::ofstream(dir / "config.json") << cfg.dump(2);
     {
       // MXFP4: the fused FP16 kernels at every size (NATIVE), the arithmetic the CPU's is held to.
-      Open gpu(dir.string(), DZ_DEVICE_CUDA, 0, fp4 ? DZ_EXPERTS_NATIVE : DZ_EXPERTS_AUTO),
+      ApiModel gpu(dir.string(), DZ_DEVICE_CUDA, nullptr, fp4 ? DZ_EXPERTS_NATIVE : DZ_EXPERTS_AUTO),
           cpu(dir.string(), DZ_DEVICE_CPU);
-      std::uniform_int_distribution<int32_t> tok(0, int32_t(V) - 1);
-      std::vector<int32_t> prompt(90);
-      for (auto& t : prompt) t = tok(rng);
       dz_session *gs = gpu.session(), *cs = cpu.session();
-      const std::vector<float> g = append_logits(gs, prompt), h = append_logits(cs, prompt);
-      double worst = 1;
-      for (size_t t = 0; t < prompt.size(); ++t)
-        worst = std::min(worst, cosine(g.data() + t * size_t(V), h.data() + t * size_t(V), size_t(V)));
-      for (int i = 0; i < 4; ++i) {  // decode steps on the same tokens
-        const int32_t t = tok(rng);
-        const std::vector<float> a = append_logits(gs, {t}, false), b = append_logits(cs, {t}, false);
-        worst = std::min(worst, cosine(a.data(), b.data(), a.size()));
-      }
+      const double worst = dz::test::worst_cosine_prefill_decode(gs, cs, int32_t(V), 90, 4, rng);
       const double sr = rel_diff(state_of(gs, true), state_of(cs, false));
       WARN((fp4 ? "MXFP4" : "BF16")
            << " experts, KDA heads of 128, MLA 512 + 64 x 16 heads: GPU vs CPU worst logits cosine " << worst

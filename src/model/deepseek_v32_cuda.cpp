@@ -36,16 +36,15 @@ std::unique_ptr<Family> make_deepseek_v32_cuda(const Config&, const WeightStore&
 #include "common/log.h"
 #include "cuda/bf16_gemm.h"
 #include "cuda/dsa_indexer.h"
-#include "cuda/embed.h"
 #include "cuda/mla.h"
 #include "cuda/mla_sparse.h"
 #include "cuda/moe.h"
 #include "cuda/norm.h"
 #include "cuda/router.h"
+#include "model/cuda_model.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/cuda/kv_storage.h"
-#include "runtime/cuda/logit_rows.h"
 #include "runtime/cuda/packer.h"
 #include "runtime/cuda/upload.h"
 #include "runtime/device.h"
@@ -57,23 +56,17 @@ namespace {
 using cuda::DeviceArray;
 
 constexpr int kDefaultRows = 16384;  // rows a device pass holds unless dz_model_params.pass_tokens says otherwise
-constexpr int kLogitRows = 256;      // lm_head rows a GEMM
+constexpr int kLogitRows = CudaModelCore::kLogitRows;
 constexpr size_t kIndexerScratch = size_t(256) << 20;  // bounds the indexer's score block
 
 size_t align16(size_t n) { return (n + 15) / 16 * 16; }
-
-struct DevFfn {
-  int64_t inter = 0;              // 0: none
-  DeviceArray<uint16_t> gate_up;  // [2 inter, H]: gate rows, then up rows
-  DeviceArray<uint16_t> down;     // [H, inter]
-};
 
 struct DevLayer {
   DeviceArray<uint16_t> q_a, q_b, kv_a, kv_b, o, iwq, iwk, iwp, router;
   DeviceArray<float> q_a_b, kv_a_b, o_b, in_norm, post_norm, q_a_norm, kv_a_norm, knorm_w, knorm_b, router_bias;
   bool moe = false;
-  DevFfn dense, shared;
-  DeviceArray<uint8_t> w1b, w1s, w2b, w2s;  // experts, MXFP4 stacked; gate_up rows interleaved (gate 2j, up 2j + 1)
+  DevMlp dense, shared;
+  DevMxfp4Experts fp4;  // routed experts in MXFP4
 };
 
 class DeepseekV32Cuda final : public Family, private DeepseekV32Desc {
@@ -96,13 +89,10 @@ class DeepseekV32Cuda final : public Family, private DeepseekV32Desc {
   std::unique_ptr<kv::Storage> (*kv_storage() const)(size_t) override { return storage_fn_; }
   uint32_t prefill_chunk() const override { return uint32_t(max_rows_); }
   void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
-  std::unique_ptr<DeviceLogits> make_device_logits() override {
-    return cuda::make_device_logits(ctx_->pool(), dev_, n_vocab_, "deepseek_v32");
-  }
+  std::unique_ptr<DeviceLogits> make_device_logits() override { return core_->make_device_logits(n_vocab_); }
   bool sample_on_device(std::span<const DeviceSample> rows, int32_t* tokens) override {
     std::lock_guard<std::mutex> lk(mu_);
-    DZ_CUDA_CHECK(cudaSetDevice(dev_));
-    return lstage_->sample(rows, n_vocab_, tokens, ctx_->stream());
+    return core_->sample(rows, n_vocab_, tokens);
   }
 
  private:
@@ -112,37 +102,27 @@ class DeepseekV32Cuda final : public Family, private DeepseekV32Desc {
   void pass(std::span<ForwardItem> batch, const BatchRows& flat, int64_t r0, int64_t r1,
             const std::vector<int32_t>& page_ids, const std::vector<int32_t>& item_page, kv::Arena& arena,
             const ForwardOptions& opt);
-  void ffn(const DevFfn& f, int T, cudaStream_t s);
-  // a grows to at least n elements (contents dropped).
   template <typename T>
   T* room(DeviceArray<T>& a, size_t n, const char* what) {
-    if (a.size() < n) {
-      a.reset();
-      a = DeviceArray<T>(ctx_->pool(), n, what);
-    }
-    return a.get();
+    return core_->room(a, n, what);
   }
 
-  int dev_ = 0, sms_ = 132;
+  int dev_ = 0;
   cuda::MoePath path_ = cuda::MoePath::kAuto;
   cuda::KvStorageFn storage_fn_ = nullptr;
   uint64_t device_bytes_ = 0, model_key_ = 0;
   int max_rows_ = kDefaultRows;
   size_t lat_bytes_ = 0, stride_ = 0;  // the record: latent bf16 (padded to 16), the indexer key, padded to 16
   int64_t moe_inter_ = 0;
-  std::unique_ptr<cuda::Context> ctx_;
-  std::unique_ptr<cuda::Bf16Gemm> gemm_;
+  std::unique_ptr<CudaModelCore> core_;
   std::unique_ptr<cuda::MoeLayer> moe_;
-  DeviceArray<uint16_t> embed_d_, lm_head_d_;
-  DeviceArray<float> final_norm_d_;
   std::vector<DevLayer> dl_;
   // Pass scratch (grown on demand).
-  DeviceArray<float> x_, xn_, cq_, q_, kva_, iq_, ik_, iw_, qa_, olat_, rlog_, gw_, h_, logits_;
-  DeviceArray<uint16_t> xb_, cqb_, att_, hb_, qab_;
+  DeviceArray<float> x_, xn_, cq_, q_, kva_, iq_, ik_, iw_, qa_, olat_, rlog_, gw_;
+  DeviceArray<uint16_t> xb_, cqb_, att_, qab_;
   DeviceArray<int32_t> sel_, ids_;
   DeviceArray<uint8_t> meta_, idx_scratch_, mla_scratch_;
-  std::unique_ptr<cuda::LogitStaging> lstage_;  // each logit row's argmax; sample_on_device
-  std::mutex mu_;                               // one forward at a time (shared scratch)
+  std::mutex mu_;  // one forward at a time (shared scratch)
 };
 
 DeepseekV32Cuda::DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params)
@@ -220,19 +200,7 @@ DeepseekV32Cuda::DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const
   }
   const size_t scratch = size_t(max_rows_) * size_t(row) + size_t(kLogitRows) * size_t(n_vocab_) * 4 +
                          2 * kIndexerScratch + (size_t(2) << 30);
-  int n = 0;
-  DZ_CUDA_CHECK(cudaGetDeviceCount(&n));
-  check(dev_ < n, DZ_ERR_INVALID_ARGUMENT, "device_index ", dev_, " but ", n, " CUDA devices are present");
-  DZ_CUDA_CHECK(cudaSetDevice(dev_));
-  DZ_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev_));
-  size_t free_b = 0, total_b = 0;
-  DZ_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-  cuda::ContextOptions co;
-  co.device = dev_;
-  co.pool_bytes = std::min(dev_weights + scratch, free_b / 10 * 9);
-  ctx_ = std::make_unique<cuda::Context>(co);
-  gemm_ = std::make_unique<cuda::Bf16Gemm>(*ctx_);
-  lstage_ = std::make_unique<cuda::LogitStaging>(ctx_->pool(), kLogitRows);
+  core_ = std::make_unique<CudaModelCore>(dev_, dev_weights + scratch, "deepseek_v32");
   if (moe_inter_ > 0) {  // some layer routes experts
     cuda::MoeShape ms;
     ms.n_experts = int(E);
@@ -240,20 +208,12 @@ DeepseekV32Cuda::DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const
     ms.hidden = int(H);
     ms.intermediate = int(moe_inter_);
     ms.act = cuda::MoeActivation::kSilu;
-    moe_ = std::make_unique<cuda::MoeLayer>(*ctx_, ms, max_rows_);
+    moe_ = std::make_unique<cuda::MoeLayer>(core_->ctx(), ms, max_rows_);
   }
 
-  cuda::WeightLoader ld(ctx_->pool(), weights, params, "deepseek_v32");
-  embed_d_ = ld.bf16({&ends_.embed}, "embed_tokens");
-  if (ends_.lm_head.data != ends_.embed.data) lm_head_d_ = ld.bf16({&ends_.lm_head}, "lm_head");
-  final_norm_d_ = ld.array(ends_.final_norm, "model.norm");
+  cuda::WeightLoader ld(core_->ctx().pool(), weights, params, "deepseek_v32");
+  core_->load_ends(ld, ends_);
   dl_.resize(size_t(n_layers_));
-  auto load_ffn = [&](const SwiGlu& m, DevFfn& d) {
-    d.inter = m.inter;
-    if (!m.inter) return;
-    d.gate_up = ld.bf16({&m.gate, &m.up}, "mlp gate_up");
-    d.down = ld.bf16({&m.down}, "mlp down");
-  };
   for (int li = 0; li < n_layers_; ++li) {
     const DeepseekV32Layer& L = layers_[size_t(li)];
     DevLayer& d = dl_[size_t(li)];
@@ -276,63 +236,27 @@ DeepseekV32Cuda::DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const
     d.knorm_b = ld.array(L.idx_knorm_b, "indexer k_norm bias");
     d.moe = L.ffn.moe;
     if (!d.moe) {
-      load_ffn(L.ffn.dense, d.dense);
+      d.dense = CudaModelCore::load_mlp(ld, L.ffn.dense);
       continue;
     }
-    load_ffn(L.ffn.shared, d.shared);
+    d.shared = CudaModelCore::load_mlp(ld, L.ffn.shared);
     d.router = ld.bf16({&L.ffn.router}, "router");
     d.router_bias = ld.array(L.ffn.router_bias, "e_score_correction_bias");
-    // Experts stacked in the GPU layer's layout: gate_up [E][2I] rows (gate j
-    // at 2j, up j at 2j + 1), down [E][H] rows; blocks then E8M0 scales.
-    const int64_t I = moe_inter_, rb1 = H / 2, rs1 = H / 32, rb2 = I / 2, rs2 = I / 32;
-    std::vector<uint8_t> b1(size_t(E * 2 * I * rb1)), s1(size_t(E * 2 * I * rs1)), b2(size_t(E * H * rb2)),
-        s2(size_t(E * H * rs2));
-    for (int64_t e = 0; e < E; ++e) {
-      const SwiGlu& x = L.ffn.experts[size_t(e)];
-      for (int64_t j = 0; j < I; ++j)
-        for (int u = 0; u < 2; ++u) {
-          const cpu::WeightRef& w = u ? x.up : x.gate;
-          const int64_t r = (e * I + j) * 2 + u;
-          std::memcpy(b1.data() + r * rb1, w.data + j * rb1, size_t(rb1));
-          std::memcpy(s1.data() + r * rs1, w.scales + j * rs1, size_t(rs1));
-        }
-      std::memcpy(b2.data() + e * H * rb2, x.down.data, size_t(H * rb2));
-      std::memcpy(s2.data() + e * H * rs2, x.down.scales, size_t(H * rs2));
-    }
-    d.w1b = ld.array(b1, "experts gate_up blocks");
-    d.w1s = ld.array(s1, "experts gate_up scales");
-    d.w2b = ld.array(b2, "experts down blocks");
-    d.w2s = ld.array(s2, "experts down scales");
+    d.fp4 = CudaModelCore::load_mxfp4_experts(ld, L.ffn.experts, H, moe_inter_);
   }
   ld.finish(src);
   device_bytes_ = ld.bytes();
   DZ_CUDA_CHECK(cudaDeviceSynchronize());
-  log_info("deepseek_v32 on ", ctx_->describe(), ": ", device_bytes_ >> 20,
+  log_info("deepseek_v32 on ", core_->ctx().describe(), ": ", device_bytes_ >> 20,
            " MiB of weights on the device (checkpoint ", weights >> 20, " MiB)");
-}
-
-void DeepseekV32Cuda::ffn(const DevFfn& f, int T, cudaStream_t s) {
-  const int H = int(hidden_), I = int(f.inter);
-  float* h = room(h_, size_t(T) * 2 * I, "mlp gate_up out");
-  uint16_t* hb = room(hb_, size_t(T) * I, "mlp act");
-  gemm_->run(xb_.get(), f.gate_up.get(), nullptr, h, T, 2 * I, H, 0.f, s);
-  cuda::silu_mul(h, T, I, int64_t(2) * I, hb, s);
-  gemm_->run(hb, f.down.get(), nullptr, x_.get(), T, H, I, 1.f, s);  // x += down(act)
 }
 
 void DeepseekV32Cuda::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
   std::lock_guard<std::mutex> lk(mu_);
   DZ_CUDA_CHECK(cudaSetDevice(dev_));
   const BatchRows flat = flatten_batch(batch, n_vocab_, "deepseek_v32");
-  kv::Arena& arena = batch[0].seq->arena();
-  check(arena.storage().on_device(), DZ_ERR_INVALID_ARGUMENT,
-        "deepseek_v32 CUDA: the KV arena is in host memory (create it from this model)");
-  std::vector<int32_t> page_ids, item_page(batch.size());
-  for (size_t b = 0; b < batch.size(); ++b) {
-    check(&batch[b].seq->arena() == &arena, DZ_ERR_INTERNAL, "deepseek_v32 forward: items of different arenas");
-    item_page[b] = int32_t(page_ids.size());
-    for (kv::PageId p : batch[b].seq->pages()) page_ids.push_back(int32_t(p));
-  }
+  std::vector<int32_t> page_ids, item_page;
+  kv::Arena& arena = CudaModelCore::batch_pages(batch, page_ids, item_page, "deepseek_v32");
   const int64_t R = int64_t(flat.rows.size());
   for (int64_t r0 = 0; r0 < R; r0 += max_rows_)
     pass(batch, flat, r0, std::min<int64_t>(R, r0 + max_rows_), page_ids, item_page, arena, opt);
@@ -355,7 +279,7 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
   const int T = int(r1 - r0), L = n_layers_, P = int(page_ids.size());
   const int H = int(hidden_), NH = mla_.n_heads, QD = mla_.nope + mla_.rope, KVA = mla_.rank + mla_.rope;
   const int IH = idx_.n_heads, ID = idx_.head_dim, K = idx_.topk, half = mla_.rope / 2, V = n_vocab_;
-  cudaStream_t s = ctx_->stream();
+  cudaStream_t s = core_->stream();
   const size_t page_bytes = arena.page_bytes();
 
   // Row metadata, packed into one upload (256-byte aligned parts).
@@ -445,7 +369,7 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
   const size_t idx_bytes = cuda::indexer_scratch_bytes(iqa, qblock);
   uint8_t* idx_scratch = room(idx_scratch_, idx_bytes, "indexer scratch");
 
-  cuda::embed_gather(embed_d_.get(), d_tok, T, H, x, s);
+  core_->embed(d_tok, T, H, x, s);
   for (int li = 0; li < L; ++li) {
     if (opt.abort && opt.abort(opt.abort_user)) {
       cudaStreamSynchronize(s);
@@ -454,14 +378,14 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
     const DevLayer& D = dl_[size_t(li)];
     uint8_t* kv_layer = kv_base + arena.layer_offset(uint32_t(li));
     cuda::rms_norm(x, nullptr, T, H, D.in_norm.get(), eps_, nullptr, xb, s);
-    gemm_->run(xb, D.q_a.get(), D.q_a_b.get(), cq, T, int(q_lora_), H, 0.f, s);
+    core_->gemm().run(xb, D.q_a.get(), D.q_a_b.get(), cq, T, int(q_lora_), H, 0.f, s);
     cuda::rms_norm(cq, nullptr, T, int(q_lora_), D.q_a_norm.get(), eps_, nullptr, cqb, s);
-    gemm_->run(cqb, D.q_b.get(), nullptr, q, T, NH * QD, int(q_lora_), 0.f, s);
-    gemm_->run(xb, D.kv_a.get(), D.kv_a_b.get(), kva, T, KVA, H, 0.f, s);
-    gemm_->run(cqb, D.iwq.get(), nullptr, iq, T, IH * ID, int(q_lora_), 0.f, s);
-    gemm_->run(xb, D.iwk.get(), nullptr, ik, T, ID, H, 0.f, s);
+    core_->gemm().run(cqb, D.q_b.get(), nullptr, q, T, NH * QD, int(q_lora_), 0.f, s);
+    core_->gemm().run(xb, D.kv_a.get(), D.kv_a_b.get(), kva, T, KVA, H, 0.f, s);
+    core_->gemm().run(cqb, D.iwq.get(), nullptr, iq, T, IH * ID, int(q_lora_), 0.f, s);
+    core_->gemm().run(xb, D.iwk.get(), nullptr, ik, T, ID, H, 0.f, s);
     cuda::layer_norm(ik, T, ID, D.knorm_w.get(), D.knorm_b.get(), 1e-6f, ik, s);
-    gemm_->run(xb, D.iwp.get(), nullptr, iw, T, IH, H, 0.f, s);
+    core_->gemm().run(xb, D.iwp.get(), nullptr, iw, T, IH, H, 0.f, s);
 
     cuda::MlaRopeStore rs;
     rs.n_rows = T, rs.n_heads = NH, rs.nope = mla_.nope, rs.rope = mla_.rope, rs.rank = mla_.rank;
@@ -483,7 +407,7 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
       a.batch = T, a.n_heads = NH, a.scale = mla_.scale, a.q = qab, a.sel = sel, a.topk = K;
       a.pages = row_tables + size_t(li) * T, a.page_tokens = arena.page_tokens(), a.stride = stride_, a.offset = 0;
       a.out = olat;
-      const int splits = cuda::sparse_mla_splits(a, sms_);
+      const int splits = cuda::sparse_mla_splits(a, core_->sms());
       const size_t sb = cuda::sparse_mla_scratch_bytes(a, splits);
       cuda::sparse_mla_decode(a, splits, room(mla_scratch_, sb, "sparse MLA partials"), sb, s);
     } else {
@@ -494,35 +418,21 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
       cuda::sparse_mla_generic(a, s);
     }
     cuda::mla_out_proj(olat, T, NH, mla_.nope, mla_.v, mla_.rank, D.kv_b.get(), att, s);
-    gemm_->run(att, D.o.get(), D.o_b.get(), x, T, H, NH * mla_.v, 1.f, s);  // x += o_proj(att)
+    core_->gemm().run(att, D.o.get(), D.o_b.get(), x, T, H, NH * mla_.v, 1.f, s);  // x += o_proj(att)
 
     cuda::rms_norm(x, nullptr, T, H, D.post_norm.get(), eps_, xn, xb, s);
     if (!D.moe) {
-      ffn(D.dense, T, s);
+      core_->mlp(D.dense, xb, int(T), H, x, s);
       continue;
     }
-    gemm_->run(xb, D.router.get(), nullptr, rlog, T, routing_.n_experts, H, 0.f, s);
-    cuda::router_sigmoid_grouped(rlog, D.router_bias.get(), T, routing_.n_experts, routing_.n_group,
-                                 routing_.topk_group, routing_.n_active, routing_.norm, routing_.scale, ids, gw, s);
-    cuda::MoeWeights mw;
-    mw.w1_blocks = D.w1b.get(), mw.w1_scales = D.w1s.get(), mw.w2_blocks = D.w2b.get(), mw.w2_scales = D.w2s.get();
-    moe_->forward(mw, xn, ids, gw, T, x, path_, true);  // x += experts(xn)
-    if (D.shared.inter) ffn(D.shared, T, s);
+    core_->route(xb, D.router.get(), D.router_bias.get(), routing_, T, H, rlog, ids, gw, s);
+    moe_->forward(D.fp4.weights(), xn, ids, gw, T, x, path_, true);  // x += experts(xn)
+    if (D.shared.inter) core_->mlp(D.shared, xb, int(T), H, x, s);
   }
 
   // The logit rows of this pass, kLogitRows at a time.
-  const uint16_t* lm = lm_head_d_.get() ? lm_head_d_.get() : embed_d_.get();
-  const int n_logit = int(logit_rows.size());
-  float* logits = room(logits_, size_t(std::min(n_logit, kLogitRows)) * V, "logits");
-  for (int c0 = 0; c0 < n_logit; c0 += kLogitRows) {
-    const int nc = std::min(kLogitRows, n_logit - c0);
-    cuda::rms_norm(x, reinterpret_cast<const int32_t*>(at(o_lr)) + c0, nc, H, final_norm_d_.get(), eps_, nullptr, xb,
-                   s);
-    gemm_->run(xb, lm, nullptr, logits, nc, V, H, 0.f, s);
-    lstage_->deliver(logits, nc, V, reinterpret_cast<float* const*>(at(o_dd)) + c0,
-                     {logit_dst.begin() + c0, logit_dst.begin() + c0 + nc},
-                     {argmax_dst.begin() + c0, argmax_dst.begin() + c0 + nc}, s);
-  }
+  core_->logits(x, reinterpret_cast<const int32_t*>(at(o_lr)), int(logit_rows.size()), H, V, eps_, xb,
+                reinterpret_cast<float* const*>(at(o_dd)), logit_dst, argmax_dst, s);
   DZ_CUDA_CHECK(cudaStreamSynchronize(s));
   if (moe_) {
     const int err = moe_->take_error();

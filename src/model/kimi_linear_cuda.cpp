@@ -36,7 +36,6 @@ std::unique_ptr<Family> make_kimi_linear_cuda(const Config&, const WeightStore&,
 
 #include "common/log.h"
 #include "cuda/bf16_gemm.h"
-#include "cuda/embed.h"
 #include "cuda/kda.h"
 #include "cuda/mla.h"
 #include "cuda/mla_sparse.h"
@@ -44,10 +43,10 @@ std::unique_ptr<Family> make_kimi_linear_cuda(const Config&, const WeightStore&,
 #include "cuda/moe_bf16.h"
 #include "cuda/norm.h"
 #include "cuda/router.h"
+#include "model/cuda_model.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/cuda/kv_storage.h"
-#include "runtime/cuda/logit_rows.h"
 #include "runtime/cuda/packer.h"
 #include "runtime/cuda/upload.h"
 #include "runtime/device.h"
@@ -59,15 +58,9 @@ namespace {
 using cuda::DeviceArray;
 
 constexpr int kDefaultRows = 16384;  // rows a device pass holds unless dz_model_params.pass_tokens says otherwise
-constexpr int kLogitRows = 256;      // lm_head rows a GEMM
+constexpr int kLogitRows = CudaModelCore::kLogitRows;
 
 size_t align16(size_t n) { return (n + 15) / 16 * 16; }
-
-struct DevFfn {
-  int64_t inter = 0;              // 0: none
-  DeviceArray<uint16_t> gate_up;  // [2 inter, H]: gate rows, then up rows
-  DeviceArray<uint16_t> down;     // [H, inter]
-};
 
 struct DevLayer {
   bool kda = false, moe = false;
@@ -75,10 +68,10 @@ struct DevLayer {
   // KDA: qkv = [q; k; v] stacked; MLA: q, kv_a, kv_b; o for both.
   DeviceArray<uint16_t> qkv, f_a, f_b, g_a, g_b, b, q, kv_a, kv_b, o;
   DeviceArray<float> conv_w, a_log, dt_bias, o_norm, kv_a_norm;
-  DevFfn dense, shared;
+  DevMlp dense, shared;
   DeviceArray<uint16_t> router, w13, w2;  // experts in BF16: w13 [E][2I][H] (gate rows, up rows), w2 [E][H][I]
   DeviceArray<float> router_bias;
-  DeviceArray<uint8_t> w1b, w1s, w2b, w2s;  // experts in MXFP4, gate_up rows interleaved
+  DevMxfp4Experts fp4;  // routed experts in MXFP4
 };
 
 class KimiLinearCuda final : public Family, private KimiLinearDesc {
@@ -102,13 +95,10 @@ class KimiLinearCuda final : public Family, private KimiLinearDesc {
   std::unique_ptr<kv::Storage> (*kv_storage() const)(size_t) override { return storage_fn_; }
   uint32_t prefill_chunk() const override { return uint32_t(max_rows_); }
   void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
-  std::unique_ptr<DeviceLogits> make_device_logits() override {
-    return cuda::make_device_logits(ctx_->pool(), dev_, n_vocab_, "kimi_linear");
-  }
+  std::unique_ptr<DeviceLogits> make_device_logits() override { return core_->make_device_logits(n_vocab_); }
   bool sample_on_device(std::span<const DeviceSample> rows, int32_t* tokens) override {
     std::lock_guard<std::mutex> lk(mu_);
-    DZ_CUDA_CHECK(cudaSetDevice(dev_));
-    return lstage_->sample(rows, n_vocab_, tokens, ctx_->stream());
+    return core_->sample(rows, n_vocab_, tokens);
   }
 
  private:
@@ -122,17 +112,12 @@ class KimiLinearCuda final : public Family, private KimiLinearDesc {
                  float* const* st_in, float* const* st_out, cudaStream_t s);
   void mla_layer(const DevLayer& D, int T, const int64_t* row_off, const int64_t* n_vis, int64_t max_vis,
                  uint8_t* kv_layer, const uint8_t* const* const* pages, uint32_t page_tokens, cudaStream_t s);
-  void ffn(const DevFfn& f, int T, cudaStream_t s);
   template <typename T>
   T* room(DeviceArray<T>& a, size_t n, const char* what) {
-    if (a.size() < n) {
-      a.reset();
-      a = DeviceArray<T>(ctx_->pool(), n, what);
-    }
-    return a.get();
+    return core_->room(a, n, what);
   }
 
-  int dev_ = 0, sms_ = 132;
+  int dev_ = 0;
   cuda::MoePath path_ = cuda::MoePath::kAuto;
   cuda::KvStorageFn storage_fn_ = nullptr;
   uint64_t device_bytes_ = 0, model_key_ = 0;
@@ -141,20 +126,16 @@ class KimiLinearCuda final : public Family, private KimiLinearDesc {
   int n_mla_ = 0;
   int64_t moe_inter_ = 0;
   bool mxfp4_experts_ = false;
-  std::unique_ptr<cuda::Context> ctx_;
-  std::unique_ptr<cuda::Bf16Gemm> gemm_;
+  std::unique_ptr<CudaModelCore> core_;
   std::unique_ptr<cuda::MoeLayer> moe_;
   std::unique_ptr<cuda::Bf16Experts> bf16_experts_;
-  DeviceArray<uint16_t> embed_d_, lm_head_d_;
-  DeviceArray<float> final_norm_d_;
   std::vector<DevLayer> dl_;
   // Pass scratch (grown on demand).
-  DeviceArray<float> x_, xn_, qkv_, conv_, fg_, g_, beta_, kout_, q_, kva_, qa_, olat_, rlog_, gw_, h_, logits_, state_;
-  DeviceArray<uint16_t> xb_, fgb_, ob_, att_, hb_, qab_;
+  DeviceArray<float> x_, xn_, qkv_, conv_, fg_, g_, beta_, kout_, q_, kva_, qa_, olat_, rlog_, gw_, state_;
+  DeviceArray<uint16_t> xb_, fgb_, ob_, att_, qab_;
   DeviceArray<int32_t> ids_;
   DeviceArray<uint8_t> meta_, mla_scratch_;
-  std::unique_ptr<cuda::LogitStaging> lstage_;  // each logit row's argmax; sample_on_device
-  std::mutex mu_;                               // one forward at a time (shared scratch)
+  std::mutex mu_;  // one forward at a time (shared scratch)
 };
 
 KimiLinearCuda::KimiLinearCuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params)
@@ -224,19 +205,7 @@ KimiLinearCuda::KimiLinearCuda(const Config& cfg, const WeightStore& ws, const d
   // Pass copies of the states for up to 64 sequences.
   const size_t scratch = size_t(max_rows_) * size_t(row) + size_t(kLogitRows) * size_t(n_vocab_) * 4 +
                          64 * state_floats_ * 4 + (size_t(1) << 30);
-  int n = 0;
-  DZ_CUDA_CHECK(cudaGetDeviceCount(&n));
-  check(dev_ < n, DZ_ERR_INVALID_ARGUMENT, "device_index ", dev_, " but ", n, " CUDA devices are present");
-  DZ_CUDA_CHECK(cudaSetDevice(dev_));
-  DZ_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev_));
-  size_t free_b = 0, total_b = 0;
-  DZ_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-  cuda::ContextOptions co;
-  co.device = dev_;
-  co.pool_bytes = std::min(dev_weights + scratch, free_b / 10 * 9);
-  ctx_ = std::make_unique<cuda::Context>(co);
-  gemm_ = std::make_unique<cuda::Bf16Gemm>(*ctx_);
-  lstage_ = std::make_unique<cuda::LogitStaging>(ctx_->pool(), kLogitRows);
+  core_ = std::make_unique<CudaModelCore>(dev_, dev_weights + scratch, "kimi_linear");
   if (moe_inter_ > 0 && mxfp4_experts_) {
     cuda::MoeShape ms;
     ms.n_experts = int(E);
@@ -244,21 +213,14 @@ KimiLinearCuda::KimiLinearCuda(const Config& cfg, const WeightStore& ws, const d
     ms.hidden = int(H);
     ms.intermediate = int(moe_inter_);
     ms.act = cuda::MoeActivation::kSilu;
-    moe_ = std::make_unique<cuda::MoeLayer>(*ctx_, ms, max_rows_);
+    moe_ = std::make_unique<cuda::MoeLayer>(core_->ctx(), ms, max_rows_);
   } else if (moe_inter_ > 0) {
-    bf16_experts_ = std::make_unique<cuda::Bf16Experts>(*ctx_, *gemm_, int(E), int(k), int(H), int(moe_inter_));
+    bf16_experts_ =
+        std::make_unique<cuda::Bf16Experts>(core_->ctx(), core_->gemm(), int(E), int(k), int(H), int(moe_inter_));
   }
 
-  cuda::WeightLoader ld(ctx_->pool(), weights_bytes_, params, "kimi_linear");
-  embed_d_ = ld.bf16({&ends_.embed}, "embed_tokens");
-  if (ends_.lm_head.data != ends_.embed.data) lm_head_d_ = ld.bf16({&ends_.lm_head}, "lm_head");
-  final_norm_d_ = ld.array(ends_.final_norm, "model.norm");
-  auto load_ffn = [&](const SwiGlu& m, DevFfn& d) {
-    d.inter = m.inter;
-    if (!m.inter) return;
-    d.gate_up = ld.bf16({&m.gate, &m.up}, "mlp gate_up");
-    d.down = ld.bf16({&m.down}, "mlp down");
-  };
+  cuda::WeightLoader ld(core_->ctx().pool(), weights_bytes_, params, "kimi_linear");
+  core_->load_ends(ld, ends_);
   dl_.resize(size_t(n_layers_));
   for (int li = 0; li < n_layers_; ++li) {
     const KimiLinearLayer& L = layers_[size_t(li)];
@@ -286,10 +248,10 @@ KimiLinearCuda::KimiLinearCuda(const Config& cfg, const WeightStore& ws, const d
     }
     d.moe = L.ffn.moe;
     if (!d.moe) {
-      load_ffn(L.ffn.dense, d.dense);
+      d.dense = CudaModelCore::load_mlp(ld, L.ffn.dense);
       continue;
     }
-    load_ffn(L.ffn.shared, d.shared);
+    d.shared = CudaModelCore::load_mlp(ld, L.ffn.shared);
     d.router = ld.bf16({&L.ffn.router}, "router");
     d.router_bias = ld.array(L.ffn.router_bias, "e_score_correction_bias");
     if (!mxfp4_experts_) {
@@ -299,58 +261,24 @@ KimiLinearCuda::KimiLinearCuda(const Config& cfg, const WeightStore& ws, const d
       d.w2 = ld.bf16(w2, "experts w2");
       continue;
     }
-    // MXFP4: gate_up [E][2I] rows (gate j at 2j, up j at 2j + 1), down [E][H] rows; blocks then E8M0 scales.
-    const int64_t I = moe_inter_, rb1 = H / 2, rs1 = H / 32, rb2 = I / 2, rs2 = I / 32;
-    std::vector<uint8_t> b1(size_t(E * 2 * I * rb1)), s1(size_t(E * 2 * I * rs1)), b2(size_t(E * H * rb2)),
-        s2(size_t(E * H * rs2));
-    for (int64_t e = 0; e < E; ++e) {
-      const SwiGlu& x = L.ffn.experts[size_t(e)];
-      for (int64_t j = 0; j < I; ++j)
-        for (int u = 0; u < 2; ++u) {
-          const cpu::WeightRef& w = u ? x.up : x.gate;
-          const int64_t r = (e * I + j) * 2 + u;
-          std::memcpy(b1.data() + r * rb1, w.data + j * rb1, size_t(rb1));
-          std::memcpy(s1.data() + r * rs1, w.scales + j * rs1, size_t(rs1));
-        }
-      std::memcpy(b2.data() + e * H * rb2, x.down.data, size_t(H * rb2));
-      std::memcpy(s2.data() + e * H * rs2, x.down.scales, size_t(H * rs2));
-    }
-    d.w1b = ld.array(b1, "experts gate_up blocks");
-    d.w1s = ld.array(s1, "experts gate_up scales");
-    d.w2b = ld.array(b2, "experts down blocks");
-    d.w2s = ld.array(s2, "experts down scales");
+    d.fp4 = CudaModelCore::load_mxfp4_experts(ld, L.ffn.experts, H, moe_inter_);
   }
   ld.finish(src);
   device_bytes_ = ld.bytes();
   DZ_CUDA_CHECK(cudaDeviceSynchronize());
-  log_info("kimi_linear on ", ctx_->describe(), ": ", device_bytes_ >> 20, " MiB of weights on the device (checkpoint ",
-           weights_bytes_ >> 20, " MiB)");
-}
-
-void KimiLinearCuda::ffn(const DevFfn& f, int T, cudaStream_t s) {
-  const int H = int(hidden_), I = int(f.inter);
-  float* h = room(h_, size_t(T) * 2 * I, "mlp gate_up out");
-  uint16_t* hb = room(hb_, size_t(T) * I, "mlp act");
-  gemm_->run(xb_.get(), f.gate_up.get(), nullptr, h, T, 2 * I, H, 0.f, s);
-  cuda::silu_mul(h, T, I, int64_t(2) * I, hb, s);
-  gemm_->run(hb, f.down.get(), nullptr, x_.get(), T, H, I, 1.f, s);  // x += down(act)
+  log_info("kimi_linear on ", core_->ctx().describe(), ": ", device_bytes_ >> 20,
+           " MiB of weights on the device (checkpoint ", weights_bytes_ >> 20, " MiB)");
 }
 
 void KimiLinearCuda::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
   std::lock_guard<std::mutex> lk(mu_);
   DZ_CUDA_CHECK(cudaSetDevice(dev_));
   const BatchRows flat = flatten_batch(batch, n_vocab_, "kimi_linear");
-  kv::Arena& arena = batch[0].seq->arena();
-  check(arena.storage().on_device(), DZ_ERR_INVALID_ARGUMENT,
-        "kimi_linear CUDA: the KV arena is in host memory (create it from this model)");
-  std::vector<int32_t> page_ids, item_page(batch.size());
-  for (size_t b = 0; b < batch.size(); ++b) {
-    check(&batch[b].seq->arena() == &arena, DZ_ERR_INTERNAL, "kimi_linear forward: items of different arenas");
+  std::vector<int32_t> page_ids, item_page;
+  kv::Arena& arena = CudaModelCore::batch_pages(batch, page_ids, item_page, "kimi_linear");
+  for (size_t b = 0; b < batch.size(); ++b)
     check(state_floats_ == 0 || batch[b].seq->state_ptr() != nullptr, DZ_ERR_INTERNAL,
           "kimi_linear forward: the sequence's arena has no state slot");
-    item_page[b] = int32_t(page_ids.size());
-    for (kv::PageId p : batch[b].seq->pages()) page_ids.push_back(int32_t(p));
-  }
   // Every item's state copy for this call: item b's at state_ + b * state_floats_.
   if (state_floats_) room(state_, batch.size() * state_floats_, "KDA states (pass copies)");
   std::vector<char> touched(batch.size(), 0);  // its copy holds this call's state so far
@@ -358,7 +286,7 @@ void KimiLinearCuda::forward(std::span<ForwardItem> batch, const ForwardOptions&
   for (int64_t r0 = 0; r0 < R; r0 += max_rows_)
     pass(batch, flat, r0, std::min<int64_t>(R, r0 + max_rows_), page_ids, item_page, arena, touched, opt);
   // Every pass ran: the copies become the sequences' states.
-  cudaStream_t s = ctx_->stream();
+  cudaStream_t s = core_->stream();
   for (size_t b = 0; b < batch.size() && state_floats_; ++b)
     if (touched[b])
       DZ_CUDA_CHECK(cudaMemcpyAsync(batch[b].seq->state_ptr(), state_.get() + b * state_floats_, state_floats_ * 4,
@@ -388,14 +316,14 @@ void KimiLinearCuda::kda_layer(const DevLayer& D, const KimiLinearLayer& L, int 
   float* out = room(kout_, size_t(T) * P, "KDA out");
   uint16_t* ob = room(ob_, size_t(T) * P, "KDA gated out");
   const uint16_t* xb = xb_.get();
-  gemm_->run(xb, D.qkv.get(), nullptr, qkv, T, 3 * P, H, 0.f, s);
-  gemm_->run(xb, D.b.get(), nullptr, beta, T, NH, H, 0.f, s);
+  core_->gemm().run(xb, D.qkv.get(), nullptr, qkv, T, 3 * P, H, 0.f, s);
+  core_->gemm().run(xb, D.b.get(), nullptr, beta, T, NH, H, 0.f, s);
   // f_a and g_a outputs as two [T, D] blocks, so each feeds its up-projection as contiguous bf16 rows.
-  gemm_->run(xb, D.f_a.get(), nullptr, fg, T, HD, H, 0.f, s);
-  gemm_->run(xb, D.g_a.get(), nullptr, fg + size_t(T) * HD, T, HD, H, 0.f, s);
+  core_->gemm().run(xb, D.f_a.get(), nullptr, fg, T, HD, H, 0.f, s);
+  core_->gemm().run(xb, D.g_a.get(), nullptr, fg + size_t(T) * HD, T, HD, H, 0.f, s);
   cuda::to_bf16(fg, fgb, size_t(T) * 2 * HD, s);
-  gemm_->run(fgb, D.f_b.get(), nullptr, g, T, P, HD, 0.f, s);
-  gemm_->run(fgb + size_t(T) * HD, D.g_b.get(), nullptr, g + size_t(T) * P, T, P, HD, 0.f, s);
+  core_->gemm().run(fgb, D.f_b.get(), nullptr, g, T, P, HD, 0.f, s);
+  core_->gemm().run(fgb + size_t(T) * HD, D.g_b.get(), nullptr, g + size_t(T) * P, T, P, HD, 0.f, s);
   float* gate = g + size_t(T) * P;
 
   cuda::KdaConv c;
@@ -410,7 +338,7 @@ void KimiLinearCuda::kda_layer(const DevLayer& D, const KimiLinearLayer& L, int 
   a.state_in = st_in, a.state = st_out, a.state_offset = int64_t(L.state_off + kda_.conv_floats()), a.out = out;
   cuda::kda_recurrent(a, s);
   cuda::kda_output_gate(NH, HD, T, out, gate, P, D.o_norm.get(), eps_, ob, s);
-  gemm_->run(ob, D.o.get(), nullptr, x_.get(), T, H, P, 1.f, s);  // x += o_proj(gated out)
+  core_->gemm().run(ob, D.o.get(), nullptr, x_.get(), T, H, P, 1.f, s);  // x += o_proj(gated out)
 }
 
 void KimiLinearCuda::mla_layer(const DevLayer& D, int T, const int64_t* row_off, const int64_t* n_vis, int64_t max_vis,
@@ -423,8 +351,8 @@ void KimiLinearCuda::mla_layer(const DevLayer& D, int T, const int64_t* row_off,
   float* olat = room(olat_, size_t(T) * NH * mla_.rank, "attended latent");
   uint16_t* att = room(att_, size_t(T) * NH * mla_.v, "attention out");
   const uint16_t* xb = xb_.get();
-  gemm_->run(xb, D.q.get(), nullptr, q, T, NH * QD, H, 0.f, s);
-  gemm_->run(xb, D.kv_a.get(), nullptr, kva, T, KVA, H, 0.f, s);
+  core_->gemm().run(xb, D.q.get(), nullptr, q, T, NH * QD, H, 0.f, s);
+  core_->gemm().run(xb, D.kv_a.get(), nullptr, kva, T, KVA, H, 0.f, s);
   cuda::MlaRopeStore rs;  // no cos / sin: NoPE, k_pe cached as projected
   rs.n_rows = T, rs.n_heads = NH, rs.nope = mla_.nope, rs.rope = mla_.rope, rs.rank = mla_.rank;
   rs.q = q, rs.kva = kva, rs.kv_norm = D.kv_a_norm.get(), rs.eps = eps_;
@@ -439,7 +367,7 @@ void KimiLinearCuda::mla_layer(const DevLayer& D, int T, const int64_t* row_off,
     a.batch = T, a.n_heads = NH, a.scale = mla_.scale, a.q = qab, a.sel = nullptr, a.n_visible = n_vis;
     a.topk = int(max_vis), a.pages = pages, a.page_tokens = page_tokens, a.stride = stride_, a.offset = 0;
     a.out = olat;
-    const int splits = cuda::sparse_mla_splits(a, sms_);
+    const int splits = cuda::sparse_mla_splits(a, core_->sms());
     const size_t sb = cuda::sparse_mla_scratch_bytes(a, splits);
     cuda::sparse_mla_decode(a, splits, room(mla_scratch_, sb, "MLA partials"), sb, s);
   } else {
@@ -450,14 +378,14 @@ void KimiLinearCuda::mla_layer(const DevLayer& D, int T, const int64_t* row_off,
     cuda::sparse_mla_generic(a, s);
   }
   cuda::mla_out_proj(olat, T, NH, mla_.nope, mla_.v, mla_.rank, D.kv_b.get(), att, s);
-  gemm_->run(att, D.o.get(), nullptr, x_.get(), T, H, NH * mla_.v, 1.f, s);  // x += o_proj(att)
+  core_->gemm().run(att, D.o.get(), nullptr, x_.get(), T, H, NH * mla_.v, 1.f, s);  // x += o_proj(att)
 }
 
 void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, int64_t r0, int64_t r1,
                           const std::vector<int32_t>& page_ids, const std::vector<int32_t>& item_page, kv::Arena& arena,
                           std::vector<char>& touched, const ForwardOptions& opt) {
   const int T = int(r1 - r0), L = n_layers_, P = int(page_ids.size()), H = int(hidden_), V = n_vocab_;
-  cudaStream_t s = ctx_->stream();
+  cudaStream_t s = core_->stream();
   const size_t page_bytes = arena.page_bytes(), TS = size_t(T);
 
   // Row and segment metadata, packed into one upload.
@@ -534,7 +462,7 @@ void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
     rlog = room(rlog_, TS * routing_.n_experts, "router logits");
   }
 
-  cuda::embed_gather(embed_d_.get(), reinterpret_cast<const int32_t*>(at(o_tok)), T, H, x, s);
+  core_->embed(reinterpret_cast<const int32_t*>(at(o_tok)), T, H, x, s);
   for (int li = 0; li < L; ++li) {
     if (opt.abort && opt.abort(opt.abort_user)) {
       cudaStreamSynchronize(s);
@@ -550,22 +478,18 @@ void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
 
     cuda::rms_norm(x, nullptr, T, H, D.post_norm.get(), eps_, xn, xb, s);
     if (!D.moe) {
-      ffn(D.dense, T, s);
+      core_->mlp(D.dense, xb, int(T), H, x, s);
       continue;
     }
-    gemm_->run(xb, D.router.get(), nullptr, rlog, T, routing_.n_experts, H, 0.f, s);
-    cuda::router_sigmoid_grouped(rlog, D.router_bias.get(), T, routing_.n_experts, routing_.n_group,
-                                 routing_.topk_group, routing_.n_active, routing_.norm, routing_.scale, ids, gw, s);
+    core_->route(xb, D.router.get(), D.router_bias.get(), routing_, T, H, rlog, ids, gw, s);
     if (moe_) {
-      cuda::MoeWeights mw;
-      mw.w1_blocks = D.w1b.get(), mw.w1_scales = D.w1s.get(), mw.w2_blocks = D.w2b.get(), mw.w2_scales = D.w2s.get();
-      moe_->forward(mw, xn, ids, gw, T, x, path_, true);  // x += experts(xn)
+      moe_->forward(D.fp4.weights(), xn, ids, gw, T, x, path_, true);  // x += experts(xn)
     } else {
       cuda::Bf16ExpertWeights bw;
       bw.w13 = D.w13.get(), bw.w2 = D.w2.get();
       bf16_experts_->forward(bw, xb, ids, gw, T, x, s);  // x += experts(xb)
     }
-    if (D.shared.inter) ffn(D.shared, T, s);
+    if (D.shared.inter) core_->mlp(D.shared, xb, int(T), H, x, s);
   }
 
   if (opt.abort && opt.abort(opt.abort_user)) {  // as the CPU family: once more before the logits
@@ -573,18 +497,8 @@ void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
     fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
   }
   // The logit rows of this pass, kLogitRows at a time.
-  const uint16_t* lm = lm_head_d_.get() ? lm_head_d_.get() : embed_d_.get();
-  const int n_logit = int(logit_rows.size());
-  float* logits = room(logits_, size_t(std::min(n_logit, kLogitRows)) * V, "logits");
-  for (int c0 = 0; c0 < n_logit; c0 += kLogitRows) {
-    const int nc = std::min(kLogitRows, n_logit - c0);
-    cuda::rms_norm(x, reinterpret_cast<const int32_t*>(at(o_lr)) + c0, nc, H, final_norm_d_.get(), eps_, nullptr, xb,
-                   s);
-    gemm_->run(xb, lm, nullptr, logits, nc, V, H, 0.f, s);
-    lstage_->deliver(logits, nc, V, reinterpret_cast<float* const*>(at(o_dd)) + c0,
-                     {logit_dst.begin() + c0, logit_dst.begin() + c0 + nc},
-                     {argmax_dst.begin() + c0, argmax_dst.begin() + c0 + nc}, s);
-  }
+  core_->logits(x, reinterpret_cast<const int32_t*>(at(o_lr)), int(logit_rows.size()), H, V, eps_, xb,
+                reinterpret_cast<float* const*>(at(o_dd)), logit_dst, argmax_dst, s);
   DZ_CUDA_CHECK(cudaStreamSynchronize(s));
   if (moe_) {
     const int err = moe_->take_error();

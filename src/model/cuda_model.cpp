@@ -1,0 +1,133 @@
+// Built with the CUDA backend only (the host compiler: model/family.h is C++20).
+#ifdef DZ_WITH_CUDA
+
+#include "model/cuda_model.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "cuda/embed.h"
+#include "cuda/norm.h"
+#include "cuda/router.h"
+#include "runtime/cuda/cuda_check.h"
+
+namespace dz {
+
+cuda::MoeWeights DevMxfp4Experts::weights() const {
+  cuda::MoeWeights w;
+  w.w1_blocks = w1b.get(), w.w1_scales = w1s.get(), w.w2_blocks = w2b.get(), w.w2_scales = w2s.get();
+  return w;
+}
+
+CudaModelCore::CudaModelCore(int dev, size_t pool_bytes, const char* family) : dev_(dev), family_(family) {
+  int n = 0;
+  DZ_CUDA_CHECK(cudaGetDeviceCount(&n));
+  check(dev_ >= 0 && dev_ < n, DZ_ERR_INVALID_ARGUMENT, "device_index ", dev_, " but ", n, " CUDA devices are present");
+  DZ_CUDA_CHECK(cudaSetDevice(dev_));
+  DZ_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev_));
+  size_t free_b = 0, total_b = 0;
+  DZ_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  cuda::ContextOptions co;
+  co.device = dev_;
+  co.pool_bytes = std::min(pool_bytes, free_b / 10 * 9);
+  ctx_ = std::make_unique<cuda::Context>(co);
+  gemm_ = std::make_unique<cuda::Bf16Gemm>(*ctx_);
+  lstage_ = std::make_unique<cuda::LogitStaging>(ctx_->pool(), kLogitRows);
+}
+
+void CudaModelCore::load_ends(cuda::WeightLoader& ld, const LmEnds& ends) {
+  embed_ = ld.bf16({&ends.embed}, "embed_tokens");
+  if (ends.lm_head.data != ends.embed.data) lm_head_ = ld.bf16({&ends.lm_head}, "lm_head");
+  final_norm_ = ld.array(ends.final_norm, "model.norm");
+}
+
+DevMlp CudaModelCore::load_mlp(cuda::WeightLoader& ld, const SwiGlu& m) {
+  DevMlp d;
+  d.inter = m.inter;
+  if (!m.inter) return d;
+  d.gate_up = ld.bf16({&m.gate, &m.up}, "mlp gate_up");
+  d.down = ld.bf16({&m.down}, "mlp down");
+  return d;
+}
+
+DevMxfp4Experts CudaModelCore::load_mxfp4_experts(cuda::WeightLoader& ld, const std::vector<SwiGlu>& experts, int64_t H,
+                                                  int64_t I) {
+  const int64_t E = int64_t(experts.size()), rb1 = H / 2, rs1 = H / 32, rb2 = I / 2, rs2 = I / 32;
+  std::vector<uint8_t> b1(size_t(E * 2 * I * rb1)), s1(size_t(E * 2 * I * rs1)), b2(size_t(E * H * rb2)),
+      s2(size_t(E * H * rs2));
+  for (int64_t e = 0; e < E; ++e) {
+    const SwiGlu& x = experts[size_t(e)];
+    for (int64_t j = 0; j < I; ++j)
+      for (int u = 0; u < 2; ++u) {
+        const cpu::WeightRef& w = u ? x.up : x.gate;
+        const int64_t r = (e * I + j) * 2 + u;
+        std::memcpy(b1.data() + r * rb1, w.data + j * rb1, size_t(rb1));
+        std::memcpy(s1.data() + r * rs1, w.scales + j * rs1, size_t(rs1));
+      }
+    std::memcpy(b2.data() + e * H * rb2, x.down.data, size_t(H * rb2));
+    std::memcpy(s2.data() + e * H * rs2, x.down.scales, size_t(H * rs2));
+  }
+  DevMxfp4Experts d;
+  d.w1b = ld.array(b1, "experts gate_up blocks");
+  d.w1s = ld.array(s1, "experts gate_up scales");
+  d.w2b = ld.array(b2, "experts down blocks");
+  d.w2s = ld.array(s2, "experts down scales");
+  return d;
+}
+
+kv::Arena& CudaModelCore::batch_pages(std::span<ForwardItem> batch, std::vector<int32_t>& page_ids,
+                                      std::vector<int32_t>& item_page, const char* family) {
+  kv::Arena& arena = batch[0].seq->arena();
+  check(arena.storage().on_device(), DZ_ERR_INVALID_ARGUMENT, family,
+        " CUDA: the KV arena is in host memory (create it from this model)");
+  item_page.resize(batch.size());
+  for (size_t b = 0; b < batch.size(); ++b) {
+    check(&batch[b].seq->arena() == &arena, DZ_ERR_INTERNAL, family, " forward: items of different arenas");
+    item_page[b] = int32_t(page_ids.size());
+    for (kv::PageId p : batch[b].seq->pages()) page_ids.push_back(int32_t(p));
+  }
+  return arena;
+}
+
+void CudaModelCore::route(const uint16_t* xb, const uint16_t* router_w, const float* bias, const MoeRouting& r, int T,
+                          int H, float* logits, int32_t* ids, float* weights, cudaStream_t s) {
+  gemm_->run(xb, router_w, nullptr, logits, T, r.n_experts, H, 0.f, s);
+  cuda::router_sigmoid_grouped(logits, bias, T, r.n_experts, r.n_group, r.topk_group, r.n_active, r.norm, r.scale, ids,
+                               weights, s);
+}
+
+void CudaModelCore::embed(const int32_t* tokens, int T, int H, float* x, cudaStream_t s) {
+  cuda::embed_gather(embed_.get(), tokens, T, H, x, s);
+}
+
+void CudaModelCore::mlp(const DevMlp& f, const uint16_t* xb, int T, int H, float* x, cudaStream_t s) {
+  const int I = int(f.inter);
+  float* h = room(h_, size_t(T) * 2 * I, "mlp gate_up out");
+  uint16_t* hb = room(hb_, size_t(T) * I, "mlp act");
+  gemm_->run(xb, f.gate_up.get(), nullptr, h, T, 2 * I, H, 0.f, s);
+  cuda::silu_mul(h, T, I, int64_t(2) * I, hb, s);
+  gemm_->run(hb, f.down.get(), nullptr, x, T, H, I, 1.f, s);  // x += down(act)
+}
+
+void CudaModelCore::logits(const float* x, const int32_t* rows, int n, int H, int V, float eps, uint16_t* xb,
+                           float* const* ddst, const std::vector<float*>& host_dst,
+                           const std::vector<int32_t*>& argmax_dst, cudaStream_t s) {
+  const uint16_t* lm = lm_head_.get() ? lm_head_.get() : embed_.get();
+  float* out = room(logits_, size_t(std::min(std::max(n, 1), kLogitRows)) * V, "logits");
+  for (int c0 = 0; c0 < n; c0 += kLogitRows) {
+    const int nc = std::min(kLogitRows, n - c0);
+    cuda::rms_norm(x, rows + c0, nc, H, final_norm_.get(), eps, nullptr, xb, s);
+    gemm_->run(xb, lm, nullptr, out, nc, V, H, 0.f, s);
+    lstage_->deliver(out, nc, V, ddst + c0, {host_dst.begin() + c0, host_dst.begin() + c0 + nc},
+                     {argmax_dst.begin() + c0, argmax_dst.begin() + c0 + nc}, s);
+  }
+}
+
+bool CudaModelCore::sample(std::span<const DeviceSample> rows, int V, int32_t* tokens) {
+  DZ_CUDA_CHECK(cudaSetDevice(dev_));
+  return lstage_->sample(rows, V, tokens, ctx_->stream());
+}
+
+}  // namespace dz
+
+#endif  // DZ_WITH_CUDA

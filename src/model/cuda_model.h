@@ -1,0 +1,106 @@
+// What the DeepSeek-lineage CUDA families (deepseek_v32, kimi_linear) share:
+// the device and its memory pool, the BF16 GEMMs, the model's two ends on the
+// device (embeddings in; final norm, lm_head and the logit rows out), dense
+// SwiGLU MLPs, routed MXFP4 experts in cuda::MoeLayer's layout, and pass
+// scratch grown on demand. Each family keeps its own layers and passes.
+#pragma once
+
+#ifdef DZ_WITH_CUDA
+
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "cuda/bf16_gemm.h"
+#include "cuda/moe.h"
+#include "model/family.h"
+#include "model/lm_ends.h"
+#include "model/moe_ffn.h"
+#include "runtime/cuda/context.h"
+#include "runtime/cuda/logit_rows.h"
+#include "runtime/cuda/upload.h"
+
+namespace dz {
+
+// A dense SwiGLU MLP in BF16: gate_up [2 inter, H] (gate rows, then up rows), down [H, inter].
+struct DevMlp {
+  int64_t inter = 0;  // 0: none
+  cuda::DeviceArray<uint16_t> gate_up, down;
+};
+
+// A layer's routed experts in MXFP4 as cuda::MoeLayer takes them: gate_up [E][2I] rows (gate j at 2j, up j at
+// 2j + 1), down [E][H] rows; blocks, then E8M0 scales.
+struct DevMxfp4Experts {
+  cuda::DeviceArray<uint8_t> w1b, w1s, w2b, w2s;
+  cuda::MoeWeights weights() const;
+};
+
+class CudaModelCore {
+ public:
+  static constexpr int kLogitRows = 256;  // lm_head rows a GEMM
+
+  // Device `dev` with one pool of `pool_bytes` (at most 90% of its free memory); `family` names it in messages.
+  CudaModelCore(int dev, size_t pool_bytes, const char* family);
+  int dev() const { return dev_; }
+  int sms() const { return sms_; }
+  cuda::Context& ctx() { return *ctx_; }
+  cuda::Bf16Gemm& gemm() { return *gemm_; }
+  cudaStream_t stream() const { return ctx_->stream(); }
+
+  // a grows to at least n elements (contents dropped).
+  template <typename T>
+  T* room(cuda::DeviceArray<T>& a, size_t n, const char* what) {
+    if (a.size() < n) {
+      a.reset();
+      a = cuda::DeviceArray<T>(ctx_->pool(), n, what);
+    }
+    return a.get();
+  }
+
+  // Uploads through ld (the model's WeightLoader on this pool).
+  void load_ends(cuda::WeightLoader& ld, const LmEnds& ends);
+  static DevMlp load_mlp(cuda::WeightLoader& ld, const SwiGlu& m);
+  static DevMxfp4Experts load_mxfp4_experts(cuda::WeightLoader& ld, const std::vector<SwiGlu>& experts, int64_t H,
+                                            int64_t I);
+
+  // The batch's arena (on the device: else DZ_ERR_INVALID_ARGUMENT) and its items' page ids, item b's from
+  // page_ids[item_page[b]] on.
+  static kv::Arena& batch_pages(std::span<ForwardItem> batch, std::vector<int32_t>& page_ids,
+                                std::vector<int32_t>& item_page, const char* family);
+  // DeepSeek-V3's grouped sigmoid routing of xb [T, H] bf16: logits [T, E] (scratch) = xb router_w^T, then each
+  // row's ids / weights [T, k].
+  void route(const uint16_t* xb, const uint16_t* router_w, const float* bias, const MoeRouting& r, int T, int H,
+             float* logits, int32_t* ids, float* weights, cudaStream_t s);
+  // x [T, H] = the token rows' embeddings.
+  void embed(const int32_t* tokens, int T, int H, float* x, cudaStream_t s);
+  // x [T, H] += down(silu(gate(xb)) * up(xb)), xb [T, H] bf16.
+  void mlp(const DevMlp& f, const uint16_t* xb, int T, int H, float* x, cudaStream_t s);
+  // The logit rows `rows` (device, n of them) of the residual stream x [*, H]: final RMSNorm, lm_head,
+  // then per row its argmax / device copy / host copy (LogitStaging::deliver: ddst a device array of n
+  // pointers, host_dst and argmax_dst n entries), kLogitRows at a time. xb: bf16 scratch of kLogitRows x H.
+  void logits(const float* x, const int32_t* rows, int n, int H, int V, float eps, uint16_t* xb, float* const* ddst,
+              const std::vector<float*>& host_dst, const std::vector<int32_t*>& argmax_dst, cudaStream_t s);
+
+  std::unique_ptr<DeviceLogits> make_device_logits(int V) {
+    return cuda::make_device_logits(ctx_->pool(), dev_, V, family_);
+  }
+  // Family::sample_on_device (the caller holds the family's lock).
+  bool sample(std::span<const DeviceSample> rows, int V, int32_t* tokens);
+
+ private:
+  int dev_ = 0, sms_ = 132;
+  const char* family_;
+  std::unique_ptr<cuda::Context> ctx_;
+  std::unique_ptr<cuda::Bf16Gemm> gemm_;
+  std::unique_ptr<cuda::LogitStaging> lstage_;
+  cuda::DeviceArray<uint16_t> embed_, lm_head_;
+  cuda::DeviceArray<float> final_norm_;
+  cuda::DeviceArray<float> h_, logits_;
+  cuda::DeviceArray<uint16_t> hb_;
+};
+
+}  // namespace dz
+
+#endif  // DZ_WITH_CUDA

@@ -1,0 +1,105 @@
+// A model opened through the C API on a chosen backend with a KV arena of
+// its own, for the tests that hold the CUDA families to the CPU backend.
+#pragma once
+
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dayzero.h"
+#include "runtime/device.h"
+#include "support/family_fixture.h"
+
+namespace dz::test {
+
+struct ApiModel {
+  dz_model* m = nullptr;
+  dz_kv_arena* arena = nullptr;
+  // tweak adjusts the parameters after dz_model_params_init, the device and 2 threads.
+  explicit ApiModel(const std::string& dir, dz_device dev, void (*tweak)(dz_model_params&) = nullptr,
+                    dz_expert_precision experts = DZ_EXPERTS_AUTO) {
+    dz_model_params p;
+    dz_model_params_init(&p);
+    p.device = dev;
+    p.experts = experts;
+    p.n_threads = 2;
+    if (tweak) tweak(p);
+    const dz_status st = dz_model_open(dir.c_str(), &p, &m);
+    INFO(dz_last_error());
+    REQUIRE(st == DZ_OK);
+    dz_kv_arena_params ap;
+    dz_kv_arena_params_init(&ap);
+    ap.page_tokens = 16;  // prompts span pages
+    ap.capacity_bytes = size_t(64) << 20;
+    REQUIRE(dz_kv_arena_create(m, &ap, &arena) == DZ_OK);
+  }
+  ~ApiModel() {
+    dz_kv_arena_free(arena);
+    dz_model_free(m);
+  }
+  ApiModel(const ApiModel&) = delete;
+  ApiModel& operator=(const ApiModel&) = delete;
+  dz_session* session() const {
+    dz_session* s = nullptr;
+    REQUIRE(dz_session_create(arena, nullptr, &s) == DZ_OK);
+    return s;
+  }
+};
+
+// Appends tokens; every new row's logits (all) or the last one's.
+inline std::vector<float> append_logits(dz_session* s, const std::vector<int32_t>& toks, bool all = true) {
+  INFO(dz_last_error());
+  REQUIRE(dz_session_append(s, toks.data(), toks.size(), all ? DZ_LOGITS_ALL : DZ_LOGITS_LAST) == DZ_OK);
+  const float* l = nullptr;
+  size_t rows = 0, nv = 0;
+  REQUIRE(dz_session_logits(s, &l, &rows, &nv) == DZ_OK);
+  REQUIRE(rows == (all ? toks.size() : size_t(1)));
+  return {l, l + rows * nv};
+}
+
+// The same random prompt of `prompt` tokens through sessions a and b, then
+// `steps` decode steps of the same random tokens: the worst per-row cosine of
+// their logits (cosine from family_fixture.h).
+inline double worst_cosine_prefill_decode(dz_session* a, dz_session* b, int32_t vocab, size_t prompt, int steps,
+                                          std::mt19937& rng) {
+  std::uniform_int_distribution<int32_t> tok(0, vocab - 1);
+  std::vector<int32_t> p(prompt);
+  for (auto& t : p) t = tok(rng);
+  const std::vector<float> x = append_logits(a, p), y = append_logits(b, p);
+  const size_t V = size_t(vocab);
+  double worst = 1;
+  for (size_t t = 0; t < prompt; ++t) worst = std::min(worst, cosine(x.data() + t * V, y.data() + t * V, V));
+  for (int i = 0; i < steps; ++i) {
+    const int32_t t = tok(rng);
+    const std::vector<float> u = append_logits(a, {t}, false), v = append_logits(b, {t}, false);
+    worst = std::min(worst, cosine(u.data(), v.data(), V));
+  }
+  return worst;
+}
+
+// DZ_DEVICE_AUTO opens `dir` on the GPU where one is present, else on the
+// CPU; DZ_DEVICE_CUDA with parameters `bad` the GPU does not take fails
+// cleanly, its message holding `gpu_msg` (without a GPU: "CUDA").
+inline void check_auto_and_refusal(const std::string& dir, void (*bad)(dz_model_params&), const char* gpu_msg) {
+  dz_model_params p;
+  dz_model_params_init(&p);
+  p.device = DZ_DEVICE_AUTO;
+  dz_model* m = nullptr;
+  REQUIRE(dz_model_open(dir.c_str(), &p, &m) == DZ_OK);
+  dz_model_info info;
+  dz_model_info_init(&info);
+  REQUIRE(dz_model_get_info(m, &info) == DZ_OK);
+  const bool gpu = dz::cuda_compiled() && dz::cuda_device_count() > 0;
+  CHECK(info.device == (gpu ? DZ_DEVICE_CUDA : DZ_DEVICE_CPU));
+  dz_model_free(m);
+  m = nullptr;
+  p.device = DZ_DEVICE_CUDA;
+  bad(p);
+  CHECK(dz_model_open(dir.c_str(), &p, &m) != DZ_OK);
+  CHECK(m == nullptr);
+  CHECK(std::string(dz_last_error()).find(gpu ? gpu_msg : "CUDA") != std::string::npos);
+}
+
+}  // namespace dz::test
