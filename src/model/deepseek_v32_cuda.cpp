@@ -40,7 +40,6 @@ std::unique_ptr<Family> make_deepseek_v32_cuda(const Config&, const WeightStore&
 #include "cuda/mla_sparse.h"
 #include "cuda/moe.h"
 #include "cuda/norm.h"
-#include "cuda/router.h"
 #include "model/cuda_model.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"

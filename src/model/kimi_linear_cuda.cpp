@@ -42,7 +42,6 @@ std::unique_ptr<Family> make_kimi_linear_cuda(const Config&, const WeightStore&,
 #include "cuda/moe.h"
 #include "cuda/moe_bf16.h"
 #include "cuda/norm.h"
-#include "cuda/router.h"
 #include "model/cuda_model.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
