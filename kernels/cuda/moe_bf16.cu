@@ -117,7 +117,7 @@ constexpr int kDownSlots = 4;
 // * (up_j . x)) of the slot's expert, x its token's input row (silu as silu_mul's).
 __global__ void __launch_bounds__(kWarps * 32)
     few_gate_up_kernel(const uint16_t* __restrict__ xb, const int32_t* __restrict__ ids, int k, int H, int I,
-                       const uint16_t* __restrict__ w13, uint16_t* __restrict__ act) {
+                       const uint16_t* __restrict__ w13, float limit, uint16_t* __restrict__ act) {
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
   const int s = blockIdx.y, t = s / k, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -139,7 +139,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
   for (int r = 0; r < kGateRows; ++r)
     if (lane == 0 && j0 + r < I) {
-      const float g = d[2 * r], u = d[2 * r + 1];
+      float g = d[2 * r], u = d[2 * r + 1];
+      if (limit > 0) g = fminf(g, limit), u = fminf(fmaxf(u, -limit), limit);
       const float sg = float(double(g) / (1.0 + exp(-double(g))));
       act[size_t(s) * I + j0 + r] = __bfloat16_as_ushort(__float2bfloat16_rn(sg * u));
     }
@@ -231,7 +232,7 @@ void Bf16Experts::forward(const Bf16ExpertWeights& w, const uint16_t* xb, const 
     }();
     (void)attr;
     few_gate_up_kernel<<<dim3(unsigned((I_ + kWarps * kGateRows - 1) / (kWarps * kGateRows)), unsigned(S)), kWarps * 32,
-                         xs, s>>>(xb, ids, k_, H_, I_, w.w13, act);
+                         xs, s>>>(xb, ids, k_, H_, I_, w.w13, limit_, act);
     DZ_CUDA_LAUNCH_CHECK();
     few_down_kernel<<<dim3(unsigned((H_ + kWarps * kDownRows - 1) / (kWarps * kDownRows)), unsigned(T)), kWarps * 32,
                       as, s>>>(act, ids, weights, k_, H_, I_, w.w2, x);
@@ -269,7 +270,7 @@ void Bf16Experts::forward(const Bf16ExpertWeights& w, const uint16_t* xb, const 
     if (n)
       gemm_.run(xs + size_t(r) * H_, w.w13 + size_t(e) * w13, nullptr, h + size_t(r) * 2 * I_, n, 2 * I_, H_, 0.f, s);
   }
-  silu_mul(h, int(S), I_, int64_t(2) * I_, act, s);
+  silu_mul(h, int(S), I_, int64_t(2) * I_, act, s, limit_);
   for (int e = 0; e < E_; ++e) {
     const int n = count_[size_t(e) + 1] - count_[size_t(e)], r = count_[size_t(e)];
     if (n) gemm_.run(act + size_t(r) * I_, w.w2 + size_t(e) * w2, nullptr, y + size_t(r) * H_, n, H_, I_, 0.f, s);

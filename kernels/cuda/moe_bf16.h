@@ -46,6 +46,8 @@ class Bf16Experts {
   // and the k activation rows of a token in shared memory); 0: never.
   void set_few_max_slots(int64_t n) { few_max_slots_ = n; }
   bool few_slots(int T) const;
+  // > 0: the SwiGLU clamped first (DeepSeek-V4): gate <= limit, |up| <= limit.
+  void set_swiglu_limit(float limit) { limit_ = limit; }
   static constexpr size_t kFewMaxSmem = size_t(96) << 10;
 
  private:
@@ -55,6 +57,7 @@ class Bf16Experts {
   Bf16Gemm& gemm_;
   int E_, k_, H_, I_;
   int64_t few_max_slots_;
+  float limit_ = 0;
   std::vector<int32_t> ids_, meta_, count_;
   DeviceArray<int32_t> meta_d_;
   DeviceArray<uint16_t> xs_, act_;

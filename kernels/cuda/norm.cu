@@ -144,13 +144,14 @@ __global__ void __launch_bounds__(kLnThreads) layer_norm_kernel(const float* x, 
 // SwiGLU: blockIdx.x a chunk of 256 columns, rows blockIdx.y + k gridDim.y.
 // silu in double, rounded to float, as cpu::glu computes it (the same bits
 // before the bf16 rounding).
-__global__ void silu_mul_kernel(const float* __restrict__ gu, int n_rows, int inter, int64_t ld,
+__global__ void silu_mul_kernel(const float* __restrict__ gu, int n_rows, int inter, int64_t ld, float limit,
                                 __nv_bfloat16* __restrict__ out) {
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= inter) return;
   for (int r = blockIdx.y; r < n_rows; r += gridDim.y) {
     const float* row = gu + r * ld;
-    const float g = row[j], u = row[inter + j];
+    float g = row[j], u = row[inter + j];
+    if (limit > 0) g = fminf(g, limit), u = fminf(fmaxf(u, -limit), limit);
     const float sg = float(double(g) / (1.0 + exp(-double(g))));
     out[size_t(r) * inter + j] = __float2bfloat16_rn(sg * u);
   }
@@ -188,11 +189,11 @@ void layer_norm(const float* x, int n_rows, int dim, const float* w, const float
   launch_pdl(layer_norm_kernel, dim3(unsigned(n_rows)), dim3(kLnThreads), 0, s, x, dim, w, b, eps, y);
 }
 
-void silu_mul(const float* gu, int n_rows, int inter, int64_t ld, uint16_t* out_bf16, cudaStream_t s) {
+void silu_mul(const float* gu, int n_rows, int inter, int64_t ld, uint16_t* out_bf16, cudaStream_t s, float limit) {
   check(inter >= 0 && ld >= 2 * int64_t(inter), DZ_ERR_INVALID_ARGUMENT, "silu_mul: inter=", inter, " ld=", ld);
   if (n_rows <= 0 || inter == 0) return;
   const dim3 grid(unsigned((inter + 255) / 256), unsigned(n_rows < 65535 ? n_rows : 65535));
-  silu_mul_kernel<<<grid, 256, 0, s>>>(gu, n_rows, inter, ld, reinterpret_cast<__nv_bfloat16*>(out_bf16));
+  silu_mul_kernel<<<grid, 256, 0, s>>>(gu, n_rows, inter, ld, limit, reinterpret_cast<__nv_bfloat16*>(out_bf16));
   DZ_CUDA_LAUNCH_CHECK();
 }
 

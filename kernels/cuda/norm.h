@@ -21,8 +21,10 @@ void layer_norm(const float* x, int n_rows, int dim, const float* w, const float
 
 // SwiGLU of rows [gate (inter) | up (inter)] fp32 at gu + r * ld: out_bf16[r *
 // inter + j] = bf16(silu(gate_j) * up_j) (round to nearest even), silu as
-// cpu::glu's. Device pointers.
-void silu_mul(const float* gu, int n_rows, int inter, int64_t ld, uint16_t* out_bf16, cudaStream_t s);
+// cpu::glu's; limit > 0 clamps first (DeepSeek-V4): gate <= limit, |up| <= limit.
+// Device pointers.
+void silu_mul(const float* gu, int n_rows, int inter, int64_t ld, uint16_t* out_bf16, cudaStream_t s,
+              float limit = 0);
 
 // y[i] += x[i] for i < n.
 void add_inplace(float* y, const float* x, size_t n, cudaStream_t s);

@@ -313,6 +313,50 @@ void router_sigmoid_grouped(const float* logits, const float* bias, int T, int E
              E, n_group, topk_group, k, norm, scaling, ids, weights);
 }
 
+namespace {
+__global__ void sqrt_softplus_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
+                                     const int32_t* __restrict__ hash, const int32_t* __restrict__ tokens, int T, int E,
+                                     int k, float scaling, int32_t* __restrict__ ids, float* __restrict__ weights) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= T) return;
+  const float* l = logits + size_t(t) * E;
+  auto score = [&](int e) {  // torch's softplus: x itself above 20
+    const double x = l[e];
+    return float(sqrt(x > 20 ? x : log1p(exp(x))));
+  };
+  int32_t* id = ids + size_t(t) * k;
+  if (hash) {
+    for (int j = 0; j < k; ++j) id[j] = hash[size_t(tokens[t]) * k + j];
+  } else {
+    uint32_t taken[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j = 0; j < k; ++j) {
+      float bv = -INFINITY;
+      int be = -1;
+      for (int e = 0; e < E; ++e) {
+        if (taken[e >> 5] >> (e & 31) & 1u) continue;
+        const float c = score(e) + (bias ? bias[e] : 0.f);
+        if (be < 0 || c > bv) bv = c, be = e;
+      }
+      taken[be >> 5] |= 1u << (be & 31);
+      id[j] = be;
+    }
+  }
+  float sum = 0, w[16];
+  for (int j = 0; j < k; ++j) sum += (w[j] = score(id[j]));
+  for (int j = 0; j < k; ++j) weights[size_t(t) * k + j] = w[j] / (sum + 1e-20f) * scaling;
+}
+}  // namespace
+
+void router_sqrt_softplus(const float* logits, const float* bias, const int32_t* hash, const int32_t* tokens, int T,
+                          int E, int k, float scaling, int32_t* ids, float* weights, cudaStream_t s) {
+  check(E > 0 && E <= 256 && k > 0 && k <= 16 && k <= E, DZ_ERR_UNSUPPORTED, "router_sqrt_softplus: E=", E, " k=", k,
+        " (E <= 256, k <= 16)");
+  check(!hash || tokens, DZ_ERR_INVALID_ARGUMENT, "router_sqrt_softplus: a hash table needs the token ids");
+  if (T <= 0) return;
+  sqrt_softplus_kernel<<<(T + 127) / 128, 128, 0, s>>>(logits, bias, hash, tokens, T, E, k, scaling, ids, weights);
+  DZ_CUDA_LAUNCH_CHECK();
+}
+
 bool router_fused_fits(int T, int H, int E, int k) {
   return T >= 1 && T <= kRouterFusedMaxRows && H % 8 == 0 && H / 8 <= 32 * kFusedRowU4 && E > 0 &&
          E <= 16 * kMaxCluster && k > 0 && k <= 16 && k <= E;

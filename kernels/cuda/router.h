@@ -19,6 +19,15 @@ void router_topk_softmax(const float* logits, int T, int E, int k, int32_t* ids,
 void router_sigmoid_grouped(const float* logits, const float* bias, int T, int E, int n_group, int topk_group, int k,
                             bool norm, float scaling, int32_t* ids, float* weights, cudaStream_t s);
 
+// DeepSeek-V4's routing, as cpu::router_sqrt_softplus row by row: scores
+// sqrt(softplus(logits)); the experts are the top-k of score + bias (the
+// lower index on ties) or, where hash is given, hash[tokens[t] * k ..] (a
+// token-id table [vocab][k]); weights the chosen scores over their sum, times
+// scaling. Device pointers; bias, hash and tokens may be null (hash needs
+// tokens). E <= 256, k <= 16.
+void router_sqrt_softplus(const float* logits, const float* bias, const int32_t* hash, const int32_t* tokens, int T,
+                          int E, int k, float scaling, int32_t* ids, float* weights, cudaStream_t s);
+
 // A decode step's router in one launch (one cluster of blocks), for T <=
 // kRouterFusedMaxRows rows (router_fused_fits: also H % 8 == 0, H <= 3072,
 // E <= 128): xn = RMS norm of x [T, H] with norm_w (fp32, for the experts;

@@ -100,12 +100,12 @@ void CudaModelCore::embed(const int32_t* tokens, int T, int H, float* x, cudaStr
   cuda::embed_gather(embed_.get(), tokens, T, H, x, s);
 }
 
-void CudaModelCore::mlp(const DevMlp& f, const uint16_t* xb, int T, int H, float* x, cudaStream_t s) {
+void CudaModelCore::mlp(const DevMlp& f, const uint16_t* xb, int T, int H, float* x, cudaStream_t s, float limit) {
   const int I = int(f.inter);
   float* h = room(h_, size_t(T) * 2 * I, "mlp gate_up out");
   uint16_t* hb = room(hb_, size_t(T) * I, "mlp act");
   gemm_->run(xb, f.gate_up.get(), nullptr, h, T, 2 * I, H, 0.f, s);
-  cuda::silu_mul(h, T, I, int64_t(2) * I, hb, s);
+  cuda::silu_mul(h, T, I, int64_t(2) * I, hb, s, limit);
   gemm_->run(hb, f.down.get(), nullptr, x, T, H, I, 1.f, s);  // x += down(act)
 }
 

@@ -75,8 +75,8 @@ class CudaModelCore {
              float* logits, int32_t* ids, float* weights, cudaStream_t s);
   // x [T, H] = the token rows' embeddings.
   void embed(const int32_t* tokens, int T, int H, float* x, cudaStream_t s);
-  // x [T, H] += down(silu(gate(xb)) * up(xb)), xb [T, H] bf16.
-  void mlp(const DevMlp& f, const uint16_t* xb, int T, int H, float* x, cudaStream_t s);
+  // x [T, H] += down(silu(gate(xb)) * up(xb)), xb [T, H] bf16; limit > 0 clamps the SwiGLU (silu_mul's).
+  void mlp(const DevMlp& f, const uint16_t* xb, int T, int H, float* x, cudaStream_t s, float limit = 0);
   // The logit rows `rows` (device, n of them) of the residual stream x [*, H]: final RMSNorm, lm_head,
   // then per row its argmax / device copy / host copy (LogitStaging::deliver: ddst a device array of n
   // pointers, host_dst and argmax_dst n entries), kLogitRows at a time. xb: bf16 scratch of kLogitRows x H.

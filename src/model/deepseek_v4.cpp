@@ -30,6 +30,7 @@
 #include <deque>
 
 #include "common/host_alloc.h"
+#include "common/log.h"
 #include "cpu/attention.h"
 #include "cpu/compress.h"
 #include "cpu/hyper_connection.h"
@@ -37,11 +38,13 @@
 #include "cpu/norm.h"
 #include "cpu/rope.h"
 #include "cpu/topk.h"
+#include "model/deepseek_v4.h"
 #include "model/family.h"
 #include "model/lm_ends.h"
 #include "model/moe_ffn.h"
 #include "model/rope_config.h"
 #include "model/weights.h"
+#include "runtime/device.h"
 #include "runtime/parallel.h"
 
 namespace dz {
@@ -49,41 +52,12 @@ namespace dz {
 namespace {
 
 using cpu::WeightRef;
-
-enum class Attn { Sliding, Csa, Hca };
-
-constexpr int64_t kMaxIndexHeads = 1024, kMaxRopeDim = 512;
-
-// One compressed series: the attention's entries, or the CSA indexer's keys.
-struct Compressor {
-  WeightRef kv, gate;       // [S * dim, hidden]; S = 2 for CSA's overlapping windows ([Ca | Cb])
-  std::vector<float> bias;  // position_bias [rate, S * dim]
-  std::vector<float> norm;  // [dim]
-  int64_t dim = 0;
-  bool overlap = false;
-  size_t state_off = 0;  // floats: the open entry's pool, then (overlap) the next entry's
-  int64_t series() const { return overlap ? 2 : 1; }
-  size_t state_floats() const { return size_t(series() * cpu::pool_floats(dim)); }
-};
-
-struct Hc {
-  WeightRef fn;  // [(2 + n) * n or n, n * hidden]
-  std::vector<float> base, scale;
-};
-
-struct Layer {
-  Attn kind = Attn::Sliding;
-  int64_t rate = 0;  // compression rate (CSA / HCA)
-  std::vector<float> in_norm, post_norm, q_a_norm, kv_norm, sinks;
-  WeightRef q_a, q_b, kv, o_a, o_b;
-  Hc attn_hc, ffn_hc;
-  Compressor comp, icomp;    // icomp: the indexer's (CSA)
-  WeightRef iq_b, iweights;  // indexer queries [heads * dim, q_lora], head weights [heads, hidden]
-  size_t ring_off = 0;       // floats into the state: the window [sliding_window x head_dim]
-  size_t entry_floats = 0;   // per compressed entry in the pages: attention entry (+ indexer key)
-  size_t token_bytes = 0;    // page bytes per token
-  Ffn ffn;
-};
+using v4::Attn;
+using v4::Compressor;
+using v4::Hc;
+using v4::kMaxIndexHeads;
+using v4::kMaxRopeDim;
+using v4::Layer;
 
 // The compressed entries a sequence's queries see in a pass: pointers into the
 // pages where an entry lies whole in one page at float alignment (page size a
@@ -158,20 +132,16 @@ class Names {
   bool native_;
 };
 
-class DeepseekV4 final : public Family {
+class DeepseekV4 final : public Family, private DeepseekV4Desc {
  public:
-  DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_params& params);
+  DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_params& params)
+      : DeepseekV4Desc(cfg, ws), pool_(std::make_unique<ThreadPool>(params.n_threads)) {
+    check_cpu_family_params(params, "deepseek_v4");
+  }
 
   void fill_info(dz_model_info& info) const override {
+    fill_desc_info(info);
     info.device = DZ_DEVICE_CPU;
-    info.n_layers = n_layers_;
-    info.n_vocab = n_vocab_;
-    info.hidden_size = int32_t(hidden_);
-    info.n_heads = int32_t(n_heads_);
-    info.n_kv_heads = 1;
-    info.n_experts = routing_.n_experts;
-    info.n_experts_active = routing_.n_active;
-    info.max_context = max_context_;
   }
   int32_t n_vocab() const override { return n_vocab_; }
   kv::Layout kv_layout(uint32_t page_tokens) const override {
@@ -195,27 +165,26 @@ class DeepseekV4 final : public Family {
   // Rotate n_vec vectors (stride apart) whose rotary channels start at x by
   // the angles of position pos (inverse: backwards).
   void rotate(const cpu::RopeFreqs& f, int64_t pos, float* x, int n_vec, int64_t stride, bool inverse) const;
-  const cpu::RopeFreqs& rope_of(const Layer& L) const { return L.kind == Attn::Sliding ? rope_main_ : rope_comp_; }
 
-  int32_t n_vocab_ = 0, n_layers_ = 0;
-  int64_t hidden_ = 0, max_context_ = 0, n_heads_ = 0, head_dim_ = 0, q_lora_ = 0, window_ = 0;
-  int64_t o_groups_ = 0, o_rank_ = 0, idx_heads_ = 0, idx_dim_ = 0, idx_topk_ = 0, rope_dim_ = 0;
-  float eps_ = 1e-6f;
-  cpu::HcDims hc_;
-  cpu::RopeFreqs rope_main_, rope_comp_;
-  MoeRouting routing_;
-  LmEnds ends_;
-  Hc head_hc_;
-  std::vector<Layer> layers_;
-  size_t state_floats_ = 0;
-  uint64_t model_key_ = 0;
   std::unique_ptr<ThreadPool> pool_;
 };
 
-DeepseekV4::DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
+}  // namespace
+
+void DeepseekV4Desc::fill_desc_info(dz_model_info& info) const {
+  info.n_layers = n_layers_;
+  info.n_vocab = n_vocab_;
+  info.hidden_size = int32_t(hidden_);
+  info.n_heads = int32_t(n_heads_);
+  info.n_kv_heads = 1;
+  info.n_experts = routing_.n_experts;
+  info.n_experts_active = routing_.n_active;
+  info.max_context = max_context_;
+}
+
+DeepseekV4Desc::DeepseekV4Desc(const Config& cfg, const WeightStore& ws) {
   const std::string& src = cfg.source();
   const auto& j = cfg.json();
-  check_cpu_family_params(params, "deepseek_v4");
   n_vocab_ = int32_t(cfg.get_positive_int("vocab_size"));
   hidden_ = cfg.get_positive_int("hidden_size");
   n_layers_ = int32_t(cfg.get_positive_int("num_hidden_layers"));
@@ -356,7 +325,7 @@ DeepseekV4::DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_
     const int64_t n_hash = cfg.get_or<int64_t>("num_hash_layers", 3);
     for (int i = 0; i < n_layers_; ++i) hashed[size_t(i)] = i < n_hash;
   }
-  const int64_t inter = cfg.get_positive_int("moe_intermediate_size");
+  const int64_t inter = moe_inter_ = cfg.get_positive_int("moe_intermediate_size");
 
   // Weights.
   const Names names(ws);
@@ -461,8 +430,10 @@ DeepseekV4::DeepseekV4(const Config& cfg, const WeightStore& ws, const dz_model_
   model_key_ = fnv1a(cfg.json().dump(), fnv1a("deepseek_v4 kv: f32 entries|index keys per m tokens; state f32 "
                                               "window ring, softmax pools v1 " +
                                               std::to_string(ws.total_bytes())));
-  pool_ = std::make_unique<ThreadPool>(params.n_threads);
+  weights_bytes_ = ws.total_bytes();
 }
+
+namespace {
 
 void DeepseekV4::rotate(const cpu::RopeFreqs& f, int64_t pos, float* x, int n_vec, int64_t stride, bool inverse) const {
   const int half = int(rope_dim_ / 2);
@@ -772,6 +743,15 @@ void DeepseekV4::forward(std::span<ForwardItem> batch, const ForwardOptions& opt
 }  // namespace
 
 std::unique_ptr<Family> make_deepseek_v4(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
+  if (params.device == DZ_DEVICE_CUDA) return make_deepseek_v4_cuda(cfg, ws, params);
+  if (params.device == DZ_DEVICE_AUTO && cuda_compiled() && cuda_device_count() > 0) {
+    try {
+      return make_deepseek_v4_cuda(cfg, ws, params);
+    } catch (const Error& e) {
+      if (e.status() == DZ_ERR_FORMAT) throw;
+      log_warn("deepseek_v4: CUDA backend unavailable (", e.what(), "); using the CPU");
+    }
+  }
   return std::make_unique<DeepseekV4>(cfg, ws, params);
 }
 

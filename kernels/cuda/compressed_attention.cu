@@ -1,0 +1,288 @@
+#include <cuda_bf16.h>
+
+#include <algorithm>
+
+#include "common/error.h"
+#include "cuda/compressed_attention.h"
+#include "runtime/cuda/cuda_check.h"
+
+namespace dz::cuda {
+
+namespace {
+
+constexpr int kMaxHeadDim = 512, kPer = kMaxHeadDim / 32;
+
+__device__ __forceinline__ float* entry_at(const EntryPages& p, int row, int64_t w, int c) {
+  const int tf = int(p.token_bytes / 4);
+  const int64_t t = w * p.rate + c / tf;
+  uint8_t* page = p.rows[row][t / p.page_tokens];
+  return reinterpret_cast<float*>(page + size_t(t % p.page_tokens) * p.token_bytes) + c % tf;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// cpu::pool_push for one channel of a pool of D channels.
+__device__ __forceinline__ void pool_push(float* pool, int D, int ch, float v, float g) {
+  float &mx = pool[ch], &sum = pool[D + ch], &acc = pool[2 * D + ch];
+  if (sum == 0) {
+    mx = g, sum = 1, acc = v;
+  } else if (g > mx) {
+    const float r = float(exp(double(mx) - g));
+    sum = sum * r + 1, acc = acc * r + v, mx = g;
+  } else {
+    const float e = float(exp(double(g) - mx));
+    sum += e, acc += e * v;
+  }
+}
+
+constexpr int kCompressThreads = 256;
+
+__global__ void __launch_bounds__(kCompressThreads) compress_kernel(CompressPass a) {
+  const Compressor& c = a.c[blockIdx.y];
+  const int seg = blockIdx.x, D = c.dim, S = c.overlap ? 2 : 1;
+  const int64_t rate = a.pages.rate;
+  extern __shared__ float out[];  // [D], then the block's partial sums
+  float* red = out + D;
+  float* st = a.state[seg] + c.state_off;
+  const int P = 3 * D, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int r = a.seg_first[seg]; r < a.seg_first[seg + 1]; ++r) {
+    const int64_t pos = a.pos[r];
+    const float* kv = c.kv + size_t(r) * c.ld;
+    const float* g = c.gate + size_t(r) * c.ld;
+    const float* b = c.bias + size_t(pos % rate) * S * D;
+    for (int ch = threadIdx.x; ch < D; ch += kCompressThreads) {
+      if (c.overlap) {  // Cb joins this window's entry, Ca the next one's
+        pool_push(st, D, ch, kv[D + ch], g[D + ch] + b[D + ch]);
+        pool_push(st + P, D, ch, kv[ch], g[ch] + b[ch]);
+      } else {
+        pool_push(st, D, ch, kv[ch], g[ch] + b[ch]);
+      }
+    }
+    if ((pos + 1) % rate != 0) continue;
+    float ss = 0;
+    for (int ch = threadIdx.x; ch < D; ch += kCompressThreads) {
+      const float sum = st[D + ch];
+      const float v = sum == 0 ? 0.f : st[2 * D + ch] / sum;
+      out[ch] = v;
+      ss += v * v;
+      for (int j = 0; j < 3; ++j) {
+        if (c.overlap) {
+          st[j * D + ch] = st[P + j * D + ch];
+          st[P + j * D + ch] = 0;
+        } else {
+          st[j * D + ch] = 0;
+        }
+      }
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    float tot = 0;
+    for (int w = 0; w < kCompressThreads / 32; ++w) tot += red[w];
+    const float inv = rsqrtf(tot / float(D) + a.eps);
+    for (int ch = threadIdx.x; ch < D; ch += kCompressThreads) out[ch] = c.norm[ch] * (out[ch] * inv);
+    __syncthreads();
+    // RoPE at the window's first position, on the last 2 * half channels.
+    for (int i = threadIdx.x; i < a.rope_half; i += kCompressThreads) {
+      float* v = out + D - 2 * a.rope_half + 2 * i;
+      const float cs = a.cos[size_t(r) * a.rope_half + i], sn = a.sin[size_t(r) * a.rope_half + i];
+      const float x0 = v[0], x1 = v[1];
+      v[0] = x0 * cs - x1 * sn;
+      v[1] = x1 * cs + x0 * sn;
+    }
+    __syncthreads();
+    const int64_t w = (pos + 1) / rate - 1;
+    for (int ch = threadIdx.x; ch < D; ch += kCompressThreads) *entry_at(a.pages, r, w, c.entry_off + ch) = out[ch];
+    __syncthreads();
+  }
+}
+
+constexpr int kScoreWarps = 8, kScoreEntries = 64;
+
+__global__ void __launch_bounds__(kScoreWarps * 32) entry_scores_kernel(EntryScores a) {
+  const int r = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t nv = a.n_visible[r], w0 = int64_t(blockIdx.y) * kScoreEntries;
+  if (w0 >= nv) return;
+  const int H = a.heads, D = a.dim, QD = D + 1;  // q rows padded against bank conflicts
+  extern __shared__ float sh[];
+  float* q = sh;
+  float* wh = q + H * QD;
+  float* keys = wh + H;
+  for (int i = threadIdx.x; i < H * D; i += blockDim.x)
+    q[(i / D) * QD + i % D] = a.q[size_t(r) * H * D + i];
+  for (int h = threadIdx.x; h < H; h += blockDim.x) wh[h] = a.w[size_t(r) * H + h] * a.wscale;
+  __syncthreads();
+  float* key = keys + warp * D;
+  const int64_t w1 = min(nv, w0 + kScoreEntries);
+  for (int64_t w = w0 + warp; w < w1; w += kScoreWarps) {
+    for (int c = lane; c < D; c += 32) key[c] = *entry_at(a.pages, r, w, a.key_off + c);
+    __syncwarp();
+    float s = 0;
+    for (int h = lane; h < H; h += 32) {
+      const float* qh = q + h * QD;
+      float d = 0;
+      for (int c = 0; c < D; ++c) d += qh[c] * key[c];
+      if (d > 0) s += wh[h] * (d * a.scale);
+    }
+    s = warp_sum(s);
+    if (lane == 0) a.scores[size_t(r) * a.ld + w] = s;
+    __syncwarp();
+  }
+}
+
+constexpr int kAttnWarps = 4;
+
+__global__ void __launch_bounds__(kAttnWarps * 32) sink_attention_kernel(SinkAttention a) {
+  const int r = blockIdx.x, lane = threadIdx.x & 31, h = blockIdx.y * kAttnWarps + (threadIdx.x >> 5);
+  if (h >= a.n_heads) return;
+  const int D = a.head_dim, nper = D / 32;
+  float q[kPer], acc[kPer];
+  const float* qr = a.q + (size_t(r) * a.n_heads + h) * D;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    q[i] = i < nper ? qr[lane + 32 * i] : 0.f;
+    acc[i] = 0;
+  }
+  float m = a.sinks[h], l = 1;  // the sink: exp(sink - m) in the denominator, no value
+  auto visit = [&](const float (&k)[kPer]) {
+    float d = 0;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) d += q[i] * k[i];
+    const float s = warp_sum(d) * a.scale;
+    const float mn = fmaxf(m, s), corr = __expf(m - mn), p = __expf(s - mn);
+    l = l * corr + p;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) acc[i] = acc[i] * corr + p * k[i];
+    m = mn;
+  };
+  const int64_t pos = a.pos[r];
+  const int seg = a.row_seg[r], rf = a.seg_first[seg];
+  const int64_t start = a.pos[rf];
+  const float* ring = a.state[seg] + a.ring_off;
+  for (int64_t p = max(int64_t(0), pos - a.window + 1); p <= pos; ++p) {
+    const float* src = p >= start ? a.kv + size_t(rf + (p - start)) * D : ring + size_t(p % a.window) * D;
+    float k[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) k[i] = i < nper ? src[lane + 32 * i] : 0.f;
+    visit(k);
+  }
+  if (a.entries != SinkAttention::kNone) {
+    const int64_t n = a.entries == SinkAttention::kVisible ? a.n_visible[r] : a.k;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t w = a.entries == SinkAttention::kVisible ? j : a.sel[size_t(r) * a.k + j];
+      if (w < 0) break;  // picks are -1 padded
+      float k[kPer];
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) k[i] = i < nper ? *entry_at(a.pages, r, w, lane + 32 * i) : 0.f;
+      visit(k);
+    }
+  }
+  float* o = a.out + (size_t(r) * a.n_heads + h) * D;
+  const float inv = 1.f / l;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i)
+    if (i < nper) o[lane + 32 * i] = acc[i] * inv;
+}
+
+__global__ void window_store_kernel(const float* __restrict__ kv, int D, int W, const int32_t* __restrict__ seg_first,
+                                    const int64_t* __restrict__ pos, float* const* state, int64_t ring_off) {
+  const int seg = blockIdx.x, rf = seg_first[seg], rl = seg_first[seg + 1] - 1;
+  const int64_t start = pos[rf], p = pos[rl] - int64_t(blockIdx.y);
+  if (p < start) return;
+  const float* src = kv + size_t(rf + (p - start)) * D;
+  float* dst = state[seg] + ring_off + size_t(p % W) * D;
+  for (int c = threadIdx.x; c < D; c += blockDim.x) dst[c] = src[c];
+}
+
+__global__ void rope_rows_kernel(float* x, int n_vec, int64_t row_stride, int64_t vec_stride, int offset, int half,
+                                 const float* __restrict__ cos, const float* __restrict__ sin, float sign) {
+  const int r = blockIdx.x;
+  for (int idx = threadIdx.x; idx < n_vec * half; idx += blockDim.x) {
+    const int v = idx / half, i = idx % half;
+    float* p = x + size_t(r) * row_stride + size_t(v) * vec_stride + offset + 2 * i;
+    const float cs = cos[size_t(r) * half + i], sn = sign * sin[size_t(r) * half + i];
+    const float x0 = p[0], x1 = p[1];
+    p[0] = x0 * cs - x1 * sn;
+    p[1] = x1 * cs + x0 * sn;
+  }
+}
+
+__global__ void regroup_kernel(const float* __restrict__ src, int rows, int groups, int C, __nv_bfloat16* dst,
+                               bool split) {
+  const size_t n = size_t(rows) * groups * C;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    // i indexes the [r][g][c] order.
+    const int c = int(i % C), g = int((i / C) % groups);
+    const size_t r = i / (size_t(C) * groups), gi = (size_t(g) * rows + r) * C + c;
+    if (split)
+      dst[gi] = __float2bfloat16_rn(src[i]);
+    else
+      dst[i] = __float2bfloat16_rn(src[gi]);
+  }
+}
+
+}  // namespace
+
+void compress(const CompressPass& a, cudaStream_t s) {
+  if (a.n_seg <= 0) return;
+  int dmax = 0;
+  for (int i = 0; i < a.n_comp; ++i) dmax = std::max(dmax, a.c[i].dim);
+  const size_t smem = (size_t(dmax) + kCompressThreads / 32) * sizeof(float);
+  check(smem <= 48 * 1024, DZ_ERR_UNSUPPORTED, "compress: entry width ", dmax, " floats");
+  compress_kernel<<<dim3(unsigned(a.n_seg), unsigned(a.n_comp)), kCompressThreads, smem, s>>>(a);
+  DZ_CUDA_LAUNCH_CHECK();
+}
+
+void entry_scores(const EntryScores& a, cudaStream_t s) {
+  if (a.n_rows <= 0 || a.max_visible <= 0) return;
+  const size_t smem = (size_t(a.heads) * (a.dim + 1) + a.heads + size_t(kScoreWarps) * a.dim) * sizeof(float);
+  check(smem <= 200 * 1024, DZ_ERR_UNSUPPORTED, "entry_scores: ", a.heads, " indexer heads of ", a.dim,
+        " (too large for shared memory)");
+  if (smem > 48 * 1024)
+    DZ_CUDA_CHECK(cudaFuncSetAttribute(entry_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  const dim3 grid(unsigned(a.n_rows), unsigned((a.max_visible + kScoreEntries - 1) / kScoreEntries));
+  entry_scores_kernel<<<grid, kScoreWarps * 32, smem, s>>>(a);
+  DZ_CUDA_LAUNCH_CHECK();
+}
+
+void sink_attention(const SinkAttention& a, cudaStream_t s) {
+  if (a.n_rows <= 0) return;
+  check(a.head_dim % 32 == 0 && a.head_dim <= kMaxHeadDim, DZ_ERR_UNSUPPORTED, "sink_attention: head_dim ", a.head_dim,
+        " (a multiple of 32 up to ", kMaxHeadDim, ")");
+  const dim3 grid(unsigned(a.n_rows), unsigned((a.n_heads + kAttnWarps - 1) / kAttnWarps));
+  sink_attention_kernel<<<grid, kAttnWarps * 32, 0, s>>>(a);
+  DZ_CUDA_LAUNCH_CHECK();
+}
+
+void window_store(const float* kv, int dim, int window, int n_seg, const int32_t* seg_first, const int64_t* pos,
+                  float* const* state, int64_t ring_off, cudaStream_t s) {
+  if (n_seg <= 0) return;
+  window_store_kernel<<<dim3(unsigned(n_seg), unsigned(window)), 128, 0, s>>>(kv, dim, window, seg_first, pos, state,
+                                                                            ring_off);
+  DZ_CUDA_LAUNCH_CHECK();
+}
+
+void rope_interleaved_rows(float* x, int n_rows, int n_vec, int64_t row_stride, int64_t vec_stride, int offset,
+                           int half, const float* cos, const float* sin, bool inverse, cudaStream_t s) {
+  if (n_rows <= 0 || half <= 0) return;
+  rope_rows_kernel<<<n_rows, 128, 0, s>>>(x, n_vec, row_stride, vec_stride, offset, half, cos, sin,
+                                          inverse ? -1.f : 1.f);
+  DZ_CUDA_LAUNCH_CHECK();
+}
+
+void split_groups_bf16(const float* src, int rows, int groups, int C, uint16_t* dst, cudaStream_t s) {
+  if (rows <= 0) return;
+  regroup_kernel<<<512, 256, 0, s>>>(src, rows, groups, C, reinterpret_cast<__nv_bfloat16*>(dst), true);
+  DZ_CUDA_LAUNCH_CHECK();
+}
+
+void join_groups_bf16(const float* src, int rows, int groups, int C, uint16_t* dst, cudaStream_t s) {
+  if (rows <= 0) return;
+  regroup_kernel<<<512, 256, 0, s>>>(src, rows, groups, C, reinterpret_cast<__nv_bfloat16*>(dst), false);
+  DZ_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace dz::cuda
