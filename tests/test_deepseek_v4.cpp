@@ -23,7 +23,9 @@
 #include "cpu/compress.h"
 #include "cpu/hyper_connection.h"
 #include "cpu/moe.h"
+#include "support/api_model.h"
 #include "support/family_fixture.h"
+#include "support/gpu.h"
 #include "support/safetensors_writer.h"
 
 namespace {
@@ -522,15 +524,70 @@ std::string native_name(const std::string& hf) {
   return {};
 }
 
+// The fixture in DeepSeek's own layout (native) and, in transformers' layout, its twin holding the same values;
+// quantised: the q/kv/output projections and shared experts in FP8, the routed experts in FP4 (the twin holds
+// their decoded values, in F32).
+void native_checkpoint(bool quantised, std::vector<dz::test::RawTensor>& native,
+                       std::vector<dz::test::RawTensor>& twin) {
+  const auto hf = fixture_tensors();
+  const int64_t E = 8, I = 32, H = 64;
+  for (const auto& [name, t] : hf) {
+    const bool experts = name.find("mlp.experts.") != std::string::npos;
+    const bool fp8 = quantised && (name.find("q_b_proj.weight") != std::string::npos ||
+                                   name.find("self_attn.kv_proj.weight") != std::string::npos ||
+                                   name.find("o_b_proj.weight") != std::string::npos ||
+                                   name.find("shared_experts.") != std::string::npos);
+    if (experts) {
+      if (name.find("gate_up_proj") == std::string::npos && name.find("down_proj") == std::string::npos) continue;
+      const bool up = name.find("gate_up_proj") != std::string::npos;
+      const std::vector<float> w = as_f32(t);
+      std::vector<float> twin_w(w.size());
+      const std::string layer =
+          name.substr(std::strlen("model.layers."), name.find(".mlp") - std::strlen("model.layers."));
+      const int64_t rows = up ? 2 * I : H, cols = up ? H : I;
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string base = "layers." + layer + ".ffn.experts." + std::to_string(e) + ".";
+        for (int part = 0; part < (up ? 2 : 1); ++part) {
+          const int64_t n = up ? I : H;
+          const std::vector<float> sub(w.begin() + (e * rows + part * n) * cols,
+                                       w.begin() + (e * rows + part * n + n) * cols);
+          const std::string wname = base + (up ? (part ? "w3" : "w1") : "w2");
+          std::vector<float> deq = sub;
+          if (quantised) {
+            auto [q, s] = quantize_fp4(wname, n, cols, sub, deq);
+            native.push_back(q), native.push_back(s);
+          } else {
+            native.push_back(f32_tensor(wname + ".weight", {n, cols}, sub));
+          }
+          std::copy(deq.begin(), deq.end(), twin_w.begin() + (e * rows + part * n) * cols);
+        }
+      }
+      twin.push_back(f32_tensor(name, t.shape, twin_w));
+      continue;
+    }
+    const std::string nn = native_name(name);
+    if (fp8) {
+      std::vector<float> deq;
+      auto [q, s] =
+          quantize_fp8(nn.substr(0, nn.size() - std::strlen(".weight")), t.shape[0], t.shape[1], as_f32(t), deq);
+      native.push_back(q), native.push_back(s);
+      twin.push_back(f32_tensor(name, t.shape, deq));
+    } else {
+      dz::test::RawTensor c = t;
+      c.name = nn;
+      native.push_back(c);
+      twin.push_back(t);
+    }
+  }
+}
+
 }  // namespace
 
 TEST_CASE("deepseek_v4 from DeepSeek's own checkpoint layout: names, per-expert tensors, FP8 and FP4 weights",
           "[deepseek_v4]") {
   namespace fs = std::filesystem;
-  const auto hf = fixture_tensors();
   const Reference& ref = dz::test::family_fixture(kName).refs[1];
   const size_t V = 320, T = ref.prompt.size();
-  const int64_t E = 8, I = 32, H = 64;
   nlohmann::json cfg;
   std::ifstream(fs::path(dz::test::kFixtureData) / kName / "config.json") >> cfg;
   auto run = [&](const fs::path& dir, const std::vector<dz::test::RawTensor>& ts) {
@@ -542,58 +599,9 @@ TEST_CASE("deepseek_v4 from DeepSeek's own checkpoint layout: names, per-expert 
     Runner r(m);
     return r.append(ref.prompt);
   };
-  // Quantised: the q/kv/output projections and shared experts in FP8, the routed experts in FP4. The
-  // transformers-layout twin holds the same values decoded, in F32.
   for (const bool quantised : {false, true}) {
     std::vector<dz::test::RawTensor> native, twin;
-    for (const auto& [name, t] : hf) {
-      const bool experts = name.find("mlp.experts.") != std::string::npos;
-      const bool fp8 = quantised && (name.find("q_b_proj.weight") != std::string::npos ||
-                                     name.find("self_attn.kv_proj.weight") != std::string::npos ||
-                                     name.find("o_b_proj.weight") != std::string::npos ||
-                                     name.find("shared_experts.") != std::string::npos);
-      if (experts) {
-        if (name.find("gate_up_proj") == std::string::npos && name.find("down_proj") == std::string::npos) continue;
-        const bool up = name.find("gate_up_proj") != std::string::npos;
-        const std::vector<float> w = as_f32(t);
-        std::vector<float> twin_w(w.size());
-        const std::string layer =
-            name.substr(std::strlen("model.layers."), name.find(".mlp") - std::strlen("model.layers."));
-        const int64_t rows = up ? 2 * I : H, cols = up ? H : I;
-        for (int64_t e = 0; e < E; ++e) {
-          const std::string base = "layers." + layer + ".ffn.experts." + std::to_string(e) + ".";
-          for (int part = 0; part < (up ? 2 : 1); ++part) {
-            const int64_t n = up ? I : H;
-            const std::vector<float> sub(w.begin() + (e * rows + part * n) * cols,
-                                         w.begin() + (e * rows + part * n + n) * cols);
-            const std::string wname = base + (up ? (part ? "w3" : "w1") : "w2");
-            std::vector<float> deq = sub;
-            if (quantised) {
-              auto [q, s] = quantize_fp4(wname, n, cols, sub, deq);
-              native.push_back(q), native.push_back(s);
-            } else {
-              native.push_back(f32_tensor(wname + ".weight", {n, cols}, sub));
-            }
-            std::copy(deq.begin(), deq.end(), twin_w.begin() + (e * rows + part * n) * cols);
-          }
-        }
-        twin.push_back(f32_tensor(name, t.shape, twin_w));
-        continue;
-      }
-      const std::string nn = native_name(name);
-      if (fp8) {
-        std::vector<float> deq;
-        auto [q, s] =
-            quantize_fp8(nn.substr(0, nn.size() - std::strlen(".weight")), t.shape[0], t.shape[1], as_f32(t), deq);
-        native.push_back(q), native.push_back(s);
-        twin.push_back(f32_tensor(name, t.shape, deq));
-      } else {
-        dz::test::RawTensor c = t;
-        c.name = nn;
-        native.push_back(c);
-        twin.push_back(t);
-      }
-    }
+    native_checkpoint(quantised, native, twin);
     const fs::path tmp = fs::temp_directory_path() / ("dz-test-dsv4-native-" + std::to_string(::getpid()));
     const std::vector<float> a = run(tmp / "native", native), b = run(tmp / "twin", twin);
     const auto [worst, diff] = dz::test::compare_logits(a.data(), b.data(), T, V);
@@ -610,4 +618,43 @@ TEST_CASE("deepseek_v4 from DeepSeek's own checkpoint layout: names, per-expert 
     }
     fs::remove_all(tmp);
   }
+}
+
+// DeepSeek's own layout with FP8 projections and FP4 routed experts on the GPU
+// (the FP4 experts stay MXFP4 on the device: cuda::MoeLayer with V4's clamped
+// SwiGLU, the fused kernels (NATIVE) and AUTO's choice) against the CPU on the
+// same checkpoint; tolerances as tests/test_deepseek_v4_cuda.cpp states them.
+TEST_CASE("deepseek_v4 on the GPU from DeepSeek's layout with FP8 and FP4 weights matches the CPU",
+          "[cuda][deepseek_v4]") {
+  if (!dz::test::have_gpu()) return;
+  namespace fs = std::filesystem;
+  std::vector<dz::test::RawTensor> native, twin;
+  native_checkpoint(true, native, twin);
+  const fs::path dir = dz::test::temp_dir("dsv4-native-gpu");
+  dz::test::write_sharded(dir, native, 2);
+  nlohmann::json cfg;
+  std::ifstream(fs::path(dz::test::kFixtureData) / kName / "config.json") >> cfg;
+  cfg["index_topk"] = 4096;  // the indexer keeps every entry
+  std::ofstream(dir / "config.json") << cfg.dump();
+  const Reference& ref = dz::test::family_fixture(kName).refs[2];
+  const size_t V = 320, T = ref.prompt.size();
+  for (const dz_expert_precision ex : {DZ_EXPERTS_NATIVE, DZ_EXPERTS_AUTO}) {
+    dz::test::ApiModel gpu(dir.string(), DZ_DEVICE_CUDA, nullptr, ex), cpu(dir.string(), DZ_DEVICE_CPU);
+    dz_session *gs = gpu.session(), *cs = cpu.session();
+    const std::vector<float> g = dz::test::append_logits(gs, ref.prompt), h = dz::test::append_logits(cs, ref.prompt);
+    double worst = 1, sum = 0;
+    size_t below = 0;
+    for (size_t t = 0; t < T; ++t) {
+      const double cv = cosine(g.data() + t * V, h.data() + t * V, V);
+      worst = std::min(worst, cv), sum += cv, below += cv < 0.999;
+    }
+    WARN("deepseek_v4 GPU, DeepSeek's layout, FP8 projections and FP4 experts ("
+         << (ex == DZ_EXPERTS_NATIVE ? "NATIVE" : "AUTO") << "): logits cosine vs CPU worst " << worst << ", mean "
+         << sum / double(T) << ", " << below << " of " << T << " rows below 0.999");
+    CHECK(sum / double(T) >= 0.999);
+    CHECK(below * 20 <= T);
+    dz_session_free(gs);
+    dz_session_free(cs);
+  }
+  fs::remove_all(dir);
 }

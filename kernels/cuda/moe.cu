@@ -58,8 +58,12 @@ __device__ __forceinline__ float swiglu(float gate, float up) {
 // division: gate / inf = -0 for gate < -88, the limit). silu is uniform (a
 // kernel argument, or a template argument: a runtime branch in the fused
 // W4A16 gate_up kernel cost the gpt-oss instances spills).
-__device__ __forceinline__ float glu(float gate, float up, bool silu) {
-  if (silu) return gate / (1.f + expf(-gate)) * up;
+// limit > 0 (silu only, DeepSeek-V4): gate <= limit and |up| <= limit first.
+__device__ __forceinline__ float glu(float gate, float up, bool silu, float limit = 0) {
+  if (silu) {
+    if (limit > 0) gate = fminf(gate, limit), up = fminf(fmaxf(up, -limit), limit);
+    return gate / (1.f + expf(-gate)) * up;
+  }
   return swiglu(gate, up);
 }
 
@@ -328,6 +332,7 @@ struct W4Args {
   // (nonzero) counts its blocks done by expert; down waits for this many of
   // its expert's instead of the whole gate_up grid. 0: off.
   int expert_wait;
+  float limit;  // kSilu: MoeShape::silu_limit
   const int* ids;
   const float* x;
   int *inv, *err;
@@ -618,7 +623,7 @@ __global__ void __launch_bounds__(kW4Threads, kN == 1 ? 3 : 2) w4_kernel(W4Args 
         if (tok >= m) continue;
         const int row = seg + base + tok;
         if (kGateUp) {
-          float v = glu(acc[n][j] * xsc[n][j] + biasA, acc[n][2 + j] * xsc[n][j] + biasB, kSilu);
+          float v = glu(acc[n][j] * xsc[n][j] + biasA, acc[n][2 + j] * xsc[n][j] + biasB, kSilu, a.limit);
           if (kSilu) {  // fp16 as v / x_scale^2 (exact: powers of two), not v
             const float r = 1.f / xsc[n][j];
             v = v * r * r;
@@ -1569,7 +1574,7 @@ unsigned gather_quant_blocks(int T, int nkb, int E) {
 // whole row left one expert's launch short of warps).
 constexpr int kSwigluBlocks = 4;
 __global__ void swiglu_quant_kernel(const __nv_bfloat16* d1, int I, int nkb, const uint16_t* b1, int silu,
-                                    const int* sorted, const int* row_expert, const int* offsets, int r0, int nrows,
+                                    float limit, const int* sorted, const int* row_expert, const int* offsets, int r0, int nrows,
                                     uint8_t* q, float* qs, int64_t xs_ld) {
   const int warp = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
   const int groups = (nkb + kSwigluBlocks - 1) / kSwigluBlocks;
@@ -1602,7 +1607,7 @@ __global__ void swiglu_quant_kernel(const __nv_bfloat16* d1, int I, int nkb, con
       for (int i = 0; i < 4; ++i) {
         const float gate = bf16_to_float(uint16_t(w[i] & 0xFFFF)) + bf16_to_float(uint16_t(bw[i] & 0xFFFF));
         const float up = bf16_to_float(uint16_t(w[i] >> 16)) + bf16_to_float(uint16_t(bw[i] >> 16));
-        v[i] = glu(gate, up, silu);
+        v[i] = glu(gate, up, silu, limit);
       }
     }
     float sc;
@@ -1766,6 +1771,8 @@ struct MoeLayer::Impl {
           " I=", s.intermediate);
     check(s.act == MoeActivation::kGptOss || s.act == MoeActivation::kSilu, DZ_ERR_INVALID_ARGUMENT,
           "MoeLayer: unknown activation ", int(s.act));
+    check(s.silu_limit >= 0 && (s.silu_limit == 0 || s.act == MoeActivation::kSilu), DZ_ERR_INVALID_ARGUMENT,
+          "MoeLayer: silu_limit ", s.silu_limit, " (>= 0, with the plain SwiGLU only)");
     check(opt.tile_experts >= 1, DZ_ERR_INVALID_ARGUMENT, "tile_experts must be >= 1");
     tile_cap = std::min(opt.tile_experts, s.n_experts);
     check(opt.gemm_streams >= 1 && opt.gemm_streams <= 16, DZ_ERR_INVALID_ARGUMENT, "gemm_streams must be 1..16");
@@ -1908,6 +1915,7 @@ struct MoeLayer::Impl {
     }
     const unsigned max_active = unsigned(std::min<int64_t>(E, int64_t(T) * s.topk));
     W4Args a{};
+    a.limit = s.silu_limit;
     if (direct(T)) {  // grid y = topk: one block row per routed slot
       a.direct = 1, a.n_experts = E, a.H = H, a.ids = ids, a.x = x, a.err = err.get();
     }
@@ -2107,7 +2115,7 @@ struct MoeLayer::Impl {
   void swiglu_between(int r0, int nrows, const uint16_t* b1, int64_t ld, cudaStream_t st) {
     const int nkb_i = int(kpi / 128);
     swiglu_quant_kernel<<<swiglu_quant_blocks(nrows, nkb_i), 256, 0, st>>>(
-        d1.get(), s.intermediate, nkb_i, b1, silu() ? 1 : 0, sorted.get(), row_expert.get(), offsets.get(), r0, nrows,
+        d1.get(), s.intermediate, nkb_i, b1, silu() ? 1 : 0, s.silu_limit, sorted.get(), row_expert.get(), offsets.get(), r0, nrows,
         a2.get(), a2s.get(), ld);
     DZ_CUDA_LAUNCH_CHECK();
   }

@@ -45,6 +45,8 @@ struct MoeShape {
   int hidden = 0;        // H: input/output features (multiple of 32 and 16)
   int intermediate = 0;  // I: SwiGLU width (gate_up has 2I rows)
   MoeActivation act = MoeActivation::kGptOss;
+  // kSilu: > 0 clamps first, gate <= silu_limit and |up| <= silu_limit (DeepSeek-V4's experts).
+  float silu_limit = 0;
 };
 
 // One layer's experts on the device, checkpoint layout (MXFP4 blocks/scales,

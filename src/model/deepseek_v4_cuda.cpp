@@ -13,7 +13,8 @@
 //    GEMM a group.
 //  - MoE: the router's logits in BF16, sqrt(softplus) scores, hash or scored
 //    choice on the device; routed experts in BF16 through cuda::Bf16Experts
-//    and the shared expert as BF16 GEMMs, both with V4's clamped SwiGLU.
+//    or in MXFP4 (DeepSeek's FP4 experts) through cuda::MoeLayer, and the
+//    shared expert as BF16 GEMMs, all with V4's clamped SwiGLU.
 // A forward works on copies of its sequences' states and moves them into the
 // slots only once every pass has run, so a failed or cancelled call leaves the
 // state as it was. Eager launches (no CUDA graphs yet).
@@ -42,6 +43,7 @@ std::unique_ptr<Family> make_deepseek_v4_cuda(const Config&, const WeightStore&,
 #include "cuda/dsa_indexer.h"
 #include "cuda/hyper_connection.h"
 #include "cuda/mla.h"
+#include "cuda/moe.h"
 #include "cuda/moe_bf16.h"
 #include "cuda/norm.h"
 #include "cuda/router.h"
@@ -80,6 +82,7 @@ struct DevLayer {
   DeviceArray<float> router_bias;
   DeviceArray<int32_t> hash;  // [vocab][k] or empty
   DevMlp shared;
+  DevMxfp4Experts fp4;  // routed experts in MXFP4
 };
 
 // Page bytes a token of a compressed layer: the CPU's rule rounded up to whole floats.
@@ -145,13 +148,16 @@ class DeepseekV4Cuda final : public Family, private DeepseekV4Desc {
   uint64_t device_bytes_ = 0, gpu_key_ = 0;
   int max_rows_ = kDefaultRows;
   int64_t rate_csa_ = 0, rate_hca_ = 0;
+  bool mxfp4_experts_ = false;
+  cuda::MoePath path_ = cuda::MoePath::kAuto;
   std::unique_ptr<CudaModelCore> core_;
   std::unique_ptr<cuda::Bf16Experts> experts_;
+  std::unique_ptr<cuda::MoeLayer> moe_;
   std::vector<DevLayer> dl_;
   DevHc head_;
   DeviceArray<float> ones_;  // the per-head query norm has no weight
   // Pass scratch (grown on demand).
-  DeviceArray<float> x_, col_, y_, w_, qres_, q_, kv_, cbuf_, icbuf_, iq_, iw_, scores_, att_, mid_, rlog_, gw_, state_;
+  DeviceArray<float> x_, col_, xn_, y_, w_, qres_, q_, kv_, cbuf_, icbuf_, iq_, iw_, scores_, att_, mid_, rlog_, gw_, state_;
   DeviceArray<uint16_t> xb_, qresb_, grp_, midb_;
   DeviceArray<int32_t> ids_, sel_;
   DeviceArray<uint8_t> meta_;
@@ -169,6 +175,7 @@ DeepseekV4Cuda::DeepseekV4Cuda(const Config& cfg, const WeightStore& ws, const d
         "deepseek_v4 CUDA: dz_expert_precision ", int(params.experts), " (AUTO or NATIVE so far)");
   check(params.bf16_sensitive != 0, DZ_ERR_UNSUPPORTED,
         "deepseek_v4 CUDA: bf16_sensitive = 0 (lower-precision projections) is not implemented");
+  path_ = params.experts == DZ_EXPERTS_NATIVE ? cuda::MoePath::kFused : cuda::MoePath::kAuto;
   if (params.pass_tokens) max_rows_ = int(params.pass_tokens);
   check(hc_.n <= cuda::kHcMaxStreams, DZ_ERR_UNSUPPORTED, src, ": hc_mult ", hc_.n, " (the CUDA mHC takes at most ",
         cuda::kHcMaxStreams, " streams)");
@@ -176,16 +183,20 @@ DeepseekV4Cuda::DeepseekV4Cuda(const Config& cfg, const WeightStore& ws, const d
         " (the CUDA attention takes multiples of 32 up to 512)");
   check(routing_.n_experts <= 256 && routing_.n_active <= 16, DZ_ERR_UNSUPPORTED, src, ": ", routing_.n_experts,
         " experts top-", routing_.n_active, " (CUDA router: at most 256, top-16)");
+  // The experts: all BF16 (transformers' layout) or all MXFP4 (DeepSeek's FP4 experts).
+  int n_bf16 = 0, n_fp4 = 0;
   for (const v4::Layer& L : layers_) {
-    for (const SwiGlu& x : L.ffn.experts)
-      check(x.gate.kind != cpu::WeightKind::MXFP4 && x.up.kind != cpu::WeightKind::MXFP4 &&
-                x.down.kind != cpu::WeightKind::MXFP4,
-            DZ_ERR_UNSUPPORTED, src,
-            ": FP4 routed experts are not served on the GPU yet (the MXFP4 expert kernels lack V4's clamped "
-            "SwiGLU); use DZ_DEVICE_CPU");
+    for (const SwiGlu& x : L.ffn.experts) {
+      const bool fp4 = x.gate.kind == cpu::WeightKind::MXFP4 && x.up.kind == cpu::WeightKind::MXFP4 &&
+                       x.down.kind == cpu::WeightKind::MXFP4;
+      (fp4 ? n_fp4 : n_bf16)++;
+    }
     if (L.kind == Attn::Csa) rate_csa_ = L.rate;
     if (L.kind == Attn::Hca) rate_hca_ = L.rate;
   }
+  check(n_bf16 == 0 || n_fp4 == 0, DZ_ERR_UNSUPPORTED, src, ": ", n_fp4, " routed experts in FP4 and ", n_bf16,
+        " in other formats; the CUDA backend takes one format for all");
+  mxfp4_experts_ = n_fp4 > 0;
   gpu_key_ = fnv1a(cfg.json().dump(), fnv1a("deepseek_v4 cuda kv: f32 entries|index keys per m tokens, 4-byte "
                                             "slots; state f32 window ring, softmax pools v1 " +
                                             std::to_string(weights_bytes_)));
@@ -193,7 +204,9 @@ DeepseekV4Cuda::DeepseekV4Cuda(const Config& cfg, const WeightStore& ws, const d
   const int64_t H = hidden_, NHC = hc_.n, D = head_dim_, NH = n_heads_, QL = q_lora_, G = o_groups_, R = o_rank_;
   const int64_t ID = idx_dim_, IH = idx_heads_, E = routing_.n_experts, k = routing_.n_active, I = moe_inter_;
   // Scratch a row (bytes).
-  const int64_t row = 4 * (NHC * H + 3 * H + 2 * NHC + NHC * NHC + QL + NH * D + D + 4 * D + 4 * ID + IH * ID + IH +
+  const int64_t KP = (std::max(H, I) + 127) / 128 * 128;
+  const int64_t slot = mxfp4_experts_ ? 12 + 6 * H + 4 * I + 4 * KP + (2 * KP) / 32 : 0;
+  const int64_t row = k * slot + 4 * (NHC * H + 4 * H + 2 * NHC + NHC * NHC + QL + NH * D + D + 4 * D + 4 * ID + IH * ID + IH +
                            NH * D + G * R + E + k + 2 * I) +
                       2 * (H + QL + NH * D + G * R) + 4 * k + 4 * int64_t(std::min<int64_t>(idx_topk_, 1 << 20)) +
                       1024;
@@ -209,14 +222,23 @@ DeepseekV4Cuda::DeepseekV4Cuda(const Config& cfg, const WeightStore& ws, const d
                                     &L.icomp.gate, &L.iq_b, &L.iweights, &L.ffn.router})
       if (w->data) as_bf16(*w);
     if (L.ffn.shared.inter) as_bf16(L.ffn.shared.gate), as_bf16(L.ffn.shared.up), as_bf16(L.ffn.shared.down);
-    for (const SwiGlu& x : L.ffn.experts) as_bf16(x.gate), as_bf16(x.up), as_bf16(x.down);
+    for (const SwiGlu& x : L.ffn.experts)
+      for (const cpu::WeightRef* w : {&x.gate, &x.up, &x.down})
+        dev_weights += mxfp4_experts_ ? size_t(w->rows * w->cols) / 32 * 17 : size_t(w->rows * w->cols) * 2;
     dev_weights += L.ffn.hash.size() * 4;
   }
   const size_t scratch = size_t(max_rows_) * size_t(row) + kScoreFloats * 4 + size_t(kLogitRows) * n_vocab_ * 4 +
                          64 * state_floats_ * 4 + (size_t(1) << 30);
   core_ = std::make_unique<CudaModelCore>(dev_, dev_weights + scratch, "deepseek_v4");
-  experts_ = std::make_unique<cuda::Bf16Experts>(core_->ctx(), core_->gemm(), int(E), int(k), int(H), int(I));
-  experts_->set_swiglu_limit(routing_.swiglu_limit);
+  if (mxfp4_experts_) {
+    cuda::MoeShape ms;
+    ms.n_experts = int(E), ms.topk = int(k), ms.hidden = int(H), ms.intermediate = int(I);
+    ms.act = cuda::MoeActivation::kSilu, ms.silu_limit = routing_.swiglu_limit;
+    moe_ = std::make_unique<cuda::MoeLayer>(core_->ctx(), ms, max_rows_);
+  } else {
+    experts_ = std::make_unique<cuda::Bf16Experts>(core_->ctx(), core_->gemm(), int(E), int(k), int(H), int(I));
+    experts_->set_swiglu_limit(routing_.swiglu_limit);
+  }
 
   cuda::WeightLoader ld(core_->ctx().pool(), weights_bytes_, params, "deepseek_v4");
   auto f32 = [&](const cpu::WeightRef& w, const char* what) {
@@ -262,11 +284,15 @@ DeepseekV4Cuda::DeepseekV4Cuda(const Config& cfg, const WeightStore& ws, const d
     d.router = ld.bf16({&L.ffn.router}, "router");
     if (!L.ffn.router_bias.empty()) d.router_bias = ld.array(L.ffn.router_bias, "e_score_correction_bias");
     if (!L.ffn.hash.empty()) d.hash = ld.array(L.ffn.hash, "tid2eid");
+    if (L.ffn.shared.inter) d.shared = CudaModelCore::load_mlp(ld, L.ffn.shared);
+    if (mxfp4_experts_) {
+      d.fp4 = CudaModelCore::load_mxfp4_experts(ld, L.ffn.experts, H, I);
+      continue;
+    }
     std::vector<const cpu::WeightRef*> w13, w2;
     for (const SwiGlu& x : L.ffn.experts) w13.push_back(&x.gate), w13.push_back(&x.up), w2.push_back(&x.down);
     d.w13 = ld.bf16(w13, "experts gate/up");
     d.w2 = ld.bf16(w2, "experts down");
-    if (L.ffn.shared.inter) d.shared = CudaModelCore::load_mlp(ld, L.ffn.shared);
   }
   ld.finish(src);
   device_bytes_ = ld.bytes();
@@ -510,6 +536,7 @@ void DeepseekV4Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
 
   float* x = room(x_, TS * NHC * H, "residual streams");
   float* col = room(col_, TS * H, "collapsed streams");
+  float* xn = mxfp4_experts_ ? room(xn_, TS * H, "normalised ffn input") : nullptr;
   float* y = room(y_, TS * H, "sublayer out");
   uint16_t* xb = room(xb_, TS * H, "x bf16");
   room(w_, TS * (2 * NHC + NHC * NHC), "mHC weights");
@@ -538,13 +565,17 @@ void DeepseekV4Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
     attention(D, Ly, li, m, y, s);
     cuda::hc_post(x, y, w_.get(), T, NHC, H, s);
     hc_pre(D.ffn_hc, false, T, col, s);
-    cuda::rms_norm(col, nullptr, T, H, D.post_norm.get(), eps_, nullptr, xb, s);
+    cuda::rms_norm(col, nullptr, T, H, D.post_norm.get(), eps_, xn, xb, s);
     core_->gemm().run(xb, D.router.get(), nullptr, rlog, T, E, H, 0.f, s);
     cuda::router_sqrt_softplus(rlog, D.router_bias.get(), D.hash.get(), m.tok, T, E, k, routing_.scale, ids, gw, s);
     DZ_CUDA_CHECK(cudaMemsetAsync(y, 0, TS * H * 4, s));
-    cuda::Bf16ExpertWeights bw;
-    bw.w13 = D.w13.get(), bw.w2 = D.w2.get();
-    experts_->forward(bw, xb, ids, gw, T, y, s);  // y = experts(xb)
+    if (moe_) {
+      moe_->forward(D.fp4.weights(), xn, ids, gw, T, y, path_, true);  // y = experts(xn)
+    } else {
+      cuda::Bf16ExpertWeights bw;
+      bw.w13 = D.w13.get(), bw.w2 = D.w2.get();
+      experts_->forward(bw, xb, ids, gw, T, y, s);  // y = experts(xb)
+    }
     if (D.shared.inter) core_->mlp(D.shared, xb, T, H, y, s, routing_.swiglu_limit);
     cuda::hc_post(x, y, w_.get(), T, NHC, H, s);
   }
@@ -553,6 +584,10 @@ void DeepseekV4Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
   core_->logits(col, reinterpret_cast<const int32_t*>(at(o_lr)), int(logit_rows.size()), H, V, eps_, xb,
                 reinterpret_cast<float* const*>(at(o_dd)), logit_dst, argmax_dst, s);
   DZ_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (moe_) {
+    const int err = moe_->take_error();
+    check(err == 0, DZ_ERR_INTERNAL, "deepseek_v4 CUDA: an expert id was out of range");
+  }
 }
 
 }  // namespace
