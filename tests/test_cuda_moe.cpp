@@ -331,7 +331,8 @@ std::vector<float> fused_in_graph(MoeLayer& layer, const MoeWeights& w, const fl
 // act: gpt-oss's clamped SwiGLU, or (MoeActivation::kSilu) the plain one,
 // silu(gate) * up; gate / up rows interleaved either way. Empty b1 / b2: no
 // biases (null on the device).
-std::vector<double> moe_ref(const MoeCase& c, MoeActivation act_kind = MoeActivation::kGptOss) {
+// limit > 0 (kSilu): DeepSeek-V4's clamp first, gate <= limit and |up| <= limit.
+std::vector<double> moe_ref(const MoeCase& c, MoeActivation act_kind = MoeActivation::kGptOss, double limit = 0) {
   std::vector<double> out(size_t(c.T * c.H), 0.0);
   std::vector<double> act(size_t(c.I));
   for (int t = 0; t < c.T; ++t)
@@ -346,6 +347,7 @@ std::vector<double> moe_ref(const MoeCase& c, MoeActivation act_kind = MoeActiva
           u += cpu::mxfp4_value(v1, 2 * j + 1, h) * c.x[size_t(t * c.H + h)];
         }
         if (act_kind == MoeActivation::kSilu) {
+          if (limit > 0) g = std::min(g, limit), u = std::max(-limit, std::min(u, limit));
           act[size_t(j)] = g / (1.0 + std::exp(-g)) * u;
           continue;
         }
@@ -916,6 +918,38 @@ TEST_CASE("CUDA MoE layer: the plain SwiGLU (DeepSeek) without biases, fused and
       }
       CHECK(layer.take_error() == 0);
     }
+  }
+  // DeepSeek-V4's clamped plain SwiGLU (MoeShape::silu_limit) on both paths, inputs large enough that most
+  // gate/up sums pass the limit.
+  {
+    const float limit = 0.75f;
+    CHECK_THROWS_AS(MoeLayer(ctx, MoeShape{16, 2, 256, 256, MoeActivation::kGptOss, limit}, 4), Error);
+    MoeCase c = make_moe(16, 4, 96, 64, 80, rng);
+    c.b1.clear(), c.b2.clear();
+    for (float& v : c.x) v *= 8;
+    const auto ref = moe_ref(c, MoeActivation::kSilu, limit), plain = moe_ref(c, MoeActivation::kSilu);
+    MoeOptions opt;
+    opt.tile_experts = 3;
+    MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I, MoeActivation::kSilu, limit}, c.T, opt);
+    Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
+    Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
+    Dev<int> ids(c.ids);
+    const MoeWeights w{w1b.p, w1s.p, nullptr, w2b.p, w2s.p, nullptr};
+    for (int T : {1, 8, 80})
+      for (MoePath path : {MoePath::kFused, MoePath::kFp8}) {
+        layer.forward(w, x.p, ids.p, gw.p, T, out.p, path);
+        ctx.sync();
+        auto got = out.get();
+        got.resize(size_t(T) * c.H);
+        const std::vector<double> r(ref.begin(), ref.begin() + int64_t(T) * c.H),
+            u(plain.begin(), plain.begin() + int64_t(T) * c.H);
+        const double d = finite_diff(got, r), d_plain = finite_diff(got, u);
+        INFO("clamped SwiGLU, T " << T << (path == MoePath::kFused ? " fused" : " FP8") << ": diff " << d
+                                  << " (unclamped reference: " << d_plain << ")");
+        CHECK(d < (path == MoePath::kFused ? 2e-4 : 1e-2));
+        CHECK(d_plain > 10 * d);  // the clamp changed the result
+      }
+    CHECK(layer.take_error() == 0);
   }
   // gpt-oss's activation without one or both biases: the projection without
   // one runs on the W4A16 kernels (the W4A8 kernels add theirs unconditionally),
