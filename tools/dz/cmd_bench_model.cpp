@@ -39,7 +39,8 @@ using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 const char* kUsage =
-    "usage: dz bench model (--make-random DIR [--shape 20b|120b|kimi-48b] | --model DIR) [--device cuda|cpu|auto]\n"
+    "usage: dz bench model (--make-random DIR [--shape 20b|120b|kimi-48b|v4-flash] | --model DIR)\n"
+    "                      [--device cuda|cpu|auto]\n"
     "                      [--prefill N]\n"
     "                      [--prefill-chunk N] [--ctx N] [--steps N] [--batch N] [--experts auto|native|fp8]\n"
     "                      [--attention precise|bf16|auto] [--pass-tokens N] [--threads N] [--activations A]\n"
@@ -47,7 +48,8 @@ const char* kUsage =
     "  --make-random DIR  write a random checkpoint of a published layout into DIR first\n"
     "  --shape S          its shape: gpt-oss 20b (32 experts, 24 layers, 13.8 GB; default) or 120b (128\n"
     "                     experts, 36 layers, 65.2 GB), or kimi-48b (Kimi-Linear-48B-A3B: 27 layers, 98 GB\n"
-    "                     in BF16; 3.6 GB a layer, so --layers cuts it to what the disk and GPU hold)\n"
+    "                     in BF16; 3.6 GB a layer, so --layers cuts it to what the disk and GPU hold), or\n"
+    "                     v4-flash (DeepSeek-V4-Flash in DeepSeek's layout, FP4 experts: 43 layers of 3.7 GB)\n"
     "  --layers N         layers of the random checkpoint (default: the shape's)\n"
     "  --write-only       write it and exit (no benchmark)\n"
     "  --prefill N        prefill tokens (default 4096)\n"
@@ -305,6 +307,122 @@ void write_kimi_checkpoint(const std::string& dir, int layers) {
   write_shards(dir, shards);
 }
 
+// DeepSeek-V4-Flash's shape in DeepSeek's own layout (hidden 4096, 64 heads
+// of 512 over one K=V head with 64 rotary channels, q and o ranks 1024 in 8
+// output groups, window 128, CSA every 4 tokens with a 64 x 128 indexer
+// keeping 512, HCA every 128, four mHC streams, 256 FP4 experts of 2048
+// top-6 plus one shared; 43 layers, 2 HCA then CSA and HCA alternating), the
+// projections in BF16 and every layer's experts scored (no hash layers: the
+// token-id tables' random ids would not be experts); `layers` cuts it short.
+void write_v4_checkpoint(const std::string& dir, int layers) {
+  const int64_t H = 4096, NH = 64, D = 512, QL = 1024, OR = 1024, G = 8, E = 256, I = 2048, V = 129280;
+  const int64_t IH = 64, ID = 128, NHC = 4, MIX = (2 + NHC) * NHC, RC = 4, RH = 128;
+  fs::create_directories(dir);
+  json ratios = json::array(), mlp = json::array();
+  for (int i = 0; i < layers; ++i) ratios.push_back(i >= 2 && (i - 2) % 2 ? RC : RH), mlp.push_back("moe");
+  json cfg = {{"architectures", {"DeepseekV4ForCausalLM"}},
+              {"model_type", "deepseek_v4"},
+              {"vocab_size", V},
+              {"hidden_size", H},
+              {"moe_intermediate_size", I},
+              {"num_hidden_layers", layers},
+              {"num_attention_heads", NH},
+              {"num_key_value_heads", 1},
+              {"head_dim", D},
+              {"qk_rope_head_dim", 64},
+              {"q_lora_rank", QL},
+              {"o_lora_rank", OR},
+              {"o_groups", G},
+              {"sliding_window", 128},
+              {"compress_ratios", ratios},
+              {"mlp_layer_types", mlp},
+              {"index_n_heads", IH},
+              {"index_head_dim", ID},
+              {"index_topk", 512},
+              {"n_routed_experts", E},
+              {"num_experts_per_tok", 6},
+              {"n_shared_experts", 1},
+              {"scoring_func", "sqrtsoftplus"},
+              {"routed_scaling_factor", 1.5},
+              {"swiglu_limit", 10.0},
+              {"hc_mult", NHC},
+              {"hc_sinkhorn_iters", 20},
+              {"rope_theta", 10000.0},
+              {"compress_rope_theta", 160000.0},
+              {"rope_scaling",
+               {{"type", "yarn"},
+                {"factor", 16.0},
+                {"original_max_position_embeddings", 65536},
+                {"beta_fast", 32.0},
+                {"beta_slow", 1.0}}},
+              {"max_position_embeddings", 1048576},
+              {"rms_norm_eps", 1e-6},
+              {"hidden_act", "silu"},
+              {"tie_word_embeddings", false}};
+  std::ofstream(dir + "/config.json") << cfg.dump(2);
+  std::vector<std::vector<TensorSpec>> shards(1);
+  uint64_t seed = 1;
+  auto add = [&](std::vector<TensorSpec>& s, std::string name, std::string dt, std::vector<int64_t> shape, Gen g) {
+    s.push_back({std::move(name), std::move(dt), std::move(shape), g, mix(seed++)});
+  };
+  const Gen w{Gen::Normal, 0.02f, 0}, one{Gen::Const, 0, 1}, zero{Gen::Const, 0, 0}, mixw{Gen::Normal, 0.01f, 0},
+      blocks{Gen::Bytes}, scales{Gen::Scales};
+  add(shards[0], "embed.weight", "BF16", {V, H}, Gen{Gen::Normal, 1.0f, 0});
+  for (int i = 0; i < layers; ++i) {
+    shards.emplace_back();
+    auto& s = shards.back();
+    const std::string p = "layers." + std::to_string(i) + ".", a = p + "attn.";
+    add(s, p + "attn_norm.weight", "BF16", {H}, one);
+    add(s, p + "ffn_norm.weight", "BF16", {H}, one);
+    for (const char* hc : {"hc_attn_", "hc_ffn_"}) {
+      add(s, p + hc + "fn", "BF16", {MIX, NHC * H}, mixw);
+      add(s, p + hc + "base", "BF16", {MIX}, zero);
+      add(s, p + hc + "scale", "BF16", {3}, one);
+    }
+    add(s, a + "wq_a.weight", "BF16", {QL, H}, w);
+    add(s, a + "q_norm.weight", "BF16", {QL}, one);
+    add(s, a + "wq_b.weight", "BF16", {NH * D, QL}, w);
+    add(s, a + "wkv.weight", "BF16", {D, H}, w);
+    add(s, a + "kv_norm.weight", "BF16", {D}, one);
+    add(s, a + "wo_a.weight", "BF16", {G * OR, NH * D / G}, w);
+    add(s, a + "wo_b.weight", "BF16", {H, G * OR}, w);
+    add(s, a + "attn_sink", "BF16", {NH}, zero);
+    const int64_t rate = ratios[size_t(i)].get<int64_t>();
+    auto comp = [&](const std::string& c, int64_t dim, int64_t series) {
+      add(s, c + "wkv.weight", "BF16", {series * dim, H}, w);
+      add(s, c + "wgate.weight", "BF16", {series * dim, H}, w);
+      add(s, c + "ape", "BF16", {rate, series * dim}, zero);
+      add(s, c + "norm.weight", "BF16", {dim}, one);
+    };
+    comp(a + "compressor.", D, rate == RC ? 2 : 1);
+    if (rate == RC) {
+      comp(a + "indexer.compressor.", ID, 2);
+      add(s, a + "indexer.wq_b.weight", "BF16", {IH * ID, QL}, w);
+      add(s, a + "indexer.weights_proj.weight", "BF16", {IH, H}, w);
+    }
+    add(s, p + "ffn.gate.weight", "BF16", {E, H}, w);
+    add(s, p + "ffn.gate.bias", "BF16", {E}, zero);
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string x = p + "ffn.experts." + std::to_string(e) + ".";
+      for (const char* m : {"w1", "w3", "w2"}) {
+        const bool down = m[1] == '2';
+        const int64_t rows = down ? H : I, cols = down ? I : H;
+        add(s, x + m + ".weight", "I8", {rows, cols / 2}, blocks);
+        add(s, x + m + ".scale", "F8_E8M0", {rows, cols / 32}, scales);
+      }
+    }
+    for (const char* m : {"w1", "w3"}) add(s, p + "ffn.shared_experts." + m + ".weight", "BF16", {I, H}, w);
+    add(s, p + "ffn.shared_experts.w2.weight", "BF16", {H, I}, w);
+  }
+  shards.emplace_back();
+  add(shards.back(), "norm.weight", "BF16", {H}, one);
+  add(shards.back(), "head.weight", "BF16", {V, H}, w);
+  add(shards.back(), "hc_head_fn", "BF16", {NHC, NHC * H}, mixw);
+  add(shards.back(), "hc_head_base", "BF16", {NHC}, zero);
+  add(shards.back(), "hc_head_scale", "BF16", {1}, one);
+  write_shards(dir, shards);
+}
+
 // The shards' files (model-0000i-of-0000n.safetensors) and the index, filled by every core.
 void write_shards(const std::string& dir, const std::vector<std::vector<TensorSpec>>& shards) {
   const size_t n = shards.size();
@@ -408,8 +526,9 @@ int bench_model(const Args& a) {
     json r = bench_meta();
     r["bench"] = "model";
     const std::string shape = flag_value(a, "--shape", "20b");
-    if (shape != "20b" && shape != "120b" && shape != "kimi-48b") {
-      std::fprintf(stderr, "dz bench model: --shape takes 20b, 120b or kimi-48b, not '%s'\n", shape.c_str());
+    if (shape != "20b" && shape != "120b" && shape != "kimi-48b" && shape != "v4-flash") {
+      std::fprintf(stderr, "dz bench model: --shape takes 20b, 120b, kimi-48b or v4-flash, not '%s'\n",
+                   shape.c_str());
       return 2;
     }
     if (!mk.empty()) {
@@ -417,6 +536,8 @@ int bench_model(const Args& a) {
       const auto t0 = Clock::now();
       if (shape == "kimi-48b")
         write_kimi_checkpoint(mk, std::stoi(flag_value(a, "--layers", "27")));
+      else if (shape == "v4-flash")
+        write_v4_checkpoint(mk, std::stoi(flag_value(a, "--layers", "43")));
       else
         write_checkpoint(mk, big ? 128 : 32, std::stoi(flag_value(a, "--layers", big ? "36" : "24")));
       r["random_shape"] = shape;
