@@ -95,8 +95,8 @@ __global__ void __launch_bounds__(kThreads) hc_pre_kernel(HcPre a) {
 
 __global__ void hc_post_kernel(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w, int n,
                                int64_t hidden) {
-  const int r = blockIdx.y;
-  const int64_t h = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int r = blockIdx.x;
+  const int64_t h = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
   if (h >= hidden) return;
   const float* wr = w + size_t(r) * (2 * n + n * n);
   float* xr = x + size_t(r) * n * hidden;
@@ -139,7 +139,7 @@ void hc_pre(const HcPre& a, cudaStream_t s) {
 void hc_post(float* x, const float* y, const float* w, int n_rows, int n, int64_t hidden, cudaStream_t s) {
   if (n_rows <= 0) return;
   if (n < 1 || n > kHcMaxStreams) fail(DZ_ERR_UNSUPPORTED, "hc_post: ", n, " streams (at most ", kHcMaxStreams, ")");
-  const dim3 grid(unsigned((hidden + 255) / 256), unsigned(n_rows));
+  const dim3 grid(unsigned(n_rows), unsigned((hidden + 255) / 256));
   hc_post_kernel<<<grid, 256, 0, s>>>(x, y, w, n, hidden);
   DZ_CUDA_LAUNCH_CHECK();
 }
