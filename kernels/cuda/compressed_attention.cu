@@ -24,22 +24,29 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// cpu::pool_push for one channel of a pool of D channels.
-__device__ __forceinline__ void pool_push(float* pool, int D, int ch, float v, float g) {
-  float &mx = pool[ch], &sum = pool[D + ch], &acc = pool[2 * D + ch];
-  if (sum == 0) {
-    mx = g, sum = 1, acc = v;
-  } else if (g > mx) {
-    const float r = float(exp(double(mx) - g));
-    sum = sum * r + 1, acc = acc * r + v, mx = g;
+// One channel of a pool (cpu/compress.h): running max, sum and weighted sum; sum 0: empty.
+struct Pool {
+  float mx, sum, acc;
+};
+
+// cpu::pool_push for one channel.
+__device__ __forceinline__ void pool_push(Pool& p, float v, float g) {
+  if (p.sum == 0) {
+    p.mx = g, p.sum = 1, p.acc = v;
+  } else if (g > p.mx) {
+    const float r = float(exp(double(p.mx) - g));
+    p.sum = p.sum * r + 1, p.acc = p.acc * r + v, p.mx = g;
   } else {
-    const float e = float(exp(double(g) - mx));
-    sum += e, acc += e * v;
+    const float e = float(exp(double(g) - p.mx));
+    p.sum += e, p.acc += e * v;
   }
 }
 
-constexpr int kCompressThreads = 256;
+constexpr int kCompressThreads = 256, kCompressCh = 4;  // channels a thread: dim <= 1024
 
+// A block a (segment, compressor): the pools live in registers (each thread
+// its channels') from the segment's first token to its last, so a token costs
+// its projections' loads and the pushes, nothing through memory.
 __global__ void __launch_bounds__(kCompressThreads) compress_kernel(CompressPass a) {
   const Compressor& c = a.c[blockIdx.y];
   const int seg = blockIdx.x, D = c.dim, S = c.overlap ? 2 : 1;
@@ -48,34 +55,43 @@ __global__ void __launch_bounds__(kCompressThreads) compress_kernel(CompressPass
   float* red = out + D;
   float* st = a.state[seg] + c.state_off;
   const int P = 3 * D, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  Pool p[kCompressCh][2];  // [channel][the open entry's pool, the next one's (overlap)]
+#pragma unroll
+  for (int j = 0; j < kCompressCh; ++j) {
+    const int ch = threadIdx.x + j * kCompressThreads;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      p[j][u] = Pool{0, 0, 0};
+      if (ch < D && u < S) p[j][u] = Pool{st[u * P + ch], st[u * P + D + ch], st[u * P + 2 * D + ch]};
+    }
+  }
   for (int r = a.seg_first[seg]; r < a.seg_first[seg + 1]; ++r) {
     const int64_t pos = a.pos[r];
-    const float* kv = c.kv + size_t(r) * c.ld;
-    const float* g = c.gate + size_t(r) * c.ld;
-    const float* b = c.bias + size_t(pos % rate) * S * D;
-    for (int ch = threadIdx.x; ch < D; ch += kCompressThreads) {
+    const float* __restrict__ kv = c.kv + size_t(r) * c.ld;
+    const float* __restrict__ g = c.gate + size_t(r) * c.ld;
+    const float* __restrict__ b = c.bias + size_t(pos % rate) * S * D;
+#pragma unroll
+    for (int j = 0; j < kCompressCh; ++j) {
+      const int ch = threadIdx.x + j * kCompressThreads;
+      if (ch >= D) continue;
       if (c.overlap) {  // Cb joins this window's entry, Ca the next one's
-        pool_push(st, D, ch, kv[D + ch], g[D + ch] + b[D + ch]);
-        pool_push(st + P, D, ch, kv[ch], g[ch] + b[ch]);
+        pool_push(p[j][0], kv[D + ch], g[D + ch] + b[D + ch]);
+        pool_push(p[j][1], kv[ch], g[ch] + b[ch]);
       } else {
-        pool_push(st, D, ch, kv[ch], g[ch] + b[ch]);
+        pool_push(p[j][0], kv[ch], g[ch] + b[ch]);
       }
     }
     if ((pos + 1) % rate != 0) continue;
     float ss = 0;
-    for (int ch = threadIdx.x; ch < D; ch += kCompressThreads) {
-      const float sum = st[D + ch];
-      const float v = sum == 0 ? 0.f : st[2 * D + ch] / sum;
+#pragma unroll
+    for (int j = 0; j < kCompressCh; ++j) {
+      const int ch = threadIdx.x + j * kCompressThreads;
+      if (ch >= D) continue;
+      const float v = p[j][0].sum == 0 ? 0.f : p[j][0].acc / p[j][0].sum;
       out[ch] = v;
       ss += v * v;
-      for (int j = 0; j < 3; ++j) {
-        if (c.overlap) {
-          st[j * D + ch] = st[P + j * D + ch];
-          st[P + j * D + ch] = 0;
-        } else {
-          st[j * D + ch] = 0;
-        }
-      }
+      p[j][0] = c.overlap ? p[j][1] : Pool{0, 0, 0};
+      p[j][1] = Pool{0, 0, 0};
     }
     ss = warp_sum(ss);
     if (lane == 0) red[warp] = ss;
@@ -97,6 +113,14 @@ __global__ void __launch_bounds__(kCompressThreads) compress_kernel(CompressPass
     const int64_t w = (pos + 1) / rate - 1;
     for (int ch = threadIdx.x; ch < D; ch += kCompressThreads) *entry_at(a.pages, r, w, c.entry_off + ch) = out[ch];
     __syncthreads();
+  }
+#pragma unroll
+  for (int j = 0; j < kCompressCh; ++j) {
+    const int ch = threadIdx.x + j * kCompressThreads;
+    if (ch >= D) continue;
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+      if (u < S) st[u * P + ch] = p[j][u].mx, st[u * P + D + ch] = p[j][u].sum, st[u * P + 2 * D + ch] = p[j][u].acc;
   }
 }
 
@@ -230,8 +254,9 @@ void compress(const CompressPass& a, cudaStream_t s) {
   if (a.n_seg <= 0) return;
   int dmax = 0;
   for (int i = 0; i < a.n_comp; ++i) dmax = std::max(dmax, a.c[i].dim);
+  check(dmax <= kCompressThreads * kCompressCh, DZ_ERR_UNSUPPORTED, "compress: entry width ", dmax, " (at most ",
+        kCompressThreads * kCompressCh, ")");
   const size_t smem = (size_t(dmax) + kCompressThreads / 32) * sizeof(float);
-  check(smem <= 48 * 1024, DZ_ERR_UNSUPPORTED, "compress: entry width ", dmax, " floats");
   compress_kernel<<<dim3(unsigned(a.n_seg), unsigned(a.n_comp)), kCompressThreads, smem, s>>>(a);
   DZ_CUDA_LAUNCH_CHECK();
 }
