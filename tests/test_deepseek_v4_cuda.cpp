@@ -121,7 +121,8 @@ TEST_CASE("deepseek_v4 on the GPU: logits match the CPU and the float64 referenc
   }
 }
 
-TEST_CASE("deepseek_v4 on the GPU: pieces, device passes, pages cutting entries and ragged batches", "[cuda][deepseek_v4]") {
+TEST_CASE("deepseek_v4 on the GPU: pieces, device passes, pages cutting entries and ragged batches",
+          "[cuda][deepseek_v4]") {
   if (!have_gpu()) return;
   const std::string dir = std::string(DZ_TEST_DATA) + "/" + kName;
   const auto& refs = dz::test::family_fixture(kName).refs;
@@ -141,7 +142,8 @@ TEST_CASE("deepseek_v4 on the GPU: pieces, device passes, pages cutting entries 
   const std::vector<float> want_long = append_logits(one, longer, false);
   dz_session_free(one);
   {
-    ApiModel small(dir, DZ_DEVICE_CUDA, +[](dz_model_params& q) { q.pass_tokens = 256; });
+    ApiModel small(
+        dir, DZ_DEVICE_CUDA, +[](dz_model_params& q) { q.pass_tokens = 256; });
     dz_session* s = small.session();
     const double cv = cosine(append_logits(s, longer, false).data(), want_long.data(), V);
     WARN("600 tokens in passes of 256 vs one pass: last logits cosine " << cv);
@@ -278,9 +280,10 @@ TEST_CASE("deepseek_v4 on the GPU at V4's head shapes matches the CPU", "[cuda][
     ApiModel gpu(dir.string(), DZ_DEVICE_CUDA), cpu(dir.string(), DZ_DEVICE_CPU);
     dz_session *gs = gpu.session(), *cs = cpu.session();
     const double worst = dz::test::worst_cosine_prefill_decode(gs, cs, int32_t(V), 90, 4, rng);
-    WARN("deepseek_v4 head_dim 512 (64 rotary), indexer heads of 128, every expert and entry: GPU vs CPU worst "
-         "logits cosine "
-         << worst << " (90-token prefill, 4 decode steps)");
+    WARN(
+        "deepseek_v4 head_dim 512 (64 rotary), indexer heads of 128, every expert and entry: GPU vs CPU worst "
+        "logits cosine "
+        << worst << " (90-token prefill, 4 decode steps)");
     CHECK(worst >= 0.999);
     dz_session_free(gs);
     dz_session_free(cs);

@@ -135,8 +135,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) entry_scores_kernel(EntrySco
   float* q = sh;
   float* wh = q + H * QD;
   float* keys = wh + H;
-  for (int i = threadIdx.x; i < H * D; i += blockDim.x)
-    q[(i / D) * QD + i % D] = a.q[size_t(r) * H * D + i];
+  for (int i = threadIdx.x; i < H * D; i += blockDim.x) q[(i / D) * QD + i % D] = a.q[size_t(r) * H * D + i];
   for (int h = threadIdx.x; h < H; h += blockDim.x) wh[h] = a.w[size_t(r) * H + h] * a.wscale;
   __syncthreads();
   float* key = keys + warp * D;
@@ -171,7 +170,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) sink_attention_kernel(SinkAtt
     acc[i] = 0;
   }
   float m = a.sinks[h], l = 1;  // the sink: exp(sink - m) in the denominator, no value
-  auto visit = [&](const float (&k)[kPer]) {
+  auto visit = [&](const float(&k)[kPer]) {
     float d = 0;
 #pragma unroll
     for (int i = 0; i < kPer; ++i) d += q[i] * k[i];
@@ -286,7 +285,7 @@ void window_store(const float* kv, int dim, int window, int n_seg, const int32_t
                   float* const* state, int64_t ring_off, cudaStream_t s) {
   if (n_seg <= 0) return;
   window_store_kernel<<<dim3(unsigned(n_seg), unsigned(window)), 128, 0, s>>>(kv, dim, window, seg_first, pos, state,
-                                                                            ring_off);
+                                                                              ring_off);
   DZ_CUDA_LAUNCH_CHECK();
 }
 

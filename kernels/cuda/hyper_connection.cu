@@ -114,11 +114,12 @@ __global__ void hc_post_kernel(float* __restrict__ x, const float* __restrict__ 
 
 void hc_pre(const HcPre& a, cudaStream_t s) {
   if (a.n_rows <= 0) return;
-  if (a.n < 1 || a.n > kHcMaxStreams) fail(DZ_ERR_UNSUPPORTED, "hc_pre: ", a.n, " streams (at most ", kHcMaxStreams, ")");
+  if (a.n < 1 || a.n > kHcMaxStreams)
+    fail(DZ_ERR_UNSUPPORTED, "hc_pre: ", a.n, " streams (at most ", kHcMaxStreams, ")");
   const int m = a.head ? a.n : (2 + a.n) * a.n;
   switch (m) {
-#define DZ_HC_CASE(M) \
-  case M:             \
+#define DZ_HC_CASE(M)                                  \
+  case M:                                              \
     hc_pre_kernel<M><<<a.n_rows, kThreads, 0, s>>>(a); \
     break;
     DZ_HC_CASE(1)

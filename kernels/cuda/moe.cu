@@ -1573,8 +1573,8 @@ unsigned gather_quant_blocks(int T, int nkb, int E) {
 // computed (a warp per block and row was latency-bound at ~2 TB/s; a warp per
 // whole row left one expert's launch short of warps).
 constexpr int kSwigluBlocks = 4;
-__global__ void swiglu_quant_kernel(const __nv_bfloat16* d1, int I, int nkb, const uint16_t* b1, int silu,
-                                    float limit, const int* sorted, const int* row_expert, const int* offsets, int r0, int nrows,
+__global__ void swiglu_quant_kernel(const __nv_bfloat16* d1, int I, int nkb, const uint16_t* b1, int silu, float limit,
+                                    const int* sorted, const int* row_expert, const int* offsets, int r0, int nrows,
                                     uint8_t* q, float* qs, int64_t xs_ld) {
   const int warp = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
   const int groups = (nkb + kSwigluBlocks - 1) / kSwigluBlocks;
@@ -2115,8 +2115,8 @@ struct MoeLayer::Impl {
   void swiglu_between(int r0, int nrows, const uint16_t* b1, int64_t ld, cudaStream_t st) {
     const int nkb_i = int(kpi / 128);
     swiglu_quant_kernel<<<swiglu_quant_blocks(nrows, nkb_i), 256, 0, st>>>(
-        d1.get(), s.intermediate, nkb_i, b1, silu() ? 1 : 0, s.silu_limit, sorted.get(), row_expert.get(), offsets.get(), r0, nrows,
-        a2.get(), a2s.get(), ld);
+        d1.get(), s.intermediate, nkb_i, b1, silu() ? 1 : 0, s.silu_limit, sorted.get(), row_expert.get(),
+        offsets.get(), r0, nrows, a2.get(), a2s.get(), ld);
     DZ_CUDA_LAUNCH_CHECK();
   }
 

@@ -23,8 +23,7 @@ void layer_norm(const float* x, int n_rows, int dim, const float* w, const float
 // inter + j] = bf16(silu(gate_j) * up_j) (round to nearest even), silu as
 // cpu::glu's; limit > 0 clamps first (DeepSeek-V4): gate <= limit, |up| <= limit.
 // Device pointers.
-void silu_mul(const float* gu, int n_rows, int inter, int64_t ld, uint16_t* out_bf16, cudaStream_t s,
-              float limit = 0);
+void silu_mul(const float* gu, int n_rows, int inter, int64_t ld, uint16_t* out_bf16, cudaStream_t s, float limit = 0);
 
 // y[i] += x[i] for i < n.
 void add_inplace(float* y, const float* x, size_t n, cudaStream_t s);

@@ -24,6 +24,8 @@
 // (ceil(entry bytes / m) bytes a token). Sliding layers cache nothing per token.
 // A forward pass works on copies of the states and writes them back only when
 // every layer has run, so a failed pass leaves a sequence as it was.
+#include "model/deepseek_v4.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -38,7 +40,6 @@
 #include "cpu/norm.h"
 #include "cpu/rope.h"
 #include "cpu/topk.h"
-#include "model/deepseek_v4.h"
 #include "model/family.h"
 #include "model/lm_ends.h"
 #include "model/moe_ffn.h"

@@ -62,7 +62,7 @@ namespace {
 using cuda::DeviceArray;
 using v4::Attn;
 
-constexpr int kDefaultRows = 2048;                // rows a device pass holds unless pass_tokens says otherwise
+constexpr int kDefaultRows = 2048;                 // rows a device pass holds unless pass_tokens says otherwise
 constexpr size_t kScoreFloats = size_t(64) << 20;  // CSA scores a launch: rows x visible entries
 constexpr int kLogitRows = CudaModelCore::kLogitRows;
 
@@ -157,7 +157,8 @@ class DeepseekV4Cuda final : public Family, private DeepseekV4Desc {
   DevHc head_;
   DeviceArray<float> ones_;  // the per-head query norm has no weight
   // Pass scratch (grown on demand).
-  DeviceArray<float> x_, col_, xn_, y_, w_, qres_, q_, kv_, cbuf_, icbuf_, iq_, iw_, scores_, att_, mid_, rlog_, gw_, state_;
+  DeviceArray<float> x_, col_, xn_, y_, w_, qres_, q_, kv_, cbuf_, icbuf_, iq_, iw_, scores_, att_, mid_, rlog_, gw_,
+      state_;
   DeviceArray<uint16_t> xb_, qresb_, grp_, midb_;
   DeviceArray<int32_t> ids_, sel_;
   DeviceArray<uint8_t> meta_;
@@ -206,10 +207,10 @@ DeepseekV4Cuda::DeepseekV4Cuda(const Config& cfg, const WeightStore& ws, const d
   // Scratch a row (bytes).
   const int64_t KP = (std::max(H, I) + 127) / 128 * 128;
   const int64_t slot = mxfp4_experts_ ? 12 + 6 * H + 4 * I + 4 * KP + (2 * KP) / 32 : 0;
-  const int64_t row = k * slot + 4 * (NHC * H + 4 * H + 2 * NHC + NHC * NHC + QL + NH * D + D + 4 * D + 4 * ID + IH * ID + IH +
+  const int64_t row = k * slot +
+                      4 * (NHC * H + 4 * H + 2 * NHC + NHC * NHC + QL + NH * D + D + 4 * D + 4 * ID + IH * ID + IH +
                            NH * D + G * R + E + k + 2 * I) +
-                      2 * (H + QL + NH * D + G * R) + 4 * k + 4 * int64_t(std::min<int64_t>(idx_topk_, 1 << 20)) +
-                      1024;
+                      2 * (H + QL + NH * D + G * R) + 4 * k + 4 * int64_t(std::min<int64_t>(idx_topk_, 1 << 20)) + 1024;
   size_t dev_weights = size_t(64) << 20;
   auto as_bf16 = [&](const cpu::WeightRef& w) { dev_weights += size_t(w.rows * w.cols) * 2; };
   auto as_f32 = [&](const cpu::WeightRef& w) { dev_weights += size_t(w.rows * w.cols) * 4; };
@@ -445,8 +446,8 @@ void DeepseekV4Cuda::attention(const DevLayer& D, const v4::Layer& L, int li, co
   uint16_t* midb = room(midb_, size_t(T) * G * OR, "o_a out bf16");
   cuda::split_groups_bf16(att, T, G, GW, grp, s);
   for (int g = 0; g < G; ++g)
-    gemm.run(grp + size_t(g) * T * GW, D.o_a.get() + size_t(g) * OR * GW, nullptr, mid + size_t(g) * T * OR, T, OR,
-             GW, 0.f, s);
+    gemm.run(grp + size_t(g) * T * GW, D.o_a.get() + size_t(g) * OR * GW, nullptr, mid + size_t(g) * T * OR, T, OR, GW,
+             0.f, s);
   cuda::join_groups_bf16(mid, T, G, OR, midb, s);
   gemm.run(midb, D.o_b.get(), nullptr, y, T, H, G * OR, 0.f, s);
 }

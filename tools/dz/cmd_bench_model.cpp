@@ -527,8 +527,7 @@ int bench_model(const Args& a) {
     r["bench"] = "model";
     const std::string shape = flag_value(a, "--shape", "20b");
     if (shape != "20b" && shape != "120b" && shape != "kimi-48b" && shape != "v4-flash") {
-      std::fprintf(stderr, "dz bench model: --shape takes 20b, 120b, kimi-48b or v4-flash, not '%s'\n",
-                   shape.c_str());
+      std::fprintf(stderr, "dz bench model: --shape takes 20b, 120b, kimi-48b or v4-flash, not '%s'\n", shape.c_str());
       return 2;
     }
     if (!mk.empty()) {
