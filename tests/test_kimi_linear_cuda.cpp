@@ -182,41 +182,11 @@ TEST_CASE("kimi_linear on the GPU: ragged batches, prefill in pieces and across 
   dz_session_free(full);
 
   // Three sessions' prefixes alone, then two more tokens each in one batch.
-  const std::vector<size_t> lens = {5, 40, 70};
-  std::vector<std::vector<float>> alone;
-  std::vector<dz_session*> ss;
-  for (size_t b = 0; b < lens.size(); ++b) {
-    const std::vector<int32_t>& q = refs[b].prompt;
-    dz_session* s = gpu.session();
-    append_logits(s, {q.begin(), q.begin() + ptrdiff_t(std::min(lens[b], q.size()))}, false);
-    ss.push_back(s);
-    dz_session* a = nullptr;
-    REQUIRE(dz_session_fork(s, &a) == DZ_OK);
-    append_logits(a, {7}, false);
-    alone.push_back(append_logits(a, {9}, false));
-    dz_session_free(a);
-  }
-  const int32_t seven[1] = {7};
-  for (size_t b = 0; b < ss.size(); ++b) REQUIRE(dz_session_append(ss[b], seven, 1, DZ_LOGITS_LAST) == DZ_OK);
-  // The second token, 9, for all three in one forward of the family (dz_generate_step would pick its own token).
-  std::vector<dz::ForwardItem> items(ss.size());
-  std::vector<std::vector<float>> got(ss.size(), std::vector<float>(V));
-  const int32_t nine[1] = {9};
-  for (size_t b = 0; b < ss.size(); ++b) {
-    ss[b]->seq->reserve(1);
-    items[b].seq = ss[b]->seq.get();
-    items[b].tokens = {nine, 1};
-    items[b].logits = got[b].data();
-  }
-  gpu.m->family->forward(items, {});
-  double worst = 1;
-  for (size_t b = 0; b < ss.size(); ++b) {
-    ss[b]->seq->commit({nine, 1});
-    worst = std::min(worst, cosine(got[b].data(), alone[b].data(), V));
-  }
+  std::vector<std::vector<int32_t>> prompts;
+  for (const auto& r : refs) prompts.push_back(r.prompt);
+  const double worst = dz::test::worst_cosine_ragged_batch(gpu, prompts, {5, 40, 70}, V);
   WARN("ragged batch of 3 vs each alone: worst logits cosine " << worst);
   CHECK(worst >= 0.9999);
-  for (dz_session* s : ss) dz_session_free(s);
 }
 
 // Kimi-Linear-48B's head shapes (KDA: heads of 128; MLA: 16 heads over a 512

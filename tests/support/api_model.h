@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "api/handles.h"
 #include "dayzero.h"
 #include "runtime/device.h"
 #include "support/family_fixture.h"
@@ -100,6 +101,46 @@ inline void check_auto_and_refusal(const std::string& dir, void (*bad)(dz_model_
   CHECK(dz_model_open(dir.c_str(), &p, &m) != DZ_OK);
   CHECK(m == nullptr);
   CHECK(std::string(dz_last_error()).find(gpu ? gpu_msg : "CUDA") != std::string::npos);
+}
+
+// Sessions of `model` holding prefixes of prompts[b] (lens[b] tokens) each take one
+// token alone (on a fork), then the same tokens go through the family in one
+// ragged batch (dz_generate_step would pick its own tokens): the worst logits
+// cosine between the batch's rows and the forks'.
+inline double worst_cosine_ragged_batch(const ApiModel& model, const std::vector<std::vector<int32_t>>& prompts,
+                                        const std::vector<size_t>& lens, size_t V) {
+  std::vector<std::vector<float>> alone;
+  std::vector<dz_session*> ss;
+  for (size_t b = 0; b < lens.size(); ++b) {
+    const std::vector<int32_t>& q = prompts[b];
+    dz_session* s = model.session();
+    append_logits(s, {q.begin(), q.begin() + ptrdiff_t(std::min(lens[b], q.size()))}, false);
+    ss.push_back(s);
+    dz_session* a = nullptr;
+    REQUIRE(dz_session_fork(s, &a) == DZ_OK);
+    append_logits(a, {7}, false);
+    alone.push_back(append_logits(a, {9}, false));
+    dz_session_free(a);
+  }
+  const int32_t seven[1] = {7};
+  for (size_t b = 0; b < ss.size(); ++b) REQUIRE(dz_session_append(ss[b], seven, 1, DZ_LOGITS_LAST) == DZ_OK);
+  std::vector<ForwardItem> items(ss.size());
+  std::vector<std::vector<float>> got(ss.size(), std::vector<float>(V));
+  const int32_t nine[1] = {9};
+  for (size_t b = 0; b < ss.size(); ++b) {
+    ss[b]->seq->reserve(1);
+    items[b].seq = ss[b]->seq.get();
+    items[b].tokens = {nine, 1};
+    items[b].logits = got[b].data();
+  }
+  model.m->family->forward(items, {});
+  double worst = 1;
+  for (size_t b = 0; b < ss.size(); ++b) {
+    ss[b]->seq->commit({nine, 1});
+    worst = std::min(worst, cosine(got[b].data(), alone[b].data(), V));
+  }
+  for (dz_session* s : ss) dz_session_free(s);
+  return worst;
 }
 
 }  // namespace dz::test
