@@ -108,7 +108,8 @@ TEST_CASE("mHC kernels: mixing weights, collapse and expand match the CPU's", "[
       const std::vector<float> w = dw.get(), col = dcol.get(), xo = dx.get();
       double werr = 0, cerr = 0, xerr = 0;
       for (int r = 0; r < R; ++r) {
-        std::vector<float> normed(size_t(NH)), mix(size_t(M)), want(size_t(WN)), c(size_t(H));
+        std::vector<float> normed(static_cast<size_t>(NH)), mix(static_cast<size_t>(M)), want(static_cast<size_t>(WN)),
+            c(static_cast<size_t>(H));
         dz::cpu::rms_norm(x.data() + r * NH, 1, NH, nullptr, 1e-6f, normed.data());
         for (int j = 0; j < M; ++j) {
           double t = 0;
