@@ -75,6 +75,24 @@ DevMxfp4Experts CudaModelCore::load_mxfp4_experts(cuda::WeightLoader& ld, const 
   return d;
 }
 
+bool ExpertFormats::is_mxfp4(const SwiGlu& x) {
+  return x.gate.kind == cpu::WeightKind::MXFP4 && x.up.kind == cpu::WeightKind::MXFP4 &&
+         x.down.kind == cpu::WeightKind::MXFP4;
+}
+
+void ExpertFormats::add(const std::vector<SwiGlu>& experts) {
+  for (const SwiGlu& x : experts) {
+    (is_mxfp4(x) ? mxfp4 : other)++;
+    inter = x.inter;
+  }
+}
+
+bool ExpertFormats::all_mxfp4(const std::string& src) const {
+  check(mxfp4 == 0 || other == 0, DZ_ERR_UNSUPPORTED, src, ": ", mxfp4, " routed experts in MXFP4 and ", other,
+        " in other formats; the CUDA backend takes one format for all");
+  return mxfp4 > 0;
+}
+
 kv::Arena& CudaModelCore::batch_pages(std::span<ForwardItem> batch, std::vector<int32_t>& page_ids,
                                       std::vector<int32_t>& item_page, const char* family) {
   kv::Arena& arena = batch[0].seq->arena();

@@ -11,6 +11,7 @@
 
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "cuda/bf16_gemm.h"
@@ -35,6 +36,17 @@ struct DevMlp {
 struct DevMxfp4Experts {
   cuda::DeviceArray<uint8_t> w1b, w1s, w2b, w2s;
   cuda::MoeWeights weights() const;
+};
+
+// A model's routed experts counted layer by layer (add): all MXFP4 or all in
+// other formats, which the CUDA families require.
+struct ExpertFormats {
+  static bool is_mxfp4(const SwiGlu& x);
+  void add(const std::vector<SwiGlu>& experts);
+  // Whether every expert is MXFP4; DZ_ERR_UNSUPPORTED (naming src) for a mix.
+  bool all_mxfp4(const std::string& src) const;
+  int mxfp4 = 0, other = 0;
+  int64_t inter = 0;  // the experts' SwiGLU width (0: none)
 };
 
 class CudaModelCore {

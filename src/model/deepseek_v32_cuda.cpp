@@ -163,9 +163,7 @@ DeepseekV32Cuda::DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const
   for (const DeepseekV32Layer& L : layers_)
     for (size_t e = 0; L.ffn.moe && e < L.ffn.experts.size(); ++e) {
       const SwiGlu& x = L.ffn.experts[e];
-      check(x.gate.kind == cpu::WeightKind::MXFP4 && x.up.kind == cpu::WeightKind::MXFP4 &&
-                x.down.kind == cpu::WeightKind::MXFP4,
-            DZ_ERR_UNSUPPORTED, src, ": routed expert ", e,
+      check(ExpertFormats::is_mxfp4(x), DZ_ERR_UNSUPPORTED, src, ": routed expert ", e,
             " is not MXFP4; the CUDA backend serves deepseek_v32's experts in MXFP4 only so far (use DZ_DEVICE_CPU)");
       moe_inter_ = x.inter;
     }

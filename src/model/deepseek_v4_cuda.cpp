@@ -185,19 +185,13 @@ DeepseekV4Cuda::DeepseekV4Cuda(const Config& cfg, const WeightStore& ws, const d
   check(routing_.n_experts <= 256 && routing_.n_active <= 16, DZ_ERR_UNSUPPORTED, src, ": ", routing_.n_experts,
         " experts top-", routing_.n_active, " (CUDA router: at most 256, top-16)");
   // The experts: all BF16 (transformers' layout) or all MXFP4 (DeepSeek's FP4 experts).
-  int n_bf16 = 0, n_fp4 = 0;
+  ExpertFormats ef;
   for (const v4::Layer& L : layers_) {
-    for (const SwiGlu& x : L.ffn.experts) {
-      const bool fp4 = x.gate.kind == cpu::WeightKind::MXFP4 && x.up.kind == cpu::WeightKind::MXFP4 &&
-                       x.down.kind == cpu::WeightKind::MXFP4;
-      (fp4 ? n_fp4 : n_bf16)++;
-    }
+    ef.add(L.ffn.experts);
     if (L.kind == Attn::Csa) rate_csa_ = L.rate;
     if (L.kind == Attn::Hca) rate_hca_ = L.rate;
   }
-  check(n_bf16 == 0 || n_fp4 == 0, DZ_ERR_UNSUPPORTED, src, ": ", n_fp4, " routed experts in FP4 and ", n_bf16,
-        " in other formats; the CUDA backend takes one format for all");
-  mxfp4_experts_ = n_fp4 > 0;
+  mxfp4_experts_ = ef.all_mxfp4(src);
   gpu_key_ = fnv1a(cfg.json().dump(), fnv1a("deepseek_v4 cuda kv: f32 entries|index keys per m tokens, 4-byte "
                                             "slots; state f32 window ring, softmax pools v1 " +
                                             std::to_string(weights_bytes_)));

@@ -163,17 +163,10 @@ KimiLinearCuda::KimiLinearCuda(const Config& cfg, const WeightStore& ws, const d
                                               std::to_string(weights_bytes_)));
 
   // The experts: all BF16 (Moonshot's checkpoints) or all MXFP4.
-  int n_bf16 = 0, n_fp4 = 0;
-  for (const KimiLinearLayer& L : layers_)
-    for (const SwiGlu& x : L.ffn.experts) {
-      const bool fp4 = x.gate.kind == cpu::WeightKind::MXFP4 && x.up.kind == cpu::WeightKind::MXFP4 &&
-                       x.down.kind == cpu::WeightKind::MXFP4;
-      (fp4 ? n_fp4 : n_bf16)++;
-      moe_inter_ = x.inter;
-    }
-  check(n_bf16 == 0 || n_fp4 == 0, DZ_ERR_UNSUPPORTED, src, ": ", n_fp4, " routed experts in MXFP4 and ", n_bf16,
-        " in other formats; the CUDA backend takes one format for all");
-  mxfp4_experts_ = n_fp4 > 0;
+  ExpertFormats ef;
+  for (const KimiLinearLayer& L : layers_) ef.add(L.ffn.experts);
+  mxfp4_experts_ = ef.all_mxfp4(src);
+  moe_inter_ = ef.inter;
 
   const int64_t H = hidden_, P = kda_.proj(), D = kda_.head_dim, NHK = kda_.n_heads, NH = mla_.n_heads;
   const int64_t QD = mla_.nope + mla_.rope, KVA = mla_.rank + mla_.rope, E = routing_.n_experts, k = routing_.n_active;
