@@ -126,7 +126,6 @@ void hc_pre(const HcPre& a, cudaStream_t s) {
     DZ_HC_CASE(2)
     DZ_HC_CASE(3)
     DZ_HC_CASE(4)
-    DZ_HC_CASE(6)
     DZ_HC_CASE(8)
     DZ_HC_CASE(15)
     DZ_HC_CASE(24)

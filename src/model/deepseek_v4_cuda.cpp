@@ -34,7 +34,7 @@ std::unique_ptr<Family> make_deepseek_v4_cuda(const Config&, const WeightStore&,
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstring>
+#include <cmath>
 #include <mutex>
 
 #include "common/log.h"
