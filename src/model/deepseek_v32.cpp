@@ -301,16 +301,12 @@ void DeepseekV32::forward(std::span<ForwardItem> batch, const ForwardOptions& op
 }  // namespace
 
 std::unique_ptr<Family> make_deepseek_v32(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
-  if (params.device == DZ_DEVICE_CUDA) return make_deepseek_v32_cuda(cfg, ws, params);
-  if (params.device == DZ_DEVICE_AUTO && cuda_compiled() && cuda_device_count() > 0) {
-    try {
-      return make_deepseek_v32_cuda(cfg, ws, params);
-    } catch (const Error& e) {
-      if (e.status() == DZ_ERR_FORMAT) throw;
-      log_warn("deepseek_v32: CUDA backend unavailable (", e.what(), "); using the CPU");
-    }
-  }
-  return std::make_unique<DeepseekV32>(cfg, ws, params);
+  return make_on_device(
+      "deepseek_v32", make_deepseek_v32_cuda,
+      [](const Config& c, const WeightStore& w, const dz_model_params& p) -> std::unique_ptr<Family> {
+        return std::make_unique<DeepseekV32>(c, w, p);
+      },
+      cfg, ws, params);
 }
 
 void deepseek_v32_set_trace(Family& family, const DsaTrace* trace) {

@@ -742,9 +742,12 @@ void DeepseekV4::forward(std::span<ForwardItem> batch, const ForwardOptions& opt
 }  // namespace
 
 std::unique_ptr<Family> make_deepseek_v4(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
-  // AUTO keeps the CPU: the CUDA family is new and has not yet run its GPU tests (docs/deepseek-v4.md).
-  if (params.device == DZ_DEVICE_CUDA) return make_deepseek_v4_cuda(cfg, ws, params);
-  return std::make_unique<DeepseekV4>(cfg, ws, params);
+  return make_on_device(
+      "deepseek_v4", make_deepseek_v4_cuda,
+      [](const Config& c, const WeightStore& w, const dz_model_params& p) -> std::unique_ptr<Family> {
+        return std::make_unique<DeepseekV4>(c, w, p);
+      },
+      cfg, ws, params);
 }
 
 }  // namespace dz

@@ -130,6 +130,13 @@ class Family {
 using FamilyFactory = std::unique_ptr<Family> (*)(const Config& config, const WeightStore& weights,
                                                   const dz_model_params& params);
 
+// DZ_DEVICE_CUDA builds `cuda` (its errors reach the caller); DZ_DEVICE_AUTO
+// builds it when this build and machine have a GPU and the CUDA family takes
+// the model, else `cpu` (a malformed checkpoint fails either way). `family`
+// names it in the warning.
+std::unique_ptr<Family> make_on_device(const char* family, FamilyFactory cuda, FamilyFactory cpu, const Config& config,
+                                       const WeightStore& weights, const dz_model_params& params);
+
 // The parameters a CPU-only family accepts: the CPU device, fp32 activations
 // and weights decoded in checkpoint precision. `family` names it in messages.
 inline void check_cpu_family_params(const dz_model_params& p, const char* family) {

@@ -333,16 +333,12 @@ void gpt_oss_set_router_trace(Family& family, std::vector<float>* margins) {
 // The factory row in registry.cpp.
 // DZ_DEVICE_AUTO takes the GPU when one is present and usable, else the CPU.
 std::unique_ptr<Family> make_gpt_oss(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
-  if (params.device == DZ_DEVICE_CUDA) return make_gpt_oss_cuda(cfg, ws, params);
-  if (params.device == DZ_DEVICE_AUTO && cuda_compiled() && cuda_device_count() > 0) {
-    try {
-      return make_gpt_oss_cuda(cfg, ws, params);
-    } catch (const Error& e) {
-      if (e.status() == DZ_ERR_FORMAT) throw;
-      log_warn("gpt_oss: CUDA backend unavailable (", e.what(), "); using the CPU");
-    }
-  }
-  return std::make_unique<GptOss>(cfg, ws, params);
+  return make_on_device(
+      "gpt_oss", make_gpt_oss_cuda,
+      [](const Config& c, const WeightStore& w, const dz_model_params& p) -> std::unique_ptr<Family> {
+        return std::make_unique<GptOss>(c, w, p);
+      },
+      cfg, ws, params);
 }
 
 }  // namespace dz

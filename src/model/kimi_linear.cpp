@@ -362,16 +362,12 @@ void KimiLinear::forward(std::span<ForwardItem> batch, const ForwardOptions& opt
 }  // namespace
 
 std::unique_ptr<Family> make_kimi_linear(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
-  if (params.device == DZ_DEVICE_CUDA) return make_kimi_linear_cuda(cfg, ws, params);
-  if (params.device == DZ_DEVICE_AUTO && cuda_compiled() && cuda_device_count() > 0) {
-    try {
-      return make_kimi_linear_cuda(cfg, ws, params);
-    } catch (const Error& e) {
-      if (e.status() == DZ_ERR_FORMAT) throw;
-      log_warn("kimi_linear: CUDA backend unavailable (", e.what(), "); using the CPU");
-    }
-  }
-  return std::make_unique<KimiLinear>(cfg, ws, params);
+  return make_on_device(
+      "kimi_linear", make_kimi_linear_cuda,
+      [](const Config& c, const WeightStore& w, const dz_model_params& p) -> std::unique_ptr<Family> {
+        return std::make_unique<KimiLinear>(c, w, p);
+      },
+      cfg, ws, params);
 }
 
 }  // namespace dz

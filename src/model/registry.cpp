@@ -1,7 +1,9 @@
 #include <utility>
 
+#include "common/log.h"
 #include "model/deepseek_v32.h"
 #include "model/family.h"
+#include "runtime/device.h"
 
 namespace dz {
 
@@ -18,6 +20,20 @@ const std::pair<const char*, FamilyFactory> kFamilies[] = {
     {"kimi_linear", make_kimi_linear},
 };
 }  // namespace
+
+std::unique_ptr<Family> make_on_device(const char* family, FamilyFactory cuda, FamilyFactory cpu, const Config& config,
+                                       const WeightStore& weights, const dz_model_params& params) {
+  if (params.device == DZ_DEVICE_CUDA) return cuda(config, weights, params);
+  if (params.device == DZ_DEVICE_AUTO && cuda_compiled() && cuda_device_count() > 0) {
+    try {
+      return cuda(config, weights, params);
+    } catch (const Error& e) {
+      if (e.status() == DZ_ERR_FORMAT) throw;
+      log_warn(family, ": CUDA backend unavailable (", e.what(), "); using the CPU");
+    }
+  }
+  return cpu(config, weights, params);
+}
 
 FamilyFactory find_family(const std::string& model_type) {
   for (const auto& [name, f] : kFamilies)
