@@ -156,53 +156,73 @@ __global__ void __launch_bounds__(kScoreWarps * 32) entry_scores_kernel(EntrySco
   }
 }
 
-constexpr int kAttnWarps = 4;
+// A block a row and kAttnHeads heads, a warp a head: the keys (K = V, one head
+// shared by all) are staged kKeyTile at a time in shared memory, so each is
+// read from memory once for the block's heads, not once a head.
+constexpr int kAttnHeads = 8, kKeyTile = 16;
 
-__global__ void __launch_bounds__(kAttnWarps * 32) sink_attention_kernel(SinkAttention a) {
-  const int r = blockIdx.x, lane = threadIdx.x & 31, h = blockIdx.y * kAttnWarps + (threadIdx.x >> 5);
-  if (h >= a.n_heads) return;
+__global__ void __launch_bounds__(kAttnHeads * 32) sink_attention_kernel(SinkAttention a) {
+  __shared__ float keys[kKeyTile][kMaxHeadDim];
+  __shared__ bool valid[kKeyTile];
+  const int r = blockIdx.x, lane = threadIdx.x & 31, h = blockIdx.y * kAttnHeads + (threadIdx.x >> 5);
+  const bool active = h < a.n_heads;  // every warp stages keys; only these attend
   const int D = a.head_dim, nper = D / 32;
   float q[kPer], acc[kPer];
-  const float* qr = a.q + (size_t(r) * a.n_heads + h) * D;
+  const float* qr = a.q + (size_t(r) * a.n_heads + (active ? h : 0)) * D;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
-    q[i] = i < nper ? qr[lane + 32 * i] : 0.f;
+    q[i] = active && i < nper ? qr[lane + 32 * i] : 0.f;
     acc[i] = 0;
   }
-  float m = a.sinks[h], l = 1;  // the sink: exp(sink - m) in the denominator, no value
-  auto visit = [&](const float(&k)[kPer]) {
-    float d = 0;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) d += q[i] * k[i];
-    const float s = warp_sum(d) * a.scale;
-    const float mn = fmaxf(m, s), corr = __expf(m - mn), p = __expf(s - mn);
-    l = l * corr + p;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) acc[i] = acc[i] * corr + p * k[i];
-    m = mn;
-  };
+  float m = active ? a.sinks[h] : 0.f, l = 1;  // the sink: exp(sink - m) in the denominator, no value
   const int64_t pos = a.pos[r];
   const int seg = a.row_seg[r], rf = a.seg_first[seg];
-  const int64_t start = a.pos[rf];
+  const int64_t start = a.pos[rf], p0 = max(int64_t(0), pos - a.window + 1), n_win = pos - p0 + 1;
   const float* ring = a.state[seg] + a.ring_off;
-  for (int64_t p = max(int64_t(0), pos - a.window + 1); p <= pos; ++p) {
-    const float* src = p >= start ? a.kv + size_t(rf + (p - start)) * D : ring + size_t(p % a.window) * D;
-    float k[kPer];
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) k[i] = i < nper ? src[lane + 32 * i] : 0.f;
-    visit(k);
-  }
-  if (a.entries != SinkAttention::kNone) {
-    const int64_t n = a.entries == SinkAttention::kVisible ? a.n_visible[r] : a.k;
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t w = a.entries == SinkAttention::kVisible ? j : a.sel[size_t(r) * a.k + j];
-      if (w < 0) break;  // picks are -1 padded
-      float k[kPer];
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) k[i] = i < nper ? *entry_at(a.pages, r, w, lane + 32 * i) : 0.f;
-      visit(k);
+  const int64_t n_ent = a.entries == SinkAttention::kNone      ? 0
+                        : a.entries == SinkAttention::kVisible ? a.n_visible[r]
+                                                               : a.k;
+  // Key j: the window's positions p0 .. pos (this pass's rows, older ones from the ring), then the entries
+  // (picks are -1 padded: skipped).
+  auto entry = [&](int64_t j) {
+    return a.entries == SinkAttention::kVisible ? j : int64_t(a.sel[size_t(r) * a.k + j]);
+  };
+  const int64_t n = n_win + n_ent;
+  for (int64_t j0 = 0; j0 < n; j0 += kKeyTile) {
+    const int nt = int(min(int64_t(kKeyTile), n - j0));
+    for (int i = threadIdx.x; i < nt * D; i += blockDim.x) {
+      const int t = i / D, c = i - t * D;
+      const int64_t j = j0 + t;
+      float v = 0;
+      if (j < n_win) {
+        const int64_t p = p0 + j;
+        v = p >= start ? a.kv[size_t(rf + (p - start)) * D + c] : ring[size_t(p % a.window) * D + c];
+      } else if (const int64_t w = entry(j - n_win); w >= 0) {
+        v = *entry_at(a.pages, r, w, c);
+      }
+      keys[t][c] = v;
     }
+    if (threadIdx.x < nt) valid[threadIdx.x] = j0 + threadIdx.x < n_win || entry(j0 + threadIdx.x - n_win) >= 0;
+    __syncthreads();
+    if (active)
+      for (int t = 0; t < nt; ++t) {
+        if (!valid[t]) continue;
+        float k[kPer], d = 0;
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+          k[i] = i < nper ? keys[t][lane + 32 * i] : 0.f;
+          d += q[i] * k[i];
+        }
+        const float s = warp_sum(d) * a.scale;
+        const float mn = fmaxf(m, s), corr = __expf(m - mn), p = __expf(s - mn);
+        l = l * corr + p;
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) acc[i] = acc[i] * corr + p * k[i];
+        m = mn;
+      }
+    __syncthreads();
   }
+  if (!active) return;
   float* o = a.out + (size_t(r) * a.n_heads + h) * D;
   const float inv = 1.f / l;
 #pragma unroll
@@ -276,8 +296,8 @@ void sink_attention(const SinkAttention& a, cudaStream_t s) {
   if (a.n_rows <= 0) return;
   check(a.head_dim % 32 == 0 && a.head_dim <= kMaxHeadDim, DZ_ERR_UNSUPPORTED, "sink_attention: head_dim ", a.head_dim,
         " (a multiple of 32 up to ", kMaxHeadDim, ")");
-  const dim3 grid(unsigned(a.n_rows), unsigned((a.n_heads + kAttnWarps - 1) / kAttnWarps));
-  sink_attention_kernel<<<grid, kAttnWarps * 32, 0, s>>>(a);
+  const dim3 grid(unsigned(a.n_rows), unsigned((a.n_heads + kAttnHeads - 1) / kAttnHeads));
+  sink_attention_kernel<<<grid, kAttnHeads * 32, 0, s>>>(a);
   DZ_CUDA_LAUNCH_CHECK();
 }
 
