@@ -38,8 +38,10 @@
 #include <cuda_runtime.h>
 
 #include "cpu/hyper_connection.h"
+#include "cpu/moe.h"
 #include "cpu/norm.h"
 #include "cuda/hyper_connection.h"
+#include "cuda/router.h"
 #include "support/device_buffer.h"
 #endif
 
@@ -93,7 +95,7 @@ TEST_CASE("mHC kernels: mixing weights, collapse and expand match the CPU's", "[
   };
   for (const int64_t H : {int64_t(64), int64_t(4096)}) {
     for (const bool head : {false, true}) {
-      const int R = 5, n = 4, M = head ? n : (2 + n) * n, WN = head ? n : 2 * n + n * n;
+      const int R = 7, n = 4, M = head ? n : (2 + n) * n, WN = head ? n : 2 * n + n * n;
       const int64_t NH = n * H;
       dz::cpu::HcDims d;
       d.n = n, d.hidden = H, d.sinkhorn_iters = 20, d.hc_eps = 1e-6f;
@@ -106,6 +108,8 @@ TEST_CASE("mHC kernels: mixing weights, collapse and expand match the CPU's", "[
       a.n_rows = R, a.n = n, a.hidden = H, a.x = dx.p, a.fn = dfn.p, a.base = dbase.p, a.scale = dscale.p;
       a.head = head, a.eps = 1e-6f, a.hc_eps = d.hc_eps, a.sinkhorn_iters = d.sinkhorn_iters, a.w = dw.p,
       a.col = dcol.p;
+      dz::test::DeviceBuffer<float> dpart(dz::cuda::hc_pre_scratch_floats(a));
+      a.partial = dpart.p;
       dz::cuda::hc_pre(a, nullptr);
       if (!head) dz::cuda::hc_post(dx.p, dy.p, dw.p, R, n, H, nullptr);
       DZ_CUDA_CHECK(cudaDeviceSynchronize());
@@ -142,6 +146,56 @@ TEST_CASE("mHC kernels: mixing weights, collapse and expand match the CPU's", "[
       CHECK(werr < 1e-4);
       CHECK(cerr < 1e-4);
       CHECK(xerr < 1e-4);
+    }
+  }
+#endif
+}
+
+// The device router against cpu::router_sqrt_softplus on random logits (some
+// past softplus's linear branch), with and without the correction bias, a
+// row of equal logits (ties go to the lower expert) and a hash table: the
+// same experts in the same order, weights within 1e-6.
+TEST_CASE("sqrt-softplus router on the GPU: the CPU's experts and weights", "[cuda][deepseek_v4]") {
+  if (!have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0, 1);
+  for (const auto [E, k] : {std::pair{8, 2}, std::pair{256, 6}, std::pair{72, 16}}) {
+    for (const int mode : {0, 1, 2}) {  // scored, scored with a bias, hashed
+      const int T = 37, V = 50;
+      std::vector<float> logits(size_t(T) * E), bias(static_cast<size_t>(E));
+      for (auto& x : logits) x = 4 * nd(rng);
+      for (int e = 0; e < E; e += 7) logits[size_t(e)] = 25;        // row 0: the linear branch
+      std::fill(logits.begin() + E, logits.begin() + 2 * E, 0.5f);  // row 1: all tied
+      for (auto& x : bias) x = 0.3f * nd(rng);
+      std::vector<int32_t> tokens(static_cast<size_t>(T)), hash(size_t(V) * k);
+      for (auto& t : tokens) t = int32_t(rng() % V);
+      for (int v = 0; v < V; ++v)
+        for (int j = 0; j < k; ++j) hash[size_t(v * k + j)] = int32_t((v * 7 + j * 3) % E);
+      dz::test::DeviceBuffer<float> dl(logits), db(bias), dw(size_t(T) * k);
+      dz::test::DeviceBuffer<int32_t> dt(tokens), dh(hash), di(size_t(T) * k);
+      dz::cuda::router_sqrt_softplus(dl.p, mode == 1 ? db.p : nullptr, mode == 2 ? dh.p : nullptr, dt.p, T, E, k, 1.5f,
+                                     di.p, dw.p, nullptr);
+      DZ_CUDA_CHECK(cudaDeviceSynchronize());
+      const std::vector<int32_t> ids = di.get();
+      const std::vector<float> w = dw.get();
+      size_t id_diff = 0;
+      double w_err = 0;
+      for (int t = 0; t < T; ++t) {
+        std::vector<int32_t> want(static_cast<size_t>(k));
+        std::vector<float> ww(static_cast<size_t>(k));
+        dz::cpu::router_sqrt_softplus(logits.data() + size_t(t) * E, mode == 1 ? bias.data() : nullptr, E, k,
+                                      mode == 2 ? hash.data() + size_t(tokens[size_t(t)]) * k : nullptr, 1.5f,
+                                      want.data(), ww.data());
+        for (int j = 0; j < k; ++j) {
+          id_diff += ids[size_t(t * k + j)] != want[size_t(j)];
+          w_err = std::max(w_err, double(std::fabs(w[size_t(t * k + j)] - ww[size_t(j)])));
+        }
+      }
+      INFO("E " << E << " k " << k << " mode " << mode << ": " << id_diff << " ids differ, weights max |diff| "
+                << w_err);
+      CHECK(id_diff == 0);
+      CHECK(w_err < 1e-6);
     }
   }
 #endif

@@ -19,6 +19,23 @@ __device__ __forceinline__ float* entry_at(const EntryPages& p, int row, int64_t
   return reinterpret_cast<float*>(page + size_t(t % p.page_tokens) * p.token_bytes) + c % tf;
 }
 
+// Entry w's channels [off, off + n) into dst, by one warp: one page lookup a
+// token slot the entry spans, then the slot's floats (contiguous) by the lanes.
+__device__ __forceinline__ void warp_load_entry(const EntryPages& p, int row, int64_t w, int off, int n, float* dst,
+                                                int lane) {
+  const int tf = int(p.token_bytes / 4);
+  int64_t t = w * p.rate + off / tf;
+  int o = off % tf;
+  uint8_t* const* pages = p.rows[row];
+  for (int c = 0; c < n; ++t) {
+    const int len = min(tf - o, n - c);
+    const float* src =
+        reinterpret_cast<const float*>(pages[t / p.page_tokens] + size_t(t % p.page_tokens) * p.token_bytes) + o;
+    for (int i = lane; i < len; i += 32) dst[c + i] = src[i];
+    c += len, o = 0;
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
@@ -141,7 +158,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) entry_scores_kernel(EntrySco
   float* key = keys + warp * D;
   const int64_t w1 = min(nv, w0 + kScoreEntries);
   for (int64_t w = w0 + warp; w < w1; w += kScoreWarps) {
-    for (int c = lane; c < D; c += 32) key[c] = *entry_at(a.pages, r, w, a.key_off + c);
+    warp_load_entry(a.pages, r, w, a.key_off, D, key, lane);
     __syncwarp();
     float s = 0;
     for (int h = lane; h < H; h += 32) {
@@ -157,8 +174,10 @@ __global__ void __launch_bounds__(kScoreWarps * 32) entry_scores_kernel(EntrySco
 }
 
 // A block a row and kAttnHeads heads, a warp a head: the keys (K = V, one head
-// shared by all) are staged kKeyTile at a time in shared memory, so each is
-// read from memory once for the block's heads, not once a head.
+// shared by all) are staged kKeyTile at a time in shared memory (a warp a key,
+// one page lookup a token slot), so each is read from memory once for the
+// block's heads, not once a head; a warp scores a tile's keys together and
+// takes one online-softmax step a tile.
 constexpr int kAttnHeads = 8, kKeyTile = 16;
 
 __global__ void __launch_bounds__(kAttnHeads * 32) sink_attention_kernel(SinkAttention a) {
@@ -190,36 +209,55 @@ __global__ void __launch_bounds__(kAttnHeads * 32) sink_attention_kernel(SinkAtt
   const int64_t n = n_win + n_ent;
   for (int64_t j0 = 0; j0 < n; j0 += kKeyTile) {
     const int nt = int(min(int64_t(kKeyTile), n - j0));
-    for (int i = threadIdx.x; i < nt * D; i += blockDim.x) {
-      const int t = i / D, c = i - t * D;
+    for (int t = threadIdx.x >> 5; t < nt; t += kAttnHeads) {  // a warp a key
       const int64_t j = j0 + t;
-      float v = 0;
+      bool ok = true;
       if (j < n_win) {
         const int64_t p = p0 + j;
-        v = p >= start ? a.kv[size_t(rf + (p - start)) * D + c] : ring[size_t(p % a.window) * D + c];
+        const float* src = p >= start ? a.kv + size_t(rf + (p - start)) * D : ring + size_t(p % a.window) * D;
+        for (int c = lane; c < D; c += 32) keys[t][c] = src[c];
       } else if (const int64_t w = entry(j - n_win); w >= 0) {
-        v = *entry_at(a.pages, r, w, c);
+        warp_load_entry(a.pages, r, w, 0, D, keys[t], lane);
+      } else {
+        ok = false;
       }
-      keys[t][c] = v;
+      if (lane == 0) valid[t] = ok;
     }
-    if (threadIdx.x < nt) valid[threadIdx.x] = j0 + threadIdx.x < n_win || entry(j0 + threadIdx.x - n_win) >= 0;
     __syncthreads();
-    if (active)
-      for (int t = 0; t < nt; ++t) {
-        if (!valid[t]) continue;
-        float k[kPer], d = 0;
+    if (active) {  // the tile's scores at once (independent sums), then one online-softmax step
+      float sc[kKeyTile];
 #pragma unroll
-        for (int i = 0; i < kPer; ++i) {
-          k[i] = i < nper ? keys[t][lane + 32 * i] : 0.f;
-          d += q[i] * k[i];
-        }
-        const float s = warp_sum(d) * a.scale;
-        const float mn = fmaxf(m, s), corr = __expf(m - mn), p = __expf(s - mn);
-        l = l * corr + p;
+      for (int t = 0; t < kKeyTile; ++t) {
+        float d = 0;
+        if (t < nt)
 #pragma unroll
-        for (int i = 0; i < kPer; ++i) acc[i] = acc[i] * corr + p * k[i];
-        m = mn;
+          for (int i = 0; i < kPer; ++i)
+            if (i < nper) d += q[i] * keys[t][lane + 32 * i];
+        sc[t] = d;
       }
+#pragma unroll
+      for (int o = 16; o; o >>= 1)
+#pragma unroll
+        for (int t = 0; t < kKeyTile; ++t) sc[t] += __shfl_xor_sync(0xffffffffu, sc[t], o);
+      float mn = m;
+#pragma unroll
+      for (int t = 0; t < kKeyTile; ++t)
+        if (t < nt && valid[t]) mn = fmaxf(mn, sc[t] *= a.scale);
+      const float corr = __expf(m - mn);
+      l *= corr;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) acc[i] *= corr;
+#pragma unroll
+      for (int t = 0; t < kKeyTile; ++t) {
+        if (t >= nt || !valid[t]) continue;
+        const float p = __expf(sc[t] - mn);
+        l += p;
+#pragma unroll
+        for (int i = 0; i < kPer; ++i)
+          if (i < nper) acc[i] += p * keys[t][lane + 32 * i];
+      }
+      m = mn;
+    }
     __syncthreads();
   }
   if (!active) return;

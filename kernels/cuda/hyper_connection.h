@@ -22,12 +22,17 @@ struct HcPre {
   float eps = 1e-6f;             // the streams' RMSNorm
   float hc_eps = 1e-6f;
   int sinkhorn_iters = 20;
-  float* w = nullptr;    // [rows][2n + n^2]: pre, post, comb (head: [rows][n] pre)
-  float* col = nullptr;  // [rows][hidden] = sum_j pre_j x_j
+  float* w = nullptr;        // [rows][2n + n^2]: pre, post, comb (head: [rows][n] pre)
+  float* col = nullptr;      // [rows][hidden] = sum_j pre_j x_j
+  float* partial = nullptr;  // device scratch of hc_pre_scratch_floats(*this) floats
 };
 
 // Mix logits from the RMS-normalised streams (fp32 dot products with fn), the
-// weights (cpu::hc_weights / hc_head_weights) and the collapse, a block a row.
+// weights (cpu::hc_weights / hc_head_weights) and the collapse. Two launches:
+// blocks of 4 rows (sharing each read of fn) and a slice of n * hidden sum the
+// squares and dot products, so a few rows still spread over the GPU; then a
+// block a row adds the slices, forms the weights and collapses the streams.
+size_t hc_pre_scratch_floats(const HcPre& a);
 void hc_pre(const HcPre& a, cudaStream_t s);
 
 // x_k = post_k y + sum_j comb[j n + k] x_j for every row's streams, in place;

@@ -314,10 +314,16 @@ void router_sigmoid_grouped(const float* logits, const float* bias, int T, int E
 }
 
 namespace {
-__global__ void sqrt_softplus_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
-                                     const int32_t* __restrict__ hash, const int32_t* __restrict__ tokens, int T, int E,
-                                     int k, float scaling, int32_t* __restrict__ ids, float* __restrict__ weights) {
-  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+// A warp a token: each lane scores its experts once (fp64 softplus, as the
+// CPU), then k warp-wide argmax rounds (ties to the lower expert, the CPU's
+// first maximum) pick the experts.
+constexpr int kSoftplusWarps = 4, kSoftplusPer = 256 / 32;
+
+__global__ void __launch_bounds__(kSoftplusWarps * 32)
+    sqrt_softplus_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
+                         const int32_t* __restrict__ hash, const int32_t* __restrict__ tokens, int T, int E, int k,
+                         float scaling, int32_t* __restrict__ ids, float* __restrict__ weights) {
+  const int t = blockIdx.x * kSoftplusWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (t >= T) return;
   const float* l = logits + size_t(t) * E;
   auto score = [&](int e) {  // torch's softplus: x itself above 20
@@ -325,24 +331,42 @@ __global__ void sqrt_softplus_kernel(const float* __restrict__ logits, const flo
     return float(sqrt(x > 20 ? x : log1p(exp(x))));
   };
   int32_t* id = ids + size_t(t) * k;
+  float w[16];  // the chosen experts' scores, in choice order (every lane holds them)
   if (hash) {
-    for (int j = 0; j < k; ++j) id[j] = hash[size_t(tokens[t]) * k + j];
-  } else {
-    uint32_t taken[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int j = 0; j < k; ++j) {
-      float bv = -INFINITY;
-      int be = -1;
-      for (int e = 0; e < E; ++e) {
-        if (taken[e >> 5] >> (e & 31) & 1u) continue;
-        const float c = score(e) + (bias ? bias[e] : 0.f);
-        if (be < 0 || c > bv) bv = c, be = e;
+      const int e = hash[size_t(tokens[t]) * k + j];
+      if (lane == 0) id[j] = e;
+      w[j] = score(e);
+    }
+  } else {
+    float sc[kSoftplusPer], c[kSoftplusPer];  // the lane's experts lane + 32 i
+#pragma unroll
+    for (int i = 0; i < kSoftplusPer; ++i) {
+      const int e = lane + 32 * i;
+      sc[i] = e < E ? score(e) : 0.f;
+      c[i] = e < E ? sc[i] + (bias ? bias[e] : 0.f) : 0.f;
+    }
+    unsigned taken = 0;  // bit i: expert lane + 32 i
+    for (int j = 0; j < k; ++j) {
+      float bv = 0, bs = 0;
+      int be = E;  // none yet
+#pragma unroll
+      for (int i = 0; i < kSoftplusPer; ++i)
+        if (lane + 32 * i < E && !(taken >> i & 1u) && (be == E || c[i] > bv))
+          bv = c[i], bs = sc[i], be = lane + 32 * i;
+      for (int o = 16; o; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o), os = __shfl_xor_sync(0xffffffffu, bs, o);
+        const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+        if (oe < E && (be == E || ov > bv || (ov == bv && oe < be))) bv = ov, bs = os, be = oe;
       }
-      taken[be >> 5] |= 1u << (be & 31);
-      id[j] = be;
+      if ((be & 31) == lane) taken |= 1u << (be >> 5);
+      w[j] = bs;
+      if (lane == 0) id[j] = be;
     }
   }
-  float sum = 0, w[16];
-  for (int j = 0; j < k; ++j) sum += (w[j] = score(id[j]));
+  if (lane != 0) return;
+  float sum = 0;
+  for (int j = 0; j < k; ++j) sum += w[j];
   for (int j = 0; j < k; ++j) weights[size_t(t) * k + j] = w[j] / (sum + 1e-20f) * scaling;
 }
 }  // namespace
@@ -353,7 +377,8 @@ void router_sqrt_softplus(const float* logits, const float* bias, const int32_t*
         " (E <= 256, k <= 16)");
   check(!hash || tokens, DZ_ERR_INVALID_ARGUMENT, "router_sqrt_softplus: a hash table needs the token ids");
   if (T <= 0) return;
-  sqrt_softplus_kernel<<<(T + 127) / 128, 128, 0, s>>>(logits, bias, hash, tokens, T, E, k, scaling, ids, weights);
+  sqrt_softplus_kernel<<<(T + kSoftplusWarps - 1) / kSoftplusWarps, kSoftplusWarps * 32, 0, s>>>(
+      logits, bias, hash, tokens, T, E, k, scaling, ids, weights);
   DZ_CUDA_LAUNCH_CHECK();
 }
 

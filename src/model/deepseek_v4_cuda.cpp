@@ -158,7 +158,7 @@ class DeepseekV4Cuda final : public Family, private DeepseekV4Desc {
   DeviceArray<float> ones_;  // the per-head query norm has no weight
   // Pass scratch (grown on demand).
   DeviceArray<float> x_, col_, xn_, y_, w_, qres_, q_, kv_, cbuf_, icbuf_, iq_, iw_, scores_, att_, mid_, rlog_, gw_,
-      state_;
+      state_, hc_part_;
   DeviceArray<uint16_t> xb_, qresb_, grp_, midb_;
   DeviceArray<int32_t> ids_, sel_;
   DeviceArray<uint8_t> meta_;
@@ -341,6 +341,7 @@ void DeepseekV4Cuda::hc_pre(const DevHc& hc, bool head, int T, float* col, cudaS
   a.n_rows = T, a.n = hc_.n, a.hidden = hidden_, a.x = x_.get(), a.fn = hc.fn.get(), a.base = hc.base.get();
   a.scale = hc.scale.get(), a.head = head, a.eps = eps_, a.hc_eps = hc_.hc_eps, a.sinkhorn_iters = hc_.sinkhorn_iters;
   a.w = w_.get(), a.col = col;
+  a.partial = room(hc_part_, cuda::hc_pre_scratch_floats(a), "mHC partial sums");
   cuda::hc_pre(a, s);
 }
 
