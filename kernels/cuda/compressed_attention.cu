@@ -61,83 +61,130 @@ __device__ __forceinline__ void pool_push(Pool& p, float v, float g) {
 
 constexpr int kCompressThreads = 256, kCompressCh = 4;  // channels a thread: dim <= 1024
 
-// A block a (segment, compressor): the pools live in registers (each thread
-// its channels') from the segment's first token to its last, so a token costs
-// its projections' loads and the pushes, nothing through memory.
-__global__ void __launch_bounds__(kCompressThreads) compress_kernel(CompressPass a) {
-  const Compressor& c = a.c[blockIdx.y];
-  const int seg = blockIdx.x, D = c.dim, S = c.overlap ? 2 : 1;
-  const int64_t rate = a.pages.rate;
+// One compressor's pools over one segment of a pass, each thread its
+// channels' (in registers). Tokens are pushed in the order the serial
+// definition pushes them, so every entry and state is the same whichever
+// pieces and passes a sequence arrives in. At the pass's first position
+// `start`, W0 = start / rate is the open window: the state holds entry W0's
+// pool (u = 0: Ca of window W0 - 1, then Cb of W0's earlier tokens) and, with
+// overlap, entry W0 + 1's (u = 1: Ca of W0's earlier tokens).
+struct SegmentPools {
+  const Compressor& c;
+  int rf, D, S;
+  int64_t start, rate, W0;
+  const float* st;
+
+  __device__ void load(Pool (&p)[kCompressCh], int u) const {
+#pragma unroll
+    for (int j = 0; j < kCompressCh; ++j) {
+      const int ch = threadIdx.x + j * kCompressThreads;
+      p[j] = ch < D ? Pool{st[u * 3 * D + ch], st[u * 3 * D + D + ch], st[u * 3 * D + 2 * D + ch]} : Pool{0, 0, 0};
+    }
+  }
+  // Positions [t0, t1] of this pass, part 0 (Ca, or the only one) or 1 (Cb).
+  __device__ void push(Pool (&p)[kCompressCh], int64_t t0, int64_t t1, int part) const {
+    for (int64_t t = max(t0, start); t <= t1; ++t) {
+      const size_t r = size_t(rf + (t - start));
+      const float* __restrict__ kv = c.kv + r * c.ld + part * D;
+      const float* __restrict__ g = c.gate + r * c.ld + part * D;
+      const float* __restrict__ b = c.bias + size_t(t % rate) * S * D + part * D;
+#pragma unroll
+      for (int j = 0; j < kCompressCh; ++j) {
+        const int ch = threadIdx.x + j * kCompressThreads;
+        if (ch < D) pool_push(p[j], kv[ch], g[ch] + b[ch]);
+      }
+    }
+  }
+  // Entry w's pool over the tokens up to position `last`.
+  __device__ void entry(Pool (&p)[kCompressCh], int64_t w, int64_t last) const {
+    const int cb = c.overlap ? 1 : 0;
+    const int64_t open = w * rate, close = min(last, (w + 1) * rate - 1);
+    if (w == W0) {
+      load(p, 0);
+    } else if (c.overlap && w == W0 + 1) {
+      load(p, 1);
+      push(p, start, min(last, open - 1), 0);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kCompressCh; ++j) p[j] = Pool{0, 0, 0};
+      if (c.overlap) push(p, open - rate, min(last, open - 1), 0);
+    }
+    push(p, open, close, cb);
+  }
+};
+
+// Block (segment, j, compressor): entry W0 + j, if the pass closes it, pooled,
+// normalised (RMSNorm), its rotary channels turned (RoPE at the window's first
+// position: the closing row's tables) and written to the pages. Entries are
+// independent, so a long prefill's spread over the GPU.
+__global__ void __launch_bounds__(kCompressThreads) compress_entries_kernel(CompressPass a) {
+  const Compressor& c = a.c[blockIdx.z];
+  const int seg = blockIdx.x, rf = a.seg_first[seg], rl = a.seg_first[seg + 1] - 1, D = c.dim;
+  const int64_t rate = a.pages.rate, start = a.pos[rf], end = a.pos[rl], W0 = start / rate;
+  const int64_t w = W0 + blockIdx.y;
+  if (w >= (end + 1) / rate) return;
+  const SegmentPools sp{c, rf, D, c.overlap ? 2 : 1, start, rate, W0, a.state[seg] + c.state_off};
+  Pool p[kCompressCh];
+  sp.entry(p, w, (w + 1) * rate - 1);
   extern __shared__ float out[];  // [D], then the block's partial sums
   float* red = out + D;
-  float* st = a.state[seg] + c.state_off;
-  const int P = 3 * D, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  Pool p[kCompressCh][2];  // [channel][the open entry's pool, the next one's (overlap)]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float ss = 0;
 #pragma unroll
   for (int j = 0; j < kCompressCh; ++j) {
     const int ch = threadIdx.x + j * kCompressThreads;
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      p[j][u] = Pool{0, 0, 0};
-      if (ch < D && u < S) p[j][u] = Pool{st[u * P + ch], st[u * P + D + ch], st[u * P + 2 * D + ch]};
-    }
+    if (ch >= D) continue;
+    const float v = p[j].sum == 0 ? 0.f : p[j].acc / p[j].sum;
+    out[ch] = v;
+    ss += v * v;
   }
-  for (int r = a.seg_first[seg]; r < a.seg_first[seg + 1]; ++r) {
-    const int64_t pos = a.pos[r];
-    const float* __restrict__ kv = c.kv + size_t(r) * c.ld;
-    const float* __restrict__ g = c.gate + size_t(r) * c.ld;
-    const float* __restrict__ b = c.bias + size_t(pos % rate) * S * D;
+  ss = warp_sum(ss);
+  if (lane == 0) red[warp] = ss;
+  __syncthreads();
+  float tot = 0;
+  for (int k = 0; k < kCompressThreads / 32; ++k) tot += red[k];
+  const float inv = rsqrtf(tot / float(D) + a.eps);
+  for (int ch = threadIdx.x; ch < D; ch += kCompressThreads) out[ch] = c.norm[ch] * (out[ch] * inv);
+  __syncthreads();
+  const size_t r = size_t(rf + ((w + 1) * rate - 1 - start));  // the closing row
+  for (int i = threadIdx.x; i < a.rope_half; i += kCompressThreads) {
+    float* v = out + D - 2 * a.rope_half + 2 * i;
+    const float cs = a.cos[r * a.rope_half + i], sn = a.sin[r * a.rope_half + i];
+    const float x0 = v[0], x1 = v[1];
+    v[0] = x0 * cs - x1 * sn;
+    v[1] = x1 * cs + x0 * sn;
+  }
+  __syncthreads();
+  for (int ch = threadIdx.x; ch < D; ch += kCompressThreads) *entry_at(a.pages, int(r), w, c.entry_off + ch) = out[ch];
+}
+
+// Block (segment, compressor), after compress_entries_kernel (which reads the
+// state this writes): the pools open at the pass's end, W1 = (end + 1) / rate:
+// entry W1's over the tokens so far, and with overlap entry W1 + 1's (Ca of
+// window W1's tokens so far).
+__global__ void __launch_bounds__(kCompressThreads) compress_state_kernel(CompressPass a) {
+  const Compressor& c = a.c[blockIdx.y];
+  const int seg = blockIdx.x, rf = a.seg_first[seg], rl = a.seg_first[seg + 1] - 1, D = c.dim;
+  const int64_t rate = a.pages.rate, start = a.pos[rf], end = a.pos[rl], W0 = start / rate, W1 = (end + 1) / rate;
+  float* st = a.state[seg] + c.state_off;
+  const SegmentPools sp{c, rf, D, c.overlap ? 2 : 1, start, rate, W0, st};
+  Pool p0[kCompressCh], p1[kCompressCh];
+  sp.entry(p0, W1, end);
+  if (c.overlap) {
+    if (W1 == W0) {
+      sp.load(p1, 1);
+    } else {
 #pragma unroll
-    for (int j = 0; j < kCompressCh; ++j) {
-      const int ch = threadIdx.x + j * kCompressThreads;
-      if (ch >= D) continue;
-      if (c.overlap) {  // Cb joins this window's entry, Ca the next one's
-        pool_push(p[j][0], kv[D + ch], g[D + ch] + b[D + ch]);
-        pool_push(p[j][1], kv[ch], g[ch] + b[ch]);
-      } else {
-        pool_push(p[j][0], kv[ch], g[ch] + b[ch]);
-      }
+      for (int j = 0; j < kCompressCh; ++j) p1[j] = Pool{0, 0, 0};
     }
-    if ((pos + 1) % rate != 0) continue;
-    float ss = 0;
-#pragma unroll
-    for (int j = 0; j < kCompressCh; ++j) {
-      const int ch = threadIdx.x + j * kCompressThreads;
-      if (ch >= D) continue;
-      const float v = p[j][0].sum == 0 ? 0.f : p[j][0].acc / p[j][0].sum;
-      out[ch] = v;
-      ss += v * v;
-      p[j][0] = c.overlap ? p[j][1] : Pool{0, 0, 0};
-      p[j][1] = Pool{0, 0, 0};
-    }
-    ss = warp_sum(ss);
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    float tot = 0;
-    for (int w = 0; w < kCompressThreads / 32; ++w) tot += red[w];
-    const float inv = rsqrtf(tot / float(D) + a.eps);
-    for (int ch = threadIdx.x; ch < D; ch += kCompressThreads) out[ch] = c.norm[ch] * (out[ch] * inv);
-    __syncthreads();
-    // RoPE at the window's first position, on the last 2 * half channels.
-    for (int i = threadIdx.x; i < a.rope_half; i += kCompressThreads) {
-      float* v = out + D - 2 * a.rope_half + 2 * i;
-      const float cs = a.cos[size_t(r) * a.rope_half + i], sn = a.sin[size_t(r) * a.rope_half + i];
-      const float x0 = v[0], x1 = v[1];
-      v[0] = x0 * cs - x1 * sn;
-      v[1] = x1 * cs + x0 * sn;
-    }
-    __syncthreads();
-    const int64_t w = (pos + 1) / rate - 1;
-    for (int ch = threadIdx.x; ch < D; ch += kCompressThreads) *entry_at(a.pages, r, w, c.entry_off + ch) = out[ch];
-    __syncthreads();
+    sp.push(p1, W1 * rate, end, 0);
   }
 #pragma unroll
   for (int j = 0; j < kCompressCh; ++j) {
     const int ch = threadIdx.x + j * kCompressThreads;
     if (ch >= D) continue;
-#pragma unroll
-    for (int u = 0; u < 2; ++u)
-      if (u < S) st[u * P + ch] = p[j][u].mx, st[u * P + D + ch] = p[j][u].sum, st[u * P + 2 * D + ch] = p[j][u].acc;
+    st[ch] = p0[j].mx, st[D + ch] = p0[j].sum, st[2 * D + ch] = p0[j].acc;
+    if (c.overlap) st[3 * D + ch] = p1[j].mx, st[4 * D + ch] = p1[j].sum, st[5 * D + ch] = p1[j].acc;
   }
 }
 
@@ -314,7 +361,11 @@ void compress(const CompressPass& a, cudaStream_t s) {
   check(dmax <= kCompressThreads * kCompressCh, DZ_ERR_UNSUPPORTED, "compress: entry width ", dmax, " (at most ",
         kCompressThreads * kCompressCh, ")");
   const size_t smem = (size_t(dmax) + kCompressThreads / 32) * sizeof(float);
-  compress_kernel<<<dim3(unsigned(a.n_seg), unsigned(a.n_comp)), kCompressThreads, smem, s>>>(a);
+  if (a.max_close > 0)
+    compress_entries_kernel<<<dim3(unsigned(a.n_seg), unsigned(a.max_close), unsigned(a.n_comp)), kCompressThreads,
+                              smem, s>>>(a);
+  DZ_CUDA_LAUNCH_CHECK();
+  compress_state_kernel<<<dim3(unsigned(a.n_seg), unsigned(a.n_comp)), kCompressThreads, 0, s>>>(a);
   DZ_CUDA_LAUNCH_CHECK();
 }
 

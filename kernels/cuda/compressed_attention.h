@@ -23,12 +23,13 @@ struct EntryPages {
 };
 
 // Both of a layer's compressors (attention entries, CSA indexer keys) over
-// one pass: per segment (a sequence's consecutive rows) token by token, each
-// channel's pool (cpu/compress.h: [max | sum | weighted sum] of dim floats at
-// state_off) pushed, and every window a token closes turned into its entry
-// (RMSNorm with norm, RoPE of its last 2 * rope_half channels at the window's
-// first position: cos / sin [T][rope_half] of each closing row) written to
-// the pages at entry_off floats.
+// one pass: per segment (a sequence's consecutive rows), each channel's pools
+// (cpu/compress.h: [max | sum | weighted sum] of dim floats at state_off)
+// pushed token by token in the serial order, and every window the pass closes
+// turned into its entry (RMSNorm with norm, RoPE of its last 2 * rope_half
+// channels at the window's first position: cos / sin [T][rope_half] of each
+// closing row) written to the pages at entry_off floats. A block an entry,
+// then a block a segment for the pools left open.
 struct Compressor {
   int dim = 0;
   bool overlap = false;  // CSA: [Ca | Cb] projections, two pools
@@ -51,6 +52,7 @@ struct CompressPass {
   float eps = 1e-6f;
   Compressor c[2];
   int n_comp = 1;
+  int max_close = 0;  // the most windows one segment closes: (last pos + 1) / rate - first pos / rate
 };
 void compress(const CompressPass& a, cudaStream_t s);
 

@@ -131,6 +131,7 @@ class DeepseekV4Cuda final : public Family, private DeepseekV4Desc {
     const float *cos_main, *sin_main, *cos_comp, *sin_comp, *cos_csa, *sin_csa, *cos_hca, *sin_hca;
     const int64_t *vis_csa, *vis_hca;  // entries each row sees
     int64_t max_vis_csa = 0, max_vis_hca = 0;
+    int max_close_csa = 0, max_close_hca = 0;  // the most windows one segment closes
     uint32_t page_tokens = 0;
   };
   void pass(std::span<ForwardItem> batch, const BatchRows& flat, int64_t r0, int64_t r1,
@@ -383,6 +384,7 @@ void DeepseekV4Cuda::attention(const DevLayer& D, const v4::Layer& L, int li, co
     cuda::CompressPass c;
     c.n_seg = m.n_seg, c.seg_first = m.seg_first, c.pos = m.pos, c.state = m.state, c.pages = pages;
     c.cos = csa ? m.cos_csa : m.cos_hca, c.sin = csa ? m.sin_csa : m.sin_hca, c.rope_half = half, c.eps = eps_;
+    c.max_close = csa ? m.max_close_csa : m.max_close_hca;
     auto set = [&](cuda::Compressor& k, const v4::Compressor& src, const DevComp& d, const float* buf, int dim,
                    int off) {
       k.dim = dim, k.overlap = src.overlap, k.kv = buf, k.gate = buf + int64_t(S) * dim, k.ld = 2 * int64_t(S) * dim;
@@ -499,6 +501,11 @@ void DeepseekV4Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
   }
   m.n_seg = int(seg_first.size());
   seg_first.push_back(T);
+  for (int g = 0; g < m.n_seg; ++g) {
+    const int64_t first = pos[size_t(seg_first[size_t(g)])], last = pos[size_t(seg_first[size_t(g) + 1] - 1)];
+    if (rate_csa_) m.max_close_csa = std::max(m.max_close_csa, int((last + 1) / rate_csa_ - first / rate_csa_));
+    if (rate_hca_) m.max_close_hca = std::max(m.max_close_hca, int((last + 1) / rate_hca_ - first / rate_hca_));
+  }
   for (int l = 0; l < L; ++l) layer_off[size_t(l)] = int64_t(arena.layer_offset(uint32_t(l)));
   cuda::Packer pk;
   const size_t o_tok = pk.add(tok), o_first = pk.add(row_first), o_rseg = pk.add(row_seg), o_seg = pk.add(seg_first),
