@@ -188,12 +188,25 @@ KIMI=${DZ_KIMI_DIR:-/tmp/dz_kimi48b_8layers}
 grep -E "prefill|decode batch" "$OUTDIR/bench_model_kimi8.log" | head -6
 rm -rf "$KIMI"
 
-step "dz bench model, DeepSeek-V4 (mHC, CSA/HCA attention, FP4 experts): 4 layers of V4-Flash's shape (15 GB)"
+step "dz bench model, DeepSeek-V4 (mHC, CSA/HCA attention, FP4 experts): 4 layers of V4-Flash's shape (17 GB)"
 V4DIR=${DZ_V4_DIR:-/tmp/dz_v4flash_4layers}
-"$DZ" bench model --make-random "$V4DIR" --shape v4-flash --layers 4 --device cuda --prefill 4096 --long-ctx 0 \
+"$DZ" bench model --make-random "$V4DIR" --shape v4-flash --layers 4 --device cuda --prefill 4096 --long-ctx 4096 \
   --batch 16 --steps 16 --no-eager --out "$OUTDIR/bench_model_v4_4.json" >"$OUTDIR/bench_model_v4_4.log" 2>&1 ||
   { echo "dz bench model --shape v4-flash FAILED"; status=1; }
 grep -E "prefill|decode batch" "$OUTDIR/bench_model_v4_4.log" | head -6
+if command -v ncu >/dev/null; then  # per-kernel times of a 1024-token prefill and 8 decode steps
+  ids() { python3 -c "print(','.join(str((i * 7919) % 129000) for i in range($1)))"; }
+  v4_ncu() {  # NAME N_TOKENS MAX_NEW
+    timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv "$DZ" generate --model "$V4DIR" \
+      --device cuda --tokens "$(ids "$2")" --max-new "$3" --ignore-stop >"$OUTDIR/ncu_v4_$1.csv" 2>/dev/null ||
+      echo "ncu ($1) FAILED"
+  }
+  v4_ncu prefill 1024 1
+  v4_ncu decode 8 9
+  python3 tools/gpu/ncu_kernel_times.py "$OUTDIR"/ncu_v4_prefill.csv "$OUTDIR"/ncu_v4_decode.csv |
+    tee "$OUTDIR/ncu_kernel_times_v4_4.txt"
+  rm -f "$OUTDIR"/ncu_v4_*.csv
+fi
 rm -rf "$V4DIR"
 
 step "dz bench model, experts in E4M3 arithmetic (DZ_EXPERTS_FP8: fused W4A8 kernels at decode)"
