@@ -80,11 +80,10 @@ inline double worst_cosine_prefill_decode(dz_session* a, dz_session* b, int32_t 
   return worst;
 }
 
-// DZ_DEVICE_AUTO opens `dir` on the GPU where one is present (auto_gpu), else on
+// DZ_DEVICE_AUTO opens `dir` on the GPU where one is present, else on
 // the CPU; DZ_DEVICE_CUDA with parameters `bad` the GPU does not take fails
 // cleanly, its message holding `gpu_msg` (without a GPU: "CUDA").
-inline void check_auto_and_refusal(const std::string& dir, void (*bad)(dz_model_params&), const char* gpu_msg,
-                                   bool auto_gpu = true) {
+inline void check_auto_and_refusal(const std::string& dir, void (*bad)(dz_model_params&), const char* gpu_msg) {
   dz_model_params p;
   dz_model_params_init(&p);
   p.device = DZ_DEVICE_AUTO;
@@ -94,7 +93,7 @@ inline void check_auto_and_refusal(const std::string& dir, void (*bad)(dz_model_
   dz_model_info_init(&info);
   REQUIRE(dz_model_get_info(m, &info) == DZ_OK);
   const bool gpu = dz::cuda_compiled() && dz::cuda_device_count() > 0;
-  CHECK(info.device == (gpu && auto_gpu ? DZ_DEVICE_CUDA : DZ_DEVICE_CPU));
+  CHECK(info.device == (gpu ? DZ_DEVICE_CUDA : DZ_DEVICE_CPU));
   dz_model_free(m);
   m = nullptr;
   p.device = DZ_DEVICE_CUDA;
