@@ -19,7 +19,6 @@
 #include <cstring>
 
 #include "common/host_alloc.h"
-#include "common/log.h"
 #include "cpu/indexer.h"
 #include "cpu/matmul.h"
 #include "cpu/mla.h"
@@ -29,7 +28,6 @@
 #include "model/moe_ffn.h"
 #include "model/rope_config.h"
 #include "model/weights.h"
-#include "runtime/device.h"
 #include "runtime/parallel.h"
 
 namespace dz {
@@ -301,12 +299,7 @@ void DeepseekV32::forward(std::span<ForwardItem> batch, const ForwardOptions& op
 }  // namespace
 
 std::unique_ptr<Family> make_deepseek_v32(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
-  return make_on_device(
-      "deepseek_v32", make_deepseek_v32_cuda,
-      [](const Config& c, const WeightStore& w, const dz_model_params& p) -> std::unique_ptr<Family> {
-        return std::make_unique<DeepseekV32>(c, w, p);
-      },
-      cfg, ws, params);
+  return make_on_device<DeepseekV32>("deepseek_v32", make_deepseek_v32_cuda, cfg, ws, params);
 }
 
 void deepseek_v32_set_trace(Family& family, const DsaTrace* trace) {

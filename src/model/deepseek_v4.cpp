@@ -742,12 +742,7 @@ void DeepseekV4::forward(std::span<ForwardItem> batch, const ForwardOptions& opt
 }  // namespace
 
 std::unique_ptr<Family> make_deepseek_v4(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
-  return make_on_device(
-      "deepseek_v4", make_deepseek_v4_cuda,
-      [](const Config& c, const WeightStore& w, const dz_model_params& p) -> std::unique_ptr<Family> {
-        return std::make_unique<DeepseekV4>(c, w, p);
-      },
-      cfg, ws, params);
+  return make_on_device<DeepseekV4>("deepseek_v4", make_deepseek_v4_cuda, cfg, ws, params);
 }
 
 }  // namespace dz

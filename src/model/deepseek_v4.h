@@ -16,8 +16,8 @@
 
 namespace dz {
 
-// DZ_DEVICE_CUDA: the CUDA family (deepseek_v4_cuda.cpp); CPU and AUTO: the
-// CPU family (AUTO moves to the GPU once the CUDA family has run its tests).
+// DZ_DEVICE_CUDA: the CUDA family (deepseek_v4_cuda.cpp); AUTO: it where a GPU
+// is present and it takes the checkpoint, else the CPU family.
 std::unique_ptr<Family> make_deepseek_v4(const Config& cfg, const WeightStore& ws, const dz_model_params& params);
 // The CUDA family; throws DZ_ERR_UNSUPPORTED in builds without CUDA or for
 // what it does not serve yet, DZ_ERR_DEVICE without a usable GPU.

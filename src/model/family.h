@@ -136,6 +136,17 @@ using FamilyFactory = std::unique_ptr<Family> (*)(const Config& config, const We
 // names it in the warning.
 std::unique_ptr<Family> make_on_device(const char* family, FamilyFactory cuda, FamilyFactory cpu, const Config& config,
                                        const WeightStore& weights, const dz_model_params& params);
+// The same with CpuFamily's constructor as `cpu`.
+template <class CpuFamily>
+std::unique_ptr<Family> make_on_device(const char* family, FamilyFactory cuda, const Config& config,
+                                       const WeightStore& weights, const dz_model_params& params) {
+  return make_on_device(
+      family, cuda,
+      [](const Config& c, const WeightStore& w, const dz_model_params& p) -> std::unique_ptr<Family> {
+        return std::make_unique<CpuFamily>(c, w, p);
+      },
+      config, weights, params);
+}
 
 // The parameters a CPU-only family accepts: the CPU device, fp32 activations
 // and weights decoded in checkpoint precision. `family` names it in messages.

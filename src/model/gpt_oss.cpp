@@ -11,7 +11,6 @@
 #include <cstring>
 
 #include "common/host_alloc.h"
-#include "common/log.h"
 #include "cpu/attention.h"
 #include "cpu/matmul.h"
 #include "cpu/moe.h"
@@ -20,7 +19,6 @@
 #include "cpu/rope.h"
 #include "model/rope_config.h"
 #include "model/weights.h"
-#include "runtime/device.h"
 #include "runtime/parallel.h"
 
 namespace dz {
@@ -333,12 +331,7 @@ void gpt_oss_set_router_trace(Family& family, std::vector<float>* margins) {
 // The factory row in registry.cpp.
 // DZ_DEVICE_AUTO takes the GPU when one is present and usable, else the CPU.
 std::unique_ptr<Family> make_gpt_oss(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
-  return make_on_device(
-      "gpt_oss", make_gpt_oss_cuda,
-      [](const Config& c, const WeightStore& w, const dz_model_params& p) -> std::unique_ptr<Family> {
-        return std::make_unique<GptOss>(c, w, p);
-      },
-      cfg, ws, params);
+  return make_on_device<GptOss>("gpt_oss", make_gpt_oss_cuda, cfg, ws, params);
 }
 
 }  // namespace dz

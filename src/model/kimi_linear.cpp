@@ -29,13 +29,11 @@
 #include <numeric>
 
 #include "common/host_alloc.h"
-#include "common/log.h"
 #include "cpu/kda.h"
 #include "cpu/matmul.h"
 #include "cpu/mla.h"
 #include "cpu/norm.h"
 #include "model/weights.h"
-#include "runtime/device.h"
 #include "runtime/parallel.h"
 
 namespace dz {
@@ -362,12 +360,7 @@ void KimiLinear::forward(std::span<ForwardItem> batch, const ForwardOptions& opt
 }  // namespace
 
 std::unique_ptr<Family> make_kimi_linear(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
-  return make_on_device(
-      "kimi_linear", make_kimi_linear_cuda,
-      [](const Config& c, const WeightStore& w, const dz_model_params& p) -> std::unique_ptr<Family> {
-        return std::make_unique<KimiLinear>(c, w, p);
-      },
-      cfg, ws, params);
+  return make_on_device<KimiLinear>("kimi_linear", make_kimi_linear_cuda, cfg, ws, params);
 }
 
 }  // namespace dz
