@@ -8,6 +8,8 @@
 
 #include "cpu/mxfp4_fold.h"
 #include "cuda/moe.h"
+#include "cuda/moe_one_token.h"
+#include "cuda/moe_w8.cuh"
 #include "cuda/mxfp4_fold.h"
 #include "cuda/mxfp4_gemm.h"
 #include "cuda/pdl.cuh"
@@ -42,15 +44,6 @@ __device__ __forceinline__ float e8m0_to_float(int s) {
   return s == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(uint32_t(s) << 23);
 }
 
-// gpt-oss's clamped SwiGLU. The fast division (~2 ulp; 0 once the
-// denominator passes 2^126, where the quotient underflows anyway) keeps the
-// FP8 path's SwiGLU + quantization pass off the instruction limit.
-constexpr float kSwigluLimit = 7.f;
-__device__ __forceinline__ float swiglu(float gate, float up) {
-  gate = fminf(gate, kSwigluLimit);
-  up = fminf(fmaxf(up, -kSwigluLimit), kSwigluLimit);
-  return (up + 1.f) * __fdividef(gate, 1.f + __expf(-1.702f * gate));
-}
 
 // The layer's activation (MoeShape::act) of one gate/up pair: gpt-oss's
 // clamped SwiGLU above (the same bits), or with silu the plain SwiGLU,
@@ -755,30 +748,7 @@ __device__ __forceinline__ uint32_t quant_1x128_rest(const float (&v)[4], float 
   return lo | (hi << 16);
 }
 
-__device__ __forceinline__ uint32_t e2m1_even_to_e4m3(uint32_t w) {
-  return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
-}
-__device__ __forceinline__ uint32_t e2m1_odd_to_e4m3(uint32_t w) {
-  return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
-}
 
-// The down projection's activations as two E4M3 terms: gpt-oss's clamped
-// SwiGLU is at most (7 + 1) * 7 = 56 in magnitude, so they take one fixed
-// scale, 56 / 448 (E4M3's largest), instead of one a 128 values: E4M3 is as
-// fine relative to each value either way, only values under 2^-6 * 56 / 448
-// (0.002) meet its subnormals sooner (kW8DownLo), and with no reduction
-// gate_up's epilogue writes down's images itself (w8_down_put): the launch
-// between the projections that quantized them took 3.8 of 134 us (H200,
-// 120b shapes, 8 tokens). The bound is gpt-oss's only: the plain SwiGLU
-// (MoeActivation::kSilu) is unbounded, so the layer never runs the W4A8
-// kernels for it (w8_chosen).
-constexpr float kW8DownInv = 448.f / ((kSwigluLimit + 1.f) * kSwigluLimit);  // 8: a power of two
-// Down's second term is stored times 16 (the MMA column's sum divided by it
-// again): a remainder is at most half an E4M3 step of its first term (2^-4
-// of it), so times 16 stays under 448, and values whose first term is
-// subnormal (under 2^-6, 0.002 unscaled) keep 4 more bits than E4M3's
-// subnormals would leave: an absolute error under 2^-14 / 8 a value.
-constexpr float kW8DownLo = 16.f;
 // The fixed scale with two terms only: one E4M3 term keeps down's 1x128
 // scales (alone it would leave values under 0.002 an error of up to 2^-10 / 8).
 constexpr bool w8_fixed(bool gate_up, bool lo) { return !gate_up && lo; }
@@ -1755,6 +1725,11 @@ struct MoeLayer::Impl {
   int n_sms = 132;                           // multiprocessors of the device
   int tile_cap = 0;                          // experts per workspace tile it was sized for
   DeviceArray<uint8_t> w8_img, w8_img_down;  // W4A8 images: gate_up's, and down's (written by gate_up)
+  // One token streamed (MoeOptions::fused_one_token_stream): down's images,
+  // the slots' outputs, and the row tiles' done counts (zero between calls).
+  DeviceArray<uint8_t> ot_img;
+  DeviceArray<float> ot_y;
+  DeviceArray<int> ot_counts;
   int img_tokens = 0;                        // tokens the images are sized for
   bool w8s_fits[3] = {};                     // the streamed W4A8 kernels' shared memory fits (1, 2, 4 passes)
   int* h_counts = nullptr;                   // pinned: counts[E], offsets[E+1]
@@ -1816,6 +1791,10 @@ struct MoeLayer::Impl {
     ws_fp8 = DeviceArray<uint8_t>(P, 2 * tile_cap * per_expert_fp8, "FP8 expert workspace");
     ws_scales =
         DeviceArray<float>(P, 2 * (tile_cap * per_expert_sc + 8), "FP8 expert workspace scales");  // +8: alignment
+    ot_img = DeviceArray<uint8_t>(P, one_token_img_bytes(s), "moe one-token images");
+    ot_y = DeviceArray<float>(P, size_t(s.topk) * H, "moe one-token expert outputs");
+    ot_counts = DeviceArray<int>(P, size_t(H / 16 + 1), "moe one-token row tile counts");
+    DZ_CUDA_CHECK(cudaMemsetAsync(ot_counts.get(), 0, ot_counts.bytes(), ctx.stream()));
     DZ_CUDA_CHECK(cudaMemsetAsync(err.get(), 0, sizeof(int), ctx.stream()));
     // gate_up's epilogue never writes down's sub-blocks past I (kpi > I): zeros.
     DZ_CUDA_CHECK(cudaMemsetAsync(w8_img_down.get(), 0, w8_img_down.bytes(), ctx.stream()));
@@ -1906,8 +1885,21 @@ struct MoeLayer::Impl {
     DZ_CUDA_LAUNCH_CHECK();
   }
 
+  // One token through moe_one_token.h's stream (no routing launch): where
+  // two E4M3 terms are asked for (fused_w4a8 with two terms; NATIVE and exact
+  // layers keep the W4A16 kernels' fp16 activations).
+  bool streams_one(int T, const MoeWeights& w) const {
+    return T == 1 && opt.fused_one_token_stream && opt.fused_w4a8 && opt.fused_w4a8_terms == 2 &&
+           one_token_moe_supported(s, w, opt.one_token);
+  }
+
   void fused(const MoeWeights& w, const float* x, const int* ids, const float* gw, int T, float* out, int accumulate) {
     cudaStream_t st = ctx.stream();
+    if (streams_one(T, w)) {
+      one_token_moe(s, w, x, ids, gw, out, accumulate != 0, OneTokenScratch{ot_img.get(), ot_y.get(), ot_counts.get()},
+                    err.get(), n_sms, opt.pdl && pdl_enabled(), st, opt.one_token);
+      return;
+    }
     const int E = s.n_experts, H = s.hidden, I = s.intermediate;
     if (T > kRouteConvertsX) {
       x_to_half_kernel<<<T, 256, 0, st>>>(x, H, int(kph), xh.get(), xs.get());
@@ -2302,7 +2294,7 @@ void MoeLayer::forward(const MoeWeights& w, const float* x, const int* ids, cons
   check(x && ids && gw && out && w.w1_blocks && w.w1_scales && w.w2_blocks && w.w2_scales, DZ_ERR_INVALID_ARGUMENT,
         "MoeLayer::forward: null pointer");
   if (path == MoePath::kAuto) path = choose(T);
-  if (!(path == MoePath::kFused && p_->direct(T)))
+  if (!(path == MoePath::kFused && (p_->direct(T) || p_->streams_one(T, w))))
     p_->route(ids, T, path == MoePath::kFused && T <= kRouteConvertsX ? x : nullptr);
   if (path == MoePath::kFused)
     p_->fused(w, x, ids, gw, T, out, accumulate ? 1 : 0);
@@ -2317,7 +2309,7 @@ size_t MoeLayer::scratch_bytes() const {
   return q.counts.bytes() + q.offsets.bytes() + q.sorted.bytes() + q.row_expert.bytes() + q.inv.bytes() +
          q.active.bytes() + q.xh.bytes() + q.xs.bytes() + q.act16.bytes() + q.y32.bytes() + q.a1.bytes() +
          q.a1s.bytes() + q.a2.bytes() + q.a2s.bytes() + q.d1.bytes() + q.d2.bytes() + q.w8_img.bytes() +
-         q.w8_img_down.bytes();
+         q.w8_img_down.bytes() + q.ot_img.bytes() + q.ot_y.bytes() + q.ot_counts.bytes();
 }
 
 int* MoeLayer::error_flag() { return p_->err.get(); }

@@ -65,6 +65,13 @@ struct MoeWeights {
 
 enum class MoePath { kAuto = 0, kFused = 1, kFp8 = 2 };
 
+// The one-token stream's blocks (moe_one_token.h): groups of group_warps
+// consumer warps (built: 3 x 4, 1 x 12, 2 x 6, 4 x 4, 6 x 2, 2 x 8); stages:
+// units in flight a block (0: as many as fit, up to 8).
+struct OneTokenConfig {
+  int groups = 3, group_warps = 4, stages = 0;
+};
+
 struct MoeOptions {
   // Fused path while tokens * topk / n_experts <= this. Measured on an H200
   // (bench/results/2026-12-02-h200-run36.md, run 43), fused vs FP8 path at 12
@@ -88,6 +95,13 @@ struct MoeOptions {
   // One token on the per-projection fused kernels: they read the router's ids
   // themselves and gate_up converts the input (no routing launch).
   bool fused_one_token_direct = true;
+  // One token as a stream of the routed experts' bytes (moe_one_token.h:
+  // two persistent launches, a copy-engine ring a block, FP8 mma.sync with
+  // two E4M3 terms of the token) instead of the per-projection W4A16 kernels,
+  // where it runs (sm_90, gpt-oss's activation) and fused_w4a8 asks for two
+  // E4M3 terms (AUTO; NATIVE and exact layers keep fp16 activations).
+  bool fused_one_token_stream = true;
+  OneTokenConfig one_token;
   // W4A8 fused kernels: E4M3 activations (1x128 scales, as the FP8 path) on
   // FP8 wgmma, the weights streamed into shared memory by the copy engine, for
   // tokens * topk / n_experts <= fused_w4a8_max_tokens_per_expert and more

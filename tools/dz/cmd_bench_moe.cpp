@@ -478,6 +478,7 @@ int bench_moe(const Args& a) {
           layer.options().fused_w4a8_passes = w4a8_passes;
           layer.options().fused_w4a8_stream_above = 1e9;  // W4A8 staged (no images) at any size
           layer.options().fused_one_token_direct = direct && opt.fused_one_token_direct;
+          layer.options().fused_one_token_stream = false;  // its own variant, "stream"
           layer.options().fused_w4a8 = w4a8_terms > 0;
           layer.options().fused_w4a8_terms = std::max(1, w4a8_terms);
           layer.options().fused_w4a8_tiles = w4a8_tiles;
@@ -519,6 +520,7 @@ int bench_moe(const Args& a) {
         for (size_t i = 0; i < u.size(); ++i) m = std::max(m, double(std::fabs(u[i] - v[i])));
         return m;
       };
+      double stream_vs_w4a16 = -1;  // one token streamed vs the W4A16 kernels (relative RMS; -1: not run)
       double images_diff = -1;  // W4A8 with activation images vs staged in the blocks (max abs; -1: not run)
       double stream_diff = -1;  // W4A8 streamed activations vs whole images (max abs; -1: not run)
       if (T <= 4096) {
@@ -528,6 +530,24 @@ int bench_moe(const Args& a) {
             if (ks != 8 || (T <= 64 && pdl))
               variants["ks" + std::to_string(ks) + (pdl ? "_pdl" : "")] = time_fused(ks, pdl);
         if (T == 1) variants["ks4_pdl_routing_kernel"] = time_fused(4, true, false);  // one token, routed
+        if (T == 1) {  // one token streamed (moe_one_token.h), and its output against the W4A16 kernels'
+          layer.options().fused_one_token_stream = true;
+          variants["stream"] = time_fused(0, false, true, 0, true);
+          // Its block shapes (groups x warps a group) and units in flight a block.
+          for (auto gw2 : {std::pair{3, 4}, {1, 12}, {2, 6}, {4, 4}, {6, 2}, {2, 8}})
+            for (int stages : {0, 2, 3, 4, 6}) {
+              layer.options().fused_one_token_stream = true;
+              layer.options().one_token = OneTokenConfig{gw2.first, gw2.second, stages};
+              variants["stream_g" + std::to_string(gw2.first) + "x" + std::to_string(gw2.second) + "_s" +
+                       std::to_string(stages)] = time_fused(0, false, true, 0, true);
+            }
+          layer.options() = opt;
+          const auto w4 = fused_out([](MoeOptions& o) { o.fused_one_token_stream = false, o.fused_w4a8 = false; });
+          const auto sm = fused_out([](MoeOptions& o) { o.fused_one_token_stream = true; });
+          double num = 0, den = 0;
+          for (size_t i = 0; i < w4.size(); ++i) num += double(sm[i] - w4[i]) * (sm[i] - w4[i]), den += double(w4[i]) * w4[i];
+          stream_vs_w4a16 = std::sqrt(num / std::max(den, 1e-300));
+        }
         if (T >= 8) {  // 16 token slots a pass (two MMA token tiles) whatever the tokens per expert
           layer.options().fused_two_token_tiles_above = 0.0;  // kept by time_fused, which then restores opt
           variants["ks1_pdl_16slots"] = time_fused(1, true);
@@ -690,6 +710,7 @@ int bench_moe(const Args& a) {
           {"fp8_host_ms", median(host)},
           {"fused_variants_ms", variants},
           {"w4a8_images_vs_staged_max_abs", images_diff},
+          {"stream_vs_w4a16_rel_rms", stream_vs_w4a16},
           {"w4a8_streamed_vs_images_max_abs", stream_diff},
           {"expert_wait_vs_grid_wait_max_abs", wait_diff},
           {"fp8_gemm_ms", gemm_ms},
