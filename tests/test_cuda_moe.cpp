@@ -1001,14 +1001,14 @@ TEST_CASE("CUDA MoE layer: one token streamed (FP8 mma.sync, two E4M3 terms) aga
   struct Case {
     int E, topk, H, I;
     int s_lo = 118, s_hi = 124;
-    float act = 1.f;   // inputs and biases times this
+    float act = 1.f;    // inputs and biases times this
     int bad_slot = -1;  // this slot names expert 99
   } cases[] = {{8, 4, 320, 192},
                {8, 4, 320, 192, 96, 130},          // sub-block scales 34 binades apart
                {8, 4, 320, 192, 118, 124, 0.01f},  // SwiGLU outputs under down's normal E4M3 range
                {40, 2, 256, 320},
-               {16, 8, 256, 128},                  // topk 8
-               {32, 4, 2880, 2880},                // gpt-oss's H and I (90 sub-blocks a row)
+               {16, 8, 256, 128},    // topk 8
+               {32, 4, 2880, 2880},  // gpt-oss's H and I (90 sub-blocks a row)
                {8, 4, 320, 192, 118, 124, 1.f, 2}};
   for (const auto& cs : cases) {
     MoeCase c = make_moe(cs.E, cs.topk, cs.H, cs.I, 1, rng, cs.s_lo, cs.s_hi);
@@ -1017,8 +1017,8 @@ TEST_CASE("CUDA MoE layer: one token streamed (FP8 mma.sync, two E4M3 terms) aga
       for (auto* b : {&c.b1, &c.b2})
         for (uint16_t& v : *b) v = f32_to_bf16(cs.act * float(bf16_to_double(v)));
     }
-    INFO("E " << c.E << " topk " << c.topk << " H " << c.H << " I " << c.I << " scales " << cs.s_lo << ".."
-              << cs.s_hi << " act " << cs.act << " bad slot " << cs.bad_slot);
+    INFO("E " << c.E << " topk " << c.topk << " H " << c.H << " I " << c.I << " scales " << cs.s_lo << ".." << cs.s_hi
+              << " act " << cs.act << " bad slot " << cs.bad_slot);
     MoeOptions opt = small_options();
     opt.fused_one_token_stream = true;
     MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, 4, opt);
@@ -1086,6 +1086,21 @@ TEST_CASE("CUDA MoE layer: one token streamed (FP8 mma.sync, two E4M3 terms) aga
     size_t bad = 0;
     for (size_t i = 0; i < acc.size(); ++i) bad += acc[i] != got[i] + base[i];
     CHECK(bad == 0);
+    // Every block shape, a short ring, a launch a projection: each unit's sums split the same way within a
+    // group's warps only for the same warps a group, so the bits match those; the others meet the bound.
+    for (const OneTokenConfig& oc : {OneTokenConfig{3, 4, 2, 1}, OneTokenConfig{3, 4, 0, 2}, OneTokenConfig{4, 4, 3, 1},
+                                     OneTokenConfig{1, 12, 0, 1}, OneTokenConfig{2, 6, 4, 2},
+                                     OneTokenConfig{6, 2, 0, 1}, OneTokenConfig{2, 8, 2, 1}}) {
+      INFO("groups " << oc.groups << " x " << oc.group_warps << " warps, stages " << oc.stages << ", launches "
+                     << oc.launches);
+      layer.options().one_token = oc;
+      const auto v = run(false, false, poison);
+      if (oc.group_warps == 4)
+        CHECK(std::memcmp(v.data(), got.data(), got.size() * 4) == 0);
+      else
+        CHECK(finite_diff(v, ref) < (wide ? 4e-3 : 6e-4));
+      CHECK(std::memcmp(run(true, false, poison).data(), v.data(), v.size() * 4) == 0);
+    }
     layer.take_error();
   }
 #endif

@@ -44,7 +44,6 @@ __device__ __forceinline__ float e8m0_to_float(int s) {
   return s == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(uint32_t(s) << 23);
 }
 
-
 // The layer's activation (MoeShape::act) of one gate/up pair: gpt-oss's
 // clamped SwiGLU above (the same bits), or with silu the plain SwiGLU,
 // silu(gate) * up, as the CPU reference's Glu::Kind::SwiGLU (precise expf and
@@ -747,7 +746,6 @@ __device__ __forceinline__ uint32_t quant_1x128_rest(const float (&v)[4], float 
                                                __NV_SATFINITE, __NV_E4M3);
   return lo | (hi << 16);
 }
-
 
 // The fixed scale with two terms only: one E4M3 term keeps down's 1x128
 // scales (alone it would leave values under 0.002 an error of up to 2^-10 / 8).
@@ -1730,9 +1728,9 @@ struct MoeLayer::Impl {
   DeviceArray<uint8_t> ot_img;
   DeviceArray<float> ot_y;
   DeviceArray<int> ot_counts;
-  int img_tokens = 0;                        // tokens the images are sized for
-  bool w8s_fits[3] = {};                     // the streamed W4A8 kernels' shared memory fits (1, 2, 4 passes)
-  int* h_counts = nullptr;                   // pinned: counts[E], offsets[E+1]
+  int img_tokens = 0;       // tokens the images are sized for
+  bool w8s_fits[3] = {};    // the streamed W4A8 kernels' shared memory fits (1, 2, 4 passes)
+  int* h_counts = nullptr;  // pinned: counts[E], offsets[E+1]
   cudaEvent_t ev_ready[2]{}, ev_free[2]{};
 
   // The experts' activation is the plain SwiGLU (MoeShape::act).
@@ -1793,7 +1791,7 @@ struct MoeLayer::Impl {
         DeviceArray<float>(P, 2 * (tile_cap * per_expert_sc + 8), "FP8 expert workspace scales");  // +8: alignment
     ot_img = DeviceArray<uint8_t>(P, one_token_img_bytes(s), "moe one-token images");
     ot_y = DeviceArray<float>(P, size_t(s.topk) * H, "moe one-token expert outputs");
-    ot_counts = DeviceArray<int>(P, size_t(H / 16 + 1), "moe one-token row tile counts");
+    ot_counts = DeviceArray<int>(P, one_token_counts(s), "moe one-token counts");
     DZ_CUDA_CHECK(cudaMemsetAsync(ot_counts.get(), 0, ot_counts.bytes(), ctx.stream()));
     DZ_CUDA_CHECK(cudaMemsetAsync(err.get(), 0, sizeof(int), ctx.stream()));
     // gate_up's epilogue never writes down's sub-blocks past I (kpi > I): zeros.

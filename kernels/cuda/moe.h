@@ -65,11 +65,12 @@ struct MoeWeights {
 
 enum class MoePath { kAuto = 0, kFused = 1, kFp8 = 2 };
 
-// The one-token stream's blocks (moe_one_token.h): groups of group_warps
-// consumer warps (built: 3 x 4, 1 x 12, 2 x 6, 4 x 4, 6 x 2, 2 x 8); stages:
-// units in flight a block (0: as many as fit, up to 8).
+// The one-token stream (moe_one_token.h): groups of group_warps consumer
+// warps a block (built: 3 x 4, 1 x 12, 2 x 6, 4 x 4, 6 x 2, 2 x 8); stages:
+// units in flight a block (0: as many as fit, up to 8); launches: 1 (down's
+// units streamed right after gate_up's) or 2 (a launch a projection).
 struct OneTokenConfig {
-  int groups = 3, group_warps = 4, stages = 0;
+  int groups = 3, group_warps = 4, stages = 0, launches = 1;
 };
 
 struct MoeOptions {

@@ -22,28 +22,41 @@ constexpr int kMaxConsumerWarps = 16;
 constexpr int kMaxTopk = 8;
 constexpr int kImgSub = 64;  // bytes of a sub-block's activations: two terms x 32 E4M3
 
-// Shared memory of a kernel: the ring of units (16 rows padded to row_stride
-// bytes, then their 16 x nsub scale bytes), the activation images, the
-// groups' partial sums (two buffers a group: a group's next unit may write
-// while its first warp still reads), 16 floats for the input's maximum, and
-// the ring's barriers.
-struct Layout {
-  int nsub, row_stride, stage_bytes, stages, img, red, misc, bar, total;
+// One projection's weights and its units' shape.
+struct Proj {
+  const uint8_t* blocks;  // [E][rows][nsub][16]
+  const uint8_t* scales;  // [E][rows][nsub]
+  const uint16_t* bias;   // bf16 [E][rows], or null
+  int rows, nsub, row_stride;
 };
 
-// stages: 0 as many as fit (up to kMaxStages).
-Layout layout(int nsub, int img_bytes, int smem_limit, int consumer_warps, int stages) {
+// Shared memory of a launch: the ring of units (16 rows padded to the
+// projection's row_stride bytes, then their 16 x nsub scale bytes; a stage
+// fits either projection), the token's image (gate_up), one image buffer a
+// group (down: the slot its units read), the groups' partial sums (two
+// buffers a group: its next unit may write while its first warp still reads),
+// 16 floats for the input's maximum, and the ring's barriers.
+struct Layout {
+  int stage_bytes, stages, ximg, gimg, red, misc, bar, total;
+};
+
+constexpr int stage_bytes_of(int nsub) { return (16 * (nsub * 16 + 16) + 16 * nsub + 127) / 128 * 128; }
+
+// A launch over gate_up's units (gate_up), down's (down) or both; stages: 0
+// as many as fit (up to kMaxStages).
+Layout layout(const MoeShape& s, bool gate_up, bool down, int groups, int warps, int stages, int smem_limit) {
+  const int nh = s.hidden / 32, ni = s.intermediate / 32;
   Layout L{};
-  L.nsub = nsub;
-  L.row_stride = nsub * 16 + 16;
-  L.stage_bytes = (16 * L.row_stride + 16 * nsub + 127) / 128 * 128;
-  const int red_bytes = 2 * consumer_warps * 16 * 4;
-  const int fixed = (img_bytes + 127) / 128 * 128 + red_bytes + 64 + 2 * kMaxStages * 8;
+  L.stage_bytes = std::max(gate_up ? stage_bytes_of(nh) : 0, down ? stage_bytes_of(ni) : 0);
+  const int ximg = gate_up ? nh * kImgSub : 0, gimg = down ? groups * ni * kImgSub : 0;
+  const int red = groups * 2 * warps * 16 * 4;
+  const int fixed = ximg + gimg + red + 64 + 2 * kMaxStages * 8;
   L.stages = std::min(kMaxStages, (smem_limit - fixed) / L.stage_bytes);
   if (stages > 0 && stages < L.stages) L.stages = stages;
   int o = L.stages * L.stage_bytes;
-  L.img = o, o += (img_bytes + 127) / 128 * 128;
-  L.red = o, o += red_bytes;
+  L.ximg = o, o += ximg;
+  L.gimg = o, o += gimg;
+  L.red = o, o += red;
   L.misc = o, o += 64;
   L.bar = o, o += 2 * L.stages * 8;
   L.total = o;
@@ -51,20 +64,20 @@ Layout layout(int nsub, int img_bytes, int smem_limit, int consumer_warps, int s
 }
 
 struct Args {
-  const uint8_t* blocks;  // [E][rows][nsub][16]
-  const uint8_t* scales;  // [E][rows][nsub]
-  const uint16_t* bias;   // bf16 [E][rows], or null
-  int rows, n_experts, topk;
-  const int* ids;     // [topk]
-  const float* x;     // gate_up: the token [nsub * 32]
-  uint8_t* img;       // down's images [topk][img_subs][kImgSub]: gate_up writes, down reads
-  int img_subs;       // sub-blocks of down's K
-  const float* gw;    // down: [topk]
-  float* y;           // down: [topk][rows]
-  int* counts;        // down: [rows / 16]
-  float* out;         // down: [rows]
+  Proj p[2];  // gate_up, down
+  int n_experts, topk;
+  const int* ids;   // [topk]
+  const float* x;   // the token [hidden]
+  uint8_t* img;     // down's activation images [topk][intermediate / 32][kImgSub]
+  const float* gw;  // [topk]
+  float* y;         // [topk][hidden]: the slots' down outputs
+  // [topk] gate_up units done a slot, [1] row tiles summed, [hidden / 16]
+  // slots done a row tile: zero between calls (each call's last users reset them).
+  int *slot_done, *tiles_done, *counts;
+  float* out;  // [hidden]
   int accumulate;
   int* err;
+  int u0, u1;  // this launch's units: gate_up's are [0, U1), down's [U1, U1 + U2)
   Layout L;
 };
 
@@ -94,9 +107,47 @@ __device__ __forceinline__ int expert_of(const Args& a, int slot) {
   return e >= 0 && e < a.n_experts ? e : -1;
 }
 
-// kGroups groups of kWarps consumer warps take units in turn; a group's
-// warps split each unit's K range.
-template <bool kGateUp, int kGroups, int kWarps>
+// Unit u: its projection (0 gate_up, 1 down), slot and 16-row tile.
+struct Unit {
+  int proj, slot, tile;
+};
+__device__ __forceinline__ Unit unit_of(const Args& a, int u) {
+  const int t0 = a.p[0].rows / 16, u1 = a.topk * t0;
+  const int proj = u < u1 ? 0 : 1, v = proj ? u - u1 : u, tiles = proj ? a.p[1].rows / 16 : t0;
+  const int slot = v / tiles;
+  return {proj, slot, v - slot * tiles};
+}
+
+// One warp's share [sb0, sb1) of a unit's sub-blocks: rows g and g + 8 of
+// the stage (word t of each sub-block) against the token's image (xi: this
+// lane's 8 bytes of its MMA column's term), times each sub-block's scale.
+__device__ __forceinline__ void unit_dot(const uint8_t* stage, int row_stride, int nsub, const uint8_t* xi, int sb0,
+                                         int sb1, int g, int t, float& accA, float& accB) {
+  const uint8_t* wA = stage + g * row_stride + 4 * t;
+  const uint8_t* wB = wA + 8 * row_stride;
+  const uint8_t* sA = stage + 16 * row_stride + g * nsub;
+  const uint8_t* sB = sA + 8 * nsub;
+#pragma unroll 4
+  for (int sb = sb0; sb < sb1; ++sb) {
+    const uint32_t wa = *reinterpret_cast<const uint32_t*>(wA + 16 * sb);
+    const uint32_t wb = *reinterpret_cast<const uint32_t*>(wB + 16 * sb);
+    const uint2 xv = *reinterpret_cast<const uint2*>(xi + kImgSub * sb);
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    ptx::mma_16832_e4m3(c, e2m1_even_to_e4m3(wa), e2m1_even_to_e4m3(wb), e2m1_odd_to_e4m3(wa), e2m1_odd_to_e4m3(wb),
+                        xv.x, xv.y);
+    // E8M0 byte s as 2^(s - 127) (s = 0, 2^-127, reads as 0).
+    accA = fmaf(fmaf(c[1], 1.f / kW8DownLo, c[0]), __uint_as_float(uint32_t(sA[sb]) << 23), accA);
+    accB = fmaf(fmaf(c[3], 1.f / kW8DownLo, c[2]), __uint_as_float(uint32_t(sB[sb]) << 23), accB);
+  }
+}
+
+// kGroups groups of kWarps consumer warps take units in turn (unit i of the
+// block to group i mod kGroups); a group's warps split each unit's K range.
+// A launch over both projections streams down's units right after
+// gate_up's: a group waits only before its first unit of each slot, for that
+// slot's gate_up units (all blocks resident: one an SM), while the ring
+// already holds the next units' bytes.
+template <int kGroups, int kWarps>
 __global__ void __launch_bounds__(32 * (1 + kGroups * kWarps), 1) one_token_kernel(const Args a) {
   constexpr int kConsumers = 32 * kGroups * kWarps;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -111,42 +162,44 @@ __global__ void __launch_bounds__(32 * (1 + kGroups * kWarps), 1) one_token_kern
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  const int tiles = a.rows / 16, units = a.topk * tiles, G = int(gridDim.x);
-  // gate_up reads the router's ids and the token; down's weights depend on
-  // neither gate_up nor the kernel before it, only its activations do.
-  if (kGateUp) pdl_wait(), pdl_trigger();
+  const int G = int(gridDim.x), U1 = a.topk * (a.p[0].rows / 16);
+  const bool has_gate_up = a.u0 < U1;
+  // Everything reads the router's ids; a down-only launch (after gate_up's)
+  // could stream its weights before the wait, but then its blocks would not
+  // be resident until gate_up's leave anyway.
+  pdl_wait(), pdl_trigger();
   if (warp == 0) {  // producer
-    if (kGateUp && blockIdx.x == 0 && lane < a.topk && expert_of(a, lane) < 0) atomicOr(a.err, 1);
-    const uint32_t row_bytes = uint32_t(L.nsub) * 16;
+    if (has_gate_up && blockIdx.x == 0 && lane < a.topk && expert_of(a, lane) < 0) atomicOr(a.err, 1);
     const uint32_t ring = ptx::smem_u32(sm);
     for (int i = 0;; ++i) {
-      const int u = int(blockIdx.x) + i * G;
-      if (u >= units) break;
+      const int u = a.u0 + int(blockIdx.x) + i * G;
+      if (u >= a.u1) break;
       const int st = i % L.stages, n = i / L.stages;
       if (n > 0) ptx::mbar_wait(empty(st), uint32_t(n - 1) & 1);
-      const int slot = u / tiles, tile = u - slot * tiles;
-      const int e = max(expert_of(a, slot), 0);  // an invalid slot streams expert 0, never summed
-      const int64_t row0 = int64_t(e) * a.rows + 16 * tile;
-      const uint32_t dst = ring + uint32_t(st * L.stage_bytes);
-      if (lane == 0) ptx::mbar_arrive_expect_tx(full(st), 16 * row_bytes + 16 * uint32_t(L.nsub));
+      const Unit un = unit_of(a, u);
+      const Proj& P = a.p[un.proj];
+      const int e = max(expert_of(a, un.slot), 0);  // an invalid slot streams expert 0, never summed
+      const int64_t row0 = int64_t(e) * P.rows + 16 * un.tile;
+      const uint32_t dst = ring + uint32_t(st * L.stage_bytes), row_bytes = uint32_t(P.nsub) * 16;
+      if (lane == 0) ptx::mbar_arrive_expect_tx(full(st), 16 * row_bytes + 16 * uint32_t(P.nsub));
       __syncwarp();
       if (lane < 16)
-        ptx::bulk_g2s(dst + uint32_t(lane * L.row_stride), a.blocks + (row0 + lane) * row_bytes, row_bytes, full(st));
+        ptx::bulk_g2s(dst + uint32_t(lane * P.row_stride), P.blocks + (row0 + lane) * row_bytes, row_bytes, full(st));
       else if (lane == 16)
-        ptx::bulk_g2s(dst + uint32_t(16 * L.row_stride), a.scales + row0 * L.nsub, 16 * uint32_t(L.nsub), full(st));
+        ptx::bulk_g2s(dst + uint32_t(16 * P.row_stride), P.scales + row0 * P.nsub, 16 * uint32_t(P.nsub), full(st));
     }
-    if (!kGateUp) pdl_wait(), pdl_trigger();
     return;
   }
   const int cw = warp - 1, grp = cw / kWarps, wq = cw % kWarps, g = lane >> 2, t = lane & 3;
   const int ct = int(threadIdx.x) - 32;
-  uint8_t* img = sm + L.img;
+  uint8_t* ximg = sm + L.ximg;
+  uint8_t* gimg = sm + L.gimg + grp * (a.p[1].nsub * kImgSub);
   float* red = reinterpret_cast<float*>(sm + L.red);
   float* misc = reinterpret_cast<float*>(sm + L.misc);
-  float post;  // what the MMA sums are multiplied by: E2M1's 2^-6 and the token's scale undone
-  if (kGateUp) {
+  float post_gate_up = 0.f;  // what gate_up's MMA sums are multiplied by: E2M1's 2^-6 and the token's scale undone
+  if (has_gate_up) {
     // The token under one power-of-two scale, amax / scale in [224, 448).
-    const int H = L.nsub * 32;
+    const int H = a.p[0].nsub * 32;
     float amax = 0.f;
     for (int k = 4 * ct; k < H; k += 4 * kConsumers) {
       const float4 v = *reinterpret_cast<const float4*>(a.x + k);
@@ -162,85 +215,87 @@ __global__ void __launch_bounds__(32 * (1 + kGroups * kWarps), 1) one_token_kern
     const float sx = amax > 0.f ? ldexpf(1.f, ex) : 1.f, inv = 1.f / sx;
     for (int k = 4 * ct; k < H; k += 4 * kConsumers) {
       const float4 v = *reinterpret_cast<const float4*>(a.x + k);
-      uint8_t* sub = img + (k >> 5) * kImgSub;
+      uint8_t* sub = ximg + (k >> 5) * kImgSub;
       img_put(sub, (k & 31) + 0, v.x * inv), img_put(sub, (k & 31) + 1, v.y * inv);
       img_put(sub, (k & 31) + 2, v.z * inv), img_put(sub, (k & 31) + 3, v.w * inv);
     }
-    post = 64.f * sx;
-  } else {
-    pdl_wait(), pdl_trigger();
-    const int n16 = a.topk * a.img_subs * kImgSub / 16;
-    for (int q = ct; q < n16; q += kConsumers)
-      reinterpret_cast<uint4*>(img)[q] = __ldcg(reinterpret_cast<const uint4*>(a.img) + q);
-    post = 64.f / kW8DownInv;
+    post_gate_up = 64.f * sx;
+    ptx::named_sync(1, kConsumers);
   }
-  ptx::named_sync(1, kConsumers);
-  // This warp's share of the sub-blocks.
-  const int per = (L.nsub + kWarps - 1) / kWarps, sb0 = min(L.nsub, wq * per), sb1 = min(L.nsub, sb0 + per);
+  const int gbar = 2 + grp, gthreads = 32 * kWarps;
+  int cur_slot = -1;  // the slot whose down image this group's buffer holds
   for (int i = grp, it = 0;; i += kGroups, ++it) {
-    const int u = int(blockIdx.x) + i * G;
-    if (u >= units) break;
+    const int u = a.u0 + int(blockIdx.x) + i * G;
+    if (u >= a.u1) break;
+    const Unit un = unit_of(a, u);
+    const Proj& P = a.p[un.proj];
+    if (un.proj == 1 && un.slot != cur_slot) {  // the slot's activations, once its gate_up units are done
+      if (wq == 0 && lane == 0) {
+        const volatile int* done = a.slot_done + un.slot;
+        while (*done < U1 / a.topk) __nanosleep(64);
+        __threadfence();
+      }
+      ptx::named_sync(gbar, gthreads);
+      const int n16 = P.nsub * kImgSub / 16;
+      const uint4* src = reinterpret_cast<const uint4*>(a.img + int64_t(un.slot) * P.nsub * kImgSub);
+      for (int q = wq * 32 + lane; q < n16; q += gthreads) reinterpret_cast<uint4*>(gimg)[q] = __ldcg(src + q);
+      ptx::named_sync(gbar, gthreads);
+      cur_slot = un.slot;
+    }
     const int st = i % L.stages;
     ptx::mbar_wait(full(st), uint32_t(i / L.stages) & 1);
-    const int slot = u / tiles, tile = u - slot * tiles;
-    const uint8_t* stage = sm + st * L.stage_bytes;
-    const uint8_t* wA = stage + g * L.row_stride + 4 * t;  // word t of each sub-block, rows g and g + 8
-    const uint8_t* wB = wA + 8 * L.row_stride;
-    const uint8_t* sA = stage + 16 * L.row_stride + g * L.nsub;
-    const uint8_t* sB = sA + 8 * L.nsub;
     // Columns 0 / 1 (even / odd g) take the first / second term; the others are never read.
-    const uint8_t* xi = img + (kGateUp ? 0 : slot * a.img_subs * kImgSub) + (g & 1) * 32 + t * 8;
+    const uint8_t* xi = (un.proj ? gimg : ximg) + (g & 1) * 32 + t * 8;
+    const int per = (P.nsub + kWarps - 1) / kWarps, sb0 = min(P.nsub, wq * per), sb1 = min(P.nsub, sb0 + per);
     float accA = 0.f, accB = 0.f;
-#pragma unroll 4
-    for (int sb = sb0; sb < sb1; ++sb) {
-      const uint32_t wa = *reinterpret_cast<const uint32_t*>(wA + 16 * sb);
-      const uint32_t wb = *reinterpret_cast<const uint32_t*>(wB + 16 * sb);
-      const uint2 xv = *reinterpret_cast<const uint2*>(xi + kImgSub * sb);
-      float c[4] = {0.f, 0.f, 0.f, 0.f};
-      ptx::mma_16832_e4m3(c, e2m1_even_to_e4m3(wa), e2m1_even_to_e4m3(wb), e2m1_odd_to_e4m3(wa),
-                          e2m1_odd_to_e4m3(wb), xv.x, xv.y);
-      // E8M0 byte s as 2^(s - 127) (s = 0, 2^-127, reads as 0).
-      accA = fmaf(fmaf(c[1], 1.f / kW8DownLo, c[0]), __uint_as_float(uint32_t(sA[sb]) << 23), accA);
-      accB = fmaf(fmaf(c[3], 1.f / kW8DownLo, c[2]), __uint_as_float(uint32_t(sB[sb]) << 23), accB);
-    }
+    unit_dot(sm + st * L.stage_bytes, P.row_stride, P.nsub, xi, sb0, sb1, g, t, accA, accB);
     __syncwarp();
     if (lane == 0) ptx::mbar_arrive(empty(st));
     float* rr = red + (grp * 2 + (it & 1)) * kWarps * 16;
     if (t == 0) rr[wq * 16 + g] = accA, rr[wq * 16 + g + 8] = accB;
-    ptx::named_sync(2 + grp, 32 * kWarps);
+    ptx::named_sync(gbar, gthreads);
     if (wq != 0) continue;
-    const int e = expert_of(a, slot), eb = max(e, 0);
+    const float post = un.proj ? 64.f / kW8DownInv : post_gate_up;
     auto row_sum = [&](int r) {  // the warps' parts in order
       float v = rr[r];
 #pragma unroll
       for (int w = 1; w < kWarps; ++w) v += rr[16 * w + r];
       return v * post;
     };
-    const int64_t brow = int64_t(eb) * a.rows + 16 * tile;
-    if (kGateUp) {
+    const int64_t brow = int64_t(max(expert_of(a, un.slot), 0)) * P.rows + 16 * un.tile;
+    if (un.proj == 0) {
       if (lane < 8) {  // gate / up pairs: rows 2 lane and 2 lane + 1
-        const float gate = row_sum(2 * lane) + bias_at(a.bias, brow + 2 * lane);
-        const float up = row_sum(2 * lane + 1) + bias_at(a.bias, brow + 2 * lane + 1);
-        const int o = 8 * tile + lane;
-        img_put(a.img + (int64_t(slot) * a.img_subs + (o >> 5)) * kImgSub, o & 31, swiglu(gate, up) * kW8DownInv);
+        const float gate = row_sum(2 * lane) + bias_at(P.bias, brow + 2 * lane);
+        const float up = row_sum(2 * lane + 1) + bias_at(P.bias, brow + 2 * lane + 1);
+        const int o = 8 * un.tile + lane, ni = a.p[1].nsub;
+        img_put(a.img + (int64_t(un.slot) * ni + (o >> 5)) * kImgSub, o & 31, swiglu(gate, up) * kW8DownInv);
       }
-    } else {
-      const int r = 16 * tile + lane;
-      if (lane < 16) a.y[int64_t(slot) * a.rows + r] = row_sum(lane) + bias_at(a.bias, brow + lane);
-      __threadfence();  // this tile's outputs visible before it counts as done
+      __threadfence();  // the images visible before the unit counts as done
       __syncwarp();
-      int last = 0;
-      if (lane == 0) last = atomicAdd(a.counts + tile, 1) == a.topk - 1;
-      if (__shfl_sync(~0u, last, 0)) {  // every slot of this row tile done: sum them in slot order
-        __threadfence();
-        if (lane < 16) {
-          float acc = 0.f;
-          for (int k = 0; k < a.topk; ++k)
-            if (expert_of(a, k) >= 0) acc += a.gw[k] * __ldcg(a.y + int64_t(k) * a.rows + r);
-          if (a.accumulate) acc += a.out[r];
-          a.out[r] = acc;
-        }
-        if (lane == 0) a.counts[tile] = 0;  // ready for the next call
+      if (lane == 0) atomicAdd(a.slot_done + un.slot, 1);
+      continue;
+    }
+    const int H = P.rows, r = 16 * un.tile + lane;
+    if (lane < 16) a.y[int64_t(un.slot) * H + r] = row_sum(lane) + bias_at(P.bias, brow + lane);
+    __threadfence();  // this tile's outputs visible before it counts as done
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) last = atomicAdd(a.counts + un.tile, 1) == a.topk - 1;
+    if (!__shfl_sync(~0u, last, 0)) continue;
+    // Every slot of this row tile done: sum them in slot order (the same bits whichever block is last).
+    __threadfence();
+    if (lane < 16) {
+      float acc = 0.f;
+      for (int k = 0; k < a.topk; ++k)
+        if (expert_of(a, k) >= 0) acc += a.gw[k] * __ldcg(a.y + int64_t(k) * H + r);
+      if (a.accumulate) acc += a.out[r];
+      a.out[r] = acc;
+    }
+    if (lane == 0) {  // ready for the next call: this tile's count, and after the last tile the slots' counts
+      a.counts[un.tile] = 0;
+      if (atomicAdd(a.tiles_done, 1) == H / 16 - 1) {
+        for (int k = 0; k < a.topk; ++k) a.slot_done[k] = 0;
+        *a.tiles_done = 0;
       }
     }
   }
@@ -260,10 +315,9 @@ int smem_optin() {
 using Kernel = void (*)(Args);
 
 // The kernel of a configuration (groups x warps a group), null if not built.
-template <bool kGateUp>
 Kernel kernel_for(int groups, int warps) {
 #define DZ_OT_CONFIG(G, W) \
-  if (groups == G && warps == W) return one_token_kernel<kGateUp, G, W>;
+  if (groups == G && warps == W) return one_token_kernel<G, W>;
   DZ_OT_CONFIG(3, 4)
   DZ_OT_CONFIG(1, 12)
   DZ_OT_CONFIG(2, 6)
@@ -274,25 +328,20 @@ Kernel kernel_for(int groups, int warps) {
   return nullptr;
 }
 
-// Both kernels of a configuration with the shared-memory limit set (once each).
-bool prepare(const OneTokenConfig& c) {
-  Kernel g = kernel_for<true>(c.groups, c.group_warps), d = kernel_for<false>(c.groups, c.group_warps);
-  if (!g || !d) return false;
-  static bool done[2][kMaxConsumerWarps + 1][kMaxConsumerWarps + 1] = {};
-  bool& f = done[0][c.groups][c.group_warps];
-  if (!f) {
-    for (Kernel k : {g, d})
-      DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_optin()));
-    f = true;
+// The configuration's kernel with its shared-memory limit set (once).
+Kernel prepare(const OneTokenConfig& c) {
+  const Kernel k = kernel_for(c.groups, c.group_warps);
+  if (!k) return nullptr;
+  static bool done[kMaxConsumerWarps + 1][kMaxConsumerWarps + 1] = {};
+  if (!done[c.groups][c.group_warps]) {
+    DZ_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_optin()));
+    done[c.groups][c.group_warps] = true;
   }
-  return true;
+  return k;
 }
 
-Layout gate_up_layout(const MoeShape& s, const OneTokenConfig& c) {
-  return layout(s.hidden / 32, (s.hidden / 32) * kImgSub, smem_optin(), c.groups * c.group_warps, c.stages);
-}
-Layout down_layout(const MoeShape& s, const OneTokenConfig& c) {
-  return layout(s.intermediate / 32, int(one_token_img_bytes(s)), smem_optin(), c.groups * c.group_warps, c.stages);
+Layout layout_of(const MoeShape& s, const OneTokenConfig& c, bool gate_up, bool down) {
+  return layout(s, gate_up, down, c.groups, c.group_warps, c.stages, smem_optin());
 }
 
 }  // namespace
@@ -311,30 +360,36 @@ bool one_token_moe_supported(const MoeShape& s, const MoeWeights& w, const OneTo
   if (s.hidden % 32 || s.intermediate % 32) return false;
   if (!aligned(w.w1_blocks) || !aligned(w.w1_scales) || !aligned(w.w2_blocks) || !aligned(w.w2_scales)) return false;
   if (c.groups < 1 || c.group_warps < 1 || c.groups * c.group_warps > kMaxConsumerWarps || c.stages < 0) return false;
-  if (gate_up_layout(s, c).stages < 2 || down_layout(s, c).stages < 2) return false;
-  return prepare(c);
+  for (bool one : {true, false})
+    if ((one || c.launches == 2) &&
+        (one ? layout_of(s, c, true, true).stages
+             : std::min(layout_of(s, c, true, false).stages, layout_of(s, c, false, true).stages)) < 2)
+      return false;
+  return (c.launches == 1 || c.launches == 2) && prepare(c) != nullptr;
 }
 
-void one_token_moe(const MoeShape& s, const MoeWeights& w, const float* x, const int* ids, const float* gw,
-                   float* out, bool accumulate, const OneTokenScratch& scr, int* err, int blocks, bool pdl,
-                   cudaStream_t st, const OneTokenConfig& c) {
+void one_token_moe(const MoeShape& s, const MoeWeights& w, const float* x, const int* ids, const float* gw, float* out,
+                   bool accumulate, const OneTokenScratch& scr, int* err, int blocks, bool pdl, cudaStream_t st,
+                   const OneTokenConfig& c) {
   check(one_token_moe_supported(s, w, c), DZ_ERR_UNSUPPORTED, "one-token MoE stream: not supported for this layer");
+  const Kernel k = prepare(c);
   const dim3 block(unsigned(32 * (1 + c.groups * c.group_warps)));
   Args a{};
-  a.n_experts = s.n_experts, a.topk = s.topk, a.ids = ids, a.err = err, a.img = scr.img;
-  a.img_subs = s.intermediate / 32;
-  // gate_up + SwiGLU into down's images
-  a.blocks = w.w1_blocks, a.scales = w.w1_scales, a.bias = w.b1, a.rows = 2 * s.intermediate, a.x = x;
-  a.L = gate_up_layout(s, c);
-  launch_maybe_pdl(pdl, kernel_for<true>(c.groups, c.group_warps), dim3(unsigned(blocks)), block, size_t(a.L.total),
-                   st, a);
-  // down + the weighted sum
-  Args d = a;
-  d.blocks = w.w2_blocks, d.scales = w.w2_scales, d.bias = w.b2, d.rows = s.hidden, d.x = nullptr;
-  d.gw = gw, d.y = scr.y, d.counts = scr.counts, d.out = out, d.accumulate = accumulate ? 1 : 0;
-  d.L = down_layout(s, c);
-  launch_maybe_pdl(pdl, kernel_for<false>(c.groups, c.group_warps), dim3(unsigned(blocks)), block, size_t(d.L.total),
-                   st, d);
+  a.p[0] = Proj{w.w1_blocks, w.w1_scales, w.b1, 2 * s.intermediate, s.hidden / 32, s.hidden / 2 + 16};
+  a.p[1] = Proj{w.w2_blocks, w.w2_scales, w.b2, s.hidden, s.intermediate / 32, s.intermediate / 2 + 16};
+  a.n_experts = s.n_experts, a.topk = s.topk, a.ids = ids, a.x = x, a.img = scr.img, a.gw = gw, a.y = scr.y;
+  a.slot_done = scr.counts, a.tiles_done = scr.counts + s.topk, a.counts = scr.counts + s.topk + 1;
+  a.out = out, a.accumulate = accumulate ? 1 : 0, a.err = err;
+  const int U1 = s.topk * (2 * s.intermediate / 16), U2 = s.topk * (s.hidden / 16);
+  if (c.launches == 1) {  // both projections in one stream
+    a.u0 = 0, a.u1 = U1 + U2, a.L = layout_of(s, c, true, true);
+    launch_maybe_pdl(pdl, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);
+    return;
+  }
+  a.u0 = 0, a.u1 = U1, a.L = layout_of(s, c, true, false);
+  launch_maybe_pdl(pdl, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);
+  a.u0 = U1, a.u1 = U1 + U2, a.L = layout_of(s, c, false, true);
+  launch_maybe_pdl(pdl, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);
 }
 
 }  // namespace dz::cuda

@@ -30,10 +30,10 @@ namespace dz::cuda {
 struct OneTokenScratch {
   uint8_t* img = nullptr;  // down's activation images, one_token_img_bytes
   float* y = nullptr;      // [topk][hidden] expert outputs
-  int* counts = nullptr;   // [hidden / 16] slots done a row tile (zero between calls)
+  int* counts = nullptr;   // one_token_counts ints, zero before the first call (each call leaves them zero)
 };
 size_t one_token_img_bytes(const MoeShape& s);
-
+inline size_t one_token_counts(const MoeShape& s) { return size_t(s.topk) + 1 + size_t(s.hidden) / 16; }
 
 // Whether one_token_moe runs this shape and these weights here (sm_90,
 // gpt-oss's activation, rows of 16, K a multiple of 32, 16-byte aligned
@@ -43,8 +43,8 @@ bool one_token_moe_supported(const MoeShape& s, const MoeWeights& w, const OneTo
 
 // out[H] (+)= sum_k gw[k] * expert_{ids[k]}(x) for one token. Invalid ids set
 // *err and their slots are left out of the sum. blocks: the grid (one an SM).
-void one_token_moe(const MoeShape& s, const MoeWeights& w, const float* x, const int* ids, const float* gw,
-                   float* out, bool accumulate, const OneTokenScratch& scr, int* err, int blocks, bool pdl,
-                   cudaStream_t st, const OneTokenConfig& c = {});
+void one_token_moe(const MoeShape& s, const MoeWeights& w, const float* x, const int* ids, const float* gw, float* out,
+                   bool accumulate, const OneTokenScratch& scr, int* err, int blocks, bool pdl, cudaStream_t st,
+                   const OneTokenConfig& c = {});
 
 }  // namespace dz::cuda

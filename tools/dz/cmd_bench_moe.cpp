@@ -521,8 +521,8 @@ int bench_moe(const Args& a) {
         return m;
       };
       double stream_vs_w4a16 = -1;  // one token streamed vs the W4A16 kernels (relative RMS; -1: not run)
-      double images_diff = -1;  // W4A8 with activation images vs staged in the blocks (max abs; -1: not run)
-      double stream_diff = -1;  // W4A8 streamed activations vs whole images (max abs; -1: not run)
+      double images_diff = -1;      // W4A8 with activation images vs staged in the blocks (max abs; -1: not run)
+      double stream_diff = -1;      // W4A8 streamed activations vs whole images (max abs; -1: not run)
       if (T <= 4096) {
         // K split over 1, 4 or 8 warps (8 only up to 64 tokens, with PDL).
         for (int ks : {1, 4, 8})
@@ -533,19 +533,23 @@ int bench_moe(const Args& a) {
         if (T == 1) {  // one token streamed (moe_one_token.h), and its output against the W4A16 kernels'
           layer.options().fused_one_token_stream = true;
           variants["stream"] = time_fused(0, false, true, 0, true);
-          // Its block shapes (groups x warps a group) and units in flight a block.
+          // Its block shapes (groups x warps a group), units in flight a block (s0: as many as fit) and
+          // launches (l2: one a projection).
           for (auto gw2 : {std::pair{3, 4}, {1, 12}, {2, 6}, {4, 4}, {6, 2}, {2, 8}})
-            for (int stages : {0, 2, 3, 4, 6}) {
-              layer.options().fused_one_token_stream = true;
-              layer.options().one_token = OneTokenConfig{gw2.first, gw2.second, stages};
-              variants["stream_g" + std::to_string(gw2.first) + "x" + std::to_string(gw2.second) + "_s" +
-                       std::to_string(stages)] = time_fused(0, false, true, 0, true);
-            }
+            for (int stages : {0, 2, 3, 4})
+              for (int launches : {1, 2}) {
+                if (launches == 2 && !(gw2.first == 3 && (stages == 0 || stages == 3))) continue;
+                layer.options().fused_one_token_stream = true;
+                layer.options().one_token = OneTokenConfig{gw2.first, gw2.second, stages, launches};
+                variants["stream_g" + std::to_string(gw2.first) + "x" + std::to_string(gw2.second) + "_s" +
+                         std::to_string(stages) + (launches == 2 ? "_l2" : "")] = time_fused(0, false, true, 0, true);
+              }
           layer.options() = opt;
           const auto w4 = fused_out([](MoeOptions& o) { o.fused_one_token_stream = false, o.fused_w4a8 = false; });
           const auto sm = fused_out([](MoeOptions& o) { o.fused_one_token_stream = true; });
           double num = 0, den = 0;
-          for (size_t i = 0; i < w4.size(); ++i) num += double(sm[i] - w4[i]) * (sm[i] - w4[i]), den += double(w4[i]) * w4[i];
+          for (size_t i = 0; i < w4.size(); ++i)
+            num += double(sm[i] - w4[i]) * (sm[i] - w4[i]), den += double(w4[i]) * w4[i];
           stream_vs_w4a16 = std::sqrt(num / std::max(den, 1e-300));
         }
         if (T >= 8) {  // 16 token slots a pass (two MMA token tiles) whatever the tokens per expert
