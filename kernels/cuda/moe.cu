@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <vector>
 
 #include "cpu/mxfp4_fold.h"
@@ -336,19 +337,6 @@ struct W4Args {
 __device__ __forceinline__ uint32_t w4_fold_scale(int d) {
   const uint32_t h = d <= 28 ? uint32_t(29 - d) << 10 : d <= 38 ? 1u << (38 - d) : 0u;
   return h | (h << 16);
-}
-
-// Nibbles j and j + 4 of w as fp16 pairs (low, high half), p[j] for j =
-// 0..3: E2M1 bits placed at fp16 bits 15 and 11..9 are the code's value *
-// 2^-14 exactly (the 0.5 code lands on the subnormal 2^-15), no table. By way
-// of bytes: the even nibbles' fp16 high bytes in E, the odd ones' in O, then
-// spread to half words: 11 instructions a word (15 placing each pair with its
-// own shifts, before run 84).
-__device__ __forceinline__ void w4_pairs(uint32_t w, uint32_t (&p)[4]) {
-  const uint32_t E = ((w << 1) & 0x0E0E0E0Eu) | ((w << 4) & 0x80808080u);
-  const uint32_t O = ((w >> 3) & 0x0E0E0E0Eu) | (w & 0x80808080u);
-  p[0] = ptx::prmt(E, 0u, 0x2404), p[2] = E & 0xFF00FF00u;
-  p[1] = ptx::prmt(O, 0u, 0x2404), p[3] = O & 0xFF00FF00u;
 }
 
 __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
@@ -1789,6 +1777,9 @@ struct MoeLayer::Impl {
     ws_fp8 = DeviceArray<uint8_t>(P, 2 * tile_cap * per_expert_fp8, "FP8 expert workspace");
     ws_scales =
         DeviceArray<float>(P, 2 * (tile_cap * per_expert_sc + 8), "FP8 expert workspace scales");  // +8: alignment
+    // DZ_MOE_ONE_TOKEN_STREAM=0: one token on the per-projection kernels (A/B timings of a model).
+    if (const char* e = std::getenv("DZ_MOE_ONE_TOKEN_STREAM"); e && e[0] == '0' && e[1] == 0)
+      opt.fused_one_token_stream = false;
     ot_img = DeviceArray<uint8_t>(P, one_token_img_bytes(s), "moe one-token images");
     ot_y = DeviceArray<float>(P, size_t(s.topk) * H, "moe one-token expert outputs");
     ot_counts = DeviceArray<int>(P, one_token_counts(s), "moe one-token counts");
@@ -1883,11 +1874,11 @@ struct MoeLayer::Impl {
     DZ_CUDA_LAUNCH_CHECK();
   }
 
-  // One token through moe_one_token.h's stream (no routing launch): where
-  // two E4M3 terms are asked for (fused_w4a8 with two terms; NATIVE and exact
-  // layers keep the W4A16 kernels' fp16 activations).
+  // One token through moe_one_token.h's stream (no routing launch; fp16
+  // activations as the W4A16 kernels), unless E4M3 arithmetic is asked for
+  // (one W4A8 term: DZ_EXPERTS_FP8).
   bool streams_one(int T, const MoeWeights& w) const {
-    return T == 1 && opt.fused_one_token_stream && opt.fused_w4a8 && opt.fused_w4a8_terms == 2 &&
+    return T == 1 && opt.fused_one_token_stream && !(opt.fused_w4a8 && opt.fused_w4a8_terms == 1) &&
            one_token_moe_supported(s, w, opt.one_token);
   }
 

@@ -67,7 +67,7 @@ enum class MoePath { kAuto = 0, kFused = 1, kFp8 = 2 };
 
 // The one-token stream (moe_one_token.h): groups of group_warps consumer
 // warps a block (built: 3 x 4, 1 x 12, 2 x 6, 4 x 4, 6 x 2, 2 x 8); stages:
-// units in flight a block (0: as many as fit, up to 8); launches: 1 (down's
+// units in flight a group (0: as many as fit, up to 8 a block); launches: 1 (down's
 // units streamed right after gate_up's) or 2 (a launch a projection).
 struct OneTokenConfig {
   int groups = 3, group_warps = 4, stages = 0, launches = 1;
@@ -97,10 +97,10 @@ struct MoeOptions {
   // themselves and gate_up converts the input (no routing launch).
   bool fused_one_token_direct = true;
   // One token as a stream of the routed experts' bytes (moe_one_token.h:
-  // two persistent launches, a copy-engine ring a block, FP8 mma.sync with
-  // two E4M3 terms of the token) instead of the per-projection W4A16 kernels,
-  // where it runs (sm_90, gpt-oss's activation) and fused_w4a8 asks for two
-  // E4M3 terms (AUTO; NATIVE and exact layers keep fp16 activations).
+  // one persistent launch, a copy-engine ring a group of consumer warps, fp16
+  // mma.sync on the exactly decoded weights) instead of the per-projection
+  // kernels, where it runs (sm_90, gpt-oss's activation) and E4M3 arithmetic
+  // is not asked for (one W4A8 term).
   bool fused_one_token_stream = true;
   OneTokenConfig one_token;
   // W4A8 fused kernels: E4M3 activations (1x128 scales, as the FP8 path) on

@@ -17,10 +17,10 @@ namespace dz::cuda {
 
 namespace {
 
-constexpr int kMaxStages = 8;
+constexpr int kMaxStages = 8;  // a block's ring, all groups
 constexpr int kMaxConsumerWarps = 16;
 constexpr int kMaxTopk = 8;
-constexpr int kImgSub = 64;  // bytes of a sub-block's activations: two terms x 32 E4M3
+constexpr int kImgSub = 64;  // bytes of a sub-block's activations: 32 fp16 in the MMAs' order (img_pos)
 
 // One projection's weights and its units' shape.
 struct Proj {
@@ -30,20 +30,23 @@ struct Proj {
   int rows, nsub, row_stride;
 };
 
-// Shared memory of a launch: the ring of units (16 rows padded to the
-// projection's row_stride bytes, then their 16 x nsub scale bytes; a stage
-// fits either projection), the token's image (gate_up), one image buffer a
-// group (down: the slot its units read), the groups' partial sums (two
-// buffers a group: its next unit may write while its first warp still reads),
-// 16 floats for the input's maximum, and the ring's barriers.
+// Shared memory of a launch: a ring of units for each group (stages a
+// group: 16 rows padded to the projection's row_stride bytes, then their 16 x
+// nsub scale bytes; a stage fits either projection), the token's image
+// (gate_up), one image buffer a group (down: the slot its units read), the
+// groups' partial sums (two buffers a group: its next unit may write while
+// its first warp still reads), 16 floats for the input's maximum, and the
+// rings' barriers. A ring a group, not one shared ring: a group waits for its
+// own k-th unit, never a phase of a stage another group has not yet seen
+// arrive (a parity wait cannot tell phase n - 1 from phase n + 1).
 struct Layout {
   int stage_bytes, stages, ximg, gimg, red, misc, bar, total;
 };
 
 constexpr int stage_bytes_of(int nsub) { return (16 * (nsub * 16 + 16) + 16 * nsub + 127) / 128 * 128; }
 
-// A launch over gate_up's units (gate_up), down's (down) or both; stages: 0
-// as many as fit (up to kMaxStages).
+// A launch over gate_up's units (gate_up), down's (down) or both; stages a
+// group: 0 as many as fit (the block's up to kMaxStages).
 Layout layout(const MoeShape& s, bool gate_up, bool down, int groups, int warps, int stages, int smem_limit) {
   const int nh = s.hidden / 32, ni = s.intermediate / 32;
   Layout L{};
@@ -51,14 +54,14 @@ Layout layout(const MoeShape& s, bool gate_up, bool down, int groups, int warps,
   const int ximg = gate_up ? nh * kImgSub : 0, gimg = down ? groups * ni * kImgSub : 0;
   const int red = groups * 2 * warps * 16 * 4;
   const int fixed = ximg + gimg + red + 64 + 2 * kMaxStages * 8;
-  L.stages = std::min(kMaxStages, (smem_limit - fixed) / L.stage_bytes);
+  L.stages = std::min(kMaxStages, (smem_limit - fixed) / L.stage_bytes) / groups;
   if (stages > 0 && stages < L.stages) L.stages = stages;
-  int o = L.stages * L.stage_bytes;
+  int o = groups * L.stages * L.stage_bytes;
   L.ximg = o, o += ximg;
   L.gimg = o, o += gimg;
   L.red = o, o += red;
   L.misc = o, o += 64;
-  L.bar = o, o += 2 * L.stages * 8;
+  L.bar = o, o += 2 * groups * L.stages * 8;
   L.total = o;
   return L;
 }
@@ -81,21 +84,15 @@ struct Args {
   Layout L;
 };
 
-// Element e (0..31) of a sub-block's image: term 0 at byte p, term 1 at 32 + p,
-// where lane t of a quad finds its MMA fragment (b0: even elements 8t + 0, 2,
-// 4, 6; b1: the odd ones) as 8 bytes at 8t.
-__device__ __forceinline__ int img_pos(int e) {
-  const int w = e & 7;
-  return (e >> 3) * 8 + ((w & 1) ? 4 : 0) + (w >> 1);
-}
+// Element e (0..31) of a sub-block's image, as fp16: lane t of a quad takes
+// word t of the sub-block's weights (elements 8t + j), decoded by w4_pairs
+// into pairs (j, j + 4); its two MMAs h = 0, 1 take pairs 2h (k 2t, 2t + 1)
+// and 2h + 1 (k 8 + 2t, ..), so the lane finds its B fragments for both as 16
+// bytes at 16t: pair j at 4j, its element j + 4 in the high half.
+__device__ __forceinline__ int img_pos(int e) { return (e >> 3) * 16 + (e & 3) * 4 + ((e >> 2) & 1) * 2; }
 
-// f (already scaled) as two E4M3 terms: hi, and the remainder times kW8DownLo.
 __device__ __forceinline__ void img_put(uint8_t* sub, int e, float f) {
-  const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3);
-  const float r = (f - __half2float(__half(__nv_cvt_fp8_to_halfraw(q, __NV_E4M3)))) * kW8DownLo;
-  const int p = img_pos(e);
-  sub[p] = q;
-  sub[32 + p] = __nv_cvt_float_to_fp8(r, __NV_SATFINITE, __NV_E4M3);
+  *reinterpret_cast<__half*>(sub + img_pos(e)) = __float2half_rn(f);
 }
 
 __device__ __forceinline__ float bias_at(const uint16_t* b, int64_t i) {
@@ -119,8 +116,10 @@ __device__ __forceinline__ Unit unit_of(const Args& a, int u) {
 }
 
 // One warp's share [sb0, sb1) of a unit's sub-blocks: rows g and g + 8 of
-// the stage (word t of each sub-block) against the token's image (xi: this
-// lane's 8 bytes of its MMA column's term), times each sub-block's scale.
+// the stage (word t of each sub-block, E2M1 -> fp16 * 2^-14 exactly) against
+// the token's fp16 image (xi: this lane's 16 bytes), in fp32 times each
+// sub-block's scale. fp16 MMAs: Hopper runs mma.sync on E4M3 as two fp16
+// MMAs after converting both operands.
 __device__ __forceinline__ void unit_dot(const uint8_t* stage, int row_stride, int nsub, const uint8_t* xi, int sb0,
                                          int sb1, int g, int t, float& accA, float& accB) {
   const uint8_t* wA = stage + g * row_stride + 4 * t;
@@ -131,13 +130,15 @@ __device__ __forceinline__ void unit_dot(const uint8_t* stage, int row_stride, i
   for (int sb = sb0; sb < sb1; ++sb) {
     const uint32_t wa = *reinterpret_cast<const uint32_t*>(wA + 16 * sb);
     const uint32_t wb = *reinterpret_cast<const uint32_t*>(wB + 16 * sb);
-    const uint2 xv = *reinterpret_cast<const uint2*>(xi + kImgSub * sb);
+    const uint4 xv = *reinterpret_cast<const uint4*>(xi + kImgSub * sb);
+    uint32_t pA[4], pB[4];
+    w4_pairs(wa, pA), w4_pairs(wb, pB);
     float c[4] = {0.f, 0.f, 0.f, 0.f};
-    ptx::mma_16832_e4m3(c, e2m1_even_to_e4m3(wa), e2m1_even_to_e4m3(wb), e2m1_odd_to_e4m3(wa), e2m1_odd_to_e4m3(wb),
-                        xv.x, xv.y);
-    // E8M0 byte s as 2^(s - 127) (s = 0, 2^-127, reads as 0).
-    accA = fmaf(fmaf(c[1], 1.f / kW8DownLo, c[0]), __uint_as_float(uint32_t(sA[sb]) << 23), accA);
-    accB = fmaf(fmaf(c[3], 1.f / kW8DownLo, c[2]), __uint_as_float(uint32_t(sB[sb]) << 23), accB);
+    ptx::mma_16816(c, pA[0], pB[0], pA[1], pB[1], xv.x, xv.y);
+    ptx::mma_16816(c, pA[2], pB[2], pA[3], pB[3], xv.z, xv.w);
+    // Column 0 (lanes t = 0) is the token; E8M0 byte s as 2^(s - 127) (s = 0, 2^-127, reads as 0).
+    accA = fmaf(c[0], __uint_as_float(uint32_t(sA[sb]) << 23), accA);
+    accB = fmaf(c[2], __uint_as_float(uint32_t(sB[sb]) << 23), accB);
   }
 }
 
@@ -155,10 +156,11 @@ __global__ void __launch_bounds__(32 * (1 + kGroups * kWarps), 1) one_token_kern
   const Layout& L = a.L;
   const int warp = int(threadIdx.x >> 5), lane = int(threadIdx.x & 31);
   const uint32_t bar0 = ptx::smem_u32(sm + L.bar);
+  const int n_stages = kGroups * L.stages;  // group q's stages: q * L.stages ..
   auto full = [&](int s) { return bar0 + 8u * uint32_t(s); };
-  auto empty = [&](int s) { return bar0 + 8u * uint32_t(L.stages + s); };
+  auto empty = [&](int s) { return bar0 + 8u * uint32_t(n_stages + s); };
   if (threadIdx.x == 0) {
-    for (int s = 0; s < L.stages; ++s) ptx::mbar_init(full(s), 1), ptx::mbar_init(empty(s), kWarps);
+    for (int s = 0; s < n_stages; ++s) ptx::mbar_init(full(s), 1), ptx::mbar_init(empty(s), kWarps);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -174,7 +176,7 @@ __global__ void __launch_bounds__(32 * (1 + kGroups * kWarps), 1) one_token_kern
     for (int i = 0;; ++i) {
       const int u = a.u0 + int(blockIdx.x) + i * G;
       if (u >= a.u1) break;
-      const int st = i % L.stages, n = i / L.stages;
+      const int k = i / kGroups, st = (i % kGroups) * L.stages + k % L.stages, n = k / L.stages;
       if (n > 0) ptx::mbar_wait(empty(st), uint32_t(n - 1) & 1);
       const Unit un = unit_of(a, u);
       const Proj& P = a.p[un.proj];
@@ -196,9 +198,9 @@ __global__ void __launch_bounds__(32 * (1 + kGroups * kWarps), 1) one_token_kern
   uint8_t* gimg = sm + L.gimg + grp * (a.p[1].nsub * kImgSub);
   float* red = reinterpret_cast<float*>(sm + L.red);
   float* misc = reinterpret_cast<float*>(sm + L.misc);
-  float post_gate_up = 0.f;  // what gate_up's MMA sums are multiplied by: E2M1's 2^-6 and the token's scale undone
+  float post_gate_up = 0.f;  // what gate_up's MMA sums are multiplied by: E2M1's 2^-14 and the token's scale undone
   if (has_gate_up) {
-    // The token under one power-of-two scale, amax / scale in [224, 448).
+    // The token in fp16 under one power-of-two scale, |x| / scale <= 1 (as the W4A16 kernels).
     const int H = a.p[0].nsub * 32;
     float amax = 0.f;
     for (int k = 4 * ct; k < H; k += 4 * kConsumers) {
@@ -211,7 +213,7 @@ __global__ void __launch_bounds__(32 * (1 + kGroups * kWarps), 1) one_token_kern
     amax = 0.f;
     for (int w = 0; w < kGroups * kWarps; ++w) amax = fmaxf(amax, misc[w]);
     int ex = 0;
-    frexpf(amax / 448.f, &ex);
+    frexpf(amax, &ex);
     const float sx = amax > 0.f ? ldexpf(1.f, ex) : 1.f, inv = 1.f / sx;
     for (int k = 4 * ct; k < H; k += 4 * kConsumers) {
       const float4 v = *reinterpret_cast<const float4*>(a.x + k);
@@ -219,7 +221,7 @@ __global__ void __launch_bounds__(32 * (1 + kGroups * kWarps), 1) one_token_kern
       img_put(sub, (k & 31) + 0, v.x * inv), img_put(sub, (k & 31) + 1, v.y * inv);
       img_put(sub, (k & 31) + 2, v.z * inv), img_put(sub, (k & 31) + 3, v.w * inv);
     }
-    post_gate_up = 64.f * sx;
+    post_gate_up = 16384.f * sx;
     ptx::named_sync(1, kConsumers);
   }
   const int gbar = 2 + grp, gthreads = 32 * kWarps;
@@ -242,10 +244,9 @@ __global__ void __launch_bounds__(32 * (1 + kGroups * kWarps), 1) one_token_kern
       ptx::named_sync(gbar, gthreads);
       cur_slot = un.slot;
     }
-    const int st = i % L.stages;
-    ptx::mbar_wait(full(st), uint32_t(i / L.stages) & 1);
-    // Columns 0 / 1 (even / odd g) take the first / second term; the others are never read.
-    const uint8_t* xi = (un.proj ? gimg : ximg) + (g & 1) * 32 + t * 8;
+    const int k = i / kGroups, st = grp * L.stages + k % L.stages;
+    ptx::mbar_wait(full(st), uint32_t(k / L.stages) & 1);
+    const uint8_t* xi = (un.proj ? gimg : ximg) + t * 16;  // (every MMA column the token; column 0 read)
     const int per = (P.nsub + kWarps - 1) / kWarps, sb0 = min(P.nsub, wq * per), sb1 = min(P.nsub, sb0 + per);
     float accA = 0.f, accB = 0.f;
     unit_dot(sm + st * L.stage_bytes, P.row_stride, P.nsub, xi, sb0, sb1, g, t, accA, accB);
@@ -255,7 +256,7 @@ __global__ void __launch_bounds__(32 * (1 + kGroups * kWarps), 1) one_token_kern
     if (t == 0) rr[wq * 16 + g] = accA, rr[wq * 16 + g + 8] = accB;
     ptx::named_sync(gbar, gthreads);
     if (wq != 0) continue;
-    const float post = un.proj ? 64.f / kW8DownInv : post_gate_up;
+    const float post = un.proj ? 16384.f : post_gate_up;
     auto row_sum = [&](int r) {  // the warps' parts in order
       float v = rr[r];
 #pragma unroll
@@ -268,7 +269,7 @@ __global__ void __launch_bounds__(32 * (1 + kGroups * kWarps), 1) one_token_kern
         const float gate = row_sum(2 * lane) + bias_at(P.bias, brow + 2 * lane);
         const float up = row_sum(2 * lane + 1) + bias_at(P.bias, brow + 2 * lane + 1);
         const int o = 8 * un.tile + lane, ni = a.p[1].nsub;
-        img_put(a.img + (int64_t(un.slot) * ni + (o >> 5)) * kImgSub, o & 31, swiglu(gate, up) * kW8DownInv);
+        img_put(a.img + (int64_t(un.slot) * ni + (o >> 5)) * kImgSub, o & 31, swiglu(gate, up));  // |a| <= 56
       }
       __threadfence();  // the images visible before the unit counts as done
       __syncwarp();
@@ -363,7 +364,7 @@ bool one_token_moe_supported(const MoeShape& s, const MoeWeights& w, const OneTo
   for (bool one : {true, false})
     if ((one || c.launches == 2) &&
         (one ? layout_of(s, c, true, true).stages
-             : std::min(layout_of(s, c, true, false).stages, layout_of(s, c, false, true).stages)) < 2)
+             : std::min(layout_of(s, c, true, false).stages, layout_of(s, c, false, true).stages)) < 1)
       return false;
   return (c.launches == 1 || c.launches == 2) && prepare(c) != nullptr;
 }

@@ -1,9 +1,11 @@
-// Device pieces shared by the MoE kernels that run gpt-oss's experts on FP8
-// tensor cores with the weights decoded in registers (moe.cu's W4A8 kernels,
-// moe_one_token.cu): the clamped SwiGLU, E2M1 -> E4M3 without tables, and
-// the fixed scale of down's two-term activations. Device code only.
+// Device pieces shared by the MoE kernels that decode gpt-oss's MXFP4
+// experts in registers (moe.cu, moe_one_token.cu): the clamped SwiGLU, E2M1
+// -> fp16 / E4M3 without tables, and the fixed scale of down's two-term E4M3
+// activations. Device code only.
 #pragma once
 #include <cstdint>
+
+#include "cuda/ptx.cuh"
 
 namespace dz::cuda {
 
@@ -15,6 +17,19 @@ __device__ __forceinline__ float swiglu(float gate, float up) {
   gate = fminf(gate, kSwigluLimit);
   up = fminf(fmaxf(up, -kSwigluLimit), kSwigluLimit);
   return (up + 1.f) * __fdividef(gate, 1.f + __expf(-1.702f * gate));
+}
+
+// Nibbles j and j + 4 of w as fp16 pairs (low, high half), p[j] for j =
+// 0..3: E2M1 bits placed at fp16 bits 15 and 11..9 are the code's value *
+// 2^-14 exactly (the 0.5 code lands on the subnormal 2^-15), no table. By way
+// of bytes: the even nibbles' fp16 high bytes in E, the odd ones' in O, then
+// spread to half words: 11 instructions a word (15 placing each pair with its
+// own shifts, before run 84).
+__device__ __forceinline__ void w4_pairs(uint32_t w, uint32_t (&p)[4]) {
+  const uint32_t E = ((w << 1) & 0x0E0E0E0Eu) | ((w << 4) & 0x80808080u);
+  const uint32_t O = ((w >> 3) & 0x0E0E0E0Eu) | (w & 0x80808080u);
+  p[0] = ptx::prmt(E, 0u, 0x2404), p[2] = E & 0xFF00FF00u;
+  p[1] = ptx::prmt(O, 0u, 0x2404), p[3] = O & 0xFF00FF00u;
 }
 
 // A word's 8 E2M1 nibbles as E4M3 bytes, the even elements (0, 2, 4, 6) or

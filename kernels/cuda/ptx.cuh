@@ -56,17 +56,6 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
 }
 #undef DZ_MMA_16816
 
-// D = A(16x32, row) * B(32x8, col) + C on E4M3 inputs (sm_89+), fp32
-// accumulators: a0 = (row g, k 4t..4t+3), a1 = (g + 8, same k), a2 / a3 the
-// same rows at k 16 + 4t..; b0 = (k 4t.., column g), b1 = (k 16 + 4t.., g);
-// d = (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1), for lane 4g + t.
-__device__ __forceinline__ void mma_16832_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                               uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // 16-byte asynchronous copy global -> shared (L2 only): src_bytes (0 or 16)
 // read and the rest zero-filled.
 __device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, uint32_t src_bytes) {
