@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads) hc_mix_kernel(HcPre a, int64_t slice
   }
 }
 
-// A block a row: the slices' sums, then (one warp) the weights with their
+// A block a row: the slices' sums, then (one thread) the weights with their
 // Sinkhorn iterations in fp64 as the CPU, then the collapse.
 __global__ void __launch_bounds__(kThreads) hc_finish_kernel(HcPre a, int S) {
   const int r = blockIdx.x, n = a.n, M = a.head ? n : (2 + n) * n;
@@ -84,40 +84,43 @@ __global__ void __launch_bounds__(kThreads) hc_finish_kernel(HcPre a, int S) {
     sum[j] = t;
   }
   __syncthreads();
-  if (threadIdx.x < 32) {  // warp 0: the weights; comb's n x n in lanes 4 j + k, Sinkhorn by shuffles
-    const int lane = threadIdx.x;
+  if (threadIdx.x == 0) {
     const float inv = rsqrtf(sum[M] / float(NH) + a.eps);
+    float mix[kMaxMix];
+    for (int j = 0; j < M; ++j) mix[j] = sum[j] * inv;
     const double eps = a.hc_eps;
     float* wo = a.w + size_t(r) * (a.head ? n : 2 * n + n * n);
-    if (lane < n) {
-      wsh[lane] = wo[lane] = float(sigmoid_d(double(sum[lane] * inv) * a.scale[0] + a.base[lane]) + eps);
-      if (!a.head) wo[n + lane] = float(2 * sigmoid_d(double(sum[n + lane] * inv) * a.scale[1] + a.base[n + lane]));
-    }
-    if (!a.head) {
-      const int j = (lane >> 2) & 3, k = lane & 3, at = 2 * n + j * n + k;
-      const bool on = lane < 16 && j < n && k < n;
-      auto row_sum = [](double v) {  // over k: lanes differing in bits 0-1
-        v += __shfl_xor_sync(0xffffffffu, v, 1);
-        return v + __shfl_xor_sync(0xffffffffu, v, 2);
-      };
-      auto col_sum = [](double v) {  // over j: lanes differing in bits 2-3
-        v += __shfl_xor_sync(0xffffffffu, v, 4);
-        return v + __shfl_xor_sync(0xffffffffu, v, 8);
-      };
-      double c = on ? double(sum[at] * inv) * a.scale[2] + a.base[at] : -1e300, mx = c;
-      mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const double e = on ? exp(c - mx) : 0.0;
-      c = on ? e / row_sum(e) + eps : 0.0;
-      for (int it = 0; it < a.sinkhorn_iters; ++it) {
-        if (it > 0) {
-          const double rs = row_sum(c);
-          if (on) c /= rs + eps;
-        }
-        const double cs = col_sum(c);
-        if (on) c /= cs + eps;
+    if (a.head) {
+      for (int j = 0; j < n; ++j) wsh[j] = wo[j] = float(sigmoid_d(double(mix[j]) * a.scale[0] + a.base[j]) + eps);
+    } else {
+      for (int j = 0; j < n; ++j) {
+        wsh[j] = wo[j] = float(sigmoid_d(double(mix[j]) * a.scale[0] + a.base[j]) + eps);
+        wo[n + j] = float(2 * sigmoid_d(double(mix[n + j]) * a.scale[1] + a.base[n + j]));
       }
-      if (on) wo[at] = float(c);
+      double c[kHcMaxStreams * kHcMaxStreams];
+      for (int j = 0; j < n; ++j) {
+        double mx = -1e300, s = 0;
+        for (int k = 0; k < n; ++k) {
+          c[j * n + k] = double(mix[2 * n + j * n + k]) * a.scale[2] + a.base[2 * n + j * n + k];
+          mx = fmax(mx, c[j * n + k]);
+        }
+        for (int k = 0; k < n; ++k) s += (c[j * n + k] = exp(c[j * n + k] - mx));
+        for (int k = 0; k < n; ++k) c[j * n + k] = c[j * n + k] / s + eps;
+      }
+      for (int it = 0; it < a.sinkhorn_iters; ++it) {
+        if (it > 0)
+          for (int j = 0; j < n; ++j) {
+            double s = 0;
+            for (int k = 0; k < n; ++k) s += c[j * n + k];
+            for (int k = 0; k < n; ++k) c[j * n + k] /= s + eps;
+          }
+        for (int k = 0; k < n; ++k) {
+          double s = 0;
+          for (int j = 0; j < n; ++j) s += c[j * n + k];
+          for (int j = 0; j < n; ++j) c[j * n + k] /= s + eps;
+        }
+      }
+      for (int i = 0; i < n * n; ++i) wo[2 * n + i] = float(c[i]);
     }
   }
   __syncthreads();
