@@ -292,7 +292,7 @@ MoeCase make_moe(int E, int topk, int H, int I, int T, std::mt19937& rng, int s_
 }
 // Small test layers: the fused path up to 8 tokens per expert, FP8 workspace
 // tiles of 3 experts.
-// (One token on the per-projection kernels: the stream has its own case.)
+// (One token on the per-projection kernels, as by default: the stream has its own case.)
 MoeOptions small_options() {
   MoeOptions o;
   o.fused_max_tokens_per_expert = 8.0, o.tile_experts = 3;

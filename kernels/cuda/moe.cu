@@ -1777,9 +1777,9 @@ struct MoeLayer::Impl {
     ws_fp8 = DeviceArray<uint8_t>(P, 2 * tile_cap * per_expert_fp8, "FP8 expert workspace");
     ws_scales =
         DeviceArray<float>(P, 2 * (tile_cap * per_expert_sc + 8), "FP8 expert workspace scales");  // +8: alignment
-    // DZ_MOE_ONE_TOKEN_STREAM=0: one token on the per-projection kernels (A/B timings of a model).
-    if (const char* e = std::getenv("DZ_MOE_ONE_TOKEN_STREAM"); e && e[0] == '0' && e[1] == 0)
-      opt.fused_one_token_stream = false;
+    // DZ_MOE_ONE_TOKEN_STREAM=1 / 0: one token streamed or not, whatever the options (A/B timings of a model).
+    if (const char* e = std::getenv("DZ_MOE_ONE_TOKEN_STREAM"); e && (e[0] == '0' || e[0] == '1') && e[1] == 0)
+      opt.fused_one_token_stream = e[0] == '1';
     ot_img = DeviceArray<uint8_t>(P, one_token_img_bytes(s), "moe one-token images");
     ot_y = DeviceArray<float>(P, size_t(s.topk) * H, "moe one-token expert outputs");
     ot_counts = DeviceArray<int>(P, one_token_counts(s), "moe one-token counts");

@@ -100,8 +100,14 @@ struct MoeOptions {
   // one persistent launch, a copy-engine ring a group of consumer warps, fp16
   // mma.sync on the exactly decoded weights) instead of the per-projection
   // kernels, where it runs (sm_90, gpt-oss's activation) and E4M3 arithmetic
-  // is not asked for (one W4A8 term).
-  bool fused_one_token_stream = true;
+  // is not asked for (one W4A8 term). Off: faster alone, slower in the model.
+  // H100 (bench/results/2026-12-06-h100-one-token-stream.md, run 23): the
+  // layer at 120b shapes 33.5-33.9 us (3 x 4 warps; 30.9 with 6 x 2) against
+  // 36.6 for the W4A16 kernels' K split, but a gpt-oss-20b decode step at
+  // batch 1 2.272 against 2.200 ms: its blocks hold ~223 KB of shared memory,
+  // so neither it nor the kernel after it can start beside its neighbour as
+  // the W4A16 kernels do under programmatic dependent launch.
+  bool fused_one_token_stream = false;
   OneTokenConfig one_token;
   // W4A8 fused kernels: E4M3 activations (1x128 scales, as the FP8 path) on
   // FP8 wgmma, the weights streamed into shared memory by the copy engine, for

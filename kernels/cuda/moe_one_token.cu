@@ -2,7 +2,6 @@
 // (moe_one_token.h says how).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include <algorithm>
 
