@@ -39,8 +39,6 @@ constexpr int kW4MaxTokens = 16;     // tokens per weight pass of the per-projec
 constexpr int kRouteConvertsX = 16;  // the routing block converts the input up to this many tokens
 constexpr int kW8ImageTokens = 512;  // tokens a call whose W4A8 activations are prepared as images
 
-__device__ __forceinline__ float bf16_to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
-
 // 2^(s-127) for an E8M0 byte s in 0..254 (s = 0 is the fp32 subnormal 2^-127).
 __device__ __forceinline__ float e8m0_to_float(int s) {
   return s == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(uint32_t(s) << 23);
@@ -224,13 +222,6 @@ __device__ __forceinline__ float block_max(float v, float* red) {
   v = (threadIdx.x & 31) < (blockDim.x >> 5) ? red[threadIdx.x & 31] : 0.f;  // (v >= 0: magnitudes)
   for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(~0u, v, o));
   return v;
-}
-
-// The power of two that brings a row with largest magnitude amax into [-1, 1].
-__device__ __forceinline__ float pow2_scale(float amax) {
-  int ex = 0;
-  frexpf(amax, &ex);  // amax = m * 2^ex, m in [0.5, 1)
-  return amax > 0.f ? ldexpf(1.f, ex) : 1.f;
 }
 
 // One token row (whole block, kPer pieces a thread in registers: one load

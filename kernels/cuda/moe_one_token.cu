@@ -94,9 +94,7 @@ __device__ __forceinline__ void img_put(uint8_t* sub, int e, float f) {
   *reinterpret_cast<__half*>(sub + img_pos(e)) = __float2half_rn(f);
 }
 
-__device__ __forceinline__ float bias_at(const uint16_t* b, int64_t i) {
-  return b ? __uint_as_float(uint32_t(b[i]) << 16) : 0.f;
-}
+__device__ __forceinline__ float bias_at(const uint16_t* b, int64_t i) { return b ? bf16_to_float(b[i]) : 0.f; }
 
 __device__ __forceinline__ int expert_of(const Args& a, int slot) {
   const int e = a.ids[slot];
@@ -211,9 +209,7 @@ __global__ void __launch_bounds__(32 * (1 + kGroups * kWarps), 1) one_token_kern
     ptx::named_sync(1, kConsumers);
     amax = 0.f;
     for (int w = 0; w < kGroups * kWarps; ++w) amax = fmaxf(amax, misc[w]);
-    int ex = 0;
-    frexpf(amax, &ex);
-    const float sx = amax > 0.f ? ldexpf(1.f, ex) : 1.f, inv = 1.f / sx;
+    const float sx = pow2_scale(amax), inv = 1.f / sx;
     for (int k = 4 * ct; k < H; k += 4 * kConsumers) {
       const float4 v = *reinterpret_cast<const float4*>(a.x + k);
       uint8_t* sub = ximg + (k >> 5) * kImgSub;

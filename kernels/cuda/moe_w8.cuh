@@ -9,6 +9,15 @@
 
 namespace dz::cuda {
 
+__device__ __forceinline__ float bf16_to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
+
+// The power of two that brings a row with largest magnitude amax into [-1, 1].
+__device__ __forceinline__ float pow2_scale(float amax) {
+  int ex = 0;
+  frexpf(amax, &ex);  // amax = m * 2^ex, m in [0.5, 1)
+  return amax > 0.f ? ldexpf(1.f, ex) : 1.f;
+}
+
 // gpt-oss's clamped SwiGLU. The fast division (~2 ulp; 0 once the
 // denominator passes 2^126, where the quotient underflows anyway) keeps the
 // FP8 path's SwiGLU + quantization pass off the instruction limit.
