@@ -10,8 +10,8 @@
 
 #include "cpu/mxfp4_fold.h"
 #include "cuda/moe.h"
+#include "cuda/moe_decode.cuh"
 #include "cuda/moe_one_token.h"
-#include "cuda/moe_w8.cuh"
 #include "cuda/mxfp4_fold.h"
 #include "cuda/mxfp4_gemm.h"
 #include "cuda/pdl.cuh"
@@ -727,6 +727,33 @@ __device__ __forceinline__ uint32_t quant_1x128_rest(const float (&v)[4], float 
   return lo | (hi << 16);
 }
 
+// A word's 8 E2M1 nibbles as E4M3 bytes, the even elements (0, 2, 4, 6) or
+// the odd ones: E2M1 bits placed at E4M3 bits 7 and 4..2 are the value * 2^-6
+// exactly (the 0.5 code lands on an E4M3 subnormal).
+__device__ __forceinline__ uint32_t e2m1_even_to_e4m3(uint32_t w) {
+  return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
+}
+__device__ __forceinline__ uint32_t e2m1_odd_to_e4m3(uint32_t w) {
+  return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
+}
+
+// The down projection's activations as two E4M3 terms: gpt-oss's clamped
+// SwiGLU is at most (7 + 1) * 7 = 56 in magnitude, so they take one fixed
+// scale, 56 / 448 (E4M3's largest), instead of one a 128 values: E4M3 is as
+// fine relative to each value either way, only values under 2^-6 * 56 / 448
+// (0.002) meet its subnormals sooner (kW8DownLo), and with no reduction
+// gate_up's epilogue writes down's images itself (w8_down_put): the launch
+// between the projections that quantized them took 3.8 of 134 us (H200,
+// 120b shapes, 8 tokens). The bound is gpt-oss's only: the plain SwiGLU
+// (MoeActivation::kSilu) is unbounded, so the layer never runs the W4A8
+// kernels for it (w8_chosen).
+constexpr float kW8DownInv = 448.f / ((kSwigluLimit + 1.f) * kSwigluLimit);  // 8: a power of two
+// Down's second term is stored times 16 (the MMA column's sum divided by it
+// again): a remainder is at most half an E4M3 step of its first term (2^-4
+// of it), so times 16 stays under 448, and values whose first term is
+// subnormal (under 2^-6, 0.002 unscaled) keep 4 more bits than E4M3's
+// subnormals would leave: an absolute error under 2^-14 / 8 a value.
+constexpr float kW8DownLo = 16.f;
 // The fixed scale with two terms only: one E4M3 term keeps down's 1x128
 // scales (alone it would leave values under 0.002 an error of up to 2^-10 / 8).
 constexpr bool w8_fixed(bool gate_up, bool lo) { return !gate_up && lo; }

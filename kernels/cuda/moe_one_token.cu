@@ -6,8 +6,8 @@
 #include <algorithm>
 
 #include "common/error.h"
+#include "cuda/moe_decode.cuh"
 #include "cuda/moe_one_token.h"
-#include "cuda/moe_w8.cuh"
 #include "cuda/pdl.cuh"
 #include "cuda/ptx.cuh"
 #include "runtime/cuda/cuda_check.h"
@@ -356,12 +356,13 @@ bool one_token_moe_supported(const MoeShape& s, const MoeWeights& w, const OneTo
   if (s.hidden % 32 || s.intermediate % 32) return false;
   if (!aligned(w.w1_blocks) || !aligned(w.w1_scales) || !aligned(w.w2_blocks) || !aligned(w.w2_scales)) return false;
   if (c.groups < 1 || c.group_warps < 1 || c.groups * c.group_warps > kMaxConsumerWarps || c.stages < 0) return false;
-  for (bool one : {true, false})
-    if ((one || c.launches == 2) &&
-        (one ? layout_of(s, c, true, true).stages
-             : std::min(layout_of(s, c, true, false).stages, layout_of(s, c, false, true).stages)) < 1)
-      return false;
-  return (c.launches == 1 || c.launches == 2) && prepare(c) != nullptr;
+  // At least a stage a group in each launch the configuration makes.
+  int stages = 0;
+  if (c.launches == 1)
+    stages = layout_of(s, c, true, true).stages;
+  else if (c.launches == 2)
+    stages = std::min(layout_of(s, c, true, false).stages, layout_of(s, c, false, true).stages);
+  return stages >= 1 && prepare(c) != nullptr;
 }
 
 void one_token_moe(const MoeShape& s, const MoeWeights& w, const float* x, const int* ids, const float* gw, float* out,
