@@ -1090,7 +1090,9 @@ TEST_CASE("CUDA MoE layer: one token streamed (fp16 mma.sync, exact weights) aga
     // group's warps only for the same warps a group, so the bits match those; the others meet the bound.
     for (const OneTokenConfig& oc : {OneTokenConfig{3, 4, 2, 1}, OneTokenConfig{3, 4, 0, 2}, OneTokenConfig{4, 4, 3, 1},
                                      OneTokenConfig{1, 12, 0, 1}, OneTokenConfig{2, 6, 4, 2},
-                                     OneTokenConfig{6, 2, 0, 1}, OneTokenConfig{2, 8, 2, 1}}) {
+                                     OneTokenConfig{6, 2, 0, 1}, OneTokenConfig{2, 8, 2, 1},
+                                     OneTokenConfig{8, 2, 0, 1}, OneTokenConfig{4, 2, 1, 1},
+                                     OneTokenConfig{8, 1, 0, 2}}) {
       INFO("groups " << oc.groups << " x " << oc.group_warps << " warps, stages " << oc.stages << ", launches "
                      << oc.launches);
       layer.options().one_token = oc;

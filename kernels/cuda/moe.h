@@ -66,12 +66,22 @@ struct MoeWeights {
 enum class MoePath { kAuto = 0, kFused = 1, kFp8 = 2 };
 
 // The one-token stream (moe_one_token.h): groups of group_warps consumer
-// warps a block (built: 3 x 4, 1 x 12, 2 x 6, 4 x 4, 6 x 2, 2 x 8); stages:
+// warps a block (built: 3 x 4, 1 x 12, 2 x 6, 4 x 4, 6 x 2, 2 x 8, 8 x 2, 4 x 2,
+// 8 x 1); stages:
 // units in flight a group (0: as many as fit, up to 8 a block); launches: 1 (down's
 // units streamed right after gate_up's) or 2 (a launch a projection).
+// Diagnostics for dz bench moe (the output is then wrong): probe bits
+// kProbeNoMath (the consumers release each unit without its arithmetic: the
+// stream's own time), kProbeNoWait (down's units do not wait for gate_up's); trace: device
+// int64 [blocks][kOneTokenTraceUnits][3] of %globaltimer ns (the producer's
+// issue, the consumers' arrival, their release of each unit).
 struct OneTokenConfig {
+  enum : int { kProbeNoMath = 1, kProbeNoWait = 2 };
   int groups = 3, group_warps = 4, stages = 0, launches = 1;
+  int probe = 0;
+  long long* trace = nullptr;
 };
+constexpr int kOneTokenTraceUnits = 32;
 
 struct MoeOptions {
   // Fused path while tokens * topk / n_experts <= this. Measured on an H200

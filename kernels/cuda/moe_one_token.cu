@@ -31,18 +31,20 @@ struct Proj {
 
 // Shared memory of a launch: a ring of units for each group (stages a
 // group: 16 rows padded to the projection's row_stride bytes, then their 16 x
-// nsub scale bytes; a stage fits either projection), the token's image
-// (gate_up), one image buffer a group (down: the slot its units read), the
-// groups' partial sums (two buffers a group: its next unit may write while
-// its first warp still reads), 16 floats for the input's maximum, and the
-// rings' barriers. A ring a group, not one shared ring: a group waits for its
-// own k-th unit, never a phase of a stage another group has not yet seen
+// nsub scale bytes and 16 bf16 biases; a stage fits either projection), the token's image
+// (gate_up), down's images of every slot (down: written by the image warp once
+// a slot's gate_up units are done), the groups' partial sums (two buffers a
+// group: its next unit may write while its first warp still reads), the
+// input's maximum a warp, the routed expert ids and weights, and the barriers (the
+// rings', an image's). A ring a group, not one shared ring: a group waits for
+// its own k-th unit, never a phase of a stage another group has not yet seen
 // arrive (a parity wait cannot tell phase n - 1 from phase n + 1).
 struct Layout {
-  int stage_bytes, stages, ximg, gimg, red, misc, bar, total;
+  int stage_bytes, stages, ximg, simg, red, misc, bar, total;
 };
 
-constexpr int stage_bytes_of(int nsub) { return (16 * (nsub * 16 + 16) + 16 * nsub + 127) / 128 * 128; }
+constexpr int stage_bytes_of(int nsub) { return (16 * (nsub * 16 + 16) + 16 * nsub + 32 + 127) / 128 * 128; }
+constexpr int kMiscBytes = 4 * kMaxConsumerWarps + 8 * kMaxTopk;  // warps' maxima, the ids, the routing weights
 
 // A launch over gate_up's units (gate_up), down's (down) or both; stages a
 // group: 0 as many as fit (the block's up to kMaxStages).
@@ -50,17 +52,17 @@ Layout layout(const MoeShape& s, bool gate_up, bool down, int groups, int warps,
   const int nh = s.hidden / 32, ni = s.intermediate / 32;
   Layout L{};
   L.stage_bytes = std::max(gate_up ? stage_bytes_of(nh) : 0, down ? stage_bytes_of(ni) : 0);
-  const int ximg = gate_up ? nh * kImgSub : 0, gimg = down ? groups * ni * kImgSub : 0;
+  const int ximg = gate_up ? nh * kImgSub : 0, simg = down ? s.topk * ni * kImgSub : 0;
   const int red = groups * 2 * warps * 16 * 4;
-  const int fixed = ximg + gimg + red + 64 + 2 * kMaxStages * 8;
+  const int fixed = ximg + simg + red + kMiscBytes + 2 * kMaxStages * 8 + kMaxTopk * 8;
   L.stages = std::min(kMaxStages, (smem_limit - fixed) / L.stage_bytes) / groups;
   if (stages > 0 && stages < L.stages) L.stages = stages;
   int o = groups * L.stages * L.stage_bytes;
   L.ximg = o, o += ximg;
-  L.gimg = o, o += gimg;
+  L.simg = o, o += simg;
   L.red = o, o += red;
-  L.misc = o, o += 64;
-  L.bar = o, o += 2 * groups * L.stages * 8;
+  L.misc = o, o += kMiscBytes;
+  L.bar = o, o += 2 * groups * L.stages * 8 + s.topk * 8;
   L.total = o;
   return L;
 }
@@ -78,6 +80,8 @@ struct Args {
   int *slot_done, *tiles_done, *counts;
   float* out;  // [hidden]
   int accumulate;
+  int probe;         // OneTokenConfig::probe
+  long long* trace;  // OneTokenConfig::trace
   int* err;
   int u0, u1;  // this launch's units: gate_up's are [0, U1), down's [U1, U1 + U2)
   Layout L;
@@ -94,11 +98,9 @@ __device__ __forceinline__ void img_put(uint8_t* sub, int e, float f) {
   *reinterpret_cast<__half*>(sub + img_pos(e)) = __float2half_rn(f);
 }
 
-__device__ __forceinline__ float bias_at(const uint16_t* b, int64_t i) { return b ? bf16_to_float(b[i]) : 0.f; }
-
-__device__ __forceinline__ int expert_of(const Args& a, int slot) {
-  const int e = a.ids[slot];
-  return e >= 0 && e < a.n_experts ? e : -1;
+// Diagnostics (OneTokenConfig::trace): the time of event k of the block's unit i.
+__device__ __forceinline__ void trace_at(const Args& a, int i, int k) {
+  a.trace[(int64_t(blockIdx.x) * kOneTokenTraceUnits + i) * 3 + k] = (long long)ptx::globaltimer();
 }
 
 // Unit u: its projection (0 gate_up, 1 down), slot and 16-row tile.
@@ -116,7 +118,8 @@ __device__ __forceinline__ Unit unit_of(const Args& a, int u) {
 // the stage (word t of each sub-block, E2M1 -> fp16 * 2^-14 exactly) against
 // the token's fp16 image (xi: this lane's 16 bytes), in fp32 times each
 // sub-block's scale. fp16 MMAs: Hopper runs mma.sync on E4M3 as two fp16
-// MMAs after converting both operands.
+// MMAs after converting both operands. (Loading the image in MMA column 0's
+// lanes only and two scale bytes at once was slower: run 30.)
 __device__ __forceinline__ void unit_dot(const uint8_t* stage, int row_stride, int nsub, const uint8_t* xi, int sb0,
                                          int sb1, int g, int t, float& accA, float& accB) {
   const uint8_t* wA = stage + g * row_stride + 4 * t;
@@ -141,60 +144,95 @@ __device__ __forceinline__ void unit_dot(const uint8_t* stage, int row_stride, i
 
 // kGroups groups of kWarps consumer warps take units in turn (unit i of the
 // block to group i mod kGroups); a group's warps split each unit's K range.
-// A launch over both projections streams down's units right after
-// gate_up's: a group waits only before its first unit of each slot, for that
-// slot's gate_up units (all blocks resident: one an SM), while the ring
-// already holds the next units' bytes.
+// Warp 0 streams the units (the copy engine), warp 1 brings down's images of
+// the slots this block's down units read, each once its slot's gate_up units
+// are done (all blocks resident: one an SM). A launch over both projections
+// streams down's units right after gate_up's, so the ring already holds them
+// while the last gate_up units finish. Nothing on the producer's path reads
+// global memory but the weights: under the stream's load a read takes
+// microseconds, and the ids it once read a unit held the ring a third below
+// HBM's rate (bench/results/2026-12-06-h100-one-token-stream.md, run 26).
 template <int kGroups, int kWarps>
-__global__ void __launch_bounds__(32 * (1 + kGroups * kWarps), 1) one_token_kernel(const Args a) {
+__global__ void __launch_bounds__(32 * (2 + kGroups * kWarps), 1) one_token_kernel(const Args a) {
   constexpr int kConsumers = 32 * kGroups * kWarps;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) uint8_t sm[];
   const Layout& L = a.L;
   const int warp = int(threadIdx.x >> 5), lane = int(threadIdx.x & 31);
+  if (a.trace && threadIdx.x == 0) trace_at(a, kOneTokenTraceUnits - 1, 0);
   const uint32_t bar0 = ptx::smem_u32(sm + L.bar);
   const int n_stages = kGroups * L.stages;  // group q's stages: q * L.stages ..
   auto full = [&](int s) { return bar0 + 8u * uint32_t(s); };
   auto empty = [&](int s) { return bar0 + 8u * uint32_t(n_stages + s); };
+  auto imaged = [&](int k) { return bar0 + 8u * uint32_t(2 * n_stages + k); };  // slot k's image in place
+  float* misc = reinterpret_cast<float*>(sm + L.misc);
+  int* ids = reinterpret_cast<int*>(sm + L.misc + 4 * kMaxConsumerWarps);  // valid expert or -1, a slot
+  float* gws = misc + kMaxConsumerWarps + kMaxTopk;                          // the slots' routing weights
+  const int ni = a.p[1].nsub;
   if (threadIdx.x == 0) {
     for (int s = 0; s < n_stages; ++s) ptx::mbar_init(full(s), 1), ptx::mbar_init(empty(s), kWarps);
+    for (int k = 0; k < a.topk; ++k) ptx::mbar_init(imaged(k), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  pdl_wait(), pdl_trigger();  // everything reads the router's ids
+  if (threadIdx.x < a.topk) {
+    const int e = a.ids[threadIdx.x];
+    ids[threadIdx.x] = e >= 0 && e < a.n_experts ? e : -1;
+    gws[threadIdx.x] = a.gw[threadIdx.x];
   }
   __syncthreads();
   const int G = int(gridDim.x), U1 = a.topk * (a.p[0].rows / 16);
   const bool has_gate_up = a.u0 < U1;
-  // Everything reads the router's ids; a down-only launch (after gate_up's)
-  // could stream its weights before the wait, but then its blocks would not
-  // be resident until gate_up's leave anyway.
-  pdl_wait(), pdl_trigger();
   if (warp == 0) {  // producer
-    if (has_gate_up && blockIdx.x == 0 && lane < a.topk && expert_of(a, lane) < 0) atomicOr(a.err, 1);
+    if (has_gate_up && blockIdx.x == 0 && lane < a.topk && ids[lane] < 0) atomicOr(a.err, 1);
     const uint32_t ring = ptx::smem_u32(sm);
     for (int i = 0;; ++i) {
       const int u = a.u0 + int(blockIdx.x) + i * G;
       if (u >= a.u1) break;
       const int k = i / kGroups, st = (i % kGroups) * L.stages + k % L.stages, n = k / L.stages;
       if (n > 0) ptx::mbar_wait(empty(st), uint32_t(n - 1) & 1);
+      if (a.trace && i < kOneTokenTraceUnits - 1 && lane == 0) trace_at(a, i, 0);
       const Unit un = unit_of(a, u);
       const Proj& P = a.p[un.proj];
-      const int e = max(expert_of(a, un.slot), 0);  // an invalid slot streams expert 0, never summed
+      const int e = max(ids[un.slot], 0);  // an invalid slot streams expert 0, never summed
       const int64_t row0 = int64_t(e) * P.rows + 16 * un.tile;
       const uint32_t dst = ring + uint32_t(st * L.stage_bytes), row_bytes = uint32_t(P.nsub) * 16;
-      if (lane == 0) ptx::mbar_arrive_expect_tx(full(st), 16 * row_bytes + 16 * uint32_t(P.nsub));
+      const uint32_t sc_bytes = 16 * uint32_t(P.nsub), bias_bytes = P.bias ? 32 : 0;
+      if (lane == 0) ptx::mbar_arrive_expect_tx(full(st), 16 * row_bytes + sc_bytes + bias_bytes);
       __syncwarp();
       if (lane < 16)
         ptx::bulk_g2s(dst + uint32_t(lane * P.row_stride), P.blocks + (row0 + lane) * row_bytes, row_bytes, full(st));
-      else if (lane == 16)
-        ptx::bulk_g2s(dst + uint32_t(16 * P.row_stride), P.scales + row0 * P.nsub, 16 * uint32_t(P.nsub), full(st));
+      if (lane == 16) ptx::bulk_g2s(dst + uint32_t(16 * P.row_stride), P.scales + row0 * P.nsub, sc_bytes, full(st));
+      if (lane == 17 && bias_bytes)
+        ptx::bulk_g2s(dst + uint32_t(16 * P.row_stride) + sc_bytes, P.bias + row0, bias_bytes, full(st));
     }
     return;
   }
-  const int cw = warp - 1, grp = cw / kWarps, wq = cw % kWarps, g = lane >> 2, t = lane & 3;
-  const int ct = int(threadIdx.x) - 32;
+  uint8_t* simg = sm + L.simg;
+  if (warp == 1) {  // down's images: lane k brings slot k's, if this block's down units read it
+    uint32_t need = 0;
+    for (int i = 0;; ++i) {
+      const int u = a.u0 + int(blockIdx.x) + i * G;
+      if (u >= a.u1) break;
+      if (u >= U1) need |= 1u << unit_of(a, u).slot;
+    }
+    if (lane < a.topk && (need >> lane & 1)) {
+      if (!(a.probe & OneTokenConfig::kProbeNoWait)) {
+        const volatile int* done = a.slot_done + lane;
+        while (*done < U1 / a.topk) __nanosleep(64);
+      }
+      __threadfence();
+      asm volatile("fence.proxy.async.global;" ::: "memory");  // the copy engine reads what the stores wrote
+      const uint32_t bytes = uint32_t(ni * kImgSub);
+      ptx::mbar_arrive_expect_tx(imaged(lane), bytes);
+      ptx::bulk_g2s(ptx::smem_u32(simg) + uint32_t(lane) * bytes, a.img + int64_t(lane) * bytes, bytes, imaged(lane));
+    }
+    return;
+  }
+  const int cw = warp - 2, grp = cw / kWarps, wq = cw % kWarps, g = lane >> 2, t = lane & 3;
+  const int ct = int(threadIdx.x) - 64;
   uint8_t* ximg = sm + L.ximg;
-  uint8_t* gimg = sm + L.gimg + grp * (a.p[1].nsub * kImgSub);
   float* red = reinterpret_cast<float*>(sm + L.red);
-  float* misc = reinterpret_cast<float*>(sm + L.misc);
   float post_gate_up = 0.f;  // what gate_up's MMA sums are multiplied by: E2M1's 2^-14 and the token's scale undone
   if (has_gate_up) {
     // The token in fp16 under one power-of-two scale, |x| / scale <= 1 (as the W4A16 kernels).
@@ -220,33 +258,26 @@ __global__ void __launch_bounds__(32 * (1 + kGroups * kWarps), 1) one_token_kern
     ptx::named_sync(1, kConsumers);
   }
   const int gbar = 2 + grp, gthreads = 32 * kWarps;
-  int cur_slot = -1;  // the slot whose down image this group's buffer holds
   for (int i = grp, it = 0;; i += kGroups, ++it) {
     const int u = a.u0 + int(blockIdx.x) + i * G;
     if (u >= a.u1) break;
     const Unit un = unit_of(a, u);
     const Proj& P = a.p[un.proj];
-    if (un.proj == 1 && un.slot != cur_slot) {  // the slot's activations, once its gate_up units are done
-      if (wq == 0 && lane == 0) {
-        const volatile int* done = a.slot_done + un.slot;
-        while (*done < U1 / a.topk) __nanosleep(64);
-        __threadfence();
-      }
-      ptx::named_sync(gbar, gthreads);
-      const int n16 = P.nsub * kImgSub / 16;
-      const uint4* src = reinterpret_cast<const uint4*>(a.img + int64_t(un.slot) * P.nsub * kImgSub);
-      for (int q = wq * 32 + lane; q < n16; q += gthreads) reinterpret_cast<uint4*>(gimg)[q] = __ldcg(src + q);
-      ptx::named_sync(gbar, gthreads);
-      cur_slot = un.slot;
-    }
+    if (un.proj == 1) ptx::mbar_wait(imaged(un.slot), 0);  // the slot's activations (one phase a launch)
     const int k = i / kGroups, st = grp * L.stages + k % L.stages;
     ptx::mbar_wait(full(st), uint32_t(k / L.stages) & 1);
-    const uint8_t* xi = (un.proj ? gimg : ximg) + t * 16;  // (every MMA column the token; column 0 read)
+    if (a.trace && i < kOneTokenTraceUnits - 1 && wq == 0 && lane == 0) trace_at(a, i, 1);
+    const uint8_t* xi = (un.proj ? simg + un.slot * ni * kImgSub : ximg) + t * 16;  // (column 0 read)
     const int per = (P.nsub + kWarps - 1) / kWarps, sb0 = min(P.nsub, wq * per), sb1 = min(P.nsub, sb0 + per);
+    // This tile's biases (16 bf16 after the scale bytes), read before the stage is released.
+    const uint16_t* sbias = reinterpret_cast<const uint16_t*>(sm + st * L.stage_bytes + 16 * P.row_stride + 16 * P.nsub);
+    const float bias = P.bias && wq == 0 && lane < 16 ? bf16_to_float(sbias[lane]) : 0.f;
     float accA = 0.f, accB = 0.f;
-    unit_dot(sm + st * L.stage_bytes, P.row_stride, P.nsub, xi, sb0, sb1, g, t, accA, accB);
+    if (!(a.probe & OneTokenConfig::kProbeNoMath))
+      unit_dot(sm + st * L.stage_bytes, P.row_stride, P.nsub, xi, sb0, sb1, g, t, accA, accB);
     __syncwarp();
     if (lane == 0) ptx::mbar_arrive(empty(st));
+    if (a.trace && i < kOneTokenTraceUnits - 1 && wq == 0 && lane == 0) trace_at(a, i, 2);
     float* rr = red + (grp * 2 + (it & 1)) * kWarps * 16;
     if (t == 0) rr[wq * 16 + g] = accA, rr[wq * 16 + g + 8] = accB;
     ptx::named_sync(gbar, gthreads);
@@ -258,12 +289,12 @@ __global__ void __launch_bounds__(32 * (1 + kGroups * kWarps), 1) one_token_kern
       for (int w = 1; w < kWarps; ++w) v += rr[16 * w + r];
       return v * post;
     };
-    const int64_t brow = int64_t(max(expert_of(a, un.slot), 0)) * P.rows + 16 * un.tile;
     if (un.proj == 0) {
+      const float bg = __shfl_sync(~0u, bias, 2 * lane & 15), bu = __shfl_sync(~0u, bias, (2 * lane + 1) & 15);
       if (lane < 8) {  // gate / up pairs: rows 2 lane and 2 lane + 1
-        const float gate = row_sum(2 * lane) + bias_at(P.bias, brow + 2 * lane);
-        const float up = row_sum(2 * lane + 1) + bias_at(P.bias, brow + 2 * lane + 1);
-        const int o = 8 * un.tile + lane, ni = a.p[1].nsub;
+        const float gate = row_sum(2 * lane) + bg;
+        const float up = row_sum(2 * lane + 1) + bu;
+        const int o = 8 * un.tile + lane;
         img_put(a.img + (int64_t(un.slot) * ni + (o >> 5)) * kImgSub, o & 31, swiglu(gate, up));  // |a| <= 56
       }
       __threadfence();  // the images visible before the unit counts as done
@@ -272,7 +303,7 @@ __global__ void __launch_bounds__(32 * (1 + kGroups * kWarps), 1) one_token_kern
       continue;
     }
     const int H = P.rows, r = 16 * un.tile + lane;
-    if (lane < 16) a.y[int64_t(un.slot) * H + r] = row_sum(lane) + bias_at(P.bias, brow + lane);
+    if (lane < 16) a.y[int64_t(un.slot) * H + r] = row_sum(lane) + bias;
     __threadfence();  // this tile's outputs visible before it counts as done
     __syncwarp();
     int last = 0;
@@ -283,7 +314,7 @@ __global__ void __launch_bounds__(32 * (1 + kGroups * kWarps), 1) one_token_kern
     if (lane < 16) {
       float acc = 0.f;
       for (int k = 0; k < a.topk; ++k)
-        if (expert_of(a, k) >= 0) acc += a.gw[k] * __ldcg(a.y + int64_t(k) * H + r);
+        if (ids[k] >= 0) acc += gws[k] * __ldcg(a.y + int64_t(k) * H + r);
       if (a.accumulate) acc += a.out[r];
       a.out[r] = acc;
     }
@@ -294,7 +325,11 @@ __global__ void __launch_bounds__(32 * (1 + kGroups * kWarps), 1) one_token_kern
         *a.tiles_done = 0;
       }
     }
+    if (a.trace) trace_at(a, kOneTokenTraceUnits - 1, 2);  // (the block's last sum, when it makes one)
   }
+  if (a.trace && wq == 0 && lane == 0)  // the block's last group done
+    atomicMax(reinterpret_cast<unsigned long long*>(a.trace) + (int64_t(blockIdx.x) * kOneTokenTraceUnits + kOneTokenTraceUnits - 1) * 3 + 1,
+              (unsigned long long)ptx::globaltimer());
 #endif
 }
 
@@ -320,6 +355,9 @@ Kernel kernel_for(int groups, int warps) {
   DZ_OT_CONFIG(4, 4)
   DZ_OT_CONFIG(6, 2)
   DZ_OT_CONFIG(2, 8)
+  DZ_OT_CONFIG(8, 2)
+  DZ_OT_CONFIG(4, 2)
+  DZ_OT_CONFIG(8, 1)
 #undef DZ_OT_CONFIG
   return nullptr;
 }
@@ -355,6 +393,7 @@ bool one_token_moe_supported(const MoeShape& s, const MoeWeights& w, const OneTo
   if (!device_ok || s.act != MoeActivation::kGptOss || s.topk < 1 || s.topk > kMaxTopk) return false;
   if (s.hidden % 32 || s.intermediate % 32) return false;
   if (!aligned(w.w1_blocks) || !aligned(w.w1_scales) || !aligned(w.w2_blocks) || !aligned(w.w2_scales)) return false;
+  if (!aligned(w.b1) || !aligned(w.b2)) return false;  // (null, or bulk-copied with the rows)
   if (c.groups < 1 || c.group_warps < 1 || c.groups * c.group_warps > kMaxConsumerWarps || c.stages < 0) return false;
   // At least a stage a group in each launch the configuration makes.
   int stages = 0;
@@ -370,13 +409,13 @@ void one_token_moe(const MoeShape& s, const MoeWeights& w, const float* x, const
                    const OneTokenConfig& c) {
   check(one_token_moe_supported(s, w, c), DZ_ERR_UNSUPPORTED, "one-token MoE stream: not supported for this layer");
   const Kernel k = prepare(c);
-  const dim3 block(unsigned(32 * (1 + c.groups * c.group_warps)));
+  const dim3 block(unsigned(32 * (2 + c.groups * c.group_warps)));
   Args a{};
   a.p[0] = Proj{w.w1_blocks, w.w1_scales, w.b1, 2 * s.intermediate, s.hidden / 32, s.hidden / 2 + 16};
   a.p[1] = Proj{w.w2_blocks, w.w2_scales, w.b2, s.hidden, s.intermediate / 32, s.intermediate / 2 + 16};
   a.n_experts = s.n_experts, a.topk = s.topk, a.ids = ids, a.x = x, a.img = scr.img, a.gw = gw, a.y = scr.y;
   a.slot_done = scr.counts, a.tiles_done = scr.counts + s.topk, a.counts = scr.counts + s.topk + 1;
-  a.out = out, a.accumulate = accumulate ? 1 : 0, a.err = err;
+  a.out = out, a.accumulate = accumulate ? 1 : 0, a.probe = c.probe, a.trace = c.trace, a.err = err;
   const int U1 = s.topk * (2 * s.intermediate / 16), U2 = s.topk * (s.hidden / 16);
   if (c.launches == 1) {  // both projections in one stream
     a.u0 = 0, a.u1 = U1 + U2, a.L = layout_of(s, c, true, true);

@@ -118,6 +118,13 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   }
 }
 
+// The GPU's nanosecond clock (the same on every SM, unlike clock64).
+__device__ __forceinline__ uint64_t globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 // Wait for the phase of the given parity; the checking form (kDebug) gives up
 // after 10 s with a message naming the kernel, barrier and stage, and traps (a
 // wrong transaction count or a lost arrival would otherwise hang).
@@ -127,11 +134,7 @@ __device__ __forceinline__ void mbar_wait_checked(uint32_t bar, uint32_t parity,
   if constexpr (!kDebug) {
     mbar_wait(bar, parity);
   } else {
-    auto now = [] {
-      uint64_t t;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-      return t;
-    };
+    auto now = [] { return globaltimer(); };
     const uint64_t t0 = now();
     while (!mbar_try_wait(bar, parity)) {
       if (now() - t0 > 10000000000ull) {

@@ -32,12 +32,14 @@ class GpuTimer {
   GpuTimer& operator=(const GpuTimer&) = delete;
   // One float a kernel may write to (cuda::stream_read's result).
   float* sink() const { return sink_.get(); }
+  // Reads the flush buffer on the context's stream (the L2 then holds none of a call's bytes).
+  void flush_l2() { cuda::l2_flush_read(flush_.get(), kFlushBytes, sink_.get(), ctx_.stream()); }
   // Median ms of run(i) on the context's stream over reps calls, after warm calls (run(0 .. warm - 1)).
   template <typename F>
   double median_ms(int reps, int warm, F run) {
     std::vector<double> v;
     for (int i = -warm; i < reps; ++i) {
-      cuda::l2_flush_read(flush_.get(), kFlushBytes, sink_.get(), ctx_.stream());
+      flush_l2();
       DZ_CUDA_CHECK(cudaEventRecord(a_, ctx_.stream()));
       run(i < 0 ? i + warm : i);
       DZ_CUDA_CHECK(cudaEventRecord(b_, ctx_.stream()));

@@ -535,16 +535,53 @@ int bench_moe(const Args& a) {
           variants["stream"] = time_fused(0, false, true, 0, true);
           // Its block shapes (groups x warps a group), units in flight a group (s0: as many as fit) and
           // launches (l2: one a projection).
-          for (auto gw2 : {std::pair{3, 4}, {1, 12}, {2, 6}, {4, 4}, {6, 2}, {2, 8}})
+          for (auto gw2 : {std::pair{3, 4}, {1, 12}, {2, 6}, {4, 4}, {6, 2}, {2, 8}, {8, 2}, {4, 2}, {8, 1}})
             for (int stages : {0, 1, 2, 4})
               for (int launches : {1, 2}) {
                 if (launches == 2 && !(gw2.first == 3 && stages == 0)) continue;
-                if (stages == 4 && gw2.first > 2) continue;  // (more than the shared memory holds)
+                if (stages > 0 && gw2.first * stages > 8) continue;  // (more than the shared memory holds)
                 layer.options().fused_one_token_stream = true;
                 layer.options().one_token = OneTokenConfig{gw2.first, gw2.second, stages, launches};
                 variants["stream_g" + std::to_string(gw2.first) + "x" + std::to_string(gw2.second) + "_s" +
                          std::to_string(stages) + (launches == 2 ? "_l2" : "")] = time_fused(0, false, true, 0, true);
               }
+          // Where the stream's time goes (OneTokenConfig::probe; wrong outputs): without the arithmetic, also
+          // without down's waits for gate_up; 6 x 2 and 3 x 4 warps.
+          for (auto gw2 : {std::pair{6, 2}, {3, 4}})
+            for (int probe : {1, 3}) {
+              layer.options().fused_one_token_stream = true;
+              layer.options().one_token = OneTokenConfig{gw2.first, gw2.second, 0, 1, probe};
+              variants["stream_g" + std::to_string(gw2.first) + "x" + std::to_string(gw2.second) + "_probe" +
+                       std::to_string(probe)] = time_fused(0, false, true, 0, true);
+            }
+          // DZ_BENCH_ONE_TOKEN_TRACE=PREFIX: one call's timeline a unit (OneTokenConfig::trace) as
+          // PREFIX_pP.csv, 6 x 2 warps, for the probes P 0 (the real stream), 1 and 3.
+          if (const char* tp = std::getenv("DZ_BENCH_ONE_TOKEN_TRACE")) {
+            int dev = 0, nb = 0;
+            DZ_CUDA_CHECK(cudaGetDevice(&dev));
+            DZ_CUDA_CHECK(cudaDeviceGetAttribute(&nb, cudaDevAttrMultiProcessorCount, dev));
+            DeviceArray<long long> tr(P, size_t(nb) * kOneTokenTraceUnits * 3, "one-token trace");
+            for (int probe : {0, 1, 3}) {
+              DZ_CUDA_CHECK(cudaMemset(tr.get(), 0, tr.bytes()));
+              layer.options().fused_one_token_stream = true;
+              OneTokenConfig& c = layer.options().one_token;
+              c = OneTokenConfig{6, 2, 0, 1, probe};
+              c.trace = tr.get();
+              for (int rep = 0; rep < 3; ++rep)  // the last of three calls, L2 flushed before it
+                timer.flush_l2(), layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
+              ctx.sync();
+              layer.options() = opt;
+              std::vector<long long> h(size_t(nb) * kOneTokenTraceUnits * 3);
+              DZ_CUDA_CHECK(cudaMemcpy(h.data(), tr.get(), h.size() * 8, cudaMemcpyDeviceToHost));
+              std::ofstream f(std::string(tp) + "_p" + std::to_string(probe) + ".csv");
+              f << "block,i,issue_ns,arrive_ns,release_ns\n";
+              for (int b = 0; b < nb; ++b)
+                for (int i = 0; i < kOneTokenTraceUnits; ++i) {
+                  const long long* e = &h[(size_t(b) * kOneTokenTraceUnits + i) * 3];
+                  if (e[0]) f << b << ',' << i << ',' << e[0] << ',' << e[1] << ',' << e[2] << '\n';
+                }
+            }
+          }
           layer.options() = opt;
           const auto w4 = fused_out([](MoeOptions& o) { o.fused_one_token_stream = false, o.fused_w4a8 = false; });
           const auto sm = fused_out([](MoeOptions& o) { o.fused_one_token_stream = true; });
