@@ -993,6 +993,52 @@ TEST_CASE("CUDA MoE layer: the plain SwiGLU (DeepSeek) without biases, fused and
 #endif
 }
 
+TEST_CASE("One-token stream plan: every unit streamed once, a down tile's slots in one block, blocks balanced",
+          "[cuda]") {
+#ifdef DZ_WITH_CUDA
+  // Host arithmetic only (no GPU): grids of real SM counts and odd ones, gpt-oss's shapes and small ones.
+  for (int G : {132, 114, 78, 16, 7, 1, 200})
+    for (int topk : {1, 2, 4, 8})
+      for (int gt : {360, 24, 12, 1})
+        for (int T2 : {180, 20, 12, 4, 1, 448}) {
+          INFO("blocks " << G << " topk " << topk << " gate_up tiles " << gt << " down tiles " << T2);
+          const OneTokenPlan p(G, topk, gt, T2);
+          std::vector<int> seen(size_t(topk) * gt, 0), tiles(size_t(T2), 0);
+          int most = 0, fewest = 1 << 30;
+          for (int b = 0; b < G; ++b) {
+            for (int i = 0; i < p.gate_up_units(b); ++i) {
+              const int u = p.gate_up_unit(b, i);
+              REQUIRE(u >= 0);
+              REQUIRE(u < topk * gt);
+              ++seen[size_t(u)];
+            }
+            REQUIRE(p.down_tiles(b) <= p.max_down_tiles());
+            for (int k = 0; k < p.down_tiles(b) * topk; k += topk) {
+              const int j = p.down_tile(b, k);
+              REQUIRE(j >= 0);
+              REQUIRE(j < T2);
+              ++tiles[size_t(j)];
+              for (int q = 1; q < topk; ++q) CHECK(p.down_tile(b, k + q) == j);
+            }
+            const int n = p.gate_up_units(b) + topk * p.down_tiles(b);
+            most = std::max(most, n), fewest = std::min(fewest, n);
+          }
+          CHECK(std::count(seen.begin(), seen.end(), 1) == topk * gt);
+          CHECK(std::count(tiles.begin(), tiles.end(), 1) == T2);
+          // Within one unit of the mean wherever gate_up's units can even out down's tiles.
+          const int total = topk * gt + topk * T2;
+          if (topk * gt >= topk * G) CHECK(most <= (total + G - 1) / G);
+          if (topk * gt >= topk * G) CHECK(fewest >= total / G - 1);
+        }
+  // gpt-oss-120b on 132 SMs: 16 or 17 units a block.
+  const OneTokenPlan p(132, 4, 360, 180);
+  for (int b = 0; b < 132; ++b) {
+    const int n = p.gate_up_units(b) + 4 * p.down_tiles(b);
+    CHECK((n == 16 || n == 17));
+  }
+#endif
+}
+
 TEST_CASE("CUDA MoE layer: one token streamed (fp16 mma.sync, exact weights) against float64", "[cuda]") {
   if (!have_gpu()) return;
 #ifdef DZ_WITH_CUDA
@@ -1088,16 +1134,16 @@ TEST_CASE("CUDA MoE layer: one token streamed (fp16 mma.sync, exact weights) aga
     CHECK(bad == 0);
     // Every block shape, a short ring, a launch a projection: each unit's sums split the same way within a
     // group's warps only for the same warps a group, so the bits match those; the others meet the bound.
-    for (const OneTokenConfig& oc : {OneTokenConfig{3, 4, 2, 1}, OneTokenConfig{3, 4, 0, 2}, OneTokenConfig{4, 4, 3, 1},
-                                     OneTokenConfig{1, 12, 0, 1}, OneTokenConfig{2, 6, 4, 2},
-                                     OneTokenConfig{6, 2, 0, 1}, OneTokenConfig{2, 8, 2, 1},
-                                     OneTokenConfig{8, 2, 0, 1}, OneTokenConfig{4, 2, 1, 1},
-                                     OneTokenConfig{8, 1, 0, 2}}) {
+    for (const OneTokenConfig& oc :
+         {OneTokenConfig{3, 4, 2, 1}, OneTokenConfig{3, 4, 0, 2}, OneTokenConfig{4, 4, 3, 1},
+          OneTokenConfig{6, 2, 1, 2}, OneTokenConfig{4, 2, 1, 1}, OneTokenConfig{1, 12, 0, 1},
+          OneTokenConfig{2, 6, 4, 2}, OneTokenConfig{6, 2, 0, 1}, OneTokenConfig{2, 8, 2, 1},
+          OneTokenConfig{8, 2, 0, 1}, OneTokenConfig{4, 2, 1, 1}, OneTokenConfig{8, 1, 0, 2}}) {
       INFO("groups " << oc.groups << " x " << oc.group_warps << " warps, stages " << oc.stages << ", launches "
                      << oc.launches);
       layer.options().one_token = oc;
       const auto v = run(false, false, poison);
-      if (oc.group_warps == 4)
+      if (oc.group_warps == OneTokenConfig{}.group_warps)
         CHECK(std::memcmp(v.data(), got.data(), got.size() * 4) == 0);
       else
         CHECK(finite_diff(v, ref) < 2e-4);

@@ -1730,10 +1730,9 @@ struct MoeLayer::Impl {
   int n_sms = 132;                           // multiprocessors of the device
   int tile_cap = 0;                          // experts per workspace tile it was sized for
   DeviceArray<uint8_t> w8_img, w8_img_down;  // W4A8 images: gate_up's, and down's (written by gate_up)
-  // One token streamed (MoeOptions::fused_one_token_stream): down's images,
-  // the slots' outputs, and the row tiles' done counts (zero between calls).
+  // One token streamed (MoeOptions::fused_one_token_stream): down's images
+  // and the slots' done counts (zero between calls).
   DeviceArray<uint8_t> ot_img;
-  DeviceArray<float> ot_y;
   DeviceArray<int> ot_counts;
   int img_tokens = 0;       // tokens the images are sized for
   bool w8s_fits[3] = {};    // the streamed W4A8 kernels' shared memory fits (1, 2, 4 passes)
@@ -1805,7 +1804,6 @@ struct MoeLayer::Impl {
       if (std::sscanf(e, "%d,%d,%d", &c.groups, &c.group_warps, &c.stages) == 3) opt.one_token = c;
     }
     ot_img = DeviceArray<uint8_t>(P, one_token_img_bytes(s), "moe one-token images");
-    ot_y = DeviceArray<float>(P, size_t(s.topk) * H, "moe one-token expert outputs");
     ot_counts = DeviceArray<int>(P, one_token_counts(s), "moe one-token counts");
     DZ_CUDA_CHECK(cudaMemsetAsync(ot_counts.get(), 0, ot_counts.bytes(), ctx.stream()));
     DZ_CUDA_CHECK(cudaMemsetAsync(err.get(), 0, sizeof(int), ctx.stream()));
@@ -1909,8 +1907,8 @@ struct MoeLayer::Impl {
   void fused(const MoeWeights& w, const float* x, const int* ids, const float* gw, int T, float* out, int accumulate) {
     cudaStream_t st = ctx.stream();
     if (streams_one(T, w)) {
-      one_token_moe(s, w, x, ids, gw, out, accumulate != 0, OneTokenScratch{ot_img.get(), ot_y.get(), ot_counts.get()},
-                    err.get(), n_sms, opt.pdl && pdl_enabled(), st, opt.one_token);
+      one_token_moe(s, w, x, ids, gw, out, accumulate != 0, OneTokenScratch{ot_img.get(), ot_counts.get()}, err.get(),
+                    n_sms, opt.pdl && pdl_enabled(), st, opt.one_token);
       return;
     }
     const int E = s.n_experts, H = s.hidden, I = s.intermediate;
@@ -2322,7 +2320,7 @@ size_t MoeLayer::scratch_bytes() const {
   return q.counts.bytes() + q.offsets.bytes() + q.sorted.bytes() + q.row_expert.bytes() + q.inv.bytes() +
          q.active.bytes() + q.xh.bytes() + q.xs.bytes() + q.act16.bytes() + q.y32.bytes() + q.a1.bytes() +
          q.a1s.bytes() + q.a2.bytes() + q.a2s.bytes() + q.d1.bytes() + q.d2.bytes() + q.w8_img.bytes() +
-         q.w8_img_down.bytes() + q.ot_img.bytes() + q.ot_y.bytes() + q.ot_counts.bytes();
+         q.w8_img_down.bytes() + q.ot_img.bytes() + q.ot_counts.bytes();
 }
 
 int* MoeLayer::error_flag() { return p_->err.get(); }

@@ -66,10 +66,11 @@ struct MoeWeights {
 enum class MoePath { kAuto = 0, kFused = 1, kFp8 = 2 };
 
 // The one-token stream (moe_one_token.h): groups of group_warps consumer
-// warps a block (built: 3 x 4, 1 x 12, 2 x 6, 4 x 4, 6 x 2, 2 x 8, 8 x 2, 4 x 2,
-// 8 x 1); stages:
-// units in flight a group (0: as many as fit, up to 8 a block); launches: 1 (down's
-// units streamed right after gate_up's) or 2 (a launch a projection).
+// warps a block (built: 6 x 2, 3 x 4, 1 x 12, 2 x 6, 4 x 4, 2 x 8, 8 x 2,
+// 4 x 2, 8 x 1); stages: units in flight a group (0: as many as fit, up to 8
+// a block); launches: 1 (down's units streamed right after gate_up's) or 2
+// (a launch a projection). 6 x 2 was the fastest shape alone and in the model
+// on an H100 (bench/results/2026-12-06-h100-one-token-stream.md, runs 25-28).
 // Diagnostics for dz bench moe (the output is then wrong): probe bits
 // kProbeNoMath (the consumers release each unit without its arithmetic: the
 // stream's own time), kProbeNoWait (down's units do not wait for gate_up's); trace: device
@@ -77,7 +78,7 @@ enum class MoePath { kAuto = 0, kFused = 1, kFp8 = 2 };
 // issue, the consumers' arrival, their release of each unit).
 struct OneTokenConfig {
   enum : int { kProbeNoMath = 1, kProbeNoWait = 2 };
-  int groups = 3, group_warps = 4, stages = 0, launches = 1;
+  int groups = 6, group_warps = 2, stages = 0, launches = 1;
   int probe = 0;
   long long* trace = nullptr;
 };
@@ -110,14 +111,8 @@ struct MoeOptions {
   // one persistent launch, a copy-engine ring a group of consumer warps, fp16
   // mma.sync on the exactly decoded weights) instead of the per-projection
   // kernels, where it runs (sm_90, gpt-oss's activation) and E4M3 arithmetic
-  // is not asked for (one W4A8 term). Off: faster alone, slower in the model.
-  // H100 (bench/results/2026-12-06-h100-one-token-stream.md, run 23): the
-  // layer at 120b shapes 33.5-33.9 us (3 x 4 warps; 30.9 with 6 x 2) against
-  // 36.6 for the W4A16 kernels' K split, but a gpt-oss-20b decode step at
-  // batch 1 2.272 against 2.200 ms: its blocks hold ~223 KB of shared memory,
-  // so neither it nor the kernel after it can start beside its neighbour as
-  // the W4A16 kernels do under programmatic dependent launch.
-  bool fused_one_token_stream = false;
+  // is not asked for (one W4A8 term). MEASURE
+  bool fused_one_token_stream = true;
   OneTokenConfig one_token;
   // W4A8 fused kernels: E4M3 activations (1x128 scales, as the FP8 path) on
   // FP8 wgmma, the weights streamed into shared memory by the copy engine, for

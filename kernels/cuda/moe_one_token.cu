@@ -31,36 +31,45 @@ struct Proj {
 
 // Shared memory of a launch: a ring of units for each group (stages a
 // group: 16 rows padded to the projection's row_stride bytes, then their 16 x
-// nsub scale bytes and 16 bf16 biases; a stage fits either projection), the token's image
-// (gate_up), down's images of every slot (down: written by the image warp once
-// a slot's gate_up units are done), the groups' partial sums (two buffers a
-// group: its next unit may write while its first warp still reads), the
-// input's maximum a warp, the routed expert ids and weights, and the barriers (the
+// nsub scale bytes and 16 bf16 biases; a stage fits either projection), the
+// token's image (gate_up), down's images of every slot (down: brought by the
+// image warp once a slot's gate_up units are done), the groups' partial sums
+// (two buffers a group: its next unit may write while its first warp still
+// reads), each down tile's slot outputs and a count of them, the input's
+// maximum a warp, the routed expert ids and weights, and the barriers (the
 // rings', an image's). A ring a group, not one shared ring: a group waits for
 // its own k-th unit, never a phase of a stage another group has not yet seen
 // arrive (a parity wait cannot tell phase n - 1 from phase n + 1).
 struct Layout {
-  int stage_bytes, stages, ximg, simg, red, misc, bar, total;
+  int stage_bytes, stages, ximg, simg, red, tiles, part, tcnt, misc, bar, total;
 };
 
 constexpr int stage_bytes_of(int nsub) { return (16 * (nsub * 16 + 16) + 16 * nsub + 32 + 127) / 128 * 128; }
 constexpr int kMiscBytes = 4 * kMaxConsumerWarps + 8 * kMaxTopk;  // warps' maxima, the ids, the routing weights
 
-// A launch over gate_up's units (gate_up), down's (down) or both; stages a
-// group: 0 as many as fit (the block's up to kMaxStages).
-Layout layout(const MoeShape& s, bool gate_up, bool down, int groups, int warps, int stages, int smem_limit) {
+OneTokenPlan plan_of(const MoeShape& s, int blocks) {
+  return OneTokenPlan(blocks, s.topk, 2 * s.intermediate / 16, s.hidden / 16);
+}
+
+// A launch over gate_up's units (gate_up), down's (down) or both on a grid
+// of blocks; stages a group: 0 as many as fit (the block's up to kMaxStages).
+Layout layout(const MoeShape& s, bool gate_up, bool down, int groups, int warps, int stages, int blocks,
+              int smem_limit) {
   const int nh = s.hidden / 32, ni = s.intermediate / 32;
   Layout L{};
   L.stage_bytes = std::max(gate_up ? stage_bytes_of(nh) : 0, down ? stage_bytes_of(ni) : 0);
+  L.tiles = down ? plan_of(s, blocks).max_down_tiles() : 0;
   const int ximg = gate_up ? nh * kImgSub : 0, simg = down ? s.topk * ni * kImgSub : 0;
-  const int red = groups * 2 * warps * 16 * 4;
-  const int fixed = ximg + simg + red + kMiscBytes + 2 * kMaxStages * 8 + kMaxTopk * 8;
+  const int red = groups * 2 * warps * 16 * 4, part = L.tiles * s.topk * 16 * 4, tcnt = (L.tiles * 4 + 15) / 16 * 16;
+  const int fixed = ximg + simg + red + part + tcnt + kMiscBytes + 2 * kMaxStages * 8 + kMaxTopk * 8;
   L.stages = std::min(kMaxStages, (smem_limit - fixed) / L.stage_bytes) / groups;
   if (stages > 0 && stages < L.stages) L.stages = stages;
   int o = groups * L.stages * L.stage_bytes;
   L.ximg = o, o += ximg;
   L.simg = o, o += simg;
   L.red = o, o += red;
+  L.part = o, o += part;
+  L.tcnt = o, o += tcnt;
   L.misc = o, o += kMiscBytes;
   L.bar = o, o += 2 * groups * L.stages * 8 + s.topk * 8;
   L.total = o;
@@ -74,16 +83,16 @@ struct Args {
   const float* x;   // the token [hidden]
   uint8_t* img;     // down's activation images [topk][intermediate / 32][kImgSub]
   const float* gw;  // [topk]
-  float* y;         // [topk][hidden]: the slots' down outputs
-  // [topk] gate_up units done a slot, [1] row tiles summed, [hidden / 16]
-  // slots done a row tile: zero between calls (each call's last users reset them).
-  int *slot_done, *tiles_done, *counts;
+  // [topk] gate_up units done a slot, [1] blocks whose images are in: zero
+  // between calls (the last block to bring its images resets them).
+  int *slot_done, *images_in;
   float* out;  // [hidden]
   int accumulate;
   int probe;         // OneTokenConfig::probe
   long long* trace;  // OneTokenConfig::trace
   int* err;
-  int u0, u1;  // this launch's units: gate_up's are [0, U1), down's [U1, U1 + U2)
+  bool gate_up, down;  // the projections this launch streams
+  OneTokenPlan plan;
   Layout L;
 };
 
@@ -103,15 +112,28 @@ __device__ __forceinline__ void trace_at(const Args& a, int i, int k) {
   a.trace[(int64_t(blockIdx.x) * kOneTokenTraceUnits + i) * 3 + k] = (long long)ptx::globaltimer();
 }
 
-// Unit u: its projection (0 gate_up, 1 down), slot and 16-row tile.
+// A unit: its projection (0 gate_up, 1 down), slot and 16-row tile.
 struct Unit {
   int proj, slot, tile;
 };
-__device__ __forceinline__ Unit unit_of(const Args& a, int u) {
-  const int t0 = a.p[0].rows / 16, u1 = a.topk * t0;
-  const int proj = u < u1 ? 0 : 1, v = proj ? u - u1 : u, tiles = proj ? a.p[1].rows / 16 : t0;
-  const int slot = v / tiles;
-  return {proj, slot, v - slot * tiles};
+
+// This block's units in this launch: positions [i0, i1) of its plan (its
+// gate_up units, then its down units).
+struct Span {
+  int i0, i1, ng;  // ng: its gate_up units
+};
+__device__ __forceinline__ Span span_of(const Args& a) {
+  const int b = int(blockIdx.x), ng = a.plan.gate_up_units(b), nd = a.plan.down_tiles(b) * a.topk;
+  return {a.gate_up ? 0 : ng, a.down ? ng + nd : ng, ng};
+}
+
+__device__ __forceinline__ Unit unit_at(const Args& a, const Span& sp, int i) {
+  if (i < sp.ng) {
+    const int u = a.plan.gate_up_unit(int(blockIdx.x), i), t0 = a.p[0].rows / 16, slot = u / t0;
+    return {0, slot, u - slot * t0};
+  }
+  const int k = i - sp.ng;
+  return {1, k % a.topk, a.plan.down_tile(int(blockIdx.x), k)};
 }
 
 // One warp's share [sb0, sb1) of a unit's sub-blocks: rows g and g + 8 of
@@ -142,16 +164,16 @@ __device__ __forceinline__ void unit_dot(const uint8_t* stage, int row_stride, i
   }
 }
 
-// kGroups groups of kWarps consumer warps take units in turn (unit i of the
-// block to group i mod kGroups); a group's warps split each unit's K range.
-// Warp 0 streams the units (the copy engine), warp 1 brings down's images of
-// the slots this block's down units read, each once its slot's gate_up units
-// are done (all blocks resident: one an SM). A launch over both projections
-// streams down's units right after gate_up's, so the ring already holds them
-// while the last gate_up units finish. Nothing on the producer's path reads
-// global memory but the weights: under the stream's load a read takes
-// microseconds, and the ids it once read a unit held the ring a third below
-// HBM's rate (bench/results/2026-12-06-h100-one-token-stream.md, run 26).
+// kGroups groups of kWarps consumer warps take the block's units in turn
+// (the n-th to group n mod kGroups); a group's warps split each unit's K
+// range. Warp 0 streams the units (the copy engine); warp 1 brings down's
+// images, each slot's once its gate_up units are done (all blocks resident:
+// one an SM). A launch over both projections streams down's units right
+// after gate_up's, so the ring already holds them while the last gate_up
+// units finish. Nothing on the producer's path reads global memory but the
+// weights: under the stream's load a read takes microseconds (the router's
+// ids, read a unit, held the ring well below HBM's rate: run 26 in
+// bench/results/2026-12-06-h100-one-token-stream.md).
 template <int kGroups, int kWarps>
 __global__ void __launch_bounds__(32 * (2 + kGroups * kWarps), 1) one_token_kernel(const Args a) {
   constexpr int kConsumers = 32 * kGroups * kWarps;
@@ -167,32 +189,33 @@ __global__ void __launch_bounds__(32 * (2 + kGroups * kWarps), 1) one_token_kern
   auto imaged = [&](int k) { return bar0 + 8u * uint32_t(2 * n_stages + k); };  // slot k's image in place
   float* misc = reinterpret_cast<float*>(sm + L.misc);
   int* ids = reinterpret_cast<int*>(sm + L.misc + 4 * kMaxConsumerWarps);  // valid expert or -1, a slot
-  float* gws = misc + kMaxConsumerWarps + kMaxTopk;                          // the slots' routing weights
+  float* gws = misc + kMaxConsumerWarps + kMaxTopk;                        // the slots' routing weights
+  int* tcnt = reinterpret_cast<int*>(sm + L.tcnt);                         // slots summed, a down tile
+  float* part = reinterpret_cast<float*>(sm + L.part);                     // [tile][slot][16] down's outputs
   const int ni = a.p[1].nsub;
   if (threadIdx.x == 0) {
     for (int s = 0; s < n_stages; ++s) ptx::mbar_init(full(s), 1), ptx::mbar_init(empty(s), kWarps);
     for (int k = 0; k < a.topk; ++k) ptx::mbar_init(imaged(k), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  if (int(threadIdx.x) < L.tiles) tcnt[threadIdx.x] = 0;
   pdl_wait(), pdl_trigger();  // everything reads the router's ids
-  if (threadIdx.x < a.topk) {
+  if (int(threadIdx.x) < a.topk) {
     const int e = a.ids[threadIdx.x];
     ids[threadIdx.x] = e >= 0 && e < a.n_experts ? e : -1;
     gws[threadIdx.x] = a.gw[threadIdx.x];
   }
   __syncthreads();
-  const int G = int(gridDim.x), U1 = a.topk * (a.p[0].rows / 16);
-  const bool has_gate_up = a.u0 < U1;
+  const Span sp = span_of(a);
+  const int U1 = a.plan.U1;
   if (warp == 0) {  // producer
-    if (has_gate_up && blockIdx.x == 0 && lane < a.topk && ids[lane] < 0) atomicOr(a.err, 1);
+    if (a.gate_up && blockIdx.x == 0 && lane < a.topk && ids[lane] < 0) atomicOr(a.err, 1);
     const uint32_t ring = ptx::smem_u32(sm);
-    for (int i = 0;; ++i) {
-      const int u = a.u0 + int(blockIdx.x) + i * G;
-      if (u >= a.u1) break;
-      const int k = i / kGroups, st = (i % kGroups) * L.stages + k % L.stages, n = k / L.stages;
-      if (n > 0) ptx::mbar_wait(empty(st), uint32_t(n - 1) & 1);
-      if (a.trace && i < kOneTokenTraceUnits - 1 && lane == 0) trace_at(a, i, 0);
-      const Unit un = unit_of(a, u);
+    for (int i = sp.i0; i < sp.i1; ++i) {
+      const int n = i - sp.i0, k = n / kGroups, st = (n % kGroups) * L.stages + k % L.stages, m = k / L.stages;
+      if (m > 0) ptx::mbar_wait(empty(st), uint32_t(m - 1) & 1);
+      if (a.trace && n < kOneTokenTraceUnits - 1 && lane == 0) trace_at(a, n, 0);
+      const Unit un = unit_at(a, sp, i);
       const Proj& P = a.p[un.proj];
       const int e = max(ids[un.slot], 0);  // an invalid slot streams expert 0, never summed
       const int64_t row0 = int64_t(e) * P.rows + 16 * un.tile;
@@ -209,14 +232,9 @@ __global__ void __launch_bounds__(32 * (2 + kGroups * kWarps), 1) one_token_kern
     return;
   }
   uint8_t* simg = sm + L.simg;
-  if (warp == 1) {  // down's images: lane k brings slot k's, if this block's down units read it
-    uint32_t need = 0;
-    for (int i = 0;; ++i) {
-      const int u = a.u0 + int(blockIdx.x) + i * G;
-      if (u >= a.u1) break;
-      if (u >= U1) need |= 1u << unit_of(a, u).slot;
-    }
-    if (lane < a.topk && (need >> lane & 1)) {
+  if (warp == 1) {  // down's images: lane k brings slot k's (a down tile reads every slot)
+    if (!a.down) return;
+    if (lane < a.topk && sp.i1 > sp.ng) {
       if (!(a.probe & OneTokenConfig::kProbeNoWait)) {
         const volatile int* done = a.slot_done + lane;
         while (*done < U1 / a.topk) __nanosleep(64);
@@ -227,6 +245,12 @@ __global__ void __launch_bounds__(32 * (2 + kGroups * kWarps), 1) one_token_kern
       ptx::mbar_arrive_expect_tx(imaged(lane), bytes);
       ptx::bulk_g2s(ptx::smem_u32(simg) + uint32_t(lane) * bytes, a.img + int64_t(lane) * bytes, bytes, imaged(lane));
     }
+    __syncwarp();
+    // Every block past its waits: the last resets the counts for the next call.
+    if (lane == 0 && atomicAdd(a.images_in, 1) == int(gridDim.x) - 1) {
+      for (int k = 0; k < a.topk; ++k) a.slot_done[k] = 0;
+      *a.images_in = 0;
+    }
     return;
   }
   const int cw = warp - 2, grp = cw / kWarps, wq = cw % kWarps, g = lane >> 2, t = lane & 3;
@@ -234,7 +258,7 @@ __global__ void __launch_bounds__(32 * (2 + kGroups * kWarps), 1) one_token_kern
   uint8_t* ximg = sm + L.ximg;
   float* red = reinterpret_cast<float*>(sm + L.red);
   float post_gate_up = 0.f;  // what gate_up's MMA sums are multiplied by: E2M1's 2^-14 and the token's scale undone
-  if (has_gate_up) {
+  if (a.gate_up) {
     // The token in fp16 under one power-of-two scale, |x| / scale <= 1 (as the W4A16 kernels).
     const int H = a.p[0].nsub * 32;
     float amax = 0.f;
@@ -258,26 +282,26 @@ __global__ void __launch_bounds__(32 * (2 + kGroups * kWarps), 1) one_token_kern
     ptx::named_sync(1, kConsumers);
   }
   const int gbar = 2 + grp, gthreads = 32 * kWarps;
-  for (int i = grp, it = 0;; i += kGroups, ++it) {
-    const int u = a.u0 + int(blockIdx.x) + i * G;
-    if (u >= a.u1) break;
-    const Unit un = unit_of(a, u);
+  for (int i = sp.i0 + grp, it = 0; i < sp.i1; i += kGroups, ++it) {
+    const int n = i - sp.i0;
+    const Unit un = unit_at(a, sp, i);
     const Proj& P = a.p[un.proj];
     if (un.proj == 1) ptx::mbar_wait(imaged(un.slot), 0);  // the slot's activations (one phase a launch)
-    const int k = i / kGroups, st = grp * L.stages + k % L.stages;
+    const int k = n / kGroups, st = grp * L.stages + k % L.stages;
     ptx::mbar_wait(full(st), uint32_t(k / L.stages) & 1);
-    if (a.trace && i < kOneTokenTraceUnits - 1 && wq == 0 && lane == 0) trace_at(a, i, 1);
+    if (a.trace && n < kOneTokenTraceUnits - 1 && wq == 0 && lane == 0) trace_at(a, n, 1);
     const uint8_t* xi = (un.proj ? simg + un.slot * ni * kImgSub : ximg) + t * 16;  // (column 0 read)
     const int per = (P.nsub + kWarps - 1) / kWarps, sb0 = min(P.nsub, wq * per), sb1 = min(P.nsub, sb0 + per);
     // This tile's biases (16 bf16 after the scale bytes), read before the stage is released.
-    const uint16_t* sbias = reinterpret_cast<const uint16_t*>(sm + st * L.stage_bytes + 16 * P.row_stride + 16 * P.nsub);
+    const uint16_t* sbias =
+        reinterpret_cast<const uint16_t*>(sm + st * L.stage_bytes + 16 * P.row_stride + 16 * P.nsub);
     const float bias = P.bias && wq == 0 && lane < 16 ? bf16_to_float(sbias[lane]) : 0.f;
     float accA = 0.f, accB = 0.f;
     if (!(a.probe & OneTokenConfig::kProbeNoMath))
       unit_dot(sm + st * L.stage_bytes, P.row_stride, P.nsub, xi, sb0, sb1, g, t, accA, accB);
     __syncwarp();
     if (lane == 0) ptx::mbar_arrive(empty(st));
-    if (a.trace && i < kOneTokenTraceUnits - 1 && wq == 0 && lane == 0) trace_at(a, i, 2);
+    if (a.trace && n < kOneTokenTraceUnits - 1 && wq == 0 && lane == 0) trace_at(a, n, 2);
     float* rr = red + (grp * 2 + (it & 1)) * kWarps * 16;
     if (t == 0) rr[wq * 16 + g] = accA, rr[wq * 16 + g + 8] = accB;
     ptx::named_sync(gbar, gthreads);
@@ -302,33 +326,28 @@ __global__ void __launch_bounds__(32 * (2 + kGroups * kWarps), 1) one_token_kern
       if (lane == 0) atomicAdd(a.slot_done + un.slot, 1);
       continue;
     }
-    const int H = P.rows, r = 16 * un.tile + lane;
-    if (lane < 16) a.y[int64_t(un.slot) * H + r] = row_sum(lane) + bias;
-    __threadfence();  // this tile's outputs visible before it counts as done
+    // Down: this slot's 16 outputs beside the tile's other slots; the last of them sums the tile.
+    const int tl = (i - sp.ng) / a.topk;  // the block's down tile
+    if (lane < 16) part[(tl * a.topk + un.slot) * 16 + lane] = row_sum(lane) + bias;
+    __threadfence_block();
     __syncwarp();
     int last = 0;
-    if (lane == 0) last = atomicAdd(a.counts + un.tile, 1) == a.topk - 1;
+    if (lane == 0) last = atomicAdd(tcnt + tl, 1) == a.topk - 1;
     if (!__shfl_sync(~0u, last, 0)) continue;
-    // Every slot of this row tile done: sum them in slot order (the same bits whichever block is last).
-    __threadfence();
-    if (lane < 16) {
+    __threadfence_block();
+    if (lane < 16) {  // the slots in slot order (the same bits whichever group is last)
+      const int r = 16 * un.tile + lane;
       float acc = 0.f;
       for (int k = 0; k < a.topk; ++k)
-        if (ids[k] >= 0) acc += gws[k] * __ldcg(a.y + int64_t(k) * H + r);
+        if (ids[k] >= 0) acc += gws[k] * part[(tl * a.topk + k) * 16 + lane];
       if (a.accumulate) acc += a.out[r];
       a.out[r] = acc;
     }
-    if (lane == 0) {  // ready for the next call: this tile's count, and after the last tile the slots' counts
-      a.counts[un.tile] = 0;
-      if (atomicAdd(a.tiles_done, 1) == H / 16 - 1) {
-        for (int k = 0; k < a.topk; ++k) a.slot_done[k] = 0;
-        *a.tiles_done = 0;
-      }
-    }
-    if (a.trace) trace_at(a, kOneTokenTraceUnits - 1, 2);  // (the block's last sum, when it makes one)
+    if (a.trace && lane == 0) trace_at(a, kOneTokenTraceUnits - 1, 2);  // (the block's last tile sum)
   }
   if (a.trace && wq == 0 && lane == 0)  // the block's last group done
-    atomicMax(reinterpret_cast<unsigned long long*>(a.trace) + (int64_t(blockIdx.x) * kOneTokenTraceUnits + kOneTokenTraceUnits - 1) * 3 + 1,
+    atomicMax(reinterpret_cast<unsigned long long*>(a.trace) +
+                  (int64_t(blockIdx.x) * kOneTokenTraceUnits + kOneTokenTraceUnits - 1) * 3 + 1,
               (unsigned long long)ptx::globaltimer());
 #endif
 }
@@ -374,8 +393,26 @@ Kernel prepare(const OneTokenConfig& c) {
   return k;
 }
 
-Layout layout_of(const MoeShape& s, const OneTokenConfig& c, bool gate_up, bool down) {
-  return layout(s, gate_up, down, c.groups, c.group_warps, c.stages, smem_optin());
+Layout layout_of(const MoeShape& s, const OneTokenConfig& c, bool gate_up, bool down, int blocks) {
+  return layout(s, gate_up, down, c.groups, c.group_warps, c.stages, blocks, smem_optin());
+}
+
+int sm_count() {
+  static const int v = [] {
+    int dev = 0, n = 0;
+    DZ_CUDA_CHECK(cudaGetDevice(&dev));
+    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }();
+  return v;
+}
+
+// Stages a group in the launches configuration c makes on a grid of blocks (0: it does not fit).
+int stages_of(const MoeShape& s, const OneTokenConfig& c, int blocks) {
+  if (c.launches == 1) return layout_of(s, c, true, true, blocks).stages;
+  if (c.launches == 2)
+    return std::min(layout_of(s, c, true, false, blocks).stages, layout_of(s, c, false, true, blocks).stages);
+  return 0;
 }
 
 }  // namespace
@@ -395,36 +432,31 @@ bool one_token_moe_supported(const MoeShape& s, const MoeWeights& w, const OneTo
   if (!aligned(w.w1_blocks) || !aligned(w.w1_scales) || !aligned(w.w2_blocks) || !aligned(w.w2_scales)) return false;
   if (!aligned(w.b1) || !aligned(w.b2)) return false;  // (null, or bulk-copied with the rows)
   if (c.groups < 1 || c.group_warps < 1 || c.groups * c.group_warps > kMaxConsumerWarps || c.stages < 0) return false;
-  // At least a stage a group in each launch the configuration makes.
-  int stages = 0;
-  if (c.launches == 1)
-    stages = layout_of(s, c, true, true).stages;
-  else if (c.launches == 2)
-    stages = std::min(layout_of(s, c, true, false).stages, layout_of(s, c, false, true).stages);
-  return stages >= 1 && prepare(c) != nullptr;
+  return stages_of(s, c, sm_count()) >= 1 && prepare(c) != nullptr;  // a stage a group at least
 }
 
 void one_token_moe(const MoeShape& s, const MoeWeights& w, const float* x, const int* ids, const float* gw, float* out,
                    bool accumulate, const OneTokenScratch& scr, int* err, int blocks, bool pdl, cudaStream_t st,
                    const OneTokenConfig& c) {
-  check(one_token_moe_supported(s, w, c), DZ_ERR_UNSUPPORTED, "one-token MoE stream: not supported for this layer");
+  check(one_token_moe_supported(s, w, c) && blocks >= 1 && blocks <= sm_count() && stages_of(s, c, blocks) >= 1,
+        DZ_ERR_UNSUPPORTED, "one-token MoE stream: not supported for this layer on ", blocks, " blocks");
   const Kernel k = prepare(c);
   const dim3 block(unsigned(32 * (2 + c.groups * c.group_warps)));
   Args a{};
   a.p[0] = Proj{w.w1_blocks, w.w1_scales, w.b1, 2 * s.intermediate, s.hidden / 32, s.hidden / 2 + 16};
   a.p[1] = Proj{w.w2_blocks, w.w2_scales, w.b2, s.hidden, s.intermediate / 32, s.intermediate / 2 + 16};
-  a.n_experts = s.n_experts, a.topk = s.topk, a.ids = ids, a.x = x, a.img = scr.img, a.gw = gw, a.y = scr.y;
-  a.slot_done = scr.counts, a.tiles_done = scr.counts + s.topk, a.counts = scr.counts + s.topk + 1;
+  a.n_experts = s.n_experts, a.topk = s.topk, a.ids = ids, a.x = x, a.img = scr.img, a.gw = gw;
+  a.slot_done = scr.counts, a.images_in = scr.counts + s.topk;
   a.out = out, a.accumulate = accumulate ? 1 : 0, a.probe = c.probe, a.trace = c.trace, a.err = err;
-  const int U1 = s.topk * (2 * s.intermediate / 16), U2 = s.topk * (s.hidden / 16);
+  a.plan = plan_of(s, blocks);
   if (c.launches == 1) {  // both projections in one stream
-    a.u0 = 0, a.u1 = U1 + U2, a.L = layout_of(s, c, true, true);
+    a.gate_up = a.down = true, a.L = layout_of(s, c, true, true, blocks);
     launch_maybe_pdl(pdl, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);
     return;
   }
-  a.u0 = 0, a.u1 = U1, a.L = layout_of(s, c, true, false);
+  a.gate_up = true, a.down = false, a.L = layout_of(s, c, true, false, blocks);
   launch_maybe_pdl(pdl, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);
-  a.u0 = U1, a.u1 = U1 + U2, a.L = layout_of(s, c, false, true);
+  a.gate_up = false, a.down = true, a.L = layout_of(s, c, false, true, blocks);
   launch_maybe_pdl(pdl, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);
 }
 

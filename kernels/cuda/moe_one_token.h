@@ -3,20 +3,21 @@
 //
 // One persistent launch (or one a projection: OneTokenConfig::launches), one
 // block an SM. A unit is 16 rows of one routed slot's projection over its
-// whole K: contiguous bytes in the checkpoint layout. gate_up's units, then
-// down's, are dealt round the blocks (unit u to block u mod blocks) so that
-// the GPU reads the experts front to back. A producer warp keeps units in flight
-// through the copy engine (a bulk copy a row, rows padded 16 bytes apart in
-// shared memory so a warp's loads from 8 rows meet no bank conflict), a ring
-// a group of consumer warps; the groups take units in turn, each warp a share
-// of the K range: E2M1 -> fp16 in registers (exact) and `mma.sync m16n8k16`,
-// two MMAs a 32-element sub-block so its E8M0 scale multiplies the fp32
-// partial sums (the weights exact). The token is fp16 under one power-of-two
-// scale, as in the W4A16 kernels; down's activations (gate_up's epilogue
-// writes them as fp16: gpt-oss's SwiGLU is at most 56) wait only for their
-// slot's gate_up units. The last of a row tile's slots to finish sums the
-// slots in slot order (the combine: no further launch, the same bits
-// whichever block is last).
+// whole K: contiguous bytes in the checkpoint layout. Each block streams its
+// units (OneTokenPlan): gate_up's dealt round the blocks so that the GPU reads
+// the experts front to back, then its share of down's 16-row tiles, every
+// slot of a tile, so that the block sums a tile's slots itself. A producer
+// warp keeps units in flight through the copy engine (a bulk copy a row, rows
+// padded 16 bytes apart in shared memory so a warp's loads from 8 rows meet no
+// bank conflict), a ring a group of consumer warps; the groups take units in
+// turn, each warp a share of the K range: E2M1 -> fp16 in registers (exact)
+// and `mma.sync m16n8k16`, two MMAs a 32-element sub-block so its E8M0 scale
+// multiplies the fp32 partial sums (the weights exact). The token is fp16
+// under one power-of-two scale, as in the W4A16 kernels; down's activations
+// (gate_up's epilogue writes them as fp16: gpt-oss's SwiGLU is at most 56)
+// reach each block once their slot's gate_up units are done. The last of a
+// tile's slots to finish sums the slots in slot order (the same bits
+// whichever group is last), with no further launch.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -24,16 +25,60 @@
 
 #include "cuda/moe.h"
 
+#if defined(__CUDACC__)
+#define DZ_OT_HD __host__ __device__
+#else
+#define DZ_OT_HD
+#endif
+
 namespace dz::cuda {
+
+// Which units block b of G streams, in order: first its gate_up units, then
+// its down units (tiles j = b, b + G, .., each tile's topk slots in order).
+// gate_up's units (slot-major, so the GPU reads the experts front to back)
+// are dealt in rounds: R rounds over all blocks, then, where down's tiles do
+// not divide evenly, topk rounds over the blocks with one tile fewer, then
+// the rest over all blocks from block 0: every block streams within one unit
+// as many as the others (while gate_up has units enough).
+struct OneTokenPlan {
+  int G = 1, topk = 1, U1 = 0, T2 = 0;  // blocks, slots, gate_up's units, down's 16-row tiles
+  int r = 0, nL = 1;                    // blocks [0, r) hold one more down tile; nL = G - r
+  int R = 0, E2 = 0, rem = 0;           // full rounds, units of the lighter blocks' rounds, units after them
+
+  OneTokenPlan() = default;
+  DZ_OT_HD OneTokenPlan(int blocks, int slots, int gate_up_tiles, int down_tiles)
+      : G(blocks), topk(slots), U1(slots * gate_up_tiles), T2(down_tiles) {
+    r = T2 % G, nL = G - r;
+    const int extra = r > 0 ? topk * nL : 0;
+    R = U1 > extra ? (U1 - extra) / G : 0;
+    E2 = extra < U1 - R * G ? extra : U1 - R * G;
+    rem = U1 - R * G - E2;
+  }
+  // Block b's units in the lighter blocks' rounds.
+  DZ_OT_HD int light_units(int b) const {
+    const int x = E2 - (b - r);
+    return b < r || x <= 0 ? 0 : (x + nL - 1) / nL;
+  }
+  DZ_OT_HD int gate_up_units(int b) const { return R + light_units(b) + (b < rem ? 1 : 0); }
+  DZ_OT_HD int down_tiles(int b) const { return T2 / G + (b < r ? 1 : 0); }
+  DZ_OT_HD int max_down_tiles() const { return T2 / G + (r > 0 ? 1 : 0); }
+  // gate_up's unit (slot * gate_up_tiles + tile) at block b's position i < gate_up_units(b).
+  DZ_OT_HD int gate_up_unit(int b, int i) const {
+    if (i < R) return i * G + b;
+    if (i - R < light_units(b)) return R * G + (i - R) * nL + (b - r);
+    return R * G + E2 + b;
+  }
+  // down's tile at block b's k-th down unit (its slot: k % topk).
+  DZ_OT_HD int down_tile(int b, int k) const { return b + (k / topk) * G; }
+};
 
 // Device scratch of one layer call (reused by every layer; counters zeroed once).
 struct OneTokenScratch {
   uint8_t* img = nullptr;  // down's activation images, one_token_img_bytes
-  float* y = nullptr;      // [topk][hidden] expert outputs
   int* counts = nullptr;   // one_token_counts ints, zero before the first call (each call leaves them zero)
 };
 size_t one_token_img_bytes(const MoeShape& s);
-inline size_t one_token_counts(const MoeShape& s) { return size_t(s.topk) + 1 + size_t(s.hidden) / 16; }
+inline size_t one_token_counts(const MoeShape& s) { return size_t(s.topk) + 1; }
 
 // Whether one_token_moe runs this shape and these weights here (sm_90,
 // gpt-oss's activation, rows of 16, K a multiple of 32, 16-byte aligned
