@@ -1013,18 +1013,24 @@ TEST_CASE("One-token stream plan: every unit streamed once, a down tile's slots 
               ++seen[size_t(u)];
             }
             REQUIRE(p.down_tiles(b) <= p.max_down_tiles());
-            for (int k = 0; k < p.down_tiles(b) * topk; k += topk) {
-              const int j = p.down_tile(b, k);
+            for (int k = 0; k < p.down_tiles(b) * topk; ++k) {  // (tile, slot) pairs of this block
+              const int j = p.down_tile(b, k), q = p.down_slot(b, k), l = p.down_local(b, k);
               REQUIRE(j >= 0);
               REQUIRE(j < T2);
-              ++tiles[size_t(j)];
-              for (int q = 1; q < topk; ++q) CHECK(p.down_tile(b, k + q) == j);
+              REQUIRE(q >= 0);
+              REQUIRE(q < topk);
+              REQUIRE(l < p.down_tiles(b));
+              CHECK(j % G == b);
+              tiles[size_t(j)] += 1 << (2 * q);              // every slot once: 0b0101.. at the end
+              if (k > 0) CHECK(q >= p.down_slot(b, k - 1));  // slot by slot
             }
             const int n = p.gate_up_units(b) + topk * p.down_tiles(b);
             most = std::max(most, n), fewest = std::min(fewest, n);
           }
           CHECK(std::count(seen.begin(), seen.end(), 1) == topk * gt);
-          CHECK(std::count(tiles.begin(), tiles.end(), 1) == T2);
+          int every = 0;
+          for (int q = 0; q < topk; ++q) every |= 1 << (2 * q);
+          CHECK(std::count(tiles.begin(), tiles.end(), every) == T2);
           // Within one unit of the mean wherever gate_up's units can even out down's tiles.
           const int total = topk * gt + topk * T2;
           if (topk * gt >= topk * G) CHECK(most <= (total + G - 1) / G);

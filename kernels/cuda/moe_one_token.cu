@@ -133,7 +133,7 @@ __device__ __forceinline__ Unit unit_at(const Args& a, const Span& sp, int i) {
     return {0, slot, u - slot * t0};
   }
   const int k = i - sp.ng;
-  return {1, k % a.topk, a.plan.down_tile(int(blockIdx.x), k)};
+  return {1, a.plan.down_slot(int(blockIdx.x), k), a.plan.down_tile(int(blockIdx.x), k)};
 }
 
 // One warp's share [sb0, sb1) of a unit's sub-blocks: rows g and g + 8 of
@@ -235,15 +235,15 @@ __global__ void __launch_bounds__(32 * (2 + kGroups * kWarps), 1) one_token_kern
   if (warp == 1) {  // down's images: lane k brings slot k's (a down tile reads every slot)
     if (!a.down) return;
     if (lane < a.topk && sp.i1 > sp.ng) {
-      if (!(a.probe & OneTokenConfig::kProbeNoWait)) {
-        const volatile int* done = a.slot_done + lane;
-        while (*done < U1 / a.topk) __nanosleep(64);
-      }
+      const volatile int* done = a.slot_done + lane;
+      const bool wait = !(a.probe & OneTokenConfig::kProbeNoWait);
+      while (wait && *done < U1 / a.topk) __nanosleep(64);
       __threadfence();
       asm volatile("fence.proxy.async.global;" ::: "memory");  // the copy engine reads what the stores wrote
       const uint32_t bytes = uint32_t(ni * kImgSub);
       ptx::mbar_arrive_expect_tx(imaged(lane), bytes);
       ptx::bulk_g2s(ptx::smem_u32(simg) + uint32_t(lane) * bytes, a.img + int64_t(lane) * bytes, bytes, imaged(lane));
+      while (!wait && *done < U1 / a.topk) __nanosleep(64);  // (the probe: the counts complete before the reset)
     }
     __syncwarp();
     // Every block past its waits: the last resets the counts for the next call.
@@ -327,7 +327,7 @@ __global__ void __launch_bounds__(32 * (2 + kGroups * kWarps), 1) one_token_kern
       continue;
     }
     // Down: this slot's 16 outputs beside the tile's other slots; the last of them sums the tile.
-    const int tl = (i - sp.ng) / a.topk;  // the block's down tile
+    const int tl = a.plan.down_local(int(blockIdx.x), i - sp.ng);  // the block's down tile
     if (lane < 16) part[(tl * a.topk + un.slot) * 16 + lane] = row_sum(lane) + bias;
     __threadfence_block();
     __syncwarp();

@@ -34,16 +34,18 @@
 namespace dz::cuda {
 
 // Which units block b of G streams, in order: first its gate_up units, then
-// its down units (tiles j = b, b + G, .., each tile's topk slots in order).
-// gate_up's units (slot-major, so the GPU reads the experts front to back)
-// are dealt in rounds: R rounds over all blocks, then, where down's tiles do
-// not divide evenly, topk rounds over the blocks with one tile fewer, then
-// the rest over all blocks from block 0: every block streams within one unit
-// as many as the others (while gate_up has units enough).
+// its down units: its tiles j = b, b + G, .. (all topk slots of each), slot
+// by slot, so the last slot's activations, the last gate_up finishes, are
+// needed last. gate_up's units (slot-major, so the GPU reads the experts front
+// to back) are dealt in rounds: where down's tiles do not divide evenly,
+// first topk rounds over the blocks with one tile fewer, then R rounds over
+// all blocks, then the rest from block 0: every block streams within one unit
+// as many as the others (while gate_up has units enough), and the last slot's
+// units come in the rounds every block takes.
 struct OneTokenPlan {
   int G = 1, topk = 1, U1 = 0, T2 = 0;  // blocks, slots, gate_up's units, down's 16-row tiles
   int r = 0, nL = 1;                    // blocks [0, r) hold one more down tile; nL = G - r
-  int R = 0, E2 = 0, rem = 0;           // full rounds, units of the lighter blocks' rounds, units after them
+  int E1 = 0, R = 0;                    // units of the lighter blocks' rounds, full rounds after them
 
   OneTokenPlan() = default;
   DZ_OT_HD OneTokenPlan(int blocks, int slots, int gate_up_tiles, int down_tiles)
@@ -51,25 +53,26 @@ struct OneTokenPlan {
     r = T2 % G, nL = G - r;
     const int extra = r > 0 ? topk * nL : 0;
     R = U1 > extra ? (U1 - extra) / G : 0;
-    E2 = extra < U1 - R * G ? extra : U1 - R * G;
-    rem = U1 - R * G - E2;
+    E1 = extra < U1 - R * G ? extra : U1 - R * G;
   }
   // Block b's units in the lighter blocks' rounds.
   DZ_OT_HD int light_units(int b) const {
-    const int x = E2 - (b - r);
+    const int x = E1 - (b - r);
     return b < r || x <= 0 ? 0 : (x + nL - 1) / nL;
   }
-  DZ_OT_HD int gate_up_units(int b) const { return R + light_units(b) + (b < rem ? 1 : 0); }
+  DZ_OT_HD int gate_up_units(int b) const { return light_units(b) + R + (b < U1 - E1 - R * G ? 1 : 0); }
   DZ_OT_HD int down_tiles(int b) const { return T2 / G + (b < r ? 1 : 0); }
   DZ_OT_HD int max_down_tiles() const { return T2 / G + (r > 0 ? 1 : 0); }
   // gate_up's unit (slot * gate_up_tiles + tile) at block b's position i < gate_up_units(b).
   DZ_OT_HD int gate_up_unit(int b, int i) const {
-    if (i < R) return i * G + b;
-    if (i - R < light_units(b)) return R * G + (i - R) * nL + (b - r);
-    return R * G + E2 + b;
+    const int lu = light_units(b);
+    if (i < lu) return i * nL + (b - r);
+    return E1 + (i - lu) * G + b;  // (past R rounds: the rest, block b's one unit)
   }
-  // down's tile at block b's k-th down unit (its slot: k % topk).
-  DZ_OT_HD int down_tile(int b, int k) const { return b + (k / topk) * G; }
+  // Block b's k-th down unit: its tile (of the block's, 0 ..), the tile's row index, its slot.
+  DZ_OT_HD int down_local(int b, int k) const { return k % down_tiles(b); }
+  DZ_OT_HD int down_tile(int b, int k) const { return b + down_local(b, k) * G; }
+  DZ_OT_HD int down_slot(int b, int k) const { return k / down_tiles(b); }
 };
 
 // Device scratch of one layer call (reused by every layer; counters zeroed once).

@@ -3,11 +3,12 @@
 per block and unit the producer's issue, the consumers' arrival and release, %globaltimer ns; unit 31 holds the
 block's start, its last group's end and its last sum of a row tile).
 
-Usage: tools/gpu/one_token_trace.py F.csv [--unit-bytes 23040] [--bin-us 1]
+Usage: tools/gpu/one_token_trace.py F.csv[.gz] [--unit-bytes 23040] [--bin-us 1]
 Prints when the first and last units were issued, arrived and were released, the arrival rate per time bin as
 bytes per second, and how long the producers waited for a free stage."""
 import argparse
 import csv
+import gzip
 import statistics
 
 
@@ -17,7 +18,8 @@ def main():
     ap.add_argument("--unit-bytes", type=int, default=16 * 1440 + 16 * 90, help="bytes a unit (120b shapes)")
     ap.add_argument("--bin-us", type=float, default=1.0)
     a = ap.parse_args()
-    rows = [tuple(int(v) for v in r.values()) for r in csv.DictReader(open(a.csv))]
+    f = gzip.open(a.csv, "rt") if a.csv.endswith(".gz") else open(a.csv)
+    rows = [tuple(int(v) for v in r.values()) for r in csv.DictReader(f)]
     blk = [r for r in rows if r[1] == 31]
     rows = [r for r in rows if r[1] != 31]
     t0 = min(r[2] for r in blk) if blk else min(r[2] for r in rows)
