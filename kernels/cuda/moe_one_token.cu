@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "common/error.h"
 #include "cuda/moe_decode.cuh"
@@ -352,15 +353,22 @@ __global__ void __launch_bounds__(32 * (2 + kGroups * kWarps), 1) one_token_kern
 #endif
 }
 
-int smem_optin() {
-  static const int v = [] {
-    int dev = 0, optin = 0;
-    DZ_CUDA_CHECK(cudaGetDevice(&dev));
-    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    return optin;
-  }();
+// An attribute of the current device, read once a device.
+template <cudaDeviceAttr kAttr>
+int device_attr() {
+  static std::atomic<int> cache[64];  // 0: not read yet (the attributes read here are positive)
+  int dev = 0;
+  DZ_CUDA_CHECK(cudaGetDevice(&dev));
+  const bool cached = dev >= 0 && dev < 64;
+  int v = cached ? cache[dev].load(std::memory_order_relaxed) : 0;
+  if (v == 0) {
+    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&v, kAttr, dev));
+    if (cached) cache[dev].store(v, std::memory_order_relaxed);
+  }
   return v;
 }
+int smem_optin() { return device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>(); }
+int sm_count() { return device_attr<cudaDevAttrMultiProcessorCount>(); }
 
 using Kernel = void (*)(Args);
 
@@ -395,16 +403,6 @@ Kernel prepare(const OneTokenConfig& c) {
 
 Layout layout_of(const MoeShape& s, const OneTokenConfig& c, bool gate_up, bool down, int blocks) {
   return layout(s, gate_up, down, c.groups, c.group_warps, c.stages, blocks, smem_optin());
-}
-
-int sm_count() {
-  static const int v = [] {
-    int dev = 0, n = 0;
-    DZ_CUDA_CHECK(cudaGetDevice(&dev));
-    DZ_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    return n;
-  }();
-  return v;
 }
 
 // Stages a group in the launches configuration c makes on a grid of blocks (0: it does not fit).
