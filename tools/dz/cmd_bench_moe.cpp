@@ -555,7 +555,7 @@ int bench_moe(const Args& a) {
                        std::to_string(probe)] = time_fused(0, false, true, 0, true);
             }
           // DZ_BENCH_ONE_TOKEN_TRACE=PREFIX: one call's timeline a unit (OneTokenConfig::trace) as
-          // PREFIX_pP.csv, 6 x 2 warps, for the probes P 0 (the real stream), 1 and 3.
+          // PREFIX_pP.csv, the default block shape, for the probes P 0 (the real stream), 1 and 3.
           if (const char* tp = std::getenv("DZ_BENCH_ONE_TOKEN_TRACE")) {
             int dev = 0, nb = 0;
             DZ_CUDA_CHECK(cudaGetDevice(&dev));
@@ -565,10 +565,11 @@ int bench_moe(const Args& a) {
               DZ_CUDA_CHECK(cudaMemset(tr.get(), 0, tr.bytes()));
               layer.options().fused_one_token_stream = true;
               OneTokenConfig& c = layer.options().one_token;
-              c = OneTokenConfig{6, 2, 0, 1, probe};
-              c.trace = tr.get();
+              c = OneTokenConfig{};
+              c.probe = probe, c.trace = tr.get();
               for (int rep = 0; rep < 3; ++rep)  // the last of three calls, L2 flushed before it
-                timer.flush_l2(), layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
+                timer.flush_l2(),
+                    layer.forward(W, x.get(), ids[0].get(), gws[0].get(), T, out_f.get(), MoePath::kFused);
               ctx.sync();
               layer.options() = opt;
               std::vector<long long> h(size_t(nb) * kOneTokenTraceUnits * 3);
