@@ -4,10 +4,14 @@
 // paths against float64 references, runtime error mapping and the pool.
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "common/error.h"
@@ -1156,6 +1160,70 @@ TEST_CASE("CUDA MoE layer: one token streamed (fp16 mma.sync, exact weights) aga
       CHECK(std::memcmp(run(true, false, poison).data(), v.data(), v.size() * 4) == 0);
     }
     layer.take_error();
+  }
+#endif
+}
+
+// The stream's blocks wait for each other, so they must all be resident at once. Two layers streaming on
+// two streams beside a third busy with 64-token calls (the shape of two models decoding on one GPU while a
+// third prefills) must all finish, and with their lone results' bits: a launch that left each grid part of
+// the GPU would wait forever, which a watchdog turns into a failure.
+TEST_CASE("CUDA MoE layer: one token streamed on two streams beside a third never waits forever", "[cuda]") {
+  if (!have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  std::mt19937 rng(47);
+  const int E = 16, topk = 4, H = 1024, I = 1024, Tc = 64;
+  MoeCase c = make_moe(E, topk, H, I, Tc, rng);
+  Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
+  Dev<uint16_t> b1(c.b1), b2(c.b2);
+  Dev<float> x(c.x), gw(c.gw);
+  Dev<int> ids(c.ids);
+  const MoeWeights w{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p};
+  if (!one_token_moe_supported(MoeShape{E, topk, H, I}, w)) {
+    WARN("the one-token stream needs sm_90: not tested");
+    return;
+  }
+  MoeOptions opt = small_options();
+  opt.fused_one_token_stream = true;
+  std::vector<std::unique_ptr<Context>> ctx;
+  std::vector<std::unique_ptr<MoeLayer>> layer;
+  std::vector<std::unique_ptr<Dev<float>>> out;
+  const int tokens[3] = {1, 1, Tc};
+  for (int k = 0; k < 3; ++k) {
+    ctx.push_back(std::make_unique<Context>(small_ctx()));
+    layer.push_back(std::make_unique<MoeLayer>(*ctx[size_t(k)], MoeShape{E, topk, H, I}, Tc, opt));
+    out.push_back(std::make_unique<Dev<float>>(size_t(tokens[k]) * H));
+  }
+  // Each call alone: the bits to expect (the two one-token layers read different tokens).
+  auto call = [&](int k) {
+    const int t0 = k == 1 ? 7 : 0;
+    layer[size_t(k)]->forward(w, x.p + size_t(t0) * H, ids.p + t0 * topk, gw.p + t0 * topk, tokens[k],
+                              out[size_t(k)]->p, MoePath::kAuto);
+  };
+  std::vector<std::vector<float>> want;
+  for (int k = 0; k < 3; ++k) call(k), ctx[size_t(k)]->sync(), want.push_back(out[size_t(k)]->get());
+  for (int r = 0; r < 300; ++r)
+    for (int k : {2, 0, 1}) call(k);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    bool busy = false;
+    for (auto& cx : ctx) {
+      const cudaError_t e = cudaStreamQuery(cx->stream());
+      REQUIRE((e == cudaSuccess || e == cudaErrorNotReady));
+      busy |= e == cudaErrorNotReady;
+    }
+    if (!busy) break;
+    if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(60)) {
+      std::fprintf(stderr, "one-token streams still running after 60 s: their grids wait on each other\n");
+      std::fflush(stderr);
+      std::_Exit(3);  // (a hung grid cannot be joined; the driver ends it with the process)
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  for (int k = 0; k < 3; ++k) {
+    INFO("stream " << k);
+    const auto got = out[size_t(k)]->get();
+    CHECK(std::memcmp(got.data(), want[size_t(k)].data(), got.size() * 4) == 0);
   }
 #endif
 }

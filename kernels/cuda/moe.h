@@ -81,6 +81,10 @@ struct OneTokenConfig {
   int groups = 6, group_warps = 2, stages = 0, launches = 1;
   int probe = 0;
   long long* trace = nullptr;
+  // A cooperative launch: the driver starts the grid only once all its blocks fit at once. Without it, two
+  // streams each running the stream (two models decoding on one GPU) could each hold part of the GPU and
+  // wait for the rest forever. false only for dz bench moe's timing of what it costs.
+  bool cooperative = true;
 };
 constexpr int kOneTokenTraceUnits = 32;
 

@@ -430,6 +430,7 @@ bool one_token_moe_supported(const MoeShape& s, const MoeWeights& w, const OneTo
   if (!aligned(w.w1_blocks) || !aligned(w.w1_scales) || !aligned(w.w2_blocks) || !aligned(w.w2_scales)) return false;
   if (!aligned(w.b1) || !aligned(w.b2)) return false;  // (null, or bulk-copied with the rows)
   if (c.groups < 1 || c.group_warps < 1 || c.groups * c.group_warps > kMaxConsumerWarps || c.stages < 0) return false;
+  if (c.cooperative && device_attr<cudaDevAttrCooperativeLaunch>() == 0) return false;
   return stages_of(s, c, sm_count()) >= 1 && prepare(c) != nullptr;  // a stage a group at least
 }
 
@@ -449,13 +450,13 @@ void one_token_moe(const MoeShape& s, const MoeWeights& w, const float* x, const
   a.plan = plan_of(s, blocks);
   if (c.launches == 1) {  // both projections in one stream
     a.gate_up = a.down = true, a.L = layout_of(s, c, true, true, blocks);
-    launch_maybe_pdl(pdl, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);
+    launch_ex(pdl, c.cooperative, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);
     return;
   }
   a.gate_up = true, a.down = false, a.L = layout_of(s, c, true, false, blocks);
-  launch_maybe_pdl(pdl, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);
+  launch_ex(pdl, c.cooperative, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);
   a.gate_up = false, a.down = true, a.L = layout_of(s, c, false, true, blocks);
-  launch_maybe_pdl(pdl, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);
+  launch_ex(pdl, c.cooperative, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);
 }
 
 }  // namespace dz::cuda

@@ -88,7 +88,9 @@ inline size_t one_token_counts(const MoeShape& s) { return size_t(s.topk) + 1; }
 // weights, topk <= 8, the ring fitting shared memory). Sets the kernels'
 // shared-memory limits on first use.
 // All blocks must be resident at once (down's units wait for other blocks'
-// gate_up units): blocks <= the device's SMs, nothing else holding them for good.
+// gate_up units): blocks <= the device's SMs, launched cooperatively
+// (OneTokenConfig::cooperative), so that two such launches on two streams
+// never each hold part of the GPU while waiting for the rest.
 bool one_token_moe_supported(const MoeShape& s, const MoeWeights& w, const OneTokenConfig& c = {});
 
 // out[H] (+)= sum_k gw[k] * expert_{ids[k]}(x) for one token. Invalid ids set

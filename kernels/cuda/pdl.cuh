@@ -29,20 +29,35 @@ inline bool pdl_enabled() {
   return on;
 }
 
-// Launch k, as a programmatic dependent of the previous kernel in s when pdl.
+// Launch k, as a programmatic dependent of the previous kernel in s when pdl;
+// cooperative: all of its blocks resident at once or none (a grid whose
+// blocks wait for each other; at most the blocks that fit the device at once).
 template <typename... P, typename... A>
-void launch_maybe_pdl(bool pdl, void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A... args) {
+void launch_ex(bool pdl, bool cooperative, void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+               A... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cooperative) {
+    attr[n].id = cudaLaunchAttributeCooperative;
+    attr[n++].val.cooperative = 1;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.numAttrs = n;
   DZ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, k, P(args)...));
+}
+
+template <typename... P, typename... A>
+void launch_maybe_pdl(bool pdl, void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A... args) {
+  launch_ex(pdl, false, k, grid, block, smem, s, args...);
 }
 
 template <typename... P, typename... A>

@@ -545,6 +545,12 @@ int bench_moe(const Args& a) {
                 variants["stream_g" + std::to_string(gw2.first) + "x" + std::to_string(gw2.second) + "_s" +
                          std::to_string(stages) + (launches == 2 ? "_l2" : "")] = time_fused(0, false, true, 0, true);
               }
+          // What the cooperative launch costs (OneTokenConfig::cooperative; plain launches can wait forever
+          // beside another such launch).
+          layer.options().fused_one_token_stream = true;
+          layer.options().one_token = OneTokenConfig{};
+          layer.options().one_token.cooperative = false;
+          variants["stream_plain_launch"] = time_fused(0, false, true, 0, true);
           // Where the stream's time goes (OneTokenConfig::probe; wrong outputs): without the arithmetic, also
           // without down's waits for gate_up; 6 x 2 and 3 x 4 warps.
           for (auto gw2 : {std::pair{6, 2}, {3, 4}})
