@@ -71,8 +71,11 @@ __global__ void __launch_bounds__(kThreads) hc_mix_kernel(HcPre a, int64_t slice
   }
 }
 
-// A block a row: the slices' sums, then (one thread) the weights with their
-// Sinkhorn iterations in fp64 as the CPU, then the collapse.
+// A block a row: the slices' sums, then warp 0 the weights in fp64 as the
+// CPU (cpu::hc_weights): comb's entry (j, k) a lane, each sum over a row or
+// a column read by shuffles in the CPU's order, so every lane divides its own
+// entry at once. (One thread for all of them took 75 us a call on an H100:
+// 20 Sinkhorn iterations of n^2 dependent fp64 divisions.) Then the collapse.
 __global__ void __launch_bounds__(kThreads) hc_finish_kernel(HcPre a, int S) {
   const int r = blockIdx.x, n = a.n, M = a.head ? n : (2 + n) * n;
   const int64_t NH = int64_t(n) * a.hidden;
@@ -84,43 +87,37 @@ __global__ void __launch_bounds__(kThreads) hc_finish_kernel(HcPre a, int S) {
     sum[j] = t;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (threadIdx.x < 32) {
+    const int l = int(threadIdx.x);
     const float inv = rsqrtf(sum[M] / float(NH) + a.eps);
-    float mix[kMaxMix];
-    for (int j = 0; j < M; ++j) mix[j] = sum[j] * inv;
     const double eps = a.hc_eps;
     float* wo = a.w + size_t(r) * (a.head ? n : 2 * n + n * n);
-    if (a.head) {
-      for (int j = 0; j < n; ++j) wsh[j] = wo[j] = float(sigmoid_d(double(mix[j]) * a.scale[0] + a.base[j]) + eps);
-    } else {
-      for (int j = 0; j < n; ++j) {
-        wsh[j] = wo[j] = float(sigmoid_d(double(mix[j]) * a.scale[0] + a.base[j]) + eps);
-        wo[n + j] = float(2 * sigmoid_d(double(mix[n + j]) * a.scale[1] + a.base[n + j]));
-      }
-      double c[kHcMaxStreams * kHcMaxStreams];
-      for (int j = 0; j < n; ++j) {
-        double mx = -1e300, s = 0;
-        for (int k = 0; k < n; ++k) {
-          c[j * n + k] = double(mix[2 * n + j * n + k]) * a.scale[2] + a.base[2 * n + j * n + k];
-          mx = fmax(mx, c[j * n + k]);
-        }
-        for (int k = 0; k < n; ++k) s += (c[j * n + k] = exp(c[j * n + k] - mx));
-        for (int k = 0; k < n; ++k) c[j * n + k] = c[j * n + k] / s + eps;
-      }
+    if (l < n) {
+      wsh[l] = wo[l] = float(sigmoid_d(double(sum[l] * inv) * a.scale[0] + a.base[l]) + eps);
+      if (!a.head) wo[n + l] = float(2 * sigmoid_d(double(sum[n + l] * inv) * a.scale[1] + a.base[n + l]));
+    }
+    if (!a.head) {
+      const bool own = l < n * n;  // (the other lanes shadow entry 0)
+      const int j = own ? l / n : 0, k = own ? l % n : 0, e = 2 * n + j * n + k;
+      auto row_sum = [&](double v) {
+        double t = 0;
+        for (int q = 0; q < n; ++q) t += __shfl_sync(~0u, v, j * n + q);
+        return t;
+      };
+      auto col_sum = [&](double v) {
+        double t = 0;
+        for (int q = 0; q < n; ++q) t += __shfl_sync(~0u, v, q * n + k);
+        return t;
+      };
+      double c = double(sum[e] * inv) * a.scale[2] + a.base[e], mx = -1e300;
+      for (int q = 0; q < n; ++q) mx = fmax(mx, __shfl_sync(~0u, c, j * n + q));
+      c = exp(c - mx);
+      c = c / row_sum(c) + eps;  // the row softmax
       for (int it = 0; it < a.sinkhorn_iters; ++it) {
-        if (it > 0)
-          for (int j = 0; j < n; ++j) {
-            double s = 0;
-            for (int k = 0; k < n; ++k) s += c[j * n + k];
-            for (int k = 0; k < n; ++k) c[j * n + k] /= s + eps;
-          }
-        for (int k = 0; k < n; ++k) {
-          double s = 0;
-          for (int j = 0; j < n; ++j) s += c[j * n + k];
-          for (int j = 0; j < n; ++j) c[j * n + k] /= s + eps;
-        }
+        if (it > 0) c /= row_sum(c) + eps;
+        c /= col_sum(c) + eps;
       }
-      for (int i = 0; i < n * n; ++i) wo[2 * n + i] = float(c[i]);
+      if (own) wo[2 * n + l] = float(c);
     }
   }
   __syncthreads();
