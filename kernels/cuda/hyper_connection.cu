@@ -71,12 +71,16 @@ __global__ void __launch_bounds__(kThreads) hc_mix_kernel(HcPre a, int64_t slice
   }
 }
 
-// A block a row: the slices' sums, then warp 0 the weights in fp64 as the
-// CPU (cpu::hc_weights): comb's entry (j, k) a lane, each sum over a row or
-// a column read by shuffles in the CPU's order, so every lane divides its own
-// entry at once. (One thread for all of them took 75 us a call on an H100:
-// 20 Sinkhorn iterations of n^2 dependent fp64 divisions.) Then the collapse.
-__global__ void __launch_bounds__(kThreads) hc_finish_kernel(HcPre a, int S) {
+// Blocks (row, part of hidden): the slices' sums; the pre (and post) weights;
+// then (V4's sublayers, not the head) block 0's warp 0 runs comb's Sinkhorn
+// iterations in fp64 as the CPU (cpu::hc_weights) while every other warp
+// collapses its block's part of the streams with the pre weights. comb's
+// entry (j, k) a lane, each sum over a row or a column read by shuffles in the
+// CPU's order, so every lane divides its own entry at once. (One thread
+// forming all of it, then one block collapsing the row, took 75-99 us a call
+// on an H100: 20 iterations of n^2 dependent fp64 divisions, then a block's
+// loads one round trip after another.)
+__global__ void __launch_bounds__(kThreads) hc_finish_kernel(HcPre a, int S, int64_t part_len) {
   const int r = blockIdx.x, n = a.n, M = a.head ? n : (2 + n) * n;
   const int64_t NH = int64_t(n) * a.hidden;
   const float* x = a.x + size_t(r) * NH;
@@ -87,42 +91,45 @@ __global__ void __launch_bounds__(kThreads) hc_finish_kernel(HcPre a, int S) {
     sum[j] = t;
   }
   __syncthreads();
-  if (threadIdx.x < 32) {
-    const int l = int(threadIdx.x);
-    const float inv = rsqrtf(sum[M] / float(NH) + a.eps);
-    const double eps = a.hc_eps;
-    float* wo = a.w + size_t(r) * (a.head ? n : 2 * n + n * n);
-    if (l < n) {
-      wsh[l] = wo[l] = float(sigmoid_d(double(sum[l] * inv) * a.scale[0] + a.base[l]) + eps);
-      if (!a.head) wo[n + l] = float(2 * sigmoid_d(double(sum[n + l] * inv) * a.scale[1] + a.base[n + l]));
-    }
-    if (!a.head) {
-      const bool own = l < n * n;  // (the other lanes shadow entry 0)
-      const int j = own ? l / n : 0, k = own ? l % n : 0, e = 2 * n + j * n + k;
-      auto row_sum = [&](double v) {
-        double t = 0;
-        for (int q = 0; q < n; ++q) t += __shfl_sync(~0u, v, j * n + q);
-        return t;
-      };
-      auto col_sum = [&](double v) {
-        double t = 0;
-        for (int q = 0; q < n; ++q) t += __shfl_sync(~0u, v, q * n + k);
-        return t;
-      };
-      double c = double(sum[e] * inv) * a.scale[2] + a.base[e], mx = -1e300;
-      for (int q = 0; q < n; ++q) mx = fmax(mx, __shfl_sync(~0u, c, j * n + q));
-      c = exp(c - mx);
-      c = c / row_sum(c) + eps;  // the row softmax
-      for (int it = 0; it < a.sinkhorn_iters; ++it) {
-        if (it > 0) c /= row_sum(c) + eps;
-        c /= col_sum(c) + eps;
-      }
-      if (own) wo[2 * n + l] = float(c);
-    }
+  const int l = int(threadIdx.x);
+  const bool first = blockIdx.y == 0;
+  const float inv = rsqrtf(sum[M] / float(NH) + a.eps);
+  const double eps = a.hc_eps;
+  float* wo = a.w + size_t(r) * (a.head ? n : 2 * n + n * n);
+  if (l < n) {
+    wsh[l] = float(sigmoid_d(double(sum[l] * inv) * a.scale[0] + a.base[l]) + eps);
+    if (first) wo[l] = wsh[l];
+    if (first && !a.head) wo[n + l] = float(2 * sigmoid_d(double(sum[n + l] * inv) * a.scale[1] + a.base[n + l]));
   }
   __syncthreads();
+  const int c0 = first && !a.head ? 32 : 0;  // the threads that collapse: [c0, kThreads)
+  if (l < c0) {
+    const bool own = l < n * n;  // (the other lanes shadow entry 0)
+    const int j = own ? l / n : 0, k = own ? l % n : 0, e = 2 * n + j * n + k;
+    auto row_sum = [&](double v) {
+      double t = 0;
+      for (int q = 0; q < n; ++q) t += __shfl_sync(~0u, v, j * n + q);
+      return t;
+    };
+    auto col_sum = [&](double v) {
+      double t = 0;
+      for (int q = 0; q < n; ++q) t += __shfl_sync(~0u, v, q * n + k);
+      return t;
+    };
+    double c = double(sum[e] * inv) * a.scale[2] + a.base[e], mx = -1e300;
+    for (int q = 0; q < n; ++q) mx = fmax(mx, __shfl_sync(~0u, c, j * n + q));
+    c = exp(c - mx);
+    c = c / row_sum(c) + eps;  // the row softmax
+    for (int it = 0; it < a.sinkhorn_iters; ++it) {
+      if (it > 0) c /= row_sum(c) + eps;
+      c /= col_sum(c) + eps;
+    }
+    if (own) wo[2 * n + l] = float(c);
+    return;
+  }
   float* col = a.col + size_t(r) * a.hidden;
-  for (int64_t h = threadIdx.x; h < a.hidden; h += kThreads) {
+  const int64_t h1 = min(a.hidden, int64_t(blockIdx.y + 1) * part_len);
+  for (int64_t h = int64_t(blockIdx.y) * part_len + l - c0; h < h1; h += kThreads - c0) {
     float s = 0;
     for (int j = 0; j < n; ++j) s += wsh[j] * x[j * a.hidden + h];
     col[h] = s;
@@ -177,7 +184,11 @@ void hc_pre(const HcPre& a, cudaStream_t s) {
       fail(DZ_ERR_INTERNAL, "hc_pre: no kernel for ", mix_count(a), " mix logits");
   }
   DZ_CUDA_LAUNCH_CHECK();
-  hc_finish_kernel<<<a.n_rows, kThreads, 0, s>>>(a, S);
+  // The collapse spread over blocks of kThreads values (a decode step has one row: one block would load
+  // the streams one round trip after another).
+  const int parts = int(std::min<int64_t>(64, (a.hidden + kThreads - 1) / kThreads));
+  const int64_t part_len = (a.hidden + parts - 1) / parts;
+  hc_finish_kernel<<<dim3(unsigned(a.n_rows), unsigned(parts)), kThreads, 0, s>>>(a, S, part_len);
   DZ_CUDA_LAUNCH_CHECK();
 }
 
