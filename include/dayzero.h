@@ -36,6 +36,9 @@
  *  - dz_log_set: call before other threads use the library.
  *  - dz_generate_step: the sessions passed must not be in use by other
  *    threads during the call.
+ *  - Models on one GPU: each has its own CUDA streams and scratch and runs
+ *    one forward pass at a time; different models may run concurrently from
+ *    different threads.
  */
 #ifndef DAYZERO_H
 #define DAYZERO_H
