@@ -85,6 +85,7 @@ __global__ void __launch_bounds__(kThreads) hc_finish_kernel(HcPre a, int S, int
   const int64_t NH = int64_t(n) * a.hidden;
   const float* x = a.x + size_t(r) * NH;
   __shared__ float wsh[kMaxMix], sum[kMaxMix + 1];
+  // Every block of a row adds the slices itself (S x (M + 1) values, from L2): no launch between.
   for (int j = threadIdx.x; j <= M; j += kThreads) {
     float t = 0;
     for (int s = 0; s < S; ++s) t += a.partial[(size_t(r) * S + s) * (M + 1) + j];
