@@ -696,6 +696,161 @@ TEST_CASE("CUDA MXFP4 GEMM (weights decoded in registers) matches float64 and th
 #endif
 }
 
+TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 values", "[cuda]") {
+  if (!dz::test::have_gpu()) return;
+#ifdef DZ_WITH_CUDA
+  if (!Mxfp4Gemm::supported()) {
+    WARN("the MXFP4 GEMM needs an sm_90 device and an sm_90a build: skipped");
+    return;
+  }
+  Context ctx(dz::test::pool_options(size_t(1) << 30));
+  Mxfp4Gemm mg;
+  std::mt19937 rng(23);
+  std::uniform_int_distribution<int> byte(0, 255);
+  // n = 320: row tiles of 128, 128 and 64; K = 2880 (a last K block of 64
+  // real elements) and 256; ragged groups around every tile width (up to two
+  // tiles of 256), an empty one, one row, an expert twice.
+  const std::pair<int, int> shapes[] = {{320, 2880}, {256, 256}};
+  for (auto [n, K] : shapes) {
+    const int E = 4, kpad = int(cpu::fold_kpad(K)), ng = n / 64;
+    const std::vector<int> experts{2, 0, 3, 2, 1, 1}, sizes{70, 1, 0, 193, 257, 511};
+    INFO("n " << n << " K " << K);
+    std::vector<uint8_t> blocks(size_t(E) * n * K / 2), scales(size_t(E) * n * K / 32);
+    std::uniform_int_distribution<int> sc(112, 126);  // spreads <= 14 over a whole row group: exact
+    for (auto& b : blocks) b = uint8_t(byte(rng));
+    for (auto& v : scales) v = uint8_t(sc(rng));
+    for (size_t i = 0; i < scales.size(); i += 11)
+      for (int j = 0; j < 16; ++j) blocks[i * 16 + size_t(j)] = (i & 1) ? 0x88 : 0x00;  // +-0 sub-blocks
+    // The table against the CPU: the largest scale of a nonzero sub-block of each 64-row group.
+    Buf<uint8_t> db(blocks), ds(scales), dgk(size_t(E) * ng);
+    const Mxfp4Stack stack{db.p, ds.p, n, K};
+    const cpu::FoldStats fs = mxfp4_whole_k_table(stack, E, dgk.p, ctx.stream());
+    CHECK(fs.lossy_groups == 0);
+    CHECK(fs.groups == uint64_t(E) * ng);
+    const auto gk = dgk.get();
+    for (int e = 0; e < E; ++e)
+      for (int g = 0; g < ng; ++g) {
+        int m = -1;
+        for (int r = g * 64; r < g * 64 + 64; ++r)
+          for (int s = 0; s < K / 32; ++s) {
+            const size_t row = size_t(e) * n + size_t(r), sb = row * size_t(K / 32) + size_t(s);
+            bool nz = false;
+            for (int j = 0; j < 16; ++j) nz |= (blocks[sb * 16 + size_t(j)] & 0x77) != 0;
+            if (nz) m = std::max(m, int(scales[sb]));
+          }
+        CHECK(int(gk[size_t(e * ng + g)]) == (m < 0 ? 133 : m));
+      }
+    // Groups 4-row aligned, 1-3 rows apart; X random E4M3 (no NaN), one scale a row.
+    std::vector<int> off, cnt;
+    int64_t rows = 0;
+    for (int m : sizes) {
+      rows = (rows + 1 + byte(rng) % 3 + 3) / 4 * 4;
+      off.push_back(int(rows)), cnt.push_back(m), rows += m;
+    }
+    rows += 2;
+    std::vector<uint8_t> x(size_t(rows) * kpad), xr(x.size());
+    for (auto& b : x)
+      do b = uint8_t(byte(rng));
+      while ((b & 0x7F) == 0x7F);
+    for (int64_t r = 0; r < rows; ++r)  // the kernel's register order inside each sub-block
+      for (int b = 0; b < kpad / 32; ++b)
+        for (int j = 0; j < 8; ++j)
+          std::memcpy(&xr[size_t(r * kpad + b * 32 + j * 4)], &x[size_t(r * kpad + b * 32 + mxfp4_gemm_x_group(j) * 4)],
+                      4);
+    std::vector<float> xs(static_cast<size_t>(rows));
+    std::uniform_real_distribution<float> lg(-6.f, 5.f);
+    for (auto& v : xs) v = std::exp2(lg(rng));
+    Buf<uint8_t> dx(xr);
+    Buf<float> dxs(xs);
+    auto run = [&](int tile, int blocks_n) {
+      Buf<uint16_t> d(size_t(rows * n));
+      std::vector<uint16_t> fill(d.n, kSentinel);
+      DZ_CUDA_CHECK(cudaMemcpy(d.p, fill.data(), d.n * 2, cudaMemcpyHostToDevice));
+      Buf<uint16_t>::settle();
+      Mxfp4GemmArgs a;
+      a.x = dx.p, a.xs = dxs.p, a.gk = dgk.p, a.rows_total = rows, a.w = stack;
+      a.experts = experts.data(), a.w_experts = E, a.d = d.p, a.n = n, a.k = kpad;
+      a.offsets = off.data(), a.counts = cnt.data(), a.groups = int(sizes.size());
+      a.max_blocks = blocks_n, a.tile_tokens = tile;
+      mg.run(a, ctx.stream());
+      ctx.sync();
+      return d.get();
+    };
+    // float64 on the MXFP4 values themselves (exact in E4M3 under the group's
+    // scale): every row of small groups, sampled rows of the large.
+    const cpu::Mxfp4View wv{blocks.data(), scales.data(), int64_t(E) * n, K, "w"};
+    std::vector<double> wd(size_t(E) * n * K);
+    for (int64_t r = 0; r < int64_t(E) * n; ++r)
+      for (int k = 0; k < K; ++k) wd[size_t(r * K + k)] = cpu::mxfp4_value(wv, r, k);
+    const double* lut = e4m3_table().data();
+    std::vector<std::vector<double>> refs(sizes.size());  // [group][sampled row * n + c]
+    auto sampled = [&](int m) { return m > 80 ? 13 : 1; };
+    for (size_t g = 0; g < sizes.size(); ++g)
+      for (int r = 0; r < cnt[g]; r += sampled(cnt[g])) {
+        const int64_t xrow = off[g] + r;
+        std::vector<double> xv(static_cast<size_t>(K));
+        for (int k = 0; k < K; ++k) xv[size_t(k)] = lut[x[size_t(xrow * kpad + k)]];
+        for (int c = 0; c < n; ++c) {
+          const double* w = wd.data() + (int64_t(experts[g]) * n + c) * K;
+          double acc = 0;
+          for (int k = 0; k < K; ++k) acc += xv[size_t(k)] * w[k];
+          refs[g].push_back(acc * xs[size_t(xrow)]);
+        }
+      }
+    double worst = 0;
+    for (int tile : {0, 128, 192, 256}) {
+      INFO("tile tokens " << tile);
+      const auto got = run(tile, tile == 192 ? 3 : 0);
+      std::vector<char> in_group(size_t(rows), 0);
+      for (size_t g = 0; g < sizes.size(); ++g)
+        for (int r = 0; r < cnt[g]; ++r) in_group[size_t(off[g] + r)] = 1;
+      int64_t touched = 0;
+      for (int64_t r = 0; r < rows; ++r)
+        if (!in_group[size_t(r)])
+          for (int c = 0; c < n; ++c) touched += got[size_t(r * n + c)] != kSentinel;
+      CHECK(touched == 0);
+      for (size_t g = 0; g < sizes.size(); ++g) {
+        const int m = cnt[g];
+        int64_t bad = 0;
+        std::string first_bad;
+        double dot = 0, gg2 = 0, rr = 0;
+        for (int r = 0, i = 0; r < m; r += sampled(m), ++i) {
+          const double* ref = refs[g].data() + size_t(i) * n;
+          double rmax = 0;
+          for (int c = 0; c < n; ++c) rmax = std::max(rmax, std::fabs(ref[c]));
+          for (int c = 0; c < n; ++c) {
+            const double v = bf16_to_double(got[size_t((off[g] + r) * n + c)]), err = std::fabs(v - ref[c]);
+            dot += v * ref[c], gg2 += v * v, rr += ref[c] * ref[c];
+            worst = std::max(worst, err / (rmax > 0 ? rmax : 1));
+            // bf16's rounding (2^-9) plus the tensor cores' running sum (~2^-14 a K step of the row's scale)
+            if (!(err <= 4e-3 * std::fabs(ref[c]) + 2e-3 * rmax) && bad++ == 0) {
+              char buf[200];
+              std::snprintf(buf, sizeof buf, "row %d col %d: got %.6g ref %.6g (row max %.6g)", r, c, v, ref[c], rmax);
+              first_bad = buf;
+            }
+          }
+        }
+        INFO("group " << g << " (" << m << " rows): " << bad << " bad vs float64, first: " << first_bad);
+        CHECK(bad == 0);
+        if (m > 0) CHECK(dot / std::sqrt(gg2 * rr) >= 0.99999);
+      }
+      CHECK(std::memcmp(got.data(), run(tile, 1).data(), got.size() * 2) == 0);  // the same bits on one block
+    }
+    WARN("whole-K MXFP4 GEMM n=" << n << " K=" << K << ": worst |error| / row max vs float64 " << worst);
+  }
+  {  // A lossy whole-K group (scales 20 binades apart) is counted.
+    const int n = 64, K = 256;
+    std::vector<uint8_t> blocks(size_t(n) * K / 2, 0x22), scales(size_t(n) * K / 32, 120);
+    scales[5] = 100;
+    Buf<uint8_t> db(blocks), ds(scales), dgk(1);
+    const cpu::FoldStats fs = mxfp4_whole_k_table(Mxfp4Stack{db.p, ds.p, n, K}, 1, dgk.p, ctx.stream());
+    CHECK(fs.lossy_groups == 1);
+    CHECK(fs.max_spread == 20);
+    CHECK(dgk.get()[0] == 120);
+  }
+#endif
+}
+
 TEST_CASE("CUDA grouped FP8 GEMM throughput at gpt-oss-120b MoE sizes (printed)", "[cuda]") {
   if (!dz::test::have_gpu()) return;
 #ifdef DZ_WITH_CUDA

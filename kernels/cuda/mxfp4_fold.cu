@@ -126,6 +126,44 @@ __global__ void __launch_bounds__(kFoldRowGroup)
   }
 }
 
+// Whole-K groups: one block per 64-row group of all experts, a thread per
+// row walking its K groups; the largest nonzero sub-block's scale byte of the
+// group (133 where all are zero) into gk, its spread counted as above.
+__global__ void __launch_bounds__(kFoldRowGroup)
+    whole_k_table_kernel(const uint8_t* blocks, const uint8_t* scales, int nsub, int ngroups, uint8_t* gk,
+                         unsigned long long* stats) {
+  __shared__ int part[kFoldRowGroup / 32];
+  const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
+  const int64_t r = int64_t(blockIdx.x) * kFoldRowGroup + threadIdx.x;
+  const uint8_t* bl = blocks + r * nsub * 16;
+  const uint8_t* sc = scales + r * nsub;
+  auto block_max = [&](int v) {
+    for (int o = 16; o; o >>= 1) v = max(v, __shfl_xor_sync(~0u, v, o));
+    __syncthreads();  // part[] is free again
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    v = part[0];
+    for (int w = 1; w < kFoldRowGroup / 32; ++w) v = max(v, part[w]);
+    return v;
+  };
+  int mine = -1;
+  for (int g = 0; g < ngroups; ++g) mine = max(mine, group_smax(load_group(bl, sc, g, nsub)));
+  const int m = block_max(mine);
+  int spread = 0;
+  for (int g = 0; g < ngroups; ++g) {
+    const GroupIn G = load_group(bl, sc, g, nsub);
+    for (int j = 0; j < 4; ++j)
+      if (sub_nonzero(G.w[j])) spread = max(spread, m - G.s[j]);
+  }
+  spread = block_max(spread);
+  if (threadIdx.x == 0) {
+    gk[blockIdx.x] = uint8_t(fold_smax(m));
+    if (spread > 14) atomicAdd(&stats[1], 1ull);
+    if (m < 0) atomicAdd(&stats[2], 1ull);
+    atomicMax(&stats[3], (unsigned long long)spread);
+  }
+}
+
 // A load-time check's counters [groups, lossy, zero, max_spread, nan_scales]:
 // zeroed on the device, filled by launch(counters) on s, read back (synchronizes).
 template <typename Launch>
@@ -215,6 +253,29 @@ cpu::FoldStats mxfp4_group_table(const Mxfp4Stack& w, int n_experts, uint8_t* gm
   });
   st.groups = uint64_t(rgroups) * ngroups;
   return st;
+}
+
+cpu::FoldStats mxfp4_whole_k_table(const Mxfp4Stack& w, int n_experts, uint8_t* gk, cudaStream_t s) {
+  check(w.k % 32 == 0 && w.rows > 0 && w.rows % kFoldRowGroup == 0 && n_experts > 0 && gk, DZ_ERR_INVALID_ARGUMENT,
+        "mxfp4_whole_k_table: ", w.rows, " rows x ", w.k, " (rows must be a multiple of 64), ", n_experts,
+        " experts");
+  const int nsub = int(w.k / 32), ngroups = int(cpu::fold_kpad(w.k) / 128);
+  const int64_t rgroups = w.rows / kFoldRowGroup * n_experts;
+  cpu::FoldStats st = run_check(s, nullptr, [&](unsigned long long* d) {
+    whole_k_table_kernel<<<unsigned(rgroups), kFoldRowGroup, 0, s>>>(w.blocks, w.scales, nsub, ngroups, gk, d);
+  });
+  st.groups = uint64_t(rgroups);
+  return st;
+}
+
+DeviceArray<uint8_t> mxfp4_exact_whole_k_table(DevicePool& pool, const Mxfp4Stack& w, int n_experts,
+                                               cpu::FoldStats* stats, cudaStream_t s) {
+  if (w.rows % kFoldRowGroup != 0) return {};
+  DeviceArray<uint8_t> t(pool, size_t(w.rows / kFoldRowGroup * n_experts), "whole-K fold group table");
+  const cpu::FoldStats g = mxfp4_whole_k_table(w, n_experts, t.get(), s);
+  if (stats) stats->merge(g);
+  if (g.lossy_groups != 0) return {};
+  return t;
 }
 
 DeviceArray<uint8_t> mxfp4_exact_group_table(DevicePool& pool, const Mxfp4Stack& w, int n_experts,

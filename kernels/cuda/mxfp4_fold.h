@@ -66,6 +66,17 @@ cpu::FoldStats mxfp4_group_table(const Mxfp4Stack& w, int n_experts, uint8_t* gm
 DeviceArray<uint8_t> mxfp4_exact_group_table(DevicePool& pool, const Mxfp4Stack& w, int n_experts,
                                              cpu::FoldStats* stats, cudaStream_t s);
 
+// The whole-K table of n_experts experts (w.gmax ignored; rows % 64 == 0): for
+// each 64-row group over all of K the largest scale byte among its nonzero
+// sub-blocks (133 where all are zero), into gk [E][rows/64] (Mxfp4GemmArgs::gk).
+// Returns the spread check of those groups (lossy: a nonzero sub-block more
+// than 14 binades under its group's scale; synchronizes).
+cpu::FoldStats mxfp4_whole_k_table(const Mxfp4Stack& w, int n_experts, uint8_t* gk, cudaStream_t s);
+// The same in a new pool array, kept only where every group folds exactly
+// (otherwise empty); stats (optional): the check merged in. Synchronizes s.
+DeviceArray<uint8_t> mxfp4_exact_whole_k_table(DevicePool& pool, const Mxfp4Stack& w, int n_experts,
+                                               cpu::FoldStats* stats, cudaStream_t s);
+
 // Spread check of n_experts experts on the device; returns the stats and the
 // number of 0xFF scale bytes (synchronizes the stream).
 cpu::FoldStats mxfp4_fold_check_device(const Mxfp4Stack& w, int n_experts, uint64_t* nan_scales, cudaStream_t s);

@@ -29,12 +29,13 @@ constexpr int kScaleWarps = 3;     // the producer warpgroup's warps 1..3 (scale
 
 // Shared memory of a kernel with BN tokens a tile: per stage the X tile (BN
 // rows x 128 bytes, 128-byte swizzle), both consumers' MXFP4 boxes (64-byte
-// swizzle), the X scales (BN floats) and each consumer's products of its
-// weight group's scale and the X scales (2 x BN floats); then the barriers
-// (full, empty, products ready). As many stages as fit in ~210 KB, at most 8.
-template <int BN>
+// swizzle), and with scales by K block the X scales (BN floats) and each
+// consumer's products of its weight group's scale and the X scales (2 x BN
+// floats); then the barriers (full, empty, products ready). As many stages as
+// fit in ~210 KB, at most 8.
+template <int BN, bool kWhole>
 struct Smem {
-  static constexpr int xBytes = BN * kBK, stageBytes = xBytes + 2 * kWBox + 3 * BN * 4;
+  static constexpr int xBytes = BN * kBK, stageBytes = xBytes + 2 * kWBox + (kWhole ? 0 : 3 * BN * 4);
   static constexpr int S = std::min(8, 210 * 1024 / stageBytes);
   static constexpr int offW = S * xBytes, offXs = offW + S * 2 * kWBox, offC = offXs + S * BN * 4;
   static constexpr int offBar = offC + S * 2 * BN * 4;
@@ -50,6 +51,8 @@ struct Params {
   __nv_bfloat16* d;
   const uint8_t* scales;  // E8M0 [E * n][nsub]
   const uint8_t* gmax;    // group table [E][n / 64][nkb]
+  const float* xrow;      // whole-K scales: X's [rows_total]
+  const uint8_t* gk;      // whole-K scales: W's group table [E][n / 64]
   int n, nkb, nsub, groups, tiles_total;
   int expert[kMaxGroups];
   int off[kMaxGroups];
@@ -69,7 +72,7 @@ __device__ __forceinline__ void find_tile(const Params& p, int t, int& g, int& r
   tt = local - rt * ttiles;
 }
 
-// d (64 x N fp32, wgmma layout) = [d +] A(64 x 32, registers) B(N x 32, shared)^T, E4M3; N = 64, 128, 160.
+// d (64 x N fp32, wgmma layout) = [d +] A(64 x 32, registers) B(N x 32, shared)^T, E4M3; N = 64, 128, 160, 192, 256.
 __device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int accumulate) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
@@ -94,6 +97,22 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[80], const uint32_t (&a)[4],
       : DZ_WGMMA_ACC64(d), DZ_WGMMA_ACC8(d, 64), DZ_WGMMA_ACC8(d, 72)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
+__device__ __forceinline__ void wgmma_rs(float (&d)[96], const uint32_t (&a)[4], uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %101, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {" DZ_WGMMA_R64 ", " DZ_WGMMA_R64_95
+      "}, {%96, %97, %98, %99}, %100, p, 1, 1;\n}\n"
+      : DZ_WGMMA_ACC64(d), DZ_WGMMA_ACC32_AT(d, 64)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %133, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {" DZ_WGMMA_R64 ", " DZ_WGMMA_R64_127
+      "}, {%128, %129, %130, %131}, %132, p, 1, 1;\n}\n"
+      : DZ_WGMMA_ACC64(d), DZ_WGMMA_ACC32_AT(d, 64), DZ_WGMMA_ACC32_AT(d, 96)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
 #endif  // DZ_MG_SM90A
 
 // The kernel: persistent, block b takes tiles b, b + grid, ... Warpgroup 0
@@ -106,10 +125,14 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[80], const uint32_t (&a)[4],
 // folding kernel's bytes) straight into its A fragments, whose k order is the
 // one X is stored in. Each K block's four MMAs go into part, which is then
 // added to acc times those products (one FFMA an accumulator).
-template <int BN>
+// kWhole (scales over all of K: X's by row, W's by 64-row group): the MMAs
+// of every K block accumulate in acc itself, one K block's group in flight
+// while the next is decoded, and the epilogue applies both scales once; no
+// promotion, no products, no X scale copies.
+template <int BN, bool kWhole>
 __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_constant__ Params p) {
 #ifdef DZ_MG_SM90A
-  using L = Smem<BN>;
+  using L = Smem<BN, kWhole>;
   constexpr int kS = L::S;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = ptx::smem_u32(smem_raw);
@@ -139,7 +162,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (threadIdx.x == 0) {
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xmap)) : "memory");
-      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xsmap)) : "memory");
+      if (!kWhole) asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xsmap)) : "memory");
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.wmap)) : "memory");
       int stage = 0;
       uint32_t phase = 0;
@@ -148,19 +171,19 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
         find_tile<BN>(p, t, g, rt, tt);
         const int xrow = p.off[g] + tt * BN, wrow = p.expert[g] * p.n + rt * kRows;
         const bool live1 = rt * kRows + 64 < p.n;  // the second consumer's rows exist
-        const uint32_t tx = uint32_t(BN * kBK + BN * 4 + (live1 ? 2 : 1) * kWBox);
+        const uint32_t tx = uint32_t(BN * kBK + (kWhole ? 0 : BN * 4) + (live1 ? 2 : 1) * kWBox);
         for (int kb = 0; kb < p.nkb; ++kb) {
           wait(empty(stage), phase ^ 1u);  // a fresh barrier passes parity 1
           ptx::mbar_arrive_expect_tx(full(stage), tx);
           ptx::tma_2d(sX + uint32_t(stage * L::xBytes), &p.xmap, full(stage), kb * kBK, xrow);
-          ptx::tma_2d(sXs + uint32_t(stage * BN * 4), &p.xsmap, full(stage), xrow, kb);
+          if (!kWhole) ptx::tma_2d(sXs + uint32_t(stage * BN * 4), &p.xsmap, full(stage), xrow, kb);
           const uint32_t w0 = sW + uint32_t(stage * 2 * kWBox);
           ptx::tma_2d(w0, &p.wmap, full(stage), kb * 64, wrow);
           if (live1) ptx::tma_2d(w0 + kWBox, &p.wmap, full(stage), kb * 64, wrow + 64);
           if (++stage == kS) stage = 0, phase ^= 1u;
         }
       }
-    } else if (threadIdx.x >= 32) {
+    } else if (!kWhole && threadIdx.x >= 32) {
       // Warps 1..3: once a stage's X scales land, each consumer's products c =
       // ws * xs of its 64-row group's scale (2^(byte - 133)) and every token's
       // scale, so the consumers' promotion is one FFMA an accumulator.
@@ -197,9 +220,11 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
   const int g = lane >> 2, t = lane & 3;
   const int rA = warp * 16 + g, swz = (rA >> 1) & 3;  // local row (and rA + 8), its 64-byte swizzle
   constexpr int NR = BN / 2;                          // accumulators a thread
-  float acc[NR], part[NR];
+  float acc[NR], part[kWhole ? 1 : NR];
+  if constexpr (!kWhole) {
 #pragma unroll
-  for (int i = 0; i < NR; ++i) part[i] = 0.f;
+    for (int i = 0; i < NR; ++i) part[i] = 0.f;
+  }
   int stage = 0;
   uint32_t phase = 0;
   for (int tile = int(blockIdx.x); tile < p.tiles_total; tile += int(gridDim.x)) {
@@ -224,6 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     const uint16_t* scB = scA + 4 * p.nsub;
     const uint8_t* gm = p.gmax + (int64_t(e) * (p.n / 64) + wr0 / 64) * p.nkb;
     const int last_pair = p.nsub / 2 - 1;
+    const int gw = kWhole ? int(__ldg(p.gk + int64_t(e) * (p.n / 64) + wr0 / 64)) : 0;  // W's whole-K group byte
     // Loaded a K block ahead of the decoding that uses them, combined only there.
     struct Raw {
       uint32_t a0, a1, b0, b1;
@@ -232,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     auto load_raw = [&](int kb, Raw& r) {
       const int i0 = 2 * kb, i1 = min(2 * kb + 1, last_pair);
       r.a0 = __ldg(scA + i0), r.a1 = __ldg(scA + i1), r.b0 = __ldg(scB + i0), r.b1 = __ldg(scB + i1);
-      r.g = __ldg(gm + kb);
+      r.g = kWhole ? gw : int(__ldg(gm + kb));
     };
     // Stage st's words of this thread folded into A fragments: each sub-block
     // s is one k32 MMA (rows A and B, k 4t.. from the word's first four
@@ -273,8 +299,6 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
         }
       }
     };
-#pragma unroll
-    for (int i = 0; i < NR; ++i) acc[i] = 0.f;
     uint32_t a0[4][4], a1[4][4];
     Raw rn, rs;
     load_raw(0, rs);
@@ -282,6 +306,50 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     wait(full(stage), phase);
     __syncwarp();
     decode(stage, rs, a0);
+    if constexpr (kWhole) {
+      // K block kb: its MMAs on a into acc, then (one group left in flight)
+      // kb - 1's stage released and its fragments, an, refilled with kb + 1's.
+      auto step = [&](int kb, uint32_t(&a)[4][4], uint32_t(&an)[4][4]) {
+        const uint32_t dsc = ptx::sw128_desc_lo(sX + uint32_t(stage * L::xBytes));
+        // No fence on acc here: an instruction reading it while a group is in
+        // flight would serialize the MMAs; only the MMAs touch it until wait0.
+        ptx::fence_regs(a);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs(acc, a[kk], ptx::sw128_desc(dsc + 2 * kk), kb > 0 || kk > 0);
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<1>();
+        ptx::fence_regs(an);  // kb - 1's MMAs read an until here
+        const int prev = stage == 0 ? kS - 1 : stage - 1;
+        __syncwarp();
+        if (kb > 0 && lane == 0) ptx::mbar_arrive(empty(prev));
+        if (++stage == kS) stage = 0, phase ^= 1u;
+        if (kb + 1 < p.nkb) {
+          wait(full(stage), phase);
+          __syncwarp();
+          decode(stage, rn, an);
+          if (kb + 2 < p.nkb) load_raw(kb + 2, rn);
+        }
+      };
+      int kb = 0;
+      for (; kb + 1 < p.nkb; kb += 2) step(kb, a0, a1), step(kb + 1, a1, a0);
+      if (kb < p.nkb) step(kb, a0, a1);
+      ptx::wgmma_wait0();
+      ptx::fence_regs(acc);
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(empty(stage == 0 ? kS - 1 : stage - 1));
+      // Both scales: W's group (2^(byte - 133)) and each token's.
+      const float ws = ldexpf(1.f, gw - 133);
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int t0 = tt * BN + 8 * j + 2 * t;
+        const float x0 = t0 < m ? ws * __ldg(p.xrow + off + t0) : 0.f;
+        const float x1 = t0 + 1 < m ? ws * __ldg(p.xrow + off + t0 + 1) : 0.f;
+        acc[4 * j + 0] *= x0, acc[4 * j + 1] *= x1, acc[4 * j + 2] *= x0, acc[4 * j + 3] *= x1;
+      }
+    } else {
+#pragma unroll
+    for (int i = 0; i < NR; ++i) acc[i] = 0.f;
     // One K block: its MMAs on a (decoded), then, while they run, the next
     // stage's words into an (the next scales' loads go out behind them); then
     // the promotion and the stage's release.
@@ -324,6 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
       step(kb, a0, a1);
       if (kb + 1 < p.nkb) step(kb + 1, a1, a0);
     }
+    }
     // Epilogue: D rows are tokens, columns weight rows. Lanes g and g ^ 1 hold
     // neighbouring weight rows: an even g stores both rows' values of its
     // first token as one bf16 pair, an odd g those of its second.
@@ -350,10 +419,13 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
 #endif
 }
 
-// The tile sizes and their instantiations.
-constexpr int kTileTokens[3] = {64, 128, 160};
-void (*const kKernels[3])(Params) = {mxfp4_gemm_kernel<64>, mxfp4_gemm_kernel<128>, mxfp4_gemm_kernel<160>};
-constexpr int kSmemBytes[3] = {Smem<64>::bytes, Smem<128>::bytes, Smem<160>::bytes};
+// The tile sizes and their instantiations: scales by K block, then whole-K scales.
+constexpr int kTileTokens[2][3] = {{64, 128, 160}, {128, 192, 256}};
+void (*const kKernels[2][3])(Params) = {
+    {mxfp4_gemm_kernel<64, false>, mxfp4_gemm_kernel<128, false>, mxfp4_gemm_kernel<160, false>},
+    {mxfp4_gemm_kernel<128, true>, mxfp4_gemm_kernel<192, true>, mxfp4_gemm_kernel<256, true>}};
+constexpr int kSmemBytes[2][3] = {{Smem<64, false>::bytes, Smem<128, false>::bytes, Smem<160, false>::bytes},
+                                  {Smem<128, true>::bytes, Smem<192, true>::bytes, Smem<256, true>::bytes}};
 
 bool aligned(const void* q, uintptr_t a) { return (reinterpret_cast<uintptr_t>(q) & (a - 1)) == 0; }
 
@@ -368,11 +440,11 @@ bool Mxfp4Gemm::supported() { return Fp8GroupedGemm::supported(); }
 // work, as many tokens' MMAs: kTileFixed). H200, 16 experts x 64 tokens in
 // tiles of 64: 0.111 ms; x 128 in tiles of 128 / 160: 0.139 / 0.155 ms: ~194
 // tokens' worth a tile plus one per token (2026-12-04-h200-run218.md).
-int Mxfp4Gemm::pick_tile_tokens(const int* counts, int groups) {
+int Mxfp4Gemm::pick_tile_tokens(const int* counts, int groups, bool whole_k) {
   constexpr int64_t kTileFixed = 192;
-  int best = kTileTokens[0];
+  int best = kTileTokens[whole_k][0];
   int64_t best_cost = -1;
-  for (int bn : kTileTokens) {
+  for (int bn : kTileTokens[whole_k]) {
     int64_t cost = 0;
     for (int gi = 0; gi < groups; ++gi) cost += (int64_t(counts[gi]) + bn - 1) / bn * (bn + kTileFixed);
     if (best_cost < 0 || cost < best_cost) best = bn, best_cost = cost;
@@ -384,8 +456,10 @@ Mxfp4Gemm::Mxfp4Gemm() {
   debug_ = grouped_gemm_debug();
   if (!supported()) return;  // run() says why
   n_sm_ = current_device_sms();
-  for (int i = 0; i < 3; ++i)
-    DZ_CUDA_CHECK(cudaFuncSetAttribute(kKernels[i], cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes[i]));
+  for (int w = 0; w < 2; ++w)
+    for (int i = 0; i < 3; ++i)
+      DZ_CUDA_CHECK(
+          cudaFuncSetAttribute(kKernels[w][i], cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes[w][i]));
 }
 
 void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
@@ -395,8 +469,9 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
   check(a.groups >= 0 && (a.groups == 0 || (a.offsets && a.counts && a.experts)) && a.rows_total >= 0 &&
             a.rows_total < (int64_t(1) << 31),
         DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: groups=", a.groups, " rows_total=", a.rows_total);
-  check(a.w.blocks && a.w.scales && a.w.gmax, DZ_ERR_INVALID_ARGUMENT,
-        "mxfp4_gemm: the MXFP4 stack needs blocks, scales and a group table (gmax)");
+  const bool whole = a.gk != nullptr;
+  check(a.w.blocks && a.w.scales && (whole || a.w.gmax), DZ_ERR_INVALID_ARGUMENT,
+        "mxfp4_gemm: the MXFP4 stack needs blocks, scales and a group table (gmax, or gk for whole-K scales)");
   check(a.w.rows == a.n && a.w.k % 64 == 0 && a.w.k > a.k - kBK && a.w.k <= a.k, DZ_ERR_INVALID_ARGUMENT,
         "mxfp4_gemm: MXFP4 weights of ", a.w.rows, " x ", a.w.k, " for n=", a.n, " k=", a.k,
         " (rows must equal n, K a multiple of 64 that pads to k)");
@@ -415,16 +490,17 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
   for (int gi = 0; gi < a.groups; ++gi) rows_used += a.counts[gi];
   if (rows_used == 0) return;
   check(a.x && a.xs && a.d, DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: null pointer");
-  check(a.xs_ld >= a.rows_total && a.xs_ld % 4 == 0, DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: xs_ld=", a.xs_ld,
-        " (at least rows_total ", a.rows_total, ", a multiple of 4)");
+  check(whole || (a.xs_ld >= a.rows_total && a.xs_ld % 4 == 0), DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: xs_ld=",
+        a.xs_ld, " (at least rows_total ", a.rows_total, ", a multiple of 4)");
   check(aligned(a.x, 16) && aligned(a.xs, 16) && aligned(a.d, 4) && aligned(a.w.blocks, 16) && aligned(a.w.scales, 2),
         DZ_ERR_INVALID_ARGUMENT,
         "mxfp4_gemm: X, its scales and the MXFP4 blocks must be 16-byte aligned, D 4-byte, the E8M0 scales 2-byte");
-  const int bn = a.tile_tokens ? a.tile_tokens : pick_tile_tokens(a.counts, a.groups);
+  const int bn = a.tile_tokens ? a.tile_tokens : pick_tile_tokens(a.counts, a.groups, whole);
   int ti = -1;
   for (int i = 0; i < 3; ++i)
-    if (kTileTokens[i] == bn) ti = i;
-  check(ti >= 0, DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: tile_tokens=", a.tile_tokens, " (0, 64, 128 or 160)");
+    if (kTileTokens[whole][i] == bn) ti = i;
+  check(ti >= 0, DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: tile_tokens=", a.tile_tokens,
+        whole ? " (0, 128, 192 or 256 with whole-K scales)" : " (0, 64, 128 or 160)");
   last_bn_ = bn;
   const int nkb = a.k / kBK;
 
@@ -435,7 +511,7 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
     encode_tensor_map(&p.xmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.x, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B,
                       "X");
   }
-  {
+  if (!whole) {
     const cuuint64_t dims[2] = {cuuint64_t(a.xs_ld), cuuint64_t(nkb)}, strides[1] = {cuuint64_t(a.xs_ld) * 4};
     const cuuint32_t box[2] = {cuuint32_t(bn), 1};
     encode_tensor_map(&p.xsmap, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, a.xs, dims, strides, box,
@@ -450,6 +526,7 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
   }
   p.d = static_cast<__nv_bfloat16*>(a.d);
   p.scales = a.w.scales, p.gmax = a.w.gmax;
+  p.xrow = whole ? a.xs : nullptr, p.gk = a.gk;
   p.n = a.n, p.nkb = nkb, p.nsub = int(a.w.k / 32);
   const int row_tiles = (a.n + kRows - 1) / kRows;
   for (int g0 = 0; g0 < a.groups; g0 += kMaxGroups) {
@@ -467,7 +544,7 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
     p.tiles_total = tiles;
     if (tiles == 0) continue;
     const int blocks = a.max_blocks > 0 ? std::min(a.max_blocks, n_sm_) : n_sm_;
-    kKernels[ti]<<<dim3(unsigned(std::min(tiles, blocks))), dim3(kThreads), kSmemBytes[ti], s>>>(p);
+    kKernels[whole][ti]<<<dim3(unsigned(std::min(tiles, blocks))), dim3(kThreads), kSmemBytes[whole][ti], s>>>(p);
     DZ_CUDA_LAUNCH_CHECK();
     if (debug_) grouped_gemm_sync(s);
   }

@@ -19,6 +19,14 @@
 // scales are [k/128][xs_ld] floats by row of X (xs_ld >= rows_total, a
 // multiple of 4). D is bf16 [rows_total][n]; rows outside the groups are not
 // written.
+//
+// Whole-K scales (gk given): X's scales are one per row, xs [rows_total], and
+// W folds under one scale byte per 64-row group over all of K (gk [E][n / 64],
+// mxfp4_whole_k_table), so
+//   D[off_g + r][c] = xs[off_g + r] * 2^(gk[e][c / 64] - 133) * sum_k X[off_g + r][k] * W_e[c][k]
+// with the whole sum accumulated in the tensor cores (FP8 MMAs keep about 14
+// significant bits of a running sum, as against fp32 per K block; the test
+// states the error): no promotion a K block, so tiles of up to 256 tokens fit.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -38,8 +46,9 @@ __host__ __device__ constexpr int mxfp4_gemm_x_group(int j) { return j < 4 ? 2 *
 
 struct Mxfp4GemmArgs {
   const uint8_t* x = nullptr;  // E4M3 [rows_total][k], register order (above)
-  const float* xs = nullptr;   // [k/128][xs_ld]
-  int64_t xs_ld = 0;
+  const float* xs = nullptr;   // [k/128][xs_ld]; with gk: [rows_total]
+  int64_t xs_ld = 0;            // unused with gk
+  const uint8_t* gk = nullptr;  // whole-K scales: W's table [w_experts][n / 64] (then w.gmax is not read)
   int64_t rows_total = 0;
   Mxfp4Stack w{};                // rows == n, K (w.k) a multiple of 64 padding to k; gmax required
   const int* experts = nullptr;  // host: [groups]
@@ -50,7 +59,7 @@ struct Mxfp4GemmArgs {
   const int* counts = nullptr;   // host: counts[g] = m_g
   int groups = 0;
   int max_blocks = 0;   // persistent blocks (0: one per SM)
-  int tile_tokens = 0;  // tokens a tile: 64, 128 or 160; 0 picks the one with the least padded work
+  int tile_tokens = 0;  // tokens a tile: 64, 128 or 160 (whole-K: 128, 192, 256); 0: the least padded work
 };
 
 // Calls on one instance must be ordered (one stream, or synchronized).
@@ -65,7 +74,7 @@ class Mxfp4Gemm {
   void run(const Mxfp4GemmArgs& a, cudaStream_t s);
   static bool supported();  // this build and device can run the kernel
   // The tokens a tile run() would take for these group sizes (tile_tokens 0).
-  static int pick_tile_tokens(const int* counts, int groups);
+  static int pick_tile_tokens(const int* counts, int groups, bool whole_k = false);
   int last_tile_tokens() const { return last_bn_; }
 
  private:

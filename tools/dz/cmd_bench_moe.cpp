@@ -377,6 +377,39 @@ int bench_moe(const Args& a) {
                            n_ex, m, 2 * I, long(kph), tile ? "" : "auto: ", mg.last_tile_tokens(), per, tf);
             }
           comp["mxfp4_gemm"] = mj;
+          // The same with whole-K scales (X's by row, W's by 64-row group over
+          // all of K): no promotion a K block, tiles of up to 256 tokens.
+          DeviceArray<uint8_t> gk(P, size_t(E) * (2 * I / 64), "whole-K table");
+          const cpu::FoldStats fk = mxfp4_whole_k_table(Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, E, gk.get(), st);
+          nlohmann::json wj = nlohmann::json::array();
+          for (int m : {128, 512, 2048})
+            for (int tile : {0, 128, 192, 256}) {
+              if (fk.lossy_groups) break;
+              std::vector<int> off(static_cast<size_t>(n_ex)), cnt(static_cast<size_t>(n_ex), m);
+              for (int i = 0; i < n_ex; ++i) off[size_t(i)] = i * m;
+              Mxfp4GemmArgs ma;
+              ma.x = xg.get(), ma.xs = xgs.get(), ma.gk = gk.get();
+              ma.rows_total = int64_t(n_ex) * m, ma.w = Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H};
+              ma.experts = idl.data(), ma.w_experts = E, ma.d = dg.get(), ma.n = 2 * I, ma.k = int(kph);
+              ma.offsets = off.data(), ma.counts = cnt.data(), ma.groups = n_ex, ma.tile_tokens = tile;
+              const double per = ms_per_call(10, [&] { mg.run(ma, st); }),
+                           tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
+              wj.push_back({{"groups", n_ex},
+                            {"m", m},
+                            {"n", 2 * I},
+                            {"k", kph},
+                            {"tile_tokens", mg.last_tile_tokens()},
+                            {"auto", tile == 0},
+                            {"gpu_ms_per_call", per},
+                            {"tflops", tf}});
+              std::fprintf(stderr,
+                           "mxfp4 gemm, whole-K scales, %d x m=%5d n=%d k=%ld, %s%d tokens a tile: %.4f ms/call %.0f "
+                           "TFLOP/s\n",
+                           n_ex, m, 2 * I, long(kph), tile ? "" : "auto: ", mg.last_tile_tokens(), per, tf);
+            }
+          comp["mxfp4_gemm_whole_k"] = wj;
+          comp["whole_k_table"] = {{"groups", fk.groups}, {"lossy_groups", fk.lossy_groups},
+                                   {"max_spread", fk.max_spread}};
         }
       }
       std::fprintf(stderr, "fold %d experts: %.3f ms, %.2f TB/s (read+write)\n", n_ex, comp["fold_ms"].get<double>(),
