@@ -498,6 +498,37 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
         layer.options().fp8_mxfp4_tile_tokens = 0;
         layer.options().fp8_mxfp4_gemm = 0;
       }
+      // Whole-K scales (one scale a row of the activations, one a 64-row
+      // group of each expert over all of K, no promotion a K block): the
+      // reference as closely as the other FP8 paths, near the grouped path,
+      // deterministic.
+      if (Mxfp4Gemm::supported() && c.H % 64 == 0 && c.I % 64 == 0) {
+        Dev<uint8_t> k1(size_t(c.E * (2 * c.I / 64))), k2(size_t(c.E * (c.H / 64)));
+        const cpu::FoldStats fk1 = mxfp4_whole_k_table(Mxfp4Stack{w1b.p, w1s.p, 2 * c.I, c.H}, c.E, k1.p, ctx.stream());
+        const cpu::FoldStats fk2 = mxfp4_whole_k_table(Mxfp4Stack{w2b.p, w2s.p, c.H, c.I}, c.E, k2.p, ctx.stream());
+        REQUIRE(fk1.lossy_groups + fk2.lossy_groups == 0);
+        MoeWeights wk = w;
+        wk.w1_gk = k1.p, wk.w2_gk = k2.p;
+        layer.options().fp8_whole_k = 1;
+        DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
+        layer.forward(wk, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
+        ctx.sync();
+        const auto wh = out.get();
+        const double dm = finite_diff(wh, ref), dg = diff_metric(std::vector<double>(wh.begin(), wh.end()),
+                                                                 std::vector<double>(got.begin(), got.end()));
+        WARN("MoE FP8 path, MXFP4 GEMM with whole-K scales, T " << c.T << ": diff " << dm << " vs float64 (grouped "
+                                                                 << d << "), " << dg << " vs the grouped FP8 path");
+        CHECK(dm < 1e-2);
+        CHECK(dg < 2e-3);
+        layer.forward(wk, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
+        ctx.sync();
+        CHECK(std::memcmp(out.get().data(), wh.data(), wh.size() * sizeof(float)) == 0);
+        // Without the tables the option falls back to the other kernels.
+        layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
+        ctx.sync();
+        CHECK(std::memcmp(out.get().data(), got.data(), got.size() * sizeof(float)) == 0);
+        layer.options().fp8_whole_k = 0;
+      }
     } else {
       WARN("grouped FP8 GEMM not supported here (needs sm_90 and an sm_90a build): FP8 grouped path not tested");
     }
@@ -921,6 +952,21 @@ TEST_CASE("CUDA MoE layer: the plain SwiGLU (DeepSeek) without biases, fused and
           CHECK(diff_metric(std::vector<double>(mg.begin(), mg.end()), std::vector<double>(fp8.begin(), fp8.end())) <
                 1e-4);
           layer.options().fp8_mxfp4_gemm = 0;
+          // Whole-K scales.
+          Dev<uint8_t> k1(size_t(sh.E * (2 * sh.I / 64))), k2(size_t(sh.E * (sh.H / 64)));
+          const cpu::FoldStats fk1 =
+              mxfp4_whole_k_table(Mxfp4Stack{w1b.p, w1s.p, 2 * sh.I, sh.H}, sh.E, k1.p, ctx.stream());
+          const cpu::FoldStats fk2 = mxfp4_whole_k_table(Mxfp4Stack{w2b.p, w2s.p, sh.H, sh.I}, sh.E, k2.p, ctx.stream());
+          REQUIRE(fk1.lossy_groups + fk2.lossy_groups == 0);
+          MoeWeights wk = w;
+          wk.w1_gk = k1.p, wk.w2_gk = k2.p;
+          layer.options().fp8_whole_k = 1;
+          const auto wh = run(MoePath::kFp8, wk);
+          const double dw = finite_diff(wh, r);
+          WARN("MoE FP8 path at " << sh.E << " experts, H " << sh.H << ", T " << T << ": whole-K scales diff " << dw
+                                  << " vs float64 (grouped " << d_fp8 << ")");
+          CHECK(dw < 1e-2);
+          layer.options().fp8_whole_k = 0;
         }
       }
       CHECK(layer.take_error() == 0);

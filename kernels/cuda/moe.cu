@@ -1595,6 +1595,93 @@ unsigned swiglu_quant_blocks(int nrows, int nkb) {
   return unsigned((int64_t(nrows) * ((nkb + kSwigluBlocks - 1) / kSwigluBlocks) + 7) / 8);
 }
 
+// Whole-K scales (Mxfp4Gemm with gk): a warp quantizes a row of kpad values,
+// get(c, v) giving values c..c+3 (zeros past the row's end), under one scale
+// amax / 448 (1 for a zero row), in two passes (the amax, then the bytes):
+// each 4-byte word to word mxfp4_gemm_x_word of its sub-block of every
+// destination row dst(i) < ndst (negative: skipped), the scale to qs.
+template <typename Get, typename Dst>
+__device__ __forceinline__ void quant_row_whole_k(Get get, int kpad, int lane, int ndst, Dst dst, uint8_t* q,
+                                                  float* qs) {
+  float amax = 0.f;
+  for (int c = lane * 4; c < kpad; c += 128) {
+    float v[4];
+    get(c, v);
+    amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+  }
+  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
+  const float sc = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / sc;
+  for (int c = lane * 4; c < kpad; c += 128) {
+    float v[4];
+    get(c, v);
+    const uint32_t word = e4m3x4(v, inv);
+    const int at = (c & ~31) + 4 * mxfp4_gemm_x_word((c & 31) >> 2);
+    for (int i = 0; i < ndst; ++i) {
+      const int r = dst(i);
+      if (r >= 0) *reinterpret_cast<uint32_t*>(q + int64_t(r) * kpad + at) = word;
+    }
+  }
+  if (lane == 0)
+    for (int i = 0; i < ndst; ++i)
+      if (dst(i) >= 0) qs[dst(i)] = sc;
+}
+
+// Warps 0..T-1: token t's input row, quantized once, to each of its routed
+// rows (inv); warps T..T+E-1: expert e's pad rows (zero, scale 1).
+__global__ void gather_quant_row_kernel(const float* x, int T, int H, int kph, int topk, int E, const int* inv,
+                                        const int* counts, const int* offsets, uint8_t* q, float* qs) {
+  const int warp = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
+  if (warp >= T + E) return;
+  if (warp >= T) {
+    const int e = warp - T, r0 = offsets[e] + counts[e], r1 = offsets[e + 1];
+    for (int r = r0; r < r1; ++r)
+      quant_row_whole_k([](int, float(&v)[4]) { v[0] = v[1] = v[2] = v[3] = 0.f; }, kph, lane, 1,
+                        [r](int) { return r; }, q, qs);
+    return;
+  }
+  const float* row = x + int64_t(warp) * H;
+  const int* dst = inv + int64_t(warp) * topk;
+  quant_row_whole_k(
+      [&](int c, float(&v)[4]) {
+        if (c + 3 < H && (H & 3) == 0) {
+          const float4 f = __ldg(reinterpret_cast<const float4*>(row + c));
+          v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) v[i] = c + i < H ? row[c + i] : 0.f;
+        }
+      },
+      kph, lane, topk, [&](int i) { return dst[i]; }, q, qs);
+}
+
+// A warp per sorted row of [r0, r0 + nrows): swiglu_quant_kernel's values
+// (pad rows zero) under one scale a row.
+__global__ void swiglu_quant_row_kernel(const __nv_bfloat16* d1, int I, int kpi, const uint16_t* b1, int silu,
+                                        float limit, const int* sorted, const int* row_expert, int r0, int nrows,
+                                        uint8_t* q, float* qs) {
+  const int warp = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
+  if (warp >= nrows) return;
+  const int r = r0 + warp;
+  const bool real = sorted[r] >= 0;
+  const __nv_bfloat16* drow = d1 + int64_t(r) * 2 * I;
+  const uint16_t* brow = b1 ? b1 + int64_t(row_expert[r]) * 2 * I : nullptr;
+  quant_row_whole_k(
+      [&](int c, float(&v)[4]) {
+        v[0] = v[1] = v[2] = v[3] = 0.f;
+        if (!real || c >= I) return;  // I % 4 == 0
+        const uint4 raw = *reinterpret_cast<const uint4*>(drow + 2 * c);
+        const uint4 bias = brow ? __ldg(reinterpret_cast<const uint4*>(brow + 2 * c)) : make_uint4(0, 0, 0, 0);
+        const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w}, bw[4] = {bias.x, bias.y, bias.z, bias.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float gate = bf16_to_float(uint16_t(w[i] & 0xFFFF)) + bf16_to_float(uint16_t(bw[i] & 0xFFFF));
+          const float up = bf16_to_float(uint16_t(w[i] >> 16)) + bf16_to_float(uint16_t(bw[i] >> 16));
+          v[i] = glu(gate, up, silu, limit);
+        }
+      },
+      kpi, lane, 1, [r](int) { return r; }, q, qs);
+}
+
 // 8 consecutive values of a row as float: fp32 (two 16-byte loads) or bf16 (one).
 __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
   const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
@@ -2116,8 +2203,16 @@ struct MoeLayer::Impl {
     return g;
   }
   // Between the projections: SwiGLU + 1x128 quantization of sorted rows [r0,
-  // r0 + nrows) of d1 into a2 (ld > 0: Mxfp4Gemm's layout, store_1x128).
-  void swiglu_between(int r0, int nrows, const uint16_t* b1, int64_t ld, cudaStream_t st) {
+  // r0 + nrows) of d1 into a2 (ld > 0: Mxfp4Gemm's layout, store_1x128;
+  // whole: its layout with one scale a row).
+  void swiglu_between(int r0, int nrows, const uint16_t* b1, int64_t ld, cudaStream_t st, bool whole = false) {
+    if (whole) {
+      swiglu_quant_row_kernel<<<unsigned((nrows + 7) / 8), 256, 0, st>>>(
+          d1.get(), s.intermediate, int(kpi), b1, silu() ? 1 : 0, s.silu_limit, sorted.get(), row_expert.get(), r0,
+          nrows, a2.get(), a2s.get());
+      DZ_CUDA_LAUNCH_CHECK();
+      return;
+    }
     const int nkb_i = int(kpi / 128);
     swiglu_quant_kernel<<<swiglu_quant_blocks(nrows, nkb_i), 256, 0, st>>>(
         d1.get(), s.intermediate, nkb_i, b1, silu() ? 1 : 0, s.silu_limit, sorted.get(), row_expert.get(),
@@ -2154,20 +2249,32 @@ struct MoeLayer::Impl {
            Mxfp4Gemm::supported();
   }
 
-  // The same with Mxfp4Gemm (X already quantized in its layout).
-  void mxfp4_gemms(const MoeWeights& w, const int* e, int n, const int* ho, int rows_total, cudaStream_t st) {
+  // Whether they run with whole-K scales (MoeOptions::fp8_whole_k): both
+  // projections need exact whole-K tables.
+  bool whole_k_runs(const MoeWeights& w, int T) const {
+    const double tpe = double(T) * s.topk / s.n_experts;
+    const bool want =
+        opt.fp8_whole_k > 0 || (opt.fp8_whole_k == 0 && opt.fp8_gemm == 0 && tpe > opt.fp8_whole_k_min_tokens_per_expert);
+    return want && opt.fp8_gemm != 1 && w.w1_gk && w.w2_gk && s.hidden % 64 == 0 && s.intermediate % 64 == 0 &&
+           Mxfp4Gemm::supported();
+  }
+
+  // The same with Mxfp4Gemm (X already quantized in its layout; whole: with
+  // one scale a row, the weights under the whole-K tables).
+  void mxfp4_gemms(const MoeWeights& w, const int* e, int n, const int* ho, int rows_total, cudaStream_t st,
+                   bool whole) {
     const int H = s.hidden, I = s.intermediate;
     const ExpertGroups eg = expert_groups(e, n, ho);
     Mxfp4GemmArgs g;
     g.xs_ld = xs_ld, g.rows_total = rows_total, g.experts = e, g.w_experts = s.n_experts;
     g.offsets = eg.off.data(), g.counts = eg.cnt.data(), g.groups = n;
-    g.max_blocks = opt.fp8_grouped_blocks, g.tile_tokens = opt.fp8_mxfp4_tile_tokens;
+    g.max_blocks = opt.fp8_grouped_blocks, g.tile_tokens = whole ? 0 : opt.fp8_mxfp4_tile_tokens;
     g.x = a1.get(), g.xs = a1s.get(), g.d = d1.get(), g.n = 2 * I, g.k = int(kph);
-    g.w = Mxfp4Stack{w.w1_blocks, w.w1_scales, 2 * I, H, w.w1_gmax};
+    g.w = Mxfp4Stack{w.w1_blocks, w.w1_scales, 2 * I, H, w.w1_gmax}, g.gk = whole ? w.w1_gk : nullptr;
     mgemm.run(g, st);
-    swiglu_between(eg.r0, eg.nrows, w.b1, xs_ld, st);
+    swiglu_between(eg.r0, eg.nrows, w.b1, xs_ld, st, whole);
     g.x = a2.get(), g.xs = a2s.get(), g.d = d2.get(), g.n = H, g.k = int(kpi);
-    g.w = Mxfp4Stack{w.w2_blocks, w.w2_scales, H, I, w.w2_gmax};
+    g.w = Mxfp4Stack{w.w2_blocks, w.w2_scales, H, I, w.w2_gmax}, g.gk = whole ? w.w2_gk : nullptr;
     mgemm.run(g, st);
   }
 
@@ -2183,18 +2290,22 @@ struct MoeLayer::Impl {
     const int* ho = h_counts + E;
     const int rows_total = ho[E];
     const int nkb_h = int(kph / 128), nkb_i = int(kpi / 128);
-    const bool regs = mxfp4_gemm_runs(w, T);
-    {
+    const bool whole = whole_k_runs(w, T);
+    const bool regs = whole || mxfp4_gemm_runs(w, T);
+    if (whole) {
+      gather_quant_row_kernel<<<unsigned((T + E + 7) / 8), 256, 0, st>>>(
+          x, T, H, int(kph), s.topk, E, inv.get(), counts.get(), offsets.get(), a1.get(), a1s.get());
+    } else {
       gather_quant_kernel<<<gather_quant_blocks(T, nkb_h, E), 256, 0, st>>>(x, T, H, nkb_h, s.topk, E, inv.get(), ids,
                                                                             counts.get(), offsets.get(), a1.get(),
                                                                             a1s.get(), regs ? xs_ld : 0);
-      DZ_CUDA_LAUNCH_CHECK();
     }
+    DZ_CUDA_LAUNCH_CHECK();
     std::vector<int> act_e;
     for (int e = 0; e < E; ++e)
       if (hc[e]) act_e.push_back(e);
     if (regs && !act_e.empty()) {
-      mxfp4_gemms(w, act_e.data(), int(act_e.size()), ho, rows_total, st);
+      mxfp4_gemms(w, act_e.data(), int(act_e.size()), ho, rows_total, st, whole);
       act_e.clear();  // nothing left for the paths below
     }
     // Auto: the grouped kernel where it runs, folding inside up to

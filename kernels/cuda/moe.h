@@ -61,6 +61,10 @@ struct MoeWeights {
   // 64-row fold group of its projection is exact: the FP8 path's grouped GEMMs
   // then fold that projection by 64-row groups (MoeOptions::fp8_group_scales).
   const uint8_t *w1_gmax = nullptr, *w2_gmax = nullptr;
+  // Optional whole-K tables (mxfp4_whole_k_table), each given only where every
+  // 64-row group of its projection folds exactly over all of K: the FP8 path
+  // may then run Mxfp4Gemm with whole-K scales (MoeOptions::fp8_whole_k).
+  const uint8_t *w1_gk = nullptr, *w2_gk = nullptr;
 };
 
 enum class MoePath { kAuto = 0, kFused = 1, kFp8 = 2 };
@@ -303,6 +307,15 @@ struct MoeOptions {
   double fp8_mxfp4_max_tokens_per_expert = 256.0;
   double fp8_mxfp4_skip_above = 48.0, fp8_mxfp4_skip_upto = 80.0;
   int fp8_mxfp4_tile_tokens = 0;
+  // The FP8 path's GEMMs as Mxfp4Gemm with whole-K scales where both
+  // projections carry whole-K tables (MoeWeights::w1_gk, w2_gk) and fp8_gemm
+  // is 0: the input and SwiGLU's output quantized with one scale a row, each
+  // expert's weights under one scale a 64-row group, the MMAs accumulating
+  // over all of K with no promotion, so tiles of 256 tokens fit and nothing is
+  // folded ahead. 1: at every FP8-path size; -1: never; 0 (auto): above
+  // fp8_whole_k_min_tokens_per_expert tokens an expert.
+  int fp8_whole_k = 0;
+  double fp8_whole_k_min_tokens_per_expert = 160.0;
 };
 
 class MoeLayer {

@@ -72,7 +72,7 @@ __device__ __forceinline__ void find_tile(const Params& p, int t, int& g, int& r
   tt = local - rt * ttiles;
 }
 
-// d (64 x N fp32, wgmma layout) = [d +] A(64 x 32, registers) B(N x 32, shared)^T, E4M3; N = 64, 128, 160, 192, 256.
+// d (64 x N fp32, wgmma layout) = [d +] A(64 x 32, registers) B(N x 32, shared)^T, E4M3; N = 64, 128, 160.
 __device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int accumulate) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
@@ -97,21 +97,32 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[80], const uint32_t (&a)[4],
       : DZ_WGMMA_ACC64(d), DZ_WGMMA_ACC8(d, 64), DZ_WGMMA_ACC8(d, 72)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
-__device__ __forceinline__ void wgmma_rs(float (&d)[96], const uint32_t (&a)[4], uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %101, 0;\n"
-      " wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {" DZ_WGMMA_R64 ", " DZ_WGMMA_R64_95
-      "}, {%96, %97, %98, %99}, %100, p, 1, 1;\n}\n"
-      : DZ_WGMMA_ACC64(d), DZ_WGMMA_ACC32_AT(d, 64)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %133, 0;\n"
-      " wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {" DZ_WGMMA_R64 ", " DZ_WGMMA_R64_127
-      "}, {%128, %129, %130, %131}, %132, p, 1, 1;\n}\n"
-      : DZ_WGMMA_ACC64(d), DZ_WGMMA_ACC32_AT(d, 64), DZ_WGMMA_ACC32_AT(d, 96)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+// The same, N columns wide on the first N / 2 of 128 accumulators (the
+// whole-K tiles: one accumulator array for every width).
+template <int N>
+__device__ __forceinline__ void wgmma_rs_n(float (&d)[128], const uint32_t (&a)[4], uint64_t db) {
+  if constexpr (N == 64) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {" DZ_WGMMA_R32 "}, {%32, %33, %34, %35}, %36, 1, 1, 1;\n"
+        : DZ_WGMMA_ACC32(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+  } else if constexpr (N == 128) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" DZ_WGMMA_R64 "}, {%64, %65, %66, %67}, %68, 1, 1, 1;\n"
+        : DZ_WGMMA_ACC64(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+  } else if constexpr (N == 192) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {" DZ_WGMMA_R64 ", " DZ_WGMMA_R64_95
+                 "}, {%96, %97, %98, %99}, %100, 1, 1, 1;\n"
+                 : DZ_WGMMA_ACC64(d), DZ_WGMMA_ACC32_AT(d, 64)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+  } else {
+    static_assert(N == 256, "64, 128, 192 or 256 columns");
+    asm volatile("wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {" DZ_WGMMA_R64 ", " DZ_WGMMA_R64_127
+                 "}, {%128, %129, %130, %131}, %132, 1, 1, 1;\n"
+                 : DZ_WGMMA_ACC64(d), DZ_WGMMA_ACC32_AT(d, 64), DZ_WGMMA_ACC32_AT(d, 96)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+  }
 }
 #endif  // DZ_MG_SM90A
 
@@ -307,46 +318,70 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     __syncwarp();
     decode(stage, rs, a0);
     if constexpr (kWhole) {
-      // K block kb: its MMAs on a into acc, then (one group left in flight)
-      // kb - 1's stage released and its fragments, an, refilled with kb + 1's.
-      auto step = [&](int kb, uint32_t(&a)[4][4], uint32_t(&an)[4][4]) {
-        const uint32_t dsc = ptx::sw128_desc_lo(sX + uint32_t(stage * L::xBytes));
-        // No fence on acc here: an instruction reading it while a group is in
-        // flight would serialize the MMAs; only the MMAs touch it until wait0.
-        ptx::fence_regs(a);
-        ptx::wgmma_fence();
+      // A tile's MMAs are N columns wide, the fewest multiple of 64 that holds
+      // its tokens (an expert's last tile is mostly short), on the first N / 2
+      // accumulators.
+      auto whole_tile = [&]<int N>() {
+        // Zeroed here rather than by the first MMA's scale-d predicate: with the
+        // predicate ptxas serializes the MMAs at N < 256.
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_rs(acc, a[kk], ptx::sw128_desc(dsc + 2 * kk), kb > 0 || kk > 0);
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<1>();
-        ptx::fence_regs(an);  // kb - 1's MMAs read an until here
-        const int prev = stage == 0 ? kS - 1 : stage - 1;
-        __syncwarp();
-        if (kb > 0 && lane == 0) ptx::mbar_arrive(empty(prev));
-        if (++stage == kS) stage = 0, phase ^= 1u;
-        if (kb + 1 < p.nkb) {
-          wait(full(stage), phase);
+        for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+        ptx::fence_regs(acc);
+        // K block kb: its MMAs on a into acc, then (one group left in flight)
+        // kb - 1's stage released and its fragments, an, refilled with kb + 1's.
+        auto step = [&](int kb, uint32_t(&a)[4][4], uint32_t(&an)[4][4]) {
+          const uint32_t dsc = ptx::sw128_desc_lo(sX + uint32_t(stage * L::xBytes));
+          // No fence on acc here: an instruction reading it while a group is in
+          // flight would serialize the MMAs; only the MMAs touch it until wait0.
+          ptx::fence_regs(a);
+          ptx::wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) wgmma_rs_n<N>(acc, a[kk], ptx::sw128_desc(dsc + 2 * kk));
+          ptx::wgmma_commit();
+          ptx::wgmma_wait<1>();
+          ptx::fence_regs(an);  // kb - 1's MMAs read an until here
+          const int prev = stage == 0 ? kS - 1 : stage - 1;
           __syncwarp();
-          decode(stage, rn, an);
-          if (kb + 2 < p.nkb) load_raw(kb + 2, rn);
+          if (kb > 0 && lane == 0) ptx::mbar_arrive(empty(prev));
+          if (++stage == kS) stage = 0, phase ^= 1u;
+          if (kb + 1 < p.nkb) {
+            wait(full(stage), phase);
+            __syncwarp();
+            decode(stage, rn, an);
+            if (kb + 2 < p.nkb) load_raw(kb + 2, rn);
+          }
+        };
+        int kb = 0;
+        for (; kb + 1 < p.nkb; kb += 2) step(kb, a0, a1), step(kb + 1, a1, a0);
+        if (kb < p.nkb) step(kb, a0, a1);
+        ptx::wgmma_wait0();
+        ptx::fence_regs(acc);
+        __syncwarp();
+        if (lane == 0) ptx::mbar_arrive(empty(stage == 0 ? kS - 1 : stage - 1));
+        // Both scales: W's group (2^(byte - 133)) and each token's. The
+        // token scales' address passes through an empty asm so their loads
+        // stay here: hoisted above the K loop they would hold N / 2 registers.
+        const float ws = ldexpf(1.f, gw - 133);
+        const float* xr = p.xrow + off + tt * BN + 2 * t;
+        asm volatile("" : "+l"(xr));
+        const int left = m - tt * BN - 2 * t;
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+          const float x0 = 8 * j < left ? ws * __ldg(xr + 8 * j) : 0.f;
+          const float x1 = 8 * j + 1 < left ? ws * __ldg(xr + 8 * j + 1) : 0.f;
+          acc[4 * j + 0] *= x0, acc[4 * j + 1] *= x1, acc[4 * j + 2] *= x0, acc[4 * j + 3] *= x1;
         }
       };
-      int kb = 0;
-      for (; kb + 1 < p.nkb; kb += 2) step(kb, a0, a1), step(kb + 1, a1, a0);
-      if (kb < p.nkb) step(kb, a0, a1);
-      ptx::wgmma_wait0();
-      ptx::fence_regs(acc);
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(empty(stage == 0 ? kS - 1 : stage - 1));
-      // Both scales: W's group (2^(byte - 133)) and each token's.
-      const float ws = ldexpf(1.f, gw - 133);
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const int t0 = tt * BN + 8 * j + 2 * t;
-        const float x0 = t0 < m ? ws * __ldg(p.xrow + off + t0) : 0.f;
-        const float x1 = t0 + 1 < m ? ws * __ldg(p.xrow + off + t0 + 1) : 0.f;
-        acc[4 * j + 0] *= x0, acc[4 * j + 1] *= x1, acc[4 * j + 2] *= x0, acc[4 * j + 3] *= x1;
-      }
+      static_assert(!kWhole || BN == 256, "whole-K tiles are 256 tokens (narrower MMAs for short ones)");
+      const int rows_here = min(BN, m - tt * BN);
+      if (rows_here > 192)
+        whole_tile.template operator()<256>();
+      else if (rows_here > 128)
+        whole_tile.template operator()<192>();
+      else if (rows_here > 64)
+        whole_tile.template operator()<128>();
+      else
+        whole_tile.template operator()<64>();
     } else {
 #pragma unroll
     for (int i = 0; i < NR; ++i) acc[i] = 0.f;
@@ -420,12 +455,13 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
 }
 
 // The tile sizes and their instantiations: scales by K block, then whole-K scales.
-constexpr int kTileTokens[2][3] = {{64, 128, 160}, {128, 192, 256}};
+// (Whole-K: one tile of 256 tokens, its MMAs as wide as a tile's tokens need.)
+constexpr int kTileTokens[2][3] = {{64, 128, 160}, {256, 0, 0}};
 void (*const kKernels[2][3])(Params) = {
     {mxfp4_gemm_kernel<64, false>, mxfp4_gemm_kernel<128, false>, mxfp4_gemm_kernel<160, false>},
-    {mxfp4_gemm_kernel<128, true>, mxfp4_gemm_kernel<192, true>, mxfp4_gemm_kernel<256, true>}};
+    {mxfp4_gemm_kernel<256, true>, nullptr, nullptr}};
 constexpr int kSmemBytes[2][3] = {{Smem<64, false>::bytes, Smem<128, false>::bytes, Smem<160, false>::bytes},
-                                  {Smem<128, true>::bytes, Smem<192, true>::bytes, Smem<256, true>::bytes}};
+                                  {Smem<256, true>::bytes, 0, 0}};
 
 bool aligned(const void* q, uintptr_t a) { return (reinterpret_cast<uintptr_t>(q) & (a - 1)) == 0; }
 
@@ -445,6 +481,7 @@ int Mxfp4Gemm::pick_tile_tokens(const int* counts, int groups, bool whole_k) {
   int best = kTileTokens[whole_k][0];
   int64_t best_cost = -1;
   for (int bn : kTileTokens[whole_k]) {
+    if (bn == 0) continue;
     int64_t cost = 0;
     for (int gi = 0; gi < groups; ++gi) cost += (int64_t(counts[gi]) + bn - 1) / bn * (bn + kTileFixed);
     if (best_cost < 0 || cost < best_cost) best = bn, best_cost = cost;
@@ -458,7 +495,8 @@ Mxfp4Gemm::Mxfp4Gemm() {
   n_sm_ = current_device_sms();
   for (int w = 0; w < 2; ++w)
     for (int i = 0; i < 3; ++i)
-      DZ_CUDA_CHECK(
+      if (kKernels[w][i])
+        DZ_CUDA_CHECK(
           cudaFuncSetAttribute(kKernels[w][i], cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes[w][i]));
 }
 
@@ -498,9 +536,9 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
   const int bn = a.tile_tokens ? a.tile_tokens : pick_tile_tokens(a.counts, a.groups, whole);
   int ti = -1;
   for (int i = 0; i < 3; ++i)
-    if (kTileTokens[whole][i] == bn) ti = i;
+    if (bn != 0 && kTileTokens[whole][i] == bn) ti = i;
   check(ti >= 0, DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: tile_tokens=", a.tile_tokens,
-        whole ? " (0, 128, 192 or 256 with whole-K scales)" : " (0, 64, 128 or 160)");
+        whole ? " (0 or 256 with whole-K scales)" : " (0, 64, 128 or 160)");
   last_bn_ = bn;
   const int nkb = a.k / kBK;
 

@@ -59,7 +59,7 @@ struct Mxfp4GemmArgs {
   const int* counts = nullptr;   // host: counts[g] = m_g
   int groups = 0;
   int max_blocks = 0;   // persistent blocks (0: one per SM)
-  int tile_tokens = 0;  // tokens a tile: 64, 128 or 160 (whole-K: 128, 192, 256); 0: the least padded work
+  int tile_tokens = 0;  // tokens a tile: 64, 128 or 160 (whole-K: 256); 0: the least padded work
 };
 
 // Calls on one instance must be ordered (one stream, or synchronized).

@@ -86,6 +86,7 @@ struct DevLayer {
   DeviceArray<float> qkv_b, o_b, router_b, in_norm, post_norm, sinks;
   DeviceArray<uint8_t> w1b, w1s, w2b, w2s;
   DeviceArray<uint8_t> w1g, w2g;  // fold group tables where all 64-row groups are exact (else empty)
+  DeviceArray<uint8_t> w1k, w2k;  // whole-K tables where every 64-row group is exact over all of K (else empty)
   DeviceArray<uint16_t> b1, b2;
 };
 
@@ -359,11 +360,13 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
 // The spread check of the experts' FP4 -> FP8 folding, on the device at load:
 // lossy 1x128 groups are counted and reported, never assumed away; each
 // projection whose 64-row x 128 groups all fold exactly keeps its group table
-// (mxfp4_group_table) for the FP8 path's grouped GEMMs.
+// (mxfp4_group_table) for the FP8 path's grouped GEMMs, and each whose 64-row
+// groups fold exactly over all of K its whole-K table (the MXFP4 GEMM's
+// whole-K scales, mxfp4_whole_k_table).
 void GptOssCuda::check_folding(int64_t E, int64_t H, int64_t I) {
   cudaStream_t s = ctx_->stream();
-  cpu::FoldStats by_row, by_group;
-  int grouped = 0, projections = 0;
+  cpu::FoldStats by_row, by_group, by_whole;
+  int grouped = 0, whole = 0, projections = 0;
   size_t table_bytes = 0;
   for (int li = 0; li < n_layers_; ++li) {
     DevLayer& d = dl_[size_t(li)];
@@ -372,20 +375,24 @@ void GptOssCuda::check_folding(int64_t E, int64_t H, int64_t I) {
       const DeviceArray<uint8_t>& sc;
       int64_t rows, k;
       DeviceArray<uint8_t>& table;
-    } projs[2] = {{d.w1b, d.w1s, 2 * I, H, d.w1g}, {d.w2b, d.w2s, H, I, d.w2g}};
+      DeviceArray<uint8_t>& whole;
+    } projs[2] = {{d.w1b, d.w1s, 2 * I, H, d.w1g, d.w1k}, {d.w2b, d.w2s, H, I, d.w2g, d.w2k}};
     for (const auto& pr : projs) {
       const cuda::Mxfp4Stack st{pr.b.get(), pr.sc.get(), pr.rows, pr.k};
       by_row.merge(cuda::mxfp4_fold_check_device(st, int(E), nullptr, s));
       ++projections;
       pr.table = cuda::mxfp4_exact_group_table(ctx_->pool(), st, int(E), &by_group, s);
       if (pr.table.get()) table_bytes += pr.table.size(), ++grouped;
+      pr.whole = cuda::mxfp4_exact_whole_k_table(ctx_->pool(), st, int(E), &by_whole, s);
+      if (pr.whole.get()) table_bytes += pr.whole.size(), ++whole;
     }
   }
   log_info("expert folding: ", by_row.groups, " groups of 1x128, ", by_row.lossy_groups, " lossy (max spread ",
            by_row.max_spread, by_row.lossy_groups ? ": FP8 folding is not exact there" : ", exact", "); ",
            by_group.groups, " of 64x128, ", by_group.lossy_groups, " lossy (max spread ", by_group.max_spread,
-           "): ", grouped, " of ", projections, " projections fold by 64-row groups (", table_bytes >> 10,
-           " KiB of tables)");
+           "): ", grouped, " of ", projections, " projections fold by 64-row groups; ", by_whole.groups,
+           " 64-row groups over all of K, ", by_whole.lossy_groups, " lossy (max spread ", by_whole.max_spread,
+           "): ", whole, " of ", projections, " projections fold by them (", table_bytes >> 10, " KiB of tables)");
 }
 
 GptOssCuda::~GptOssCuda() {
@@ -717,6 +724,8 @@ void GptOssCuda::enqueue(const PassArgs& p, const ForwardOptions* abort_between)
     mw.b2 = L.b2.get();
     mw.w1_gmax = L.w1g.get();
     mw.w2_gmax = L.w2g.get();
+    mw.w1_gk = L.w1k.get();
+    mw.w2_gk = L.w2k.get();
     const bool exact = !fp8_experts_ && (li < exact_moe_layers_ || li >= n_layers_ - exact_moe_layers_);
     const cuda::MoePath lp = path_ == cuda::MoePath::kAuto && exact ? cuda::MoePath::kFused : path_;
     moe_->options().fused_w4a8 = auto_w4a8_ && !exact;                    // exact layers: fp16 activations

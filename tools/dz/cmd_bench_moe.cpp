@@ -40,7 +40,8 @@ const char* kUsage =
     "usage: dz bench moe [--tokens 1,8,64,128,256,384,512,1024,2048,4096,16384] [--reps N] [--experts 128] [--topk 4]\n"
     "                    [--hidden 2880] [--intermediate 2880] [--threshold TPE] [--tile N] [--gemm-streams S]\n"
     "                    [--no-components] [--w4a8]\n"
-    "                    [--fp8-gemm auto|auto_fold|mxfp4|auto_tN|auto_nN|cublaslt|grouped|grouped_ws[_rows]|LIST]\n"
+    "                    [--fp8-gemm auto|auto_nowhole|whole|auto_fold|mxfp4|auto_tN|auto_nN|cublaslt|grouped|\n"
+    "                                grouped_ws[_rows]|LIST]\n"
     "                    [--grouped-blocks N]\n"
     "                    [--bw-ceiling 4.27e12] [--fp8-ceiling 1490e12] [--dump DIR] [--out FILE.json]\n"
     "MXFP4 MoE layer on the GPU: fused (W4A8 / W4A16 kernels) vs FP8 (fold + FP8 GEMMs) paths, JSON results.\n"
@@ -54,6 +55,9 @@ const char* kUsage =
     "never the MXFP4 GEMM; mxfp4: it at every size, auto_t64|t128|t160: with that many tokens a\n"
     "tile; auto_n128|n192: the grouped kernel on the FP8 workspace with tiles that many columns wide\n"
     "(n128: the narrow block, the next workspace tile folding beside it; the last tile at 192));\n"
+    "above 160 tokens an expert auto takes the MXFP4 GEMM with whole-K scales (one scale a row of\n"
+    "the activations, one a 64-row group of each expert over all of K) where both projections fold\n"
+    "exactly that way: whole takes it at every size, auto_nowhole never;\n"
     "of a comma list the first is fp8_ms, every one listed is timed in\n"
     "alternation (fp8_gemm_ms) and its output compared with the first's. A _rows suffix\n"
     "(auto_rows, grouped_rows, grouped_ws_rows): weight scales per row (1x128) instead of per\n"
@@ -119,10 +123,12 @@ int bench_moe(const Args& a) {
       if (item.empty()) continue;
       static const char* const known[] = {"auto",         "cublaslt",        "grouped",   "grouped_ws", "auto_rows",
                                           "grouped_rows", "grouped_ws_rows", "auto_fold", "mxfp4",      "auto_t64",
-                                          "auto_t128",    "auto_t160",       "auto_n128", "auto_n192"};
+                                          "auto_t128",    "auto_t160",       "auto_n128", "auto_n192",  "whole",
+                                          "auto_nowhole"};
       if (std::find(std::begin(known), std::end(known), item) == std::end(known)) {
         std::fprintf(stderr,
-                     "dz bench moe: --fp8-gemm takes auto, auto_fold, auto_t64|t128|t160, auto_n128|n192, cublaslt, "
+                     "dz bench moe: --fp8-gemm takes auto, auto_nowhole, whole, auto_fold, auto_t64|t128|t160, "
+                     "auto_n128|n192, cublaslt, "
                      "grouped and/or "
                      "grouped_ws (the last three with or without _rows), not '%s'\n",
                      item.c_str());
@@ -136,7 +142,8 @@ int bench_moe(const Args& a) {
   // _rows: 1x128 weight scales even where the 64-row groups fold exactly.
   // auto_fold: auto without the MXFP4 GEMM (folding into shared memory or the
   // workspace as before it); mxfp4: the MXFP4 GEMM at every size; auto_tN:
-  // that with N tokens a tile.
+  // that with N tokens a tile; whole: the MXFP4 GEMM with whole-K scales at
+  // every size; auto_nowhole: auto without them.
   auto set_gemm = [](MoeOptions& o, std::string g) {
     const size_t rows = g.rfind("_rows");
     o.fp8_group_scales = rows == std::string::npos;
@@ -145,7 +152,11 @@ int bench_moe(const Args& a) {
     o.fp8_fold_in_gemm = g != "grouped_ws";
     o.fp8_mxfp4_gemm = g == "auto_fold" ? -1 : g.rfind("auto_t", 0) == 0 || g == "mxfp4" ? 1 : 0;
     o.fp8_mxfp4_tile_tokens = g.rfind("auto_t", 0) == 0 ? std::stoi(g.substr(6)) : 0;
-    o.fp8_ws_tile_n = g.rfind("auto_n", 0) == 0 ? std::stoi(g.substr(6)) : MoeOptions{}.fp8_ws_tile_n;
+    o.fp8_ws_tile_n =
+        g.rfind("auto_n", 0) == 0 && g != "auto_nowhole" ? std::stoi(g.substr(6)) : MoeOptions{}.fp8_ws_tile_n;
+    // whole: the MXFP4 GEMM with whole-K scales at every FP8-path size; only
+    // auto (and auto_rows) choose it by size.
+    o.fp8_whole_k = g == "whole" ? 1 : g == "auto" ? 0 : -1;
   };
   set_gemm(opt, fp8_gemms[0]);
   opt.fp8_grouped_blocks = int_flag("--grouped-blocks", opt.fp8_grouped_blocks);
@@ -184,8 +195,13 @@ int bench_moe(const Args& a) {
     const DeviceArray<uint8_t> w1g =
                                    mxfp4_exact_group_table(P, Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, E, &fs64, st),
                                w2g = mxfp4_exact_group_table(P, Mxfp4Stack{w2b.get(), w2s.get(), H, I}, E, &fs64, st);
+    cpu::FoldStats fsk;
+    const DeviceArray<uint8_t> w1k = mxfp4_exact_whole_k_table(P, Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, E,
+                                                               &fsk, st),
+                               w2k = mxfp4_exact_whole_k_table(P, Mxfp4Stack{w2b.get(), w2s.get(), H, I}, E, &fsk, st);
     MoeWeights W{w1b.get(), w1s.get(), b1.get(), w2b.get(), w2s.get(), b2.get()};
     W.w1_gmax = w1g.get(), W.w2_gmax = w2g.get();
+    W.w1_gk = w1k.get(), W.w2_gk = w2k.get();
     const bool groups_exact = W.w1_gmax != nullptr;  // gate_up's, for the components below
 
     // Components: folding throughput, and one FP8 GEMM (N = 2I, K = H padded) per M.
@@ -382,31 +398,21 @@ int bench_moe(const Args& a) {
           DeviceArray<uint8_t> gk(P, size_t(E) * (2 * I / 64), "whole-K table");
           const cpu::FoldStats fk = mxfp4_whole_k_table(Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, E, gk.get(), st);
           nlohmann::json wj = nlohmann::json::array();
-          for (int m : {128, 512, 2048})
-            for (int tile : {0, 128, 192, 256}) {
-              if (fk.lossy_groups) break;
-              std::vector<int> off(static_cast<size_t>(n_ex)), cnt(static_cast<size_t>(n_ex), m);
-              for (int i = 0; i < n_ex; ++i) off[size_t(i)] = i * m;
-              Mxfp4GemmArgs ma;
-              ma.x = xg.get(), ma.xs = xgs.get(), ma.gk = gk.get();
-              ma.rows_total = int64_t(n_ex) * m, ma.w = Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H};
-              ma.experts = idl.data(), ma.w_experts = E, ma.d = dg.get(), ma.n = 2 * I, ma.k = int(kph);
-              ma.offsets = off.data(), ma.counts = cnt.data(), ma.groups = n_ex, ma.tile_tokens = tile;
-              const double per = ms_per_call(10, [&] { mg.run(ma, st); }),
-                           tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
-              wj.push_back({{"groups", n_ex},
-                            {"m", m},
-                            {"n", 2 * I},
-                            {"k", kph},
-                            {"tile_tokens", mg.last_tile_tokens()},
-                            {"auto", tile == 0},
-                            {"gpu_ms_per_call", per},
-                            {"tflops", tf}});
-              std::fprintf(stderr,
-                           "mxfp4 gemm, whole-K scales, %d x m=%5d n=%d k=%ld, %s%d tokens a tile: %.4f ms/call %.0f "
-                           "TFLOP/s\n",
-                           n_ex, m, 2 * I, long(kph), tile ? "" : "auto: ", mg.last_tile_tokens(), per, tf);
-            }
+          for (int m : {128, 300, 512, 2048}) {
+            if (fk.lossy_groups) break;
+            std::vector<int> off(static_cast<size_t>(n_ex)), cnt(static_cast<size_t>(n_ex), m);
+            for (int i = 0; i < n_ex; ++i) off[size_t(i)] = i * m;
+            Mxfp4GemmArgs ma;
+            ma.x = xg.get(), ma.xs = xgs.get(), ma.gk = gk.get();
+            ma.rows_total = int64_t(n_ex) * m, ma.w = Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H};
+            ma.experts = idl.data(), ma.w_experts = E, ma.d = dg.get(), ma.n = 2 * I, ma.k = int(kph);
+            ma.offsets = off.data(), ma.counts = cnt.data(), ma.groups = n_ex;
+            const double per = ms_per_call(10, [&] { mg.run(ma, st); }),
+                         tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
+            wj.push_back({{"groups", n_ex}, {"m", m}, {"n", 2 * I}, {"k", kph}, {"gpu_ms_per_call", per}, {"tflops", tf}});
+            std::fprintf(stderr, "mxfp4 gemm, whole-K scales, %d x m=%5d n=%d k=%ld: %.4f ms/call %.0f TFLOP/s\n", n_ex,
+                         m, 2 * I, long(kph), per, tf);
+          }
           comp["mxfp4_gemm_whole_k"] = wj;
           comp["whole_k_table"] = {{"groups", fk.groups}, {"lossy_groups", fk.lossy_groups},
                                    {"max_spread", fk.max_spread}};
@@ -447,6 +453,11 @@ int bench_moe(const Args& a) {
                           {"zero_groups", fs64.zero_groups},
                           {"max_spread", fs64.max_spread},
                           {"group_scales_used", {W.w1_gmax != nullptr, W.w2_gmax != nullptr}}}},
+                        {"fold_check_whole_k",
+                         {{"groups", fsk.groups},
+                          {"lossy_groups", fsk.lossy_groups},
+                          {"max_spread", fsk.max_spread},
+                          {"whole_k_tables", {W.w1_gk != nullptr, W.w2_gk != nullptr}}}},
                         {"timing", "median of CUDA-event times, L2 flushed (256 MiB read) before each call, " +
                                        std::to_string(kSets) + " routing sets rotated; fused path as CUDA graphs"},
                         {"components", comp},
