@@ -26,6 +26,14 @@ constexpr int kWBox = 64 * 64;     // a consumer's MXFP4 stage: 64 rows x 64 byt
 constexpr int kMaxGroups = 128;    // per launch; more groups are split over launches
 constexpr int kEmptyArrivals = 8;  // one per consumer warp
 constexpr int kScaleWarps = 3;     // the producer warpgroup's warps 1..3 (scale products)
+constexpr int kExtra = 64;         // whole-K: tokens an expert's last tile takes past its 256 (one decode for both)
+
+// Token tiles of a group of m tokens: ceil(m / bn), but with whole-K scales a
+// last tile of at most kExtra tokens rides on the tile before it.
+__host__ __device__ constexpr int token_tiles(int m, int bn, bool whole) {
+  const int n = (m + bn - 1) / bn;
+  return whole && n >= 2 && m - (n - 1) * bn <= kExtra ? n - 1 : n;
+}
 
 // Shared memory of a kernel with BN tokens a tile: per stage the X tile (BN
 // rows x 128 bytes, 128-byte swizzle), both consumers' MXFP4 boxes (64-byte
@@ -35,9 +43,11 @@ constexpr int kScaleWarps = 3;     // the producer warpgroup's warps 1..3 (scale
 // fit in ~210 KB, at most 8.
 template <int BN, bool kWhole>
 struct Smem {
-  static constexpr int xBytes = BN * kBK, stageBytes = xBytes + 2 * kWBox + (kWhole ? 0 : 3 * BN * 4);
+  static constexpr int xBytes = BN * kBK, x2Bytes = kWhole ? kExtra * kBK : 0;  // x2: the ride-along tokens
+  static constexpr int stageBytes = xBytes + x2Bytes + 2 * kWBox + (kWhole ? 0 : 3 * BN * 4);
   static constexpr int S = std::min(8, 210 * 1024 / stageBytes);
-  static constexpr int offW = S * xBytes, offXs = offW + S * 2 * kWBox, offC = offXs + S * BN * 4;
+  static constexpr int offW = S * xBytes, offX2 = offW + S * 2 * kWBox, offXs = offX2 + S * x2Bytes;
+  static constexpr int offC = offXs + S * BN * 4;
   static constexpr int offBar = offC + S * 2 * BN * 4;
   static constexpr int bytes = offBar + 3 * S * 8 + 1024;  // +1024: base aligned up
   static_assert(xBytes % 1024 == 0 && offW % 1024 == 0 && kWBox % 1024 == 0 && offXs % 16 == 0, "alignment");
@@ -48,6 +58,7 @@ struct Params {
   CUtensorMap xmap;   // X [rows_total][k] u8, box BN x 128, 128B swizzle
   CUtensorMap xsmap;  // xs [nkb][xs_ld] f32, box 1 x BN
   CUtensorMap wmap;   // MXFP4 blocks [E * n][K / 2] u8, box 64 x 64, 64B swizzle
+  CUtensorMap xmap2;  // whole-K: X again, box kExtra x 128 (the ride-along tokens)
   __nv_bfloat16* d;
   const uint8_t* scales;  // E8M0 [E * n][nsub]
   const uint8_t* gmax;    // group table [E][n / 64][nkb]
@@ -64,10 +75,10 @@ static_assert(sizeof(Params) <= 4096, "kernel parameters");
 #ifdef DZ_MG_SM90A
 // Tile t -> group, row tile, token tile; a group's token tiles of one row tile
 // are consecutive (blocks side by side share the weight rows through L2).
-template <int BN>
+template <int BN, bool kWhole>
 __device__ __forceinline__ void find_tile(const Params& p, int t, int& g, int& rt, int& tt) {
   g = ptx::segment_of(p.tile_start, p.groups, t);
-  const int local = t - p.tile_start[g], ttiles = (p.m[g] + BN - 1) / BN;
+  const int local = t - p.tile_start[g], ttiles = token_tiles(p.m[g], BN, kWhole);
   rt = local / ttiles;
   tt = local - rt * ttiles;
 }
@@ -97,10 +108,11 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[80], const uint32_t (&a)[4],
       : DZ_WGMMA_ACC64(d), DZ_WGMMA_ACC8(d, 64), DZ_WGMMA_ACC8(d, 72)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
-// The same, N columns wide on the first N / 2 of 128 accumulators (the
+// The same, N columns wide on the first N / 2 of d's accumulators (the
 // whole-K tiles: one accumulator array for every width).
-template <int N>
-__device__ __forceinline__ void wgmma_rs_n(float (&d)[128], const uint32_t (&a)[4], uint64_t db) {
+template <int N, int R>
+__device__ __forceinline__ void wgmma_rs_n(float (&d)[R], const uint32_t (&a)[4], uint64_t db) {
+  static_assert(N / 2 <= R, "accumulators");
   if constexpr (N == 64) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {" DZ_WGMMA_R32 "}, {%32, %33, %34, %35}, %36, 1, 1, 1;\n"
@@ -175,14 +187,17 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xmap)) : "memory");
       if (!kWhole) asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xsmap)) : "memory");
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.wmap)) : "memory");
+      if (kWhole) asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xmap2)) : "memory");
       int stage = 0;
       uint32_t phase = 0;
       for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
         int g, rt, tt;
-        find_tile<BN>(p, t, g, rt, tt);
+        find_tile<BN, kWhole>(p, t, g, rt, tt);
         const int xrow = p.off[g] + tt * BN, wrow = p.expert[g] * p.n + rt * kRows;
         const bool live1 = rt * kRows + 64 < p.n;  // the second consumer's rows exist
-        const uint32_t tx = uint32_t(BN * kBK + (kWhole ? 0 : BN * 4) + (live1 ? 2 : 1) * kWBox);
+        const bool extra = kWhole && p.m[g] - tt * BN > BN;  // ride-along tokens
+        const uint32_t tx =
+            uint32_t(BN * kBK + (extra ? kExtra * kBK : 0) + (kWhole ? 0 : BN * 4) + (live1 ? 2 : 1) * kWBox);
         for (int kb = 0; kb < p.nkb; ++kb) {
           wait(empty(stage), phase ^ 1u);  // a fresh barrier passes parity 1
           ptx::mbar_arrive_expect_tx(full(stage), tx);
@@ -191,6 +206,8 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
           const uint32_t w0 = sW + uint32_t(stage * 2 * kWBox);
           ptx::tma_2d(w0, &p.wmap, full(stage), kb * 64, wrow);
           if (live1) ptx::tma_2d(w0 + kWBox, &p.wmap, full(stage), kb * 64, wrow + 64);
+          if (extra)
+            ptx::tma_2d(base + uint32_t(L::offX2 + stage * L::x2Bytes), &p.xmap2, full(stage), kb * kBK, xrow + BN);
           if (++stage == kS) stage = 0, phase ^= 1u;
         }
       }
@@ -203,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
       uint32_t phase = 0;
       for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
         int g, rt, tt;
-        find_tile<BN>(p, t, g, rt, tt);
+        find_tile<BN, kWhole>(p, t, g, rt, tt);
         const int live = rt * kRows + 64 < p.n ? 2 : 1;
         const uint8_t* gm = p.gmax + (int64_t(p.expert[g]) * (p.n / 64) + rt * 2) * p.nkb;
         for (int kb = 0; kb < p.nkb; ++kb) {
@@ -231,7 +248,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
   const int g = lane >> 2, t = lane & 3;
   const int rA = warp * 16 + g, swz = (rA >> 1) & 3;  // local row (and rA + 8), its 64-byte swizzle
   constexpr int NR = BN / 2;                          // accumulators a thread
-  float acc[NR], part[kWhole ? 1 : NR];
+  float acc[NR], part[kWhole ? 1 : NR], acc2[kWhole ? kExtra / 2 : 1];
   if constexpr (!kWhole) {
 #pragma unroll
     for (int i = 0; i < NR; ++i) part[i] = 0.f;
@@ -240,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
   uint32_t phase = 0;
   for (int tile = int(blockIdx.x); tile < p.tiles_total; tile += int(gridDim.x)) {
     int gi, rt, tt;
-    find_tile<BN>(p, tile, gi, rt, tt);
+    find_tile<BN, kWhole>(p, tile, gi, rt, tt);
     const int m = p.m[gi], off = p.off[gi], e = p.expert[gi];
     const int wr0 = rt * kRows + cw * 64;  // this warpgroup's first weight row
     if (wr0 >= p.n) {                      // past the last row: keep the ring's count only
@@ -321,22 +338,31 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
       // A tile's MMAs are N columns wide, the fewest multiple of 64 that holds
       // its tokens (an expert's last tile is mostly short), on the first N / 2
       // accumulators.
-      auto whole_tile = [&]<int N>() {
+      auto whole_tile = [&]<int N, bool kX>() {
         // Zeroed here rather than by the first MMA's scale-d predicate: with the
         // predicate ptxas serializes the MMAs at N < 256.
 #pragma unroll
         for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
         ptx::fence_regs(acc);
+        if constexpr (kX) {
+#pragma unroll
+          for (int i = 0; i < kExtra / 2; ++i) acc2[i] = 0.f;
+          ptx::fence_regs(acc2);
+        }
         // K block kb: its MMAs on a into acc, then (one group left in flight)
         // kb - 1's stage released and its fragments, an, refilled with kb + 1's.
         auto step = [&](int kb, uint32_t(&a)[4][4], uint32_t(&an)[4][4]) {
           const uint32_t dsc = ptx::sw128_desc_lo(sX + uint32_t(stage * L::xBytes));
+          const uint32_t dsc2 = ptx::sw128_desc_lo(base + uint32_t(L::offX2 + stage * L::x2Bytes));
           // No fence on acc here: an instruction reading it while a group is in
           // flight would serialize the MMAs; only the MMAs touch it until wait0.
           ptx::fence_regs(a);
           ptx::wgmma_fence();
 #pragma unroll
-          for (int kk = 0; kk < 4; ++kk) wgmma_rs_n<N>(acc, a[kk], ptx::sw128_desc(dsc + 2 * kk));
+          for (int kk = 0; kk < 4; ++kk) {
+            wgmma_rs_n<N>(acc, a[kk], ptx::sw128_desc(dsc + 2 * kk));
+            if constexpr (kX) wgmma_rs_n<kExtra>(acc2, a[kk], ptx::sw128_desc(dsc2 + 2 * kk));
+          }
           ptx::wgmma_commit();
           ptx::wgmma_wait<1>();
           ptx::fence_regs(an);  // kb - 1's MMAs read an until here
@@ -356,6 +382,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
         if (kb < p.nkb) step(kb, a0, a1);
         ptx::wgmma_wait0();
         ptx::fence_regs(acc);
+        if constexpr (kX) ptx::fence_regs(acc2);
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(empty(stage == 0 ? kS - 1 : stage - 1));
         // Both scales: W's group (2^(byte - 133)) and each token's. The
@@ -371,17 +398,29 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
           const float x1 = 8 * j + 1 < left ? ws * __ldg(xr + 8 * j + 1) : 0.f;
           acc[4 * j + 0] *= x0, acc[4 * j + 1] *= x1, acc[4 * j + 2] *= x0, acc[4 * j + 3] *= x1;
         }
+        if constexpr (kX) {
+          const float* xr2 = xr + BN;
+          asm volatile("" : "+l"(xr2));
+#pragma unroll
+          for (int j = 0; j < kExtra / 8; ++j) {
+            const float x0 = BN + 8 * j < left ? ws * __ldg(xr2 + 8 * j) : 0.f;
+            const float x1 = BN + 8 * j + 1 < left ? ws * __ldg(xr2 + 8 * j + 1) : 0.f;
+            acc2[4 * j + 0] *= x0, acc2[4 * j + 1] *= x1, acc2[4 * j + 2] *= x0, acc2[4 * j + 3] *= x1;
+          }
+        }
       };
       static_assert(!kWhole || BN == 256, "whole-K tiles are 256 tokens (narrower MMAs for short ones)");
-      const int rows_here = min(BN, m - tt * BN);
-      if (rows_here > 192)
-        whole_tile.template operator()<256>();
+      const int rows_here = m - tt * BN;  // up to BN + kExtra in a last tile
+      if (rows_here > BN)
+        whole_tile.template operator()<256, true>();
+      else if (rows_here > 192)
+        whole_tile.template operator()<256, false>();
       else if (rows_here > 128)
-        whole_tile.template operator()<192>();
+        whole_tile.template operator()<192, false>();
       else if (rows_here > 64)
-        whole_tile.template operator()<128>();
+        whole_tile.template operator()<128, false>();
       else
-        whole_tile.template operator()<64>();
+        whole_tile.template operator()<64, false>();
     } else {
 #pragma unroll
     for (int i = 0; i < NR; ++i) acc[i] = 0.f;
@@ -433,20 +472,25 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     // first token as one bf16 pair, an odd g those of its second.
     const bool odd = g & 1;
     const int col = wr0 + rA - (odd ? 1 : 0);
+    auto store = [&]<int J>(float(&v)[J * 4], int tok0) {
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      const float s0 = odd ? acc[4 * j + 0] : acc[4 * j + 1];
-      const float s1 = odd ? acc[4 * j + 2] : acc[4 * j + 3];
-      const float r0 = __shfl_xor_sync(0xffffffffu, s0, 4), r1 = __shfl_xor_sync(0xffffffffu, s1, 4);
-      const int tok = tt * BN + 8 * j + 2 * t + (odd ? 1 : 0);
-      if (tok < m) {
-        __nv_bfloat16* row = p.d + (int64_t(off) + tok) * p.n + col;
-        *reinterpret_cast<__nv_bfloat162*>(row) =
-            odd ? __floats2bfloat162_rn(r0, acc[4 * j + 1]) : __floats2bfloat162_rn(acc[4 * j + 0], r0);
-        *reinterpret_cast<__nv_bfloat162*>(row + 8) =
-            odd ? __floats2bfloat162_rn(r1, acc[4 * j + 3]) : __floats2bfloat162_rn(acc[4 * j + 2], r1);
+      for (int j = 0; j < J; ++j) {
+        const float s0 = odd ? v[4 * j + 0] : v[4 * j + 1];
+        const float s1 = odd ? v[4 * j + 2] : v[4 * j + 3];
+        const float r0 = __shfl_xor_sync(0xffffffffu, s0, 4), r1 = __shfl_xor_sync(0xffffffffu, s1, 4);
+        const int tok = tok0 + 8 * j + 2 * t + (odd ? 1 : 0);
+        if (tok < m) {
+          __nv_bfloat16* row = p.d + (int64_t(off) + tok) * p.n + col;
+          *reinterpret_cast<__nv_bfloat162*>(row) =
+              odd ? __floats2bfloat162_rn(r0, v[4 * j + 1]) : __floats2bfloat162_rn(v[4 * j + 0], r0);
+          *reinterpret_cast<__nv_bfloat162*>(row + 8) =
+              odd ? __floats2bfloat162_rn(r1, v[4 * j + 3]) : __floats2bfloat162_rn(v[4 * j + 2], r1);
+        }
       }
-    }
+    };
+    store.template operator()<BN / 8>(acc, tt * BN);
+    if constexpr (kWhole)
+      if (m - tt * BN > BN) store.template operator()<kExtra / 8>(acc2, tt * BN + BN);
   }
 #else
   if (threadIdx.x == 0 && blockIdx.x == 0) printf("mxfp4_gemm: kernel built without sm_90a\n");
@@ -548,6 +592,11 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
     const cuuint32_t box[2] = {kBK, cuuint32_t(bn)};
     encode_tensor_map(&p.xmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.x, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B,
                       "X");
+    if (whole) {
+      const cuuint32_t box2[2] = {kBK, cuuint32_t(kExtra)};
+      encode_tensor_map(&p.xmap2, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.x, dims, strides, box2,
+                        CU_TENSOR_MAP_SWIZZLE_128B, "X (ride-along tokens)");
+    }
   }
   if (!whole) {
     const cuuint64_t dims[2] = {cuuint64_t(a.xs_ld), cuuint64_t(nkb)}, strides[1] = {cuuint64_t(a.xs_ld) * 4};
@@ -576,7 +625,7 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
       p.expert[gi] = a.experts[g0 + gi];
       p.m[gi] = a.counts[g0 + gi];
       p.tile_start[gi] = tiles;
-      tiles += (p.m[gi] + bn - 1) / bn * row_tiles;
+      tiles += token_tiles(p.m[gi], bn, whole) * row_tiles;
     }
     p.tile_start[G] = tiles;
     p.tiles_total = tiles;
