@@ -41,9 +41,9 @@ __host__ __device__ constexpr int token_tiles(int m, int bn, bool whole) {
 // consumer's products of its weight group's scale and the X scales (2 x BN
 // floats); then the barriers (full, empty, products ready). As many stages as
 // fit in ~210 KB, at most 8.
-template <int BN, bool kWhole>
+template <int BN, bool kWhole, bool kRide>
 struct Smem {
-  static constexpr int xBytes = BN * kBK, x2Bytes = kWhole ? kExtra * kBK : 0;  // x2: the ride-along tokens
+  static constexpr int xBytes = BN * kBK, x2Bytes = kRide ? kExtra * kBK : 0;  // x2: the ride-along tokens
   static constexpr int stageBytes = xBytes + x2Bytes + 2 * kWBox + (kWhole ? 0 : 3 * BN * 4);
   static constexpr int S = std::min(8, 210 * 1024 / stageBytes);
   static constexpr int offW = S * xBytes, offX2 = offW + S * 2 * kWBox, offXs = offX2 + S * x2Bytes;
@@ -75,10 +75,10 @@ static_assert(sizeof(Params) <= 4096, "kernel parameters");
 #ifdef DZ_MG_SM90A
 // Tile t -> group, row tile, token tile; a group's token tiles of one row tile
 // are consecutive (blocks side by side share the weight rows through L2).
-template <int BN, bool kWhole>
+template <int BN, bool kRide>
 __device__ __forceinline__ void find_tile(const Params& p, int t, int& g, int& rt, int& tt) {
   g = ptx::segment_of(p.tile_start, p.groups, t);
-  const int local = t - p.tile_start[g], ttiles = token_tiles(p.m[g], BN, kWhole);
+  const int local = t - p.tile_start[g], ttiles = token_tiles(p.m[g], BN, kRide);
   rt = local / ttiles;
   tt = local - rt * ttiles;
 }
@@ -152,10 +152,11 @@ __device__ __forceinline__ void wgmma_rs_n(float (&d)[R], const uint32_t (&a)[4]
 // of every K block accumulate in acc itself, one K block's group in flight
 // while the next is decoded, and the epilogue applies both scales once; no
 // promotion, no products, no X scale copies.
-template <int BN, bool kWhole>
+template <int BN, bool kWhole, bool kRide>
 __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_constant__ Params p) {
 #ifdef DZ_MG_SM90A
-  using L = Smem<BN, kWhole>;
+  static_assert(kWhole || !kRide, "ride-along tokens need whole-K scales");
+  using L = Smem<BN, kWhole, kRide>;
   constexpr int kS = L::S;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = ptx::smem_u32(smem_raw);
@@ -187,15 +188,15 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xmap)) : "memory");
       if (!kWhole) asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xsmap)) : "memory");
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.wmap)) : "memory");
-      if (kWhole) asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xmap2)) : "memory");
+      if (kRide) asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xmap2)) : "memory");
       int stage = 0;
       uint32_t phase = 0;
       for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
         int g, rt, tt;
-        find_tile<BN, kWhole>(p, t, g, rt, tt);
+        find_tile<BN, kRide>(p, t, g, rt, tt);
         const int xrow = p.off[g] + tt * BN, wrow = p.expert[g] * p.n + rt * kRows;
         const bool live1 = rt * kRows + 64 < p.n;  // the second consumer's rows exist
-        const bool extra = kWhole && p.m[g] - tt * BN > BN;  // ride-along tokens
+        const bool extra = kRide && p.m[g] - tt * BN > BN;  // ride-along tokens
         const uint32_t tx =
             uint32_t(BN * kBK + (extra ? kExtra * kBK : 0) + (kWhole ? 0 : BN * 4) + (live1 ? 2 : 1) * kWBox);
         for (int kb = 0; kb < p.nkb; ++kb) {
@@ -220,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
       uint32_t phase = 0;
       for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
         int g, rt, tt;
-        find_tile<BN, kWhole>(p, t, g, rt, tt);
+        find_tile<BN, kRide>(p, t, g, rt, tt);
         const int live = rt * kRows + 64 < p.n ? 2 : 1;
         const uint8_t* gm = p.gmax + (int64_t(p.expert[g]) * (p.n / 64) + rt * 2) * p.nkb;
         for (int kb = 0; kb < p.nkb; ++kb) {
@@ -248,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
   const int g = lane >> 2, t = lane & 3;
   const int rA = warp * 16 + g, swz = (rA >> 1) & 3;  // local row (and rA + 8), its 64-byte swizzle
   constexpr int NR = BN / 2;                          // accumulators a thread
-  float acc[NR], part[kWhole ? 1 : NR], acc2[kWhole ? kExtra / 2 : 1];
+  float acc[NR], part[kWhole ? 1 : NR], acc2[kRide ? kExtra / 2 : 1];
   if constexpr (!kWhole) {
 #pragma unroll
     for (int i = 0; i < NR; ++i) part[i] = 0.f;
@@ -257,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
   uint32_t phase = 0;
   for (int tile = int(blockIdx.x); tile < p.tiles_total; tile += int(gridDim.x)) {
     int gi, rt, tt;
-    find_tile<BN, kWhole>(p, tile, gi, rt, tt);
+    find_tile<BN, kRide>(p, tile, gi, rt, tt);
     const int m = p.m[gi], off = p.off[gi], e = p.expert[gi];
     const int wr0 = rt * kRows + cw * 64;  // this warpgroup's first weight row
     if (wr0 >= p.n) {                      // past the last row: keep the ring's count only
@@ -410,9 +411,9 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
         }
       };
       static_assert(!kWhole || BN == 256, "whole-K tiles are 256 tokens (narrower MMAs for short ones)");
-      const int rows_here = m - tt * BN;  // up to BN + kExtra in a last tile
-      if (rows_here > BN)
-        whole_tile.template operator()<256, true>();
+      const int rows_here = m - tt * BN;  // up to BN + kExtra in a last tile with kRide
+      if (kRide && rows_here > BN)
+        whole_tile.template operator()<256, kRide>();
       else if (rows_here > 192)
         whole_tile.template operator()<256, false>();
       else if (rows_here > 128)
@@ -489,7 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
       }
     };
     store.template operator()<BN / 8>(acc, tt * BN);
-    if constexpr (kWhole)
+    if constexpr (kRide)
       if (m - tt * BN > BN) store.template operator()<kExtra / 8>(acc2, tt * BN + BN);
   }
 #else
@@ -498,14 +499,27 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
 #endif
 }
 
-// The tile sizes and their instantiations: scales by K block, then whole-K scales.
-// (Whole-K: one tile of 256 tokens, its MMAs as wide as a tile's tokens need.)
-constexpr int kTileTokens[2][3] = {{64, 128, 160}, {256, 0, 0}};
-void (*const kKernels[2][3])(Params) = {
-    {mxfp4_gemm_kernel<64, false>, mxfp4_gemm_kernel<128, false>, mxfp4_gemm_kernel<160, false>},
-    {mxfp4_gemm_kernel<256, true>, nullptr, nullptr}};
-constexpr int kSmemBytes[2][3] = {{Smem<64, false>::bytes, Smem<128, false>::bytes, Smem<160, false>::bytes},
-                                  {Smem<256, true>::bytes, 0, 0}};
+// The tile sizes and their instantiations: scales by K block, then whole-K
+// scales (one tile of 256 tokens, its MMAs as wide as a tile's tokens need;
+// without and with ride-along tokens).
+constexpr int kTileTokens[2][3] = {{64, 128, 160}, {256, 256, 0}};
+void (*const kKernels[2][3])(Params) = {{mxfp4_gemm_kernel<64, false, false>, mxfp4_gemm_kernel<128, false, false>,
+                                         mxfp4_gemm_kernel<160, false, false>},
+                                        {mxfp4_gemm_kernel<256, true, false>, mxfp4_gemm_kernel<256, true, true>,
+                                         nullptr}};
+constexpr int kSmemBytes[2][3] = {
+    {Smem<64, false, false>::bytes, Smem<128, false, false>::bytes, Smem<160, false, false>::bytes},
+    {Smem<256, true, false>::bytes, Smem<256, true, true>::bytes, 0}};
+
+// Whether whole-K tiles of bn tokens take ride-along tokens: the ride-along
+// buffer costs a stage of the ring (5 -> 4: 16 x 512 tokens 1089 -> 962
+// TFLOP/s on an H100), so only where it saves more than a tenth of the tiles.
+bool ride_pays(const int* counts, int groups, int bn) {
+  int64_t plain = 0, ride = 0;
+  for (int gi = 0; gi < groups; ++gi)
+    plain += token_tiles(counts[gi], bn, false), ride += token_tiles(counts[gi], bn, true);
+  return ride * 10 < plain * 9;
+}
 
 bool aligned(const void* q, uintptr_t a) { return (reinterpret_cast<uintptr_t>(q) & (a - 1)) == 0; }
 
@@ -524,8 +538,8 @@ int Mxfp4Gemm::pick_tile_tokens(const int* counts, int groups, bool whole_k) {
   constexpr int64_t kTileFixed = 192;
   int best = kTileTokens[whole_k][0];
   int64_t best_cost = -1;
-  for (int bn : kTileTokens[whole_k]) {
-    if (bn == 0) continue;
+  for (int i = 0; i < (whole_k ? 1 : 3); ++i) {
+    const int bn = kTileTokens[whole_k][i];
     int64_t cost = 0;
     for (int gi = 0; gi < groups; ++gi) cost += (int64_t(counts[gi]) + bn - 1) / bn * (bn + kTileFixed);
     if (best_cost < 0 || cost < best_cost) best = bn, best_cost = cost;
@@ -579,8 +593,11 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
         "mxfp4_gemm: X, its scales and the MXFP4 blocks must be 16-byte aligned, D 4-byte, the E8M0 scales 2-byte");
   const int bn = a.tile_tokens ? a.tile_tokens : pick_tile_tokens(a.counts, a.groups, whole);
   int ti = -1;
-  for (int i = 0; i < 3; ++i)
-    if (bn != 0 && kTileTokens[whole][i] == bn) ti = i;
+  for (int i = 0; i < (whole ? 1 : 3); ++i)
+    if (kTileTokens[whole][i] == bn) ti = i;
+  const bool ride = whole && ti >= 0 && (a.ride_along > 0 || (a.ride_along == 0 && ride_pays(a.counts, a.groups, bn)));
+  if (ride) ti = 1;
+  last_ride_ = ride;
   check(ti >= 0, DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: tile_tokens=", a.tile_tokens,
         whole ? " (0 or 256 with whole-K scales)" : " (0, 64, 128 or 160)");
   last_bn_ = bn;
@@ -592,7 +609,7 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
     const cuuint32_t box[2] = {kBK, cuuint32_t(bn)};
     encode_tensor_map(&p.xmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.x, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B,
                       "X");
-    if (whole) {
+    if (ride) {
       const cuuint32_t box2[2] = {kBK, cuuint32_t(kExtra)};
       encode_tensor_map(&p.xmap2, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.x, dims, strides, box2,
                         CU_TENSOR_MAP_SWIZZLE_128B, "X (ride-along tokens)");
@@ -625,7 +642,7 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
       p.expert[gi] = a.experts[g0 + gi];
       p.m[gi] = a.counts[g0 + gi];
       p.tile_start[gi] = tiles;
-      tiles += token_tiles(p.m[gi], bn, whole) * row_tiles;
+      tiles += token_tiles(p.m[gi], bn, ride) * row_tiles;
     }
     p.tile_start[G] = tiles;
     p.tiles_total = tiles;

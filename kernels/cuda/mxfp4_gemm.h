@@ -26,7 +26,9 @@
 //   D[off_g + r][c] = xs[off_g + r] * 2^(gk[e][c / 64] - 133) * sum_k X[off_g + r][k] * W_e[c][k]
 // with the whole sum accumulated in the tensor cores (FP8 MMAs keep about 14
 // significant bits of a running sum, as against fp32 per K block; the test
-// states the error): no promotion a K block, so tiles of up to 256 tokens fit.
+// states the error): no promotion a K block, so tiles of 256 tokens fit, each
+// tile's MMAs as wide as its tokens need (64 to 256), and an expert's last
+// tokens, up to 64, may ride on the tile before them (ride_along).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -60,6 +62,10 @@ struct Mxfp4GemmArgs {
   int groups = 0;
   int max_blocks = 0;   // persistent blocks (0: one per SM)
   int tile_tokens = 0;  // tokens a tile: 64, 128 or 160 (whole-K: 256); 0: the least padded work
+  // Whole-K: an expert's last tile of at most 64 tokens carried by the tile
+  // before it (one decode; a stage less in the ring). 1: on, -1: off, 0: where
+  // it saves more than a tenth of the tiles.
+  int ride_along = 0;
 };
 
 // Calls on one instance must be ordered (one stream, or synchronized).
@@ -76,11 +82,13 @@ class Mxfp4Gemm {
   // The tokens a tile run() would take for these group sizes (tile_tokens 0).
   static int pick_tile_tokens(const int* counts, int groups, bool whole_k = false);
   int last_tile_tokens() const { return last_bn_; }
+  bool last_ride_along() const { return last_ride_; }
 
  private:
   int n_sm_ = 0;
   bool debug_ = false;
   int last_bn_ = 0;
+  bool last_ride_ = false;
 };
 
 }  // namespace dz::cuda

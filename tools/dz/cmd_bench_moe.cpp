@@ -398,7 +398,9 @@ int bench_moe(const Args& a) {
           DeviceArray<uint8_t> gk(P, size_t(E) * (2 * I / 64), "whole-K table");
           const cpu::FoldStats fk = mxfp4_whole_k_table(Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, E, gk.get(), st);
           nlohmann::json wj = nlohmann::json::array();
-          for (int m : {128, 300, 512, 2048}) {
+          // (ride: an expert's last tokens on the tile before them, auto / off / on.)
+          for (auto [m, ride] : {std::pair{128, 0}, std::pair{300, -1}, std::pair{300, 1}, std::pair{512, 0},
+                                 std::pair{530, -1}, std::pair{530, 1}, std::pair{2048, 0}}) {
             if (fk.lossy_groups) break;
             std::vector<int> off(static_cast<size_t>(n_ex)), cnt(static_cast<size_t>(n_ex), m);
             for (int i = 0; i < n_ex; ++i) off[size_t(i)] = i * m;
@@ -406,12 +408,19 @@ int bench_moe(const Args& a) {
             ma.x = xg.get(), ma.xs = xgs.get(), ma.gk = gk.get();
             ma.rows_total = int64_t(n_ex) * m, ma.w = Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H};
             ma.experts = idl.data(), ma.w_experts = E, ma.d = dg.get(), ma.n = 2 * I, ma.k = int(kph);
-            ma.offsets = off.data(), ma.counts = cnt.data(), ma.groups = n_ex;
+            ma.offsets = off.data(), ma.counts = cnt.data(), ma.groups = n_ex, ma.ride_along = ride;
             const double per = ms_per_call(10, [&] { mg.run(ma, st); }),
                          tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
-            wj.push_back({{"groups", n_ex}, {"m", m}, {"n", 2 * I}, {"k", kph}, {"gpu_ms_per_call", per}, {"tflops", tf}});
-            std::fprintf(stderr, "mxfp4 gemm, whole-K scales, %d x m=%5d n=%d k=%ld: %.4f ms/call %.0f TFLOP/s\n", n_ex,
-                         m, 2 * I, long(kph), per, tf);
+            wj.push_back({{"groups", n_ex},
+                          {"m", m},
+                          {"n", 2 * I},
+                          {"k", kph},
+                          {"ride_along", mg.last_ride_along()},
+                          {"gpu_ms_per_call", per},
+                          {"tflops", tf}});
+            std::fprintf(stderr,
+                         "mxfp4 gemm, whole-K scales, %d x m=%5d n=%d k=%ld%s: %.4f ms/call %.0f TFLOP/s\n", n_ex, m,
+                         2 * I, long(kph), mg.last_ride_along() ? ", last tokens riding" : "", per, tf);
           }
           comp["mxfp4_gemm_whole_k"] = wj;
           comp["whole_k_table"] = {{"groups", fk.groups}, {"lossy_groups", fk.lossy_groups},
