@@ -400,7 +400,7 @@ int bench_moe(const Args& a) {
           nlohmann::json wj = nlohmann::json::array();
           // (ride: an expert's last tokens on the tile before them, auto / off / on.)
           for (auto [m, ride] : {std::pair{128, 0}, std::pair{300, -1}, std::pair{300, 1}, std::pair{512, 0},
-                                 std::pair{530, -1}, std::pair{530, 1}, std::pair{2048, 0}}) {
+                                 std::pair{532, -1}, std::pair{532, 1}, std::pair{2048, 0}}) {
             if (fk.lossy_groups) break;
             std::vector<int> off(static_cast<size_t>(n_ex)), cnt(static_cast<size_t>(n_ex), m);
             for (int i = 0; i < n_ex; ++i) off[size_t(i)] = i * m;
