@@ -1600,59 +1600,30 @@ unsigned swiglu_quant_blocks(int nrows, int nkb) {
 // amax / 448 (1 for a zero row), in two passes (the amax, then the bytes):
 // each 4-byte word to word mxfp4_gemm_x_word of its sub-block of every
 // destination row dst(i) < ndst (negative: skipped), the scale to qs.
-// Rows of up to kRowCache * 128 values stay in registers between the passes
-// (every load issued first); longer rows are read twice.
-constexpr int kRowCache = 24;
 template <typename Get, typename Dst>
 __device__ __forceinline__ void quant_row_whole_k(Get get, int kpad, int lane, int ndst, Dst dst, uint8_t* q,
                                                   float* qs) {
-  auto put = [&](int c, const float(&v)[4], float inv) {
+  float amax = 0.f;
+  for (int c = lane * 4; c < kpad; c += 128) {
+    float v[4];
+    get(c, v);
+    amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+  }
+  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
+  const float sc = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / sc;
+  for (int c = lane * 4; c < kpad; c += 128) {
+    float v[4];
+    get(c, v);
     const uint32_t word = e4m3x4(v, inv);
     const int at = (c & ~31) + 4 * mxfp4_gemm_x_word((c & 31) >> 2);
     for (int i = 0; i < ndst; ++i) {
       const int r = dst(i);
       if (r >= 0) *reinterpret_cast<uint32_t*>(q + int64_t(r) * kpad + at) = word;
     }
-  };
-  auto scale = [&](float amax) {
-    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
-    const float sc = amax > 0.f ? amax / 448.f : 1.f;
-    if (lane == 0)
-      for (int i = 0; i < ndst; ++i)
-        if (dst(i) >= 0) qs[dst(i)] = sc;
-    return sc;
-  };
-  auto absmax = [](const float(&v)[4]) { return fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))); };
-  float amax = 0.f;
-  if (kpad <= kRowCache * 128) {
-    float v[kRowCache][4];
-#pragma unroll
-    for (int u = 0; u < kRowCache; ++u) {
-      const int c = lane * 4 + u * 128;
-      if (c < kpad)
-        get(c, v[u]);
-      else
-        v[u][0] = v[u][1] = v[u][2] = v[u][3] = 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < kRowCache; ++u) amax = fmaxf(amax, absmax(v[u]));
-    const float inv = 1.f / scale(amax);
-#pragma unroll
-    for (int u = 0; u < kRowCache; ++u)
-      if (lane * 4 + u * 128 < kpad) put(lane * 4 + u * 128, v[u], inv);
-    return;
   }
-  for (int c = lane * 4; c < kpad; c += 128) {
-    float v[4];
-    get(c, v);
-    amax = fmaxf(amax, absmax(v));
-  }
-  const float inv = 1.f / scale(amax);
-  for (int c = lane * 4; c < kpad; c += 128) {
-    float v[4];
-    get(c, v);
-    put(c, v, inv);
-  }
+  if (lane == 0)
+    for (int i = 0; i < ndst; ++i)
+      if (dst(i) >= 0) qs[dst(i)] = sc;
 }
 
 // Warps 0..T-1: token t's input row, quantized once, to each of its routed

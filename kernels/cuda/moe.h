@@ -315,7 +315,7 @@ struct MoeOptions {
   // folded ahead. 1: at every FP8-path size; -1: never; 0 (auto): above
   // fp8_whole_k_min_tokens_per_expert tokens an expert.
   int fp8_whole_k = 0;
-  double fp8_whole_k_min_tokens_per_expert = 160.0;
+  double fp8_whole_k_min_tokens_per_expert = 96.0;
 };
 
 class MoeLayer {

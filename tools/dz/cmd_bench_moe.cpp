@@ -55,7 +55,7 @@ const char* kUsage =
     "never the MXFP4 GEMM; mxfp4: it at every size, auto_t64|t128|t160: with that many tokens a\n"
     "tile; auto_n128|n192: the grouped kernel on the FP8 workspace with tiles that many columns wide\n"
     "(n128: the narrow block, the next workspace tile folding beside it; the last tile at 192));\n"
-    "above 160 tokens an expert auto takes the MXFP4 GEMM with whole-K scales (one scale a row of\n"
+    "above 96 tokens an expert auto takes the MXFP4 GEMM with whole-K scales (one scale a row of\n"
     "the activations, one a 64-row group of each expert over all of K) where both projections fold\n"
     "exactly that way: whole takes it at every size, auto_nowhole never;\n"
     "of a comma list the first is fp8_ms, every one listed is timed in\n"
