@@ -44,6 +44,21 @@ __device__ __forceinline__ float e8m0_to_float(int s) {
   return s == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(uint32_t(s) << 23);
 }
 
+// The layer's activation (MoeShape::act) of one gate/up pair: gpt-oss's
+// clamped SwiGLU above (the same bits), or with silu the plain SwiGLU,
+// silu(gate) * up, as the CPU reference's Glu::Kind::SwiGLU (precise expf and
+// division: gate / inf = -0 for gate < -88, the limit). silu is uniform (a
+// kernel argument, or a template argument: a runtime branch in the fused
+// W4A16 gate_up kernel cost the gpt-oss instances spills).
+// limit > 0 (silu only, DeepSeek-V4): gate <= limit and |up| <= limit first.
+__device__ __forceinline__ float glu(float gate, float up, bool silu, float limit = 0) {
+  if (silu) {
+    if (limit > 0) gate = fminf(gate, limit), up = fminf(fmaxf(up, -limit), limit);
+    return gate / (1.f + expf(-gate)) * up;
+  }
+  return swiglu(gate, up);
+}
+
 // ------------------------------------------------------------------ routing
 // Counting sort of the T*topk slots by expert; active[i] = {expert, first row,
 // token count, 0} of the i-th expert with tokens (one 16-byte load for a fused
@@ -1585,18 +1600,14 @@ unsigned swiglu_quant_blocks(int nrows, int nkb) {
 // amax / 448 (1 for a zero row), in two passes (the amax, then the bytes):
 // each 4-byte word to word mxfp4_gemm_x_word of its sub-block of every
 // destination row dst(i) < ndst (negative: skipped), the scale to qs.
-// amax >= 0: the row's largest |value| is known (this lane's share of it: the
-// warp's maximum is taken), and the first pass is skipped.
 template <typename Get, typename Dst>
 __device__ __forceinline__ void quant_row_whole_k(Get get, int kpad, int lane, int ndst, Dst dst, uint8_t* q,
-                                                  float* qs, float amax = -1.f) {
-  if (amax < 0.f) {
-    amax = 0.f;
-    for (int c = lane * 4; c < kpad; c += 128) {
-      float v[4];
-      get(c, v);
-      amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
-    }
+                                                  float* qs) {
+  float amax = 0.f;
+  for (int c = lane * 4; c < kpad; c += 128) {
+    float v[4];
+    get(c, v);
+    amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
   }
   for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
   const float sc = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / sc;
@@ -1669,29 +1680,6 @@ __global__ void swiglu_quant_row_kernel(const __nv_bfloat16* d1, int I, int kpi,
         }
       },
       kpi, lane, 1, [r](int) { return r; }, q, qs);
-}
-
-// The same from gate_up's activation epilogue (Mxfp4GemmGlu): h [rows][I] bf16
-// already activated, each row's maximum the largest of its amax_n row tiles'.
-__global__ void amax_quant_row_kernel(const __nv_bfloat16* h, int I, int kpi, const float* amax, int amax_n,
-                                      const int* sorted, int r0, int nrows, uint8_t* q, float* qs) {
-  const int warp = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
-  if (warp >= nrows) return;
-  const int r = r0 + warp;
-  const bool real = sorted[r] >= 0;
-  float mx = 0.f;
-  if (real)
-    for (int i = lane; i < amax_n; i += 32) mx = fmaxf(mx, amax[int64_t(r) * amax_n + i]);
-  const __nv_bfloat16* hrow = h + int64_t(r) * I;
-  quant_row_whole_k(
-      [&](int c, float(&v)[4]) {
-        v[0] = v[1] = v[2] = v[3] = 0.f;
-        if (!real || c >= I) return;  // I % 4 == 0
-        const uint2 raw = *reinterpret_cast<const uint2*>(hrow + c);
-        v[0] = bf16_to_float(uint16_t(raw.x & 0xFFFF)), v[1] = bf16_to_float(uint16_t(raw.x >> 16));
-        v[2] = bf16_to_float(uint16_t(raw.y & 0xFFFF)), v[3] = bf16_to_float(uint16_t(raw.y >> 16));
-      },
-      kpi, lane, 1, [r](int) { return r; }, q, qs, mx);
 }
 
 // 8 consecutive values of a row as float: fp32 (two 16-byte loads) or bf16 (one).
@@ -1821,7 +1809,6 @@ struct MoeLayer::Impl {
   // FP8 path
   DeviceArray<uint8_t> a1, a2;
   DeviceArray<float> a1s, a2s;
-  DeviceArray<float> amax;  // whole-K: gate_up's epilogue's largest |activation| a row and row tile
   DeviceArray<__nv_bfloat16> d1, d2;
   // the FP8 expert workspace: 2 tiles x tile_experts x (w1 + w2)
   DeviceArray<uint8_t> ws_fp8;
@@ -1881,8 +1868,6 @@ struct MoeLayer::Impl {
     a2 = DeviceArray<uint8_t>(P, size_t(rows_cap) * kpi, "moe fp8 activations");
     a2s = DeviceArray<float>(P, size_t(xs_ld) * (kpi / 128), "moe fp8 activation scales");
     d1 = DeviceArray<__nv_bfloat16>(P, size_t(rows_cap) * 2 * I, "moe gate_up output");
-    if ((2 * I) % 128 == 0)
-      amax = DeviceArray<float>(P, size_t(rows_cap) * (2 * I / 128), "moe activation maxima");
     d2 = DeviceArray<__nv_bfloat16>(P, size_t(rows_cap) * H, "moe down output");
     // The W4A8 kernels' activation images: one a pass of 4 sorted rows (two
     // terms; 8 with one), for up to kW8ImageTokens tokens.
@@ -2220,15 +2205,7 @@ struct MoeLayer::Impl {
   // Between the projections: SwiGLU + 1x128 quantization of sorted rows [r0,
   // r0 + nrows) of d1 into a2 (ld > 0: Mxfp4Gemm's layout, store_1x128;
   // whole: its layout with one scale a row).
-  void swiglu_between(int r0, int nrows, const uint16_t* b1, int64_t ld, cudaStream_t st, bool whole = false,
-                      bool activated = false) {
-    if (activated) {  // d1 holds gate_up's activations [rows][I], amax their maxima
-      amax_quant_row_kernel<<<unsigned((nrows + 7) / 8), 256, 0, st>>>(d1.get(), s.intermediate, int(kpi),
-                                                                      amax.get(), 2 * s.intermediate / 128,
-                                                                      sorted.get(), r0, nrows, a2.get(), a2s.get());
-      DZ_CUDA_LAUNCH_CHECK();
-      return;
-    }
+  void swiglu_between(int r0, int nrows, const uint16_t* b1, int64_t ld, cudaStream_t st, bool whole = false) {
     if (whole) {
       swiglu_quant_row_kernel<<<unsigned((nrows + 7) / 8), 256, 0, st>>>(
           d1.get(), s.intermediate, int(kpi), b1, silu() ? 1 : 0, s.silu_limit, sorted.get(), row_expert.get(), r0,
@@ -2294,13 +2271,8 @@ struct MoeLayer::Impl {
     g.max_blocks = opt.fp8_grouped_blocks, g.tile_tokens = whole ? 0 : opt.fp8_mxfp4_tile_tokens;
     g.x = a1.get(), g.xs = a1s.get(), g.d = d1.get(), g.n = 2 * I, g.k = int(kph);
     g.w = Mxfp4Stack{w.w1_blocks, w.w1_scales, 2 * I, H, w.w1_gmax}, g.gk = whole ? w.w1_gk : nullptr;
-    // Whole-K: the activation in gate_up's epilogue (bf16 [rows][I] and each
-    // row's maxima), then one quantizing pass.
-    const bool act = whole && amax.get() && opt.fp8_whole_k_fused_act;
-    if (act) g.glu = Mxfp4GemmGlu{amax.get(), 2 * I / 128, w.b1, silu() ? 1 : 0, s.silu_limit};
     mgemm.run(g, st);
-    g.glu = Mxfp4GemmGlu{};
-    swiglu_between(eg.r0, eg.nrows, w.b1, xs_ld, st, whole, act);
+    swiglu_between(eg.r0, eg.nrows, w.b1, xs_ld, st, whole);
     g.x = a2.get(), g.xs = a2s.get(), g.d = d2.get(), g.n = H, g.k = int(kpi);
     g.w = Mxfp4Stack{w.w2_blocks, w.w2_scales, H, I, w.w2_gmax}, g.gk = whole ? w.w2_gk : nullptr;
     mgemm.run(g, st);
@@ -2460,7 +2432,7 @@ size_t MoeLayer::scratch_bytes() const {
   const Impl& q = *p_;
   return q.counts.bytes() + q.offsets.bytes() + q.sorted.bytes() + q.row_expert.bytes() + q.inv.bytes() +
          q.active.bytes() + q.xh.bytes() + q.xs.bytes() + q.act16.bytes() + q.y32.bytes() + q.a1.bytes() +
-         q.a1s.bytes() + q.a2.bytes() + q.a2s.bytes() + q.amax.bytes() + q.d1.bytes() + q.d2.bytes() + q.w8_img.bytes() +
+         q.a1s.bytes() + q.a2.bytes() + q.a2s.bytes() + q.d1.bytes() + q.d2.bytes() + q.w8_img.bytes() +
          q.w8_img_down.bytes() + q.ot_img.bytes() + q.ot_counts.bytes();
 }
 

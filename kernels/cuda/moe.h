@@ -315,10 +315,6 @@ struct MoeOptions {
   // folded ahead. 1: at every FP8-path size; -1: never; 0 (auto): above
   // fp8_whole_k_min_tokens_per_expert tokens an expert.
   int fp8_whole_k = 0;
-  // ... with the activation in gate_up's epilogue (bf16 activations and each
-  // row's maxima, then one quantizing pass) instead of a kernel reading
-  // gate_up's 2I-wide output twice.
-  bool fp8_whole_k_fused_act = true;
   double fp8_whole_k_min_tokens_per_expert = 96.0;
 };
 

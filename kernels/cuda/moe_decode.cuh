@@ -28,21 +28,6 @@ __device__ __forceinline__ float swiglu(float gate, float up) {
   return (up + 1.f) * __fdividef(gate, 1.f + __expf(-1.702f * gate));
 }
 
-// The layer's activation (MoeShape::act) of one gate/up pair: gpt-oss's
-// clamped SwiGLU above (the same bits), or with silu the plain SwiGLU,
-// silu(gate) * up, as the CPU reference's Glu::Kind::SwiGLU (precise expf and
-// division: gate / inf = -0 for gate < -88, the limit). silu is uniform (a
-// kernel argument, or a template argument: a runtime branch in the fused
-// W4A16 gate_up kernel cost the gpt-oss instances spills).
-// limit > 0 (silu only, DeepSeek-V4): gate <= limit and |up| <= limit first.
-__device__ __forceinline__ float glu(float gate, float up, bool silu, float limit = 0) {
-  if (silu) {
-    if (limit > 0) gate = fminf(gate, limit), up = fminf(fmaxf(up, -limit), limit);
-    return gate / (1.f + expf(-gate)) * up;
-  }
-  return swiglu(gate, up);
-}
-
 // Nibbles j and j + 4 of w as fp16 pairs (low, high half), p[j] for j =
 // 0..3: E2M1 bits placed at fp16 bits 15 and 11..9 are the code's value *
 // 2^-14 exactly (the 0.5 code lands on the subnormal 2^-15), no table. By way

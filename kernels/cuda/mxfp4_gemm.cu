@@ -6,7 +6,6 @@
 
 #include "cuda/fp8_grouped_gemm.h"  // encode_tensor_map
 #include "cuda/mxfp4_fold.cuh"
-#include "cuda/moe_decode.cuh"  // glu: gate_up's activation in the epilogue
 #include "cuda/mxfp4_gemm.h"
 #include "cuda/ptx.cuh"
 #include "runtime/cuda/cuda_check.h"
@@ -48,14 +47,9 @@ struct Smem {
   static constexpr int stageBytes = xBytes + x2Bytes + 2 * kWBox + (kWhole ? 0 : 3 * BN * 4);
   static constexpr int S = std::min(8, 210 * 1024 / stageBytes);
   static constexpr int offW = S * xBytes, offX2 = offW + S * 2 * kWBox, offXs = offX2 + S * x2Bytes;
-  static constexpr int xsBytes = kWhole ? 0 : BN * 4;  // per stage: X scales, then 2 x products
-  static constexpr int offC = offXs + S * xsBytes;
-  static constexpr int offBar = offC + S * 2 * xsBytes;
-  // Whole-K with the activation in the epilogue: each consumer warp's largest
-  // |value| of every token, two tiles' worth (a tile's partials are reduced
-  // while the next tile's are written).
-  static constexpr int amTokens = BN + (kRide ? kExtra : 0), offAm = offBar + 3 * S * 8;
-  static constexpr int bytes = offAm + (kWhole ? 2 * amTokens * 8 * 4 : 0) + 1024;  // +1024: base aligned up
+  static constexpr int offC = offXs + S * BN * 4;
+  static constexpr int offBar = offC + S * 2 * BN * 4;
+  static constexpr int bytes = offBar + 3 * S * 8 + 1024;  // +1024: base aligned up
   static_assert(xBytes % 1024 == 0 && offW % 1024 == 0 && kWBox % 1024 == 0 && offXs % 16 == 0, "alignment");
   static_assert(bytes <= 227 * 1024, "shared memory of one sm_90 block");
 };
@@ -70,7 +64,6 @@ struct Params {
   const uint8_t* gmax;    // group table [E][n / 64][nkb]
   const float* xrow;      // whole-K scales: X's [rows_total]
   const uint8_t* gk;      // whole-K scales: W's group table [E][n / 64]
-  Mxfp4GemmGlu glu;       // whole-K: the activation in the epilogue (glu.amax non-null)
   int n, nkb, nsub, groups, tiles_total;
   int expert[kMaxGroups];
   int off[kMaxGroups];
@@ -261,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
 #pragma unroll
     for (int i = 0; i < NR; ++i) part[i] = 0.f;
   }
-  int stage = 0, tile_count = 0;
+  int stage = 0;
   uint32_t phase = 0;
   for (int tile = int(blockIdx.x); tile < p.tiles_total; tile += int(gridDim.x)) {
     int gi, rt, tt;
@@ -481,40 +474,6 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     const bool odd = g & 1;
     const int col = wr0 + rA - (odd ? 1 : 0);
     auto store = [&]<int J>(float(&v)[J * 4], int tok0) {
-      if constexpr (kWhole)
-        if (p.glu.amax) {
-          // Even g: gate (its own row) of token 8j + 2t with the up value of
-          // lane g + 1; odd g: token 8j + 2t + 1's, its own row the up one.
-          // The activation goes to column col / 2 (and + 4 for rows + 8); each
-          // token's largest |value| over the warp's 8 columns to part.
-          const int c2 = col / 2;
-          const uint16_t* b = p.glu.bias ? p.glu.bias + int64_t(e) * p.n + col : nullptr;
-          const float bg0 = b ? bf16_to_float(b[0]) : 0.f, bu0 = b ? bf16_to_float(b[1]) : 0.f;
-          const float bg1 = b ? bf16_to_float(b[8]) : 0.f, bu1 = b ? bf16_to_float(b[9]) : 0.f;
-          float* part = reinterpret_cast<float*>(gbase + L::offAm) + (tile_count & 1) * L::amTokens * 8;
-#pragma unroll
-          for (int j = 0; j < J; ++j) {
-            const float s0 = odd ? v[4 * j + 0] : v[4 * j + 1];
-            const float s1 = odd ? v[4 * j + 2] : v[4 * j + 3];
-            const float r0 = __shfl_xor_sync(0xffffffffu, s0, 4), r1 = __shfl_xor_sync(0xffffffffu, s1, 4);
-            const float g0 = odd ? r0 : v[4 * j + 0], u0 = odd ? v[4 * j + 1] : r0;
-            const float g1 = odd ? r1 : v[4 * j + 2], u1 = odd ? v[4 * j + 3] : r1;
-            const float o0 = glu(g0 + bg0, u0 + bu0, p.glu.silu, p.glu.limit);
-            const float o1 = glu(g1 + bg1, u1 + bu1, p.glu.silu, p.glu.limit);
-            const int tl = tok0 - tt * BN + 8 * j + 2 * t + (odd ? 1 : 0), tok = tt * BN + tl;
-            if (tok < m) {
-              __nv_bfloat16* row = p.d + (int64_t(off) + tok) * (p.n / 2) + c2;
-              row[0] = __float2bfloat16_rn(o0);
-              row[4] = __float2bfloat16_rn(o1);
-            }
-            // Over g's bits 1 and 2 (the lanes of one token): the warp's 8 columns.
-            float mx = fmaxf(fabsf(o0), fabsf(o1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-            if (g < 2) part[tl * 8 + cw * 4 + warp] = mx;
-          }
-          return;
-        }
 #pragma unroll
       for (int j = 0; j < J; ++j) {
         const float s0 = odd ? v[4 * j + 0] : v[4 * j + 1];
@@ -533,20 +492,6 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     store.template operator()<BN / 8>(acc, tt * BN);
     if constexpr (kRide)
       if (m - tt * BN > BN) store.template operator()<kExtra / 8>(acc2, tt * BN + BN);
-    if constexpr (kWhole)
-      if (p.glu.amax) {
-        // Both consumer warpgroups' partials are in (every tile has both: n % 128 == 0);
-        // a thread a token takes the largest of the 8 warps' for this row tile.
-        ptx::named_sync(1, 256);
-        const float* part = reinterpret_cast<const float*>(gbase + L::offAm) + (tile_count & 1) * L::amTokens * 8;
-        for (int tl = ct; tl < L::amTokens && tt * BN + tl < m; tl += 256) {
-          float mx = part[tl * 8];
-#pragma unroll
-          for (int w = 1; w < 8; ++w) mx = fmaxf(mx, part[tl * 8 + w]);
-          p.glu.amax[(int64_t(off) + tt * BN + tl) * p.glu.amax_ld + rt] = mx;
-        }
-      }
-    ++tile_count;
   }
 #else
   if (threadIdx.x == 0 && blockIdx.x == 0) printf("mxfp4_gemm: kernel built without sm_90a\n");
@@ -686,10 +631,6 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
   p.d = static_cast<__nv_bfloat16*>(a.d);
   p.scales = a.w.scales, p.gmax = a.w.gmax;
   p.xrow = whole ? a.xs : nullptr, p.gk = a.gk;
-  check(!a.glu.amax || (whole && a.n % kRows == 0 && a.glu.amax_ld >= a.n / kRows), DZ_ERR_INVALID_ARGUMENT,
-        "mxfp4_gemm: the activation epilogue needs whole-K scales, n a multiple of 128 (n=", a.n,
-        ") and amax_ld >= n / 128 (", a.glu.amax_ld, ")");
-  p.glu = a.glu;
   p.n = a.n, p.nkb = nkb, p.nsub = int(a.w.k / 32);
   const int row_tiles = (a.n + kRows - 1) / kRows;
   for (int g0 = 0; g0 < a.groups; g0 += kMaxGroups) {

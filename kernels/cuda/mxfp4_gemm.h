@@ -46,19 +46,6 @@ __host__ __device__ constexpr int mxfp4_gemm_x_word(int i) { return (i >> 1) | (
 // The inverse: the element group stored in word j.
 __host__ __device__ constexpr int mxfp4_gemm_x_group(int j) { return j < 4 ? 2 * j : 2 * (j - 4) + 1; }
 
-// Whole-K only: gate_up's activation in the epilogue. W's rows are gate/up
-// pairs (2j, 2j + 1), as gpt-oss stores them; D receives bf16
-// glu(gate + bias[2j], up + bias[2j + 1]) in column j of [rows_total][n / 2],
-// and amax[r * amax_ld + c / 128] each row's largest |value| of the 64
-// columns row tile c / 128 gave (the next quantization's scale). n % 128 == 0.
-struct Mxfp4GemmGlu {
-  float* amax = nullptr;  // null: the plain epilogue
-  int64_t amax_ld = 0;    // >= n / 128
-  const uint16_t* bias = nullptr;  // bf16 [w_experts][n], or null
-  int silu = 0;                    // MoeShape's activation: 0 gpt-oss's clamped SwiGLU, 1 the plain one
-  float limit = 0.f;               // silu's clamp (0: none)
-};
-
 struct Mxfp4GemmArgs {
   const uint8_t* x = nullptr;  // E4M3 [rows_total][k], register order (above)
   const float* xs = nullptr;   // [k/128][xs_ld]; with gk: [rows_total]
@@ -79,7 +66,6 @@ struct Mxfp4GemmArgs {
   // before it (one decode; a stage less in the ring). 1: on, -1: off, 0: where
   // it saves more than a tenth of the tiles.
   int ride_along = 0;
-  Mxfp4GemmGlu glu{};  // whole-K: the activation in the epilogue
 };
 
 // Calls on one instance must be ordered (one stream, or synchronized).

@@ -57,8 +57,7 @@ const char* kUsage =
     "(n128: the narrow block, the next workspace tile folding beside it; the last tile at 192));\n"
     "above 96 tokens an expert auto takes the MXFP4 GEMM with whole-K scales (one scale a row of\n"
     "the activations, one a 64-row group of each expert over all of K) where both projections fold\n"
-    "exactly that way: whole takes it at every size, auto_nowhole never, whole_split with the\n"
-    "activation in a kernel of its own instead of gate_up's epilogue;\n"
+    "exactly that way: whole takes it at every size, auto_nowhole never;\n"
     "of a comma list the first is fp8_ms, every one listed is timed in\n"
     "alternation (fp8_gemm_ms) and its output compared with the first's. A _rows suffix\n"
     "(auto_rows, grouped_rows, grouped_ws_rows): weight scales per row (1x128) instead of per\n"
@@ -125,11 +124,10 @@ int bench_moe(const Args& a) {
       static const char* const known[] = {"auto",         "cublaslt",        "grouped",   "grouped_ws", "auto_rows",
                                           "grouped_rows", "grouped_ws_rows", "auto_fold", "mxfp4",      "auto_t64",
                                           "auto_t128",    "auto_t160",       "auto_n128", "auto_n192",  "whole",
-                                          "auto_nowhole", "whole_split"};
+                                          "auto_nowhole"};
       if (std::find(std::begin(known), std::end(known), item) == std::end(known)) {
         std::fprintf(stderr,
-                     "dz bench moe: --fp8-gemm takes auto, auto_nowhole, whole, whole_split, auto_fold, "
-                     "auto_t64|t128|t160, "
+                     "dz bench moe: --fp8-gemm takes auto, auto_nowhole, whole, auto_fold, auto_t64|t128|t160, "
                      "auto_n128|n192, cublaslt, "
                      "grouped and/or "
                      "grouped_ws (the last three with or without _rows), not '%s'\n",
@@ -158,8 +156,7 @@ int bench_moe(const Args& a) {
         g.rfind("auto_n", 0) == 0 && g != "auto_nowhole" ? std::stoi(g.substr(6)) : MoeOptions{}.fp8_ws_tile_n;
     // whole: the MXFP4 GEMM with whole-K scales at every FP8-path size; only
     // auto (and auto_rows) choose it by size.
-    o.fp8_whole_k = g == "whole" || g == "whole_split" ? 1 : g == "auto" ? 0 : -1;
-    o.fp8_whole_k_fused_act = g != "whole_split";
+    o.fp8_whole_k = g == "whole" ? 1 : g == "auto" ? 0 : -1;
   };
   set_gemm(opt, fp8_gemms[0]);
   opt.fp8_grouped_blocks = int_flag("--grouped-blocks", opt.fp8_grouped_blocks);
