@@ -47,8 +47,9 @@ struct Smem {
   static constexpr int stageBytes = xBytes + x2Bytes + 2 * kWBox + (kWhole ? 0 : 3 * BN * 4);
   static constexpr int S = std::min(8, 210 * 1024 / stageBytes);
   static constexpr int offW = S * xBytes, offX2 = offW + S * 2 * kWBox, offXs = offX2 + S * x2Bytes;
-  static constexpr int offC = offXs + S * BN * 4;
-  static constexpr int offBar = offC + S * 2 * BN * 4;
+  static constexpr int xsBytes = kWhole ? 0 : BN * 4;  // per stage: X scales, then 2 x products
+  static constexpr int offC = offXs + S * xsBytes;
+  static constexpr int offBar = offC + S * 2 * xsBytes;
   static constexpr int bytes = offBar + 3 * S * 8 + 1024;  // +1024: base aligned up
   static_assert(xBytes % 1024 == 0 && offW % 1024 == 0 && kWBox % 1024 == 0 && offXs % 16 == 0, "alignment");
   static_assert(bytes <= 227 * 1024, "shared memory of one sm_90 block");
