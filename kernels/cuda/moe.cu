@@ -1595,52 +1595,91 @@ unsigned swiglu_quant_blocks(int nrows, int nkb) {
   return unsigned((int64_t(nrows) * ((nkb + kSwigluBlocks - 1) / kSwigluBlocks) + 7) / 8);
 }
 
-// Whole-K scales (Mxfp4Gemm with gk): a warp quantizes a row of kpad values,
-// get(c, v) giving values c..c+3 (zeros past the row's end), under one scale
-// amax / 448 (1 for a zero row), in two passes (the amax, then the bytes):
-// each 4-byte word to word mxfp4_gemm_x_word of its sub-block of every
-// destination row dst(i) < ndst (negative: skipped), the scale to qs.
+// Whole-K scales (Mxfp4Gemm with gk): a block of kQrThreads quantizes a row
+// of kpad values, get(c, v) giving values c..c+3 (zeros past the row's end),
+// under one scale amax / 448 (1 for a zero row): each 4-byte word to word
+// mxfp4_gemm_x_word of its sub-block of every destination row dst(i) < ndst
+// (negative: skipped), the scale to qs. Rows of up to kQrChunks * 4 *
+// kQrThreads values are read once, their loads all issued first (a warp a
+// row, read twice, ran at ~2.6 TB/s); longer ones twice.
+constexpr int kQrThreads = 128, kQrChunks = 8;
 template <typename Get, typename Dst>
-__device__ __forceinline__ void quant_row_whole_k(Get get, int kpad, int lane, int ndst, Dst dst, uint8_t* q,
-                                                  float* qs) {
-  float amax = 0.f;
-  for (int c = lane * 4; c < kpad; c += 128) {
-    float v[4];
-    get(c, v);
-    amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
-  }
-  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
-  const float sc = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / sc;
-  for (int c = lane * 4; c < kpad; c += 128) {
-    float v[4];
-    get(c, v);
+__device__ __forceinline__ void quant_row_whole_k(Get get, int kpad, int ndst, Dst dst, uint8_t* q, float* qs) {
+  __shared__ float wmax[kQrThreads / 32];
+  const int tid = int(threadIdx.x);
+  auto absmax = [](const float(&v)[4]) {
+    return fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  };
+  auto put = [&](int c, const float(&v)[4], float inv) {
     const uint32_t word = e4m3x4(v, inv);
     const int at = (c & ~31) + 4 * mxfp4_gemm_x_word((c & 31) >> 2);
     for (int i = 0; i < ndst; ++i) {
       const int r = dst(i);
       if (r >= 0) *reinterpret_cast<uint32_t*>(q + int64_t(r) * kpad + at) = word;
     }
-  }
-  if (lane == 0)
-    for (int i = 0; i < ndst; ++i)
-      if (dst(i) >= 0) qs[dst(i)] = sc;
-}
-
-// Warps 0..T-1: token t's input row, quantized once, to each of its routed
-// rows (inv); warps T..T+E-1: expert e's pad rows (zero, scale 1).
-__global__ void gather_quant_row_kernel(const float* x, int T, int H, int kph, int topk, int E, const int* inv,
-                                        const int* counts, const int* offsets, uint8_t* q, float* qs) {
-  const int warp = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
-  if (warp >= T + E) return;
-  if (warp >= T) {
-    const int e = warp - T, r0 = offsets[e] + counts[e], r1 = offsets[e + 1];
-    for (int r = r0; r < r1; ++r)
-      quant_row_whole_k([](int, float(&v)[4]) { v[0] = v[1] = v[2] = v[3] = 0.f; }, kph, lane, 1,
-                        [r](int) { return r; }, q, qs);
+  };
+  auto block_scale = [&](float amax) {
+    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
+    if ((tid & 31) == 0) wmax[tid >> 5] = amax;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kQrThreads / 32; ++w) amax = fmaxf(amax, wmax[w]);
+    const float sc = amax > 0.f ? amax / 448.f : 1.f;
+    if (tid == 0)
+      for (int i = 0; i < ndst; ++i)
+        if (dst(i) >= 0) qs[dst(i)] = sc;
+    return sc;
+  };
+  constexpr int kStep = 4 * kQrThreads;
+  float amax = 0.f;
+  if (kpad <= kQrChunks * kStep) {
+    float v[kQrChunks][4];
+#pragma unroll
+    for (int u = 0; u < kQrChunks; ++u) {
+      const int c = tid * 4 + u * kStep;
+      if (c < kpad)
+        get(c, v[u]);
+      else
+        v[u][0] = v[u][1] = v[u][2] = v[u][3] = 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kQrChunks; ++u) amax = fmaxf(amax, absmax(v[u]));
+    const float inv = 1.f / block_scale(amax);
+#pragma unroll
+    for (int u = 0; u < kQrChunks; ++u)
+      if (tid * 4 + u * kStep < kpad) put(tid * 4 + u * kStep, v[u], inv);
     return;
   }
-  const float* row = x + int64_t(warp) * H;
-  const int* dst = inv + int64_t(warp) * topk;
+  for (int c = tid * 4; c < kpad; c += kStep) {
+    float v[4];
+    get(c, v);
+    amax = fmaxf(amax, absmax(v));
+  }
+  const float inv = 1.f / block_scale(amax);
+  for (int c = tid * 4; c < kpad; c += kStep) {
+    float v[4];
+    get(c, v);
+    put(c, v, inv);
+  }
+}
+
+// Blocks 0..T-1: token t's input row, quantized once, to each of its routed
+// rows (inv); blocks T..T+E-1: expert e's pad rows (zero, scale 1).
+__global__ void __launch_bounds__(kQrThreads)
+    gather_quant_row_kernel(const float* x, int T, int H, int kph, int topk, const int* inv, const int* counts,
+                            const int* offsets, uint8_t* q, float* qs) {
+  const int b = int(blockIdx.x);
+  if (b >= T) {
+    const int e = b - T, r0 = offsets[e] + counts[e], r1 = offsets[e + 1];
+    for (int r = r0; r < r1; ++r) {
+      for (int c = int(threadIdx.x) * 4; c < kph; c += 4 * kQrThreads)
+        *reinterpret_cast<uint32_t*>(q + int64_t(r) * kph + c) = 0u;
+      if (threadIdx.x == 0) qs[r] = 1.f;
+    }
+    return;
+  }
+  const float* row = x + int64_t(b) * H;
+  const int* dst = inv + int64_t(b) * topk;
   quant_row_whole_k(
       [&](int c, float(&v)[4]) {
         if (c + 3 < H && (H & 3) == 0) {
@@ -1651,17 +1690,15 @@ __global__ void gather_quant_row_kernel(const float* x, int T, int H, int kph, i
           for (int i = 0; i < 4; ++i) v[i] = c + i < H ? row[c + i] : 0.f;
         }
       },
-      kph, lane, topk, [&](int i) { return dst[i]; }, q, qs);
+      kph, topk, [&](int i) { return dst[i]; }, q, qs);
 }
 
-// A warp per sorted row of [r0, r0 + nrows): swiglu_quant_kernel's values
+// A block per sorted row of [r0, r0 + nrows): swiglu_quant_kernel's values
 // (pad rows zero) under one scale a row.
-__global__ void swiglu_quant_row_kernel(const __nv_bfloat16* d1, int I, int kpi, const uint16_t* b1, int silu,
-                                        float limit, const int* sorted, const int* row_expert, int r0, int nrows,
-                                        uint8_t* q, float* qs) {
-  const int warp = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
-  if (warp >= nrows) return;
-  const int r = r0 + warp;
+__global__ void __launch_bounds__(kQrThreads)
+    swiglu_quant_row_kernel(const __nv_bfloat16* d1, int I, int kpi, const uint16_t* b1, int silu, float limit,
+                            const int* sorted, const int* row_expert, int r0, uint8_t* q, float* qs) {
+  const int r = r0 + int(blockIdx.x);
   const bool real = sorted[r] >= 0;
   const __nv_bfloat16* drow = d1 + int64_t(r) * 2 * I;
   const uint16_t* brow = b1 ? b1 + int64_t(row_expert[r]) * 2 * I : nullptr;
@@ -1679,7 +1716,7 @@ __global__ void swiglu_quant_row_kernel(const __nv_bfloat16* d1, int I, int kpi,
           v[i] = glu(gate, up, silu, limit);
         }
       },
-      kpi, lane, 1, [r](int) { return r; }, q, qs);
+      kpi, 1, [r](int) { return r; }, q, qs);
 }
 
 // 8 consecutive values of a row as float: fp32 (two 16-byte loads) or bf16 (one).
@@ -2207,9 +2244,10 @@ struct MoeLayer::Impl {
   // whole: its layout with one scale a row).
   void swiglu_between(int r0, int nrows, const uint16_t* b1, int64_t ld, cudaStream_t st, bool whole = false) {
     if (whole) {
-      swiglu_quant_row_kernel<<<unsigned((nrows + 7) / 8), 256, 0, st>>>(
-          d1.get(), s.intermediate, int(kpi), b1, silu() ? 1 : 0, s.silu_limit, sorted.get(), row_expert.get(), r0,
-          nrows, a2.get(), a2s.get());
+      if (nrows > 0)
+        swiglu_quant_row_kernel<<<unsigned(nrows), kQrThreads, 0, st>>>(
+            d1.get(), s.intermediate, int(kpi), b1, silu() ? 1 : 0, s.silu_limit, sorted.get(), row_expert.get(), r0,
+            a2.get(), a2s.get());
       DZ_CUDA_LAUNCH_CHECK();
       return;
     }
@@ -2293,8 +2331,8 @@ struct MoeLayer::Impl {
     const bool whole = whole_k_runs(w, T);
     const bool regs = whole || mxfp4_gemm_runs(w, T);
     if (whole) {
-      gather_quant_row_kernel<<<unsigned((T + E + 7) / 8), 256, 0, st>>>(
-          x, T, H, int(kph), s.topk, E, inv.get(), counts.get(), offsets.get(), a1.get(), a1s.get());
+      gather_quant_row_kernel<<<unsigned(T + E), kQrThreads, 0, st>>>(x, T, H, int(kph), s.topk, inv.get(),
+                                                                      counts.get(), offsets.get(), a1.get(), a1s.get());
     } else {
       gather_quant_kernel<<<gather_quant_blocks(T, nkb_h, E), 256, 0, st>>>(x, T, H, nkb_h, s.topk, E, inv.get(), ids,
                                                                             counts.get(), offsets.get(), a1.get(),
