@@ -3,7 +3,8 @@
 // (wgmma m64nNk32 with A from registers), each consumer thread decoding its
 // fragment of a 64-row weight tile straight from the MXFP4 bytes the copy
 // engine brought (no FP8 copy of W in shared or global memory); the tokens
-// are the MMA's N (64, 128 or 160 a tile), brought by the copy engine.
+// are the MMA's N (64, 128 or 160 a tile; 256 with whole-K scales, below),
+// brought by the copy engine.
 //
 // For each group g (rows [off_g, off_g + m_g) of X and D), expert e = experts[g]:
 //   D[off_g + r][c] (bf16) = sum_kb xs[kb][off_g + r] * ws_e(c / 64, kb) *
