@@ -750,8 +750,8 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
     }
     rows += 2;
     std::vector<uint8_t> x(size_t(rows) * kpad), xr(x.size());
-    for (auto& b : x)
-      do b = uint8_t(byte(rng));
+    for (auto& b : x) do
+        b = uint8_t(byte(rng));
       while ((b & 0x7F) == 0x7F);
     for (int64_t r = 0; r < rows; ++r)  // the kernel's register order inside each sub-block
       for (int b = 0; b < kpad / 32; ++b)

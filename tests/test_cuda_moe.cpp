@@ -517,7 +517,7 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
         const double dm = finite_diff(wh, ref), dg = diff_metric(std::vector<double>(wh.begin(), wh.end()),
                                                                  std::vector<double>(got.begin(), got.end()));
         WARN("MoE FP8 path, MXFP4 GEMM with whole-K scales, T " << c.T << ": diff " << dm << " vs float64 (grouped "
-                                                                 << d << "), " << dg << " vs the grouped FP8 path");
+                                                                << d << "), " << dg << " vs the grouped FP8 path");
         CHECK(dm < 1e-2);
         CHECK(dg < 2e-3);
         layer.forward(wk, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
@@ -956,7 +956,8 @@ TEST_CASE("CUDA MoE layer: the plain SwiGLU (DeepSeek) without biases, fused and
           Dev<uint8_t> k1(size_t(sh.E * (2 * sh.I / 64))), k2(size_t(sh.E * (sh.H / 64)));
           const cpu::FoldStats fk1 =
               mxfp4_whole_k_table(Mxfp4Stack{w1b.p, w1s.p, 2 * sh.I, sh.H}, sh.E, k1.p, ctx.stream());
-          const cpu::FoldStats fk2 = mxfp4_whole_k_table(Mxfp4Stack{w2b.p, w2s.p, sh.H, sh.I}, sh.E, k2.p, ctx.stream());
+          const cpu::FoldStats fk2 =
+              mxfp4_whole_k_table(Mxfp4Stack{w2b.p, w2s.p, sh.H, sh.I}, sh.E, k2.p, ctx.stream());
           REQUIRE(fk1.lossy_groups + fk2.lossy_groups == 0);
           MoeWeights wk = w;
           wk.w1_gk = k1.p, wk.w2_gk = k2.p;

@@ -2245,9 +2245,9 @@ struct MoeLayer::Impl {
   void swiglu_between(int r0, int nrows, const uint16_t* b1, int64_t ld, cudaStream_t st, bool whole = false) {
     if (whole) {
       if (nrows > 0)
-        swiglu_quant_row_kernel<<<unsigned(nrows), kQrThreads, 0, st>>>(
-            d1.get(), s.intermediate, int(kpi), b1, silu() ? 1 : 0, s.silu_limit, sorted.get(), row_expert.get(), r0,
-            a2.get(), a2s.get());
+        swiglu_quant_row_kernel<<<unsigned(nrows), kQrThreads, 0, st>>>(d1.get(), s.intermediate, int(kpi), b1,
+                                                                        silu() ? 1 : 0, s.silu_limit, sorted.get(),
+                                                                        row_expert.get(), r0, a2.get(), a2s.get());
       DZ_CUDA_LAUNCH_CHECK();
       return;
     }
@@ -2291,8 +2291,8 @@ struct MoeLayer::Impl {
   // projections need exact whole-K tables.
   bool whole_k_runs(const MoeWeights& w, int T) const {
     const double tpe = double(T) * s.topk / s.n_experts;
-    const bool want =
-        opt.fp8_whole_k > 0 || (opt.fp8_whole_k == 0 && opt.fp8_gemm == 0 && tpe > opt.fp8_whole_k_min_tokens_per_expert);
+    const bool want = opt.fp8_whole_k > 0 ||
+                      (opt.fp8_whole_k == 0 && opt.fp8_gemm == 0 && tpe > opt.fp8_whole_k_min_tokens_per_expert);
     return want && opt.fp8_gemm != 1 && w.w1_gk && w.w2_gk && s.hidden % 64 == 0 && s.intermediate % 64 == 0 &&
            Mxfp4Gemm::supported();
   }

@@ -257,8 +257,7 @@ cpu::FoldStats mxfp4_group_table(const Mxfp4Stack& w, int n_experts, uint8_t* gm
 
 cpu::FoldStats mxfp4_whole_k_table(const Mxfp4Stack& w, int n_experts, uint8_t* gk, cudaStream_t s) {
   check(w.k % 32 == 0 && w.rows > 0 && w.rows % kFoldRowGroup == 0 && n_experts > 0 && gk, DZ_ERR_INVALID_ARGUMENT,
-        "mxfp4_whole_k_table: ", w.rows, " rows x ", w.k, " (rows must be a multiple of 64), ", n_experts,
-        " experts");
+        "mxfp4_whole_k_table: ", w.rows, " rows x ", w.k, " (rows must be a multiple of 64), ", n_experts, " experts");
   const int nsub = int(w.k / 32), ngroups = int(cpu::fold_kpad(w.k) / 128);
   const int64_t rgroups = w.rows / kFoldRowGroup * n_experts;
   cpu::FoldStats st = run_check(s, nullptr, [&](unsigned long long* d) {

@@ -115,15 +115,15 @@ template <int N, int R>
 __device__ __forceinline__ void wgmma_rs_n(float (&d)[R], const uint32_t (&a)[4], uint64_t db) {
   static_assert(N / 2 <= R, "accumulators");
   if constexpr (N == 64) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {" DZ_WGMMA_R32 "}, {%32, %33, %34, %35}, %36, 1, 1, 1;\n"
-        : DZ_WGMMA_ACC32(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {" DZ_WGMMA_R32
+                 "}, {%32, %33, %34, %35}, %36, 1, 1, 1;\n"
+                 : DZ_WGMMA_ACC32(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
   } else if constexpr (N == 128) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" DZ_WGMMA_R64 "}, {%64, %65, %66, %67}, %68, 1, 1, 1;\n"
-        : DZ_WGMMA_ACC64(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" DZ_WGMMA_R64
+                 "}, {%64, %65, %66, %67}, %68, 1, 1, 1;\n"
+                 : DZ_WGMMA_ACC64(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
   } else if constexpr (N == 192) {
     asm volatile("wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {" DZ_WGMMA_R64 ", " DZ_WGMMA_R64_95
                  "}, {%96, %97, %98, %99}, %100, 1, 1, 1;\n"
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
         int g, rt, tt;
         find_tile<BN, kRide>(p, t, g, rt, tt);
         const int xrow = p.off[g] + tt * BN, wrow = p.expert[g] * p.n + rt * kRows;
-        const bool live1 = rt * kRows + 64 < p.n;  // the second consumer's rows exist
+        const bool live1 = rt * kRows + 64 < p.n;           // the second consumer's rows exist
         const bool extra = kRide && p.m[g] - tt * BN > BN;  // ride-along tokens
         const uint32_t tx =
             uint32_t(BN * kBK + (extra ? kExtra * kBK : 0) + (kWhole ? 0 : BN * 4) + (live1 ? 2 : 1) * kWBox);
@@ -340,9 +340,10 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
       // A tile's MMAs are N columns wide, the fewest multiple of 64 that holds
       // its tokens (an expert's last tile is mostly short), on the first N / 2
       // accumulators.
+      // The accumulators are zeroed before the K loop rather than by the first
+      // MMA's scale-d predicate: with the predicate ptxas serializes the MMAs
+      // at N < 256 (warning C7514).
       auto whole_tile = [&]<int N, bool kX>() {
-        // Zeroed here rather than by the first MMA's scale-d predicate: with the
-        // predicate ptxas serializes the MMAs at N < 256.
 #pragma unroll
         for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
         ptx::fence_regs(acc);
@@ -425,49 +426,49 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
         whole_tile.template operator()<64, false>();
     } else {
 #pragma unroll
-    for (int i = 0; i < NR; ++i) acc[i] = 0.f;
-    // One K block: its MMAs on a (decoded), then, while they run, the next
-    // stage's words into an (the next scales' loads go out behind them); then
-    // the promotion and the stage's release.
-    auto step = [&](int kb, uint32_t(&a)[4][4], uint32_t(&an)[4][4]) {
-      const uint32_t dsc = ptx::sw128_desc_lo(sX + uint32_t(stage * L::xBytes));
-      ptx::fence_regs(a);
-      ptx::wgmma_fence();
-      ptx::fence_regs(part);
+      for (int i = 0; i < NR; ++i) acc[i] = 0.f;
+      // One K block: its MMAs on a (decoded), then, while they run, the next
+      // stage's words into an (the next scales' loads go out behind them); then
+      // the promotion and the stage's release.
+      auto step = [&](int kb, uint32_t(&a)[4][4], uint32_t(&an)[4][4]) {
+        const uint32_t dsc = ptx::sw128_desc_lo(sX + uint32_t(stage * L::xBytes));
+        ptx::fence_regs(a);
+        ptx::wgmma_fence();
+        ptx::fence_regs(part);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma_rs(part, a[kk], ptx::sw128_desc(dsc + 2 * kk), kk);
-      ptx::wgmma_commit();
-      const int st = stage;
-      const uint32_t cphase = phase;
-      if (++stage == kS) stage = 0, phase ^= 1u;
-      if (kb + 1 < p.nkb) {
-        wait(full(stage), phase);
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs(part, a[kk], ptx::sw128_desc(dsc + 2 * kk), kk);
+        ptx::wgmma_commit();
+        const int st = stage;
+        const uint32_t cphase = phase;
+        if (++stage == kS) stage = 0, phase ^= 1u;
+        if (kb + 1 < p.nkb) {
+          wait(full(stage), phase);
+          __syncwarp();
+          decode(stage, rn, an);
+          if (kb + 2 < p.nkb) load_raw(kb + 2, rn);
+        }
+        ptx::wgmma_wait0();
+        ptx::fence_regs(part);
+        ptx::fence_regs(a);  // the MMAs read a until here: the next stage's decoding went elsewhere
+        // Promotion: acc += part * c[token] (c = ws * xs, the scale warps'). Columns
+        // of register quad j: tokens 8j + 2t + {0, 1}; registers 4j+2, 4j+3 are row + 8.
+        wait(cready(st), cphase);
+        const float2* cv = reinterpret_cast<const float2*>(gbase + L::offC + (st * 2 + cw) * BN * 4);
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          const float2 c = cv[4 * j + t];
+          acc[4 * j + 0] = fmaf(part[4 * j + 0], c.x, acc[4 * j + 0]);
+          acc[4 * j + 1] = fmaf(part[4 * j + 1], c.y, acc[4 * j + 1]);
+          acc[4 * j + 2] = fmaf(part[4 * j + 2], c.x, acc[4 * j + 2]);
+          acc[4 * j + 3] = fmaf(part[4 * j + 3], c.y, acc[4 * j + 3]);
+        }
         __syncwarp();
-        decode(stage, rn, an);
-        if (kb + 2 < p.nkb) load_raw(kb + 2, rn);
+        if (lane == 0) ptx::mbar_arrive(empty(st));
+      };
+      for (int kb = 0; kb < p.nkb; kb += 2) {  // two steps a turn: the fragment arrays stay in registers
+        step(kb, a0, a1);
+        if (kb + 1 < p.nkb) step(kb + 1, a1, a0);
       }
-      ptx::wgmma_wait0();
-      ptx::fence_regs(part);
-      ptx::fence_regs(a);  // the MMAs read a until here: the next stage's decoding went elsewhere
-      // Promotion: acc += part * c[token] (c = ws * xs, the scale warps'). Columns
-      // of register quad j: tokens 8j + 2t + {0, 1}; registers 4j+2, 4j+3 are row + 8.
-      wait(cready(st), cphase);
-      const float2* cv = reinterpret_cast<const float2*>(gbase + L::offC + (st * 2 + cw) * BN * 4);
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const float2 c = cv[4 * j + t];
-        acc[4 * j + 0] = fmaf(part[4 * j + 0], c.x, acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(part[4 * j + 1], c.y, acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(part[4 * j + 2], c.x, acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(part[4 * j + 3], c.y, acc[4 * j + 3]);
-      }
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(empty(st));
-    };
-    for (int kb = 0; kb < p.nkb; kb += 2) {  // two steps a turn: the fragment arrays stay in registers
-      step(kb, a0, a1);
-      if (kb + 1 < p.nkb) step(kb + 1, a1, a0);
-    }
     }
     // Epilogue: D rows are tokens, columns weight rows. Lanes g and g ^ 1 hold
     // neighbouring weight rows: an even g stores both rows' values of its
@@ -504,10 +505,9 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
 // scales (one tile of 256 tokens, its MMAs as wide as a tile's tokens need;
 // without and with ride-along tokens).
 constexpr int kTileTokens[2][3] = {{64, 128, 160}, {256, 256, 0}};
-void (*const kKernels[2][3])(Params) = {{mxfp4_gemm_kernel<64, false, false>, mxfp4_gemm_kernel<128, false, false>,
-                                         mxfp4_gemm_kernel<160, false, false>},
-                                        {mxfp4_gemm_kernel<256, true, false>, mxfp4_gemm_kernel<256, true, true>,
-                                         nullptr}};
+void (*const kKernels[2][3])(Params) = {
+    {mxfp4_gemm_kernel<64, false, false>, mxfp4_gemm_kernel<128, false, false>, mxfp4_gemm_kernel<160, false, false>},
+    {mxfp4_gemm_kernel<256, true, false>, mxfp4_gemm_kernel<256, true, true>, nullptr}};
 constexpr int kSmemBytes[2][3] = {
     {Smem<64, false, false>::bytes, Smem<128, false, false>::bytes, Smem<160, false, false>::bytes},
     {Smem<256, true, false>::bytes, Smem<256, true, true>::bytes, 0}};
@@ -556,7 +556,7 @@ Mxfp4Gemm::Mxfp4Gemm() {
     for (int i = 0; i < 3; ++i)
       if (kKernels[w][i])
         DZ_CUDA_CHECK(
-          cudaFuncSetAttribute(kKernels[w][i], cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes[w][i]));
+            cudaFuncSetAttribute(kKernels[w][i], cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes[w][i]));
 }
 
 void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
@@ -587,8 +587,8 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
   for (int gi = 0; gi < a.groups; ++gi) rows_used += a.counts[gi];
   if (rows_used == 0) return;
   check(a.x && a.xs && a.d, DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: null pointer");
-  check(whole || (a.xs_ld >= a.rows_total && a.xs_ld % 4 == 0), DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: xs_ld=",
-        a.xs_ld, " (at least rows_total ", a.rows_total, ", a multiple of 4)");
+  check(whole || (a.xs_ld >= a.rows_total && a.xs_ld % 4 == 0), DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: xs_ld=", a.xs_ld,
+        " (at least rows_total ", a.rows_total, ", a multiple of 4)");
   check(aligned(a.x, 16) && aligned(a.xs, 16) && aligned(a.d, 4) && aligned(a.w.blocks, 16) && aligned(a.w.scales, 2),
         DZ_ERR_INVALID_ARGUMENT,
         "mxfp4_gemm: X, its scales and the MXFP4 blocks must be 16-byte aligned, D 4-byte, the E8M0 scales 2-byte");

@@ -48,8 +48,8 @@ __host__ __device__ constexpr int mxfp4_gemm_x_word(int i) { return (i >> 1) | (
 __host__ __device__ constexpr int mxfp4_gemm_x_group(int j) { return j < 4 ? 2 * j : 2 * (j - 4) + 1; }
 
 struct Mxfp4GemmArgs {
-  const uint8_t* x = nullptr;  // E4M3 [rows_total][k], register order (above)
-  const float* xs = nullptr;   // [k/128][xs_ld]; with gk: [rows_total]
+  const uint8_t* x = nullptr;   // E4M3 [rows_total][k], register order (above)
+  const float* xs = nullptr;    // [k/128][xs_ld]; with gk: [rows_total]
   int64_t xs_ld = 0;            // unused with gk
   const uint8_t* gk = nullptr;  // whole-K scales: W's table [w_experts][n / 64] (then w.gmax is not read)
   int64_t rows_total = 0;

@@ -189,9 +189,10 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
   ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, " \
   "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define DZ_WGMMA_R64_79 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
-#define DZ_WGMMA_R64_95 DZ_WGMMA_R64_79 ", %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
-#define DZ_WGMMA_R64_127                                                                                            \
-  DZ_WGMMA_R64_95                                                                                                   \
+#define DZ_WGMMA_R64_95 \
+  DZ_WGMMA_R64_79 ", %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+#define DZ_WGMMA_R64_127                                                                                             \
+  DZ_WGMMA_R64_95                                                                                                    \
   ", %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, " \
   "%115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 #define DZ_WGMMA_ACC8(d, b)                                                                                   \
@@ -200,7 +201,8 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
 #define DZ_WGMMA_ACC32(d) DZ_WGMMA_ACC8(d, 0), DZ_WGMMA_ACC8(d, 8), DZ_WGMMA_ACC8(d, 16), DZ_WGMMA_ACC8(d, 24)
 #define DZ_WGMMA_ACC64(d) \
   DZ_WGMMA_ACC32(d), DZ_WGMMA_ACC8(d, 32), DZ_WGMMA_ACC8(d, 40), DZ_WGMMA_ACC8(d, 48), DZ_WGMMA_ACC8(d, 56)
-#define DZ_WGMMA_ACC32_AT(d, b) DZ_WGMMA_ACC8(d, b), DZ_WGMMA_ACC8(d, b + 8), DZ_WGMMA_ACC8(d, b + 16), DZ_WGMMA_ACC8(d, b + 24)
+#define DZ_WGMMA_ACC32_AT(d, b) \
+  DZ_WGMMA_ACC8(d, b), DZ_WGMMA_ACC8(d, b + 8), DZ_WGMMA_ACC8(d, b + 16), DZ_WGMMA_ACC8(d, b + 24)
 
 // The segment holding x: the last i with starts[i] <= x, for n segments with
 // non-decreasing starts (empty segments share their successor's start and

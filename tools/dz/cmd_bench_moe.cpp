@@ -121,10 +121,10 @@ int bench_moe(const Args& a) {
     std::string item;
     while (std::getline(ss, item, ',')) {
       if (item.empty()) continue;
-      static const char* const known[] = {"auto",         "cublaslt",        "grouped",   "grouped_ws", "auto_rows",
-                                          "grouped_rows", "grouped_ws_rows", "auto_fold", "mxfp4",      "auto_t64",
-                                          "auto_t128",    "auto_t160",       "auto_n128", "auto_n192",  "whole",
-                                          "auto_nowhole"};
+      static const char* const known[] = {"auto",      "cublaslt",     "grouped",         "grouped_ws",
+                                          "auto_rows", "grouped_rows", "grouped_ws_rows", "auto_fold",
+                                          "mxfp4",     "auto_t64",     "auto_t128",       "auto_t160",
+                                          "auto_n128", "auto_n192",    "whole",           "auto_nowhole"};
       if (std::find(std::begin(known), std::end(known), item) == std::end(known)) {
         std::fprintf(stderr,
                      "dz bench moe: --fp8-gemm takes auto, auto_nowhole, whole, auto_fold, auto_t64|t128|t160, "
@@ -196,8 +196,8 @@ int bench_moe(const Args& a) {
                                    mxfp4_exact_group_table(P, Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, E, &fs64, st),
                                w2g = mxfp4_exact_group_table(P, Mxfp4Stack{w2b.get(), w2s.get(), H, I}, E, &fs64, st);
     cpu::FoldStats fsk;
-    const DeviceArray<uint8_t> w1k = mxfp4_exact_whole_k_table(P, Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, E,
-                                                               &fsk, st),
+    const DeviceArray<uint8_t> w1k = mxfp4_exact_whole_k_table(P, Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, E, &fsk,
+                                                               st),
                                w2k = mxfp4_exact_whole_k_table(P, Mxfp4Stack{w2b.get(), w2s.get(), H, I}, E, &fsk, st);
     MoeWeights W{w1b.get(), w1s.get(), b1.get(), w2b.get(), w2s.get(), b2.get()};
     W.w1_gmax = w1g.get(), W.w2_gmax = w2g.get();
@@ -418,13 +418,12 @@ int bench_moe(const Args& a) {
                           {"ride_along", mg.last_ride_along()},
                           {"gpu_ms_per_call", per},
                           {"tflops", tf}});
-            std::fprintf(stderr,
-                         "mxfp4 gemm, whole-K scales, %d x m=%5d n=%d k=%ld%s: %.4f ms/call %.0f TFLOP/s\n", n_ex, m,
-                         2 * I, long(kph), mg.last_ride_along() ? ", last tokens riding" : "", per, tf);
+            std::fprintf(stderr, "mxfp4 gemm, whole-K scales, %d x m=%5d n=%d k=%ld%s: %.4f ms/call %.0f TFLOP/s\n",
+                         n_ex, m, 2 * I, long(kph), mg.last_ride_along() ? ", last tokens riding" : "", per, tf);
           }
           comp["mxfp4_gemm_whole_k"] = wj;
-          comp["whole_k_table"] = {{"groups", fk.groups}, {"lossy_groups", fk.lossy_groups},
-                                   {"max_spread", fk.max_spread}};
+          comp["whole_k_table"] = {
+              {"groups", fk.groups}, {"lossy_groups", fk.lossy_groups}, {"max_spread", fk.max_spread}};
         }
       }
       std::fprintf(stderr, "fold %d experts: %.3f ms, %.2f TB/s (read+write)\n", n_ex, comp["fold_ms"].get<double>(),
