@@ -310,6 +310,18 @@ MoeOptions w4a16_options() {
   o.fused_w4a8 = false;
   return o;
 }
+#ifdef DZ_WITH_CUDA
+// Both projections' tables (make: mxfp4_group_table or mxfp4_whole_k_table)
+// into t1 / t2; every group must fold exactly.
+template <typename Make>
+void exact_tables(Make make, const uint8_t* w1b, const uint8_t* w1s, const uint8_t* w2b, const uint8_t* w2s, int E,
+                  int H, int I, uint8_t* t1, uint8_t* t2, cudaStream_t s) {
+  const cpu::FoldStats f1 = make(Mxfp4Stack{w1b, w1s, 2 * I, H}, E, t1, s);
+  const cpu::FoldStats f2 = make(Mxfp4Stack{w2b, w2s, H, I}, E, t2, s);
+  REQUIRE(f1.lossy_groups + f2.lossy_groups == 0);
+}
+#endif
+
 // Every value finite (checked), and the diff metric against ref.
 double finite_diff(const std::vector<float>& got, const std::vector<double>& ref) {
   const std::vector<double> g(got.begin(), got.end());
@@ -412,11 +424,15 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
       layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
       ctx.sync();
       const auto lt = out.get();
+      // The FP8 path's output with weights ww (out filled with NaNs first).
+      auto fp8_out = [&](const MoeWeights& ww) {
+        DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
+        layer.forward(ww, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
+        ctx.sync();
+        return out.get();
+      };
       layer.options().fp8_gemm = 2;
-      DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
-      layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
-      ctx.sync();
-      const auto got = out.get();
+      const auto got = fp8_out(w);
       const double d = finite_diff(got, ref), d_lt = diff_metric(std::vector<double>(got.begin(), got.end()),
                                                                  std::vector<double>(lt.begin(), lt.end()));
       INFO("FP8 path, grouped GEMMs: diff " << d << ", vs the cuBLASLt FP8 path " << d_lt);
@@ -452,9 +468,7 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
       // group exact here), folding inside and on the workspace: the same bits.
       const int64_t kph = cpu::fold_kpad(c.H), kpi = cpu::fold_kpad(c.I);
       Dev<uint8_t> g1(size_t(c.E * (2 * c.I / 64) * (kph / 128))), g2(size_t(c.E * (c.H / 64) * (kpi / 128)));
-      const cpu::FoldStats f1 = mxfp4_group_table(Mxfp4Stack{w1b.p, w1s.p, 2 * c.I, c.H}, c.E, g1.p, ctx.stream());
-      const cpu::FoldStats f2 = mxfp4_group_table(Mxfp4Stack{w2b.p, w2s.p, c.H, c.I}, c.E, g2.p, ctx.stream());
-      REQUIRE(f1.lossy_groups + f2.lossy_groups == 0);
+      exact_tables(mxfp4_group_table, w1b.p, w1s.p, w2b.p, w2s.p, c.E, c.H, c.I, g1.p, g2.p, ctx.stream());
       layer.options().fp8_mxfp4_gemm = -1;      // the grouped kernels (below: the MXFP4 GEMM)
       for (int which = 1; which <= 3; ++which)  // gate_up's table, down's, both
         for (double tpe : {tpe_max, 0.0}) {
@@ -504,16 +518,11 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
       // deterministic.
       if (Mxfp4Gemm::supported() && c.H % 64 == 0 && c.I % 64 == 0) {
         Dev<uint8_t> k1(size_t(c.E * (2 * c.I / 64))), k2(size_t(c.E * (c.H / 64)));
-        const cpu::FoldStats fk1 = mxfp4_whole_k_table(Mxfp4Stack{w1b.p, w1s.p, 2 * c.I, c.H}, c.E, k1.p, ctx.stream());
-        const cpu::FoldStats fk2 = mxfp4_whole_k_table(Mxfp4Stack{w2b.p, w2s.p, c.H, c.I}, c.E, k2.p, ctx.stream());
-        REQUIRE(fk1.lossy_groups + fk2.lossy_groups == 0);
+        exact_tables(mxfp4_whole_k_table, w1b.p, w1s.p, w2b.p, w2s.p, c.E, c.H, c.I, k1.p, k2.p, ctx.stream());
         MoeWeights wk = w;
         wk.w1_gk = k1.p, wk.w2_gk = k2.p;
         layer.options().fp8_whole_k = 1;
-        DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
-        layer.forward(wk, x.p, ids.p, gw.p, c.T, out.p, MoePath::kFp8);
-        ctx.sync();
-        const auto wh = out.get();
+        const auto wh = fp8_out(wk);
         const double dm = finite_diff(wh, ref), dg = diff_metric(std::vector<double>(wh.begin(), wh.end()),
                                                                  std::vector<double>(got.begin(), got.end()));
         WARN("MoE FP8 path, MXFP4 GEMM with whole-K scales, T " << c.T << ": diff " << dm << " vs float64 (grouped "
@@ -938,10 +947,7 @@ TEST_CASE("CUDA MoE layer: the plain SwiGLU (DeepSeek) without biases, fused and
         if (Mxfp4Gemm::supported() && sh.H % 64 == 0 && sh.I % 64 == 0) {
           const int64_t kph = cpu::fold_kpad(sh.H), kpi = cpu::fold_kpad(sh.I);
           Dev<uint8_t> g1(size_t(sh.E * (2 * sh.I / 64) * (kph / 128))), g2(size_t(sh.E * (sh.H / 64) * (kpi / 128)));
-          const cpu::FoldStats f1 =
-              mxfp4_group_table(Mxfp4Stack{w1b.p, w1s.p, 2 * sh.I, sh.H}, sh.E, g1.p, ctx.stream());
-          const cpu::FoldStats f2 = mxfp4_group_table(Mxfp4Stack{w2b.p, w2s.p, sh.H, sh.I}, sh.E, g2.p, ctx.stream());
-          REQUIRE(f1.lossy_groups + f2.lossy_groups == 0);
+          exact_tables(mxfp4_group_table, w1b.p, w1s.p, w2b.p, w2s.p, sh.E, sh.H, sh.I, g1.p, g2.p, ctx.stream());
           MoeWeights wg = w;
           wg.w1_gmax = g1.p, wg.w2_gmax = g2.p;
           layer.options().fp8_mxfp4_gemm = 1;
@@ -954,11 +960,7 @@ TEST_CASE("CUDA MoE layer: the plain SwiGLU (DeepSeek) without biases, fused and
           layer.options().fp8_mxfp4_gemm = 0;
           // Whole-K scales.
           Dev<uint8_t> k1(size_t(sh.E * (2 * sh.I / 64))), k2(size_t(sh.E * (sh.H / 64)));
-          const cpu::FoldStats fk1 =
-              mxfp4_whole_k_table(Mxfp4Stack{w1b.p, w1s.p, 2 * sh.I, sh.H}, sh.E, k1.p, ctx.stream());
-          const cpu::FoldStats fk2 =
-              mxfp4_whole_k_table(Mxfp4Stack{w2b.p, w2s.p, sh.H, sh.I}, sh.E, k2.p, ctx.stream());
-          REQUIRE(fk1.lossy_groups + fk2.lossy_groups == 0);
+          exact_tables(mxfp4_whole_k_table, w1b.p, w1s.p, w2b.p, w2s.p, sh.E, sh.H, sh.I, k1.p, k2.p, ctx.stream());
           MoeWeights wk = w;
           wk.w1_gk = k1.p, wk.w2_gk = k2.p;
           layer.options().fp8_whole_k = 1;

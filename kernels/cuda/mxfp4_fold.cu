@@ -94,36 +94,43 @@ __global__ void __launch_bounds__(256) fold_check_kernel(const uint8_t* blocks, 
   }
 }
 
+// The largest v of a block of kFoldRowGroup threads (part: the block's
+// kFoldRowGroup / 32 shared ints).
+__device__ __forceinline__ int row_group_max(int v, int* part) {
+  for (int o = 16; o; o >>= 1) v = max(v, __shfl_xor_sync(~0u, v, o));
+  __syncthreads();  // part[] is free again
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = part[0];
+  for (int w = 1; w < kFoldRowGroup / 32; ++w) v = max(v, part[w]);
+  return v;
+}
+
+// A group's table byte (its largest nonzero sub-block's scale byte m, 133
+// where none) to *out and its spread to the counters (thread 0).
+__device__ __forceinline__ void record_group(int m, int spread, uint8_t* out, unsigned long long* stats) {
+  if (threadIdx.x != 0) return;
+  *out = uint8_t(fold_smax(m));
+  if (spread > 14) atomicAdd(&stats[1], 1ull);
+  if (m < 0) atomicAdd(&stats[2], 1ull);
+  if (unsigned(spread) > *reinterpret_cast<volatile unsigned long long*>(&stats[3]))
+    atomicMax(&stats[3], (unsigned long long)spread);
+}
+
 // One block per 64-row x 128 fold group (grid: K groups x row groups of all
 // experts), a thread per row. stats as fold_check_kernel's (groups counted on the host).
 __global__ void __launch_bounds__(kFoldRowGroup)
     group_table_kernel(const uint8_t* blocks, const uint8_t* scales, int nsub, uint8_t* gmax,
                        unsigned long long* stats) {
   __shared__ int part[kFoldRowGroup / 32];
-  const int g = int(blockIdx.x), lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
+  const int g = int(blockIdx.x);
   const int64_t r = int64_t(blockIdx.y) * kFoldRowGroup + threadIdx.x;
   const GroupIn G = load_group(blocks + r * nsub * 16, scales + r * nsub, g, nsub);
-  auto block_max = [&](int v) {
-    for (int o = 16; o; o >>= 1) v = max(v, __shfl_xor_sync(~0u, v, o));
-    __syncthreads();  // part[] is free again
-    if (lane == 0) part[warp] = v;
-    __syncthreads();
-    v = part[0];
-    for (int w = 1; w < kFoldRowGroup / 32; ++w) v = max(v, part[w]);
-    return v;
-  };
-  const int m = block_max(group_smax(G));
+  const int m = row_group_max(group_smax(G), part);
   int spread = 0;
   for (int j = 0; j < 4; ++j)
     if (sub_nonzero(G.w[j])) spread = max(spread, m - G.s[j]);
-  spread = block_max(spread);
-  if (threadIdx.x == 0) {
-    gmax[int64_t(blockIdx.y) * gridDim.x + g] = uint8_t(fold_smax(m));
-    if (spread > 14) atomicAdd(&stats[1], 1ull);
-    if (m < 0) atomicAdd(&stats[2], 1ull);
-    if (unsigned(spread) > *reinterpret_cast<volatile unsigned long long*>(&stats[3]))
-      atomicMax(&stats[3], (unsigned long long)spread);
-  }
+  record_group(m, row_group_max(spread, part), gmax + int64_t(blockIdx.y) * gridDim.x + g, stats);
 }
 
 // Whole-K groups: one block per 64-row group of all experts, a thread per
@@ -133,35 +140,19 @@ __global__ void __launch_bounds__(kFoldRowGroup)
     whole_k_table_kernel(const uint8_t* blocks, const uint8_t* scales, int nsub, int ngroups, uint8_t* gk,
                          unsigned long long* stats) {
   __shared__ int part[kFoldRowGroup / 32];
-  const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
   const int64_t r = int64_t(blockIdx.x) * kFoldRowGroup + threadIdx.x;
   const uint8_t* bl = blocks + r * nsub * 16;
   const uint8_t* sc = scales + r * nsub;
-  auto block_max = [&](int v) {
-    for (int o = 16; o; o >>= 1) v = max(v, __shfl_xor_sync(~0u, v, o));
-    __syncthreads();  // part[] is free again
-    if (lane == 0) part[warp] = v;
-    __syncthreads();
-    v = part[0];
-    for (int w = 1; w < kFoldRowGroup / 32; ++w) v = max(v, part[w]);
-    return v;
-  };
   int mine = -1;
   for (int g = 0; g < ngroups; ++g) mine = max(mine, group_smax(load_group(bl, sc, g, nsub)));
-  const int m = block_max(mine);
+  const int m = row_group_max(mine, part);
   int spread = 0;
   for (int g = 0; g < ngroups; ++g) {
     const GroupIn G = load_group(bl, sc, g, nsub);
     for (int j = 0; j < 4; ++j)
       if (sub_nonzero(G.w[j])) spread = max(spread, m - G.s[j]);
   }
-  spread = block_max(spread);
-  if (threadIdx.x == 0) {
-    gk[blockIdx.x] = uint8_t(fold_smax(m));
-    if (spread > 14) atomicAdd(&stats[1], 1ull);
-    if (m < 0) atomicAdd(&stats[2], 1ull);
-    atomicMax(&stats[3], (unsigned long long)spread);
-  }
+  record_group(m, row_group_max(spread, part), gk + blockIdx.x, stats);
 }
 
 // A load-time check's counters [groups, lossy, zero, max_spread, nan_scales]:

@@ -336,6 +336,17 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     wait(full(stage), phase);
     __syncwarp();
     decode(stage, rs, a0);
+    // On to the next stage; while K block kb's MMAs run, K block kb + 1's
+    // words into an (the scales of kb + 2 loaded behind them).
+    auto next_stage = [&](int kb, uint32_t(&an)[4][4]) {
+      if (++stage == kS) stage = 0, phase ^= 1u;
+      if (kb + 1 < p.nkb) {
+        wait(full(stage), phase);
+        __syncwarp();
+        decode(stage, rn, an);
+        if (kb + 2 < p.nkb) load_raw(kb + 2, rn);
+      }
+    };
     if constexpr (kWhole) {
       // A tile's MMAs are N columns wide, the fewest multiple of 64 that holds
       // its tokens (an expert's last tile is mostly short), on the first N / 2
@@ -372,13 +383,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
           const int prev = stage == 0 ? kS - 1 : stage - 1;
           __syncwarp();
           if (kb > 0 && lane == 0) ptx::mbar_arrive(empty(prev));
-          if (++stage == kS) stage = 0, phase ^= 1u;
-          if (kb + 1 < p.nkb) {
-            wait(full(stage), phase);
-            __syncwarp();
-            decode(stage, rn, an);
-            if (kb + 2 < p.nkb) load_raw(kb + 2, rn);
-          }
+          next_stage(kb, an);
         };
         int kb = 0;
         for (; kb + 1 < p.nkb; kb += 2) step(kb, a0, a1), step(kb + 1, a1, a0);
@@ -440,13 +445,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
         ptx::wgmma_commit();
         const int st = stage;
         const uint32_t cphase = phase;
-        if (++stage == kS) stage = 0, phase ^= 1u;
-        if (kb + 1 < p.nkb) {
-          wait(full(stage), phase);
-          __syncwarp();
-          decode(stage, rn, an);
-          if (kb + 2 < p.nkb) load_raw(kb + 2, rn);
-        }
+        next_stage(kb, an);
         ptx::wgmma_wait0();
         ptx::fence_regs(part);
         ptx::fence_regs(a);  // the MMAs read a until here: the next stage's decoding went elsewhere

@@ -369,16 +369,22 @@ int bench_moe(const Args& a) {
         // order of K inside a sub-block changes no timing), every tile width.
         if (Mxfp4Gemm::supported() && groups_exact) {
           Mxfp4Gemm mg;
+          // n_ex groups of m tokens over gate_up's weights; the caller sets the scales.
+          std::vector<int> off(static_cast<size_t>(n_ex)), cnt(static_cast<size_t>(n_ex));
+          auto mx_args = [&](int m) {
+            for (int i = 0; i < n_ex; ++i) off[size_t(i)] = i * m, cnt[size_t(i)] = m;
+            Mxfp4GemmArgs ma;
+            ma.x = xg.get(), ma.xs = xgs.get(), ma.rows_total = int64_t(n_ex) * m;
+            ma.w = Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H};
+            ma.experts = idl.data(), ma.w_experts = E, ma.d = dg.get(), ma.n = 2 * I, ma.k = int(kph);
+            ma.offsets = off.data(), ma.counts = cnt.data(), ma.groups = n_ex;
+            return ma;
+          };
           nlohmann::json mj = nlohmann::json::array();
           for (int m : {64, 128, 512, 2048})
             for (int tile : {0, 64, 128, 160}) {
-              std::vector<int> off(static_cast<size_t>(n_ex)), cnt(static_cast<size_t>(n_ex), m);
-              for (int i = 0; i < n_ex; ++i) off[size_t(i)] = i * m;
-              Mxfp4GemmArgs ma;
-              ma.x = xg.get(), ma.xs = xgs.get(), ma.xs_ld = (int64_t(n_ex) * m + 3) / 4 * 4;
-              ma.rows_total = int64_t(n_ex) * m, ma.w = Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H, w1g.get()};
-              ma.experts = idl.data(), ma.w_experts = E, ma.d = dg.get(), ma.n = 2 * I, ma.k = int(kph);
-              ma.offsets = off.data(), ma.counts = cnt.data(), ma.groups = n_ex, ma.tile_tokens = tile;
+              Mxfp4GemmArgs ma = mx_args(m);
+              ma.xs_ld = (int64_t(n_ex) * m + 3) / 4 * 4, ma.w.gmax = w1g.get(), ma.tile_tokens = tile;
               const double per = ms_per_call(10, [&] { mg.run(ma, st); }),
                            tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
               mj.push_back({{"groups", n_ex},
@@ -402,13 +408,8 @@ int bench_moe(const Args& a) {
           for (auto [m, ride] : {std::pair{128, 0}, std::pair{300, -1}, std::pair{300, 1}, std::pair{512, 0},
                                  std::pair{532, -1}, std::pair{532, 1}, std::pair{2048, 0}}) {
             if (fk.lossy_groups) break;
-            std::vector<int> off(static_cast<size_t>(n_ex)), cnt(static_cast<size_t>(n_ex), m);
-            for (int i = 0; i < n_ex; ++i) off[size_t(i)] = i * m;
-            Mxfp4GemmArgs ma;
-            ma.x = xg.get(), ma.xs = xgs.get(), ma.gk = gk.get();
-            ma.rows_total = int64_t(n_ex) * m, ma.w = Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H};
-            ma.experts = idl.data(), ma.w_experts = E, ma.d = dg.get(), ma.n = 2 * I, ma.k = int(kph);
-            ma.offsets = off.data(), ma.counts = cnt.data(), ma.groups = n_ex, ma.ride_along = ride;
+            Mxfp4GemmArgs ma = mx_args(m);
+            ma.gk = gk.get(), ma.ride_along = ride;
             const double per = ms_per_call(10, [&] { mg.run(ma, st); }),
                          tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
             wj.push_back({{"groups", n_ex},
