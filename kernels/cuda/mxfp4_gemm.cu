@@ -28,11 +28,16 @@ constexpr int kEmptyArrivals = 8;  // one per consumer warp
 constexpr int kScaleWarps = 3;     // the producer warpgroup's warps 1..3 (scale products)
 constexpr int kExtra = 64;         // whole-K: tokens an expert's last tile takes past its 256 (one decode for both)
 
-// Token tiles of a group of m tokens: ceil(m / bn), but with whole-K scales a
-// last tile of at most kExtra tokens rides on the tile before it.
-__host__ __device__ constexpr int token_tiles(int m, int bn, bool whole) {
+// Token tiles of a group of m tokens: ceil(m / bn), but with ride-along
+// tokens a last tile of at most kExtra tokens rides on the tile before it.
+__host__ __device__ constexpr int token_tiles(int m, int bn, bool ride) {
   const int n = (m + bn - 1) / bn;
-  return whole && n >= 2 && m - (n - 1) * bn <= kExtra ? n - 1 : n;
+  return ride && n >= 2 && m - (n - 1) * bn <= kExtra ? n - 1 : n;
+}
+// The tokens of token tile tt of such a group: bn, but the last tile's rest
+// (up to bn + kExtra with ride-along tokens).
+__host__ __device__ constexpr int tile_tokens_of(int m, int bn, bool ride, int tt) {
+  return tt == token_tiles(m, bn, ride) - 1 ? m - tt * bn : bn;
 }
 
 // Shared memory of a kernel with BN tokens a tile: per stage the X tile (BN
@@ -196,8 +201,8 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
         int g, rt, tt;
         find_tile<BN, kRide>(p, t, g, rt, tt);
         const int xrow = p.off[g] + tt * BN, wrow = p.expert[g] * p.n + rt * kRows;
-        const bool live1 = rt * kRows + 64 < p.n;           // the second consumer's rows exist
-        const bool extra = kRide && p.m[g] - tt * BN > BN;  // ride-along tokens
+        const bool live1 = rt * kRows + 64 < p.n;                                // the second consumer's rows exist
+        const bool extra = kRide && tile_tokens_of(p.m[g], BN, kRide, tt) > BN;  // ride-along tokens
         const uint32_t tx =
             uint32_t(BN * kBK + (extra ? kExtra * kBK : 0) + (kWhole ? 0 : BN * 4) + (live1 ? 2 : 1) * kWBox);
         for (int kb = 0; kb < p.nkb; ++kb) {
@@ -418,7 +423,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
         }
       };
       static_assert(!kWhole || BN == 256, "whole-K tiles are 256 tokens (narrower MMAs for short ones)");
-      const int rows_here = m - tt * BN;  // up to BN + kExtra in a last tile with kRide
+      const int rows_here = tile_tokens_of(m, BN, kRide, tt);  // up to BN + kExtra in a last tile with kRide
       if (kRide && rows_here > BN)
         whole_tile.template operator()<256, kRide>();
       else if (rows_here > 192)
@@ -492,7 +497,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     };
     store.template operator()<BN / 8>(acc, tt * BN);
     if constexpr (kRide)
-      if (m - tt * BN > BN) store.template operator()<kExtra / 8>(acc2, tt * BN + BN);
+      if (tile_tokens_of(m, BN, kRide, tt) > BN) store.template operator()<kExtra / 8>(acc2, tt * BN + BN);
   }
 #else
   if (threadIdx.x == 0 && blockIdx.x == 0) printf("mxfp4_gemm: kernel built without sm_90a\n");
