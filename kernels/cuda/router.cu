@@ -314,23 +314,31 @@ void router_sigmoid_grouped(const float* logits, const float* bias, int T, int E
 }
 
 namespace {
-// A warp a token: each lane scores its experts once (fp64 softplus, as the
-// CPU), then k warp-wide argmax rounds (ties to the lower expert, the CPU's
-// first maximum) pick the experts.
-constexpr int kSoftplusWarps = 4, kSoftplusPer = 256 / 32;
+// A block a token: each thread scores one expert (fp64 softplus, as the CPU;
+// a warp scoring all of them took 14.7 us a call at decode on an H100: eight
+// fp64 softplus one after another a lane), then warp 0 runs k warp-wide
+// argmax rounds (ties to the lower expert, the CPU's first maximum).
+constexpr int kSoftplusThreads = 256, kSoftplusPer = kSoftplusThreads / 32;
 
-__global__ void __launch_bounds__(kSoftplusWarps * 32)
+__global__ void __launch_bounds__(kSoftplusThreads)
     sqrt_softplus_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
                          const int32_t* __restrict__ hash, const int32_t* __restrict__ tokens, int T, int E, int k,
                          float scaling, int32_t* __restrict__ ids, float* __restrict__ weights) {
-  const int t = blockIdx.x * kSoftplusWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (t >= T) return;
+  const int t = blockIdx.x, lane = threadIdx.x & 31;
   const float* l = logits + size_t(t) * E;
   auto score = [&](int e) {  // torch's softplus: x itself above 20
     const double x = l[e];
     return float(sqrt(x > 20 ? x : log1p(exp(x))));
   };
+  __shared__ float ssc[kSoftplusThreads], sc_b[kSoftplusThreads];  // score, score + bias
   int32_t* id = ids + size_t(t) * k;
+  if (!hash) {
+    const int e = threadIdx.x;
+    const float v = e < E ? score(e) : 0.f;
+    ssc[e] = v, sc_b[e] = e < E ? v + (bias ? bias[e] : 0.f) : 0.f;
+    __syncthreads();
+  }
+  if (threadIdx.x >= 32) return;
   float w[16];  // the chosen experts' scores, in choice order (every lane holds them)
   if (hash) {
     for (int j = 0; j < k; ++j) {
@@ -341,11 +349,7 @@ __global__ void __launch_bounds__(kSoftplusWarps * 32)
   } else {
     float sc[kSoftplusPer], c[kSoftplusPer];  // the lane's experts lane + 32 i
 #pragma unroll
-    for (int i = 0; i < kSoftplusPer; ++i) {
-      const int e = lane + 32 * i;
-      sc[i] = e < E ? score(e) : 0.f;
-      c[i] = e < E ? sc[i] + (bias ? bias[e] : 0.f) : 0.f;
-    }
+    for (int i = 0; i < kSoftplusPer; ++i) sc[i] = ssc[lane + 32 * i], c[i] = sc_b[lane + 32 * i];
     unsigned taken = 0;  // bit i: expert lane + 32 i
     for (int j = 0; j < k; ++j) {
       float bv = 0, bs = 0;
@@ -377,8 +381,7 @@ void router_sqrt_softplus(const float* logits, const float* bias, const int32_t*
         " (E <= 256, k <= 16)");
   check(!hash || tokens, DZ_ERR_INVALID_ARGUMENT, "router_sqrt_softplus: a hash table needs the token ids");
   if (T <= 0) return;
-  sqrt_softplus_kernel<<<(T + kSoftplusWarps - 1) / kSoftplusWarps, kSoftplusWarps * 32, 0, s>>>(
-      logits, bias, hash, tokens, T, E, k, scaling, ids, weights);
+  sqrt_softplus_kernel<<<T, kSoftplusThreads, 0, s>>>(logits, bias, hash, tokens, T, E, k, scaling, ids, weights);
   DZ_CUDA_LAUNCH_CHECK();
 }
 
