@@ -314,10 +314,10 @@ struct MoeOptions {
   // over all of K with no promotion, so tiles of 256 tokens fit and nothing is
   // folded ahead. 1: at every FP8-path size; -1: never; 0 (auto): above
   // fp8_whole_k_min_tokens_per_expert tokens an expert. H100
-  // (bench/results/2026-12-06-h100-whole-k.md, run 10), gpt-oss-120b shapes:
-  // 4096 / 16384 tokens (128 / 512 an expert) 1.561 / 4.772 ms vs 1.709 /
-  // 6.445 without; 20b shapes (32 experts): 1024 / 2048 / 4096 / 16384 tokens
-  // 0.444 / 0.609 / 1.132 / 4.242 vs 0.487 / 0.872 / 1.581 / 4.727. At 64 an
+  // (bench/results/2026-12-06-h100-whole-k.md, runs 10, 12), gpt-oss-120b
+  // shapes: 4096 / 16384 tokens (128 / 512 an expert) 1.543 / 4.156 ms vs
+  // 1.698 / 6.258 without; 20b shapes (32 experts): 1024 / 2048 / 4096 / 16384
+  // tokens 0.444 / 0.609 / 1.132 / 4.058 vs 0.487 / 0.872 / 1.581 / 4.545. At 64 an
   // expert (120b, 2048 tokens) it was behind, 1.458 vs 1.431 (run 2, before
   // the narrow last tiles); 96 is between.
   int fp8_whole_k = 0;
