@@ -74,7 +74,7 @@ struct Params {
   int expert[kMaxGroups];
   int off[kMaxGroups];
   int m[kMaxGroups];
-  int tile_start[kMaxGroups + 1];  // prefix sums of ceil(n / kRows) * ceil(m / BN)
+  int tile_start[kMaxGroups + 1];  // prefix sums of ceil(n / kRows) * token_tiles(m, BN, ride)
 };
 static_assert(sizeof(Params) <= 4096, "kernel parameters");
 
