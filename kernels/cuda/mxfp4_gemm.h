@@ -53,7 +53,7 @@ struct Mxfp4GemmArgs {
   int64_t xs_ld = 0;            // unused with gk
   const uint8_t* gk = nullptr;  // whole-K scales: W's table [w_experts][n / 64] (then w.gmax is not read)
   int64_t rows_total = 0;
-  Mxfp4Stack w{};                // rows == n, K (w.k) a multiple of 64 padding to k; gmax required
+  Mxfp4Stack w{};                // rows == n, K (w.k) a multiple of 64 padding to k; gmax required (not with gk)
   const int* experts = nullptr;  // host: [groups]
   int w_experts = 0;             // experts in the stack (bounds check)
   void* d = nullptr;             // bf16 [rows_total][n]
