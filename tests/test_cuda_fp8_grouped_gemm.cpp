@@ -12,7 +12,6 @@
 #include <cstring>
 #include <random>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -764,7 +763,7 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
     for (auto& v : xs) v = std::exp2(lg(rng));
     Buf<uint8_t> dx(xr);
     Buf<float> dxs(xs);
-    auto run = [&](int tile, int blocks_n, int ride, int pair) {
+    auto run = [&](int tile, int blocks_n, int ride) {
       Buf<uint16_t> d(size_t(rows * n));
       std::vector<uint16_t> fill(d.n, kSentinel);
       DZ_CUDA_CHECK(cudaMemcpy(d.p, fill.data(), d.n * 2, cudaMemcpyHostToDevice));
@@ -773,10 +772,9 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
       a.x = dx.p, a.xs = dxs.p, a.gk = dgk.p, a.rows_total = rows, a.w = stack;
       a.experts = experts.data(), a.w_experts = E, a.d = d.p, a.n = n, a.k = kpad;
       a.offsets = off.data(), a.counts = cnt.data(), a.groups = int(sizes.size());
-      a.max_blocks = blocks_n, a.tile_tokens = tile, a.ride_along = ride, a.pair = pair;
+      a.max_blocks = blocks_n, a.tile_tokens = tile, a.ride_along = ride;
       mg.run(a, ctx.stream());
       ctx.sync();
-      CHECK(mg.last_pair() == (pair >= 0));  // an sm_90 device starts clusters of two
       return d.get();
     };
     // float64 on the MXFP4 values themselves (exact in E4M3 under the group's
@@ -801,12 +799,9 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
         }
       }
     double worst = 0;
-    // Blocks alone (pair -1) and in clusters of two (0; 3 blocks: one cluster).
-    for (auto [blocks_n, ride, pair] :
-         {std::tuple{0, 1, 0}, std::tuple{3, 1, 0}, std::tuple{0, -1, 0}, std::tuple{3, 0, 0}, std::tuple{0, 1, -1},
-          std::tuple{3, 1, -1}, std::tuple{0, -1, -1}, std::tuple{3, 0, -1}}) {
-      INFO("blocks " << blocks_n << ", ride-along tokens " << ride << ", clusters of two " << (pair >= 0));
-      const auto got = run(0, blocks_n, ride, pair);
+    for (auto [blocks_n, ride] : {std::pair{0, 1}, std::pair{3, 1}, std::pair{0, -1}, std::pair{3, 0}}) {
+      INFO("blocks " << blocks_n << ", ride-along tokens " << ride);
+      const auto got = run(0, blocks_n, ride);
       std::vector<char> in_group(size_t(rows), 0);
       for (size_t g = 0; g < sizes.size(); ++g)
         for (int r = 0; r < cnt[g]; ++r) in_group[size_t(off[g] + r)] = 1;
@@ -840,8 +835,7 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
         CHECK(bad == 0);
         if (m > 0) CHECK(dot / std::sqrt(gg2 * rr) >= 0.99999);
       }
-      // The same bits on one block, and alone as in clusters.
-      CHECK(std::memcmp(got.data(), run(256, 1, ride, -pair - 1).data(), got.size() * 2) == 0);
+      CHECK(std::memcmp(got.data(), run(256, 1, ride).data(), got.size() * 2) == 0);  // the same bits on one block
     }
     WARN("whole-K MXFP4 GEMM n=" << n << " K=" << K << ": worst |error| / row max vs float64 " << worst);
   }

@@ -2307,7 +2307,6 @@ struct MoeLayer::Impl {
     g.xs_ld = xs_ld, g.rows_total = rows_total, g.experts = e, g.w_experts = s.n_experts;
     g.offsets = eg.off.data(), g.counts = eg.cnt.data(), g.groups = n;
     g.max_blocks = opt.fp8_grouped_blocks, g.tile_tokens = whole ? 0 : opt.fp8_mxfp4_tile_tokens;
-    g.pair = opt.fp8_whole_k_pair;
     g.x = a1.get(), g.xs = a1s.get(), g.d = d1.get(), g.n = 2 * I, g.k = int(kph);
     g.w = Mxfp4Stack{w.w1_blocks, w.w1_scales, 2 * I, H, w.w1_gmax}, g.gk = whole ? w.w1_gk : nullptr;
     mgemm.run(g, st);

@@ -322,9 +322,6 @@ struct MoeOptions {
   // the narrow last tiles); 96 is between.
   int fp8_whole_k = 0;
   double fp8_whole_k_min_tokens_per_expert = 96.0;
-  // Whole-K GEMMs in clusters of two blocks that share each copy of the
-  // activations (Mxfp4GemmArgs::pair): 0 on, -1 off.
-  int fp8_whole_k_pair = 0;
 };
 
 class MoeLayer {

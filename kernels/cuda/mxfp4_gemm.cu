@@ -81,15 +81,12 @@ static_assert(sizeof(Params) <= 4096, "kernel parameters");
 #ifdef DZ_MG_SM90A
 // Tile t -> group, row tile, token tile; a group's token tiles of one row tile
 // are consecutive (blocks side by side share the weight rows through L2).
-// With kPair, t is a cluster's tile of two row tiles (rank r takes row tile
-// 2 * rt + r) and the same tokens.
-template <int BN, bool kRide, bool kPair>
+template <int BN, bool kRide>
 __device__ __forceinline__ void find_tile(const Params& p, int t, int& g, int& rt, int& tt) {
   g = ptx::segment_of(p.tile_start, p.groups, t);
   const int local = t - p.tile_start[g], ttiles = token_tiles(p.m[g], BN, kRide);
   rt = local / ttiles;
   tt = local - rt * ttiles;
-  if constexpr (kPair) rt = 2 * rt + int(ptx::cluster_rank());
 }
 
 // d (64 x N fp32, wgmma layout) = [d +] A(64 x 32, registers) B(N x 32, shared)^T, E4M3; N = 64, 128, 160.
@@ -161,16 +158,10 @@ __device__ __forceinline__ void wgmma_rs_n(float (&d)[R], const uint32_t (&a)[4]
 // of every K block accumulate in acc itself, one K block's group in flight
 // while the next is decoded, and the epilogue applies both scales once; no
 // promotion, no products, no X scale copies.
-// kPair (whole-K): clusters of two blocks take the same tokens and
-// neighbouring row tiles; each brings half of every X stage into both
-// blocks' shared memory (one multicast copy), which halves the X bytes read
-// from L2 (4/5 of a stage's bytes), and a stage is free again once the
-// consumers of both blocks have released it.
-template <int BN, bool kWhole, bool kRide, bool kPair>
+template <int BN, bool kWhole, bool kRide>
 __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_constant__ Params p) {
 #ifdef DZ_MG_SM90A
   static_assert(kWhole || !kRide, "ride-along tokens need whole-K scales");
-  static_assert(kWhole || !kPair, "clusters of two need whole-K scales");
   using L = Smem<BN, kWhole, kRide>;
   constexpr int kS = L::S;
   extern __shared__ uint8_t smem_raw[];
@@ -186,30 +177,13 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
   if (threadIdx.x == 0) {
     for (int s = 0; s < kS; ++s) {
       ptx::mbar_init(full(s), 1);  // the producer's arrive.expect_tx; the copies complete the bytes
-      ptx::mbar_init(empty(s), kEmptyArrivals * (kPair ? 2 : 1));
+      ptx::mbar_init(empty(s), kEmptyArrivals);
       ptx::mbar_init(cready(s), kScaleWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
-  // The peer's copies and arrivals reach these barriers: both initialized first.
-  if constexpr (kPair)
-    ptx::cluster_sync();
-  else
-    __syncthreads();
-  // Tiles: block b takes b, b + grid, ...; with kPair cluster c of C takes c,
-  // c + C, ... (read where used: held across the loops they would spill).
-  auto tile0 = [] { return kPair ? int(blockIdx.x) / 2 : int(blockIdx.x); };
-  auto tstep = [] { return kPair ? int(gridDim.x) / 2 : int(gridDim.x); };
-  // A stage released: to this block's producer, and with kPair the peer's too.
-  auto release = [&](int s) {
-    if constexpr (kPair) {
-      ptx::mbar_arrive_cluster(empty(s), 0);
-      ptx::mbar_arrive_cluster(empty(s), 1);
-    } else {
-      ptx::mbar_arrive(empty(s));
-    }
-  };
+  __syncthreads();
 
   // Registers: 384 threads enter with the launch-bounds cap of 168; the
   // producer gives back down to 40 and the consumers take 232: the same total.
@@ -223,34 +197,24 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
       if (kRide) asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xmap2)) : "memory");
       int stage = 0;
       uint32_t phase = 0;
-      const int rank = kPair ? int(ptx::cluster_rank()) : 0;
-      for (int t = tile0(); t < p.tiles_total; t += tstep()) {
+      for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
         int g, rt, tt;
-        find_tile<BN, kRide, kPair>(p, t, g, rt, tt);
+        find_tile<BN, kRide>(p, t, g, rt, tt);
         const int xrow = p.off[g] + tt * BN, wrow = p.expert[g] * p.n + rt * kRows;
-        // Consumers whose rows exist (with kPair a cluster's second tile may have none).
-        const int live = rt * kRows + 64 < p.n ? 2 : rt * kRows < p.n ? 1 : 0;
+        const bool live1 = rt * kRows + 64 < p.n;                                // the second consumer's rows exist
         const bool extra = kRide && tile_tokens_of(p.m[g], BN, kRide, tt) > BN;  // ride-along tokens
-        // Every X byte lands here (half of them from the peer with kPair); W only for own rows.
-        const uint32_t tx = uint32_t(BN * kBK + (extra ? kExtra * kBK : 0) + (kWhole ? 0 : BN * 4) + live * kWBox);
+        const uint32_t tx =
+            uint32_t(BN * kBK + (extra ? kExtra * kBK : 0) + (kWhole ? 0 : BN * 4) + (live1 ? 2 : 1) * kWBox);
         for (int kb = 0; kb < p.nkb; ++kb) {
           wait(empty(stage), phase ^ 1u);  // a fresh barrier passes parity 1
           ptx::mbar_arrive_expect_tx(full(stage), tx);
-          if constexpr (kPair) {  // this block's half of the tokens, to both blocks
-            ptx::tma_2d_multicast(sX + uint32_t(stage * L::xBytes + rank * (BN / 2) * kBK), &p.xmap, full(stage),
-                                  kb * kBK, xrow + rank * (BN / 2), 3);
-            if (extra)
-              ptx::tma_2d_multicast(base + uint32_t(L::offX2 + stage * L::x2Bytes + rank * (kExtra / 2) * kBK),
-                                    &p.xmap2, full(stage), kb * kBK, xrow + BN + rank * (kExtra / 2), 3);
-          } else {
-            ptx::tma_2d(sX + uint32_t(stage * L::xBytes), &p.xmap, full(stage), kb * kBK, xrow);
-            if (extra)
-              ptx::tma_2d(base + uint32_t(L::offX2 + stage * L::x2Bytes), &p.xmap2, full(stage), kb * kBK, xrow + BN);
-          }
+          ptx::tma_2d(sX + uint32_t(stage * L::xBytes), &p.xmap, full(stage), kb * kBK, xrow);
           if (!kWhole) ptx::tma_2d(sXs + uint32_t(stage * BN * 4), &p.xsmap, full(stage), xrow, kb);
           const uint32_t w0 = sW + uint32_t(stage * 2 * kWBox);
-          if (live > 0) ptx::tma_2d(w0, &p.wmap, full(stage), kb * 64, wrow);
-          if (live > 1) ptx::tma_2d(w0 + kWBox, &p.wmap, full(stage), kb * 64, wrow + 64);
+          ptx::tma_2d(w0, &p.wmap, full(stage), kb * 64, wrow);
+          if (live1) ptx::tma_2d(w0 + kWBox, &p.wmap, full(stage), kb * 64, wrow + 64);
+          if (extra)
+            ptx::tma_2d(base + uint32_t(L::offX2 + stage * L::x2Bytes), &p.xmap2, full(stage), kb * kBK, xrow + BN);
           if (++stage == kS) stage = 0, phase ^= 1u;
         }
       }
@@ -263,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
       uint32_t phase = 0;
       for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
         int g, rt, tt;
-        find_tile<BN, kRide, kPair>(p, t, g, rt, tt);
+        find_tile<BN, kRide>(p, t, g, rt, tt);
         const int live = rt * kRows + 64 < p.n ? 2 : 1;
         const uint8_t* gm = p.gmax + (int64_t(p.expert[g]) * (p.n / 64) + rt * 2) * p.nkb;
         for (int kb = 0; kb < p.nkb; ++kb) {
@@ -281,9 +245,6 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
         }
       }
     }
-    // The peer's consumers arrive on this block's barriers until its last
-    // stage: neither block leaves before both are done.
-    if constexpr (kPair) ptx::cluster_sync();
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
@@ -301,16 +262,16 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
   }
   int stage = 0;
   uint32_t phase = 0;
-  for (int tile = tile0(); tile < p.tiles_total; tile += tstep()) {
+  for (int tile = int(blockIdx.x); tile < p.tiles_total; tile += int(gridDim.x)) {
     int gi, rt, tt;
-    find_tile<BN, kRide, kPair>(p, tile, gi, rt, tt);
+    find_tile<BN, kRide>(p, tile, gi, rt, tt);
     const int m = p.m[gi], off = p.off[gi], e = p.expert[gi];
     const int wr0 = rt * kRows + cw * 64;  // this warpgroup's first weight row
     if (wr0 >= p.n) {                      // past the last row: keep the ring's count only
       for (int kb = 0; kb < p.nkb; ++kb) {
         wait(full(stage), phase);
         __syncwarp();
-        if (lane == 0) release(stage);
+        if (lane == 0) ptx::mbar_arrive(empty(stage));
         if (++stage == kS) stage = 0, phase ^= 1u;
       }
       continue;
@@ -426,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
           ptx::fence_regs(an);  // kb - 1's MMAs read an until here
           const int prev = stage == 0 ? kS - 1 : stage - 1;
           __syncwarp();
-          if (kb > 0 && lane == 0) release(prev);
+          if (kb > 0 && lane == 0) ptx::mbar_arrive(empty(prev));
           next_stage(kb, an);
         };
         int kb = 0;
@@ -436,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
         ptx::fence_regs(acc);
         if constexpr (kX) ptx::fence_regs(acc2);
         __syncwarp();
-        if (lane == 0) release(stage == 0 ? kS - 1 : stage - 1);
+        if (lane == 0) ptx::mbar_arrive(empty(stage == 0 ? kS - 1 : stage - 1));
         // Both scales: W's group (2^(byte - 133)) and each token's. The
         // token scales' address passes through an empty asm so their loads
         // stay here: hoisted above the K loop they would hold N / 2 registers.
@@ -506,7 +467,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
           acc[4 * j + 3] = fmaf(part[4 * j + 3], c.y, acc[4 * j + 3]);
         }
         __syncwarp();
-        if (lane == 0) release(st);
+        if (lane == 0) ptx::mbar_arrive(empty(st));
       };
       for (int kb = 0; kb < p.nkb; kb += 2) {  // two steps a turn: the fragment arrays stay in registers
         step(kb, a0, a1);
@@ -538,7 +499,6 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     if constexpr (kRide)
       if (tile_tokens_of(m, BN, kRide, tt) > BN) store.template operator()<kExtra / 8>(acc2, tt * BN + BN);
   }
-  if constexpr (kPair) ptx::cluster_sync();
 #else
   if (threadIdx.x == 0 && blockIdx.x == 0) printf("mxfp4_gemm: kernel built without sm_90a\n");
   __trap();
@@ -547,17 +507,14 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
 
 // The tile sizes and their instantiations: scales by K block, then whole-K
 // scales (one tile of 256 tokens, its MMAs as wide as a tile's tokens need;
-// without and with ride-along tokens, each alone and in clusters of two).
+// without and with ride-along tokens).
 constexpr int kTileTokens[2][3] = {{64, 128, 160}, {256, 256, 0}};
-using Kernel = void (*)(Params);
-const Kernel kKernels[3] = {mxfp4_gemm_kernel<64, false, false, false>, mxfp4_gemm_kernel<128, false, false, false>,
-                            mxfp4_gemm_kernel<160, false, false, false>};
-constexpr int kSmemBytes[3] = {Smem<64, false, false>::bytes, Smem<128, false, false>::bytes,
-                               Smem<160, false, false>::bytes};
-const Kernel kWholeKernels[2][2] = {  // [ride][pair]
-    {mxfp4_gemm_kernel<256, true, false, false>, mxfp4_gemm_kernel<256, true, false, true>},
-    {mxfp4_gemm_kernel<256, true, true, false>, mxfp4_gemm_kernel<256, true, true, true>}};
-constexpr int kWholeSmemBytes[2] = {Smem<256, true, false>::bytes, Smem<256, true, true>::bytes};
+void (*const kKernels[2][3])(Params) = {
+    {mxfp4_gemm_kernel<64, false, false>, mxfp4_gemm_kernel<128, false, false>, mxfp4_gemm_kernel<160, false, false>},
+    {mxfp4_gemm_kernel<256, true, false>, mxfp4_gemm_kernel<256, true, true>, nullptr}};
+constexpr int kSmemBytes[2][3] = {
+    {Smem<64, false, false>::bytes, Smem<128, false, false>::bytes, Smem<160, false, false>::bytes},
+    {Smem<256, true, false>::bytes, Smem<256, true, true>::bytes, 0}};
 
 // Whether whole-K tiles of bn tokens take ride-along tokens: the ride-along
 // buffer costs a stage of the ring (5 -> 4: 16 x 512 tokens 1089 -> 962
@@ -599,23 +556,11 @@ Mxfp4Gemm::Mxfp4Gemm() {
   debug_ = grouped_gemm_debug();
   if (!supported()) return;  // run() says why
   n_sm_ = current_device_sms();
-  for (int i = 0; i < 3; ++i)
-    DZ_CUDA_CHECK(cudaFuncSetAttribute(kKernels[i], cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes[i]));
-  for (int r = 0; r < 2; ++r) {
-    for (int q = 0; q < 2; ++q)
-      DZ_CUDA_CHECK(
-          cudaFuncSetAttribute(kWholeKernels[r][q], cudaFuncAttributeMaxDynamicSharedMemorySize, kWholeSmemBytes[r]));
-    // Clusters of two start only where a GPC has two SMs free: as many as fit at once.
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-    cfg.gridDim = dim3(unsigned(n_sm_ & ~1)), cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = size_t(kWholeSmemBytes[r]), cfg.attrs = &attr, cfg.numAttrs = 1;
-    int clusters = 0;
-    DZ_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kWholeKernels[r][1], &cfg));
-    max_pairs_[r] = clusters;
-  }
+  for (int w = 0; w < 2; ++w)
+    for (int i = 0; i < 3; ++i)
+      if (kKernels[w][i])
+        DZ_CUDA_CHECK(
+            cudaFuncSetAttribute(kKernels[w][i], cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes[w][i]));
 }
 
 void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
@@ -658,8 +603,6 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
   const bool ride = whole && ti >= 0 && (a.ride_along > 0 || (a.ride_along == 0 && ride_pays(a.counts, a.groups, bn)));
   if (ride) ti = 1;
   last_ride_ = ride;
-  const bool pair = whole && a.pair >= 0 && max_pairs_[ride] > 0;
-  last_pair_ = pair;
   check(ti >= 0, DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: tile_tokens=", a.tile_tokens,
         whole ? " (0 or 256 with whole-K scales)" : " (0, 64, 128 or 160)");
   last_bn_ = bn;
@@ -668,12 +611,11 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
   Params p{};
   {
     const cuuint64_t dims[2] = {cuuint64_t(a.k), cuuint64_t(a.rows_total)}, strides[1] = {cuuint64_t(a.k)};
-    // With clusters of two, each block brings half of the tokens.
-    const cuuint32_t box[2] = {kBK, cuuint32_t(pair ? bn / 2 : bn)};
+    const cuuint32_t box[2] = {kBK, cuuint32_t(bn)};
     encode_tensor_map(&p.xmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.x, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B,
                       "X");
     if (ride) {
-      const cuuint32_t box2[2] = {kBK, cuuint32_t(pair ? kExtra / 2 : kExtra)};
+      const cuuint32_t box2[2] = {kBK, cuuint32_t(kExtra)};
       encode_tensor_map(&p.xmap2, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.x, dims, strides, box2,
                         CU_TENSOR_MAP_SWIZZLE_128B, "X (ride-along tokens)");
     }
@@ -696,7 +638,6 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
   p.xrow = whole ? a.xs : nullptr, p.gk = a.gk;
   p.n = a.n, p.nkb = nkb, p.nsub = int(a.w.k / 32);
   const int row_tiles = (a.n + kRows - 1) / kRows;
-  const int tile_rows = pair ? (row_tiles + 1) / 2 : row_tiles;  // a cluster's tile spans two row tiles
   for (int g0 = 0; g0 < a.groups; g0 += kMaxGroups) {
     const int G = std::min(kMaxGroups, a.groups - g0);
     p.groups = G;
@@ -706,26 +647,13 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
       p.expert[gi] = a.experts[g0 + gi];
       p.m[gi] = a.counts[g0 + gi];
       p.tile_start[gi] = tiles;
-      tiles += token_tiles(p.m[gi], bn, ride) * tile_rows;
+      tiles += token_tiles(p.m[gi], bn, ride) * row_tiles;
     }
     p.tile_start[G] = tiles;
     p.tiles_total = tiles;
     if (tiles == 0) continue;
     const int blocks = a.max_blocks > 0 ? std::min(a.max_blocks, n_sm_) : n_sm_;
-    if (pair) {  // clusters of two: at least one, at most as many as fit at once
-      const int clusters = std::max(1, std::min({tiles, blocks / 2, max_pairs_[ride]}));
-      cudaLaunchConfig_t cfg{};
-      cudaLaunchAttribute attr{};
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-      cfg.gridDim = dim3(unsigned(2 * clusters)), cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = size_t(kWholeSmemBytes[ride]), cfg.stream = s, cfg.attrs = &attr, cfg.numAttrs = 1;
-      DZ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kWholeKernels[ride][1], p));
-    } else if (whole) {
-      kWholeKernels[ride][0]<<<dim3(unsigned(std::min(tiles, blocks))), dim3(kThreads), kWholeSmemBytes[ride], s>>>(p);
-    } else {
-      kKernels[ti]<<<dim3(unsigned(std::min(tiles, blocks))), dim3(kThreads), kSmemBytes[ti], s>>>(p);
-    }
+    kKernels[whole][ti]<<<dim3(unsigned(std::min(tiles, blocks))), dim3(kThreads), kSmemBytes[whole][ti], s>>>(p);
     DZ_CUDA_LAUNCH_CHECK();
     if (debug_) grouped_gemm_sync(s);
   }

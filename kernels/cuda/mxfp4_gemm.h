@@ -67,10 +67,6 @@ struct Mxfp4GemmArgs {
   // before it (one decode; a stage less in the ring). 1: on, -1: off, 0: where
   // it saves more than a tenth of the tiles.
   int ride_along = 0;
-  // Whole-K: clusters of two blocks on neighbouring row tiles of the same
-  // tokens, each copy of X brought once for both (multicast). 0: on where the
-  // device can start such clusters, -1: off.
-  int pair = 0;
 };
 
 // Calls on one instance must be ordered (one stream, or synchronized).
@@ -88,14 +84,12 @@ class Mxfp4Gemm {
   static int pick_tile_tokens(const int* counts, int groups, bool whole_k = false);
   int last_tile_tokens() const { return last_bn_; }
   bool last_ride_along() const { return last_ride_; }
-  bool last_pair() const { return last_pair_; }
 
  private:
   int n_sm_ = 0;
   bool debug_ = false;
   int last_bn_ = 0;
-  bool last_ride_ = false, last_pair_ = false;
-  int max_pairs_[2] = {0, 0};  // clusters of two that fit at once, without and with ride-along tokens
+  bool last_ride_ = false;
 };
 
 }  // namespace dz::cuda

@@ -261,37 +261,6 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
                "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 }
-// Clusters (sm_90). This CTA's rank in its cluster.
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-// Arrive on the mbarrier at this CTA's address bar in CTA rank cta of the
-// cluster (itself included). Release at CTA scope, as a consumer's "stage
-// free": the reads it orders have completed in registers.
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
-  asm volatile(
-      "{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, %0, %1;\n mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::
-          "r"(bar),
-      "r"(cta)
-      : "memory");
-}
-// Every thread of every CTA of the cluster (all must call it): release this
-// CTA's writes, acquire the others'.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\n barrier.cluster.wait.acquire;" ::: "memory");
-}
-// tma_2d into the same shared address of every CTA in cta_mask, each copy
-// completing on the mbarrier at bar in its own CTA.
-__device__ __forceinline__ void tma_2d_multicast(uint32_t dst, const void* map, uint32_t bar, int c0, int c1,
-                                                 uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, "
-      "%4}], [%2], %5;" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(cta_mask)
-      : "memory");
-}
 // Named barrier id over n threads (a multiple of 32; id 0 is __syncthreads).
 __device__ __forceinline__ void named_sync(int id, int n) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");

@@ -16,7 +16,6 @@
 #include <fstream>
 #include <random>
 #include <sstream>
-#include <tuple>
 #include <vector>
 
 #include "bench_common.h"
@@ -58,8 +57,7 @@ const char* kUsage =
     "(n128: the narrow block, the next workspace tile folding beside it; the last tile at 192));\n"
     "above 96 tokens an expert auto takes the MXFP4 GEMM with whole-K scales (one scale a row of\n"
     "the activations, one a 64-row group of each expert over all of K) where both projections fold\n"
-    "exactly that way: whole takes it at every size, auto_nowhole never; auto_nopair: auto with\n"
-    "those GEMMs on blocks alone rather than clusters of two sharing the activations' copies;\n"
+    "exactly that way: whole takes it at every size, auto_nowhole never;\n"
     "of a comma list the first is fp8_ms, every one listed is timed in\n"
     "alternation (fp8_gemm_ms) and its output compared with the first's. A _rows suffix\n"
     "(auto_rows, grouped_rows, grouped_ws_rows): weight scales per row (1x128) instead of per\n"
@@ -123,14 +121,13 @@ int bench_moe(const Args& a) {
     std::string item;
     while (std::getline(ss, item, ',')) {
       if (item.empty()) continue;
-      static const char* const known[] = {"auto",         "cublaslt",        "grouped",   "grouped_ws", "auto_rows",
-                                          "grouped_rows", "grouped_ws_rows", "auto_fold", "mxfp4",      "auto_t64",
-                                          "auto_t128",    "auto_t160",       "auto_n128", "auto_n192",  "whole",
-                                          "auto_nowhole", "auto_nopair"};
+      static const char* const known[] = {"auto",      "cublaslt",     "grouped",         "grouped_ws",
+                                          "auto_rows", "grouped_rows", "grouped_ws_rows", "auto_fold",
+                                          "mxfp4",     "auto_t64",     "auto_t128",       "auto_t160",
+                                          "auto_n128", "auto_n192",    "whole",           "auto_nowhole"};
       if (std::find(std::begin(known), std::end(known), item) == std::end(known)) {
         std::fprintf(stderr,
-                     "dz bench moe: --fp8-gemm takes auto, auto_nowhole, auto_nopair, whole, auto_fold, "
-                     "auto_t64|t128|t160, "
+                     "dz bench moe: --fp8-gemm takes auto, auto_nowhole, whole, auto_fold, auto_t64|t128|t160, "
                      "auto_n128|n192, cublaslt, "
                      "grouped and/or "
                      "grouped_ws (the last three with or without _rows), not '%s'\n",
@@ -146,8 +143,7 @@ int bench_moe(const Args& a) {
   // auto_fold: auto without the MXFP4 GEMM (folding into shared memory or the
   // workspace as before it); mxfp4: the MXFP4 GEMM at every size; auto_tN:
   // that with N tokens a tile; whole: the MXFP4 GEMM with whole-K scales at
-  // every size; auto_nowhole: auto without them; auto_nopair: auto with them
-  // on blocks alone (no clusters of two).
+  // every size; auto_nowhole: auto without them.
   auto set_gemm = [](MoeOptions& o, std::string g) {
     const size_t rows = g.rfind("_rows");
     o.fp8_group_scales = rows == std::string::npos;
@@ -160,8 +156,7 @@ int bench_moe(const Args& a) {
         g.rfind("auto_n", 0) == 0 && g != "auto_nowhole" ? std::stoi(g.substr(6)) : MoeOptions{}.fp8_ws_tile_n;
     // whole: the MXFP4 GEMM with whole-K scales at every FP8-path size; only
     // auto (and auto_rows) choose it by size.
-    o.fp8_whole_k = g == "whole" ? 1 : g == "auto" || g == "auto_nopair" ? 0 : -1;
-    o.fp8_whole_k_pair = g == "auto_nopair" ? -1 : 0;
+    o.fp8_whole_k = g == "whole" ? 1 : g == "auto" ? 0 : -1;
   };
   set_gemm(opt, fp8_gemms[0]);
   opt.fp8_grouped_blocks = int_flag("--grouped-blocks", opt.fp8_grouped_blocks);
@@ -410,14 +405,11 @@ int bench_moe(const Args& a) {
           const cpu::FoldStats fk = mxfp4_whole_k_table(Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, E, gk.get(), st);
           nlohmann::json wj = nlohmann::json::array();
           // (ride: an expert's last tokens on the tile before them, auto / off / on.)
-          // (pair: clusters of two sharing X's copies, on / off.)
-          for (auto [m, ride, pair] :
-               {std::tuple{128, 0, 0}, std::tuple{300, -1, 0}, std::tuple{300, 1, 0}, std::tuple{512, 0, 0},
-                std::tuple{512, 0, -1}, std::tuple{532, -1, 0}, std::tuple{532, 1, 0}, std::tuple{532, 1, -1},
-                std::tuple{2048, 0, 0}, std::tuple{2048, 0, -1}}) {
+          for (auto [m, ride] : {std::pair{128, 0}, std::pair{300, -1}, std::pair{300, 1}, std::pair{512, 0},
+                                 std::pair{532, -1}, std::pair{532, 1}, std::pair{2048, 0}}) {
             if (fk.lossy_groups) break;
             Mxfp4GemmArgs ma = mx_args(m);
-            ma.gk = gk.get(), ma.ride_along = ride, ma.pair = pair;
+            ma.gk = gk.get(), ma.ride_along = ride;
             const double per = ms_per_call(10, [&] { mg.run(ma, st); }),
                          tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
             wj.push_back({{"groups", n_ex},
@@ -425,12 +417,10 @@ int bench_moe(const Args& a) {
                           {"n", 2 * I},
                           {"k", kph},
                           {"ride_along", mg.last_ride_along()},
-                          {"pair", mg.last_pair()},
                           {"gpu_ms_per_call", per},
                           {"tflops", tf}});
-            std::fprintf(stderr, "mxfp4 gemm, whole-K scales, %d x m=%5d n=%d k=%ld%s%s: %.4f ms/call %.0f TFLOP/s\n",
-                         n_ex, m, 2 * I, long(kph), mg.last_ride_along() ? ", last tokens riding" : "",
-                         mg.last_pair() ? ", clusters of two" : ", blocks alone", per, tf);
+            std::fprintf(stderr, "mxfp4 gemm, whole-K scales, %d x m=%5d n=%d k=%ld%s: %.4f ms/call %.0f TFLOP/s\n",
+                         n_ex, m, 2 * I, long(kph), mg.last_ride_along() ? ", last tokens riding" : "", per, tf);
           }
           comp["mxfp4_gemm_whole_k"] = wj;
           comp["whole_k_table"] = {
