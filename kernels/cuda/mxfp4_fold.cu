@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(kFoldRowGroup)
 }
 
 // Whole-K groups: one block per 64-row group of all experts, a thread per
-// row walking its K groups; the largest nonzero sub-block's scale byte of the
+// row walking its K groups once; the largest nonzero sub-block's scale byte of the
 // group (133 where all are zero) into gk, its spread counted as above.
 __global__ void __launch_bounds__(kFoldRowGroup)
     whole_k_table_kernel(const uint8_t* blocks, const uint8_t* scales, int nsub, int ngroups, uint8_t* gk,
@@ -143,16 +143,16 @@ __global__ void __launch_bounds__(kFoldRowGroup)
   const int64_t r = int64_t(blockIdx.x) * kFoldRowGroup + threadIdx.x;
   const uint8_t* bl = blocks + r * nsub * 16;
   const uint8_t* sc = scales + r * nsub;
-  int mine = -1;
-  for (int g = 0; g < ngroups; ++g) mine = max(mine, group_smax(load_group(bl, sc, g, nsub)));
-  const int m = row_group_max(mine, part);
-  int spread = 0;
+  // One pass over the row: the largest and smallest scale byte of its nonzero
+  // sub-blocks (the spread is the group's largest less its smallest).
+  int hi = -1, lo = 256;
   for (int g = 0; g < ngroups; ++g) {
     const GroupIn G = load_group(bl, sc, g, nsub);
     for (int j = 0; j < 4; ++j)
-      if (sub_nonzero(G.w[j])) spread = max(spread, m - G.s[j]);
+      if (sub_nonzero(G.w[j])) hi = max(hi, int(G.s[j])), lo = min(lo, int(G.s[j]));
   }
-  record_group(m, row_group_max(spread, part), gk + blockIdx.x, stats);
+  const int m = row_group_max(hi, part), least = -row_group_max(-lo, part);
+  record_group(m, m < 0 ? 0 : m - least, gk + blockIdx.x, stats);
 }
 
 // A load-time check's counters [groups, lossy, zero, max_spread, nan_scales]:
