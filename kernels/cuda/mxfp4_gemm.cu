@@ -71,6 +71,7 @@ struct Params {
   const float* xrow;      // whole-K scales: X's [rows_total]
   const uint8_t* gk;      // whole-K scales: W's group table [E][n / 64]
   int n, nkb, nsub, groups, tiles_total;
+  int probe;  // Mxfp4GemmArgs::probe (timings only)
   int expert[kMaxGroups];
   int off[kMaxGroups];
   int m[kMaxGroups];
@@ -292,7 +293,11 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     };
     auto load_raw = [&](int kb, Raw& r) {
       const int i0 = 2 * kb, i1 = min(2 * kb + 1, last_pair);
-      r.a0 = __ldg(scA + i0), r.a1 = __ldg(scA + i1), r.b0 = __ldg(scB + i0), r.b1 = __ldg(scB + i1);
+      if (!kRide && (p.probe & 8)) {  // probe: scale bytes without loads
+        r.a0 = r.a1 = r.b0 = r.b1 = 0x78787878u + uint32_t(kb & 1);
+      } else {
+        r.a0 = __ldg(scA + i0), r.a1 = __ldg(scA + i1), r.b0 = __ldg(scB + i0), r.b1 = __ldg(scB + i1);
+      }
       r.g = kWhole ? gw : int(__ldg(gm + kb));
     };
     // Stage st's words of this thread folded into A fragments: each sub-block
@@ -312,7 +317,10 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
         da[s] = min(max(r.g - int(sa & 0xFFu), 0), 31), db[s] = min(max(r.g - int(sb & 0xFFu), 0), 31);
         dmax = max(dmax, max(da[s], db[s]));
       }
-      if (dmax <= kFoldLutNormal) {  // the usual case: every table by exponent arithmetic
+      if (!kRide && (p.probe & 2)) {  // probe: the MXFP4 words as they came, no folding
+#pragma unroll
+        for (int s = 0; s < 4; ++s) a[s][0] = wa[s], a[s][1] = wb[s], a[s][2] = wa[s] >> 4, a[s][3] = wb[s] >> 4;
+      } else if (dmax <= kFoldLutNormal) {  // the usual case: every table by exponent arithmetic
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
           uint32_t lo, hi;
@@ -368,6 +376,23 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
           for (int i = 0; i < kExtra / 2; ++i) acc2[i] = 0.f;
           ptx::fence_regs(acc2);
         }
+        // A few K blocks before the end, the lines of global memory the tile's
+        // end and the next tile's start read (this tile's token scales, the
+        // next one's scale bytes and group byte) asked into L1: read cold under
+        // the copies' load they wait microseconds, with the MMAs idle.
+        auto prefetch_ahead = [&] {
+          if (!kRide && (p.probe & 32)) return;  // probe: no prefetch
+          if (lane * 32 < m - tt * BN) ptx::prefetch_l1(p.xrow + off + tt * BN + lane * 32);
+          const int tn = tile + int(gridDim.x);
+          if (tn >= p.tiles_total) return;
+          int gn, rtn, ttn;
+          find_tile<BN, kRide>(p, tn, gn, rtn, ttn);
+          const int w0 = rtn * kRows + cw * 64;
+          if (w0 >= p.n) return;
+          const int64_t row = int64_t(p.expert[gn]) * p.n + w0 + rA + (t >= 2 ? 8 : 0);
+          ptx::prefetch_l1(p.scales + row * p.nsub + ((t & 1) ? p.nsub - 1 : 0));  // both ends of the row
+          if (lane == 0) ptx::prefetch_l1(p.gk + int64_t(p.expert[gn]) * (p.n / 64) + w0 / 64);
+        };
         // K block kb: its MMAs on a into acc, then (one group left in flight)
         // kb - 1's stage released and its fragments, an, refilled with kb + 1's.
         auto step = [&](int kb, uint32_t(&a)[4][4], uint32_t(&an)[4][4]) {
@@ -379,6 +404,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
           ptx::wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk) {
+            if (!kRide && (p.probe & 4)) continue;  // probe: no MMAs
             wgmma_rs_n<N>(acc, a[kk], ptx::sw128_desc(dsc + 2 * kk));
             if constexpr (kX) wgmma_rs_n<kExtra>(acc2, a[kk], ptx::sw128_desc(dsc2 + 2 * kk));
           }
@@ -388,6 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
           const int prev = stage == 0 ? kS - 1 : stage - 1;
           __syncwarp();
           if (kb > 0 && lane == 0) ptx::mbar_arrive(empty(prev));
+          if (kb == max(p.nkb - 3, 0)) prefetch_ahead();
           next_stage(kb, an);
         };
         int kb = 0;
@@ -407,8 +434,9 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
         const int left = m - tt * BN - 2 * t;
 #pragma unroll
         for (int j = 0; j < N / 8; ++j) {
-          const float x0 = 8 * j < left ? ws * __ldg(xr + 8 * j) : 0.f;
-          const float x1 = 8 * j + 1 < left ? ws * __ldg(xr + 8 * j + 1) : 0.f;
+          const bool ld = kRide || !(p.probe & 16);  // probe: token scales without loads
+          const float x0 = 8 * j < left ? ws * (ld ? __ldg(xr + 8 * j) : 1.5f) : 0.f;
+          const float x1 = 8 * j + 1 < left ? ws * (ld ? __ldg(xr + 8 * j + 1) : 1.5f) : 0.f;
           acc[4 * j + 0] *= x0, acc[4 * j + 1] *= x1, acc[4 * j + 2] *= x0, acc[4 * j + 3] *= x1;
         }
         if constexpr (kX) {
@@ -495,6 +523,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
         }
       }
     };
+    if (!kRide && (p.probe & 1)) continue;  // probe: no stores
     store.template operator()<BN / 8>(acc, tt * BN);
     if constexpr (kRide)
       if (tile_tokens_of(m, BN, kRide, tt) > BN) store.template operator()<kExtra / 8>(acc2, tt * BN + BN);
@@ -636,7 +665,7 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
   p.d = static_cast<__nv_bfloat16*>(a.d);
   p.scales = a.w.scales, p.gmax = a.w.gmax;
   p.xrow = whole ? a.xs : nullptr, p.gk = a.gk;
-  p.n = a.n, p.nkb = nkb, p.nsub = int(a.w.k / 32);
+  p.n = a.n, p.nkb = nkb, p.nsub = int(a.w.k / 32), p.probe = a.probe;
   const int row_tiles = (a.n + kRows - 1) / kRows;
   for (int g0 = 0; g0 < a.groups; g0 += kMaxGroups) {
     const int G = std::min(kMaxGroups, a.groups - g0);

@@ -16,6 +16,8 @@
 #include <fstream>
 #include <random>
 #include <sstream>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "bench_common.h"
@@ -405,11 +407,16 @@ int bench_moe(const Args& a) {
           const cpu::FoldStats fk = mxfp4_whole_k_table(Mxfp4Stack{w1b.get(), w1s.get(), 2 * I, H}, E, gk.get(), st);
           nlohmann::json wj = nlohmann::json::array();
           // (ride: an expert's last tokens on the tile before them, auto / off / on.)
-          for (auto [m, ride] : {std::pair{128, 0}, std::pair{300, -1}, std::pair{300, 1}, std::pair{512, 0},
-                                 std::pair{532, -1}, std::pair{532, 1}, std::pair{2048, 0}}) {
+          // (probe: the kernel with parts left out, timings only; Mxfp4GemmArgs::probe.)
+          for (auto [m, ride, probe] :
+               {std::tuple{128, 0, 0},  std::tuple{300, -1, 0},  std::tuple{300, 1, 0},  std::tuple{512, 0, 0},
+                std::tuple{532, -1, 0}, std::tuple{532, 1, 0},   std::tuple{2048, 0, 0}, std::tuple{512, 0, 1},
+                std::tuple{512, 0, 2},  std::tuple{512, 0, 4},   std::tuple{512, 0, 3},  std::tuple{512, 0, 5},
+                std::tuple{512, 0, 6},  std::tuple{512, 0, 7},   std::tuple{512, 0, 8},  std::tuple{512, 0, 16},
+                std::tuple{512, 0, 24}, std::tuple{2048, 0, 24}, std::tuple{512, 0, 32}, std::tuple{2048, 0, 32}}) {
             if (fk.lossy_groups) break;
             Mxfp4GemmArgs ma = mx_args(m);
-            ma.gk = gk.get(), ma.ride_along = ride;
+            ma.gk = gk.get(), ma.ride_along = ride, ma.probe = probe;
             const double per = ms_per_call(10, [&] { mg.run(ma, st); }),
                          tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
             wj.push_back({{"groups", n_ex},
@@ -417,10 +424,12 @@ int bench_moe(const Args& a) {
                           {"n", 2 * I},
                           {"k", kph},
                           {"ride_along", mg.last_ride_along()},
+                          {"probe", probe},
                           {"gpu_ms_per_call", per},
                           {"tflops", tf}});
-            std::fprintf(stderr, "mxfp4 gemm, whole-K scales, %d x m=%5d n=%d k=%ld%s: %.4f ms/call %.0f TFLOP/s\n",
-                         n_ex, m, 2 * I, long(kph), mg.last_ride_along() ? ", last tokens riding" : "", per, tf);
+            std::fprintf(stderr, "mxfp4 gemm, whole-K scales, %d x m=%5d n=%d k=%ld%s%s: %.4f ms/call %.0f TFLOP/s\n",
+                         n_ex, m, 2 * I, long(kph), mg.last_ride_along() ? ", last tokens riding" : "",
+                         probe ? (" (probe " + std::to_string(probe) + ": timing only)").c_str() : "", per, tf);
           }
           comp["mxfp4_gemm_whole_k"] = wj;
           comp["whole_k_table"] = {
