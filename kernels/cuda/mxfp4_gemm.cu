@@ -376,23 +376,6 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
           for (int i = 0; i < kExtra / 2; ++i) acc2[i] = 0.f;
           ptx::fence_regs(acc2);
         }
-        // A few K blocks before the end, the lines of global memory the tile's
-        // end and the next tile's start read (this tile's token scales, the
-        // next one's scale bytes and group byte) asked into L1: read cold under
-        // the copies' load they wait microseconds, with the MMAs idle.
-        auto prefetch_ahead = [&] {
-          if (!kRide && (p.probe & 32)) return;  // probe: no prefetch
-          if (lane * 32 < m - tt * BN) ptx::prefetch_l1(p.xrow + off + tt * BN + lane * 32);
-          const int tn = tile + int(gridDim.x);
-          if (tn >= p.tiles_total) return;
-          int gn, rtn, ttn;
-          find_tile<BN, kRide>(p, tn, gn, rtn, ttn);
-          const int w0 = rtn * kRows + cw * 64;
-          if (w0 >= p.n) return;
-          const int64_t row = int64_t(p.expert[gn]) * p.n + w0 + rA + (t >= 2 ? 8 : 0);
-          ptx::prefetch_l1(p.scales + row * p.nsub + ((t & 1) ? p.nsub - 1 : 0));  // both ends of the row
-          if (lane == 0) ptx::prefetch_l1(p.gk + int64_t(p.expert[gn]) * (p.n / 64) + w0 / 64);
-        };
         // K block kb: its MMAs on a into acc, then (one group left in flight)
         // kb - 1's stage released and its fragments, an, refilled with kb + 1's.
         auto step = [&](int kb, uint32_t(&a)[4][4], uint32_t(&an)[4][4]) {
@@ -414,7 +397,6 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
           const int prev = stage == 0 ? kS - 1 : stage - 1;
           __syncwarp();
           if (kb > 0 && lane == 0) ptx::mbar_arrive(empty(prev));
-          if (kb == max(p.nkb - 3, 0)) prefetch_ahead();
           next_stage(kb, an);
         };
         int kb = 0;

@@ -69,8 +69,7 @@ struct Mxfp4GemmArgs {
   int ride_along = 0;
   // Timings only (wrong results), without ride-along tokens: bit 0 skips the epilogue's stores, bit 1
   // the weights' folding (the MXFP4 words go to the MMAs as they are), bit 2
-  // the MMAs, bit 3 the scale bytes' loads, bit 4 the token scales' loads,
-  // bit 5 the L1 prefetch of the next tile's.
+  // the MMAs, bit 3 the scale bytes' loads, bit 4 the token scales' loads.
   int probe = 0;
 };
 

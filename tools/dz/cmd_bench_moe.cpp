@@ -409,11 +409,11 @@ int bench_moe(const Args& a) {
           // (ride: an expert's last tokens on the tile before them, auto / off / on.)
           // (probe: the kernel with parts left out, timings only; Mxfp4GemmArgs::probe.)
           for (auto [m, ride, probe] :
-               {std::tuple{128, 0, 0},  std::tuple{300, -1, 0},  std::tuple{300, 1, 0},  std::tuple{512, 0, 0},
-                std::tuple{532, -1, 0}, std::tuple{532, 1, 0},   std::tuple{2048, 0, 0}, std::tuple{512, 0, 1},
-                std::tuple{512, 0, 2},  std::tuple{512, 0, 4},   std::tuple{512, 0, 3},  std::tuple{512, 0, 5},
-                std::tuple{512, 0, 6},  std::tuple{512, 0, 7},   std::tuple{512, 0, 8},  std::tuple{512, 0, 16},
-                std::tuple{512, 0, 24}, std::tuple{2048, 0, 24}, std::tuple{512, 0, 32}, std::tuple{2048, 0, 32}}) {
+               {std::tuple{128, 0, 0}, std::tuple{300, -1, 0}, std::tuple{300, 1, 0}, std::tuple{512, 0, 0},
+                std::tuple{532, -1, 0}, std::tuple{532, 1, 0}, std::tuple{2048, 0, 0}, std::tuple{512, 0, 1},
+                std::tuple{512, 0, 2}, std::tuple{512, 0, 4}, std::tuple{512, 0, 3}, std::tuple{512, 0, 5},
+                std::tuple{512, 0, 6}, std::tuple{512, 0, 7}, std::tuple{512, 0, 8}, std::tuple{512, 0, 16},
+                std::tuple{512, 0, 24}, std::tuple{2048, 0, 24}}) {
             if (fk.lossy_groups) break;
             Mxfp4GemmArgs ma = mx_args(m);
             ma.gk = gk.get(), ma.ride_along = ride, ma.probe = probe;
