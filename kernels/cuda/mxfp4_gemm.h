@@ -67,9 +67,11 @@ struct Mxfp4GemmArgs {
   // before it (one decode; a stage less in the ring). 1: on, -1: off, 0: where
   // it saves more than a tenth of the tiles.
   int ride_along = 0;
-  // Timings only (wrong results), without ride-along tokens: bit 0 skips the epilogue's stores, bit 1
-  // the weights' folding (the MXFP4 words go to the MMAs as they are), bit 2
-  // the MMAs, bit 3 the scale bytes' loads, bit 4 the token scales' loads.
+  // Timings only (wrong results; not in the kernel with ride-along tokens):
+  // bit 0 skips the epilogue's stores, bit 1 the weights' folding (the MXFP4
+  // words go to the MMAs as they are), bit 2 the MMAs, bit 3 the scale bytes'
+  // loads, bit 4 the token scales' loads. Each is a uniform branch on a
+  // kernel parameter where it acts.
   int probe = 0;
 };
 
