@@ -838,6 +838,94 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
       CHECK(std::memcmp(got.data(), run(256, 1, ride).data(), got.size() * 2) == 0);  // the same bits on one block
     }
     WARN("whole-K MXFP4 GEMM n=" << n << " K=" << K << ": worst |error| / row max vs float64 " << worst);
+
+    // gpt-oss's SwiGLU in the epilogue (q): W's rows as interleaved gate / up
+    // pairs plus a bias, times kGluInv as E4M3 at column j in X's register
+    // order. Each row's X scale is set so its sums reach ~12 (the clamp's
+    // range and a little past it); the float64 reference goes through the
+    // same SwiGLU and E4M3's rounding bounds the error (half a step: 2^-4 of
+    // the value, 2^-13 absolute in the subnormals) plus the sums' error.
+    {
+      std::vector<float> xs2(xs);
+      std::vector<double> f(static_cast<size_t>(rows), 1.0);
+      for (size_t g = 0; g < sizes.size(); ++g)
+        for (int r = 0, i = 0; r < cnt[g]; ++r) {
+          if (r % sampled(cnt[g]) == 0) {
+            const double* ref = refs[g].data() + size_t(i++) * n;
+            double rmax = 0;
+            for (int c = 0; c < n; ++c) rmax = std::max(rmax, std::fabs(ref[c]));
+            f[size_t(off[g] + r)] = rmax > 0 ? 12.0 / rmax : 1.0;
+          } else {
+            f[size_t(off[g] + r)] = f[size_t(off[g] + r - 1)];
+          }
+          xs2[size_t(off[g] + r)] = float(xs[size_t(off[g] + r)] * f[size_t(off[g] + r)]);
+          f[size_t(off[g] + r)] = double(xs2[size_t(off[g] + r)]) / xs[size_t(off[g] + r)];
+        }
+      std::vector<uint16_t> bias(size_t(E) * n);
+      std::uniform_real_distribution<float> ub(-1.5f, 1.5f);
+      for (auto& b : bias) b = dz::test::f32_to_bf16(ub(rng));
+      Buf<float> dxs2(xs2);
+      Buf<uint16_t> dbias(bias);
+      const int q_ld = (n / 2 + 127) / 128 * 128;
+      auto swiglu64 = [](double gate, double up) {
+        gate = std::min(gate, 7.0), up = std::min(std::max(up, -7.0), 7.0);
+        return (up + 1.0) * gate / (1.0 + std::exp(-1.702 * gate));
+      };
+      for (auto [blocks_n, ride] : {std::pair{0, 1}, std::pair{3, -1}}) {
+        INFO("SwiGLU epilogue, blocks " << blocks_n << ", ride-along tokens " << ride);
+        Buf<uint8_t> q(size_t(rows) * q_ld);
+        DZ_CUDA_CHECK(cudaMemset(q.p, 0x7F, q.n));  // E4M3 NaN: never an output
+        Mxfp4GemmArgs a;
+        a.x = dx.p, a.xs = dxs2.p, a.gk = dgk.p, a.rows_total = rows, a.w = stack;
+        a.experts = experts.data(), a.w_experts = E, a.q = q.p, a.q_ld = q_ld, a.bias = dbias.p, a.n = n, a.k = kpad;
+        a.offsets = off.data(), a.counts = cnt.data(), a.groups = int(sizes.size());
+        a.max_blocks = blocks_n, a.ride_along = ride;
+        mg.run(a, ctx.stream());
+        ctx.sync();
+        const auto got = q.get();
+        std::vector<char> in_group(size_t(rows), 0);
+        for (size_t g = 0; g < sizes.size(); ++g)
+          for (int r = 0; r < cnt[g]; ++r) in_group[size_t(off[g] + r)] = 1;
+        int64_t touched = 0;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int c = in_group[size_t(r)] ? n / 2 : 0; c < q_ld; ++c) touched += got[size_t(r * q_ld + c)] != 0x7F;
+        CHECK(touched == 0);
+        int64_t bad = 0, checked = 0, clamped = 0;
+        std::string first_bad;
+        double dot = 0, gg2 = 0, rr = 0;
+        for (size_t g = 0; g < sizes.size(); ++g)
+          for (int r = 0, i = 0; r < cnt[g]; r += sampled(cnt[g]), ++i) {
+            const double* ref = refs[g].data() + size_t(i) * n;
+            const double fr = f[size_t(off[g] + r)];
+            double rmax = 0;
+            for (int c = 0; c < n; ++c) rmax = std::max(rmax, std::fabs(ref[c] * fr));
+            const uint16_t* b = bias.data() + size_t(experts[g]) * n;
+            for (int j = 0; j < n / 2; ++j) {
+              const double gate = ref[2 * j] * fr + bf16_to_double(b[2 * j]);
+              const double up = ref[2 * j + 1] * fr + bf16_to_double(b[2 * j + 1]);
+              const double want = swiglu64(gate, up);
+              const int at = (j & ~31) + 4 * mxfp4_gemm_x_word((j & 31) >> 2) + (j & 3);
+              const double v = lut[got[size_t((off[g] + r) * q_ld + at)]] / double(kGluInv);
+              // The sums' error (as the check above) through the SwiGLU's slopes (at most ~9 and 7).
+              const double sums = 4e-3 * std::max(std::fabs(ref[2 * j]), std::fabs(ref[2 * j + 1])) * fr + 2e-3 * rmax;
+              const double err = std::fabs(v - want), tol = std::fabs(want) / 16 + 0x1p-13 + 16 * sums;
+              ++checked, clamped += gate > 7 || std::fabs(up) > 7;
+              dot += v * want, gg2 += v * v, rr += want * want;
+              if (!(err <= tol) && bad++ == 0) {
+                char buf[200];
+                std::snprintf(buf, sizeof buf, "group %zu row %d col %d: got %.6g want %.6g (gate %.4g up %.4g)", g, r,
+                              j, v, want, gate, up);
+                first_bad = buf;
+              }
+            }
+          }
+        INFO(bad << " bad of " << checked << " (" << clamped << " clamped), first: " << first_bad);
+        CHECK(bad == 0);
+        CHECK(clamped > 0);
+        CHECK(clamped * 4 < checked);  // most pairs inside the clamp: the SwiGLU itself is checked
+        CHECK(dot / std::sqrt(gg2 * rr) >= 0.998);
+      }
+    }
   }
   {  // A lossy whole-K group (scales 20 binades apart) is counted.
     const int n = 64, K = 256;

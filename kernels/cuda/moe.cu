@@ -2309,9 +2309,21 @@ struct MoeLayer::Impl {
     g.max_blocks = opt.fp8_grouped_blocks, g.tile_tokens = whole ? 0 : opt.fp8_mxfp4_tile_tokens;
     g.x = a1.get(), g.xs = a1s.get(), g.d = d1.get(), g.n = 2 * I, g.k = int(kph);
     g.w = Mxfp4Stack{w.w1_blocks, w.w1_scales, 2 * I, H, w.w1_gmax}, g.gk = whole ? w.w1_gk : nullptr;
+    // gpt-oss's SwiGLU in gate_up's epilogue (fp8_whole_k_glu): down's input
+    // straight from the MMAs' registers, one scale for every row.
+    const bool glu = whole && opt.fp8_whole_k_glu && !silu();
+    if (glu) {
+      // Down's K padding past I must read as zeros (E4M3 0x7F would be NaN).
+      if (kpi > I)
+        DZ_CUDA_CHECK(cudaMemset2DAsync(a2.get() + size_t(eg.r0) * kpi + I, size_t(kpi), 0, size_t(kpi - I),
+                                        size_t(eg.nrows), st));
+      g.d = nullptr, g.q = a2.get(), g.q_ld = int64_t(kpi), g.bias = w.b1;
+    }
     mgemm.run(g, st);
-    swiglu_between(eg.r0, eg.nrows, w.b1, xs_ld, st, whole);
-    g.x = a2.get(), g.xs = a2s.get(), g.d = d2.get(), g.n = H, g.k = int(kpi);
+    if (!glu) swiglu_between(eg.r0, eg.nrows, w.b1, xs_ld, st, whole);
+    g.q = nullptr, g.bias = nullptr;
+    g.x = a2.get(), g.xs = glu ? nullptr : a2s.get(), g.x_scale = glu ? 1.f / kGluInv : 0.f, g.d = d2.get(), g.n = H,
+    g.k = int(kpi);
     g.w = Mxfp4Stack{w.w2_blocks, w.w2_scales, H, I, w.w2_gmax}, g.gk = whole ? w.w2_gk : nullptr;
     mgemm.run(g, st);
   }

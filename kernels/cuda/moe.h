@@ -322,6 +322,11 @@ struct MoeOptions {
   // the narrow last tiles); 96 is between.
   int fp8_whole_k = 0;
   double fp8_whole_k_min_tokens_per_expert = 96.0;
+  // With whole-K scales and gpt-oss's SwiGLU: gate_up's epilogue writes down's
+  // E4M3 input itself under one fixed scale (Mxfp4GemmArgs::q; the SwiGLU's
+  // bound of 56 makes it safe), so no bf16 D1 is written or read and no pass
+  // quantizes between the projections. false: that pass (amax / 448 a row).
+  bool fp8_whole_k_glu = true;
 };
 
 class MoeLayer {

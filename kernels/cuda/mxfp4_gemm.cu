@@ -1,10 +1,12 @@
 #include <cuda.h>  // CUtensorMap and its enums only (the encoder: encode_tensor_map)
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cstdio>
 
 #include "cuda/fp8_grouped_gemm.h"  // encode_tensor_map
+#include "cuda/moe_decode.cuh"       // swiglu: gpt-oss's activation in the epilogue
 #include "cuda/mxfp4_fold.cuh"
 #include "cuda/mxfp4_gemm.h"
 #include "cuda/ptx.cuh"
@@ -70,6 +72,10 @@ struct Params {
   const uint8_t* gmax;    // group table [E][n / 64][nkb]
   const float* xrow;      // whole-K scales: X's [rows_total]
   const uint8_t* gk;      // whole-K scales: W's group table [E][n / 64]
+  uint8_t* q;             // the activation in the epilogue: E4M3 [rows_total][q_ld]
+  const uint16_t* bias;   // its bias, bf16 [E][n] (null: none)
+  int64_t q_ld;
+  float xconst;  // whole-K: > 0, every row's X scale (xrow not read)
   int n, nkb, nsub, groups, tiles_total;
   int probe;  // Mxfp4GemmArgs::probe (timings only)
   int expert[kMaxGroups];
@@ -159,10 +165,13 @@ __device__ __forceinline__ void wgmma_rs_n(float (&d)[R], const uint32_t (&a)[4]
 // of every K block accumulate in acc itself, one K block's group in flight
 // while the next is decoded, and the epilogue applies both scales once; no
 // promotion, no products, no X scale copies.
-template <int BN, bool kWhole, bool kRide>
+// kGlu (whole-K): the epilogue writes gpt-oss's SwiGLU of each gate / up row
+// pair as E4M3 (Mxfp4GemmArgs::q) instead of D.
+template <int BN, bool kWhole, bool kRide, bool kGlu>
 __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_constant__ Params p) {
 #ifdef DZ_MG_SM90A
   static_assert(kWhole || !kRide, "ride-along tokens need whole-K scales");
+  static_assert(kWhole || !kGlu, "the activation in the epilogue needs whole-K scales");
   using L = Smem<BN, kWhole, kRide>;
   constexpr int kS = L::S;
   extern __shared__ uint8_t smem_raw[];
@@ -411,14 +420,16 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
         // token scales' address passes through an empty asm so their loads
         // stay here: hoisted above the K loop they would hold N / 2 registers.
         const float ws = ldexpf(1.f, gw - 133);
+        const int left = m - tt * BN - 2 * t;
         const float* xr = p.xrow + off + tt * BN + 2 * t;
         asm volatile("" : "+l"(xr));
-        const int left = m - tt * BN - 2 * t;
+        // One scale for every row (x_scale), or the probe: no loads (uniform).
+        const bool ld = p.xconst <= 0.f && (kRide || !(p.probe & 16));
+        const float xk = p.xconst > 0.f ? p.xconst : 1.5f;
 #pragma unroll
         for (int j = 0; j < N / 8; ++j) {
-          const bool ld = kRide || !(p.probe & 16);  // probe: token scales without loads
-          const float x0 = 8 * j < left ? ws * (ld ? __ldg(xr + 8 * j) : 1.5f) : 0.f;
-          const float x1 = 8 * j + 1 < left ? ws * (ld ? __ldg(xr + 8 * j + 1) : 1.5f) : 0.f;
+          const float x0 = 8 * j < left ? ws * (ld ? __ldg(xr + 8 * j) : xk) : 0.f;
+          const float x1 = 8 * j + 1 < left ? ws * (ld ? __ldg(xr + 8 * j + 1) : xk) : 0.f;
           acc[4 * j + 0] *= x0, acc[4 * j + 1] *= x1, acc[4 * j + 2] *= x0, acc[4 * j + 3] *= x1;
         }
         if constexpr (kX) {
@@ -426,8 +437,8 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
           asm volatile("" : "+l"(xr2));
 #pragma unroll
           for (int j = 0; j < kExtra / 8; ++j) {
-            const float x0 = BN + 8 * j < left ? ws * __ldg(xr2 + 8 * j) : 0.f;
-            const float x1 = BN + 8 * j + 1 < left ? ws * __ldg(xr2 + 8 * j + 1) : 0.f;
+            const float x0 = BN + 8 * j < left ? ws * (ld ? __ldg(xr2 + 8 * j) : xk) : 0.f;
+            const float x1 = BN + 8 * j + 1 < left ? ws * (ld ? __ldg(xr2 + 8 * j + 1) : xk) : 0.f;
             acc2[4 * j + 0] *= x0, acc2[4 * j + 1] *= x1, acc2[4 * j + 2] *= x0, acc2[4 * j + 3] *= x1;
           }
         }
@@ -490,6 +501,36 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     const bool odd = g & 1;
     const int col = wr0 + rA - (odd ? 1 : 0);
     auto store = [&]<int J>(float(&v)[J * 4], int tok0) {
+      if constexpr (kGlu) {
+        // The same exchange gives an even g gate (its row) and up (g + 1's) of
+        // its first token, an odd g those of its second; rows + 8 are the
+        // pair 4 columns on. Column c0's element group is even, so c0 + 4's
+        // word is 4 words on in X's register order.
+        const int c0 = col >> 1;
+        const int at = (c0 & ~31) + 4 * mxfp4_gemm_x_word((c0 & 31) >> 2) + (c0 & 3);
+        float bg0 = 0.f, bu0 = 0.f, bg1 = 0.f, bu1 = 0.f;
+        if (p.bias) {
+          const uint16_t* b = p.bias + int64_t(e) * p.n + col;
+          bg0 = bf16_to_float(__ldg(b)), bu0 = bf16_to_float(__ldg(b + 1));
+          bg1 = bf16_to_float(__ldg(b + 8)), bu1 = bf16_to_float(__ldg(b + 9));
+        }
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+          const float s0 = odd ? v[4 * j + 0] : v[4 * j + 1];
+          const float s1 = odd ? v[4 * j + 2] : v[4 * j + 3];
+          const float r0 = __shfl_xor_sync(0xffffffffu, s0, 4), r1 = __shfl_xor_sync(0xffffffffu, s1, 4);
+          const float g0 = odd ? r0 : v[4 * j + 0], u0 = odd ? v[4 * j + 1] : r0;
+          const float g1 = odd ? r1 : v[4 * j + 2], u1 = odd ? v[4 * j + 3] : r1;
+          const float o0 = swiglu(g0 + bg0, u0 + bu0) * kGluInv, o1 = swiglu(g1 + bg1, u1 + bu1) * kGluInv;
+          const int tok = tok0 + 8 * j + 2 * t + (odd ? 1 : 0);
+          if (tok < m) {
+            const uint32_t b2 = __nv_cvt_float2_to_fp8x2(make_float2(o0, o1), __NV_SATFINITE, __NV_E4M3);
+            uint8_t* row = p.q + (int64_t(off) + tok) * p.q_ld + at;
+            row[0] = uint8_t(b2), row[16] = uint8_t(b2 >> 8);
+          }
+        }
+        return;
+      }
 #pragma unroll
       for (int j = 0; j < J; ++j) {
         const float s0 = odd ? v[4 * j + 0] : v[4 * j + 1];
@@ -518,13 +559,17 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
 
 // The tile sizes and their instantiations: scales by K block, then whole-K
 // scales (one tile of 256 tokens, its MMAs as wide as a tile's tokens need;
-// without and with ride-along tokens).
-constexpr int kTileTokens[2][3] = {{64, 128, 160}, {256, 256, 0}};
-void (*const kKernels[2][3])(Params) = {
-    {mxfp4_gemm_kernel<64, false, false>, mxfp4_gemm_kernel<128, false, false>, mxfp4_gemm_kernel<160, false, false>},
-    {mxfp4_gemm_kernel<256, true, false>, mxfp4_gemm_kernel<256, true, true>, nullptr}};
-constexpr int kSmemBytes[2][3] = {
+// without and with ride-along tokens), then the same with the activation in
+// the epilogue.
+constexpr int kTileTokens[3][3] = {{64, 128, 160}, {256, 256, 0}, {256, 256, 0}};
+void (*const kKernels[3][3])(Params) = {
+    {mxfp4_gemm_kernel<64, false, false, false>, mxfp4_gemm_kernel<128, false, false, false>,
+     mxfp4_gemm_kernel<160, false, false, false>},
+    {mxfp4_gemm_kernel<256, true, false, false>, mxfp4_gemm_kernel<256, true, true, false>, nullptr},
+    {mxfp4_gemm_kernel<256, true, false, true>, mxfp4_gemm_kernel<256, true, true, true>, nullptr}};
+constexpr int kSmemBytes[3][3] = {
     {Smem<64, false, false>::bytes, Smem<128, false, false>::bytes, Smem<160, false, false>::bytes},
+    {Smem<256, true, false>::bytes, Smem<256, true, true>::bytes, 0},
     {Smem<256, true, false>::bytes, Smem<256, true, true>::bytes, 0}};
 
 // Whether whole-K tiles of bn tokens take ride-along tokens: the ride-along
@@ -567,7 +612,7 @@ Mxfp4Gemm::Mxfp4Gemm() {
   debug_ = grouped_gemm_debug();
   if (!supported()) return;  // run() says why
   n_sm_ = current_device_sms();
-  for (int w = 0; w < 2; ++w)
+  for (int w = 0; w < 3; ++w)
     for (int i = 0; i < 3; ++i)
       if (kKernels[w][i])
         DZ_CUDA_CHECK(
@@ -601,10 +646,16 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
   int64_t rows_used = 0;
   for (int gi = 0; gi < a.groups; ++gi) rows_used += a.counts[gi];
   if (rows_used == 0) return;
-  check(a.x && a.xs && a.d, DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: null pointer");
+  const bool glu = a.q != nullptr, fixed = whole && a.x_scale > 0.f;
+  check(a.x && (a.xs || fixed) && (glu ? !a.d : a.d != nullptr), DZ_ERR_INVALID_ARGUMENT,
+        "mxfp4_gemm: null pointer (X, its scales or x_scale with whole-K scales, and one of D or q)");
+  check(!glu || (whole && a.q_ld >= a.n / 2), DZ_ERR_INVALID_ARGUMENT,
+        "mxfp4_gemm: the activation in the epilogue (q) needs whole-K scales and q_ld >= n / 2 (q_ld=", a.q_ld,
+        ", n=", a.n, ")");
   check(whole || (a.xs_ld >= a.rows_total && a.xs_ld % 4 == 0), DZ_ERR_INVALID_ARGUMENT, "mxfp4_gemm: xs_ld=", a.xs_ld,
         " (at least rows_total ", a.rows_total, ", a multiple of 4)");
-  check(aligned(a.x, 16) && aligned(a.xs, 16) && aligned(a.d, 4) && aligned(a.w.blocks, 16) && aligned(a.w.scales, 2),
+  check(aligned(a.x, 16) && aligned(a.xs, 16) && aligned(a.d, 4) && aligned(a.w.blocks, 16) && aligned(a.w.scales, 2) &&
+            aligned(a.bias, 2),
         DZ_ERR_INVALID_ARGUMENT,
         "mxfp4_gemm: X, its scales and the MXFP4 blocks must be 16-byte aligned, D 4-byte, the E8M0 scales 2-byte");
   const int bn = a.tile_tokens ? a.tile_tokens : pick_tile_tokens(a.counts, a.groups, whole);
@@ -647,6 +698,8 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
   p.d = static_cast<__nv_bfloat16*>(a.d);
   p.scales = a.w.scales, p.gmax = a.w.gmax;
   p.xrow = whole ? a.xs : nullptr, p.gk = a.gk;
+  p.xconst = fixed ? a.x_scale : 0.f;
+  p.q = a.q, p.bias = glu ? a.bias : nullptr, p.q_ld = a.q_ld;
   p.n = a.n, p.nkb = nkb, p.nsub = int(a.w.k / 32), p.probe = a.probe;
   const int row_tiles = (a.n + kRows - 1) / kRows;
   for (int g0 = 0; g0 < a.groups; g0 += kMaxGroups) {
@@ -664,7 +717,8 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
     p.tiles_total = tiles;
     if (tiles == 0) continue;
     const int blocks = a.max_blocks > 0 ? std::min(a.max_blocks, n_sm_) : n_sm_;
-    kKernels[whole][ti]<<<dim3(unsigned(std::min(tiles, blocks))), dim3(kThreads), kSmemBytes[whole][ti], s>>>(p);
+    const int kind = glu ? 2 : whole ? 1 : 0;
+    kKernels[kind][ti]<<<dim3(unsigned(std::min(tiles, blocks))), dim3(kThreads), kSmemBytes[kind][ti], s>>>(p);
     DZ_CUDA_LAUNCH_CHECK();
     if (debug_) grouped_gemm_sync(s);
   }

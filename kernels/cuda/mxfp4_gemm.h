@@ -30,6 +30,17 @@
 // states the error): no promotion a K block, so tiles of 256 tokens fit, each
 // tile's MMAs as wide as its tokens need (64 to 256), and an expert's last
 // tokens, up to 64, may ride on the tile before them (ride_along).
+//
+// gpt-oss's activation in the epilogue (whole-K only, q given): W's rows come
+// as interleaved gate / up pairs (2j, 2j + 1), and instead of D the kernel
+// writes each pair's clamped SwiGLU (bias added: bias [E][n] bf16, or none)
+// times kGluInv as E4M3 into q [rows_total][q_ld] at column j, in X's
+// register order: the next projection's X, whose every row then has the
+// scale 1 / kGluInv (x_scale). The SwiGLU is at most (7 + 1) * 7 = 56 in
+// magnitude, so 56 * kGluInv = 448 (E4M3's largest) never saturates, and
+// E4M3 is as fine relative to each value as under a row's amax / 448; only
+// values under 2^-9 meet its subnormals sooner (an absolute error under
+// 2^-13). No pass between the projections reads or writes D.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -47,16 +58,22 @@ __host__ __device__ constexpr int mxfp4_gemm_x_word(int i) { return (i >> 1) | (
 // The inverse: the element group stored in word j.
 __host__ __device__ constexpr int mxfp4_gemm_x_group(int j) { return j < 4 ? 2 * j : 2 * (j - 4) + 1; }
 
+constexpr float kGluInv = 8.f;  // 448 / 56: SwiGLU's outputs scaled into E4M3's range (a power of two)
+
 struct Mxfp4GemmArgs {
   const uint8_t* x = nullptr;   // E4M3 [rows_total][k], register order (above)
-  const float* xs = nullptr;    // [k/128][xs_ld]; with gk: [rows_total]
+  const float* xs = nullptr;    // [k/128][xs_ld]; with gk: [rows_total] (or null with x_scale)
+  float x_scale = 0;            // whole-K: > 0, every row's scale (xs not read)
   int64_t xs_ld = 0;            // unused with gk
   const uint8_t* gk = nullptr;  // whole-K scales: W's table [w_experts][n / 64] (then w.gmax is not read)
   int64_t rows_total = 0;
   Mxfp4Stack w{};                // rows == n, K (w.k) a multiple of 64 padding to k; gmax required (not with gk)
   const int* experts = nullptr;  // host: [groups]
   int w_experts = 0;             // experts in the stack (bounds check)
-  void* d = nullptr;             // bf16 [rows_total][n]
+  void* d = nullptr;             // bf16 [rows_total][n] (not with q)
+  uint8_t* q = nullptr;          // whole-K: SwiGLU's E4M3 [rows_total][q_ld] instead of D (above)
+  int64_t q_ld = 0;              // >= n / 2
+  const uint16_t* bias = nullptr;  // with q: bf16 [w_experts][n] added before the SwiGLU (null: none)
   int n = 0, k = 0;              // n % 64 == 0, k % 128 == 0
   const int* offsets = nullptr;  // host: offsets[g], first row of group g (a multiple of 4)
   const int* counts = nullptr;   // host: counts[g] = m_g

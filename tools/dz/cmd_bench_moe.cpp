@@ -64,6 +64,9 @@ const char* kUsage =
     "alternation (fp8_gemm_ms) and its output compared with the first's. A _rows suffix\n"
     "(auto_rows, grouped_rows, grouped_ws_rows): weight scales per row (1x128) instead of per\n"
     "64-row group, which the grouped kernel takes where every 64-row group folds exactly.\n"
+    "A _pass suffix (auto_pass, whole_pass): with whole-K scales, SwiGLU and the quantization of\n"
+    "down's input as a pass of their own (amax / 448 a row) instead of in gate_up's epilogue\n"
+    "(one fixed scale, 1/8: gpt-oss's SwiGLU is at most 56).\n"
     "--grouped-blocks: persistent blocks of the grouped GEMM (default 0: one per SM).\n";
 
 }  // namespace
@@ -127,12 +130,15 @@ int bench_moe(const Args& a) {
                                           "auto_rows", "grouped_rows", "grouped_ws_rows", "auto_fold",
                                           "mxfp4",     "auto_t64",     "auto_t128",       "auto_t160",
                                           "auto_n128", "auto_n192",    "whole",           "auto_nowhole"};
-      if (std::find(std::begin(known), std::end(known), item) == std::end(known)) {
+      const std::string base = item.size() > 5 && item.compare(item.size() - 5, 5, "_pass") == 0
+                                   ? item.substr(0, item.size() - 5)
+                                   : item;
+      if (std::find(std::begin(known), std::end(known), base) == std::end(known)) {
         std::fprintf(stderr,
                      "dz bench moe: --fp8-gemm takes auto, auto_nowhole, whole, auto_fold, auto_t64|t128|t160, "
                      "auto_n128|n192, cublaslt, "
                      "grouped and/or "
-                     "grouped_ws (the last three with or without _rows), not '%s'\n",
+                     "grouped_ws (the last three with or without _rows; any with _pass), not '%s'\n",
                      item.c_str());
         return 2;
       }
@@ -145,8 +151,12 @@ int bench_moe(const Args& a) {
   // auto_fold: auto without the MXFP4 GEMM (folding into shared memory or the
   // workspace as before it); mxfp4: the MXFP4 GEMM at every size; auto_tN:
   // that with N tokens a tile; whole: the MXFP4 GEMM with whole-K scales at
-  // every size; auto_nowhole: auto without them.
+  // every size; auto_nowhole: auto without them. _pass: with whole-K scales,
+  // SwiGLU's quantization as a pass of its own, not in gate_up's epilogue.
   auto set_gemm = [](MoeOptions& o, std::string g) {
+    const size_t pass = g.rfind("_pass");
+    o.fp8_whole_k_glu = pass == std::string::npos;
+    if (!o.fp8_whole_k_glu) g.resize(pass);
     const size_t rows = g.rfind("_rows");
     o.fp8_group_scales = rows == std::string::npos;
     if (!o.fp8_group_scales) g.resize(rows);
@@ -408,15 +418,19 @@ int bench_moe(const Args& a) {
           nlohmann::json wj = nlohmann::json::array();
           // (ride: an expert's last tokens on the tile before them, auto / off / on.)
           // (probe: the kernel with parts left out, timings only; Mxfp4GemmArgs::probe.)
-          for (auto [m, ride, probe] :
-               {std::tuple{128, 0, 0}, std::tuple{300, -1, 0}, std::tuple{300, 1, 0}, std::tuple{512, 0, 0},
-                std::tuple{532, -1, 0}, std::tuple{532, 1, 0}, std::tuple{2048, 0, 0}, std::tuple{512, 0, 1},
-                std::tuple{512, 0, 2}, std::tuple{512, 0, 4}, std::tuple{512, 0, 3}, std::tuple{512, 0, 5},
-                std::tuple{512, 0, 6}, std::tuple{512, 0, 7}, std::tuple{512, 0, 8}, std::tuple{512, 0, 16},
-                std::tuple{512, 0, 24}, std::tuple{2048, 0, 24}}) {
+          // (glu: gpt-oss's SwiGLU in the epilogue, E4M3 out; Mxfp4GemmArgs::q.)
+          for (auto [m, ride, probe, glu] :
+               {std::tuple{128, 0, 0, 0}, std::tuple{300, -1, 0, 0}, std::tuple{300, 1, 0, 0}, std::tuple{512, 0, 0, 0},
+                std::tuple{512, 0, 0, 1}, std::tuple{532, -1, 0, 0}, std::tuple{532, 1, 0, 0},
+                std::tuple{532, 1, 0, 1}, std::tuple{2048, 0, 0, 0}, std::tuple{2048, 0, 0, 1},
+                std::tuple{512, 0, 1, 0}, std::tuple{512, 0, 2, 0}, std::tuple{512, 0, 4, 0}, std::tuple{512, 0, 3, 0},
+                std::tuple{512, 0, 5, 0}, std::tuple{512, 0, 6, 0}, std::tuple{512, 0, 7, 0}, std::tuple{512, 0, 8, 0},
+                std::tuple{512, 0, 16, 0}, std::tuple{512, 0, 24, 0}, std::tuple{2048, 0, 24, 0}}) {
             if (fk.lossy_groups) break;
             Mxfp4GemmArgs ma = mx_args(m);
             ma.gk = gk.get(), ma.ride_along = ride, ma.probe = probe;
+            if (glu)  // D's bytes hold the E4M3 output (I bytes a row of 4I)
+              ma.d = nullptr, ma.q = reinterpret_cast<uint8_t*>(dg.get()), ma.q_ld = I, ma.bias = b1.get();
             const double per = ms_per_call(10, [&] { mg.run(ma, st); }),
                          tf = 2.0 * n_ex * m * 2 * I * kph / (per * 1e-3) / 1e12;
             wj.push_back({{"groups", n_ex},
@@ -425,10 +439,12 @@ int bench_moe(const Args& a) {
                           {"k", kph},
                           {"ride_along", mg.last_ride_along()},
                           {"probe", probe},
+                          {"swiglu_epilogue", glu != 0},
                           {"gpu_ms_per_call", per},
                           {"tflops", tf}});
-            std::fprintf(stderr, "mxfp4 gemm, whole-K scales, %d x m=%5d n=%d k=%ld%s%s: %.4f ms/call %.0f TFLOP/s\n",
+            std::fprintf(stderr, "mxfp4 gemm, whole-K scales, %d x m=%5d n=%d k=%ld%s%s%s: %.4f ms/call %.0f TFLOP/s\n",
                          n_ex, m, 2 * I, long(kph), mg.last_ride_along() ? ", last tokens riding" : "",
+                         glu ? ", SwiGLU in the epilogue (E4M3 out)" : "",
                          probe ? (" (probe " + std::to_string(probe) + ": timing only)").c_str() : "", per, tf);
           }
           comp["mxfp4_gemm_whole_k"] = wj;
