@@ -107,12 +107,12 @@ if want moe; then
 
 step "dz bench moe"
 DUMP=$(mktemp -d /tmp/dz_moe_dump.XXXX)
-"$DZ" bench moe --tokens "${DZ_BENCH_TOKENS:-1,8,64,128,256,384,512,1024,2048,4096,16384}" --fp8-gemm auto,auto_nowhole,auto_fold,mxfp4,auto_n128 \
+"$DZ" bench moe --tokens "${DZ_BENCH_TOKENS:-1,8,64,128,256,384,512,1024,2048,4096,16384}" --fp8-gemm auto,auto_pass,auto_nowhole,auto_fold,mxfp4,auto_n128 \
   --dump "$DUMP" --out "$OUTDIR/bench_moe.json" >/dev/null
 [ $? -ne 0 ] && { echo "dz bench moe FAILED"; status=1; }
 
 step "dz bench moe at gpt-oss-20b shapes (32 experts): the fused/FP8 crossover the model meets"
-"$DZ" bench moe --experts 32 --tokens 1,8,64,96,128,160,512,1024,2048,4096 --fp8-gemm auto,auto_nowhole,auto_fold,mxfp4,auto_n128 \
+"$DZ" bench moe --experts 32 --tokens 1,8,64,96,128,160,512,1024,2048,4096 --fp8-gemm auto,auto_pass,auto_nowhole,auto_fold,mxfp4,auto_n128 \
   --no-components --out "$OUTDIR/bench_moe_e32.json" \
   2>"$OUTDIR/bench_moe_e32.log" >/dev/null || { echo "dz bench moe --experts 32 FAILED"; status=1; }
 grep -E "^moe T=" "$OUTDIR/bench_moe_e32.log"
