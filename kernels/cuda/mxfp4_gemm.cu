@@ -6,7 +6,7 @@
 #include <cstdio>
 
 #include "cuda/fp8_grouped_gemm.h"  // encode_tensor_map
-#include "cuda/moe_decode.cuh"       // swiglu: gpt-oss's activation in the epilogue
+#include "cuda/moe_decode.cuh"      // swiglu: gpt-oss's activation in the epilogue
 #include "cuda/mxfp4_fold.cuh"
 #include "cuda/mxfp4_gemm.h"
 #include "cuda/ptx.cuh"

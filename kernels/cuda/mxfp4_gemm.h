@@ -67,16 +67,16 @@ struct Mxfp4GemmArgs {
   int64_t xs_ld = 0;            // unused with gk
   const uint8_t* gk = nullptr;  // whole-K scales: W's table [w_experts][n / 64] (then w.gmax is not read)
   int64_t rows_total = 0;
-  Mxfp4Stack w{};                // rows == n, K (w.k) a multiple of 64 padding to k; gmax required (not with gk)
-  const int* experts = nullptr;  // host: [groups]
-  int w_experts = 0;             // experts in the stack (bounds check)
-  void* d = nullptr;             // bf16 [rows_total][n] (not with q)
-  uint8_t* q = nullptr;          // whole-K: SwiGLU's E4M3 [rows_total][q_ld] instead of D (above)
-  int64_t q_ld = 0;              // >= n / 2
+  Mxfp4Stack w{};                  // rows == n, K (w.k) a multiple of 64 padding to k; gmax required (not with gk)
+  const int* experts = nullptr;    // host: [groups]
+  int w_experts = 0;               // experts in the stack (bounds check)
+  void* d = nullptr;               // bf16 [rows_total][n] (not with q)
+  uint8_t* q = nullptr;            // whole-K: SwiGLU's E4M3 [rows_total][q_ld] instead of D (above)
+  int64_t q_ld = 0;                // >= n / 2
   const uint16_t* bias = nullptr;  // with q: bf16 [w_experts][n] added before the SwiGLU (null: none)
-  int n = 0, k = 0;              // n % 64 == 0, k % 128 == 0
-  const int* offsets = nullptr;  // host: offsets[g], first row of group g (a multiple of 4)
-  const int* counts = nullptr;   // host: counts[g] = m_g
+  int n = 0, k = 0;                // n % 64 == 0, k % 128 == 0
+  const int* offsets = nullptr;    // host: offsets[g], first row of group g (a multiple of 4)
+  const int* counts = nullptr;     // host: counts[g] = m_g
   int groups = 0;
   int max_blocks = 0;   // persistent blocks (0: one per SM)
   int tile_tokens = 0;  // tokens a tile: 64, 128 or 160 (whole-K: 256); 0: the least padded work

@@ -130,9 +130,8 @@ int bench_moe(const Args& a) {
                                           "auto_rows", "grouped_rows", "grouped_ws_rows", "auto_fold",
                                           "mxfp4",     "auto_t64",     "auto_t128",       "auto_t160",
                                           "auto_n128", "auto_n192",    "whole",           "auto_nowhole"};
-      const std::string base = item.size() > 5 && item.compare(item.size() - 5, 5, "_pass") == 0
-                                   ? item.substr(0, item.size() - 5)
-                                   : item;
+      const std::string base =
+          item.size() > 5 && item.compare(item.size() - 5, 5, "_pass") == 0 ? item.substr(0, item.size() - 5) : item;
       if (std::find(std::begin(known), std::end(known), base) == std::end(known)) {
         std::fprintf(stderr,
                      "dz bench moe: --fp8-gemm takes auto, auto_nowhole, whole, auto_fold, auto_t64|t128|t160, "
@@ -420,11 +419,12 @@ int bench_moe(const Args& a) {
           // (probe: the kernel with parts left out, timings only; Mxfp4GemmArgs::probe.)
           // (glu: gpt-oss's SwiGLU in the epilogue, E4M3 out; Mxfp4GemmArgs::q.)
           for (auto [m, ride, probe, glu] :
-               {std::tuple{128, 0, 0, 0}, std::tuple{300, -1, 0, 0}, std::tuple{300, 1, 0, 0}, std::tuple{512, 0, 0, 0},
-                std::tuple{512, 0, 0, 1}, std::tuple{532, -1, 0, 0}, std::tuple{532, 1, 0, 0},
-                std::tuple{532, 1, 0, 1}, std::tuple{2048, 0, 0, 0}, std::tuple{2048, 0, 0, 1},
-                std::tuple{512, 0, 1, 0}, std::tuple{512, 0, 2, 0}, std::tuple{512, 0, 4, 0}, std::tuple{512, 0, 3, 0},
-                std::tuple{512, 0, 5, 0}, std::tuple{512, 0, 6, 0}, std::tuple{512, 0, 7, 0}, std::tuple{512, 0, 8, 0},
+               {std::tuple{128, 0, 0, 0},  std::tuple{300, -1, 0, 0}, std::tuple{300, 1, 0, 0},
+                std::tuple{512, 0, 0, 0},  std::tuple{512, 0, 0, 1},  std::tuple{532, -1, 0, 0},
+                std::tuple{532, 1, 0, 0},  std::tuple{532, 1, 0, 1},  std::tuple{2048, 0, 0, 0},
+                std::tuple{2048, 0, 0, 1}, std::tuple{512, 0, 1, 0},  std::tuple{512, 0, 2, 0},
+                std::tuple{512, 0, 4, 0},  std::tuple{512, 0, 3, 0},  std::tuple{512, 0, 5, 0},
+                std::tuple{512, 0, 6, 0},  std::tuple{512, 0, 7, 0},  std::tuple{512, 0, 8, 0},
                 std::tuple{512, 0, 16, 0}, std::tuple{512, 0, 24, 0}, std::tuple{2048, 0, 24, 0}}) {
             if (fk.lossy_groups) break;
             Mxfp4GemmArgs ma = mx_args(m);
