@@ -871,13 +871,16 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
         gate = std::min(gate, 7.0), up = std::min(std::max(up, -7.0), 7.0);
         return (up + 1.0) * gate / (1.0 + std::exp(-1.702 * gate));
       };
-      for (auto [blocks_n, ride] : {std::pair{0, 1}, std::pair{3, -1}}) {
-        INFO("SwiGLU epilogue, blocks " << blocks_n << ", ride-along tokens " << ride);
+      for (auto [blocks_n, ride, with_bias] :
+           {std::tuple{0, 1, true}, std::tuple{3, -1, true}, std::tuple{0, 0, false}}) {
+        INFO("SwiGLU epilogue, blocks " << blocks_n << ", ride-along tokens " << ride
+                                        << (with_bias ? "" : ", no bias"));
         Buf<uint8_t> q(size_t(rows) * q_ld);
         DZ_CUDA_CHECK(cudaMemset(q.p, 0x7F, q.n));  // E4M3 NaN: never an output
         Mxfp4GemmArgs a;
         a.x = dx.p, a.xs = dxs2.p, a.gk = dgk.p, a.rows_total = rows, a.w = stack;
-        a.experts = experts.data(), a.w_experts = E, a.q = q.p, a.q_ld = q_ld, a.bias = dbias.p, a.n = n, a.k = kpad;
+        a.experts = experts.data(), a.w_experts = E, a.q = q.p, a.q_ld = q_ld, a.n = n, a.k = kpad;
+        a.bias = with_bias ? dbias.p : nullptr;
         a.offsets = off.data(), a.counts = cnt.data(), a.groups = int(sizes.size());
         a.max_blocks = blocks_n, a.ride_along = ride;
         mg.run(a, ctx.stream());
@@ -901,8 +904,8 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
             for (int c = 0; c < n; ++c) rmax = std::max(rmax, std::fabs(ref[c] * fr));
             const uint16_t* b = bias.data() + size_t(experts[g]) * n;
             for (int j = 0; j < n / 2; ++j) {
-              const double gate = ref[2 * j] * fr + bf16_to_double(b[2 * j]);
-              const double up = ref[2 * j + 1] * fr + bf16_to_double(b[2 * j + 1]);
+              const double gate = ref[2 * j] * fr + (with_bias ? bf16_to_double(b[2 * j]) : 0.0);
+              const double up = ref[2 * j + 1] * fr + (with_bias ? bf16_to_double(b[2 * j + 1]) : 0.0);
               const double want = swiglu64(gate, up);
               const int at = (j & ~31) + 4 * mxfp4_gemm_x_word((j & 31) >> 2) + (j & 3);
               const double v = lut[got[size_t((off[g] + r) * q_ld + at)]] / double(kGluInv);
