@@ -907,7 +907,9 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
               const double gate = ref[2 * j] * fr + (with_bias ? bf16_to_double(b[2 * j]) : 0.0);
               const double up = ref[2 * j + 1] * fr + (with_bias ? bf16_to_double(b[2 * j + 1]) : 0.0);
               const double want = swiglu64(gate, up);
-              const int at = (j & ~31) + 4 * mxfp4_gemm_x_word((j & 31) >> 2) + (j & 3);
+              int word = 0;  // the word holding j's element group, by the inverse map
+              while (mxfp4_gemm_x_group(word) != (j & 31) >> 2) ++word;
+              const int at = (j & ~31) + 4 * word + (j & 3);
               const double v = lut[got[size_t((off[g] + r) * q_ld + at)]] / double(kGluInv);
               // The sums' error (as the check above) through the SwiGLU's slopes (at most ~9 and 7).
               const double sums = 4e-3 * std::max(std::fabs(ref[2 * j]), std::fabs(ref[2 * j + 1])) * fr + 2e-3 * rmax;

@@ -1612,7 +1612,7 @@ __device__ __forceinline__ void quant_row_whole_k(Get get, int kpad, int ndst, D
   };
   auto put = [&](int c, const float(&v)[4], float inv) {
     const uint32_t word = e4m3x4(v, inv);
-    const int at = (c & ~31) + 4 * mxfp4_gemm_x_word((c & 31) >> 2);
+    const int at = mxfp4_gemm_x_byte(c);  // c % 4 == 0: the word's first byte
     for (int i = 0; i < ndst; ++i) {
       const int r = dst(i);
       if (r >= 0) *reinterpret_cast<uint32_t*>(q + int64_t(r) * kpad + at) = word;

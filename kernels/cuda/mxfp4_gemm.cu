@@ -507,7 +507,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
         // pair 4 columns on. Column c0's element group is even, so c0 + 4's
         // word is 4 words on in X's register order.
         const int c0 = col >> 1;
-        const int at = (c0 & ~31) + 4 * mxfp4_gemm_x_word((c0 & 31) >> 2) + (c0 & 3);
+        const int at = mxfp4_gemm_x_byte(c0);
         float bg0 = 0.f, bu0 = 0.f, bg1 = 0.f, bu1 = 0.f;
         if (p.bias) {
           const uint16_t* b = p.bias + int64_t(e) * p.n + col;

@@ -57,6 +57,10 @@ namespace dz::cuda {
 __host__ __device__ constexpr int mxfp4_gemm_x_word(int i) { return (i >> 1) | ((i & 1) << 2); }
 // The inverse: the element group stored in word j.
 __host__ __device__ constexpr int mxfp4_gemm_x_group(int j) { return j < 4 ? 2 * j : 2 * (j - 4) + 1; }
+// The byte of a row of X that holds its element c.
+__host__ __device__ constexpr int mxfp4_gemm_x_byte(int c) {
+  return (c & ~31) + 4 * mxfp4_gemm_x_word((c & 31) >> 2) + (c & 3);
+}
 
 constexpr float kGluInv = 8.f;  // 448 / 56: SwiGLU's outputs scaled into E4M3's range (a power of two)
 
