@@ -78,6 +78,13 @@ int bench_moe(const Args& a) { return bench_needs_cuda(a, kUsage, "dz bench moe"
 namespace {
 using namespace dz::cuda;
 
+// Whether g ends with suffix; if so, g loses it (--fp8-gemm's _pass and _rows).
+bool take_suffix(std::string& g, const std::string& suffix) {
+  if (g.size() <= suffix.size() || g.compare(g.size() - suffix.size(), suffix.size(), suffix) != 0) return false;
+  g.resize(g.size() - suffix.size());
+  return true;
+}
+
 template <typename T>
 void write_bin(const std::string& path, const T* dev, size_t n) {
   std::vector<T> h(n);
@@ -130,8 +137,8 @@ int bench_moe(const Args& a) {
                                           "auto_rows", "grouped_rows", "grouped_ws_rows", "auto_fold",
                                           "mxfp4",     "auto_t64",     "auto_t128",       "auto_t160",
                                           "auto_n128", "auto_n192",    "whole",           "auto_nowhole"};
-      const std::string base =
-          item.size() > 5 && item.compare(item.size() - 5, 5, "_pass") == 0 ? item.substr(0, item.size() - 5) : item;
+      std::string base = item;
+      take_suffix(base, "_pass");
       if (std::find(std::begin(known), std::end(known), base) == std::end(known)) {
         std::fprintf(stderr,
                      "dz bench moe: --fp8-gemm takes auto, auto_nowhole, whole, auto_fold, auto_t64|t128|t160, "
@@ -153,12 +160,8 @@ int bench_moe(const Args& a) {
   // every size; auto_nowhole: auto without them. _pass: with whole-K scales,
   // SwiGLU's quantization as a pass of its own, not in gate_up's epilogue.
   auto set_gemm = [](MoeOptions& o, std::string g) {
-    const size_t pass = g.rfind("_pass");
-    o.fp8_whole_k_glu = pass == std::string::npos;
-    if (!o.fp8_whole_k_glu) g.resize(pass);
-    const size_t rows = g.rfind("_rows");
-    o.fp8_group_scales = rows == std::string::npos;
-    if (!o.fp8_group_scales) g.resize(rows);
+    o.fp8_whole_k_glu = !take_suffix(g, "_pass");
+    o.fp8_group_scales = !take_suffix(g, "_rows");
     o.fp8_gemm = g == "grouped" || g == "grouped_ws" ? 2 : g == "cublaslt" ? 1 : 0;
     o.fp8_fold_in_gemm = g != "grouped_ws";
     o.fp8_mxfp4_gemm = g == "auto_fold" ? -1 : g.rfind("auto_t", 0) == 0 || g == "mxfp4" ? 1 : 0;
