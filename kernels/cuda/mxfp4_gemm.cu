@@ -46,8 +46,9 @@ __host__ __device__ constexpr int tile_tokens_of(int m, int bn, bool ride, int t
 // rows x 128 bytes, 128-byte swizzle), both consumers' MXFP4 boxes (64-byte
 // swizzle), and with scales by K block the X scales (BN floats) and each
 // consumer's products of its weight group's scale and the X scales (2 x BN
-// floats); then the barriers (full, empty, products ready). As many stages as
-// fit in ~210 KB, at most 8.
+// floats); with whole-K scales S + 1 buffers of a tile's token scales (up to
+// BN + kExtra floats, brought with its first stage); then the barriers (full,
+// empty, products ready). As many stages as fit in ~210 KB, at most 8.
 template <int BN, bool kWhole, bool kRide>
 struct Smem {
   static constexpr int xBytes = BN * kBK, x2Bytes = kRide ? kExtra * kBK : 0;  // x2: the ride-along tokens
@@ -56,7 +57,8 @@ struct Smem {
   static constexpr int offW = S * xBytes, offX2 = offW + S * 2 * kWBox, offXs = offX2 + S * x2Bytes;
   static constexpr int xsBytes = kWhole ? 0 : BN * 4;  // per stage: X scales, then 2 x products
   static constexpr int offC = offXs + S * xsBytes;
-  static constexpr int offBar = offC + S * 2 * xsBytes;
+  static constexpr int tokMax = BN + kExtra, offTok = (offC + S * 2 * xsBytes + 127) / 128 * 128;
+  static constexpr int offBar = offTok + (kWhole ? (S + 1) * tokMax * 4 : 0);
   static constexpr int bytes = offBar + 3 * S * 8 + 1024;  // +1024: base aligned up
   static_assert(xBytes % 1024 == 0 && offW % 1024 == 0 && kWBox % 1024 == 0 && offXs % 16 == 0, "alignment");
   static_assert(bytes <= 227 * 1024, "shared memory of one sm_90 block");
@@ -64,7 +66,7 @@ struct Smem {
 
 struct Params {
   CUtensorMap xmap;   // X [rows_total][k] u8, box BN x 128, 128B swizzle
-  CUtensorMap xsmap;  // xs [nkb][xs_ld] f32, box 1 x BN
+  CUtensorMap xsmap;  // xs [nkb][xs_ld] f32, box 1 x BN; whole-K: xs [rows_total] f32, box 64
   CUtensorMap wmap;   // MXFP4 blocks [E * n][K / 2] u8, box 64 x 64, 64B swizzle
   CUtensorMap xmap2;  // whole-K: X again, box kExtra x 128 (the ride-along tokens)
   __nv_bfloat16* d;
@@ -182,7 +184,14 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
   auto full = [&](int s) { return bars + 8u * uint32_t(s); };
   auto empty = [&](int s) { return bars + 8u * uint32_t(kS + s); };
   auto cready = [&](int s) { return bars + 8u * uint32_t(2 * kS + s); };
+  // Whole-K: the token scales of a block's tile number tb (0, 1, ... in the
+  // block's order, kept modulo kS + 1). They come with the tile's first stage;
+  // when that stage is issued, the consumers have released the stage kS before
+  // it, so the block's tiles kS or more back are done (epilogues included) and
+  // kS + 1 buffers never overwrite one still to be read.
+  auto tok_buf = [&](int tb) { return L::offTok + tb * L::tokMax * 4; };
   auto wait = [](uint32_t bar, uint32_t parity) { ptx::mbar_wait(bar, parity); };
+  const bool tok_copy = kWhole && p.xconst <= 0.f;  // the token scales come by copy (not one for every row)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kS; ++s) {
@@ -202,22 +211,31 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (threadIdx.x == 0) {
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xmap)) : "memory");
-      if (!kWhole) asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xsmap)) : "memory");
+      if (!kWhole || tok_copy)
+        asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xsmap)) : "memory");
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.wmap)) : "memory");
       if (kRide) asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xmap2)) : "memory");
       int stage = 0;
       uint32_t phase = 0;
-      for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x)) {
+      int tb = 0;
+      for (int t = int(blockIdx.x); t < p.tiles_total; t += int(gridDim.x), tb = tb == kS ? 0 : tb + 1) {
         int g, rt, tt;
         find_tile<BN, kRide>(p, t, g, rt, tt);
         const int xrow = p.off[g] + tt * BN, wrow = p.expert[g] * p.n + rt * kRows;
         const bool live1 = rt * kRows + 64 < p.n;                                // the second consumer's rows exist
         const bool extra = kRide && tile_tokens_of(p.m[g], BN, kRide, tt) > BN;  // ride-along tokens
+        // Whole-K: the tile's token scales for its epilogue ride with its first
+        // stage (read from global memory at the epilogue, under the copies'
+        // load, they cost 22% of the GEMM at 16 x 512 on an H100).
+        const int ntok = tok_copy ? (extra ? BN + kExtra : BN) : 0;
         const uint32_t tx =
             uint32_t(BN * kBK + (extra ? kExtra * kBK : 0) + (kWhole ? 0 : BN * 4) + (live1 ? 2 : 1) * kWBox);
         for (int kb = 0; kb < p.nkb; ++kb) {
           wait(empty(stage), phase ^ 1u);  // a fresh barrier passes parity 1
-          ptx::mbar_arrive_expect_tx(full(stage), tx);
+          ptx::mbar_arrive_expect_tx(full(stage), tx + (kb == 0 ? uint32_t(ntok * 4) : 0u));
+          if (kb == 0)
+            for (int c = 0; c < ntok; c += 64)
+              ptx::tma_1d(base + uint32_t(tok_buf(tb) + c * 4), &p.xsmap, full(stage), xrow + c);
           ptx::tma_2d(sX + uint32_t(stage * L::xBytes), &p.xmap, full(stage), kb * kBK, xrow);
           if (!kWhole) ptx::tma_2d(sXs + uint32_t(stage * BN * 4), &p.xsmap, full(stage), xrow, kb);
           const uint32_t w0 = sW + uint32_t(stage * 2 * kWBox);
@@ -419,26 +437,26 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
         // Both scales: W's group (2^(byte - 133)) and each token's. The
         // token scales' address passes through an empty asm so their loads
         // stay here: hoisted above the K loop they would hold N / 2 registers.
+        // From the tile's token-scale buffer (the producer's copy with its
+        // first stage), or one scale for every row (x_scale; uniform).
         const float ws = ldexpf(1.f, gw - 133);
         const int left = m - tt * BN - 2 * t;
-        const float* xr = p.xrow + off + tt * BN + 2 * t;
-        asm volatile("" : "+l"(xr));
-        // One scale for every row (x_scale), or the probe: no loads (uniform).
-        const bool ld = p.xconst <= 0.f && (kRide || !(p.probe & 16));
-        const float xk = p.xconst > 0.f ? p.xconst : 1.5f;
+        // (The K loop's barrier waits clobber memory: these loads stay below it.)
+        const float2* xr = reinterpret_cast<const float2*>(gbase + tok_buf(tile / int(gridDim.x) % (kS + 1)) + 8 * t);
+        const bool ld = p.xconst <= 0.f;
+        const float xk = p.xconst;
+        auto xs2 = [&](int i) { return ld ? xr[i] : make_float2(xk, xk); };
 #pragma unroll
         for (int j = 0; j < N / 8; ++j) {
-          const float x0 = 8 * j < left ? ws * (ld ? __ldg(xr + 8 * j) : xk) : 0.f;
-          const float x1 = 8 * j + 1 < left ? ws * (ld ? __ldg(xr + 8 * j + 1) : xk) : 0.f;
+          const float2 xv = xs2(4 * j);
+          const float x0 = 8 * j < left ? ws * xv.x : 0.f, x1 = 8 * j + 1 < left ? ws * xv.y : 0.f;
           acc[4 * j + 0] *= x0, acc[4 * j + 1] *= x1, acc[4 * j + 2] *= x0, acc[4 * j + 3] *= x1;
         }
         if constexpr (kX) {
-          const float* xr2 = xr + BN;
-          asm volatile("" : "+l"(xr2));
 #pragma unroll
           for (int j = 0; j < kExtra / 8; ++j) {
-            const float x0 = BN + 8 * j < left ? ws * (ld ? __ldg(xr2 + 8 * j) : xk) : 0.f;
-            const float x1 = BN + 8 * j + 1 < left ? ws * (ld ? __ldg(xr2 + 8 * j + 1) : xk) : 0.f;
+            const float2 xv = xs2((BN + 8 * j) / 2);
+            const float x0 = BN + 8 * j < left ? ws * xv.x : 0.f, x1 = BN + 8 * j + 1 < left ? ws * xv.y : 0.f;
             acc2[4 * j + 0] *= x0, acc2[4 * j + 1] *= x1, acc2[4 * j + 2] *= x0, acc2[4 * j + 3] *= x1;
           }
         }
@@ -687,6 +705,11 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
     const cuuint32_t box[2] = {cuuint32_t(bn), 1};
     encode_tensor_map(&p.xsmap, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, a.xs, dims, strides, box,
                       CU_TENSOR_MAP_SWIZZLE_NONE, "X scales");
+  } else if (!fixed) {  // a tile's token scales, 64 a copy
+    const cuuint64_t dims[1] = {cuuint64_t(a.rows_total)}, unused[1] = {(cuuint64_t(a.rows_total) * 4 + 15) / 16 * 16};
+    const cuuint32_t box[1] = {64};
+    encode_tensor_map(&p.xsmap, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 1, a.xs, dims, unused, box, CU_TENSOR_MAP_SWIZZLE_NONE,
+                      "X row scales");
   }
   {
     const cuuint64_t row_bytes = cuuint64_t(a.w.k / 2);

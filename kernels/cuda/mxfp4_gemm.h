@@ -91,8 +91,7 @@ struct Mxfp4GemmArgs {
   // Timings only (wrong results; not in the kernel with ride-along tokens):
   // bit 0 skips the epilogue's stores, bit 1 the weights' folding (the MXFP4
   // words go to the MMAs as they are), bit 2 the MMAs, bit 3 the scale bytes'
-  // loads, bit 4 the token scales' loads. Each is a uniform branch on a
-  // kernel parameter where it acts.
+  // loads. Each is a uniform branch on a kernel parameter where it acts.
   int probe = 0;
 };
 

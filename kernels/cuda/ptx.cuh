@@ -239,6 +239,13 @@ __device__ __forceinline__ void tma_2d(uint32_t dst, const void* map, uint32_t b
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
       : "memory");
 }
+// The same for a 1D box.
+__device__ __forceinline__ void tma_1d(uint32_t dst, const void* map, uint32_t bar, int c0) {
+  asm volatile(
+      "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3}], [%2];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0)
+      : "memory");
+}
 // The same for a 3D / 4D box (a tile-major layout's stage: coordinates inside
 // the tile, the stage, the tile).
 __device__ __forceinline__ void tma_3d(uint32_t dst, const void* map, uint32_t bar, int c0, int c1, int c2) {

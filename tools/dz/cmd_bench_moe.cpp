@@ -422,13 +422,12 @@ int bench_moe(const Args& a) {
           // (probe: the kernel with parts left out, timings only; Mxfp4GemmArgs::probe.)
           // (glu: gpt-oss's SwiGLU in the epilogue, E4M3 out; Mxfp4GemmArgs::q.)
           for (auto [m, ride, probe, glu] :
-               {std::tuple{128, 0, 0, 0},  std::tuple{300, -1, 0, 0}, std::tuple{300, 1, 0, 0},
-                std::tuple{512, 0, 0, 0},  std::tuple{512, 0, 0, 1},  std::tuple{532, -1, 0, 0},
-                std::tuple{532, 1, 0, 0},  std::tuple{532, 1, 0, 1},  std::tuple{2048, 0, 0, 0},
-                std::tuple{2048, 0, 0, 1}, std::tuple{512, 0, 1, 0},  std::tuple{512, 0, 2, 0},
-                std::tuple{512, 0, 4, 0},  std::tuple{512, 0, 3, 0},  std::tuple{512, 0, 5, 0},
-                std::tuple{512, 0, 6, 0},  std::tuple{512, 0, 7, 0},  std::tuple{512, 0, 8, 0},
-                std::tuple{512, 0, 16, 0}, std::tuple{512, 0, 24, 0}, std::tuple{2048, 0, 24, 0}}) {
+               {std::tuple{128, 0, 0, 0}, std::tuple{300, -1, 0, 0}, std::tuple{300, 1, 0, 0}, std::tuple{512, 0, 0, 0},
+                std::tuple{512, 0, 0, 1}, std::tuple{532, -1, 0, 0}, std::tuple{532, 1, 0, 0}, std::tuple{532, 1, 0, 1},
+                std::tuple{2048, 0, 0, 0}, std::tuple{2048, 0, 0, 1}, std::tuple{512, 0, 1, 0},
+                std::tuple{512, 0, 2, 0}, std::tuple{512, 0, 4, 0}, std::tuple{512, 0, 3, 0}, std::tuple{512, 0, 5, 0},
+                std::tuple{512, 0, 6, 0}, std::tuple{512, 0, 7, 0}, std::tuple{512, 0, 8, 0},
+                std::tuple{2048, 0, 8, 0}}) {
             if (fk.lossy_groups) break;
             Mxfp4GemmArgs ma = mx_args(m);
             ma.gk = gk.get(), ma.ride_along = ride, ma.probe = probe;
