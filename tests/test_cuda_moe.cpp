@@ -643,6 +643,67 @@ TEST_CASE("CUDA runtime: errors carry the CUDA message; the pool sub-allocates o
 #endif
 }
 
+TEST_CASE("CUDA MoE layer: reserves what reserved_bytes says, grows past it on first use", "[cuda]") {
+#ifdef DZ_WITH_CUDA
+  // Host arithmetic (no GPU needed): gpt-oss-120b's shape at 16384 tokens.
+  // Every path needs the E4M3 input and activations and down's bf16 output
+  // (65536 slots + 1920 rows of padding, K padded to 2944) and the fp16
+  // input; gpt-oss's whole-K GEMMs need no bf16 gate_up output past 96
+  // tokens an expert and no FP8 workspace, so it reserves well under the
+  // plain SwiGLU's shape, which keeps both at every size.
+  const MoeShape oss{128, 4, 2880, 2880};
+  MoeShape silu = oss;
+  silu.act = MoeActivation::kSilu;
+  const double rows = 65536 + 128 * 15;
+  const double every_path = rows * (2944 + 2944 + 2 * 2880) + 16384.0 * 2944 * 2;
+  const double d1_full = rows * 2 * 2880 * 2, ws = 2 * 16 * (2.0 * 2880 * 2944 + 2880.0 * 2944);
+  const double r_oss = double(MoeLayer::reserved_bytes(oss, 16384)), r_silu = double(MoeLayer::reserved_bytes(silu, 16384));
+  INFO("gpt-oss " << r_oss / 1e9 << " GB, plain SwiGLU " << r_silu / 1e9 << " GB, every path " << every_path / 1e9);
+  CHECK(r_oss > every_path);
+  // The rest: gate_up's output for 14,208 rows (164 MB), the fused path's
+  // buffers and W4A8 images for 512 tokens, a cuBLASLt workspace, scales.
+  CHECK(r_oss < every_path + 0.5e9);
+  CHECK(r_silu > every_path + d1_full + ws);
+  MoeOptions off;
+  off.fp8_whole_k = -1;  // no whole-K GEMMs: gpt-oss needs both at every size too
+  CHECK(double(MoeLayer::reserved_bytes(oss, 16384, off)) > every_path + d1_full + ws);
+
+  if (!have_gpu()) return;
+  Context ctx(small_ctx());
+  std::mt19937 rng(11);
+  MoeCase c = make_moe(8, 4, 320, 192, 600, rng);
+  const MoeShape sh{c.E, c.topk, c.H, c.I};
+  const size_t before = ctx.pool().used();
+  MoeLayer layer(ctx, sh, c.T);
+  CHECK(ctx.pool().used() - before == MoeLayer::reserved_bytes(sh, c.T));
+  CHECK(layer.scratch_bytes() + layer.fp8_workspace_bytes() <= MoeLayer::reserved_bytes(sh, c.T));
+  // The fused path forced on 600 tokens (300 an expert, past its plan of 16)
+  // and the FP8 path on the workspace (not reserved for gpt-oss): both grow,
+  // and both still match float64.
+  Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
+  Dev<uint16_t> b1(c.b1), b2(c.b2);
+  Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
+  Dev<int> ids(c.ids);
+  MoeWeights w{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p};
+  const auto ref = moe_ref(c);
+  layer.options().fp8_fold_in_gemm = false;
+  layer.options().fp8_mxfp4_gemm = -1;
+  for (MoePath path : {MoePath::kFused, MoePath::kFp8}) {
+    const size_t used = ctx.pool().used();
+    DZ_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
+    layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, path);
+    ctx.sync();
+    INFO((path == MoePath::kFused ? "fused path" : "FP8 path on the workspace"));
+    CHECK(ctx.pool().used() > used);
+    CHECK(finite_diff(out.get(), ref) < (path == MoePath::kFused ? 2e-4 : 1e-2));
+    const size_t grown = ctx.pool().used();  // a second call takes nothing more
+    layer.forward(w, x.p, ids.p, gw.p, c.T, out.p, path);
+    ctx.sync();
+    CHECK(ctx.pool().used() == grown);
+  }
+#endif
+}
+
 TEST_CASE("CUDA MoE layer: fused kernels on more shapes, crowded routing, interleaved sizes, bad ids", "[cuda]") {
   if (!have_gpu()) return;
 #ifdef DZ_WITH_CUDA

@@ -1815,6 +1815,80 @@ dim3 combine_grid(int T, int H, int per_thread = 1, int threads = 256) {
 
 }  // namespace
 
+// What a layer reserves at construction (elements per buffer, and bytes in
+// all). Buffers that only some paths use are sized for what kAuto takes at
+// max_tokens under the options given, and grow on first use past that (a
+// forced path, options changed later, weights without whole-K tables): the
+// fused path's fp16 activations and fp32 outputs up to its largest tokens
+// per expert; gate_up's bf16 output only below the whole-K threshold where
+// gpt-oss's SwiGLU epilogue writes down's input (755 MB at 16384 tokens of
+// gpt-oss-120b otherwise); the FP8 expert workspace not at all for gpt-oss,
+// whose experts fold by whole-K tables and never into it.
+constexpr size_t kGemmWsBytes = size_t(32) << 20;  // a cuBLASLt workspace per FP8-path stream
+
+struct MoeScratchPlan {
+  int64_t kph = 0, kpi = 0, slots = 0, rows_cap = 0, xs_ld = 0, img_tokens = 0;
+  int64_t fused_rows = 0, d1_rows = 0;
+  size_t ws_fp8 = 0, ws_scales = 0, bytes = 0;
+};
+
+MoeScratchPlan moe_scratch_plan(const MoeShape& s, int maxT, const MoeOptions& opt) {
+  MoeScratchPlan p;
+  const int64_t E = s.n_experts, H = s.hidden, I = s.intermediate, k = s.topk, pad = E * (kPadRows - 1);
+  p.kph = kpad_of(s.hidden), p.kpi = kpad_of(s.intermediate);
+  p.slots = int64_t(maxT) * k;
+  p.rows_cap = p.slots + pad;
+  p.xs_ld = (p.rows_cap + 3) / 4 * 4;  // Mxfp4Gemm's scale layout [kb][xs_ld] (the others need rows_cap a block)
+  // Rows of T tokens' slots, each expert's padded to kPadRows.
+  auto rows_for = [&](double tokens_per_expert) {
+    const double t = std::ceil(std::max(tokens_per_expert, 1.0) * double(E) / double(k));
+    return std::min(p.rows_cap, int64_t(std::min<double>(t, maxT)) * k + pad);
+  };
+  p.fused_rows = rows_for(std::max(opt.fused_max_tokens_per_expert, opt.fused_streamed_max_tokens_per_expert));
+  const bool glu_epilogue = s.act == MoeActivation::kGptOss && opt.fp8_whole_k == 0 && opt.fp8_whole_k_glu;
+  p.d1_rows = glu_epilogue ? rows_for(opt.fp8_whole_k_min_tokens_per_expert) : p.rows_cap;
+  p.img_tokens = std::min(maxT, kW8ImageTokens);
+  const int64_t tile = std::min(opt.tile_experts, s.n_experts);
+  if (s.act != MoeActivation::kGptOss || opt.fp8_whole_k < 0) {
+    p.ws_fp8 = size_t(2 * tile) * (size_t(2 * I) * p.kph + size_t(H) * p.kpi);
+    p.ws_scales = size_t(2) * (tile * (size_t(2 * I) * (p.kph / 128) + size_t(H) * (p.kpi / 128)) + 8);
+  }
+  const int64_t img_rows = p.img_tokens * k + pad, img_passes = (img_rows + 3) / 4;
+  // (In the order the constructor allocates them; DevicePool rounds each to 256 bytes.)
+  const size_t sizes[] = {size_t(E) * 4,
+                          size_t(E + 1) * 4,
+                          size_t(p.rows_cap) * 4,
+                          size_t(p.rows_cap) * 4,
+                          size_t(p.slots) * 4,
+                          size_t(4 * E) * 4,
+                          4,
+                          4,
+                          size_t(std::max<int64_t>(1, (p.slots + kRouteChunk - 1) / kRouteChunk) * E) * 4,
+                          size_t(maxT) * p.kph * 2,
+                          size_t(maxT) * 4,
+                          size_t(p.fused_rows) * p.kpi * 2,
+                          size_t(p.fused_rows) * H * 4,
+                          size_t(p.rows_cap) * p.kph,
+                          size_t(p.xs_ld) * (p.kph / 128) * 4,
+                          size_t(p.rows_cap) * p.kpi,
+                          size_t(p.xs_ld) * (p.kpi / 128) * 4,
+                          size_t(p.d1_rows) * 2 * I * 2,
+                          size_t(p.rows_cap) * H * 2,
+                          size_t(img_passes) * w8_image_bytes(int(p.kph)),
+                          size_t(img_passes) * w8_image_bytes(int(p.kpi)),
+                          p.ws_fp8,
+                          p.ws_scales * 4,
+                          one_token_img_bytes(s),
+                          one_token_counts(s) * 4,
+                          kGemmWsBytes * size_t(opt.gemm_streams)};
+  for (size_t b : sizes) p.bytes += b ? (b + 255) / 256 * 256 : 0;
+  return p;
+}
+
+size_t MoeLayer::reserved_bytes(const MoeShape& shape, int max_tokens, const MoeOptions& opt) {
+  return moe_scratch_plan(shape, max_tokens, opt).bytes;
+}
+
 struct MoeLayer::Impl {
   Context& ctx;
   MoeShape s;
@@ -1835,7 +1909,7 @@ struct MoeLayer::Impl {
   }
   Mxfp4Gemm mgemm;  // MoeOptions::fp8_mxfp4_gemm
   DeviceArray<uint8_t> gemm_ws;
-  static constexpr size_t kGemmWs = size_t(32) << 20;
+  static constexpr size_t kGemmWs = kGemmWsBytes;
   cudaEvent_t ev_fork{};
   std::vector<cudaEvent_t> ev_join;
   // routing
@@ -1866,6 +1940,23 @@ struct MoeLayer::Impl {
   // The experts' activation is the plain SwiGLU (MoeShape::act).
   bool silu() const { return s.act == MoeActivation::kSilu; }
 
+  // Growth past the construction's plan (MoeScratchPlan): a new buffer of n,
+  // the old one kept until the layer goes, since a CUDA graph captured
+  // earlier may still point into it. Out of pool memory: an error naming it.
+  std::vector<std::shared_ptr<void>> retired;
+  template <typename T>
+  bool grow(DeviceArray<T>& a, size_t n, const char* what) {
+    if (a.size() >= n) return false;
+    DeviceArray<T> b(ctx.pool(), n, what);
+    if (a.get()) retired.push_back(std::make_shared<DeviceArray<T>>(std::move(a)));
+    a = std::move(b);
+    return true;
+  }
+  // Rows of sorted slots for T tokens (each expert's padded to kPadRows).
+  int64_t rows_for(int T) const {
+    return std::min(rows_cap, int64_t(T) * s.topk + int64_t(s.n_experts) * (kPadRows - 1));
+  }
+
   Impl(Context& c, const MoeShape& sh, int maxT, const MoeOptions& o)
       : ctx(c), s(sh), opt(o), max_tokens(maxT), gemm(c) {
     check(s.n_experts > 0 && s.topk > 0 && s.topk <= s.n_experts && s.hidden % 32 == 0 && s.hidden % 16 == 0 &&
@@ -1879,10 +1970,9 @@ struct MoeLayer::Impl {
     check(opt.tile_experts >= 1, DZ_ERR_INVALID_ARGUMENT, "tile_experts must be >= 1");
     tile_cap = std::min(opt.tile_experts, s.n_experts);
     check(opt.gemm_streams >= 1 && opt.gemm_streams <= 16, DZ_ERR_INVALID_ARGUMENT, "gemm_streams must be 1..16");
-    kph = kpad_of(s.hidden);
-    kpi = kpad_of(s.intermediate);
-    const int64_t slots = int64_t(maxT) * s.topk;
-    rows_cap = slots + int64_t(s.n_experts) * (kPadRows - 1);
+    const MoeScratchPlan plan = moe_scratch_plan(s, maxT, opt);
+    kph = plan.kph, kpi = plan.kpi, rows_cap = plan.rows_cap, xs_ld = plan.xs_ld;
+    const int64_t slots = plan.slots;
     DevicePool& P = ctx.pool();
     const int E = s.n_experts, H = s.hidden, I = s.intermediate;
     counts = DeviceArray<int>(P, E, "moe counts");
@@ -1897,28 +1987,27 @@ struct MoeLayer::Impl {
                                   "moe routing chunk counts");
     xh = DeviceArray<__half>(P, size_t(maxT) * kph, "moe fp16 input");
     xs = DeviceArray<float>(P, maxT, "moe input scales");
-    act16 = DeviceArray<__half>(P, size_t(rows_cap) * kpi, "moe fp16 activations");
-    y32 = DeviceArray<float>(P, size_t(rows_cap) * H, "moe expert outputs");
+    act16 = DeviceArray<__half>(P, size_t(plan.fused_rows) * kpi, "moe fp16 activations");
+    y32 = DeviceArray<float>(P, size_t(plan.fused_rows) * H, "moe expert outputs");
     a1 = DeviceArray<uint8_t>(P, size_t(rows_cap) * kph, "moe fp8 input");
-    xs_ld = (rows_cap + 3) / 4 * 4;  // Mxfp4Gemm's scale layout [kb][xs_ld] (the others need rows_cap a block)
     a1s = DeviceArray<float>(P, size_t(xs_ld) * (kph / 128), "moe fp8 input scales");
     a2 = DeviceArray<uint8_t>(P, size_t(rows_cap) * kpi, "moe fp8 activations");
     a2s = DeviceArray<float>(P, size_t(xs_ld) * (kpi / 128), "moe fp8 activation scales");
-    d1 = DeviceArray<__nv_bfloat16>(P, size_t(rows_cap) * 2 * I, "moe gate_up output");
+    d1 = DeviceArray<__nv_bfloat16>(P, size_t(plan.d1_rows) * 2 * I, "moe gate_up output");
     d2 = DeviceArray<__nv_bfloat16>(P, size_t(rows_cap) * H, "moe down output");
     // The W4A8 kernels' activation images: one a pass of 4 sorted rows (two
     // terms; 8 with one), for up to kW8ImageTokens tokens.
-    img_tokens = std::min(maxT, kW8ImageTokens);
+    img_tokens = int(plan.img_tokens);
     const int64_t img_rows = int64_t(img_tokens) * s.topk + int64_t(E) * (kPadRows - 1);
     const size_t img_passes = size_t(img_rows + 3) / 4;
     w8_img = DeviceArray<uint8_t>(P, img_passes * w8_image_bytes(int(kph)), "moe W4A8 activation images");
     w8_img_down = DeviceArray<uint8_t>(P, img_passes * w8_image_bytes(int(kpi)), "moe W4A8 down images");
-    const size_t per_expert_fp8 = size_t(2 * I) * kph + size_t(H) * kpi;
-    const size_t per_expert_sc = size_t(2 * I) * (kph / 128) + size_t(H) * (kpi / 128);
-    // Two tiles in flight: fold the next while the GEMMs use this one.
-    ws_fp8 = DeviceArray<uint8_t>(P, 2 * tile_cap * per_expert_fp8, "FP8 expert workspace");
-    ws_scales =
-        DeviceArray<float>(P, 2 * (tile_cap * per_expert_sc + 8), "FP8 expert workspace scales");  // +8: alignment
+    // Two tiles in flight: fold the next while the GEMMs use this one (+8
+    // scales: alignment). Not reserved for gpt-oss (grown on first use).
+    if (plan.ws_fp8) {
+      ws_fp8 = DeviceArray<uint8_t>(P, plan.ws_fp8, "FP8 expert workspace");
+      ws_scales = DeviceArray<float>(P, plan.ws_scales, "FP8 expert workspace scales");
+    }
     // DZ_MOE_ONE_TOKEN_STREAM=1 / 0: one token streamed or not, whatever the options (A/B timings of a model).
     if (const char* e = std::getenv("DZ_MOE_ONE_TOKEN_STREAM"); e && (e[0] == '0' || e[0] == '1') && e[1] == 0)
       opt.fused_one_token_stream = e[0] == '1';
@@ -2038,6 +2127,9 @@ struct MoeLayer::Impl {
       return;
     }
     const int E = s.n_experts, H = s.hidden, I = s.intermediate;
+    if (grow(act16, size_t(rows_for(T)) * kpi, "moe fp16 activations"))  // padding columns read as zeros
+      DZ_CUDA_CHECK(cudaMemsetAsync(act16.get(), 0, act16.bytes(), st));
+    grow(y32, size_t(rows_for(T)) * H, "moe expert outputs");
     if (T > kRouteConvertsX) {
       x_to_half_kernel<<<T, 256, 0, st>>>(x, H, int(kph), xh.get(), xs.get());
       DZ_CUDA_LAUNCH_CHECK();
@@ -2297,6 +2389,10 @@ struct MoeLayer::Impl {
            Mxfp4Gemm::supported();
   }
 
+  // With whole-K scales, gate_up's epilogue takes gpt-oss's SwiGLU and
+  // writes down's E4M3 input itself (MoeOptions::fp8_whole_k_glu).
+  bool glu_epilogue() const { return opt.fp8_whole_k_glu && !silu(); }
+
   // The same with Mxfp4Gemm (X already quantized in its layout; whole: with
   // one scale a row, the weights under the whole-K tables).
   void mxfp4_gemms(const MoeWeights& w, const int* e, int n, const int* ho, int rows_total, cudaStream_t st,
@@ -2311,7 +2407,7 @@ struct MoeLayer::Impl {
     g.w = Mxfp4Stack{w.w1_blocks, w.w1_scales, 2 * I, H, w.w1_gmax}, g.gk = whole ? w.w1_gk : nullptr;
     // gpt-oss's SwiGLU in gate_up's epilogue (fp8_whole_k_glu): down's input
     // straight from the MMAs' registers, one scale for every row.
-    const bool glu = whole && opt.fp8_whole_k_glu && !silu();
+    const bool glu = whole && glu_epilogue();
     if (glu) {
       // Down's K padding past I must read as zeros (E4M3 0x7F would be NaN).
       if (kpi > I)
@@ -2342,6 +2438,8 @@ struct MoeLayer::Impl {
     const int nkb_h = int(kph / 128), nkb_i = int(kpi / 128);
     const bool whole = whole_k_runs(w, T);
     const bool regs = whole || mxfp4_gemm_runs(w, T);
+    // gate_up's bf16 output, unless its epilogue writes down's input (glu_epilogue).
+    if (!(whole && glu_epilogue())) grow(d1, size_t(rows_total) * 2 * I, "moe gate_up output");
     if (whole) {
       gather_quant_row_kernel<<<unsigned(T + E), kQrThreads, 0, st>>>(x, T, H, int(kph), s.topk, inv.get(),
                                                                       counts.get(), offsets.get(), a1.get(), a1s.get());
@@ -2384,6 +2482,10 @@ struct MoeLayer::Impl {
       g1.w4_experts = g2.w4_experts = E;
       grouped_gemms(act_e.data(), int(act_e.size()), ho, rows_total, g1, g2, w.b1, st);
       act_e.clear();  // nothing left for the workspace tiles below
+    }
+    if (!act_e.empty()) {  // the experts fold into the workspace (grown once, for tile_cap experts)
+      grow(ws_fp8, 2 * size_t(tile_cap) * (w1_fp8 + w2_fp8), "FP8 expert workspace");
+      grow(ws_scales, 2 * (size_t(tile_cap) * (w1_sc + w2_sc) + 8), "FP8 expert workspace scales");
     }
     for (size_t t0 = 0, ti = 0; t0 < act_e.size(); t0 += tile, ++ti) {
       const int n = int(std::min<size_t>(tile, act_e.size() - t0));

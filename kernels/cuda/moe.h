@@ -358,6 +358,13 @@ class MoeLayer {
   const MoeShape& shape() const { return shape_; }
   size_t fp8_workspace_bytes() const;  // the shared FP8 expert workspace (both tiles)
   size_t scratch_bytes() const;        // everything else this layer reserved
+  // What a layer made with these arguments reserves from the pool at
+  // construction, both of the above (a model sizes its pool by it). Buffers
+  // only some paths use are sized for the paths kAuto takes at max_tokens
+  // and grow from the pool on first use past that: the fused path forced on
+  // many tokens, gpt-oss's experts without whole-K tables (FP8 workspace and
+  // gate_up's bf16 output), options changed after construction.
+  static size_t reserved_bytes(const MoeShape& shape, int max_tokens, const MoeOptions& opt = {});
   // Nonzero when an expert id was out of range in a call since the last check (syncs).
   int take_error();
   // The device flag take_error() reads, for callers that read and reset it on

@@ -253,14 +253,19 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   // The pool: weights + scratch; the KV arenas are allocated beside it.
   const int64_t H = hidden_, I = inter_, E = n_experts_, QD = q_dim(), KVD = kv_dim(), V = n_vocab_;
   const size_t weights = size_t(ws.total_bytes());
-  // A pass row: the activations below, and cuda::MoeLayer's per row: its fp16
-  // input, and per routed slot the routing lists, fp16/fp8 activations (K
-  // padded to 128) and expert outputs (~40 KB a slot at gpt-oss-20b's shape).
-  // The 3 GiB: the FP8 expert workspace, GEMM workspaces and the rest.
-  const int64_t KPH = (H + 127) / 128 * 128, KPI = (I + 127) / 128 * 128;
-  const int64_t slot = 12 + 6 * H + 4 * I + 3 * KPI + KPH + (KPH + KPI) / 32;
-  const int64_t row = 4 * 4 * H + 4 * (QD + 2 * KVD) + 2 * H + 2 * QD + 8 * E + 256 + 2 * KPH + 4 + n_active_ * slot;
-  const size_t scratch = size_t(max_rows_) * size_t(row) + size_t(kLogitRows) * size_t(V) * 4 +
+  // A pass row: the activations below; cuda::MoeLayer says what it reserves
+  // for max_rows_ (at 16384 rows of gpt-oss-120b ~0.9 GB: its buffers for
+  // other paths grow on first use). The 3 GiB: what such growth may take
+  // (gpt-oss's FP8 workspace and gate_up's bf16 output where whole-K tables
+  // are missing, 1.6 GB at that size), GEMM workspaces and the rest.
+  cuda::MoeShape ms;
+  ms.n_experts = n_experts_;
+  ms.topk = n_active_;
+  ms.hidden = int(H);
+  ms.intermediate = int(I);
+  const int64_t row = 4 * 4 * H + 4 * (QD + 2 * KVD) + 2 * H + 2 * QD + 8 * E + 256;
+  const size_t scratch = size_t(max_rows_) * size_t(row) + cuda::MoeLayer::reserved_bytes(ms, max_rows_) +
+                         size_t(kLogitRows) * size_t(V) * 4 +
                          4 * cuda::decode_partial_floats(kAttnGroupRows, n_heads_, int(head_dim_), split_.max_splits) +
                          (size_t(3) << 30);
   int n = 0;
@@ -274,11 +279,6 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   co.pool_bytes = std::min(weights + scratch, free_b / 10 * 9);
   ctx_ = std::make_unique<cuda::Context>(co);
   gemm_ = std::make_unique<cuda::Bf16Gemm>(*ctx_);
-  cuda::MoeShape ms;
-  ms.n_experts = n_experts_;
-  ms.topk = n_active_;
-  ms.hidden = int(H);
-  ms.intermediate = int(I);
   moe_ = std::make_unique<cuda::MoeLayer>(*ctx_, ms, max_rows_);
   if (fp8_experts_) moe_->options().use_e4m3_activations();
   // NATIVE: fp16 activations throughout (the W4A16 kernels); AUTO: the
