@@ -657,7 +657,8 @@ TEST_CASE("CUDA MoE layer: reserves what reserved_bytes says, grows past it on f
   const double rows = 65536 + 128 * 15;
   const double every_path = rows * (2944 + 2944 + 2 * 2880) + 16384.0 * 2944 * 2;
   const double d1_full = rows * 2 * 2880 * 2, ws = 2 * 16 * (2.0 * 2880 * 2944 + 2880.0 * 2944);
-  const double r_oss = double(MoeLayer::reserved_bytes(oss, 16384)), r_silu = double(MoeLayer::reserved_bytes(silu, 16384));
+  const double r_oss = double(MoeLayer::reserved_bytes(oss, 16384)),
+               r_silu = double(MoeLayer::reserved_bytes(silu, 16384));
   INFO("gpt-oss " << r_oss / 1e9 << " GB, plain SwiGLU " << r_silu / 1e9 << " GB, every path " << every_path / 1e9);
   CHECK(r_oss > every_path);
   // The rest: gate_up's output for 14,208 rows (164 MB), the fused path's

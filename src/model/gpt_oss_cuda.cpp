@@ -254,7 +254,7 @@ GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_
   const int64_t H = hidden_, I = inter_, E = n_experts_, QD = q_dim(), KVD = kv_dim(), V = n_vocab_;
   const size_t weights = size_t(ws.total_bytes());
   // A pass row: the activations below; cuda::MoeLayer says what it reserves
-  // for max_rows_ (at 16384 rows of gpt-oss-120b ~0.9 GB: its buffers for
+  // for max_rows_ (at 16384 rows of gpt-oss-120b 1.18 GB: its buffers for
   // other paths grow on first use). The 3 GiB: what such growth may take
   // (gpt-oss's FP8 workspace and gate_up's bf16 output where whole-K tables
   // are missing, 1.6 GB at that size), GEMM workspaces and the rest.
