@@ -294,6 +294,26 @@ MoeCase make_moe(int E, int topk, int H, int I, int T, std::mt19937& rng, int s_
   }
   return c;
 }
+// A case on the device, with an output of T x H floats and the weights as the layer takes them.
+struct DevMoe {
+  Dev<uint8_t> w1b, w1s, w2b, w2s;
+  Dev<uint16_t> b1, b2;
+  Dev<float> x, gw, out;
+  Dev<int> ids;
+  MoeWeights w;
+  explicit DevMoe(const MoeCase& c)
+      : w1b(c.w1.blocks),
+        w1s(c.w1.scales),
+        w2b(c.w2.blocks),
+        w2s(c.w2.scales),
+        b1(c.b1),
+        b2(c.b2),
+        x(c.x),
+        gw(c.gw),
+        out(size_t(c.T * c.H)),
+        ids(c.ids),
+        w{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p} {}
+};
 // Small test layers: the fused path up to 8 tokens per expert, FP8 workspace
 // tiles of 3 experts.
 // (One token on the per-projection kernels, as by default: the stream has its own case.)
@@ -396,11 +416,8 @@ TEST_CASE("CUDA MoE layer: fused W4A16 and FP8 paths match float64 and are deter
     MoeCase c = make_moe(8, 4, 320, 192, T, rng);
     INFO("T = " << T);
     MoeLayer layer(ctx, MoeShape{c.E, c.topk, c.H, c.I}, std::max(64, T), w4a16_options());
-    Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
-    Dev<uint16_t> b1(c.b1), b2(c.b2);
-    Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
-    Dev<int> ids(c.ids);
-    MoeWeights w{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p};
+    DevMoe dm(c);
+    auto& [w1b, w1s, w2b, w2s, b1, b2, x, gw, out, ids, w] = dm;
     const auto ref = moe_ref(c);
     for (MoePath path : {MoePath::kFused, MoePath::kFp8}) {
       INFO((path == MoePath::kFused ? "fused W4A16 path" : "FP8 path"));
@@ -681,12 +698,9 @@ TEST_CASE("CUDA MoE layer: reserves what reserved_bytes says, grows past it on f
   // The fused path forced on 600 tokens (300 an expert, past its plan of 16)
   // and the FP8 path on the workspace (not reserved for gpt-oss): both grow,
   // and both still match float64.
-  Dev<uint8_t> w1b(c.w1.blocks), w1s(c.w1.scales), w2b(c.w2.blocks), w2s(c.w2.scales);
-  Dev<uint16_t> b1(c.b1), b2(c.b2);
-  Dev<float> x(c.x), gw(c.gw), out(size_t(c.T * c.H));
-  Dev<int> ids(c.ids);
-  MoeWeights w{w1b.p, w1s.p, b1.p, w2b.p, w2s.p, b2.p};
+  DevMoe dm(c);
   const auto ref = moe_ref(c);
+  auto& [w1b, w1s, w2b, w2s, b1, b2, x, gw, out, ids, w] = dm;
   layer.options().fp8_fold_in_gemm = false;
   layer.options().fp8_mxfp4_gemm = -1;
   for (MoePath path : {MoePath::kFused, MoePath::kFp8}) {
