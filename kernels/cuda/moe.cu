@@ -1940,14 +1940,15 @@ struct MoeLayer::Impl {
   // The experts' activation is the plain SwiGLU (MoeShape::act).
   bool silu() const { return s.act == MoeActivation::kSilu; }
 
-  // Growth past the construction's plan (MoeScratchPlan): a new buffer of n,
-  // the old one kept until the layer goes, since a CUDA graph captured
-  // earlier may still point into it. Out of pool memory: an error naming it.
+  // Growth past the construction's plan (MoeScratchPlan) where a call needs
+  // more than n: straight to the full size, so a buffer grows once. The old
+  // one is kept until the layer goes, since a CUDA graph captured earlier may
+  // still point into it. Out of pool memory: an error naming it.
   std::vector<std::shared_ptr<void>> retired;
   template <typename T>
-  bool grow(DeviceArray<T>& a, size_t n, const char* what) {
-    if (a.size() >= n) return false;
-    DeviceArray<T> b(ctx.pool(), n, what);
+  bool grow(DeviceArray<T>& a, size_t need, size_t full, const char* what) {
+    if (a.size() >= need) return false;
+    DeviceArray<T> b(ctx.pool(), std::max(need, full), what);
     if (a.get()) retired.push_back(std::make_shared<DeviceArray<T>>(std::move(a)));
     a = std::move(b);
     return true;
@@ -2127,9 +2128,9 @@ struct MoeLayer::Impl {
       return;
     }
     const int E = s.n_experts, H = s.hidden, I = s.intermediate;
-    if (grow(act16, size_t(rows_for(T)) * kpi, "moe fp16 activations"))  // padding columns read as zeros
-      DZ_CUDA_CHECK(cudaMemsetAsync(act16.get(), 0, act16.bytes(), st));
-    grow(y32, size_t(rows_for(T)) * H, "moe expert outputs");
+    if (grow(act16, size_t(rows_for(T)) * kpi, size_t(rows_cap) * kpi, "moe fp16 activations"))
+      DZ_CUDA_CHECK(cudaMemsetAsync(act16.get(), 0, act16.bytes(), st));  // padding columns read as zeros
+    grow(y32, size_t(rows_for(T)) * H, size_t(rows_cap) * H, "moe expert outputs");
     if (T > kRouteConvertsX) {
       x_to_half_kernel<<<T, 256, 0, st>>>(x, H, int(kph), xh.get(), xs.get());
       DZ_CUDA_LAUNCH_CHECK();
@@ -2439,7 +2440,8 @@ struct MoeLayer::Impl {
     const bool whole = whole_k_runs(w, T);
     const bool regs = whole || mxfp4_gemm_runs(w, T);
     // gate_up's bf16 output, unless its epilogue writes down's input (glu_epilogue).
-    if (!(whole && glu_epilogue())) grow(d1, size_t(rows_total) * 2 * I, "moe gate_up output");
+    if (!(whole && glu_epilogue()))
+      grow(d1, size_t(rows_total) * 2 * I, size_t(rows_cap) * 2 * I, "moe gate_up output");
     if (whole) {
       gather_quant_row_kernel<<<unsigned(T + E), kQrThreads, 0, st>>>(x, T, H, int(kph), s.topk, inv.get(),
                                                                       counts.get(), offsets.get(), a1.get(), a1s.get());
@@ -2484,8 +2486,9 @@ struct MoeLayer::Impl {
       act_e.clear();  // nothing left for the workspace tiles below
     }
     if (!act_e.empty()) {  // the experts fold into the workspace (grown once, for tile_cap experts)
-      grow(ws_fp8, 2 * size_t(tile_cap) * (w1_fp8 + w2_fp8), "FP8 expert workspace");
-      grow(ws_scales, 2 * (size_t(tile_cap) * (w1_sc + w2_sc) + 8), "FP8 expert workspace scales");
+      const size_t ws = 2 * size_t(tile_cap) * (w1_fp8 + w2_fp8), ws_sc = 2 * (size_t(tile_cap) * (w1_sc + w2_sc) + 8);
+      grow(ws_fp8, ws, ws, "FP8 expert workspace");
+      grow(ws_scales, ws_sc, ws_sc, "FP8 expert workspace scales");
     }
     for (size_t t0 = 0, ti = 0; t0 < act_e.size(); t0 += tile, ++ti) {
       const int n = int(std::min<size_t>(tile, act_e.size() - t0));
