@@ -359,7 +359,7 @@ class MoeLayer {
   size_t fp8_workspace_bytes() const;  // the shared FP8 expert workspace (both tiles)
   size_t scratch_bytes() const;        // everything else this layer reserved
   // What a layer made with these arguments reserves from the pool at
-  // construction, both of the above (a model sizes its pool by it). Buffers
+  // construction, both of the above (gpt-oss sizes its pool by it). Buffers
   // only some paths use are sized for the paths kAuto takes at max_tokens
   // and grow from the pool on first use past that: the fused path forced on
   // many tokens, gpt-oss's experts without whole-K tables (FP8 workspace and
