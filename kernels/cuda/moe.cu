@@ -1826,8 +1826,13 @@ dim3 combine_grid(int T, int H, int per_thread = 1, int threads = 256) {
 // whose experts fold by whole-K tables and never into it.
 constexpr size_t kGemmWsBytes = size_t(32) << 20;  // a cuBLASLt workspace per FP8-path stream
 
+// Sorted rows of T tokens' slots, each expert's padded to kPadRows (at most rows_cap).
+int64_t sorted_rows(const MoeShape& s, int64_t T, int64_t rows_cap) {
+  return std::min(rows_cap, T * s.topk + int64_t(s.n_experts) * (kPadRows - 1));
+}
+
 struct MoeScratchPlan {
-  int64_t kph = 0, kpi = 0, slots = 0, rows_cap = 0, xs_ld = 0, img_tokens = 0;
+  int64_t kph = 0, kpi = 0, slots = 0, rows_cap = 0, xs_ld = 0, img_tokens = 0, img_passes = 0;
   int64_t fused_rows = 0, d1_rows = 0;
   size_t ws_fp8 = 0, ws_scales = 0, bytes = 0;
 };
@@ -1839,10 +1844,10 @@ MoeScratchPlan moe_scratch_plan(const MoeShape& s, int maxT, const MoeOptions& o
   p.slots = int64_t(maxT) * k;
   p.rows_cap = p.slots + pad;
   p.xs_ld = (p.rows_cap + 3) / 4 * 4;  // Mxfp4Gemm's scale layout [kb][xs_ld] (the others need rows_cap a block)
-  // Rows of T tokens' slots, each expert's padded to kPadRows.
+  // Rows of the tokens that give tokens_per_expert.
   auto rows_for = [&](double tokens_per_expert) {
     const double t = std::ceil(std::max(tokens_per_expert, 1.0) * double(E) / double(k));
-    return std::min(p.rows_cap, int64_t(std::min<double>(t, maxT)) * k + pad);
+    return sorted_rows(s, int64_t(std::min<double>(t, maxT)), p.rows_cap);
   };
   p.fused_rows = rows_for(std::max(opt.fused_max_tokens_per_expert, opt.fused_streamed_max_tokens_per_expert));
   const bool glu_epilogue = s.act == MoeActivation::kGptOss && opt.fp8_whole_k == 0 && opt.fp8_whole_k_glu;
@@ -1853,7 +1858,7 @@ MoeScratchPlan moe_scratch_plan(const MoeShape& s, int maxT, const MoeOptions& o
     p.ws_fp8 = size_t(2 * tile) * (size_t(2 * I) * p.kph + size_t(H) * p.kpi);
     p.ws_scales = size_t(2) * (tile * (size_t(2 * I) * (p.kph / 128) + size_t(H) * (p.kpi / 128)) + 8);
   }
-  const int64_t img_rows = p.img_tokens * k + pad, img_passes = (img_rows + 3) / 4;
+  p.img_passes = (p.img_tokens * k + pad + 3) / 4;  // the W4A8 images: a pass of 4 sorted rows
   // (In the order the constructor allocates them; DevicePool rounds each to 256 bytes.)
   const size_t sizes[] = {size_t(E) * 4,
                           size_t(E + 1) * 4,
@@ -1874,8 +1879,8 @@ MoeScratchPlan moe_scratch_plan(const MoeShape& s, int maxT, const MoeOptions& o
                           size_t(p.xs_ld) * (p.kpi / 128) * 4,
                           size_t(p.d1_rows) * 2 * I * 2,
                           size_t(p.rows_cap) * H * 2,
-                          size_t(img_passes) * w8_image_bytes(int(p.kph)),
-                          size_t(img_passes) * w8_image_bytes(int(p.kpi)),
+                          size_t(p.img_passes) * w8_image_bytes(int(p.kph)),
+                          size_t(p.img_passes) * w8_image_bytes(int(p.kpi)),
                           p.ws_fp8,
                           p.ws_scales * 4,
                           one_token_img_bytes(s),
@@ -1953,10 +1958,7 @@ struct MoeLayer::Impl {
     a = std::move(b);
     return true;
   }
-  // Rows of sorted slots for T tokens (each expert's padded to kPadRows).
-  int64_t rows_for(int T) const {
-    return std::min(rows_cap, int64_t(T) * s.topk + int64_t(s.n_experts) * (kPadRows - 1));
-  }
+  int64_t rows_for(int T) const { return sorted_rows(s, T, rows_cap); }
 
   Impl(Context& c, const MoeShape& sh, int maxT, const MoeOptions& o)
       : ctx(c), s(sh), opt(o), max_tokens(maxT), gemm(c) {
@@ -1999,10 +2001,8 @@ struct MoeLayer::Impl {
     // The W4A8 kernels' activation images: one a pass of 4 sorted rows (two
     // terms; 8 with one), for up to kW8ImageTokens tokens.
     img_tokens = int(plan.img_tokens);
-    const int64_t img_rows = int64_t(img_tokens) * s.topk + int64_t(E) * (kPadRows - 1);
-    const size_t img_passes = size_t(img_rows + 3) / 4;
-    w8_img = DeviceArray<uint8_t>(P, img_passes * w8_image_bytes(int(kph)), "moe W4A8 activation images");
-    w8_img_down = DeviceArray<uint8_t>(P, img_passes * w8_image_bytes(int(kpi)), "moe W4A8 down images");
+    w8_img = DeviceArray<uint8_t>(P, size_t(plan.img_passes) * w8_image_bytes(int(kph)), "moe W4A8 activation images");
+    w8_img_down = DeviceArray<uint8_t>(P, size_t(plan.img_passes) * w8_image_bytes(int(kpi)), "moe W4A8 down images");
     // Two tiles in flight: fold the next while the GEMMs use this one (+8
     // scales: alignment). Not reserved for gpt-oss (grown on first use).
     if (plan.ws_fp8) {
