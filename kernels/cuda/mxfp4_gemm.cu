@@ -72,12 +72,11 @@ struct Params {
   __nv_bfloat16* d;
   const uint8_t* scales;  // E8M0 [E * n][nsub]
   const uint8_t* gmax;    // group table [E][n / 64][nkb]
-  const float* xrow;      // whole-K scales: X's [rows_total]
   const uint8_t* gk;      // whole-K scales: W's group table [E][n / 64]
   uint8_t* q;             // the activation in the epilogue: E4M3 [rows_total][q_ld]
   const uint16_t* bias;   // its bias, bf16 [E][n] (null: none)
   int64_t q_ld;
-  float xconst;  // whole-K: > 0, every row's X scale (xrow not read)
+  float xconst;  // whole-K: > 0, every row's X scale (xsmap not read)
   int n, nkb, nsub, groups, tiles_total;
   int probe;  // Mxfp4GemmArgs::probe (timings only)
   int expert[kMaxGroups];
@@ -434,11 +433,9 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
         if constexpr (kX) ptx::fence_regs(acc2);
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(empty(stage == 0 ? kS - 1 : stage - 1));
-        // Both scales: W's group (2^(byte - 133)) and each token's. The
-        // token scales' address passes through an empty asm so their loads
-        // stay here: hoisted above the K loop they would hold N / 2 registers.
-        // From the tile's token-scale buffer (the producer's copy with its
-        // first stage), or one scale for every row (x_scale; uniform).
+        // Both scales: W's group (2^(byte - 133)) and each token's, from the
+        // tile's token-scale buffer (the producer's copy with its first
+        // stage), or one scale for every row (x_scale; uniform).
         const float ws = ldexpf(1.f, gw - 133);
         const int left = m - tt * BN - 2 * t;
         // (The K loop's barrier waits clobber memory: these loads stay below it.)
@@ -720,7 +717,7 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
   }
   p.d = static_cast<__nv_bfloat16*>(a.d);
   p.scales = a.w.scales, p.gmax = a.w.gmax;
-  p.xrow = whole ? a.xs : nullptr, p.gk = a.gk;
+  p.gk = a.gk;
   p.xconst = fixed ? a.x_scale : 0.f;
   p.q = a.q, p.bias = glu ? a.bias : nullptr, p.q_ld = a.q_ld;
   p.n = a.n, p.nkb = nkb, p.nsub = int(a.w.k / 32), p.probe = a.probe;
