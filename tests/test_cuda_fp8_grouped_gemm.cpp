@@ -763,7 +763,7 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
     for (auto& v : xs) v = std::exp2(lg(rng));
     Buf<uint8_t> dx(xr);
     Buf<float> dxs(xs);
-    auto run = [&](int tile, int blocks_n, int ride) {
+    auto run = [&](int tile, int blocks_n, int ride, int stagger) {
       Buf<uint16_t> d(size_t(rows * n));
       std::vector<uint16_t> fill(d.n, kSentinel);
       DZ_CUDA_CHECK(cudaMemcpy(d.p, fill.data(), d.n * 2, cudaMemcpyHostToDevice));
@@ -772,7 +772,7 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
       a.x = dx.p, a.xs = dxs.p, a.gk = dgk.p, a.rows_total = rows, a.w = stack;
       a.experts = experts.data(), a.w_experts = E, a.d = d.p, a.n = n, a.k = kpad;
       a.offsets = off.data(), a.counts = cnt.data(), a.groups = int(sizes.size());
-      a.max_blocks = blocks_n, a.tile_tokens = tile, a.ride_along = ride;
+      a.max_blocks = blocks_n, a.tile_tokens = tile, a.ride_along = ride, a.stagger = stagger;
       mg.run(a, ctx.stream());
       ctx.sync();
       return d.get();
@@ -799,9 +799,13 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
         }
       }
     double worst = 0;
-    for (auto [blocks_n, ride] : {std::pair{0, 1}, std::pair{3, 1}, std::pair{0, -1}, std::pair{3, 0}}) {
-      INFO("blocks " << blocks_n << ", ride-along tokens " << ride);
-      const auto got = run(0, blocks_n, ride);
+    // (stagger: the second consumer warpgroup K blocks behind the first; up to
+    // the ring's depth less one, past it clamped.)
+    for (auto [blocks_n, ride, stagger] :
+         {std::tuple{0, 1, 0}, std::tuple{3, 1, 0}, std::tuple{0, -1, 0}, std::tuple{3, 0, 0}, std::tuple{0, 1, 2},
+          std::tuple{3, -1, 4}, std::tuple{0, -1, 9}}) {
+      INFO("blocks " << blocks_n << ", ride-along tokens " << ride << ", stagger " << stagger);
+      const auto got = run(0, blocks_n, ride, stagger);
       std::vector<char> in_group(size_t(rows), 0);
       for (size_t g = 0; g < sizes.size(); ++g)
         for (int r = 0; r < cnt[g]; ++r) in_group[size_t(off[g] + r)] = 1;
@@ -835,7 +839,7 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
         CHECK(bad == 0);
         if (m > 0) CHECK(dot / std::sqrt(gg2 * rr) >= 0.99999);
       }
-      CHECK(std::memcmp(got.data(), run(256, 1, ride).data(), got.size() * 2) == 0);  // the same bits on one block
+      CHECK(std::memcmp(got.data(), run(256, 1, ride, 0).data(), got.size() * 2) == 0);  // the same bits on one block
     }
     WARN("whole-K MXFP4 GEMM n=" << n << " K=" << K << ": worst |error| / row max vs float64 " << worst);
 
@@ -871,10 +875,11 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
         gate = std::min(gate, 7.0), up = std::min(std::max(up, -7.0), 7.0);
         return (up + 1.0) * gate / (1.0 + std::exp(-1.702 * gate));
       };
-      for (auto [blocks_n, ride, with_bias] :
-           {std::tuple{0, 1, true}, std::tuple{3, -1, true}, std::tuple{0, 0, false}}) {
-        INFO("SwiGLU epilogue, blocks " << blocks_n << ", ride-along tokens " << ride
-                                        << (with_bias ? "" : ", no bias"));
+      for (auto [blocks_n, ride, with_bias, stagger] :
+           {std::tuple{0, 1, true, 0}, std::tuple{3, -1, true, 0}, std::tuple{0, 0, false, 0},
+            std::tuple{0, 1, true, 3}, std::tuple{3, -1, true, 2}}) {
+        INFO("SwiGLU epilogue, blocks " << blocks_n << ", ride-along tokens " << ride << (with_bias ? "" : ", no bias")
+                                        << ", stagger " << stagger);
         Buf<uint8_t> q(size_t(rows) * q_ld);
         DZ_CUDA_CHECK(cudaMemset(q.p, 0x7F, q.n));  // E4M3 NaN: never an output
         Mxfp4GemmArgs a;
@@ -882,7 +887,7 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
         a.experts = experts.data(), a.w_experts = E, a.q = q.p, a.q_ld = q_ld, a.n = n, a.k = kpad;
         a.bias = with_bias ? dbias.p : nullptr;
         a.offsets = off.data(), a.counts = cnt.data(), a.groups = int(sizes.size());
-        a.max_blocks = blocks_n, a.ride_along = ride;
+        a.max_blocks = blocks_n, a.ride_along = ride, a.stagger = stagger;
         mg.run(a, ctx.stream());
         ctx.sync();
         const auto got = q.get();

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 
 #include "cuda/fp8_grouped_gemm.h"  // encode_tensor_map
 #include "cuda/moe_decode.cuh"      // swiglu: gpt-oss's activation in the epilogue
@@ -78,7 +79,8 @@ struct Params {
   int64_t q_ld;
   float xconst;  // whole-K: > 0, every row's X scale (xsmap not read)
   int n, nkb, nsub, groups, tiles_total;
-  int probe;  // Mxfp4GemmArgs::probe (timings only)
+  int probe;    // Mxfp4GemmArgs::probe (timings only)
+  int stagger;  // whole-K: K blocks the second consumer warpgroup starts behind the first (Mxfp4GemmArgs::stagger)
   int expert[kMaxGroups];
   int off[kMaxGroups];
   int m[kMaxGroups];
@@ -289,6 +291,12 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
   }
   int stage = 0;
   uint32_t phase = 0;
+  // Whole-K, staggered: the second warpgroup starts once the first has issued
+  // p.stagger K blocks of its first tile, so their epilogues (the tensor cores
+  // idle, the ring full) fall at different times; the ring keeps them within
+  // kS stages of each other (so at most kS - 1, the first ahead alone: the
+  // host clamps it).
+  if (kWhole && p.stagger > 0 && cw == 1 && int(blockIdx.x) < p.tiles_total) ptx::named_sync(1, 256);
   for (int tile = int(blockIdx.x); tile < p.tiles_total; tile += int(gridDim.x)) {
     int gi, rt, tt;
     find_tile<BN, kRide>(p, tile, gi, rt, tt);
@@ -423,6 +431,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
           const int prev = stage == 0 ? kS - 1 : stage - 1;
           __syncwarp();
           if (kb > 0 && lane == 0) ptx::mbar_arrive(empty(prev));
+          if (p.stagger > 0 && kb == p.stagger && cw == 0 && tile == int(blockIdx.x)) ptx::named_arrive(1, 256);
           next_stage(kb, an);
         };
         int kb = 0;
@@ -582,6 +591,7 @@ void (*const kKernels[3][3])(Params) = {
      mxfp4_gemm_kernel<160, false, false, false>},
     {mxfp4_gemm_kernel<256, true, false, false>, mxfp4_gemm_kernel<256, true, true, false>, nullptr},
     {mxfp4_gemm_kernel<256, true, false, true>, mxfp4_gemm_kernel<256, true, true, true>, nullptr}};
+constexpr int kStages[2] = {Smem<256, true, false>::S, Smem<256, true, true>::S};  // whole-K rings
 constexpr int kSmemBytes[3][3] = {
     {Smem<64, false, false>::bytes, Smem<128, false, false>::bytes, Smem<160, false, false>::bytes},
     {Smem<256, true, false>::bytes, Smem<256, true, true>::bytes, 0},
@@ -627,6 +637,7 @@ Mxfp4Gemm::Mxfp4Gemm() {
   debug_ = grouped_gemm_debug();
   if (!supported()) return;  // run() says why
   n_sm_ = current_device_sms();
+  if (const char* v = std::getenv("DZ_MXFP4_GEMM_STAGGER")) stagger_default_ = std::max(0, std::atoi(v));
   for (int w = 0; w < 3; ++w)
     for (int i = 0; i < 3; ++i)
       if (kKernels[w][i])
@@ -721,6 +732,8 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
   p.xconst = fixed ? a.x_scale : 0.f;
   p.q = a.q, p.bias = glu ? a.bias : nullptr, p.q_ld = a.q_ld;
   p.n = a.n, p.nkb = nkb, p.nsub = int(a.w.k / 32), p.probe = a.probe;
+  // The stagger, at most the ring's depth less one (the first warpgroup's lead).
+  p.stagger = whole ? std::min({a.stagger >= 0 ? a.stagger : stagger_default_, kStages[ti] - 1, nkb - 1}) : 0;
   const int row_tiles = (a.n + kRows - 1) / kRows;
   for (int g0 = 0; g0 < a.groups; g0 += kMaxGroups) {
     const int G = std::min(kMaxGroups, a.groups - g0);

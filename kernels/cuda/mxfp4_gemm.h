@@ -93,6 +93,10 @@ struct Mxfp4GemmArgs {
   // words go to the MMAs as they are), bit 2 the MMAs, bit 3 the scale bytes'
   // loads. Each is a uniform branch on a kernel parameter where it acts.
   int probe = 0;
+  // Whole-K: K blocks the second consumer warpgroup of a block starts behind
+  // the first, so the two epilogues do not idle the tensor cores together; -1:
+  // the built default (DZ_MXFP4_GEMM_STAGGER overrides it, for A/B runs).
+  int stagger = -1;
 };
 
 // Calls on one instance must be ordered (one stream, or synchronized).
@@ -115,6 +119,7 @@ class Mxfp4Gemm {
   int n_sm_ = 0;
   bool debug_ = false;
   int last_bn_ = 0;
+  int stagger_default_ = 0;
   bool last_ride_ = false;
 };
 
