@@ -875,11 +875,13 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
         gate = std::min(gate, 7.0), up = std::min(std::max(up, -7.0), 7.0);
         return (up + 1.0) * gate / (1.0 + std::exp(-1.702 * gate));
       };
-      for (auto [blocks_n, ride, with_bias, stagger] :
-           {std::tuple{0, 1, true, 0}, std::tuple{3, -1, true, 0}, std::tuple{0, 0, false, 0},
-            std::tuple{0, 1, true, 3}, std::tuple{3, -1, true, 2}}) {
+      // (stage: the outputs through shared memory, stored 16 bytes a thread.)
+      for (auto [blocks_n, ride, with_bias, stagger, stage] :
+           {std::tuple{0, 1, true, 0, 0}, std::tuple{3, -1, true, 0, 0}, std::tuple{0, 0, false, 0, 0},
+            std::tuple{0, 1, true, 3, 0}, std::tuple{3, -1, true, 2, 0}, std::tuple{0, 1, true, 0, 1},
+            std::tuple{3, -1, true, 0, 1}, std::tuple{0, -1, false, 2, 1}}) {
         INFO("SwiGLU epilogue, blocks " << blocks_n << ", ride-along tokens " << ride << (with_bias ? "" : ", no bias")
-                                        << ", stagger " << stagger);
+                                        << ", stagger " << stagger << ", staged " << stage);
         Buf<uint8_t> q(size_t(rows) * q_ld);
         DZ_CUDA_CHECK(cudaMemset(q.p, 0x7F, q.n));  // E4M3 NaN: never an output
         Mxfp4GemmArgs a;
@@ -887,7 +889,7 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
         a.experts = experts.data(), a.w_experts = E, a.q = q.p, a.q_ld = q_ld, a.n = n, a.k = kpad;
         a.bias = with_bias ? dbias.p : nullptr;
         a.offsets = off.data(), a.counts = cnt.data(), a.groups = int(sizes.size());
-        a.max_blocks = blocks_n, a.ride_along = ride, a.stagger = stagger;
+        a.max_blocks = blocks_n, a.ride_along = ride, a.stagger = stagger, a.stage_q = stage;
         mg.run(a, ctx.stream());
         ctx.sync();
         const auto got = q.get();

@@ -59,7 +59,10 @@ struct Smem {
   static constexpr int xsBytes = kWhole ? 0 : BN * 4;  // per stage: X scales, then 2 x products
   static constexpr int offC = offXs + S * xsBytes;
   static constexpr int tokMax = BN + kExtra, offTok = (offC + S * 2 * xsBytes + 127) / 128 * 128;
-  static constexpr int offBar = offTok + (kWhole ? (S + 1) * tokMax * 4 : 0);
+  // Whole-K: each consumer's staging of the activation's E4M3 outputs (a tile's
+  // tokens x its 32 output bytes) for row-contiguous stores.
+  static constexpr int offStg = offTok + (kWhole ? (S + 1) * tokMax * 4 : 0), stgBytes = (kRide ? tokMax : BN) * 32;
+  static constexpr int offBar = offStg + (kWhole ? 2 * stgBytes : 0);
   static constexpr int bytes = offBar + 3 * S * 8 + 1024;  // +1024: base aligned up
   static_assert(xBytes % 1024 == 0 && offW % 1024 == 0 && kWBox % 1024 == 0 && offXs % 16 == 0, "alignment");
   static_assert(bytes <= 227 * 1024, "shared memory of one sm_90 block");
@@ -170,11 +173,12 @@ __device__ __forceinline__ void wgmma_rs_n(float (&d)[R], const uint32_t (&a)[4]
 // promotion, no products, no X scale copies.
 // kGlu (whole-K): the epilogue writes gpt-oss's SwiGLU of each gate / up row
 // pair as E4M3 (Mxfp4GemmArgs::q) instead of D.
-template <int BN, bool kWhole, bool kRide, bool kGlu>
+template <int BN, bool kWhole, bool kRide, bool kGlu, bool kStageQ = false>
 __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_constant__ Params p) {
 #ifdef DZ_MG_SM90A
   static_assert(kWhole || !kRide, "ride-along tokens need whole-K scales");
   static_assert(kWhole || !kGlu, "the activation in the epilogue needs whole-K scales");
+  static_assert(kGlu || !kStageQ, "staged outputs are the activation's");
   using L = Smem<BN, kWhole, kRide>;
   constexpr int kS = L::S;
   extern __shared__ uint8_t smem_raw[];
@@ -524,6 +528,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     // first token as one bf16 pair, an odd g those of its second.
     const bool odd = g & 1;
     const int col = wr0 + rA - (odd ? 1 : 0);
+    uint8_t* const stg = gbase + L::offStg + cw * L::stgBytes;  // with kStageQ
     auto store = [&]<int J>(float(&v)[J * 4], int tok0) {
       if constexpr (kGlu) {
         // The same exchange gives an even g gate (its row) and up (g + 1's) of
@@ -549,7 +554,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
           const int tok = tok0 + 8 * j + 2 * t + (odd ? 1 : 0);
           if (tok < m) {
             const uint32_t b2 = __nv_cvt_float2_to_fp8x2(make_float2(o0, o1), __NV_SATFINITE, __NV_E4M3);
-            uint8_t* row = p.q + (int64_t(off) + tok) * p.q_ld + at;
+            uint8_t* row = kStageQ ? stg + (tok - tt * BN) * 32 + (at & 31) : p.q + (int64_t(off) + tok) * p.q_ld + at;
             row[0] = uint8_t(b2), row[16] = uint8_t(b2 >> 8);
           }
         }
@@ -571,9 +576,23 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
       }
     };
     if (!kRide && (p.probe & 1)) continue;  // probe: no stores
+    // Staged (the activation's outputs): each warp's bytes of a token are 8
+    // of the warpgroup's 32, so stored directly a warp's store touches 8 rows'
+    // sectors for 32 bytes; through shared memory a row's 32 bytes go as two
+    // 16-byte stores. The warpgroup's named barrier (2 + cw) orders the
+    // buffer's reuse and its reads.
+    const int rows_here = tile_tokens_of(m, BN, kRide, tt);
+    if constexpr (kStageQ) ptx::named_sync(2 + cw, 128);
     store.template operator()<BN / 8>(acc, tt * BN);
     if constexpr (kRide)
-      if (tile_tokens_of(m, BN, kRide, tt) > BN) store.template operator()<kExtra / 8>(acc2, tt * BN + BN);
+      if (rows_here > BN) store.template operator()<kExtra / 8>(acc2, tt * BN + BN);
+    if constexpr (kStageQ) {
+      ptx::named_sync(2 + cw, 128);
+      uint8_t* const q0 = p.q + (int64_t(off) + tt * BN) * p.q_ld + wr0 / 2;
+      for (int i = ct & 127; i < 2 * rows_here; i += 128)
+        *reinterpret_cast<uint4*>(q0 + int64_t(i >> 1) * p.q_ld + (i & 1) * 16) =
+            *reinterpret_cast<const uint4*>(stg + i * 16);
+    }
   }
 #else
   if (threadIdx.x == 0 && blockIdx.x == 0) printf("mxfp4_gemm: kernel built without sm_90a\n");
@@ -585,15 +604,17 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
 // scales (one tile of 256 tokens, its MMAs as wide as a tile's tokens need;
 // without and with ride-along tokens), then the same with the activation in
 // the epilogue.
-constexpr int kTileTokens[3][3] = {{64, 128, 160}, {256, 256, 0}, {256, 256, 0}};
-void (*const kKernels[3][3])(Params) = {
+constexpr int kTileTokens[4][3] = {{64, 128, 160}, {256, 256, 0}, {256, 256, 0}, {256, 256, 0}};
+void (*const kKernels[4][3])(Params) = {
     {mxfp4_gemm_kernel<64, false, false, false>, mxfp4_gemm_kernel<128, false, false, false>,
      mxfp4_gemm_kernel<160, false, false, false>},
     {mxfp4_gemm_kernel<256, true, false, false>, mxfp4_gemm_kernel<256, true, true, false>, nullptr},
-    {mxfp4_gemm_kernel<256, true, false, true>, mxfp4_gemm_kernel<256, true, true, true>, nullptr}};
+    {mxfp4_gemm_kernel<256, true, false, true>, mxfp4_gemm_kernel<256, true, true, true>, nullptr},
+    {mxfp4_gemm_kernel<256, true, false, true, true>, mxfp4_gemm_kernel<256, true, true, true, true>, nullptr}};
 constexpr int kStages[2] = {Smem<256, true, false>::S, Smem<256, true, true>::S};  // whole-K rings
-constexpr int kSmemBytes[3][3] = {
+constexpr int kSmemBytes[4][3] = {
     {Smem<64, false, false>::bytes, Smem<128, false, false>::bytes, Smem<160, false, false>::bytes},
+    {Smem<256, true, false>::bytes, Smem<256, true, true>::bytes, 0},
     {Smem<256, true, false>::bytes, Smem<256, true, true>::bytes, 0},
     {Smem<256, true, false>::bytes, Smem<256, true, true>::bytes, 0}};
 
@@ -638,7 +659,8 @@ Mxfp4Gemm::Mxfp4Gemm() {
   if (!supported()) return;  // run() says why
   n_sm_ = current_device_sms();
   if (const char* v = std::getenv("DZ_MXFP4_GEMM_STAGGER")) stagger_default_ = std::max(0, std::atoi(v));
-  for (int w = 0; w < 3; ++w)
+  if (const char* v = std::getenv("DZ_MXFP4_GEMM_STAGE_Q")) stage_q_default_ = std::atoi(v) != 0;
+  for (int w = 0; w < 4; ++w)
     for (int i = 0; i < 3; ++i)
       if (kKernels[w][i])
         DZ_CUDA_CHECK(
@@ -732,6 +754,9 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
   p.xconst = fixed ? a.x_scale : 0.f;
   p.q = a.q, p.bias = glu ? a.bias : nullptr, p.q_ld = a.q_ld;
   p.n = a.n, p.nkb = nkb, p.nsub = int(a.w.k / 32), p.probe = a.probe;
+  // (Staged stores are 16 bytes: a q or q_ld not aligned to them stores bytes.)
+  const bool stage_q =
+      glu && (a.stage_q >= 0 ? a.stage_q != 0 : stage_q_default_) && aligned(a.q, 16) && a.q_ld % 16 == 0;
   // The stagger, at most the ring's depth less one (the first warpgroup's lead).
   p.stagger = whole ? std::min({a.stagger >= 0 ? a.stagger : stagger_default_, kStages[ti] - 1, nkb - 1}) : 0;
   const int row_tiles = (a.n + kRows - 1) / kRows;
@@ -750,7 +775,7 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
     p.tiles_total = tiles;
     if (tiles == 0) continue;
     const int blocks = a.max_blocks > 0 ? std::min(a.max_blocks, n_sm_) : n_sm_;
-    const int kind = glu ? 2 : whole ? 1 : 0;
+    const int kind = glu ? (stage_q ? 3 : 2) : whole ? 1 : 0;
     kKernels[kind][ti]<<<dim3(unsigned(std::min(tiles, blocks))), dim3(kThreads), kSmemBytes[kind][ti], s>>>(p);
     DZ_CUDA_LAUNCH_CHECK();
     if (debug_) grouped_gemm_sync(s);

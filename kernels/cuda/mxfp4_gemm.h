@@ -97,6 +97,10 @@ struct Mxfp4GemmArgs {
   // the first, so the two epilogues do not idle the tensor cores together; -1:
   // the built default (DZ_MXFP4_GEMM_STAGGER overrides it, for A/B runs).
   int stagger = -1;
+  // With q: the outputs staged in shared memory and stored 16 bytes a thread
+  // (1), or stored a byte at a time from the registers (0); -1: the built
+  // default (DZ_MXFP4_GEMM_STAGE_Q overrides it, for A/B runs).
+  int stage_q = -1;
 };
 
 // Calls on one instance must be ordered (one stream, or synchronized).
@@ -120,6 +124,7 @@ class Mxfp4Gemm {
   bool debug_ = false;
   int last_bn_ = 0;
   int stagger_default_ = 0;
+  bool stage_q_default_ = false;
   bool last_ride_ = false;
 };
 
