@@ -50,7 +50,7 @@ __host__ __device__ constexpr int tile_tokens_of(int m, int bn, bool ride, int t
 // floats); with whole-K scales S + 1 buffers of a tile's token scales (up to
 // BN + kExtra floats, brought with its first stage); then the barriers (full,
 // empty, products ready). As many stages as fit in ~210 KB, at most 8.
-template <int BN, bool kWhole, bool kRide>
+template <int BN, bool kWhole, bool kRide, bool kStageQ = false>
 struct Smem {
   static constexpr int xBytes = BN * kBK, x2Bytes = kRide ? kExtra * kBK : 0;  // x2: the ride-along tokens
   static constexpr int stageBytes = xBytes + x2Bytes + 2 * kWBox + (kWhole ? 0 : 3 * BN * 4);
@@ -59,10 +59,10 @@ struct Smem {
   static constexpr int xsBytes = kWhole ? 0 : BN * 4;  // per stage: X scales, then 2 x products
   static constexpr int offC = offXs + S * xsBytes;
   static constexpr int tokMax = BN + kExtra, offTok = (offC + S * 2 * xsBytes + 127) / 128 * 128;
-  // Whole-K: each consumer's staging of the activation's E4M3 outputs (a tile's
+  // kStageQ: each consumer's staging of the activation's E4M3 outputs (a tile's
   // tokens x its 32 output bytes) for row-contiguous stores.
   static constexpr int offStg = offTok + (kWhole ? (S + 1) * tokMax * 4 : 0), stgBytes = (kRide ? tokMax : BN) * 32;
-  static constexpr int offBar = offStg + (kWhole ? 2 * stgBytes : 0);
+  static constexpr int offBar = offStg + (kStageQ ? 2 * stgBytes : 0);
   static constexpr int bytes = offBar + 3 * S * 8 + 1024;  // +1024: base aligned up
   static_assert(xBytes % 1024 == 0 && offW % 1024 == 0 && kWBox % 1024 == 0 && offXs % 16 == 0, "alignment");
   static_assert(bytes <= 227 * 1024, "shared memory of one sm_90 block");
@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
   static_assert(kWhole || !kRide, "ride-along tokens need whole-K scales");
   static_assert(kWhole || !kGlu, "the activation in the epilogue needs whole-K scales");
   static_assert(kGlu || !kStageQ, "staged outputs are the activation's");
-  using L = Smem<BN, kWhole, kRide>;
+  using L = Smem<BN, kWhole, kRide, kStageQ>;
   constexpr int kS = L::S;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = ptx::smem_u32(smem_raw);
@@ -616,7 +616,7 @@ constexpr int kSmemBytes[4][3] = {
     {Smem<64, false, false>::bytes, Smem<128, false, false>::bytes, Smem<160, false, false>::bytes},
     {Smem<256, true, false>::bytes, Smem<256, true, true>::bytes, 0},
     {Smem<256, true, false>::bytes, Smem<256, true, true>::bytes, 0},
-    {Smem<256, true, false>::bytes, Smem<256, true, true>::bytes, 0}};
+    {Smem<256, true, false, true>::bytes, Smem<256, true, true, true>::bytes, 0}};
 
 // Whether whole-K tiles of bn tokens take ride-along tokens: the ride-along
 // buffer costs a stage of the ring (5 -> 4: 16 x 512 tokens 1089 -> 962
