@@ -12,7 +12,7 @@
 #                     Catch2 v3, so the results under bench/results were made this way)
 #   DZ_DEPS=DIR       extra prefix (include/, lib/, lib/pkgconfig) with the build dependencies
 #   DZ_BENCH_TOKENS   token counts for dz bench moe (default 1,8,64,128,256,384,512,1024,2048,4096,16384)
-#   DZ_GPU_STEPS      which steps to run (default "tests moe peers patterns attention indexer sampling model profile model120b
+#   DZ_GPU_STEPS      which steps to run (default "tests moe peers moe_ab patterns attention indexer sampling model profile model120b
 #                     references";
 #                     profile needs model, patterns a prebuilt dram_pattern and one_token_stream)
 #   DZ_MODEL_DIR      where dz bench model writes its random gpt-oss-20b checkpoint (default /tmp/dz_gptoss20b_random)
@@ -91,7 +91,7 @@ bench_with_peer() {
   fi
 }
 
-STEPS=" ${DZ_GPU_STEPS:-tests moe peers patterns attention indexer sampling model profile model120b references} "
+STEPS=" ${DZ_GPU_STEPS:-tests moe peers moe_ab patterns attention indexer sampling model profile model120b references} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 if want tests; then
@@ -135,6 +135,20 @@ if [ -f "$DUMP/meta.json" ]; then
     { echo "peers FAILED"; status=1; }
 fi
 rm -rf "$DUMP"
+fi
+
+if want moe_ab; then
+step "the MoE layer at 4096 / 16384 tokens, whole-K GEMM variants alternating (DZ_MXFP4_GEMM_STAGGER, DZ_MXFP4_GEMM_STAGE_Q)"
+# Two rounds of each: stagger:stage_q 0:0 (the default), 2:0, 3:0, 0:1, 2:1.
+for round in 1 2; do
+  for v in 0:0 2:0 3:0 0:1 2:1; do
+    s=${v%:*} q=${v#*:}
+    DZ_MXFP4_GEMM_STAGGER=$s DZ_MXFP4_GEMM_STAGE_Q=$q "$DZ" bench moe --tokens 4096,16384 --fp8-gemm auto --no-components \
+      --reps 8 --out "$OUTDIR/moe_ab_s${s}_q${q}_$round.json" 2>"$OUTDIR/moe_ab_s${s}_q${q}_$round.log" >/dev/null ||
+      { echo "moe A/B stagger $s stage_q $q FAILED"; status=1; }
+    echo "stagger $s stage_q $q, round $round: $(grep '^moe T=' "$OUTDIR/moe_ab_s${s}_q${q}_$round.log" | tr '\n' ' ')"
+  done
+done
 fi
 
 if want patterns && [ -x "$DRAM_PATTERN" ]; then
