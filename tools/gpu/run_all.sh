@@ -96,7 +96,7 @@ want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 if want tests; then
 step "GPU tests ([cuda], [mxfp4])"
-"$TESTS" "[cuda],[mxfp4]" -s -r compact >"$OUTDIR/tests_cuda.log" 2>&1
+"$TESTS" "[cuda],[mxfp4]" -r compact >"$OUTDIR/tests_cuda.log" 2>&1
 rc=$?
 grep -E "^(Passed|Failed) " "$OUTDIR/tests_cuda.log" | tail -15
 [ $rc -ne 0 ] && { echo "GPU tests FAILED (rc $rc)"; grep -B2 -A12 "FAILED" "$OUTDIR/tests_cuda.log" | head -80; status=1; }
