@@ -598,6 +598,9 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     if constexpr (kStageQ) {
       ptx::named_sync(2 + cw, 128);
       uint8_t* const q0 = p.q + (int64_t(off) + tt * BN) * p.q_ld + wr0 / 2;
+      // Not unrolled: unrolled, ptxas spills 232 bytes in the ride-along kernel
+      // (72 rolled, fewer than the unstaged kernel's 84).
+#pragma unroll 1
       for (int i = ct & 127; i < 2 * rows_here; i += 128)
         *reinterpret_cast<uint4*>(q0 + int64_t(i >> 1) * p.q_ld + (i & 1) * 16) =
             *reinterpret_cast<const uint4*>(stg + i * 16);
