@@ -615,7 +615,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
 // The tile sizes and their instantiations: scales by K block, then whole-K
 // scales (one tile of 256 tokens, its MMAs as wide as a tile's tokens need;
 // without and with ride-along tokens), then the same with the activation in
-// the epilogue.
+// the epilogue, then that with its outputs staged in shared memory.
 constexpr int kTileTokens[4][3] = {{64, 128, 160}, {256, 256, 0}, {256, 256, 0}, {256, 256, 0}};
 void (*const kKernels[4][3])(Params) = {
     {mxfp4_gemm_kernel<64, false, false, false>, mxfp4_gemm_kernel<128, false, false, false>,
