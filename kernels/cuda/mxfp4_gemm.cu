@@ -421,11 +421,12 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
           const uint32_t dsc2 = ptx::sw128_desc_lo(base + uint32_t(L::offX2 + stage * L::x2Bytes));
           // No fence on acc here: an instruction reading it while a group is in
           // flight would serialize the MMAs; only the MMAs touch it until wait0.
+          // No branch either (there was a probe without MMAs): any branch between
+          // the fence and the MMAs makes ptxas inject a warpgroup.arrive (C7519).
           ptx::fence_regs(a);
           ptx::wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk) {
-            if (!kRide && (p.probe & 4)) continue;  // probe: no MMAs
             wgmma_rs_n<N>(acc, a[kk], ptx::sw128_desc(dsc + 2 * kk));
             if constexpr (kX) wgmma_rs_n<kExtra>(acc2, a[kk], ptx::sw128_desc(dsc2 + 2 * kk));
           }

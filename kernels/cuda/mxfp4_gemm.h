@@ -90,8 +90,9 @@ struct Mxfp4GemmArgs {
   int ride_along = 0;
   // Timings only (wrong results; not in the kernel with ride-along tokens):
   // bit 0 skips the epilogue's stores, bit 1 the weights' folding (the MXFP4
-  // words go to the MMAs as they are), bit 2 the MMAs, bit 3 the scale bytes'
-  // loads. Each is a uniform branch on a kernel parameter where it acts.
+  // words go to the MMAs as they are), bit 3 the scale bytes' loads. Each is a
+  // uniform branch on a kernel parameter where it acts. (Bit 2 skipped the
+  // MMAs: its branch cost every K block an injected warpgroup.arrive.)
   int probe = 0;
   // Whole-K: K blocks the second consumer warpgroup of a block starts behind
   // the first, so the two epilogues do not idle the tensor cores together; -1:
