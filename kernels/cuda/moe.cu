@@ -953,7 +953,8 @@ __device__ __forceinline__ void w8_chunk_scales(uint32_t scA, uint32_t scB, int 
 
 // A chunk's four MMAs (sub-block b: fragments af[b], activations at
 // descriptor d0 + b sub-blocks) into fresh accumulators q[b], waited for.
-__device__ __forceinline__ void w8_mma4(const uint32_t (&af)[4][4], uint32_t d0, float (&q)[4][4]) {
+__device__ __forceinline__ void w8_mma4(uint32_t (&af)[4][4], uint32_t d0, float (&q)[4][4]) {
+  ptx::fence_regs(af);  // the fragments made before the fence (else ptxas injects a warpgroup.arrive an MMA: C7519)
   ptx::wgmma_fence();
 #pragma unroll
   for (int b = 0; b < 4; ++b)
@@ -965,7 +966,8 @@ __device__ __forceinline__ void w8_mma4(const uint32_t (&af)[4][4], uint32_t d0,
 // The same for two passes at once, their activations kSbo bytes apart (n = 16:
 // q[b][0..3] the first pass's, q[b][4..7] the second's).
 template <int kSbo>
-__device__ __forceinline__ void w8_mma4_pair(const uint32_t (&af)[4][4], uint32_t d0, float (&q)[4][8]) {
+__device__ __forceinline__ void w8_mma4_pair(uint32_t (&af)[4][4], uint32_t d0, float (&q)[4][8]) {
+  ptx::fence_regs(af);  // (as w8_mma4)
   ptx::wgmma_fence();
 #pragma unroll
   for (int b = 0; b < 4; ++b)
