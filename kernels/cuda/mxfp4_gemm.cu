@@ -211,9 +211,15 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
 
   // Registers: 384 threads enter with the launch-bounds cap of 168; the
   // producer gives back down to 40 and the consumers take 232: the same total.
+  // Whole-K, the producer warpgroup only issues copies (no scale products):
+  // 24 and 240, for the accumulators of ride-along tokens (ptxas: spill
+  // stores 72 / 96 -> 44 / 52 bytes in the ride-along kernels).
   const int wg = int(threadIdx.x) / 128;
   if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if constexpr (kWhole)
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    else
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (threadIdx.x == 0) {
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xmap)) : "memory");
       if (!kWhole || tok_copy)
@@ -280,7 +286,10 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     }
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  if constexpr (kWhole)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+  else
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int ct = int(threadIdx.x) - 128;
   // The consumer warpgroup as a value the compiler knows is the same in every
   // lane: the descriptors derived from it stay in uniform registers.
