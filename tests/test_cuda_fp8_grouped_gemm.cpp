@@ -709,12 +709,14 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
   std::uniform_int_distribution<int> byte(0, 255);
   // n = 320: row tiles of 128, 128 and 64; K = 2880 (a last K block of 64
   // real elements) and 256; ragged groups whose last tiles take MMAs of every
-  // width (64 to 256 columns) or carry up to 64 tokens along (257, 320; 321
-  // does not), an empty one, one row, an expert twice.
+  // width (64 to 256 columns in steps of 32: 1, 70, 100, 160, 180, 193, 511)
+  // or carry up to 64 tokens along (257, 320; 321 does not), an empty one, one
+  // row, an expert twice.
   const std::pair<int, int> shapes[] = {{320, 2880}, {256, 256}};
   for (auto [n, K] : shapes) {
     const int E = 4, kpad = int(cpu::fold_kpad(K)), ng = n / 64;
-    const std::vector<int> experts{2, 0, 3, 2, 1, 1, 3, 0, 2}, sizes{70, 1, 0, 193, 257, 511, 160, 320, 321};
+    const std::vector<int> experts{2, 0, 3, 2, 1, 1, 3, 0, 2, 3, 1},
+        sizes{70, 1, 0, 193, 257, 511, 160, 320, 321, 100, 180};
     INFO("n " << n << " K " << K);
     std::vector<uint8_t> blocks(size_t(E) * n * K / 2), scales(size_t(E) * n * K / 32);
     std::uniform_int_distribution<int> sc(112, 126);  // spreads <= 14 over a whole row group: exact
