@@ -624,7 +624,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     // sectors for 32 bytes; through shared memory a row's 32 bytes go as two
     // 16-byte stores. The warpgroup's named barrier (2 + cw) orders the
     // buffer's reuse and its reads.
-    const int rows_here = tile_tokens_of(m, BN, kRide, tt);
+    const int rows_here = tile_tokens_of(m, BN, kRide, tt);  // (again: not held through the K loop)
     if constexpr (kStageQ) ptx::named_sync(2 + cw, 128);
     if constexpr (kRide)  // first: acc2 is dead while acc is stored
       if (rows_here > BN) store.template operator()<kExtra / 8>(acc2, tt * BN + BN);
