@@ -227,8 +227,9 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
   // Registers: 384 threads enter with the launch-bounds cap of 168; the
   // producer gives back down to 40 and the consumers take 232: the same total.
   // Whole-K, the producer warpgroup only issues copies (no scale products):
-  // 24 and 240, for the accumulators of ride-along tokens (ptxas: spill
-  // stores 72 / 96 -> 44 / 52 bytes in the ride-along kernels).
+  // 24 and 240, for the accumulators of ride-along tokens (ptxas: their
+  // kernels' spill stores 72 / 96 -> 44 / 52 bytes; the layer on an H100 2.1%
+  // faster at 16384 tokens, 0.7% slower at 4096, where none ride).
   const int wg = int(threadIdx.x) / 128;
   if (wg == 0) {
     if constexpr (kWhole)
