@@ -230,12 +230,11 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
   // 24 and 240, for the accumulators of ride-along tokens (ptxas: their
   // kernels' spill stores 72 / 96 -> 44 / 52 bytes; the layer on an H100 2.1%
   // faster at 16384 tokens, 0.7% slower at 4096, where none ride).
+  constexpr int kProducerRegs = kWhole ? 24 : 40, kConsumerRegs = kWhole ? 240 : 232;
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs == kThreads * 168, "the launch's registers, redistributed");
   const int wg = int(threadIdx.x) / 128;
   if (wg == 0) {
-    if constexpr (kWhole)
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-    else
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs) : "memory");
     if (threadIdx.x == 0) {
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.xmap)) : "memory");
       if (!kWhole || tok_copy)
@@ -302,10 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
     }
     return;
   }
-  if constexpr (kWhole)
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-  else
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs) : "memory");
   const int ct = int(threadIdx.x) - 128;
   // The consumer warpgroup as a value the compiler knows is the same in every
   // lane: the descriptors derived from it stay in uniform registers.
