@@ -226,11 +226,12 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
 
   // Registers: 384 threads enter with the launch-bounds cap of 168; the
   // producer gives back down to 40 and the consumers take 232: the same total.
-  // Whole-K, the producer warpgroup only issues copies (no scale products):
-  // 24 and 240, for the accumulators of ride-along tokens (ptxas: their
-  // kernels' spill stores 72 / 96 -> 44 / 52 bytes; the layer on an H100 2.1%
-  // faster at 16384 tokens, 0.7% slower at 4096, where none ride).
-  constexpr int kProducerRegs = kWhole ? 24 : 40, kConsumerRegs = kWhole ? 240 : 232;
+  // With ride-along tokens (whole-K: the producer warpgroup only issues
+  // copies) 24 and 240, for their accumulators (ptxas: spill stores 72 / 96 ->
+  // 44 / 52 bytes; the layer on an H100 2.1% faster at 16384 tokens). The
+  // other whole-K kernels keep 40 / 232, spilling 4-8 bytes: 24 / 240 there
+  // cost the layer 1.4% at 4096 tokens (where none ride) on an H100.
+  constexpr int kProducerRegs = kRide ? 24 : 40, kConsumerRegs = kRide ? 240 : 232;
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs == kThreads * 168, "the launch's registers, redistributed");
   const int wg = int(threadIdx.x) / 128;
   if (wg == 0) {
