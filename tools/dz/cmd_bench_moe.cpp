@@ -860,7 +860,7 @@ int bench_moe(const Args& a) {
           {"fp8_gemm_max_abs_vs_first", gemm_max_abs},
       };
       j["results"].push_back(row);
-      std::fprintf(stderr, "moe T=%6d  fused %9.3f ms  fp8 %9.3f ms  (hbm %.0f%%, fp8 %.0f TFLOP/s)  diff %.2e\n", T,
+      std::fprintf(stderr, "moe T=%6d  fused %9.4f ms  fp8 %9.4f ms  (hbm %.0f%%, fp8 %.0f TFLOP/s)  diff %.2e\n", T,
                    ms_fused, ms_fp8, 100 * bytes / (ms_best * 1e-3) / bw_ceiling, flops / (ms_fp8 * 1e-3) / 1e12,
                    agree);
       if (ms_read > 0)
