@@ -11,8 +11,9 @@
 #                     makes DIR; our H200 image lacks libpcre2-dev and has
 #                     Catch2 v3, so the results under bench/results were made this way)
 #   DZ_DEPS=DIR       extra prefix (include/, lib/, lib/pkgconfig) with the build dependencies
+#   DZ_TARGET_ROUNDS  separate runs of the targets step (default 5)
 #   DZ_BENCH_TOKENS   token counts for dz bench moe (default 1,8,64,128,256,384,512,1024,2048,4096,16384)
-#   DZ_GPU_STEPS      which steps to run (default "tests moe peers moe_ab patterns attention indexer sampling model profile model120b
+#   DZ_GPU_STEPS      which steps to run (default "tests moe peers targets moe_ab patterns attention indexer sampling model profile model120b
 #                     references";
 #                     profile needs model, patterns a prebuilt dram_pattern and one_token_stream)
 #   DZ_MODEL_DIR      where dz bench model writes its random gpt-oss-20b checkpoint (default /tmp/dz_gptoss20b_random)
@@ -91,7 +92,7 @@ bench_with_peer() {
   fi
 }
 
-STEPS=" ${DZ_GPU_STEPS:-tests moe peers moe_ab patterns attention indexer sampling model profile model120b references} "
+STEPS=" ${DZ_GPU_STEPS:-tests moe peers targets moe_ab patterns attention indexer sampling model profile model120b references} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 if want tests; then
@@ -135,6 +136,16 @@ if [ -f "$DUMP/meta.json" ]; then
     { echo "peers FAILED"; status=1; }
 fi
 rm -rf "$DUMP"
+fi
+
+if want targets; then
+step "the MoE layer against issue 7's targets: medians of ${DZ_TARGET_ROUNDS:-5} separate runs (tools/gpu/moe_targets.py)"
+runs=()
+for round in $(seq "${DZ_TARGET_ROUNDS:-5}"); do
+  "$DZ" bench moe --tokens 1,8,4096,16384 --no-components --fp8-gemm auto --reps 8 --out "$OUTDIR/moe_targets_$round.json" \
+    2>/dev/null >/dev/null && runs+=("$OUTDIR/moe_targets_$round.json") || { echo "moe targets round $round FAILED"; status=1; }
+done
+[ ${#runs[@]} -gt 0 ] && python3 tools/gpu/moe_targets.py "${runs[@]}" --out "$OUTDIR/moe_targets.json"
 fi
 
 if want moe_ab; then
