@@ -765,7 +765,7 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
     for (auto& v : xs) v = std::exp2(lg(rng));
     Buf<uint8_t> dx(xr);
     Buf<float> dxs(xs);
-    auto run = [&](int tile, int blocks_n, int ride, int stagger) {
+    auto run = [&](int tile, int blocks_n, int ride) {
       Buf<uint16_t> d(size_t(rows * n));
       std::vector<uint16_t> fill(d.n, kSentinel);
       DZ_CUDA_CHECK(cudaMemcpy(d.p, fill.data(), d.n * 2, cudaMemcpyHostToDevice));
@@ -774,7 +774,7 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
       a.x = dx.p, a.xs = dxs.p, a.gk = dgk.p, a.rows_total = rows, a.w = stack;
       a.experts = experts.data(), a.w_experts = E, a.d = d.p, a.n = n, a.k = kpad;
       a.offsets = off.data(), a.counts = cnt.data(), a.groups = int(sizes.size());
-      a.max_blocks = blocks_n, a.tile_tokens = tile, a.ride_along = ride, a.stagger = stagger;
+      a.max_blocks = blocks_n, a.tile_tokens = tile, a.ride_along = ride;
       mg.run(a, ctx.stream());
       ctx.sync();
       return d.get();
@@ -801,13 +801,10 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
         }
       }
     double worst = 0;
-    // (stagger: the second consumer warpgroup K blocks behind the first; up to
-    // the ring's depth less one, past it clamped.)
-    for (auto [blocks_n, ride, stagger] :
-         {std::tuple{0, 1, 0}, std::tuple{3, 1, 0}, std::tuple{0, -1, 0}, std::tuple{3, 0, 0}, std::tuple{0, 1, 2},
-          std::tuple{3, -1, 4}, std::tuple{0, -1, 9}}) {
-      INFO("blocks " << blocks_n << ", ride-along tokens " << ride << ", stagger " << stagger);
-      const auto got = run(0, blocks_n, ride, stagger);
+    for (auto [blocks_n, ride] :
+         {std::pair{0, 1}, std::pair{3, 1}, std::pair{0, -1}, std::pair{3, 0}, std::pair{3, -1}}) {
+      INFO("blocks " << blocks_n << ", ride-along tokens " << ride);
+      const auto got = run(0, blocks_n, ride);
       std::vector<char> in_group(size_t(rows), 0);
       for (size_t g = 0; g < sizes.size(); ++g)
         for (int r = 0; r < cnt[g]; ++r) in_group[size_t(off[g] + r)] = 1;
@@ -841,7 +838,7 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
         CHECK(bad == 0);
         if (m > 0) CHECK(dot / std::sqrt(gg2 * rr) >= 0.99999);
       }
-      CHECK(std::memcmp(got.data(), run(256, 1, ride, 0).data(), got.size() * 2) == 0);  // the same bits on one block
+      CHECK(std::memcmp(got.data(), run(256, 1, ride).data(), got.size() * 2) == 0);  // the same bits on one block
     }
     WARN("whole-K MXFP4 GEMM n=" << n << " K=" << K << ": worst |error| / row max vs float64 " << worst);
 
@@ -878,12 +875,11 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
         return (up + 1.0) * gate / (1.0 + std::exp(-1.702 * gate));
       };
       // (stage: the outputs through shared memory, stored 16 bytes a thread.)
-      for (auto [blocks_n, ride, with_bias, stagger, stage] :
-           {std::tuple{0, 1, true, 0, 0}, std::tuple{3, -1, true, 0, 0}, std::tuple{0, 0, false, 0, 0},
-            std::tuple{0, 1, true, 3, 0}, std::tuple{3, -1, true, 2, 0}, std::tuple{0, 1, true, 0, 1},
-            std::tuple{3, -1, true, 0, 1}, std::tuple{0, -1, false, 2, 1}}) {
+      for (auto [blocks_n, ride, with_bias, stage] :
+           {std::tuple{0, 1, true, 0}, std::tuple{3, -1, true, 0}, std::tuple{0, 0, false, 0}, std::tuple{0, 1, true, 1},
+            std::tuple{3, -1, true, 1}, std::tuple{0, -1, false, 1}}) {
         INFO("SwiGLU epilogue, blocks " << blocks_n << ", ride-along tokens " << ride << (with_bias ? "" : ", no bias")
-                                        << ", stagger " << stagger << ", staged " << stage);
+                                        << ", staged " << stage);
         Buf<uint8_t> q(size_t(rows) * q_ld);
         DZ_CUDA_CHECK(cudaMemset(q.p, 0x7F, q.n));  // E4M3 NaN: never an output
         Mxfp4GemmArgs a;
@@ -891,7 +887,7 @@ TEST_CASE("CUDA MXFP4 GEMM with whole-K scales matches float64 on the MXFP4 valu
         a.experts = experts.data(), a.w_experts = E, a.q = q.p, a.q_ld = q_ld, a.n = n, a.k = kpad;
         a.bias = with_bias ? dbias.p : nullptr;
         a.offsets = off.data(), a.counts = cnt.data(), a.groups = int(sizes.size());
-        a.max_blocks = blocks_n, a.ride_along = ride, a.stagger = stagger, a.stage_q = stage;
+        a.max_blocks = blocks_n, a.ride_along = ride, a.stage_q = stage;
         mg.run(a, ctx.stream());
         ctx.sync();
         const auto got = q.get();

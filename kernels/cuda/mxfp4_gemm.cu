@@ -83,7 +83,6 @@ struct Params {
   float xconst;  // whole-K: > 0, every row's X scale (xsmap not read)
   int n, nkb, nsub, groups, tiles_total;
   int probe;    // Mxfp4GemmArgs::probe (timings only)
-  int stagger;  // whole-K: K blocks the second consumer warpgroup starts behind the first (Mxfp4GemmArgs::stagger)
   int expert[kMaxGroups];
   int off[kMaxGroups];
   int m[kMaxGroups];
@@ -317,12 +316,6 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
   }
   int stage = 0;
   uint32_t phase = 0;
-  // Whole-K, staggered: the second warpgroup starts once the first has issued
-  // p.stagger K blocks of its first tile, so their epilogues (the tensor cores
-  // idle, the ring full) fall at different times; the ring keeps them within
-  // kS stages of each other (so at most kS - 1, the first ahead alone: the
-  // host clamps it).
-  if (kWhole && p.stagger > 0 && cw == 1 && int(blockIdx.x) < p.tiles_total) ptx::named_sync(1, 256);
   for (int tile = int(blockIdx.x); tile < p.tiles_total; tile += int(gridDim.x)) {
     int gi, rt, tt;
     find_tile<BN, kRide>(p, tile, gi, rt, tt);
@@ -458,7 +451,6 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
           const int prev = stage == 0 ? kS - 1 : stage - 1;
           __syncwarp();
           if (kb > 0 && lane == 0) ptx::mbar_arrive(empty(prev));
-          if (p.stagger > 0 && kb == p.stagger && cw == 0 && tile == int(blockIdx.x)) ptx::named_arrive(1, 256);
           next_stage(kb, an);
         };
         int kb = 0;
@@ -655,7 +647,6 @@ void (*const kKernels[4][3])(Params) = {
     {mxfp4_gemm_kernel<256, true, false, false>, mxfp4_gemm_kernel<256, true, true, false>, nullptr},
     {mxfp4_gemm_kernel<256, true, false, true>, mxfp4_gemm_kernel<256, true, true, true>, nullptr},
     {mxfp4_gemm_kernel<256, true, false, true, true>, mxfp4_gemm_kernel<256, true, true, true, true>, nullptr}};
-constexpr int kStages[2] = {Smem<256, true, false>::S, Smem<256, true, true>::S};  // whole-K rings
 constexpr int kSmemBytes[4][3] = {
     {Smem<64, false, false>::bytes, Smem<128, false, false>::bytes, Smem<160, false, false>::bytes},
     {Smem<256, true, false>::bytes, Smem<256, true, true>::bytes, 0},
@@ -702,7 +693,6 @@ Mxfp4Gemm::Mxfp4Gemm() {
   debug_ = grouped_gemm_debug();
   if (!supported()) return;  // run() says why
   n_sm_ = current_device_sms();
-  if (const char* v = std::getenv("DZ_MXFP4_GEMM_STAGGER")) stagger_default_ = std::max(0, std::atoi(v));
   if (const char* v = std::getenv("DZ_MXFP4_GEMM_STAGE_Q")) stage_q_default_ = std::atoi(v) != 0;
   for (int w = 0; w < 4; ++w)
     for (int i = 0; i < 3; ++i)
@@ -801,8 +791,6 @@ void Mxfp4Gemm::run(const Mxfp4GemmArgs& a, cudaStream_t s) {
   // (Staged stores are 16 bytes: a q or q_ld not aligned to them stores bytes.)
   const bool stage_q =
       glu && (a.stage_q >= 0 ? a.stage_q != 0 : stage_q_default_) && aligned(a.q, 16) && a.q_ld % 16 == 0;
-  // The stagger, at most the ring's depth less one (the first warpgroup's lead).
-  p.stagger = whole ? std::min({a.stagger >= 0 ? a.stagger : stagger_default_, kStages[ti] - 1, nkb - 1}) : 0;
   const int row_tiles = (a.n + kRows - 1) / kRows;
   for (int g0 = 0; g0 < a.groups; g0 += kMaxGroups) {
     const int G = std::min(kMaxGroups, a.groups - g0);

@@ -94,10 +94,6 @@ struct Mxfp4GemmArgs {
   // uniform branch on a kernel parameter where it acts. (Bit 2 skipped the
   // MMAs: its branch cost every K block an injected warpgroup.arrive.)
   int probe = 0;
-  // Whole-K: K blocks the second consumer warpgroup of a block starts behind
-  // the first, so the two epilogues do not idle the tensor cores together; -1:
-  // the built default (DZ_MXFP4_GEMM_STAGGER overrides it, for A/B runs).
-  int stagger = -1;
   // With q: the outputs staged in shared memory and stored 16 bytes a thread
   // (1), or stored a byte at a time from the registers (0); -1: the built
   // default, 1 (3.4% off the layer at 4096 and 16384 tokens on an H100;
@@ -125,7 +121,6 @@ class Mxfp4Gemm {
   int n_sm_ = 0;
   bool debug_ = false;
   int last_bn_ = 0;
-  int stagger_default_ = 0;
   bool stage_q_default_ = true;
   bool last_ride_ = false;
 };

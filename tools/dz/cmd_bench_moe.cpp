@@ -421,23 +421,15 @@ int bench_moe(const Args& a) {
           // (ride: an expert's last tokens on the tile before them, auto / off / on.)
           // (probe: the kernel with parts left out, timings only; Mxfp4GemmArgs::probe.)
           // (glu: gpt-oss's SwiGLU in the epilogue, E4M3 out; Mxfp4GemmArgs::q; 2: staged, Mxfp4GemmArgs::stage_q.)
-          // (stagger: the second consumer warpgroup K blocks behind the first; -1: the default.)
-          for (auto [m, ride, probe, glu, stagger] :
-               {std::tuple{128, 0, 0, 0, -1},  std::tuple{300, -1, 0, 0, -1}, std::tuple{300, 1, 0, 0, -1},
-                std::tuple{512, 0, 0, 0, -1},  std::tuple{512, 0, 0, 1, -1},  std::tuple{532, -1, 0, 0, -1},
-                std::tuple{532, 1, 0, 0, -1},  std::tuple{532, 1, 0, 1, -1},  std::tuple{2048, 0, 0, 0, -1},
-                std::tuple{2048, 0, 0, 1, -1}, std::tuple{512, 0, 0, 0, 0},   std::tuple{512, 0, 0, 0, 1},
-                std::tuple{512, 0, 0, 0, 2},   std::tuple{512, 0, 0, 0, 3},   std::tuple{512, 0, 0, 0, 4},
-                std::tuple{512, 0, 0, 1, 0},   std::tuple{512, 0, 0, 1, 2},   std::tuple{512, 0, 0, 1, 4},
-                std::tuple{532, 1, 0, 1, 0},   std::tuple{532, 1, 0, 1, 2},   std::tuple{532, 1, 0, 1, 3},
-                std::tuple{2048, 0, 0, 1, 0},  std::tuple{2048, 0, 0, 1, 2},  std::tuple{2048, 0, 0, 1, 4},
-                std::tuple{512, 0, 0, 2, 0},   std::tuple{532, 1, 0, 2, 0},   std::tuple{2048, 0, 0, 2, 0},
-                std::tuple{512, 0, 0, 2, 2},   std::tuple{2048, 0, 0, 2, 2},  std::tuple{512, 0, 1, 0, -1},
-                std::tuple{512, 0, 2, 0, -1},  std::tuple{512, 0, 3, 0, -1},  std::tuple{512, 0, 8, 0, -1},
-                std::tuple{2048, 0, 8, 0, -1}}) {
+          for (auto [m, ride, probe, glu] :
+               {std::tuple{128, 0, 0, 0}, std::tuple{300, -1, 0, 0}, std::tuple{300, 1, 0, 0}, std::tuple{512, 0, 0, 0},
+                std::tuple{512, 0, 0, 1}, std::tuple{532, -1, 0, 0}, std::tuple{532, 1, 0, 0}, std::tuple{532, 1, 0, 1},
+                std::tuple{2048, 0, 0, 0}, std::tuple{2048, 0, 0, 1}, std::tuple{512, 0, 0, 2}, std::tuple{532, 1, 0, 2},
+                std::tuple{2048, 0, 0, 2}, std::tuple{512, 0, 1, 0}, std::tuple{512, 0, 2, 0}, std::tuple{512, 0, 3, 0},
+                std::tuple{512, 0, 8, 0}, std::tuple{2048, 0, 8, 0}}) {
             if (fk.lossy_groups) break;
             Mxfp4GemmArgs ma = mx_args(m);
-            ma.gk = gk.get(), ma.ride_along = ride, ma.probe = probe, ma.stagger = stagger;
+            ma.gk = gk.get(), ma.ride_along = ride, ma.probe = probe;
             ma.stage_q = glu ? glu - 1 : -1;
             if (glu)  // D's bytes hold the E4M3 output (I bytes a row of 4I)
               ma.d = nullptr, ma.q = reinterpret_cast<uint8_t*>(dg.get()), ma.q_ld = I, ma.bias = b1.get();
@@ -451,15 +443,13 @@ int bench_moe(const Args& a) {
                           {"probe", probe},
                           {"swiglu_epilogue", glu != 0},
                           {"staged_q", glu == 2},
-                          {"stagger", stagger},
                           {"gpu_ms_per_call", per},
                           {"tflops", tf}});
             std::fprintf(
-                stderr, "mxfp4 gemm, whole-K scales, %d x m=%5d n=%d k=%ld%s%s%s%s: %.4f ms/call %.0f TFLOP/s\n", n_ex,
+                stderr, "mxfp4 gemm, whole-K scales, %d x m=%5d n=%d k=%ld%s%s%s: %.4f ms/call %.0f TFLOP/s\n", n_ex,
                 m, 2 * I, long(kph), mg.last_ride_along() ? ", last tokens riding" : "",
                 glu ? (glu == 2 ? ", SwiGLU in the epilogue (E4M3 out, staged)" : ", SwiGLU in the epilogue (E4M3 out)")
                     : "",
-                stagger >= 0 ? (", stagger " + std::to_string(stagger)).c_str() : "",
                 probe ? (" (probe " + std::to_string(probe) + ": timing only)").c_str() : "", per, tf);
           }
           comp["mxfp4_gemm_whole_k"] = wj;
