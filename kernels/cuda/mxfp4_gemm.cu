@@ -82,7 +82,7 @@ struct Params {
   int64_t q_ld;
   float xconst;  // whole-K: > 0, every row's X scale (xsmap not read)
   int n, nkb, nsub, groups, tiles_total;
-  int probe;    // Mxfp4GemmArgs::probe (timings only)
+  int probe;  // Mxfp4GemmArgs::probe (timings only)
   int expert[kMaxGroups];
   int off[kMaxGroups];
   int m[kMaxGroups];

@@ -424,9 +424,9 @@ int bench_moe(const Args& a) {
           for (auto [m, ride, probe, glu] :
                {std::tuple{128, 0, 0, 0}, std::tuple{300, -1, 0, 0}, std::tuple{300, 1, 0, 0}, std::tuple{512, 0, 0, 0},
                 std::tuple{512, 0, 0, 1}, std::tuple{532, -1, 0, 0}, std::tuple{532, 1, 0, 0}, std::tuple{532, 1, 0, 1},
-                std::tuple{2048, 0, 0, 0}, std::tuple{2048, 0, 0, 1}, std::tuple{512, 0, 0, 2}, std::tuple{532, 1, 0, 2},
-                std::tuple{2048, 0, 0, 2}, std::tuple{512, 0, 1, 0}, std::tuple{512, 0, 2, 0}, std::tuple{512, 0, 3, 0},
-                std::tuple{512, 0, 8, 0}, std::tuple{2048, 0, 8, 0}}) {
+                std::tuple{2048, 0, 0, 0}, std::tuple{2048, 0, 0, 1}, std::tuple{512, 0, 0, 2},
+                std::tuple{532, 1, 0, 2}, std::tuple{2048, 0, 0, 2}, std::tuple{512, 0, 1, 0}, std::tuple{512, 0, 2, 0},
+                std::tuple{512, 0, 3, 0}, std::tuple{512, 0, 8, 0}, std::tuple{2048, 0, 8, 0}}) {
             if (fk.lossy_groups) break;
             Mxfp4GemmArgs ma = mx_args(m);
             ma.gk = gk.get(), ma.ride_along = ride, ma.probe = probe;
@@ -446,8 +446,8 @@ int bench_moe(const Args& a) {
                           {"gpu_ms_per_call", per},
                           {"tflops", tf}});
             std::fprintf(
-                stderr, "mxfp4 gemm, whole-K scales, %d x m=%5d n=%d k=%ld%s%s%s: %.4f ms/call %.0f TFLOP/s\n", n_ex,
-                m, 2 * I, long(kph), mg.last_ride_along() ? ", last tokens riding" : "",
+                stderr, "mxfp4 gemm, whole-K scales, %d x m=%5d n=%d k=%ld%s%s%s: %.4f ms/call %.0f TFLOP/s\n", n_ex, m,
+                2 * I, long(kph), mg.last_ride_along() ? ", last tokens riding" : "",
                 glu ? (glu == 2 ? ", SwiGLU in the epilogue (E4M3 out, staged)" : ", SwiGLU in the epilogue (E4M3 out)")
                     : "",
                 probe ? (" (probe " + std::to_string(probe) + ": timing only)").c_str() : "", per, tf);
