@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(kThreads, 1) mxfp4_gemm_kernel(const __grid_co
   // With ride-along tokens (whole-K: the producer warpgroup only issues
   // copies) 24 and 240, for their accumulators (ptxas: spill stores 72 / 96 ->
   // 44 / 52 bytes; the layer on an H100 2.1% faster at 16384 tokens). The
-  // other whole-K kernels keep 40 / 232, spilling 4-8 bytes: 24 / 240 there
+  // other whole-K kernels keep 40 / 232, spilling 8-28 bytes: 24 / 240 there
   // cost the layer 1.4% at 4096 tokens (where none ride) on an H100.
   constexpr int kProducerRegs = kRide ? 24 : 40, kConsumerRegs = kRide ? 240 : 232;
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs == kThreads * 168, "the launch's registers, redistributed");
