@@ -67,6 +67,8 @@ const char* kUsage =
     "A _pass suffix (auto_pass, whole_pass): with whole-K scales, SwiGLU and the quantization of\n"
     "down's input as a pass of their own (amax / 448 a row) instead of in gate_up's epilogue\n"
     "(one fixed scale, 1/8: gpt-oss's SwiGLU is at most 56).\n"
+    "Up to 64 tokens, step_ms also times the layer as a decode step runs it: 2-8 calls back to back in one\n"
+    "graph, each on experts of its own (disjoint routing sets), beside a plain read chained the same way.\n"
     "--grouped-blocks: persistent blocks of the grouped GEMM (default 0: one per SM).\n";
 
 }  // namespace
@@ -92,6 +94,31 @@ void write_bin(const std::string& path, const T* dev, size_t n) {
   std::ofstream f(path, std::ios::binary);
   f.write(reinterpret_cast<const char*>(h.data()), std::streamsize(n * sizeof(T)));
   check(bool(f), DZ_ERR_IO, "cannot write ", path);
+}
+
+// A routing set of T tokens: K distinct experts a token from pick() (an
+// expert id), gate weights exp(nd(rng)) normalised per token; seen marks the
+// experts used (E of them).
+template <typename Pick>
+void draw_routing(int T, int K, int E, Pick pick, std::normal_distribution<float>& nd, std::mt19937& rng,
+                  std::vector<int>& ids, std::vector<float>& gw, std::vector<char>& seen) {
+  ids.assign(size_t(T) * K, 0), gw.assign(size_t(T) * K, 0.f), seen.assign(size_t(E), 0);
+  for (int t = 0; t < T; ++t) {
+    float sum = 0;
+    for (int k = 0; k < K; ++k) {
+      int e;
+      bool dup;
+      do {
+        e = pick();
+        dup = false;
+        for (int q = 0; q < k; ++q) dup |= ids[size_t(t * K + q)] == e;
+      } while (dup);
+      ids[size_t(t * K + k)] = e, seen[size_t(e)] = 1;
+      gw[size_t(t * K + k)] = std::exp(nd(rng));
+      sum += gw[size_t(t * K + k)];
+    }
+    for (int k = 0; k < K; ++k) gw[size_t(t * K + k)] /= sum;
+  }
 }
 
 double diff_metric(const std::vector<float>& x, const std::vector<float>& y) {
@@ -499,6 +526,9 @@ int bench_moe(const Args& a) {
                           {"whole_k_tables", {W.w1_gk != nullptr, W.w2_gk != nullptr}}}},
                         {"timing", "median of CUDA-event times, L2 flushed (256 MiB read) before each call, " +
                                        std::to_string(kSets) + " routing sets rotated; fused path as CUDA graphs"},
+                        {"step_timing",
+                         "step_*: up to 64 tokens, 2-8 calls back to back in one graph on disjoint "
+                         "experts, L2 flushed before it, the graph's time over the calls"},
                         {"components", comp},
                         {"results", nlohmann::json::array()}};
     if (!dump.empty()) {
@@ -521,27 +551,12 @@ int bench_moe(const Args& a) {
       std::vector<DeviceArray<int> > ids;
       std::vector<DeviceArray<float> > gws;
       double distinct = 0;
+      std::vector<int> hid;
+      std::vector<float> hgw;
+      std::vector<char> seen;
       for (int s = 0; s < kSets; ++s) {
-        std::vector<int> hid(size_t(T) * K);
-        std::vector<float> hgw(size_t(T) * K);
-        std::vector<char> seen(size_t(E), 0);
-        for (int t = 0; t < T; ++t) {
-          float sum = 0;
-          for (int k = 0; k < K; ++k) {
-            int e;
-            bool dup;
-            do {
-              e = pick(rng);
-              dup = false;
-              for (int q = 0; q < k; ++q) dup |= hid[size_t(t * K + q)] == e;
-            } while (dup);
-            hid[size_t(t * K + k)] = e;
-            seen[size_t(e)] = 1;
-            hgw[size_t(t * K + k)] = std::exp(nd(rng));
-            sum += hgw[size_t(t * K + k)];
-          }
-          for (int k = 0; k < K; ++k) hgw[size_t(t * K + k)] /= sum;
-        }
+        draw_routing(
+            T, K, E, [&] { return pick(rng); }, nd, rng, hid, hgw, seen);
         for (char c : seen) distinct += c;
         ids.emplace_back(P, hid.size(), "ids");
         gws.emplace_back(P, hgw.size(), "gate weights");
@@ -818,6 +833,65 @@ int bench_moe(const Args& a) {
         ms_read = timer.median_ms(r, 1, [&](int) { DZ_CUDA_CHECK(cudaGraphLaunch(ge, st)); });
         cudaGraphExecDestroy(ge);
       }
+      // The layer as a decode step runs it: n calls back to back in one
+      // graph (each on the previous call's heels, its launch paid while the
+      // previous one runs), every call on its own experts (routing sets
+      // drawn from disjoint parts of the experts, so no call finds another's
+      // bytes in the L2), the L2 flushed before the graph; a call's time is
+      // the graph's over n. The plain read is chained the same way, each
+      // call's pair of reads on bytes of its own.
+      double ms_step = -1, ms_step_read = -1, step_bytes = 0;
+      // (Parts of at least twice a call's routed slots: each call's experts drawn as from all of them.)
+      const int n_step = std::min(8, E / std::max(1, 2 * T * K));
+      if (T <= 64 && n_step >= 2) {
+        std::mt19937 srng(4321u + unsigned(T));  // (its own: the other sizes' routing sets stay as they were)
+        std::normal_distribution<float> snd(0.f, 1.f);
+        std::vector<int> perm(static_cast<size_t>(E));
+        for (int e = 0; e < E; ++e) perm[size_t(e)] = e;
+        std::shuffle(perm.begin(), perm.end(), srng);
+        const int part = E / n_step;
+        std::vector<DeviceArray<int> > sids;
+        std::vector<DeviceArray<float> > sgws;
+        std::vector<double> sbytes;
+        std::uniform_int_distribution<int> in_part(0, part - 1);
+        for (int c = 0; c < n_step; ++c) {
+          draw_routing(
+              T, K, E, [&] { return perm[size_t(c * part + in_part(srng))]; }, snd, srng, hid, hgw, seen);
+          sbytes.push_back(double(std::count(seen.begin(), seen.end(), 1)) * double(expert_fp4_bytes));
+          sids.emplace_back(P, hid.size(), "step ids");
+          sgws.emplace_back(P, hgw.size(), "step gate weights");
+          DZ_CUDA_CHECK(cudaMemcpy(sids.back().get(), hid.data(), hid.size() * 4, cudaMemcpyHostToDevice));
+          DZ_CUDA_CHECK(cudaMemcpy(sgws.back().get(), hgw.data(), hgw.size() * 4, cudaMemcpyHostToDevice));
+        }
+        DZ_CUDA_CHECK(cudaDeviceSynchronize());
+        for (double b : sbytes) step_bytes += b;
+        auto time_chain = [&](auto call) {
+          cudaGraph_t g;
+          cudaGraphExec_t ge;
+          DZ_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+          for (int c = 0; c < n_step; ++c) call(c);
+          DZ_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+          DZ_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+          DZ_CUDA_CHECK(cudaGraphDestroy(g));
+          const double ms = timer.median_ms(r, 2, [&](int) { DZ_CUDA_CHECK(cudaGraphLaunch(ge, st)); });
+          cudaGraphExecDestroy(ge);
+          return ms / n_step;
+        };
+        layer.options() = opt;
+        for (int c = 0; c < n_step; ++c)  // warm (plans, attributes) outside the capture
+          layer.forward(W, x.get(), sids[size_t(c)].get(), sgws[size_t(c)].get(), T, out_f.get(), MoePath::kFused);
+        ms_step = time_chain([&](int c) {
+          layer.forward(W, x.get(), sids[size_t(c)].get(), sgws[size_t(c)].get(), T, out_f.get(), MoePath::kFused);
+        });
+        const size_t gu = size_t(step_bytes / n_step * 2 / 3) / 16 * 16, dn = size_t(step_bytes / n_step / 3) / 16 * 16;
+        if (gu * n_step <= w1b.size() && dn * n_step <= w2b.size())
+          ms_step_read = time_chain([&](int c) {
+            stream_read(w1b.get() + size_t(c) * gu, gu, timer.sink(), st);
+            stream_read(w2b.get() + size_t(c) * dn, dn, timer.sink(), st);
+          });
+        step_bytes /= n_step;
+        check(layer.take_error() == 0, DZ_ERR_INTERNAL, "expert id out of range in the benchmark's step chain");
+      }
       auto or_null = [](bool ok, double v) { return ok ? nlohmann::json(v) : nlohmann::json(); };
       nlohmann::json row = {
           {"tokens", T},
@@ -839,6 +913,12 @@ int bench_moe(const Args& a) {
           {"plain_read_ms", or_null(ms_read > 0, ms_read)},
           {"plain_read_hbm_fraction", or_null(ms_read > 0, bytes / (ms_read * 1e-3) / bw_ceiling)},
           {"fused_vs_plain_read", or_null(ms_read > 0, ms_read / ms_fused)},
+          {"step_calls", ms_step > 0 ? n_step : 0},
+          {"step_fp4_bytes", or_null(ms_step > 0, step_bytes)},
+          {"step_ms", or_null(ms_step > 0, ms_step)},
+          {"step_hbm_fraction", or_null(ms_step > 0, step_bytes / (ms_step * 1e-3) / bw_ceiling)},
+          {"step_plain_read_ms", or_null(ms_step_read > 0, ms_step_read)},
+          {"step_plain_read_hbm_fraction", or_null(ms_step_read > 0, step_bytes / (ms_step_read * 1e-3) / bw_ceiling)},
           {"fp8_host_ms", median(host)},
           {"fused_variants_ms", variants},
           {"w4a8_images_vs_staged_max_abs", images_diff},
@@ -856,6 +936,12 @@ int bench_moe(const Args& a) {
       if (ms_read > 0)
         std::fprintf(stderr, "moe T=%6d  a plain read of the same bytes %9.4f ms (hbm %.0f%%): fused at %.0f%% of it\n",
                      T, ms_read, 100 * bytes / (ms_read * 1e-3) / bw_ceiling, 100 * ms_read / ms_fused);
+      if (ms_step > 0)
+        std::fprintf(stderr,
+                     "moe T=%6d  in a step (%d calls back to back, each on its own experts): %9.4f ms a call (hbm "
+                     "%.0f%% on %.1f MB); a plain read so %9.4f ms (hbm %.0f%%)\n",
+                     T, n_step, ms_step, 100 * step_bytes / (ms_step * 1e-3) / bw_ceiling, step_bytes / 1e6,
+                     ms_step_read, 100 * step_bytes / (ms_step_read * 1e-3) / bw_ceiling);
       for (size_t v = 1; v < fp8_gemms.size(); ++v) {
         const double ms_v = gemm_ms[fp8_gemms[v]].get<double>();
         std::fprintf(stderr, "moe T=%6d  fp8 with %s GEMMs %9.3f ms (%.0f TFLOP/s), with %s %9.3f ms; diff %.2e\n", T,
