@@ -172,12 +172,17 @@ DeepseekV32Cuda::DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const
   const int64_t IH = idx_.n_heads, ID = idx_.head_dim, E = routing_.n_experts, K = idx_.topk;
   int64_t inter = moe_inter_;
   for (const DeepseekV32Layer& L : layers_) inter = std::max({inter, L.ffn.dense.inter, L.ffn.shared.inter});
-  // Scratch a row: activations and projections (fp32 and bf16), the selection, the MoE layer's per-slot scratch.
-  const int64_t KP = (std::max(H, moe_inter_) + 127) / 128 * 128;
-  const int64_t slot = 12 + 6 * H + 4 * moe_inter_ + 4 * KP + (2 * KP) / 32;
+  // Scratch a row: activations and projections (fp32 and bf16), the selection; the MoE layer says what it reserves.
   const int64_t row =
       4 * (3 * H + q_lora_ + NH * QD + KVA + IH * ID + ID + IH + NH * (KVA + mla_.rank) + E + 2 * inter) +
-      2 * (H + q_lora_ + NH * mla_.v + inter + NH * KVA) + 4 * K + 64 + (E ? routing_.n_active * slot : 0);
+      2 * (H + q_lora_ + NH * mla_.v + inter + NH * KVA) + 4 * K + 64;
+  cuda::MoeShape ms;
+  ms.n_experts = int(E);
+  ms.topk = routing_.n_active;
+  ms.hidden = int(H);
+  ms.intermediate = int(moe_inter_);
+  ms.act = cuda::MoeActivation::kSilu;
+  const size_t moe_scratch = moe_inter_ > 0 ? cuda::MoeLayer::reserved_bytes(ms, max_rows_) : 0;
   const size_t weights = size_t(weights_bytes_);
   // What the weights take on the device: projections in BF16 (FP8 ones grow),
   // experts in MXFP4 as stored, norms and biases (fp32) within the slack.
@@ -195,18 +200,11 @@ DeepseekV32Cuda::DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const
     for (const SwiGlu& x : L.ffn.experts)
       for (const cpu::WeightRef* w : {&x.gate, &x.up, &x.down}) dev_weights += size_t(w->rows * w->cols) / 32 * 17;
   }
-  const size_t scratch = size_t(max_rows_) * size_t(row) + size_t(kLogitRows) * size_t(n_vocab_) * 4 +
+  const size_t scratch = size_t(max_rows_) * size_t(row) + moe_scratch + size_t(kLogitRows) * size_t(n_vocab_) * 4 +
                          2 * kIndexerScratch + (size_t(2) << 30);
   core_ = std::make_unique<CudaModelCore>(dev_, dev_weights + scratch, "deepseek_v32");
-  if (moe_inter_ > 0) {  // some layer routes experts
-    cuda::MoeShape ms;
-    ms.n_experts = int(E);
-    ms.topk = routing_.n_active;
-    ms.hidden = int(H);
-    ms.intermediate = int(moe_inter_);
-    ms.act = cuda::MoeActivation::kSilu;
+  if (moe_inter_ > 0)  // some layer routes experts
     moe_ = std::make_unique<cuda::MoeLayer>(core_->ctx(), ms, max_rows_);
-  }
 
   cuda::WeightLoader ld(core_->ctx().pool(), weights, params, "deepseek_v32");
   core_->load_ends(ld, ends_);

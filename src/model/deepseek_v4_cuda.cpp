@@ -199,11 +199,12 @@ DeepseekV4Cuda::DeepseekV4Cuda(const Config& cfg, const WeightStore& ws, const d
 
   const int64_t H = hidden_, NHC = hc_.n, D = head_dim_, NH = n_heads_, QL = q_lora_, G = o_groups_, R = o_rank_;
   const int64_t ID = idx_dim_, IH = idx_heads_, E = routing_.n_experts, k = routing_.n_active, I = moe_inter_;
-  // Scratch a row (bytes).
-  const int64_t KP = (std::max(H, I) + 127) / 128 * 128;
-  const int64_t slot = mxfp4_experts_ ? 12 + 6 * H + 4 * I + 4 * KP + (2 * KP) / 32 : 0;
-  const int64_t row = k * slot +
-                      4 * (NHC * H + 4 * H + 2 * NHC + NHC * NHC + QL + NH * D + D + 4 * D + 4 * ID + IH * ID + IH +
+  // Scratch a row (bytes); the MoE layer says what it reserves.
+  cuda::MoeShape ms;
+  ms.n_experts = int(E), ms.topk = int(k), ms.hidden = int(H), ms.intermediate = int(I);
+  ms.act = cuda::MoeActivation::kSilu, ms.silu_limit = routing_.swiglu_limit;
+  const size_t moe_scratch = mxfp4_experts_ ? cuda::MoeLayer::reserved_bytes(ms, max_rows_) : 0;
+  const int64_t row = 4 * (NHC * H + 4 * H + 2 * NHC + NHC * NHC + QL + NH * D + D + 4 * D + 4 * ID + IH * ID + IH +
                            NH * D + G * R + E + k + 2 * I) +
                       2 * (H + QL + NH * D + G * R) + 4 * k + 4 * int64_t(std::min<int64_t>(idx_topk_, 1 << 20)) + 1024;
   size_t dev_weights = size_t(64) << 20;
@@ -223,13 +224,10 @@ DeepseekV4Cuda::DeepseekV4Cuda(const Config& cfg, const WeightStore& ws, const d
         dev_weights += mxfp4_experts_ ? size_t(w->rows * w->cols) / 32 * 17 : size_t(w->rows * w->cols) * 2;
     dev_weights += L.ffn.hash.size() * 4;
   }
-  const size_t scratch = size_t(max_rows_) * size_t(row) + kScoreFloats * 4 + size_t(kLogitRows) * n_vocab_ * 4 +
-                         64 * state_floats_ * 4 + (size_t(1) << 30);
+  const size_t scratch = size_t(max_rows_) * size_t(row) + moe_scratch + kScoreFloats * 4 +
+                         size_t(kLogitRows) * n_vocab_ * 4 + 64 * state_floats_ * 4 + (size_t(1) << 30);
   core_ = std::make_unique<CudaModelCore>(dev_, dev_weights + scratch, "deepseek_v4");
   if (mxfp4_experts_) {
-    cuda::MoeShape ms;
-    ms.n_experts = int(E), ms.topk = int(k), ms.hidden = int(H), ms.intermediate = int(I);
-    ms.act = cuda::MoeActivation::kSilu, ms.silu_limit = routing_.swiglu_limit;
     moe_ = std::make_unique<cuda::MoeLayer>(core_->ctx(), ms, max_rows_);
   } else {
     experts_ = std::make_unique<cuda::Bf16Experts>(core_->ctx(), core_->gemm(), int(E), int(k), int(H), int(I));

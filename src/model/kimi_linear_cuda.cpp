@@ -172,10 +172,16 @@ KimiLinearCuda::KimiLinearCuda(const Config& cfg, const WeightStore& ws, const d
   const int64_t QD = mla_.nope + mla_.rope, KVA = mla_.rank + mla_.rope, E = routing_.n_experts, k = routing_.n_active;
   int64_t inter = moe_inter_;
   for (const KimiLinearLayer& L : layers_) inter = std::max({inter, L.ffn.dense.inter, L.ffn.shared.inter});
-  // Scratch a row: activations (fp32 and bf16), KDA and MLA projections, attention partials, the experts' slots.
-  const int64_t KP = (std::max(H, moe_inter_) + 127) / 128 * 128;
-  const int64_t slot = mxfp4_experts_ ? 12 + 6 * H + 4 * moe_inter_ + 4 * KP + (2 * KP) / 32
-                                      : 4 + 2 * H + 8 * moe_inter_ + 2 * moe_inter_ + 4 * H;
+  // Scratch a row: activations (fp32 and bf16), KDA and MLA projections, attention partials, the BF16 experts'
+  // slots; the MXFP4 experts' layer says what it reserves.
+  const int64_t slot = mxfp4_experts_ ? 0 : 4 + 2 * H + 8 * moe_inter_ + 2 * moe_inter_ + 4 * H;
+  cuda::MoeShape ms;
+  ms.n_experts = int(E);
+  ms.topk = int(k);
+  ms.hidden = int(H);
+  ms.intermediate = int(moe_inter_);
+  ms.act = cuda::MoeActivation::kSilu;
+  const size_t moe_scratch = moe_inter_ > 0 && mxfp4_experts_ ? cuda::MoeLayer::reserved_bytes(ms, max_rows_) : 0;
   const int64_t row = 4 * (2 * H + 3 * P + 3 * P + 2 * D + 2 * P + NHK + P + NH * QD + KVA +
                            NH * (KVA + 2 * mla_.rank) + E + 2 * inter) +
                       2 * (H + 2 * D + P + NH * mla_.v + inter + NH * KVA) + 64 + (E ? k * slot : 0);
@@ -195,16 +201,10 @@ KimiLinearCuda::KimiLinearCuda(const Config& cfg, const WeightStore& ws, const d
         dev_weights += mxfp4_experts_ ? size_t(w->rows * w->cols) / 32 * 17 : size_t(w->rows * w->cols) * 2;
   }
   // Pass copies of the states for up to 64 sequences.
-  const size_t scratch = size_t(max_rows_) * size_t(row) + size_t(kLogitRows) * size_t(n_vocab_) * 4 +
+  const size_t scratch = size_t(max_rows_) * size_t(row) + moe_scratch + size_t(kLogitRows) * size_t(n_vocab_) * 4 +
                          64 * state_floats_ * 4 + (size_t(1) << 30);
   core_ = std::make_unique<CudaModelCore>(dev_, dev_weights + scratch, "kimi_linear");
   if (moe_inter_ > 0 && mxfp4_experts_) {
-    cuda::MoeShape ms;
-    ms.n_experts = int(E);
-    ms.topk = int(k);
-    ms.hidden = int(H);
-    ms.intermediate = int(moe_inter_);
-    ms.act = cuda::MoeActivation::kSilu;
     moe_ = std::make_unique<cuda::MoeLayer>(core_->ctx(), ms, max_rows_);
   } else if (moe_inter_ > 0) {
     bf16_experts_ =
