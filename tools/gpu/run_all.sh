@@ -44,15 +44,16 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${NCCL_LIB:-}:${CUBLAS_LIB:-}:${LD_
 
 if [ -n "${DZ_PREBUILT:-}" ]; then
   step "using prebuilt binaries from $DZ_PREBUILT"
-  BIN=$(cd "$DZ_PREBUILT" && pwd)
+  BIN=$(cd "$DZ_PREBUILT" && pwd) || { echo "DZ_PREBUILT=$DZ_PREBUILT: no such folder"; exit 2; }
   export LD_LIBRARY_PATH=$BIN:$LD_LIBRARY_PATH
   DZ=$BIN/dz
   TESTS=$BIN/dz_tests
   LIBDZ=$BIN/libdayzero.so
   DRAM_PATTERN=$BIN/dram_pattern
   ONE_TOKEN_STREAM=$BIN/one_token_stream
-  # CLI tests call dz at the path they were built with (build/dz or build-gpu/dz of the source tree).
-  for d in build build-gpu; do [ -e $d/dz ] || { mkdir -p $d && ln -s "$BIN/dz" $d/dz; }; done
+  # CLI tests call dz at the path they were built with (build/dz or build-gpu/dz of the source tree): a link
+  # to the prebuilt one, replacing any link an earlier run left (a real build there stays).
+  for d in build build-gpu; do [ -e $d/dz ] && [ ! -L $d/dz ] || { mkdir -p $d && ln -sfn "$BIN/dz" $d/dz; }; done
 else
   step "build (cmake --preset gpu, sm_90a)"
   extra=()
