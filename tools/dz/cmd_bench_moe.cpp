@@ -816,23 +816,29 @@ int bench_moe(const Args& a) {
       const double ms_best = std::min(ms_fused, ms_fp8);
       const double bytes = distinct * double(expert_fp4_bytes);
       const double flops = 2.0 * T * K * (2.0 * I * H + double(H) * I);
+      // Median ms of one CUDA graph of what work() enqueues on st, after warm launches.
+      auto graph_ms = [&](int warm, auto work) {
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        DZ_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        work();
+        DZ_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+        DZ_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+        DZ_CUDA_CHECK(cudaGraphDestroy(g));
+        const double ms = timer.median_ms(r, warm, [&](int) { DZ_CUDA_CHECK(cudaGraphLaunch(ge, st)); });
+        cudaGraphExecDestroy(ge);
+        return ms;
+      };
       // The same FP4 byte count read plainly in two dependent launches (the
       // gate_up and down shares): what a small batch's bytes can take at best,
       // ramp-up and tail included; the fused path's time against it.
       double ms_read = -1;
       const size_t gu_bytes = size_t(bytes * 2 / 3) / 16 * 16, dn_bytes = size_t(bytes / 3) / 16 * 16;
-      if (gu_bytes <= w1b.size() && dn_bytes <= w2b.size()) {  // a CUDA graph, as the fused path
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        DZ_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        stream_read(w1b.get(), gu_bytes, timer.sink(), st);
-        stream_read(w2b.get(), dn_bytes, timer.sink(), st);
-        DZ_CUDA_CHECK(cudaStreamEndCapture(st, &g));
-        DZ_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-        DZ_CUDA_CHECK(cudaGraphDestroy(g));
-        ms_read = timer.median_ms(r, 1, [&](int) { DZ_CUDA_CHECK(cudaGraphLaunch(ge, st)); });
-        cudaGraphExecDestroy(ge);
-      }
+      if (gu_bytes <= w1b.size() && dn_bytes <= w2b.size())  // a CUDA graph, as the fused path
+        ms_read = graph_ms(1, [&] {
+          stream_read(w1b.get(), gu_bytes, timer.sink(), st);
+          stream_read(w2b.get(), dn_bytes, timer.sink(), st);
+        });
       // The layer as a decode step runs it: n calls back to back in one
       // graph (each on the previous call's heels, its launch paid while the
       // previous one runs), every call on its own experts (routing sets
@@ -865,17 +871,12 @@ int bench_moe(const Args& a) {
         }
         DZ_CUDA_CHECK(cudaDeviceSynchronize());
         for (double b : sbytes) step_bytes += b;
-        auto time_chain = [&](auto call) {
-          cudaGraph_t g;
-          cudaGraphExec_t ge;
-          DZ_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-          for (int c = 0; c < n_step; ++c) call(c);
-          DZ_CUDA_CHECK(cudaStreamEndCapture(st, &g));
-          DZ_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-          DZ_CUDA_CHECK(cudaGraphDestroy(g));
-          const double ms = timer.median_ms(r, 2, [&](int) { DZ_CUDA_CHECK(cudaGraphLaunch(ge, st)); });
-          cudaGraphExecDestroy(ge);
-          return ms / n_step;
+        auto time_chain = [&](auto call) {  // a call's share of the chain's graph
+          return graph_ms(2,
+                          [&] {
+                            for (int c = 0; c < n_step; ++c) call(c);
+                          }) /
+                 n_step;
         };
         layer.options() = opt;
         for (int c = 0; c < n_step; ++c)  // warm (plans, attributes) outside the capture
