@@ -71,8 +71,8 @@ enum class MoePath { kAuto = 0, kFused = 1, kFp8 = 2 };
 
 // The one-token stream (moe_one_token.h): groups of group_warps consumer
 // warps a block (built: 6 x 2, 3 x 4, 1 x 12, 2 x 6, 4 x 4, 2 x 8, 8 x 2,
-// 4 x 2, 8 x 1); stages: units in flight a group (0: as many as fit, up to 8
-// a block); launches: 1 (down's units streamed right after gate_up's) or 2
+// 4 x 2, 8 x 1); stages: the ring's stages a group (0: as many as fit, up
+// to 8 a block); launches: 1 (down's units streamed right after gate_up's) or 2
 // (a launch a projection). 6 x 2 was the fastest shape alone and in the model
 // on an H100 (bench/results/2026-12-06-h100-one-token-stream.md, runs 25-28).
 // Diagnostics for dz bench moe (the output is then wrong): probe bits
@@ -80,6 +80,9 @@ enum class MoePath { kAuto = 0, kFused = 1, kFp8 = 2 };
 // stream's own time), kProbeNoWait (down's units do not wait for gate_up's); trace: device
 // int64 [blocks][kOneTokenTraceUnits][3] of %globaltimer ns (the producer's
 // issue, the consumers' arrival, their release of each unit).
+// inflight: at most this many units a block issued and not yet received
+// (0: as many as the ring has free stages). Every byte in flight queues ahead
+// of down's images, which each block reads from the L2 mid-stream.
 struct OneTokenConfig {
   enum : int { kProbeNoMath = 1, kProbeNoWait = 2 };
   int groups = 6, group_warps = 2, stages = 0, launches = 1;
@@ -89,6 +92,7 @@ struct OneTokenConfig {
   // streams each running the stream (two models decoding on one GPU) could each hold part of the GPU and
   // wait for the rest forever. false only for dz bench moe's timing of what it costs.
   bool cooperative = true;
+  int inflight = 0;
 };
 constexpr int kOneTokenTraceUnits = 32;
 

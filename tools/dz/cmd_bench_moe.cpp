@@ -643,6 +643,13 @@ int bench_moe(const Args& a) {
                 variants["stream_g" + std::to_string(gw2.first) + "x" + std::to_string(gw2.second) + "_s" +
                          std::to_string(stages) + (launches == 2 ? "_l2" : "")] = time_fused(0, false, true, 0, true);
               }
+          // Units in flight a block, capped (OneTokenConfig::inflight), the ring as it is.
+          for (int f : {1, 2, 3, 4, 5}) {
+            layer.options().fused_one_token_stream = true;
+            layer.options().one_token = OneTokenConfig{};
+            layer.options().one_token.inflight = f;
+            variants["stream_f" + std::to_string(f)] = time_fused(0, false, true, 0, true);
+          }
           // What the cooperative launch costs (OneTokenConfig::cooperative; plain launches can wait forever
           // beside another such launch).
           layer.options().fused_one_token_stream = true;
@@ -847,6 +854,7 @@ int bench_moe(const Args& a) {
       // the graph's over n. The plain read is chained the same way, each
       // call's pair of reads on bytes of its own.
       double ms_step = -1, ms_step_read = -1, step_bytes = 0;
+      nlohmann::json step_variants = nlohmann::json::object();
       // (Parts of at least twice a call's routed slots: each call's experts drawn as from all of them.)
       const int n_step = std::min(8, E / std::max(1, 2 * T * K));
       if (T <= 64 && n_step >= 2) {
@@ -884,6 +892,14 @@ int bench_moe(const Args& a) {
         ms_step = time_chain([&](int c) {
           layer.forward(W, x.get(), sids[size_t(c)].get(), sgws[size_t(c)].get(), T, out_f.get(), MoePath::kFused);
         });
+        if (T == 1)  // the stream's units in flight capped (OneTokenConfig::inflight), in a step
+          for (int f : {2, 3, 4}) {
+            layer.options().one_token.inflight = f;
+            step_variants["stream_f" + std::to_string(f)] = time_chain([&](int c) {
+              layer.forward(W, x.get(), sids[size_t(c)].get(), sgws[size_t(c)].get(), T, out_f.get(), MoePath::kFused);
+            });
+            layer.options() = opt;
+          }
         const size_t gu = size_t(step_bytes / n_step * 2 / 3) / 16 * 16, dn = size_t(step_bytes / n_step / 3) / 16 * 16;
         if (gu * n_step <= w1b.size() && dn * n_step <= w2b.size())
           ms_step_read = time_chain([&](int c) {
@@ -919,6 +935,7 @@ int bench_moe(const Args& a) {
           {"step_ms", or_null(ms_step > 0, ms_step)},
           {"step_hbm_fraction", or_null(ms_step > 0, step_bytes / (ms_step * 1e-3) / bw_ceiling)},
           {"step_plain_read_ms", or_null(ms_step_read > 0, ms_step_read)},
+          {"step_variants_ms", step_variants},
           {"step_plain_read_hbm_fraction", or_null(ms_step_read > 0, step_bytes / (ms_step_read * 1e-3) / bw_ceiling)},
           {"fp8_host_ms", median(host)},
           {"fused_variants_ms", variants},
