@@ -650,6 +650,15 @@ int bench_moe(const Args& a) {
             layer.options().one_token.inflight = f;
             variants["stream_f" + std::to_string(f)] = time_fused(0, false, true, 0, true);
           }
+          // ... and with rings of 8 stages, where more units wait for down's images.
+          for (auto gw2 : {std::pair{2, 6}, {4, 2}, {8, 1}})
+            for (int f : {0, 2, 3}) {
+              layer.options().fused_one_token_stream = true;
+              layer.options().one_token = OneTokenConfig{gw2.first, gw2.second, 8 / gw2.first, 1};
+              layer.options().one_token.inflight = f;
+              variants["stream_g" + std::to_string(gw2.first) + "x" + std::to_string(gw2.second) + "_s" +
+                       std::to_string(8 / gw2.first) + "_f" + std::to_string(f)] = time_fused(0, false, true, 0, true);
+            }
           // What the cooperative launch costs (OneTokenConfig::cooperative; plain launches can wait forever
           // beside another such launch).
           layer.options().fused_one_token_stream = true;
