@@ -69,6 +69,8 @@ const char* kUsage =
     "(one fixed scale, 1/8: gpt-oss's SwiGLU is at most 56).\n"
     "Up to 64 tokens, step_ms also times the layer as a decode step runs it: 2-8 calls back to back in one\n"
     "graph, each on experts of its own (disjoint routing sets), beside a plain read chained the same way.\n"
+    "One token also times the stream's shapes and units in flight (fused_variants_ms: stream_gGxW_sS,\n"
+    "stream_fF; step_variants_ms: stream_fF in a step).\n"
     "--grouped-blocks: persistent blocks of the grouped GEMM (default 0: one per SM).\n";
 
 }  // namespace
