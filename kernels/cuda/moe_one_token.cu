@@ -452,23 +452,17 @@ void one_token_moe(const MoeShape& s, const MoeWeights& w, const float* x, const
   a.n_experts = s.n_experts, a.topk = s.topk, a.ids = ids, a.x = x, a.img = scr.img, a.gw = gw;
   a.slot_done = scr.counts, a.images_in = scr.counts + s.topk;
   a.out = out, a.accumulate = accumulate ? 1 : 0, a.probe = c.probe, a.trace = c.trace, a.err = err;
-  a.inflight = std::max(c.inflight, 0);
   a.plan = plan_of(s, blocks);
-  // A cap of the ring's stages or more is none (and the wait above needs unit n - inflight's stage unused since).
-  auto cap = [&](Args& x) {
-    if (x.inflight >= c.groups * x.L.stages) x.inflight = 0;
-  };
+  // A cap of the ring's stages or more is none (the producer's wait needs unit n - inflight's stage unused since).
+  auto inflight = [&](const Layout& L) { return c.inflight > 0 && c.inflight < c.groups * L.stages ? c.inflight : 0; };
   if (c.launches == 1) {  // both projections in one stream
-    a.gate_up = a.down = true, a.L = layout_of(s, c, true, true, blocks);
-    cap(a);
+    a.gate_up = a.down = true, a.L = layout_of(s, c, true, true, blocks), a.inflight = inflight(a.L);
     launch_ex(pdl, c.cooperative, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);
     return;
   }
-  a.gate_up = true, a.down = false, a.L = layout_of(s, c, true, false, blocks);
-  cap(a);
+  a.gate_up = true, a.down = false, a.L = layout_of(s, c, true, false, blocks), a.inflight = inflight(a.L);
   launch_ex(pdl, c.cooperative, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);
-  a.gate_up = false, a.down = true, a.L = layout_of(s, c, false, true, blocks), a.inflight = std::max(c.inflight, 0);
-  cap(a);
+  a.gate_up = false, a.down = true, a.L = layout_of(s, c, false, true, blocks), a.inflight = inflight(a.L);
   launch_ex(pdl, c.cooperative, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);
 }
 

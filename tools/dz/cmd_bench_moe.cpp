@@ -905,6 +905,7 @@ int bench_moe(const Args& a) {
         });
         if (T == 1)  // the stream's units in flight capped (OneTokenConfig::inflight), in a step
           for (int f : {2, 3, 4}) {
+            layer.options().fused_one_token_stream = true;
             layer.options().one_token.inflight = f;
             step_variants["stream_f" + std::to_string(f)] = time_chain([&](int c) {
               layer.forward(W, x.get(), sids[size_t(c)].get(), sgws[size_t(c)].get(), T, out_f.get(), MoePath::kFused);
