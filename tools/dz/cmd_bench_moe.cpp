@@ -633,49 +633,50 @@ int bench_moe(const Args& a) {
         if (T == 1) {  // one token streamed (moe_one_token.h), and its output against the W4A16 kernels'
           layer.options().fused_one_token_stream = true;
           variants["stream"] = time_fused(0, false, true, 0, true);
-          // Its block shapes (groups x warps a group), units in flight a group (s0: as many as fit) and
+          // The stream with configuration c (time_fused restores the options), and a block shape's name.
+          auto time_stream = [&](const OneTokenConfig& c) {
+            layer.options().fused_one_token_stream = true;
+            layer.options().one_token = c;
+            return time_fused(0, false, true, 0, true);
+          };
+          auto shape = [](int groups, int warps) {
+            return "stream_g" + std::to_string(groups) + "x" + std::to_string(warps);
+          };
+          // Its block shapes (groups x warps a group), ring stages a group (s0: as many as fit) and
           // launches (l2: one a projection).
           for (auto gw2 : {std::pair{3, 4}, {1, 12}, {2, 6}, {4, 4}, {6, 2}, {2, 8}, {8, 2}, {4, 2}, {8, 1}})
             for (int stages : {0, 1, 2, 4})
               for (int launches : {1, 2}) {
                 if (launches == 2 && !(gw2.first == 3 && stages == 0)) continue;
                 if (stages > 0 && gw2.first * stages > 8) continue;  // (more than the shared memory holds)
-                layer.options().fused_one_token_stream = true;
-                layer.options().one_token = OneTokenConfig{gw2.first, gw2.second, stages, launches};
-                variants["stream_g" + std::to_string(gw2.first) + "x" + std::to_string(gw2.second) + "_s" +
-                         std::to_string(stages) + (launches == 2 ? "_l2" : "")] = time_fused(0, false, true, 0, true);
+                variants[shape(gw2.first, gw2.second) + "_s" + std::to_string(stages) + (launches == 2 ? "_l2" : "")] =
+                    time_stream(OneTokenConfig{gw2.first, gw2.second, stages, launches});
               }
-          // Units in flight a block, capped (OneTokenConfig::inflight), the ring as it is.
+          // Units in flight a block, capped (OneTokenConfig::inflight), the ring as it is ...
           for (int f : {1, 2, 3, 4, 5}) {
-            layer.options().fused_one_token_stream = true;
-            layer.options().one_token = OneTokenConfig{};
-            layer.options().one_token.inflight = f;
-            variants["stream_f" + std::to_string(f)] = time_fused(0, false, true, 0, true);
+            OneTokenConfig c;
+            c.inflight = f;
+            variants["stream_f" + std::to_string(f)] = time_stream(c);
           }
           // ... and with rings of 8 stages, where more units wait for down's images.
           for (auto gw2 : {std::pair{2, 6}, {4, 2}, {8, 1}})
             for (int f : {0, 2, 3}) {
-              layer.options().fused_one_token_stream = true;
-              layer.options().one_token = OneTokenConfig{gw2.first, gw2.second, 8 / gw2.first, 1};
-              layer.options().one_token.inflight = f;
-              variants["stream_g" + std::to_string(gw2.first) + "x" + std::to_string(gw2.second) + "_s" +
-                       std::to_string(8 / gw2.first) + "_f" + std::to_string(f)] = time_fused(0, false, true, 0, true);
+              OneTokenConfig c{gw2.first, gw2.second, 8 / gw2.first, 1};
+              c.inflight = f;
+              variants[shape(gw2.first, gw2.second) + "_s" + std::to_string(c.stages) + "_f" + std::to_string(f)] =
+                  time_stream(c);
             }
           // What the cooperative launch costs (OneTokenConfig::cooperative; plain launches can wait forever
           // beside another such launch).
-          layer.options().fused_one_token_stream = true;
-          layer.options().one_token = OneTokenConfig{};
-          layer.options().one_token.cooperative = false;
-          variants["stream_plain_launch"] = time_fused(0, false, true, 0, true);
+          OneTokenConfig plain;
+          plain.cooperative = false;
+          variants["stream_plain_launch"] = time_stream(plain);
           // Where the stream's time goes (OneTokenConfig::probe; wrong outputs): without the arithmetic, also
           // without down's waits for gate_up; 6 x 2 and 3 x 4 warps.
           for (auto gw2 : {std::pair{6, 2}, {3, 4}})
-            for (int probe : {1, 3}) {
-              layer.options().fused_one_token_stream = true;
-              layer.options().one_token = OneTokenConfig{gw2.first, gw2.second, 0, 1, probe};
-              variants["stream_g" + std::to_string(gw2.first) + "x" + std::to_string(gw2.second) + "_probe" +
-                       std::to_string(probe)] = time_fused(0, false, true, 0, true);
-            }
+            for (int probe : {1, 3})
+              variants[shape(gw2.first, gw2.second) + "_probe" + std::to_string(probe)] =
+                  time_stream(OneTokenConfig{gw2.first, gw2.second, 0, 1, probe});
           // DZ_BENCH_ONE_TOKEN_TRACE=PREFIX: one call's timeline a unit (OneTokenConfig::trace) as
           // PREFIX_pP.csv, the default block shape, for the probes P 0 (the real stream), 1 and 3.
           if (const char* tp = std::getenv("DZ_BENCH_ONE_TOKEN_TRACE")) {
@@ -897,19 +898,17 @@ int bench_moe(const Args& a) {
                           }) /
                  n_step;
         };
+        auto call = [&](int c) {  // the step's c-th call
+          layer.forward(W, x.get(), sids[size_t(c)].get(), sgws[size_t(c)].get(), T, out_f.get(), MoePath::kFused);
+        };
         layer.options() = opt;
-        for (int c = 0; c < n_step; ++c)  // warm (plans, attributes) outside the capture
-          layer.forward(W, x.get(), sids[size_t(c)].get(), sgws[size_t(c)].get(), T, out_f.get(), MoePath::kFused);
-        ms_step = time_chain([&](int c) {
-          layer.forward(W, x.get(), sids[size_t(c)].get(), sgws[size_t(c)].get(), T, out_f.get(), MoePath::kFused);
-        });
+        for (int c = 0; c < n_step; ++c) call(c);  // warm (plans, attributes) outside the capture
+        ms_step = time_chain(call);
         if (T == 1)  // the stream's units in flight capped (OneTokenConfig::inflight), in a step
           for (int f : {2, 3, 4}) {
             layer.options().fused_one_token_stream = true;
             layer.options().one_token.inflight = f;
-            step_variants["stream_f" + std::to_string(f)] = time_chain([&](int c) {
-              layer.forward(W, x.get(), sids[size_t(c)].get(), sgws[size_t(c)].get(), T, out_f.get(), MoePath::kFused);
-            });
+            step_variants["stream_f" + std::to_string(f)] = time_chain(call);
             layer.options() = opt;
           }
         const size_t gu = size_t(step_bytes / n_step * 2 / 3) / 16 * 16, dn = size_t(step_bytes / n_step / 3) / 16 * 16;
