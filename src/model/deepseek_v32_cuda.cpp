@@ -176,12 +176,7 @@ DeepseekV32Cuda::DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const
   const int64_t row =
       4 * (3 * H + q_lora_ + NH * QD + KVA + IH * ID + ID + IH + NH * (KVA + mla_.rank) + E + 2 * inter) +
       2 * (H + q_lora_ + NH * mla_.v + inter + NH * KVA) + 4 * K + 64;
-  cuda::MoeShape ms;
-  ms.n_experts = int(E);
-  ms.topk = routing_.n_active;
-  ms.hidden = int(H);
-  ms.intermediate = int(moe_inter_);
-  ms.act = cuda::MoeActivation::kSilu;
+  const cuda::MoeShape ms{int(E), routing_.n_active, int(H), int(moe_inter_), cuda::MoeActivation::kSilu};
   const size_t moe_scratch = moe_inter_ > 0 ? cuda::MoeLayer::reserved_bytes(ms, max_rows_) : 0;
   const size_t weights = size_t(weights_bytes_);
   // What the weights take on the device: projections in BF16 (FP8 ones grow),

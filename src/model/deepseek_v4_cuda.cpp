@@ -200,9 +200,7 @@ DeepseekV4Cuda::DeepseekV4Cuda(const Config& cfg, const WeightStore& ws, const d
   const int64_t H = hidden_, NHC = hc_.n, D = head_dim_, NH = n_heads_, QL = q_lora_, G = o_groups_, R = o_rank_;
   const int64_t ID = idx_dim_, IH = idx_heads_, E = routing_.n_experts, k = routing_.n_active, I = moe_inter_;
   // Scratch a row (bytes); the MoE layer says what it reserves.
-  cuda::MoeShape ms;
-  ms.n_experts = int(E), ms.topk = int(k), ms.hidden = int(H), ms.intermediate = int(I);
-  ms.act = cuda::MoeActivation::kSilu, ms.silu_limit = routing_.swiglu_limit;
+  const cuda::MoeShape ms{int(E), int(k), int(H), int(I), cuda::MoeActivation::kSilu, routing_.swiglu_limit};
   const size_t moe_scratch = mxfp4_experts_ ? cuda::MoeLayer::reserved_bytes(ms, max_rows_) : 0;
   const int64_t row = 4 * (NHC * H + 4 * H + 2 * NHC + NHC * NHC + QL + NH * D + D + 4 * D + 4 * ID + IH * ID + IH +
                            NH * D + G * R + E + k + 2 * I) +

@@ -175,12 +175,7 @@ KimiLinearCuda::KimiLinearCuda(const Config& cfg, const WeightStore& ws, const d
   // Scratch a row: activations (fp32 and bf16), KDA and MLA projections, attention partials, the BF16 experts'
   // slots; the MXFP4 experts' layer says what it reserves.
   const int64_t slot = mxfp4_experts_ ? 0 : 4 + 2 * H + 8 * moe_inter_ + 2 * moe_inter_ + 4 * H;
-  cuda::MoeShape ms;
-  ms.n_experts = int(E);
-  ms.topk = int(k);
-  ms.hidden = int(H);
-  ms.intermediate = int(moe_inter_);
-  ms.act = cuda::MoeActivation::kSilu;
+  const cuda::MoeShape ms{int(E), int(k), int(H), int(moe_inter_), cuda::MoeActivation::kSilu};
   const size_t moe_scratch = moe_inter_ > 0 && mxfp4_experts_ ? cuda::MoeLayer::reserved_bytes(ms, max_rows_) : 0;
   const int64_t row = 4 * (2 * H + 3 * P + 3 * P + 2 * D + 2 * P + NHK + P + NH * QD + KVA +
                            NH * (KVA + 2 * mla_.rank) + E + 2 * inter) +
