@@ -141,6 +141,18 @@ void CudaModelCore::logits(const float* x, const int32_t* rows, int n, int H, in
   }
 }
 
+void CudaModelCore::poll_abort(const ForwardOptions& opt) {
+  if (opt.abort && opt.abort(opt.abort_user)) {
+    cudaStreamSynchronize(ctx_->stream());
+    fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
+  }
+}
+
+void CudaModelCore::finish_pass(cuda::MoeLayer* moe) {
+  DZ_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream()));
+  check(!moe || moe->take_error() == 0, DZ_ERR_INTERNAL, family_, " CUDA: an expert id was out of range");
+}
+
 bool CudaModelCore::sample(std::span<const DeviceSample> rows, int V, int32_t* tokens) {
   DZ_CUDA_CHECK(cudaSetDevice(dev_));
   return lstage_->sample(rows, V, tokens, ctx_->stream());

@@ -95,6 +95,12 @@ class CudaModelCore {
   void logits(const float* x, const int32_t* rows, int n, int H, int V, float eps, uint16_t* xb, float* const* ddst,
               const std::vector<float*>& host_dst, const std::vector<int32_t*>& argmax_dst, cudaStream_t s);
 
+  // ForwardOptions::poll_abort between layers: the stream's queued work completes before DZ_ERR_CANCELLED.
+  void poll_abort(const ForwardOptions& opt);
+  // A pass's end: waits for its logits, then DZ_ERR_INTERNAL if the MoE layer `moe` (null: none) saw an expert id
+  // out of range.
+  void finish_pass(cuda::MoeLayer* moe);
+
   std::unique_ptr<DeviceLogits> make_device_logits(int V) {
     return cuda::make_device_logits(ctx_->pool(), dev_, V, family_);
   }

@@ -361,10 +361,7 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
 
   core_->embed(d_tok, T, H, x, s);
   for (int li = 0; li < L; ++li) {
-    if (opt.abort && opt.abort(opt.abort_user)) {
-      cudaStreamSynchronize(s);
-      fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
-    }
+    core_->poll_abort(opt);
     const DevLayer& D = dl_[size_t(li)];
     uint8_t* kv_layer = kv_base + arena.layer_offset(uint32_t(li));
     cuda::rms_norm(x, nullptr, T, H, D.in_norm.get(), eps_, nullptr, xb, s);
@@ -423,11 +420,7 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
   // The logit rows of this pass, kLogitRows at a time.
   core_->logits(x, reinterpret_cast<const int32_t*>(at(o_lr)), int(logit_rows.size()), H, V, eps_, xb,
                 reinterpret_cast<float* const*>(at(o_dd)), logit_dst, argmax_dst, s);
-  DZ_CUDA_CHECK(cudaStreamSynchronize(s));
-  if (moe_) {
-    const int err = moe_->take_error();
-    check(err == 0, DZ_ERR_INTERNAL, "deepseek_v32 CUDA: an expert id was out of range");
-  }
+  core_->finish_pass(moe_.get());
 }
 
 }  // namespace

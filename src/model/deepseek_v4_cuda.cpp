@@ -549,14 +549,8 @@ void DeepseekV4Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
   for (int j = 0; j < NHC; ++j)
     DZ_CUDA_CHECK(cudaMemcpy2DAsync(x + size_t(j) * H, size_t(NHC) * H * 4, col, size_t(H) * 4, size_t(H) * 4, TS,
                                     cudaMemcpyDeviceToDevice, s));
-  auto poll = [&] {
-    if (opt.abort && opt.abort(opt.abort_user)) {
-      cudaStreamSynchronize(s);
-      fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
-    }
-  };
   for (int li = 0; li < L; ++li) {
-    poll();
+    core_->poll_abort(opt);
     const DevLayer& D = dl_[size_t(li)];
     const v4::Layer& Ly = layers_[size_t(li)];
     hc_pre(D.attn_hc, false, T, col, s);
@@ -578,15 +572,11 @@ void DeepseekV4Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
     if (D.shared.inter) core_->mlp(D.shared, xb, T, H, y, s, routing_.swiglu_limit);
     cuda::hc_post(x, y, w_.get(), T, NHC, H, s);
   }
-  poll();
+  core_->poll_abort(opt);
   hc_pre(head_, true, T, col, s);
   core_->logits(col, reinterpret_cast<const int32_t*>(at(o_lr)), int(logit_rows.size()), H, V, eps_, xb,
                 reinterpret_cast<float* const*>(at(o_dd)), logit_dst, argmax_dst, s);
-  DZ_CUDA_CHECK(cudaStreamSynchronize(s));
-  if (moe_) {
-    const int err = moe_->take_error();
-    check(err == 0, DZ_ERR_INTERNAL, "deepseek_v4 CUDA: an expert id was out of range");
-  }
+  core_->finish_pass(moe_.get());
 }
 
 }  // namespace

@@ -451,10 +451,7 @@ void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
 
   core_->embed(reinterpret_cast<const int32_t*>(at(o_tok)), T, H, x, s);
   for (int li = 0; li < L; ++li) {
-    if (opt.abort && opt.abort(opt.abort_user)) {
-      cudaStreamSynchronize(s);
-      fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
-    }
+    core_->poll_abort(opt);
     const DevLayer& D = dl_[size_t(li)];
     cuda::rms_norm(x, nullptr, T, H, D.in_norm.get(), eps_, nullptr, xb, s);
     if (D.kda)
@@ -479,18 +476,11 @@ void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
     if (D.shared.inter) core_->mlp(D.shared, xb, int(T), H, x, s);
   }
 
-  if (opt.abort && opt.abort(opt.abort_user)) {  // as the CPU family: once more before the logits
-    cudaStreamSynchronize(s);
-    fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
-  }
+  core_->poll_abort(opt);  // as the CPU family: once more before the logits
   // The logit rows of this pass, kLogitRows at a time.
   core_->logits(x, reinterpret_cast<const int32_t*>(at(o_lr)), int(logit_rows.size()), H, V, eps_, xb,
                 reinterpret_cast<float* const*>(at(o_dd)), logit_dst, argmax_dst, s);
-  DZ_CUDA_CHECK(cudaStreamSynchronize(s));
-  if (moe_) {
-    const int err = moe_->take_error();
-    check(err == 0, DZ_ERR_INTERNAL, "kimi_linear CUDA: an expert id was out of range");
-  }
+  core_->finish_pass(moe_.get());
 }
 
 }  // namespace
