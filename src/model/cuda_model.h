@@ -1,4 +1,4 @@
-// What the DeepSeek-lineage CUDA families (deepseek_v32, kimi_linear) share:
+// What the DeepSeek-lineage CUDA families (deepseek_v32, deepseek_v4, kimi_linear) share:
 // the device and its memory pool, the BF16 GEMMs, the model's two ends on the
 // device (embeddings in; final norm, lm_head and the logit rows out), dense
 // SwiGLU MLPs, routed MXFP4 experts in cuda::MoeLayer's layout, and pass
@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -20,8 +21,10 @@
 #include "model/lm_ends.h"
 #include "model/moe_ffn.h"
 #include "runtime/cuda/context.h"
+#include "runtime/cuda/kv_storage.h"
 #include "runtime/cuda/logit_rows.h"
 #include "runtime/cuda/upload.h"
+#include "runtime/device.h"
 
 namespace dz {
 
@@ -117,6 +120,61 @@ class CudaModelCore {
   cuda::DeviceArray<float> final_norm_;
   cuda::DeviceArray<float> h_, logits_;
   cuda::DeviceArray<uint16_t> hb_;
+};
+
+// The Family face these families share over their description `Desc` (the
+// layers as read from the checkpoint): info, KV storage on the device, pass
+// size, device logits and sampling; and the dz_model_params every one of them
+// takes or refuses alike. Each family builds core_ (and moe_, if it routes
+// MXFP4 experts) and its layers, and sets device_bytes_.
+template <class Desc>
+class CudaFamily : public Family, protected Desc {
+ public:
+  void fill_info(dz_model_info& info) const override {
+    this->fill_desc_info(info);
+    info.device = DZ_DEVICE_CUDA;
+    info.device_bytes = device_bytes_;
+  }
+  int32_t n_vocab() const override { return this->n_vocab_; }
+  std::unique_ptr<kv::Storage> (*kv_storage() const)(size_t) override { return storage_fn_; }
+  uint32_t prefill_chunk() const override { return uint32_t(max_rows_); }
+  std::unique_ptr<DeviceLogits> make_device_logits() override { return core_->make_device_logits(this->n_vocab_); }
+  bool sample_on_device(std::span<const DeviceSample> rows, int32_t* tokens) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    return core_->sample(rows, this->n_vocab_, tokens);
+  }
+
+ protected:
+  // desc_args: Desc's constructor's; default_rows: a pass's rows unless params.pass_tokens says otherwise.
+  template <class... DescArgs>
+  CudaFamily(const char* family, const dz_model_params& params, int default_rows, DescArgs&&... desc_args)
+      : Desc(std::forward<DescArgs>(desc_args)...), dev_(params.device_index), max_rows_(default_rows) {
+    check(cuda_device_count() > 0, DZ_ERR_DEVICE, family, ": DZ_DEVICE_CUDA requested but no CUDA device is present");
+    storage_fn_ = cuda::device_kv_storage(dev_);
+    check(params.activations != DZ_ACTIVATIONS_F32, DZ_ERR_UNSUPPORTED, family,
+          " CUDA: DZ_ACTIVATIONS_F32 is not implemented (the GEMMs take BF16 activations)");
+    check(params.experts == DZ_EXPERTS_AUTO || params.experts == DZ_EXPERTS_NATIVE, DZ_ERR_UNSUPPORTED, family,
+          " CUDA: dz_expert_precision ", int(params.experts), " (AUTO or NATIVE so far)");
+    check(params.bf16_sensitive != 0, DZ_ERR_UNSUPPORTED, family,
+          " CUDA: bf16_sensitive = 0 (lower-precision projections) is not implemented");
+    // NATIVE: the fused MXFP4 kernels (FP16 activations) at every batch size;
+    // AUTO: FP8 GEMMs (E4M3 activations, 1x128 scales) above the fused path's threshold.
+    path_ = params.experts == DZ_EXPERTS_NATIVE ? cuda::MoePath::kFused : cuda::MoePath::kAuto;
+    if (params.pass_tokens) max_rows_ = int(params.pass_tokens);
+  }
+  template <typename T>
+  T* room(cuda::DeviceArray<T>& a, size_t n, const char* what) {
+    return core_->room(a, n, what);
+  }
+
+  int dev_ = 0;
+  cuda::MoePath path_ = cuda::MoePath::kAuto;
+  cuda::KvStorageFn storage_fn_ = nullptr;
+  uint64_t device_bytes_ = 0;
+  int max_rows_ = 0;
+  std::unique_ptr<CudaModelCore> core_;
+  std::unique_ptr<cuda::MoeLayer> moe_;  // null: no layer routes MXFP4 experts
+  std::mutex mu_;                        // one forward at a time (shared scratch)
 };
 
 }  // namespace dz

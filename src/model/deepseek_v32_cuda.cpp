@@ -68,16 +68,10 @@ struct DevLayer {
   DevMxfp4Experts fp4;  // routed experts in MXFP4
 };
 
-class DeepseekV32Cuda final : public Family, private DeepseekV32Desc {
+class DeepseekV32Cuda final : public CudaFamily<DeepseekV32Desc> {
  public:
   DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params);
 
-  void fill_info(dz_model_info& info) const override {
-    fill_desc_info(info);
-    info.device = DZ_DEVICE_CUDA;
-    info.device_bytes = device_bytes_;
-  }
-  int32_t n_vocab() const override { return n_vocab_; }
   kv::Layout kv_layout(uint32_t page_tokens) const override {
     kv::Layout l;
     l.page_tokens = page_tokens;
@@ -85,14 +79,7 @@ class DeepseekV32Cuda final : public Family, private DeepseekV32Desc {
     l.model_key = model_key_;
     return l;
   }
-  std::unique_ptr<kv::Storage> (*kv_storage() const)(size_t) override { return storage_fn_; }
-  uint32_t prefill_chunk() const override { return uint32_t(max_rows_); }
   void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
-  std::unique_ptr<DeviceLogits> make_device_logits() override { return core_->make_device_logits(n_vocab_); }
-  bool sample_on_device(std::span<const DeviceSample> rows, int32_t* tokens) override {
-    std::lock_guard<std::mutex> lk(mu_);
-    return core_->sample(rows, n_vocab_, tokens);
-  }
 
  private:
   struct Segment {  // one item's rows within a pass
@@ -101,46 +88,23 @@ class DeepseekV32Cuda final : public Family, private DeepseekV32Desc {
   void pass(std::span<ForwardItem> batch, const BatchRows& flat, int64_t r0, int64_t r1,
             const std::vector<int32_t>& page_ids, const std::vector<int32_t>& item_page, kv::Arena& arena,
             const ForwardOptions& opt);
-  template <typename T>
-  T* room(DeviceArray<T>& a, size_t n, const char* what) {
-    return core_->room(a, n, what);
-  }
 
-  int dev_ = 0;
-  cuda::MoePath path_ = cuda::MoePath::kAuto;
-  cuda::KvStorageFn storage_fn_ = nullptr;
-  uint64_t device_bytes_ = 0, model_key_ = 0;
-  int max_rows_ = kDefaultRows;
+  uint64_t model_key_ = 0;
   size_t lat_bytes_ = 0, stride_ = 0;  // the record: latent bf16 (padded to 16), the indexer key, padded to 16
   int64_t moe_inter_ = 0;
-  std::unique_ptr<CudaModelCore> core_;
-  std::unique_ptr<cuda::MoeLayer> moe_;
   std::vector<DevLayer> dl_;
   // Pass scratch (grown on demand).
   DeviceArray<float> x_, xn_, cq_, q_, kva_, iq_, ik_, iw_, qa_, olat_, rlog_, gw_;
   DeviceArray<uint16_t> xb_, cqb_, att_, qab_;
   DeviceArray<int32_t> sel_, ids_;
   DeviceArray<uint8_t> meta_, idx_scratch_, mla_scratch_;
-  std::mutex mu_;  // one forward at a time (shared scratch)
 };
 
 DeepseekV32Cuda::DeepseekV32Cuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params)
-    : DeepseekV32Desc(cfg, ws, params), dev_(params.device_index) {
+    : CudaFamily("deepseek_v32", params, kDefaultRows, cfg, ws, params) {
   const std::string& src = cfg.source();
-  check(cuda_device_count() > 0, DZ_ERR_DEVICE, "deepseek_v32: DZ_DEVICE_CUDA requested but no CUDA device is present");
-  storage_fn_ = cuda::device_kv_storage(dev_);
   check(params.indexer != DZ_INDEXER_EXACT, DZ_ERR_UNSUPPORTED,
         "deepseek_v32 CUDA: the GPU indexer scores in FP8 (DZ_INDEXER_FP8 or AUTO); DZ_INDEXER_EXACT runs on the CPU");
-  check(params.activations != DZ_ACTIVATIONS_F32, DZ_ERR_UNSUPPORTED,
-        "deepseek_v32 CUDA: DZ_ACTIVATIONS_F32 is not implemented (the GEMMs take BF16 activations)");
-  check(params.experts == DZ_EXPERTS_AUTO || params.experts == DZ_EXPERTS_NATIVE, DZ_ERR_UNSUPPORTED,
-        "deepseek_v32 CUDA: dz_expert_precision ", int(params.experts), " (AUTO or NATIVE so far)");
-  // NATIVE: the fused MXFP4 kernels (FP16 activations) at every batch size;
-  // AUTO: FP8 GEMMs (E4M3 activations, 1x128 scales) above the fused path's threshold.
-  path_ = params.experts == DZ_EXPERTS_NATIVE ? cuda::MoePath::kFused : cuda::MoePath::kAuto;
-  check(params.bf16_sensitive != 0, DZ_ERR_UNSUPPORTED,
-        "deepseek_v32 CUDA: bf16_sensitive = 0 (lower-precision projections) is not implemented");
-  if (params.pass_tokens) max_rows_ = int(params.pass_tokens);
   check(mla_.rank <= cuda::kMlaGenericMaxRank && mla_.rope <= cuda::kMlaGenericMaxRope, DZ_ERR_UNSUPPORTED, src,
         ": kv_lora_rank ", mla_.rank, " / qk_rope_head_dim ", mla_.rope, " (the CUDA sparse MLA takes at most ",
         cuda::kMlaGenericMaxRank, " / ", cuda::kMlaGenericMaxRope, ")");

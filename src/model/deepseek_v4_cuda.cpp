@@ -92,16 +92,10 @@ size_t token_bytes_of(const v4::Layer& L) {
   return (b + 3) / 4 * 4;
 }
 
-class DeepseekV4Cuda final : public Family, private DeepseekV4Desc {
+class DeepseekV4Cuda final : public CudaFamily<DeepseekV4Desc> {
  public:
   DeepseekV4Cuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params);
 
-  void fill_info(dz_model_info& info) const override {
-    fill_desc_info(info);
-    info.device = DZ_DEVICE_CUDA;
-    info.device_bytes = device_bytes_;
-  }
-  int32_t n_vocab() const override { return n_vocab_; }
   kv::Layout kv_layout(uint32_t page_tokens) const override {
     kv::Layout l;
     l.page_tokens = page_tokens;
@@ -110,14 +104,7 @@ class DeepseekV4Cuda final : public Family, private DeepseekV4Desc {
     l.model_key = gpu_key_;
     return l;
   }
-  std::unique_ptr<kv::Storage> (*kv_storage() const)(size_t) override { return storage_fn_; }
-  uint32_t prefill_chunk() const override { return uint32_t(max_rows_); }
   void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
-  std::unique_ptr<DeviceLogits> make_device_logits() override { return core_->make_device_logits(n_vocab_); }
-  bool sample_on_device(std::span<const DeviceSample> rows, int32_t* tokens) override {
-    std::lock_guard<std::mutex> lk(mu_);
-    return core_->sample(rows, n_vocab_, tokens);
-  }
 
  private:
   // Per-pass device metadata the layers read.
@@ -139,21 +126,11 @@ class DeepseekV4Cuda final : public Family, private DeepseekV4Desc {
             std::vector<char>& touched, const ForwardOptions& opt);
   void attention(const DevLayer& D, const v4::Layer& L, int li, const PassMeta& m, float* y, cudaStream_t s);
   void hc_pre(const DevHc& hc, bool head, int T, float* col, cudaStream_t s);
-  template <typename T>
-  T* room(DeviceArray<T>& a, size_t n, const char* what) {
-    return core_->room(a, n, what);
-  }
 
-  int dev_ = 0;
-  cuda::KvStorageFn storage_fn_ = nullptr;
-  uint64_t device_bytes_ = 0, gpu_key_ = 0;
-  int max_rows_ = kDefaultRows;
+  uint64_t gpu_key_ = 0;
   int64_t rate_csa_ = 0, rate_hca_ = 0;
   bool mxfp4_experts_ = false;
-  cuda::MoePath path_ = cuda::MoePath::kAuto;
-  std::unique_ptr<CudaModelCore> core_;
   std::unique_ptr<cuda::Bf16Experts> experts_;
-  std::unique_ptr<cuda::MoeLayer> moe_;
   std::vector<DevLayer> dl_;
   DevHc head_;
   DeviceArray<float> ones_;  // the per-head query norm has no weight
@@ -163,22 +140,11 @@ class DeepseekV4Cuda final : public Family, private DeepseekV4Desc {
   DeviceArray<uint16_t> xb_, qresb_, grp_, midb_;
   DeviceArray<int32_t> ids_, sel_;
   DeviceArray<uint8_t> meta_;
-  std::mutex mu_;  // one forward at a time (shared scratch)
 };
 
 DeepseekV4Cuda::DeepseekV4Cuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params)
-    : DeepseekV4Desc(cfg, ws), dev_(params.device_index) {
+    : CudaFamily("deepseek_v4", params, kDefaultRows, cfg, ws) {
   const std::string& src = cfg.source();
-  check(cuda_device_count() > 0, DZ_ERR_DEVICE, "deepseek_v4: DZ_DEVICE_CUDA requested but no CUDA device is present");
-  storage_fn_ = cuda::device_kv_storage(dev_);
-  check(params.activations != DZ_ACTIVATIONS_F32, DZ_ERR_UNSUPPORTED,
-        "deepseek_v4 CUDA: DZ_ACTIVATIONS_F32 is not implemented (the GEMMs take BF16 activations)");
-  check(params.experts == DZ_EXPERTS_AUTO || params.experts == DZ_EXPERTS_NATIVE, DZ_ERR_UNSUPPORTED,
-        "deepseek_v4 CUDA: dz_expert_precision ", int(params.experts), " (AUTO or NATIVE so far)");
-  check(params.bf16_sensitive != 0, DZ_ERR_UNSUPPORTED,
-        "deepseek_v4 CUDA: bf16_sensitive = 0 (lower-precision projections) is not implemented");
-  path_ = params.experts == DZ_EXPERTS_NATIVE ? cuda::MoePath::kFused : cuda::MoePath::kAuto;
-  if (params.pass_tokens) max_rows_ = int(params.pass_tokens);
   check(hc_.n <= cuda::kHcMaxStreams, DZ_ERR_UNSUPPORTED, src, ": hc_mult ", hc_.n, " (the CUDA mHC takes at most ",
         cuda::kHcMaxStreams, " streams)");
   check(head_dim_ % 32 == 0 && head_dim_ <= 512, DZ_ERR_UNSUPPORTED, src, ": head_dim ", head_dim_,

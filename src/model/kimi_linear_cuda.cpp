@@ -73,16 +73,10 @@ struct DevLayer {
   DevMxfp4Experts fp4;  // routed experts in MXFP4
 };
 
-class KimiLinearCuda final : public Family, private KimiLinearDesc {
+class KimiLinearCuda final : public CudaFamily<KimiLinearDesc> {
  public:
   KimiLinearCuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params);
 
-  void fill_info(dz_model_info& info) const override {
-    fill_desc_info(info);
-    info.device = DZ_DEVICE_CUDA;
-    info.device_bytes = device_bytes_;
-  }
-  int32_t n_vocab() const override { return n_vocab_; }
   kv::Layout kv_layout(uint32_t page_tokens) const override {
     kv::Layout l;
     l.page_tokens = page_tokens;
@@ -91,14 +85,7 @@ class KimiLinearCuda final : public Family, private KimiLinearDesc {
     l.model_key = model_key_;
     return l;
   }
-  std::unique_ptr<kv::Storage> (*kv_storage() const)(size_t) override { return storage_fn_; }
-  uint32_t prefill_chunk() const override { return uint32_t(max_rows_); }
   void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
-  std::unique_ptr<DeviceLogits> make_device_logits() override { return core_->make_device_logits(n_vocab_); }
-  bool sample_on_device(std::span<const DeviceSample> rows, int32_t* tokens) override {
-    std::lock_guard<std::mutex> lk(mu_);
-    return core_->sample(rows, n_vocab_, tokens);
-  }
 
  private:
   struct Segment {  // one item's rows within a pass
@@ -111,22 +98,12 @@ class KimiLinearCuda final : public Family, private KimiLinearDesc {
                  float* const* st_in, float* const* st_out, cudaStream_t s);
   void mla_layer(const DevLayer& D, int T, const int64_t* row_off, const int64_t* n_vis, int64_t max_vis,
                  uint8_t* kv_layer, const uint8_t* const* const* pages, uint32_t page_tokens, cudaStream_t s);
-  template <typename T>
-  T* room(DeviceArray<T>& a, size_t n, const char* what) {
-    return core_->room(a, n, what);
-  }
 
-  int dev_ = 0;
-  cuda::MoePath path_ = cuda::MoePath::kAuto;
-  cuda::KvStorageFn storage_fn_ = nullptr;
-  uint64_t device_bytes_ = 0, model_key_ = 0;
-  int max_rows_ = kDefaultRows;
+  uint64_t model_key_ = 0;
   size_t stride_ = 0;  // an MLA record: bf16 [c_kv | k_pe], padded to 16 bytes
   int n_mla_ = 0;
   int64_t moe_inter_ = 0;
   bool mxfp4_experts_ = false;
-  std::unique_ptr<CudaModelCore> core_;
-  std::unique_ptr<cuda::MoeLayer> moe_;
   std::unique_ptr<cuda::Bf16Experts> bf16_experts_;
   std::vector<DevLayer> dl_;
   // Pass scratch (grown on demand).
@@ -134,22 +111,11 @@ class KimiLinearCuda final : public Family, private KimiLinearDesc {
   DeviceArray<uint16_t> xb_, fgb_, ob_, att_, qab_;
   DeviceArray<int32_t> ids_;
   DeviceArray<uint8_t> meta_, mla_scratch_;
-  std::mutex mu_;  // one forward at a time (shared scratch)
 };
 
 KimiLinearCuda::KimiLinearCuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params)
-    : KimiLinearDesc(cfg, ws), dev_(params.device_index) {
+    : CudaFamily("kimi_linear", params, kDefaultRows, cfg, ws) {
   const std::string& src = cfg.source();
-  check(cuda_device_count() > 0, DZ_ERR_DEVICE, "kimi_linear: DZ_DEVICE_CUDA requested but no CUDA device is present");
-  storage_fn_ = cuda::device_kv_storage(dev_);
-  check(params.activations != DZ_ACTIVATIONS_F32, DZ_ERR_UNSUPPORTED,
-        "kimi_linear CUDA: DZ_ACTIVATIONS_F32 is not implemented (the GEMMs take BF16 activations)");
-  check(params.experts == DZ_EXPERTS_AUTO || params.experts == DZ_EXPERTS_NATIVE, DZ_ERR_UNSUPPORTED,
-        "kimi_linear CUDA: dz_expert_precision ", int(params.experts), " (AUTO or NATIVE so far)");
-  path_ = params.experts == DZ_EXPERTS_NATIVE ? cuda::MoePath::kFused : cuda::MoePath::kAuto;
-  check(params.bf16_sensitive != 0, DZ_ERR_UNSUPPORTED,
-        "kimi_linear CUDA: bf16_sensitive = 0 (lower-precision projections) is not implemented");
-  if (params.pass_tokens) max_rows_ = int(params.pass_tokens);
   check(kda_.head_dim == 16 || kda_.head_dim == 32 || kda_.head_dim == 64 || kda_.head_dim == 128, DZ_ERR_UNSUPPORTED,
         src, ": linear attention head_dim ", kda_.head_dim, " (the CUDA KDA kernels take 16, 32, 64 or 128)");
   check(mla_.rank <= cuda::kMlaGenericMaxRank && mla_.rope <= cuda::kMlaGenericMaxRope && mla_.rope % 2 == 0,
