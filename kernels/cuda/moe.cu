@@ -2014,12 +2014,11 @@ struct MoeLayer::Impl {
     // DZ_MOE_ONE_TOKEN_STREAM=1 / 0: one token streamed or not, whatever the options (A/B timings of a model).
     if (const char* e = std::getenv("DZ_MOE_ONE_TOKEN_STREAM"); e && (e[0] == '0' || e[0] == '1') && e[1] == 0)
       opt.fused_one_token_stream = e[0] == '1';
-    // DZ_MOE_ONE_TOKEN_CONFIG=groups,warps,stages[,cooperative[,inflight]]: its block shape (OneTokenConfig)
-    // for such runs.
+    // DZ_MOE_ONE_TOKEN_CONFIG=groups,warps,stages[,cooperative]: its block shape (OneTokenConfig) for such runs.
     if (const char* e = std::getenv("DZ_MOE_ONE_TOKEN_CONFIG")) {
       OneTokenConfig c;
       int coop = 1;
-      if (std::sscanf(e, "%d,%d,%d,%d,%d", &c.groups, &c.group_warps, &c.stages, &coop, &c.inflight) >= 3)
+      if (std::sscanf(e, "%d,%d,%d,%d", &c.groups, &c.group_warps, &c.stages, &coop) >= 3)
         c.cooperative = coop != 0, opt.one_token = c;
     }
     ot_img = DeviceArray<uint8_t>(P, one_token_img_bytes(s), "moe one-token images");

@@ -80,9 +80,6 @@ enum class MoePath { kAuto = 0, kFused = 1, kFp8 = 2 };
 // stream's own time), kProbeNoWait (down's units do not wait for gate_up's); trace: device
 // int64 [blocks][kOneTokenTraceUnits][3] of %globaltimer ns (the producer's
 // issue, the consumers' arrival, their release of each unit).
-// inflight: at most this many units a block issued and not yet received
-// (0: as many as the ring has free stages). Every byte in flight queues ahead
-// of down's images, which each block reads from the L2 mid-stream.
 struct OneTokenConfig {
   enum : int { kProbeNoMath = 1, kProbeNoWait = 2 };
   int groups = 6, group_warps = 2, stages = 0, launches = 1;
@@ -92,7 +89,6 @@ struct OneTokenConfig {
   // streams each running the stream (two models decoding on one GPU) could each hold part of the GPU and
   // wait for the rest forever. false only for dz bench moe's timing of what it costs.
   bool cooperative = true;
-  int inflight = 0;
 };
 constexpr int kOneTokenTraceUnits = 32;
 

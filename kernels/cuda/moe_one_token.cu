@@ -90,7 +90,6 @@ struct Args {
   float* out;  // [hidden]
   int accumulate;
   int probe;         // OneTokenConfig::probe
-  int inflight;      // OneTokenConfig::inflight, 0 if it is no cap (the ring's stages or more)
   long long* trace;  // OneTokenConfig::trace
   int* err;
   bool gate_up, down;  // the projections this launch streams
@@ -216,10 +215,6 @@ __global__ void __launch_bounds__(32 * (2 + kGroups * kWarps), 1) one_token_kern
     for (int i = sp.i0; i < sp.i1; ++i) {
       const int n = i - sp.i0, k = n / kGroups, st = (n % kGroups) * L.stages + k % L.stages, m = k / L.stages;
       if (m > 0) ptx::mbar_wait(empty(st), uint32_t(m - 1) & 1);
-      if (a.inflight && n >= a.inflight) {  // unit n - inflight received (its stage is not reused before n)
-        const int p = n - a.inflight, kp = p / kGroups;
-        ptx::mbar_wait(full((p % kGroups) * L.stages + kp % L.stages), uint32_t(kp / L.stages) & 1);
-      }
       if (a.trace && n < kOneTokenTraceUnits - 1 && lane == 0) trace_at(a, n, 0);
       const Unit un = unit_at(a, sp, i);
       const Proj& P = a.p[un.proj];
@@ -453,16 +448,14 @@ void one_token_moe(const MoeShape& s, const MoeWeights& w, const float* x, const
   a.slot_done = scr.counts, a.images_in = scr.counts + s.topk;
   a.out = out, a.accumulate = accumulate ? 1 : 0, a.probe = c.probe, a.trace = c.trace, a.err = err;
   a.plan = plan_of(s, blocks);
-  // A cap of the ring's stages or more is none (the producer's wait needs unit n - inflight's stage unused since).
-  auto inflight = [&](const Layout& L) { return c.inflight > 0 && c.inflight < c.groups * L.stages ? c.inflight : 0; };
   if (c.launches == 1) {  // both projections in one stream
-    a.gate_up = a.down = true, a.L = layout_of(s, c, true, true, blocks), a.inflight = inflight(a.L);
+    a.gate_up = a.down = true, a.L = layout_of(s, c, true, true, blocks);
     launch_ex(pdl, c.cooperative, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);
     return;
   }
-  a.gate_up = true, a.down = false, a.L = layout_of(s, c, true, false, blocks), a.inflight = inflight(a.L);
+  a.gate_up = true, a.down = false, a.L = layout_of(s, c, true, false, blocks);
   launch_ex(pdl, c.cooperative, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);
-  a.gate_up = false, a.down = true, a.L = layout_of(s, c, false, true, blocks), a.inflight = inflight(a.L);
+  a.gate_up = false, a.down = true, a.L = layout_of(s, c, false, true, blocks);
   launch_ex(pdl, c.cooperative, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);
 }
 

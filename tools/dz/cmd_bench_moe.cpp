@@ -69,8 +69,7 @@ const char* kUsage =
     "(one fixed scale, 1/8: gpt-oss's SwiGLU is at most 56).\n"
     "Up to 64 tokens, step_ms also times the layer as a decode step runs it: 2-8 calls back to back in one\n"
     "graph, each on experts of its own (disjoint routing sets), beside a plain read chained the same way.\n"
-    "One token also times the stream's shapes and units in flight (fused_variants_ms: stream_gGxW_sS,\n"
-    "stream_fF; step_variants_ms: stream_fF in a step).\n"
+    "One token also times the stream's shapes (fused_variants_ms: stream_gGxW_sS).\n"
     "--grouped-blocks: persistent blocks of the grouped GEMM (default 0: one per SM).\n";
 
 }  // namespace
@@ -652,20 +651,6 @@ int bench_moe(const Args& a) {
                 variants[shape(gw2.first, gw2.second) + "_s" + std::to_string(stages) + (launches == 2 ? "_l2" : "")] =
                     time_stream(OneTokenConfig{gw2.first, gw2.second, stages, launches});
               }
-          // Units in flight a block, capped (OneTokenConfig::inflight), the ring as it is ...
-          for (int f : {1, 2, 3, 4, 5}) {
-            OneTokenConfig c;
-            c.inflight = f;
-            variants["stream_f" + std::to_string(f)] = time_stream(c);
-          }
-          // ... and with rings of 8 stages, where more units wait for down's images.
-          for (auto gw2 : {std::pair{2, 6}, {4, 2}, {8, 1}})
-            for (int f : {0, 2, 3}) {
-              OneTokenConfig c{gw2.first, gw2.second, 8 / gw2.first, 1};
-              c.inflight = f;
-              variants[shape(gw2.first, gw2.second) + "_s" + std::to_string(c.stages) + "_f" + std::to_string(f)] =
-                  time_stream(c);
-            }
           // What the cooperative launch costs (OneTokenConfig::cooperative; plain launches can wait forever
           // beside another such launch).
           OneTokenConfig plain;
@@ -866,7 +851,6 @@ int bench_moe(const Args& a) {
       // the graph's over n. The plain read is chained the same way, each
       // call's pair of reads on bytes of its own.
       double ms_step = -1, ms_step_read = -1, step_bytes = 0;
-      nlohmann::json step_variants = nlohmann::json::object();
       // (Parts of at least twice a call's routed slots: each call's experts drawn as from all of them.)
       const int n_step = std::min(8, E / std::max(1, 2 * T * K));
       if (T <= 64 && n_step >= 2) {
@@ -904,13 +888,6 @@ int bench_moe(const Args& a) {
         layer.options() = opt;
         for (int c = 0; c < n_step; ++c) call(c);  // warm (plans, attributes) outside the capture
         ms_step = time_chain(call);
-        if (T == 1)  // the stream's units in flight capped (OneTokenConfig::inflight), in a step
-          for (int f : {2, 3, 4}) {
-            layer.options().fused_one_token_stream = true;
-            layer.options().one_token.inflight = f;
-            step_variants["stream_f" + std::to_string(f)] = time_chain(call);
-            layer.options() = opt;
-          }
         const size_t gu = size_t(step_bytes / n_step * 2 / 3) / 16 * 16, dn = size_t(step_bytes / n_step / 3) / 16 * 16;
         if (gu * n_step <= w1b.size() && dn * n_step <= w2b.size())
           ms_step_read = time_chain([&](int c) {
@@ -946,7 +923,6 @@ int bench_moe(const Args& a) {
           {"step_ms", or_null(ms_step > 0, ms_step)},
           {"step_hbm_fraction", or_null(ms_step > 0, step_bytes / (ms_step * 1e-3) / bw_ceiling)},
           {"step_plain_read_ms", or_null(ms_step_read > 0, ms_step_read)},
-          {"step_variants_ms", step_variants},
           {"step_plain_read_hbm_fraction", or_null(ms_step_read > 0, step_bytes / (ms_step_read * 1e-3) / bw_ceiling)},
           {"fp8_host_ms", median(host)},
           {"fused_variants_ms", variants},
