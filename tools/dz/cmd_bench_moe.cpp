@@ -493,6 +493,9 @@ int bench_moe(const Args& a) {
     }
 
     MoeLayer layer(ctx, sh, max_T, opt);
+    // What every variant returns to: the options with the library's A/B overrides from the environment
+    // (DZ_MOE_ONE_TOKEN_STREAM, DZ_MOE_ONE_TOKEN_CONFIG), as a model's layer takes them.
+    opt = layer.options();
     GpuTimer timer(ctx);
     constexpr int kSets = 4;  // routing sets rotated between calls
 
@@ -670,7 +673,7 @@ int bench_moe(const Args& a) {
               variants[shape(gw2.first, gw2.second) + "_probe" + std::to_string(probe)] =
                   time_stream(OneTokenConfig{gw2.first, gw2.second, 0, 1, probe});
           // DZ_BENCH_ONE_TOKEN_TRACE=PREFIX: one call's timeline a unit (OneTokenConfig::trace) as
-          // PREFIX_pP.csv, the default block shape, for the probes P 0 (the real stream), 1 and 3.
+          // PREFIX_pP.csv, the layer's block shape, for the probes P 0 (the real stream), 1 and 3.
           if (const char* tp = std::getenv("DZ_BENCH_ONE_TOKEN_TRACE")) {
             int dev = 0, nb = 0;
             DZ_CUDA_CHECK(cudaGetDevice(&dev));
@@ -680,7 +683,7 @@ int bench_moe(const Args& a) {
               DZ_CUDA_CHECK(cudaMemset(tr.get(), 0, tr.bytes()));
               layer.options().fused_one_token_stream = true;
               OneTokenConfig& c = layer.options().one_token;
-              c = OneTokenConfig{};
+              c = opt.one_token;  // (DZ_MOE_ONE_TOKEN_CONFIG's, if set)
               c.probe = probe, c.trace = tr.get();
               for (int rep = 0; rep < 3; ++rep)  // the last of three calls, L2 flushed before it
                 timer.flush_l2(),
