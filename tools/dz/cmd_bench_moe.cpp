@@ -29,6 +29,7 @@
 #include "cuda/fill.h"
 #include "cuda/fp8_grouped_gemm.h"
 #include "cuda/moe.h"
+#include "cuda/moe_one_token.h"
 #include "cuda/mxfp4_fold.h"
 #include "cuda/mxfp4_gemm.h"
 #include "runtime/cuda/context.h"
@@ -693,11 +694,20 @@ int bench_moe(const Args& a) {
               std::vector<long long> h(size_t(nb) * kOneTokenTraceUnits * 3);
               DZ_CUDA_CHECK(cudaMemcpy(h.data(), tr.get(), h.size() * 8, cudaMemcpyDeviceToHost));
               std::ofstream f(std::string(tp) + "_p" + std::to_string(probe) + ".csv");
-              f << "block,i,issue_ns,arrive_ns,release_ns\n";
+              // Each unit's projection (0 gate_up, 1 down) and slot, as the kernel's plan deals them.
+              const int gate_up_tiles = 2 * sh.intermediate / 16;
+              const OneTokenPlan plan(nb, sh.topk, gate_up_tiles, sh.hidden / 16);
+              f << "block,i,issue_ns,arrive_ns,release_ns,proj,slot\n";
               for (int b = 0; b < nb; ++b)
                 for (int i = 0; i < kOneTokenTraceUnits; ++i) {
                   const long long* e = &h[(size_t(b) * kOneTokenTraceUnits + i) * 3];
-                  if (e[0]) f << b << ',' << i << ',' << e[0] << ',' << e[1] << ',' << e[2] << '\n';
+                  if (!e[0]) continue;
+                  const int ng = plan.gate_up_units(b), proj = i < ng ? 0 : 1;
+                  const int slot = i == kOneTokenTraceUnits - 1 ? -1
+                                   : proj == 0                  ? plan.gate_up_unit(b, i) / gate_up_tiles
+                                                                : plan.down_slot(b, i - ng);
+                  f << b << ',' << i << ',' << e[0] << ',' << e[1] << ',' << e[2] << ','
+                    << (i == kOneTokenTraceUnits - 1 ? -1 : proj) << ',' << slot << '\n';
                 }
             }
           }

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Summarises a one-token stream trace (dz bench moe with DZ_BENCH_ONE_TOKEN_TRACE=PREFIX writes PREFIX_pP.csv:
-per block and unit the producer's issue, the consumers' arrival and release, %globaltimer ns; unit 31 holds the
-block's start, its last group's end and its last sum of a row tile).
+per block and unit the producer's issue, the consumers' arrival and release, %globaltimer ns, and the unit's
+projection and slot; unit 31 holds the block's start, its last group's end and its last sum of a row tile).
 
 Usage: tools/gpu/one_token_trace.py F.csv[.gz] [--unit-bytes 23040] [--bin-us 1]
 Prints when the first and last units were issued, arrived and were released, the arrival rate per time bin as
-bytes per second, and how long the producers waited for a free stage."""
+bytes per second, how long the producers waited for a free stage, and each slot's handoff from gate_up to down."""
 import argparse
 import csv
 import gzip
@@ -60,6 +60,15 @@ def main():
     print(f"issue gaps (us): median {statistics.median(gaps):.2f} p90 {gaps[int(0.9 * len(gaps))]:.2f} max {gaps[-1]:.2f}")
     lat = sorted(us(r[3]) - us(r[2]) for r in rows if r[3])
     print(f"issue -> arrive (us): min {lat[0]:.2f} median {statistics.median(lat):.2f} p90 {lat[int(0.9 * len(lat))]:.2f} max {lat[-1]:.2f}")
+    # The handoff a slot (traces with proj and slot columns): when its last gate_up unit was released, and when its
+    # down units arrived (a down unit's arrival includes its wait for the slot's image).
+    if rows and len(rows[0]) >= 7:
+        for s in sorted({r[6] for r in rows if r[6] >= 0}):
+            gu = [us(r[4]) for r in rows if r[5] == 0 and r[6] == s and r[4]]
+            dn = sorted(us(r[3]) for r in rows if r[5] == 1 and r[6] == s and r[3])
+            if gu and dn:
+                print(f"slot {s}: gate_up done {max(gu):.2f} us, its down units arrive {dn[0]:.2f} .. median "
+                      f"{statistics.median(dn):.2f} .. {dn[-1]:.2f} (first {dn[0] - max(gu):+.2f} after)")
 
 
 if __name__ == "__main__":
