@@ -2014,13 +2014,12 @@ struct MoeLayer::Impl {
     // DZ_MOE_ONE_TOKEN_STREAM=1 / 0: one token streamed or not, whatever the options (A/B timings of a model).
     if (const char* e = std::getenv("DZ_MOE_ONE_TOKEN_STREAM"); e && (e[0] == '0' || e[0] == '1') && e[1] == 0)
       opt.fused_one_token_stream = e[0] == '1';
-    // DZ_MOE_ONE_TOKEN_CONFIG=groups,warps,stages[,cooperative[,warp_images]]: its block shape and launch
-    // (OneTokenConfig) for such runs.
+    // DZ_MOE_ONE_TOKEN_CONFIG=groups,warps,stages[,cooperative]: its block shape (OneTokenConfig) for such runs.
     if (const char* e = std::getenv("DZ_MOE_ONE_TOKEN_CONFIG")) {
       OneTokenConfig c;
-      int coop = 1, wimg = 0;
-      if (std::sscanf(e, "%d,%d,%d,%d,%d", &c.groups, &c.group_warps, &c.stages, &coop, &wimg) >= 3)
-        c.cooperative = coop != 0, c.warp_images = wimg != 0, opt.one_token = c;
+      int coop = 1;
+      if (std::sscanf(e, "%d,%d,%d,%d", &c.groups, &c.group_warps, &c.stages, &coop) >= 3)
+        c.cooperative = coop != 0, opt.one_token = c;
     }
     ot_img = DeviceArray<uint8_t>(P, one_token_img_bytes(s), "moe one-token images");
     ot_counts = DeviceArray<int>(P, one_token_counts(s), "moe one-token counts");

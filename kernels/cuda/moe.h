@@ -89,11 +89,6 @@ struct OneTokenConfig {
   // streams each running the stream (two models decoding on one GPU) could each hold part of the GPU and
   // wait for the rest forever. false only for dz bench moe's timing of what it costs.
   bool cooperative = true;
-  // Down's images (each slot's activations, in the L2 once its gate_up units
-  // are done) loaded by the image warp's own 16-byte loads, slot after slot,
-  // instead of a bulk copy a slot: a bulk copy queues behind the weight
-  // copies the block's producer already has in the SM's copy engine.
-  bool warp_images = false;
 };
 constexpr int kOneTokenTraceUnits = 32;
 

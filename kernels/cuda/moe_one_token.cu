@@ -90,7 +90,6 @@ struct Args {
   float* out;  // [hidden]
   int accumulate;
   int probe;         // OneTokenConfig::probe
-  int warp_images;   // OneTokenConfig::warp_images
   long long* trace;  // OneTokenConfig::trace
   int* err;
   bool gate_up, down;  // the projections this launch streams
@@ -197,7 +196,7 @@ __global__ void __launch_bounds__(32 * (2 + kGroups * kWarps), 1) one_token_kern
   const int ni = a.p[1].nsub;
   if (threadIdx.x == 0) {
     for (int s = 0; s < n_stages; ++s) ptx::mbar_init(full(s), 1), ptx::mbar_init(empty(s), kWarps);
-    for (int k = 0; k < a.topk; ++k) ptx::mbar_init(imaged(k), a.warp_images ? 32 : 1);
+    for (int k = 0; k < a.topk; ++k) ptx::mbar_init(imaged(k), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if (int(threadIdx.x) < L.tiles) tcnt[threadIdx.x] = 0;
@@ -236,22 +235,9 @@ __global__ void __launch_bounds__(32 * (2 + kGroups * kWarps), 1) one_token_kern
   uint8_t* simg = sm + L.simg;
   if (warp == 1) {  // down's images: lane k brings slot k's (a down tile reads every slot)
     if (!a.down) return;
-    const bool wait = !(a.probe & OneTokenConfig::kProbeNoWait);
-    if (a.warp_images && sp.i1 > sp.ng) {  // slot after slot (they complete in slot order), the whole warp
-      const int n16 = ni * kImgSub / 16;
-      for (int k = 0; k < a.topk; ++k) {
-        // Every lane sees the count itself (one address: one request a poll), then fences as the writers did.
-        while (wait && *reinterpret_cast<const volatile int*>(a.slot_done + k) < U1 / a.topk) __nanosleep(32);
-        __threadfence();
-        const uint4* src = reinterpret_cast<const uint4*>(a.img) + k * n16;  // written by other SMs: L2 (.cg)
-        uint4* dst = reinterpret_cast<uint4*>(simg) + k * n16;
-        for (int q = lane; q < n16; q += 32) dst[q] = __ldcg(src + q);
-        ptx::mbar_arrive(imaged(k));  // (each lane: its stores released to the consumers)
-      }
-      if (lane < a.topk)
-        while (!wait && *reinterpret_cast<const volatile int*>(a.slot_done + lane) < U1 / a.topk) __nanosleep(64);
-    } else if (lane < a.topk && sp.i1 > sp.ng) {
+    if (lane < a.topk && sp.i1 > sp.ng) {
       const volatile int* done = a.slot_done + lane;
+      const bool wait = !(a.probe & OneTokenConfig::kProbeNoWait);
       while (wait && *done < U1 / a.topk) __nanosleep(64);
       __threadfence();
       asm volatile("fence.proxy.async.global;" ::: "memory");  // the copy engine reads what the stores wrote
@@ -461,7 +447,6 @@ void one_token_moe(const MoeShape& s, const MoeWeights& w, const float* x, const
   a.n_experts = s.n_experts, a.topk = s.topk, a.ids = ids, a.x = x, a.img = scr.img, a.gw = gw;
   a.slot_done = scr.counts, a.images_in = scr.counts + s.topk;
   a.out = out, a.accumulate = accumulate ? 1 : 0, a.probe = c.probe, a.trace = c.trace, a.err = err;
-  a.warp_images = c.warp_images ? 1 : 0;
   a.plan = plan_of(s, blocks);
   if (c.launches == 1) {  // both projections in one stream
     a.gate_up = a.down = true, a.L = layout_of(s, c, true, true, blocks);

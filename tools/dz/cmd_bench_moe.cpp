@@ -70,8 +70,7 @@ const char* kUsage =
     "(one fixed scale, 1/8: gpt-oss's SwiGLU is at most 56).\n"
     "Up to 64 tokens, step_ms also times the layer as a decode step runs it: 2-8 calls back to back in one\n"
     "graph, each on experts of its own (disjoint routing sets), beside a plain read chained the same way.\n"
-    "One token also times the stream's shapes (fused_variants_ms: stream_gGxW_sS) and down's images\n"
-    "loaded by a warp (stream_gGxW_warp_images).\n"
+    "One token also times the stream's shapes (fused_variants_ms: stream_gGxW_sS).\n"
     "--grouped-blocks: persistent blocks of the grouped GEMM (default 0: one per SM).\n";
 
 }  // namespace
@@ -661,12 +660,6 @@ int bench_moe(const Args& a) {
           OneTokenConfig plain;
           plain.cooperative = false;
           variants["stream_plain_launch"] = time_stream(plain);
-          // Down's images by the image warp's loads (OneTokenConfig::warp_images), 6 x 2 and 3 x 4 warps.
-          for (auto gw2 : {std::pair{6, 2}, {3, 4}}) {
-            OneTokenConfig c{gw2.first, gw2.second, 0, 1};
-            c.warp_images = true;
-            variants[shape(gw2.first, gw2.second) + "_warp_images"] = time_stream(c);
-          }
           // Where the stream's time goes (OneTokenConfig::probe; wrong outputs): without the arithmetic, also
           // without down's waits for gate_up; 6 x 2 and 3 x 4 warps.
           for (auto gw2 : {std::pair{6, 2}, {3, 4}})
