@@ -695,12 +695,12 @@ int bench_moe(const Args& a) {
                 for (int i = 0; i < kOneTokenTraceUnits; ++i) {
                   const long long* e = &h[(size_t(b) * kOneTokenTraceUnits + i) * 3];
                   if (!e[0]) continue;
-                  const int ng = plan.gate_up_units(b), proj = i < ng ? 0 : 1;
-                  const int slot = i == kOneTokenTraceUnits - 1 ? -1
-                                   : proj == 0                  ? plan.gate_up_unit(b, i) / gate_up_tiles
-                                                                : plan.down_slot(b, i - ng);
-                  f << b << ',' << i << ',' << e[0] << ',' << e[1] << ',' << e[2] << ','
-                    << (i == kOneTokenTraceUnits - 1 ? -1 : proj) << ',' << slot << '\n';
+                  const bool whole = i == kOneTokenTraceUnits - 1;  // the block's own times: no unit
+                  const int ng = plan.gate_up_units(b), proj = whole ? -1 : i < ng ? 0 : 1;
+                  const int slot = whole       ? -1
+                                   : proj == 0 ? plan.gate_up_unit(b, i) / gate_up_tiles
+                                               : plan.down_slot(b, i - ng);
+                  f << b << ',' << i << ',' << e[0] << ',' << e[1] << ',' << e[2] << ',' << proj << ',' << slot << '\n';
                 }
             }
           }
