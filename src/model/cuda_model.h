@@ -149,7 +149,7 @@ class CudaFamily : public Family, protected Desc {
   template <class... DescArgs>
   CudaFamily(const char* family, const dz_model_params& params, int default_rows, DescArgs&&... desc_args)
       : Desc(std::forward<DescArgs>(desc_args)...), dev_(params.device_index), max_rows_(default_rows) {
-    check(cuda_device_count() > 0, DZ_ERR_DEVICE, family, ": DZ_DEVICE_CUDA requested but no CUDA device is present");
+    require_cuda_device(family);
     storage_fn_ = cuda::device_kv_storage(dev_);
     check(params.activations != DZ_ACTIVATIONS_F32, DZ_ERR_UNSUPPORTED, family,
           " CUDA: DZ_ACTIVATIONS_F32 is not implemented (the GEMMs take BF16 activations)");

@@ -15,13 +15,14 @@
 //    experts in other formats are not served on the GPU yet.
 // Eager launches (no CUDA graphs yet); logits are copied to the host.
 #include "model/deepseek_v32.h"
+#include "runtime/device.h"
 
 #ifndef DZ_WITH_CUDA
 
 namespace dz {
 std::unique_ptr<Family> make_deepseek_v32_cuda(const Config&, const WeightStore&, const dz_model_params&) {
-  fail(DZ_ERR_UNSUPPORTED,
-       "deepseek_v32: this build has no CUDA backend (configure with DZ_CUDA=ON); use DZ_DEVICE_CPU");
+  require_cuda_device("deepseek_v32");  // (throws: no CUDA backend in this build)
+  return nullptr;
 }
 }  // namespace dz
 
@@ -391,9 +392,6 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
 
 std::unique_ptr<Family> make_deepseek_v32_cuda(const Config& cfg, const WeightStore& ws,
                                                const dz_model_params& params) {
-  check(cuda_device_count() > 0, DZ_ERR_DEVICE,
-        "deepseek_v32: DZ_DEVICE_CUDA requested but no CUDA device is present (driver or GPU missing); use "
-        "DZ_DEVICE_CPU or DZ_DEVICE_AUTO");
   return std::make_unique<DeepseekV32Cuda>(cfg, ws, params);
 }
 

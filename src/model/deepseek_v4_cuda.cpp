@@ -19,13 +19,14 @@
 // slots only once every pass has run, so a failed or cancelled call leaves the
 // state as it was. Eager launches (no CUDA graphs yet).
 #include "model/deepseek_v4.h"
+#include "runtime/device.h"
 
 #ifndef DZ_WITH_CUDA
 
 namespace dz {
 std::unique_ptr<Family> make_deepseek_v4_cuda(const Config&, const WeightStore&, const dz_model_params&) {
-  fail(DZ_ERR_UNSUPPORTED,
-       "deepseek_v4: this build has no CUDA backend (configure with DZ_CUDA=ON); use DZ_DEVICE_CPU");
+  require_cuda_device("deepseek_v4");  // (throws: no CUDA backend in this build)
+  return nullptr;
 }
 }  // namespace dz
 
@@ -548,9 +549,6 @@ void DeepseekV4Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
 }  // namespace
 
 std::unique_ptr<Family> make_deepseek_v4_cuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
-  check(cuda_device_count() > 0, DZ_ERR_DEVICE,
-        "deepseek_v4: DZ_DEVICE_CUDA requested but no CUDA device is present (driver or GPU missing); use "
-        "DZ_DEVICE_CPU or DZ_DEVICE_AUTO");
   return std::make_unique<DeepseekV4Cuda>(cfg, ws, params);
 }
 

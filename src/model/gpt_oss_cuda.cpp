@@ -6,12 +6,14 @@
 // and sinks fp32. The residual stream and the KV cache (paged, on the device)
 // are fp32. Tensor validation is GptOssDesc's (shared with the CPU family).
 #include "model/gpt_oss.h"
+#include "runtime/device.h"
 
 #ifndef DZ_WITH_CUDA
 
 namespace dz {
 std::unique_ptr<Family> make_gpt_oss_cuda(const Config&, const WeightStore&, const dz_model_params&) {
-  fail(DZ_ERR_UNSUPPORTED, "gpt_oss: this build has no CUDA backend (configure with DZ_CUDA=ON); use DZ_DEVICE_CPU");
+  require_cuda_device("gpt_oss");  // (throws: no CUDA backend in this build)
+  return nullptr;
 }
 uint64_t gpt_oss_cuda_graph_replays() { return 0; }
 }  // namespace dz
@@ -218,7 +220,7 @@ class GptOssCuda final : public Family, private GptOssDesc {
 GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params)
     : GptOssDesc(cfg, ws), dev_(params.device_index) {
   const std::string& src = cfg.source();
-  check(cuda_device_count() > 0, DZ_ERR_DEVICE, "gpt_oss: DZ_DEVICE_CUDA requested but no CUDA device is present");
+  require_cuda_device("gpt_oss");
   storage_fn_ = cuda::device_kv_storage(dev_);
   check(params.bf16_sensitive != 0, DZ_ERR_UNSUPPORTED,
         "gpt_oss CUDA: bf16_sensitive = 0 (lower-precision attention/router/lm_head) is not implemented");
@@ -746,9 +748,6 @@ void GptOssCuda::enqueue(const PassArgs& p, const ForwardOptions* abort_between)
 }  // namespace
 
 std::unique_ptr<Family> make_gpt_oss_cuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
-  check(cuda_device_count() > 0, DZ_ERR_DEVICE,
-        "gpt_oss: DZ_DEVICE_CUDA requested but no CUDA device is present (driver or GPU missing); use "
-        "DZ_DEVICE_CPU or DZ_DEVICE_AUTO");
   return std::make_unique<GptOssCuda>(cfg, ws, params);
 }
 

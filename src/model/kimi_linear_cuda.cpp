@@ -16,13 +16,14 @@
 //    (one host sync a MoE layer); MXFP4 experts through cuda::MoeLayer.
 // Eager launches (no CUDA graphs yet); logits are copied to the host.
 #include "model/kimi_linear.h"
+#include "runtime/device.h"
 
 #ifndef DZ_WITH_CUDA
 
 namespace dz {
 std::unique_ptr<Family> make_kimi_linear_cuda(const Config&, const WeightStore&, const dz_model_params&) {
-  fail(DZ_ERR_UNSUPPORTED,
-       "kimi_linear: this build has no CUDA backend (configure with DZ_CUDA=ON); use DZ_DEVICE_CPU");
+  require_cuda_device("kimi_linear");  // (throws: no CUDA backend in this build)
+  return nullptr;
 }
 }  // namespace dz
 
@@ -452,9 +453,6 @@ void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
 }  // namespace
 
 std::unique_ptr<Family> make_kimi_linear_cuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
-  check(cuda_device_count() > 0, DZ_ERR_DEVICE,
-        "kimi_linear: DZ_DEVICE_CUDA requested but no CUDA device is present (driver or GPU missing); use "
-        "DZ_DEVICE_CPU or DZ_DEVICE_AUTO");
   return std::make_unique<KimiLinearCuda>(cfg, ws, params);
 }
 

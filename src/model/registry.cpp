@@ -23,7 +23,10 @@ const std::pair<const char*, FamilyFactory> kFamilies[] = {
 
 std::unique_ptr<Family> make_on_device(const char* family, FamilyFactory cuda, FamilyFactory cpu, const Config& config,
                                        const WeightStore& weights, const dz_model_params& params) {
-  if (params.device == DZ_DEVICE_CUDA) return cuda(config, weights, params);
+  if (params.device == DZ_DEVICE_CUDA) {
+    require_cuda_device(family);  // before the family parses the checkpoint
+    return cuda(config, weights, params);
+  }
   if (params.device == DZ_DEVICE_AUTO && cuda_compiled() && cuda_device_count() > 0) {
     try {
       return cuda(config, weights, params);

@@ -15,6 +15,14 @@ int cuda_device_count() { return 0; }
 static std::string cuda_devices_summary() { return "not compiled in"; }
 #endif
 
+void require_cuda_device(const char* who) {
+  check(cuda_compiled(), DZ_ERR_UNSUPPORTED, who,
+        ": this build has no CUDA backend (configure with DZ_CUDA=ON); use DZ_DEVICE_CPU");
+  check(cuda_device_count() > 0, DZ_ERR_DEVICE, who,
+        ": DZ_DEVICE_CUDA requested but no CUDA device is present (driver or GPU missing); use DZ_DEVICE_CPU or "
+        "DZ_DEVICE_AUTO");
+}
+
 std::string runtime_devices_summary() {
   return cat("cpu (", std::thread::hardware_concurrency(), " threads); cuda: ", cuda_devices_summary());
 }

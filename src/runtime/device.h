@@ -3,7 +3,10 @@
 #include <string>
 
 namespace dz {
-bool cuda_compiled();                   // the CUDA backend is in this build
-int cuda_device_count();                // 0 when no driver/GPU (never throws)
+bool cuda_compiled();     // the CUDA backend is in this build
+int cuda_device_count();  // 0 when no driver/GPU (never throws)
+// Throws, naming `who` (a family), where DZ_DEVICE_CUDA cannot be served: DZ_ERR_UNSUPPORTED in a build without
+// the CUDA backend, DZ_ERR_DEVICE on a machine without a CUDA device.
+void require_cuda_device(const char* who);
 std::string runtime_devices_summary();  // "cpu; cuda: 1 x NVIDIA H200 (sm_90)"
 }  // namespace dz
