@@ -142,10 +142,7 @@ void CudaModelCore::logits(const float* x, const int32_t* rows, int n, int H, in
 }
 
 void CudaModelCore::poll_abort(const ForwardOptions& opt) {
-  if (opt.abort && opt.abort(opt.abort_user)) {
-    cudaStreamSynchronize(ctx_->stream());
-    fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
-  }
+  opt.poll_abort([&] { cudaStreamSynchronize(ctx_->stream()); });
 }
 
 void CudaModelCore::finish_pass(cuda::MoeLayer* moe) {

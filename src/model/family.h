@@ -75,7 +75,15 @@ struct ForwardOptions {
 
   // Throws DZ_ERR_CANCELLED when the abort callback says stop.
   void poll_abort() const {
-    if (abort && abort(abort_user)) fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
+    poll_abort([] {});
+  }
+  // The same, calling drain() first (a GPU family: its queued work completes before the error).
+  template <class Drain>
+  void poll_abort(Drain drain) const {
+    if (abort && abort(abort_user)) {
+      drain();
+      fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
+    }
   }
 };
 

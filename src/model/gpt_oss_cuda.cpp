@@ -683,10 +683,7 @@ void GptOssCuda::enqueue(const PassArgs& p, const ForwardOptions* abort_between)
   cuda::AttnBatch ab = p.ab;
   kv::Arena& arena = *p.arena;
   auto abort_check = [&] {
-    if (abort_between && abort_between->abort && abort_between->abort(abort_between->abort_user)) {
-      cudaStreamSynchronize(s);
-      fail(DZ_ERR_CANCELLED, "cancelled by the abort callback");
-    }
+    if (abort_between) abort_between->poll_abort([&] { cudaStreamSynchronize(s); });
   };
 
   float* x = x_.get();
