@@ -104,12 +104,24 @@ inline void write_sharded(const std::filesystem::path& dir, const std::vector<Ra
       << nlohmann::json{{"metadata", {{"total_size", 0}}}, {"weight_map", wm}}.dump(2);
 }
 
-// A fresh empty directory under the system temp dir.
+// A fresh empty directory under the system temp dir, removed when the test
+// process exits (also after a failed REQUIRE skipped the test's own cleanup).
 inline std::filesystem::path temp_dir(const std::string& tag) {
+  struct Made {
+    std::vector<std::filesystem::path> dirs;
+    ~Made() {
+      for (const auto& d : dirs) {
+        std::error_code ec;
+        std::filesystem::remove_all(d, ec);
+      }
+    }
+  };
+  static Made made;
   static std::mt19937_64 rng{std::random_device{}()};
   auto p = std::filesystem::temp_directory_path() / ("dz-test-" + tag + "-" + std::to_string(rng()));
   std::filesystem::remove_all(p);
   std::filesystem::create_directories(p);
+  made.dirs.push_back(p);
   return p;
 }
 
