@@ -602,7 +602,7 @@ TEST_CASE("deepseek_v4 from DeepSeek's own checkpoint layout: names, per-expert 
   for (const bool quantised : {false, true}) {
     std::vector<dz::test::RawTensor> native, twin;
     native_checkpoint(quantised, native, twin);
-    const fs::path tmp = fs::temp_directory_path() / ("dz-test-dsv4-native-" + std::to_string(::getpid()));
+    const fs::path tmp = dz::test::temp_dir("dsv4-native");
     const std::vector<float> a = run(tmp / "native", native), b = run(tmp / "twin", twin);
     const auto [worst, diff] = dz::test::compare_logits(a.data(), b.data(), T, V);
     INFO((quantised ? "FP8/FP4" : "BF16")

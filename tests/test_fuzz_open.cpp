@@ -24,6 +24,7 @@
 
 #include "common/error.h"
 #include "dayzero.h"
+#include "support/safetensors_writer.h"
 #include "tokenizer/tokenizer.h"
 
 namespace fs = std::filesystem;
@@ -264,9 +265,7 @@ TEST_CASE("fuzz: safetensors header entries with wrong dtypes, shapes and data o
 
 TEST_CASE("fuzz: tokenizer.json fields and chat templates mutated", "[tokenizer][fuzz]") {
   const fs::path src = fs::path(DZ_SOURCE_DIR) / "models" / "dayzero-tiny";
-  const fs::path dir = fs::temp_directory_path() / ("dz-fuzz-tok-" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const fs::path dir = dz::test::temp_dir("fuzz-tok");
   auto read = [](const fs::path& p) {
     std::ifstream f(p, std::ios::binary);
     return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
