@@ -1151,6 +1151,8 @@ TEST_CASE("One-token stream plan: every unit streamed once, a down tile's slots 
               REQUIRE(u >= 0);
               REQUIRE(u < topk * gt);
               ++seen[size_t(u)];
+              const OneTokenPlan::Unit un = p.unit(b, i);  // what the kernel streams
+              CHECK((un.proj == 0 && un.tile >= 0 && un.tile < gt && un.slot * gt + un.tile == u));
             }
             REQUIRE(p.down_tiles(b) <= p.max_down_tiles());
             for (int k = 0; k < p.down_tiles(b) * topk; ++k) {  // (tile, slot) pairs of this block
@@ -1163,6 +1165,8 @@ TEST_CASE("One-token stream plan: every unit streamed once, a down tile's slots 
               CHECK(j % G == b);
               tiles[size_t(j)] += 1 << (2 * q);              // every slot once: 0b0101.. at the end
               if (k > 0) CHECK(q >= p.down_slot(b, k - 1));  // slot by slot
+              const OneTokenPlan::Unit un = p.unit(b, p.gate_up_units(b) + k);
+              CHECK((un.proj == 1 && un.slot == q && un.tile == j));
             }
             const int n = p.gate_up_units(b) + topk * p.down_tiles(b);
             most = std::max(most, n), fewest = std::min(fewest, n);

@@ -113,11 +113,6 @@ __device__ __forceinline__ void trace_at(const Args& a, int i, int k) {
   a.trace[(int64_t(blockIdx.x) * kOneTokenTraceUnits + i) * 3 + k] = (long long)ptx::globaltimer();
 }
 
-// A unit: its projection (0 gate_up, 1 down), slot and 16-row tile.
-struct Unit {
-  int proj, slot, tile;
-};
-
 // This block's units in this launch: positions [i0, i1) of its plan (its
 // gate_up units, then its down units).
 struct Span {
@@ -128,13 +123,9 @@ __device__ __forceinline__ Span span_of(const Args& a) {
   return {a.gate_up ? 0 : ng, a.down ? ng + nd : ng, ng};
 }
 
+using Unit = OneTokenPlan::Unit;
 __device__ __forceinline__ Unit unit_at(const Args& a, const Span& sp, int i) {
-  if (i < sp.ng) {
-    const int u = a.plan.gate_up_unit(int(blockIdx.x), i), t0 = a.p[0].rows / 16, slot = u / t0;
-    return {0, slot, u - slot * t0};
-  }
-  const int k = i - sp.ng;
-  return {1, a.plan.down_slot(int(blockIdx.x), k), a.plan.down_tile(int(blockIdx.x), k)};
+  return a.plan.unit(int(blockIdx.x), i, sp.ng);
 }
 
 // One warp's share [sb0, sb1) of a unit's sub-blocks: rows g and g + 8 of

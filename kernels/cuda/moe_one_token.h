@@ -73,6 +73,19 @@ struct OneTokenPlan {
   DZ_OT_HD int down_local(int b, int k) const { return k % down_tiles(b); }
   DZ_OT_HD int down_tile(int b, int k) const { return b + down_local(b, k) * G; }
   DZ_OT_HD int down_slot(int b, int k) const { return k / down_tiles(b); }
+  // Block b's unit at position i (its gate_up units, then its down units): which projection (0 gate_up, 1
+  // down), slot and 16-row tile. The kernel streams by it and the bench labels its traces by it.
+  struct Unit {
+    int proj, slot, tile;
+  };
+  DZ_OT_HD Unit unit(int b, int i) const { return unit(b, i, gate_up_units(b)); }
+  DZ_OT_HD Unit unit(int b, int i, int ng) const {  // ng: gate_up_units(b)
+    if (i < ng) {
+      const int t1 = U1 / topk, u = gate_up_unit(b, i), slot = u / t1;
+      return {0, slot, u - slot * t1};
+    }
+    return {1, down_slot(b, i - ng), down_tile(b, i - ng)};
+  }
 };
 
 // Device scratch of one layer call (reused by every layer; counters zeroed once).

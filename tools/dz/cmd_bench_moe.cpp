@@ -688,19 +688,16 @@ int bench_moe(const Args& a) {
               DZ_CUDA_CHECK(cudaMemcpy(h.data(), tr.get(), h.size() * 8, cudaMemcpyDeviceToHost));
               std::ofstream f(std::string(tp) + "_p" + std::to_string(probe) + ".csv");
               // Each unit's projection (0 gate_up, 1 down) and slot, as the kernel's plan deals them.
-              const int gate_up_tiles = 2 * sh.intermediate / 16;
-              const OneTokenPlan plan(nb, sh.topk, gate_up_tiles, sh.hidden / 16);
+              const OneTokenPlan plan(nb, sh.topk, 2 * sh.intermediate / 16, sh.hidden / 16);
               f << "block,i,issue_ns,arrive_ns,release_ns,proj,slot\n";
               for (int b = 0; b < nb; ++b)
                 for (int i = 0; i < kOneTokenTraceUnits; ++i) {
                   const long long* e = &h[(size_t(b) * kOneTokenTraceUnits + i) * 3];
                   if (!e[0]) continue;
                   const bool whole = i == kOneTokenTraceUnits - 1;  // the block's own times: no unit
-                  const int ng = plan.gate_up_units(b), proj = whole ? -1 : i < ng ? 0 : 1;
-                  const int slot = whole       ? -1
-                                   : proj == 0 ? plan.gate_up_unit(b, i) / gate_up_tiles
-                                               : plan.down_slot(b, i - ng);
-                  f << b << ',' << i << ',' << e[0] << ',' << e[1] << ',' << e[2] << ',' << proj << ',' << slot << '\n';
+                  const OneTokenPlan::Unit u = whole ? OneTokenPlan::Unit{-1, -1, -1} : plan.unit(b, i);
+                  f << b << ',' << i << ',' << e[0] << ',' << e[1] << ',' << e[2] << ',' << u.proj << ',' << u.slot
+                    << '\n';
                 }
             }
           }
