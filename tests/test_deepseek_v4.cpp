@@ -6,7 +6,6 @@
 // full-sequence compression and masks, naive attention): logits, greedy
 // decode, prefill in pieces, ragged batches, prefix reuse through state
 // snapshots, failed calls that must leave a session as it was, bad configs.
-#include <unistd.h>
 
 #include <algorithm>
 #include <catch2/catch.hpp>

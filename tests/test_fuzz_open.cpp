@@ -6,7 +6,6 @@
 //  - the default model's tokenizer.json fields and chat template: refused with a
 //    message, or encode, decode and render work or say what is wrong.
 // Runs under AddressSanitizer/UBSan too ([loader], [tokenizer]).
-#include <unistd.h>
 
 #include <catch2/catch.hpp>
 #include <cstdio>
@@ -81,11 +80,7 @@ void open_and_run(const fs::path& dir, const std::string& what, Outcome& out) {
 // A working copy of a fixture: links to every file but the ones a case rewrites.
 struct Scratch {
   fs::path src, dir;
-  explicit Scratch(const std::string& name)
-      : src(fs::path(kData) / name),
-        dir(fs::temp_directory_path() / ("dz-fuzz-" + name + "-" + std::to_string(::getpid()))) {
-    fs::remove_all(dir);
-    fs::create_directories(dir);
+  explicit Scratch(const std::string& name) : src(fs::path(kData) / name), dir(dz::test::temp_dir("fuzz-" + name)) {
     for (const auto& e : fs::directory_iterator(src)) fs::create_symlink(e.path(), dir / e.path().filename());
   }
   ~Scratch() { fs::remove_all(dir); }
