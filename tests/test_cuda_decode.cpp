@@ -534,7 +534,7 @@ TEST_CASE("gpt-oss decode: CUDA graph replays equal eager steps bitwise and matc
       prompts.push_back(pr);
     }
     Run g(DZ_DEVICE_CUDA, true, prompts), e(DZ_DEVICE_CUDA, false, prompts), c(DZ_DEVICE_CPU, true, prompts);
-    const uint64_t replays0 = dz::gpt_oss_cuda_graph_replays();
+    const uint64_t replays0 = dz::cuda_graph_replays();
     const int steps = 150;
     int mismatched = 0, greedy_bad = 0;
     std::vector<double> vs_cpu;
@@ -557,7 +557,7 @@ TEST_CASE("gpt-oss decode: CUDA graph replays equal eager steps bitwise and matc
         greedy_bad += c.greedy[size_t(b)] != dz::cpu::argmax(lc[size_t(b)].data(), int64_t(n));
       }
     }
-    const uint64_t replays = dz::gpt_oss_cuda_graph_replays() - replays0;
+    const uint64_t replays = dz::cuda_graph_replays() - replays0;
     std::sort(vs_cpu.begin(), vs_cpu.end());
     const size_t below = size_t(std::count_if(vs_cpu.begin(), vs_cpu.end(), [](double x) { return x < 0.999; }));
     std::printf(

@@ -89,11 +89,12 @@ __global__ void __launch_bounds__(kEncodeWarps * 32)
 template <int E>
 __global__ void __launch_bounds__(kEncodeWarps * 32)
     encode_keys_kernel(const float* k, int64_t n, int D, float inv_sqrt_d, bool pow2, const int64_t* pos,
-                       uint8_t* const* pages, IndexerKeys keys) {
+                       uint8_t* const* pages, uint8_t* const* const* row_pages, IndexerKeys keys) {
   const int64_t i = int64_t(blockIdx.x) * kEncodeWarps + (threadIdx.x >> 5);
   if (i >= n) return;
   const int64_t p = pos[i];
-  uint8_t* const rec = pages[p / keys.page_tokens] + (p % keys.page_tokens) * keys.stride + keys.offset;
+  uint8_t* const* const table = row_pages ? row_pages[i] : pages;
+  uint8_t* const rec = table[p / keys.page_tokens] + (p % keys.page_tokens) * keys.stride + keys.offset;
   const float s = hadamard_quantize<E>(k + i * D, inv_sqrt_d, pow2, rec);
   if ((threadIdx.x & 31) == 0) *reinterpret_cast<float*>(rec + D) = s;
 }
@@ -841,8 +842,9 @@ void indexer_topk(const float* scores, int64_t ld, int64_t n_q, const int64_t* n
   select_rows(scores, ld, 0, n_q, n_visible, max_visible, k, out, s);
 }
 
-void indexer_encode_keys(int head_dim, bool pow2_scales, const float* k, int64_t n, const int64_t* pos,
-                         uint8_t* const* pages, const IndexerKeys& keys, cudaStream_t st) {
+namespace {
+void encode_keys(int head_dim, bool pow2_scales, const float* k, int64_t n, const int64_t* pos, uint8_t* const* pages,
+                 uint8_t* const* const* row_pages, const IndexerKeys& keys, cudaStream_t st) {
   check(head_dim == 32 || head_dim == 64 || head_dim == 128, DZ_ERR_UNSUPPORTED,
         "CUDA indexer: index_head_dim = ", head_dim, " (32, 64 or 128)");
   if (n == 0) return;
@@ -850,8 +852,19 @@ void indexer_encode_keys(int head_dim, bool pow2_scales, const float* k, int64_t
    : head_dim == 64
        ? encode_keys_kernel<2>
        : encode_keys_kernel<4>)<<<unsigned((n + kEncodeWarps - 1) / kEncodeWarps), kEncodeWarps * 32, 0, st>>>(
-      k, n, head_dim, float(1.0 / std::sqrt(double(head_dim))), pow2_scales, pos, pages, keys);
+      k, n, head_dim, float(1.0 / std::sqrt(double(head_dim))), pow2_scales, pos, pages, row_pages, keys);
   DZ_CUDA_LAUNCH_CHECK();
+}
+}  // namespace
+
+void indexer_encode_keys(int head_dim, bool pow2_scales, const float* k, int64_t n, const int64_t* pos,
+                         uint8_t* const* pages, const IndexerKeys& keys, cudaStream_t st) {
+  encode_keys(head_dim, pow2_scales, k, n, pos, pages, nullptr, keys, st);
+}
+
+void indexer_encode_keys_rows(int head_dim, bool pow2_scales, const float* k, int64_t n, const int64_t* pos,
+                              uint8_t* const* const* row_pages, const IndexerKeys& keys, cudaStream_t st) {
+  encode_keys(head_dim, pow2_scales, k, n, pos, nullptr, row_pages, keys, st);
 }
 
 }  // namespace dz::cuda

@@ -74,5 +74,9 @@ void indexer_topk(const float* scores, int64_t ld, int64_t n_q, const int64_t* n
 // (all device pointers). The same bytes as cpu::indexer_encode_key.
 void indexer_encode_keys(int head_dim, bool pow2_scales, const float* k, int64_t n, const int64_t* pos,
                          uint8_t* const* pages, const IndexerKeys& keys, cudaStream_t s);
+// The same for keys of several sequences in one launch: key i's page table
+// is row_pages[i] (a device array of n device page tables).
+void indexer_encode_keys_rows(int head_dim, bool pow2_scales, const float* k, int64_t n, const int64_t* pos,
+                              uint8_t* const* const* row_pages, const IndexerKeys& keys, cudaStream_t s);
 
 }  // namespace dz::cuda

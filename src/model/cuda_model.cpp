@@ -33,6 +33,7 @@ CudaModelCore::CudaModelCore(int dev, size_t pool_bytes, const char* family) : d
   ctx_ = std::make_unique<cuda::Context>(co);
   gemm_ = std::make_unique<cuda::Bf16Gemm>(*ctx_);
   lstage_ = std::make_unique<cuda::LogitStaging>(ctx_->pool(), kLogitRows);
+  graphs_ = std::make_unique<cuda::GraphCache>(family, 32);
 }
 
 void CudaModelCore::load_ends(cuda::WeightLoader& ld, const LmEnds& ends) {
@@ -130,15 +131,28 @@ void CudaModelCore::mlp(const DevMlp& f, const uint16_t* xb, int T, int H, float
 void CudaModelCore::logits(const float* x, const int32_t* rows, int n, int H, int V, float eps, uint16_t* xb,
                            float* const* ddst, const std::vector<float*>& host_dst,
                            const std::vector<int32_t*>& argmax_dst, cudaStream_t s) {
-  const uint16_t* lm = lm_head_.get() ? lm_head_.get() : embed_.get();
-  float* out = room(logits_, size_t(std::min(std::max(n, 1), kLogitRows)) * V, "logits");
   for (int c0 = 0; c0 < n; c0 += kLogitRows) {
     const int nc = std::min(kLogitRows, n - c0);
-    cuda::rms_norm(x, rows + c0, nc, H, final_norm_.get(), eps, nullptr, xb, s);
-    gemm_->run(xb, lm, nullptr, out, nc, V, H, 0.f, s);
-    lstage_->deliver(out, nc, V, ddst + c0, {host_dst.begin() + c0, host_dst.begin() + c0 + nc},
-                     {argmax_dst.begin() + c0, argmax_dst.begin() + c0 + nc}, s);
+    logits_stage(x, rows + c0, nc, H, V, eps, xb, ddst + c0, s);
+    logits_collect(nc, V, {host_dst.begin() + c0, host_dst.begin() + c0 + nc},
+                   {argmax_dst.begin() + c0, argmax_dst.begin() + c0 + nc}, s);
   }
+}
+
+void CudaModelCore::logits_stage(const float* x, const int32_t* rows, int n, int H, int V, float eps, uint16_t* xb,
+                                 float* const* ddst, cudaStream_t s) {
+  check(n <= kLogitRows, DZ_ERR_INTERNAL, family_, " CUDA: ", n, " logit rows at once");
+  const uint16_t* lm = lm_head_.get() ? lm_head_.get() : embed_.get();
+  float* out = room(logits_, size_t(std::max(n, 1)) * V, "logits");
+  if (n == 0) return;
+  cuda::rms_norm(x, rows, n, H, final_norm_.get(), eps, nullptr, xb, s);
+  gemm_->run(xb, lm, nullptr, out, n, V, H, 0.f, s);
+  lstage_->stage(out, n, V, ddst, s);
+}
+
+void CudaModelCore::logits_collect(int n, int V, const std::vector<float*>& host_dst,
+                                   const std::vector<int32_t*>& argmax_dst, cudaStream_t s) {
+  lstage_->collect(logits_.get(), n, V, host_dst, argmax_dst, s);
 }
 
 void CudaModelCore::poll_abort(const ForwardOptions& opt) {

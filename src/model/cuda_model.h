@@ -21,6 +21,7 @@
 #include "model/lm_ends.h"
 #include "model/moe_ffn.h"
 #include "runtime/cuda/context.h"
+#include "runtime/cuda/graph_cache.h"
 #include "runtime/cuda/kv_storage.h"
 #include "runtime/cuda/logit_rows.h"
 #include "runtime/cuda/upload.h"
@@ -63,6 +64,7 @@ class CudaModelCore {
   cuda::Context& ctx() { return *ctx_; }
   cuda::Bf16Gemm& gemm() { return *gemm_; }
   cudaStream_t stream() const { return ctx_->stream(); }
+  cuda::GraphCache& graphs() { return *graphs_; }
 
   // a grows to at least n elements (contents dropped).
   template <typename T>
@@ -70,9 +72,13 @@ class CudaModelCore {
     if (a.size() < n) {
       a.reset();
       a = cuda::DeviceArray<T>(ctx_->pool(), n, what);
+      ++scratch_gen_;
     }
     return a.get();
   }
+  // How many times room() has moved a buffer: part of a CUDA graph's key, so
+  // that no graph is replayed on scratch that moved after its capture.
+  uint64_t scratch_generation() const { return scratch_gen_; }
 
   // Uploads through ld (the model's WeightLoader on this pool).
   void load_ends(cuda::WeightLoader& ld, const LmEnds& ends);
@@ -97,6 +103,13 @@ class CudaModelCore {
   // pointers, host_dst and argmax_dst n entries), kLogitRows at a time. xb: bf16 scratch of kLogitRows x H.
   void logits(const float* x, const int32_t* rows, int n, int H, int V, float eps, uint16_t* xb, float* const* ddst,
               const std::vector<float*>& host_dst, const std::vector<int32_t*>& argmax_dst, cudaStream_t s);
+  // logits in two halves for n <= kLogitRows, so that the first can be part of a CUDA graph: stage enqueues the
+  // norm, lm_head, argmaxes and device rows (no host synchronisation); collect then delivers the host rows and
+  // argmaxes (LogitStaging's).
+  void logits_stage(const float* x, const int32_t* rows, int n, int H, int V, float eps, uint16_t* xb,
+                    float* const* ddst, cudaStream_t s);
+  void logits_collect(int n, int V, const std::vector<float*>& host_dst, const std::vector<int32_t*>& argmax_dst,
+                      cudaStream_t s);
 
   // ForwardOptions::poll_abort between layers: the stream's queued work completes before DZ_ERR_CANCELLED.
   void poll_abort(const ForwardOptions& opt);
@@ -112,10 +125,12 @@ class CudaModelCore {
 
  private:
   int dev_ = 0, sms_ = 132;
+  uint64_t scratch_gen_ = 0;
   const char* family_;
   std::unique_ptr<cuda::Context> ctx_;
   std::unique_ptr<cuda::Bf16Gemm> gemm_;
   std::unique_ptr<cuda::LogitStaging> lstage_;
+  std::unique_ptr<cuda::GraphCache> graphs_;  // decode steps as CUDA graphs
   cuda::DeviceArray<uint16_t> embed_, lm_head_;
   cuda::DeviceArray<float> final_norm_;
   cuda::DeviceArray<float> h_, logits_;

@@ -13,7 +13,10 @@
 //    SwiGLU (MoeActivation::kSilu): fused W4A16 kernels for few tokens an
 //    expert, FP8 GEMMs above (DZ_EXPERTS_NATIVE: fused at every size);
 //    experts in other formats are not served on the GPU yet.
-// Eager launches (no CUDA graphs yet); logits are copied to the host.
+// Decode steps run as CUDA graphs (cuda::GraphCache): their page tables are
+// padded to a power-of-two page count and the indexer's grid to a
+// power-of-two context, so that one graph serves many steps; other passes
+// launch eagerly.
 #include "model/deepseek_v32.h"
 #include "runtime/device.h"
 
@@ -44,6 +47,7 @@ std::unique_ptr<Family> make_deepseek_v32_cuda(const Config&, const WeightStore&
 #include "model/cuda_model.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
+#include "runtime/cuda/graph_cache.h"
 #include "runtime/cuda/kv_storage.h"
 #include "runtime/cuda/packer.h"
 #include "runtime/cuda/upload.h"
@@ -83,9 +87,6 @@ class DeepseekV32Cuda final : public CudaFamily<DeepseekV32Desc> {
   void forward(std::span<ForwardItem> batch, const ForwardOptions& opt) override;
 
  private:
-  struct Segment {  // one item's rows within a pass
-    int item, first, n;
-  };
   void pass(std::span<ForwardItem> batch, const BatchRows& flat, int64_t r0, int64_t r1,
             const std::vector<int32_t>& page_ids, const std::vector<int32_t>& item_page, kv::Arena& arena,
             const ForwardOptions& opt);
@@ -231,7 +232,7 @@ void DeepseekV32Cuda::forward(std::span<ForwardItem> batch, const ForwardOptions
 void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, int64_t r0, int64_t r1,
                            const std::vector<int32_t>& page_ids, const std::vector<int32_t>& item_page,
                            kv::Arena& arena, const ForwardOptions& opt) {
-  const int T = int(r1 - r0), L = n_layers_, P = int(page_ids.size());
+  const int T = int(r1 - r0), L = n_layers_;
   const int H = int(hidden_), NH = mla_.n_heads, QD = mla_.nope + mla_.rope, KVA = mla_.rank + mla_.rope;
   const int IH = idx_.n_heads, ID = idx_.head_dim, K = idx_.topk, half = mla_.rope / 2, V = n_vocab_;
   cudaStream_t s = core_->stream();
@@ -242,10 +243,10 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
   std::vector<int32_t> tok(TS), row_first(TS), logit_rows;
   std::vector<int64_t> pos(TS), vis(TS), off(TS), layer_off(static_cast<size_t>(L));
   std::vector<float> cs(TS * half), sn(TS * half);
-  std::vector<Segment> segs;
   std::vector<float*> logit_dst, dev_dst;  // per logit row: its host or DeviceLogits row (the other null)
   std::vector<int32_t*> argmax_dst;
   int64_t max_vis = 0;
+  bool one_item = true;  // every row of one item (a prompt): the indexer then shares its key tiles
   for (int i = 0; i < T; ++i) {
     const BatchRow& rw = flat.rows[size_t(r0 + i)];
     const ForwardItem& it = batch[rw.item];
@@ -259,8 +260,7 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
                      int64_t(seq.slot_of(size_t(rw.pos))) * int64_t(stride_);
     row_first[size_t(i)] = item_page[rw.item];
     cpu::rope_cos_sin(rope_, rw.pos, cs.data() + size_t(i) * half, sn.data() + size_t(i) * half);
-    if (segs.empty() || segs.back().item != int(rw.item)) segs.push_back({int(rw.item), i, 0});
-    ++segs.back().n;
+    one_item = one_item && rw.item == flat.rows[size_t(r0)].item;
     const auto [lr0, nlr] = flat.logit_rows(batch, rw.item);
     if (r0 + i >= lr0 && r0 + i < lr0 + nlr) {
       logit_rows.push_back(i);
@@ -269,11 +269,23 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
       argmax_dst.push_back(it.logits ? nullptr : it.argmax);
     }
   }
+  // A decode step: every item one row, each a logit row, on the fused MoE path (the FP8 path sizes its GEMMs on
+  // the host).
+  const bool decode = T == int(batch.size()) && int(logit_rows.size()) == T && T <= kLogitRows &&
+                      (!moe_ || path_ == cuda::MoePath::kFused || moe_->choose(T) == cuda::MoePath::kFused);
+  // Its page count and the indexer's grid rounded up to powers of two (the pads are never read: each row's
+  // selection stops at its own visible count).
+  std::vector<int32_t> pids(page_ids);
+  if (decode) {
+    pids.resize(size_t(cuda::pow2_at_least(int64_t(pids.size()))), 0);
+    max_vis = cuda::pow2_at_least(max_vis);
+  }
+  const int P = int(pids.size());
   for (int l = 0; l < L; ++l) layer_off[size_t(l)] = int64_t(arena.layer_offset(uint32_t(l)));
   cuda::Packer pk;
   const size_t o_tok = pk.add(tok), o_first = pk.add(row_first), o_lr = pk.add(logit_rows), o_dd = pk.add(dev_dst),
                o_pos = pk.add(pos), o_vis = pk.add(vis), o_off = pk.add(off), o_loff = pk.add(layer_off),
-               o_cs = pk.add(cs), o_sn = pk.add(sn), o_pid = pk.add(page_ids);
+               o_cs = pk.add(cs), o_sn = pk.add(sn), o_pid = pk.add(pids);
   // The page-pointer tables follow, written on the device (paged_tables).
   const size_t o_tab = pk.tail();
   const size_t o_rtab = o_tab + (size_t(L) * P * 8 + 255) / 256 * 256;
@@ -284,12 +296,11 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
   auto at = [m](size_t o) { return m + o; };
   const int32_t* d_tok = reinterpret_cast<const int32_t*>(at(o_tok));
   const int64_t* d_pos = reinterpret_cast<const int64_t*>(at(o_pos));
+  const int32_t* d_lr = reinterpret_cast<const int32_t*>(at(o_lr));
+  float* const* d_dd = reinterpret_cast<float* const*>(at(o_dd));
   uint8_t** tables = reinterpret_cast<uint8_t**>(at(o_tab));
   uint8_t*** row_tables = reinterpret_cast<uint8_t***>(at(o_rtab));
   uint8_t* kv_base = arena.storage().data();
-  cuda::paged_tables(kv_base, reinterpret_cast<const int32_t*>(at(o_pid)), P, page_bytes,
-                     reinterpret_cast<const int64_t*>(at(o_loff)), L, reinterpret_cast<const int32_t*>(at(o_first)), T,
-                     tables, row_tables, s);
 
   float* x = room(x_, TS * H, "x");
   float* xn = room(xn_, TS * H, "xn");
@@ -318,73 +329,96 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
   cuda::IndexerQueries iqa;
   iqa.n_heads = IH, iqa.head_dim = ID, iqa.topk = K, iqa.pow2_scales = idx_.pow2_scales;
   iqa.n_q = T, iqa.q = iq, iqa.w = iw, iqa.n_visible = reinterpret_cast<const int64_t*>(at(o_vis));
-  iqa.max_visible = max_vis, iqa.same_pages = segs.size() == 1, iqa.out = sel;
+  iqa.max_visible = max_vis, iqa.same_pages = one_item, iqa.out = sel;
   iqa.keys = {arena.page_tokens(), stride_, lat_bytes_};
   const int64_t qblock = std::max<int64_t>(1, std::min<int64_t>(T, int64_t(kIndexerScratch) / (4 * max_vis)));
   const size_t idx_bytes = cuda::indexer_scratch_bytes(iqa, qblock);
   uint8_t* idx_scratch = room(idx_scratch_, idx_bytes, "indexer scratch");
 
-  core_->embed(d_tok, T, H, x, s);
-  for (int li = 0; li < L; ++li) {
+  // The pass's launches up to the last hidden state; no host synchronisation while capturing.
+  auto layers = [&](bool capturing) {
+    cuda::paged_tables(kv_base, reinterpret_cast<const int32_t*>(at(o_pid)), P, page_bytes,
+                       reinterpret_cast<const int64_t*>(at(o_loff)), L, reinterpret_cast<const int32_t*>(at(o_first)),
+                       T, tables, row_tables, s);
+    core_->embed(d_tok, T, H, x, s);
+    for (int li = 0; li < L; ++li) {
+      if (!capturing) core_->poll_abort(opt);
+      const DevLayer& D = dl_[size_t(li)];
+      uint8_t* kv_layer = kv_base + arena.layer_offset(uint32_t(li));
+      cuda::rms_norm(x, nullptr, T, H, D.in_norm.get(), eps_, nullptr, xb, s);
+      core_->gemm().run(xb, D.q_a.get(), D.q_a_b.get(), cq, T, int(q_lora_), H, 0.f, s);
+      cuda::rms_norm(cq, nullptr, T, int(q_lora_), D.q_a_norm.get(), eps_, nullptr, cqb, s);
+      core_->gemm().run(cqb, D.q_b.get(), nullptr, q, T, NH * QD, int(q_lora_), 0.f, s);
+      core_->gemm().run(xb, D.kv_a.get(), D.kv_a_b.get(), kva, T, KVA, H, 0.f, s);
+      core_->gemm().run(cqb, D.iwq.get(), nullptr, iq, T, IH * ID, int(q_lora_), 0.f, s);
+      core_->gemm().run(xb, D.iwk.get(), nullptr, ik, T, ID, H, 0.f, s);
+      cuda::layer_norm(ik, T, ID, D.knorm_w.get(), D.knorm_b.get(), 1e-6f, ik, s);
+      core_->gemm().run(xb, D.iwp.get(), nullptr, iw, T, IH, H, 0.f, s);
+
+      cuda::MlaRopeStore rs;
+      rs.n_rows = T, rs.n_heads = NH, rs.nope = mla_.nope, rs.rope = mla_.rope, rs.rank = mla_.rank;
+      rs.cos = reinterpret_cast<const float*>(at(o_cs)), rs.sin = reinterpret_cast<const float*>(at(o_sn));
+      rs.q = q, rs.kva = kva, rs.kv_norm = D.kv_a_norm.get(), rs.eps = eps_;
+      rs.kv_layer = kv_layer, rs.row_off = reinterpret_cast<const int64_t*>(at(o_off));
+      rs.idx_heads = IH, rs.idx_dim = ID, rs.iq = iq, rs.ik = ik;
+      cuda::mla_rope_store(rs, s);
+      cuda::indexer_encode_keys_rows(ID, idx_.pow2_scales, ik, T, d_pos, row_tables + size_t(li) * T, iqa.keys, s);
+      cuda::IndexerQueries lq = iqa;
+      lq.pages = row_tables + size_t(li) * T;
+      cuda::indexer_select(lq, idx_scratch, idx_bytes, qblock, s);
+
+      cuda::mla_absorb_q(q, T, NH, mla_.nope, mla_.rope, mla_.v, mla_.rank, D.kv_b.get(), qa, s);
+      if (tensor_mla) {
+        cuda::to_bf16(qa, qab, TS * NH * KVA, s);
+        cuda::SparseMlaDecode a;
+        a.batch = T, a.n_heads = NH, a.scale = mla_.scale, a.q = qab, a.sel = sel, a.topk = K;
+        a.pages = row_tables + size_t(li) * T, a.page_tokens = arena.page_tokens(), a.stride = stride_;
+        a.offset = 0, a.out = olat;
+        const int splits = cuda::sparse_mla_splits(a, core_->sms());
+        const size_t sb = cuda::sparse_mla_scratch_bytes(a, splits);
+        cuda::sparse_mla_decode(a, splits, room(mla_scratch_, sb, "sparse MLA partials"), sb, s);
+      } else {
+        cuda::SparseMlaGeneric a;
+        a.n_q = T, a.n_heads = NH, a.rank = mla_.rank, a.rope = mla_.rope, a.scale = mla_.scale, a.q = qa;
+        a.sel = sel, a.topk = K, a.pages = row_tables + size_t(li) * T, a.page_tokens = arena.page_tokens();
+        a.stride = stride_, a.offset = 0, a.out = olat;
+        cuda::sparse_mla_generic(a, s);
+      }
+      cuda::mla_out_proj(olat, T, NH, mla_.nope, mla_.v, mla_.rank, D.kv_b.get(), att, s);
+      core_->gemm().run(att, D.o.get(), D.o_b.get(), x, T, H, NH * mla_.v, 1.f, s);  // x += o_proj(att)
+
+      cuda::rms_norm(x, nullptr, T, H, D.post_norm.get(), eps_, xn, xb, s);
+      if (!D.moe) {
+        core_->mlp(D.dense, xb, int(T), H, x, s);
+        continue;
+      }
+      core_->route(xb, D.router.get(), D.router_bias.get(), routing_, T, H, rlog, ids, gw, s);
+      moe_->forward(D.fp4.weights(), xn, ids, gw, T, x, path_, true);  // x += experts(xn)
+      if (D.shared.inter) core_->mlp(D.shared, xb, int(T), H, x, s);
+    }
+  };
+
+  if (decode) {
+    // Everything a decode step's launches take from the host besides the metadata's bytes.
+    const cuda::GraphCache::Key key = {T,
+                                       P,
+                                       max_vis,
+                                       int64_t(page_bytes),
+                                       int64_t(arena.page_tokens()),
+                                       int64_t(core_->scratch_generation()),
+                                       int64_t(reinterpret_cast<intptr_t>(kv_base)),
+                                       int64_t(reinterpret_cast<intptr_t>(m))};
     core_->poll_abort(opt);
-    const DevLayer& D = dl_[size_t(li)];
-    uint8_t* kv_layer = kv_base + arena.layer_offset(uint32_t(li));
-    cuda::rms_norm(x, nullptr, T, H, D.in_norm.get(), eps_, nullptr, xb, s);
-    core_->gemm().run(xb, D.q_a.get(), D.q_a_b.get(), cq, T, int(q_lora_), H, 0.f, s);
-    cuda::rms_norm(cq, nullptr, T, int(q_lora_), D.q_a_norm.get(), eps_, nullptr, cqb, s);
-    core_->gemm().run(cqb, D.q_b.get(), nullptr, q, T, NH * QD, int(q_lora_), 0.f, s);
-    core_->gemm().run(xb, D.kv_a.get(), D.kv_a_b.get(), kva, T, KVA, H, 0.f, s);
-    core_->gemm().run(cqb, D.iwq.get(), nullptr, iq, T, IH * ID, int(q_lora_), 0.f, s);
-    core_->gemm().run(xb, D.iwk.get(), nullptr, ik, T, ID, H, 0.f, s);
-    cuda::layer_norm(ik, T, ID, D.knorm_w.get(), D.knorm_b.get(), 1e-6f, ik, s);
-    core_->gemm().run(xb, D.iwp.get(), nullptr, iw, T, IH, H, 0.f, s);
-
-    cuda::MlaRopeStore rs;
-    rs.n_rows = T, rs.n_heads = NH, rs.nope = mla_.nope, rs.rope = mla_.rope, rs.rank = mla_.rank;
-    rs.cos = reinterpret_cast<const float*>(at(o_cs)), rs.sin = reinterpret_cast<const float*>(at(o_sn));
-    rs.q = q, rs.kva = kva, rs.kv_norm = D.kv_a_norm.get(), rs.eps = eps_;
-    rs.kv_layer = kv_layer, rs.row_off = reinterpret_cast<const int64_t*>(at(o_off));
-    rs.idx_heads = IH, rs.idx_dim = ID, rs.iq = iq, rs.ik = ik;
-    cuda::mla_rope_store(rs, s);
-    for (const Segment& g : segs)
-      cuda::indexer_encode_keys(ID, idx_.pow2_scales, ik + size_t(g.first) * ID, g.n, d_pos + g.first,
-                                tables + size_t(li) * P + item_page[size_t(g.item)], iqa.keys, s);
-    iqa.pages = row_tables + size_t(li) * T;
-    cuda::indexer_select(iqa, idx_scratch, idx_bytes, qblock, s);
-
-    cuda::mla_absorb_q(q, T, NH, mla_.nope, mla_.rope, mla_.v, mla_.rank, D.kv_b.get(), qa, s);
-    if (tensor_mla) {
-      cuda::to_bf16(qa, qab, TS * NH * KVA, s);
-      cuda::SparseMlaDecode a;
-      a.batch = T, a.n_heads = NH, a.scale = mla_.scale, a.q = qab, a.sel = sel, a.topk = K;
-      a.pages = row_tables + size_t(li) * T, a.page_tokens = arena.page_tokens(), a.stride = stride_, a.offset = 0;
-      a.out = olat;
-      const int splits = cuda::sparse_mla_splits(a, core_->sms());
-      const size_t sb = cuda::sparse_mla_scratch_bytes(a, splits);
-      cuda::sparse_mla_decode(a, splits, room(mla_scratch_, sb, "sparse MLA partials"), sb, s);
-    } else {
-      cuda::SparseMlaGeneric a;
-      a.n_q = T, a.n_heads = NH, a.rank = mla_.rank, a.rope = mla_.rope, a.scale = mla_.scale, a.q = qa, a.sel = sel;
-      a.topk = K, a.pages = row_tables + size_t(li) * T, a.page_tokens = arena.page_tokens(), a.stride = stride_;
-      a.offset = 0, a.out = olat;
-      cuda::sparse_mla_generic(a, s);
-    }
-    cuda::mla_out_proj(olat, T, NH, mla_.nope, mla_.v, mla_.rank, D.kv_b.get(), att, s);
-    core_->gemm().run(att, D.o.get(), D.o_b.get(), x, T, H, NH * mla_.v, 1.f, s);  // x += o_proj(att)
-
-    cuda::rms_norm(x, nullptr, T, H, D.post_norm.get(), eps_, xn, xb, s);
-    if (!D.moe) {
-      core_->mlp(D.dense, xb, int(T), H, x, s);
-      continue;
-    }
-    core_->route(xb, D.router.get(), D.router_bias.get(), routing_, T, H, rlog, ids, gw, s);
-    moe_->forward(D.fp4.weights(), xn, ids, gw, T, x, path_, true);  // x += experts(xn)
-    if (D.shared.inter) core_->mlp(D.shared, xb, int(T), H, x, s);
+    core_->graphs().run(key, s, [&](bool capturing) {
+      layers(capturing);
+      core_->logits_stage(x, d_lr, T, H, V, eps_, xb, d_dd, s);
+    });
+    core_->logits_collect(T, V, logit_dst, argmax_dst, s);
+  } else {
+    layers(false);
+    // The logit rows of this pass, kLogitRows at a time.
+    core_->logits(x, d_lr, int(logit_rows.size()), H, V, eps_, xb, d_dd, logit_dst, argmax_dst, s);
   }
-
-  // The logit rows of this pass, kLogitRows at a time.
-  core_->logits(x, reinterpret_cast<const int32_t*>(at(o_lr)), int(logit_rows.size()), H, V, eps_, xb,
-                reinterpret_cast<float* const*>(at(o_dd)), logit_dst, argmax_dst, s);
   core_->finish_pass(moe_.get());
 }
 

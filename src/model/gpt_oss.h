@@ -63,9 +63,5 @@ void gpt_oss_set_router_trace(Family& family, std::vector<float>* margins);
 // The CUDA family (gpt_oss_cuda.cpp); throws DZ_ERR_UNSUPPORTED in builds
 // without CUDA and DZ_ERR_DEVICE when no usable GPU is present.
 std::unique_ptr<Family> make_gpt_oss_cuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params);
-// Decode passes run as CUDA graph replays so far in this process (all CUDA
-// gpt-oss models; tests check that the graph path was taken). Graphs are on
-// unless the environment has DZ_CUDA_GRAPHS=0 (read at each forward).
-uint64_t gpt_oss_cuda_graph_replays();
 
 }  // namespace dz

@@ -15,7 +15,6 @@ std::unique_ptr<Family> make_gpt_oss_cuda(const Config&, const WeightStore&, con
   require_cuda_device("gpt_oss");  // (throws: no CUDA backend in this build)
   return nullptr;
 }
-uint64_t gpt_oss_cuda_graph_replays() { return 0; }
 }  // namespace dz
 
 #else
@@ -23,7 +22,6 @@ uint64_t gpt_oss_cuda_graph_replays() { return 0; }
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -46,6 +44,7 @@ uint64_t gpt_oss_cuda_graph_replays() { return 0; }
 #include "cuda/sampling.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
+#include "runtime/cuda/graph_cache.h"
 #include "runtime/cuda/kv_storage.h"
 #include "runtime/cuda/logit_rows.h"
 #include "runtime/cuda/packer.h"
@@ -58,20 +57,6 @@ namespace dz {
 namespace {
 
 using cuda::DeviceArray;
-
-std::atomic<uint64_t> g_graph_replays{0};
-
-bool graphs_enabled() {
-  const char* e = std::getenv("DZ_CUDA_GRAPHS");
-  return !(e && e[0] == '0' && e[1] == 0);
-}
-
-// Smallest power of two >= n (n >= 1).
-int pow2_at_least(int n) {
-  int p = 1;
-  while (p < n) p <<= 1;
-  return p;
-}
 
 // Rows per device pass unless dz_model_params.pass_tokens says otherwise:
 // activations and the MoE scratch are sized for it; longer batches run as
@@ -124,21 +109,6 @@ class GptOssCuda final : public Family, private GptOssDesc {
   struct Row {
     int32_t item, pos, token;
   };
-  // Everything a pass's device work depends on besides the metadata bytes:
-  // a captured decode graph is replayed only for an equal key.
-  struct GraphKey {
-    int rows = 0, splits_full = 0, splits_sliding = 0, page_tokens = 0;
-    bool host_logits = false;
-    int64_t page_bytes = 0;
-    const uint8_t* kv = nullptr;
-    const uint8_t* meta = nullptr;
-    bool operator==(const GraphKey&) const = default;
-  };
-  struct Graph {
-    GraphKey key;
-    cudaGraphExec_t exec = nullptr;  // null: seen once (ran eagerly, warming cuBLASLt plans); captured next time
-    uint64_t used = 0;
-  };
   // Device pointers and sizes of one pass's work (see enqueue).
   struct PassArgs {
     int T = 0, n_dec = 0, n_tiles = 0, n_logit = 0;
@@ -167,14 +137,11 @@ class GptOssCuda final : public Family, private GptOssDesc {
   void out_logits(const PassArgs& p, int c0, int nc) {
     if (nc <= 0) return;
     cudaStream_t s = ctx_->stream();
-    cuda::logits_argmax_copy(logits_.get(), nc, n_vocab_, p.ddst + c0, lstage_->argmax(), s);
-    DZ_CUDA_CHECK(
-        cudaMemcpyAsync(lstage_->argmax_host(), lstage_->argmax(), size_t(nc) * 4, cudaMemcpyDeviceToHost, s));
+    lstage_->stage(logits_.get(), nc, n_vocab_, p.ddst + c0, s);
     if (p.host_logits)
       DZ_CUDA_CHECK(
           cudaMemcpyAsync(logits_host_, logits_.get(), size_t(nc) * size_t(n_vocab_) * 4, cudaMemcpyDeviceToHost, s));
   }
-  void clear_graphs();
   bool moe_fused_for(int T) const {
     return path_ == cuda::MoePath::kFused ||
            (path_ == cuda::MoePath::kAuto && moe_->choose(T) == cuda::MoePath::kFused);
@@ -211,10 +178,8 @@ class GptOssCuda final : public Family, private GptOssDesc {
   cudaEvent_t stage_ev_ = nullptr;         // after the last upload from stage_: rewrite only once it completed
   int* err_host_ = nullptr;                // pinned copy of the MoE error flag
   std::unique_ptr<ThreadPool> copy_pool_;  // host copies of many logits rows (batched decode: 51 MB at B = 64)
-  std::vector<Graph> graphs_;
-  uint64_t graph_tick_ = 0;
-  bool graphs_broken_ = false;  // a capture failed: eager from then on (logged)
-  std::mutex mu_;               // one forward at a time (shared scratch)
+  cuda::GraphCache graphs_{"gpt_oss", kMaxGraphs};
+  std::mutex mu_;  // one forward at a time (shared scratch)
 };
 
 GptOssCuda::GptOssCuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params)
@@ -399,7 +364,7 @@ void GptOssCuda::check_folding(int64_t E, int64_t H, int64_t I) {
 
 GptOssCuda::~GptOssCuda() {
   if (ctx_) cudaStreamSynchronize(ctx_->stream());
-  clear_graphs();
+  graphs_.clear();
   if (stage_ev_) cudaEventDestroy(stage_ev_);
   if (stage_) cudaFreeHost(stage_);
   if (err_host_) cudaFreeHost(err_host_);
@@ -410,12 +375,6 @@ bool GptOssCuda::sample_on_device(std::span<const DeviceSample> rows, int32_t* t
   std::lock_guard<std::mutex> lk(mu_);
   DZ_CUDA_CHECK(cudaSetDevice(dev_));
   return lstage_->sample(rows, n_vocab_, tokens, ctx_->stream());
-}
-
-void GptOssCuda::clear_graphs() {
-  for (Graph& g : graphs_)
-    if (g.exec) cudaGraphExecDestroy(g.exec);
-  graphs_.clear();
 }
 
 void GptOssCuda::forward(std::span<ForwardItem> batch, const ForwardOptions& opt) {
@@ -526,7 +485,7 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
   DZ_CUDA_CHECK(cudaEventSynchronize(stage_ev_));
   if (meta_.bytes() < need) {
     DZ_CUDA_CHECK(cudaStreamSynchronize(s));  // no queued work may still read the old metadata
-    clear_graphs();                           // they point into it
+    graphs_.clear();                          // they point into it
     meta_.reset();
     meta_ = DeviceArray<uint8_t>(ctx_->pool(), need * 2, "batch metadata");
   }
@@ -551,8 +510,8 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
   p.ddst = reinterpret_cast<float* const*>(m + o_dd);
   // Grids as powers of two: a graph serves a range of contexts (a row's
   // chunking does not depend on the grid as long as it fits).
-  p.splits_full = pow2_at_least(chunks_full);
-  p.splits_sliding = pow2_at_least(chunks_sliding);
+  p.splits_full = int(cuda::pow2_at_least(chunks_full));
+  p.splits_sliding = int(cuda::pow2_at_least(chunks_sliding));
   p.tok = reinterpret_cast<const int32_t*>(m + o_tok);
   p.off = reinterpret_cast<const int64_t*>(m + o_off);
   p.cs = reinterpret_cast<const float*>(m + o_cs);
@@ -578,69 +537,20 @@ void GptOssCuda::pass(std::span<ForwardItem> batch, const std::vector<Row>& rows
   ab.terms = attention_terms_;
 
   // Decode batches (every row a single token of its own item, logits of each)
-  // run as a CUDA graph captured per GraphKey; the first pass of a key runs
-  // eagerly (cuBLASLt plans and kernel attributes set up outside any capture).
+  // run as CUDA graphs; the metadata's offsets are fixed for a batch size, and
+  // the kernels read everything else from it.
   const bool decode = p.n_dec == T && p.n_logit == T && T <= kLogitRows && int(batch.size()) == T;
-  cudaGraphExec_t exec = nullptr;
-  bool capture = false;
-  if (decode && !graphs_broken_ && moe_fused_for(T) && graphs_enabled()) {
-    GraphKey key;
-    key.rows = T;
-    key.splits_full = p.splits_full;
-    key.splits_sliding = p.splits_sliding;
-    key.page_tokens = ab.page_tokens;
-    key.page_bytes = ab.page_bytes;
-    key.host_logits = p.host_logits;
-    key.kv = arena.storage().data();
-    key.meta = m;
-    auto it = std::find_if(graphs_.begin(), graphs_.end(), [&](const Graph& g) { return g.key == key; });
-    if (it == graphs_.end()) {
-      if (graphs_.size() >= kMaxGraphs) {
-        auto lru = std::min_element(graphs_.begin(), graphs_.end(),
-                                    [](const Graph& a, const Graph& b) { return a.used < b.used; });
-        if (lru->exec) DZ_CUDA_CHECK(cudaGraphExecDestroy(lru->exec));
-        graphs_.erase(lru);
-      }
-      graphs_.push_back({key, nullptr, ++graph_tick_});
-    } else {
-      it->used = ++graph_tick_;
-      if (!it->exec) capture = true;
-      exec = it->exec;
-    }
-    if (capture) {
-      // Thread-local mode: other threads' CUDA calls are not affected.
-      DZ_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-      cudaGraph_t g = nullptr;
-      std::string err;
-      try {
-        enqueue(p, nullptr);
-      } catch (const std::exception& e) {
-        err = e.what();
-      }
-      const cudaError_t ec = cudaStreamEndCapture(s, &g);
-      if (err.empty() && ec != cudaSuccess) err = cat("cudaStreamEndCapture: ", cudaGetErrorString(ec));
-      if (err.empty()) {
-        const cudaError_t ei = cudaGraphInstantiate(&exec, g, 0);
-        if (ei != cudaSuccess) err = cat("cudaGraphInstantiate: ", cudaGetErrorString(ei)), exec = nullptr;
-      }
-      if (g) cudaGraphDestroy(g);
-      if (!err.empty()) {
-        cudaGetLastError();
-        graphs_broken_ = true;
-        clear_graphs();
-        exec = nullptr;
-        log_warn("gpt_oss CUDA: capturing a decode step as a CUDA graph failed (", err,
-                 "); decoding without graphs from now on");
-      } else {
-        auto jt = std::find_if(graphs_.begin(), graphs_.end(), [&](const Graph& g2) { return g2.key == key; });
-        jt->exec = exec;
-      }
-    }
-  }
-  if (exec) {
+  if (decode && moe_fused_for(T)) {
+    const cuda::GraphCache::Key key = {T,
+                                       p.splits_full,
+                                       p.splits_sliding,
+                                       ab.page_tokens,
+                                       ab.page_bytes,
+                                       p.host_logits,
+                                       int64_t(reinterpret_cast<intptr_t>(arena.storage().data())),
+                                       int64_t(reinterpret_cast<intptr_t>(m))};
     opt.poll_abort();
-    DZ_CUDA_CHECK(cudaGraphLaunch(exec, s));
-    g_graph_replays.fetch_add(1, std::memory_order_relaxed);
+    graphs_.run(key, s, [&](bool capturing) { enqueue(p, capturing ? nullptr : &opt); });
   } else {
     enqueue(p, &opt);
   }
@@ -747,8 +657,6 @@ void GptOssCuda::enqueue(const PassArgs& p, const ForwardOptions* abort_between)
 std::unique_ptr<Family> make_gpt_oss_cuda(const Config& cfg, const WeightStore& ws, const dz_model_params& params) {
   return std::make_unique<GptOssCuda>(cfg, ws, params);
 }
-
-uint64_t gpt_oss_cuda_graph_replays() { return g_graph_replays.load(std::memory_order_relaxed); }
 
 }  // namespace dz
 

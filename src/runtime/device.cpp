@@ -1,5 +1,6 @@
 #include "runtime/device.h"
 
+#include <atomic>
 #include <thread>
 
 #include "common/error.h"
@@ -22,6 +23,10 @@ void require_cuda_device(const char* who) {
         ": DZ_DEVICE_CUDA requested but no CUDA device is present (driver or GPU missing); use DZ_DEVICE_CPU or "
         "DZ_DEVICE_AUTO");
 }
+
+static std::atomic<uint64_t> g_graph_replays{0};
+uint64_t cuda_graph_replays() { return g_graph_replays.load(std::memory_order_relaxed); }
+void note_cuda_graph_replay() { g_graph_replays.fetch_add(1, std::memory_order_relaxed); }
 
 std::string runtime_devices_summary() {
   return cat("cpu (", std::thread::hardware_concurrency(), " threads); cuda: ", cuda_devices_summary());

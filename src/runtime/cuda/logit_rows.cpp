@@ -65,10 +65,20 @@ LogitStaging::~LogitStaging() {
 
 void LogitStaging::deliver(const float* logits, int nc, int V, float* const* ddst, const std::vector<float*>& host_dst,
                            const std::vector<int32_t*>& argmax_dst, cudaStream_t s) {
+  stage(logits, nc, V, ddst, s);
+  collect(logits, nc, V, host_dst, argmax_dst, s);
+}
+
+void LogitStaging::stage(const float* logits, int nc, int V, float* const* ddst, cudaStream_t s) {
   check(nc >= 0 && nc <= rows_, DZ_ERR_INTERNAL, "logit rows: ", nc, " rows, staging for ", rows_);
   if (nc == 0) return;
   logits_argmax_copy(logits, nc, V, ddst, argmax_.get(), s);
   DZ_CUDA_CHECK(cudaMemcpyAsync(argmax_host_, argmax_.get(), size_t(nc) * 4, cudaMemcpyDeviceToHost, s));
+}
+
+void LogitStaging::collect(const float* logits, int nc, int V, const std::vector<float*>& host_dst,
+                           const std::vector<int32_t*>& argmax_dst, cudaStream_t s) {
+  if (nc == 0) return;
   for (int i = 0; i < nc; ++i)
     if (float* d = host_dst[size_t(i)])
       DZ_CUDA_CHECK(cudaMemcpyAsync(d, logits + size_t(i) * V, size_t(V) * 4, cudaMemcpyDeviceToHost, s));

@@ -37,6 +37,13 @@ class LogitStaging {
   // into the host row host_dst[i] where not null. Synchronises s.
   void deliver(const float* logits, int nc, int V, float* const* ddst, const std::vector<float*>& host_dst,
                const std::vector<int32_t*>& argmax_dst, cudaStream_t s);
+  // deliver in two halves, so that the first can be part of a CUDA graph:
+  // stage enqueues the device rows and the argmaxes' copy to pinned memory
+  // (no host synchronisation); collect then copies the host rows, synchronises
+  // s and writes the argmaxes.
+  void stage(const float* logits, int nc, int V, float* const* ddst, cudaStream_t s);
+  void collect(const float* logits, int nc, int V, const std::vector<float*>& host_dst,
+               const std::vector<int32_t*>& argmax_dst, cudaStream_t s);
   // Family::sample_on_device: false where V is past the device sampler's limit.
   bool sample(std::span<const DeviceSample> rows, int V, int32_t* tokens, cudaStream_t s);
 
