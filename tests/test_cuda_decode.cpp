@@ -23,6 +23,7 @@
 #include "dayzero.h"
 #include "model/gpt_oss.h"
 #include "runtime/device.h"
+#include "support/api_model.h"
 #include "support/gpu.h"
 #include "support/safetensors_writer.h"
 
@@ -458,17 +459,6 @@ struct Arena {
   ~Arena() { dz_kv_arena_free(a); }
 };
 
-// Graphs on or off for the calls made while it lives (read at each forward).
-struct Graphs {
-  explicit Graphs(bool on) {
-    if (on)
-      unsetenv("DZ_CUDA_GRAPHS");
-    else
-      setenv("DZ_CUDA_GRAPHS", "0", 1);
-  }
-  ~Graphs() { unsetenv("DZ_CUDA_GRAPHS"); }
-};
-
 // n sessions on one model: prompts, then forced decode steps; logits of every step.
 struct Run {
   Model model;
@@ -477,7 +467,7 @@ struct Run {
   std::vector<int32_t> greedy;  // the last step's greedy samples
   bool graphs;
   Run(dz_device dev, bool g, const std::vector<std::vector<int32_t>>& prompts) : model(dev), arena(model), graphs(g) {
-    Graphs gg(graphs);
+    dz::test::GraphsOn gg(graphs);
     for (const auto& pr : prompts) {
       dz_session* s = nullptr;
       REQUIRE(dz_session_create(arena.a, nullptr, &s) == DZ_OK);
@@ -491,7 +481,7 @@ struct Run {
     for (auto s : ss) dz_session_free(s);
   }
   std::vector<std::vector<float>> step(const std::vector<int32_t>& tokens) {
-    Graphs gg(graphs);
+    dz::test::GraphsOn gg(graphs);
     const dz_status st = dz_decode_batch(ss.data(), tokens.data(), ss.size());
     INFO(dz_last_error());
     REQUIRE(st == DZ_OK);

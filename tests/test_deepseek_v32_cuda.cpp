@@ -29,7 +29,6 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -40,7 +39,6 @@
 #include <vector>
 
 #include "api/handles.h"
-#include "cpu/sampling.h"
 #include "dayzero.h"
 #include "model/deepseek_v32.h"
 #include "runtime/device.h"
@@ -309,98 +307,25 @@ TEST_CASE("deepseek_v32 on the GPU at DeepSeek's latent shape (tensor-core spars
   fs::remove_all(dir);
 }
 
-namespace {
-// Graphs on or off for the calls made while it lives (read at each step).
-struct GraphsOn {
-  explicit GraphsOn(bool on) {
-    if (on)
-      unsetenv("DZ_CUDA_GRAPHS");
-    else
-      setenv("DZ_CUDA_GRAPHS", "0", 1);
-  }
-  ~GraphsOn() { unsetenv("DZ_CUDA_GRAPHS"); }
-};
-
-// One decode step of every session: each one's logits row and greedy sample.
-std::vector<std::vector<float>> decode_step(std::vector<dz_session*>& ss, const std::vector<int32_t>& toks, bool graphs,
-                                            std::vector<int32_t>* greedy) {
-  GraphsOn g(graphs);
-  INFO(dz_last_error());
-  REQUIRE(dz_decode_batch(ss.data(), toks.data(), ss.size()) == DZ_OK);
-  std::vector<std::vector<float>> rows;
-  greedy->clear();
-  for (dz_session* s : ss) {
-    int32_t t = -1;
-    REQUIRE(dz_session_sample(s, &t) == DZ_OK);  // the device's argmax, before the row reaches the host
-    greedy->push_back(t);
-    rows.push_back(dz::test::session_last_logits(s));
-  }
-  return rows;
-}
-}  // namespace
-
 // Decode steps replayed from CUDA graphs against the same steps launched
-// eagerly, bit for bit, and against the CPU backend. 150 steps from prompts of
-// 3, 40 and 77 tokens cross 16-token pages, the padded page count's and the
-// indexer grid's power-of-two buckets and the index_topk (64) of the default
-// model, so graphs are captured for several keys and replayed while page
-// tables, positions and selections change under them.
+// eagerly, bit for bit, and against the CPU backend (graph_decode_check in
+// support/api_model.h): 150 steps from prompts of 3, 40 and 77 tokens cross
+// 16-token pages, the padded page count's and the indexer grid's power-of-two
+// buckets and the default model's index_topk (64).
 TEST_CASE("deepseek_v32 on the GPU: decode steps as CUDA graphs equal eager steps bitwise and match the CPU",
           "[cuda]") {
   if (!have_gpu()) return;
   const std::string dir = std::string(DZ_SOURCE_DIR) + "/models/dayzero-tiny";
   for (const int batch : {1, 3}) {
-    ApiModel g(dir, DZ_DEVICE_CUDA), e(dir, DZ_DEVICE_CUDA), c(dir, DZ_DEVICE_CPU, fp8_indexer);
-    std::vector<dz_session*> gs, es, cs;
-    for (int b = 0; b < batch; ++b) {
-      std::vector<int32_t> pr(static_cast<size_t>(3 + 37 * b));
-      for (size_t k = 0; k < pr.size(); ++k) pr[k] = int32_t((k * 131 + size_t(b) * 17 + 5) % 4096);
-      for (auto* v : {&gs, &es, &cs}) {
-        dz_session* s = (v == &gs ? g : v == &es ? e : c).session();
-        append_logits(s, pr, false);
-        v->push_back(s);
-      }
-    }
-    const uint64_t replays0 = dz::cuda_graph_replays();
-    const int steps = 150;
-    int mismatched = 0, greedy_bad = 0;
-    std::vector<double> vs_cpu;
-    std::vector<int32_t> gg, ge, gc;
-    for (int k = 0; k < steps; ++k) {
-      std::vector<int32_t> t(static_cast<size_t>(batch));
-      for (int b = 0; b < batch; ++b) t[size_t(b)] = int32_t((k * 97 + b * 31 + 11) % 4096);
-      const auto lg = decode_step(gs, t, true, &gg), le = decode_step(es, t, false, &ge),
-                 lc = decode_step(cs, t, true, &gc);
-      for (int b = 0; b < batch; ++b) {
-        const size_t n = lg[size_t(b)].size();
-        REQUIRE(le[size_t(b)].size() == n);
-        if (std::memcmp(lg[size_t(b)].data(), le[size_t(b)].data(), n * 4) != 0) {
-          ++mismatched;
-          INFO("batch " << batch << " step " << k << " session " << b);
-          CHECK(cosine(lg[size_t(b)].data(), le[size_t(b)].data(), n) > 0.999999);
-        }
-        vs_cpu.push_back(cosine(lg[size_t(b)].data(), lc[size_t(b)].data(), n));
-        greedy_bad += gg[size_t(b)] != dz::cpu::argmax(lg[size_t(b)].data(), int64_t(n));
-        greedy_bad += ge[size_t(b)] != dz::cpu::argmax(le[size_t(b)].data(), int64_t(n));
-      }
-    }
-    const uint64_t replays = dz::cuda_graph_replays() - replays0;
-    std::sort(vs_cpu.begin(), vs_cpu.end());
-    const size_t below = size_t(std::count_if(vs_cpu.begin(), vs_cpu.end(), [](double x) { return x < 0.999; }));
-    WARN("deepseek_v32 decode batch " << batch << ": " << steps << " steps, " << replays << " graph replays, "
-                                      << mismatched << " of " << steps * batch
-                                      << " logits rows differ from eager; cosine vs CPU min " << vs_cpu.front()
-                                      << " median " << vs_cpu[vs_cpu.size() / 2] << ", " << below
-                                      << " rows below 0.999");
-    CHECK(mismatched == 0);
-    CHECK(greedy_bad == 0);
-    // Every step replays a graph but the first of each key (eager, setting up plans and scratch) and the ones
-    // after a scratch buffer grew: a handful of keys over these steps.
-    CHECK(replays >= uint64_t(steps - 16));
-    CHECK(replays <= uint64_t(steps));
-    CHECK(vs_cpu[vs_cpu.size() / 2] > 0.9995);
-    CHECK(below * 50 <= vs_cpu.size());
-    for (auto* v : {&gs, &es, &cs})
-      for (dz_session* s : *v) dz_session_free(s);
+    const dz::test::GraphDecode r = dz::test::graph_decode_check(dir, fp8_indexer, batch, 150);
+    WARN("deepseek_v32 " << r.summary());
+    CHECK(r.mismatched == 0);
+    CHECK(r.greedy_bad == 0);
+    // Every step replays a graph but the first of each key (eager, setting up plans and scratch) and the one after
+    // a scratch buffer grew: a handful of keys over these steps.
+    CHECK(r.replays >= uint64_t(r.steps - 16));
+    CHECK(r.replays <= uint64_t(r.steps));
+    CHECK(r.median() > 0.9995);
+    CHECK(r.below(0.999) * 50 <= r.vs_cpu.size());
   }
 }

@@ -208,6 +208,7 @@ T* Bf16Experts::room(DeviceArray<T>& a, size_t n, const char* what) {
   if (a.size() < n) {
     a.reset();
     a = DeviceArray<T>(ctx_.pool(), n, what);
+    ++gen_;
   }
   return a.get();
 }

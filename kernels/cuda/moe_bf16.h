@@ -49,6 +49,8 @@ class Bf16Experts {
   // > 0: the SwiGLU clamped first (DeepSeek-V4): gate <= limit, |up| <= limit.
   void set_swiglu_limit(float limit) { limit_ = limit; }
   static constexpr size_t kFewMaxSmem = size_t(96) << 10;
+  // How many times a scratch buffer moved (a CUDA graph's key: no replay on moved scratch).
+  uint64_t scratch_generation() const { return gen_; }
 
  private:
   template <typename T>
@@ -58,6 +60,7 @@ class Bf16Experts {
   int E_, k_, H_, I_;
   int64_t few_max_slots_;
   float limit_ = 0;
+  uint64_t gen_ = 0;
   std::vector<int32_t> ids_, meta_, count_;
   DeviceArray<int32_t> meta_d_;
   DeviceArray<uint16_t> xs_, act_;

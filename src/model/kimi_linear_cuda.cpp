@@ -14,7 +14,8 @@
 //  - FFN: dense and shared MLPs as BF16 GEMMs, the sigmoid group-limited
 //    router on the device, routed experts in BF16 through cuda::Bf16Experts
 //    (one host sync a MoE layer); MXFP4 experts through cuda::MoeLayer.
-// Eager launches (no CUDA graphs yet); logits are copied to the host.
+// Decode steps run as CUDA graphs (cuda::GraphCache), as deepseek_v32's;
+// other passes launch eagerly.
 #include "model/kimi_linear.h"
 #include "runtime/device.h"
 
@@ -46,6 +47,7 @@ std::unique_ptr<Family> make_kimi_linear_cuda(const Config&, const WeightStore&,
 #include "model/cuda_model.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
+#include "runtime/cuda/graph_cache.h"
 #include "runtime/cuda/kv_storage.h"
 #include "runtime/cuda/packer.h"
 #include "runtime/cuda/upload.h"
@@ -338,7 +340,7 @@ void KimiLinearCuda::mla_layer(const DevLayer& D, int T, const int64_t* row_off,
 void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, int64_t r0, int64_t r1,
                           const std::vector<int32_t>& page_ids, const std::vector<int32_t>& item_page, kv::Arena& arena,
                           std::vector<char>& touched, const ForwardOptions& opt) {
-  const int T = int(r1 - r0), L = n_layers_, P = int(page_ids.size()), H = int(hidden_), V = n_vocab_;
+  const int T = int(r1 - r0), L = n_layers_, H = int(hidden_), V = n_vocab_;
   cudaStream_t s = core_->stream();
   const size_t page_bytes = arena.page_bytes(), TS = size_t(T);
 
@@ -382,10 +384,22 @@ void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
   seg_first.push_back(T);
   int max_seg = 0;
   for (const Segment& g : segs) max_seg = std::max(max_seg, g.n);
+  // A decode step: every item one row, each a logit row, with no host sync in the experts. It runs as a CUDA
+  // graph, its page count and the attention's context rounded up to powers of two (the pads are never read:
+  // each row stops at its own visible count) so that one graph serves many steps.
+  const bool decode = T == int(batch.size()) && int(logit_rows.size()) == T && T <= kLogitRows &&
+                      (moe_ ? path_ == cuda::MoePath::kFused || moe_->choose(T) == cuda::MoePath::kFused
+                            : !bf16_experts_ || bf16_experts_->few_slots(T));
+  std::vector<int32_t> pids(page_ids);
+  if (decode) {
+    pids.resize(size_t(cuda::pow2_at_least(int64_t(pids.size()))), 0);
+    max_vis = cuda::pow2_at_least(max_vis);
+  }
+  const int P = int(pids.size());
   for (int l = 0; l < L; ++l) layer_off[size_t(l)] = int64_t(arena.layer_offset(uint32_t(l)));
   cuda::Packer pk;
   const size_t o_tok = pk.add(tok), o_first = pk.add(row_first), o_lr = pk.add(logit_rows), o_dd = pk.add(dev_dst),
-               o_vis = pk.add(vis), o_off = pk.add(off), o_loff = pk.add(layer_off), o_pid = pk.add(page_ids),
+               o_vis = pk.add(vis), o_off = pk.add(off), o_loff = pk.add(layer_off), o_pid = pk.add(pids),
                o_seg = pk.add(seg_first), o_sin = pk.add(st_in), o_sout = pk.add(st_out);
   const size_t o_tab = pk.tail();
   const size_t o_rtab = o_tab + (size_t(L) * P * 8 + 255) / 256 * 256;
@@ -397,13 +411,11 @@ void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
   uint8_t** tables = reinterpret_cast<uint8_t**>(at(o_tab));
   uint8_t*** row_tables = reinterpret_cast<uint8_t***>(at(o_rtab));
   uint8_t* kv_base = arena.storage().data();
-  if (n_mla_)
-    cuda::paged_tables(kv_base, reinterpret_cast<const int32_t*>(at(o_pid)), P, page_bytes,
-                       reinterpret_cast<const int64_t*>(at(o_loff)), L, reinterpret_cast<const int32_t*>(at(o_first)),
-                       T, tables, row_tables, s);
   const int32_t* d_seg = reinterpret_cast<const int32_t*>(at(o_seg));
   float* const* d_sin = reinterpret_cast<float* const*>(at(o_sin));
   float* const* d_sout = reinterpret_cast<float* const*>(at(o_sout));
+  const int32_t* d_lr = reinterpret_cast<const int32_t*>(at(o_lr));
+  float* const* d_dd = reinterpret_cast<float* const*>(at(o_dd));
 
   float* x = room(x_, TS * H, "x");
   float* xn = room(xn_, TS * H, "xn");
@@ -416,37 +428,64 @@ void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
     rlog = room(rlog_, TS * routing_.n_experts, "router logits");
   }
 
-  core_->embed(reinterpret_cast<const int32_t*>(at(o_tok)), T, H, x, s);
-  for (int li = 0; li < L; ++li) {
+  // The pass's launches up to the last hidden state; no host synchronisation while capturing.
+  auto layers = [&](bool capturing) {
+    if (n_mla_)
+      cuda::paged_tables(kv_base, reinterpret_cast<const int32_t*>(at(o_pid)), P, page_bytes,
+                         reinterpret_cast<const int64_t*>(at(o_loff)), L, reinterpret_cast<const int32_t*>(at(o_first)),
+                         T, tables, row_tables, s);
+    core_->embed(reinterpret_cast<const int32_t*>(at(o_tok)), T, H, x, s);
+    for (int li = 0; li < L; ++li) {
+      if (!capturing) core_->poll_abort(opt);
+      const DevLayer& D = dl_[size_t(li)];
+      cuda::rms_norm(x, nullptr, T, H, D.in_norm.get(), eps_, nullptr, xb, s);
+      if (D.kda)
+        kda_layer(D, layers_[size_t(li)], T, int(segs.size()), max_seg, d_seg, d_sin, d_sout, s);
+      else
+        mla_layer(D, T, reinterpret_cast<const int64_t*>(at(o_off)), reinterpret_cast<const int64_t*>(at(o_vis)),
+                  max_vis, kv_base + arena.layer_offset(uint32_t(li)), row_tables + size_t(li) * T, arena.page_tokens(),
+                  s);
+
+      cuda::rms_norm(x, nullptr, T, H, D.post_norm.get(), eps_, xn, xb, s);
+      if (!D.moe) {
+        core_->mlp(D.dense, xb, int(T), H, x, s);
+        continue;
+      }
+      core_->route(xb, D.router.get(), D.router_bias.get(), routing_, T, H, rlog, ids, gw, s);
+      if (moe_) {
+        moe_->forward(D.fp4.weights(), xn, ids, gw, T, x, path_, true);  // x += experts(xn)
+      } else {
+        cuda::Bf16ExpertWeights bw;
+        bw.w13 = D.w13.get(), bw.w2 = D.w2.get();
+        bf16_experts_->forward(bw, xb, ids, gw, T, x, s);  // x += experts(xb)
+      }
+      if (D.shared.inter) core_->mlp(D.shared, xb, int(T), H, x, s);
+    }
+    if (!capturing) core_->poll_abort(opt);  // as the CPU family: once more before the logits
+  };
+
+  if (decode) {
+    // Everything a decode step's launches take from the host besides the metadata's bytes.
+    const cuda::GraphCache::Key key = {T,
+                                       P,
+                                       max_vis,
+                                       int64_t(page_bytes),
+                                       int64_t(arena.page_tokens()),
+                                       int64_t(core_->scratch_generation()),
+                                       int64_t(bf16_experts_ ? bf16_experts_->scratch_generation() : 0),
+                                       int64_t(reinterpret_cast<intptr_t>(kv_base)),
+                                       int64_t(reinterpret_cast<intptr_t>(m))};
     core_->poll_abort(opt);
-    const DevLayer& D = dl_[size_t(li)];
-    cuda::rms_norm(x, nullptr, T, H, D.in_norm.get(), eps_, nullptr, xb, s);
-    if (D.kda)
-      kda_layer(D, layers_[size_t(li)], T, int(segs.size()), max_seg, d_seg, d_sin, d_sout, s);
-    else
-      mla_layer(D, T, reinterpret_cast<const int64_t*>(at(o_off)), reinterpret_cast<const int64_t*>(at(o_vis)), max_vis,
-                kv_base + arena.layer_offset(uint32_t(li)), row_tables + size_t(li) * T, arena.page_tokens(), s);
-
-    cuda::rms_norm(x, nullptr, T, H, D.post_norm.get(), eps_, xn, xb, s);
-    if (!D.moe) {
-      core_->mlp(D.dense, xb, int(T), H, x, s);
-      continue;
-    }
-    core_->route(xb, D.router.get(), D.router_bias.get(), routing_, T, H, rlog, ids, gw, s);
-    if (moe_) {
-      moe_->forward(D.fp4.weights(), xn, ids, gw, T, x, path_, true);  // x += experts(xn)
-    } else {
-      cuda::Bf16ExpertWeights bw;
-      bw.w13 = D.w13.get(), bw.w2 = D.w2.get();
-      bf16_experts_->forward(bw, xb, ids, gw, T, x, s);  // x += experts(xb)
-    }
-    if (D.shared.inter) core_->mlp(D.shared, xb, int(T), H, x, s);
+    core_->graphs().run(key, s, [&](bool capturing) {
+      layers(capturing);
+      core_->logits_stage(x, d_lr, T, H, V, eps_, xb, d_dd, s);
+    });
+    core_->logits_collect(T, V, logit_dst, argmax_dst, s);
+  } else {
+    layers(false);
+    // The logit rows of this pass, kLogitRows at a time.
+    core_->logits(x, d_lr, int(logit_rows.size()), H, V, eps_, xb, d_dd, logit_dst, argmax_dst, s);
   }
-
-  core_->poll_abort(opt);  // as the CPU family: once more before the logits
-  // The logit rows of this pass, kLogitRows at a time.
-  core_->logits(x, reinterpret_cast<const int32_t*>(at(o_lr)), int(logit_rows.size()), H, V, eps_, xb,
-                reinterpret_cast<float* const*>(at(o_dd)), logit_dst, argmax_dst, s);
   core_->finish_pass(moe_.get());
 }
 

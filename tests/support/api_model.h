@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -141,6 +143,96 @@ inline double worst_cosine_ragged_batch(const ApiModel& model, const std::vector
   }
   for (dz_session* s : ss) dz_session_free(s);
   return worst;
+}
+
+// Graphs on or off for the calls made while it lives (read at each step).
+struct GraphsOn {
+  explicit GraphsOn(bool on) {
+    if (on)
+      unsetenv("DZ_CUDA_GRAPHS");
+    else
+      setenv("DZ_CUDA_GRAPHS", "0", 1);
+  }
+  ~GraphsOn() { unsetenv("DZ_CUDA_GRAPHS"); }
+  GraphsOn(const GraphsOn&) = delete;
+  GraphsOn& operator=(const GraphsOn&) = delete;
+};
+
+// What graph_decode_check saw.
+struct GraphDecode {
+  int batch = 0, steps = 0;
+  uint64_t replays = 0;        // CUDA graph replays over the GPU model's steps
+  int mismatched = 0;          // logits rows of the graphed model not bitwise equal to the eager one's
+  int greedy_bad = 0;          // device samples (greedy) not the argmax of their own rows
+  std::vector<double> vs_cpu;  // every row's logits cosine against the CPU backend's, ascending
+  double median() const { return vs_cpu[vs_cpu.size() / 2]; }
+  size_t below(double c) const {
+    return size_t(std::count_if(vs_cpu.begin(), vs_cpu.end(), [c](double x) { return x < c; }));
+  }
+  std::string summary() const {
+    return "decode batch " + std::to_string(batch) + ": " + std::to_string(steps) + " steps, " +
+           std::to_string(replays) + " graph replays, " + std::to_string(mismatched) + " of " +
+           std::to_string(steps * batch) + " logits rows differ from eager; cosine vs CPU min " +
+           std::to_string(vs_cpu.front()) + " median " + std::to_string(median()) + ", " +
+           std::to_string(below(0.999)) + " rows below 0.999";
+  }
+};
+
+// `dir` on the GPU twice (CUDA graphs on, and off) and on the CPU (cpu_tweak adjusts its parameters): `batch`
+// sessions with prompts of 3, 40, 77 ... tokens, then `steps` decode steps of the same tokens through
+// dz_decode_batch, each session's greedy sample (the device's argmax on the GPU) and logits row compared.
+inline GraphDecode graph_decode_check(const std::string& dir, void (*cpu_tweak)(dz_model_params&), int batch,
+                                      int steps) {
+  ApiModel g(dir, DZ_DEVICE_CUDA), e(dir, DZ_DEVICE_CUDA), c(dir, DZ_DEVICE_CPU, cpu_tweak);
+  dz_model_info info;
+  dz_model_info_init(&info);
+  REQUIRE(dz_model_get_info(g.m, &info) == DZ_OK);
+  const int32_t V = info.n_vocab;
+  const ApiModel* models[3] = {&g, &e, &c};
+  std::vector<dz_session*> ss[3];
+  for (int b = 0; b < batch; ++b) {
+    std::vector<int32_t> pr(static_cast<size_t>(3 + 37 * b));
+    for (size_t k = 0; k < pr.size(); ++k) pr[k] = int32_t((k * 131 + size_t(b) * 17 + 5) % size_t(V));
+    for (int m = 0; m < 3; ++m) {
+      ss[m].push_back(models[m]->session());
+      append_logits(ss[m].back(), pr, false);
+    }
+  }
+  GraphDecode r;
+  r.batch = batch, r.steps = steps;
+  const uint64_t replays0 = dz::cuda_graph_replays();
+  for (int k = 0; k < steps; ++k) {
+    std::vector<int32_t> t(static_cast<size_t>(batch));
+    for (int b = 0; b < batch; ++b) t[size_t(b)] = int32_t((k * 97 + b * 31 + 11) % V);
+    std::vector<std::vector<float>> rows[3];
+    for (int m = 0; m < 3; ++m) {
+      GraphsOn on(m != 1);
+      INFO(dz_last_error());
+      REQUIRE(dz_decode_batch(ss[m].data(), t.data(), ss[m].size()) == DZ_OK);
+      for (dz_session* s : ss[m]) {
+        int32_t greedy = -1;
+        REQUIRE(dz_session_sample(s, &greedy) == DZ_OK);  // on the GPU the device's argmax, before the row is read
+        rows[m].push_back(session_last_logits(s));
+        const std::vector<float>& l = rows[m].back();
+        r.greedy_bad += greedy != int32_t(std::max_element(l.begin(), l.end()) - l.begin());
+      }
+    }
+    for (int b = 0; b < batch; ++b) {
+      const std::vector<float>&lg = rows[0][size_t(b)], &le = rows[1][size_t(b)], &lc = rows[2][size_t(b)];
+      REQUIRE((le.size() == lg.size() && lc.size() == lg.size()));
+      if (std::memcmp(lg.data(), le.data(), lg.size() * 4) != 0) {
+        ++r.mismatched;
+        INFO("batch " << batch << " step " << k << " session " << b);
+        CHECK(cosine(lg.data(), le.data(), lg.size()) > 0.999999);
+      }
+      r.vs_cpu.push_back(cosine(lg.data(), lc.data(), lg.size()));
+    }
+  }
+  r.replays = dz::cuda_graph_replays() - replays0;
+  std::sort(r.vs_cpu.begin(), r.vs_cpu.end());
+  for (auto& v : ss)
+    for (dz_session* s : v) dz_session_free(s);
+  return r;
 }
 
 }  // namespace dz::test
