@@ -17,7 +17,8 @@
 //    shared expert as BF16 GEMMs, all with V4's clamped SwiGLU.
 // A forward works on copies of its sequences' states and moves them into the
 // slots only once every pass has run, so a failed or cancelled call leaves the
-// state as it was. Eager launches (no CUDA graphs yet).
+// state as it was. Decode steps run as CUDA graphs (cuda::GraphCache), as
+// deepseek_v32's; other passes launch eagerly.
 #include "model/deepseek_v4.h"
 #include "runtime/device.h"
 
@@ -51,6 +52,7 @@ std::unique_ptr<Family> make_deepseek_v4_cuda(const Config&, const WeightStore&,
 #include "model/cuda_model.h"
 #include "runtime/cuda/context.h"
 #include "runtime/cuda/cuda_check.h"
+#include "runtime/cuda/graph_cache.h"
 #include "runtime/cuda/kv_storage.h"
 #include "runtime/cuda/packer.h"
 #include "runtime/cuda/upload.h"
@@ -415,7 +417,7 @@ void DeepseekV4Cuda::attention(const DevLayer& D, const v4::Layer& L, int li, co
 void DeepseekV4Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, int64_t r0, int64_t r1,
                           const std::vector<int32_t>& page_ids, const std::vector<int32_t>& item_page, kv::Arena& arena,
                           std::vector<char>& touched, const ForwardOptions& opt) {
-  const int T = int(r1 - r0), L = n_layers_, P = int(page_ids.size()), H = int(hidden_), V = n_vocab_;
+  const int T = int(r1 - r0), L = n_layers_, H = int(hidden_), V = n_vocab_;
   const int NHC = hc_.n, half = int(rope_dim_ / 2);
   cudaStream_t s = core_->stream();
   const size_t TS = size_t(T);
@@ -469,11 +471,24 @@ void DeepseekV4Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
     if (rate_csa_) m.max_close_csa = std::max(m.max_close_csa, int((last + 1) / rate_csa_ - first / rate_csa_));
     if (rate_hca_) m.max_close_hca = std::max(m.max_close_hca, int((last + 1) / rate_hca_ - first / rate_hca_));
   }
+  // A decode step: every item one row, each a logit row, with no host sync in the experts. It runs as a CUDA
+  // graph, its page count and the entries each CSA / HCA layer sees rounded up to powers of two (the pads are
+  // never read: each row stops at its own visible count) so that one graph serves many steps.
+  const bool decode =
+      T == int(batch.size()) && int(logit_rows.size()) == T && T <= kLogitRows &&
+      (moe_ ? path_ == cuda::MoePath::kFused || moe_->choose(T) == cuda::MoePath::kFused : experts_->few_slots(T));
+  std::vector<int32_t> pids(page_ids);
+  if (decode) {
+    if (!pids.empty()) pids.resize(size_t(cuda::pow2_at_least(int64_t(pids.size()))), 0);
+    if (m.max_vis_csa > 0) m.max_vis_csa = cuda::pow2_at_least(m.max_vis_csa);
+    if (m.max_vis_hca > 0) m.max_vis_hca = cuda::pow2_at_least(m.max_vis_hca);
+  }
+  const int P = int(pids.size());
   for (int l = 0; l < L; ++l) layer_off[size_t(l)] = int64_t(arena.layer_offset(uint32_t(l)));
   cuda::Packer pk;
   const size_t o_tok = pk.add(tok), o_first = pk.add(row_first), o_rseg = pk.add(row_seg), o_seg = pk.add(seg_first),
                o_pos = pk.add(pos), o_vc = pk.add(vis_csa), o_vh = pk.add(vis_hca), o_lr = pk.add(logit_rows),
-               o_dd = pk.add(dev_dst), o_st = pk.add(st), o_loff = pk.add(layer_off), o_pid = pk.add(page_ids),
+               o_dd = pk.add(dev_dst), o_st = pk.add(st), o_loff = pk.add(layer_off), o_pid = pk.add(pids),
                o_tabs = pk.add(tabs);
   const size_t o_tab = pk.tail();
   const size_t o_rtab = o_tab + (size_t(L) * P * 8 + 255) / 256 * 256;
@@ -495,10 +510,8 @@ void DeepseekV4Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
   m.cos_csa = dtab(2, false), m.sin_csa = dtab(2, true), m.cos_hca = dtab(3, false), m.sin_hca = dtab(3, true);
   m.page_tokens = arena.page_tokens();
   m.row_tables = reinterpret_cast<uint8_t***>(at(o_rtab));
-  if (P > 0)
-    cuda::paged_tables(arena.storage().data(), reinterpret_cast<const int32_t*>(at(o_pid)), P, arena.page_bytes(),
-                       reinterpret_cast<const int64_t*>(at(o_loff)), L, reinterpret_cast<const int32_t*>(at(o_first)),
-                       T, reinterpret_cast<uint8_t**>(at(o_tab)), m.row_tables, s);
+  const int32_t* d_lr = reinterpret_cast<const int32_t*>(at(o_lr));
+  float* const* d_dd = reinterpret_cast<float* const*>(at(o_dd));
 
   float* x = room(x_, TS * NHC * H, "residual streams");
   float* col = room(col_, TS * H, "collapsed streams");
@@ -511,38 +524,68 @@ void DeepseekV4Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
   float* gw = room(gw_, TS * k, "expert weights");
   float* rlog = room(rlog_, TS * E, "router logits");
 
-  // Every stream starts as the embedding.
-  core_->embed(m.tok, T, H, col, s);
-  for (int j = 0; j < NHC; ++j)
-    DZ_CUDA_CHECK(cudaMemcpy2DAsync(x + size_t(j) * H, size_t(NHC) * H * 4, col, size_t(H) * 4, size_t(H) * 4, TS,
-                                    cudaMemcpyDeviceToDevice, s));
-  for (int li = 0; li < L; ++li) {
-    core_->poll_abort(opt);
-    const DevLayer& D = dl_[size_t(li)];
-    const v4::Layer& Ly = layers_[size_t(li)];
-    hc_pre(D.attn_hc, false, T, col, s);
-    cuda::rms_norm(col, nullptr, T, H, D.in_norm.get(), eps_, nullptr, xb, s);
-    attention(D, Ly, li, m, y, s);
-    cuda::hc_post(x, y, w_.get(), T, NHC, H, s);
-    hc_pre(D.ffn_hc, false, T, col, s);
-    cuda::rms_norm(col, nullptr, T, H, D.post_norm.get(), eps_, xn, xb, s);
-    core_->gemm().run(xb, D.router.get(), nullptr, rlog, T, E, H, 0.f, s);
-    cuda::router_sqrt_softplus(rlog, D.router_bias.get(), D.hash.get(), m.tok, T, E, k, routing_.scale, ids, gw, s);
-    DZ_CUDA_CHECK(cudaMemsetAsync(y, 0, TS * H * 4, s));
-    if (moe_) {
-      moe_->forward(D.fp4.weights(), xn, ids, gw, T, y, path_, true);  // y = experts(xn)
-    } else {
-      cuda::Bf16ExpertWeights bw;
-      bw.w13 = D.w13.get(), bw.w2 = D.w2.get();
-      experts_->forward(bw, xb, ids, gw, T, y, s);  // y = experts(xb)
+  // The pass's launches up to the head's collapsed stream; no host synchronisation while capturing.
+  auto layers = [&](bool capturing) {
+    if (P > 0)
+      cuda::paged_tables(arena.storage().data(), reinterpret_cast<const int32_t*>(at(o_pid)), P, arena.page_bytes(),
+                         reinterpret_cast<const int64_t*>(at(o_loff)), L, reinterpret_cast<const int32_t*>(at(o_first)),
+                         T, reinterpret_cast<uint8_t**>(at(o_tab)), m.row_tables, s);
+    // Every stream starts as the embedding.
+    core_->embed(m.tok, T, H, col, s);
+    for (int j = 0; j < NHC; ++j)
+      DZ_CUDA_CHECK(cudaMemcpy2DAsync(x + size_t(j) * H, size_t(NHC) * H * 4, col, size_t(H) * 4, size_t(H) * 4, TS,
+                                      cudaMemcpyDeviceToDevice, s));
+    for (int li = 0; li < L; ++li) {
+      if (!capturing) core_->poll_abort(opt);
+      const DevLayer& D = dl_[size_t(li)];
+      const v4::Layer& Ly = layers_[size_t(li)];
+      hc_pre(D.attn_hc, false, T, col, s);
+      cuda::rms_norm(col, nullptr, T, H, D.in_norm.get(), eps_, nullptr, xb, s);
+      attention(D, Ly, li, m, y, s);
+      cuda::hc_post(x, y, w_.get(), T, NHC, H, s);
+      hc_pre(D.ffn_hc, false, T, col, s);
+      cuda::rms_norm(col, nullptr, T, H, D.post_norm.get(), eps_, xn, xb, s);
+      core_->gemm().run(xb, D.router.get(), nullptr, rlog, T, E, H, 0.f, s);
+      cuda::router_sqrt_softplus(rlog, D.router_bias.get(), D.hash.get(), m.tok, T, E, k, routing_.scale, ids, gw, s);
+      DZ_CUDA_CHECK(cudaMemsetAsync(y, 0, TS * H * 4, s));
+      if (moe_) {
+        moe_->forward(D.fp4.weights(), xn, ids, gw, T, y, path_, true);  // y = experts(xn)
+      } else {
+        cuda::Bf16ExpertWeights bw;
+        bw.w13 = D.w13.get(), bw.w2 = D.w2.get();
+        experts_->forward(bw, xb, ids, gw, T, y, s);  // y = experts(xb)
+      }
+      if (D.shared.inter) core_->mlp(D.shared, xb, T, H, y, s, routing_.swiglu_limit);
+      cuda::hc_post(x, y, w_.get(), T, NHC, H, s);
     }
-    if (D.shared.inter) core_->mlp(D.shared, xb, T, H, y, s, routing_.swiglu_limit);
-    cuda::hc_post(x, y, w_.get(), T, NHC, H, s);
+    if (!capturing) core_->poll_abort(opt);
+    hc_pre(head_, true, T, col, s);
+  };
+
+  if (decode) {
+    // Everything a decode step's launches take from the host besides the metadata's bytes.
+    const cuda::GraphCache::Key key = {T,
+                                       P,
+                                       m.max_vis_csa,
+                                       m.max_vis_hca,
+                                       m.max_close_csa,
+                                       m.max_close_hca,
+                                       int64_t(arena.page_bytes()),
+                                       int64_t(arena.page_tokens()),
+                                       int64_t(core_->scratch_generation()),
+                                       int64_t(experts_ ? experts_->scratch_generation() : 0),
+                                       int64_t(reinterpret_cast<intptr_t>(arena.storage().data())),
+                                       int64_t(reinterpret_cast<intptr_t>(mb))};
+    core_->poll_abort(opt);
+    core_->graphs().run(key, s, [&](bool capturing) {
+      layers(capturing);
+      core_->logits_stage(col, d_lr, T, H, V, eps_, xb, d_dd, s);
+    });
+    core_->logits_collect(T, V, logit_dst, argmax_dst, s);
+  } else {
+    layers(false);
+    core_->logits(col, d_lr, int(logit_rows.size()), H, V, eps_, xb, d_dd, logit_dst, argmax_dst, s);
   }
-  core_->poll_abort(opt);
-  hc_pre(head_, true, T, col, s);
-  core_->logits(col, reinterpret_cast<const int32_t*>(at(o_lr)), int(logit_rows.size()), H, V, eps_, xb,
-                reinterpret_cast<float* const*>(at(o_dd)), logit_dst, argmax_dst, s);
   core_->finish_pass(moe_.get());
 }
 
