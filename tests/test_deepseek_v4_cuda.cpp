@@ -427,6 +427,9 @@ TEST_CASE("deepseek_v4 on the GPU: decode steps as CUDA graphs equal eager steps
     // Keys: the padded page count, the visible entries' buckets and whether a step closes a window.
     CHECK(r.replays >= uint64_t(r.steps - 40));
     CHECK(r.replays <= uint64_t(r.steps));
+    // Against the CPU, a guard: on the random fixture a flipped route or pick leaves its trace in the session's
+    // windows and entries for the steps after it (an H200 saw 40 of 450 rows below 0.999 at batch 3, median
+    // 0.99998).
     CHECK(r.median() > 0.999);
     CHECK(r.below(0.999) * 10 <= r.vs_cpu.size());
   }

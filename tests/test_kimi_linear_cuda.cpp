@@ -320,6 +320,8 @@ TEST_CASE("kimi_linear on the GPU: decode steps as CUDA graphs equal eager steps
     CHECK(r.greedy_bad == 0);
     CHECK(r.replays >= uint64_t(r.steps - 16));
     CHECK(r.replays <= uint64_t(r.steps));
+    // Against the CPU, a guard: on the random fixture a flipped route leaves its trace in the session's KDA state
+    // and latents for the steps after it (an H200 saw 36 of 450 rows below 0.999 at batch 3, median 0.99995).
     CHECK(r.median() > 0.999);
     CHECK(r.below(0.999) * 10 <= r.vs_cpu.size());
   }
