@@ -155,6 +155,38 @@ void CudaModelCore::logits_collect(int n, int V, const std::vector<float*>& host
   lstage_->collect(logits_.get(), n, V, host_dst, argmax_dst, s);
 }
 
+void CudaModelCore::run_pass(bool decode, const cuda::GraphCache::Key& key, const ForwardOptions& opt,
+                             const std::function<void(bool)>& layers, const float* x, const int32_t* rows, int n, int H,
+                             int V, float eps, uint16_t* xb, float* const* ddst, const std::vector<float*>& host_dst,
+                             const std::vector<int32_t*>& argmax_dst, cuda::MoeLayer* moe) {
+  cudaStream_t s = ctx_->stream();
+  if (decode) {
+    poll_abort(opt);
+    graphs_->run(key, s, [&](bool capturing) {
+      layers(capturing);
+      logits_stage(x, rows, n, H, V, eps, xb, ddst, s);
+    });
+    logits_collect(n, V, host_dst, argmax_dst, s);
+  } else {
+    layers(false);
+    logits(x, rows, n, H, V, eps, xb, ddst, host_dst, argmax_dst, s);
+  }
+  finish_pass(moe);
+}
+
+cuda::GraphCache::Key CudaModelCore::step_key(int T, int P, kv::Arena& arena, const void* meta,
+                                              std::initializer_list<int64_t> extra) const {
+  cuda::GraphCache::Key k = {T,
+                             P,
+                             int64_t(arena.page_bytes()),
+                             int64_t(arena.page_tokens()),
+                             int64_t(reinterpret_cast<intptr_t>(arena.storage().data())),
+                             int64_t(reinterpret_cast<intptr_t>(meta)),
+                             int64_t(scratch_gen_)};
+  k.insert(k.end(), extra);
+  return k;
+}
+
 void CudaModelCore::poll_abort(const ForwardOptions& opt) {
   opt.poll_abort([&] { cudaStreamSynchronize(ctx_->stream()); });
 }

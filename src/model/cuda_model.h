@@ -9,6 +9,8 @@
 
 #include <cuda_runtime.h>
 
+#include <functional>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -111,6 +113,18 @@ class CudaModelCore {
   void logits_collect(int n, int V, const std::vector<float*>& host_dst, const std::vector<int32_t*>& argmax_dst,
                       cudaStream_t s);
 
+  // A pass after its metadata upload: `layers(capturing)` enqueues its launches up to the hidden states x [*, H]
+  // of its logit rows `rows` (device, n of them; see logits for ddst, host_dst and argmax_dst), then the logits.
+  // A decode step (n <= kLogitRows) runs as a CUDA graph under its key (GraphCache::run), other passes eagerly;
+  // `layers` polls opt's abort between layers unless capturing. Ends as finish_pass(moe).
+  void run_pass(bool decode, const cuda::GraphCache::Key& key, const ForwardOptions& opt,
+                const std::function<void(bool capturing)>& layers, const float* x, const int32_t* rows, int n, int H,
+                int V, float eps, uint16_t* xb, float* const* ddst, const std::vector<float*>& host_dst,
+                const std::vector<int32_t*>& argmax_dst, cuda::MoeLayer* moe);
+  // A decode step's key: the rows, page count, the arena's pages and storage, the metadata's address, how often
+  // scratch moved, then the family's own values (grid buckets, other scratch generations).
+  cuda::GraphCache::Key step_key(int T, int P, kv::Arena& arena, const void* meta,
+                                 std::initializer_list<int64_t> extra) const;
   // ForwardOptions::poll_abort between layers: the stream's queued work completes before DZ_ERR_CANCELLED.
   void poll_abort(const ForwardOptions& opt);
   // A pass's end: waits for its logits, then DZ_ERR_INTERNAL if the MoE layer `moe` (null: none) saw an expert id

@@ -398,28 +398,8 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
     }
   };
 
-  if (decode) {
-    // Everything a decode step's launches take from the host besides the metadata's bytes.
-    const cuda::GraphCache::Key key = {T,
-                                       P,
-                                       max_vis,
-                                       int64_t(page_bytes),
-                                       int64_t(arena.page_tokens()),
-                                       int64_t(core_->scratch_generation()),
-                                       int64_t(reinterpret_cast<intptr_t>(kv_base)),
-                                       int64_t(reinterpret_cast<intptr_t>(m))};
-    core_->poll_abort(opt);
-    core_->graphs().run(key, s, [&](bool capturing) {
-      layers(capturing);
-      core_->logits_stage(x, d_lr, T, H, V, eps_, xb, d_dd, s);
-    });
-    core_->logits_collect(T, V, logit_dst, argmax_dst, s);
-  } else {
-    layers(false);
-    // The logit rows of this pass, kLogitRows at a time.
-    core_->logits(x, d_lr, int(logit_rows.size()), H, V, eps_, xb, d_dd, logit_dst, argmax_dst, s);
-  }
-  core_->finish_pass(moe_.get());
+  core_->run_pass(decode, core_->step_key(T, P, arena, m, {max_vis}), opt, layers, x, d_lr, int(logit_rows.size()), H,
+                  V, eps_, xb, d_dd, logit_dst, argmax_dst, moe_.get());
 }
 
 }  // namespace

@@ -562,31 +562,11 @@ void DeepseekV4Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
     hc_pre(head_, true, T, col, s);
   };
 
-  if (decode) {
-    // Everything a decode step's launches take from the host besides the metadata's bytes.
-    const cuda::GraphCache::Key key = {T,
-                                       P,
-                                       m.max_vis_csa,
-                                       m.max_vis_hca,
-                                       m.max_close_csa,
-                                       m.max_close_hca,
-                                       int64_t(arena.page_bytes()),
-                                       int64_t(arena.page_tokens()),
-                                       int64_t(core_->scratch_generation()),
-                                       int64_t(experts_ ? experts_->scratch_generation() : 0),
-                                       int64_t(reinterpret_cast<intptr_t>(arena.storage().data())),
-                                       int64_t(reinterpret_cast<intptr_t>(mb))};
-    core_->poll_abort(opt);
-    core_->graphs().run(key, s, [&](bool capturing) {
-      layers(capturing);
-      core_->logits_stage(col, d_lr, T, H, V, eps_, xb, d_dd, s);
-    });
-    core_->logits_collect(T, V, logit_dst, argmax_dst, s);
-  } else {
-    layers(false);
-    core_->logits(col, d_lr, int(logit_rows.size()), H, V, eps_, xb, d_dd, logit_dst, argmax_dst, s);
-  }
-  core_->finish_pass(moe_.get());
+  const int64_t experts_gen = experts_ ? int64_t(experts_->scratch_generation()) : 0;
+  const cuda::GraphCache::Key key =
+      core_->step_key(T, P, arena, mb, {m.max_vis_csa, m.max_vis_hca, m.max_close_csa, m.max_close_hca, experts_gen});
+  core_->run_pass(decode, key, opt, layers, col, d_lr, int(logit_rows.size()), H, V, eps_, xb, d_dd, logit_dst,
+                  argmax_dst, moe_.get());
 }
 
 }  // namespace

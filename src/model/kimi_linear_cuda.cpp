@@ -464,29 +464,9 @@ void KimiLinearCuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, i
     if (!capturing) core_->poll_abort(opt);  // as the CPU family: once more before the logits
   };
 
-  if (decode) {
-    // Everything a decode step's launches take from the host besides the metadata's bytes.
-    const cuda::GraphCache::Key key = {T,
-                                       P,
-                                       max_vis,
-                                       int64_t(page_bytes),
-                                       int64_t(arena.page_tokens()),
-                                       int64_t(core_->scratch_generation()),
-                                       int64_t(bf16_experts_ ? bf16_experts_->scratch_generation() : 0),
-                                       int64_t(reinterpret_cast<intptr_t>(kv_base)),
-                                       int64_t(reinterpret_cast<intptr_t>(m))};
-    core_->poll_abort(opt);
-    core_->graphs().run(key, s, [&](bool capturing) {
-      layers(capturing);
-      core_->logits_stage(x, d_lr, T, H, V, eps_, xb, d_dd, s);
-    });
-    core_->logits_collect(T, V, logit_dst, argmax_dst, s);
-  } else {
-    layers(false);
-    // The logit rows of this pass, kLogitRows at a time.
-    core_->logits(x, d_lr, int(logit_rows.size()), H, V, eps_, xb, d_dd, logit_dst, argmax_dst, s);
-  }
-  core_->finish_pass(moe_.get());
+  const int64_t experts_gen = bf16_experts_ ? int64_t(bf16_experts_->scratch_generation()) : 0;
+  core_->run_pass(decode, core_->step_key(T, P, arena, m, {max_vis, experts_gen}), opt, layers, x, d_lr,
+                  int(logit_rows.size()), H, V, eps_, xb, d_dd, logit_dst, argmax_dst, moe_.get());
 }
 
 }  // namespace

@@ -11,6 +11,12 @@
 //   ring S x C, down after   the same with down's copy issued only after its wait
 //   one launch   both projections in one kernel, a grid-wide barrier between them (fused_kernel); down's
 //                chunks through the ring after gate_up's, or down's slice copied whole at the start
+//   plain, clusters of C   one launch with no grid-wide barrier: the GPU cut into clusters of C blocks (one an
+//                SM), each cluster a slot's share of the intermediate: plain loads of its gate_up rows (gate and up
+//                rows of its intermediate range, contiguous), a cluster barrier (down's activations would pass
+//                through distributed shared memory), then plain loads of its K range of every down row; each block
+//                then writes its rows' partial sums and the last of a row range's blocks (a ticket) adds them up in
+//                a fixed order. "no barrier" drops the cluster barrier: the same bytes with no dependency.
 // The sets of bytes rotate so that a call does not find the last one's in L2.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Ikernels tools/bench/one_token_stream.cu -o
@@ -232,6 +238,76 @@ __global__ void __launch_bounds__(256, 1) slice_kernel(const uint8_t* base, size
   if (acc == 0x9E3779B9u) *sink = acc;
 }
 
+// One token's bytes in clusters (see the file comment): cluster c of the grid's clusters takes slot c % topk
+// and the c / topk-th of the slot's clusters' shares of the intermediate (in 32-element sub-blocks); a block
+// takes 1/C of its cluster's gate_up rows and of down's rows. part: [clusters][down_rows] floats; tickets:
+// [C] counters, zero before the first launch (the last arriver zeroes its own).
+constexpr int kClusterThreads = 1024;
+__global__ void __launch_bounds__(kClusterThreads, 1)
+    plain_cluster_kernel(const uint8_t* up, const uint8_t* down, int topk, int up_rows, int down_rows, int row_bytes,
+                         int barrier, float* part, unsigned* tickets, float* out, unsigned* sink) {
+  pdl_wait(), pdl_trigger();
+  unsigned C, rank;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(C));
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  const int clusters = int(gridDim.x / C), c = int(blockIdx.x / C), slot = c % topk, per_slot = clusters / topk;
+  const int q = c / topk, nsub = row_bytes / 16;
+  if (q >= per_slot) return;  // the clusters past a whole number a slot stay idle
+  const int s0 = nsub * q / per_slot, s1 = nsub * (q + 1) / per_slot;  // this cluster's sub-blocks of K
+  const int inter = up_rows / 2, i0 = inter * s0 / nsub, i1 = inter * s1 / nsub;
+  unsigned acc = 0;
+  {  // gate_up rows [2 i0, 2 i1): contiguous; the block's 1/C of their 16-byte words
+    const uint4* p = reinterpret_cast<const uint4*>(up + (size_t(slot) * up_rows + 2 * size_t(i0)) * row_bytes);
+    const size_t n = size_t(2) * (i1 - i0) * row_bytes / 16, w0 = n * rank / C, w1 = n * (rank + 1) / C;
+    for (size_t i = w0 + threadIdx.x; i < w1; i += 4 * kClusterThreads) {
+      uint4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        v[u] = i + u * kClusterThreads < w1 ? ldg_nc_v4(p + i + u * kClusterThreads) : uint4{};
+#pragma unroll
+      for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+  }
+  if (barrier)
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+  // down: the block's rows [r0, r1), each row's sub-blocks [s0, s1).
+  const int r0 = down_rows * int(rank) / int(C), r1 = down_rows * int(rank + 1) / int(C), ns = s1 - s0;
+  const uint8_t* d = down + size_t(slot) * down_rows * row_bytes + size_t(s0) * 16;
+  const int n = (r1 - r0) * ns;
+  for (int i = threadIdx.x; i < n; i += 4 * kClusterThreads) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int k = i + u * kClusterThreads;
+      v[u] = k < n ? ldg_nc_v4(d + size_t(r0 + k / ns) * row_bytes + size_t(k % ns) * 16) : uint4{};
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  __syncthreads();  // (the block's partial sums would be complete here)
+  // The rows' partial sums out; the last of the clusters to finish this row range adds them up in cluster order.
+  float* mine = part + size_t(c) * down_rows;
+  for (int r = threadIdx.x; r < r1 - r0; r += kClusterThreads) mine[r0 + r] = float(acc & 0xFF) + float(r);
+  __shared__ unsigned last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned t = atomicAdd(tickets + rank, 1u);
+    last = t == unsigned(per_slot * topk - 1);
+    if (last) tickets[rank] = 0;
+  }
+  __syncthreads();
+  if (last) {
+    __threadfence();
+    for (int r = r0 + threadIdx.x; r < r1; r += kClusterThreads) {
+      float t = 0;
+      for (int k = 0; k < per_slot * topk; ++k) t += __ldcg(part + size_t(k) * down_rows + r);
+      out[r] = t;
+    }
+  }
+  if (acc == 0x9E3779B9u) *sink = acc;
+}
+
 template <typename... P, typename... A>
 void launch(void (*k)(P...), int grid, int block, size_t smem, cudaStream_t s, A... args) {
   cudaLaunchConfig_t cfg{};
@@ -370,6 +446,43 @@ int main(int argc, char** argv) {
       launch(fused_kernel, sms, kRingThreads, size_t(4) * chunk + slice, st, (const uint8_t*)ups[i], up,
              (const uint8_t*)downs[i], down, 4, chunk, 1, sync, sink);
     });
+  }
+  // Clusters of C blocks: as many clusters as fit at once, a whole number a slot.
+  float *part, *out;
+  unsigned* tickets;
+  CK(cudaMalloc(&part, size_t(sms) * kDownRows * 4));
+  CK(cudaMalloc(&out, size_t(kDownRows) * 4));
+  CK(cudaMalloc(&tickets, 64 * 4));
+  CK(cudaMemset(tickets, 0, 64 * 4));
+  CK(cudaFuncSetAttribute(plain_cluster_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  CK(cudaFuncSetAttribute(plain_cluster_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 120 << 10));
+  for (int C : {4, 8, 16}) {
+    cudaLaunchConfig_t cfg{};
+    cfg.blockDim = dim3(kClusterThreads), cfg.dynamicSmemBytes = 120 << 10, cfg.stream = st;
+    cudaLaunchAttribute at[2];
+    at[0].id = cudaLaunchAttributeClusterDimension, at[0].val.clusterDim.x = C, at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = 1;
+    at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[1].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at, cfg.numAttrs = 2;
+    cfg.gridDim = dim3(C);
+    int fit = 0;
+    if (cudaOccupancyMaxActiveClusters(&fit, plain_cluster_kernel, &cfg) != cudaSuccess || fit < kTopk) {
+      cudaGetLastError();
+      std::printf("clusters of %d: %d fit at once, skipped\n", C, fit);
+      continue;
+    }
+    const int clusters = fit / kTopk * kTopk;
+    cfg.gridDim = dim3(unsigned(clusters * C));
+    for (int barrier : {1, 0}) {
+      char name[96];
+      std::snprintf(name, sizeof name, "plain, %d clusters of %d, %s", clusters, C,
+                    barrier ? "cluster barrier, ticket sum" : "no barrier, ticket sum");
+      time(name, [&](int i) {
+        CK(cudaLaunchKernelEx(&cfg, plain_cluster_kernel, (const uint8_t*)ups[i], (const uint8_t*)downs[i], kTopk,
+                              kUpRows, kDownRows, kRowBytes, barrier, part, tickets, out, sink));
+      });
+    }
   }
   time("down's slices alone",
        [&](int i) { launch(slice_kernel, sms, 256, slice, st, (const uint8_t*)downs[i], down, 0, sink); });
