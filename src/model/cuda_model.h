@@ -66,7 +66,6 @@ class CudaModelCore {
   cuda::Context& ctx() { return *ctx_; }
   cuda::Bf16Gemm& gemm() { return *gemm_; }
   cudaStream_t stream() const { return ctx_->stream(); }
-  cuda::GraphCache& graphs() { return *graphs_; }
 
   // a grows to at least n elements (contents dropped).
   template <typename T>
@@ -78,9 +77,6 @@ class CudaModelCore {
     }
     return a.get();
   }
-  // How many times room() has moved a buffer: part of a CUDA graph's key, so
-  // that no graph is replayed on scratch that moved after its capture.
-  uint64_t scratch_generation() const { return scratch_gen_; }
 
   // Uploads through ld (the model's WeightLoader on this pool).
   void load_ends(cuda::WeightLoader& ld, const LmEnds& ends);
@@ -139,7 +135,7 @@ class CudaModelCore {
 
  private:
   int dev_ = 0, sms_ = 132;
-  uint64_t scratch_gen_ = 0;
+  uint64_t scratch_gen_ = 0;  // how often room() moved a buffer: in step_key, so no graph replays moved scratch
   const char* family_;
   std::unique_ptr<cuda::Context> ctx_;
   std::unique_ptr<cuda::Bf16Gemm> gemm_;
