@@ -48,10 +48,6 @@ struct Layout {
 constexpr int stage_bytes_of(int nsub) { return (16 * (nsub * 16 + 16) + 16 * nsub + 32 + 127) / 128 * 128; }
 constexpr int kMiscBytes = 4 * kMaxConsumerWarps + 8 * kMaxTopk;  // warps' maxima, the ids, the routing weights
 
-OneTokenPlan plan_of(const MoeShape& s, int blocks) {
-  return OneTokenPlan(blocks, s.topk, 2 * s.intermediate / 16, s.hidden / 16);
-}
-
 // A launch over gate_up's units (gate_up), down's (down) or both on a grid
 // of blocks; stages a group: 0 as many as fit (the block's up to kMaxStages).
 Layout layout(const MoeShape& s, bool gate_up, bool down, int groups, int warps, int stages, int blocks,
@@ -59,7 +55,7 @@ Layout layout(const MoeShape& s, bool gate_up, bool down, int groups, int warps,
   const int nh = s.hidden / 32, ni = s.intermediate / 32;
   Layout L{};
   L.stage_bytes = std::max(gate_up ? stage_bytes_of(nh) : 0, down ? stage_bytes_of(ni) : 0);
-  L.tiles = down ? plan_of(s, blocks).max_down_tiles() : 0;
+  L.tiles = down ? one_token_plan(s, blocks).max_down_tiles() : 0;
   const int ximg = gate_up ? nh * kImgSub : 0, simg = down ? s.topk * ni * kImgSub : 0;
   const int red = groups * 2 * warps * 16 * 4, part = L.tiles * s.topk * 16 * 4, tcnt = (L.tiles * 4 + 15) / 16 * 16;
   const int fixed = ximg + simg + red + part + tcnt + kMiscBytes + 2 * kMaxStages * 8 + kMaxTopk * 8;
@@ -438,7 +434,7 @@ void one_token_moe(const MoeShape& s, const MoeWeights& w, const float* x, const
   a.n_experts = s.n_experts, a.topk = s.topk, a.ids = ids, a.x = x, a.img = scr.img, a.gw = gw;
   a.slot_done = scr.counts, a.images_in = scr.counts + s.topk;
   a.out = out, a.accumulate = accumulate ? 1 : 0, a.probe = c.probe, a.trace = c.trace, a.err = err;
-  a.plan = plan_of(s, blocks);
+  a.plan = one_token_plan(s, blocks);
   if (c.launches == 1) {  // both projections in one stream
     a.gate_up = a.down = true, a.L = layout_of(s, c, true, true, blocks);
     launch_ex(pdl, c.cooperative, k, dim3(unsigned(blocks)), block, size_t(a.L.total), st, a);

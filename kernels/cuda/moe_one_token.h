@@ -88,6 +88,11 @@ struct OneTokenPlan {
   }
 };
 
+// The plan one_token_moe streams by for shape s on a grid of `blocks` (units of 16 rows).
+inline OneTokenPlan one_token_plan(const MoeShape& s, int blocks) {
+  return OneTokenPlan(blocks, s.topk, 2 * s.intermediate / 16, s.hidden / 16);
+}
+
 // Device scratch of one layer call (reused by every layer; counters zeroed once).
 struct OneTokenScratch {
   uint8_t* img = nullptr;  // down's activation images, one_token_img_bytes

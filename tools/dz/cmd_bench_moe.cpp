@@ -688,7 +688,7 @@ int bench_moe(const Args& a) {
               DZ_CUDA_CHECK(cudaMemcpy(h.data(), tr.get(), h.size() * 8, cudaMemcpyDeviceToHost));
               std::ofstream f(std::string(tp) + "_p" + std::to_string(probe) + ".csv");
               // Each unit's projection (0 gate_up, 1 down) and slot, as the kernel's plan deals them.
-              const OneTokenPlan plan(nb, sh.topk, 2 * sh.intermediate / 16, sh.hidden / 16);
+              const OneTokenPlan plan = one_token_plan(sh, nb);
               f << "block,i,issue_ns,arrive_ns,release_ns,proj,slot\n";
               for (int b = 0; b < nb; ++b)
                 for (int i = 0; i < kOneTokenTraceUnits; ++i) {
