@@ -5,8 +5,6 @@
 // through Family::forward on their own arena.
 #pragma once
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -26,6 +24,7 @@
 #include "kv/arena.h"
 #include "loader/safetensors.h"
 #include "model/family.h"
+#include "support/safetensors_writer.h"
 
 namespace dz::test {
 
@@ -168,9 +167,7 @@ struct ConfigProbe {
   explicit ConfigProbe(const std::string& fixture) {
     namespace fs = std::filesystem;
     const fs::path src = fixture.rfind('/', 0) == 0 ? fs::path(fixture) : fs::path(kFixtureData) / fixture;
-    dir = fs::temp_directory_path() / ("dz-test-" + src.filename().string() + "-" + std::to_string(::getpid()));
-    fs::remove_all(dir);
-    fs::create_directories(dir);
+    dir = temp_dir(src.filename().string());  // unique: two probes of one fixture may live at once
     for (const auto& e : fs::directory_iterator(src))
       if (e.path().filename() != "config.json") fs::create_symlink(e.path(), dir / e.path().filename());
     std::ifstream(src / "config.json") >> base;
