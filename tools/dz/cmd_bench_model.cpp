@@ -1,8 +1,9 @@
 // dz bench model: a whole model through the normal loader and the session
 // API. --make-random DIR writes a gpt-oss-20b- or 120b-shaped checkpoint in
 // the published layout (sharded safetensors, MXFP4 experts with a realistic
-// scale spread, BF16 elsewhere; multithreaded generation), or a
-// Kimi-Linear-48B-shaped one (all BF16), and benchmarks it; --model DIR
+// scale spread, BF16 elsewhere; multithreaded generation), a
+// Kimi-Linear-48B-shaped one (all BF16), a DeepSeek-V4-Flash- or a
+// DeepSeek-V3.2-shaped one, and benchmarks it; --model DIR
 // benchmarks an existing one (any family, on either backend). Reports load
 // time, device bytes, prefill tokens/s, decode ms/token at batch 1 and
 // tokens/s at batch 64; gpt-oss and Kimi Linear on the GPU each next to the
@@ -39,7 +40,7 @@ using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 const char* kUsage =
-    "usage: dz bench model (--make-random DIR [--shape 20b|120b|kimi-48b|v4-flash] | --model DIR)\n"
+    "usage: dz bench model (--make-random DIR [--shape 20b|120b|kimi-48b|v4-flash|v32] | --model DIR)\n"
     "                      [--device cuda|cpu|auto]\n"
     "                      [--prefill N]\n"
     "                      [--prefill-chunk N] [--ctx N] [--steps N] [--batch N] [--experts auto|native|fp8]\n"
@@ -49,7 +50,8 @@ const char* kUsage =
     "  --shape S          its shape: gpt-oss 20b (32 experts, 24 layers, 13.8 GB; default) or 120b (128\n"
     "                     experts, 36 layers, 65.2 GB), or kimi-48b (Kimi-Linear-48B-A3B: 27 layers, 98 GB\n"
     "                     in BF16; 3.6 GB a layer, so --layers cuts it to what the disk and GPU hold), or\n"
-    "                     v4-flash (DeepSeek-V4-Flash in DeepSeek's layout, FP4 experts: 43 layers of 3.7 GB)\n"
+    "                     v4-flash (DeepSeek-V4-Flash in DeepSeek's layout, FP4 experts: 43 layers of 3.7 GB),\n"
+    "                     or v32 (DeepSeek-V3.2, MXFP4 experts: 61 layers of 6.5 GB; 3.7 GB of embeddings)\n"
     "  --layers N         layers of the random checkpoint (default: the shape's)\n"
     "  --write-only       write it and exit (no benchmark)\n"
     "  --prefill N        prefill tokens (default 4096)\n"
@@ -423,6 +425,116 @@ void write_v4_checkpoint(const std::string& dir, int layers) {
   write_shards(dir, shards);
 }
 
+// DeepSeek-V3.2's shape in transformers' layout (hidden 7168, MLA with 128 heads over a 512 + 64 latent and
+// q rank 1536, the lightning indexer 64 x 128 keeping 2048, 256 experts of 2048 top-8 in 8 groups (top 4) plus
+// one shared; 61 layers, the first 3 dense), the experts MXFP4 as gpt-oss's (V3.2's own are FP8, which the GPU
+// does not serve yet) and only layer 0 dense, so that a cut model is mostly MoE layers; `layers` cuts it short.
+void write_v32_checkpoint(const std::string& dir, int layers) {
+  const int64_t H = 7168, NH = 128, QL = 1536, R = 512, RO = 64, NO = 128, VD = 128, IH = 64, ID = 128;
+  const int64_t E = 256, IM = 2048, I = 18432, V = 129280;
+  fs::create_directories(dir);
+  json attn = json::array(), mlp = json::array();
+  for (int i = 0; i < layers; ++i) attn.push_back("deepseek_sparse_attention"), mlp.push_back(i ? "sparse" : "dense");
+  json cfg = {{"architectures", {"DeepseekV32ForCausalLM"}},
+              {"model_type", "deepseek_v32"},
+              {"vocab_size", V},
+              {"hidden_size", H},
+              {"intermediate_size", I},
+              {"moe_intermediate_size", IM},
+              {"num_hidden_layers", layers},
+              {"num_attention_heads", NH},
+              {"num_key_value_heads", NH},
+              {"q_lora_rank", QL},
+              {"kv_lora_rank", R},
+              {"qk_nope_head_dim", NO},
+              {"qk_rope_head_dim", RO},
+              {"qk_head_dim", NO + RO},
+              {"head_dim", RO},
+              {"v_head_dim", VD},
+              {"index_n_heads", IH},
+              {"index_head_dim", ID},
+              {"index_topk", 2048},
+              {"n_routed_experts", E},
+              {"num_experts_per_tok", 8},
+              {"n_shared_experts", 1},
+              {"n_group", 8},
+              {"topk_group", 4},
+              {"norm_topk_prob", true},
+              {"routed_scaling_factor", 2.5},
+              {"first_k_dense_replace", 1},
+              {"layer_types", attn},
+              {"mlp_layer_types", mlp},
+              {"rope_parameters",
+               {{"rope_type", "yarn"},
+                {"factor", 40.0},
+                {"beta_fast", 32.0},
+                {"beta_slow", 1.0},
+                {"mscale", 1.0},
+                {"mscale_all_dim", 1.0},
+                {"original_max_position_embeddings", 4096},
+                {"rope_theta", 10000.0}}},
+              {"max_position_embeddings", 163840},
+              {"rms_norm_eps", 1e-6},
+              {"hidden_act", "silu"},
+              {"tie_word_embeddings", false},
+              {"quantization_config",
+               {{"quant_method", "mxfp4"},
+                {"modules_to_not_convert",
+                 {"model.layers.*.self_attn", "model.layers.*.mlp.gate", "model.layers.*.mlp.shared_experts",
+                  "model.layers.0.mlp", "model.embed_tokens", "lm_head"}}}}};
+  std::ofstream(dir + "/config.json") << cfg.dump(2);
+  std::vector<std::vector<TensorSpec>> shards(1);
+  uint64_t seed = 1;
+  auto add = [&](std::vector<TensorSpec>& s, std::string name, std::string dt, std::vector<int64_t> shape, Gen g) {
+    s.push_back({std::move(name), std::move(dt), std::move(shape), g, mix(seed++)});
+  };
+  const Gen w{Gen::Normal, 0.02f, 0}, one{Gen::Const, 0, 1}, zero{Gen::Const, 0, 0}, blocks{Gen::Bytes},
+      scales{Gen::Scales};
+  add(shards[0], "model.embed_tokens.weight", "BF16", {V, H}, Gen{Gen::Normal, 1.0f, 0});
+  for (int i = 0; i < layers; ++i) {
+    shards.emplace_back();
+    auto& s = shards.back();
+    const std::string p = "model.layers." + std::to_string(i) + ".", a = p + "self_attn.";
+    add(s, p + "input_layernorm.weight", "BF16", {H}, one);
+    add(s, p + "post_attention_layernorm.weight", "BF16", {H}, one);
+    add(s, a + "q_a_proj.weight", "BF16", {QL, H}, w);
+    add(s, a + "q_a_layernorm.weight", "BF16", {QL}, one);
+    add(s, a + "q_b_proj.weight", "BF16", {NH * (NO + RO), QL}, w);
+    add(s, a + "kv_a_proj_with_mqa.weight", "BF16", {R + RO, H}, w);
+    add(s, a + "kv_a_layernorm.weight", "BF16", {R}, one);
+    add(s, a + "kv_b_proj.weight", "BF16", {NH * (NO + VD), R}, w);
+    add(s, a + "o_proj.weight", "BF16", {H, NH * VD}, w);
+    add(s, a + "indexer.wq_b.weight", "BF16", {IH * ID, QL}, w);
+    add(s, a + "indexer.wk.weight", "BF16", {ID, H}, w);
+    add(s, a + "indexer.weights_proj.weight", "BF16", {IH, H}, w);
+    add(s, a + "indexer.k_norm.weight", "BF16", {ID}, one);
+    add(s, a + "indexer.k_norm.bias", "BF16", {ID}, zero);
+    if (i == 0) {
+      for (const char* x : {"gate_proj", "up_proj"}) add(s, p + "mlp." + x + ".weight", "BF16", {I, H}, w);
+      add(s, p + "mlp.down_proj.weight", "BF16", {H, I}, w);
+      continue;
+    }
+    add(s, p + "mlp.gate.weight", "BF16", {E, H}, w);
+    add(s, p + "mlp.gate.e_score_correction_bias", "BF16", {E}, zero);
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+      for (const char* m : {"gate_proj", "up_proj", "down_proj"}) {
+        const bool down = m[0] == 'd';
+        const int64_t rows = down ? H : IM, cols = down ? IM : H;
+        add(s, x + m + ".weight_blocks", "U8", {rows, cols / 32, 16}, blocks);
+        add(s, x + m + ".weight_scales", "U8", {rows, cols / 32}, scales);
+      }
+    }
+    for (const char* x : {"gate_proj", "up_proj"})
+      add(s, p + "mlp.shared_experts." + x + ".weight", "BF16", {IM, H}, w);
+    add(s, p + "mlp.shared_experts.down_proj.weight", "BF16", {H, IM}, w);
+  }
+  shards.emplace_back();
+  add(shards.back(), "model.norm.weight", "BF16", {H}, one);
+  add(shards.back(), "lm_head.weight", "BF16", {V, H}, w);
+  write_shards(dir, shards);
+}
+
 // The shards' files (model-0000i-of-0000n.safetensors) and the index, filled by every core.
 void write_shards(const std::string& dir, const std::vector<std::vector<TensorSpec>>& shards) {
   const size_t n = shards.size();
@@ -526,8 +638,9 @@ int bench_model(const Args& a) {
     json r = bench_meta();
     r["bench"] = "model";
     const std::string shape = flag_value(a, "--shape", "20b");
-    if (shape != "20b" && shape != "120b" && shape != "kimi-48b" && shape != "v4-flash") {
-      std::fprintf(stderr, "dz bench model: --shape takes 20b, 120b, kimi-48b or v4-flash, not '%s'\n", shape.c_str());
+    if (shape != "20b" && shape != "120b" && shape != "kimi-48b" && shape != "v4-flash" && shape != "v32") {
+      std::fprintf(stderr, "dz bench model: --shape takes 20b, 120b, kimi-48b, v4-flash or v32, not '%s'\n",
+                   shape.c_str());
       return 2;
     }
     if (!mk.empty()) {
@@ -537,6 +650,8 @@ int bench_model(const Args& a) {
         write_kimi_checkpoint(mk, std::stoi(flag_value(a, "--layers", "27")));
       else if (shape == "v4-flash")
         write_v4_checkpoint(mk, std::stoi(flag_value(a, "--layers", "43")));
+      else if (shape == "v32")
+        write_v32_checkpoint(mk, std::stoi(flag_value(a, "--layers", "61")));
       else
         write_checkpoint(mk, big ? 128 : 32, std::stoi(flag_value(a, "--layers", big ? "36" : "24")));
       r["random_shape"] = shape;

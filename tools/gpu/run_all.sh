@@ -19,6 +19,7 @@
 #   DZ_MODEL_DIR      where dz bench model writes its random gpt-oss-20b checkpoint (default /tmp/dz_gptoss20b_random)
 #   DZ_KIMI_DIR       where it writes its random 8-layer Kimi-Linear-48B-shaped checkpoint (default /tmp/dz_kimi48b_8layers)
 #   DZ_V4_DIR         where it writes its random 4-layer DeepSeek-V4-Flash-shaped checkpoint (default /tmp/dz_v4flash_4layers)
+#   DZ_V32_DIR        where it writes its random 4-layer DeepSeek-V3.2-shaped checkpoint (default /tmp/dz_v32_4layers)
 #   DZ_TOKENIZER_DIR  gpt-oss's tokenizer.json + tokenizer_config.json for the dz chat smoke test (default: the
 #                     cache of tools/fetch_tokenizers.sh)
 #   DZ_MODEL120_DIR   where it writes the random gpt-oss-120b checkpoint (65.2 GB; default: dz_gptoss120b_random in
@@ -232,6 +233,14 @@ if command -v ncu >/dev/null; then  # per-kernel times of a 1024-token prefill a
   rm -f "$OUTDIR"/ncu_v4_*.csv
 fi
 rm -rf "$V4DIR"
+
+step "dz bench model, DeepSeek-V3.2 (MLA + DSA, MXFP4 experts): 4 layers of its shape (25 GB), graphs and eager"
+V32DIR=${DZ_V32_DIR:-/tmp/dz_v32_4layers}
+"$DZ" bench model --make-random "$V32DIR" --shape v32 --layers 4 --device cuda --prefill 4096 --long-ctx 4096 \
+  --batch 16 --steps 16 --out "$OUTDIR/bench_model_v32_4.json" >"$OUTDIR/bench_model_v32_4.log" 2>&1 ||
+  { echo "dz bench model --shape v32 FAILED"; status=1; }
+grep -E "prefill|decode batch" "$OUTDIR/bench_model_v32_4.log" | head -6
+rm -rf "$V32DIR"
 
 step "dz bench model, experts in E4M3 arithmetic (DZ_EXPERTS_FP8: fused W4A8 kernels at decode)"
 "$DZ" bench model --model "${DZ_MODEL_DIR:-/tmp/dz_gptoss20b_random}" --experts fp8 --prefill 512 --long-ctx 0 --no-eager \
