@@ -124,6 +124,19 @@ void fill(const TensorSpec& t, size_t off, size_t n, uint8_t* out) {
   }
 }
 
+// A random checkpoint's tensors, shard by shard (list[0] first), each tensor with the next seed: the order of
+// the add calls fixes every byte.
+struct Shards {
+  std::vector<std::vector<TensorSpec>> list{1};
+  uint64_t seed = 1;
+  void add(std::vector<TensorSpec>& s, std::string name, std::string dt, std::vector<int64_t> shape, Gen g) {
+    s.push_back({std::move(name), std::move(dt), std::move(shape), g, mix(seed++)});
+  }
+  void add(std::vector<TensorSpec>& s, std::string name, std::vector<int64_t> shape, Gen g) {  // BF16
+    add(s, std::move(name), "BF16", std::move(shape), g);
+  }
+};
+
 double secs(Clock::time_point a) { return std::chrono::duration<double>(Clock::now() - a).count(); }
 
 void write_shards(const std::string& dir, const std::vector<std::vector<TensorSpec>>& shards);
@@ -168,43 +181,39 @@ void write_checkpoint(const std::string& dir, int64_t E, int layers) {
   std::ofstream(dir + "/config.json") << cfg.dump(2);
 
   // Shards: embeddings, then groups of layers, then norm + lm_head.
-  std::vector<std::vector<TensorSpec>> shards(1);
-  uint64_t seed = 1;
-  auto add = [&](std::vector<TensorSpec>& s, std::string name, std::string dt, std::vector<int64_t> shape, Gen g) {
-    s.push_back({std::move(name), std::move(dt), std::move(shape), g, mix(seed++)});
-  };
+  Shards sh;
   const Gen w{Gen::Normal, 0.02f, 0}, bias{Gen::Normal, 0.01f, 0}, one{Gen::Const, 0, 1}, blocks{Gen::Bytes},
       scales{Gen::Scales}, sink{Gen::Normal, 1.0f, 0};
-  add(shards[0], "model.embed_tokens.weight", "BF16", {V, H}, Gen{Gen::Normal, 1.0f, 0});
+  sh.add(sh.list[0], "model.embed_tokens.weight", "BF16", {V, H}, Gen{Gen::Normal, 1.0f, 0});
   const int per_shard = 4;
   for (int i = 0; i < layers; ++i) {
-    if (i % per_shard == 0) shards.emplace_back();
-    auto& s = shards.back();
+    if (i % per_shard == 0) sh.list.emplace_back();
+    auto& s = sh.list.back();
     const std::string p = "model.layers." + std::to_string(i) + ".";
-    add(s, p + "input_layernorm.weight", "BF16", {H}, one);
-    add(s, p + "post_attention_layernorm.weight", "BF16", {H}, one);
-    add(s, p + "self_attn.q_proj.weight", "BF16", {NH * D, H}, w);
-    add(s, p + "self_attn.q_proj.bias", "BF16", {NH * D}, bias);
-    add(s, p + "self_attn.k_proj.weight", "BF16", {NKV * D, H}, w);
-    add(s, p + "self_attn.k_proj.bias", "BF16", {NKV * D}, bias);
-    add(s, p + "self_attn.v_proj.weight", "BF16", {NKV * D, H}, w);
-    add(s, p + "self_attn.v_proj.bias", "BF16", {NKV * D}, bias);
-    add(s, p + "self_attn.o_proj.weight", "BF16", {H, NH * D}, w);
-    add(s, p + "self_attn.o_proj.bias", "BF16", {H}, bias);
-    add(s, p + "self_attn.sinks", "BF16", {NH}, sink);
-    add(s, p + "mlp.router.weight", "BF16", {E, H}, w);
-    add(s, p + "mlp.router.bias", "BF16", {E}, bias);
-    add(s, p + "mlp.experts.gate_up_proj_blocks", "U8", {E, 2 * I, G, 16}, blocks);
-    add(s, p + "mlp.experts.gate_up_proj_scales", "U8", {E, 2 * I, G}, scales);
-    add(s, p + "mlp.experts.gate_up_proj_bias", "BF16", {E, 2 * I}, bias);
-    add(s, p + "mlp.experts.down_proj_blocks", "U8", {E, H, I / 32, 16}, blocks);
-    add(s, p + "mlp.experts.down_proj_scales", "U8", {E, H, I / 32}, scales);
-    add(s, p + "mlp.experts.down_proj_bias", "BF16", {E, H}, bias);
+    sh.add(s, p + "input_layernorm.weight", "BF16", {H}, one);
+    sh.add(s, p + "post_attention_layernorm.weight", "BF16", {H}, one);
+    sh.add(s, p + "self_attn.q_proj.weight", "BF16", {NH * D, H}, w);
+    sh.add(s, p + "self_attn.q_proj.bias", "BF16", {NH * D}, bias);
+    sh.add(s, p + "self_attn.k_proj.weight", "BF16", {NKV * D, H}, w);
+    sh.add(s, p + "self_attn.k_proj.bias", "BF16", {NKV * D}, bias);
+    sh.add(s, p + "self_attn.v_proj.weight", "BF16", {NKV * D, H}, w);
+    sh.add(s, p + "self_attn.v_proj.bias", "BF16", {NKV * D}, bias);
+    sh.add(s, p + "self_attn.o_proj.weight", "BF16", {H, NH * D}, w);
+    sh.add(s, p + "self_attn.o_proj.bias", "BF16", {H}, bias);
+    sh.add(s, p + "self_attn.sinks", "BF16", {NH}, sink);
+    sh.add(s, p + "mlp.router.weight", "BF16", {E, H}, w);
+    sh.add(s, p + "mlp.router.bias", "BF16", {E}, bias);
+    sh.add(s, p + "mlp.experts.gate_up_proj_blocks", "U8", {E, 2 * I, G, 16}, blocks);
+    sh.add(s, p + "mlp.experts.gate_up_proj_scales", "U8", {E, 2 * I, G}, scales);
+    sh.add(s, p + "mlp.experts.gate_up_proj_bias", "BF16", {E, 2 * I}, bias);
+    sh.add(s, p + "mlp.experts.down_proj_blocks", "U8", {E, H, I / 32, 16}, blocks);
+    sh.add(s, p + "mlp.experts.down_proj_scales", "U8", {E, H, I / 32}, scales);
+    sh.add(s, p + "mlp.experts.down_proj_bias", "BF16", {E, H}, bias);
   }
-  shards.emplace_back();
-  add(shards.back(), "model.norm.weight", "BF16", {H}, one);
-  add(shards.back(), "lm_head.weight", "BF16", {V, H}, w);
-  write_shards(dir, shards);
+  sh.list.emplace_back();
+  sh.add(sh.list.back(), "model.norm.weight", "BF16", {H}, one);
+  sh.add(sh.list.back(), "lm_head.weight", "BF16", {V, H}, w);
+  write_shards(dir, sh.list);
 }
 
 // Kimi-Linear-48B-A3B's published shape (hidden 2304, 256 experts of 1024
@@ -254,59 +263,55 @@ void write_kimi_checkpoint(const std::string& dir, int layers) {
               {"tie_word_embeddings", false},
               {"model_max_length", 1048576}};
   std::ofstream(dir + "/config.json") << cfg.dump(2);
-  std::vector<std::vector<TensorSpec>> shards(1);
-  uint64_t seed = 1;
-  auto add = [&](std::vector<TensorSpec>& s, std::string name, std::vector<int64_t> shape, Gen g) {
-    s.push_back({std::move(name), "BF16", std::move(shape), g, mix(seed++)});
-  };
+  Shards sh;
   const Gen w{Gen::Normal, 0.02f, 0}, one{Gen::Const, 0, 1}, zero{Gen::Const, 0, 0}, conv{Gen::Normal, 0.3f, 0};
-  add(shards[0], "model.embed_tokens.weight", {V, H}, Gen{Gen::Normal, 1.0f, 0});
+  sh.add(sh.list[0], "model.embed_tokens.weight", {V, H}, Gen{Gen::Normal, 1.0f, 0});
   for (int i = 0; i < layers; ++i) {
-    shards.emplace_back();
-    auto& s = shards.back();
+    sh.list.emplace_back();
+    auto& s = sh.list.back();
     const std::string p = "model.layers." + std::to_string(i) + ".", a = p + "self_attn.";
-    add(s, p + "input_layernorm.weight", {H}, one);
-    add(s, p + "post_attention_layernorm.weight", {H}, one);
+    sh.add(s, p + "input_layernorm.weight", {H}, one);
+    sh.add(s, p + "post_attention_layernorm.weight", {H}, one);
     if ((i + 1) % 4 != 0 && i + 1 != layers) {
-      for (const char* x : {"q_proj", "k_proj", "v_proj"}) add(s, a + x + ".weight", {P, H}, w);
-      for (const char* x : {"q_conv1d", "k_conv1d", "v_conv1d"}) add(s, a + x + ".weight", {P, 1, K}, conv);
-      add(s, a + "f_a_proj.weight", {D, H}, w);
-      add(s, a + "f_b_proj.weight", {P, D}, w);
-      add(s, a + "dt_bias", {P}, zero);
-      add(s, a + "A_log", {1, 1, NHK, 1}, zero);
-      add(s, a + "b_proj.weight", {NHK, H}, w);
-      add(s, a + "g_a_proj.weight", {D, H}, w);
-      add(s, a + "g_b_proj.weight", {P, D}, w);
-      add(s, a + "o_norm.weight", {D}, one);
-      add(s, a + "o_proj.weight", {H, P}, w);
+      for (const char* x : {"q_proj", "k_proj", "v_proj"}) sh.add(s, a + x + ".weight", {P, H}, w);
+      for (const char* x : {"q_conv1d", "k_conv1d", "v_conv1d"}) sh.add(s, a + x + ".weight", {P, 1, K}, conv);
+      sh.add(s, a + "f_a_proj.weight", {D, H}, w);
+      sh.add(s, a + "f_b_proj.weight", {P, D}, w);
+      sh.add(s, a + "dt_bias", {P}, zero);
+      sh.add(s, a + "A_log", {1, 1, NHK, 1}, zero);
+      sh.add(s, a + "b_proj.weight", {NHK, H}, w);
+      sh.add(s, a + "g_a_proj.weight", {D, H}, w);
+      sh.add(s, a + "g_b_proj.weight", {P, D}, w);
+      sh.add(s, a + "o_norm.weight", {D}, one);
+      sh.add(s, a + "o_proj.weight", {H, P}, w);
     } else {
-      add(s, a + "q_proj.weight", {NH * (NO + RO), H}, w);
-      add(s, a + "kv_a_proj_with_mqa.weight", {R + RO, H}, w);
-      add(s, a + "kv_a_layernorm.weight", {R}, one);
-      add(s, a + "kv_b_proj.weight", {NH * (NO + VD), R}, w);
-      add(s, a + "o_proj.weight", {H, NH * VD}, w);
+      sh.add(s, a + "q_proj.weight", {NH * (NO + RO), H}, w);
+      sh.add(s, a + "kv_a_proj_with_mqa.weight", {R + RO, H}, w);
+      sh.add(s, a + "kv_a_layernorm.weight", {R}, one);
+      sh.add(s, a + "kv_b_proj.weight", {NH * (NO + VD), R}, w);
+      sh.add(s, a + "o_proj.weight", {H, NH * VD}, w);
     }
     if (i == 0) {
-      for (const char* x : {"gate_proj", "up_proj"}) add(s, p + "mlp." + x + ".weight", {I, H}, w);
-      add(s, p + "mlp.down_proj.weight", {H, I}, w);
+      for (const char* x : {"gate_proj", "up_proj"}) sh.add(s, p + "mlp." + x + ".weight", {I, H}, w);
+      sh.add(s, p + "mlp.down_proj.weight", {H, I}, w);
       continue;
     }
     const std::string m = p + "block_sparse_moe.";
-    add(s, m + "gate.weight", {E, H}, w);
-    add(s, m + "gate.e_score_correction_bias", {E}, zero);
+    sh.add(s, m + "gate.weight", {E, H}, w);
+    sh.add(s, m + "gate.e_score_correction_bias", {E}, zero);
     for (int e = 0; e < E; ++e) {
       const std::string x = m + "experts." + std::to_string(e) + ".";
-      add(s, x + "w1.weight", {IM, H}, w);
-      add(s, x + "w3.weight", {IM, H}, w);
-      add(s, x + "w2.weight", {H, IM}, w);
+      sh.add(s, x + "w1.weight", {IM, H}, w);
+      sh.add(s, x + "w3.weight", {IM, H}, w);
+      sh.add(s, x + "w2.weight", {H, IM}, w);
     }
-    for (const char* x : {"gate_proj", "up_proj"}) add(s, m + "shared_experts." + x + ".weight", {IM, H}, w);
-    add(s, m + "shared_experts.down_proj.weight", {H, IM}, w);
+    for (const char* x : {"gate_proj", "up_proj"}) sh.add(s, m + "shared_experts." + x + ".weight", {IM, H}, w);
+    sh.add(s, m + "shared_experts.down_proj.weight", {H, IM}, w);
   }
-  shards.emplace_back();
-  add(shards.back(), "model.norm.weight", {H}, one);
-  add(shards.back(), "lm_head.weight", {V, H}, w);
-  write_shards(dir, shards);
+  sh.list.emplace_back();
+  sh.add(sh.list.back(), "model.norm.weight", {H}, one);
+  sh.add(sh.list.back(), "lm_head.weight", {V, H}, w);
+  write_shards(dir, sh.list);
 }
 
 // DeepSeek-V4-Flash's shape in DeepSeek's own layout (hidden 4096, 64 heads
@@ -362,67 +367,63 @@ void write_v4_checkpoint(const std::string& dir, int layers) {
               {"hidden_act", "silu"},
               {"tie_word_embeddings", false}};
   std::ofstream(dir + "/config.json") << cfg.dump(2);
-  std::vector<std::vector<TensorSpec>> shards(1);
-  uint64_t seed = 1;
-  auto add = [&](std::vector<TensorSpec>& s, std::string name, std::string dt, std::vector<int64_t> shape, Gen g) {
-    s.push_back({std::move(name), std::move(dt), std::move(shape), g, mix(seed++)});
-  };
+  Shards sh;
   const Gen w{Gen::Normal, 0.02f, 0}, one{Gen::Const, 0, 1}, zero{Gen::Const, 0, 0}, mixw{Gen::Normal, 0.01f, 0},
       blocks{Gen::Bytes}, scales{Gen::Scales};
-  add(shards[0], "embed.weight", "BF16", {V, H}, Gen{Gen::Normal, 1.0f, 0});
+  sh.add(sh.list[0], "embed.weight", "BF16", {V, H}, Gen{Gen::Normal, 1.0f, 0});
   for (int i = 0; i < layers; ++i) {
-    shards.emplace_back();
-    auto& s = shards.back();
+    sh.list.emplace_back();
+    auto& s = sh.list.back();
     const std::string p = "layers." + std::to_string(i) + ".", a = p + "attn.";
-    add(s, p + "attn_norm.weight", "BF16", {H}, one);
-    add(s, p + "ffn_norm.weight", "BF16", {H}, one);
+    sh.add(s, p + "attn_norm.weight", "BF16", {H}, one);
+    sh.add(s, p + "ffn_norm.weight", "BF16", {H}, one);
     for (const char* hc : {"hc_attn_", "hc_ffn_"}) {
-      add(s, p + hc + "fn", "BF16", {MIX, NHC * H}, mixw);
-      add(s, p + hc + "base", "BF16", {MIX}, zero);
-      add(s, p + hc + "scale", "BF16", {3}, one);
+      sh.add(s, p + hc + "fn", "BF16", {MIX, NHC * H}, mixw);
+      sh.add(s, p + hc + "base", "BF16", {MIX}, zero);
+      sh.add(s, p + hc + "scale", "BF16", {3}, one);
     }
-    add(s, a + "wq_a.weight", "BF16", {QL, H}, w);
-    add(s, a + "q_norm.weight", "BF16", {QL}, one);
-    add(s, a + "wq_b.weight", "BF16", {NH * D, QL}, w);
-    add(s, a + "wkv.weight", "BF16", {D, H}, w);
-    add(s, a + "kv_norm.weight", "BF16", {D}, one);
-    add(s, a + "wo_a.weight", "BF16", {G * OR, NH * D / G}, w);
-    add(s, a + "wo_b.weight", "BF16", {H, G * OR}, w);
-    add(s, a + "attn_sink", "BF16", {NH}, zero);
+    sh.add(s, a + "wq_a.weight", "BF16", {QL, H}, w);
+    sh.add(s, a + "q_norm.weight", "BF16", {QL}, one);
+    sh.add(s, a + "wq_b.weight", "BF16", {NH * D, QL}, w);
+    sh.add(s, a + "wkv.weight", "BF16", {D, H}, w);
+    sh.add(s, a + "kv_norm.weight", "BF16", {D}, one);
+    sh.add(s, a + "wo_a.weight", "BF16", {G * OR, NH * D / G}, w);
+    sh.add(s, a + "wo_b.weight", "BF16", {H, G * OR}, w);
+    sh.add(s, a + "attn_sink", "BF16", {NH}, zero);
     const int64_t rate = ratios[size_t(i)].get<int64_t>();
     auto comp = [&](const std::string& c, int64_t dim, int64_t series) {
-      add(s, c + "wkv.weight", "BF16", {series * dim, H}, w);
-      add(s, c + "wgate.weight", "BF16", {series * dim, H}, w);
-      add(s, c + "ape", "BF16", {rate, series * dim}, zero);
-      add(s, c + "norm.weight", "BF16", {dim}, one);
+      sh.add(s, c + "wkv.weight", "BF16", {series * dim, H}, w);
+      sh.add(s, c + "wgate.weight", "BF16", {series * dim, H}, w);
+      sh.add(s, c + "ape", "BF16", {rate, series * dim}, zero);
+      sh.add(s, c + "norm.weight", "BF16", {dim}, one);
     };
     comp(a + "compressor.", D, rate == RC ? 2 : 1);
     if (rate == RC) {
       comp(a + "indexer.compressor.", ID, 2);
-      add(s, a + "indexer.wq_b.weight", "BF16", {IH * ID, QL}, w);
-      add(s, a + "indexer.weights_proj.weight", "BF16", {IH, H}, w);
+      sh.add(s, a + "indexer.wq_b.weight", "BF16", {IH * ID, QL}, w);
+      sh.add(s, a + "indexer.weights_proj.weight", "BF16", {IH, H}, w);
     }
-    add(s, p + "ffn.gate.weight", "BF16", {E, H}, w);
-    add(s, p + "ffn.gate.bias", "BF16", {E}, zero);
+    sh.add(s, p + "ffn.gate.weight", "BF16", {E, H}, w);
+    sh.add(s, p + "ffn.gate.bias", "BF16", {E}, zero);
     for (int64_t e = 0; e < E; ++e) {
       const std::string x = p + "ffn.experts." + std::to_string(e) + ".";
       for (const char* m : {"w1", "w3", "w2"}) {
         const bool down = m[1] == '2';
         const int64_t rows = down ? H : I, cols = down ? I : H;
-        add(s, x + m + ".weight", "I8", {rows, cols / 2}, blocks);
-        add(s, x + m + ".scale", "F8_E8M0", {rows, cols / 32}, scales);
+        sh.add(s, x + m + ".weight", "I8", {rows, cols / 2}, blocks);
+        sh.add(s, x + m + ".scale", "F8_E8M0", {rows, cols / 32}, scales);
       }
     }
-    for (const char* m : {"w1", "w3"}) add(s, p + "ffn.shared_experts." + m + ".weight", "BF16", {I, H}, w);
-    add(s, p + "ffn.shared_experts.w2.weight", "BF16", {H, I}, w);
+    for (const char* m : {"w1", "w3"}) sh.add(s, p + "ffn.shared_experts." + m + ".weight", "BF16", {I, H}, w);
+    sh.add(s, p + "ffn.shared_experts.w2.weight", "BF16", {H, I}, w);
   }
-  shards.emplace_back();
-  add(shards.back(), "norm.weight", "BF16", {H}, one);
-  add(shards.back(), "head.weight", "BF16", {V, H}, w);
-  add(shards.back(), "hc_head_fn", "BF16", {NHC, NHC * H}, mixw);
-  add(shards.back(), "hc_head_base", "BF16", {NHC}, zero);
-  add(shards.back(), "hc_head_scale", "BF16", {1}, one);
-  write_shards(dir, shards);
+  sh.list.emplace_back();
+  sh.add(sh.list.back(), "norm.weight", "BF16", {H}, one);
+  sh.add(sh.list.back(), "head.weight", "BF16", {V, H}, w);
+  sh.add(sh.list.back(), "hc_head_fn", "BF16", {NHC, NHC * H}, mixw);
+  sh.add(sh.list.back(), "hc_head_base", "BF16", {NHC}, zero);
+  sh.add(sh.list.back(), "hc_head_scale", "BF16", {1}, one);
+  write_shards(dir, sh.list);
 }
 
 // DeepSeek-V3.2's shape in transformers' layout (hidden 7168, MLA with 128 heads over a 512 + 64 latent and
@@ -483,56 +484,52 @@ void write_v32_checkpoint(const std::string& dir, int layers) {
                  {"model.layers.*.self_attn", "model.layers.*.mlp.gate", "model.layers.*.mlp.shared_experts",
                   "model.layers.0.mlp", "model.embed_tokens", "lm_head"}}}}};
   std::ofstream(dir + "/config.json") << cfg.dump(2);
-  std::vector<std::vector<TensorSpec>> shards(1);
-  uint64_t seed = 1;
-  auto add = [&](std::vector<TensorSpec>& s, std::string name, std::string dt, std::vector<int64_t> shape, Gen g) {
-    s.push_back({std::move(name), std::move(dt), std::move(shape), g, mix(seed++)});
-  };
+  Shards sh;
   const Gen w{Gen::Normal, 0.02f, 0}, one{Gen::Const, 0, 1}, zero{Gen::Const, 0, 0}, blocks{Gen::Bytes},
       scales{Gen::Scales};
-  add(shards[0], "model.embed_tokens.weight", "BF16", {V, H}, Gen{Gen::Normal, 1.0f, 0});
+  sh.add(sh.list[0], "model.embed_tokens.weight", "BF16", {V, H}, Gen{Gen::Normal, 1.0f, 0});
   for (int i = 0; i < layers; ++i) {
-    shards.emplace_back();
-    auto& s = shards.back();
+    sh.list.emplace_back();
+    auto& s = sh.list.back();
     const std::string p = "model.layers." + std::to_string(i) + ".", a = p + "self_attn.";
-    add(s, p + "input_layernorm.weight", "BF16", {H}, one);
-    add(s, p + "post_attention_layernorm.weight", "BF16", {H}, one);
-    add(s, a + "q_a_proj.weight", "BF16", {QL, H}, w);
-    add(s, a + "q_a_layernorm.weight", "BF16", {QL}, one);
-    add(s, a + "q_b_proj.weight", "BF16", {NH * (NO + RO), QL}, w);
-    add(s, a + "kv_a_proj_with_mqa.weight", "BF16", {R + RO, H}, w);
-    add(s, a + "kv_a_layernorm.weight", "BF16", {R}, one);
-    add(s, a + "kv_b_proj.weight", "BF16", {NH * (NO + VD), R}, w);
-    add(s, a + "o_proj.weight", "BF16", {H, NH * VD}, w);
-    add(s, a + "indexer.wq_b.weight", "BF16", {IH * ID, QL}, w);
-    add(s, a + "indexer.wk.weight", "BF16", {ID, H}, w);
-    add(s, a + "indexer.weights_proj.weight", "BF16", {IH, H}, w);
-    add(s, a + "indexer.k_norm.weight", "BF16", {ID}, one);
-    add(s, a + "indexer.k_norm.bias", "BF16", {ID}, zero);
+    sh.add(s, p + "input_layernorm.weight", "BF16", {H}, one);
+    sh.add(s, p + "post_attention_layernorm.weight", "BF16", {H}, one);
+    sh.add(s, a + "q_a_proj.weight", "BF16", {QL, H}, w);
+    sh.add(s, a + "q_a_layernorm.weight", "BF16", {QL}, one);
+    sh.add(s, a + "q_b_proj.weight", "BF16", {NH * (NO + RO), QL}, w);
+    sh.add(s, a + "kv_a_proj_with_mqa.weight", "BF16", {R + RO, H}, w);
+    sh.add(s, a + "kv_a_layernorm.weight", "BF16", {R}, one);
+    sh.add(s, a + "kv_b_proj.weight", "BF16", {NH * (NO + VD), R}, w);
+    sh.add(s, a + "o_proj.weight", "BF16", {H, NH * VD}, w);
+    sh.add(s, a + "indexer.wq_b.weight", "BF16", {IH * ID, QL}, w);
+    sh.add(s, a + "indexer.wk.weight", "BF16", {ID, H}, w);
+    sh.add(s, a + "indexer.weights_proj.weight", "BF16", {IH, H}, w);
+    sh.add(s, a + "indexer.k_norm.weight", "BF16", {ID}, one);
+    sh.add(s, a + "indexer.k_norm.bias", "BF16", {ID}, zero);
     if (i == 0) {
-      for (const char* x : {"gate_proj", "up_proj"}) add(s, p + "mlp." + x + ".weight", "BF16", {I, H}, w);
-      add(s, p + "mlp.down_proj.weight", "BF16", {H, I}, w);
+      for (const char* x : {"gate_proj", "up_proj"}) sh.add(s, p + "mlp." + x + ".weight", "BF16", {I, H}, w);
+      sh.add(s, p + "mlp.down_proj.weight", "BF16", {H, I}, w);
       continue;
     }
-    add(s, p + "mlp.gate.weight", "BF16", {E, H}, w);
-    add(s, p + "mlp.gate.e_score_correction_bias", "BF16", {E}, zero);
+    sh.add(s, p + "mlp.gate.weight", "BF16", {E, H}, w);
+    sh.add(s, p + "mlp.gate.e_score_correction_bias", "BF16", {E}, zero);
     for (int64_t e = 0; e < E; ++e) {
       const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
       for (const char* m : {"gate_proj", "up_proj", "down_proj"}) {
         const bool down = m[0] == 'd';
         const int64_t rows = down ? H : IM, cols = down ? IM : H;
-        add(s, x + m + ".weight_blocks", "U8", {rows, cols / 32, 16}, blocks);
-        add(s, x + m + ".weight_scales", "U8", {rows, cols / 32}, scales);
+        sh.add(s, x + m + ".weight_blocks", "U8", {rows, cols / 32, 16}, blocks);
+        sh.add(s, x + m + ".weight_scales", "U8", {rows, cols / 32}, scales);
       }
     }
     for (const char* x : {"gate_proj", "up_proj"})
-      add(s, p + "mlp.shared_experts." + x + ".weight", "BF16", {IM, H}, w);
-    add(s, p + "mlp.shared_experts.down_proj.weight", "BF16", {H, IM}, w);
+      sh.add(s, p + "mlp.shared_experts." + x + ".weight", "BF16", {IM, H}, w);
+    sh.add(s, p + "mlp.shared_experts.down_proj.weight", "BF16", {H, IM}, w);
   }
-  shards.emplace_back();
-  add(shards.back(), "model.norm.weight", "BF16", {H}, one);
-  add(shards.back(), "lm_head.weight", "BF16", {V, H}, w);
-  write_shards(dir, shards);
+  sh.list.emplace_back();
+  sh.add(sh.list.back(), "model.norm.weight", "BF16", {H}, one);
+  sh.add(sh.list.back(), "lm_head.weight", "BF16", {V, H}, w);
+  write_shards(dir, sh.list);
 }
 
 // The shards' files (model-0000i-of-0000n.safetensors) and the index, filled by every core.
