@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "cuda/embed.h"
+#include "cuda/mla_sparse.h"
 #include "cuda/norm.h"
 #include "cuda/router.h"
 #include "runtime/cuda/cuda_check.h"
@@ -126,6 +127,29 @@ void CudaModelCore::mlp(const DevMlp& f, const uint16_t* xb, int T, int H, float
   gemm_->run(xb, f.gate_up.get(), nullptr, h, T, 2 * I, H, 0.f, s);
   cuda::silu_mul(h, T, I, int64_t(2) * I, hb, s, limit);
   gemm_->run(hb, f.down.get(), nullptr, x, T, H, I, 1.f, s);  // x += down(act)
+}
+
+void CudaModelCore::mla_attend(const cpu::MlaDims& d, int T, const float* qa, const int32_t* sel,
+                               const int64_t* n_visible, int topk, const uint8_t* const* const* pages,
+                               uint32_t page_tokens, size_t stride, float* out, cuda::DeviceArray<uint16_t>& qab,
+                               cuda::DeviceArray<uint8_t>& scratch, cudaStream_t s) {
+  if (d.rank == cuda::kMlaRank && d.rope == cuda::kMlaRope && d.n_heads % 16 == 0) {
+    const size_t n = size_t(T) * d.n_heads * (d.rank + d.rope);
+    uint16_t* qb = room(qab, n, "absorbed q bf16");
+    cuda::to_bf16(qa, qb, n, s);
+    cuda::SparseMlaDecode a;
+    a.batch = T, a.n_heads = d.n_heads, a.scale = d.scale, a.q = qb, a.sel = sel, a.n_visible = n_visible;
+    a.topk = topk, a.pages = pages, a.page_tokens = page_tokens, a.stride = stride, a.offset = 0, a.out = out;
+    const int splits = cuda::sparse_mla_splits(a, sms_);
+    const size_t sb = cuda::sparse_mla_scratch_bytes(a, splits);
+    cuda::sparse_mla_decode(a, splits, room(scratch, sb, "sparse MLA partials"), sb, s);
+    return;
+  }
+  cuda::SparseMlaGeneric a;
+  a.n_q = T, a.n_heads = d.n_heads, a.rank = d.rank, a.rope = d.rope, a.scale = d.scale, a.q = qa, a.sel = sel;
+  a.n_visible = n_visible, a.topk = topk, a.pages = pages, a.page_tokens = page_tokens, a.stride = stride;
+  a.offset = 0, a.out = out;
+  cuda::sparse_mla_generic(a, s);
 }
 
 void CudaModelCore::logits(const float* x, const int32_t* rows, int n, int H, int V, float eps, uint16_t* xb,

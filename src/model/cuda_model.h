@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/mla.h"
 #include "cuda/bf16_gemm.h"
 #include "cuda/moe.h"
 #include "model/family.h"
@@ -109,6 +110,14 @@ class CudaModelCore {
   void logits_collect(int n, int V, const std::vector<float*>& host_dst, const std::vector<int32_t*>& argmax_dst,
                       cudaStream_t s);
 
+  // Absorbed MLA attention of T rows over their sequences' cached latents (bf16 [c_kv | k_rope] at the start of
+  // each `stride`-byte record, `pages` a page table a row): qa [T, heads, rank + rope] fp32 (W_UK^T q_nope, then
+  // the roped q_rope) -> out [T, heads, rank] fp32. sel [T, topk] picks each row's positions; null: row t attends
+  // its first n_visible[t], topk their maximum. The tensor-core kernel at 512 + 64 with heads in 16s (qa rounded
+  // to BF16 in qab), else the generic one; qab and scratch grow as room().
+  void mla_attend(const cpu::MlaDims& d, int T, const float* qa, const int32_t* sel, const int64_t* n_visible, int topk,
+                  const uint8_t* const* const* pages, uint32_t page_tokens, size_t stride, float* out,
+                  cuda::DeviceArray<uint16_t>& qab, cuda::DeviceArray<uint8_t>& scratch, cudaStream_t s);
   // A pass after its metadata upload: `layers(capturing)` enqueues its launches up to the hidden states x [*, H]
   // of its logit rows `rows` (device, n of them; see logits for ddst, host_dst and argmax_dst), then the logits.
   // A decode step (n <= kLogitRows) runs as a CUDA graph under its key (GraphCache::run), other passes eagerly;

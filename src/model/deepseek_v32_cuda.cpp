@@ -316,8 +316,6 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
   float* olat = room(olat_, TS * NH * mla_.rank, "attended latent");
   uint16_t* att = room(att_, TS * NH * mla_.v, "attention out");
   int32_t* sel = room(sel_, TS * K, "selection");
-  const bool tensor_mla = mla_.rank == cuda::kMlaRank && mla_.rope == cuda::kMlaRope && NH % 16 == 0;
-  uint16_t* qab = tensor_mla ? room(qab_, TS * NH * KVA, "absorbed q bf16") : nullptr;
   int32_t* ids = nullptr;
   float *rlog = nullptr, *gw = nullptr;
   if (moe_) {
@@ -368,22 +366,8 @@ void DeepseekV32Cuda::pass(std::span<ForwardItem> batch, const BatchRows& flat, 
       cuda::indexer_select(lq, idx_scratch, idx_bytes, qblock, s);
 
       cuda::mla_absorb_q(q, T, NH, mla_.nope, mla_.rope, mla_.v, mla_.rank, D.kv_b.get(), qa, s);
-      if (tensor_mla) {
-        cuda::to_bf16(qa, qab, TS * NH * KVA, s);
-        cuda::SparseMlaDecode a;
-        a.batch = T, a.n_heads = NH, a.scale = mla_.scale, a.q = qab, a.sel = sel, a.topk = K;
-        a.pages = row_tables + size_t(li) * T, a.page_tokens = arena.page_tokens(), a.stride = stride_;
-        a.offset = 0, a.out = olat;
-        const int splits = cuda::sparse_mla_splits(a, core_->sms());
-        const size_t sb = cuda::sparse_mla_scratch_bytes(a, splits);
-        cuda::sparse_mla_decode(a, splits, room(mla_scratch_, sb, "sparse MLA partials"), sb, s);
-      } else {
-        cuda::SparseMlaGeneric a;
-        a.n_q = T, a.n_heads = NH, a.rank = mla_.rank, a.rope = mla_.rope, a.scale = mla_.scale, a.q = qa;
-        a.sel = sel, a.topk = K, a.pages = row_tables + size_t(li) * T, a.page_tokens = arena.page_tokens();
-        a.stride = stride_, a.offset = 0, a.out = olat;
-        cuda::sparse_mla_generic(a, s);
-      }
+      core_->mla_attend(mla_, T, qa, sel, nullptr, K, row_tables + size_t(li) * T, arena.page_tokens(), stride_, olat,
+                        qab_, mla_scratch_, s);
       cuda::mla_out_proj(olat, T, NH, mla_.nope, mla_.v, mla_.rank, D.kv_b.get(), att, s);
       core_->gemm().run(att, D.o.get(), D.o_b.get(), x, T, H, NH * mla_.v, 1.f, s);  // x += o_proj(att)
 

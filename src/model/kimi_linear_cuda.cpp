@@ -315,24 +315,8 @@ void KimiLinearCuda::mla_layer(const DevLayer& D, int T, const int64_t* row_off,
   rs.kv_layer = kv_layer, rs.row_off = row_off;
   cuda::mla_rope_store(rs, s);
   cuda::mla_absorb_q(q, T, NH, mla_.nope, mla_.rope, mla_.v, mla_.rank, D.kv_b.get(), qa, s);
-  const bool tensor_mla = mla_.rank == cuda::kMlaRank && mla_.rope == cuda::kMlaRope && NH % 16 == 0;
-  if (tensor_mla) {
-    uint16_t* qab = room(qab_, size_t(T) * NH * KVA, "absorbed q bf16");
-    cuda::to_bf16(qa, qab, size_t(T) * NH * KVA, s);
-    cuda::SparseMlaDecode a;
-    a.batch = T, a.n_heads = NH, a.scale = mla_.scale, a.q = qab, a.sel = nullptr, a.n_visible = n_vis;
-    a.topk = int(max_vis), a.pages = pages, a.page_tokens = page_tokens, a.stride = stride_, a.offset = 0;
-    a.out = olat;
-    const int splits = cuda::sparse_mla_splits(a, core_->sms());
-    const size_t sb = cuda::sparse_mla_scratch_bytes(a, splits);
-    cuda::sparse_mla_decode(a, splits, room(mla_scratch_, sb, "MLA partials"), sb, s);
-  } else {
-    cuda::SparseMlaGeneric a;
-    a.n_q = T, a.n_heads = NH, a.rank = mla_.rank, a.rope = mla_.rope, a.scale = mla_.scale, a.q = qa;
-    a.sel = nullptr, a.n_visible = n_vis, a.topk = int(max_vis), a.pages = pages, a.page_tokens = page_tokens;
-    a.stride = stride_, a.offset = 0, a.out = olat;
-    cuda::sparse_mla_generic(a, s);
-  }
+  core_->mla_attend(mla_, T, qa, nullptr, n_vis, int(max_vis), pages, page_tokens, stride_, olat, qab_, mla_scratch_,
+                    s);
   cuda::mla_out_proj(olat, T, NH, mla_.nope, mla_.v, mla_.rank, D.kv_b.get(), att, s);
   core_->gemm().run(att, D.o.get(), nullptr, x_.get(), T, H, NH * mla_.v, 1.f, s);  // x += o_proj(att)
 }
