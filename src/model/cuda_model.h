@@ -98,7 +98,7 @@ class CudaModelCore {
   // x [T, H] += down(silu(gate(xb)) * up(xb)), xb [T, H] bf16; limit > 0 clamps the SwiGLU (silu_mul's).
   void mlp(const DevMlp& f, const uint16_t* xb, int T, int H, float* x, cudaStream_t s, float limit = 0);
   // The logit rows `rows` (device, n of them) of the residual stream x [*, H]: final RMSNorm, lm_head,
-  // then per row its argmax / device copy / host copy (LogitStaging::deliver: ddst a device array of n
+  // then per row its argmax / device copy / host copy (LogitStaging::stage / collect: ddst a device array of n
   // pointers, host_dst and argmax_dst n entries), kLogitRows at a time. xb: bf16 scratch of kLogitRows x H.
   void logits(const float* x, const int32_t* rows, int n, int H, int V, float eps, uint16_t* xb, float* const* ddst,
               const std::vector<float*>& host_dst, const std::vector<int32_t*>& argmax_dst, cudaStream_t s);

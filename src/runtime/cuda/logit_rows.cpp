@@ -63,12 +63,6 @@ LogitStaging::~LogitStaging() {
   if (sample_host_) cudaFreeHost(sample_host_);
 }
 
-void LogitStaging::deliver(const float* logits, int nc, int V, float* const* ddst, const std::vector<float*>& host_dst,
-                           const std::vector<int32_t*>& argmax_dst, cudaStream_t s) {
-  stage(logits, nc, V, ddst, s);
-  collect(logits, nc, V, host_dst, argmax_dst, s);
-}
-
 void LogitStaging::stage(const float* logits, int nc, int V, float* const* ddst, cudaStream_t s) {
   check(nc >= 0 && nc <= rows_, DZ_ERR_INTERNAL, "logit rows: ", nc, " rows, staging for ", rows_);
   if (nc == 0) return;

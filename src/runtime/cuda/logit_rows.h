@@ -34,13 +34,10 @@ class LogitStaging {
   // Rows [0, nc) of `logits` (device, V floats apart, nc <= rows()): each
   // row's argmax into *argmax_dst[i] and its copy into the device row
   // ddst[i] (a device array of nc pointers) where those are not null, and
-  // into the host row host_dst[i] where not null. Synchronises s.
-  void deliver(const float* logits, int nc, int V, float* const* ddst, const std::vector<float*>& host_dst,
-               const std::vector<int32_t*>& argmax_dst, cudaStream_t s);
-  // deliver in two halves, so that the first can be part of a CUDA graph:
-  // stage enqueues the device rows and the argmaxes' copy to pinned memory
-  // (no host synchronisation); collect then copies the host rows, synchronises
-  // s and writes the argmaxes.
+  // into the host row host_dst[i] where not null. In two halves, so that the
+  // first can be part of a CUDA graph: stage enqueues the device rows and the
+  // argmaxes' copy to pinned memory (no host synchronisation); collect then
+  // copies the host rows, synchronises s and writes the argmaxes.
   void stage(const float* logits, int nc, int V, float* const* ddst, cudaStream_t s);
   void collect(const float* logits, int nc, int V, const std::vector<float*>& host_dst,
                const std::vector<int32_t*>& argmax_dst, cudaStream_t s);
