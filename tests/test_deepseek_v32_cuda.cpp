@@ -315,19 +315,10 @@ TEST_CASE("deepseek_v32 on the GPU at DeepSeek's latent shape (tensor-core spars
 TEST_CASE("deepseek_v32 on the GPU: decode steps as CUDA graphs equal eager steps bitwise and match the CPU",
           "[cuda]") {
   if (!have_gpu()) return;
-  const std::string dir = std::string(DZ_SOURCE_DIR) + "/models/dayzero-tiny";
-  for (const int batch : {1, 3}) {
-    const dz::test::GraphDecode r = dz::test::graph_decode_check(dir, fp8_indexer, batch, 150);
-    WARN("deepseek_v32 " << r.summary());
-    CHECK(r.mismatched == 0);
-    CHECK(r.greedy_bad == 0);
-    // Every step replays a graph but the first of each key (eager, setting up plans and scratch) and the one after
-    // a scratch buffer grew: a handful of keys over these steps.
-    CHECK(r.replays >= uint64_t(r.steps - 16));
-    CHECK(r.replays <= uint64_t(r.steps));
-    // Against the CPU, a guard: forced tokens out of the model's distribution meet routing and indexer near-ties
-    // (an H200 saw 12 of 450 rows below 0.999 at batch 3, median 0.999995).
-    CHECK(r.median() > 0.9995);
-    CHECK(r.below(0.999) * 10 <= r.vs_cpu.size());
-  }
+  // Steps not replayed: the first of each key (eager, setting up plans and scratch) and the one after a scratch
+  // buffer grew, a handful of keys over these steps. Against the CPU, forced tokens out of the model's
+  // distribution meet routing and indexer near-ties (an H200 saw 12 of 450 rows below 0.999 at batch 3, median
+  // 0.999995).
+  dz::test::expect_graph_decode("deepseek_v32", std::string(DZ_SOURCE_DIR) + "/models/dayzero-tiny", fp8_indexer, 16,
+                                0.9995);
 }

@@ -418,19 +418,8 @@ TEST_CASE(
 TEST_CASE("deepseek_v4 on the GPU: decode steps as CUDA graphs equal eager steps bitwise and match the CPU",
           "[cuda][deepseek_v4]") {
   if (!have_gpu()) return;
-  for (const int batch : {1, 3}) {
-    const dz::test::GraphDecode r =
-        dz::test::graph_decode_check(std::string(DZ_TEST_DATA) + "/" + kName, nullptr, batch, 150);
-    WARN("deepseek_v4 " << r.summary());
-    CHECK(r.mismatched == 0);
-    CHECK(r.greedy_bad == 0);
-    // Keys: the padded page count, the visible entries' buckets and whether a step closes a window.
-    CHECK(r.replays >= uint64_t(r.steps - 40));
-    CHECK(r.replays <= uint64_t(r.steps));
-    // Against the CPU, a guard: on the random fixture a flipped route or pick leaves its trace in the session's
-    // windows and entries for the steps after it (an H200 saw 40 of 450 rows below 0.999 at batch 3, median
-    // 0.99998).
-    CHECK(r.median() > 0.999);
-    CHECK(r.below(0.999) * 10 <= r.vs_cpu.size());
-  }
+  // Keys: the padded page count, the visible entries' buckets and whether a step closes a window. Against the CPU,
+  // on the random fixture a flipped route or pick leaves its trace in the session's windows and entries for the
+  // steps after it (an H200 saw 40 of 450 rows below 0.999 at batch 3, median 0.99998).
+  dz::test::expect_graph_decode("deepseek_v4", std::string(DZ_TEST_DATA) + "/" + kName, nullptr, 40, 0.999);
 }

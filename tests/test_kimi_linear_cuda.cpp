@@ -312,17 +312,7 @@ TEST_CASE(
 TEST_CASE("kimi_linear on the GPU: decode steps as CUDA graphs equal eager steps bitwise and match the CPU",
           "[cuda][kimi]") {
   if (!have_gpu()) return;
-  for (const int batch : {1, 3}) {
-    const dz::test::GraphDecode r =
-        dz::test::graph_decode_check(std::string(DZ_TEST_DATA) + "/" + kName, nullptr, batch, 150);
-    WARN("kimi_linear " << r.summary());
-    CHECK(r.mismatched == 0);
-    CHECK(r.greedy_bad == 0);
-    CHECK(r.replays >= uint64_t(r.steps - 16));
-    CHECK(r.replays <= uint64_t(r.steps));
-    // Against the CPU, a guard: on the random fixture a flipped route leaves its trace in the session's KDA state
-    // and latents for the steps after it (an H200 saw 36 of 450 rows below 0.999 at batch 3, median 0.99995).
-    CHECK(r.median() > 0.999);
-    CHECK(r.below(0.999) * 10 <= r.vs_cpu.size());
-  }
+  // Against the CPU, on the random fixture a flipped route leaves its trace in the session's KDA state and latents
+  // for the steps after it (an H200 saw 36 of 450 rows below 0.999 at batch 3, median 0.99995).
+  dz::test::expect_graph_decode("kimi_linear", std::string(DZ_TEST_DATA) + "/" + kName, nullptr, 16, 0.999);
 }

@@ -235,4 +235,22 @@ inline GraphDecode graph_decode_check(const std::string& dir, void (*cpu_tweak)(
   return r;
 }
 
+// graph_decode_check at batch 1 and 3, 150 steps each, held to what every family must meet: every logits row of a
+// replay bitwise equal to the eager step's, every device greedy sample its row's argmax, at most `eager_steps`
+// steps not replayed (a key's first step runs eagerly), and against the CPU a guard: the median cosine above
+// `median` and at most 10% of rows below 0.999. Each step's summary goes out as a warning naming `family`.
+inline void expect_graph_decode(const char* family, const std::string& dir, void (*cpu_tweak)(dz_model_params&),
+                                int eager_steps, double median) {
+  for (const int batch : {1, 3}) {
+    const GraphDecode r = graph_decode_check(dir, cpu_tweak, batch, 150);
+    WARN(family << " " << r.summary());
+    CHECK(r.mismatched == 0);
+    CHECK(r.greedy_bad == 0);
+    CHECK(r.replays >= uint64_t(r.steps - eager_steps));
+    CHECK(r.replays <= uint64_t(r.steps));
+    CHECK(r.median() > median);
+    CHECK(r.below(0.999) * 10 <= r.vs_cpu.size());
+  }
+}
+
 }  // namespace dz::test
